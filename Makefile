@@ -1,0 +1,27 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both go through
+# scripts/kvtier.sh, which installs missing Debian packages, configures and
+# builds first.
+.PHONY: demo test build deps bench asan clean
+
+demo:
+	scripts/kvtier.sh demo
+
+test:
+	scripts/kvtier.sh test
+
+build:
+	scripts/kvtier.sh build
+
+deps:
+	scripts/kvtier.sh deps
+
+# The store benchmark; writes docs-ready CSV to build/bench-store.csv.
+bench: build
+	build/bench/kvtier-bench store --csv build/bench-store.csv
+
+# The test suite under AddressSanitizer + UBSan, in its own build tree.
+asan:
+	BUILD_DIR=build-asan KVTIER_SANITIZE=address KVTIER_CUDA=OFF scripts/kvtier.sh test
+
+clean:
+	rm -rf build build-asan

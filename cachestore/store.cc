@@ -1,0 +1,803 @@
+#include "cachestore/store.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "base/log.h"
+#include "base/status_macros.h"
+#include "cachestore/keys.h"
+#include "cachestore/names.h"
+#include "kernels/crc32c.h"
+#include "kernels/encoded_tensor.h"
+#include "kvtier/internal/records.pb.h"
+#include "rocksdb/db.h"
+#include "rocksdb/options.h"
+#include "rocksdb/write_batch.h"
+
+// Lock order: Store::mu_, then QuotaManager's mutex. RocksDB is never called
+// with mu_ held.
+
+namespace kvtier::cachestore {
+namespace {
+
+absl::Status FromRocks(const rocksdb::Status& s, absl::string_view what) {
+  if (s.ok()) return absl::OkStatus();
+  if (s.IsNotFound()) return absl::NotFoundError(absl::StrCat(what, ": not found"));
+  if (s.IsCorruption()) return absl::DataLossError(absl::StrCat(what, ": ", s.ToString()));
+  return absl::InternalError(absl::StrCat(what, ": ", s.ToString()));
+}
+
+absl::Status NoSession(const std::string& session) {
+  return absl::NotFoundError(absl::StrCat("session '", session, "' not found"));
+}
+
+}  // namespace
+
+const char* SegmentStateName(SegmentState s) {
+  switch (s) {
+    case SegmentState::kWriting:
+      return "writing";
+    case SegmentState::kSealed:
+      return "sealed";
+    case SegmentState::kSpilled:
+      return "spilled";
+    case SegmentState::kDropped:
+      return "dropped";
+  }
+  return "unknown";
+}
+
+// ---- WriteTicket ----
+
+WriteTicket::WriteTicket(WriteTicket&& o) noexcept { *this = std::move(o); }
+
+WriteTicket& WriteTicket::operator=(WriteTicket&& o) noexcept {
+  if (this != &o) {
+    if (store_ != nullptr) store_->AbortWrite(spec_, write_id_);
+    store_ = o.store_;
+    spec_ = std::move(o.spec_);
+    write_id_ = o.write_id_;
+    grant_ = std::move(o.grant_);
+    o.store_ = nullptr;
+  }
+  return *this;
+}
+
+WriteTicket::~WriteTicket() {
+  if (store_ != nullptr) store_->AbortWrite(spec_, write_id_);
+}
+
+// ---- Open and recovery ----
+
+Store::Store(StoreOptions options, QuotaManager* quotas, std::unique_ptr<rocksdb::DB> db)
+    : options_(std::move(options)), quotas_(quotas), db_(std::move(db)) {}
+
+Store::~Store() = default;
+
+absl::StatusOr<std::unique_ptr<Store>> Store::Open(StoreOptions options, QuotaManager* quotas) {
+  if (options.path.empty()) return absl::InvalidArgumentError("StoreOptions.path is empty");
+  if (quotas == nullptr) return absl::InvalidArgumentError("a QuotaManager is required");
+  if (options.clock == nullptr) return absl::InvalidArgumentError("StoreOptions.clock is null");
+  if (options.max_segment_bytes == 0 || options.max_segment_bytes > (uint64_t{1} << 31)) {
+    return absl::InvalidArgumentError("max_segment_bytes must be in [1, 2 GiB]");
+  }
+  rocksdb::Options ro;
+  ro.create_if_missing = true;
+  // Segments are large and immutable: keep them in blob files so compaction
+  // moves only the small index records.
+  ro.enable_blob_files = true;
+  ro.min_blob_size = 4096;
+  ro.blob_file_size = uint64_t{256} << 20;
+  ro.enable_blob_garbage_collection = true;
+  ro.write_buffer_size = uint64_t{64} << 20;
+  ro.max_total_wal_size = uint64_t{512} << 20;
+  ro.IncreaseParallelism(2);
+  if (options.env != nullptr) ro.env = options.env;
+  rocksdb::DB* raw = nullptr;
+  rocksdb::Status s = rocksdb::DB::Open(ro, options.path, &raw);
+  if (!s.ok()) {
+    return absl::InternalError(absl::StrCat("cannot open RocksDB at ", options.path, ": ",
+                                            s.ToString()));
+  }
+  std::unique_ptr<Store> store(new Store(std::move(options), quotas,
+                                         std::unique_ptr<rocksdb::DB>(raw)));
+  KVT_RETURN_IF_ERROR(store->Recover());
+  return store;
+}
+
+absl::Status Store::Recover() {
+  absl::MutexLock lock(&mu_);
+  const int64_t now = options_.clock->NowUnixMs();
+  auto session_for = [&](const ParsedKey& k) -> SessionEntry& {
+    SessionEntry& s = sessions_[SessionKey(k.tenant, k.session)];
+    if (s.tenant.empty()) {
+      s.tenant = k.tenant;
+      s.session = k.session;
+      s.ttl_seconds = options_.default_ttl_seconds;
+      s.last_access_ms = now;
+    }
+    return s;
+  };
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  // Payload keys ('d') are skipped: recovery reads only the small records.
+  for (char kind : {'i', 'm', 'r', 'c'}) {
+    for (it->Seek(std::string(1, kind)); it->Valid() && it->key()[0] == kind; it->Next()) {
+      std::optional<ParsedKey> k = ParseDbKey(it->key().ToStringView());
+      if (!k.has_value()) {
+        LogWarn("recovery: skipping malformed key", {{"kind", std::string(1, kind)}});
+        continue;
+      }
+      if (kind == 'i') {
+        internal::SegmentRecord rec;
+        if (!rec.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) {
+          return absl::DataLossError("recovery: unreadable segment record");
+        }
+        SessionEntry& s = session_for(*k);
+        RoundEntry& r = s.rounds[k->round];
+        SegmentEntry& e = r.segments[k->segment];
+        e.info.id = {k->round, k->segment};
+        e.info.layer_begin = rec.layer_begin();
+        e.info.layer_end = rec.layer_end();
+        e.info.payload_bytes = rec.payload_bytes();
+        e.info.payload_crc32c = rec.payload_crc32c();
+        e.info.state = SegmentState::kSpilled;
+        e.insert_seq = next_seq_++;
+        e.last_access_seq = e.insert_seq;
+        if (r.insert_seq == 0) r.insert_seq = e.insert_seq;
+        disk_bytes_ += rec.payload_bytes();
+        ++disk_segments_;
+        quotas_->Charge(k->tenant, rec.payload_bytes());
+      } else {
+        auto found = sessions_.find(SessionKey(k->tenant, k->session));
+        if (kind != 'm' && found == sessions_.end()) continue;  // Orphan of a dropped round.
+        SessionEntry& s = session_for(*k);
+        if (kind == 'm') {
+          internal::SessionRecord rec;
+          if (rec.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) {
+            s.pinned = rec.pinned();
+            s.ttl_seconds = rec.ttl_seconds();
+            s.persisted = true;
+          }
+          continue;
+        }
+        auto r = s.rounds.find(k->round);
+        if (r == s.rounds.end()) continue;
+        if (kind == 'r') {
+          internal::RoundRecord rec;
+          if (rec.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) {
+            r->second.summary = rec.summary();
+            r->second.has_summary = true;
+          }
+        } else {
+          internal::RecallRecord rec;
+          if (rec.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) {
+            r->second.recall_count = rec.recall_count();
+            r->second.last_recall_ms = rec.last_recall_unix_ms();
+          }
+        }
+      }
+    }
+  }
+  KVT_RETURN_IF_ERROR(FromRocks(it->status(), "recovery scan"));
+  LogInfo("store recovered", {{"path", options_.path},
+                              {"sessions", sessions_.size()},
+                              {"segments", disk_segments_},
+                              {"bytes", disk_bytes_}});
+  return absl::OkStatus();
+}
+
+// ---- Writes ----
+
+Store::SessionEntry* Store::FindSessionLocked(const std::string& key) {
+  auto it = sessions_.find(key);
+  return it == sessions_.end() ? nullptr : &it->second;
+}
+
+absl::StatusOr<WriteTicket> Store::BeginWrite(const WriteSpec& spec) {
+  KVT_RETURN_IF_ERROR(ValidateName("tenant", spec.tenant));
+  KVT_RETURN_IF_ERROR(ValidateName("session_id", spec.session));
+  if (spec.id.round > kMaxRound) return absl::InvalidArgumentError("round out of range");
+  if (spec.id.segment >= kMaxSegmentsPerRound) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("segment must be below ", kMaxSegmentsPerRound, ", got ", spec.id.segment));
+  }
+  if (spec.layer_begin >= spec.layer_end || spec.layer_end > kMaxLayers) {
+    return absl::InvalidArgumentError(absl::StrCat("bad layer range [", spec.layer_begin, ", ",
+                                                   spec.layer_end, ")"));
+  }
+  if (spec.payload_bytes == 0 || spec.payload_bytes > options_.max_segment_bytes) {
+    return absl::OutOfRangeError(absl::StrCat("payload_bytes ", spec.payload_bytes,
+                                              " outside [1, ", options_.max_segment_bytes, "]"));
+  }
+  WriteTicket ticket;
+  std::vector<Removal> removals;
+  {
+    absl::MutexLock lock(&mu_);
+    const std::string key = SessionKey(spec.tenant, spec.session);
+    SessionEntry* s = FindSessionLocked(key);
+    if (s != nullptr) {
+      auto r = s->rounds.find(spec.id.round);
+      if (r != s->rounds.end() && r->second.segments.count(spec.id.segment) != 0) {
+        return absl::AlreadyExistsError(absl::StrCat("round ", spec.id.round, " segment ",
+                                                     spec.id.segment, " already exists"));
+      }
+    }
+    KVT_ASSIGN_OR_RETURN(QuotaGrant grant, quotas_->Reserve(spec.tenant, spec.payload_bytes));
+    if (options_.disk_budget_bytes != 0 &&
+        disk_bytes_ + disk_reserved_ + spec.payload_bytes > options_.disk_budget_bytes) {
+      KVT_RETURN_IF_ERROR(MakeDiskRoomLocked(
+          disk_bytes_ + disk_reserved_ + spec.payload_bytes - options_.disk_budget_bytes, key,
+          &removals));
+    }
+    if (s == nullptr) {
+      s = &sessions_[key];
+      s->tenant = spec.tenant;
+      s->session = spec.session;
+      s->ttl_seconds = spec.session_ttl_seconds != 0 ? spec.session_ttl_seconds
+                                                     : options_.default_ttl_seconds;
+    }
+    s->last_access_ms = options_.clock->NowUnixMs();
+    RoundEntry& r = s->rounds[spec.id.round];
+    if (r.insert_seq == 0) r.insert_seq = next_seq_++;
+    SegmentEntry& e = r.segments[spec.id.segment];
+    e.info.id = spec.id;
+    e.info.layer_begin = spec.layer_begin;
+    e.info.layer_end = spec.layer_end;
+    e.info.payload_bytes = spec.payload_bytes;
+    e.info.payload_crc32c = spec.payload_crc32c;
+    e.info.state = SegmentState::kWriting;
+    e.write_id = next_seq_++;
+    disk_reserved_ += spec.payload_bytes;
+    ticket.store_ = this;
+    ticket.spec_ = spec;
+    ticket.write_id_ = e.write_id;
+    ticket.grant_ = std::move(grant);
+  }
+  if (absl::Status st = ApplyRemovals(removals); !st.ok()) {
+    LogError("dropping rounds under disk pressure failed", {{"error", st.ToString()}});
+  }
+  return ticket;
+}
+
+void Store::AbortWrite(const WriteSpec& spec, uint64_t write_id) {
+  absl::MutexLock lock(&mu_);
+  const std::string key = SessionKey(spec.tenant, spec.session);
+  SessionEntry* s = FindSessionLocked(key);
+  if (s == nullptr) return;
+  auto r = s->rounds.find(spec.id.round);
+  if (r == s->rounds.end()) return;
+  auto e = r->second.segments.find(spec.id.segment);
+  if (e == r->second.segments.end() || e->second.write_id != write_id) return;
+  disk_reserved_ -= e->second.info.payload_bytes;
+  r->second.segments.erase(e);
+  if (r->second.segments.empty()) s->rounds.erase(r);
+  if (s->rounds.empty() && !s->persisted && !s->pinned) sessions_.erase(key);
+}
+
+absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string payload) {
+  if (!ticket.valid()) return absl::FailedPreconditionError("empty write ticket");
+  const WriteSpec& spec = ticket.spec_;
+  if (payload.size() != spec.payload_bytes) {
+    return absl::OutOfRangeError(absl::StrCat("payload has ", payload.size(),
+                                              " bytes, header declared ", spec.payload_bytes));
+  }
+  if (Crc32c(payload) != spec.payload_crc32c) {
+    return absl::DataLossError("payload crc32c does not match the header");
+  }
+  KVT_RETURN_IF_ERROR(ParseAndValidatePayload(payload).status());
+
+  const std::string key = SessionKey(spec.tenant, spec.session);
+  bool write_session_record = false;
+  bool write_round_record = false;
+  uint32_t ttl = 0;
+  bool pinned = false;
+  {
+    absl::MutexLock lock(&mu_);
+    SessionEntry* s = FindSessionLocked(key);
+    if (s == nullptr) return absl::AbortedError("session deleted during upload");
+    RoundEntry& r = s->rounds[spec.id.round];
+    auto e = r.segments.find(spec.id.segment);
+    if (e == r.segments.end() || e->second.write_id != ticket.write_id_ || e->second.cancelled) {
+      return absl::AbortedError("session or round deleted during upload");
+    }
+    write_session_record = !s->persisted;
+    ttl = s->ttl_seconds;
+    pinned = s->pinned;
+    if (spec.has_round_summary && !r.has_summary) {
+      write_round_record = true;
+      r.has_summary = true;  // Claimed; reverted below on failure.
+      r.summary = spec.round_summary;
+    }
+  }
+
+  rocksdb::WriteBatch batch;
+  internal::SegmentRecord rec;
+  rec.set_layer_begin(spec.layer_begin);
+  rec.set_layer_end(spec.layer_end);
+  rec.set_payload_bytes(spec.payload_bytes);
+  rec.set_payload_crc32c(spec.payload_crc32c);
+  rec.set_written_unix_ms(options_.clock->NowUnixMs());
+  batch.Put(SegmentDbKey(KeyKind::kPayload, key, spec.id.round, spec.id.segment), payload);
+  batch.Put(SegmentDbKey(KeyKind::kSegment, key, spec.id.round, spec.id.segment),
+            rec.SerializeAsString());
+  if (write_round_record) {
+    internal::RoundRecord rr;
+    *rr.mutable_summary() = spec.round_summary;
+    batch.Put(RoundDbKey(KeyKind::kRound, key, spec.id.round), rr.SerializeAsString());
+  }
+  if (write_session_record) {
+    internal::SessionRecord sr;
+    sr.set_pinned(pinned);
+    sr.set_ttl_seconds(ttl);
+    batch.Put(SessionDbKey(key), sr.SerializeAsString());
+  }
+  rocksdb::WriteOptions wo;
+  wo.sync = options_.sync_writes;
+  absl::Status written = FromRocks(db_->Write(wo, &batch), "segment write");
+
+  Removal undo;
+  SegmentInfo info;
+  {
+    absl::MutexLock lock(&mu_);
+    SessionEntry* s = FindSessionLocked(key);
+    SegmentEntry* e = nullptr;
+    RoundEntry* r = nullptr;
+    if (s != nullptr) {
+      auto ri = s->rounds.find(spec.id.round);
+      if (ri != s->rounds.end()) {
+        r = &ri->second;
+        auto ei = r->segments.find(spec.id.segment);
+        if (ei != r->segments.end() && ei->second.write_id == ticket.write_id_) e = &ei->second;
+      }
+    }
+    if (!written.ok() || e == nullptr || e->cancelled) {
+      if (r != nullptr && write_round_record) r->has_summary = false;
+      if (written.ok()) {
+        // Deleted while we wrote: take our bytes back out of RocksDB.
+        undo.session_key = key;
+        undo.tenant = spec.tenant;
+        undo.rounds.push_back({spec.id.round, {spec.id.segment}});
+      }
+    } else {
+      if (write_session_record) s->persisted = true;
+      disk_reserved_ -= spec.payload_bytes;
+      disk_bytes_ += spec.payload_bytes;
+      ++disk_segments_;
+      e->write_id = 0;
+      e->insert_seq = next_seq_++;
+      e->last_access_seq = e->insert_seq;
+      const bool fits = spec.payload_bytes <= options_.ram_budget_bytes;
+      if (s->pinned || fits) SpillForRoomLocked(spec.payload_bytes);
+      if (s->pinned || (fits && ram_bytes_ + spec.payload_bytes <= options_.ram_budget_bytes)) {
+        e->ram = std::make_shared<const std::string>(std::move(payload));
+        e->info.state = SegmentState::kSealed;
+        ram_bytes_ += spec.payload_bytes;
+        ++ram_segments_;
+      } else {
+        e->info.state = SegmentState::kSpilled;
+      }
+      ticket.grant_.Commit();
+      ticket.store_ = nullptr;  // Finished: the ticket must not abort.
+      info = e->info;
+    }
+  }
+  if (!written.ok()) return written;  // The ticket's destructor aborts the write.
+  if (!undo.rounds.empty()) {
+    if (absl::Status st = ApplyRemovals({undo}); !st.ok()) {
+      LogError("undoing a cancelled write failed", {{"error", st.ToString()}});
+    }
+    return absl::AbortedError("session or round deleted during upload");
+  }
+  return info;
+}
+
+void Store::SpillForRoomLocked(uint64_t bytes_needed) {
+  if (ram_bytes_ + bytes_needed <= options_.ram_budget_bytes) return;
+  std::vector<SpillCandidate> cands;
+  std::vector<SegmentEntry*> entries;
+  for (auto& [k, s] : sessions_) {
+    if (s.pinned) continue;
+    for (auto& [rn, r] : s.rounds) {
+      for (auto& [sn, e] : r.segments) {
+        if (e.info.state != SegmentState::kSealed) continue;
+        cands.push_back({e.info.payload_bytes, e.insert_seq, e.last_access_seq, r.recall_count});
+        entries.push_back(&e);
+      }
+    }
+  }
+  const uint64_t excess = ram_bytes_ + bytes_needed - options_.ram_budget_bytes;
+  for (size_t i : PlanSpill(cands, excess, options_.spill_policy)) {
+    SegmentEntry& e = *entries[i];
+    e.ram.reset();
+    e.info.state = SegmentState::kSpilled;
+    e.disk_reads = 0;
+    ram_bytes_ -= e.info.payload_bytes;
+    --ram_segments_;
+    ++counters_.spills;
+  }
+}
+
+// ---- Removal ----
+
+uint64_t Store::RemoveRoundLocked(SessionEntry& s, uint32_t round, Removal* removal) {
+  auto ri = s.rounds.find(round);
+  if (ri == s.rounds.end()) return 0;
+  RoundEntry& r = ri->second;
+  uint64_t freed = 0;
+  std::vector<uint32_t> segs;
+  for (auto it = r.segments.begin(); it != r.segments.end();) {
+    SegmentEntry& e = it->second;
+    if (e.info.state == SegmentState::kWriting) {
+      e.cancelled = true;  // CommitWrite removes it and its bytes.
+      ++it;
+      continue;
+    }
+    if (e.info.state == SegmentState::kSealed) {
+      ram_bytes_ -= e.info.payload_bytes;
+      --ram_segments_;
+    }
+    disk_bytes_ -= e.info.payload_bytes;
+    --disk_segments_;
+    freed += e.info.payload_bytes;
+    segs.push_back(it->first);
+    it = r.segments.erase(it);
+  }
+  removal->rounds.push_back({round, std::move(segs)});
+  if (r.segments.empty()) s.rounds.erase(ri);
+  quotas_->Release(s.tenant, freed);
+  ++counters_.drops;
+  return freed;
+}
+
+absl::Status Store::MakeDiskRoomLocked(uint64_t bytes, const std::string& skip_session_key,
+                                       std::vector<Removal>* removals) {
+  struct Ref {
+    SessionEntry* s;
+    uint32_t round;
+  };
+  std::vector<DropCandidate> cands;
+  std::vector<Ref> refs;
+  for (auto& [k, s] : sessions_) {
+    if (s.pinned) continue;
+    for (auto& [rn, r] : s.rounds) {
+      uint64_t total = 0;
+      bool writing = false;
+      for (auto& [sn, e] : r.segments) {
+        writing |= e.info.state == SegmentState::kWriting;
+        total += e.info.payload_bytes;
+      }
+      if (writing || total == 0) continue;
+      cands.push_back({total, r.insert_seq, r.recall_count});
+      refs.push_back({&s, rn});
+    }
+  }
+  std::optional<std::vector<size_t>> plan = PlanDrop(cands, bytes);
+  if (!plan.has_value()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "disk budget of ", options_.disk_budget_bytes, " bytes is full and dropping every "
+        "unpinned round would not free ", bytes, " bytes"));
+  }
+  std::map<SessionEntry*, Removal> by_session;
+  for (size_t i : *plan) {
+    Removal& rm = by_session[refs[i].s];
+    rm.session_key = SessionKey(refs[i].s->tenant, refs[i].s->session);
+    rm.tenant = refs[i].s->tenant;
+    RemoveRoundLocked(*refs[i].s, refs[i].round, &rm);
+    ++counters_.pressure_drops;
+  }
+  for (auto& [s, rm] : by_session) {
+    LogInfo("dropped rounds under disk pressure",
+            {{"tenant", rm.tenant}, {"rounds", rm.rounds.size()}});
+    removals->push_back(std::move(rm));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Store::ApplyRemovals(const std::vector<Removal>& removals) {
+  if (removals.empty()) return absl::OkStatus();
+  rocksdb::WriteBatch batch;
+  for (const Removal& rm : removals) {
+    for (const auto& [round, segs] : rm.rounds) {
+      for (uint32_t seg : segs) {
+        batch.Delete(SegmentDbKey(KeyKind::kPayload, rm.session_key, round, seg));
+        batch.Delete(SegmentDbKey(KeyKind::kSegment, rm.session_key, round, seg));
+      }
+      batch.Delete(RoundDbKey(KeyKind::kRound, rm.session_key, round));
+      batch.Delete(RoundDbKey(KeyKind::kRecall, rm.session_key, round));
+    }
+    if (rm.whole_session) batch.Delete(SessionDbKey(rm.session_key));
+  }
+  rocksdb::WriteOptions wo;
+  wo.sync = options_.sync_writes;
+  return FromRocks(db_->Write(wo, &batch), "delete");
+}
+
+absl::StatusOr<Store::DropResult> Store::DropRounds(const std::string& tenant,
+                                                    const std::string& session,
+                                                    const std::vector<uint32_t>& rounds) {
+  KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
+  DropResult result;
+  Removal rm;
+  {
+    absl::MutexLock lock(&mu_);
+    rm.session_key = SessionKey(tenant, session);
+    rm.tenant = tenant;
+    SessionEntry* s = FindSessionLocked(rm.session_key);
+    if (s == nullptr) return NoSession(session);
+    for (uint32_t round : rounds) {
+      if (s->rounds.count(round) == 0) {
+        result.not_found.push_back(round);
+        continue;
+      }
+      result.freed_bytes += RemoveRoundLocked(*s, round, &rm);
+      result.dropped.push_back(round);
+    }
+  }
+  KVT_RETURN_IF_ERROR(ApplyRemovals({rm}));
+  return result;
+}
+
+absl::StatusOr<Store::DropResult> Store::DeleteSession(const std::string& tenant,
+                                                       const std::string& session) {
+  KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
+  DropResult result;
+  Removal rm;
+  {
+    absl::MutexLock lock(&mu_);
+    rm.session_key = SessionKey(tenant, session);
+    rm.tenant = tenant;
+    rm.whole_session = true;
+    SessionEntry* s = FindSessionLocked(rm.session_key);
+    if (s == nullptr) return NoSession(session);
+    std::vector<uint32_t> all;
+    for (auto& [rn, r] : s->rounds) all.push_back(rn);
+    for (uint32_t round : all) {
+      result.freed_bytes += RemoveRoundLocked(*s, round, &rm);
+      result.dropped.push_back(round);
+    }
+    if (s->rounds.empty()) {
+      sessions_.erase(rm.session_key);
+    } else {
+      // Uploads still running keep the entry until they abort.
+      s->pinned = false;
+      s->persisted = false;
+    }
+  }
+  KVT_RETURN_IF_ERROR(ApplyRemovals({rm}));
+  return result;
+}
+
+absl::Status Store::WriteSessionRecord(const std::string& session_key, bool pinned,
+                                       uint32_t ttl) {
+  internal::SessionRecord sr;
+  sr.set_pinned(pinned);
+  sr.set_ttl_seconds(ttl);
+  rocksdb::WriteOptions wo;
+  wo.sync = options_.sync_writes;
+  return FromRocks(db_->Put(wo, SessionDbKey(session_key), sr.SerializeAsString()),
+                   "session record write");
+}
+
+absl::Status Store::PinSession(const std::string& tenant, const std::string& session,
+                               bool pinned) {
+  KVT_RETURN_IF_ERROR(ValidateName("tenant", tenant));
+  KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
+  const std::string key = SessionKey(tenant, session);
+  uint32_t ttl;
+  {
+    absl::MutexLock lock(&mu_);
+    SessionEntry& s = sessions_[key];
+    if (s.tenant.empty()) {
+      s.tenant = tenant;
+      s.session = session;
+      s.ttl_seconds = options_.default_ttl_seconds;
+    }
+    s.pinned = pinned;
+    s.persisted = true;
+    s.last_access_ms = options_.clock->NowUnixMs();
+    ttl = s.ttl_seconds;
+  }
+  return WriteSessionRecord(key, pinned, ttl);
+}
+
+absl::StatusOr<int> Store::ExpireSessions() {
+  std::vector<Removal> removals;
+  {
+    absl::MutexLock lock(&mu_);
+    const int64_t now = options_.clock->NowUnixMs();
+    std::vector<std::string> expired;
+    for (auto& [key, s] : sessions_) {
+      if (s.pinned || s.ttl_seconds == 0) continue;
+      if (now - s.last_access_ms <= int64_t{s.ttl_seconds} * 1000) continue;
+      Removal rm;
+      rm.session_key = key;
+      rm.tenant = s.tenant;
+      rm.whole_session = true;
+      std::vector<uint32_t> all;
+      for (auto& [rn, r] : s.rounds) all.push_back(rn);
+      for (uint32_t round : all) RemoveRoundLocked(s, round, &rm);
+      if (s.rounds.empty()) expired.push_back(key);
+      removals.push_back(std::move(rm));
+      ++counters_.expired_sessions;
+      LogInfo("session expired", {{"tenant", s.tenant}, {"session", s.session}});
+    }
+    for (const std::string& key : expired) sessions_.erase(key);
+  }
+  KVT_RETURN_IF_ERROR(ApplyRemovals(removals));
+  return static_cast<int>(removals.size());
+}
+
+// ---- Reads ----
+
+absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& tenant,
+                                                            const std::string& session,
+                                                            const std::vector<SegmentId>& ids) {
+  KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
+  const std::string key = SessionKey(tenant, session);
+  std::vector<SegmentInfo> out;
+  rocksdb::WriteBatch counters;
+  {
+    absl::MutexLock lock(&mu_);
+    SessionEntry* s = FindSessionLocked(key);
+    if (s == nullptr) return NoSession(session);
+    for (const SegmentId& id : ids) {
+      auto r = s->rounds.find(id.round);
+      const SegmentEntry* e = nullptr;
+      if (r != s->rounds.end()) {
+        auto it = r->second.segments.find(id.segment);
+        if (it != r->second.segments.end() && it->second.info.state != SegmentState::kWriting) {
+          e = &it->second;
+        }
+      }
+      if (e == nullptr) {
+        return absl::NotFoundError(absl::StrCat("session '", session, "' has no round ", id.round,
+                                                " segment ", id.segment));
+      }
+    }
+    const int64_t now = options_.clock->NowUnixMs();
+    s->last_access_ms = now;
+    std::vector<uint32_t> bumped;
+    for (const SegmentId& id : ids) {
+      RoundEntry& r = s->rounds[id.round];
+      SegmentEntry& e = r.segments[id.segment];
+      ++e.info.recall_count;
+      e.last_access_seq = next_seq_++;
+      if (std::find(bumped.begin(), bumped.end(), id.round) == bumped.end()) {
+        bumped.push_back(id.round);
+        ++r.recall_count;
+        r.last_recall_ms = now;
+        internal::RecallRecord rec;
+        rec.set_recall_count(r.recall_count);
+        rec.set_last_recall_unix_ms(now);
+        counters.Put(RoundDbKey(KeyKind::kRecall, key, id.round), rec.SerializeAsString());
+      }
+      out.push_back(e.info);
+    }
+  }
+  // Counters are advisory: written without fsync, a failure only undercounts.
+  rocksdb::Status st = db_->Write(rocksdb::WriteOptions(), &counters);
+  if (!st.ok()) LogWarn("recall counter write failed", {{"error", st.ToString()}});
+  return out;
+}
+
+absl::StatusOr<ReadResult> Store::ReadSegment(const std::string& tenant,
+                                              const std::string& session, SegmentId id) {
+  const std::string key = SessionKey(tenant, session);
+  ReadResult result;
+  auto find = [&]() -> SegmentEntry* {
+    SessionEntry* s = FindSessionLocked(key);
+    if (s == nullptr) return nullptr;
+    auto r = s->rounds.find(id.round);
+    if (r == s->rounds.end()) return nullptr;
+    auto e = r->second.segments.find(id.segment);
+    if (e == r->second.segments.end() || e->second.info.state == SegmentState::kWriting) {
+      return nullptr;
+    }
+    return &e->second;
+  };
+  auto gone = [&] {
+    return absl::NotFoundError(
+        absl::StrCat("session '", session, "' round ", id.round, " segment ", id.segment,
+                     " is gone"));
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    SegmentEntry* e = find();
+    if (e == nullptr) return gone();
+    result.info = e->info;
+    if (e->info.state == SegmentState::kSealed) {
+      ++counters_.hits_ram;
+      result.payload = e->ram;
+      result.served_from = Tier::kRam;
+      return result;
+    }
+    ++counters_.hits_disk;
+  }
+  auto bytes = std::make_shared<std::string>();
+  rocksdb::Status st = db_->Get(rocksdb::ReadOptions(), db_->DefaultColumnFamily(),
+                                SegmentDbKey(KeyKind::kPayload, key, id.round, id.segment),
+                                bytes.get());
+  if (st.IsNotFound()) return gone();
+  KVT_RETURN_IF_ERROR(FromRocks(st, "segment read"));
+  if (bytes->size() != result.info.payload_bytes ||
+      Crc32c(*bytes) != result.info.payload_crc32c) {
+    LogError("stored segment failed its checksum",
+             {{"tenant", tenant}, {"session", session}, {"round", id.round}});
+    return absl::DataLossError("stored segment failed its checksum");
+  }
+  result.served_from = Tier::kDisk;
+  result.payload = bytes;
+  {
+    absl::MutexLock lock(&mu_);
+    SegmentEntry* e = find();
+    SessionEntry* s = FindSessionLocked(key);
+    if (e != nullptr && e->info.state == SegmentState::kSpilled) {
+      ++e->disk_reads;
+      const bool hot = s->pinned || (options_.promote_after_disk_reads != 0 &&
+                                     e->disk_reads >= options_.promote_after_disk_reads);
+      const uint64_t n = e->info.payload_bytes;
+      if (hot && (s->pinned || n <= options_.ram_budget_bytes)) {
+        SpillForRoomLocked(n);
+        if (s->pinned || ram_bytes_ + n <= options_.ram_budget_bytes) {
+          e->ram = result.payload;
+          e->info.state = SegmentState::kSealed;
+          ram_bytes_ += n;
+          ++ram_segments_;
+          ++counters_.promotions;
+        }
+      }
+    }
+  }
+  return result;
+}
+
+absl::StatusOr<SessionInfo> Store::ListRounds(const std::string& tenant,
+                                              const std::string& session) {
+  KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
+  absl::MutexLock lock(&mu_);
+  SessionEntry* s = FindSessionLocked(SessionKey(tenant, session));
+  if (s == nullptr) return NoSession(session);
+  s->last_access_ms = options_.clock->NowUnixMs();
+  SessionInfo info;
+  info.pinned = s->pinned;
+  info.ttl_seconds = s->ttl_seconds;
+  for (const auto& [rn, r] : s->rounds) {
+    RoundInfo ri;
+    ri.round = rn;
+    if (r.has_summary) ri.summary = r.summary;
+    uint64_t bytes = 0;
+    for (const auto& [sn, e] : r.segments) {
+      if (e.info.state == SegmentState::kWriting) continue;
+      ri.segments.push_back(e.info);
+      bytes += e.info.payload_bytes;
+    }
+    if (ri.segments.empty()) continue;
+    ri.summary.set_stored_bytes(bytes);
+    ri.summary.set_recall_count(r.recall_count);
+    ri.summary.set_last_recall_unix_ms(r.last_recall_ms);
+    info.rounds.push_back(std::move(ri));
+  }
+  return info;
+}
+
+StoreStats Store::Stats() const {
+  absl::MutexLock lock(&mu_);
+  StoreStats s = counters_;
+  s.ram_bytes = ram_bytes_;
+  s.ram_segments = ram_segments_;
+  s.disk_bytes = disk_bytes_;
+  s.disk_segments = disk_segments_;
+  s.ram_budget_bytes = options_.ram_budget_bytes;
+  s.disk_budget_bytes = options_.disk_budget_bytes;
+  s.sessions = sessions_.size();
+  return s;
+}
+
+uint64_t Store::TenantSessions(const std::string& tenant) const {
+  absl::MutexLock lock(&mu_);
+  uint64_t n = 0;
+  for (const auto& [k, s] : sessions_) n += s.tenant == tenant ? 1 : 0;
+  return n;
+}
+
+}  // namespace kvtier::cachestore

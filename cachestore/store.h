@@ -1,0 +1,305 @@
+// The round-granular KV store engine: tenant / session / round / segment
+// keys, a RAM tier with a byte budget over a RocksDB tier that holds every
+// acknowledged segment.
+//
+// Durability model: a segment is written to RocksDB (payload and index record
+// in one atomic WriteBatch, WAL fsync'd when StoreOptions::sync_writes) before
+// its write is acknowledged. The RAM tier is a hot copy of durable data, so
+// "spilling" a segment releases its RAM copy and costs no I/O, and a kill -9
+// loses nothing that was acknowledged.
+//
+// Segment lifecycle (SegmentState):
+//   kWriting --CommitWrite--> kSealed (in RAM and on disk)
+//   kWriting --CommitWrite--> kSpilled (too big for RAM, or RAM held by pins)
+//   kSealed  --spill-->       kSpilled (RAM copy released)
+//   kSpilled --promote-->     kSealed  (read often enough from disk)
+//   any      --drop/delete/expire--> kDropped (removed from the index)
+#ifndef KVTIER_CACHESTORE_STORE_H_
+#define KVTIER_CACHESTORE_STORE_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "base/clock.h"
+#include "cachestore/planner.h"
+#include "cachestore/quota.h"
+#include "kvtier/v1/tensor.pb.h"
+
+namespace rocksdb {
+class DB;
+class Env;
+}  // namespace rocksdb
+
+namespace kvtier::cachestore {
+
+enum class SegmentState { kWriting, kSealed, kSpilled, kDropped };
+enum class Tier { kRam, kDisk };
+
+const char* SegmentStateName(SegmentState s);
+
+struct StoreOptions {
+  // RocksDB directory. Created if missing. Required.
+  std::string path;
+  // Bytes of segment payload the RAM tier may hold. Pinned sessions may push
+  // it over. Default: 1 GiB.
+  uint64_t ram_budget_bytes = uint64_t{1} << 30;
+  // Bytes of segment payload the RocksDB tier may hold; 0 = unlimited. Under
+  // pressure, never-recalled rounds are dropped first. Default: 0.
+  uint64_t disk_budget_bytes = 0;
+  // Which RAM-resident segments to spill first. Default: kCounter.
+  SpillPolicy spill_policy = SpillPolicy::kCounter;
+  // fsync the WAL before acknowledging a write. Default: true.
+  bool sync_writes = true;
+  // A spilled segment read this many times from disk is promoted back into
+  // RAM. 0 = never promote. Default: 2.
+  uint32_t promote_after_disk_reads = 2;
+  // Largest accepted segment payload. Default: 256 MiB.
+  uint64_t max_segment_bytes = uint64_t{256} << 20;
+  // TTL of a session without its own; 0 = sessions never expire. Default: 0.
+  uint32_t default_ttl_seconds = 0;
+  // Time source. Default: the real clock. Not owned.
+  Clock* clock = Clock::Real();
+  // RocksDB environment (tests inject a failing one). Default: nullptr, the
+  // default Env. Not owned.
+  rocksdb::Env* env = nullptr;
+};
+
+struct SegmentId {
+  uint32_t round = 0;
+  uint32_t segment = 0;
+  friend bool operator==(const SegmentId&, const SegmentId&) = default;
+};
+
+// Everything a caller may know about a stored segment, without its bytes.
+struct SegmentInfo {
+  SegmentId id;
+  uint32_t layer_begin = 0;
+  uint32_t layer_end = 0;
+  uint64_t payload_bytes = 0;
+  uint32_t payload_crc32c = 0;
+  SegmentState state = SegmentState::kWriting;
+  uint64_t recall_count = 0;
+};
+
+struct RoundInfo {
+  uint32_t round = 0;
+  v1::RoundSummary summary;  // Store-filled fields set.
+  std::vector<SegmentInfo> segments;
+};
+
+struct SessionInfo {
+  bool pinned = false;
+  uint32_t ttl_seconds = 0;
+  std::vector<RoundInfo> rounds;  // Ascending; writing segments omitted.
+};
+
+// What a write declares before its bytes arrive.
+struct WriteSpec {
+  std::string tenant;
+  std::string session;
+  SegmentId id;
+  uint32_t layer_begin = 0;
+  uint32_t layer_end = 0;
+  uint64_t payload_bytes = 0;
+  uint32_t payload_crc32c = 0;
+  bool has_round_summary = false;
+  v1::RoundSummary round_summary;
+  uint32_t session_ttl_seconds = 0;  // 0 = store default.
+};
+
+struct ReadResult {
+  SegmentInfo info;
+  std::shared_ptr<const std::string> payload;
+  Tier served_from = Tier::kRam;
+};
+
+struct StoreStats {
+  uint64_t ram_bytes = 0;
+  uint64_t ram_segments = 0;
+  uint64_t disk_bytes = 0;
+  uint64_t disk_segments = 0;
+  uint64_t ram_budget_bytes = 0;
+  uint64_t disk_budget_bytes = 0;
+  uint64_t sessions = 0;
+  uint64_t hits_ram = 0;
+  uint64_t hits_disk = 0;
+  uint64_t spills = 0;
+  uint64_t promotions = 0;
+  uint64_t drops = 0;  // Rounds dropped (explicit and under pressure).
+  uint64_t pressure_drops = 0;
+  uint64_t expired_sessions = 0;
+};
+
+class Store;
+
+// An upload in progress: reserved quota and disk room, and the index entry in
+// kWriting state. Move-only; destroyed without Commit it aborts the write and
+// refunds everything.
+class WriteTicket {
+ public:
+  WriteTicket() = default;
+  WriteTicket(WriteTicket&&) noexcept;
+  WriteTicket& operator=(WriteTicket&&) noexcept;
+  ~WriteTicket();
+  const WriteSpec& spec() const { return spec_; }
+  bool valid() const { return store_ != nullptr; }
+
+ private:
+  friend class Store;
+  Store* store_ = nullptr;
+  WriteSpec spec_;
+  uint64_t write_id_ = 0;
+  QuotaGrant grant_;
+};
+
+// Thread-safe. All methods may be called concurrently. RocksDB I/O runs
+// outside mu_; mu_ guards the index only.
+class Store {
+ public:
+  // Opens (or creates) the store at options.path and rebuilds the index from
+  // RocksDB: every segment found comes back kSpilled with its counters, and
+  // each tenant's usage is charged to `quotas`. `quotas` is not owned and must
+  // outlive the store. Returns INVALID_ARGUMENT for bad options, INTERNAL
+  // when RocksDB cannot open.
+  static absl::StatusOr<std::unique_ptr<Store>> Open(StoreOptions options, QuotaManager* quotas);
+  ~Store();
+
+  // Phase one of a write. Returns a ticket, or:
+  //   INVALID_ARGUMENT    bad names, layer range, segment or round number.
+  //   OUT_OF_RANGE        payload_bytes is 0 or over max_segment_bytes.
+  //   ALREADY_EXISTS      that segment exists or is being written.
+  //   RESOURCE_EXHAUSTED  over the tenant quota, or the disk budget cannot
+  //                       make room even by dropping every droppable round.
+  absl::StatusOr<WriteTicket> BeginWrite(const WriteSpec& spec);
+
+  // Phase two: checks the bytes, makes them durable, seals the segment.
+  // Returns its info, or:
+  //   OUT_OF_RANGE      payload size differs from the declared payload_bytes.
+  //   DATA_LOSS         the payload's crc32c or a tensor's crc32c is wrong.
+  //   INVALID_ARGUMENT  the payload is not a valid SegmentPayload.
+  //   ABORTED           the session was deleted meanwhile.
+  //   INTERNAL          RocksDB failed.
+  // On any error nothing is stored and the reservation is refunded.
+  absl::StatusOr<SegmentInfo> CommitWrite(WriteTicket ticket, std::string payload);
+
+  // Checks that every id exists and is readable, bumps each distinct
+  // round's recall counter once, and returns their infos in order. NOT_FOUND
+  // if the session or any segment is missing; INVALID_ARGUMENT on bad names.
+  absl::StatusOr<std::vector<SegmentInfo>> PrepareRead(const std::string& tenant,
+                                                        const std::string& session,
+                                                        const std::vector<SegmentId>& ids);
+
+  // Returns one segment's bytes from RAM or RocksDB, promoting it when hot.
+  // NOT_FOUND when it is gone; DATA_LOSS when the stored bytes fail their
+  // checksum; INTERNAL on RocksDB errors.
+  absl::StatusOr<ReadResult> ReadSegment(const std::string& tenant, const std::string& session,
+                                         SegmentId id);
+
+  // NOT_FOUND for an unknown session.
+  absl::StatusOr<SessionInfo> ListRounds(const std::string& tenant, const std::string& session);
+
+  struct DropResult {
+    std::vector<uint32_t> dropped;
+    std::vector<uint32_t> not_found;
+    uint64_t freed_bytes = 0;
+  };
+  // NOT_FOUND for an unknown session. Rounds with a segment being written
+  // are dropped once the write finishes (it is aborted).
+  absl::StatusOr<DropResult> DropRounds(const std::string& tenant, const std::string& session,
+                                        const std::vector<uint32_t>& rounds);
+
+  // NOT_FOUND for an unknown session.
+  absl::StatusOr<DropResult> DeleteSession(const std::string& tenant, const std::string& session);
+
+  // Creates the session's record if needed. INVALID_ARGUMENT on bad names,
+  // INTERNAL on RocksDB errors.
+  absl::Status PinSession(const std::string& tenant, const std::string& session, bool pinned);
+
+  // Deletes every unpinned session idle for longer than its TTL. Returns how
+  // many were deleted.
+  absl::StatusOr<int> ExpireSessions();
+
+  StoreStats Stats() const;
+  // Sessions of one tenant.
+  uint64_t TenantSessions(const std::string& tenant) const;
+  const StoreOptions& options() const { return options_; }
+
+ private:
+  struct SegmentEntry {
+    SegmentInfo info;
+    uint64_t write_id = 0;  // Nonzero while kWriting.
+    bool cancelled = false;  // Set when deleted while kWriting.
+    std::shared_ptr<const std::string> ram;  // Non-null iff kSealed.
+    uint64_t insert_seq = 0;
+    uint64_t last_access_seq = 0;
+    uint32_t disk_reads = 0;
+  };
+  struct RoundEntry {
+    std::map<uint32_t, SegmentEntry> segments;
+    v1::RoundSummary summary;
+    bool has_summary = false;
+    uint64_t recall_count = 0;
+    int64_t last_recall_ms = 0;
+    uint64_t insert_seq = 0;
+  };
+  struct SessionEntry {
+    std::string tenant;
+    std::string session;
+    std::map<uint32_t, RoundEntry> rounds;
+    bool pinned = false;
+    uint32_t ttl_seconds = 0;
+    int64_t last_access_ms = 0;
+    bool persisted = false;  // Its SessionRecord is in RocksDB.
+  };
+  // A planned removal of stored rounds, applied to RocksDB outside mu_.
+  struct Removal {
+    std::string session_key;
+    std::string tenant;
+    std::vector<std::pair<uint32_t, std::vector<uint32_t>>> rounds;  // round -> segments
+    bool whole_session = false;
+  };
+
+  friend class WriteTicket;
+  Store(StoreOptions options, QuotaManager* quotas, std::unique_ptr<rocksdb::DB> db);
+  absl::Status Recover();
+  void AbortWrite(const WriteSpec& spec, uint64_t write_id);
+
+  // Index mutations. REQUIRES: mu_ held.
+  void SpillForRoomLocked(uint64_t bytes_needed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t RemoveRoundLocked(SessionEntry& s, uint32_t round, Removal* removal)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status MakeDiskRoomLocked(uint64_t bytes, const std::string& skip_session_key,
+                                  std::vector<Removal>* removals)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  SessionEntry* FindSessionLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Applies removals to RocksDB. REQUIRES: mu_ not held.
+  absl::Status ApplyRemovals(const std::vector<Removal>& removals);
+  absl::Status WriteSessionRecord(const std::string& session_key, bool pinned, uint32_t ttl);
+
+  const StoreOptions options_;
+  QuotaManager* const quotas_;
+  std::unique_ptr<rocksdb::DB> db_;
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, SessionEntry> sessions_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t ram_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t ram_segments_ ABSL_GUARDED_BY(mu_) = 0;
+  // Sealed + spilled segments, plus the disk room reserved by writes.
+  uint64_t disk_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t disk_segments_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t disk_reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  StoreStats counters_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvtier::cachestore
+
+#endif  // KVTIER_CACHESTORE_STORE_H_

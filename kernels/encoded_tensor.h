@@ -1,0 +1,43 @@
+// Format-level checks of EncodedTensor (proto/kvtier/v1/tensor.proto): the
+// parts every holder of encoded bytes must enforce, independent of how a
+// codec decodes them.
+#ifndef KVTIER_KERNELS_ENCODED_TENSOR_H_
+#define KVTIER_KERNELS_ENCODED_TENSOR_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvtier/v1/tensor.pb.h"
+
+namespace kvtier {
+
+// The newest EncodedTensor.format_version this build understands.
+inline constexpr uint32_t kEncodedTensorFormatVersion = 1;
+
+// Bytes per element of `dtype`; 0 for DTYPE_UNSPECIFIED or unknown values.
+int DTypeSize(v1::DType dtype);
+
+// CRC-32C over the tensor's buffers' data, in order.
+uint32_t ComputeTensorCrc(const v1::EncodedTensor& t);
+
+// Sets format_version and crc32c from the current buffers.
+void SealTensor(v1::EncodedTensor* t);
+
+// Checks a tensor. Returns:
+//   OK                 well-formed, checksum matches.
+//   INVALID_ARGUMENT   unknown version/codec/dtype, bad shape (0 or > 8 dims,
+//                      a dimension outside [1, 2^31), over 2^40 elements),
+//                      bad codec parameters, or a CODEC_RAW buffer whose size
+//                      is not elements * dtype size.
+//   DATA_LOSS          crc32c does not match the buffers.
+absl::Status ValidateTensor(const v1::EncodedTensor& t);
+
+// Parses a serialized SegmentPayload and validates every tensor. Returns the
+// payload, or INVALID_ARGUMENT (does not parse, no tensors) / the first
+// tensor's error.
+absl::StatusOr<v1::SegmentPayload> ParseAndValidatePayload(std::string_view bytes);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_KERNELS_ENCODED_TENSOR_H_

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The one script behind `make test` and `make demo`: installs the Debian
+# packages kvtier needs when they are missing, configures, builds, then runs.
+#   scripts/kvtier.sh deps    install missing packages only
+#   scripts/kvtier.sh build   deps + configure + build
+#   scripts/kvtier.sh test    build + ctest (default labels; not soak)
+#   scripts/kvtier.sh demo    build + the demo
+# Environment: BUILD_DIR (default build), JOBS (default nproc),
+# KVTIER_SANITIZE (address|undefined|thread), CTEST_ARGS (extra ctest args).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BUILD_DIR=${BUILD_DIR:-build}
+JOBS=${JOBS:-$(nproc)}
+PACKAGES=(g++ cmake make pkg-config libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev
+  protobuf-compiler librocksdb-dev prometheus-cpp-dev libabsl-dev libgtest-dev libgmock-dev
+  libbenchmark-dev libssl-dev openssl)
+
+deps() {
+  local missing=()
+  for p in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if ((${#missing[@]} == 0)); then
+    echo "kvtier: all ${#PACKAGES[@]} Debian packages present"
+    return
+  fi
+  echo "kvtier: installing missing Debian packages: ${missing[*]}"
+  local sudo=()
+  if [ "$(id -u)" != 0 ]; then sudo=(sudo); fi
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+}
+
+build() {
+  deps
+  local args=(-DCMAKE_BUILD_TYPE=${BUILD_TYPE:-RelWithDebInfo})
+  [ -n "${KVTIER_SANITIZE:-}" ] && args+=(-DKVTIER_SANITIZE="$KVTIER_SANITIZE")
+  [ -n "${KVTIER_CUDA:-}" ] && args+=(-DKVTIER_CUDA="$KVTIER_CUDA")
+  cmake -S . -B "$BUILD_DIR" "${args[@]}"
+  cmake --build "$BUILD_DIR" -j "$JOBS"
+}
+
+case "${1:-}" in
+  deps) deps ;;
+  build) build ;;
+  test)
+    build
+    # soak runs are long: `ctest -L soak` runs them on purpose.
+    ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" -LE soak ${CTEST_ARGS:-}
+    ;;
+  demo)
+    build
+    exec scripts/demo.sh "$BUILD_DIR"
+    ;;
+  *)
+    echo "usage: $0 deps|build|test|demo" >&2
+    exit 2
+    ;;
+esac
