@@ -1,0 +1,364 @@
+#include "cachestore/store.h"
+
+#include <memory>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/crc32c.h"
+#include "tests/util/status_matchers.h"
+#include "tests/util/test_util.h"
+
+namespace kvtier::cachestore {
+namespace {
+
+using ::kvtier::testing::IsOk;
+using ::kvtier::testing::MakePayload;
+using ::kvtier::testing::StatusIs;
+using ::kvtier::testing::TempDir;
+using ::testing::ElementsAre;
+using Code = absl::StatusCode;
+
+class StoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    options_.path = dir_.path() + "/db";
+    options_.clock = &clock_;
+    options_.sync_writes = false;  // Unit tests; the crash test covers fsync.
+  }
+
+  // Opens (or reopens, like a restarted process) the store, with fresh
+  // in-memory quota accounting.
+  void Open() {
+    store_.reset();
+    quota_manager_ = std::make_unique<QuotaManager>();
+    auto s = Store::Open(options_, quota_manager_.get());
+    ASSERT_TRUE(s.ok()) << s.status();
+    store_ = std::move(s).value();
+  }
+
+  WriteSpec Spec(const std::string& session, uint32_t round, uint32_t seg,
+                 const std::string& payload, const std::string& tenant = "t1") {
+    WriteSpec w;
+    w.tenant = tenant;
+    w.session = session;
+    w.id = {round, seg};
+    w.layer_begin = seg == 0 ? 0 : 3;
+    w.layer_end = seg == 0 ? 3 : 8;
+    w.payload_bytes = payload.size();
+    w.payload_crc32c = Crc32c(payload);
+    return w;
+  }
+
+  absl::StatusOr<SegmentInfo> Put(const std::string& session, uint32_t round, uint32_t seg,
+                                  const std::string& payload,
+                                  const std::string& tenant = "t1") {
+    auto t = store_->BeginWrite(Spec(session, round, seg, payload, tenant));
+    if (!t.ok()) return t.status();
+    return store_->CommitWrite(std::move(t).value(), payload);
+  }
+
+  std::string Get(const std::string& session, uint32_t round, uint32_t seg,
+                  Tier* from = nullptr, const std::string& tenant = "t1") {
+    auto r = store_->ReadSegment(tenant, session, {round, seg});
+    if (!r.ok()) return "error: " + r.status().ToString();
+    if (from != nullptr) *from = r->served_from;
+    return *r->payload;
+  }
+
+  TempDir dir_;
+  FakeClock clock_;
+  std::unique_ptr<QuotaManager> quota_manager_;
+  StoreOptions options_;
+  std::unique_ptr<Store> store_;
+};
+
+TEST_F(StoreTest, PutThenReadIsBitExact) {
+  Open();
+  std::string p0 = MakePayload(1000, 1), p1 = MakePayload(5000, 2);
+  ASSERT_THAT(Put("s", 0, 0, p0), IsOk());
+  ASSERT_THAT(Put("s", 0, 1, p1), IsOk());
+  EXPECT_EQ(Get("s", 0, 0), p0);
+  EXPECT_EQ(Get("s", 0, 1), p1);
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.ram_segments, 2u);
+  EXPECT_EQ(st.disk_segments, 2u);
+  EXPECT_EQ(st.ram_bytes, p0.size() + p1.size());
+  EXPECT_EQ(st.hits_ram, 2u);
+}
+
+TEST_F(StoreTest, SegmentsAreImmutable) {
+  Open();
+  std::string p = MakePayload(100, 1);
+  ASSERT_THAT(Put("s", 0, 0, p), IsOk());
+  EXPECT_THAT(Put("s", 0, 0, MakePayload(100, 2)), StatusIs(Code::kAlreadyExists));
+  EXPECT_EQ(Get("s", 0, 0), p);
+}
+
+TEST_F(StoreTest, BadInputChangesNothing) {
+  Open();
+  std::string p = MakePayload(300, 1);
+  WriteSpec w = Spec("bad/name", 0, 0, p);
+  EXPECT_THAT(store_->BeginWrite(w), StatusIs(Code::kInvalidArgument));
+  w = Spec("s", 0, 0, p);
+  w.layer_begin = 5;
+  w.layer_end = 5;
+  EXPECT_THAT(store_->BeginWrite(w), StatusIs(Code::kInvalidArgument));
+  w = Spec("s", 0, 64, p);
+  EXPECT_THAT(store_->BeginWrite(w), StatusIs(Code::kInvalidArgument));
+  w = Spec("s", 0, 0, p);
+  w.payload_bytes = options_.max_segment_bytes + 1;
+  EXPECT_THAT(store_->BeginWrite(w), StatusIs(Code::kOutOfRange));
+
+  // Wrong checksum in the header.
+  w = Spec("s", 0, 0, p);
+  w.payload_crc32c ^= 1;
+  KVT_ASSERT_OK_AND_ASSIGN(WriteTicket t, store_->BeginWrite(w));
+  EXPECT_THAT(store_->CommitWrite(std::move(t), p), StatusIs(Code::kDataLoss));
+  // Truncated payload.
+  KVT_ASSERT_OK_AND_ASSIGN(t, store_->BeginWrite(Spec("s", 0, 0, p)));
+  EXPECT_THAT(store_->CommitWrite(std::move(t), p.substr(0, 10)), StatusIs(Code::kOutOfRange));
+  // Bytes that are not a SegmentPayload, with a matching checksum.
+  std::string junk(300, '\xff');
+  KVT_ASSERT_OK_AND_ASSIGN(t, store_->BeginWrite(Spec("s", 0, 0, junk)));
+  EXPECT_THAT(store_->CommitWrite(std::move(t), junk), StatusIs(Code::kInvalidArgument));
+
+  EXPECT_THAT(store_->ListRounds("t1", "s"), StatusIs(Code::kNotFound));
+  EXPECT_EQ(store_->Stats().disk_segments, 0u);
+  EXPECT_EQ(quota_manager_->Usage("t1").used_bytes, 0u);
+  EXPECT_EQ(quota_manager_->Usage("t1").reserved_bytes, 0u);
+  // The failed attempts left the key free.
+  EXPECT_THAT(Put("s", 0, 0, p), IsOk());
+}
+
+TEST_F(StoreTest, WritingSegmentsAreInvisible) {
+  Open();
+  std::string p = MakePayload(300, 1);
+  KVT_ASSERT_OK_AND_ASSIGN(WriteTicket t, store_->BeginWrite(Spec("s", 0, 0, p)));
+  EXPECT_THAT(store_->BeginWrite(Spec("s", 0, 0, p)), StatusIs(Code::kAlreadyExists));
+  KVT_ASSERT_OK_AND_ASSIGN(SessionInfo info, store_->ListRounds("t1", "s"));
+  EXPECT_TRUE(info.rounds.empty());
+  EXPECT_THAT(store_->PrepareRead("t1", "s", {{0, 0}}), StatusIs(Code::kNotFound));
+  ASSERT_THAT(store_->CommitWrite(std::move(t), p), IsOk());
+  EXPECT_THAT(store_->PrepareRead("t1", "s", {{0, 0}}), IsOk());
+}
+
+TEST_F(StoreTest, AbandonedTicketRefundsEverything) {
+  options_.disk_budget_bytes = 10'000;
+  Open();
+  quota_manager_->SetQuota("t1", 1000);
+  std::string p = MakePayload(800, 1);
+  {
+    KVT_ASSERT_OK_AND_ASSIGN(WriteTicket t, store_->BeginWrite(Spec("s", 0, 0, p)));
+    EXPECT_EQ(quota_manager_->Usage("t1").reserved_bytes, p.size());
+    EXPECT_THAT(store_->BeginWrite(Spec("s", 0, 1, p)), StatusIs(Code::kResourceExhausted));
+  }
+  EXPECT_EQ(quota_manager_->Usage("t1").reserved_bytes, 0u);
+  EXPECT_THAT(Put("s", 0, 1, p), IsOk());
+  EXPECT_EQ(quota_manager_->Usage("t1").used_bytes, p.size());
+}
+
+TEST_F(StoreTest, QuotaIsPerTenant) {
+  Open();
+  quota_manager_->SetQuota("t1", 2000);
+  std::string p = MakePayload(900, 1);
+  ASSERT_THAT(Put("s", 0, 0, p), IsOk());
+  ASSERT_THAT(Put("s", 1, 0, p), IsOk());
+  EXPECT_THAT(Put("s", 2, 0, p), StatusIs(Code::kResourceExhausted));
+  EXPECT_THAT(Put("s", 2, 0, p, "t2"), IsOk());
+  KVT_ASSERT_OK_AND_ASSIGN(auto dropped, store_->DropRounds("t1", "s", {0, 7}));
+  EXPECT_THAT(dropped.dropped, ElementsAre(0u));
+  EXPECT_THAT(dropped.not_found, ElementsAre(7u));
+  EXPECT_THAT(Put("s", 2, 0, p), IsOk());
+}
+
+TEST_F(StoreTest, TenantsCannotSeeEachOther) {
+  Open();
+  ASSERT_THAT(Put("shared-name", 0, 0, MakePayload(100, 1), "alice"), IsOk());
+  EXPECT_THAT(store_->ListRounds("bob", "shared-name"), StatusIs(Code::kNotFound));
+  EXPECT_THAT(store_->PrepareRead("bob", "shared-name", {{0, 0}}), StatusIs(Code::kNotFound));
+  EXPECT_THAT(store_->DeleteSession("bob", "shared-name"), StatusIs(Code::kNotFound));
+  EXPECT_THAT(store_->ListRounds("alice", "shared-name"), IsOk());
+}
+
+TEST_F(StoreTest, CounterPolicySpillsFewestRecallsAmongOlderHalf) {
+  options_.ram_budget_bytes = 4 * 1100;
+  options_.promote_after_disk_reads = 0;
+  Open();
+  std::vector<std::string> p;
+  for (int i = 0; i < 4; ++i) {
+    p.push_back(MakePayload(1000, i));
+    ASSERT_THAT(Put("s", i, 0, p[i]), IsOk());
+  }
+  // Rounds 0 and 1 are the older half; round 0 is recalled, so round 1 goes.
+  ASSERT_THAT(store_->PrepareRead("t1", "s", {{0, 0}}), IsOk());
+  ASSERT_THAT(Put("s", 4, 0, MakePayload(1000, 4)), IsOk());
+  KVT_ASSERT_OK_AND_ASSIGN(SessionInfo info, store_->ListRounds("t1", "s"));
+  std::vector<SegmentState> states;
+  for (const auto& r : info.rounds) states.push_back(r.segments[0].state);
+  EXPECT_THAT(states, ElementsAre(SegmentState::kSealed, SegmentState::kSpilled,
+                                  SegmentState::kSealed, SegmentState::kSealed,
+                                  SegmentState::kSealed));
+  // A spilled segment is still served, from RocksDB, bit-exact.
+  Tier from;
+  EXPECT_EQ(Get("s", 1, 0, &from), p[1]);
+  EXPECT_EQ(from, Tier::kDisk);
+  EXPECT_EQ(store_->Stats().spills, 1u);
+}
+
+TEST_F(StoreTest, LruPolicySpillsLeastRecentlyUsed) {
+  options_.ram_budget_bytes = 3 * 1100;
+  options_.spill_policy = SpillPolicy::kLru;
+  options_.promote_after_disk_reads = 0;
+  Open();
+  for (int i = 0; i < 3; ++i) ASSERT_THAT(Put("s", i, 0, MakePayload(1000, i)), IsOk());
+  ASSERT_THAT(store_->PrepareRead("t1", "s", {{0, 0}}), IsOk());
+  ASSERT_THAT(Put("s", 3, 0, MakePayload(1000, 3)), IsOk());
+  KVT_ASSERT_OK_AND_ASSIGN(SessionInfo info, store_->ListRounds("t1", "s"));
+  EXPECT_EQ(info.rounds[0].segments[0].state, SegmentState::kSealed);
+  EXPECT_EQ(info.rounds[1].segments[0].state, SegmentState::kSpilled);
+}
+
+TEST_F(StoreTest, HotSpilledSegmentIsPromoted) {
+  options_.ram_budget_bytes = 2 * 1100;
+  options_.promote_after_disk_reads = 2;
+  Open();
+  for (int i = 0; i < 3; ++i) ASSERT_THAT(Put("s", i, 0, MakePayload(1000, i)), IsOk());
+  Tier from;
+  Get("s", 0, 0, &from);
+  EXPECT_EQ(from, Tier::kDisk);
+  Get("s", 0, 0, &from);
+  EXPECT_EQ(from, Tier::kDisk);  // This read promotes it.
+  Get("s", 0, 0, &from);
+  EXPECT_EQ(from, Tier::kRam);
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.promotions, 1u);
+  EXPECT_LE(st.ram_bytes, options_.ram_budget_bytes);
+}
+
+TEST_F(StoreTest, SegmentLargerThanRamGoesStraightToDisk) {
+  options_.ram_budget_bytes = 500;
+  Open();
+  std::string p = MakePayload(2000, 1);
+  KVT_ASSERT_OK_AND_ASSIGN(SegmentInfo info, Put("s", 0, 0, p));
+  EXPECT_EQ(info.state, SegmentState::kSpilled);
+  EXPECT_EQ(Get("s", 0, 0), p);
+}
+
+TEST_F(StoreTest, PinnedSessionsStayInRamAndSurvivePressure) {
+  options_.ram_budget_bytes = 2 * 1100;
+  options_.disk_budget_bytes = 4 * 1100;
+  Open();
+  ASSERT_THAT(store_->PinSession("t1", "pinned", true), IsOk());
+  for (int i = 0; i < 3; ++i) ASSERT_THAT(Put("pinned", i, 0, MakePayload(1000, i)), IsOk());
+  KVT_ASSERT_OK_AND_ASSIGN(SessionInfo info, store_->ListRounds("t1", "pinned"));
+  for (const auto& r : info.rounds) EXPECT_EQ(r.segments[0].state, SegmentState::kSealed);
+  ASSERT_THAT(Put("other", 0, 0, MakePayload(1000, 9)), IsOk());
+  // Disk is full of pinned rounds plus one unpinned: the next write may drop
+  // only "other".
+  ASSERT_THAT(Put("other", 1, 0, MakePayload(1000, 10)), IsOk());
+  EXPECT_EQ(store_->ListRounds("t1", "pinned").value().rounds.size(), 3u);
+  EXPECT_EQ(store_->ListRounds("t1", "other").value().rounds.size(), 1u);
+  // With only pinned rounds and the newest write left there is no room.
+  ASSERT_THAT(store_->PinSession("t1", "other", true), IsOk());
+  EXPECT_THAT(Put("third", 0, 0, MakePayload(1000, 11)), StatusIs(Code::kResourceExhausted));
+  EXPECT_EQ(store_->Stats().disk_segments, 4u);
+}
+
+TEST_F(StoreTest, DiskPressureDropsNeverRecalledRoundsFirst) {
+  options_.disk_budget_bytes = 3 * 1100;
+  Open();
+  for (int i = 0; i < 3; ++i) ASSERT_THAT(Put("s", i, 0, MakePayload(1000, i)), IsOk());
+  // Round 0 is the oldest but has been recalled; round 1 never has.
+  ASSERT_THAT(store_->PrepareRead("t1", "s", {{0, 0}}), IsOk());
+  ASSERT_THAT(Put("s", 3, 0, MakePayload(1000, 3)), IsOk());
+  KVT_ASSERT_OK_AND_ASSIGN(SessionInfo info, store_->ListRounds("t1", "s"));
+  std::vector<uint32_t> rounds;
+  for (const auto& r : info.rounds) rounds.push_back(r.round);
+  EXPECT_THAT(rounds, ElementsAre(0u, 2u, 3u));
+  EXPECT_EQ(store_->Stats().pressure_drops, 1u);
+  EXPECT_EQ(Get("s", 1, 0).rfind("error: NOT_FOUND", 0), 0u);
+}
+
+TEST_F(StoreTest, TtlExpiresIdleSessionsButNotPinnedOnes) {
+  options_.default_ttl_seconds = 60;
+  Open();
+  ASSERT_THAT(Put("idle", 0, 0, MakePayload(100, 1)), IsOk());
+  ASSERT_THAT(Put("busy", 0, 0, MakePayload(100, 2)), IsOk());
+  ASSERT_THAT(Put("pinned", 0, 0, MakePayload(100, 3)), IsOk());
+  ASSERT_THAT(store_->PinSession("t1", "pinned", true), IsOk());
+  WriteSpec longer = Spec("long", 0, 0, MakePayload(100, 4));
+  longer.session_ttl_seconds = 3600;
+  KVT_ASSERT_OK_AND_ASSIGN(WriteTicket t, store_->BeginWrite(longer));
+  ASSERT_THAT(store_->CommitWrite(std::move(t), MakePayload(100, 4)), IsOk());
+
+  clock_.AdvanceMs(40'000);
+  ASSERT_THAT(store_->ListRounds("t1", "busy"), IsOk());  // Touches it.
+  clock_.AdvanceMs(40'000);
+  KVT_ASSERT_OK_AND_ASSIGN(int expired, store_->ExpireSessions());
+  EXPECT_EQ(expired, 1);
+  EXPECT_THAT(store_->ListRounds("t1", "idle"), StatusIs(Code::kNotFound));
+  EXPECT_THAT(store_->ListRounds("t1", "busy"), IsOk());
+  EXPECT_THAT(store_->ListRounds("t1", "pinned"), IsOk());
+  EXPECT_THAT(store_->ListRounds("t1", "long"), IsOk());
+  EXPECT_EQ(quota_manager_->Usage("t1").used_bytes, store_->Stats().disk_bytes);
+}
+
+TEST_F(StoreTest, RecoveryRebuildsIndexCountersAndQuota) {
+  Open();
+  std::string p0 = MakePayload(700, 1), p1 = MakePayload(900, 2);
+  WriteSpec w = Spec("s", 0, 0, p0);
+  w.has_round_summary = true;
+  w.round_summary.set_token_begin(0);
+  w.round_summary.set_token_end(42);
+  w.round_summary.set_question_tokens(10);
+  KVT_ASSERT_OK_AND_ASSIGN(WriteTicket t, store_->BeginWrite(w));
+  ASSERT_THAT(store_->CommitWrite(std::move(t), p0), IsOk());
+  ASSERT_THAT(Put("s", 0, 1, p1), IsOk());
+  ASSERT_THAT(Put("gone", 0, 0, p1), IsOk());
+  ASSERT_THAT(store_->DeleteSession("t1", "gone"), IsOk());
+  ASSERT_THAT(store_->PrepareRead("t1", "s", {{0, 0}, {0, 1}}), IsOk());
+  ASSERT_THAT(store_->PinSession("t1", "s", true), IsOk());
+
+  Open();  // Reopen from disk.
+  KVT_ASSERT_OK_AND_ASSIGN(SessionInfo info, store_->ListRounds("t1", "s"));
+  ASSERT_EQ(info.rounds.size(), 1u);
+  EXPECT_TRUE(info.pinned);
+  EXPECT_EQ(info.rounds[0].summary.token_end(), 42u);
+  EXPECT_EQ(info.rounds[0].summary.question_tokens(), 10u);
+  EXPECT_EQ(info.rounds[0].summary.recall_count(), 1u);
+  EXPECT_EQ(info.rounds[0].segments.size(), 2u);
+  EXPECT_EQ(info.rounds[0].segments[0].state, SegmentState::kSpilled);
+  EXPECT_THAT(store_->ListRounds("t1", "gone"), StatusIs(Code::kNotFound));
+  EXPECT_EQ(Get("s", 0, 0), p0);
+  EXPECT_EQ(Get("s", 0, 1), p1);
+  EXPECT_EQ(quota_manager_->Usage("t1").used_bytes, p0.size() + p1.size());
+  EXPECT_THAT(Put("s", 0, 1, p1), StatusIs(Code::kAlreadyExists));
+}
+
+TEST_F(StoreTest, DeleteDuringUploadAbortsIt) {
+  Open();
+  std::string p = MakePayload(500, 1);
+  ASSERT_THAT(Put("s", 0, 0, p), IsOk());
+  KVT_ASSERT_OK_AND_ASSIGN(WriteTicket t, store_->BeginWrite(Spec("s", 1, 0, p)));
+  ASSERT_THAT(store_->DeleteSession("t1", "s"), IsOk());
+  EXPECT_THAT(store_->CommitWrite(std::move(t), p), StatusIs(Code::kAborted));
+  EXPECT_THAT(store_->ListRounds("t1", "s"), StatusIs(Code::kNotFound));
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.disk_segments, 0u);
+  EXPECT_EQ(st.disk_bytes, 0u);
+  EXPECT_EQ(quota_manager_->Usage("t1").used_bytes, 0u);
+  Open();
+  EXPECT_THAT(store_->ListRounds("t1", "s"), StatusIs(Code::kNotFound));
+}
+
+TEST_F(StoreTest, PrepareReadChecksEveryRefFirst) {
+  Open();
+  ASSERT_THAT(Put("s", 0, 0, MakePayload(100, 1)), IsOk());
+  EXPECT_THAT(store_->PrepareRead("t1", "s", {{0, 0}, {5, 0}}), StatusIs(Code::kNotFound));
+  KVT_ASSERT_OK_AND_ASSIGN(SessionInfo info, store_->ListRounds("t1", "s"));
+  EXPECT_EQ(info.rounds[0].summary.recall_count(), 0u);  // The failed call counted nothing.
+}
+
+}  // namespace
+}  // namespace kvtier::cachestore

@@ -1,0 +1,21 @@
+# kvtier_test(NAME SOURCES a.cc b.cc LIBS x y LABELS l1 l2 [TIMEOUT s])
+# One GoogleTest binary registered with ctest as a single test, so labels and
+# timeouts apply to the binary as a whole.
+function(kvtier_test name)
+  if(NOT KVTIER_BUILD_TESTS)
+    return()
+  endif()
+  cmake_parse_arguments(T "" "TIMEOUT" "SOURCES;LIBS;LABELS;ARGS" ${ARGN})
+  add_executable(${name} ${T_SOURCES})
+  target_link_libraries(${name} PRIVATE ${T_LIBS} GTest::gtest GTest::gmock GTest::gtest_main)
+  add_test(NAME ${name} COMMAND ${name} ${T_ARGS})
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 300)
+  endif()
+  set(_labels unit ${T_LABELS})
+  if(T_LABELS)
+    set(_labels ${T_LABELS})
+  endif()
+  set_tests_properties(${name} PROPERTIES LABELS "${_labels}" TIMEOUT ${T_TIMEOUT}
+    ENVIRONMENT "KVTIER_BUILD_DIR=${PROJECT_BINARY_DIR};KVTIER_SOURCE_DIR=${PROJECT_SOURCE_DIR}")
+endfunction()

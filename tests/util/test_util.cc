@@ -1,0 +1,51 @@
+#include "tests/util/test_util.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <stdexcept>
+
+#include "kernels/encoded_tensor.h"
+#include "kvtier/v1/tensor.pb.h"
+
+namespace kvtier::testing {
+
+std::string MakePayload(uint64_t target_bytes, uint64_t seed) {
+  // About 24 bytes of protobuf framing around the raw buffer.
+  uint64_t raw = target_bytes > 64 ? target_bytes - 48 : 16;
+  uint64_t elements = raw / 2;
+  v1::SegmentPayload payload;
+  v1::EncodedTensor* t = payload.add_tensors();
+  t->set_codec(v1::CODEC_RAW);
+  t->set_dtype(v1::DTYPE_FP16);
+  t->add_shape(static_cast<int64_t>(elements));
+  v1::Buffer* b = t->add_buffers();
+  b->set_kind(v1::BUFFER_RAW);
+  std::string* data = b->mutable_data();
+  data->resize(elements * 2);
+  std::mt19937_64 rng(seed);
+  for (size_t i = 0; i + 8 <= data->size(); i += 8) {
+    uint64_t v = rng();
+    std::memcpy(data->data() + i, &v, 8);
+  }
+  for (size_t i = data->size() & ~size_t{7}; i < data->size(); ++i) {
+    (*data)[i] = static_cast<char>(rng());
+  }
+  SealTensor(t);
+  return payload.SerializeAsString();
+}
+
+TempDir::TempDir() {
+  const char* base = std::getenv("TMPDIR");
+  std::string tmpl = std::string(base != nullptr ? base : "/tmp") + "/kvtier-test-XXXXXX";
+  if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+  path_ = tmpl;
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+}  // namespace kvtier::testing
