@@ -1,0 +1,179 @@
+#include "client/store_client.h"
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "kernels/crc32c.h"
+#include "services/common/grpc_status.h"
+
+namespace kvtier {
+
+StoreClient::StoreClient(StoreClientOptions options, std::shared_ptr<grpc::Channel> channel)
+    : options_(std::move(options)),
+      channel_(std::move(channel)),
+      stub_(v1::Store::NewStub(channel_)) {}
+
+absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Connect(StoreClientOptions options) {
+  if (options.target.empty()) return absl::InvalidArgumentError("StoreClient needs a target");
+  if (options.chunk_bytes == 0 || options.chunk_bytes > (size_t{4} << 20)) {
+    return absl::InvalidArgumentError("chunk_bytes must be in [1, 4 MiB]");
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(8 << 20);
+  std::shared_ptr<grpc::ChannelCredentials> creds;
+  if (options.tls_root_certs.empty()) {
+    creds = grpc::InsecureChannelCredentials();
+  } else {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls_root_certs;
+    creds = grpc::SslCredentials(ssl);
+    if (!options.tls_server_name.empty()) {
+      args.SetSslTargetNameOverride(options.tls_server_name);
+    }
+  }
+  auto channel = grpc::CreateCustomChannel(options.target, creds, args);
+  return std::unique_ptr<StoreClient>(new StoreClient(std::move(options), std::move(channel)));
+}
+
+std::unique_ptr<grpc::ClientContext> StoreClient::NewContext() const {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
+  return ctx;
+}
+
+absl::StatusOr<v1::PutSegmentResponse> StoreClient::PutSegment(const PutSegmentArgs& a,
+                                                               std::string_view payload) {
+  auto ctx = NewContext();
+  v1::PutSegmentResponse resp;
+  auto writer = stub_->PutSegment(ctx.get(), &resp);
+  v1::PutSegmentRequest req;
+  v1::PutSegmentHeader* h = req.mutable_header();
+  h->set_session_id(a.session_id);
+  h->mutable_ref()->set_round(a.round);
+  h->mutable_ref()->set_segment(a.segment);
+  h->set_layer_begin(a.layer_begin);
+  h->set_layer_end(a.layer_end);
+  h->set_payload_bytes(payload.size());
+  h->set_payload_crc32c(Crc32c(payload));
+  if (a.round_summary != nullptr) *h->mutable_round_summary() = *a.round_summary;
+  h->set_session_ttl_seconds(a.session_ttl_seconds);
+  bool ok = writer->Write(req);
+  for (size_t off = 0; ok && off < payload.size(); off += options_.chunk_bytes) {
+    req.set_chunk(payload.data() + off, std::min(options_.chunk_bytes, payload.size() - off));
+    ok = writer->Write(req);
+  }
+  // A failed Write means the server already finished the call: its status
+  // comes from Finish().
+  writer->WritesDone();
+  grpc::Status s = writer->Finish();
+  if (!s.ok()) return FromGrpc(s);
+  return resp;
+}
+
+absl::StatusOr<std::vector<FetchedSegment>> StoreClient::GetSegments(
+    const std::string& session_id, const std::vector<v1::SegmentRef>& refs) {
+  auto ctx = NewContext();
+  v1::GetSegmentsRequest req;
+  req.set_session_id(session_id);
+  for (const auto& r : refs) *req.add_refs() = r;
+  auto reader = stub_->GetSegments(ctx.get(), req);
+  std::vector<FetchedSegment> out;
+  v1::GetSegmentsResponse msg;
+  absl::Status protocol;
+  while (reader->Read(&msg)) {
+    if (msg.has_header()) {
+      FetchedSegment f;
+      f.info = msg.header().segment();
+      f.served_from = msg.header().served_from();
+      f.payload.reserve(f.info.payload_bytes());
+      out.push_back(std::move(f));
+    } else if (!out.empty()) {
+      std::string& p = out.back().payload;
+      if (p.size() + msg.chunk().size() > out.back().info.payload_bytes()) {
+        protocol = absl::InternalError("GetSegments sent more bytes than a segment holds");
+        ctx->TryCancel();
+        break;
+      }
+      p.append(msg.chunk());
+    } else {
+      protocol = absl::InternalError("GetSegments sent a chunk before a header");
+      ctx->TryCancel();
+      break;
+    }
+  }
+  grpc::Status s = reader->Finish();
+  if (!protocol.ok()) return protocol;
+  if (!s.ok()) return FromGrpc(s);
+  if (out.size() != refs.size()) {
+    return absl::InternalError(
+        absl::StrCat("GetSegments returned ", out.size(), " of ", refs.size(), " segments"));
+  }
+  for (const FetchedSegment& f : out) {
+    if (f.payload.size() != f.info.payload_bytes() ||
+        Crc32c(f.payload) != f.info.payload_crc32c()) {
+      return absl::DataLossError(absl::StrCat("round ", f.info.ref().round(), " segment ",
+                                              f.info.ref().segment(),
+                                              " arrived with a bad checksum"));
+    }
+  }
+  return out;
+}
+
+namespace {
+
+template <typename Resp>
+absl::StatusOr<Resp> Finish(const grpc::Status& s, Resp resp) {
+  if (!s.ok()) return FromGrpc(s);
+  return resp;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::ListRoundsResponse> StoreClient::ListRounds(const std::string& session_id) {
+  auto ctx = NewContext();
+  v1::ListRoundsRequest req;
+  req.set_session_id(session_id);
+  v1::ListRoundsResponse resp;
+  grpc::Status s = stub_->ListRounds(ctx.get(), req, &resp);
+  return Finish(s, std::move(resp));
+}
+
+absl::StatusOr<v1::DropRoundsResponse> StoreClient::DropRounds(
+    const std::string& session_id, const std::vector<uint32_t>& rounds) {
+  auto ctx = NewContext();
+  v1::DropRoundsRequest req;
+  req.set_session_id(session_id);
+  for (uint32_t r : rounds) req.add_rounds(r);
+  v1::DropRoundsResponse resp;
+  grpc::Status s = stub_->DropRounds(ctx.get(), req, &resp);
+  return Finish(s, std::move(resp));
+}
+
+absl::StatusOr<v1::DeleteSessionResponse> StoreClient::DeleteSession(
+    const std::string& session_id) {
+  auto ctx = NewContext();
+  v1::DeleteSessionRequest req;
+  req.set_session_id(session_id);
+  v1::DeleteSessionResponse resp;
+  grpc::Status s = stub_->DeleteSession(ctx.get(), req, &resp);
+  return Finish(s, std::move(resp));
+}
+
+absl::Status StoreClient::PinSession(const std::string& session_id, bool pinned) {
+  auto ctx = NewContext();
+  v1::PinSessionRequest req;
+  req.set_session_id(session_id);
+  req.set_pinned(pinned);
+  v1::PinSessionResponse resp;
+  return FromGrpc(stub_->PinSession(ctx.get(), req, &resp));
+}
+
+absl::StatusOr<v1::StatsResponse> StoreClient::Stats() {
+  auto ctx = NewContext();
+  v1::StatsResponse resp;
+  grpc::Status s = stub_->Stats(ctx.get(), v1::StatsRequest(), &resp);
+  return Finish(s, std::move(resp));
+}
+
+}  // namespace kvtier

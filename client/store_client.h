@@ -1,0 +1,91 @@
+// A synchronous client for kvtier-store. Thread-safe: one client may be used
+// from many threads (gRPC channels multiplex).
+#ifndef KVTIER_CLIENT_STORE_CLIENT_H_
+#define KVTIER_CLIENT_STORE_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
+#include "kvtier/v1/store.grpc.pb.h"
+
+namespace kvtier {
+
+struct StoreClientOptions {
+  // "host:port" of kvtier-store. Required.
+  std::string target;
+  // Bearer token; empty sends none (a store with auth off).
+  std::string token;
+  // PEM root certificate(s) to verify the store; empty = plaintext channel.
+  std::string tls_root_certs;
+  // TLS server name override (tests with self-signed certs). Default: none.
+  std::string tls_server_name;
+  // Payload bytes per PutSegment chunk. Range [1, 4 MiB]. Default: 1 MiB.
+  size_t chunk_bytes = size_t{1} << 20;
+  // Deadline of each call. Default: 120 s.
+  absl::Duration deadline = absl::Seconds(120);
+};
+
+// The header fields of one upload; payload_bytes and payload_crc32c are
+// computed by PutSegment.
+struct PutSegmentArgs {
+  std::string session_id;
+  uint32_t round = 0;
+  uint32_t segment = 0;
+  uint32_t layer_begin = 0;
+  uint32_t layer_end = 1;
+  const v1::RoundSummary* round_summary = nullptr;  // Optional; not owned.
+  uint32_t session_ttl_seconds = 0;
+};
+
+struct FetchedSegment {
+  v1::SegmentInfo info;
+  v1::Tier served_from = v1::TIER_UNSPECIFIED;
+  std::string payload;  // Serialized SegmentPayload; crc32c checked.
+};
+
+class StoreClient {
+ public:
+  // Creates the channel; does not wait for the store. INVALID_ARGUMENT for
+  // bad options.
+  static absl::StatusOr<std::unique_ptr<StoreClient>> Connect(StoreClientOptions options);
+
+  // Uploads `payload` (a serialized SegmentPayload) in chunks. Returns the
+  // store's status (see store.proto) on failure.
+  absl::StatusOr<v1::PutSegmentResponse> PutSegment(const PutSegmentArgs& args,
+                                                    std::string_view payload);
+
+  // Fetches segments of one session in ONE call. DATA_LOSS if a payload
+  // arrives with a wrong checksum; INTERNAL if the stream is malformed.
+  absl::StatusOr<std::vector<FetchedSegment>> GetSegments(const std::string& session_id,
+                                                          const std::vector<v1::SegmentRef>& refs);
+
+  absl::StatusOr<v1::ListRoundsResponse> ListRounds(const std::string& session_id);
+  absl::StatusOr<v1::DropRoundsResponse> DropRounds(const std::string& session_id,
+                                                    const std::vector<uint32_t>& rounds);
+  absl::StatusOr<v1::DeleteSessionResponse> DeleteSession(const std::string& session_id);
+  absl::Status PinSession(const std::string& session_id, bool pinned);
+  absl::StatusOr<v1::StatsResponse> Stats();
+
+  // For callers that drive the raw stub (tests of malformed streams): a
+  // context with the token and deadline set.
+  std::unique_ptr<grpc::ClientContext> NewContext() const;
+  v1::Store::Stub* stub() { return stub_.get(); }
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+
+ private:
+  StoreClient(StoreClientOptions options, std::shared_ptr<grpc::Channel> channel);
+
+  const StoreClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Store::Stub> stub_;
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_CLIENT_STORE_CLIENT_H_

@@ -1,0 +1,83 @@
+#include "services/common/auth.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace kvtier {
+
+Authenticator::Authenticator(std::vector<TenantEntry> entries)
+    : enabled_(true), entries_(std::move(entries)) {
+  for (const TenantEntry& e : entries_) by_token_[e.token] = e.principal;
+}
+
+absl::StatusOr<Authenticator> Authenticator::FromFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read tenants file ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return FromText(ss.str());
+}
+
+absl::StatusOr<Authenticator> Authenticator::FromText(const std::string& text) {
+  std::vector<TenantEntry> entries;
+  absl::flat_hash_map<std::string, int> seen;
+  int line_no = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++line_no;
+    line = absl::StripAsciiWhitespace(line.substr(0, line.find('#')));
+    if (line.empty()) continue;
+    std::vector<std::string> f = absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+    auto bad = [&](absl::string_view why) {
+      return absl::InvalidArgumentError(absl::StrCat("tenants file line ", line_no, ": ", why));
+    };
+    if (f.size() < 3 || f.size() > 4) return bad("want: token tenant role [quota_bytes]");
+    if (f[0].size() < 8) return bad("tokens must be at least 8 characters");
+    TenantEntry e;
+    e.token = f[0];
+    e.principal.tenant = f[1];
+    if (f[2] == "readwrite") {
+      e.principal.role = Role::kReadWrite;
+    } else if (f[2] == "readonly") {
+      e.principal.role = Role::kReadOnly;
+    } else {
+      return bad("role must be readwrite or readonly");
+    }
+    if (f.size() == 4 && !absl::SimpleAtoi(f[3], &e.quota_bytes)) {
+      return bad("quota_bytes must be a non-negative integer");
+    }
+    if (!seen.emplace(e.token, line_no).second) return bad("duplicate token");
+    entries.push_back(std::move(e));
+  }
+  if (entries.empty()) return absl::InvalidArgumentError("tenants file lists no tokens");
+  return Authenticator(std::move(entries));
+}
+
+absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContextBase& ctx) const {
+  if (!enabled_) return Principal{"default", Role::kReadWrite};
+  const auto& md = ctx.client_metadata();
+  auto it = md.find("authorization");
+  if (it == md.end()) {
+    return absl::UnauthenticatedError("missing 'authorization: Bearer <token>' metadata");
+  }
+  absl::string_view v(it->second.data(), it->second.size());
+  constexpr absl::string_view kBearer = "Bearer ";
+  if (!absl::StartsWith(v, kBearer)) {
+    return absl::UnauthenticatedError("authorization metadata is not a Bearer token");
+  }
+  auto p = by_token_.find(v.substr(kBearer.size()));
+  if (p == by_token_.end()) return absl::UnauthenticatedError("unknown bearer token");
+  return p->second;
+}
+
+absl::Status Authenticator::RequireWrite(const Principal& p) {
+  if (p.role == Role::kReadWrite) return absl::OkStatus();
+  return absl::PermissionDeniedError(
+      absl::StrCat("tenant '", p.tenant, "' token is readonly; this call writes"));
+}
+
+}  // namespace kvtier

@@ -1,0 +1,65 @@
+// Per-tenant bearer tokens. A tenants file lists one token per line:
+//
+//   # token            tenant   role        quota_bytes (optional, 0 = none)
+//   alice-secret-1     alice    readwrite   10737418240
+//   alice-reader       alice    readonly
+//
+// Callers send "authorization: Bearer <token>" metadata. Without a tenants
+// file authentication is off and every caller is tenant "default" with role
+// readwrite (for a single-user box; the server logs a warning).
+#ifndef KVTIER_SERVICES_COMMON_AUTH_H_
+#define KVTIER_SERVICES_COMMON_AUTH_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "grpcpp/server_context.h"
+
+namespace kvtier {
+
+enum class Role { kReadOnly, kReadWrite };
+
+struct Principal {
+  std::string tenant;
+  Role role = Role::kReadWrite;
+};
+
+struct TenantEntry {
+  std::string token;
+  Principal principal;
+  uint64_t quota_bytes = 0;
+};
+
+// Immutable after construction; thread-safe.
+class Authenticator {
+ public:
+  // Authentication off: everyone is tenant "default".
+  Authenticator() = default;
+  explicit Authenticator(std::vector<TenantEntry> entries);
+
+  // Parses a tenants file. INVALID_ARGUMENT with the line number on a bad
+  // line or a duplicate token; NOT_FOUND when the file cannot be read.
+  static absl::StatusOr<Authenticator> FromFile(const std::string& path);
+  static absl::StatusOr<Authenticator> FromText(const std::string& text);
+
+  // The caller's principal. UNAUTHENTICATED when the metadata is missing or
+  // the token unknown (auth on).
+  absl::StatusOr<Principal> Authenticate(const grpc::ServerContextBase& ctx) const;
+  // PERMISSION_DENIED unless the principal may write.
+  static absl::Status RequireWrite(const Principal& p);
+
+  bool enabled() const { return enabled_; }
+  const std::vector<TenantEntry>& entries() const { return entries_; }
+
+ private:
+  bool enabled_ = false;
+  std::vector<TenantEntry> entries_;
+  absl::flat_hash_map<std::string, Principal> by_token_;
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVICES_COMMON_AUTH_H_

@@ -1,0 +1,122 @@
+// kvtier-store: the round-granular KV store service.
+//
+// Every flag can also come from a config file: --flagfile=FILE holds one
+// "--flag=value" per line (deploy/kvtier-store.conf is the documented
+// example).
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "base/log.h"
+#include "services/store/store_server.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
+          "gRPC listen address; port 0 picks a free port (see --port_file).");
+ABSL_FLAG(std::string, port_file, "",
+          "If set, the bound gRPC port is written here (atomically) once serving.");
+ABSL_FLAG(std::string, data_dir, "", "RocksDB directory (created if missing). Required.");
+ABSL_FLAG(uint64_t, ram_budget_mb, 1024, "RAM tier budget in MiB.");
+ABSL_FLAG(uint64_t, disk_budget_mb, 0, "RocksDB tier budget in MiB; 0 = unlimited.");
+ABSL_FLAG(std::string, spill_policy, "counter",
+          "Which RAM segments spill first: 'counter' (fewest recalls among the older half) "
+          "or 'lru'.");
+ABSL_FLAG(bool, sync_writes, true, "fsync the WAL before acknowledging a PutSegment.");
+ABSL_FLAG(uint32_t, promote_after_reads, 2,
+          "Promote a spilled segment into RAM after this many disk reads; 0 = never.");
+ABSL_FLAG(uint64_t, max_segment_mb, 256, "Largest accepted segment payload in MiB.");
+ABSL_FLAG(uint32_t, default_ttl_seconds, 0,
+          "TTL of sessions that set none; 0 = sessions never expire.");
+ABSL_FLAG(int, ttl_sweep_seconds, 10, "Seconds between TTL sweeps; 0 disables them.");
+ABSL_FLAG(std::string, tenants_file, "",
+          "Bearer tokens per tenant (token tenant role [quota_bytes]); empty = auth off.");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls_key enables TLS.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key.");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9470",
+          "Prometheus /metrics address; empty disables it.");
+ABSL_FLAG(std::string, metrics_port_file, "", "If set, the bound metrics port is written here.");
+ABSL_FLAG(int, executor_threads, 8, "Threads for blocking store work (RocksDB, fsync).");
+ABSL_FLAG(std::string, log_level, "info", "debug, info, warn or error.");
+
+namespace {
+
+bool WritePortFile(const std::string& path, int port) {
+  if (path.empty()) return true;
+  std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    if (!out) return false;
+    out << port << "\n";
+  }
+  return std::rename(tmp.c_str(), path.c_str()) == 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "kvtier-store --data_dir=DIR [--listen=ADDR] [--flagfile=FILE] ...\n"
+      "Serves the kvtier.v1.Store gRPC API over a RAM tier backed by RocksDB.");
+  absl::ParseCommandLine(argc, argv);
+
+  kvtier::LogLevel level;
+  if (!kvtier::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {
+    std::fprintf(stderr, "kvtier-store: --log_level must be debug, info, warn or error\n");
+    return 2;
+  }
+  kvtier::SetLogLevel(level);
+
+  kvtier::StoreServerOptions o;
+  o.listen = absl::GetFlag(FLAGS_listen);
+  o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  o.tls_key = absl::GetFlag(FLAGS_tls_key);
+  o.tenants_file = absl::GetFlag(FLAGS_tenants_file);
+  o.executor_threads = absl::GetFlag(FLAGS_executor_threads);
+  o.ttl_sweep_seconds = absl::GetFlag(FLAGS_ttl_sweep_seconds);
+  o.store.path = absl::GetFlag(FLAGS_data_dir);
+  o.store.ram_budget_bytes = absl::GetFlag(FLAGS_ram_budget_mb) << 20;
+  o.store.disk_budget_bytes = absl::GetFlag(FLAGS_disk_budget_mb) << 20;
+  o.store.sync_writes = absl::GetFlag(FLAGS_sync_writes);
+  o.store.promote_after_disk_reads = absl::GetFlag(FLAGS_promote_after_reads);
+  o.store.max_segment_bytes = absl::GetFlag(FLAGS_max_segment_mb) << 20;
+  o.store.default_ttl_seconds = absl::GetFlag(FLAGS_default_ttl_seconds);
+  const std::string policy = absl::GetFlag(FLAGS_spill_policy);
+  if (policy == "counter") {
+    o.store.spill_policy = kvtier::cachestore::SpillPolicy::kCounter;
+  } else if (policy == "lru") {
+    o.store.spill_policy = kvtier::cachestore::SpillPolicy::kLru;
+  } else {
+    std::fprintf(stderr, "kvtier-store: --spill_policy must be 'counter' or 'lru'\n");
+    return 2;
+  }
+  if (o.store.path.empty()) {
+    std::fprintf(stderr, "kvtier-store: --data_dir is required\n");
+    return 2;
+  }
+
+  // Block SIGINT/SIGTERM in every thread; one thread waits for them.
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+
+  auto server = kvtier::StoreServer::Start(o);
+  if (!server.ok()) {
+    kvtier::LogError("kvtier-store failed to start", {{"error", server.status().ToString()}});
+    return 1;
+  }
+  if (!WritePortFile(absl::GetFlag(FLAGS_port_file), (*server)->port()) ||
+      !WritePortFile(absl::GetFlag(FLAGS_metrics_port_file), (*server)->metrics_port())) {
+    kvtier::LogError("cannot write port file");
+    return 1;
+  }
+  int sig = 0;
+  sigwait(&sigs, &sig);
+  kvtier::LogInfo("kvtier-store shutting down", {{"signal", sig}});
+  server->reset();
+  return 0;
+}

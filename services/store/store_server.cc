@@ -1,0 +1,86 @@
+#include "services/store/store_server.h"
+
+#include "absl/strings/str_cat.h"
+#include "base/executor.h"
+#include "base/log.h"
+#include "base/status_macros.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/server_builder.h"
+#include "services/common/server_credentials.h"
+#include "services/store/store_metrics.h"
+#include "services/store/store_service.h"
+
+namespace kvtier {
+
+absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptions options) {
+  std::unique_ptr<StoreServer> s(new StoreServer());
+  s->options_ = options;
+  if (!options.tenants_file.empty()) {
+    KVT_ASSIGN_OR_RETURN(s->auth_, Authenticator::FromFile(options.tenants_file));
+  } else {
+    LogWarn("no --tenants_file: authentication is off, every caller is tenant 'default'");
+  }
+  s->quotas_ = std::make_unique<cachestore::QuotaManager>();
+  for (const TenantEntry& e : s->auth_.entries()) {
+    if (e.quota_bytes != 0) s->quotas_->SetQuota(e.principal.tenant, e.quota_bytes);
+  }
+  KVT_ASSIGN_OR_RETURN(s->store_, cachestore::Store::Open(options.store, s->quotas_.get()));
+  s->executor_ = std::make_unique<Executor>(options.executor_threads);
+  s->metrics_ = std::make_unique<StoreMetrics>(s->store_.get());
+  if (!options.metrics_listen.empty()) {
+    KVT_ASSIGN_OR_RETURN(s->metrics_port_, s->metrics_->Serve(options.metrics_listen));
+  }
+  s->service_ = std::make_unique<StoreService>(s->store_.get(), s->quotas_.get(), &s->auth_,
+                                               s->executor_.get(), s->metrics_.get());
+  KVT_ASSIGN_OR_RETURN(auto creds, MakeServerCredentials(options.tls_cert, options.tls_key));
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen, creds, &s->port_);
+  builder.RegisterService(s->service_.get());
+  // Payloads stream in ~1 MiB chunks; 8 MiB leaves room for framing without
+  // letting one message grow unbounded.
+  builder.SetMaxReceiveMessageSize(8 << 20);
+  s->server_ = builder.BuildAndStart();
+  if (s->server_ == nullptr || s->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
+  }
+  s->server_->GetHealthCheckService()->SetServingStatus(true);
+  if (options.ttl_sweep_seconds > 0) {
+    StoreServer* raw = s.get();
+    s->sweeper_ = std::thread([raw] {
+      while (!raw->stop_.WaitForNotificationWithTimeout(
+          absl::Seconds(raw->options_.ttl_sweep_seconds))) {
+        absl::StatusOr<int> n = raw->store_->ExpireSessions();
+        if (!n.ok()) LogError("TTL sweep failed", {{"error", n.status().ToString()}});
+      }
+    });
+  }
+  LogInfo("kvtier-store serving", {{"port", s->port_},
+                                   {"metrics_port", s->metrics_port_},
+                                   {"data_dir", options.store.path},
+                                   {"tls", options.tls_cert.empty() ? "off" : "on"},
+                                   {"auth", s->auth_.enabled() ? "on" : "off"}});
+  return s;
+}
+
+void StoreServer::Shutdown() {
+  if (!stop_.HasBeenNotified()) stop_.Notify();
+}
+
+void StoreServer::Wait() { stop_.WaitForNotification(); }
+
+StoreServer::~StoreServer() {
+  Shutdown();
+  if (sweeper_.joinable()) sweeper_.join();
+  if (server_ != nullptr) {
+    server_->GetHealthCheckService()->SetServingStatus(false);
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  }
+  executor_.reset();  // Runs what was queued; reactors finish.
+  server_.reset();
+}
+
+}  // namespace kvtier

@@ -1,0 +1,395 @@
+#include "services/store/store_service.h"
+
+#include <algorithm>
+#include <atomic>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "base/log.h"
+#include "cachestore/names.h"
+#include "services/common/grpc_status.h"
+
+namespace kvtier {
+namespace {
+
+using cachestore::SegmentId;
+
+v1::SegmentState ToProto(cachestore::SegmentState s) {
+  switch (s) {
+    case cachestore::SegmentState::kWriting:
+      return v1::SEGMENT_STATE_WRITING;
+    case cachestore::SegmentState::kSealed:
+      return v1::SEGMENT_STATE_SEALED;
+    case cachestore::SegmentState::kSpilled:
+      return v1::SEGMENT_STATE_SPILLED;
+    case cachestore::SegmentState::kDropped:
+      return v1::SEGMENT_STATE_DROPPED;
+  }
+  return v1::SEGMENT_STATE_UNSPECIFIED;
+}
+
+}  // namespace
+
+v1::SegmentInfo ToProto(const cachestore::SegmentInfo& info) {
+  v1::SegmentInfo p;
+  p.mutable_ref()->set_round(info.id.round);
+  p.mutable_ref()->set_segment(info.id.segment);
+  p.set_layer_begin(info.layer_begin);
+  p.set_layer_end(info.layer_end);
+  p.set_payload_bytes(info.payload_bytes);
+  p.set_payload_crc32c(info.payload_crc32c);
+  p.set_state(ToProto(info.state));
+  p.set_recall_count(info.recall_count);
+  return p;
+}
+
+StoreService::StoreService(cachestore::Store* store, cachestore::QuotaManager* quotas,
+                           const Authenticator* auth, Executor* executor, StoreMetrics* metrics,
+                           StoreServiceOptions options)
+    : store_(store),
+      quotas_(quotas),
+      auth_(auth),
+      executor_(executor),
+      metrics_(metrics),
+      options_(options) {}
+
+// ---- PutSegment ----
+
+// Reads the header, reserves room on the executor, then accumulates chunks on
+// the callback thread (a memcpy, never blocking) and commits on the executor.
+// Exactly one Finish() is called on every path; nothing touches `this` after
+// it, since OnDone() may delete the reactor at once.
+class StoreService::PutReactor : public grpc::ServerReadReactor<v1::PutSegmentRequest> {
+ public:
+  PutReactor(StoreService* svc, grpc::CallbackServerContext* ctx, v1::PutSegmentResponse* resp)
+      : svc_(svc), ctx_(ctx), resp_(resp), start_(absl::Now()) {
+    absl::StatusOr<Principal> p = svc_->auth_->Authenticate(*ctx_);
+    absl::Status allowed = p.ok() ? Authenticator::RequireWrite(*p) : p.status();
+    if (!allowed.ok()) {
+      Done(allowed);
+      return;
+    }
+    principal_ = *std::move(p);
+    StartRead(&req_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // The client half-closed (or the call broke).
+      if (!ticket_.valid()) {
+        Done(absl::InvalidArgumentError("PutSegment stream ended without a header"));
+      } else if (buffer_.size() != ticket_.spec().payload_bytes) {
+        Done(absl::OutOfRangeError(absl::StrCat("truncated stream: got ", buffer_.size(),
+                                                " of ", ticket_.spec().payload_bytes,
+                                                " payload bytes")));
+      } else {
+        svc_->executor_->Schedule([this] { Commit(); });
+      }
+      return;
+    }
+    if (!ticket_.valid()) {
+      if (!req_.has_header()) {
+        Done(absl::InvalidArgumentError("the first PutSegment message must be the header"));
+        return;
+      }
+      svc_->executor_->Schedule([this] { Begin(); });
+      return;
+    }
+    if (!req_.has_chunk()) {
+      Done(absl::InvalidArgumentError("only one header is allowed per PutSegment stream"));
+      return;
+    }
+    const std::string& chunk = req_.chunk();
+    if (chunk.size() > svc_->options_.max_chunk_bytes) {
+      Done(absl::InvalidArgumentError(absl::StrCat("chunk of ", chunk.size(), " bytes exceeds ",
+                                                   svc_->options_.max_chunk_bytes)));
+      return;
+    }
+    if (buffer_.size() + chunk.size() > ticket_.spec().payload_bytes) {
+      Done(absl::OutOfRangeError(absl::StrCat("oversize stream: more than the declared ",
+                                              ticket_.spec().payload_bytes, " payload bytes")));
+      return;
+    }
+    buffer_.append(chunk);
+    StartRead(&req_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void Begin() {
+    const v1::PutSegmentHeader& h = req_.header();
+    cachestore::WriteSpec spec;
+    spec.tenant = principal_.tenant;
+    spec.session = h.session_id();
+    spec.id = {h.ref().round(), h.ref().segment()};
+    spec.layer_begin = h.layer_begin();
+    spec.layer_end = h.layer_end();
+    spec.payload_bytes = h.payload_bytes();
+    spec.payload_crc32c = h.payload_crc32c();
+    spec.has_round_summary = h.has_round_summary();
+    if (spec.has_round_summary) spec.round_summary = h.round_summary();
+    spec.session_ttl_seconds = h.session_ttl_seconds();
+    absl::StatusOr<cachestore::WriteTicket> t = svc_->store_->BeginWrite(spec);
+    if (!t.ok()) {
+      Done(t.status());
+      return;
+    }
+    ticket_ = *std::move(t);
+    buffer_.reserve(spec.payload_bytes);
+    StartRead(&req_);
+  }
+
+  void Commit() {
+    const uint64_t bytes = ticket_.spec().payload_bytes;
+    absl::StatusOr<cachestore::SegmentInfo> info =
+        svc_->store_->CommitWrite(std::move(ticket_), std::move(buffer_));
+    if (info.ok()) {
+      *resp_->mutable_segment() = ToProto(*info);
+      resp_->set_charged_bytes(bytes);
+    }
+    Done(info.status());
+  }
+
+  void Done(const absl::Status& s) {
+    svc_->metrics_->ObserveRequest("PutSegment", absl::Now() - start_, s.ok());
+    if (!s.ok()) {
+      LogInfo("PutSegment rejected", {{"tenant", principal_.tenant},
+                                      {"code", absl::StatusCodeToString(s.code())},
+                                      {"error", std::string(s.message())}});
+    }
+    Finish(ToGrpc(s));
+  }
+
+  StoreService* const svc_;
+  grpc::CallbackServerContext* const ctx_;
+  v1::PutSegmentResponse* const resp_;
+  const absl::Time start_;
+  Principal principal_;
+  v1::PutSegmentRequest req_;
+  cachestore::WriteTicket ticket_;
+  std::string buffer_;
+};
+
+grpc::ServerReadReactor<v1::PutSegmentRequest>* StoreService::PutSegment(
+    grpc::CallbackServerContext* ctx, v1::PutSegmentResponse* response) {
+  return new PutReactor(this, ctx, response);
+}
+
+// ---- GetSegments ----
+
+// Checks every ref and counts the recall on the executor, then streams each
+// segment as a header plus ~1 MiB chunks; the next segment is loaded on the
+// executor when the previous one has been written.
+class StoreService::GetReactor : public grpc::ServerWriteReactor<v1::GetSegmentsResponse> {
+ public:
+  GetReactor(StoreService* svc, grpc::CallbackServerContext* ctx,
+             const v1::GetSegmentsRequest* req)
+      : svc_(svc), ctx_(ctx), req_(req), start_(absl::Now()) {
+    auto p = svc_->auth_->Authenticate(*ctx_);
+    if (!p.ok()) {
+      Done(p.status());
+      return;
+    }
+    principal_ = *std::move(p);
+    if (req_->refs_size() == 0 || req_->refs_size() > svc_->options_.max_refs) {
+      Done(absl::InvalidArgumentError(absl::StrCat("GetSegments takes 1 to ",
+                                                   svc_->options_.max_refs, " refs, got ",
+                                                   req_->refs_size())));
+      return;
+    }
+    svc_->executor_->Schedule([this] { Prepare(); });
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Done(absl::CancelledError("client went away during GetSegments"));
+      return;
+    }
+    WriteNext();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void Prepare() {
+    std::vector<SegmentId> ids;
+    ids.reserve(req_->refs_size());
+    for (const auto& r : req_->refs()) ids.push_back({r.round(), r.segment()});
+    absl::StatusOr<std::vector<cachestore::SegmentInfo>> infos =
+        svc_->store_->PrepareRead(principal_.tenant, req_->session_id(), ids);
+    if (!infos.ok()) {
+      Done(infos.status());
+      return;
+    }
+    ids_ = std::move(ids);
+    Load();
+  }
+
+  // Runs on the executor: reads segment next_ and starts writing it.
+  void Load() {
+    absl::StatusOr<cachestore::ReadResult> r =
+        svc_->store_->ReadSegment(principal_.tenant, req_->session_id(), ids_[next_]);
+    if (!r.ok()) {
+      Done(r.status());
+      return;
+    }
+    current_ = *std::move(r);
+    offset_ = 0;
+    auto* h = msg_.mutable_header();
+    *h->mutable_segment() = ToProto(current_.info);
+    h->set_served_from(current_.served_from == cachestore::Tier::kRam ? v1::TIER_RAM
+                                                                      : v1::TIER_DISK);
+    bytes_sent_ += current_.payload->size();
+    StartWrite(&msg_);
+  }
+
+  // Called after each write completes, on a callback thread.
+  void WriteNext() {
+    const std::string& p = *current_.payload;
+    if (offset_ < p.size()) {
+      size_t n = std::min(svc_->options_.chunk_bytes, p.size() - offset_);
+      msg_.set_chunk(p.data() + offset_, n);
+      offset_ += n;
+      StartWrite(&msg_);
+      return;
+    }
+    current_ = {};
+    if (++next_ < ids_.size()) {
+      svc_->executor_->Schedule([this] { Load(); });
+      return;
+    }
+    Done(absl::OkStatus());
+  }
+
+  void Done(const absl::Status& s) {
+    svc_->metrics_->ObserveRequest("GetSegments", absl::Now() - start_, s.ok());
+    Finish(ToGrpc(s));
+  }
+
+  StoreService* const svc_;
+  grpc::CallbackServerContext* const ctx_;
+  const v1::GetSegmentsRequest* const req_;
+  const absl::Time start_;
+  Principal principal_;
+  std::vector<SegmentId> ids_;
+  size_t next_ = 0;
+  cachestore::ReadResult current_;
+  size_t offset_ = 0;
+  uint64_t bytes_sent_ = 0;
+  v1::GetSegmentsResponse msg_;
+};
+
+grpc::ServerWriteReactor<v1::GetSegmentsResponse>* StoreService::GetSegments(
+    grpc::CallbackServerContext* ctx, const v1::GetSegmentsRequest* request) {
+  return new GetReactor(this, ctx, request);
+}
+
+// ---- Unary calls ----
+
+template <typename Work>
+grpc::ServerUnaryReactor* StoreService::Unary(grpc::CallbackServerContext* ctx,
+                                              const char* method, bool write, Work work) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  const absl::Time start = absl::Now();
+  absl::StatusOr<Principal> p = auth_->Authenticate(*ctx);
+  absl::Status denied = p.ok() && write ? Authenticator::RequireWrite(*p) : p.status();
+  if (!denied.ok()) {
+    metrics_->ObserveRequest(method, absl::Now() - start, false);
+    reactor->Finish(ToGrpc(denied));
+    return reactor;
+  }
+  executor_->Schedule([this, reactor, method, start, principal = *std::move(p),
+                       work = std::move(work)]() mutable {
+    absl::Status s = work(principal);
+    metrics_->ObserveRequest(method, absl::Now() - start, s.ok());
+    reactor->Finish(ToGrpc(s));
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* StoreService::ListRounds(grpc::CallbackServerContext* ctx,
+                                                   const v1::ListRoundsRequest* req,
+                                                   v1::ListRoundsResponse* resp) {
+  return Unary(ctx, "ListRounds", false, [this, req, resp](const Principal& p) -> absl::Status {
+    absl::StatusOr<cachestore::SessionInfo> info = store_->ListRounds(p.tenant, req->session_id());
+    if (!info.ok()) return info.status();
+    resp->set_pinned(info->pinned);
+    resp->set_ttl_seconds(info->ttl_seconds);
+    for (const auto& r : info->rounds) {
+      v1::RoundInfo* out = resp->add_rounds();
+      out->set_round(r.round);
+      *out->mutable_summary() = r.summary;
+      for (const auto& s : r.segments) *out->add_segments() = ToProto(s);
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* StoreService::DropRounds(grpc::CallbackServerContext* ctx,
+                                                   const v1::DropRoundsRequest* req,
+                                                   v1::DropRoundsResponse* resp) {
+  return Unary(ctx, "DropRounds", true, [this, req, resp](const Principal& p) -> absl::Status {
+    if (req->rounds_size() == 0 || req->rounds_size() > 4096) {
+      return absl::InvalidArgumentError("DropRounds takes 1 to 4096 rounds");
+    }
+    std::vector<uint32_t> rounds(req->rounds().begin(), req->rounds().end());
+    auto r = store_->DropRounds(p.tenant, req->session_id(), rounds);
+    if (!r.ok()) return r.status();
+    for (uint32_t x : r->dropped) resp->add_dropped(x);
+    for (uint32_t x : r->not_found) resp->add_not_found(x);
+    resp->set_freed_bytes(r->freed_bytes);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* StoreService::DeleteSession(grpc::CallbackServerContext* ctx,
+                                                      const v1::DeleteSessionRequest* req,
+                                                      v1::DeleteSessionResponse* resp) {
+  return Unary(ctx, "DeleteSession", true,
+               [this, req, resp](const Principal& p) -> absl::Status {
+                 auto r = store_->DeleteSession(p.tenant, req->session_id());
+                 if (!r.ok()) return r.status();
+                 resp->set_freed_bytes(r->freed_bytes);
+                 resp->set_rounds_deleted(static_cast<uint32_t>(r->dropped.size()));
+                 return absl::OkStatus();
+               });
+}
+
+grpc::ServerUnaryReactor* StoreService::PinSession(grpc::CallbackServerContext* ctx,
+                                                   const v1::PinSessionRequest* req,
+                                                   v1::PinSessionResponse*) {
+  return Unary(ctx, "PinSession", true, [this, req](const Principal& p) {
+    return store_->PinSession(p.tenant, req->session_id(), req->pinned());
+  });
+}
+
+grpc::ServerUnaryReactor* StoreService::Stats(grpc::CallbackServerContext* ctx,
+                                              const v1::StatsRequest*, v1::StatsResponse* resp) {
+  return Unary(ctx, "Stats", false, [this, resp](const Principal& p) {
+    cachestore::StoreStats s = store_->Stats();
+    auto tier = [&](v1::Tier t, uint64_t bytes, uint64_t segs, uint64_t budget) {
+      v1::TierStats* ts = resp->add_tiers();
+      ts->set_tier(t);
+      ts->set_bytes(bytes);
+      ts->set_segments(segs);
+      ts->set_budget_bytes(budget);
+    };
+    tier(v1::TIER_RAM, s.ram_bytes, s.ram_segments, s.ram_budget_bytes);
+    tier(v1::TIER_DISK, s.disk_bytes, s.disk_segments, s.disk_budget_bytes);
+    resp->set_sessions(s.sessions);
+    resp->set_hits_ram(s.hits_ram);
+    resp->set_hits_disk(s.hits_disk);
+    resp->set_spills(s.spills);
+    resp->set_promotions(s.promotions);
+    resp->set_drops(s.drops);
+    resp->set_expired_sessions(s.expired_sessions);
+    cachestore::TenantUsage u = quotas_->Usage(p.tenant);
+    resp->set_tenant(p.tenant);
+    resp->set_tenant_bytes(u.used_bytes);
+    resp->set_tenant_quota_bytes(u.quota_bytes);
+    resp->set_tenant_sessions(store_->TenantSessions(p.tenant));
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace kvtier

@@ -1,0 +1,459 @@
+// Integration tests against a real kvtier-store process on 127.0.0.1:0.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <thread>
+
+#include "absl/synchronization/notification.h"
+#include "client/store_client.h"
+#include "gmock/gmock.h"
+#include "grpcpp/completion_queue.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "gtest/gtest.h"
+#include "kernels/crc32c.h"
+#include "kernels/encoded_tensor.h"
+#include "tests/util/status_matchers.h"
+#include "tests/util/store_process.h"
+#include "tests/util/test_util.h"
+
+namespace kvtier {
+namespace {
+
+using ::kvtier::testing::IsOk;
+using ::kvtier::testing::MakePayload;
+using ::kvtier::testing::StatusIs;
+using ::kvtier::testing::StoreProcess;
+using ::kvtier::testing::TempDir;
+using ::testing::HasSubstr;
+using Code = absl::StatusCode;
+
+constexpr char kAliceToken[] = "alice-token-0001";
+constexpr char kAliceReader[] = "alice-reader-001";
+constexpr char kBobToken[] = "bob-token-000001";
+constexpr char kCarolToken[] = "carol-token-0001";  // Tiny quota.
+
+class StoreIntegrationTest : public ::testing::Test {
+ protected:
+  void StartStore(std::vector<std::string> flags = {}) {
+    std::ofstream(dir_.path() + "/tenants") << "# test tenants\n"
+                                            << kAliceToken << " alice readwrite\n"
+                                            << kAliceReader << " alice readonly\n"
+                                            << kBobToken << " bob readwrite\n"
+                                            << kCarolToken << " carol readwrite 100000\n";
+    flags.push_back("--tenants_file=" + dir_.path() + "/tenants");
+    flags.push_back("--sync_writes=false");  // The crash test covers fsync.
+    store_ = std::make_unique<StoreProcess>(dir_.path() + "/db", flags);
+    ASSERT_THAT(store_->Start(), IsOk());
+    alice_ = Client(kAliceToken);
+  }
+
+  std::unique_ptr<StoreClient> Client(const std::string& token) {
+    StoreClientOptions o;
+    o.target = store_->target();
+    o.token = token;
+    auto c = StoreClient::Connect(o);
+    EXPECT_TRUE(c.ok());
+    return std::move(c).value();
+  }
+
+  static PutSegmentArgs Args(const std::string& session, uint32_t round, uint32_t seg = 0) {
+    PutSegmentArgs a;
+    a.session_id = session;
+    a.round = round;
+    a.segment = seg;
+    a.layer_begin = seg == 0 ? 0 : 2;
+    a.layer_end = seg == 0 ? 2 : 5;
+    return a;
+  }
+
+  static v1::SegmentRef Ref(uint32_t round, uint32_t seg = 0) {
+    v1::SegmentRef r;
+    r.set_round(round);
+    r.set_segment(seg);
+    return r;
+  }
+
+  // Sends a hand-built PutSegment stream, for malformed-input cases.
+  absl::Status RawPut(const std::vector<v1::PutSegmentRequest>& msgs,
+                      const std::string& token = kAliceToken) {
+    auto c = Client(token);
+    auto ctx = c->NewContext();
+    v1::PutSegmentResponse resp;
+    auto w = c->stub()->PutSegment(ctx.get(), &resp);
+    for (const auto& m : msgs) {
+      if (!w->Write(m)) break;
+    }
+    w->WritesDone();
+    grpc::Status s = w->Finish();
+    return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  }
+
+  static v1::PutSegmentRequest Header(const std::string& session, uint32_t round,
+                                      const std::string& payload) {
+    v1::PutSegmentRequest r;
+    auto* h = r.mutable_header();
+    h->set_session_id(session);
+    h->mutable_ref()->set_round(round);
+    h->set_layer_begin(0);
+    h->set_layer_end(2);
+    h->set_payload_bytes(payload.size());
+    h->set_payload_crc32c(Crc32c(payload));
+    return r;
+  }
+  static v1::PutSegmentRequest Chunk(const std::string& bytes) {
+    v1::PutSegmentRequest r;
+    r.set_chunk(bytes);
+    return r;
+  }
+
+  v1::StatsResponse Stats() {
+    auto s = alice_->Stats();
+    EXPECT_THAT(s, IsOk());
+    return s.value_or(v1::StatsResponse());
+  }
+
+  TempDir dir_;
+  std::unique_ptr<StoreProcess> store_;
+  std::unique_ptr<StoreClient> alice_;
+};
+
+TEST_F(StoreIntegrationTest, RoundTripsFrom1KiBTo64MiBInOneBatchedCall) {
+  StartStore();
+  const std::vector<uint64_t> sizes = {1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20};
+  std::vector<std::string> payloads;
+  std::vector<v1::SegmentRef> refs;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    payloads.push_back(MakePayload(sizes[i], i));
+    auto r = alice_->PutSegment(Args("big", i), payloads.back());
+    ASSERT_THAT(r, IsOk());
+    EXPECT_EQ(r->segment().payload_bytes(), payloads.back().size());
+    refs.push_back(Ref(i));
+  }
+  auto got = alice_->GetSegments("big", refs);
+  ASSERT_THAT(got, IsOk());
+  ASSERT_EQ(got->size(), sizes.size());
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    EXPECT_EQ((*got)[i].info.ref().round(), i);
+    EXPECT_TRUE((*got)[i].payload == payloads[i]) << "segment " << i << " differs";
+    EXPECT_THAT(ParseAndValidatePayload((*got)[i].payload), IsOk());
+  }
+  auto list = alice_->ListRounds("big");
+  ASSERT_THAT(list, IsOk());
+  ASSERT_EQ(list->rounds_size(), 5);
+  EXPECT_EQ(list->rounds(4).summary().recall_count(), 1u);
+}
+
+TEST_F(StoreIntegrationTest, ManyConcurrentSessions) {
+  StartStore();
+  constexpr int kThreads = 8, kSessionsPerThread = 6, kRounds = 4;
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      auto c = Client(kAliceToken);
+      for (int s = 0; s < kSessionsPerThread; ++s) {
+        std::string session = "chat-" + std::to_string(t) + "-" + std::to_string(s);
+        for (int r = 0; r < kRounds; ++r) {
+          for (uint32_t seg = 0; seg < 2; ++seg) {
+            std::string p = MakePayload(20'000 + 1000 * r, t * 1000 + s * 10 + r * 2 + seg);
+            if (!c->PutSegment(Args(session, r, seg), p).ok()) ++failures;
+          }
+        }
+        std::vector<v1::SegmentRef> refs;
+        for (int r = 0; r < kRounds; ++r) refs.push_back(Ref(r, 1));
+        auto got = c->GetSegments(session, refs);
+        if (!got.ok()) {
+          ++failures;
+          continue;
+        }
+        for (int r = 0; r < kRounds; ++r) {
+          if ((*got)[r].payload != MakePayload(20'000 + 1000 * r, t * 1000 + s * 10 + r * 2 + 1)) {
+            ++failures;
+          }
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  v1::StatsResponse st = Stats();
+  EXPECT_EQ(st.sessions(), uint64_t{kThreads * kSessionsPerThread});
+  EXPECT_EQ(st.tiers(1).segments(), uint64_t{kThreads * kSessionsPerThread * kRounds * 2});
+}
+
+TEST_F(StoreIntegrationTest, RamOverflowSpillsToRocksDbAndComesBack) {
+  StartStore({"--ram_budget_mb=1", "--promote_after_reads=2"});
+  std::vector<std::string> payloads;
+  for (int r = 0; r < 8; ++r) {
+    payloads.push_back(MakePayload(300 << 10, r));
+    ASSERT_THAT(alice_->PutSegment(Args("s", r), payloads.back()), IsOk());
+  }
+  v1::StatsResponse st = Stats();
+  EXPECT_LE(st.tiers(0).bytes(), 1u << 20);
+  EXPECT_GE(st.spills(), 5u);
+  EXPECT_EQ(st.tiers(1).segments(), 8u);
+  auto list = alice_->ListRounds("s");
+  ASSERT_THAT(list, IsOk());
+  EXPECT_EQ(list->rounds(0).segments(0).state(), v1::SEGMENT_STATE_SPILLED);
+  EXPECT_EQ(list->rounds(7).segments(0).state(), v1::SEGMENT_STATE_SEALED);
+
+  // Round 0 is read from disk twice, then served from RAM.
+  for (v1::Tier want : {v1::TIER_DISK, v1::TIER_DISK, v1::TIER_RAM}) {
+    auto got = alice_->GetSegments("s", {Ref(0)});
+    ASSERT_THAT(got, IsOk());
+    EXPECT_EQ((*got)[0].served_from, want);
+    EXPECT_TRUE((*got)[0].payload == payloads[0]);
+  }
+  std::vector<v1::SegmentRef> all;
+  for (int r = 0; r < 8; ++r) all.push_back(Ref(r));
+  auto got = alice_->GetSegments("s", all);
+  ASSERT_THAT(got, IsOk());
+  for (int r = 0; r < 8; ++r) EXPECT_TRUE((*got)[r].payload == payloads[r]) << r;
+  st = Stats();
+  EXPECT_GE(st.promotions(), 1u);
+  EXPECT_GE(st.hits_disk(), 2u);
+}
+
+TEST_F(StoreIntegrationTest, BadInputGetsPreciseStatusAndChangesNothing) {
+  StartStore({"--max_segment_mb=1"});
+  const std::string good = MakePayload(5000, 1);
+  ASSERT_THAT(alice_->PutSegment(Args("s", 0), good), IsOk());
+  const v1::StatsResponse before = Stats();
+
+  // INVALID_ARGUMENT: names, layer range, missing header, unparsable bytes, bad shape.
+  EXPECT_THAT(alice_->PutSegment(Args("bad name!", 1), good), StatusIs(Code::kInvalidArgument));
+  PutSegmentArgs bad_layers = Args("s", 1);
+  bad_layers.layer_begin = 3;
+  bad_layers.layer_end = 2;
+  EXPECT_THAT(alice_->PutSegment(bad_layers, good), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(RawPut({Chunk(good)}), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(RawPut({Header("s", 1, good), Header("s", 1, good)}),
+              StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(alice_->PutSegment(Args("s", 1), std::string(4000, '\x07')),
+              StatusIs(Code::kInvalidArgument));
+  v1::SegmentPayload shaped;
+  ASSERT_TRUE(shaped.ParseFromString(good));
+  shaped.mutable_tensors(0)->set_shape(0, shaped.tensors(0).shape(0) + 1);
+  EXPECT_THAT(alice_->PutSegment(Args("s", 1), shaped.SerializeAsString()),
+              StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(alice_->GetSegments("s", {}), StatusIs(Code::kInvalidArgument));
+
+  // DATA_LOSS: the header's checksum, and a tensor's own checksum.
+  v1::PutSegmentRequest h = Header("s", 1, good);
+  h.mutable_header()->set_payload_crc32c(h.header().payload_crc32c() ^ 1);
+  EXPECT_THAT(RawPut({h, Chunk(good)}), StatusIs(Code::kDataLoss));
+  v1::SegmentPayload flipped;
+  ASSERT_TRUE(flipped.ParseFromString(good));
+  (*flipped.mutable_tensors(0)->mutable_buffers(0)->mutable_data())[7] ^= 0x10;
+  EXPECT_THAT(alice_->PutSegment(Args("s", 1), flipped.SerializeAsString()),
+              StatusIs(Code::kDataLoss));
+
+  // OUT_OF_RANGE: truncated, oversize, and over the store's max segment size.
+  EXPECT_THAT(RawPut({Header("s", 1, good), Chunk(good.substr(0, 100))}),
+              StatusIs(Code::kOutOfRange));
+  EXPECT_THAT(RawPut({Header("s", 1, good), Chunk(good), Chunk("x")}),
+              StatusIs(Code::kOutOfRange));
+  EXPECT_THAT(alice_->PutSegment(Args("s", 1), MakePayload(2 << 20, 3)),
+              StatusIs(Code::kOutOfRange));
+
+  // ALREADY_EXISTS.
+  EXPECT_THAT(alice_->PutSegment(Args("s", 0), MakePayload(5000, 9)),
+              StatusIs(Code::kAlreadyExists));
+
+  // NOT_FOUND.
+  EXPECT_THAT(alice_->GetSegments("nope", {Ref(0)}), StatusIs(Code::kNotFound));
+  EXPECT_THAT(alice_->GetSegments("s", {Ref(0), Ref(3)}), StatusIs(Code::kNotFound));
+  EXPECT_THAT(alice_->ListRounds("nope"), StatusIs(Code::kNotFound));
+  EXPECT_THAT(alice_->DeleteSession("nope"), StatusIs(Code::kNotFound));
+
+  // UNAUTHENTICATED and PERMISSION_DENIED.
+  EXPECT_THAT(Client("")->ListRounds("s"), StatusIs(Code::kUnauthenticated));
+  EXPECT_THAT(Client("wrong-token-123")->PutSegment(Args("s", 1), good),
+              StatusIs(Code::kUnauthenticated));
+  auto reader = Client(kAliceReader);
+  EXPECT_THAT(reader->PutSegment(Args("s", 1), good), StatusIs(Code::kPermissionDenied));
+  EXPECT_THAT(reader->DeleteSession("s"), StatusIs(Code::kPermissionDenied));
+  EXPECT_THAT(reader->DropRounds("s", {0}), StatusIs(Code::kPermissionDenied));
+  EXPECT_THAT(reader->ListRounds("s"), IsOk());  // Reading is allowed.
+
+  // RESOURCE_EXHAUSTED: carol's quota is 100000 bytes.
+  auto carol = Client(kCarolToken);
+  ASSERT_THAT(carol->PutSegment(Args("c", 0), MakePayload(60'000, 4)), IsOk());
+  EXPECT_THAT(carol->PutSegment(Args("c", 1), MakePayload(60'000, 5)),
+              StatusIs(Code::kResourceExhausted));
+
+  // Nothing above changed alice's data.
+  const v1::StatsResponse after = Stats();
+  EXPECT_EQ(after.tenant_bytes(), before.tenant_bytes());
+  auto list = alice_->ListRounds("s");
+  ASSERT_THAT(list, IsOk());
+  ASSERT_EQ(list->rounds_size(), 1);
+  auto got = alice_->GetSegments("s", {Ref(0)});
+  ASSERT_THAT(got, IsOk());
+  EXPECT_TRUE((*got)[0].payload == good);
+}
+
+TEST_F(StoreIntegrationTest, TenantsCannotSeeEachOthersSessions) {
+  StartStore();
+  const std::string p = MakePayload(3000, 1);
+  ASSERT_THAT(alice_->PutSegment(Args("conversation-1", 0), p), IsOk());
+  auto bob = Client(kBobToken);
+  EXPECT_THAT(bob->ListRounds("conversation-1"), StatusIs(Code::kNotFound));
+  EXPECT_THAT(bob->GetSegments("conversation-1", {Ref(0)}), StatusIs(Code::kNotFound));
+  EXPECT_THAT(bob->DropRounds("conversation-1", {0}), StatusIs(Code::kNotFound));
+  EXPECT_THAT(bob->DeleteSession("conversation-1"), StatusIs(Code::kNotFound));
+  // Bob may use the same name: it is a different session.
+  ASSERT_THAT(bob->PutSegment(Args("conversation-1", 0), MakePayload(3000, 2)), IsOk());
+  auto bs = bob->Stats();
+  ASSERT_THAT(bs, IsOk());
+  EXPECT_EQ(bs->tenant(), "bob");
+  EXPECT_EQ(bs->tenant_sessions(), 1u);
+  auto got = alice_->GetSegments("conversation-1", {Ref(0)});
+  ASSERT_THAT(got, IsOk());
+  EXPECT_TRUE((*got)[0].payload == p);
+}
+
+TEST_F(StoreIntegrationTest, DropDeletePinAndRestart) {
+  StartStore();
+  for (int r = 0; r < 3; ++r) ASSERT_THAT(alice_->PutSegment(Args("s", r), MakePayload(2000, r)), IsOk());
+  auto dropped = alice_->DropRounds("s", {1, 9});
+  ASSERT_THAT(dropped, IsOk());
+  EXPECT_EQ(dropped->dropped_size(), 1);
+  EXPECT_EQ(dropped->not_found(0), 9u);
+  ASSERT_THAT(alice_->PinSession("s", true), IsOk());
+  ASSERT_THAT(alice_->PutSegment(Args("gone", 0), MakePayload(2000, 7)), IsOk());
+  ASSERT_THAT(alice_->DeleteSession("gone"), IsOk());
+  EXPECT_EQ(store_->Stop(), 0);  // Clean SIGTERM shutdown.
+  ASSERT_THAT(store_->Start(), IsOk());
+  alice_ = Client(kAliceToken);
+  auto list = alice_->ListRounds("s");
+  ASSERT_THAT(list, IsOk());
+  EXPECT_TRUE(list->pinned());
+  ASSERT_EQ(list->rounds_size(), 2);
+  EXPECT_EQ(list->rounds(1).round(), 2u);
+  EXPECT_THAT(alice_->ListRounds("gone"), StatusIs(Code::kNotFound));
+}
+
+std::string HttpGet(int port, const std::string& path) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return "";
+  }
+  std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
+  (void)!::write(fd, req.data(), req.size());
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(fd, buf, sizeof(buf))) > 0) out.append(buf, n);
+  ::close(fd);
+  return out;
+}
+
+TEST_F(StoreIntegrationTest, MetricsHealthAndReflection) {
+  StartStore();
+  ASSERT_THAT(alice_->PutSegment(Args("s", 0), MakePayload(4096, 1)), IsOk());
+  ASSERT_THAT(alice_->GetSegments("s", {Ref(0)}), IsOk());
+  std::string metrics = HttpGet(store_->metrics_port(), "/metrics");
+  EXPECT_THAT(metrics, HasSubstr("kvtier_store_bytes{tier=\"ram\"}"));
+  EXPECT_THAT(metrics, HasSubstr("kvtier_store_hits_total{tier=\"ram\"} 1"));
+  EXPECT_THAT(metrics, HasSubstr("kvtier_store_request_seconds_count{method=\"PutSegment\"} 1"));
+
+  // grpc.health.v1.Health/Check with an empty request: SERVING is field 1 = 1.
+  grpc::GenericStub generic(alice_->channel());
+  grpc::ClientContext ctx;
+  grpc::Slice empty_slice(std::string{});
+  grpc::ByteBuffer req(&empty_slice, 1), resp;
+  absl::Notification done;
+  grpc::Status status;
+  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &req, &resp,
+                    [&](grpc::Status s) {
+                      status = s;
+                      done.Notify();
+                    });
+  done.WaitForNotification();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(resp.Dump(&slices).ok());
+  std::string bytes;
+  for (auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  EXPECT_EQ(bytes, std::string("\x08\x01", 2));
+
+  // Reflection: ServerReflectionRequest{list_services: ""} is field 7, empty.
+  grpc::CompletionQueue cq;
+  grpc::ClientContext rctx;
+  auto call = generic.PrepareCall(
+      &rctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  auto step = [&](intptr_t tag) {
+    void* got;
+    bool ok = false;
+    EXPECT_TRUE(cq.Next(&got, &ok));
+    EXPECT_EQ(reinterpret_cast<intptr_t>(got), tag);
+    return ok;
+  };
+  call->StartCall(reinterpret_cast<void*>(1));
+  ASSERT_TRUE(step(1));
+  grpc::Slice slice(std::string("\x3a\x00", 2));
+  grpc::ByteBuffer out(&slice, 1);
+  call->Write(out, reinterpret_cast<void*>(2));
+  ASSERT_TRUE(step(2));
+  call->WritesDone(reinterpret_cast<void*>(3));
+  ASSERT_TRUE(step(3));
+  grpc::ByteBuffer in;
+  call->Read(&in, reinterpret_cast<void*>(4));
+  ASSERT_TRUE(step(4));
+  std::vector<grpc::Slice> in_slices;
+  ASSERT_TRUE(in.Dump(&in_slices).ok());
+  std::string listed;
+  for (auto& s : in_slices) listed.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  EXPECT_THAT(listed, HasSubstr("kvtier.v1.Store"));
+  EXPECT_THAT(listed, HasSubstr("grpc.health.v1.Health"));
+  grpc::Status fin;
+  call->Finish(&fin, reinterpret_cast<void*>(5));
+  step(5);
+  cq.Shutdown();
+  void* ignored_tag;
+  bool ignored_ok;
+  while (cq.Next(&ignored_tag, &ignored_ok)) {
+  }
+}
+
+TEST_F(StoreIntegrationTest, TlsRoundTrip) {
+  if (std::system("command -v openssl >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "openssl CLI not installed; `make deps` installs it";
+  }
+  const std::string cert = dir_.path() + "/cert.pem", key = dir_.path() + "/key.pem";
+  std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -keyout " + key + " -out " + cert +
+                    " -days 1 -subj /CN=localhost -addext subjectAltName=DNS:localhost "
+                    ">/dev/null 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  StartStore({"--tls_cert=" + cert, "--tls_key=" + key});
+  std::ifstream in(cert);
+  std::string pem((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  StoreClientOptions o;
+  o.target = store_->target();
+  o.token = kAliceToken;
+  o.tls_root_certs = pem;
+  o.tls_server_name = "localhost";
+  auto tls = StoreClient::Connect(o);
+  ASSERT_THAT(tls, IsOk());
+  const std::string p = MakePayload(100'000, 5);
+  ASSERT_THAT((*tls)->PutSegment(Args("secure", 0), p), IsOk());
+  auto got = (*tls)->GetSegments("secure", {Ref(0)});
+  ASSERT_THAT(got, IsOk());
+  EXPECT_TRUE((*got)[0].payload == p);
+  // A plaintext client cannot talk to the TLS port.
+  EXPECT_THAT(alice_->ListRounds("secure"), StatusIs(Code::kUnavailable));
+}
+
+}  // namespace
+}  // namespace kvtier

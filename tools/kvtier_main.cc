@@ -1,0 +1,66 @@
+// kvtier: the command-line tool. `kvtier help` lists the commands.
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "tools/cli_args.h"
+
+namespace kvtier::cli {
+
+int StoreCommand(const Args& args);
+
+Args::Args(int argc, char** argv, int first) {
+  for (int i = first; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--", 0) == 0) {
+      size_t eq = a.find('=');
+      if (eq == std::string::npos) {
+        kv_[a.substr(2)] = "true";
+      } else {
+        kv_[a.substr(2, eq - 2)] = a.substr(eq + 1);
+      }
+    } else {
+      pos_.push_back(a);
+    }
+  }
+}
+
+std::string Args::Get(const std::string& k, const std::string& def) const {
+  auto it = kv_.find(k);
+  return it == kv_.end() ? def : it->second;
+}
+
+uint64_t Args::GetU64(const std::string& k, uint64_t def) const {
+  auto it = kv_.find(k);
+  if (it == kv_.end()) return def;
+  uint64_t v;
+  if (!absl::SimpleAtoi(it->second, &v)) {
+    std::fprintf(stderr, "kvtier: --%s must be a non-negative integer, got '%s'\n", k.c_str(),
+                 it->second.c_str());
+    std::exit(2);
+  }
+  return v;
+}
+
+std::vector<std::string> Args::Unknown(const std::vector<std::string>& known) const {
+  std::vector<std::string> out;
+  for (const auto& [k, v] : kv_) {
+    bool found = false;
+    for (const auto& n : known) found |= n == k;
+    if (!found) out.push_back(k);
+  }
+  return out;
+}
+
+}  // namespace kvtier::cli
+
+int main(int argc, char** argv) {
+  std::string cmd = argc > 1 ? argv[1] : "help";
+  if (cmd == "store") return kvtier::cli::StoreCommand(kvtier::cli::Args(argc, argv, 2));
+  std::printf(
+      "kvtier: the kvtier command-line tool\n\n"
+      "  kvtier store SUBCOMMAND [--target=HOST:PORT] [--token=TOKEN] ...\n"
+      "      put | get | ls | drop | rm | pin | stats   (kvtier store help)\n");
+  return cmd == "help" || cmd == "--help" ? 0 : 2;
+}
