@@ -1,0 +1,257 @@
+// kvtier-bench store: PutSegment / GetSegments throughput against a real
+// kvtier-store process, next to raw TCP loopback throughput between two
+// processes measured in the same run.
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "client/store_client.h"
+#include "tests/util/store_process.h"
+#include "tests/util/test_util.h"
+
+namespace kvtier::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// Sends `bytes_per_stream` over each of `streams` loopback TCP connections
+// to a forked child that discards them; returns GB/s (1e9 bytes/s).
+double TcpLoopbackGbps(int streams, uint64_t bytes_per_stream) {
+  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (::bind(listener, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
+      ::listen(listener, streams) != 0 ||
+      ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    std::perror("tcp baseline: listen");
+    std::exit(1);
+  }
+  pid_t child = ::fork();
+  if (child == 0) {
+    std::vector<std::thread> readers;
+    for (int i = 0; i < streams; ++i) {
+      int fd = ::accept(listener, nullptr, nullptr);
+      readers.emplace_back([fd] {
+        std::vector<char> buf(1 << 20);
+        while (::read(fd, buf.data(), buf.size()) > 0) {
+        }
+        char ack = 1;
+        (void)!::write(fd, &ack, 1);
+        ::close(fd);
+      });
+    }
+    for (auto& t : readers) t.join();
+    ::_exit(0);
+  }
+  ::close(listener);
+  std::vector<int> fds;
+  for (int i = 0; i < streams; ++i) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      std::perror("tcp baseline: connect");
+      std::exit(1);
+    }
+    fds.push_back(fd);
+  }
+  auto t0 = Clock::now();
+  std::vector<std::thread> writers;
+  for (int fd : fds) {
+    writers.emplace_back([fd, bytes_per_stream] {
+      std::vector<char> buf(1 << 20, 'x');
+      uint64_t left = bytes_per_stream;
+      while (left > 0) {
+        ssize_t n = ::write(fd, buf.data(), std::min<uint64_t>(left, buf.size()));
+        if (n <= 0) return;
+        left -= n;
+      }
+      ::shutdown(fd, SHUT_WR);
+      char ack;
+      (void)!::read(fd, &ack, 1);
+      ::close(fd);
+    });
+  }
+  for (auto& t : writers) t.join();
+  double s = Seconds(t0, Clock::now());
+  int status;
+  ::waitpid(child, &status, 0);
+  return streams * bytes_per_stream / s / 1e9;
+}
+
+struct Row {
+  std::string op;
+  uint64_t segment_bytes;
+  int streams;
+  double gbps;
+  double tcp_gbps;
+};
+
+void Usage() {
+  std::fprintf(stderr,
+               "kvtier-bench store [--csv=FILE] [--bytes_per_point=MiB] [--sync=true|false]\n"
+               "  Measures PutSegment and GetSegments GB/s for 64 KiB, 1 MiB, 16 MiB and\n"
+               "  64 MiB segments with 1 and 8 streams against a kvtier-store it starts on\n"
+               "  127.0.0.1:0, and raw TCP loopback between two processes as the baseline.\n"
+               "  --bytes_per_point  payload moved per measurement (default 512 MiB)\n"
+               "  --sync             the store's --sync_writes (default true, its default)\n"
+               "  --data_dir         where the store's RocksDB lives (default a temp dir)\n");
+}
+
+}  // namespace
+
+int StoreBench(int argc, char** argv) {
+  std::string csv;
+  uint64_t per_point = 512ull << 20;
+  std::string sync = "true";
+  std::string data_dir;
+  for (int i = 0; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--csv=", 0) == 0) {
+      csv = a.substr(6);
+    } else if (a.rfind("--bytes_per_point=", 0) == 0) {
+      per_point = std::stoull(a.substr(18)) << 20;
+    } else if (a.rfind("--sync=", 0) == 0) {
+      sync = a.substr(7);
+    } else if (a.rfind("--data_dir=", 0) == 0) {
+      data_dir = a.substr(11);
+    } else {
+      Usage();
+      return 2;
+    }
+  }
+  testing::TempDir tmp;
+  if (data_dir.empty()) data_dir = tmp.path();
+  testing::StoreProcess store(data_dir + "/db",
+                              {"--sync_writes=" + sync, "--ram_budget_mb=8192",
+                               "--max_segment_mb=256", "--log_level=warn"});
+  if (absl::Status s = store.Start(); !s.ok()) {
+    std::fprintf(stderr, "kvtier-bench: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  StoreClientOptions o;
+  o.target = store.target();
+
+  const std::vector<uint64_t> sizes = {64ull << 10, 1ull << 20, 16ull << 20, 64ull << 20};
+  const std::vector<int> stream_counts = {1, 8};
+  std::map<int, double> tcp;
+  for (int streams : stream_counts) {
+    // Best of three: the baseline is what the loopback can do.
+    double best = 0;
+    for (int i = 0; i < 3; ++i) best = std::max(best, TcpLoopbackGbps(streams, per_point / streams));
+    tcp[streams] = best;
+    std::fprintf(stderr, "tcp loopback, %d stream(s): %.2f GB/s\n", streams, best);
+  }
+
+  std::vector<Row> rows;
+  int session_no = 0;
+  for (uint64_t size : sizes) {
+    for (int streams : stream_counts) {
+      const uint64_t per_stream = std::max<uint64_t>(1, per_point / size / streams);
+      // Distinct payloads per stream, built before the clock starts.
+      std::vector<std::string> payloads;
+      for (int s = 0; s < streams; ++s) payloads.push_back(testing::MakePayload(size, s + 1));
+      std::vector<std::string> sessions;
+      for (int s = 0; s < streams; ++s) sessions.push_back("bench-" + std::to_string(session_no++));
+      std::atomic<uint64_t> moved{0};
+      std::atomic<bool> failed{false};
+      auto run = [&](auto body) {
+        std::vector<std::thread> threads;
+        moved = 0;
+        auto t0 = Clock::now();
+        for (int s = 0; s < streams; ++s) threads.emplace_back([&, s] { body(s); });
+        for (auto& t : threads) t.join();
+        return moved.load() / Seconds(t0, Clock::now()) / 1e9;
+      };
+      double put = run([&](int s) {
+        auto c = StoreClient::Connect(o);
+        for (uint64_t i = 0; i < per_stream && !failed; ++i) {
+          PutSegmentArgs a;
+          a.session_id = sessions[s];
+          a.round = static_cast<uint32_t>(i);
+          a.layer_end = 4;
+          auto r = (*c)->PutSegment(a, payloads[s]);
+          if (!r.ok()) {
+            std::fprintf(stderr, "put failed: %s\n", r.status().ToString().c_str());
+            failed = true;
+            return;
+          }
+          moved += payloads[s].size();
+        }
+      });
+      double get = run([&](int s) {
+        auto c = StoreClient::Connect(o);
+        // Batched like a recall: up to 64 MiB of segments per call.
+        const uint64_t batch = std::max<uint64_t>(1, (64ull << 20) / size);
+        for (uint64_t i = 0; i < per_stream && !failed; i += batch) {
+          std::vector<v1::SegmentRef> refs;
+          for (uint64_t j = i; j < std::min(per_stream, i + batch); ++j) {
+            v1::SegmentRef r;
+            r.set_round(static_cast<uint32_t>(j));
+            refs.push_back(r);
+          }
+          auto got = (*c)->GetSegments(sessions[s], refs);
+          if (!got.ok()) {
+            std::fprintf(stderr, "get failed: %s\n", got.status().ToString().c_str());
+            failed = true;
+            return;
+          }
+          for (const auto& f : *got) moved += f.payload.size();
+        }
+      });
+      if (failed) return 1;
+      rows.push_back({"put", size, streams, put, tcp[streams]});
+      rows.push_back({"get", size, streams, get, tcp[streams]});
+      std::fprintf(stderr, "%8lu B x %d: put %.2f GB/s, get %.2f GB/s\n",
+                   static_cast<unsigned long>(size), streams, put, get);
+      auto c = StoreClient::Connect(o);
+      for (const std::string& s : sessions) (void)(*c)->DeleteSession(s);  // Frees disk.
+    }
+  }
+
+  std::printf("\nkvtier-store throughput (sync_writes=%s), GB/s = 1e9 bytes/s\n\n", sync.c_str());
+  std::printf("| op  | segment  | streams | store GB/s | raw TCP GB/s | ratio |\n");
+  std::printf("|-----|----------|---------|------------|--------------|-------|\n");
+  for (const Row& r : rows) {
+    std::string sz = r.segment_bytes >= (1 << 20)
+                         ? std::to_string(r.segment_bytes >> 20) + " MiB"
+                         : std::to_string(r.segment_bytes >> 10) + " KiB";
+    std::printf("| %-3s | %-8s | %7d | %10.2f | %12.2f | %5.2f |\n", r.op.c_str(), sz.c_str(),
+                r.streams, r.gbps, r.tcp_gbps, r.gbps / r.tcp_gbps);
+  }
+  if (!csv.empty()) {
+    std::ofstream out(csv);
+    out << "op,segment_bytes,streams,gbps,tcp_gbps,ratio\n";
+    for (const Row& r : rows) {
+      out << r.op << "," << r.segment_bytes << "," << r.streams << "," << r.gbps << ","
+          << r.tcp_gbps << "," << r.gbps / r.tcp_gbps << "\n";
+    }
+    std::printf("\nwrote %s\n", csv.c_str());
+  }
+  return 0;
+}
+
+}  // namespace kvtier::bench
+
+int main(int argc, char** argv) {
+  std::string what = argc > 1 ? argv[1] : "";
+  if (what == "store") return kvtier::bench::StoreBench(argc - 2, argv + 2);
+  std::fprintf(stderr, "usage: kvtier-bench store [--csv=FILE] ...  (kvtier-bench store --help)\n");
+  return 2;
+}
