@@ -1,11 +1,14 @@
 #include "cachestore/store.h"
 
+#include <atomic>
 #include <memory>
 #include <string>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/crc32c.h"
+#include "rocksdb/env.h"
+#include "rocksdb/file_system.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_util.h"
 
@@ -18,6 +21,43 @@ using ::kvtier::testing::StatusIs;
 using ::kvtier::testing::TempDir;
 using ::testing::ElementsAre;
 using Code = absl::StatusCode;
+
+// A file system whose writes start failing on demand: the "failing disk"
+// that tests inject below the Store instead of mocking RocksDB.
+class FailingFs : public rocksdb::FileSystemWrapper {
+ public:
+  FailingFs() : FileSystemWrapper(rocksdb::FileSystem::Default()) {}
+  const char* Name() const override { return "FailingFs"; }
+  std::atomic<bool> fail{false};
+
+  rocksdb::IOStatus NewWritableFile(const std::string& f, const rocksdb::FileOptions& o,
+                                    std::unique_ptr<rocksdb::FSWritableFile>* r,
+                                    rocksdb::IODebugContext* dbg) override {
+    std::unique_ptr<rocksdb::FSWritableFile> file;
+    rocksdb::IOStatus s = target()->NewWritableFile(f, o, &file, dbg);
+    if (s.ok()) *r = std::make_unique<File>(std::move(file), &fail);
+    return s;
+  }
+
+ private:
+  class File : public rocksdb::FSWritableFileOwnerWrapper {
+   public:
+    File(std::unique_ptr<rocksdb::FSWritableFile> f, std::atomic<bool>* fail)
+        : FSWritableFileOwnerWrapper(std::move(f)), fail_(fail) {}
+    rocksdb::IOStatus Append(const rocksdb::Slice& d, const rocksdb::IOOptions& o,
+                             rocksdb::IODebugContext* dbg) override {
+      if (fail_->load()) return rocksdb::IOStatus::IOError("injected disk failure");
+      return FSWritableFileOwnerWrapper::Append(d, o, dbg);
+    }
+    rocksdb::IOStatus Sync(const rocksdb::IOOptions& o, rocksdb::IODebugContext* dbg) override {
+      if (fail_->load()) return rocksdb::IOStatus::IOError("injected disk failure");
+      return FSWritableFileOwnerWrapper::Sync(o, dbg);
+    }
+
+   private:
+    std::atomic<bool>* fail_;
+  };
+};
 
 class StoreTest : public ::testing::Test {
  protected:
@@ -69,6 +109,7 @@ class StoreTest : public ::testing::Test {
   TempDir dir_;
   FakeClock clock_;
   std::unique_ptr<QuotaManager> quota_manager_;
+  std::unique_ptr<rocksdb::Env> env_;  // Outlives store_.
   StoreOptions options_;
   std::unique_ptr<Store> store_;
 };
@@ -358,6 +399,27 @@ TEST_F(StoreTest, PrepareReadChecksEveryRefFirst) {
   EXPECT_THAT(store_->PrepareRead("t1", "s", {{0, 0}, {5, 0}}), StatusIs(Code::kNotFound));
   KVT_ASSERT_OK_AND_ASSIGN(SessionInfo info, store_->ListRounds("t1", "s"));
   EXPECT_EQ(info.rounds[0].summary.recall_count(), 0u);  // The failed call counted nothing.
+}
+
+TEST_F(StoreTest, FailingDiskRejectsTheWriteAndChangesNothing) {
+  auto fs = std::make_shared<FailingFs>();
+  env_ = rocksdb::NewCompositeEnv(fs);
+  options_.env = env_.get();
+  Open();
+  quota_manager_->SetQuota("t1", 1 << 20);
+  std::string p = MakePayload(2000, 1);
+  ASSERT_THAT(Put("s", 0, 0, p), IsOk());
+  const StoreStats before = store_->Stats();
+  fs->fail = true;
+  EXPECT_THAT(Put("s", 1, 0, MakePayload(2000, 2)), StatusIs(Code::kInternal));
+  StoreStats after = store_->Stats();
+  EXPECT_EQ(after.disk_segments, before.disk_segments);
+  EXPECT_EQ(after.disk_bytes, before.disk_bytes);
+  EXPECT_EQ(quota_manager_->Usage("t1").used_bytes, p.size());
+  EXPECT_EQ(quota_manager_->Usage("t1").reserved_bytes, 0u);
+  KVT_ASSERT_OK_AND_ASSIGN(SessionInfo info, store_->ListRounds("t1", "s"));
+  EXPECT_EQ(info.rounds.size(), 1u);
+  EXPECT_EQ(Get("s", 0, 0), p);  // What was stored is still served.
 }
 
 }  // namespace
