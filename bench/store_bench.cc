@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/memory.h"
 #include "client/store_client.h"
 #include "tests/util/store_process.h"
 #include "tests/util/test_util.h"
@@ -250,6 +251,7 @@ int StoreBench(int argc, char** argv) {
 }  // namespace kvtier::bench
 
 int main(int argc, char** argv) {
+  kvtier::TuneAllocatorForLargeBuffers();
   std::string what = argc > 1 ? argv[1] : "";
   if (what == "store") return kvtier::bench::StoreBench(argc - 2, argv + 2);
   std::fprintf(stderr, "usage: kvtier-bench store [--csv=FILE] ...  (kvtier-bench store --help)\n");

@@ -284,7 +284,7 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
   if (Crc32c(payload) != spec.payload_crc32c) {
     return absl::DataLossError("payload crc32c does not match the header");
   }
-  KVT_RETURN_IF_ERROR(ParseAndValidatePayload(payload).status());
+  KVT_RETURN_IF_ERROR(ValidatePayloadBytes(payload).status());
 
   const std::string key = SessionKey(spec.tenant, spec.session);
   bool write_session_record = false;

@@ -4,7 +4,9 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "kernels/crc32c.h"
+#include "client/raw_call.h"
 #include "services/common/grpc_status.h"
+#include "services/common/wire_format.h"
 
 namespace kvtier {
 
@@ -45,8 +47,7 @@ std::unique_ptr<grpc::ClientContext> StoreClient::NewContext() const {
 absl::StatusOr<v1::PutSegmentResponse> StoreClient::PutSegment(const PutSegmentArgs& a,
                                                                std::string_view payload) {
   auto ctx = NewContext();
-  v1::PutSegmentResponse resp;
-  auto writer = stub_->PutSegment(ctx.get(), &resp);
+  RawCall call(channel_, ctx.get(), "/kvtier.v1.Store/PutSegment");
   v1::PutSegmentRequest req;
   v1::PutSegmentHeader* h = req.mutable_header();
   h->set_session_id(a.session_id);
@@ -58,51 +59,78 @@ absl::StatusOr<v1::PutSegmentResponse> StoreClient::PutSegment(const PutSegmentA
   h->set_payload_crc32c(Crc32c(payload));
   if (a.round_summary != nullptr) *h->mutable_round_summary() = *a.round_summary;
   h->set_session_ttl_seconds(a.session_ttl_seconds);
-  bool ok = writer->Write(req);
+  bool ok = call.Write(wire::Serialize(req));
+  // Chunks reference `payload` directly: it outlives the call, which is over
+  // when Finish() returns.
   for (size_t off = 0; ok && off < payload.size(); off += options_.chunk_bytes) {
-    req.set_chunk(payload.data() + off, std::min(options_.chunk_bytes, payload.size() - off));
-    ok = writer->Write(req);
+    ok = call.Write(wire::BytesFieldMessage(
+        2, payload.data() + off, std::min(options_.chunk_bytes, payload.size() - off), nullptr));
   }
-  // A failed Write means the server already finished the call: its status
+  // A failed write means the server already finished the call: its status
   // comes from Finish().
-  writer->WritesDone();
-  grpc::Status s = writer->Finish();
+  if (ok) ok = call.WritesDone();
+  grpc::ByteBuffer reply;
+  const bool got_reply = ok && call.Read(&reply);
+  grpc::Status s = call.Finish();
   if (!s.ok()) return FromGrpc(s);
+  v1::PutSegmentResponse resp;
+  if (!got_reply) return absl::InternalError("PutSegment finished OK without a reply");
+  if (absl::Status p = wire::Parse(reply, &resp); !p.ok()) return p;
   return resp;
 }
 
 absl::StatusOr<std::vector<FetchedSegment>> StoreClient::GetSegments(
     const std::string& session_id, const std::vector<v1::SegmentRef>& refs) {
   auto ctx = NewContext();
+  RawCall call(channel_, ctx.get(), "/kvtier.v1.Store/GetSegments");
   v1::GetSegmentsRequest req;
   req.set_session_id(session_id);
   for (const auto& r : refs) *req.add_refs() = r;
-  auto reader = stub_->GetSegments(ctx.get(), req);
   std::vector<FetchedSegment> out;
-  v1::GetSegmentsResponse msg;
   absl::Status protocol;
-  while (reader->Read(&msg)) {
-    if (msg.has_header()) {
-      FetchedSegment f;
-      f.info = msg.header().segment();
-      f.served_from = msg.header().served_from();
-      f.payload.reserve(f.info.payload_bytes());
-      out.push_back(std::move(f));
-    } else if (!out.empty()) {
-      std::string& p = out.back().payload;
-      if (p.size() + msg.chunk().size() > out.back().info.payload_bytes()) {
-        protocol = absl::InternalError("GetSegments sent more bytes than a segment holds");
-        ctx->TryCancel();
+  if (call.Write(wire::Serialize(req)) && call.WritesDone()) {
+    grpc::ByteBuffer msg;
+    while (protocol.ok() && call.Read(&msg)) {
+      absl::StatusOr<wire::Field> field = wire::SingleField(msg);
+      v1::GetSegmentsResponse parsed;
+      if (!field.ok()) {
+        protocol = wire::Parse(msg, &parsed);
+        if (!protocol.ok()) break;
+      }
+      const bool is_header = field.ok() ? field->number == 1 : parsed.has_header();
+      if (is_header) {
+        v1::GetSegmentsHeader header;
+        if (!field.ok()) {
+          header = parsed.header();
+        } else if (!header.ParseFromString(field->ToString())) {
+          protocol = absl::InternalError("GetSegments header does not parse");
+          break;
+        }
+        FetchedSegment f;
+        f.info = header.segment();
+        f.served_from = header.served_from();
+        if (f.info.payload_bytes() > (uint64_t{4} << 30)) {
+          protocol = absl::InternalError("GetSegments announced an implausible segment size");
+          break;
+        }
+        f.payload.reserve(f.info.payload_bytes());
+        out.push_back(std::move(f));
+        continue;
+      }
+      const size_t size = field.ok() ? field->size : parsed.chunk().size();
+      if (out.empty() || out.back().payload.size() + size > out.back().info.payload_bytes()) {
+        protocol = absl::InternalError("GetSegments sent bytes outside a segment");
         break;
       }
-      p.append(msg.chunk());
-    } else {
-      protocol = absl::InternalError("GetSegments sent a chunk before a header");
-      ctx->TryCancel();
-      break;
+      if (field.ok()) {
+        field->AppendTo(&out.back().payload);
+      } else {
+        out.back().payload.append(parsed.chunk());
+      }
     }
   }
-  grpc::Status s = reader->Finish();
+  if (!protocol.ok()) ctx->TryCancel();
+  grpc::Status s = call.Finish();
   if (!protocol.ok()) return protocol;
   if (!s.ok()) return FromGrpc(s);
   if (out.size() != refs.size()) {

@@ -1,6 +1,10 @@
 #include "kernels/encoded_tensor.h"
 
+#include <vector>
+
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/wire_format_lite.h"
 #include "kernels/crc32c.h"
 
 namespace kvtier {
@@ -73,7 +77,16 @@ absl::Status ValidateParams(const v1::EncodedTensor& t) {
 
 }  // namespace
 
-absl::Status ValidateTensor(const v1::EncodedTensor& t) {
+namespace {
+
+struct BufferView {
+  v1::BufferKind kind = v1::BUFFER_KIND_UNSPECIFIED;
+  std::string_view data;
+};
+
+// The checks of ValidateTensor over tensor metadata `t` (whose own buffers
+// are ignored) and the buffers in `bufs`.
+absl::Status ValidateTensorView(const v1::EncodedTensor& t, const std::vector<BufferView>& bufs) {
   if (t.format_version() == 0 || t.format_version() > kEncodedTensorFormatVersion) {
     return absl::InvalidArgumentError(
         absl::StrCat("unsupported EncodedTensor format_version ", t.format_version()));
@@ -95,21 +108,125 @@ absl::Status ValidateTensor(const v1::EncodedTensor& t) {
     }
   }
   if (auto s = ValidateParams(t); !s.ok()) return s;
-  if (t.buffers_size() == 0) return absl::InvalidArgumentError("tensor has no buffers");
+  if (bufs.empty()) return absl::InvalidArgumentError("tensor has no buffers");
   if (t.codec() == v1::CODEC_RAW) {
-    if (t.buffers_size() != 1 || t.buffers(0).kind() != v1::BUFFER_RAW) {
+    if (bufs.size() != 1 || bufs[0].kind != v1::BUFFER_RAW) {
       return absl::InvalidArgumentError("CODEC_RAW needs exactly one BUFFER_RAW");
     }
     const uint64_t want = elements * static_cast<uint64_t>(dsize);
-    if (t.buffers(0).data().size() != want) {
-      return absl::InvalidArgumentError(absl::StrCat("raw buffer holds ", t.buffers(0).data().size(),
-                                                     " bytes, shape needs ", want));
+    if (bufs[0].data.size() != want) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("raw buffer holds ", bufs[0].data.size(), " bytes, shape needs ", want));
     }
   }
-  if (ComputeTensorCrc(t) != t.crc32c()) {
-    return absl::DataLossError("tensor crc32c does not match its buffers");
-  }
+  uint32_t crc = 0;
+  for (const BufferView& b : bufs) crc = Crc32cExtend(crc, b.data.data(), b.data.size());
+  if (crc != t.crc32c()) return absl::DataLossError("tensor crc32c does not match its buffers");
   return absl::OkStatus();
+}
+
+using google::protobuf::io::CodedInputStream;
+using google::protobuf::internal::WireFormatLite;
+
+// Reads one length-delimited field's bytes as a view into `base`.
+bool ReadView(CodedInputStream* in, const char* base, std::string_view* out) {
+  uint32_t len;
+  if (!in->ReadVarint32(&len)) return false;
+  const int pos = in->CurrentPosition();
+  if (!in->Skip(static_cast<int>(len))) return false;
+  *out = std::string_view(base + pos, len);
+  return true;
+}
+
+// Parses a Buffer message in place.
+bool ParseBuffer(std::string_view bytes, BufferView* out) {
+  CodedInputStream in(reinterpret_cast<const uint8_t*>(bytes.data()),
+                      static_cast<int>(bytes.size()));
+  *out = BufferView();
+  for (uint32_t tag; (tag = in.ReadTag()) != 0;) {
+    const int field = static_cast<int>(WireFormatLite::GetTagFieldNumber(tag));
+    const auto type = WireFormatLite::GetTagWireType(tag);
+    if (field == 1 && type == WireFormatLite::WIRETYPE_VARINT) {
+      uint64_t v;
+      if (!in.ReadVarint64(&v)) return false;
+      out->kind = static_cast<v1::BufferKind>(static_cast<int32_t>(v));
+    } else if (field == 2 && type == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+      if (!ReadView(&in, bytes.data(), &out->data)) return false;
+    } else if (!WireFormatLite::SkipField(&in, tag)) {
+      return false;
+    }
+  }
+  return in.ConsumedEntireMessage();
+}
+
+// Splits an EncodedTensor message into its metadata (parsed normally, without
+// buffers) and views of its buffers, then validates.
+absl::Status ValidateTensorBytes(std::string_view bytes) {
+  CodedInputStream in(reinterpret_cast<const uint8_t*>(bytes.data()),
+                      static_cast<int>(bytes.size()));
+  std::string meta;
+  std::vector<BufferView> bufs;
+  for (;;) {
+    const int start = in.CurrentPosition();
+    const uint32_t tag = in.ReadTag();
+    if (tag == 0) break;
+    if (WireFormatLite::GetTagFieldNumber(tag) == 8 &&
+        WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+      std::string_view view;
+      BufferView b;
+      if (!ReadView(&in, bytes.data(), &view) || !ParseBuffer(view, &b)) {
+        return absl::InvalidArgumentError("tensor buffer does not parse");
+      }
+      bufs.push_back(b);
+      continue;
+    }
+    if (!WireFormatLite::SkipField(&in, tag)) {
+      return absl::InvalidArgumentError("tensor does not parse");
+    }
+    meta.append(bytes.data() + start, in.CurrentPosition() - start);
+  }
+  if (!in.ConsumedEntireMessage()) return absl::InvalidArgumentError("tensor does not parse");
+  v1::EncodedTensor t;
+  if (!t.ParseFromString(meta)) return absl::InvalidArgumentError("tensor does not parse");
+  return ValidateTensorView(t, bufs);
+}
+
+}  // namespace
+
+absl::Status ValidateTensor(const v1::EncodedTensor& t) {
+  std::vector<BufferView> bufs;
+  bufs.reserve(t.buffers_size());
+  for (const auto& b : t.buffers()) bufs.push_back({b.kind(), b.data()});
+  return ValidateTensorView(t, bufs);
+}
+
+absl::StatusOr<int> ValidatePayloadBytes(std::string_view bytes) {
+  if (bytes.size() > static_cast<size_t>(INT32_MAX)) {
+    return absl::InvalidArgumentError("segment payload over 2 GiB");
+  }
+  CodedInputStream in(reinterpret_cast<const uint8_t*>(bytes.data()),
+                      static_cast<int>(bytes.size()));
+  in.SetTotalBytesLimit(INT32_MAX);
+  int tensors = 0;
+  for (uint32_t tag; (tag = in.ReadTag()) != 0;) {
+    if (WireFormatLite::GetTagFieldNumber(tag) == 1 &&
+        WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+      std::string_view view;
+      if (!ReadView(&in, bytes.data(), &view)) {
+        return absl::InvalidArgumentError("segment payload is not a serialized SegmentPayload");
+      }
+      absl::Status s = ValidateTensorBytes(view);
+      if (!s.ok()) return absl::Status(s.code(), absl::StrCat("tensor ", tensors, ": ", s.message()));
+      ++tensors;
+    } else if (!WireFormatLite::SkipField(&in, tag)) {
+      return absl::InvalidArgumentError("segment payload is not a serialized SegmentPayload");
+    }
+  }
+  if (!in.ConsumedEntireMessage()) {
+    return absl::InvalidArgumentError("segment payload is not a serialized SegmentPayload");
+  }
+  if (tensors == 0) return absl::InvalidArgumentError("segment payload holds no tensors");
+  return tensors;
 }
 
 absl::StatusOr<v1::SegmentPayload> ParseAndValidatePayload(std::string_view bytes) {

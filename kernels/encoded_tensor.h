@@ -33,6 +33,11 @@ void SealTensor(v1::EncodedTensor* t);
 //   DATA_LOSS          crc32c does not match the buffers.
 absl::Status ValidateTensor(const v1::EncodedTensor& t);
 
+// Validates a serialized SegmentPayload in place: the same checks as
+// ParseAndValidatePayload, but buffer bytes are checksummed where they lie
+// instead of being copied into protobuf objects. Returns the tensor count.
+absl::StatusOr<int> ValidatePayloadBytes(std::string_view bytes);
+
 // Parses a serialized SegmentPayload and validates every tensor. Returns the
 // payload, or INVALID_ARGUMENT (does not parse, no tensors) / the first
 // tensor's error.

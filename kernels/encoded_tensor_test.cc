@@ -1,5 +1,7 @@
 #include "kernels/encoded_tensor.h"
 
+#include <random>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/util/status_matchers.h"
@@ -85,6 +87,59 @@ TEST(EncodedTensor, PayloadParsing) {
   (*p.mutable_tensors(1)->mutable_buffers(0)->mutable_data())[0] ^= 1;
   EXPECT_THAT(ParseAndValidatePayload(p.SerializeAsString()),
               StatusIs(absl::StatusCode::kDataLoss));
+}
+
+}  // namespace
+}  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+// A short fuzz run in the default suite: the in-place validator must accept
+// exactly what parse-then-validate accepts, on valid payloads and on random
+// corruptions of them (bit flips, truncations, splices).
+TEST(EncodedTensorFuzz, InPlaceValidatorAgreesWithParser) {
+  std::mt19937_64 rng(42);
+  int accepted = 0, rejected = 0;
+  for (int iter = 0; iter < 3000; ++iter) {
+    v1::SegmentPayload p;
+    int n = 1 + static_cast<int>(rng() % 3);
+    for (int i = 0; i < n; ++i) {
+      v1::EncodedTensor t;
+      t.set_codec(v1::CODEC_RAW);
+      t.set_dtype(rng() % 2 ? v1::DTYPE_FP16 : v1::DTYPE_FP32);
+      int64_t a = 1 + rng() % 5, b = 1 + rng() % 9;
+      t.add_shape(a);
+      t.add_shape(b);
+      auto* buf = t.add_buffers();
+      buf->set_kind(v1::BUFFER_RAW);
+      std::string d(a * b * DTypeSize(t.dtype()), '\0');
+      for (char& c : d) c = static_cast<char>(rng());
+      buf->set_data(d);
+      SealTensor(&t);
+      *p.add_tensors() = t;
+    }
+    std::string bytes = p.SerializeAsString();
+    switch (iter % 4) {
+      case 0:
+        break;  // Valid.
+      case 1:
+        bytes[rng() % bytes.size()] ^= static_cast<char>(1 << (rng() % 8));
+        break;
+      case 2:
+        bytes.resize(rng() % bytes.size());
+        break;
+      case 3:
+        bytes.insert(rng() % bytes.size(), std::string(1 + rng() % 4, static_cast<char>(rng())));
+        break;
+    }
+    const bool fast = ValidatePayloadBytes(bytes).ok();
+    const bool slow = ParseAndValidatePayload(bytes).ok();
+    ASSERT_EQ(fast, slow) << "iteration " << iter;
+    (fast ? accepted : rejected)++;
+  }
+  EXPECT_GT(accepted, 750);
+  EXPECT_GT(rejected, 500);
 }
 
 }  // namespace

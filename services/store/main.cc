@@ -11,6 +11,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "base/log.h"
+#include "base/memory.h"
 #include "services/store/store_server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
@@ -56,6 +57,7 @@ bool WritePortFile(const std::string& path, int port) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  kvtier::TuneAllocatorForLargeBuffers();
   absl::SetProgramUsageMessage(
       "kvtier-store --data_dir=DIR [--listen=ADDR] [--flagfile=FILE] ...\n"
       "Serves the kvtier.v1.Store gRPC API over a RAM tier backed by RocksDB.");

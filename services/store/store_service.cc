@@ -8,6 +8,7 @@
 #include "base/log.h"
 #include "cachestore/names.h"
 #include "services/common/grpc_status.h"
+#include "services/common/wire_format.h"
 
 namespace kvtier {
 namespace {
@@ -59,9 +60,9 @@ StoreService::StoreService(cachestore::Store* store, cachestore::QuotaManager* q
 // the callback thread (a memcpy, never blocking) and commits on the executor.
 // Exactly one Finish() is called on every path; nothing touches `this` after
 // it, since OnDone() may delete the reactor at once.
-class StoreService::PutReactor : public grpc::ServerReadReactor<v1::PutSegmentRequest> {
+class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
-  PutReactor(StoreService* svc, grpc::CallbackServerContext* ctx, v1::PutSegmentResponse* resp)
+  PutReactor(StoreService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
       : svc_(svc), ctx_(ctx), resp_(resp), start_(absl::Now()) {
     absl::StatusOr<Principal> p = svc_->auth_->Authenticate(*ctx_);
     absl::Status allowed = p.ok() ? Authenticator::RequireWrite(*p) : p.status();
@@ -86,30 +87,51 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<v1::PutSegmentRe
       }
       return;
     }
+    // Fast path: the message is one field (1 = header, 2 = chunk); anything
+    // else goes through the full protobuf parser.
+    absl::StatusOr<wire::Field> field = wire::SingleField(req_);
+    v1::PutSegmentRequest parsed;
+    if (!field.ok()) {
+      if (absl::Status s = wire::Parse(req_, &parsed); !s.ok()) {
+        Done(s);
+        return;
+      }
+    }
+    const bool is_header = field.ok() ? field->number == 1 : parsed.has_header();
+    const bool is_chunk = field.ok() ? field->number == 2 : parsed.has_chunk();
     if (!ticket_.valid()) {
-      if (!req_.has_header()) {
+      if (!is_header) {
         Done(absl::InvalidArgumentError("the first PutSegment message must be the header"));
         return;
       }
+      if (field.ok() && !header_.ParseFromString(field->ToString())) {
+        Done(absl::InvalidArgumentError("PutSegment header does not parse"));
+        return;
+      }
+      if (!field.ok()) header_ = parsed.header();
       svc_->executor_->Schedule([this] { Begin(); });
       return;
     }
-    if (!req_.has_chunk()) {
+    if (!is_chunk) {
       Done(absl::InvalidArgumentError("only one header is allowed per PutSegment stream"));
       return;
     }
-    const std::string& chunk = req_.chunk();
-    if (chunk.size() > svc_->options_.max_chunk_bytes) {
-      Done(absl::InvalidArgumentError(absl::StrCat("chunk of ", chunk.size(), " bytes exceeds ",
+    const size_t size = field.ok() ? field->size : parsed.chunk().size();
+    if (size > svc_->options_.max_chunk_bytes) {
+      Done(absl::InvalidArgumentError(absl::StrCat("chunk of ", size, " bytes exceeds ",
                                                    svc_->options_.max_chunk_bytes)));
       return;
     }
-    if (buffer_.size() + chunk.size() > ticket_.spec().payload_bytes) {
+    if (buffer_.size() + size > ticket_.spec().payload_bytes) {
       Done(absl::OutOfRangeError(absl::StrCat("oversize stream: more than the declared ",
                                               ticket_.spec().payload_bytes, " payload bytes")));
       return;
     }
-    buffer_.append(chunk);
+    if (field.ok()) {
+      field->AppendTo(&buffer_);
+    } else {
+      buffer_.append(parsed.chunk());
+    }
     StartRead(&req_);
   }
 
@@ -117,7 +139,7 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<v1::PutSegmentRe
 
  private:
   void Begin() {
-    const v1::PutSegmentHeader& h = req_.header();
+    const v1::PutSegmentHeader& h = header_;
     cachestore::WriteSpec spec;
     spec.tenant = principal_.tenant;
     spec.session = h.session_id();
@@ -144,8 +166,10 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<v1::PutSegmentRe
     absl::StatusOr<cachestore::SegmentInfo> info =
         svc_->store_->CommitWrite(std::move(ticket_), std::move(buffer_));
     if (info.ok()) {
-      *resp_->mutable_segment() = ToProto(*info);
-      resp_->set_charged_bytes(bytes);
+      v1::PutSegmentResponse resp;
+      *resp.mutable_segment() = ToProto(*info);
+      resp.set_charged_bytes(bytes);
+      *resp_ = wire::Serialize(resp);
     }
     Done(info.status());
   }
@@ -162,16 +186,17 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<v1::PutSegmentRe
 
   StoreService* const svc_;
   grpc::CallbackServerContext* const ctx_;
-  v1::PutSegmentResponse* const resp_;
+  grpc::ByteBuffer* const resp_;
   const absl::Time start_;
   Principal principal_;
-  v1::PutSegmentRequest req_;
+  grpc::ByteBuffer req_;
+  v1::PutSegmentHeader header_;
   cachestore::WriteTicket ticket_;
   std::string buffer_;
 };
 
-grpc::ServerReadReactor<v1::PutSegmentRequest>* StoreService::PutSegment(
-    grpc::CallbackServerContext* ctx, v1::PutSegmentResponse* response) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* StoreService::PutSegment(
+    grpc::CallbackServerContext* ctx, grpc::ByteBuffer* response) {
   return new PutReactor(this, ctx, response);
 }
 
@@ -180,17 +205,20 @@ grpc::ServerReadReactor<v1::PutSegmentRequest>* StoreService::PutSegment(
 // Checks every ref and counts the recall on the executor, then streams each
 // segment as a header plus ~1 MiB chunks; the next segment is loaded on the
 // executor when the previous one has been written.
-class StoreService::GetReactor : public grpc::ServerWriteReactor<v1::GetSegmentsResponse> {
+class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  GetReactor(StoreService* svc, grpc::CallbackServerContext* ctx,
-             const v1::GetSegmentsRequest* req)
-      : svc_(svc), ctx_(ctx), req_(req), start_(absl::Now()) {
+  GetReactor(StoreService* svc, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw)
+      : svc_(svc), ctx_(ctx), req_(&request_), start_(absl::Now()) {
     auto p = svc_->auth_->Authenticate(*ctx_);
     if (!p.ok()) {
       Done(p.status());
       return;
     }
     principal_ = *std::move(p);
+    if (absl::Status s = wire::Parse(*raw, &request_); !s.ok()) {
+      Done(s);
+      return;
+    }
     if (req_->refs_size() == 0 || req_->refs_size() > svc_->options_.max_refs) {
       Done(absl::InvalidArgumentError(absl::StrCat("GetSegments takes 1 to ",
                                                    svc_->options_.max_refs, " refs, got ",
@@ -235,11 +263,13 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<v1::GetSegments
     }
     current_ = *std::move(r);
     offset_ = 0;
-    auto* h = msg_.mutable_header();
+    v1::GetSegmentsResponse header;
+    auto* h = header.mutable_header();
     *h->mutable_segment() = ToProto(current_.info);
     h->set_served_from(current_.served_from == cachestore::Tier::kRam ? v1::TIER_RAM
                                                                       : v1::TIER_DISK);
     bytes_sent_ += current_.payload->size();
+    msg_ = wire::Serialize(header);
     StartWrite(&msg_);
   }
 
@@ -248,7 +278,8 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<v1::GetSegments
     const std::string& p = *current_.payload;
     if (offset_ < p.size()) {
       size_t n = std::min(svc_->options_.chunk_bytes, p.size() - offset_);
-      msg_.set_chunk(p.data() + offset_, n);
+      // No copy: the slice points into the payload, which it keeps alive.
+      msg_ = wire::BytesFieldMessage(2, p.data() + offset_, n, current_.payload);
       offset_ += n;
       StartWrite(&msg_);
       return;
@@ -268,6 +299,7 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<v1::GetSegments
 
   StoreService* const svc_;
   grpc::CallbackServerContext* const ctx_;
+  v1::GetSegmentsRequest request_;
   const v1::GetSegmentsRequest* const req_;
   const absl::Time start_;
   Principal principal_;
@@ -276,11 +308,11 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<v1::GetSegments
   cachestore::ReadResult current_;
   size_t offset_ = 0;
   uint64_t bytes_sent_ = 0;
-  v1::GetSegmentsResponse msg_;
+  grpc::ByteBuffer msg_;
 };
 
-grpc::ServerWriteReactor<v1::GetSegmentsResponse>* StoreService::GetSegments(
-    grpc::CallbackServerContext* ctx, const v1::GetSegmentsRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* StoreService::GetSegments(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request) {
   return new GetReactor(this, ctx, request);
 }
 

@@ -28,16 +28,23 @@ struct StoreServiceOptions {
 // Thread-safe. `store`, `auth`, `executor` and `metrics` are not owned and
 // must outlive the service and every call in flight (shut the server down
 // first).
-class StoreService final : public v1::Store::CallbackService {
+//
+// PutSegment and GetSegments are "raw" methods: their messages are framed by
+// hand (services/common/wire_format.h) so payload chunks are neither copied
+// into protobuf objects nor serialized again; GetSegments sends slices that
+// point into the stored payload. The wire format is the proto's.
+class StoreService final
+    : public v1::Store::WithRawCallbackMethod_PutSegment<
+          v1::Store::WithRawCallbackMethod_GetSegments<v1::Store::CallbackService>> {
  public:
   StoreService(cachestore::Store* store, cachestore::QuotaManager* quotas,
                const Authenticator* auth, Executor* executor, StoreMetrics* metrics,
                StoreServiceOptions options = {});
 
-  grpc::ServerReadReactor<v1::PutSegmentRequest>* PutSegment(
-      grpc::CallbackServerContext* ctx, v1::PutSegmentResponse* response) override;
-  grpc::ServerWriteReactor<v1::GetSegmentsResponse>* GetSegments(
-      grpc::CallbackServerContext* ctx, const v1::GetSegmentsRequest* request) override;
+  grpc::ServerReadReactor<grpc::ByteBuffer>* PutSegment(grpc::CallbackServerContext* ctx,
+                                                        grpc::ByteBuffer* response) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* GetSegments(
+      grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request) override;
   grpc::ServerUnaryReactor* ListRounds(grpc::CallbackServerContext* ctx,
                                        const v1::ListRoundsRequest* request,
                                        v1::ListRoundsResponse* response) override;

@@ -1,0 +1,134 @@
+#include "services/common/wire_format.h"
+
+#include <cstring>
+
+#include "grpcpp/support/proto_buffer_reader.h"
+#include "grpcpp/support/proto_buffer_writer.h"
+
+namespace kvtier::wire {
+namespace {
+
+size_t PutVarint(uint64_t v, char* out) {
+  size_t n = 0;
+  while (v >= 0x80) {
+    out[n++] = static_cast<char>(v | 0x80);
+    v >>= 7;
+  }
+  out[n++] = static_cast<char>(v);
+  return n;
+}
+
+void ReleaseOwner(void* p) { delete static_cast<std::shared_ptr<const std::string>*>(p); }
+void NoRelease(void*) {}
+
+// Reads bytes across slices.
+class SliceCursor {
+ public:
+  explicit SliceCursor(const std::vector<grpc::Slice>& s) : s_(s) {}
+  bool Byte(uint8_t* b) {
+    while (i_ < s_.size() && off_ == s_[i_].size()) {
+      ++i_;
+      off_ = 0;
+    }
+    if (i_ == s_.size()) return false;
+    *b = s_[i_].begin()[off_++];
+    return true;
+  }
+  bool Varint(uint64_t* v) {
+    *v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      uint8_t b;
+      if (!Byte(&b)) return false;
+      *v |= static_cast<uint64_t>(b & 0x7f) << shift;
+      if ((b & 0x80) == 0) return true;
+    }
+    return false;
+  }
+  // The spans of the next `n` bytes; false if fewer remain.
+  bool Take(size_t n, std::vector<std::pair<const char*, size_t>>* spans) {
+    while (n > 0) {
+      if (i_ == s_.size()) return false;
+      size_t avail = s_[i_].size() - off_;
+      size_t k = std::min(avail, n);
+      if (k > 0) spans->push_back({reinterpret_cast<const char*>(s_[i_].begin()) + off_, k});
+      off_ += k;
+      n -= k;
+      if (off_ == s_[i_].size()) {
+        ++i_;
+        off_ = 0;
+      }
+    }
+    return true;
+  }
+  bool AtEnd() {
+    while (i_ < s_.size() && off_ == s_[i_].size()) {
+      ++i_;
+      off_ = 0;
+    }
+    return i_ == s_.size();
+  }
+
+ private:
+  const std::vector<grpc::Slice>& s_;
+  size_t i_ = 0;
+  size_t off_ = 0;
+};
+
+}  // namespace
+
+grpc::ByteBuffer BytesFieldMessage(int field, const char* data, size_t len,
+                                   std::shared_ptr<const std::string> owner) {
+  char head[16];
+  size_t n = PutVarint((static_cast<uint64_t>(field) << 3) | 2, head);
+  n += PutVarint(len, head + n);
+  grpc::Slice slices[2] = {grpc::Slice(head, n), grpc::Slice()};
+  if (owner != nullptr) {
+    slices[1] = grpc::Slice(const_cast<char*>(data), len, ReleaseOwner,
+                            new std::shared_ptr<const std::string>(std::move(owner)));
+  } else {
+    slices[1] = grpc::Slice(const_cast<char*>(data), len, NoRelease, nullptr);
+  }
+  return grpc::ByteBuffer(slices, len > 0 ? 2 : 1);
+}
+
+grpc::ByteBuffer Serialize(const google::protobuf::MessageLite& m) {
+  std::string s = m.SerializeAsString();
+  grpc::Slice slice(s.data(), s.size());
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+absl::Status Parse(const grpc::ByteBuffer& b, google::protobuf::MessageLite* m) {
+  grpc::ByteBuffer copy(b);  // Shares slices; the reader consumes its own view.
+  grpc::ProtoBufferReader reader(&copy);
+  if (!m->ParseFromZeroCopyStream(&reader)) {
+    return absl::InvalidArgumentError("message does not parse as " + m->GetTypeName());
+  }
+  return absl::OkStatus();
+}
+
+void Field::AppendTo(std::string* out) const {
+  for (const auto& [p, n] : spans) out->append(p, n);
+}
+
+std::string Field::ToString() const {
+  std::string s;
+  s.reserve(size);
+  AppendTo(&s);
+  return s;
+}
+
+absl::StatusOr<Field> SingleField(const grpc::ByteBuffer& b) {
+  Field f;
+  if (!b.Dump(&f.slices).ok()) return absl::FailedPreconditionError("unreadable buffer");
+  SliceCursor c(f.slices);
+  uint64_t tag, len;
+  if (!c.Varint(&tag) || (tag & 7) != 2 || (tag >> 3) == 0 || (tag >> 3) > 536870911 ||
+      !c.Varint(&len) || !c.Take(len, &f.spans) || !c.AtEnd()) {
+    return absl::FailedPreconditionError("not a single length-delimited field");
+  }
+  f.number = static_cast<int>(tag >> 3);
+  f.size = len;
+  return f;
+}
+
+}  // namespace kvtier::wire
