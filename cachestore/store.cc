@@ -2,15 +2,19 @@
 
 #include <algorithm>
 
+#include "absl/container/flat_hash_set.h"
+
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
 #include "base/status_macros.h"
 #include "cachestore/keys.h"
 #include "cachestore/names.h"
+#include "cachestore/payload_files.h"
 #include "kernels/crc32c.h"
 #include "kernels/encoded_tensor.h"
 #include "kvtier/internal/records.pb.h"
 #include "rocksdb/db.h"
+#include "rocksdb/env.h"
 #include "rocksdb/options.h"
 #include "rocksdb/write_batch.h"
 
@@ -69,8 +73,12 @@ WriteTicket::~WriteTicket() {
 
 // ---- Open and recovery ----
 
-Store::Store(StoreOptions options, QuotaManager* quotas, std::unique_ptr<rocksdb::DB> db)
-    : options_(std::move(options)), quotas_(quotas), db_(std::move(db)) {}
+Store::Store(StoreOptions options, QuotaManager* quotas, std::unique_ptr<rocksdb::DB> db,
+             std::unique_ptr<PayloadFiles> files)
+    : options_(std::move(options)),
+      quotas_(quotas),
+      db_(std::move(db)),
+      files_(std::move(files)) {}
 
 Store::~Store() = default;
 
@@ -99,14 +107,19 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(StoreOptions options, QuotaMa
     return absl::InternalError(absl::StrCat("cannot open RocksDB at ", options.path, ": ",
                                             s.ToString()));
   }
-  std::unique_ptr<Store> store(new Store(std::move(options), quotas,
-                                         std::unique_ptr<rocksdb::DB>(raw)));
+  std::unique_ptr<rocksdb::DB> db(raw);
+  rocksdb::Env* env = options.env != nullptr ? options.env : rocksdb::Env::Default();
+  KVT_ASSIGN_OR_RETURN(std::unique_ptr<PayloadFiles> files,
+                       PayloadFiles::Open(env->GetFileSystem().get(), options.path + "/payloads"));
+  std::unique_ptr<Store> store(
+      new Store(std::move(options), quotas, std::move(db), std::move(files)));
   KVT_RETURN_IF_ERROR(store->Recover());
   return store;
 }
 
 absl::Status Store::Recover() {
   absl::MutexLock lock(&mu_);
+  absl::flat_hash_set<uint64_t> referenced_files;
   const int64_t now = options_.clock->NowUnixMs();
   auto session_for = [&](const ParsedKey& k) -> SessionEntry& {
     SessionEntry& s = sessions_[SessionKey(k.tenant, k.session)];
@@ -141,6 +154,11 @@ absl::Status Store::Recover() {
         e.info.payload_bytes = rec.payload_bytes();
         e.info.payload_crc32c = rec.payload_crc32c();
         e.info.state = SegmentState::kSpilled;
+        e.file_id = rec.file_id();
+        if (rec.file_id() != 0) {
+          referenced_files.insert(rec.file_id());
+          next_file_id_ = std::max(next_file_id_, rec.file_id() + 1);
+        }
         e.insert_seq = next_seq_++;
         e.last_access_seq = e.insert_seq;
         if (r.insert_seq == 0) r.insert_seq = e.insert_seq;
@@ -179,7 +197,18 @@ absl::Status Store::Recover() {
     }
   }
   KVT_RETURN_IF_ERROR(FromRocks(it->status(), "recovery scan"));
+  // Payload files that no index record names were written by uploads that
+  // never committed (a crash between the file and the record): delete them.
+  KVT_ASSIGN_OR_RETURN(std::vector<uint64_t> present, files_->List());
+  int orphans = 0;
+  for (uint64_t id : present) {
+    next_file_id_ = std::max(next_file_id_, id + 1);
+    if (referenced_files.contains(id)) continue;
+    KVT_RETURN_IF_ERROR(files_->Remove(id));
+    ++orphans;
+  }
   LogInfo("store recovered", {{"path", options_.path},
+                              {"orphan_payload_files_removed", orphans},
                               {"sessions", sessions_.size()},
                               {"segments", disk_segments_},
                               {"bytes", disk_bytes_}});
@@ -289,6 +318,7 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
   const std::string key = SessionKey(spec.tenant, spec.session);
   bool write_session_record = false;
   bool write_round_record = false;
+  uint64_t file_id = 0;
   uint32_t ttl = 0;
   bool pinned = false;
   {
@@ -301,6 +331,7 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
       return absl::AbortedError("session or round deleted during upload");
     }
     write_session_record = !s->persisted;
+    if (payload.size() > options_.inline_payload_max_bytes) file_id = next_file_id_++;
     ttl = s->ttl_seconds;
     pinned = s->pinned;
     if (spec.has_round_summary && !r.has_summary) {
@@ -317,7 +348,14 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
   rec.set_payload_bytes(spec.payload_bytes);
   rec.set_payload_crc32c(spec.payload_crc32c);
   rec.set_written_unix_ms(options_.clock->NowUnixMs());
-  batch.Put(SegmentDbKey(KeyKind::kPayload, key, spec.id.round, spec.id.segment), payload);
+  rec.set_file_id(file_id);
+  absl::Status written;
+  if (file_id != 0) {
+    // The file first: the index record below is the commit point.
+    written = files_->Write(file_id, payload, options_.sync_writes);
+  } else {
+    batch.Put(SegmentDbKey(KeyKind::kPayload, key, spec.id.round, spec.id.segment), payload);
+  }
   batch.Put(SegmentDbKey(KeyKind::kSegment, key, spec.id.round, spec.id.segment),
             rec.SerializeAsString());
   if (write_round_record) {
@@ -333,7 +371,10 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
   }
   rocksdb::WriteOptions wo;
   wo.sync = options_.sync_writes;
-  absl::Status written = FromRocks(db_->Write(wo, &batch), "segment write");
+  if (written.ok()) {
+    written = FromRocks(db_->Write(wo, &batch), "segment write");
+    if (!written.ok() && file_id != 0) (void)files_->Remove(file_id);  // Never committed.
+  }
 
   Removal undo;
   SegmentInfo info;
@@ -356,7 +397,7 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
         // Deleted while we wrote: take our bytes back out of RocksDB.
         undo.session_key = key;
         undo.tenant = spec.tenant;
-        undo.rounds.push_back({spec.id.round, {spec.id.segment}});
+        undo.rounds.push_back({spec.id.round, {{spec.id.segment, file_id}}});
       }
     } else {
       if (write_session_record) s->persisted = true;
@@ -364,6 +405,7 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
       disk_bytes_ += spec.payload_bytes;
       ++disk_segments_;
       e->write_id = 0;
+      e->file_id = file_id;
       e->insert_seq = next_seq_++;
       e->last_access_seq = e->insert_seq;
       const bool fits = spec.payload_bytes <= options_.ram_budget_bytes;
@@ -424,7 +466,7 @@ uint64_t Store::RemoveRoundLocked(SessionEntry& s, uint32_t round, Removal* remo
   if (ri == s.rounds.end()) return 0;
   RoundEntry& r = ri->second;
   uint64_t freed = 0;
-  std::vector<uint32_t> segs;
+  std::vector<Removal::Segment> segs;
   for (auto it = r.segments.begin(); it != r.segments.end();) {
     SegmentEntry& e = it->second;
     if (e.info.state == SegmentState::kWriting) {
@@ -439,7 +481,7 @@ uint64_t Store::RemoveRoundLocked(SessionEntry& s, uint32_t round, Removal* remo
     disk_bytes_ -= e.info.payload_bytes;
     --disk_segments_;
     freed += e.info.payload_bytes;
-    segs.push_back(it->first);
+    segs.push_back({it->first, e.file_id});
     it = r.segments.erase(it);
   }
   removal->rounds.push_back({round, std::move(segs)});
@@ -498,9 +540,11 @@ absl::Status Store::ApplyRemovals(const std::vector<Removal>& removals) {
   rocksdb::WriteBatch batch;
   for (const Removal& rm : removals) {
     for (const auto& [round, segs] : rm.rounds) {
-      for (uint32_t seg : segs) {
-        batch.Delete(SegmentDbKey(KeyKind::kPayload, rm.session_key, round, seg));
-        batch.Delete(SegmentDbKey(KeyKind::kSegment, rm.session_key, round, seg));
+      for (const Removal::Segment& seg : segs) {
+        if (seg.file_id == 0) {
+          batch.Delete(SegmentDbKey(KeyKind::kPayload, rm.session_key, round, seg.segment));
+        }
+        batch.Delete(SegmentDbKey(KeyKind::kSegment, rm.session_key, round, seg.segment));
       }
       batch.Delete(RoundDbKey(KeyKind::kRound, rm.session_key, round));
       batch.Delete(RoundDbKey(KeyKind::kRecall, rm.session_key, round));
@@ -509,7 +553,20 @@ absl::Status Store::ApplyRemovals(const std::vector<Removal>& removals) {
   }
   rocksdb::WriteOptions wo;
   wo.sync = options_.sync_writes;
-  return FromRocks(db_->Write(wo, &batch), "delete");
+  KVT_RETURN_IF_ERROR(FromRocks(db_->Write(wo, &batch), "delete"));
+  // Files go only after their records: a crash in between leaves orphans,
+  // which recovery deletes.
+  absl::Status first_error;
+  for (const Removal& rm : removals) {
+    for (const auto& [round, segs] : rm.rounds) {
+      for (const Removal::Segment& seg : segs) {
+        if (seg.file_id == 0) continue;
+        absl::Status s = files_->Remove(seg.file_id);
+        if (!s.ok() && first_error.ok()) first_error = s;
+      }
+    }
+  }
+  return first_error;
 }
 
 absl::StatusOr<Store::DropResult> Store::DropRounds(const std::string& tenant,
@@ -684,6 +741,7 @@ absl::StatusOr<ReadResult> Store::ReadSegment(const std::string& tenant,
                                               const std::string& session, SegmentId id) {
   const std::string key = SessionKey(tenant, session);
   ReadResult result;
+  uint64_t file_id = 0;
   auto find = [&]() -> SegmentEntry* {
     SessionEntry* s = FindSessionLocked(key);
     if (s == nullptr) return nullptr;
@@ -705,6 +763,7 @@ absl::StatusOr<ReadResult> Store::ReadSegment(const std::string& tenant,
     SegmentEntry* e = find();
     if (e == nullptr) return gone();
     result.info = e->info;
+    file_id = e->file_id;
     if (e->info.state == SegmentState::kSealed) {
       ++counters_.hits_ram;
       result.payload = e->ram;
@@ -714,11 +773,18 @@ absl::StatusOr<ReadResult> Store::ReadSegment(const std::string& tenant,
     ++counters_.hits_disk;
   }
   auto bytes = std::make_shared<std::string>();
-  rocksdb::Status st = db_->Get(rocksdb::ReadOptions(), db_->DefaultColumnFamily(),
-                                SegmentDbKey(KeyKind::kPayload, key, id.round, id.segment),
-                                bytes.get());
-  if (st.IsNotFound()) return gone();
-  KVT_RETURN_IF_ERROR(FromRocks(st, "segment read"));
+  if (file_id != 0) {
+    absl::StatusOr<std::string> got = files_->Read(file_id, result.info.payload_bytes);
+    if (absl::IsNotFound(got.status())) return gone();  // Dropped meanwhile.
+    KVT_RETURN_IF_ERROR(got.status());
+    *bytes = *std::move(got);
+  } else {
+    rocksdb::Status st = db_->Get(rocksdb::ReadOptions(), db_->DefaultColumnFamily(),
+                                  SegmentDbKey(KeyKind::kPayload, key, id.round, id.segment),
+                                  bytes.get());
+    if (st.IsNotFound()) return gone();
+    KVT_RETURN_IF_ERROR(FromRocks(st, "segment read"));
+  }
   if (bytes->size() != result.info.payload_bytes ||
       Crc32c(*bytes) != result.info.payload_crc32c) {
     LogError("stored segment failed its checksum",

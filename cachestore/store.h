@@ -60,6 +60,9 @@ struct StoreOptions {
   // A spilled segment read this many times from disk is promoted back into
   // RAM. 0 = never promote. Default: 2.
   uint32_t promote_after_disk_reads = 2;
+  // Payloads up to this size are stored inside RocksDB; larger ones go to
+  // payload files beside it (cachestore/payload_files.h). Default: 256 KiB.
+  uint64_t inline_payload_max_bytes = uint64_t{256} << 10;
   // Largest accepted segment payload. Default: 256 MiB.
   uint64_t max_segment_bytes = uint64_t{256} << 20;
   // TTL of a session without its own; 0 = sessions never expire. Default: 0.
@@ -138,6 +141,7 @@ struct StoreStats {
 };
 
 class Store;
+class PayloadFiles;
 
 // An upload in progress: reserved quota and disk room, and the index entry in
 // kWriting state. Move-only; destroyed without Commit it aborts the write and
@@ -235,6 +239,7 @@ class Store {
   struct SegmentEntry {
     SegmentInfo info;
     uint64_t write_id = 0;  // Nonzero while kWriting.
+    uint64_t file_id = 0;   // Payload file, or 0 when the payload is inline.
     bool cancelled = false;  // Set when deleted while kWriting.
     std::shared_ptr<const std::string> ram;  // Non-null iff kSealed.
     uint64_t insert_seq = 0;
@@ -262,12 +267,17 @@ class Store {
   struct Removal {
     std::string session_key;
     std::string tenant;
-    std::vector<std::pair<uint32_t, std::vector<uint32_t>>> rounds;  // round -> segments
+    struct Segment {
+      uint32_t segment;
+      uint64_t file_id;
+    };
+    std::vector<std::pair<uint32_t, std::vector<Segment>>> rounds;  // round -> segments
     bool whole_session = false;
   };
 
   friend class WriteTicket;
-  Store(StoreOptions options, QuotaManager* quotas, std::unique_ptr<rocksdb::DB> db);
+  Store(StoreOptions options, QuotaManager* quotas, std::unique_ptr<rocksdb::DB> db,
+        std::unique_ptr<PayloadFiles> files);
   absl::Status Recover();
   void AbortWrite(const WriteSpec& spec, uint64_t write_id);
 
@@ -287,10 +297,12 @@ class Store {
   const StoreOptions options_;
   QuotaManager* const quotas_;
   std::unique_ptr<rocksdb::DB> db_;
+  std::unique_ptr<PayloadFiles> files_;
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, SessionEntry> sessions_ ABSL_GUARDED_BY(mu_);
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_file_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t ram_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t ram_segments_ ABSL_GUARDED_BY(mu_) = 0;
   // Sealed + spilled segments, plus the disk room reserved by writes.

@@ -1,6 +1,8 @@
 #include "cachestore/store.h"
 
 #include <atomic>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 
@@ -420,6 +422,61 @@ TEST_F(StoreTest, FailingDiskRejectsTheWriteAndChangesNothing) {
   KVT_ASSERT_OK_AND_ASSIGN(SessionInfo info, store_->ListRounds("t1", "s"));
   EXPECT_EQ(info.rounds.size(), 1u);
   EXPECT_EQ(Get("s", 0, 0), p);  // What was stored is still served.
+}
+
+int CountPayloadFiles(const std::string& db) {
+  int n = 0;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(db + "/payloads")) {
+    n += e.is_regular_file() ? 1 : 0;
+  }
+  return n;
+}
+
+TEST_F(StoreTest, LargePayloadsLiveInFilesAndSurviveRecovery) {
+  options_.inline_payload_max_bytes = 1000;
+  Open();
+  std::string small = MakePayload(800, 1), big = MakePayload(50'000, 2);
+  ASSERT_THAT(Put("s", 0, 0, small), IsOk());
+  ASSERT_THAT(Put("s", 0, 1, big), IsOk());
+  EXPECT_EQ(CountPayloadFiles(options_.path), 1);
+  Open();
+  Tier from;
+  EXPECT_EQ(Get("s", 0, 1, &from), big);
+  EXPECT_EQ(from, Tier::kDisk);
+  EXPECT_EQ(Get("s", 0, 0), small);
+  ASSERT_THAT(store_->DropRounds("t1", "s", {0}), IsOk());
+  EXPECT_EQ(CountPayloadFiles(options_.path), 0);
+}
+
+TEST_F(StoreTest, RecoveryRemovesOrphanPayloadFiles) {
+  options_.inline_payload_max_bytes = 1000;
+  Open();
+  std::string big = MakePayload(5000, 2);
+  ASSERT_THAT(Put("s", 0, 0, big), IsOk());
+  // A file whose upload crashed before its index record was written.
+  std::ofstream(options_.path + "/payloads/77/0000000000000777.seg") << "partial";
+  EXPECT_EQ(CountPayloadFiles(options_.path), 2);
+  Open();
+  EXPECT_EQ(CountPayloadFiles(options_.path), 1);
+  EXPECT_EQ(Get("s", 0, 0), big);
+  // New files never reuse an id that existed.
+  ASSERT_THAT(Put("s", 1, 0, MakePayload(5000, 3)), IsOk());
+  EXPECT_EQ(CountPayloadFiles(options_.path), 2);
+}
+
+TEST_F(StoreTest, FailingDiskUnderPayloadFilesLeavesNoFile) {
+  auto fs = std::make_shared<FailingFs>();
+  env_ = rocksdb::NewCompositeEnv(fs);
+  options_.env = env_.get();
+  options_.inline_payload_max_bytes = 1000;
+  Open();
+  fs->fail = true;
+  EXPECT_THAT(Put("s", 0, 0, MakePayload(5000, 1)), StatusIs(Code::kInternal));
+  fs->fail = false;
+  EXPECT_EQ(CountPayloadFiles(options_.path), 0);
+  EXPECT_THAT(store_->ListRounds("t1", "s"), StatusIs(Code::kNotFound));
+  EXPECT_EQ(quota_manager_->Usage("t1").reserved_bytes, 0u);
+  EXPECT_THAT(Put("s", 0, 0, MakePayload(5000, 1)), IsOk());
 }
 
 }  // namespace

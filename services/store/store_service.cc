@@ -175,6 +175,9 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   }
 
   void Done(const absl::Status& s) {
+    // Abort a pending write before the client hears the outcome, so that a
+    // retry never meets the failed upload's reservation (ALREADY_EXISTS).
+    ticket_ = cachestore::WriteTicket();
     svc_->metrics_->ObserveRequest("PutSegment", absl::Now() - start_, s.ok());
     if (!s.ok()) {
       LogInfo("PutSegment rejected", {{"tenant", principal_.tenant},

@@ -1,0 +1,63 @@
+// Payload files: large segment payloads live in files of their own beside
+// RocksDB, one file per segment, referenced by the segment's index record in
+// RocksDB. The index record is the commit point: a file is written (and
+// fsync'd, with its directory, when writes are synchronous) before the record
+// that names it, so a crash leaves at worst an unreferenced file, which
+// recovery deletes. Files go through RocksDB's FileSystem interface, so tests
+// can inject a failing disk under both.
+//
+// Why not inside RocksDB: a value there is written twice (WAL, then blob
+// file at flush), and Debian's portable RocksDB build checksums both passes
+// in software. Small payloads still go inline (StoreOptions).
+#ifndef KVTIER_CACHESTORE_PAYLOAD_FILES_H_
+#define KVTIER_CACHESTORE_PAYLOAD_FILES_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace rocksdb {
+class FileSystem;
+}  // namespace rocksdb
+
+namespace kvtier::cachestore {
+
+// Thread-safe: distinct ids may be used concurrently; one id is written once.
+class PayloadFiles {
+ public:
+  // Creates `dir` and its 256 fan-out subdirectories if missing. `fs` is not
+  // owned. INTERNAL on I/O errors.
+  static absl::StatusOr<std::unique_ptr<PayloadFiles>> Open(rocksdb::FileSystem* fs,
+                                                            std::string dir);
+
+  // Writes file `id` (which must not exist). With `sync`, the data and the
+  // directory entry are durable on return. INTERNAL on I/O errors, after
+  // removing what was written.
+  absl::Status Write(uint64_t id, std::string_view bytes, bool sync);
+
+  // Reads file `id`, expected to hold `size` bytes. NOT_FOUND if missing,
+  // DATA_LOSS if shorter, INTERNAL on I/O errors.
+  absl::StatusOr<std::string> Read(uint64_t id, uint64_t size) const;
+
+  // Deletes file `id`; a missing file is not an error.
+  absl::Status Remove(uint64_t id);
+
+  // Ids of every payload file present (recovery's orphan scan).
+  absl::StatusOr<std::vector<uint64_t>> List() const;
+
+ private:
+  PayloadFiles(rocksdb::FileSystem* fs, std::string dir) : fs_(fs), dir_(std::move(dir)) {}
+  std::string SubDir(uint64_t id) const;
+  std::string Path(uint64_t id) const;
+
+  rocksdb::FileSystem* const fs_;
+  const std::string dir_;
+};
+
+}  // namespace kvtier::cachestore
+
+#endif  // KVTIER_CACHESTORE_PAYLOAD_FILES_H_
