@@ -112,7 +112,9 @@ void Usage() {
                "  127.0.0.1:0, and raw TCP loopback between two processes as the baseline.\n"
                "  --bytes_per_point  payload moved per measurement (default 512 MiB)\n"
                "  --sync             the store's --sync_writes (default true, its default)\n"
-               "  --data_dir         where the store's RocksDB lives (default a temp dir)\n");
+               "  --data_dir         where the store's RocksDB lives (default a temp dir)\n"
+               "  --sizes_kib=A,B    segment sizes in KiB (default 64,1024,16384,65536)\n"
+               "  --streams=N        only N concurrent streams (default: 1 and 8)\n");
 }
 
 }  // namespace
@@ -122,6 +124,8 @@ int StoreBench(int argc, char** argv) {
   uint64_t per_point = 512ull << 20;
   std::string sync = "true";
   std::string data_dir;
+  std::vector<uint64_t> sizes = {64ull << 10, 1ull << 20, 16ull << 20, 64ull << 20};
+  std::vector<int> stream_counts = {1, 8};
   for (int i = 0; i < argc; ++i) {
     std::string a = argv[i];
     if (a.rfind("--csv=", 0) == 0) {
@@ -132,6 +136,16 @@ int StoreBench(int argc, char** argv) {
       sync = a.substr(7);
     } else if (a.rfind("--data_dir=", 0) == 0) {
       data_dir = a.substr(11);
+    } else if (a.rfind("--sizes_kib=", 0) == 0) {
+      sizes.clear();
+      for (size_t pos = 12; pos < a.size();) {
+        size_t comma = a.find(',', pos);
+        if (comma == std::string::npos) comma = a.size();
+        sizes.push_back(std::stoull(a.substr(pos, comma - pos)) << 10);
+        pos = comma + 1;
+      }
+    } else if (a.rfind("--streams=", 0) == 0) {
+      stream_counts = {std::stoi(a.substr(10))};
     } else {
       Usage();
       return 2;
@@ -149,8 +163,6 @@ int StoreBench(int argc, char** argv) {
   StoreClientOptions o;
   o.target = store.target();
 
-  const std::vector<uint64_t> sizes = {64ull << 10, 1ull << 20, 16ull << 20, 64ull << 20};
-  const std::vector<int> stream_counts = {1, 8};
   std::map<int, double> tcp;
   for (int streams : stream_counts) {
     // Best of three: the baseline is what the loopback can do.

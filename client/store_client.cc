@@ -6,6 +6,7 @@
 #include "kernels/crc32c.h"
 #include "client/raw_call.h"
 #include "services/common/grpc_status.h"
+#include "services/common/transport_args.h"
 #include "services/common/wire_format.h"
 
 namespace kvtier {
@@ -22,6 +23,7 @@ absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Connect(StoreClientOpt
   }
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(8 << 20);
+  ApplyBulkTransportArgs(&args);
   std::shared_ptr<grpc::ChannelCredentials> creds;
   if (options.tls_root_certs.empty()) {
     creds = grpc::InsecureChannelCredentials();

@@ -8,6 +8,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/server_builder.h"
 #include "services/common/server_credentials.h"
+#include "services/common/transport_args.h"
 #include "services/store/store_metrics.h"
 #include "services/store/store_service.h"
 
@@ -43,6 +44,7 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
   // Payloads stream in ~1 MiB chunks; 8 MiB leaves room for framing without
   // letting one message grow unbounded.
   builder.SetMaxReceiveMessageSize(8 << 20);
+  ApplyBulkTransportArgs(&builder);
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
