@@ -1,6 +1,7 @@
 // kvtier-bench store: PutSegment / GetSegments throughput against a real
 // kvtier-store process, next to raw TCP loopback throughput between two
 // processes measured in the same run.
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
@@ -96,12 +97,38 @@ double TcpLoopbackGbps(int streams, uint64_t bytes_per_stream) {
   return streams * bytes_per_stream / s / 1e9;
 }
 
+// Writes `bytes_per_stream` in `block`-sized O_DSYNC writes to one file per
+// stream under `dir`: what a synchronous durable write can cost at best on
+// this disk. Returns GB/s.
+double DsyncDiskGbps(const std::string& dir, int streams, uint64_t block,
+                     uint64_t bytes_per_stream) {
+  std::vector<std::thread> writers;
+  auto t0 = Clock::now();
+  for (int s = 0; s < streams; ++s) {
+    writers.emplace_back([&, s] {
+      const std::string path = dir + "/dsync-baseline-" + std::to_string(s);
+      int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_DSYNC, 0644);
+      if (fd < 0) return;
+      std::string buf(block, 'x');
+      for (uint64_t done = 0; done < bytes_per_stream; done += block) {
+        if (::write(fd, buf.data(), buf.size()) < 0) break;
+      }
+      ::close(fd);
+      ::unlink(path.c_str());
+    });
+  }
+  for (auto& t : writers) t.join();
+  uint64_t per = (bytes_per_stream + block - 1) / block * block;
+  return streams * per / Seconds(t0, Clock::now()) / 1e9;
+}
+
 struct Row {
   std::string op;
   uint64_t segment_bytes;
   int streams;
   double gbps;
   double tcp_gbps;
+  double disk_gbps = 0;  // O_DSYNC baseline, for puts with sync_writes.
 };
 
 void Usage() {
@@ -229,7 +256,12 @@ int StoreBench(int argc, char** argv) {
         }
       });
       if (failed) return 1;
-      rows.push_back({"put", size, streams, put, tcp[streams]});
+      double disk = 0;
+      if (sync == "true") {
+        disk = DsyncDiskGbps(data_dir, streams, size,
+                             std::max<uint64_t>(size, per_point / 2 / streams));
+      }
+      rows.push_back({"put", size, streams, put, tcp[streams], disk});
       rows.push_back({"get", size, streams, get, tcp[streams]});
       std::fprintf(stderr, "%8lu B x %d: put %.2f GB/s, get %.2f GB/s\n",
                    static_cast<unsigned long>(size), streams, put, get);
@@ -239,14 +271,18 @@ int StoreBench(int argc, char** argv) {
   }
 
   std::printf("\nkvtier-store throughput (sync_writes=%s), GB/s = 1e9 bytes/s\n\n", sync.c_str());
-  std::printf("| op  | segment  | streams | store GB/s | raw TCP GB/s | ratio |\n");
-  std::printf("|-----|----------|---------|------------|--------------|-------|\n");
+  std::printf(
+      "| op  | segment  | streams | store GB/s | raw TCP GB/s | ratio | O_DSYNC disk GB/s |\n");
+  std::printf(
+      "|-----|----------|---------|------------|--------------|-------|-------------------|\n");
   for (const Row& r : rows) {
     std::string sz = r.segment_bytes >= (1 << 20)
                          ? std::to_string(r.segment_bytes >> 20) + " MiB"
                          : std::to_string(r.segment_bytes >> 10) + " KiB";
-    std::printf("| %-3s | %-8s | %7d | %10.2f | %12.2f | %5.2f |\n", r.op.c_str(), sz.c_str(),
-                r.streams, r.gbps, r.tcp_gbps, r.gbps / r.tcp_gbps);
+    char disk[32] = "";
+    if (r.disk_gbps > 0) std::snprintf(disk, sizeof(disk), "%.2f", r.disk_gbps);
+    std::printf("| %-3s | %-8s | %7d | %10.2f | %12.2f | %5.2f | %17s |\n", r.op.c_str(),
+                sz.c_str(), r.streams, r.gbps, r.tcp_gbps, r.gbps / r.tcp_gbps, disk);
   }
   if (!csv.empty()) {
     std::ofstream out(csv);
