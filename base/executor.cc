@@ -27,9 +27,8 @@ void Executor::WorkLoop() {
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
-          +[](Executor* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(e->mu_) {
-            return e->stopping_ || !e->tasks_.empty();
-          },
+          +[](Executor* e)
+               ABSL_EXCLUSIVE_LOCKS_REQUIRED(e->mu_) { return e->stopping_ || !e->tasks_.empty(); },
           this));
       if (tasks_.empty()) return;  // stopping_ and drained.
       task = std::move(tasks_.front());

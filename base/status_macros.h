@@ -10,10 +10,10 @@
 #define KVT_CONCAT_(a, b) KVT_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function if `expr` is not OK.
-#define KVT_RETURN_IF_ERROR(expr)                  \
-  do {                                             \
-    ::absl::Status kvt_status_ = (expr);           \
-    if (!kvt_status_.ok()) return kvt_status_;     \
+#define KVT_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    ::absl::Status kvt_status_ = (expr);       \
+    if (!kvt_status_.ok()) return kvt_status_; \
   } while (0)
 
 // `lhs = value` of a StatusOr expression, or returns its error.

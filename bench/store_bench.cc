@@ -180,9 +180,8 @@ int StoreBench(int argc, char** argv) {
   }
   testing::TempDir tmp;
   if (data_dir.empty()) data_dir = tmp.path();
-  testing::StoreProcess store(data_dir + "/db",
-                              {"--sync_writes=" + sync, "--ram_budget_mb=8192",
-                               "--max_segment_mb=256", "--log_level=warn"});
+  testing::StoreProcess store(data_dir + "/db", {"--sync_writes=" + sync, "--ram_budget_mb=8192",
+                                                 "--max_segment_mb=256", "--log_level=warn"});
   if (absl::Status s = store.Start(); !s.ok()) {
     std::fprintf(stderr, "kvtier-bench: %s\n", s.ToString().c_str());
     return 1;
@@ -194,7 +193,8 @@ int StoreBench(int argc, char** argv) {
   for (int streams : stream_counts) {
     // Best of three: the baseline is what the loopback can do.
     double best = 0;
-    for (int i = 0; i < 3; ++i) best = std::max(best, TcpLoopbackGbps(streams, per_point / streams));
+    for (int i = 0; i < 3; ++i)
+      best = std::max(best, TcpLoopbackGbps(streams, per_point / streams));
     tcp[streams] = best;
     std::fprintf(stderr, "tcp loopback, %d stream(s): %.2f GB/s\n", streams, best);
   }
@@ -276,9 +276,8 @@ int StoreBench(int argc, char** argv) {
   std::printf(
       "|-----|----------|---------|------------|--------------|-------|-------------------|\n");
   for (const Row& r : rows) {
-    std::string sz = r.segment_bytes >= (1 << 20)
-                         ? std::to_string(r.segment_bytes >> 20) + " MiB"
-                         : std::to_string(r.segment_bytes >> 10) + " KiB";
+    std::string sz = r.segment_bytes >= (1 << 20) ? std::to_string(r.segment_bytes >> 20) + " MiB"
+                                                  : std::to_string(r.segment_bytes >> 10) + " KiB";
     char disk[32] = "";
     if (r.disk_gbps > 0) std::snprintf(disk, sizeof(disk), "%.2f", r.disk_gbps);
     std::printf("| %-3s | %-8s | %7d | %10.2f | %12.2f | %5.2f | %17s |\n", r.op.c_str(),

@@ -6,8 +6,8 @@ namespace kvtier::cachestore {
 
 absl::Status ValidateName(std::string_view what, std::string_view name) {
   if (name.empty() || name.size() > kMaxNameLength) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(std::string(what), " must be 1 to ", kMaxNameLength, " characters, got ", name.size()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        std::string(what), " must be 1 to ", kMaxNameLength, " characters, got ", name.size()));
   }
   for (char c : name) {
     bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||

@@ -24,7 +24,7 @@ constexpr char kSuffix[] = ".seg";
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PayloadFiles>> PayloadFiles::Open(rocksdb::FileSystem* fs,
-                                                                std::string dir) {
+                                                                 std::string dir) {
   rocksdb::IOOptions io;
   if (auto s = FromIo(fs->CreateDirIfMissing(dir, io, nullptr), "create " + dir); !s.ok()) {
     return s;
@@ -86,8 +86,8 @@ absl::StatusOr<std::string> PayloadFiles::Read(uint64_t id, uint64_t size) const
   while (done < size) {
     rocksdb::Slice got;
     const size_t want = static_cast<size_t>(std::min<uint64_t>(size - done, 64 << 20));
-    if (auto s = FromIo(file->Read(done, want, io, &got, out.data() + done, nullptr),
-                        "read " + path);
+    if (auto s =
+            FromIo(file->Read(done, want, io, &got, out.data() + done, nullptr), "read " + path);
         !s.ok()) {
       return s;
     }

@@ -27,8 +27,8 @@ struct SpillCandidate {
 
 // Indices into `candidates`, in spill order, whose bytes add up to at least
 // `bytes_to_free`; all of them if the total falls short.
-std::vector<size_t> PlanSpill(const std::vector<SpillCandidate>& candidates,
-                              uint64_t bytes_to_free, SpillPolicy policy);
+std::vector<size_t> PlanSpill(const std::vector<SpillCandidate>& candidates, uint64_t bytes_to_free,
+                              SpillPolicy policy);
 
 struct DropCandidate {
   uint64_t bytes = 0;

@@ -3,7 +3,6 @@
 #include <algorithm>
 
 #include "absl/container/flat_hash_set.h"
-
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
 #include "base/status_macros.h"
@@ -75,10 +74,7 @@ WriteTicket::~WriteTicket() {
 
 Store::Store(StoreOptions options, QuotaManager* quotas, std::unique_ptr<rocksdb::DB> db,
              std::unique_ptr<PayloadFiles> files)
-    : options_(std::move(options)),
-      quotas_(quotas),
-      db_(std::move(db)),
-      files_(std::move(files)) {}
+    : options_(std::move(options)), quotas_(quotas), db_(std::move(db)), files_(std::move(files)) {}
 
 Store::~Store() = default;
 
@@ -104,8 +100,8 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(StoreOptions options, QuotaMa
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(ro, options.path, &raw);
   if (!s.ok()) {
-    return absl::InternalError(absl::StrCat("cannot open RocksDB at ", options.path, ": ",
-                                            s.ToString()));
+    return absl::InternalError(
+        absl::StrCat("cannot open RocksDB at ", options.path, ": ", s.ToString()));
   }
   std::unique_ptr<rocksdb::DB> db(raw);
   rocksdb::Env* env = options.env != nullptr ? options.env : rocksdb::Env::Default();
@@ -231,12 +227,12 @@ absl::StatusOr<WriteTicket> Store::BeginWrite(const WriteSpec& spec) {
         absl::StrCat("segment must be below ", kMaxSegmentsPerRound, ", got ", spec.id.segment));
   }
   if (spec.layer_begin >= spec.layer_end || spec.layer_end > kMaxLayers) {
-    return absl::InvalidArgumentError(absl::StrCat("bad layer range [", spec.layer_begin, ", ",
-                                                   spec.layer_end, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad layer range [", spec.layer_begin, ", ", spec.layer_end, ")"));
   }
   if (spec.payload_bytes == 0 || spec.payload_bytes > options_.max_segment_bytes) {
-    return absl::OutOfRangeError(absl::StrCat("payload_bytes ", spec.payload_bytes,
-                                              " outside [1, ", options_.max_segment_bytes, "]"));
+    return absl::OutOfRangeError(absl::StrCat("payload_bytes ", spec.payload_bytes, " outside [1, ",
+                                              options_.max_segment_bytes, "]"));
   }
   WriteTicket ticket;
   std::vector<Removal> removals;
@@ -247,8 +243,8 @@ absl::StatusOr<WriteTicket> Store::BeginWrite(const WriteSpec& spec) {
     if (s != nullptr) {
       auto r = s->rounds.find(spec.id.round);
       if (r != s->rounds.end() && r->second.segments.count(spec.id.segment) != 0) {
-        return absl::AlreadyExistsError(absl::StrCat("round ", spec.id.round, " segment ",
-                                                     spec.id.segment, " already exists"));
+        return absl::AlreadyExistsError(
+            absl::StrCat("round ", spec.id.round, " segment ", spec.id.segment, " already exists"));
       }
     }
     KVT_ASSIGN_OR_RETURN(QuotaGrant grant, quotas_->Reserve(spec.tenant, spec.payload_bytes));
@@ -262,8 +258,8 @@ absl::StatusOr<WriteTicket> Store::BeginWrite(const WriteSpec& spec) {
       s = &sessions_[key];
       s->tenant = spec.tenant;
       s->session = spec.session;
-      s->ttl_seconds = spec.session_ttl_seconds != 0 ? spec.session_ttl_seconds
-                                                     : options_.default_ttl_seconds;
+      s->ttl_seconds =
+          spec.session_ttl_seconds != 0 ? spec.session_ttl_seconds : options_.default_ttl_seconds;
     }
     s->last_access_ms = options_.clock->NowUnixMs();
     RoundEntry& r = s->rounds[spec.id.round];
@@ -515,9 +511,10 @@ absl::Status Store::MakeDiskRoomLocked(uint64_t bytes, const std::string& skip_s
   }
   std::optional<std::vector<size_t>> plan = PlanDrop(cands, bytes);
   if (!plan.has_value()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "disk budget of ", options_.disk_budget_bytes, " bytes is full and dropping every "
-        "unpinned round would not free ", bytes, " bytes"));
+    return absl::ResourceExhaustedError(absl::StrCat("disk budget of ", options_.disk_budget_bytes,
+                                                     " bytes is full and dropping every "
+                                                     "unpinned round would not free ",
+                                                     bytes, " bytes"));
   }
   std::map<SessionEntry*, Removal> by_session;
   for (size_t i : *plan) {
@@ -624,8 +621,7 @@ absl::StatusOr<Store::DropResult> Store::DeleteSession(const std::string& tenant
   return result;
 }
 
-absl::Status Store::WriteSessionRecord(const std::string& session_key, bool pinned,
-                                       uint32_t ttl) {
+absl::Status Store::WriteSessionRecord(const std::string& session_key, bool pinned, uint32_t ttl) {
   internal::SessionRecord sr;
   sr.set_pinned(pinned);
   sr.set_ttl_seconds(ttl);
@@ -635,8 +631,7 @@ absl::Status Store::WriteSessionRecord(const std::string& session_key, bool pinn
                    "session record write");
 }
 
-absl::Status Store::PinSession(const std::string& tenant, const std::string& session,
-                               bool pinned) {
+absl::Status Store::PinSession(const std::string& tenant, const std::string& session, bool pinned) {
   KVT_RETURN_IF_ERROR(ValidateName("tenant", tenant));
   KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
   const std::string key = SessionKey(tenant, session);
@@ -737,8 +732,8 @@ absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& t
   return out;
 }
 
-absl::StatusOr<ReadResult> Store::ReadSegment(const std::string& tenant,
-                                              const std::string& session, SegmentId id) {
+absl::StatusOr<ReadResult> Store::ReadSegment(const std::string& tenant, const std::string& session,
+                                              SegmentId id) {
   const std::string key = SessionKey(tenant, session);
   ReadResult result;
   uint64_t file_id = 0;
@@ -754,9 +749,8 @@ absl::StatusOr<ReadResult> Store::ReadSegment(const std::string& tenant,
     return &e->second;
   };
   auto gone = [&] {
-    return absl::NotFoundError(
-        absl::StrCat("session '", session, "' round ", id.round, " segment ", id.segment,
-                     " is gone"));
+    return absl::NotFoundError(absl::StrCat("session '", session, "' round ", id.round, " segment ",
+                                            id.segment, " is gone"));
   };
   {
     absl::MutexLock lock(&mu_);
@@ -779,14 +773,13 @@ absl::StatusOr<ReadResult> Store::ReadSegment(const std::string& tenant,
     KVT_RETURN_IF_ERROR(got.status());
     *bytes = *std::move(got);
   } else {
-    rocksdb::Status st = db_->Get(rocksdb::ReadOptions(), db_->DefaultColumnFamily(),
-                                  SegmentDbKey(KeyKind::kPayload, key, id.round, id.segment),
-                                  bytes.get());
+    rocksdb::Status st =
+        db_->Get(rocksdb::ReadOptions(), db_->DefaultColumnFamily(),
+                 SegmentDbKey(KeyKind::kPayload, key, id.round, id.segment), bytes.get());
     if (st.IsNotFound()) return gone();
     KVT_RETURN_IF_ERROR(FromRocks(st, "segment read"));
   }
-  if (bytes->size() != result.info.payload_bytes ||
-      Crc32c(*bytes) != result.info.payload_crc32c) {
+  if (bytes->size() != result.info.payload_bytes || Crc32c(*bytes) != result.info.payload_crc32c) {
     LogError("stored segment failed its checksum",
              {{"tenant", tenant}, {"session", session}, {"round", id.round}});
     return absl::DataLossError("stored segment failed its checksum");

@@ -197,8 +197,8 @@ class Store {
   // round's recall counter once, and returns their infos in order. NOT_FOUND
   // if the session or any segment is missing; INVALID_ARGUMENT on bad names.
   absl::StatusOr<std::vector<SegmentInfo>> PrepareRead(const std::string& tenant,
-                                                        const std::string& session,
-                                                        const std::vector<SegmentId>& ids);
+                                                       const std::string& session,
+                                                       const std::vector<SegmentId>& ids);
 
   // Returns one segment's bytes from RAM or RocksDB, promoting it when hot.
   // NOT_FOUND when it is gone; DATA_LOSS when the stored bytes fail their
@@ -238,9 +238,9 @@ class Store {
  private:
   struct SegmentEntry {
     SegmentInfo info;
-    uint64_t write_id = 0;  // Nonzero while kWriting.
-    uint64_t file_id = 0;   // Payload file, or 0 when the payload is inline.
-    bool cancelled = false;  // Set when deleted while kWriting.
+    uint64_t write_id = 0;                   // Nonzero while kWriting.
+    uint64_t file_id = 0;                    // Payload file, or 0 when the payload is inline.
+    bool cancelled = false;                  // Set when deleted while kWriting.
     std::shared_ptr<const std::string> ram;  // Non-null iff kSealed.
     uint64_t insert_seq = 0;
     uint64_t last_access_seq = 0;

@@ -93,15 +93,14 @@ class StoreTest : public ::testing::Test {
   }
 
   absl::StatusOr<SegmentInfo> Put(const std::string& session, uint32_t round, uint32_t seg,
-                                  const std::string& payload,
-                                  const std::string& tenant = "t1") {
+                                  const std::string& payload, const std::string& tenant = "t1") {
     auto t = store_->BeginWrite(Spec(session, round, seg, payload, tenant));
     if (!t.ok()) return t.status();
     return store_->CommitWrite(std::move(t).value(), payload);
   }
 
-  std::string Get(const std::string& session, uint32_t round, uint32_t seg,
-                  Tier* from = nullptr, const std::string& tenant = "t1") {
+  std::string Get(const std::string& session, uint32_t round, uint32_t seg, Tier* from = nullptr,
+                  const std::string& tenant = "t1") {
     auto r = store_->ReadSegment(tenant, session, {round, seg});
     if (!r.ok()) return "error: " + r.status().ToString();
     if (from != nullptr) *from = r->served_from;
@@ -239,9 +238,9 @@ TEST_F(StoreTest, CounterPolicySpillsFewestRecallsAmongOlderHalf) {
   KVT_ASSERT_OK_AND_ASSIGN(SessionInfo info, store_->ListRounds("t1", "s"));
   std::vector<SegmentState> states;
   for (const auto& r : info.rounds) states.push_back(r.segments[0].state);
-  EXPECT_THAT(states, ElementsAre(SegmentState::kSealed, SegmentState::kSpilled,
-                                  SegmentState::kSealed, SegmentState::kSealed,
-                                  SegmentState::kSealed));
+  EXPECT_THAT(states,
+              ElementsAre(SegmentState::kSealed, SegmentState::kSpilled, SegmentState::kSealed,
+                          SegmentState::kSealed, SegmentState::kSealed));
   // A spilled segment is still served, from RocksDB, bit-exact.
   Tier from;
   EXPECT_EQ(Get("s", 1, 0, &from), p[1]);

@@ -1,10 +1,10 @@
 #include "client/store_client.h"
 
 #include "absl/strings/str_cat.h"
+#include "client/raw_call.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "kernels/crc32c.h"
-#include "client/raw_call.h"
 #include "services/common/grpc_status.h"
 #include "services/common/transport_args.h"
 #include "services/common/wire_format.h"

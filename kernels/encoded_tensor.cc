@@ -125,8 +125,8 @@ absl::Status ValidateTensorView(const v1::EncodedTensor& t, const std::vector<Bu
   return absl::OkStatus();
 }
 
-using google::protobuf::io::CodedInputStream;
 using google::protobuf::internal::WireFormatLite;
+using google::protobuf::io::CodedInputStream;
 
 // Reads one length-delimited field's bytes as a view into `base`.
 bool ReadView(CodedInputStream* in, const char* base, std::string_view* out) {
@@ -216,7 +216,8 @@ absl::StatusOr<int> ValidatePayloadBytes(std::string_view bytes) {
         return absl::InvalidArgumentError("segment payload is not a serialized SegmentPayload");
       }
       absl::Status s = ValidateTensorBytes(view);
-      if (!s.ok()) return absl::Status(s.code(), absl::StrCat("tensor ", tensors, ": ", s.message()));
+      if (!s.ok())
+        return absl::Status(s.code(), absl::StrCat("tensor ", tensors, ": ", s.message()));
       ++tensors;
     } else if (!WireFormatLite::SkipField(&in, tag)) {
       return absl::InvalidArgumentError("segment payload is not a serialized SegmentPayload");

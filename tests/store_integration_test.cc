@@ -256,8 +256,7 @@ TEST_F(StoreIntegrationTest, BadInputGetsPreciseStatusAndChangesNothing) {
   // OUT_OF_RANGE: truncated, oversize, and over the store's max segment size.
   EXPECT_THAT(RawPut({Header("s", 1, good), Chunk(good.substr(0, 100))}),
               StatusIs(Code::kOutOfRange));
-  EXPECT_THAT(RawPut({Header("s", 1, good), Chunk(good), Chunk("x")}),
-              StatusIs(Code::kOutOfRange));
+  EXPECT_THAT(RawPut({Header("s", 1, good), Chunk(good), Chunk("x")}), StatusIs(Code::kOutOfRange));
   EXPECT_THAT(alice_->PutSegment(Args("s", 1), MakePayload(2 << 20, 3)),
               StatusIs(Code::kOutOfRange));
 
@@ -320,7 +319,8 @@ TEST_F(StoreIntegrationTest, TenantsCannotSeeEachOthersSessions) {
 
 TEST_F(StoreIntegrationTest, DropDeletePinAndRestart) {
   StartStore();
-  for (int r = 0; r < 3; ++r) ASSERT_THAT(alice_->PutSegment(Args("s", r), MakePayload(2000, r)), IsOk());
+  for (int r = 0; r < 3; ++r)
+    ASSERT_THAT(alice_->PutSegment(Args("s", r), MakePayload(2000, r)), IsOk());
   auto dropped = alice_->DropRounds("s", {1, 9});
   ASSERT_THAT(dropped, IsOk());
   EXPECT_EQ(dropped->dropped_size(), 1);

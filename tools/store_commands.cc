@@ -93,8 +93,9 @@ v1::EncodedTensor SyntheticTensor(v1::TensorRole role, uint32_t layers, uint32_t
     // fp32 -> fp16 for |f| in the normal range (truncating the mantissa).
     uint16_t sign = (bits >> 16) & 0x8000;
     int exp = static_cast<int>((bits >> 23) & 0xff) - 127 + 15;
-    uint16_t h = exp <= 0 ? sign : exp >= 31 ? (sign | 0x7bff)
-                                             : (sign | (exp << 10) | ((bits >> 13) & 0x3ff));
+    uint16_t h = exp <= 0    ? sign
+                 : exp >= 31 ? (sign | 0x7bff)
+                             : (sign | (exp << 10) | ((bits >> 13) & 0x3ff));
     std::memcpy(&data[i * 2], &h, 2);
   }
   auto* b = t.add_buffers();
@@ -117,10 +118,9 @@ int StoreCommand(const Args& args) {
     return args.positional().empty() ? 2 : 0;
   }
   const std::string sub = args.positional()[0];
-  std::vector<std::string> unknown =
-      args.Unknown({"target", "token", "tls_ca", "session", "round", "segment", "layers", "file",
-                    "tokens", "kv_heads", "head_dim", "seed", "question_tokens", "ttl", "refs",
-                    "out", "rounds", "unpin"});
+  std::vector<std::string> unknown = args.Unknown(
+      {"target", "token", "tls_ca", "session", "round", "segment", "layers", "file", "tokens",
+       "kv_heads", "head_dim", "seed", "question_tokens", "ttl", "refs", "out", "rounds", "unpin"});
   if (!unknown.empty()) return Usage("unknown flag --" + unknown[0]);
 
   StoreClientOptions o;
@@ -182,8 +182,8 @@ int StoreCommand(const Args& args) {
     }
     auto t0 = std::chrono::steady_clock::now();
     auto r = client.PutSegment(a, payload);
-    double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                    .count();
+    double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (!r.ok()) return Fail(r.status());
     std::printf("put  %s round %u segment %u  layers [%u,%u)  %s  %s  %.1f ms (durable)\n",
                 session.c_str(), a.round, a.segment, a.layer_begin, a.layer_end,
@@ -229,8 +229,8 @@ int StoreCommand(const Args& args) {
   if (sub == "ls") {
     auto list = client.ListRounds(session);
     if (!list.ok()) return Fail(list.status());
-    std::printf("session %s  pinned=%s  ttl=%us\n", session.c_str(),
-                list->pinned() ? "yes" : "no", list->ttl_seconds());
+    std::printf("session %s  pinned=%s  ttl=%us\n", session.c_str(), list->pinned() ? "yes" : "no",
+                list->ttl_seconds());
     std::printf("%6s %8s %10s %14s %12s %8s\n", "round", "segment", "layers", "state", "bytes",
                 "recalls");
     for (const auto& r : list->rounds()) {
@@ -285,8 +285,7 @@ int StoreCommand(const Args& args) {
         static_cast<unsigned long>(st->hits_disk()), static_cast<unsigned long>(st->spills()),
         static_cast<unsigned long>(st->promotions()), static_cast<unsigned long>(st->drops()),
         static_cast<unsigned long>(st->expired_sessions()), st->tenant().c_str(),
-        HumanBytes(st->tenant_bytes()).c_str(),
-        static_cast<unsigned long>(st->tenant_sessions()),
+        HumanBytes(st->tenant_bytes()).c_str(), static_cast<unsigned long>(st->tenant_sessions()),
         st->tenant_quota_bytes() ? HumanBytes(st->tenant_quota_bytes()).c_str() : "none");
     return 0;
   }

@@ -26,10 +26,8 @@ TEST(Authenticator, ParsesTenantsFile) {
 }
 
 TEST(Authenticator, RejectsBadLines) {
-  EXPECT_THAT(Authenticator::FromText("tok-12345 alice admin\n"),
-              StatusIs(Code::kInvalidArgument));
-  EXPECT_THAT(Authenticator::FromText("short alice readwrite\n"),
-              StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(Authenticator::FromText("tok-12345 alice admin\n"), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(Authenticator::FromText("short alice readwrite\n"), StatusIs(Code::kInvalidArgument));
   EXPECT_THAT(Authenticator::FromText("tok-12345 alice readwrite -5\n"),
               StatusIs(Code::kInvalidArgument));
   EXPECT_THAT(Authenticator::FromText("tok-12345 a readwrite\ntok-12345 b readonly\n"),

@@ -37,7 +37,7 @@ absl::Status Parse(const grpc::ByteBuffer& b, google::protobuf::MessageLite* m);
 // the field's bytes out of gRPC's slices.
 struct Field {
   int number = 0;
-  std::vector<grpc::Slice> slices;  // Keeps the bytes alive.
+  std::vector<grpc::Slice> slices;                    // Keeps the bytes alive.
   std::vector<std::pair<const char*, size_t>> spans;  // The field's bytes, in order.
   size_t size = 0;
   void AppendTo(std::string* out) const;

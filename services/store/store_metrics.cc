@@ -31,8 +31,8 @@ class StoreMetrics::TierCollector : public prometheus::Collectable {
       f->metric.push_back(std::move(m));
     };
     using prometheus::MetricType;
-    auto* bytes = family("kvtier_store_bytes", "Segment payload bytes held per tier.",
-                         MetricType::Gauge);
+    auto* bytes =
+        family("kvtier_store_bytes", "Segment payload bytes held per tier.", MetricType::Gauge);
     add(bytes, s.ram_bytes, {{"tier", "ram"}});
     add(bytes, s.disk_bytes, {{"tier", "disk"}});
     auto* segs = family("kvtier_store_segments", "Segments held per tier.", MetricType::Gauge);
@@ -43,8 +43,8 @@ class StoreMetrics::TierCollector : public prometheus::Collectable {
     add(budget, s.ram_budget_bytes, {{"tier", "ram"}});
     add(budget, s.disk_budget_bytes, {{"tier", "disk"}});
     add(family("kvtier_store_sessions", "Sessions in the index.", MetricType::Gauge), s.sessions);
-    auto* hits = family("kvtier_store_hits_total", "Segment reads served, per tier.",
-                        MetricType::Counter);
+    auto* hits =
+        family("kvtier_store_hits_total", "Segment reads served, per tier.", MetricType::Counter);
     add(hits, s.hits_ram, {{"tier", "ram"}});
     add(hits, s.hits_disk, {{"tier", "disk"}});
     add(family("kvtier_store_spills_total", "Segments spilled from RAM to RocksDB only.",
@@ -53,8 +53,8 @@ class StoreMetrics::TierCollector : public prometheus::Collectable {
     add(family("kvtier_store_promotions_total", "Spilled segments promoted back into RAM.",
                MetricType::Counter),
         s.promotions);
-    auto* drops = family("kvtier_store_round_drops_total", "Rounds dropped, by reason.",
-                         MetricType::Counter);
+    auto* drops =
+        family("kvtier_store_round_drops_total", "Rounds dropped, by reason.", MetricType::Counter);
     add(drops, s.drops - s.pressure_drops, {{"reason", "explicit"}});
     add(drops, s.pressure_drops, {{"reason", "disk_pressure"}});
     add(family("kvtier_store_expired_sessions_total", "Sessions expired by TTL.",
@@ -86,8 +86,8 @@ absl::StatusOr<int> StoreMetrics::Serve(const std::string& address) {
   try {
     exposer_ = std::make_unique<prometheus::Exposer>(address);
   } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", address, ": ",
-                                               e.what()));
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
   }
   exposer_->RegisterCollectable(registry_);
   exposer_->RegisterCollectable(tiers_);

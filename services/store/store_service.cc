@@ -79,9 +79,8 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
       if (!ticket_.valid()) {
         Done(absl::InvalidArgumentError("PutSegment stream ended without a header"));
       } else if (buffer_.size() != ticket_.spec().payload_bytes) {
-        Done(absl::OutOfRangeError(absl::StrCat("truncated stream: got ", buffer_.size(),
-                                                " of ", ticket_.spec().payload_bytes,
-                                                " payload bytes")));
+        Done(absl::OutOfRangeError(absl::StrCat("truncated stream: got ", buffer_.size(), " of ",
+                                                ticket_.spec().payload_bytes, " payload bytes")));
       } else {
         svc_->executor_->Schedule([this] { Commit(); });
       }
@@ -118,8 +117,8 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     }
     const size_t size = field.ok() ? field->size : parsed.chunk().size();
     if (size > svc_->options_.max_chunk_bytes) {
-      Done(absl::InvalidArgumentError(absl::StrCat("chunk of ", size, " bytes exceeds ",
-                                                   svc_->options_.max_chunk_bytes)));
+      Done(absl::InvalidArgumentError(
+          absl::StrCat("chunk of ", size, " bytes exceeds ", svc_->options_.max_chunk_bytes)));
       return;
     }
     if (buffer_.size() + size > ticket_.spec().payload_bytes) {
@@ -223,9 +222,8 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       return;
     }
     if (req_->refs_size() == 0 || req_->refs_size() > svc_->options_.max_refs) {
-      Done(absl::InvalidArgumentError(absl::StrCat("GetSegments takes 1 to ",
-                                                   svc_->options_.max_refs, " refs, got ",
-                                                   req_->refs_size())));
+      Done(absl::InvalidArgumentError(absl::StrCat(
+          "GetSegments takes 1 to ", svc_->options_.max_refs, " refs, got ", req_->refs_size())));
       return;
     }
     svc_->executor_->Schedule([this] { Prepare(); });
@@ -322,8 +320,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* StoreService::GetSegments(
 // ---- Unary calls ----
 
 template <typename Work>
-grpc::ServerUnaryReactor* StoreService::Unary(grpc::CallbackServerContext* ctx,
-                                              const char* method, bool write, Work work) {
+grpc::ServerUnaryReactor* StoreService::Unary(grpc::CallbackServerContext* ctx, const char* method,
+                                              bool write, Work work) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const absl::Time start = absl::Now();
   absl::StatusOr<Principal> p = auth_->Authenticate(*ctx);
@@ -333,12 +331,12 @@ grpc::ServerUnaryReactor* StoreService::Unary(grpc::CallbackServerContext* ctx,
     reactor->Finish(ToGrpc(denied));
     return reactor;
   }
-  executor_->Schedule([this, reactor, method, start, principal = *std::move(p),
-                       work = std::move(work)]() mutable {
-    absl::Status s = work(principal);
-    metrics_->ObserveRequest(method, absl::Now() - start, s.ok());
-    reactor->Finish(ToGrpc(s));
-  });
+  executor_->Schedule(
+      [this, reactor, method, start, principal = *std::move(p), work = std::move(work)]() mutable {
+        absl::Status s = work(principal);
+        metrics_->ObserveRequest(method, absl::Now() - start, s.ok());
+        reactor->Finish(ToGrpc(s));
+      });
   return reactor;
 }
 
@@ -380,14 +378,13 @@ grpc::ServerUnaryReactor* StoreService::DropRounds(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* StoreService::DeleteSession(grpc::CallbackServerContext* ctx,
                                                       const v1::DeleteSessionRequest* req,
                                                       v1::DeleteSessionResponse* resp) {
-  return Unary(ctx, "DeleteSession", true,
-               [this, req, resp](const Principal& p) -> absl::Status {
-                 auto r = store_->DeleteSession(p.tenant, req->session_id());
-                 if (!r.ok()) return r.status();
-                 resp->set_freed_bytes(r->freed_bytes);
-                 resp->set_rounds_deleted(static_cast<uint32_t>(r->dropped.size()));
-                 return absl::OkStatus();
-               });
+  return Unary(ctx, "DeleteSession", true, [this, req, resp](const Principal& p) -> absl::Status {
+    auto r = store_->DeleteSession(p.tenant, req->session_id());
+    if (!r.ok()) return r.status();
+    resp->set_freed_bytes(r->freed_bytes);
+    resp->set_rounds_deleted(static_cast<uint32_t>(r->dropped.size()));
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* StoreService::PinSession(grpc::CallbackServerContext* ctx,

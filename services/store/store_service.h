@@ -43,8 +43,8 @@ class StoreService final
 
   grpc::ServerReadReactor<grpc::ByteBuffer>* PutSegment(grpc::CallbackServerContext* ctx,
                                                         grpc::ByteBuffer* response) override;
-  grpc::ServerWriteReactor<grpc::ByteBuffer>* GetSegments(
-      grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* GetSegments(grpc::CallbackServerContext* ctx,
+                                                          const grpc::ByteBuffer* request) override;
   grpc::ServerUnaryReactor* ListRounds(grpc::CallbackServerContext* ctx,
                                        const v1::ListRoundsRequest* request,
                                        v1::ListRoundsResponse* response) override;
@@ -57,8 +57,7 @@ class StoreService final
   grpc::ServerUnaryReactor* PinSession(grpc::CallbackServerContext* ctx,
                                        const v1::PinSessionRequest* request,
                                        v1::PinSessionResponse* response) override;
-  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx,
-                                  const v1::StatsRequest* request,
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* request,
                                   v1::StatsResponse* response) override;
 
  private:
@@ -68,8 +67,8 @@ class StoreService final
   // Runs `work` on the executor after authenticating (and, when `write`,
   // authorizing) the caller, then finishes the unary call with its status.
   template <typename Work>
-  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const char* method,
-                                  bool write, Work work);
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const char* method, bool write,
+                                  Work work);
 
   cachestore::Store* const store_;
   cachestore::QuotaManager* const quotas_;

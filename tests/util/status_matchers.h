@@ -29,10 +29,10 @@ MATCHER(IsOk, "is OK") {
 
 }  // namespace kvtier::testing
 
-#define KVT_ASSERT_OK_AND_ASSIGN(lhs, expr)                                  \
-  auto KVT_CONCAT_(kvt_test_so_, __LINE__) = (expr);                         \
-  ASSERT_TRUE(KVT_CONCAT_(kvt_test_so_, __LINE__).ok())                      \
-      << KVT_CONCAT_(kvt_test_so_, __LINE__).status().ToString();            \
+#define KVT_ASSERT_OK_AND_ASSIGN(lhs, expr)                       \
+  auto KVT_CONCAT_(kvt_test_so_, __LINE__) = (expr);              \
+  ASSERT_TRUE(KVT_CONCAT_(kvt_test_so_, __LINE__).ok())           \
+      << KVT_CONCAT_(kvt_test_so_, __LINE__).status().ToString(); \
   lhs = std::move(KVT_CONCAT_(kvt_test_so_, __LINE__)).value()
 
 #endif  // KVTIER_TESTS_UTIL_STATUS_MATCHERS_H_
