@@ -13,6 +13,22 @@ std::vector<size_t> Iota(size_t n) {
   return v;
 }
 
+// The prefix of `order` whose bytes first reach `bytes_to_free` (all of it
+// if they never do), and the bytes it frees.
+template <typename Candidate>
+std::pair<std::vector<size_t>, uint64_t> TakeUntil(const std::vector<size_t>& order,
+                                                   const std::vector<Candidate>& c,
+                                                   uint64_t bytes_to_free) {
+  std::vector<size_t> out;
+  uint64_t freed = 0;
+  for (size_t i : order) {
+    if (freed >= bytes_to_free) break;
+    out.push_back(i);
+    freed += c[i].bytes;
+  }
+  return {std::move(out), freed};
+}
+
 }  // namespace
 
 std::vector<size_t> PlanSpill(const std::vector<SpillCandidate>& c, uint64_t bytes_to_free,
@@ -34,14 +50,7 @@ std::vector<size_t> PlanSpill(const std::vector<SpillCandidate>& c, uint64_t byt
     std::sort(order.begin(), mid, by_count);
     std::sort(mid, order.end(), by_count);
   }
-  std::vector<size_t> out;
-  uint64_t freed = 0;
-  for (size_t i : order) {
-    if (freed >= bytes_to_free) break;
-    out.push_back(i);
-    freed += c[i].bytes;
-  }
-  return out;
+  return TakeUntil(order, c, bytes_to_free).first;
 }
 
 std::optional<std::vector<size_t>> PlanDrop(const std::vector<DropCandidate>& c,
@@ -51,13 +60,7 @@ std::optional<std::vector<size_t>> PlanDrop(const std::vector<DropCandidate>& c,
     return std::tie(c[a].recall_count, c[a].insert_seq) <
            std::tie(c[b].recall_count, c[b].insert_seq);
   });
-  std::vector<size_t> out;
-  uint64_t freed = 0;
-  for (size_t i : order) {
-    if (freed >= bytes_to_free) break;
-    out.push_back(i);
-    freed += c[i].bytes;
-  }
+  auto [out, freed] = TakeUntil(order, c, bytes_to_free);
   if (freed < bytes_to_free) return std::nullopt;
   return out;
 }

@@ -591,6 +591,26 @@ absl::StatusOr<Store::DropResult> Store::DropRounds(const std::string& tenant,
   return result;
 }
 
+std::pair<uint64_t, std::vector<uint32_t>> Store::RemoveSessionLocked(const std::string& key,
+                                                                      Removal* rm) {
+  SessionEntry& s = sessions_.at(key);
+  rm->session_key = key;
+  rm->tenant = s.tenant;
+  rm->whole_session = true;
+  std::vector<uint32_t> all;
+  for (auto& [rn, r] : s.rounds) all.push_back(rn);
+  uint64_t freed = 0;
+  for (uint32_t round : all) freed += RemoveRoundLocked(s, round, rm);
+  if (s.rounds.empty()) {
+    sessions_.erase(key);
+  } else {
+    // Uploads still running keep the entry until they abort.
+    s.pinned = false;
+    s.persisted = false;
+  }
+  return {freed, std::move(all)};
+}
+
 absl::StatusOr<Store::DropResult> Store::DeleteSession(const std::string& tenant,
                                                        const std::string& session) {
   KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
@@ -598,24 +618,9 @@ absl::StatusOr<Store::DropResult> Store::DeleteSession(const std::string& tenant
   Removal rm;
   {
     absl::MutexLock lock(&mu_);
-    rm.session_key = SessionKey(tenant, session);
-    rm.tenant = tenant;
-    rm.whole_session = true;
-    SessionEntry* s = FindSessionLocked(rm.session_key);
-    if (s == nullptr) return NoSession(session);
-    std::vector<uint32_t> all;
-    for (auto& [rn, r] : s->rounds) all.push_back(rn);
-    for (uint32_t round : all) {
-      result.freed_bytes += RemoveRoundLocked(*s, round, &rm);
-      result.dropped.push_back(round);
-    }
-    if (s->rounds.empty()) {
-      sessions_.erase(rm.session_key);
-    } else {
-      // Uploads still running keep the entry until they abort.
-      s->pinned = false;
-      s->persisted = false;
-    }
+    const std::string key = SessionKey(tenant, session);
+    if (FindSessionLocked(key) == nullptr) return NoSession(session);
+    std::tie(result.freed_bytes, result.dropped) = RemoveSessionLocked(key, &rm);
   }
   KVT_RETURN_IF_ERROR(ApplyRemovals({rm}));
   return result;
@@ -658,22 +663,17 @@ absl::StatusOr<int> Store::ExpireSessions() {
     absl::MutexLock lock(&mu_);
     const int64_t now = options_.clock->NowUnixMs();
     std::vector<std::string> expired;
-    for (auto& [key, s] : sessions_) {
+    for (const auto& [key, s] : sessions_) {
       if (s.pinned || s.ttl_seconds == 0) continue;
       if (now - s.last_access_ms <= int64_t{s.ttl_seconds} * 1000) continue;
-      Removal rm;
-      rm.session_key = key;
-      rm.tenant = s.tenant;
-      rm.whole_session = true;
-      std::vector<uint32_t> all;
-      for (auto& [rn, r] : s.rounds) all.push_back(rn);
-      for (uint32_t round : all) RemoveRoundLocked(s, round, &rm);
-      if (s.rounds.empty()) expired.push_back(key);
-      removals.push_back(std::move(rm));
-      ++counters_.expired_sessions;
       LogInfo("session expired", {{"tenant", s.tenant}, {"session", s.session}});
+      expired.push_back(key);
     }
-    for (const std::string& key : expired) sessions_.erase(key);
+    for (const std::string& key : expired) {
+      removals.emplace_back();
+      RemoveSessionLocked(key, &removals.back());
+      ++counters_.expired_sessions;
+    }
   }
   KVT_RETURN_IF_ERROR(ApplyRemovals(removals));
   return static_cast<int>(removals.size());

@@ -285,6 +285,11 @@ class Store {
   void SpillForRoomLocked(uint64_t bytes_needed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t RemoveRoundLocked(SessionEntry& s, uint32_t round, Removal* removal)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes every round and marks the removal whole-session; erases the
+  // entry unless uploads still run. Returns the freed bytes and the rounds.
+  std::pair<uint64_t, std::vector<uint32_t>> RemoveSessionLocked(const std::string& key,
+                                                                 Removal* removal)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status MakeDiskRoomLocked(uint64_t bytes, const std::string& skip_session_key,
                                   std::vector<Removal>* removals)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
