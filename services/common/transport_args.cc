@@ -9,9 +9,8 @@ namespace {
 
 // Values measured with kvtier-bench store (docs/benchmarks.md).
 constexpr std::pair<const char*, int> kArgs[] = {
-    {GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 4 << 20},    {GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 16 << 20},
-    {GRPC_ARG_TCP_READ_CHUNK_SIZE, 1 << 20},     {GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10},
-    {GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 8 << 20},
+    {GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 4 << 20},
+    {GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 16 << 20},
 };
 
 }  // namespace
