@@ -297,6 +297,25 @@ TEST_F(StoreIntegrationTest, BadInputGetsPreciseStatusAndChangesNothing) {
   EXPECT_TRUE((*got)[0].payload == good);
 }
 
+TEST_F(StoreIntegrationTest, CancelledAndCappedUploadsStoreNothing) {
+  StartStore({"--max_inflight_upload_mb=1"});
+  const std::string p = MakePayload(700'000, 1);
+  // An upload that stalls after its first chunk holds 700 KB of the 1 MiB cap.
+  auto c = Client(kAliceToken);
+  auto ctx = c->NewContext();
+  v1::PutSegmentResponse resp;
+  auto stalled = c->stub()->PutSegment(ctx.get(), &resp);
+  ASSERT_TRUE(stalled->Write(Header("s", 0, p)));
+  stalled->WaitForInitialMetadata();  // The store accepted the header.
+  ASSERT_TRUE(stalled->Write(Chunk(p.substr(0, 100'000))));
+  EXPECT_THAT(alice_->PutSegment(Args("other", 0), MakePayload(500'000, 2)),
+              StatusIs(Code::kResourceExhausted));
+  ctx->TryCancel();
+  EXPECT_EQ(stalled->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_THAT(alice_->ListRounds("s"), StatusIs(Code::kNotFound));
+  EXPECT_EQ(Stats().tenant_bytes(), 0u);
+}
+
 TEST_F(StoreIntegrationTest, TenantsCannotSeeEachOthersSessions) {
   StartStore();
   const std::string p = MakePayload(3000, 1);

@@ -28,6 +28,8 @@ ABSL_FLAG(bool, sync_writes, true, "fsync the WAL before acknowledging a PutSegm
 ABSL_FLAG(uint32_t, promote_after_reads, 2,
           "Promote a spilled segment into RAM after this many disk reads; 0 = never.");
 ABSL_FLAG(uint64_t, max_segment_mb, 256, "Largest accepted segment payload in MiB.");
+ABSL_FLAG(uint64_t, max_inflight_upload_mb, 4096,
+          "Payload MiB that PutSegment uploads in flight may declare together.");
 ABSL_FLAG(uint32_t, default_ttl_seconds, 0,
           "TTL of sessions that set none; 0 = sessions never expire.");
 ABSL_FLAG(int, ttl_sweep_seconds, 10, "Seconds between TTL sweeps; 0 disables them.");
@@ -85,6 +87,7 @@ int main(int argc, char** argv) {
   o.store.promote_after_disk_reads = absl::GetFlag(FLAGS_promote_after_reads);
   o.store.max_segment_bytes = absl::GetFlag(FLAGS_max_segment_mb) << 20;
   o.store.default_ttl_seconds = absl::GetFlag(FLAGS_default_ttl_seconds);
+  o.service.max_inflight_upload_bytes = absl::GetFlag(FLAGS_max_inflight_upload_mb) << 20;
   const std::string policy = absl::GetFlag(FLAGS_spill_policy);
   if (policy == "counter") {
     o.store.spill_policy = kvtier::cachestore::SpillPolicy::kCounter;

@@ -32,8 +32,9 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
   if (!options.metrics_listen.empty()) {
     KVT_ASSIGN_OR_RETURN(s->metrics_port_, s->metrics_->Serve(options.metrics_listen));
   }
-  s->service_ = std::make_unique<StoreService>(s->store_.get(), s->quotas_.get(), &s->auth_,
-                                               s->executor_.get(), s->metrics_.get());
+  s->service_ =
+      std::make_unique<StoreService>(s->store_.get(), s->quotas_.get(), &s->auth_,
+                                     s->executor_.get(), s->metrics_.get(), options.service);
   KVT_ASSIGN_OR_RETURN(auto creds, MakeServerCredentials(options.tls_cert, options.tls_key));
 
   grpc::EnableDefaultHealthCheckService(true);

@@ -13,12 +13,12 @@
 #include "cachestore/store.h"
 #include "grpcpp/server.h"
 #include "services/common/auth.h"
+#include "services/store/store_service.h"
 
 namespace kvtier {
 
 class Executor;
 class StoreMetrics;
-class StoreService;
 
 struct StoreServerOptions {
   // gRPC listen address. Port 0 picks a free port. Default: 127.0.0.1:7070.
@@ -35,6 +35,7 @@ struct StoreServerOptions {
   // How often idle sessions are checked against their TTL. Default: 10 s.
   int ttl_sweep_seconds = 10;
   cachestore::StoreOptions store;
+  StoreServiceOptions service;
 };
 
 // Thread-safe. Shutdown() (or destruction) stops serving, waits for calls in

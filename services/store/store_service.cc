@@ -150,6 +150,14 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     spec.has_round_summary = h.has_round_summary();
     if (spec.has_round_summary) spec.round_summary = h.round_summary();
     spec.session_ttl_seconds = h.session_ttl_seconds();
+    const uint64_t before = svc_->inflight_upload_bytes_.fetch_add(spec.payload_bytes);
+    inflight_bytes_ = spec.payload_bytes;
+    if (before + spec.payload_bytes > svc_->options_.max_inflight_upload_bytes) {
+      Done(absl::ResourceExhaustedError(absl::StrCat("uploads in flight already declare ", before,
+                                                     " bytes; the limit is ",
+                                                     svc_->options_.max_inflight_upload_bytes)));
+      return;
+    }
     absl::StatusOr<cachestore::WriteTicket> t = svc_->store_->BeginWrite(spec);
     if (!t.ok()) {
       Done(t.status());
@@ -157,6 +165,9 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     }
     ticket_ = *std::move(t);
     buffer_.reserve(spec.payload_bytes);
+    // Initial metadata tells the client the header was accepted (quota and
+    // room reserved) before it streams the payload.
+    StartSendInitialMetadata();
     StartRead(&req_);
   }
 
@@ -177,6 +188,9 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     // Abort a pending write before the client hears the outcome, so that a
     // retry never meets the failed upload's reservation (ALREADY_EXISTS).
     ticket_ = cachestore::WriteTicket();
+    svc_->inflight_upload_bytes_.fetch_sub(inflight_bytes_);
+    inflight_bytes_ = 0;
+    std::string().swap(buffer_);
     svc_->metrics_->ObserveRequest("PutSegment", absl::Now() - start_, s.ok());
     if (!s.ok()) {
       LogInfo("PutSegment rejected", {{"tenant", principal_.tenant},
@@ -193,6 +207,7 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   Principal principal_;
   grpc::ByteBuffer req_;
   v1::PutSegmentHeader header_;
+  uint64_t inflight_bytes_ = 0;  // Counted in svc_->inflight_upload_bytes_.
   cachestore::WriteTicket ticket_;
   std::string buffer_;
 };

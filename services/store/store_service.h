@@ -4,6 +4,7 @@
 #ifndef KVTIER_SERVICES_STORE_STORE_SERVICE_H_
 #define KVTIER_SERVICES_STORE_STORE_SERVICE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 
@@ -23,6 +24,10 @@ struct StoreServiceOptions {
   size_t max_chunk_bytes = size_t{4} << 20;
   // Most refs in one GetSegments call. Default: 4096.
   int max_refs = 4096;
+  // Payload bytes that uploads in flight may declare together; a header that
+  // would pass it gets RESOURCE_EXHAUSTED, so slow or idle uploads cannot pin
+  // unbounded receive buffers. Default: 4 GiB.
+  uint64_t max_inflight_upload_bytes = uint64_t{4} << 30;
 };
 
 // Thread-safe. `store`, `auth`, `executor` and `metrics` are not owned and
@@ -76,6 +81,7 @@ class StoreService final
   Executor* const executor_;
   StoreMetrics* const metrics_;
   const StoreServiceOptions options_;
+  std::atomic<uint64_t> inflight_upload_bytes_{0};
 };
 
 // Proto <-> engine conversions, shared with tests.
