@@ -7,7 +7,8 @@ namespace kvtier {
 // Segment payloads are megabytes each and short-lived. By default glibc
 // serves such blocks with fresh mmap()s and unmaps them on free, so every
 // payload byte costs a page fault twice per request. This keeps freed large
-// blocks in the heap for reuse instead. Call once, first thing in main().
+// blocks in one heap for reuse instead. Call once, first thing in main(),
+// before any thread starts.
 void TuneAllocatorForLargeBuffers();
 
 }  // namespace kvtier

@@ -299,14 +299,16 @@ void Store::AbortWrite(const WriteSpec& spec, uint64_t write_id) {
   if (s->rounds.empty() && !s->persisted && !s->pinned) sessions_.erase(key);
 }
 
-absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string payload) {
+absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string payload,
+                                               std::optional<uint32_t> computed_crc32c) {
   if (!ticket.valid()) return absl::FailedPreconditionError("empty write ticket");
   const WriteSpec& spec = ticket.spec_;
   if (payload.size() != spec.payload_bytes) {
     return absl::OutOfRangeError(absl::StrCat("payload has ", payload.size(),
                                               " bytes, header declared ", spec.payload_bytes));
   }
-  if (Crc32c(payload) != spec.payload_crc32c) {
+  const uint32_t crc = computed_crc32c.has_value() ? *computed_crc32c : Crc32c(payload);
+  if (crc != spec.payload_crc32c) {
     return absl::DataLossError("payload crc32c does not match the header");
   }
   KVT_RETURN_IF_ERROR(ValidatePayloadBytes(payload).status());

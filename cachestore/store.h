@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -191,7 +192,10 @@ class Store {
   //   ABORTED           the session was deleted meanwhile.
   //   INTERNAL          RocksDB failed.
   // On any error nothing is stored and the reservation is refunded.
-  absl::StatusOr<SegmentInfo> CommitWrite(WriteTicket ticket, std::string payload);
+  // `computed_crc32c`, when set, is the caller's CRC-32C of exactly these
+  // bytes (computed as they arrived), which spares a pass over them.
+  absl::StatusOr<SegmentInfo> CommitWrite(WriteTicket ticket, std::string payload,
+                                          std::optional<uint32_t> computed_crc32c = {});
 
   // Checks that every id exists and is readable, bumps each distinct
   // round's recall counter once, and returns their infos in order. NOT_FOUND

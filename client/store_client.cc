@@ -89,6 +89,7 @@ absl::StatusOr<std::vector<FetchedSegment>> StoreClient::GetSegments(
   req.set_session_id(session_id);
   for (const auto& r : refs) *req.add_refs() = r;
   std::vector<FetchedSegment> out;
+  std::vector<uint32_t> crcs;  // Running CRC-32C of each segment's payload.
   absl::Status protocol;
   if (call.Write(wire::Serialize(req)) && call.WritesDone()) {
     grpc::ByteBuffer msg;
@@ -117,6 +118,7 @@ absl::StatusOr<std::vector<FetchedSegment>> StoreClient::GetSegments(
         }
         f.payload.reserve(f.info.payload_bytes());
         out.push_back(std::move(f));
+        crcs.push_back(0);
         continue;
       }
       const size_t size = field.ok() ? field->size : parsed.chunk().size();
@@ -124,11 +126,15 @@ absl::StatusOr<std::vector<FetchedSegment>> StoreClient::GetSegments(
         protocol = absl::InternalError("GetSegments sent bytes outside a segment");
         break;
       }
+      // Checksum each chunk as it lands, while it is still in cache.
+      std::string& payload = out.back().payload;
+      const size_t at = payload.size();
       if (field.ok()) {
-        field->AppendTo(&out.back().payload);
+        field->AppendTo(&payload);
       } else {
-        out.back().payload.append(parsed.chunk());
+        payload.append(parsed.chunk());
       }
+      crcs.back() = Crc32cExtend(crcs.back(), payload.data() + at, payload.size() - at);
     }
   }
   if (!protocol.ok()) ctx->TryCancel();
@@ -139,9 +145,9 @@ absl::StatusOr<std::vector<FetchedSegment>> StoreClient::GetSegments(
     return absl::InternalError(
         absl::StrCat("GetSegments returned ", out.size(), " of ", refs.size(), " segments"));
   }
-  for (const FetchedSegment& f : out) {
-    if (f.payload.size() != f.info.payload_bytes() ||
-        Crc32c(f.payload) != f.info.payload_crc32c()) {
+  for (size_t i = 0; i < out.size(); ++i) {
+    const FetchedSegment& f = out[i];
+    if (f.payload.size() != f.info.payload_bytes() || crcs[i] != f.info.payload_crc32c()) {
       return absl::DataLossError(absl::StrCat("round ", f.info.ref().round(), " segment ",
                                               f.info.ref().segment(),
                                               " arrived with a bad checksum"));

@@ -7,6 +7,7 @@
 #include "absl/time/clock.h"
 #include "base/log.h"
 #include "cachestore/names.h"
+#include "kernels/crc32c.h"
 #include "services/common/grpc_status.h"
 #include "services/common/wire_format.h"
 
@@ -126,11 +127,14 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
                                               ticket_.spec().payload_bytes, " payload bytes")));
       return;
     }
+    // Checksum each chunk as it lands, while it is still in cache.
+    const size_t at = buffer_.size();
     if (field.ok()) {
       field->AppendTo(&buffer_);
     } else {
       buffer_.append(parsed.chunk());
     }
+    crc_ = Crc32cExtend(crc_, buffer_.data() + at, buffer_.size() - at);
     StartRead(&req_);
   }
 
@@ -174,7 +178,7 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   void Commit() {
     const uint64_t bytes = ticket_.spec().payload_bytes;
     absl::StatusOr<cachestore::SegmentInfo> info =
-        svc_->store_->CommitWrite(std::move(ticket_), std::move(buffer_));
+        svc_->store_->CommitWrite(std::move(ticket_), std::move(buffer_), crc_);
     if (info.ok()) {
       v1::PutSegmentResponse resp;
       *resp.mutable_segment() = ToProto(*info);
@@ -208,6 +212,7 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   grpc::ByteBuffer req_;
   v1::PutSegmentHeader header_;
   uint64_t inflight_bytes_ = 0;  // Counted in svc_->inflight_upload_bytes_.
+  uint32_t crc_ = 0;             // CRC-32C of buffer_.
   cachestore::WriteTicket ticket_;
   std::string buffer_;
 };
