@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -122,6 +123,12 @@ double DsyncDiskGbps(const std::string& dir, int streams, uint64_t block,
   return streams * per / Seconds(t0, Clock::now()) / 1e9;
 }
 
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
 struct Row {
   std::string op;
   uint64_t segment_bytes;
@@ -141,7 +148,9 @@ void Usage() {
                "  --sync             the store's --sync_writes (default true, its default)\n"
                "  --data_dir         where the store's RocksDB lives (default a temp dir)\n"
                "  --sizes_kib=A,B    segment sizes in KiB (default 64,1024,16384,65536)\n"
-               "  --streams=N        only N concurrent streams (default: 1 and 8)\n");
+               "  --streams=N        only N concurrent streams (default: 1 and 8)\n"
+               "  --repeat=N         runs per point; the median is reported (default 3)\n"
+               "  Raw TCP is the best of 3 runs, so the ratio is conservative.\n");
 }
 
 }  // namespace
@@ -153,6 +162,7 @@ int StoreBench(int argc, char** argv) {
   std::string data_dir;
   std::vector<uint64_t> sizes = {64ull << 10, 1ull << 20, 16ull << 20, 64ull << 20};
   std::vector<int> stream_counts = {1, 8};
+  int repeat = 3;
   for (int i = 0; i < argc; ++i) {
     std::string a = argv[i];
     if (a.rfind("--csv=", 0) == 0) {
@@ -171,6 +181,8 @@ int StoreBench(int argc, char** argv) {
         sizes.push_back(std::stoull(a.substr(pos, comma - pos)) << 10);
         pos = comma + 1;
       }
+    } else if (a.rfind("--repeat=", 0) == 0) {
+      repeat = std::max(1, std::stoi(a.substr(9)));
     } else if (a.rfind("--streams=", 0) == 0) {
       stream_counts = {std::stoi(a.substr(10))};
     } else {
@@ -207,54 +219,61 @@ int StoreBench(int argc, char** argv) {
       // Distinct payloads per stream, built before the clock starts.
       std::vector<std::string> payloads;
       for (int s = 0; s < streams; ++s) payloads.push_back(testing::MakePayload(size, s + 1));
-      std::vector<std::string> sessions;
-      for (int s = 0; s < streams; ++s) sessions.push_back("bench-" + std::to_string(session_no++));
-      std::atomic<uint64_t> moved{0};
+      std::vector<double> puts, gets;
       std::atomic<bool> failed{false};
-      auto run = [&](auto body) {
-        std::vector<std::thread> threads;
-        moved = 0;
-        auto t0 = Clock::now();
-        for (int s = 0; s < streams; ++s) threads.emplace_back([&, s] { body(s); });
-        for (auto& t : threads) t.join();
-        return moved.load() / Seconds(t0, Clock::now()) / 1e9;
-      };
-      double put = run([&](int s) {
+      for (int rep = 0; rep < repeat && !failed; ++rep) {
+        std::vector<std::string> sessions;
+        for (int s = 0; s < streams; ++s)
+          sessions.push_back("bench-" + std::to_string(session_no++));
+        std::atomic<uint64_t> moved{0};
+        auto run = [&](auto body) {
+          std::vector<std::thread> threads;
+          moved = 0;
+          auto t0 = Clock::now();
+          for (int s = 0; s < streams; ++s) threads.emplace_back([&, s] { body(s); });
+          for (auto& t : threads) t.join();
+          return moved.load() / Seconds(t0, Clock::now()) / 1e9;
+        };
+        puts.push_back(run([&](int s) {
+          auto c = StoreClient::Connect(o);
+          for (uint64_t i = 0; i < per_stream && !failed; ++i) {
+            PutSegmentArgs a;
+            a.session_id = sessions[s];
+            a.round = static_cast<uint32_t>(i);
+            a.layer_end = 4;
+            auto r = (*c)->PutSegment(a, payloads[s]);
+            if (!r.ok()) {
+              std::fprintf(stderr, "put failed: %s\n", r.status().ToString().c_str());
+              failed = true;
+              return;
+            }
+            moved += payloads[s].size();
+          }
+        }));
+        gets.push_back(run([&](int s) {
+          auto c = StoreClient::Connect(o);
+          // Batched like a recall: up to 64 MiB of segments per call.
+          const uint64_t batch = std::max<uint64_t>(1, (64ull << 20) / size);
+          for (uint64_t i = 0; i < per_stream && !failed; i += batch) {
+            std::vector<v1::SegmentRef> refs;
+            for (uint64_t j = i; j < std::min(per_stream, i + batch); ++j) {
+              v1::SegmentRef r;
+              r.set_round(static_cast<uint32_t>(j));
+              refs.push_back(r);
+            }
+            auto got = (*c)->GetSegments(sessions[s], refs);
+            if (!got.ok()) {
+              std::fprintf(stderr, "get failed: %s\n", got.status().ToString().c_str());
+              failed = true;
+              return;
+            }
+            for (const auto& f : *got) moved += f.payload.size();
+          }
+        }));
         auto c = StoreClient::Connect(o);
-        for (uint64_t i = 0; i < per_stream && !failed; ++i) {
-          PutSegmentArgs a;
-          a.session_id = sessions[s];
-          a.round = static_cast<uint32_t>(i);
-          a.layer_end = 4;
-          auto r = (*c)->PutSegment(a, payloads[s]);
-          if (!r.ok()) {
-            std::fprintf(stderr, "put failed: %s\n", r.status().ToString().c_str());
-            failed = true;
-            return;
-          }
-          moved += payloads[s].size();
-        }
-      });
-      double get = run([&](int s) {
-        auto c = StoreClient::Connect(o);
-        // Batched like a recall: up to 64 MiB of segments per call.
-        const uint64_t batch = std::max<uint64_t>(1, (64ull << 20) / size);
-        for (uint64_t i = 0; i < per_stream && !failed; i += batch) {
-          std::vector<v1::SegmentRef> refs;
-          for (uint64_t j = i; j < std::min(per_stream, i + batch); ++j) {
-            v1::SegmentRef r;
-            r.set_round(static_cast<uint32_t>(j));
-            refs.push_back(r);
-          }
-          auto got = (*c)->GetSegments(sessions[s], refs);
-          if (!got.ok()) {
-            std::fprintf(stderr, "get failed: %s\n", got.status().ToString().c_str());
-            failed = true;
-            return;
-          }
-          for (const auto& f : *got) moved += f.payload.size();
-        }
-      });
+        for (const std::string& s : sessions) (void)(*c)->DeleteSession(s);  // Frees disk.
+      }
+      const double put = Median(puts), get = Median(gets);
       if (failed) return 1;
       double disk = 0;
       if (sync == "true") {
@@ -263,14 +282,15 @@ int StoreBench(int argc, char** argv) {
       }
       rows.push_back({"put", size, streams, put, tcp[streams], disk});
       rows.push_back({"get", size, streams, get, tcp[streams]});
-      std::fprintf(stderr, "%8lu B x %d: put %.2f GB/s, get %.2f GB/s\n",
-                   static_cast<unsigned long>(size), streams, put, get);
-      auto c = StoreClient::Connect(o);
-      for (const std::string& s : sessions) (void)(*c)->DeleteSession(s);  // Frees disk.
+      std::fprintf(stderr, "%8lu B x %d: put %.2f GB/s, get %.2f GB/s (median of %d)\n",
+                   static_cast<unsigned long>(size), streams, put, get, repeat);
     }
   }
 
-  std::printf("\nkvtier-store throughput (sync_writes=%s), GB/s = 1e9 bytes/s\n\n", sync.c_str());
+  std::printf(
+      "\nkvtier-store throughput (sync_writes=%s), GB/s = 1e9 bytes/s; store: median of %d "
+      "runs, raw TCP: best of 3\n\n",
+      sync.c_str(), repeat);
   std::printf(
       "| op  | segment  | streams | store GB/s | raw TCP GB/s | ratio | O_DSYNC disk GB/s |\n");
   std::printf(
