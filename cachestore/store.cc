@@ -323,7 +323,9 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
     absl::MutexLock lock(&mu_);
     SessionEntry* s = FindSessionLocked(key);
     if (s == nullptr) return absl::AbortedError("session deleted during upload");
-    RoundEntry& r = s->rounds[spec.id.round];
+    auto ri = s->rounds.find(spec.id.round);
+    if (ri == s->rounds.end()) return absl::AbortedError("round deleted during upload");
+    RoundEntry& r = ri->second;
     auto e = r.segments.find(spec.id.segment);
     if (e == r.segments.end() || e->second.write_id != ticket.write_id_ || e->second.cancelled) {
       return absl::AbortedError("session or round deleted during upload");

@@ -230,7 +230,7 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* StoreService::PutSegment(
 class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   GetReactor(StoreService* svc, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw)
-      : svc_(svc), ctx_(ctx), req_(&request_), start_(absl::Now()) {
+      : svc_(svc), ctx_(ctx), start_(absl::Now()) {
     auto p = svc_->auth_->Authenticate(*ctx_);
     if (!p.ok()) {
       Done(p.status());
@@ -241,9 +241,10 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       Done(s);
       return;
     }
-    if (req_->refs_size() == 0 || req_->refs_size() > svc_->options_.max_refs) {
-      Done(absl::InvalidArgumentError(absl::StrCat(
-          "GetSegments takes 1 to ", svc_->options_.max_refs, " refs, got ", req_->refs_size())));
+    if (request_.refs_size() == 0 || request_.refs_size() > svc_->options_.max_refs) {
+      Done(absl::InvalidArgumentError(absl::StrCat("GetSegments takes 1 to ",
+                                                   svc_->options_.max_refs, " refs, got ",
+                                                   request_.refs_size())));
       return;
     }
     svc_->executor_->Schedule([this] { Prepare(); });
@@ -262,10 +263,10 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
  private:
   void Prepare() {
     std::vector<SegmentId> ids;
-    ids.reserve(req_->refs_size());
-    for (const auto& r : req_->refs()) ids.push_back({r.round(), r.segment()});
+    ids.reserve(request_.refs_size());
+    for (const auto& r : request_.refs()) ids.push_back({r.round(), r.segment()});
     absl::StatusOr<std::vector<cachestore::SegmentInfo>> infos =
-        svc_->store_->PrepareRead(principal_.tenant, req_->session_id(), ids);
+        svc_->store_->PrepareRead(principal_.tenant, request_.session_id(), ids);
     if (!infos.ok()) {
       Done(infos.status());
       return;
@@ -277,7 +278,7 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
   // Runs on the executor: reads segment next_ and starts writing it.
   void Load() {
     absl::StatusOr<cachestore::ReadResult> r =
-        svc_->store_->ReadSegment(principal_.tenant, req_->session_id(), ids_[next_]);
+        svc_->store_->ReadSegment(principal_.tenant, request_.session_id(), ids_[next_]);
     if (!r.ok()) {
       Done(r.status());
       return;
@@ -321,7 +322,6 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
   StoreService* const svc_;
   grpc::CallbackServerContext* const ctx_;
   v1::GetSegmentsRequest request_;
-  const v1::GetSegmentsRequest* const req_;
   const absl::Time start_;
   Principal principal_;
   std::vector<SegmentId> ids_;
