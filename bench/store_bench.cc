@@ -165,6 +165,11 @@ int StoreBench(int argc, char** argv) {
   int repeat = 3;
   for (int i = 0; i < argc; ++i) {
     std::string a = argv[i];
+    // "--flag value" is accepted as well as "--flag=value".
+    if (a.rfind("--", 0) == 0 && a.find('=') == std::string::npos && i + 1 < argc &&
+        std::string(argv[i + 1]).rfind("--", 0) != 0) {
+      a += "=" + std::string(argv[++i]);
+    }
     if (a.rfind("--csv=", 0) == 0) {
       csv = a.substr(6);
     } else if (a.rfind("--bytes_per_point=", 0) == 0) {

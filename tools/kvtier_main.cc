@@ -15,7 +15,11 @@ Args::Args(int argc, char** argv, int first) {
     std::string a = argv[i];
     if (a.rfind("--", 0) == 0) {
       size_t eq = a.find('=');
-      if (eq == std::string::npos) {
+      const bool boolean = a == "--unpin" || a == "--help";
+      if (eq == std::string::npos && !boolean && i + 1 < argc &&
+          std::string(argv[i + 1]).rfind("--", 0) != 0) {
+        kv_[a.substr(2)] = argv[++i];  // "--flag value"
+      } else if (eq == std::string::npos) {
         kv_[a.substr(2)] = "true";
       } else {
         kv_[a.substr(2, eq - 2)] = a.substr(eq + 1);
