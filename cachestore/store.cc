@@ -219,6 +219,7 @@ Store::SessionEntry* Store::FindSessionLocked(const std::string& key) {
 }
 
 absl::StatusOr<WriteTicket> Store::BeginWrite(const WriteSpec& spec) {
+  absl::MutexLock order(&removal_mu_);
   KVT_RETURN_IF_ERROR(ValidateName("tenant", spec.tenant));
   KVT_RETURN_IF_ERROR(ValidateName("session_id", spec.session));
   if (spec.id.round > kMaxRound) return absl::InvalidArgumentError("round out of range");
@@ -397,7 +398,9 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
         // Deleted while we wrote: take our bytes back out of RocksDB.
         undo.session_key = key;
         undo.tenant = spec.tenant;
-        undo.rounds.push_back({spec.id.round, {{spec.id.segment, file_id}}});
+        // The round's summary and counters stay unless nothing else is left.
+        const bool round_empty = r == nullptr || r->segments.size() <= 1;
+        undo.rounds.push_back({spec.id.round, {{spec.id.segment, file_id}}, round_empty});
       }
     } else {
       if (write_session_record) s->persisted = true;
@@ -484,7 +487,7 @@ uint64_t Store::RemoveRoundLocked(SessionEntry& s, uint32_t round, Removal* remo
     segs.push_back({it->first, e.file_id});
     it = r.segments.erase(it);
   }
-  removal->rounds.push_back({round, std::move(segs)});
+  removal->rounds.push_back({round, std::move(segs), /*round_keys=*/true});
   if (r.segments.empty()) s.rounds.erase(ri);
   quotas_->Release(s.tenant, freed);
   ++counters_.drops;
@@ -540,15 +543,17 @@ absl::Status Store::ApplyRemovals(const std::vector<Removal>& removals) {
   if (removals.empty()) return absl::OkStatus();
   rocksdb::WriteBatch batch;
   for (const Removal& rm : removals) {
-    for (const auto& [round, segs] : rm.rounds) {
-      for (const Removal::Segment& seg : segs) {
+    for (const Removal::Round& r : rm.rounds) {
+      for (const Removal::Segment& seg : r.segments) {
         if (seg.file_id == 0) {
-          batch.Delete(SegmentDbKey(KeyKind::kPayload, rm.session_key, round, seg.segment));
+          batch.Delete(SegmentDbKey(KeyKind::kPayload, rm.session_key, r.round, seg.segment));
         }
-        batch.Delete(SegmentDbKey(KeyKind::kSegment, rm.session_key, round, seg.segment));
+        batch.Delete(SegmentDbKey(KeyKind::kSegment, rm.session_key, r.round, seg.segment));
       }
-      batch.Delete(RoundDbKey(KeyKind::kRound, rm.session_key, round));
-      batch.Delete(RoundDbKey(KeyKind::kRecall, rm.session_key, round));
+      if (r.round_keys) {
+        batch.Delete(RoundDbKey(KeyKind::kRound, rm.session_key, r.round));
+        batch.Delete(RoundDbKey(KeyKind::kRecall, rm.session_key, r.round));
+      }
     }
     if (rm.whole_session) batch.Delete(SessionDbKey(rm.session_key));
   }
@@ -559,8 +564,8 @@ absl::Status Store::ApplyRemovals(const std::vector<Removal>& removals) {
   // which recovery deletes.
   absl::Status first_error;
   for (const Removal& rm : removals) {
-    for (const auto& [round, segs] : rm.rounds) {
-      for (const Removal::Segment& seg : segs) {
+    for (const Removal::Round& r : rm.rounds) {
+      for (const Removal::Segment& seg : r.segments) {
         if (seg.file_id == 0) continue;
         absl::Status s = files_->Remove(seg.file_id);
         if (!s.ok() && first_error.ok()) first_error = s;
@@ -573,6 +578,7 @@ absl::Status Store::ApplyRemovals(const std::vector<Removal>& removals) {
 absl::StatusOr<Store::DropResult> Store::DropRounds(const std::string& tenant,
                                                     const std::string& session,
                                                     const std::vector<uint32_t>& rounds) {
+  absl::MutexLock order(&removal_mu_);
   KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
   DropResult result;
   Removal rm;
@@ -617,6 +623,7 @@ std::pair<uint64_t, std::vector<uint32_t>> Store::RemoveSessionLocked(const std:
 
 absl::StatusOr<Store::DropResult> Store::DeleteSession(const std::string& tenant,
                                                        const std::string& session) {
+  absl::MutexLock order(&removal_mu_);
   KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
   DropResult result;
   Removal rm;
@@ -641,6 +648,7 @@ absl::Status Store::WriteSessionRecord(const std::string& session_key, bool pinn
 }
 
 absl::Status Store::PinSession(const std::string& tenant, const std::string& session, bool pinned) {
+  absl::MutexLock order(&removal_mu_);
   KVT_RETURN_IF_ERROR(ValidateName("tenant", tenant));
   KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
   const std::string key = SessionKey(tenant, session);
@@ -662,6 +670,7 @@ absl::Status Store::PinSession(const std::string& tenant, const std::string& ses
 }
 
 absl::StatusOr<int> Store::ExpireSessions() {
+  absl::MutexLock order(&removal_mu_);
   std::vector<Removal> removals;
   {
     absl::MutexLock lock(&mu_);

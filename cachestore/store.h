@@ -165,7 +165,9 @@ class WriteTicket {
 };
 
 // Thread-safe. All methods may be called concurrently. RocksDB I/O runs
-// outside mu_; mu_ guards the index only.
+// outside mu_; mu_ guards the index only. Calls that remove or recreate keys
+// are ordered by removal_mu_ (see below), so a delete applied late can never
+// hit a newer write of the same key.
 class Store {
  public:
   // Opens (or creates) the store at options.path and rebuilds the index from
@@ -275,7 +277,12 @@ class Store {
       uint32_t segment;
       uint64_t file_id;
     };
-    std::vector<std::pair<uint32_t, std::vector<Segment>>> rounds;  // round -> segments
+    struct Round {
+      uint32_t round;
+      std::vector<Segment> segments;
+      bool round_keys;  // Also delete the round's summary and counters.
+    };
+    std::vector<Round> rounds;
     bool whole_session = false;
   };
 
@@ -308,6 +315,11 @@ class Store {
   std::unique_ptr<rocksdb::DB> db_;
   std::unique_ptr<PayloadFiles> files_;
 
+  // Orders index removals with their RocksDB deletes against writes that
+  // could recreate the same keys: held by BeginWrite, DropRounds,
+  // DeleteSession, PinSession and ExpireSessions from their index change
+  // until their RocksDB batch is applied. Lock order: removal_mu_, then mu_.
+  absl::Mutex removal_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, SessionEntry> sessions_ ABSL_GUARDED_BY(mu_);
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
