@@ -7,6 +7,8 @@
 #include "base/status_macros.h"
 #include "gmock/gmock.h"
 
+#include <string>
+
 namespace kvtier::testing {
 
 inline const absl::Status& GetStatus(const absl::Status& s) { return s; }
@@ -19,6 +21,15 @@ MATCHER_P(StatusIs, code, "has status code " + absl::StatusCodeToString(code)) {
   const absl::Status& s = GetStatus(arg);
   *result_listener << "whose status is " << s.ToString();
   return s.code() == code;
+}
+
+// The code and a matcher on the message, e.g. HasSubstr("rank").
+MATCHER_P2(StatusIs, code, message_matcher,
+           "has status code " + absl::StatusCodeToString(code) + " and a matching message") {
+  const absl::Status& s = GetStatus(arg);
+  *result_listener << "whose status is " << s.ToString();
+  return s.code() == code &&
+         ::testing::Matcher<std::string>(message_matcher).Matches(std::string(s.message()));
 }
 
 MATCHER(IsOk, "is OK") {

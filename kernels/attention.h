@@ -1,0 +1,43 @@
+// Decode-step attention (one query per head) over a layer's K/V held as a
+// sequence of blocks, each raw or codec-encoded. One interface for both, so
+// a caller attends over whatever mix of encoded history and full-precision
+// tail it holds. Encoded blocks are read directly: dequantization is fused
+// into q.K^T and P.V (KIVI/KCVT), or done tile by tile in cache-sized pieces
+// (GEAR), never into a full-size copy.
+#ifndef KVTIER_KERNELS_ATTENTION_H_
+#define KVTIER_KERNELS_ATTENTION_H_
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "kernels/codec.h"
+
+namespace kvtier {
+
+struct AttentionShape {
+  int q_heads = 0;
+  int kv_heads = 0;  // q_heads must be a multiple (GQA: q head h uses kv head h / (q_heads / kv_heads)).
+  int head_dim = 0;
+  float scale = 0.0f;  // 0 means 1 / sqrt(head_dim).
+};
+
+// K and V of the same tokens, each with kv_heads slabs of [tokens, head_dim].
+struct KvBlock {
+  EncodedView k;
+  EncodedView v;
+};
+
+// out[h][:] = softmax_t(scale * q[h] . k_t) . v over every block's tokens, in
+// order. q and out are [q_heads, head_dim] fp32. INVALID_ARGUMENT when a
+// block does not match the shape (slabs, head_dim, K/V token counts or roles)
+// or there are no tokens at all.
+absl::Status DecodeAttention(const AttentionShape& shape, const float* q,
+                             absl::Span<const KvBlock> blocks, float* out,
+                             KernelLevel level = KernelLevel::kBest);
+
+// Restricts a view to `count` slabs starting at `first` (e.g. one layer of a
+// [layers, kv_heads, tokens, head_dim] tensor).
+EncodedView SliceSlabs(const EncodedView& v, int64_t first, int64_t count);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_KERNELS_ATTENTION_H_

@@ -1,0 +1,721 @@
+#include "kernels/codec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "base/status_macros.h"
+#include "kernels/codec_internal.h"
+#include "kernels/encoded_tensor.h"
+#include "kernels/half.h"
+
+namespace kvtier {
+
+using internal::QuantShape;
+
+namespace {
+
+bool IsGear(v1::Codec c) { return c == v1::CODEC_GEAR || c == v1::CODEC_GEAR_L; }
+bool IsQuantized(v1::Codec c) { return c != v1::CODEC_RAW; }
+
+bool UseSimd(KernelLevel level) {
+  return level != KernelLevel::kReference && internal::SimdAvailable();
+}
+
+const char* DTypeName(v1::DType d) {
+  switch (d) {
+    case v1::DTYPE_FP32:
+      return "fp32";
+    case v1::DTYPE_BF16:
+      return "bf16";
+    default:
+      return "fp16";
+  }
+}
+
+// Everything the sizes of a tensor's buffers depend on.
+struct Layout {
+  v1::Codec codec = v1::CODEC_RAW;
+  v1::Codec backbone = v1::CODEC_RAW;
+  bool key = true;
+  int dsize = 2;
+  int64_t slabs = 0, tokens = 0, tq = 0, res = 0;
+  int d = 0;
+  QuantShape q;
+  int rank = 0;
+  int outliers_per_row = 0;
+  int64_t sparse_rows = 0, sparse_row_len = 0;
+  int index_bytes = 2;
+
+  int64_t code_bytes() const { return slabs * internal::CodeWords(q) * 4; }
+  int64_t scale_bytes() const { return slabs * internal::ScaleCount(q) * 2; }
+  int64_t residual_bytes() const { return slabs * res * d * dsize; }
+  int64_t a_bytes() const { return slabs * tq * rank * 2; }
+  int64_t b_bytes() const { return slabs * rank * d * 2; }
+  int64_t sparse_count() const { return slabs * sparse_rows * outliers_per_row; }
+};
+
+absl::StatusOr<Layout> MakeLayout(v1::Codec codec, v1::Codec backbone, v1::TensorRole role,
+                                  v1::DType dtype, int bits, int group, int64_t residual, int rank,
+                                  float outlier_fraction, absl::Span<const int64_t> shape) {
+  Layout l;
+  l.codec = codec;
+  l.backbone = IsGear(codec) ? backbone : codec;
+  l.key = role != v1::TENSOR_ROLE_VALUE;
+  l.dsize = DTypeSize(dtype);
+  if (l.dsize == 0) return absl::InvalidArgumentError("dtype is unspecified or unknown");
+  if (shape.size() < 2 || shape.size() > 8) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shape must be [..., tokens, head_dim] with 2 to 8 dimensions, got ", shape.size()));
+  }
+  l.slabs = 1;
+  for (size_t i = 0; i + 2 < shape.size(); ++i) {
+    if (shape[i] < 1 || shape[i] >= (int64_t{1} << 31)) {
+      return absl::InvalidArgumentError(absl::StrCat("dimension ", shape[i], " out of range"));
+    }
+    l.slabs *= shape[i];
+  }
+  l.tokens = shape[shape.size() - 2];
+  const int64_t d = shape[shape.size() - 1];
+  if (l.tokens < 1 || l.tokens >= (int64_t{1} << 31) || d < 1 || d > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokens (", l.tokens, ") and head_dim (", d, ") must be >= 1, head_dim <= 65536"));
+  }
+  if (static_cast<double>(l.slabs) * l.tokens * d >= static_cast<double>(int64_t{1} << 40)) {
+    return absl::InvalidArgumentError("tensor has too many elements");
+  }
+  l.d = static_cast<int>(d);
+  if (!IsQuantized(codec)) {
+    l.res = l.tokens;
+    return l;
+  }
+  if (residual < 0) return absl::InvalidArgumentError("residual_tokens must be >= 0");
+  l.res = std::min<int64_t>(residual, l.tokens);
+  l.tq = l.tokens - l.res;
+  l.q.key = l.key;
+  l.q.bits = bits;
+  l.q.tq = l.tq;
+  l.q.d = l.d;
+  if (l.backbone == v1::CODEC_KCVT) {
+    l.q.group = l.key ? static_cast<int>(std::max<int64_t>(l.tq, 1)) : l.d;
+  } else {
+    if (group < 1) return absl::InvalidArgumentError("group_size must be >= 1");
+    l.q.group = l.key ? group : std::min(group, l.d);
+  }
+  if (IsGear(codec)) {
+    if (rank < 0 || rank > l.d) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank must be in [0, head_dim=", l.d, "], got ", rank));
+    }
+    l.rank = rank;
+    if (codec == v1::CODEC_GEAR) {
+      l.sparse_rows = l.key ? l.d : l.tq;
+      l.sparse_row_len = l.key ? l.tq : l.d;
+      int64_t m = std::llround(static_cast<double>(outlier_fraction) * l.sparse_row_len / 2.0);
+      m = std::min<int64_t>(m, l.sparse_row_len / 2);
+      l.outliers_per_row = static_cast<int>(2 * m);
+      l.index_bytes = l.sparse_row_len <= 65536 ? 2 : 4;
+    }
+  }
+  return l;
+}
+
+absl::StatusOr<Layout> LayoutFor(const CodecConfig& c, v1::TensorRole role,
+                                 absl::Span<const int64_t> shape) {
+  return MakeLayout(c.codec, c.backbone, role, c.dtype, c.bits, c.group_size, c.residual_tokens,
+                    c.rank, c.outlier_fraction, shape);
+}
+
+void StoreElement(v1::DType dtype, float x, uint8_t* out, int64_t index) {
+  switch (dtype) {
+    case v1::DTYPE_FP16: {
+      const uint16_t h = FloatToHalf(x);
+      std::memcpy(out + index * 2, &h, 2);
+      break;
+    }
+    case v1::DTYPE_BF16: {
+      const uint16_t h = FloatToBf16(x);
+      std::memcpy(out + index * 2, &h, 2);
+      break;
+    }
+    default:
+      std::memcpy(out + index * 4, &x, 4);
+  }
+}
+
+uint8_t* AddBuffer(v1::EncodedTensor* t, v1::BufferKind kind, int64_t bytes) {
+  v1::Buffer* b = t->add_buffers();
+  b->set_kind(kind);
+  b->mutable_data()->assign(static_cast<size_t>(bytes), '\0');
+  return reinterpret_cast<uint8_t*>(b->mutable_data()->data());
+}
+
+// SplitMix64: the deterministic source of the power iteration's start.
+uint64_t SplitMix(uint64_t* state) {
+  uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Rank-r approximation R ~ A * B of an [n, d] matrix by power (subspace)
+// iteration (ALGORITHMS.md §3): P (d x r) random, then three times
+// Y = R P, P = R^T Y, orthonormalized; finally A = R P, B = P^T.
+template <typename Acc>
+void LowRank(const float* r_mat, int64_t n, int d, int rank, uint64_t seed, std::vector<float>* a,
+             std::vector<float>* b) {
+  std::vector<Acc> p(static_cast<size_t>(d) * rank), y(static_cast<size_t>(n) * rank);
+  uint64_t st = seed;
+  for (auto& v : p) v = static_cast<Acc>((SplitMix(&st) >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+  auto orthonormalize = [&] {
+    for (int j = 0; j < rank; ++j) {
+      for (int i = 0; i < j; ++i) {
+        Acc dot = 0;
+        for (int k = 0; k < d; ++k) dot += p[k * rank + i] * p[k * rank + j];
+        for (int k = 0; k < d; ++k) p[k * rank + j] -= dot * p[k * rank + i];
+      }
+      Acc norm = 0;
+      for (int k = 0; k < d; ++k) norm += p[k * rank + j] * p[k * rank + j];
+      norm = std::sqrt(norm);
+      const Acc inv = norm > Acc(1e-20) ? Acc(1) / norm : Acc(0);
+      for (int k = 0; k < d; ++k) p[k * rank + j] *= inv;
+    }
+  };
+  auto times_p = [&] {  // y = R p
+    std::fill(y.begin(), y.end(), Acc(0));
+    for (int64_t t = 0; t < n; ++t) {
+      const float* row = r_mat + t * d;
+      for (int k = 0; k < d; ++k) {
+        const Acc x = row[k];
+        for (int j = 0; j < rank; ++j) y[t * rank + j] += x * p[k * rank + j];
+      }
+    }
+  };
+  orthonormalize();
+  for (int it = 0; it < 3; ++it) {
+    times_p();
+    std::fill(p.begin(), p.end(), Acc(0));  // p = R^T y
+    for (int64_t t = 0; t < n; ++t) {
+      const float* row = r_mat + t * d;
+      for (int k = 0; k < d; ++k) {
+        const Acc x = row[k];
+        for (int j = 0; j < rank; ++j) p[k * rank + j] += x * y[t * rank + j];
+      }
+    }
+    orthonormalize();
+  }
+  times_p();
+  a->resize(static_cast<size_t>(n) * rank);
+  b->resize(static_cast<size_t>(rank) * d);
+  for (size_t i = 0; i < a->size(); ++i) (*a)[i] = static_cast<float>(y[i]);
+  for (int j = 0; j < rank; ++j) {
+    for (int k = 0; k < d; ++k) (*b)[j * d + k] = static_cast<float>(p[k * rank + j]);
+  }
+}
+
+void Quantize(const QuantShape& q, const float* x, uint8_t* codes, uint16_t* scales,
+              uint16_t* zeros, KernelLevel level) {
+  if (UseSimd(level) && internal::QuantizeSlabSimd(q, x, codes, scales, zeros)) return;
+  internal::QuantizeSlabRef(q, x, codes, scales, zeros);
+}
+
+void Dequant(const QuantShape& q, const uint8_t* codes, const uint16_t* scales,
+             const uint16_t* zeros, int64_t t0, int64_t t1, float* out, KernelLevel level) {
+  if (UseSimd(level) && internal::DequantRowsSimd(q, codes, scales, zeros, t0, t1, out)) return;
+  internal::DequantRowsRef(q, codes, scales, zeros, t0, t1, out);
+}
+
+int64_t ReadIndex(const uint8_t* p, int bytes, int64_t i) {
+  if (bytes == 2) {
+    uint16_t v;
+    std::memcpy(&v, p + i * 2, 2);
+    return v;
+  }
+  uint32_t v;
+  std::memcpy(&v, p + i * 4, 4);
+  return v;
+}
+
+}  // namespace
+
+absl::StatusOr<CodecConfig> ParseCodecSetting(const std::string& setting) {
+  std::vector<std::string> parts = absl::StrSplit(setting, ':');
+  CodecConfig c;
+  const std::string& name = parts[0];
+  auto bits_of = [&](size_t prefix) -> absl::StatusOr<int> {
+    int b = 0;
+    if (!absl::SimpleAtoi(name.substr(prefix), &b)) {
+      return absl::InvalidArgumentError(absl::StrCat("codec '", name, "' needs bits, e.g. kivi4"));
+    }
+    return b;
+  };
+  if (name == "raw" || name == "fp16" || name == "bf16" || name == "fp32") {
+    c.codec = v1::CODEC_RAW;
+    c.dtype = name == "fp32" ? v1::DTYPE_FP32 : name == "bf16" ? v1::DTYPE_BF16 : v1::DTYPE_FP16;
+  } else if (name.rfind("kivi", 0) == 0) {
+    c.codec = v1::CODEC_KIVI;
+    KVT_ASSIGN_OR_RETURN(c.bits, bits_of(4));
+  } else if (name.rfind("kcvt", 0) == 0) {
+    c.codec = v1::CODEC_KCVT;
+    KVT_ASSIGN_OR_RETURN(c.bits, bits_of(4));
+  } else if (name.rfind("gearl", 0) == 0) {
+    c.codec = v1::CODEC_GEAR_L;
+    c.outlier_fraction = 0.0f;
+    KVT_ASSIGN_OR_RETURN(c.bits, bits_of(5));
+  } else if (name.rfind("gear", 0) == 0) {
+    c.codec = v1::CODEC_GEAR;
+    KVT_ASSIGN_OR_RETURN(c.bits, bits_of(4));
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown codec '", name, "' (raw, fp16, bf16, fp32, kiviB, kcvtB, gearB, gearlB)"));
+  }
+  for (size_t i = 1; i < parts.size(); ++i) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(parts[i], absl::MaxSplits('=', 1));
+    const std::string& k = kv.first;
+    const std::string& v = kv.second;
+    int iv = 0;
+    float fv = 0;
+    const bool is_int = absl::SimpleAtoi(v, &iv);
+    if (k == "g" && is_int) {
+      c.group_size = iv;
+    } else if (k == "R" && is_int) {
+      c.residual_tokens = iv;
+    } else if (k == "r" && is_int) {
+      c.rank = iv;
+    } else if (k == "nb" && is_int) {
+      c.block_tokens = iv;
+    } else if (k == "s" && absl::SimpleAtof(v, &fv)) {
+      c.outlier_fraction = fv;
+    } else if (k == "bb" && (v == "kivi" || v == "kcvt")) {
+      c.backbone = v == "kivi" ? v1::CODEC_KIVI : v1::CODEC_KCVT;
+    } else if (k == "dt" && (v == "fp16" || v == "bf16" || v == "fp32")) {
+      c.dtype = v == "fp32" ? v1::DTYPE_FP32 : v == "bf16" ? v1::DTYPE_BF16 : v1::DTYPE_FP16;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("bad codec option '", parts[i], "' in '", setting,
+                       "' (g=INT, R=INT, r=INT, s=FLOAT, nb=INT, bb=kivi|kcvt, dt=fp16|bf16|fp32)"));
+    }
+  }
+  KVT_RETURN_IF_ERROR(ValidateCodecConfig(c));
+  return c;
+}
+
+std::string CodecSettingName(const CodecConfig& c) {
+  switch (c.codec) {
+    case v1::CODEC_RAW:
+      return DTypeName(c.dtype);
+    case v1::CODEC_KIVI:
+      return absl::StrCat("kivi", c.bits, ":g=", c.group_size);
+    case v1::CODEC_KCVT:
+      return absl::StrCat("kcvt", c.bits);
+    default: {
+      std::string s = absl::StrCat(c.codec == v1::CODEC_GEAR ? "gear" : "gearl", c.bits);
+      if (c.backbone == v1::CODEC_KCVT) {
+        absl::StrAppend(&s, ":bb=kcvt");
+      } else {
+        absl::StrAppend(&s, ":g=", c.group_size);
+      }
+      absl::StrAppend(&s, ":r=", c.rank);
+      if (c.codec == v1::CODEC_GEAR) absl::StrAppend(&s, ":s=", c.outlier_fraction);
+      return s;
+    }
+  }
+}
+
+absl::Status ValidateCodecConfig(const CodecConfig& c) {
+  if (DTypeSize(c.dtype) == 0) return absl::InvalidArgumentError("codec dtype must be set");
+  if (c.residual_tokens < 0) return absl::InvalidArgumentError("residual_tokens must be >= 0");
+  if (c.block_tokens < 0) return absl::InvalidArgumentError("block_tokens must be >= 0");
+  switch (c.codec) {
+    case v1::CODEC_RAW:
+      return absl::OkStatus();
+    case v1::CODEC_KIVI:
+    case v1::CODEC_KCVT:
+      if (c.bits != 2 && c.bits != 4 && c.bits != 8) {
+        return absl::InvalidArgumentError(absl::StrCat("bits must be 2, 4 or 8, got ", c.bits));
+      }
+      break;
+    case v1::CODEC_GEAR:
+    case v1::CODEC_GEAR_L:
+      if (c.bits != 2 && c.bits != 4) {
+        return absl::InvalidArgumentError(absl::StrCat("GEAR bits must be 2 or 4, got ", c.bits));
+      }
+      if (c.backbone != v1::CODEC_KIVI && c.backbone != v1::CODEC_KCVT) {
+        return absl::InvalidArgumentError("GEAR backbone must be KIVI or KCVT");
+      }
+      if (c.rank < 0) return absl::InvalidArgumentError("rank must be >= 0");
+      if (!(c.outlier_fraction >= 0.0f && c.outlier_fraction <= 0.5f)) {
+        return absl::InvalidArgumentError("outlier fraction s must be in [0, 0.5]");
+      }
+      if (c.codec == v1::CODEC_GEAR_L && c.outlier_fraction != 0.0f) {
+        return absl::InvalidArgumentError("GEAR-L has no outliers: s must be 0");
+      }
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("unknown codec ", c.codec));
+  }
+  const bool grouped = c.codec == v1::CODEC_KIVI || (IsGear(c.codec) && c.backbone == v1::CODEC_KIVI);
+  if (grouped && c.group_size < 1) return absl::InvalidArgumentError("group_size must be >= 1");
+  return absl::OkStatus();
+}
+
+v1::CodecParams ToParams(const CodecConfig& c) {
+  v1::CodecParams p;
+  if (c.codec == v1::CODEC_RAW) return p;
+  p.set_bits(c.bits);
+  const bool grouped = c.codec == v1::CODEC_KIVI || (IsGear(c.codec) && c.backbone == v1::CODEC_KIVI);
+  if (grouped) p.set_group_size(c.group_size);
+  p.set_residual_tokens(c.residual_tokens);
+  p.set_block_tokens(c.block_tokens);
+  if (IsGear(c.codec)) {
+    p.set_rank(c.rank);
+    p.set_backbone(c.backbone);
+    if (c.codec == v1::CODEC_GEAR) p.set_outlier_fraction(c.outlier_fraction);
+  }
+  return p;
+}
+
+absl::StatusOr<int64_t> EncodedBufferBytes(const CodecConfig& c, v1::TensorRole role,
+                                           absl::Span<const int64_t> shape) {
+  KVT_RETURN_IF_ERROR(ValidateCodecConfig(c));
+  KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(c, role, shape));
+  if (c.codec == v1::CODEC_RAW) return l.slabs * l.tokens * l.d * l.dsize;
+  int64_t total = l.code_bytes() + 2 * l.scale_bytes() + l.residual_bytes();
+  if (IsGear(c.codec) && l.rank > 0) total += l.a_bytes() + l.b_bytes();
+  if (c.codec == v1::CODEC_GEAR) total += l.sparse_count() * (l.index_bytes + l.dsize);
+  return total;
+}
+
+absl::StatusOr<v1::EncodedTensor> Encode(const CodecConfig& c, v1::TensorRole role,
+                                         absl::Span<const int64_t> shape, const float* data,
+                                         KernelLevel level) {
+  KVT_RETURN_IF_ERROR(ValidateCodecConfig(c));
+  if (IsQuantized(c.codec) && role != v1::TENSOR_ROLE_KEY && role != v1::TENSOR_ROLE_VALUE) {
+    return absl::InvalidArgumentError("a quantized tensor must be a KEY or a VALUE");
+  }
+  KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(c, role, shape));
+  const int64_t n = l.slabs * l.tokens * l.d;
+  const float limit = (IsQuantized(c.codec) || c.dtype == v1::DTYPE_FP16)
+                          ? kHalfMax
+                          : std::numeric_limits<float>::max();
+  for (int64_t i = 0; i < n; ++i) {
+    if (!(std::fabs(data[i]) <= limit)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "element ", i, " is ", data[i], ": inputs must be finite",
+          limit == kHalfMax ? " and within fp16 range" : ""));
+    }
+  }
+  v1::EncodedTensor t;
+  t.set_codec(c.codec);
+  CodecConfig eff = c;
+  eff.residual_tokens = static_cast<int>(l.res);
+  *t.mutable_params() = ToParams(eff);
+  t.set_role(role);
+  t.set_dtype(c.dtype);
+  for (int64_t s : shape) t.add_shape(s);
+  if (c.codec == v1::CODEC_RAW) {
+    uint8_t* out = AddBuffer(&t, v1::BUFFER_RAW, n * l.dsize);
+    for (int64_t i = 0; i < n; ++i) StoreElement(c.dtype, data[i], out, i);
+    SealTensor(&t);
+    return t;
+  }
+  const int64_t slab_elems = l.tokens * l.d;
+  const int64_t words = internal::CodeWords(l.q);
+  const int64_t scount = internal::ScaleCount(l.q);
+  uint8_t* codes = AddBuffer(&t, v1::BUFFER_CODES, l.code_bytes());
+  auto* scales = reinterpret_cast<uint16_t*>(AddBuffer(&t, v1::BUFFER_SCALES, l.scale_bytes()));
+  auto* zeros = reinterpret_cast<uint16_t*>(AddBuffer(&t, v1::BUFFER_ZEROS, l.scale_bytes()));
+  if (l.res > 0) {
+    uint8_t* res = AddBuffer(&t, v1::BUFFER_RESIDUAL, l.residual_bytes());
+    for (int64_t s = 0; s < l.slabs; ++s) {
+      const float* src = data + s * slab_elems + l.tq * l.d;
+      for (int64_t i = 0; i < l.res * l.d; ++i) StoreElement(c.dtype, src[i], res, s * l.res * l.d + i);
+    }
+  }
+  uint16_t* a16 = nullptr;
+  uint16_t* b16 = nullptr;
+  if (IsGear(c.codec) && l.rank > 0) {
+    a16 = reinterpret_cast<uint16_t*>(AddBuffer(&t, v1::BUFFER_LOWRANK_A, l.a_bytes()));
+    b16 = reinterpret_cast<uint16_t*>(AddBuffer(&t, v1::BUFFER_LOWRANK_B, l.b_bytes()));
+  }
+  uint8_t* sidx = nullptr;
+  uint8_t* sval = nullptr;
+  if (c.codec == v1::CODEC_GEAR) {
+    sidx = AddBuffer(&t, v1::BUFFER_SPARSE_INDEX, l.sparse_count() * l.index_bytes);
+    sval = AddBuffer(&t, v1::BUFFER_SPARSE_VALUE, l.sparse_count() * l.dsize);
+  }
+  std::vector<float> work, deq, a, b;
+  std::vector<int64_t> order;
+  std::vector<uint8_t> is_outlier;
+  for (int64_t s = 0; s < l.slabs; ++s) {
+    const float* x = data + s * slab_elems;
+    uint8_t* sc = codes + s * words * 4;
+    uint16_t* ss = scales + s * scount;
+    uint16_t* sz = zeros + s * scount;
+    if (!IsGear(c.codec)) {
+      Quantize(l.q, x, sc, ss, sz, level);
+      continue;
+    }
+    // GEAR: S (outliers), then Q of the remainder, then L of what Q missed.
+    const int64_t qn = l.tq * l.d;
+    work.assign(x, x + qn);
+    is_outlier.assign(static_cast<size_t>(qn), 0);
+    if (l.outliers_per_row > 0) {
+      const int m = l.outliers_per_row / 2;
+      const int64_t row_len = l.sparse_row_len;
+      auto elem = [&](int64_t row, int64_t j) { return l.key ? j * l.d + row : row * l.d + j; };
+      for (int64_t row = 0; row < l.sparse_rows; ++row) {
+        order.resize(static_cast<size_t>(row_len));
+        std::iota(order.begin(), order.end(), 0);
+        // Ascending by value, ties by position, so the choice is deterministic.
+        auto less = [&](int64_t i, int64_t j) {
+          const float xi = x[elem(row, i)], xj = x[elem(row, j)];
+          return xi < xj || (xi == xj && i < j);
+        };
+        std::nth_element(order.begin(), order.begin() + m, order.end(), less);
+        std::nth_element(order.begin() + m, order.end() - m, order.end(), less);
+        std::vector<int64_t> picked(order.begin(), order.begin() + m);
+        picked.insert(picked.end(), order.end() - m, order.end());
+        std::sort(picked.begin(), picked.end());
+        double sum = 0;
+        for (int64_t j = 0; j < row_len; ++j) sum += x[elem(row, j)];
+        for (int64_t j : picked) sum -= x[elem(row, j)];
+        const float mean = static_cast<float>(sum / static_cast<double>(row_len - 2 * m));
+        const int64_t base = (s * l.sparse_rows + row) * l.outliers_per_row;
+        for (int k = 0; k < 2 * m; ++k) {
+          const int64_t e = elem(row, picked[k]);
+          if (l.index_bytes == 2) {
+            const uint16_t v = static_cast<uint16_t>(picked[k]);
+            std::memcpy(sidx + (base + k) * 2, &v, 2);
+          } else {
+            const uint32_t v = static_cast<uint32_t>(picked[k]);
+            std::memcpy(sidx + (base + k) * 4, &v, 4);
+          }
+          StoreElement(c.dtype, x[e], sval, base + k);
+          work[e] = mean;
+          is_outlier[e] = 1;
+        }
+      }
+    }
+    Quantize(l.q, work.data(), sc, ss, sz, level);
+    if (l.rank > 0 && l.tq > 0) {
+      deq.resize(static_cast<size_t>(qn));
+      Dequant(l.q, sc, ss, sz, 0, l.tq, deq.data(), level);
+      for (int64_t i = 0; i < qn; ++i) work[i] = is_outlier[i] ? 0.0f : x[i] - deq[i];
+      const uint64_t seed = 0x6765617200000000ull ^ static_cast<uint64_t>(s);
+      if (level == KernelLevel::kReference) {
+        LowRank<double>(work.data(), l.tq, l.d, l.rank, seed, &a, &b);
+      } else {
+        LowRank<float>(work.data(), l.tq, l.d, l.rank, seed, &a, &b);
+      }
+      for (size_t i = 0; i < a.size(); ++i) a16[s * l.tq * l.rank + i] = FloatToHalf(a[i]);
+      for (size_t i = 0; i < b.size(); ++i) b16[s * l.rank * l.d + i] = FloatToHalf(b[i]);
+    }
+  }
+  SealTensor(&t);
+  return t;
+}
+
+EncodedView EncodedView::Raw(v1::DType dtype, const void* data, int64_t slabs, int64_t tokens,
+                             int head_dim, int64_t slab_stride, int64_t token_stride) {
+  EncodedView v;
+  v.codec = v1::CODEC_RAW;
+  v.dtype = dtype;
+  v.slabs = slabs;
+  v.tokens = tokens;
+  v.head_dim = head_dim;
+  v.residual = tokens;
+  v.raw = data;
+  v.slab_stride = slab_stride;
+  v.token_stride = token_stride;
+  return v;
+}
+
+absl::StatusOr<EncodedView> ParseEncoded(const v1::EncodedTensor& t) {
+  KVT_RETURN_IF_ERROR(ValidateTensor(t));
+  const v1::CodecParams& p = t.params();
+  KVT_ASSIGN_OR_RETURN(
+      Layout l, MakeLayout(t.codec(), p.backbone(), t.role(), t.dtype(), static_cast<int>(p.bits()),
+                           static_cast<int>(p.group_size()), p.residual_tokens(),
+                           static_cast<int>(p.rank()), p.outlier_fraction(), t.shape()));
+  auto buf = [&](int i) { return reinterpret_cast<const uint8_t*>(t.buffers(i).data().data()); };
+  if (t.codec() == v1::CODEC_RAW) {
+    return EncodedView::Raw(t.dtype(), buf(0), l.slabs, l.tokens, l.d, l.tokens * l.d, l.d);
+  }
+  const bool grouped = t.codec() == v1::CODEC_KIVI ||
+                       (IsGear(t.codec()) && p.backbone() == v1::CODEC_KIVI);
+  if (!grouped && p.group_size() != 0) {
+    return absl::InvalidArgumentError("KCVT takes no group_size");
+  }
+  if (p.residual_tokens() > l.tokens) {
+    return absl::InvalidArgumentError("residual_tokens exceeds the tensor's tokens");
+  }
+  if (!IsGear(t.codec()) && (p.rank() != 0 || p.backbone() != v1::CODEC_UNSPECIFIED)) {
+    return absl::InvalidArgumentError("KIVI/KCVT take no rank or backbone");
+  }
+  struct Want {
+    v1::BufferKind kind;
+    int64_t bytes;
+  };
+  std::vector<Want> want = {{v1::BUFFER_CODES, l.code_bytes()},
+                            {v1::BUFFER_SCALES, l.scale_bytes()},
+                            {v1::BUFFER_ZEROS, l.scale_bytes()}};
+  if (l.res > 0) want.push_back({v1::BUFFER_RESIDUAL, l.residual_bytes()});
+  if (IsGear(t.codec()) && l.rank > 0) {
+    want.push_back({v1::BUFFER_LOWRANK_A, l.a_bytes()});
+    want.push_back({v1::BUFFER_LOWRANK_B, l.b_bytes()});
+  }
+  if (t.codec() == v1::CODEC_GEAR) {
+    want.push_back({v1::BUFFER_SPARSE_INDEX, l.sparse_count() * l.index_bytes});
+    want.push_back({v1::BUFFER_SPARSE_VALUE, l.sparse_count() * l.dsize});
+  }
+  if (t.buffers_size() != static_cast<int>(want.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("codec ", v1::Codec_Name(t.codec()), " needs ",
+                                                   want.size(), " buffers, tensor has ",
+                                                   t.buffers_size()));
+  }
+  for (size_t i = 0; i < want.size(); ++i) {
+    const auto& b = t.buffers(static_cast<int>(i));
+    if (b.kind() != want[i].kind || static_cast<int64_t>(b.data().size()) != want[i].bytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("buffer ", i, " is ", v1::BufferKind_Name(b.kind()), " of ", b.data().size(),
+                       " bytes; the shape and parameters need ", v1::BufferKind_Name(want[i].kind),
+                       " of ", want[i].bytes));
+    }
+  }
+  EncodedView v;
+  v.codec = t.codec();
+  v.role = t.role();
+  v.dtype = t.dtype();
+  v.bits = l.q.bits;
+  v.group = l.q.group;
+  v.slabs = l.slabs;
+  v.tokens = l.tokens;
+  v.head_dim = l.d;
+  v.quantized = l.tq;
+  v.residual = l.res;
+  v.codes = buf(0);
+  v.words_per_slab = internal::CodeWords(l.q);
+  v.scales = reinterpret_cast<const uint16_t*>(buf(1));
+  v.zeros = reinterpret_cast<const uint16_t*>(buf(2));
+  v.groups_per_slab = internal::ScaleCount(l.q);
+  int next = 3;
+  if (l.res > 0) v.residual_data = buf(next++);
+  v.slab_stride = l.res * l.d;
+  v.token_stride = l.d;
+  if (IsGear(t.codec()) && l.rank > 0) {
+    v.rank = l.rank;
+    v.lowrank_a = reinterpret_cast<const uint16_t*>(buf(next++));
+    v.lowrank_b = reinterpret_cast<const uint16_t*>(buf(next++));
+  }
+  if (t.codec() == v1::CODEC_GEAR) {
+    v.outliers_per_row = l.outliers_per_row;
+    v.sparse_rows_per_slab = l.sparse_rows;
+    v.sparse_index_bytes = l.index_bytes;
+    v.sparse_index = buf(next++);
+    v.sparse_value = buf(next++);
+    // Positions must be strictly increasing within each row and inside it.
+    const int64_t rows = l.slabs * l.sparse_rows;
+    for (int64_t r = 0; r < rows; ++r) {
+      int64_t prev = -1;
+      for (int k = 0; k < l.outliers_per_row; ++k) {
+        const int64_t j = ReadIndex(v.sparse_index, l.index_bytes, r * l.outliers_per_row + k);
+        if (j <= prev || j >= l.sparse_row_len) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("sparse outlier position ", j, " in row ", r,
+                           " is out of order or outside the row of ", l.sparse_row_len));
+        }
+        prev = j;
+      }
+    }
+  }
+  return v;
+}
+
+void DecodeRows(const EncodedView& v, int64_t s, int64_t t0, int64_t t1, float* out,
+                KernelLevel level) {
+  const int d = v.head_dim;
+  if (v.codec == v1::CODEC_RAW) {
+    const int64_t base = s * v.slab_stride;
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int c = 0; c < d; ++c) {
+        out[(t - t0) * d + c] = internal::LoadElement(v.dtype, v.raw, base + t * v.token_stride + c);
+      }
+    }
+    return;
+  }
+  // Quantized rows [t0, min(t1, Tq)).
+  const int64_t qe = std::min(t1, v.quantized);
+  if (t0 < qe) {
+    QuantShape q;
+    q.key = v.role != v1::TENSOR_ROLE_VALUE;
+    q.bits = v.bits;
+    q.group = v.group;
+    q.tq = v.quantized;
+    q.d = d;
+    Dequant(q, v.codes + s * v.words_per_slab * 4, v.scales + s * v.groups_per_slab,
+            v.zeros + s * v.groups_per_slab, t0, qe, out, level);
+    if (v.rank > 0) {
+      const uint16_t* a = v.lowrank_a + s * v.quantized * v.rank;
+      const uint16_t* b = v.lowrank_b + s * v.rank * d;
+      for (int64_t t = t0; t < qe; ++t) {
+        for (int j = 0; j < v.rank; ++j) {
+          const float aj = HalfToFloat(a[t * v.rank + j]);
+          float* o = out + (t - t0) * d;
+          for (int c = 0; c < d; ++c) o[c] += aj * HalfToFloat(b[j * d + c]);
+        }
+      }
+    }
+    if (v.outliers_per_row > 0) {
+      const int opr = v.outliers_per_row;
+      const bool key = v.role != v1::TENSOR_ROLE_VALUE;
+      const int64_t rows = v.sparse_rows_per_slab;
+      auto value = [&](int64_t k) { return internal::LoadElement(v.dtype, v.sparse_value, k); };
+      if (key) {  // Rows are channels; positions are tokens.
+        for (int c = 0; c < rows; ++c) {
+          const int64_t base = (s * rows + c) * opr;
+          for (int k = 0; k < opr; ++k) {
+            const int64_t t = ReadIndex(v.sparse_index, v.sparse_index_bytes, base + k);
+            if (t >= t0 && t < qe) out[(t - t0) * d + c] = value(base + k);
+          }
+        }
+      } else {  // Rows are tokens; positions are channels.
+        for (int64_t t = t0; t < qe; ++t) {
+          const int64_t base = (s * rows + t) * opr;
+          for (int k = 0; k < opr; ++k) {
+            const int64_t c = ReadIndex(v.sparse_index, v.sparse_index_bytes, base + k);
+            out[(t - t0) * d + c] = value(base + k);
+          }
+        }
+      }
+    }
+  }
+  // Residual rows.
+  for (int64_t t = std::max(t0, v.quantized); t < t1; ++t) {
+    const int64_t r = t - v.quantized;
+    for (int c = 0; c < d; ++c) {
+      out[(t - t0) * d + c] =
+          internal::LoadElement(v.dtype, v.residual_data, s * v.slab_stride + r * v.token_stride + c);
+    }
+  }
+}
+
+absl::StatusOr<std::vector<float>> Decode(const v1::EncodedTensor& t, KernelLevel level) {
+  KVT_ASSIGN_OR_RETURN(EncodedView v, ParseEncoded(t));
+  std::vector<float> out(static_cast<size_t>(v.slabs * v.tokens * v.head_dim));
+  for (int64_t s = 0; s < v.slabs; ++s) {
+    DecodeRows(v, s, 0, v.tokens, out.data() + s * v.tokens * v.head_dim, level);
+  }
+  return out;
+}
+
+int64_t EncodedTotalBytes(const v1::EncodedTensor& t) {
+  return static_cast<int64_t>(t.ByteSizeLong());
+}
+
+}  // namespace kvtier

@@ -1,0 +1,58 @@
+// Per-slab kernels behind kernels/codec.h and kernels/attention.h, one set per
+// implementation level. Not part of the public interface.
+#ifndef KVTIER_KERNELS_CODEC_INTERNAL_H_
+#define KVTIER_KERNELS_CODEC_INTERNAL_H_
+
+#include <cstdint>
+
+#include "kernels/codec.h"
+
+namespace kvtier::internal {
+
+// One slab's quantized part: `tq` rows of `d` channels.
+struct QuantShape {
+  bool key = true;  // K: groups of `group` tokens per channel; V: of `group` channels per token.
+  int bits = 4;
+  int group = 32;
+  int64_t tq = 0;
+  int d = 0;
+};
+
+inline int64_t CodeWords(const QuantShape& q) { return (q.tq * q.d * q.bits + 31) / 32; }
+inline int64_t ScaleCount(const QuantShape& q) {
+  if (q.tq == 0) return 0;
+  return q.key ? ((q.tq + q.group - 1) / q.group) * q.d : q.tq * ((q.d + q.group - 1) / q.group);
+}
+
+// Reference: float64 arithmetic, plain loops. `codes` must be zeroed,
+// CodeWords(q) * 4 bytes.
+void QuantizeSlabRef(const QuantShape& q, const float* x, uint8_t* codes, uint16_t* scales,
+                     uint16_t* zeros);
+void DequantRowsRef(const QuantShape& q, const uint8_t* codes, const uint16_t* scales,
+                    const uint16_t* zeros, int64_t t0, int64_t t1, float* out);
+
+// Vectorized (AVX2+FMA+F16C+BMI2). They return false, doing nothing, when the
+// CPU or the shape is not supported; callers then use the reference.
+bool SimdAvailable();
+bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint16_t* scales,
+                      uint16_t* zeros);
+bool DequantRowsSimd(const QuantShape& q, const uint8_t* codes, const uint16_t* scales,
+                     const uint16_t* zeros, int64_t t0, int64_t t1, float* out);
+
+// Attention pieces for one KV head (slab `s` of a block) and its `n_rep`
+// query heads. Scores: scores[r][t] = scale * q[r] . k_t for the block's
+// tokens. Accumulate: out[r][:] += sum_t p[r][t] * v_t.
+bool ScoreBlockSimd(const EncodedView& k, int64_t s, const float* const* q, int n_rep,
+                    float scale, float* const* scores);
+bool AccumulateBlockSimd(const EncodedView& v, int64_t s, const float* const* p, int n_rep,
+                         float* const* out);
+
+// Softmax in place over n scores (vectorized exp). False without SIMD.
+bool SoftmaxSimd(float* x, int64_t n);
+
+// Reads one element of a raw block (dtype element at `ptr[index]`).
+float LoadElement(v1::DType dtype, const void* ptr, int64_t index);
+
+}  // namespace kvtier::internal
+
+#endif  // KVTIER_KERNELS_CODEC_INTERNAL_H_

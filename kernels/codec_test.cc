@@ -1,0 +1,497 @@
+#include "kernels/codec.h"
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/attention.h"
+#include "kernels/codec_internal.h"
+#include "kernels/encoded_tensor.h"
+#include "kernels/half.h"
+#include "kernels/kv_stream.h"
+#include "tests/util/status_matchers.h"
+
+namespace kvtier {
+namespace {
+
+using ::testing::HasSubstr;
+using ::kvtier::testing::IsOk;
+using ::kvtier::testing::StatusIs;
+#define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), IsOk())
+
+std::vector<float> Random(int64_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, scale);
+  std::vector<float> x(static_cast<size_t>(n));
+  for (float& v : x) v = nd(rng);
+  return x;
+}
+
+// Adds a few large-magnitude channels, as real keys have.
+void AddOutlierChannels(std::vector<float>* x, int d) {
+  for (size_t i = 0; i < x->size(); ++i) {
+    if (i % d == 3 || i % d == 5) (*x)[i] = (*x)[i] * 8.0f + 4.0f;
+  }
+}
+
+double RelErr(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    den += static_cast<double>(a[i]) * a[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+CodecConfig Kivi(int bits, int group, int residual) {
+  CodecConfig c;
+  c.codec = v1::CODEC_KIVI;
+  c.bits = bits;
+  c.group_size = group;
+  c.residual_tokens = residual;
+  return c;
+}
+
+TEST(HalfTest, EveryHalfRoundTrips) {
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float f = HalfToFloat(static_cast<uint16_t>(h));
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(FloatToHalf(f), h) << h;
+  }
+  EXPECT_EQ(FloatToHalf(65520.0f), 0x7c00);  // Rounds to infinity.
+  EXPECT_EQ(FloatToHalf(65519.0f), 0x7bff);
+  EXPECT_EQ(FloatToHalf(1.0f + 1.0f / 2048.0f), 0x3c00);  // Tie to even.
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.5f)), 1.5f);
+}
+
+TEST(CodecSettingTest, ParsesAndRejects) {
+  KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting("gear2:r=2:s=0.01:g=64"));
+  EXPECT_EQ(c.codec, v1::CODEC_GEAR);
+  EXPECT_EQ(c.bits, 2);
+  EXPECT_EQ(c.rank, 2);
+  EXPECT_EQ(c.group_size, 64);
+  EXPECT_FLOAT_EQ(c.outlier_fraction, 0.01f);
+  KVT_ASSERT_OK_AND_ASSIGN(CodecConfig l, ParseCodecSetting("gearl2:r=1"));
+  EXPECT_EQ(l.codec, v1::CODEC_GEAR_L);
+  EXPECT_EQ(l.outlier_fraction, 0.0f);
+  KVT_ASSERT_OK_AND_ASSIGN(CodecConfig r, ParseCodecSetting(CodecSettingName(c)));
+  EXPECT_EQ(CodecSettingName(r), CodecSettingName(c));
+  EXPECT_THAT(ParseCodecSetting("kivi3"), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ParseCodecSetting("zip"), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ParseCodecSetting("kivi4:g=0"), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ParseCodecSetting("kivi4:q=1"), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ParseCodecSetting("gear8"), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ParseCodecSetting("gear2:s=0.7"), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ParseCodecSetting("gearl2:s=0.1"), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(CodecTest, BadInputsAreRejected) {
+  const std::vector<float> x = Random(2 * 16 * 8, 1);
+  const int64_t shape[] = {2, 16, 8};
+  CodecConfig c = Kivi(4, 32, 0);
+  EXPECT_THAT(Encode(c, v1::TENSOR_ROLE_UNSPECIFIED, shape, x.data()),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  const int64_t flat[] = {256};
+  EXPECT_THAT(Encode(c, v1::TENSOR_ROLE_KEY, flat, x.data()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tokens, head_dim")));
+  std::vector<float> bad = x;
+  bad[17] = NAN;
+  EXPECT_THAT(Encode(c, v1::TENSOR_ROLE_KEY, shape, bad.data()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("finite")));
+  bad[17] = 1e6f;
+  EXPECT_THAT(Encode(c, v1::TENSOR_ROLE_KEY, shape, bad.data()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("fp16 range")));
+  CodecConfig g;
+  g.codec = v1::CODEC_GEAR;
+  g.bits = 2;
+  g.rank = 9;
+  EXPECT_THAT(Encode(g, v1::TENSOR_ROLE_KEY, shape, x.data()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rank")));
+}
+
+TEST(CodecTest, RawRoundTrips) {
+  const int64_t shape[] = {3, 17, 8};
+  const std::vector<float> x = Random(3 * 17 * 8, 2);
+  for (v1::DType dt : {v1::DTYPE_FP32, v1::DTYPE_FP16, v1::DTYPE_BF16}) {
+    CodecConfig c;
+    c.codec = v1::CODEC_RAW;
+    c.dtype = dt;
+    KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor t, Encode(c, v1::TENSOR_ROLE_KEY, shape, x.data()));
+    KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> y, Decode(t));
+    const double tol = dt == v1::DTYPE_FP32 ? 0 : dt == v1::DTYPE_FP16 ? 1e-3 : 8e-3;
+    EXPECT_LE(RelErr(x, y), tol);
+    KVT_ASSERT_OK_AND_ASSIGN(int64_t bytes, EncodedBufferBytes(c, v1::TENSOR_ROLE_KEY, shape));
+    EXPECT_EQ(bytes, 3 * 17 * 8 * DTypeSize(dt));
+  }
+}
+
+// Every quantized element is within half a step of its input (plus fp16
+// rounding of the zero point), for every codec level.
+struct QuantCase {
+  int bits, group, residual;
+  int64_t slabs, tokens;
+  int d;
+};
+
+class KiviTest : public ::testing::TestWithParam<QuantCase> {};
+
+TEST_P(KiviTest, LevelsAgreeAndErrorIsBounded) {
+  const QuantCase& qc = GetParam();
+  const int64_t shape[] = {qc.slabs, qc.tokens, qc.d};
+  std::vector<float> x = Random(qc.slabs * qc.tokens * qc.d, 7 + qc.bits + qc.d);
+  AddOutlierChannels(&x, qc.d);
+  for (v1::Codec codec : {v1::CODEC_KIVI, v1::CODEC_KCVT}) {
+    for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+      CodecConfig c = Kivi(qc.bits, qc.group, qc.residual);
+      c.codec = codec;
+      SCOPED_TRACE(absl::StrCat(CodecSettingName(c), " role ", role, " shape ", qc.slabs, "x",
+                                qc.tokens, "x", qc.d));
+      KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor ref,
+                               Encode(c, role, shape, x.data(), KernelLevel::kReference));
+      KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor vec,
+                               Encode(c, role, shape, x.data(), KernelLevel::kVectorized));
+      KVT_ASSERT_OK_AND_ASSIGN(int64_t predicted, EncodedBufferBytes(c, role, shape));
+      int64_t actual = 0;
+      for (const auto& b : ref.buffers()) actual += b.data().size();
+      EXPECT_EQ(predicted, actual);
+      // Same bytes decode the same at both levels.
+      KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> dr, Decode(ref, KernelLevel::kReference));
+      KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> dv, Decode(ref, KernelLevel::kVectorized));
+      ASSERT_EQ(dr.size(), x.size());
+      for (size_t i = 0; i < dr.size(); ++i) ASSERT_NEAR(dr[i], dv[i], 1e-5 * (1 + std::fabs(dr[i])));
+      // Each element within half a quantization step of the input.
+      KVT_ASSERT_OK_AND_ASSIGN(EncodedView view, ParseEncoded(ref));
+      const double qmax = (1 << qc.bits) - 1;
+      for (int64_t s = 0; s < qc.slabs; ++s) {
+        for (int64_t t = 0; t < view.quantized; ++t) {
+          for (int ch = 0; ch < qc.d; ++ch) {
+            const int64_t i = (s * qc.tokens + t) * qc.d + ch;
+            const int64_t si = role == v1::TENSOR_ROLE_KEY
+                                   ? (t / view.group) * qc.d + ch
+                                   : t * ((qc.d + view.group - 1) / view.group) + ch / view.group;
+            const double step = HalfToFloat(view.scales[s * view.groups_per_slab + si]);
+            const double zero = HalfToFloat(view.zeros[s * view.groups_per_slab + si]);
+            const double slack = 0.5 * step + 1e-3 * (std::fabs(zero) + step * qmax) + 1e-6;
+            ASSERT_LE(std::fabs(dr[i] - x[i]), slack) << "element " << i;
+          }
+        }
+      }
+      // Vectorized encoding is the reference up to rare off-by-one codes at ties.
+      KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> dvec, Decode(vec, KernelLevel::kReference));
+      int differ = 0;
+      for (size_t i = 0; i < dr.size(); ++i) differ += dr[i] != dvec[i];
+      EXPECT_LE(differ, static_cast<int>(dr.size() / 200) + 2);
+      EXPECT_LE(RelErr(x, dvec), RelErr(x, dr) * 1.01 + 1e-6);
+      // Bit-exact round trip through the serialized bytes.
+      std::string bytes = ref.SerializeAsString();
+      v1::EncodedTensor back;
+      ASSERT_TRUE(back.ParseFromString(bytes));
+      EXPECT_EQ(back.SerializeAsString(), bytes);
+      KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> db, Decode(back, KernelLevel::kReference));
+      EXPECT_EQ(db, dr);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, KiviTest,
+    ::testing::Values(QuantCase{2, 32, 0, 1, 64, 128}, QuantCase{4, 32, 0, 8, 33, 64},
+                      QuantCase{8, 32, 5, 4, 70, 64}, QuantCase{4, 16, 3, 32, 7, 128},
+                      QuantCase{2, 8, 0, 3, 1, 8}, QuantCase{4, 32, 128, 2, 200, 8},
+                      QuantCase{2, 48, 0, 2, 97, 128}, QuantCase{4, 20, 0, 2, 41, 60},
+                      QuantCase{8, 128, 10, 5, 5, 128}));
+
+TEST(KiviTest, BitsShrinkError) {
+  const int64_t shape[] = {4, 256, 128};
+  const std::vector<float> x = Random(4 * 256 * 128, 3);
+  double prev = 1e9;
+  for (int bits : {2, 4, 8}) {
+    KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor t,
+                             Encode(Kivi(bits, 32, 0), v1::TENSOR_ROLE_KEY, shape, x.data()));
+    KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> y, Decode(t));
+    const double e = RelErr(x, y);
+    EXPECT_LT(e, prev);
+    prev = e;
+  }
+  EXPECT_LT(prev, 0.01);
+}
+
+TEST(GearTest, BeatsItsBackboneAndKeepsOutliersExact) {
+  for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+    const int64_t shape[] = {4, 96, 64};
+    // Low-rank structure plus noise plus outlier channels.
+    std::vector<float> x = Random(4 * 96 * 64, 11, 0.2f);
+    const std::vector<float> u = Random(4 * 96, 12), w = Random(64, 13);
+    for (int64_t s = 0; s < 4; ++s) {
+      for (int64_t t = 0; t < 96; ++t) {
+        for (int c = 0; c < 64; ++c) x[(s * 96 + t) * 64 + c] += 2.0f * u[s * 96 + t] * w[c];
+      }
+    }
+    AddOutlierChannels(&x, 64);
+    for (KernelLevel level : {KernelLevel::kReference, KernelLevel::kVectorized}) {
+      CodecConfig k = Kivi(2, 32, 0);
+      CodecConfig g = k;
+      g.codec = v1::CODEC_GEAR;
+      g.rank = 4;
+      g.outlier_fraction = 0.05f;
+      CodecConfig gl = g;
+      gl.codec = v1::CODEC_GEAR_L;
+      gl.outlier_fraction = 0;
+      KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor kt, Encode(k, role, shape, x.data(), level));
+      KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor gt, Encode(g, role, shape, x.data(), level));
+      KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor lt, Encode(gl, role, shape, x.data(), level));
+      KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> kd, Decode(kt, level));
+      KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> gd, Decode(gt, level));
+      KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> ld, Decode(lt, level));
+      EXPECT_LT(RelErr(x, gd), 0.7 * RelErr(x, kd)) << "role " << role;
+      EXPECT_LT(RelErr(x, ld), RelErr(x, kd)) << "role " << role;
+      KVT_ASSERT_OK_AND_ASSIGN(int64_t predicted, EncodedBufferBytes(g, role, shape));
+      int64_t actual = 0;
+      for (const auto& b : gt.buffers()) actual += b.data().size();
+      EXPECT_EQ(predicted, actual);
+      // Outliers come back as their fp16 values.
+      KVT_ASSERT_OK_AND_ASSIGN(EncodedView v, ParseEncoded(gt));
+      ASSERT_GT(v.outliers_per_row, 0);
+      for (int64_t s = 0; s < 4; ++s) {
+        for (int64_t row = 0; row < v.sparse_rows_per_slab; ++row) {
+          for (int k2 = 0; k2 < v.outliers_per_row; ++k2) {
+            uint16_t pos;
+            std::memcpy(&pos, v.sparse_index + ((s * v.sparse_rows_per_slab + row) * v.outliers_per_row + k2) * 2, 2);
+            const int64_t i = role == v1::TENSOR_ROLE_KEY ? (s * 96 + pos) * 64 + row
+                                                          : (s * 96 + row) * 64 + pos;
+            ASSERT_EQ(gd[i], HalfToFloat(FloatToHalf(x[i])));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(GearTest, LevelsDecodeTheSameBytesAlike) {
+  const int64_t shape[] = {3, 45, 128};
+  const std::vector<float> x = Random(3 * 45 * 128, 21);
+  CodecConfig g = Kivi(2, 32, 7);
+  g.codec = v1::CODEC_GEAR;
+  g.rank = 2;
+  for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+    KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor t, Encode(g, role, shape, x.data()));
+    KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> a, Decode(t, KernelLevel::kReference));
+    KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> b, Decode(t, KernelLevel::kVectorized));
+    for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-5 * (1 + std::fabs(a[i])));
+  }
+}
+
+TEST(CodecFormatTest, CorruptionIsDetected) {
+  const int64_t shape[] = {2, 40, 64};
+  const std::vector<float> x = Random(2 * 40 * 64, 5);
+  CodecConfig g = Kivi(2, 32, 4);
+  g.codec = v1::CODEC_GEAR;
+  g.rank = 2;
+  g.outlier_fraction = 0.1f;
+  KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor t, Encode(g, v1::TENSOR_ROLE_KEY, shape, x.data()));
+  {
+    v1::EncodedTensor c = t;
+    (*c.mutable_buffers(0)->mutable_data())[3] ^= 1;
+    EXPECT_THAT(ParseEncoded(c), StatusIs(absl::StatusCode::kDataLoss));
+  }
+  {
+    v1::EncodedTensor c = t;
+    c.mutable_buffers(1)->mutable_data()->pop_back();
+    SealTensor(&c);
+    EXPECT_THAT(ParseEncoded(c), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("BUFFER_SCALES")));
+  }
+  {
+    v1::EncodedTensor c = t;
+    c.mutable_params()->set_rank(3);
+    SealTensor(&c);
+    EXPECT_THAT(ParseEncoded(c), StatusIs(absl::StatusCode::kInvalidArgument));
+  }
+  {
+    v1::EncodedTensor c = t;
+    c.mutable_buffers()->SwapElements(1, 2);
+    SealTensor(&c);
+    EXPECT_THAT(Decode(c), StatusIs(absl::StatusCode::kInvalidArgument));
+  }
+  {
+    v1::EncodedTensor c = t;
+    const int idx = c.buffers_size() - 2;  // SPARSE_INDEX
+    ASSERT_EQ(c.buffers(idx).kind(), v1::BUFFER_SPARSE_INDEX);
+    std::string* d = c.mutable_buffers(idx)->mutable_data();
+    (*d)[0] = static_cast<char>(0xff);
+    (*d)[1] = static_cast<char>(0xff);
+    SealTensor(&c);
+    EXPECT_THAT(Decode(c), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("sparse outlier")));
+  }
+}
+
+// Random mutations of serialized tensors of every codec: decoding either
+// fails with a status or succeeds; it never crashes or reads out of bounds
+// (the ASan build runs this too).
+TEST(CodecFormatTest, FuzzedTensorsNeverCrash) {
+  std::mt19937 rng(99);
+  const int64_t shape[] = {2, 37, 16};
+  const std::vector<float> x = Random(2 * 37 * 16, 6);
+  std::vector<std::string> seeds;
+  for (const char* s : {"fp16", "kivi2:R=5", "kivi4:g=8", "kcvt8", "gear2:r=2:s=0.1", "gearl4:r=3:bb=kcvt"}) {
+    KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting(s));
+    for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+      KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor t, Encode(c, role, shape, x.data()));
+      seeds.push_back(t.SerializeAsString());
+    }
+  }
+  int decoded = 0, rejected = 0;
+  for (int iter = 0; iter < 4000; ++iter) {
+    std::string b = seeds[iter % seeds.size()];
+    const int edits = 1 + static_cast<int>(rng() % 4);
+    for (int e = 0; e < edits; ++e) {
+      const size_t pos = rng() % b.size();
+      switch (rng() % 3) {
+        case 0:
+          b[pos] = static_cast<char>(rng());
+          break;
+        case 1:
+          b.erase(pos, 1 + rng() % 8);
+          break;
+        default:
+          b.insert(pos, 1 + rng() % 4, static_cast<char>(rng()));
+      }
+      if (b.empty()) b = "x";
+    }
+    v1::EncodedTensor t;
+    if (!t.ParseFromString(b)) continue;
+    // Reseal half the time so the checks behind the CRC run too.
+    if (iter % 2 == 0) SealTensor(&t);
+    auto r = Decode(t);
+    r.ok() ? ++decoded : ++rejected;
+    if (r.ok()) {
+      // A well-formed result also goes through attention without trouble.
+      KVT_ASSERT_OK_AND_ASSIGN(EncodedView v, ParseEncoded(t));
+      if (v.slabs == 2 && v.head_dim == 16 && t.role() == v1::TENSOR_ROLE_KEY) {
+        const std::vector<float> q = Random(2 * 16, 1);
+        std::vector<float> out(2 * 16);
+        const std::vector<float> vals(static_cast<size_t>(2 * v.tokens * 16), 1.0f);
+        KvBlock blk{v, EncodedView::Raw(v1::DTYPE_FP32, vals.data(), 2, v.tokens, 16, v.tokens * 16, 16)};
+        AttentionShape as{2, 2, 16};
+        EXPECT_TRUE(DecodeAttention(as, q.data(), {&blk, 1}, out.data()).ok());
+      }
+    }
+  }
+  EXPECT_GT(rejected, 100);
+}
+
+// --- Attention ---
+
+struct AttnCase {
+  int q_heads, kv_heads, d;
+  int64_t tokens;
+};
+
+class AttentionTest : public ::testing::TestWithParam<AttnCase> {};
+
+TEST_P(AttentionTest, VectorizedMatchesReferenceOverMixedBlocks) {
+  const AttnCase& ac = GetParam();
+  const AttentionShape shape{ac.q_heads, ac.kv_heads, ac.d};
+  std::vector<std::string> settings = {"fp16", "kivi4:R=9", "kivi2:g=32", "kcvt4", "gear2:r=2:R=3",
+                                       "kivi8:g=16", "bf16", "gearl2:r=1:bb=kcvt"};
+  std::vector<v1::EncodedTensor> keep;
+  std::vector<std::vector<float>> raw_keep;
+  std::vector<KvBlock> blocks, decoded_blocks;
+  uint32_t seed = 100;
+  for (const std::string& s : settings) {
+    const int64_t n = ac.tokens + (seed % 5);
+    const int64_t shp[] = {ac.kv_heads, n, ac.d};
+    std::vector<float> k = Random(ac.kv_heads * n * ac.d, seed++);
+    AddOutlierChannels(&k, ac.d);
+    const std::vector<float> v = Random(ac.kv_heads * n * ac.d, seed++);
+    KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting(s));
+    KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor kt, Encode(c, v1::TENSOR_ROLE_KEY, shp, k.data()));
+    KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor vt, Encode(c, v1::TENSOR_ROLE_VALUE, shp, v.data()));
+    keep.push_back(kt);
+    keep.push_back(vt);
+  }
+  // A raw fp32 strided tail, token-major like an engine's.
+  const int64_t tail = 5;
+  raw_keep.push_back(Random(tail * ac.kv_heads * ac.d, 7));
+  raw_keep.push_back(Random(tail * ac.kv_heads * ac.d, 8));
+  for (size_t i = 0; i < keep.size(); i += 2) {
+    KVT_ASSERT_OK_AND_ASSIGN(EncodedView kv, ParseEncoded(keep[i]));
+    KVT_ASSERT_OK_AND_ASSIGN(EncodedView vv, ParseEncoded(keep[i + 1]));
+    blocks.push_back({kv, vv});
+  }
+  const int64_t row = ac.kv_heads * ac.d;
+  blocks.push_back({EncodedView::Raw(v1::DTYPE_FP32, raw_keep[0].data(), ac.kv_heads, tail, ac.d, ac.d, row),
+                    EncodedView::Raw(v1::DTYPE_FP32, raw_keep[1].data(), ac.kv_heads, tail, ac.d, ac.d, row)});
+  // The same tokens decoded to raw fp32, for the fused-vs-decoded check.
+  for (size_t i = 0; i < keep.size(); i += 2) {
+    KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> kd, Decode(keep[i]));
+    KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> vd, Decode(keep[i + 1]));
+    raw_keep.push_back(std::move(kd));
+    raw_keep.push_back(std::move(vd));
+    const int64_t n = keep[i].shape(1);
+    decoded_blocks.push_back(
+        {EncodedView::Raw(v1::DTYPE_FP32, raw_keep[raw_keep.size() - 2].data(), ac.kv_heads, n, ac.d, n * ac.d, ac.d),
+         EncodedView::Raw(v1::DTYPE_FP32, raw_keep.back().data(), ac.kv_heads, n, ac.d, n * ac.d, ac.d)});
+  }
+  decoded_blocks.push_back(blocks.back());
+  const std::vector<float> q = Random(ac.q_heads * ac.d, 3, 2.0f);
+  std::vector<float> ref(ac.q_heads * ac.d), vec(ref.size()), dec(ref.size());
+  KVT_ASSERT_OK(DecodeAttention(shape, q.data(), blocks, ref.data(), KernelLevel::kReference));
+  KVT_ASSERT_OK(DecodeAttention(shape, q.data(), blocks, vec.data(), KernelLevel::kVectorized));
+  KVT_ASSERT_OK(DecodeAttention(shape, q.data(), decoded_blocks, dec.data(), KernelLevel::kReference));
+  for (size_t i = 0; i < ref.size(); ++i) {
+    ASSERT_FALSE(std::isnan(vec[i]));
+    ASSERT_NEAR(vec[i], ref[i], 2e-5 + 2e-4 * std::fabs(ref[i])) << i;
+    ASSERT_NEAR(dec[i], ref[i], 1e-5 + 1e-5 * std::fabs(ref[i])) << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTest,
+                         ::testing::Values(AttnCase{1, 1, 64, 33}, AttnCase{8, 4, 8, 61},
+                                           AttnCase{32, 8, 128, 70}, AttnCase{12, 3, 64, 17},
+                                           AttnCase{6, 6, 128, 1}, AttnCase{10, 2, 64, 129}));
+
+TEST(AttentionTest, RejectsMismatchedBlocks) {
+  const std::vector<float> k(2 * 4 * 8, 1.0f), q(4 * 8, 1.0f);
+  std::vector<float> out(4 * 8);
+  KvBlock b{EncodedView::Raw(v1::DTYPE_FP32, k.data(), 2, 4, 8, 32, 8),
+            EncodedView::Raw(v1::DTYPE_FP32, k.data(), 2, 3, 8, 32, 8)};
+  EXPECT_THAT(DecodeAttention({4, 2, 8}, q.data(), {&b, 1}, out.data()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("token counts")));
+  b.v.tokens = 4;
+  EXPECT_THAT(DecodeAttention({4, 3, 8}, q.data(), {&b, 1}, out.data()),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(DecodeAttention({4, 2, 8}, q.data(), {}, out.data()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no tokens")));
+}
+
+TEST(KvStreamTest, EncodesWholeBlocksAndNeverReencodes) {
+  KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting("kivi4:R=8:nb=16"));
+  KVT_ASSERT_OK_AND_ASSIGN(KvStream s, KvStream::Create(c, 2, 64));
+  const std::vector<float> k = Random(100 * 2 * 64, 1), v = Random(100 * 2 * 64, 2);
+  std::string first;
+  for (int t = 0; t < 100; ++t) {
+    KVT_ASSERT_OK(s.Append(k.data() + t * 128, v.data() + t * 128, 1));
+    EXPECT_LT(s.tail_tokens(), 8 + 16);
+    EXPECT_GE(s.tail_tokens(), std::min(t + 1, 8));
+    if (t == 30) first = s.key_blocks()[0]->SerializeAsString();
+  }
+  EXPECT_EQ(s.tokens(), 100);
+  EXPECT_EQ(s.key_blocks().size(), 5u);  // (100 - 8) / 16 whole blocks.
+  EXPECT_EQ(s.key_blocks()[0]->SerializeAsString(), first);
+  EXPECT_EQ(s.key_blocks()[0]->params().block_tokens(), 16u);
+  // Attention over the stream equals attention over its decoded tokens.
+  const std::vector<float> q = Random(4 * 64, 3);
+  std::vector<float> a(4 * 64), b(4 * 64);
+  const std::vector<KvBlock> blocks = s.Blocks();
+  KVT_ASSERT_OK(DecodeAttention({4, 2, 64}, q.data(), blocks, a.data()));
+  KVT_ASSERT_OK(DecodeAttention({4, 2, 64}, q.data(), blocks, b.data(), KernelLevel::kReference));
+  for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-4);
+  KVT_ASSERT_OK(s.Flush());
+  EXPECT_EQ(s.tail_tokens(), 8);
+  EXPECT_GT(s.bytes(), 0);
+}
+
+}  // namespace
+}  // namespace kvtier
