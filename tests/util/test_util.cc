@@ -48,4 +48,19 @@ TempDir::~TempDir() {
   std::filesystem::remove_all(path_, ec);
 }
 
+std::string SharedModelPath() {
+  if (const char* env = std::getenv("KVTIER_MODEL"); env != nullptr && *env != '\0') {
+    return std::filesystem::exists(env) ? std::string(env) : std::string();
+  }
+  const char* src = std::getenv("KVTIER_SOURCE_DIR");
+  const std::filesystem::path root = src != nullptr ? src : KVTIER_SOURCE_DIR_DEFAULT;
+  const std::filesystem::path p = root / ".." / "shared" / "models" / "stories260K.bin";
+  return std::filesystem::exists(p) ? p.lexically_normal().string() : std::string();
+}
+
+bool InCi() {
+  const char* ci = std::getenv("CI");
+  return ci != nullptr && std::string(ci) == "true";
+}
+
 }  // namespace kvtier::testing

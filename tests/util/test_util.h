@@ -26,6 +26,25 @@ class TempDir {
   std::string path_;
 };
 
+// Path of the shared test model (../shared/models/stories260K.bin beside the
+// source tree, or $KVTIER_MODEL), or "" when it is not there.
+std::string SharedModelPath();
+
+// True when CI=true: a missing shared model is then a failure, not a skip.
+bool InCi();
+
 }  // namespace kvtier::testing
+
+// Sets `var` to the shared model's path, or skips the test (fails under
+// CI=true) with a message saying where the model was looked for.
+#define KVT_REQUIRE_SHARED_MODEL(var)                                              \
+  std::string var = ::kvtier::testing::SharedModelPath();                          \
+  if (var.empty()) {                                                               \
+    if (::kvtier::testing::InCi()) {                                               \
+      FAIL() << "CI=true but ../shared/models/stories260K.bin is missing";         \
+    }                                                                              \
+    GTEST_SKIP() << "needs ../shared/models/stories260K.bin beside the checkout "   \
+                    "(or KVTIER_MODEL=path); a user's clone has none";             \
+  }
 
 #endif  // KVTIER_TESTS_UTIL_TEST_UTIL_H_
