@@ -9,6 +9,7 @@
 namespace kvtier::cli {
 
 int StoreCommand(const Args& args);
+int EvalCommand(const Args& args);
 
 Args::Args(int argc, char** argv, int first) {
   for (int i = first; i < argc; ++i) {
@@ -62,9 +63,12 @@ std::vector<std::string> Args::Unknown(const std::vector<std::string>& known) co
 int main(int argc, char** argv) {
   std::string cmd = argc > 1 ? argv[1] : "help";
   if (cmd == "store") return kvtier::cli::StoreCommand(kvtier::cli::Args(argc, argv, 2));
+  if (cmd == "eval") return kvtier::cli::EvalCommand(kvtier::cli::Args(argc, argv, 2));
   std::printf(
       "kvtier: the kvtier command-line tool\n\n"
       "  kvtier store SUBCOMMAND [--target=HOST:PORT] [--token=TOKEN] ...\n"
-      "      put | get | ls | drop | rm | pin | stats   (kvtier store help)\n");
+      "      put | get | ls | drop | rm | pin | stats   (kvtier store help)\n"
+      "  kvtier eval codecs [--model=PATH] [--csv=FILE] ...\n"
+      "      codec fidelity table                     (kvtier eval help)\n");
   return cmd == "help" || cmd == "--help" ? 0 : 2;
 }

@@ -1,0 +1,154 @@
+// `kvtier eval codecs`: the codec fidelity table (docs/codecs.md).
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_split.h"
+#include "eval/codec_eval.h"
+#include "tools/cli_args.h"
+
+namespace kvtier::cli {
+namespace {
+
+constexpr char kHelp[] =
+    "kvtier eval codecs [flags]\n"
+    "  Measures every codec setting on each trace: compression ratio (against fp16, all\n"
+    "  metadata included), K and V relative Frobenius error, attention-output error for the\n"
+    "  trace's decode queries, and on a model the teacher-forced KL and top-1 agreement.\n\n"
+    "  --model=PATH        llama2.c checkpoint (e.g. ../shared/models/stories260K.bin): adds\n"
+    "                      a model trace and the KL/top-1 columns\n"
+    "  --sequences=N       sequences sampled from the model for KL (default 4)\n"
+    "  --seq_len=N         tokens per sequence (default: the model's seq_len)\n"
+    "  --queries=N         decode queries at the end of the model trace (default 32)\n"
+    "  --synthetic=BOOL    include the synthetic-realistic trace (default true)\n"
+    "  --synthetic_layers=N, --synthetic_rounds=N, --head_dim=N (defaults 2, 8, 128)\n"
+    "  --import=PATH       add a trace from a .npy directory or .safetensors dump\n"
+    "  --settings=A,B,...  codec settings (default: a sweep of raw, KIVI, KCVT, GEAR, GEAR-L;\n"
+    "                      syntax in docs/codecs.md, e.g. kivi2:g=32, gear2:r=2:s=0.01)\n"
+    "  --residual=R        full-precision newest tokens for every setting (default 0)\n"
+    "  --block=NB          streaming block n_b for every setting (default 64)\n"
+    "  --seed=S            sampling and synthetic seed (default 1)\n"
+    "  --csv=FILE          also write one CSV row per (trace, setting)\n";
+
+int Usage(const std::string& msg) {
+  std::fprintf(stderr, "kvtier eval: %s\n\n%s", msg.c_str(), kHelp);
+  return 2;
+}
+
+int EvalCodecs(const Args& args) {
+  const std::vector<std::string> unknown =
+      args.Unknown({"model", "sequences", "seq_len", "queries", "synthetic", "synthetic_layers",
+                    "synthetic_rounds", "head_dim", "import", "settings", "residual", "block", "seed",
+                    "csv", "help"});
+  if (!unknown.empty()) return Usage("unknown flag --" + unknown[0]);
+  if (args.Has("help")) {
+    std::printf("%s", kHelp);
+    return 0;
+  }
+  std::vector<std::string> names = eval::DefaultCodecSettings();
+  if (args.Has("settings")) names = absl::StrSplit(args.Get("settings"), ',', absl::SkipEmpty());
+  std::vector<CodecConfig> configs;
+  for (const std::string& n : names) {
+    auto c = ParseCodecSetting(n);
+    if (!c.ok()) return Usage(std::string(c.status().message()));
+    if (args.Has("residual")) c->residual_tokens = static_cast<int>(args.GetU64("residual", 0));
+    c->block_tokens = static_cast<int>(args.GetU64("block", c->block_tokens > 0 ? c->block_tokens : 64));
+    configs.push_back(*c);
+  }
+  const uint64_t seed = args.GetU64("seed", 1);
+  std::vector<traces::KvTrace> trace_list;
+  std::unique_ptr<model::LlamaModel> model;
+  std::vector<std::vector<int>> seqs;
+  if (args.Has("model")) {
+    auto m = model::LlamaModel::Load(args.Get("model"));
+    if (!m.ok()) return Usage(std::string(m.status().message()));
+    model = std::move(*m);
+    const int len = static_cast<int>(args.GetU64("seq_len", model->config().seq_len));
+    const int nseq = static_cast<int>(args.GetU64("sequences", 4));
+    for (int i = 0; i < nseq; ++i) {
+      auto s = model::SampleTokens(*model, len, seed + i);
+      if (!s.ok()) return Usage(std::string(s.status().message()));
+      seqs.push_back(*s);
+    }
+    std::string stem = args.Get("model");
+    stem = stem.substr(stem.find_last_of('/') + 1);
+    stem = stem.substr(0, stem.find('.'));
+    auto t = traces::CaptureModelTrace(*model, seqs[0], static_cast<int>(args.GetU64("queries", 32)), stem);
+    if (!t.ok()) return Usage(std::string(t.status().message()));
+    trace_list.push_back(std::move(*t));
+    std::fprintf(stderr, "model %s: %d layers, %d/%d heads, head_dim %d; %zu sequences of %d tokens\n",
+                 args.Get("model").c_str(), model->config().n_layers, model->config().n_heads,
+                 model->config().n_kv_heads, model->config().head_dim(), seqs.size(), len);
+  }
+  if (args.Get("synthetic", "true") != "false") {
+    traces::SyntheticOptions o;
+    o.layers = static_cast<int>(args.GetU64("synthetic_layers", 2));
+    o.rounds = static_cast<int>(args.GetU64("synthetic_rounds", 8));
+    o.head_dim = static_cast<int>(args.GetU64("head_dim", 128));
+    o.seed = seed;
+    auto t = traces::MakeSyntheticTrace(o);
+    if (!t.ok()) return Usage(std::string(t.status().message()));
+    trace_list.push_back(std::move(*t));
+  }
+  if (args.Has("import")) {
+    auto t = traces::LoadTraceDump(args.Get("import"));
+    if (!t.ok()) return Usage(std::string(t.status().message()));
+    trace_list.push_back(std::move(*t));
+  }
+  if (trace_list.empty()) return Usage("no traces: pass --model, --import or --synthetic=true");
+  std::unique_ptr<std::ofstream> csv;
+  if (args.Has("csv")) {
+    csv = std::make_unique<std::ofstream>(args.Get("csv"));
+    if (!*csv) return Usage("cannot write --csv file " + args.Get("csv"));
+    *csv << eval::CsvHeader() << "\n";
+  }
+  std::printf("%-16s %-26s %7s %9s %9s %10s %10s %7s\n", "trace", "setting", "ratio", "k_err",
+              "v_err", "attn_err", "kl", "top1");
+  const size_t total = trace_list.size() * configs.size();
+  size_t done = 0;
+  for (const traces::KvTrace& t : trace_list) {
+    const bool is_model = model != nullptr && &t == &trace_list[0];
+    for (const CodecConfig& c : configs) {
+      const auto start = std::chrono::steady_clock::now();
+      std::fprintf(stderr, "[%zu/%zu] %s on %s (%lld tokens x %d layers)...", ++done, total,
+                   CodecSettingName(c).c_str(), t.name.c_str(), static_cast<long long>(t.tokens), t.layers);
+      auto row = eval::EvalCodecOnTrace(t, c);
+      if (!row.ok()) {
+        std::fprintf(stderr, "\n");
+        return Usage(std::string(row.status().message()));
+      }
+      if (is_model) {
+        auto kl = eval::EvalCodecOnModel(*model, seqs, c);
+        if (!kl.ok()) {
+          std::fprintf(stderr, "\n");
+          return Usage(std::string(kl.status().message()));
+        }
+        row->kl = kl->first;
+        row->top1_agree = kl->second;
+      }
+      std::fprintf(stderr, " %.1fs\n",
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      std::printf("%-16s %-26s %7.3f %9.5f %9.5f %10.5f %10.5f %7.4f\n", t.name.c_str(),
+                  row->setting.c_str(), row->compression_ratio, row->k_rel_err, row->v_rel_err,
+                  row->attn_rel_err, row->kl, row->top1_agree);
+      std::fflush(stdout);
+      if (csv) *csv << eval::CsvRow(*row) << "\n";
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int EvalCommand(const Args& args) {
+  if (args.positional().empty() || args.positional()[0] == "help") {
+    std::printf("%s", kHelp);
+    return args.positional().empty() ? 2 : 0;
+  }
+  if (args.positional()[0] == "codecs") return EvalCodecs(args);
+  return Usage("unknown eval '" + args.positional()[0] + "' (codecs)");
+}
+
+}  // namespace kvtier::cli
