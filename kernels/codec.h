@@ -51,7 +51,8 @@ namespace kvtier {
 // supported by this CPU (kVectorized when the CPU has AVX2+FMA+F16C).
 enum class KernelLevel { kReference, kVectorized, kBest };
 
-// The vectorized level the CPU runs under kBest: "avx512", "avx2" or "scalar".
+// The vectorized level the CPU runs under kBest, e.g. "avx2+fma+f16c+bmi2",
+// or "scalar (reference)" without AVX2 (or with KVTIER_SIMD=off).
 const char* VectorIsaName();
 
 // What to encode with. Defaults follow ALGORITHMS.md §3.

@@ -128,3 +128,11 @@ float LoadElement(v1::DType dtype, const void* ptr, int64_t index) {
 }
 
 }  // namespace kvtier::internal
+
+namespace kvtier {
+
+const char* VectorIsaName() {
+  return internal::SimdAvailable() ? "avx2+fma+f16c+bmi2" : "scalar (reference)";
+}
+
+}  // namespace kvtier

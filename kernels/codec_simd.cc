@@ -180,13 +180,13 @@ bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint1
         mx = _mm256_max_ps(mx, v);
       }
       const float lo = HMin(mn), hi = HMax(mx);
-      const uint16_t s16 = FloatToHalf((hi - lo) / qmaxf);
-      const uint16_t z16 = FloatToHalf(lo);
+      const uint16_t s16 = _cvtss_sh((hi - lo) / qmaxf, 0);
+      const uint16_t z16 = _cvtss_sh(lo, 0);
       scales[t * groups + g] = s16;
       zeros[t * groups + g] = z16;
-      const float sf = HalfToFloat(s16);
+      const float sf = _cvtsh_ss(s16);
       const __m256 inv = _mm256_set1_ps(sf > 0.0f ? 1.0f / sf : 0.0f);
-      const __m256 zv = _mm256_set1_ps(HalfToFloat(z16));
+      const __m256 zv = _mm256_set1_ps(_cvtsh_ss(z16));
       for (int c = c0; c < c1; c += 8) {
         StoreCodes8(codes, q.bits, t * d + c, QuantizeChunk(_mm256_loadu_ps(row + c), zv, inv, qmax));
       }
@@ -215,8 +215,8 @@ bool DequantRowsSimd(const QuantShape& q, const uint8_t* codes, const uint16_t* 
   for (int64_t t = t0; t < t1; ++t) {
     float* o = out + (t - t0) * d;
     for (int g = 0; g < groups; ++g) {
-      const __m256 sv = _mm256_set1_ps(HalfToFloat(scales[t * groups + g]));
-      const __m256 zv = _mm256_set1_ps(HalfToFloat(zeros[t * groups + g]));
+      const __m256 sv = _mm256_set1_ps(_cvtsh_ss(scales[t * groups + g]));
+      const __m256 zv = _mm256_set1_ps(_cvtsh_ss(zeros[t * groups + g]));
       const int c1 = std::min(d, (g + 1) * q.group);
       for (int c = g * q.group; c < c1; c += 8) {
         _mm256_storeu_ps(o + c, _mm256_fmadd_ps(LoadCodes8(codes, q.bits, t * d + c), sv, zv));
@@ -234,12 +234,15 @@ void ScoreRaw(v1::DType dtype, const void* base, int64_t first, int64_t token_st
               int d, const float* const* q, float scale, float* const* scores) {
   for (int64_t t = 0; t < n; ++t) {
     __m256 acc[R];
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const int64_t row = first + t * token_stride;
     for (int c = 0; c < d; c += 8) {
       const __m256 k = LoadElems8(dtype, base, row + c);
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(k, _mm256_loadu_ps(q[r] + c), acc[r]);
     }
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) scores[r][t] = scale * HSum(acc[r]);
   }
 }
@@ -271,29 +274,63 @@ void ScoreKivi(const EncodedView& k, int64_t s, const float* const* q, float sca
     const int64_t t1 = std::min(k.quantized, t0 + k.group);
     for (int64_t t = t0; t < t1; ++t) {
       __m256 acc[R];
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
       for (int c = 0; c < d; c += 8) {
         const __m256 code = LoadCodes8(codes, k.bits, t * d + c);
+#pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           acc[r] = _mm256_fmadd_ps(code, _mm256_loadu_ps(qs.data() + r * d + c), acc[r]);
         }
       }
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r) scores[r][t] = bias[r] + HSum(acc[r]);
     }
   }
 }
 
+// Tokens per tile of P.V: a tile of V rows stays in L1 while every channel
+// pair of it is accumulated in registers.
+constexpr int64_t kAccumTile = 64;
+
 template <int R>
 void AccumRaw(v1::DType dtype, const void* base, int64_t first, int64_t token_stride, int64_t n,
               int d, const float* const* p, float* const* out) {
-  for (int64_t t = 0; t < n; ++t) {
-    __m256 pv[R];
-    for (int r = 0; r < R; ++r) pv[r] = _mm256_set1_ps(p[r][t]);
-    const int64_t row = first + t * token_stride;
-    for (int c = 0; c < d; c += 8) {
-      const __m256 v = LoadElems8(dtype, base, row + c);
+  for (int64_t t0 = 0; t0 < n; t0 += kAccumTile) {
+    const int64_t t1 = std::min(n, t0 + kAccumTile);
+    int c = 0;
+    for (; c + 16 <= d; c += 16) {
+      __m256 a0[R], a1[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t row = first + t * token_stride + c;
+        const __m256 v0 = LoadElems8(dtype, base, row), v1 = LoadElems8(dtype, base, row + 8);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m256 pv = _mm256_broadcast_ss(p[r] + t);
+          a0[r] = _mm256_fmadd_ps(pv, v0, a0[r]);
+          a1[r] = _mm256_fmadd_ps(pv, v1, a1[r]);
+        }
+      }
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        _mm256_storeu_ps(out[r] + c, _mm256_fmadd_ps(pv[r], v, _mm256_loadu_ps(out[r] + c)));
+        _mm256_storeu_ps(out[r] + c, _mm256_add_ps(a0[r], _mm256_loadu_ps(out[r] + c)));
+        _mm256_storeu_ps(out[r] + c + 8, _mm256_add_ps(a1[r], _mm256_loadu_ps(out[r] + c + 8)));
+      }
+    }
+    for (; c < d; c += 8) {
+      __m256 a0[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) a0[r] = _mm256_setzero_ps();
+      for (int64_t t = t0; t < t1; ++t) {
+        const __m256 v0 = LoadElems8(dtype, base, first + t * token_stride + c);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) a0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p[r] + t), v0, a0[r]);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        _mm256_storeu_ps(out[r] + c, _mm256_add_ps(a0[r], _mm256_loadu_ps(out[r] + c)));
       }
     }
   }
@@ -309,21 +346,36 @@ void AccumKivi(const EncodedView& v, int64_t s, const float* const* p, float* co
   const uint16_t* sc = v.scales + s * v.groups_per_slab;
   const uint16_t* zc = v.zeros + s * v.groups_per_slab;
   std::vector<float> zacc(static_cast<size_t>(R) * groups, 0.0f);
-  for (int64_t t = 0; t < v.quantized; ++t) {
-    for (int g = 0; g < groups; ++g) {
-      const float sg = HalfToFloat(sc[t * groups + g]);
-      const float zg = HalfToFloat(zc[t * groups + g]);
-      __m256 ps[R];
-      for (int r = 0; r < R; ++r) {
-        ps[r] = _mm256_set1_ps(p[r][t] * sg);
-        zacc[r * groups + g] += p[r][t] * zg;
-      }
-      const int c1 = std::min(d, (g + 1) * v.group);
-      for (int c = g * v.group; c < c1; c += 8) {
-        const __m256 code = LoadCodes8(codes, v.bits, t * d + c);
+  // p_t * s_tg for the tile, [R][tile][groups].
+  std::vector<float> ps(static_cast<size_t>(R) * kAccumTile * groups);
+  for (int64_t t0 = 0; t0 < v.quantized; t0 += kAccumTile) {
+    const int64_t t1 = std::min(v.quantized, t0 + kAccumTile);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int g = 0; g < groups; ++g) {
+        const float sg = _cvtsh_ss(sc[t * groups + g]);
+        const float zg = _cvtsh_ss(zc[t * groups + g]);
         for (int r = 0; r < R; ++r) {
-          _mm256_storeu_ps(out[r] + c, _mm256_fmadd_ps(ps[r], code, _mm256_loadu_ps(out[r] + c)));
+          ps[(r * kAccumTile + (t - t0)) * groups + g] = p[r][t] * sg;
+          zacc[r * groups + g] += p[r][t] * zg;
         }
+      }
+    }
+    for (int c = 0; c < d; c += 8) {
+      const int g = c / v.group;
+      __m256 a0[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) a0[r] = _mm256_setzero_ps();
+      for (int64_t t = t0; t < t1; ++t) {
+        const __m256 code = LoadCodes8(codes, v.bits, t * d + c);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          a0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&ps[(r * kAccumTile + (t - t0)) * groups + g]),
+                                  code, a0[r]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        _mm256_storeu_ps(out[r] + c, _mm256_add_ps(a0[r], _mm256_loadu_ps(out[r] + c)));
       }
     }
   }

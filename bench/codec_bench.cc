@@ -1,0 +1,253 @@
+// Google Benchmark: KV codec kernels and decode attention, single core, each
+// shown against memcpy bandwidth measured in the same run (counter
+// x_memcpy = this benchmark's bytes/s over memcpy's), and a closing table of
+// fused attention over encoded K/V against attention over fp16 K/V.
+//
+// Bytes counted: encode = fp32 input read; decode = fp32 output written;
+// attention = bytes of K and V as stored (codes + metadata, or fp16).
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "kernels/attention.h"
+#include "kernels/codec.h"
+#include "kernels/codec_internal.h"
+
+namespace {
+
+using kvtier::KernelLevel;
+namespace v1 = kvtier::v1;
+
+constexpr int kHeads = 8, kQHeads = 32, kDim = 128;
+constexpr int64_t kCodecTokens = 4096;  // 8 x 4096 x 128 fp32 = 16 MiB per tensor.
+
+double g_memcpy_bps = 0;
+
+std::vector<float> Random(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(n));
+  for (float& v : x) v = nd(rng);
+  return x;
+}
+
+// Best-of-5 single-core memcpy of `bytes`, the baseline of every ratio.
+double MeasureMemcpy(size_t bytes) {
+  std::vector<char> a(bytes, 1), b(bytes, 0);
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 8; ++i) {
+      std::memcpy(b.data(), a.data(), bytes);
+      benchmark::DoNotOptimize(b.data());
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, 8.0 * bytes / s);
+  }
+  return best;
+}
+
+void SetRatio(benchmark::State& state, double bytes_per_iter) {
+  state.SetBytesProcessed(static_cast<int64_t>(bytes_per_iter * state.iterations()));
+  state.counters["x_memcpy"] = benchmark::Counter(bytes_per_iter / g_memcpy_bps,
+                                                  benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void BM_Memcpy(benchmark::State& state) {
+  const size_t n = kHeads * kCodecTokens * kDim * 4;
+  std::vector<char> a(n, 1), b(n, 0);
+  for (auto _ : state) {
+    std::memcpy(b.data(), a.data(), n);
+    benchmark::DoNotOptimize(b.data());
+  }
+  SetRatio(state, static_cast<double>(n));
+}
+
+kvtier::internal::QuantShape Shape(int bits, bool key) {
+  kvtier::internal::QuantShape q;
+  q.key = key;
+  q.bits = bits;
+  q.group = 32;
+  q.tq = kCodecTokens;
+  q.d = kDim;
+  return q;
+}
+
+// The quantization kernel alone (what the worker runs per block).
+void BM_QuantizeKernel(benchmark::State& state) {
+  const int bits = static_cast<int>(state.range(0));
+  const bool key = state.range(1) == 0;
+  const bool vec = state.range(2) == 1;
+  const auto q = Shape(bits, key);
+  const std::vector<float> x = Random(kHeads * kCodecTokens * kDim, 1);
+  std::vector<uint8_t> codes(kvtier::internal::CodeWords(q) * 4 * kHeads);
+  std::vector<uint16_t> scales(kvtier::internal::ScaleCount(q) * kHeads), zeros(scales.size());
+  for (auto _ : state) {
+    for (int h = 0; h < kHeads; ++h) {
+      const float* src = x.data() + h * kCodecTokens * kDim;
+      uint8_t* c = codes.data() + h * kvtier::internal::CodeWords(q) * 4;
+      uint16_t* s = scales.data() + h * kvtier::internal::ScaleCount(q);
+      uint16_t* z = zeros.data() + h * kvtier::internal::ScaleCount(q);
+      if (!vec || !kvtier::internal::QuantizeSlabSimd(q, src, c, s, z)) {
+        std::memset(c, 0, kvtier::internal::CodeWords(q) * 4);
+        kvtier::internal::QuantizeSlabRef(q, src, c, s, z);
+      }
+    }
+    benchmark::DoNotOptimize(codes.data());
+  }
+  SetRatio(state, static_cast<double>(x.size()) * 4);
+  state.SetLabel(std::string(key ? "K" : "V") + (vec ? " vectorized" : " reference"));
+}
+
+void BM_DequantizeKernel(benchmark::State& state) {
+  const int bits = static_cast<int>(state.range(0));
+  const bool key = state.range(1) == 0;
+  const bool vec = state.range(2) == 1;
+  const auto q = Shape(bits, key);
+  const std::vector<float> x = Random(kHeads * kCodecTokens * kDim, 2);
+  std::vector<uint8_t> codes(kvtier::internal::CodeWords(q) * 4 * kHeads);
+  std::vector<uint16_t> scales(kvtier::internal::ScaleCount(q) * kHeads), zeros(scales.size());
+  for (int h = 0; h < kHeads; ++h) {
+    kvtier::internal::QuantizeSlabRef(q, x.data() + h * kCodecTokens * kDim,
+                                      codes.data() + h * kvtier::internal::CodeWords(q) * 4,
+                                      scales.data() + h * kvtier::internal::ScaleCount(q),
+                                      zeros.data() + h * kvtier::internal::ScaleCount(q));
+  }
+  std::vector<float> out(x.size());
+  for (auto _ : state) {
+    for (int h = 0; h < kHeads; ++h) {
+      const uint8_t* c = codes.data() + h * kvtier::internal::CodeWords(q) * 4;
+      const uint16_t* s = scales.data() + h * kvtier::internal::ScaleCount(q);
+      const uint16_t* z = zeros.data() + h * kvtier::internal::ScaleCount(q);
+      float* o = out.data() + h * kCodecTokens * kDim;
+      if (!vec || !kvtier::internal::DequantRowsSimd(q, c, s, z, 0, kCodecTokens, o)) {
+        kvtier::internal::DequantRowsRef(q, c, s, z, 0, kCodecTokens, o);
+      }
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  SetRatio(state, static_cast<double>(out.size()) * 4);
+  state.SetLabel(std::string(key ? "K" : "V") + (vec ? " vectorized" : " reference"));
+}
+
+// The public Encode(): kernel plus input checks, protobuf buffers and CRC.
+void BM_EncodeApi(benchmark::State& state) {
+  auto c = kvtier::ParseCodecSetting(state.range(0) == 4 ? "kivi4" : "gear2:r=2");
+  const std::vector<float> x = Random(kHeads * kCodecTokens * kDim, 3);
+  const int64_t shape[] = {kHeads, kCodecTokens, kDim};
+  for (auto _ : state) {
+    auto t = kvtier::Encode(*c, v1::TENSOR_ROLE_KEY, shape, x.data());
+    benchmark::DoNotOptimize(t);
+  }
+  SetRatio(state, static_cast<double>(x.size()) * 4);
+  state.SetLabel(kvtier::CodecSettingName(*c));
+}
+
+// Decode attention, 32 query heads over 8 KV heads of dim 128, T tokens.
+struct AttnData {
+  std::vector<v1::EncodedTensor> tensors;
+  std::vector<kvtier::KvBlock> blocks;
+  double bytes = 0;
+};
+
+AttnData* GetAttnData(const std::string& setting, int64_t tokens) {
+  static std::map<std::pair<std::string, int64_t>, AttnData> cache;
+  auto key = std::make_pair(setting, tokens);
+  auto it = cache.find(key);
+  if (it != cache.end()) return &it->second;
+  AttnData& d = cache[key];
+  auto c = kvtier::ParseCodecSetting(setting);
+  const int64_t chunk = 4096;  // Encoded in 4096-token blocks, as a stream would hold them.
+  for (int64_t t0 = 0; t0 < tokens; t0 += chunk) {
+    const std::vector<float> k = Random(kHeads * chunk * kDim, static_cast<uint32_t>(t0 + 1));
+    const std::vector<float> v = Random(kHeads * chunk * kDim, static_cast<uint32_t>(t0 + 2));
+    const int64_t shape[] = {kHeads, chunk, kDim};
+    d.tensors.push_back(*kvtier::Encode(*c, v1::TENSOR_ROLE_KEY, shape, k.data()));
+    d.tensors.push_back(*kvtier::Encode(*c, v1::TENSOR_ROLE_VALUE, shape, v.data()));
+  }
+  for (size_t i = 0; i < d.tensors.size(); i += 2) {
+    d.blocks.push_back({*kvtier::ParseEncoded(d.tensors[i]), *kvtier::ParseEncoded(d.tensors[i + 1])});
+    for (int j = 0; j < 2; ++j) {
+      for (const auto& b : d.tensors[i + j].buffers()) d.bytes += static_cast<double>(b.data().size());
+    }
+  }
+  return &d;
+}
+
+const char* kAttnSettings[] = {"fp16", "kivi4", "kivi2", "kivi8"};
+
+void BM_DecodeAttention(benchmark::State& state) {
+  const std::string setting = kAttnSettings[state.range(0)];
+  const int64_t tokens = state.range(1);
+  AttnData* d = GetAttnData(setting, tokens);
+  const std::vector<float> q = Random(kQHeads * kDim, 9);
+  std::vector<float> out(q.size());
+  for (auto _ : state) {
+    if (!kvtier::DecodeAttention({kQHeads, kHeads, kDim}, q.data(), d->blocks, out.data()).ok()) {
+      state.SkipWithError("attention failed");
+      break;
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  SetRatio(state, d->bytes);
+  state.SetLabel(setting + " T=" + std::to_string(tokens));
+}
+
+void AttnArgs(benchmark::internal::Benchmark* b) {
+  for (int64_t t : {4096, 32768, 131072}) {
+    for (int s = 0; s < 4; ++s) b->Args({s, t});
+  }
+}
+
+BENCHMARK(BM_Memcpy);
+BENCHMARK(BM_QuantizeKernel)->ArgsProduct({{2, 4, 8}, {0, 1}, {1}})->Args({4, 0, 0})->Args({4, 1, 0});
+BENCHMARK(BM_DequantizeKernel)->ArgsProduct({{2, 4, 8}, {0, 1}, {1}})->Args({4, 0, 0})->Args({4, 1, 0});
+BENCHMARK(BM_EncodeApi)->Arg(4)->Arg(2);
+BENCHMARK(BM_DecodeAttention)->Apply(AttnArgs)->Unit(benchmark::kMillisecond);
+
+// Keeps each attention run's time so the closing table can compare them.
+class Recorder : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& runs) override {
+    for (const Run& r : runs) {
+      if (r.benchmark_name().rfind("BM_DecodeAttention", 0) == 0 && !r.error_occurred) {
+        times[r.report_label] = r.GetAdjustedRealTime();
+      }
+    }
+    ConsoleReporter::ReportRuns(runs);
+  }
+  std::map<std::string, double> times;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  g_memcpy_bps = MeasureMemcpy(static_cast<size_t>(kHeads) * kCodecTokens * kDim * 4);
+  std::printf("single-core memcpy baseline (16 MiB, best of 5): %.2f GB/s; ISA: %s\n",
+              g_memcpy_bps / 1e9, kvtier::VectorIsaName());
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  Recorder rec;
+  benchmark::RunSpecifiedBenchmarks(&rec);
+  if (!rec.times.empty()) {
+    std::printf("\nfused decode attention vs fp16 K/V (same run; >1 = faster than fp16):\n");
+    std::printf("%-8s %10s %10s %10s %10s\n", "tokens", "fp16 ms", "kivi4 x", "kivi2 x", "kivi8 x");
+    for (int64_t t : {4096, 32768, 131072}) {
+      auto get = [&](const char* s) {
+        auto it = rec.times.find(std::string(s) + " T=" + std::to_string(t));
+        return it == rec.times.end() ? NAN : it->second;
+      };
+      const double base = get("fp16");
+      std::printf("%-8lld %10.3f %10.2f %10.2f %10.2f\n", static_cast<long long>(t), base,
+                  base / get("kivi4"), base / get("kivi2"), base / get("kivi8"));
+    }
+  }
+  benchmark::Shutdown();
+  return 0;
+}

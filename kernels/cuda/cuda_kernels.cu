@@ -1,0 +1,241 @@
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+
+#include "kernels/cuda/cuda_kernels.h"
+
+namespace kvtier::cuda {
+namespace {
+
+__device__ __forceinline__ uint32_t GetCode(const uint32_t* codes, int bits, int64_t i) {
+  const int per_word = 32 / bits;
+  return (codes[i / per_word] >> ((i % per_word) * bits)) & ((1u << bits) - 1u);
+}
+
+__device__ __forceinline__ void PutCode(uint32_t* codes, int bits, int64_t i, uint32_t code) {
+  const int per_word = 32 / bits;
+  atomicOr(&codes[i / per_word], code << ((i % per_word) * bits));
+}
+
+__device__ __forceinline__ float H2F(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+__device__ __forceinline__ uint16_t F2H(float f) { return __half_as_ushort(__float2half_rn(f)); }
+
+// Min/max of one group, then its codes. `stride` steps between the group's
+// elements (d for a K channel, 1 for a V token).
+__device__ void QuantizeGroup(int bits, const float* x, uint32_t* codes, int64_t first, int n,
+                              int64_t stride, uint16_t* scale_out, uint16_t* zero_out) {
+  float mn = FLT_MAX, mx = -FLT_MAX;
+  for (int j = 0; j < n; ++j) {
+    const float v = x[first + j * stride];
+    mn = fminf(mn, v);
+    mx = fmaxf(mx, v);
+  }
+  const float qmax = static_cast<float>((1 << bits) - 1);
+  const uint16_t s16 = F2H((mx - mn) / qmax), z16 = F2H(mn);
+  *scale_out = s16;
+  *zero_out = z16;
+  const float s = H2F(s16), z = H2F(z16);
+  for (int j = 0; j < n; ++j) {
+    const int64_t i = first + j * stride;
+    float c = s > 0.0f ? rintf((x[i] - z) / s) : 0.0f;
+    c = fminf(fmaxf(c, 0.0f), qmax);
+    PutCode(codes, bits, i, static_cast<uint32_t>(c));
+  }
+}
+
+// K: one thread per (group, channel) of a slab.
+__global__ void QuantizeKeyKernel(QuantDims q, const float* x, uint32_t* codes, uint16_t* scales,
+                                  uint16_t* zeros) {
+  const int64_t slab = blockIdx.y;
+  const int64_t groups = (q.tq + q.group - 1) / q.group;
+  const int64_t gi = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (gi >= groups * q.d) return;
+  const int64_t g = gi / q.d;
+  const int c = static_cast<int>(gi % q.d);
+  const int64_t t0 = g * q.group;
+  const int n = static_cast<int>(min(static_cast<int64_t>(q.group), q.tq - t0));
+  const float* xs = x + slab * q.tq * q.d;
+  QuantizeGroup(q.bits, xs, codes + slab * q.WordsPerSlab(), t0 * q.d + c, n, q.d,
+                scales + slab * q.GroupsPerSlab() + gi, zeros + slab * q.GroupsPerSlab() + gi);
+}
+
+// V: one thread per (token, channel group) of a slab.
+__global__ void QuantizeValueKernel(QuantDims q, const float* x, uint32_t* codes, uint16_t* scales,
+                                    uint16_t* zeros) {
+  const int64_t slab = blockIdx.y;
+  const int groups = (q.d + q.group - 1) / q.group;
+  const int64_t gi = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (gi >= q.tq * groups) return;
+  const int64_t t = gi / groups;
+  const int g = static_cast<int>(gi % groups);
+  const int c0 = g * q.group;
+  const int n = min(q.group, q.d - c0);
+  const float* xs = x + slab * q.tq * q.d;
+  QuantizeGroup(q.bits, xs, codes + slab * q.WordsPerSlab(), t * q.d + c0, n, 1,
+                scales + slab * q.GroupsPerSlab() + gi, zeros + slab * q.GroupsPerSlab() + gi);
+}
+
+__device__ __forceinline__ float Dequant(const QuantDims& q, const uint32_t* codes,
+                                         const uint16_t* scales, const uint16_t* zeros, int64_t t,
+                                         int c) {
+  const int vgroups = (q.d + q.group - 1) / q.group;
+  const int64_t si = q.key ? (t / q.group) * q.d + c : t * vgroups + c / q.group;
+  return static_cast<float>(GetCode(codes, q.bits, t * q.d + c)) * H2F(scales[si]) + H2F(zeros[si]);
+}
+
+__global__ void DequantizeKernel(QuantDims q, const uint32_t* codes, const uint16_t* scales,
+                                 const uint16_t* zeros, float* out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t per_slab = q.tq * q.d;
+  if (i >= per_slab * q.slabs) return;
+  const int64_t slab = i / per_slab, e = i % per_slab;
+  out[i] = Dequant(q, codes + slab * q.WordsPerSlab(), scales + slab * q.GroupsPerSlab(),
+                   zeros + slab * q.GroupsPerSlab(), e / q.d, static_cast<int>(e % q.d));
+}
+
+// Element (t, c) of KV head h, from either representation.
+__device__ __forceinline__ float LoadKv(const DeviceKv& kv, const QuantDims& q, int h, int64_t t,
+                                        int c) {
+  if (kv.bits == 0) return H2F(kv.raw[(static_cast<int64_t>(h) * q.tq + t) * q.d + c]);
+  return Dequant(q, kv.codes + h * q.WordsPerSlab(), kv.scales + h * q.GroupsPerSlab(),
+                 kv.zeros + h * q.GroupsPerSlab(), t, c);
+}
+
+// scores[qh, t]: one thread per token of a KV head, for all its query heads.
+// q for the group sits in shared memory.
+__global__ void ScoreKernel(AttnDims a, QuantDims kq, DeviceKv k, const float* q, float* scores) {
+  extern __shared__ float qs[];
+  const int h = blockIdx.y;
+  const int rep = a.q_heads / a.kv_heads;
+  for (int i = threadIdx.x; i < rep * a.d; i += blockDim.x) qs[i] = q[h * rep * a.d + i];
+  __syncthreads();
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= a.tokens) return;
+  float acc[8];
+  for (int r = 0; r < 8; ++r) acc[r] = 0.0f;
+  for (int c = 0; c < a.d; ++c) {
+    const float kv = LoadKv(k, kq, h, t, c);
+    for (int r = 0; r < rep && r < 8; ++r) acc[r] += qs[r * a.d + c] * kv;
+  }
+  for (int r = 0; r < rep && r < 8; ++r) scores[static_cast<int64_t>(h * rep + r) * a.tokens + t] = acc[r] * a.scale;
+  // More than 8 query heads per KV head: the rest, one at a time.
+  for (int r = 8; r < rep; ++r) {
+    float s = 0.0f;
+    for (int c = 0; c < a.d; ++c) s += qs[r * a.d + c] * LoadKv(k, kq, h, t, c);
+    scores[static_cast<int64_t>(h * rep + r) * a.tokens + t] = s * a.scale;
+  }
+}
+
+// In-place softmax of one query head's scores per block.
+__global__ void SoftmaxKernel(AttnDims a, float* scores) {
+  __shared__ float red[1024];
+  float* s = scores + static_cast<int64_t>(blockIdx.x) * a.tokens;
+  float m = -FLT_MAX;
+  for (int64_t t = threadIdx.x; t < a.tokens; t += blockDim.x) m = fmaxf(m, s[t]);
+  red[threadIdx.x] = m;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + w]);
+    __syncthreads();
+  }
+  m = red[0];
+  __syncthreads();
+  float sum = 0.0f;
+  for (int64_t t = threadIdx.x; t < a.tokens; t += blockDim.x) {
+    const float e = __expf(s[t] - m);
+    s[t] = e;
+    sum += e;
+  }
+  red[threadIdx.x] = sum;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
+    __syncthreads();
+  }
+  const float inv = 1.0f / red[0];
+  for (int64_t t = threadIdx.x; t < a.tokens; t += blockDim.x) s[t] *= inv;
+}
+
+// out[qh, c] += sum over a token slice of p[qh, t] * v[t, c]: one thread per
+// channel, blockIdx.x picks the slice, blockIdx.y the KV head.
+__global__ void AccumulateKernel(AttnDims a, QuantDims vq, DeviceKv v, const float* p, float* out,
+                                 int64_t slice) {
+  const int h = blockIdx.y;
+  const int c = threadIdx.x;
+  if (c >= a.d) return;
+  const int rep = a.q_heads / a.kv_heads;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * slice;
+  const int64_t t1 = min(a.tokens, t0 + slice);
+  for (int r = 0; r < rep; ++r) {
+    const float* pr = p + static_cast<int64_t>(h * rep + r) * a.tokens;
+    float acc = 0.0f;
+    for (int64_t t = t0; t < t1; ++t) acc += pr[t] * LoadKv(v, vq, h, t, c);
+    atomicAdd(&out[(h * rep + r) * a.d + c], acc);
+  }
+}
+
+}  // namespace
+
+bool DeviceAvailable() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+const char* ErrorString(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }
+
+int Quantize(const QuantDims& q, const float* x, uint32_t* codes, uint16_t* scales,
+             uint16_t* zeros, void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (q.tq == 0 || q.slabs == 0) return 0;
+  cudaError_t e = cudaMemsetAsync(codes, 0, q.WordsPerSlab() * q.slabs * 4, s);
+  if (e != cudaSuccess) return e;
+  const int64_t per_slab = q.GroupsPerSlab();
+  const dim3 grid(static_cast<unsigned>((per_slab + 127) / 128), static_cast<unsigned>(q.slabs));
+  if (q.key) {
+    QuantizeKeyKernel<<<grid, 128, 0, s>>>(q, x, codes, scales, zeros);
+  } else {
+    QuantizeValueKernel<<<grid, 128, 0, s>>>(q, x, codes, scales, zeros);
+  }
+  return cudaGetLastError();
+}
+
+int Dequantize(const QuantDims& q, const uint32_t* codes, const uint16_t* scales,
+               const uint16_t* zeros, float* out, void* stream) {
+  const int64_t n = q.tq * q.d * q.slabs;
+  if (n == 0) return 0;
+  DequantizeKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      q, codes, scales, zeros, out);
+  return cudaGetLastError();
+}
+
+int DecodeAttention(const AttnDims& a, const float* q, const DeviceKv& k, const DeviceKv& v,
+                    float* scratch, float* out, void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (a.q_heads <= 0 || a.kv_heads <= 0 || a.q_heads % a.kv_heads != 0 || a.d <= 0 || a.d > 256 ||
+      a.tokens <= 0) {
+    return cudaErrorInvalidValue;
+  }
+  QuantDims kq;
+  kq.key = true;
+  kq.bits = k.bits > 0 ? k.bits : 16;
+  kq.group = k.group;
+  kq.tq = a.tokens;
+  kq.d = a.d;
+  QuantDims vq = kq;
+  vq.key = false;
+  vq.bits = v.bits > 0 ? v.bits : 16;
+  vq.group = v.group;
+  const int rep = a.q_heads / a.kv_heads;
+  const dim3 sgrid(static_cast<unsigned>((a.tokens + 127) / 128), static_cast<unsigned>(a.kv_heads));
+  ScoreKernel<<<sgrid, 128, rep * a.d * sizeof(float), s>>>(a, kq, k, q, scratch);
+  SoftmaxKernel<<<a.q_heads, 1024, 0, s>>>(a, scratch);
+  cudaError_t e = cudaMemsetAsync(out, 0, static_cast<size_t>(a.q_heads) * a.d * sizeof(float), s);
+  if (e != cudaSuccess) return e;
+  const int64_t slice = 256;
+  const dim3 agrid(static_cast<unsigned>((a.tokens + slice - 1) / slice), static_cast<unsigned>(a.kv_heads));
+  AccumulateKernel<<<agrid, a.d <= 32 ? 32 : ((a.d + 31) / 32) * 32, 0, s>>>(a, vq, v, scratch, out, slice);
+  return cudaGetLastError();
+}
+
+}  // namespace kvtier::cuda

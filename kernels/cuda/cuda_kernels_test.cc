@@ -1,0 +1,152 @@
+// GPU tests (label gpu): the CUDA kernels against the CPU reference on the
+// same bytes. Without a CUDA device they skip with a message.
+#include "kernels/cuda/cuda_kernels.h"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/attention.h"
+#include "kernels/codec.h"
+#include "kernels/codec_internal.h"
+#include "tests/util/status_matchers.h"
+
+namespace kvtier::cuda {
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                                   \
+  if (!DeviceAvailable()) {                                                  \
+    GTEST_SKIP() << "no CUDA device: GPU tests run only on a machine with one"; \
+  }
+
+#define CUDA_OK(expr)                                       \
+  do {                                                      \
+    const int err_ = static_cast<int>(expr);                \
+    ASSERT_EQ(err_, 0) << #expr << ": " << ErrorString(err_); \
+  } while (0)
+
+template <typename T>
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t n) : n_(n) { cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)); }
+  ~DeviceBuffer() { cudaFree(p_); }
+  T* get() { return p_; }
+  void Upload(const std::vector<T>& h) { cudaMemcpy(p_, h.data(), n_ * sizeof(T), cudaMemcpyHostToDevice); }
+  std::vector<T> Download() {
+    std::vector<T> h(n_);
+    cudaMemcpy(h.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost);
+    return h;
+  }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_;
+};
+
+std::vector<float> Random(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> x(n);
+  for (float& v : x) v = nd(rng);
+  return x;
+}
+
+TEST(CudaCodecTest, QuantizeAndDequantizeMatchTheReference) {
+  SKIP_WITHOUT_GPU();
+  for (int bits : {2, 4, 8}) {
+    for (bool key : {true, false}) {
+      for (int d : {64, 128}) {
+        QuantDims q;
+        q.key = key;
+        q.bits = bits;
+        q.group = 32;
+        q.tq = 71;
+        q.d = d;
+        q.slabs = 5;
+        internal::QuantShape rs{key, bits, key ? 32 : std::min(32, d), q.tq, d};
+        const std::vector<float> x = Random(q.slabs * q.tq * d, bits * 10 + d);
+        DeviceBuffer<float> dx(x.size()), dout(x.size());
+        DeviceBuffer<uint32_t> dcodes(q.WordsPerSlab() * q.slabs);
+        DeviceBuffer<uint16_t> ds(q.GroupsPerSlab() * q.slabs), dz(q.GroupsPerSlab() * q.slabs);
+        dx.Upload(x);
+        CUDA_OK(Quantize(q, dx.get(), dcodes.get(), ds.get(), dz.get(), nullptr));
+        CUDA_OK(Dequantize(q, dcodes.get(), ds.get(), dz.get(), dout.get(), nullptr));
+        CUDA_OK(cudaDeviceSynchronize());
+        const std::vector<float> gpu = dout.Download();
+        std::vector<uint8_t> codes(q.WordsPerSlab() * 4);
+        std::vector<uint16_t> sc(q.GroupsPerSlab()), zc(q.GroupsPerSlab());
+        std::vector<float> ref(q.tq * d);
+        int differ = 0;
+        for (int64_t s = 0; s < q.slabs; ++s) {
+          std::fill(codes.begin(), codes.end(), 0);
+          internal::QuantizeSlabRef(rs, x.data() + s * q.tq * d, codes.data(), sc.data(), zc.data());
+          internal::DequantRowsRef(rs, codes.data(), sc.data(), zc.data(), 0, q.tq, ref.data());
+          for (int64_t i = 0; i < q.tq * d; ++i) {
+            const float g = gpu[s * q.tq * d + i];
+            ASSERT_FALSE(std::isnan(g));
+            if (g != ref[i]) {
+              ++differ;
+              // Off by at most one step at a rounding tie.
+              ASSERT_NEAR(g, ref[i], 0.6f * (std::fabs(ref[i]) + 1.0f)) << i;
+            }
+          }
+        }
+        EXPECT_LE(differ, static_cast<int>(x.size() / 200) + 2) << "bits " << bits << " key " << key;
+      }
+    }
+  }
+}
+
+TEST(CudaAttentionTest, FusedAttentionMatchesTheCpuReference) {
+  SKIP_WITHOUT_GPU();
+  for (const char* setting : {"kivi4", "kivi2", "kivi8", "fp16"}) {
+    for (int qh : {8, 32}) {
+      const int kvh = qh / 4, d = 128;
+      const int64_t tokens = 1000;
+      const std::vector<float> k = Random(kvh * tokens * d, 1), v = Random(kvh * tokens * d, 2);
+      const std::vector<float> q = Random(qh * d, 3);
+      KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting(setting));
+      const int64_t shape[] = {kvh, tokens, d};
+      KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor kt, Encode(c, v1::TENSOR_ROLE_KEY, shape, k.data()));
+      KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor vt, Encode(c, v1::TENSOR_ROLE_VALUE, shape, v.data()));
+      KVT_ASSERT_OK_AND_ASSIGN(EncodedView kv, ParseEncoded(kt));
+      KVT_ASSERT_OK_AND_ASSIGN(EncodedView vv, ParseEncoded(vt));
+      std::vector<float> ref(qh * d);
+      KvBlock blk{kv, vv};
+      ASSERT_TRUE(DecodeAttention({qh, kvh, d}, q.data(), {&blk, 1}, ref.data(), KernelLevel::kReference).ok());
+      // Upload each buffer as it lies in the tensor.
+      std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> bufs;
+      auto up = [&](const v1::EncodedTensor& t, int i) {
+        const std::string& s = t.buffers(i).data();
+        bufs.push_back(std::make_unique<DeviceBuffer<uint8_t>>(s.size()));
+        bufs.back()->Upload(std::vector<uint8_t>(s.begin(), s.end()));
+        return bufs.back()->get();
+      };
+      DeviceKv dk, dv;
+      if (c.codec == v1::CODEC_RAW) {
+        dk.raw = reinterpret_cast<const uint16_t*>(up(kt, 0));
+        dv.raw = reinterpret_cast<const uint16_t*>(up(vt, 0));
+      } else {
+        dk = {kv.bits, kv.group, nullptr, reinterpret_cast<const uint32_t*>(up(kt, 0)),
+              reinterpret_cast<const uint16_t*>(up(kt, 1)), reinterpret_cast<const uint16_t*>(up(kt, 2))};
+        dv = {vv.bits, vv.group, nullptr, reinterpret_cast<const uint32_t*>(up(vt, 0)),
+              reinterpret_cast<const uint16_t*>(up(vt, 1)), reinterpret_cast<const uint16_t*>(up(vt, 2))};
+      }
+      DeviceBuffer<float> dq(q.size()), scratch(qh * tokens), dout(qh * d);
+      dq.Upload(q);
+      AttnDims a{qh, kvh, d, tokens, 1.0f / std::sqrt(static_cast<float>(d))};
+      CUDA_OK(DecodeAttention(a, dq.get(), dk, dv, scratch.get(), dout.get(), nullptr));
+      CUDA_OK(cudaDeviceSynchronize());
+      const std::vector<float> gpu = dout.Download();
+      for (size_t i = 0; i < gpu.size(); ++i) {
+        ASSERT_NEAR(gpu[i], ref[i], 1e-4 + 1e-3 * std::fabs(ref[i])) << setting << " " << i;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvtier::cuda
