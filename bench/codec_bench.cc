@@ -172,9 +172,11 @@ AttnData* GetAttnData(const std::string& setting, int64_t tokens) {
     d.tensors.push_back(*kvtier::Encode(*c, v1::TENSOR_ROLE_VALUE, shape, v.data()));
   }
   for (size_t i = 0; i < d.tensors.size(); i += 2) {
-    d.blocks.push_back({*kvtier::ParseEncoded(d.tensors[i]), *kvtier::ParseEncoded(d.tensors[i + 1])});
+    d.blocks.push_back(
+        {*kvtier::ParseEncoded(d.tensors[i]), *kvtier::ParseEncoded(d.tensors[i + 1])});
     for (int j = 0; j < 2; ++j) {
-      for (const auto& b : d.tensors[i + j].buffers()) d.bytes += static_cast<double>(b.data().size());
+      for (const auto& b : d.tensors[i + j].buffers())
+        d.bytes += static_cast<double>(b.data().size());
     }
   }
   return &d;
@@ -206,8 +208,14 @@ void AttnArgs(benchmark::internal::Benchmark* b) {
 }
 
 BENCHMARK(BM_Memcpy);
-BENCHMARK(BM_QuantizeKernel)->ArgsProduct({{2, 4, 8}, {0, 1}, {1}})->Args({4, 0, 0})->Args({4, 1, 0});
-BENCHMARK(BM_DequantizeKernel)->ArgsProduct({{2, 4, 8}, {0, 1}, {1}})->Args({4, 0, 0})->Args({4, 1, 0});
+BENCHMARK(BM_QuantizeKernel)
+    ->ArgsProduct({{2, 4, 8}, {0, 1}, {1}})
+    ->Args({4, 0, 0})
+    ->Args({4, 1, 0});
+BENCHMARK(BM_DequantizeKernel)
+    ->ArgsProduct({{2, 4, 8}, {0, 1}, {1}})
+    ->Args({4, 0, 0})
+    ->Args({4, 1, 0});
 BENCHMARK(BM_EncodeApi)->Arg(4)->Arg(2);
 BENCHMARK(BM_DecodeAttention)->Apply(AttnArgs)->Unit(benchmark::kMillisecond);
 

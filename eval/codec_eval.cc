@@ -79,7 +79,8 @@ absl::StatusOr<CodecRow> EvalCodecOnTrace(const traces::KvTrace& t, const CodecC
                    EncodedView::Raw(v1::DTYPE_FP32, t.V(l, 0), h, t.tokens, d, t.tokens * d, d)};
       std::vector<float> q(static_cast<size_t>(t.q_heads) * d), o_ref(q.size()), o(q.size());
       for (int64_t i = 0; i < t.queries; ++i) {
-        for (int qh = 0; qh < t.q_heads; ++qh) std::copy_n(t.Q(l, qh) + i * d, d, q.begin() + qh * d);
+        for (int qh = 0; qh < t.q_heads; ++qh)
+          std::copy_n(t.Q(l, qh) + i * d, d, q.begin() + qh * d);
         KVT_RETURN_IF_ERROR(DecodeAttention(shape, q.data(), {&full, 1}, o_ref.data()));
         KVT_RETURN_IF_ERROR(DecodeAttention(shape, q.data(), blocks, o.data()));
         for (size_t j = 0; j < o.size(); ++j) {
@@ -97,8 +98,8 @@ absl::StatusOr<CodecRow> EvalCodecOnTrace(const traces::KvTrace& t, const CodecC
   return row;
 }
 
-absl::StatusOr<std::unique_ptr<StreamAttention>> StreamAttention::Create(const model::LlamaConfig& mc,
-                                                                         const CodecConfig& c) {
+absl::StatusOr<std::unique_ptr<StreamAttention>> StreamAttention::Create(
+    const model::LlamaConfig& mc, const CodecConfig& c) {
   auto a = std::unique_ptr<StreamAttention>(new StreamAttention());
   a->mc_ = mc;
   for (int l = 0; l < mc.n_layers; ++l) {
@@ -108,8 +109,8 @@ absl::StatusOr<std::unique_ptr<StreamAttention>> StreamAttention::Create(const m
   return a;
 }
 
-absl::Status StreamAttention::Attend(int layer, int pos, const float* q, const float* k, const float* v,
-                                     float* out) {
+absl::Status StreamAttention::Attend(int layer, int pos, const float* q, const float* k,
+                                     const float* v, float* out) {
   KvStream& s = streams_[layer];
   if (s.tokens() != pos) return absl::FailedPreconditionError("positions must be fed in order");
   KVT_RETURN_IF_ERROR(s.Append(k, v, 1));
@@ -122,9 +123,8 @@ int64_t StreamAttention::bytes() const {
   return b;
 }
 
-absl::StatusOr<std::pair<double, double>> EvalCodecOnModel(const model::LlamaModel& m,
-                                                           const std::vector<std::vector<int>>& seqs,
-                                                           const CodecConfig& c) {
+absl::StatusOr<std::pair<double, double>> EvalCodecOnModel(
+    const model::LlamaModel& m, const std::vector<std::vector<int>>& seqs, const CodecConfig& c) {
   const model::LlamaConfig& mc = m.config();
   double kl = 0;
   int64_t agree = 0, n = 0;
@@ -154,16 +154,17 @@ std::string CsvHeader() {
 std::string CsvRow(const CodecRow& r) {
   const CodecConfig& c = r.config;
   const bool raw = c.codec == v1::CODEC_RAW;
-  const bool grouped = c.codec == v1::CODEC_KIVI ||
-                       ((c.codec == v1::CODEC_GEAR || c.codec == v1::CODEC_GEAR_L) &&
-                        c.backbone == v1::CODEC_KIVI);
+  const bool grouped =
+      c.codec == v1::CODEC_KIVI ||
+      ((c.codec == v1::CODEC_GEAR || c.codec == v1::CODEC_GEAR_L) && c.backbone == v1::CODEC_KIVI);
   const bool gear = c.codec == v1::CODEC_GEAR || c.codec == v1::CODEC_GEAR_L;
   return absl::StrCat(r.trace, ",", r.setting, ",", raw ? 8 * DTypeSize(c.dtype) : c.bits, ",",
                       grouped ? absl::StrCat(c.group_size) : std::string(), ",",
                       gear ? absl::StrCat(c.rank) : std::string(), ",",
-                      c.codec == v1::CODEC_GEAR ? absl::StrCat(c.outlier_fraction) : std::string(), ",",
-                      Cell(r.compression_ratio, "%.4f"), ",", Cell(r.k_rel_err), ",", Cell(r.v_rel_err),
-                      ",", Cell(r.attn_rel_err), ",", Cell(r.kl), ",", Cell(r.top1_agree, "%.4f"));
+                      c.codec == v1::CODEC_GEAR ? absl::StrCat(c.outlier_fraction) : std::string(),
+                      ",", Cell(r.compression_ratio, "%.4f"), ",", Cell(r.k_rel_err), ",",
+                      Cell(r.v_rel_err), ",", Cell(r.attn_rel_err), ",", Cell(r.kl), ",",
+                      Cell(r.top1_agree, "%.4f"));
 }
 
 }  // namespace kvtier::eval

@@ -36,9 +36,8 @@ absl::StatusOr<CodecRow> EvalCodecOnTrace(const traces::KvTrace& t, const CodecC
 // with every layer's cache in a KvStream with `c` (each position attends over
 // the encoded past plus the full-precision tail, exactly as decoding would).
 // Returns {mean KL, top-1 agreement} over all positions.
-absl::StatusOr<std::pair<double, double>> EvalCodecOnModel(const model::LlamaModel& m,
-                                                           const std::vector<std::vector<int>>& seqs,
-                                                           const CodecConfig& c);
+absl::StatusOr<std::pair<double, double>> EvalCodecOnModel(
+    const model::LlamaModel& m, const std::vector<std::vector<int>>& seqs, const CodecConfig& c);
 
 // Attention that keeps each layer's cache in a KvStream (for the model runs
 // above and for anything else that decodes over a compressed cache).

@@ -24,7 +24,8 @@ absl::Status CheckBlock(const AttentionShape& shape, const KvBlock& b, size_t i)
     return bad("head_dim does not match");
   }
   if (b.k.tokens != b.v.tokens) return bad("K and V hold different token counts");
-  if (b.k.codec != v1::CODEC_RAW && b.k.role != v1::TENSOR_ROLE_KEY) return bad("K is not a KEY tensor");
+  if (b.k.codec != v1::CODEC_RAW && b.k.role != v1::TENSOR_ROLE_KEY)
+    return bad("K is not a KEY tensor");
   if (b.v.codec != v1::CODEC_RAW && b.v.role != v1::TENSOR_ROLE_VALUE) {
     return bad("V is not a VALUE tensor");
   }

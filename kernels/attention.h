@@ -15,7 +15,8 @@ namespace kvtier {
 
 struct AttentionShape {
   int q_heads = 0;
-  int kv_heads = 0;  // q_heads must be a multiple (GQA: q head h uses kv head h / (q_heads / kv_heads)).
+  int kv_heads =
+      0;  // q_heads must be a multiple (GQA: q head h uses kv head h / (q_heads / kv_heads)).
   int head_dim = 0;
   float scale = 0.0f;  // 0 means 1 / sqrt(head_dim).
 };

@@ -83,8 +83,8 @@ absl::StatusOr<Layout> MakeLayout(v1::Codec codec, v1::Codec backbone, v1::Tenso
   l.tokens = shape[shape.size() - 2];
   const int64_t d = shape[shape.size() - 1];
   if (l.tokens < 1 || l.tokens >= (int64_t{1} << 31) || d < 1 || d > 65536) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tokens (", l.tokens, ") and head_dim (", d, ") must be >= 1, head_dim <= 65536"));
+    return absl::InvalidArgumentError(absl::StrCat("tokens (", l.tokens, ") and head_dim (", d,
+                                                   ") must be >= 1, head_dim <= 65536"));
   }
   if (static_cast<double>(l.slabs) * l.tokens * d >= static_cast<double>(int64_t{1} << 40)) {
     return absl::InvalidArgumentError("tensor has too many elements");
@@ -296,9 +296,9 @@ absl::StatusOr<CodecConfig> ParseCodecSetting(const std::string& setting) {
     } else if (k == "dt" && (v == "fp16" || v == "bf16" || v == "fp32")) {
       c.dtype = v == "fp32" ? v1::DTYPE_FP32 : v == "bf16" ? v1::DTYPE_BF16 : v1::DTYPE_FP16;
     } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("bad codec option '", parts[i], "' in '", setting,
-                       "' (g=INT, R=INT, r=INT, s=FLOAT, nb=INT, bb=kivi|kcvt, dt=fp16|bf16|fp32)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "bad codec option '", parts[i], "' in '", setting,
+          "' (g=INT, R=INT, r=INT, s=FLOAT, nb=INT, bb=kivi|kcvt, dt=fp16|bf16|fp32)"));
     }
   }
   KVT_RETURN_IF_ERROR(ValidateCodecConfig(c));
@@ -359,7 +359,8 @@ absl::Status ValidateCodecConfig(const CodecConfig& c) {
     default:
       return absl::InvalidArgumentError(absl::StrCat("unknown codec ", c.codec));
   }
-  const bool grouped = c.codec == v1::CODEC_KIVI || (IsGear(c.codec) && c.backbone == v1::CODEC_KIVI);
+  const bool grouped =
+      c.codec == v1::CODEC_KIVI || (IsGear(c.codec) && c.backbone == v1::CODEC_KIVI);
   if (grouped && c.group_size < 1) return absl::InvalidArgumentError("group_size must be >= 1");
   return absl::OkStatus();
 }
@@ -368,7 +369,8 @@ v1::CodecParams ToParams(const CodecConfig& c) {
   v1::CodecParams p;
   if (c.codec == v1::CODEC_RAW) return p;
   p.set_bits(c.bits);
-  const bool grouped = c.codec == v1::CODEC_KIVI || (IsGear(c.codec) && c.backbone == v1::CODEC_KIVI);
+  const bool grouped =
+      c.codec == v1::CODEC_KIVI || (IsGear(c.codec) && c.backbone == v1::CODEC_KIVI);
   if (grouped) p.set_group_size(c.group_size);
   p.set_residual_tokens(c.residual_tokens);
   p.set_block_tokens(c.block_tokens);
@@ -405,9 +407,9 @@ absl::StatusOr<v1::EncodedTensor> Encode(const CodecConfig& c, v1::TensorRole ro
                           : std::numeric_limits<float>::max();
   for (int64_t i = 0; i < n; ++i) {
     if (!(std::fabs(data[i]) <= limit)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "element ", i, " is ", data[i], ": inputs must be finite",
-          limit == kHalfMax ? " and within fp16 range" : ""));
+      return absl::InvalidArgumentError(
+          absl::StrCat("element ", i, " is ", data[i], ": inputs must be finite",
+                       limit == kHalfMax ? " and within fp16 range" : ""));
     }
   }
   v1::EncodedTensor t;
@@ -434,7 +436,8 @@ absl::StatusOr<v1::EncodedTensor> Encode(const CodecConfig& c, v1::TensorRole ro
     uint8_t* res = AddBuffer(&t, v1::BUFFER_RESIDUAL, l.residual_bytes());
     for (int64_t s = 0; s < l.slabs; ++s) {
       const float* src = data + s * slab_elems + l.tq * l.d;
-      for (int64_t i = 0; i < l.res * l.d; ++i) StoreElement(c.dtype, src[i], res, s * l.res * l.d + i);
+      for (int64_t i = 0; i < l.res * l.d; ++i)
+        StoreElement(c.dtype, src[i], res, s * l.res * l.d + i);
     }
   }
   uint16_t* a16 = nullptr;
@@ -547,8 +550,8 @@ absl::StatusOr<EncodedView> ParseEncoded(const v1::EncodedTensor& t) {
   if (t.codec() == v1::CODEC_RAW) {
     return EncodedView::Raw(t.dtype(), buf(0), l.slabs, l.tokens, l.d, l.tokens * l.d, l.d);
   }
-  const bool grouped = t.codec() == v1::CODEC_KIVI ||
-                       (IsGear(t.codec()) && p.backbone() == v1::CODEC_KIVI);
+  const bool grouped =
+      t.codec() == v1::CODEC_KIVI || (IsGear(t.codec()) && p.backbone() == v1::CODEC_KIVI);
   if (!grouped && p.group_size() != 0) {
     return absl::InvalidArgumentError("KCVT takes no group_size");
   }
@@ -644,7 +647,8 @@ void DecodeRows(const EncodedView& v, int64_t s, int64_t t0, int64_t t1, float* 
     const int64_t base = s * v.slab_stride;
     for (int64_t t = t0; t < t1; ++t) {
       for (int c = 0; c < d; ++c) {
-        out[(t - t0) * d + c] = internal::LoadElement(v.dtype, v.raw, base + t * v.token_stride + c);
+        out[(t - t0) * d + c] =
+            internal::LoadElement(v.dtype, v.raw, base + t * v.token_stride + c);
       }
     }
     return;
@@ -699,8 +703,8 @@ void DecodeRows(const EncodedView& v, int64_t s, int64_t t0, int64_t t1, float* 
   for (int64_t t = std::max(t0, v.quantized); t < t1; ++t) {
     const int64_t r = t - v.quantized;
     for (int c = 0; c < d; ++c) {
-      out[(t - t0) * d + c] =
-          internal::LoadElement(v.dtype, v.residual_data, s * v.slab_stride + r * v.token_stride + c);
+      out[(t - t0) * d + c] = internal::LoadElement(v.dtype, v.residual_data,
+                                                    s * v.slab_stride + r * v.token_stride + c);
     }
   }
 }

@@ -108,10 +108,10 @@ struct EncodedView {
   v1::TensorRole role = v1::TENSOR_ROLE_UNSPECIFIED;
   v1::DType dtype = v1::DTYPE_FP32;
   int bits = 0;
-  int group = 0;    // Effective group: K tokens (KCVT: Tq), V channels (KCVT: D).
+  int group = 0;  // Effective group: K tokens (KCVT: Tq), V channels (KCVT: D).
   int64_t slabs = 0;
-  int64_t tokens = 0;   // T
-  int head_dim = 0;     // D
+  int64_t tokens = 0;     // T
+  int head_dim = 0;       // D
   int64_t quantized = 0;  // Tq
   int64_t residual = 0;   // T - Tq
   // CODEC_RAW: element (s, t, d) sits at raw + s*slab_stride + t*token_stride + d
@@ -124,7 +124,7 @@ struct EncodedView {
   int64_t words_per_slab = 0;
   const uint16_t* scales = nullptr;  // fp16, see the layout above.
   const uint16_t* zeros = nullptr;
-  int64_t groups_per_slab = 0;  // Scale entries per slab.
+  int64_t groups_per_slab = 0;          // Scale entries per slab.
   const void* residual_data = nullptr;  // [slabs, residual, D] dtype.
   // GEAR.
   int rank = 0;

@@ -42,8 +42,8 @@ bool DequantRowsSimd(const QuantShape& q, const uint8_t* codes, const uint16_t* 
 // Attention pieces for one KV head (slab `s` of a block) and its `n_rep`
 // query heads. Scores: scores[r][t] = scale * q[r] . k_t for the block's
 // tokens. Accumulate: out[r][:] += sum_t p[r][t] * v_t.
-bool ScoreBlockSimd(const EncodedView& k, int64_t s, const float* const* q, int n_rep,
-                    float scale, float* const* scores);
+bool ScoreBlockSimd(const EncodedView& k, int64_t s, const float* const* q, int n_rep, float scale,
+                    float* const* scores);
 bool AccumulateBlockSimd(const EncodedView& v, int64_t s, const float* const* p, int n_rep,
                          float* const* out);
 

@@ -61,8 +61,8 @@ inline __m256 LoadElems8(v1::DType dtype, const void* base, int64_t index) {
     case v1::DTYPE_FP16:
       return LoadHalf8(static_cast<const uint16_t*>(base) + index);
     case v1::DTYPE_BF16: {
-      const __m128i h =
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + index));
+      const __m128i h = _mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + index));
       return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
     default:
@@ -115,7 +115,8 @@ bool Supported(const QuantShape& q) {
 inline __m256 Exp(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
   const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 fx =
+      _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
   x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
   __m256 y = _mm256_set1_ps(1.9875691500e-4f);
@@ -125,7 +126,8 @@ inline __m256 Exp(__m256 x) {
   y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
   y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
@@ -159,8 +161,9 @@ bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint1
       }
       for (int64_t t = t0; t < t0 + n; ++t) {
         for (int c = 0; c < d; c += 8) {
-          const __m256i qi = QuantizeChunk(_mm256_loadu_ps(x + t * d + c), _mm256_loadu_ps(zf.data() + c),
-                                           _mm256_loadu_ps(inv.data() + c), qmax);
+          const __m256i qi =
+              QuantizeChunk(_mm256_loadu_ps(x + t * d + c), _mm256_loadu_ps(zf.data() + c),
+                            _mm256_loadu_ps(inv.data() + c), qmax);
           StoreCodes8(codes, q.bits, t * d + c, qi);
         }
       }
@@ -188,7 +191,8 @@ bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint1
       const __m256 inv = _mm256_set1_ps(sf > 0.0f ? 1.0f / sf : 0.0f);
       const __m256 zv = _mm256_set1_ps(_cvtsh_ss(z16));
       for (int c = c0; c < c1; c += 8) {
-        StoreCodes8(codes, q.bits, t * d + c, QuantizeChunk(_mm256_loadu_ps(row + c), zv, inv, qmax));
+        StoreCodes8(codes, q.bits, t * d + c,
+                    QuantizeChunk(_mm256_loadu_ps(row + c), zv, inv, qmax));
       }
     }
   }
@@ -204,8 +208,9 @@ bool DequantRowsSimd(const QuantShape& q, const uint8_t* codes, const uint16_t* 
       const int64_t g = t / q.group;
       float* o = out + (t - t0) * d;
       for (int c = 0; c < d; c += 8) {
-        const __m256 v = _mm256_fmadd_ps(LoadCodes8(codes, q.bits, t * d + c),
-                                         LoadHalf8(scales + g * d + c), LoadHalf8(zeros + g * d + c));
+        const __m256 v =
+            _mm256_fmadd_ps(LoadCodes8(codes, q.bits, t * d + c), LoadHalf8(scales + g * d + c),
+                            LoadHalf8(zeros + g * d + c));
         _mm256_storeu_ps(o + c, v);
       }
     }
@@ -326,7 +331,8 @@ void AccumRaw(v1::DType dtype, const void* base, int64_t first, int64_t token_st
       for (int64_t t = t0; t < t1; ++t) {
         const __m256 v0 = LoadElems8(dtype, base, first + t * token_stride + c);
 #pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) a0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p[r] + t), v0, a0[r]);
+        for (int r = 0; r < R; ++r)
+          a0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p[r] + t), v0, a0[r]);
       }
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
@@ -369,8 +375,8 @@ void AccumKivi(const EncodedView& v, int64_t s, const float* const* p, float* co
         const __m256 code = LoadCodes8(codes, v.bits, t * d + c);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          a0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&ps[(r * kAccumTile + (t - t0)) * groups + g]),
-                                  code, a0[r]);
+          a0[r] = _mm256_fmadd_ps(
+              _mm256_broadcast_ss(&ps[(r * kAccumTile + (t - t0)) * groups + g]), code, a0[r]);
         }
       }
 #pragma GCC unroll 4
@@ -408,8 +414,8 @@ void ScoreBlock(const EncodedView& k, int64_t s, const float* const* q, float sc
   if (k.residual > 0) {
     float* shifted[R];
     for (int r = 0; r < R; ++r) shifted[r] = scores[r] + k.quantized;
-    ScoreRaw<R>(k.dtype, k.residual_data, s * k.slab_stride, k.token_stride, k.residual,
-                k.head_dim, q, scale, shifted);
+    ScoreRaw<R>(k.dtype, k.residual_data, s * k.slab_stride, k.token_stride, k.residual, k.head_dim,
+                q, scale, shifted);
   }
 }
 
@@ -423,15 +429,15 @@ void AccumBlock(const EncodedView& v, int64_t s, const float* const* p, float* c
   if (v.residual > 0) {
     const float* shifted[R];
     for (int r = 0; r < R; ++r) shifted[r] = p[r] + v.quantized;
-    AccumRaw<R>(v.dtype, v.residual_data, s * v.slab_stride, v.token_stride, v.residual,
-                v.head_dim, shifted, out);
+    AccumRaw<R>(v.dtype, v.residual_data, s * v.slab_stride, v.token_stride, v.residual, v.head_dim,
+                shifted, out);
   }
 }
 
 }  // namespace
 
-bool ScoreBlockSimd(const EncodedView& k, int64_t s, const float* const* q, int n_rep,
-                    float scale, float* const* scores) {
+bool ScoreBlockSimd(const EncodedView& k, int64_t s, const float* const* q, int n_rep, float scale,
+                    float* const* scores) {
   if (!SimdAvailable() || !FastPath(k)) return false;
   // Query heads go four at a time so their accumulators stay in registers.
   for (int r0 = 0; r0 < n_rep; r0 += 4) {
@@ -493,7 +499,8 @@ bool SoftmaxSimd(float* x, int64_t n) {
     sum += x[i];
   }
   const __m256 inv = _mm256_set1_ps(1.0f / sum);
-  for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+  for (i = 0; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
   for (; i < n; ++i) x[i] /= sum;
   return true;
 }

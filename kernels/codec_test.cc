@@ -16,9 +16,9 @@
 namespace kvtier {
 namespace {
 
-using ::testing::HasSubstr;
 using ::kvtier::testing::IsOk;
 using ::kvtier::testing::StatusIs;
+using ::testing::HasSubstr;
 #define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), IsOk())
 
 std::vector<float> Random(int64_t n, uint32_t seed, float scale = 1.0f) {
@@ -160,7 +160,8 @@ TEST_P(KiviTest, LevelsAgreeAndErrorIsBounded) {
       KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> dr, Decode(ref, KernelLevel::kReference));
       KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> dv, Decode(ref, KernelLevel::kVectorized));
       ASSERT_EQ(dr.size(), x.size());
-      for (size_t i = 0; i < dr.size(); ++i) ASSERT_NEAR(dr[i], dv[i], 1e-5 * (1 + std::fabs(dr[i])));
+      for (size_t i = 0; i < dr.size(); ++i)
+        ASSERT_NEAR(dr[i], dv[i], 1e-5 * (1 + std::fabs(dr[i])));
       // Each element within half a quantization step of the input.
       KVT_ASSERT_OK_AND_ASSIGN(EncodedView view, ParseEncoded(ref));
       const double qmax = (1 << qc.bits) - 1;
@@ -258,9 +259,12 @@ TEST(GearTest, BeatsItsBackboneAndKeepsOutliersExact) {
         for (int64_t row = 0; row < v.sparse_rows_per_slab; ++row) {
           for (int k2 = 0; k2 < v.outliers_per_row; ++k2) {
             uint16_t pos;
-            std::memcpy(&pos, v.sparse_index + ((s * v.sparse_rows_per_slab + row) * v.outliers_per_row + k2) * 2, 2);
-            const int64_t i = role == v1::TENSOR_ROLE_KEY ? (s * 96 + pos) * 64 + row
-                                                          : (s * 96 + row) * 64 + pos;
+            std::memcpy(
+                &pos,
+                v.sparse_index + ((s * v.sparse_rows_per_slab + row) * v.outliers_per_row + k2) * 2,
+                2);
+            const int64_t i =
+                role == v1::TENSOR_ROLE_KEY ? (s * 96 + pos) * 64 + row : (s * 96 + row) * 64 + pos;
             ASSERT_EQ(gd[i], HalfToFloat(FloatToHalf(x[i])));
           }
         }
@@ -300,7 +304,8 @@ TEST(CodecFormatTest, CorruptionIsDetected) {
     v1::EncodedTensor c = t;
     c.mutable_buffers(1)->mutable_data()->pop_back();
     SealTensor(&c);
-    EXPECT_THAT(ParseEncoded(c), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("BUFFER_SCALES")));
+    EXPECT_THAT(ParseEncoded(c),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("BUFFER_SCALES")));
   }
   {
     v1::EncodedTensor c = t;
@@ -322,7 +327,8 @@ TEST(CodecFormatTest, CorruptionIsDetected) {
     (*d)[0] = static_cast<char>(0xff);
     (*d)[1] = static_cast<char>(0xff);
     SealTensor(&c);
-    EXPECT_THAT(Decode(c), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("sparse outlier")));
+    EXPECT_THAT(Decode(c),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("sparse outlier")));
   }
 }
 
@@ -334,7 +340,8 @@ TEST(CodecFormatTest, FuzzedTensorsNeverCrash) {
   const int64_t shape[] = {2, 37, 16};
   const std::vector<float> x = Random(2 * 37 * 16, 6);
   std::vector<std::string> seeds;
-  for (const char* s : {"fp16", "kivi2:R=5", "kivi4:g=8", "kcvt8", "gear2:r=2:s=0.1", "gearl4:r=3:bb=kcvt"}) {
+  for (const char* s :
+       {"fp16", "kivi2:R=5", "kivi4:g=8", "kcvt8", "gear2:r=2:s=0.1", "gearl4:r=3:bb=kcvt"}) {
     KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting(s));
     for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
       KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor t, Encode(c, role, shape, x.data()));
@@ -372,7 +379,8 @@ TEST(CodecFormatTest, FuzzedTensorsNeverCrash) {
         const std::vector<float> q = Random(2 * 16, 1);
         std::vector<float> out(2 * 16);
         const std::vector<float> vals(static_cast<size_t>(2 * v.tokens * 16), 1.0f);
-        KvBlock blk{v, EncodedView::Raw(v1::DTYPE_FP32, vals.data(), 2, v.tokens, 16, v.tokens * 16, 16)};
+        KvBlock blk{
+            v, EncodedView::Raw(v1::DTYPE_FP32, vals.data(), 2, v.tokens, 16, v.tokens * 16, 16)};
         AttentionShape as{2, 2, 16};
         EXPECT_TRUE(DecodeAttention(as, q.data(), {&blk, 1}, out.data()).ok());
       }
@@ -393,8 +401,9 @@ class AttentionTest : public ::testing::TestWithParam<AttnCase> {};
 TEST_P(AttentionTest, VectorizedMatchesReferenceOverMixedBlocks) {
   const AttnCase& ac = GetParam();
   const AttentionShape shape{ac.q_heads, ac.kv_heads, ac.d};
-  std::vector<std::string> settings = {"fp16", "kivi4:R=9", "kivi2:g=32", "kcvt4", "gear2:r=2:R=3",
-                                       "kivi8:g=16", "bf16", "gearl2:r=1:bb=kcvt"};
+  std::vector<std::string> settings = {"fp16",  "kivi4:R=9",         "kivi2:g=32",
+                                       "kcvt4", "gear2:r=2:R=3",     "kivi8:g=16",
+                                       "bf16",  "gearl2:r=1:bb=kcvt"};
   std::vector<v1::EncodedTensor> keep;
   std::vector<std::vector<float>> raw_keep;
   std::vector<KvBlock> blocks, decoded_blocks;
@@ -421,8 +430,9 @@ TEST_P(AttentionTest, VectorizedMatchesReferenceOverMixedBlocks) {
     blocks.push_back({kv, vv});
   }
   const int64_t row = ac.kv_heads * ac.d;
-  blocks.push_back({EncodedView::Raw(v1::DTYPE_FP32, raw_keep[0].data(), ac.kv_heads, tail, ac.d, ac.d, row),
-                    EncodedView::Raw(v1::DTYPE_FP32, raw_keep[1].data(), ac.kv_heads, tail, ac.d, ac.d, row)});
+  blocks.push_back(
+      {EncodedView::Raw(v1::DTYPE_FP32, raw_keep[0].data(), ac.kv_heads, tail, ac.d, ac.d, row),
+       EncodedView::Raw(v1::DTYPE_FP32, raw_keep[1].data(), ac.kv_heads, tail, ac.d, ac.d, row)});
   // The same tokens decoded to raw fp32, for the fused-vs-decoded check.
   for (size_t i = 0; i < keep.size(); i += 2) {
     KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> kd, Decode(keep[i]));
@@ -430,16 +440,18 @@ TEST_P(AttentionTest, VectorizedMatchesReferenceOverMixedBlocks) {
     raw_keep.push_back(std::move(kd));
     raw_keep.push_back(std::move(vd));
     const int64_t n = keep[i].shape(1);
-    decoded_blocks.push_back(
-        {EncodedView::Raw(v1::DTYPE_FP32, raw_keep[raw_keep.size() - 2].data(), ac.kv_heads, n, ac.d, n * ac.d, ac.d),
-         EncodedView::Raw(v1::DTYPE_FP32, raw_keep.back().data(), ac.kv_heads, n, ac.d, n * ac.d, ac.d)});
+    decoded_blocks.push_back({EncodedView::Raw(v1::DTYPE_FP32, raw_keep[raw_keep.size() - 2].data(),
+                                               ac.kv_heads, n, ac.d, n * ac.d, ac.d),
+                              EncodedView::Raw(v1::DTYPE_FP32, raw_keep.back().data(), ac.kv_heads,
+                                               n, ac.d, n * ac.d, ac.d)});
   }
   decoded_blocks.push_back(blocks.back());
   const std::vector<float> q = Random(ac.q_heads * ac.d, 3, 2.0f);
   std::vector<float> ref(ac.q_heads * ac.d), vec(ref.size()), dec(ref.size());
   KVT_ASSERT_OK(DecodeAttention(shape, q.data(), blocks, ref.data(), KernelLevel::kReference));
   KVT_ASSERT_OK(DecodeAttention(shape, q.data(), blocks, vec.data(), KernelLevel::kVectorized));
-  KVT_ASSERT_OK(DecodeAttention(shape, q.data(), decoded_blocks, dec.data(), KernelLevel::kReference));
+  KVT_ASSERT_OK(
+      DecodeAttention(shape, q.data(), decoded_blocks, dec.data(), KernelLevel::kReference));
   for (size_t i = 0; i < ref.size(); ++i) {
     ASSERT_FALSE(std::isnan(vec[i]));
     ASSERT_NEAR(vec[i], ref[i], 2e-5 + 2e-4 * std::fabs(ref[i])) << i;

@@ -74,7 +74,8 @@ absl::Status KvStream::EncodeOldest(int64_t n) {
   c.residual_tokens = 0;
   const int64_t shape[3] = {heads_, n, dim_};
   Encoded e;
-  KVT_ASSIGN_OR_RETURN(v1::EncodedTensor kt, Encode(c, v1::TENSOR_ROLE_KEY, shape, kb.data(), level_));
+  KVT_ASSIGN_OR_RETURN(v1::EncodedTensor kt,
+                       Encode(c, v1::TENSOR_ROLE_KEY, shape, kb.data(), level_));
   KVT_ASSIGN_OR_RETURN(v1::EncodedTensor vt,
                        Encode(c, v1::TENSOR_ROLE_VALUE, shape, vb.data(), level_));
   e.k = std::make_unique<v1::EncodedTensor>(std::move(kt));

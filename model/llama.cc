@@ -52,29 +52,30 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& 
   c.vocab_size = std::abs(h[5]);
   c.seq_len = h[6];
   auto in_range = [](int v, int hi) { return v >= 1 && v <= hi; };
-  if (!in_range(c.dim, 1 << 16) || !in_range(c.hidden_dim, 1 << 18) || !in_range(c.n_layers, 1024) ||
-      !in_range(c.n_heads, 1024) || !in_range(c.n_kv_heads, 1024) ||
-      !in_range(c.vocab_size, 1 << 20) || !in_range(c.seq_len, 1 << 20) ||
-      c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0 || c.head_dim() % 2 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, ": header out of range (dim ", c.dim, ", hidden ", c.hidden_dim, ", layers ",
-        c.n_layers, ", heads ", c.n_heads, ", kv heads ", c.n_kv_heads, ", vocab ", c.vocab_size,
-        ", seq_len ", c.seq_len, ")"));
+  if (!in_range(c.dim, 1 << 16) || !in_range(c.hidden_dim, 1 << 18) ||
+      !in_range(c.n_layers, 1024) || !in_range(c.n_heads, 1024) || !in_range(c.n_kv_heads, 1024) ||
+      !in_range(c.vocab_size, 1 << 20) || !in_range(c.seq_len, 1 << 20) || c.dim % c.n_heads != 0 ||
+      c.n_heads % c.n_kv_heads != 0 || c.head_dim() % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": header out of range (dim ", c.dim, ", hidden ", c.hidden_dim,
+                     ", layers ", c.n_layers, ", heads ", c.n_heads, ", kv heads ", c.n_kv_heads,
+                     ", vocab ", c.vocab_size, ", seq_len ", c.seq_len, ")"));
   }
   const int64_t d = c.dim, hd = c.hidden_dim, l = c.n_layers, kv = c.kv_dim();
   int64_t floats = c.vocab_size * d + l * d + l * d * d + 2 * l * kv * d + l * d * d + l * d +
                    3 * l * hd * d + d + static_cast<int64_t>(c.seq_len) * c.head_dim();
   if (!c.shared_classifier) floats += c.vocab_size * d;
   if (size != 28 + floats * 4) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": file has ", size,
-                                                   " bytes; its header needs ", 28 + floats * 4));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": file has ", size, " bytes; its header needs ", 28 + floats * 4));
   }
   m->weights_.resize(static_cast<size_t>(floats));
   if (!in.read(reinterpret_cast<char*>(m->weights_.data()), floats * 4)) {
     return absl::DataLossError(absl::StrCat(path, ": short read"));
   }
   for (float w : m->weights_) {
-    if (!std::isfinite(w)) return absl::InvalidArgumentError(absl::StrCat(path, ": non-finite weight"));
+    if (!std::isfinite(w))
+      return absl::InvalidArgumentError(absl::StrCat(path, ": non-finite weight"));
   }
   const float* p = m->weights_.data();
   auto take = [&](int64_t n) {
@@ -131,10 +132,12 @@ Forward::Forward(const LlamaModel& m) : m_(m) {
 absl::Status Forward::Step(int token, int pos, AttentionBackend* attn, float* logits) {
   const LlamaConfig& c = m_.config();
   if (token < 0 || token >= c.vocab_size) {
-    return absl::InvalidArgumentError(absl::StrCat("token id ", token, " outside vocab ", c.vocab_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("token id ", token, " outside vocab ", c.vocab_size));
   }
   if (pos < 0 || pos >= c.seq_len) {
-    return absl::OutOfRangeError(absl::StrCat("position ", pos, " outside the model's ", c.seq_len));
+    return absl::OutOfRangeError(
+        absl::StrCat("position ", pos, " outside the model's ", c.seq_len));
   }
   const int d = c.dim, hd = c.head_dim(), kv = c.kv_dim(), hid = c.hidden_dim;
   std::memcpy(x_.data(), m_.embed_ + static_cast<int64_t>(token) * d, d * sizeof(float));
@@ -145,9 +148,11 @@ absl::Status Forward::Step(int token, int pos, AttentionBackend* attn, float* lo
     MatVec(v_.data(), xb_.data(), m_.wv_ + static_cast<int64_t>(l) * kv * d, kv, d);
     for (int i = 0; i < d; i += 2) {
       const int hi = i % hd;
-      const double freq = 1.0 / std::pow(static_cast<double>(c.rope_theta), static_cast<double>(hi) / hd);
+      const double freq =
+          1.0 / std::pow(static_cast<double>(c.rope_theta), static_cast<double>(hi) / hd);
       const double angle = pos * freq;
-      const float fc = static_cast<float>(std::cos(angle)), fs = static_cast<float>(std::sin(angle));
+      const float fc = static_cast<float>(std::cos(angle)),
+                  fs = static_cast<float>(std::sin(angle));
       for (int which = 0; which < (i < kv ? 2 : 1); ++which) {
         float* vec = which == 0 ? q_.data() : k_.data();
         const float a = vec[i], b = vec[i + 1];
@@ -204,7 +209,8 @@ int Argmax(const float* logits, int n) {
 absl::StatusOr<std::vector<int>> SampleTokens(const LlamaModel& m, int n, uint64_t seed) {
   const LlamaConfig& c = m.config();
   if (n < 1 || n > c.seq_len) {
-    return absl::InvalidArgumentError(absl::StrCat("sequence length must be in [1, ", c.seq_len, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence length must be in [1, ", c.seq_len, "]"));
   }
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<double> u(0.0, 1.0);

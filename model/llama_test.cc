@@ -58,7 +58,8 @@ TEST(LlamaLoadTest, ClearErrors) {
     const int32_t h[7] = {64, 172, 5, 8, 3, 512, 512};  // 8 heads do not split into 3 groups.
     f.write(reinterpret_cast<const char*>(h), sizeof(h));
   }
-  EXPECT_THAT(LlamaModel::Load(bad), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("header")));
+  EXPECT_THAT(LlamaModel::Load(bad),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("header")));
   {
     std::ofstream f(bad, std::ios::binary);
     const int32_t h[7] = {64, 172, 5, 8, 4, 512, 512};
@@ -66,7 +67,8 @@ TEST(LlamaLoadTest, ClearErrors) {
     const float zero[100] = {};
     f.write(reinterpret_cast<const char*>(zero), sizeof(zero));
   }
-  EXPECT_THAT(LlamaModel::Load(bad), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bytes")));
+  EXPECT_THAT(LlamaModel::Load(bad),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bytes")));
 }
 
 TEST(LlamaTest, Stories260KForwardMatchesNaiveAttentionAndPredictsWell) {

@@ -40,8 +40,8 @@ int Usage(const std::string& msg) {
 int EvalCodecs(const Args& args) {
   const std::vector<std::string> unknown =
       args.Unknown({"model", "sequences", "seq_len", "queries", "synthetic", "synthetic_layers",
-                    "synthetic_rounds", "head_dim", "import", "settings", "residual", "block", "seed",
-                    "csv", "help"});
+                    "synthetic_rounds", "head_dim", "import", "settings", "residual", "block",
+                    "seed", "csv", "help"});
   if (!unknown.empty()) return Usage("unknown flag --" + unknown[0]);
   if (args.Has("help")) {
     std::printf("%s", kHelp);
@@ -54,7 +54,8 @@ int EvalCodecs(const Args& args) {
     auto c = ParseCodecSetting(n);
     if (!c.ok()) return Usage(std::string(c.status().message()));
     if (args.Has("residual")) c->residual_tokens = static_cast<int>(args.GetU64("residual", 0));
-    c->block_tokens = static_cast<int>(args.GetU64("block", c->block_tokens > 0 ? c->block_tokens : 64));
+    c->block_tokens =
+        static_cast<int>(args.GetU64("block", c->block_tokens > 0 ? c->block_tokens : 64));
     configs.push_back(*c);
   }
   const uint64_t seed = args.GetU64("seed", 1);
@@ -75,10 +76,12 @@ int EvalCodecs(const Args& args) {
     std::string stem = args.Get("model");
     stem = stem.substr(stem.find_last_of('/') + 1);
     stem = stem.substr(0, stem.find('.'));
-    auto t = traces::CaptureModelTrace(*model, seqs[0], static_cast<int>(args.GetU64("queries", 32)), stem);
+    auto t = traces::CaptureModelTrace(*model, seqs[0],
+                                       static_cast<int>(args.GetU64("queries", 32)), stem);
     if (!t.ok()) return Usage(std::string(t.status().message()));
     trace_list.push_back(std::move(*t));
-    std::fprintf(stderr, "model %s: %d layers, %d/%d heads, head_dim %d; %zu sequences of %d tokens\n",
+    std::fprintf(stderr,
+                 "model %s: %d layers, %d/%d heads, head_dim %d; %zu sequences of %d tokens\n",
                  args.Get("model").c_str(), model->config().n_layers, model->config().n_heads,
                  model->config().n_kv_heads, model->config().head_dim(), seqs.size(), len);
   }
@@ -113,7 +116,8 @@ int EvalCodecs(const Args& args) {
     for (const CodecConfig& c : configs) {
       const auto start = std::chrono::steady_clock::now();
       std::fprintf(stderr, "[%zu/%zu] %s on %s (%lld tokens x %d layers)...", ++done, total,
-                   CodecSettingName(c).c_str(), t.name.c_str(), static_cast<long long>(t.tokens), t.layers);
+                   CodecSettingName(c).c_str(), t.name.c_str(), static_cast<long long>(t.tokens),
+                   t.layers);
       auto row = eval::EvalCodecOnTrace(t, c);
       if (!row.ok()) {
         std::fprintf(stderr, "\n");

@@ -30,7 +30,8 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
 }
 
 // Converts `count` little-endian elements of `dtype` ("f4", "f2", "bf16", "f8").
-absl::Status Convert(const std::string& dtype, const char* src, int64_t count, std::vector<float>* out) {
+absl::Status Convert(const std::string& dtype, const char* src, int64_t count,
+                     std::vector<float>* out) {
   out->resize(static_cast<size_t>(count));
   for (int64_t i = 0; i < count; ++i) {
     if (dtype == "f4") {
@@ -57,7 +58,8 @@ int ElementSize(const std::string& dtype) {
 absl::StatusOr<int64_t> Elements(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t d : shape) {
-    if (d < 1 || d > (int64_t{1} << 31)) return absl::InvalidArgumentError("dimension out of range");
+    if (d < 1 || d > (int64_t{1} << 31))
+      return absl::InvalidArgumentError("dimension out of range");
     n *= d;
     if (n > (int64_t{1} << 34)) return absl::InvalidArgumentError("array too large");
   }
@@ -81,7 +83,8 @@ absl::StatusOr<Array> ReadNpy(const std::string& path) {
     hlen = l;
     hstart = 12;
   }
-  if (hstart + hlen > b.size()) return absl::InvalidArgumentError(absl::StrCat(path, ": truncated header"));
+  if (hstart + hlen > b.size())
+    return absl::InvalidArgumentError(absl::StrCat(path, ": truncated header"));
   const std::string header = b.substr(hstart, hlen);
   auto field = [&](const std::string& key) -> std::string {
     const size_t k = header.find("'" + key + "'");
@@ -90,8 +93,10 @@ absl::StatusOr<Array> ReadNpy(const std::string& path) {
     if (s == std::string::npos) return "";
     ++s;
     while (s < header.size() && header[s] == ' ') ++s;
-    if (s < header.size() && header[s] == '(') return header.substr(s + 1, header.find(')', s) - s - 1);
-    if (s < header.size() && header[s] == '\'') return header.substr(s + 1, header.find('\'', s + 1) - s - 1);
+    if (s < header.size() && header[s] == '(')
+      return header.substr(s + 1, header.find(')', s) - s - 1);
+    if (s < header.size() && header[s] == '\'')
+      return header.substr(s + 1, header.find('\'', s + 1) - s - 1);
     return header.substr(s, header.find_first_of(",}", s) - s);
   };
   const std::string descr = field("descr");
@@ -101,8 +106,8 @@ absl::StatusOr<Array> ReadNpy(const std::string& path) {
   std::string dtype;
   if (descr == "<f4" || descr == "<f2" || descr == "<f8") dtype = descr.substr(1);
   if (dtype.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": element type '", descr,
-                                                   "' (want little-endian float16/32/64)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": element type '", descr, "' (want little-endian float16/32/64)"));
   }
   Array a;
   for (absl::string_view part : absl::StrSplit(field("shape"), ',', absl::SkipWhitespace())) {
@@ -123,7 +128,8 @@ absl::StatusOr<Array> ReadNpy(const std::string& path) {
 
 absl::StatusOr<std::map<std::string, Array>> ReadSafetensors(const std::string& path) {
   KVT_ASSIGN_OR_RETURN(std::string b, ReadFile(path));
-  if (b.size() < 8) return absl::InvalidArgumentError(absl::StrCat(path, ": not a .safetensors file"));
+  if (b.size() < 8)
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a .safetensors file"));
   uint64_t n;
   std::memcpy(&n, b.data(), 8);
   if (n > b.size() - 8 || n > (uint64_t{100} << 20)) {
@@ -142,22 +148,32 @@ absl::StatusOr<std::map<std::string, Array>> ReadSafetensors(const std::string& 
     }
     const auto& f = value.struct_value().fields();
     if (!f.contains("dtype") || !f.contains("shape") || !f.contains("data_offsets")) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": entry ", name, " lacks dtype/shape/data_offsets"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": entry ", name, " lacks dtype/shape/data_offsets"));
     }
     const std::string st = f.at("dtype").string_value();
-    const std::string dtype = st == "F32" ? "f4" : st == "F16" ? "f2" : st == "BF16" ? "bf16" : st == "F64" ? "f8" : "";
-    if (dtype.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", name, " has dtype ", st));
+    const std::string dtype = st == "F32"    ? "f4"
+                              : st == "F16"  ? "f2"
+                              : st == "BF16" ? "bf16"
+                              : st == "F64"  ? "f8"
+                                             : "";
+    if (dtype.empty())
+      return absl::InvalidArgumentError(absl::StrCat(path, ": ", name, " has dtype ", st));
     Array a;
-    for (const auto& d : f.at("shape").list_value().values()) a.shape.push_back(static_cast<int64_t>(d.number_value()));
+    for (const auto& d : f.at("shape").list_value().values())
+      a.shape.push_back(static_cast<int64_t>(d.number_value()));
     const auto& off = f.at("data_offsets").list_value().values();
-    if (off.size() != 2) return absl::InvalidArgumentError(absl::StrCat(path, ": bad data_offsets"));
+    if (off.size() != 2)
+      return absl::InvalidArgumentError(absl::StrCat(path, ": bad data_offsets"));
     const double begin = off[0].number_value(), end = off[1].number_value();
     KVT_ASSIGN_OR_RETURN(int64_t count, Elements(a.shape));
     if (begin < 0 || end < begin || base + end > b.size() ||
         static_cast<int64_t>(end - begin) != count * ElementSize(dtype)) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": ", name, " has offsets outside the file or not matching its shape"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": ", name, " has offsets outside the file or not matching its shape"));
     }
-    KVT_RETURN_IF_ERROR(Convert(dtype, b.data() + base + static_cast<size_t>(begin), count, &a.data));
+    KVT_RETURN_IF_ERROR(
+        Convert(dtype, b.data() + base + static_cast<size_t>(begin), count, &a.data));
     out[name] = std::move(a);
   }
   return out;
@@ -171,7 +187,8 @@ absl::StatusOr<KvTrace> Assemble(const std::string& name, Array k, Array v, Arra
   norm4(&v);
   if (k.shape.size() != 4 || k.shape != v.shape) {
     return absl::InvalidArgumentError(
-        "k and v must have the same shape [layers, kv_heads, tokens, head_dim] (or without layers)");
+        "k and v must have the same shape [layers, kv_heads, tokens, head_dim] (or without "
+        "layers)");
   }
   KvTrace t;
   t.name = name;
@@ -200,7 +217,9 @@ absl::StatusOr<KvTrace> Assemble(const std::string& name, Array k, Array v, Arra
 
 absl::StatusOr<KvTrace> LoadTraceDump(const std::string& path) {
   const std::filesystem::path p(path);
-  const std::string name = absl::StrCat("import-", p.filename().string().empty() ? p.parent_path().filename().string() : p.filename().string());
+  const std::string name =
+      absl::StrCat("import-", p.filename().string().empty() ? p.parent_path().filename().string()
+                                                            : p.filename().string());
   if (std::filesystem::is_directory(p)) {
     KVT_ASSIGN_OR_RETURN(Array k, ReadNpy((p / "k.npy").string()));
     KVT_ASSIGN_OR_RETURN(Array v, ReadNpy((p / "v.npy").string()));
@@ -229,16 +248,16 @@ absl::Status SaveSafetensors(const KvTrace& t, const std::string& path) {
     const std::vector<float>* data;
     std::vector<int64_t> shape;
   };
-  std::vector<Entry> entries = {
-      {"k", &t.k, {t.layers, t.kv_heads, t.tokens, t.head_dim}},
-      {"v", &t.v, {t.layers, t.kv_heads, t.tokens, t.head_dim}}};
+  std::vector<Entry> entries = {{"k", &t.k, {t.layers, t.kv_heads, t.tokens, t.head_dim}},
+                                {"v", &t.v, {t.layers, t.kv_heads, t.tokens, t.head_dim}}};
   if (!t.q.empty()) entries.push_back({"q", &t.q, {t.layers, t.q_heads, t.queries, t.head_dim}});
   std::string header = "{";
   int64_t off = 0;
   for (size_t i = 0; i < entries.size(); ++i) {
     const int64_t bytes = static_cast<int64_t>(entries[i].data->size()) * 4;
-    absl::StrAppend(&header, i ? "," : "", "\"", entries[i].name, "\":{\"dtype\":\"F32\",\"shape\":[",
-                    absl::StrJoin(entries[i].shape, ","), "],\"data_offsets\":[", off, ",", off + bytes, "]}");
+    absl::StrAppend(&header, i ? "," : "", "\"", entries[i].name,
+                    "\":{\"dtype\":\"F32\",\"shape\":[", absl::StrJoin(entries[i].shape, ","),
+                    "],\"data_offsets\":[", off, ",", off + bytes, "]}");
     off += bytes;
   }
   header += "}";
@@ -248,7 +267,8 @@ absl::Status SaveSafetensors(const KvTrace& t, const std::string& path) {
   out.write(reinterpret_cast<const char*>(&n), 8);
   out << header;
   for (const Entry& e : entries) {
-    out.write(reinterpret_cast<const char*>(e.data->data()), static_cast<std::streamsize>(e.data->size() * 4));
+    out.write(reinterpret_cast<const char*>(e.data->data()),
+              static_cast<std::streamsize>(e.data->size() * 4));
   }
   if (!out) return absl::InternalError(absl::StrCat("cannot write ", path));
   return absl::OkStatus();

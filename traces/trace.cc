@@ -43,8 +43,9 @@ std::vector<float> UnitVector(std::mt19937_64& rng, int d) {
 
 }  // namespace
 
-absl::StatusOr<KvTrace> CaptureModelTrace(const model::LlamaModel& m, const std::vector<int>& tokens,
-                                          int n_queries, const std::string& name) {
+absl::StatusOr<KvTrace> CaptureModelTrace(const model::LlamaModel& m,
+                                          const std::vector<int>& tokens, int n_queries,
+                                          const std::string& name) {
   const model::LlamaConfig& c = m.config();
   const int64_t n = static_cast<int64_t>(tokens.size());
   if (n_queries < 1 || n_queries >= n) {
@@ -102,14 +103,16 @@ absl::StatusOr<KvTrace> MakeSyntheticTrace(const SyntheticOptions& o) {
   std::normal_distribution<float> gauss(0.0f, 1.0f);
   std::uniform_real_distribution<float> uni(0.0f, 1.0f);
   KvTrace t;
-  t.name = absl::StrCat("synthetic-d", o.head_dim, "-h", o.q_heads, "x", o.kv_heads, "-r", o.rounds);
+  t.name =
+      absl::StrCat("synthetic-d", o.head_dim, "-h", o.q_heads, "x", o.kv_heads, "-r", o.rounds);
   t.layers = o.layers;
   t.q_heads = o.q_heads;
   t.kv_heads = o.kv_heads;
   t.head_dim = o.head_dim;
   t.tokens = static_cast<int64_t>(o.rounds) * o.tokens_per_round;
   t.queries = o.queries;
-  for (int r = 0; r < o.rounds; ++r) t.round_begin.push_back(static_cast<int64_t>(r) * o.tokens_per_round);
+  for (int r = 0; r < o.rounds; ++r)
+    t.round_begin.push_back(static_cast<int64_t>(r) * o.tokens_per_round);
   // The question (last round) attends to `focus_rounds` earlier rounds.
   std::vector<int> earlier(o.rounds - 1);
   std::iota(earlier.begin(), earlier.end(), 0);
@@ -155,7 +158,8 @@ absl::StatusOr<KvTrace> MakeSyntheticTrace(const SyntheticOptions& o) {
         const float a = 0.5f + uni(rng);
         for (int c = 0; c < d; ++c) {
           float k = gauss(rng);
-          k += is_sink ? o.sink_strength * sqrt_d * sink[c] / 2.0f : o.topic_strength * a * topic[r][c] * sqrt_d / 4.0f;
+          k += is_sink ? o.sink_strength * sqrt_d * sink[c] / 2.0f
+                       : o.topic_strength * a * topic[r][c] * sqrt_d / 4.0f;
           if (outlier[c] != 0) k = outlier[c] * o.outlier_magnitude * (1.0f + 0.15f * gauss(rng));
           kd[tok * d + c] = k;
           vd[tok * d + c] = gauss(rng) + vmean[r][c];
@@ -174,7 +178,8 @@ absl::StatusOr<KvTrace> MakeSyntheticTrace(const SyntheticOptions& o) {
             norm += static_cast<double>(x) * x;
           }
           const float s = beta[qh] * sqrt_d / static_cast<float>(std::sqrt(norm));
-          for (int c = 0; c < d; ++c) qd[i * d + c] = outlier[c] != 0 ? 0.05f * gauss(rng) : dir[c] * s;
+          for (int c = 0; c < d; ++c)
+            qd[i * d + c] = outlier[c] != 0 ? 0.05f * gauss(rng) : dir[c] * s;
         }
       }
     }

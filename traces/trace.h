@@ -22,8 +22,8 @@ struct KvTrace {
   int q_heads = 0;
   int kv_heads = 0;
   int head_dim = 0;
-  int64_t tokens = 0;   // Cached tokens.
-  int64_t queries = 0;  // Decode queries per head; each attends over all cached tokens.
+  int64_t tokens = 0;       // Cached tokens.
+  int64_t queries = 0;      // Decode queries per head; each attends over all cached tokens.
   std::vector<float> k, v;  // [layers, kv_heads, tokens, head_dim]
   std::vector<float> q;     // [layers, q_heads, queries, head_dim]; may be empty (imports).
   // Synthetic traces: the first token of each round, and the earlier rounds
@@ -33,9 +33,15 @@ struct KvTrace {
   // Model traces: the token ids (cached tokens, then the query tokens).
   std::vector<int> token_ids;
 
-  const float* K(int layer, int head) const { return k.data() + Offset(layer, head, kv_heads, tokens); }
-  const float* V(int layer, int head) const { return v.data() + Offset(layer, head, kv_heads, tokens); }
-  const float* Q(int layer, int head) const { return q.data() + Offset(layer, head, q_heads, queries); }
+  const float* K(int layer, int head) const {
+    return k.data() + Offset(layer, head, kv_heads, tokens);
+  }
+  const float* V(int layer, int head) const {
+    return v.data() + Offset(layer, head, kv_heads, tokens);
+  }
+  const float* Q(int layer, int head) const {
+    return q.data() + Offset(layer, head, q_heads, queries);
+  }
 
  private:
   int64_t Offset(int layer, int head, int heads, int64_t n) const {
@@ -46,8 +52,9 @@ struct KvTrace {
 // Runs `tokens` through the model with full-precision attention and keeps the
 // first tokens.size() - n_queries positions' K/V and the last n_queries
 // positions' queries (the next decode steps' real queries).
-absl::StatusOr<KvTrace> CaptureModelTrace(const model::LlamaModel& m, const std::vector<int>& tokens,
-                                          int n_queries, const std::string& name);
+absl::StatusOr<KvTrace> CaptureModelTrace(const model::LlamaModel& m,
+                                          const std::vector<int>& tokens, int n_queries,
+                                          const std::string& name);
 
 // The synthetic-realistic generator. Each property is one that published
 // KV-cache analyses report, and each is tunable:

@@ -61,12 +61,13 @@ TEST(SyntheticTraceTest, HasTheDocumentedProperties) {
     min_entropy = std::min(min_entropy, ent);
     max_entropy = std::max(max_entropy, ent);
     for (int f : t.focus_rounds) {
-      for (int64_t tok = t.round_begin[f]; tok < t.round_begin[f] + 256; ++tok) focus_mass += w[tok] / 32;
+      for (int64_t tok = t.round_begin[f]; tok < t.round_begin[f] + 256; ++tok)
+        focus_mass += w[tok] / 32;
     }
     for (int s = 0; s < o.sink_tokens; ++s) sink_mass += w[s] / 32;
   }
-  std::printf("focus mass %.3f, sink mass %.3f, head entropy %.2f..%.2f nats\n", focus_mass, sink_mass,
-              min_entropy, max_entropy);
+  std::printf("focus mass %.3f, sink mass %.3f, head entropy %.2f..%.2f nats\n", focus_mass,
+              sink_mass, min_entropy, max_entropy);
   // Focus rounds are 2 of 8 rounds (25% of tokens) but draw far more.
   EXPECT_GT(focus_mass, 0.4);
   // 4 sink tokens of 2048 (0.2%) draw well over their share.
@@ -127,7 +128,8 @@ TEST(TraceDumpTest, NpyAndSafetensorsImport) {
   EXPECT_THAT(LoadTraceDump(dir.path()), StatusIs(absl::StatusCode::kInvalidArgument));
   std::filesystem::resize_file(st, 200);
   EXPECT_THAT(LoadTraceDump(st), StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(LoadTraceDump(dir.path() + "/none.safetensors"), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(LoadTraceDump(dir.path() + "/none.safetensors"),
+              StatusIs(absl::StatusCode::kNotFound));
 }
 
 TEST(ModelTraceTest, CapturesStories260K) {

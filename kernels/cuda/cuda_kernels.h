@@ -25,11 +25,11 @@ bool DeviceAvailable();
 const char* ErrorString(int err);
 
 struct QuantDims {
-  bool key = true;     // K: groups of `group` tokens per channel; V: of `group` channels per token.
-  int bits = 4;        // 2, 4 or 8.
-  int group = 32;      // Effective group (KCVT: tq for K, d for V).
-  int64_t tq = 0;      // Quantized tokens per slab.
-  int d = 0;           // head_dim, <= 1024.
+  bool key = true;  // K: groups of `group` tokens per channel; V: of `group` channels per token.
+  int bits = 4;     // 2, 4 or 8.
+  int group = 32;   // Effective group (KCVT: tq for K, d for V).
+  int64_t tq = 0;   // Quantized tokens per slab.
+  int d = 0;        // head_dim, <= 1024.
   int64_t slabs = 0;
   KVT_HOST_DEVICE int64_t WordsPerSlab() const { return (tq * d * bits + 31) / 32; }
   KVT_HOST_DEVICE int64_t GroupsPerSlab() const {
@@ -39,8 +39,8 @@ struct QuantDims {
 
 // x: [slabs, tq, d] fp32 -> codes [slabs, WordsPerSlab] (zeroed here first),
 // scales/zeros [slabs, GroupsPerSlab] fp16 bits.
-int Quantize(const QuantDims& q, const float* x, uint32_t* codes, uint16_t* scales,
-             uint16_t* zeros, void* stream);
+int Quantize(const QuantDims& q, const float* x, uint32_t* codes, uint16_t* scales, uint16_t* zeros,
+             void* stream);
 // The inverse: out [slabs, tq, d] fp32.
 int Dequantize(const QuantDims& q, const uint32_t* codes, const uint16_t* scales,
                const uint16_t* zeros, float* out, void* stream);

@@ -17,14 +17,14 @@
 namespace kvtier::cuda {
 namespace {
 
-#define SKIP_WITHOUT_GPU()                                                   \
-  if (!DeviceAvailable()) {                                                  \
+#define SKIP_WITHOUT_GPU()                                                      \
+  if (!DeviceAvailable()) {                                                     \
     GTEST_SKIP() << "no CUDA device: GPU tests run only on a machine with one"; \
   }
 
-#define CUDA_OK(expr)                                       \
-  do {                                                      \
-    const int err_ = static_cast<int>(expr);                \
+#define CUDA_OK(expr)                                         \
+  do {                                                        \
+    const int err_ = static_cast<int>(expr);                  \
     ASSERT_EQ(err_, 0) << #expr << ": " << ErrorString(err_); \
   } while (0)
 
@@ -34,7 +34,9 @@ class DeviceBuffer {
   explicit DeviceBuffer(size_t n) : n_(n) { cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)); }
   ~DeviceBuffer() { cudaFree(p_); }
   T* get() { return p_; }
-  void Upload(const std::vector<T>& h) { cudaMemcpy(p_, h.data(), n_ * sizeof(T), cudaMemcpyHostToDevice); }
+  void Upload(const std::vector<T>& h) {
+    cudaMemcpy(p_, h.data(), n_ * sizeof(T), cudaMemcpyHostToDevice);
+  }
   std::vector<T> Download() {
     std::vector<T> h(n_);
     cudaMemcpy(h.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost);
@@ -82,7 +84,8 @@ TEST(CudaCodecTest, QuantizeAndDequantizeMatchTheReference) {
         int differ = 0;
         for (int64_t s = 0; s < q.slabs; ++s) {
           std::fill(codes.begin(), codes.end(), 0);
-          internal::QuantizeSlabRef(rs, x.data() + s * q.tq * d, codes.data(), sc.data(), zc.data());
+          internal::QuantizeSlabRef(rs, x.data() + s * q.tq * d, codes.data(), sc.data(),
+                                    zc.data());
           internal::DequantRowsRef(rs, codes.data(), sc.data(), zc.data(), 0, q.tq, ref.data());
           for (int64_t i = 0; i < q.tq * d; ++i) {
             const float g = gpu[s * q.tq * d + i];
@@ -94,7 +97,8 @@ TEST(CudaCodecTest, QuantizeAndDequantizeMatchTheReference) {
             }
           }
         }
-        EXPECT_LE(differ, static_cast<int>(x.size() / 200) + 2) << "bits " << bits << " key " << key;
+        EXPECT_LE(differ, static_cast<int>(x.size() / 200) + 2)
+            << "bits " << bits << " key " << key;
       }
     }
   }
@@ -110,13 +114,17 @@ TEST(CudaAttentionTest, FusedAttentionMatchesTheCpuReference) {
       const std::vector<float> q = Random(qh * d, 3);
       KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting(setting));
       const int64_t shape[] = {kvh, tokens, d};
-      KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor kt, Encode(c, v1::TENSOR_ROLE_KEY, shape, k.data()));
-      KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor vt, Encode(c, v1::TENSOR_ROLE_VALUE, shape, v.data()));
+      KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor kt,
+                               Encode(c, v1::TENSOR_ROLE_KEY, shape, k.data()));
+      KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor vt,
+                               Encode(c, v1::TENSOR_ROLE_VALUE, shape, v.data()));
       KVT_ASSERT_OK_AND_ASSIGN(EncodedView kv, ParseEncoded(kt));
       KVT_ASSERT_OK_AND_ASSIGN(EncodedView vv, ParseEncoded(vt));
       std::vector<float> ref(qh * d);
       KvBlock blk{kv, vv};
-      ASSERT_TRUE(DecodeAttention({qh, kvh, d}, q.data(), {&blk, 1}, ref.data(), KernelLevel::kReference).ok());
+      ASSERT_TRUE(
+          DecodeAttention({qh, kvh, d}, q.data(), {&blk, 1}, ref.data(), KernelLevel::kReference)
+              .ok());
       // Upload each buffer as it lies in the tensor.
       std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> bufs;
       auto up = [&](const v1::EncodedTensor& t, int i) {
@@ -130,10 +138,18 @@ TEST(CudaAttentionTest, FusedAttentionMatchesTheCpuReference) {
         dk.raw = reinterpret_cast<const uint16_t*>(up(kt, 0));
         dv.raw = reinterpret_cast<const uint16_t*>(up(vt, 0));
       } else {
-        dk = {kv.bits, kv.group, nullptr, reinterpret_cast<const uint32_t*>(up(kt, 0)),
-              reinterpret_cast<const uint16_t*>(up(kt, 1)), reinterpret_cast<const uint16_t*>(up(kt, 2))};
-        dv = {vv.bits, vv.group, nullptr, reinterpret_cast<const uint32_t*>(up(vt, 0)),
-              reinterpret_cast<const uint16_t*>(up(vt, 1)), reinterpret_cast<const uint16_t*>(up(vt, 2))};
+        dk = {kv.bits,
+              kv.group,
+              nullptr,
+              reinterpret_cast<const uint32_t*>(up(kt, 0)),
+              reinterpret_cast<const uint16_t*>(up(kt, 1)),
+              reinterpret_cast<const uint16_t*>(up(kt, 2))};
+        dv = {vv.bits,
+              vv.group,
+              nullptr,
+              reinterpret_cast<const uint32_t*>(up(vt, 0)),
+              reinterpret_cast<const uint16_t*>(up(vt, 1)),
+              reinterpret_cast<const uint16_t*>(up(vt, 2))};
       }
       DeviceBuffer<float> dq(q.size()), scratch(qh * tokens), dout(qh * d);
       dq.Upload(q);

@@ -2,12 +2,12 @@
 #ifndef KVTIER_TESTS_UTIL_STATUS_MATCHERS_H_
 #define KVTIER_TESTS_UTIL_STATUS_MATCHERS_H_
 
+#include <string>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "base/status_macros.h"
 #include "gmock/gmock.h"
-
-#include <string>
 
 namespace kvtier::testing {
 

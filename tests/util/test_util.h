@@ -37,14 +37,14 @@ bool InCi();
 
 // Sets `var` to the shared model's path, or skips the test (fails under
 // CI=true) with a message saying where the model was looked for.
-#define KVT_REQUIRE_SHARED_MODEL(var)                                              \
-  std::string var = ::kvtier::testing::SharedModelPath();                          \
-  if (var.empty()) {                                                               \
-    if (::kvtier::testing::InCi()) {                                               \
-      FAIL() << "CI=true but ../shared/models/stories260K.bin is missing";         \
-    }                                                                              \
-    GTEST_SKIP() << "needs ../shared/models/stories260K.bin beside the checkout "   \
-                    "(or KVTIER_MODEL=path); a user's clone has none";             \
+#define KVT_REQUIRE_SHARED_MODEL(var)                                             \
+  std::string var = ::kvtier::testing::SharedModelPath();                         \
+  if (var.empty()) {                                                              \
+    if (::kvtier::testing::InCi()) {                                              \
+      FAIL() << "CI=true but ../shared/models/stories260K.bin is missing";        \
+    }                                                                             \
+    GTEST_SKIP() << "needs ../shared/models/stories260K.bin beside the checkout " \
+                    "(or KVTIER_MODEL=path); a user's clone has none";            \
   }
 
 #endif  // KVTIER_TESTS_UTIL_TEST_UTIL_H_
