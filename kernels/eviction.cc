@@ -1,0 +1,204 @@
+#include "kernels/eviction.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvtier::evict {
+namespace {
+
+absl::Status CheckShape(const LayerQK& x) {
+  if (x.q_heads < 1 || x.kv_heads < 1 || x.q_heads % x.kv_heads != 0 || x.d < 1 || x.tokens < 1 ||
+      x.q == nullptr || x.k == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("eviction scoring needs q_heads a multiple of kv_heads, head_dim >= 1 and "
+                     "tokens >= 1; got ",
+                     x.q_heads, "/", x.kv_heads, "/", x.d, "/", x.tokens));
+  }
+  return absl::OkStatus();
+}
+
+// Softmax of query row i of q head hq over keys [0, i], added (times `weight`)
+// into acc[0..limit).
+void AddAttention(const LayerQK& x, int hq, int64_t i, int64_t limit, double weight,
+                  std::vector<double>* acc, std::vector<double>* s) {
+  const int rep = x.q_heads / x.kv_heads;
+  const float* q = x.q + (static_cast<int64_t>(hq) * x.tokens + i) * x.d;
+  const float* k = x.k + static_cast<int64_t>(hq / rep) * x.tokens * x.d;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(x.d));
+  s->resize(static_cast<size_t>(i + 1));
+  double m = -1e300;
+  for (int64_t j = 0; j <= i; ++j) {
+    float dot = 0;
+    for (int c = 0; c < x.d; ++c) dot += q[c] * k[j * x.d + c];
+    (*s)[j] = dot * scale;
+    m = std::max(m, (*s)[j]);
+  }
+  double z = 0;
+  for (int64_t j = 0; j <= i; ++j) z += ((*s)[j] = std::exp((*s)[j] - m));
+  const int64_t e = std::min(limit, i + 1);
+  for (int64_t j = 0; j < e; ++j) (*acc)[j] += weight * (*s)[j] / z;
+}
+
+std::vector<float> Reduce(const std::vector<std::vector<double>>& per_q, int kv_heads, int64_t n,
+                          GqaReduce gqa) {
+  const int rep = static_cast<int>(per_q.size()) / kv_heads;
+  std::vector<float> out(static_cast<size_t>(kv_heads) * n);
+  for (int h = 0; h < kv_heads; ++h) {
+    for (int64_t j = 0; j < n; ++j) {
+      double v = gqa == GqaReduce::kMax ? -1e300 : 0.0;
+      for (int r = 0; r < rep; ++r) {
+        const double x = per_q[h * rep + r][j];
+        v = gqa == GqaReduce::kMax ? std::max(v, x) : v + x / rep;
+      }
+      out[h * n + j] = static_cast<float>(v);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<float>> ObservationScores(const ScoreOptions& o, const LayerQK& x) {
+  if (auto s = CheckShape(x); !s.ok()) return s;
+  if (o.window < 1) return absl::InvalidArgumentError("observation window must be >= 1");
+  if (o.kernel < 1 || o.kernel % 2 == 0) {
+    return absl::InvalidArgumentError("pooling kernel must be odd and >= 1");
+  }
+  const int64_t w = std::min<int64_t>(o.window, x.tokens);
+  const int64_t n = x.tokens - w;
+  if (n == 0) return std::vector<float>();
+  std::vector<std::vector<double>> per_q(x.q_heads, std::vector<double>(n, 0.0));
+  std::vector<double> s;
+  for (int hq = 0; hq < x.q_heads; ++hq) {
+    for (int64_t i = n; i < x.tokens; ++i) AddAttention(x, hq, i, n, 1.0 / w, &per_q[hq], &s);
+  }
+  std::vector<float> raw = Reduce(per_q, x.kv_heads, n, o.gqa);
+  if (o.pooling == Pooling::kNone || o.kernel == 1) return raw;
+  std::vector<float> pooled(raw.size());
+  const int half = o.kernel / 2;
+  for (int h = 0; h < x.kv_heads; ++h) {
+    const float* r = raw.data() + h * n;
+    for (int64_t j = 0; j < n; ++j) {
+      double acc = o.pooling == Pooling::kMax ? -1e300 : 0.0;
+      for (int64_t t = j - half; t <= j + half; ++t) {
+        if (t < 0 || t >= n) continue;  // Max pads with -inf, avg with zeros (counted).
+        acc = o.pooling == Pooling::kMax ? std::max(acc, static_cast<double>(r[t])) : acc + r[t];
+      }
+      pooled[h * n + j] = static_cast<float>(o.pooling == Pooling::kMax ? acc : acc / o.kernel);
+    }
+  }
+  return pooled;
+}
+
+absl::StatusOr<std::vector<float>> H2oScores(const LayerQK& x, GqaReduce gqa) {
+  if (auto s = CheckShape(x); !s.ok()) return s;
+  std::vector<std::vector<double>> per_q(x.q_heads, std::vector<double>(x.tokens, 0.0));
+  std::vector<double> s;
+  for (int hq = 0; hq < x.q_heads; ++hq) {
+    for (int64_t i = 0; i < x.tokens; ++i) AddAttention(x, hq, i, x.tokens, 1.0, &per_q[hq], &s);
+  }
+  return Reduce(per_q, x.kv_heads, x.tokens, gqa);
+}
+
+absl::Status ValidateBudget(int64_t budget, int window) {
+  if (budget < 1)
+    return absl::InvalidArgumentError(absl::StrCat("budget must be >= 1, got ", budget));
+  if (window < 0) return absl::InvalidArgumentError("window must be >= 0");
+  if (window >= budget) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("window (", window, ") must be smaller than the budget (", budget, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int64_t>> AdaKvBudgets(const std::vector<float>& scores, int heads,
+                                                  int64_t n, int64_t b_prime, double alpha) {
+  if (heads < 1 || n < 0 || b_prime < 0) return absl::InvalidArgumentError("bad Ada-KV shape");
+  if (!(alpha >= 0.0 && alpha <= 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat("Ada-KV alpha must be in [0, 1], got ", alpha));
+  }
+  if (static_cast<int64_t>(scores.size()) != heads * n) {
+    return absl::InvalidArgumentError("Ada-KV scores must be [heads, n]");
+  }
+  std::vector<int64_t> b(heads, std::min(b_prime, n));
+  if (b_prime >= n) return b;
+  const int64_t total = heads * b_prime;
+  std::vector<int64_t> order(scores.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::nth_element(order.begin(), order.begin() + total, order.end(), [&](int64_t a, int64_t c) {
+    return scores[a] > scores[c] || (scores[a] == scores[c] && a < c);
+  });
+  std::vector<int64_t> count(heads, 0);
+  for (int64_t i = 0; i < total; ++i) ++count[order[i] / n];
+  std::vector<double> target(heads);
+  int64_t sum = 0;
+  for (int h = 0; h < heads; ++h) {
+    target[h] = (1.0 - alpha) * count[h] + alpha * b_prime;
+    b[h] = std::min<int64_t>(n, std::llround(target[h]));
+    sum += b[h];
+  }
+  // Repair rounding so the layer keeps exactly heads * b_prime tokens.
+  while (sum != total) {
+    int best = -1;
+    double gap = 0;
+    for (int h = 0; h < heads; ++h) {
+      const double g = sum > total ? b[h] - target[h] : target[h] - b[h];
+      const bool can = sum > total ? b[h] > 0 : b[h] < n;
+      if (can && (best < 0 || g > gap)) {
+        best = h;
+        gap = g;
+      }
+    }
+    if (best < 0) break;
+    b[best] += sum > total ? -1 : 1;
+    sum += sum > total ? -1 : 1;
+  }
+  return b;
+}
+
+absl::StatusOr<std::vector<int64_t>> PyramidBudgets(int64_t budget, int window, double beta,
+                                                    int layers, int64_t tokens) {
+  if (auto s = ValidateBudget(budget, window); !s.ok()) return s;
+  if (layers < 1 || !(beta > 0))
+    return absl::InvalidArgumentError("PyramidKV needs layers >= 1, beta > 0");
+  const int64_t n = std::max<int64_t>(0, tokens - window);
+  const int64_t bp = budget - window;
+  int64_t mn = static_cast<int64_t>(std::floor(bp / beta));
+  int64_t mx = 2 * bp - mn;
+  if (mx >= n) {
+    mx = n;
+    mn = 2 * bp - mx;
+  }
+  const int64_t step = layers > 1 ? (mx - mn) / (layers - 1) : 0;
+  std::vector<int64_t> out(layers);
+  for (int l = 0; l < layers; ++l) out[l] = std::clamp<int64_t>(mx - l * step, 0, n);
+  return out;
+}
+
+std::vector<int64_t> SelectTopK(const float* scores, int64_t n, int64_t keep, int window) {
+  std::vector<int64_t> idx(static_cast<size_t>(n));
+  std::iota(idx.begin(), idx.end(), 0);
+  if (keep < n) {
+    keep = std::max<int64_t>(keep, 0);
+    std::nth_element(idx.begin(), idx.begin() + keep, idx.end(), [&](int64_t a, int64_t b) {
+      return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
+    });
+    idx.resize(static_cast<size_t>(keep));
+    std::sort(idx.begin(), idx.end());
+  }
+  for (int64_t t = n; t < n + window; ++t) idx.push_back(t);
+  return idx;
+}
+
+std::vector<int64_t> StreamingSelect(int64_t tokens, int sinks, int64_t recent) {
+  std::vector<int64_t> idx;
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (t < sinks || t >= tokens - recent) idx.push_back(t);
+  }
+  return idx;
+}
+
+}  // namespace kvtier::evict

@@ -1,0 +1,75 @@
+// Token eviction (ALGORITHMS.md §1): which of a layer's tokens each KV head
+// keeps. Scoring (SnapKV observation window with pooling and GQA reduction,
+// H2O accumulated attention, StreamingLLM sinks + recent), per-head budget
+// allocation (uniform, Ada-KV) and per-layer budgets (uniform, PyramidKV,
+// named profile), and the selection of kept token indices.
+#ifndef KVTIER_KERNELS_EVICTION_H_
+#define KVTIER_KERNELS_EVICTION_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace kvtier::evict {
+
+enum class Pooling { kMax, kAvg, kNone };
+enum class GqaReduce { kMean, kMax };
+
+struct ScoreOptions {
+  int window = 32;  // w: observation window (the last w queries), always kept.
+  int kernel = 7;   // 1-D pooling kernel along tokens (odd), stride 1, same padding.
+  Pooling pooling = Pooling::kMax;
+  GqaReduce gqa = GqaReduce::kMean;
+};
+
+// One layer's queries and keys for a round: q [q_heads, T, d], k [kv_heads, T, d].
+struct LayerQK {
+  int q_heads = 0;
+  int kv_heads = 0;
+  int d = 0;
+  int64_t tokens = 0;
+  const float* q = nullptr;
+  const float* k = nullptr;
+};
+
+// SnapKV observation scores: for each KV head, each key j < T - w scored by
+// the mean over the last w queries (of every query head in its GQA group,
+// reduced by mean or max) of softmax(Q[-w:] K^T / sqrt(d)), causal inside the
+// last w x w block, then pooled. Returns [kv_heads, T - w] (empty rows when
+// T <= w). INVALID_ARGUMENT for bad shapes or options.
+absl::StatusOr<std::vector<float>> ObservationScores(const ScoreOptions& o, const LayerQK& x);
+
+// H2O: each key's softmax attention summed over every (causal) query that
+// sees it, GQA-reduced like above. Returns [kv_heads, T].
+absl::StatusOr<std::vector<float>> H2oScores(const LayerQK& x, GqaReduce gqa);
+
+// Ada-KV split of one layer's budget across its heads: the global top
+// heads * b_prime of all heads' scores ([heads, n]), c_i picks per head, then
+// B_i = round((1 - alpha) c_i + alpha b_prime), capped at n. Sums to
+// heads * b_prime up to rounding, which is repaired so the total is exact
+// (never exceeding heads * n).
+absl::StatusOr<std::vector<int64_t>> AdaKvBudgets(const std::vector<float>& scores, int heads,
+                                                  int64_t n, int64_t b_prime, double alpha);
+
+// PyramidKV per-layer budgets (window excluded: B' per layer), for per-head
+// budget B (window included), window w, beta, L layers and T tokens.
+absl::StatusOr<std::vector<int64_t>> PyramidBudgets(int64_t budget, int window, double beta,
+                                                    int layers, int64_t tokens);
+
+// Validates a per-head budget B against a window w (B >= 1, w < B).
+absl::Status ValidateBudget(int64_t budget, int window);
+
+// The kept token indices of one head: its top `keep` scored keys among the
+// first n (ties to the earlier token), ascending, then the window tokens
+// [n, n + w). keep >= n keeps everything.
+std::vector<int64_t> SelectTopK(const float* scores, int64_t n, int64_t keep, int window);
+
+// StreamingLLM: the first `sinks` tokens and the most recent `recent`.
+std::vector<int64_t> StreamingSelect(int64_t tokens, int sinks, int64_t recent);
+
+}  // namespace kvtier::evict
+
+#endif  // KVTIER_KERNELS_EVICTION_H_

@@ -1,0 +1,120 @@
+#include "kernels/eviction.h"
+
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/util/status_matchers.h"
+
+namespace kvtier::evict {
+namespace {
+
+using ::kvtier::testing::StatusIs;
+using ::testing::ElementsAre;
+
+TEST(BudgetTest, Validation) {
+  EXPECT_THAT(ValidateBudget(0, 0), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ValidateBudget(-5, 0), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ValidateBudget(32, 32), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_TRUE(ValidateBudget(64, 32).ok());
+  const std::vector<float> s(8, 1.0f);
+  EXPECT_THAT(AdaKvBudgets(s, 2, 4, 2, 1.5), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(AdaKvBudgets(s, 2, 4, 2, -0.1), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(BudgetTest, PyramidFollowsTheSpec) {
+  // B = 64, w = 32: B' = 32, min = 32 // 20 = 1, max = 63, step = 62 // 4 = 15.
+  KVT_ASSERT_OK_AND_ASSIGN(auto b, PyramidBudgets(64, 32, 20, 5, 10000));
+  EXPECT_THAT(b, ElementsAre(63, 48, 33, 18, 3));
+  // Short sequence: max clamps to T - w and min follows.
+  KVT_ASSERT_OK_AND_ASSIGN(auto c, PyramidBudgets(64, 32, 20, 5, 80));
+  EXPECT_EQ(c[0], 48);
+  EXPECT_EQ(c[4], 16);
+}
+
+TEST(BudgetTest, BudgetLargerThanTheSequenceKeepsEverything) {
+  const std::vector<float> s = {0.1f, 0.5f, 0.2f};
+  EXPECT_THAT(SelectTopK(s.data(), 3, 10, 2), ElementsAre(0, 1, 2, 3, 4));
+  EXPECT_THAT(SelectTopK(s.data(), 3, 1, 2), ElementsAre(1, 3, 4));
+  KVT_ASSERT_OK_AND_ASSIGN(auto b, AdaKvBudgets({0.1f, 0.2f, 0.3f, 0.4f}, 2, 2, 5, 0.2));
+  EXPECT_THAT(b, ElementsAre(2, 2));
+  EXPECT_THAT(StreamingSelect(10, 4, 3), ElementsAre(0, 1, 2, 3, 7, 8, 9));
+  EXPECT_EQ(StreamingSelect(5, 4, 3).size(), 5u);
+}
+
+// Ada-KV Theorem: the L1 eviction loss is bounded by eps = 2C(h - sum of kept
+// attention weights). Ada-KV's split keeps at least as much attention mass
+// as the uniform split at the same total budget, so eps* <= eps'. Checked on
+// random heads of very different concentration.
+TEST(AdaKvTest, BoundNeverWorseThanUniform) {
+  std::mt19937 rng(5);
+  std::normal_distribution<double> nd;
+  std::uniform_real_distribution<double> temp(0.1, 8.0);
+  for (int trial = 0; trial < 500; ++trial) {
+    const int heads = 1 + static_cast<int>(rng() % 8);
+    const int64_t n = 8 + static_cast<int64_t>(rng() % 200);
+    const int64_t bp = 1 + static_cast<int64_t>(rng() % n);
+    std::vector<float> a(static_cast<size_t>(heads) * n);
+    for (int h = 0; h < heads; ++h) {
+      const double t = temp(rng);
+      double z = 0;
+      for (int64_t j = 0; j < n; ++j)
+        z += (a[h * n + j] = static_cast<float>(std::exp(t * nd(rng))));
+      for (int64_t j = 0; j < n; ++j) a[h * n + j] = static_cast<float>(a[h * n + j] / z);
+    }
+    auto kept_mass = [&](const std::vector<int64_t>& budget) {
+      double m = 0;
+      for (int h = 0; h < heads; ++h) {
+        for (int64_t j : SelectTopK(a.data() + h * n, n, budget[h], 0)) m += a[h * n + j];
+      }
+      return m;
+    };
+    const double uniform = kept_mass(std::vector<int64_t>(heads, bp));
+    for (double alpha : {0.0, 0.2, 0.5}) {
+      KVT_ASSERT_OK_AND_ASSIGN(auto b, AdaKvBudgets(a, heads, n, bp, alpha));
+      EXPECT_EQ(std::accumulate(b.begin(), b.end(), int64_t{0}), heads * std::min(bp, n));
+      const double eps_ada = 2.0 * (heads - kept_mass(b));
+      const double eps_uniform = 2.0 * (heads - uniform);
+      ASSERT_LE(eps_ada, eps_uniform + 1e-5) << "trial " << trial << " alpha " << alpha;
+    }
+  }
+}
+
+TEST(ScoresTest, ObservationScoresFindTheAttendedTokens) {
+  // 2 KV heads, 4 query heads, d = 4, T = 40, w = 8: every query points at
+  // token 5 (head 0) or token 20 (head 1).
+  const int qh = 4, kvh = 2, d = 4;
+  const int64_t t = 40;
+  std::vector<float> q(qh * t * d, 0.0f), k(kvh * t * d, 0.0f);
+  for (int64_t j = 0; j < t; ++j) {
+    k[(0 * t + j) * d + 0] = j == 5 ? 4.0f : 0.1f;
+    k[(1 * t + j) * d + 1] = j == 20 ? 4.0f : 0.1f;
+  }
+  for (int h = 0; h < qh; ++h) {
+    for (int64_t i = 0; i < t; ++i) q[(h * t + i) * d + (h < 2 ? 0 : 1)] = 3.0f;
+  }
+  LayerQK x{qh, kvh, d, t, q.data(), k.data()};
+  ScoreOptions o;
+  o.window = 8;
+  o.pooling = Pooling::kNone;
+  KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> s, ObservationScores(o, x));
+  ASSERT_EQ(s.size(), 2u * 32);
+  EXPECT_EQ(std::max_element(s.begin(), s.begin() + 32) - s.begin(), 5);
+  EXPECT_EQ(std::max_element(s.begin() + 32, s.end()) - s.begin() - 32, 20);
+  o.pooling = Pooling::kMax;
+  KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> p, ObservationScores(o, x));
+  EXPECT_EQ(p[2], p[5]);  // Max pooling with kernel 7 spreads the peak to +-3.
+  EXPECT_LT(p[1], p[5]);
+  KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> h2o, H2oScores(x, GqaReduce::kMean));
+  EXPECT_EQ(std::max_element(h2o.begin(), h2o.begin() + t) - h2o.begin(), 5);
+  o.kernel = 4;
+  EXPECT_THAT(ObservationScores(o, x), StatusIs(absl::StatusCode::kInvalidArgument));
+  LayerQK bad = x;
+  bad.q_heads = 3;
+  EXPECT_THAT(H2oScores(bad, GqaReduce::kMean), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+}  // namespace
+}  // namespace kvtier::evict
