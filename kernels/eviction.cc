@@ -5,6 +5,9 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "kernels/attention.h"
+#include "kernels/flat_cache.h"
 
 namespace kvtier::evict {
 namespace {
@@ -199,6 +202,27 @@ std::vector<int64_t> StreamingSelect(int64_t tokens, int sinks, int64_t recent) 
     if (t < sinks || t >= tokens - recent) idx.push_back(t);
   }
   return idx;
+}
+
+absl::StatusOr<EvictionError> EvictionLoss(int q_heads, int kv_heads, int d, int64_t tokens,
+                                           const float* q, const float* k, const float* v,
+                                           const std::vector<std::vector<int64_t>>& keep) {
+  KVT_ASSIGN_OR_RETURN(FlatKvCache c, FlatKvCache::Gather(kv_heads, d, tokens, k, v, keep));
+  std::vector<float> full(static_cast<size_t>(q_heads) * d), kept(full.size());
+  const KvBlock b{EncodedView::Raw(v1::DTYPE_FP32, k, kv_heads, tokens, d, tokens * d, d),
+                  EncodedView::Raw(v1::DTYPE_FP32, v, kv_heads, tokens, d, tokens * d, d)};
+  KVT_RETURN_IF_ERROR(DecodeAttention({q_heads, kv_heads, d}, q, {&b, 1}, full.data()));
+  KVT_RETURN_IF_ERROR(c.Attend(q_heads, q, kept.data()));
+  EvictionError e;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < full.size(); ++i) {
+    const double diff = static_cast<double>(full[i]) - kept[i];
+    e.l1 += std::fabs(diff);
+    num += diff * diff;
+    den += static_cast<double>(full[i]) * full[i];
+  }
+  e.rel = den > 0 ? std::sqrt(num / den) : 0.0;
+  return e;
 }
 
 }  // namespace kvtier::evict

@@ -70,6 +70,19 @@ std::vector<int64_t> SelectTopK(const float* scores, int64_t n, int64_t keep, in
 // StreamingLLM: the first `sinks` tokens and the most recent `recent`.
 std::vector<int64_t> StreamingSelect(int64_t tokens, int sinks, int64_t recent);
 
+// How much one decode query's attention output changes when each KV head
+// attends only over its kept tokens (softmax renormalized), per query head,
+// without W^O: l1 = sum over heads and channels of |y - y^| (the Ada-KV
+// metric) and rel = ||y - y^||_F / ||y||_F. q [q_heads, d]; k, v
+// [kv_heads, tokens, d]; keep[h] ascending indices.
+struct EvictionError {
+  double l1 = 0;
+  double rel = 0;
+};
+absl::StatusOr<EvictionError> EvictionLoss(int q_heads, int kv_heads, int d, int64_t tokens,
+                                           const float* q, const float* k, const float* v,
+                                           const std::vector<std::vector<int64_t>>& keep);
+
 }  // namespace kvtier::evict
 
 #endif  // KVTIER_KERNELS_EVICTION_H_

@@ -116,5 +116,35 @@ TEST(ScoresTest, ObservationScoresFindTheAttendedTokens) {
   EXPECT_THAT(H2oScores(bad, GqaReduce::kMean), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
+TEST(EvictionLossTest, ZeroWhenEverythingIsKeptAndGrowsAsBudgetsShrink) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  const int qh = 8, kvh = 2, d = 16;
+  const int64_t t = 100;
+  std::vector<float> q(qh * d), k(kvh * t * d), v(k.size());
+  for (float& x : q) x = 2.0f * nd(rng);
+  for (float& x : k) x = nd(rng);
+  for (float& x : v) x = nd(rng);
+  std::vector<std::vector<int64_t>> all(kvh);
+  for (auto& h : all) {
+    for (int64_t i = 0; i < t; ++i) h.push_back(i);
+  }
+  KVT_ASSERT_OK_AND_ASSIGN(EvictionError none,
+                           EvictionLoss(qh, kvh, d, t, q.data(), k.data(), v.data(), all));
+  EXPECT_LT(none.l1, 1e-4);
+  double prev = 0;
+  for (int64_t keep : {60, 30, 10}) {
+    std::vector<std::vector<int64_t>> some(kvh);
+    for (auto& h : some) {
+      for (int64_t i = t - keep; i < t; ++i) h.push_back(i);
+    }
+    KVT_ASSERT_OK_AND_ASSIGN(EvictionError e,
+                             EvictionLoss(qh, kvh, d, t, q.data(), k.data(), v.data(), some));
+    EXPECT_GT(e.l1, prev);
+    EXPECT_GT(e.rel, 0.0);
+    prev = e.l1;
+  }
+}
+
 }  // namespace
 }  // namespace kvtier::evict
