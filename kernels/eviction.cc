@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <numeric>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "base/status_macros.h"
 #include "kernels/attention.h"
 #include "kernels/flat_cache.h"
@@ -223,6 +226,198 @@ absl::StatusOr<EvictionError> EvictionLoss(int q_heads, int kv_heads, int d, int
   }
   e.rel = den > 0 ? std::sqrt(num / den) : 0.0;
   return e;
+}
+
+}  // namespace kvtier::evict
+
+namespace kvtier::evict {
+
+absl::StatusOr<Policy> ParsePolicy(const std::string& text) {
+  std::vector<std::string> parts = absl::StrSplit(text, ':');
+  Policy p;
+  const std::string& name = parts[0];
+  static const std::pair<const char*, Method> kNames[] = {{"none", Method::kNone},
+                                                          {"streaming", Method::kStreaming},
+                                                          {"h2o", Method::kH2o},
+                                                          {"snapkv", Method::kSnapKv},
+                                                          {"pyramidkv", Method::kPyramidKv},
+                                                          {"ada-snapkv", Method::kAdaSnapKv},
+                                                          {"ada-pyramid", Method::kAdaPyramid},
+                                                          {"profile", Method::kProfile}};
+  bool found = false;
+  for (const auto& [n, m] : kNames) {
+    if (name == n) {
+      p.method = m;
+      found = true;
+    }
+  }
+  if (!found) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown eviction method '", name,
+        "' (none, streaming, h2o, snapkv, pyramidkv, ada-snapkv, ada-pyramid, profile)"));
+  }
+  if (p.method == Method::kNone) return p;
+  if (parts.size() < 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("eviction policy '", text, "' needs a budget, e.g. ", name, ":64"));
+  }
+  if (p.method == Method::kProfile) {
+    KVT_ASSIGN_OR_RETURN(Policy prof, LoadLayerProfile(parts[1]));
+    p.layer_budgets = prof.layer_budgets;
+    p.profile_name = prof.profile_name;
+    p.budget = *std::max_element(p.layer_budgets.begin(), p.layer_budgets.end());
+  } else if (!absl::SimpleAtoi(parts[1], &p.budget)) {
+    return absl::InvalidArgumentError(absl::StrCat("budget '", parts[1], "' is not an integer"));
+  }
+  for (size_t i = 2; i < parts.size(); ++i) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(parts[i], absl::MaxSplits('=', 1));
+    double dv = 0;
+    int iv = 0;
+    if (kv.first == "w" && absl::SimpleAtoi(kv.second, &iv)) {
+      p.score.window = iv;
+    } else if (kv.first == "k" && absl::SimpleAtoi(kv.second, &iv)) {
+      p.score.kernel = iv;
+    } else if (kv.first == "pool" &&
+               (kv.second == "max" || kv.second == "avg" || kv.second == "none")) {
+      p.score.pooling = kv.second == "max"   ? Pooling::kMax
+                        : kv.second == "avg" ? Pooling::kAvg
+                                             : Pooling::kNone;
+    } else if (kv.first == "gqa" && (kv.second == "mean" || kv.second == "max")) {
+      p.score.gqa = kv.second == "max" ? GqaReduce::kMax : GqaReduce::kMean;
+    } else if (kv.first == "alpha" && absl::SimpleAtod(kv.second, &dv)) {
+      p.alpha = dv;
+    } else if (kv.first == "beta" && absl::SimpleAtod(kv.second, &dv)) {
+      p.beta = dv;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("bad eviction option '", parts[i], "' in '", text, "'"));
+    }
+  }
+  if (!(p.alpha >= 0 && p.alpha <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("alpha must be in [0, 1], got ", p.alpha));
+  }
+  if (!(p.beta > 0)) return absl::InvalidArgumentError("beta must be > 0");
+  const bool windowed = p.method != Method::kStreaming && p.method != Method::kH2o;
+  if (p.method == Method::kProfile) {
+    for (int64_t b : p.layer_budgets) KVT_RETURN_IF_ERROR(ValidateBudget(b, p.score.window));
+  } else {
+    KVT_RETURN_IF_ERROR(ValidateBudget(p.budget, windowed ? p.score.window : 0));
+  }
+  if (p.method == Method::kStreaming && p.budget <= p.sinks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("streaming budget must exceed its ", p.sinks, " sinks"));
+  }
+  return p;
+}
+
+std::string PolicyName(const Policy& p) {
+  switch (p.method) {
+    case Method::kNone:
+      return "none";
+    case Method::kStreaming:
+      return absl::StrCat("streaming:", p.budget);
+    case Method::kH2o:
+      return absl::StrCat("h2o:", p.budget);
+    case Method::kSnapKv:
+      return absl::StrCat("snapkv:", p.budget);
+    case Method::kPyramidKv:
+      return absl::StrCat("pyramidkv:", p.budget);
+    case Method::kAdaSnapKv:
+      return absl::StrCat("ada-snapkv:", p.budget);
+    case Method::kAdaPyramid:
+      return absl::StrCat("ada-pyramid:", p.budget);
+    case Method::kProfile:
+      return absl::StrCat("profile:", p.profile_name);
+  }
+  return "?";
+}
+
+absl::StatusOr<std::vector<std::vector<int64_t>>> SelectTokens(const Policy& p, int layer,
+                                                               int layers, const LayerQK& x) {
+  KVT_RETURN_IF_ERROR(CheckShape(x));
+  const int heads = x.kv_heads;
+  std::vector<std::vector<int64_t>> keep(heads);
+  const int64_t layer_budget =
+      p.method == Method::kProfile ? p.layer_budgets.at(static_cast<size_t>(layer)) : p.budget;
+  if (p.method == Method::kNone || layer_budget >= x.tokens) {
+    for (auto& k : keep) k = StreamingSelect(x.tokens, 0, x.tokens);
+    return keep;
+  }
+  if (p.method == Method::kStreaming) {
+    for (auto& k : keep) k = StreamingSelect(x.tokens, p.sinks, layer_budget - p.sinks);
+    return keep;
+  }
+  if (p.method == Method::kH2o) {
+    KVT_ASSIGN_OR_RETURN(std::vector<float> s, H2oScores(x, p.score.gqa));
+    const int64_t recent = layer_budget / 2, heavy = layer_budget - recent;
+    const int64_t n = x.tokens - recent;
+    for (int h = 0; h < heads; ++h)
+      keep[h] = SelectTopK(s.data() + h * x.tokens, n, heavy, static_cast<int>(recent));
+    return keep;
+  }
+  KVT_ASSIGN_OR_RETURN(std::vector<float> s, ObservationScores(p.score, x));
+  const int w = static_cast<int>(std::min<int64_t>(p.score.window, x.tokens));
+  const int64_t n = x.tokens - w;
+  int64_t bp = layer_budget - w;
+  if (p.method == Method::kPyramidKv || p.method == Method::kAdaPyramid) {
+    KVT_ASSIGN_OR_RETURN(std::vector<int64_t> pb,
+                         PyramidBudgets(p.budget, w, p.beta, layers, x.tokens));
+    bp = pb[layer];
+  }
+  std::vector<int64_t> per_head(heads, bp);
+  if (p.method == Method::kAdaSnapKv || p.method == Method::kAdaPyramid) {
+    KVT_ASSIGN_OR_RETURN(per_head, AdaKvBudgets(s, heads, n, bp, p.alpha));
+  }
+  for (int h = 0; h < heads; ++h) keep[h] = SelectTopK(s.data() + h * n, n, per_head[h], w);
+  return keep;
+}
+
+absl::StatusOr<Policy> LoadLayerProfile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open layer profile ", path));
+  Policy p;
+  p.method = Method::kProfile;
+  std::string line;
+  bool header = false;
+  while (std::getline(in, line)) {
+    line = line.substr(0, line.find('#'));
+    std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipWhitespace());
+    if (f.empty()) continue;
+    if (f[0] == "kvtier-layer-profile") {
+      if (f.size() != 2 || f[1] != "1")
+        return absl::InvalidArgumentError(absl::StrCat(path, ": unsupported profile version"));
+      header = true;
+    } else if (f[0] == "name" && f.size() == 2) {
+      p.profile_name = f[1];
+    } else if (f[0] == "budgets") {
+      for (size_t i = 1; i < f.size(); ++i) {
+        int64_t b;
+        if (!absl::SimpleAtoi(f[i], &b) || b < 1) {
+          return absl::InvalidArgumentError(absl::StrCat(path, ": bad budget '", f[i], "'"));
+        }
+        p.layer_budgets.push_back(b);
+      }
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": unexpected line '", line, "'"));
+    }
+  }
+  if (!header || p.layer_budgets.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": not a kvtier layer profile (header and budgets required)"));
+  }
+  if (p.profile_name.empty()) p.profile_name = path;
+  p.budget = *std::max_element(p.layer_budgets.begin(), p.layer_budgets.end());
+  return p;
+}
+
+absl::Status SaveLayerProfile(const std::string& path, const std::string& name,
+                              const std::vector<int64_t>& budgets) {
+  std::ofstream out(path, std::ios::trunc);
+  out << "kvtier-layer-profile 1\nname " << name << "\nbudgets";
+  for (int64_t b : budgets) out << " " << b;
+  out << "\n";
+  if (!out) return absl::InternalError(absl::StrCat("cannot write ", path));
+  return absl::OkStatus();
 }
 
 }  // namespace kvtier::evict

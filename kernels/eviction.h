@@ -83,6 +83,52 @@ absl::StatusOr<EvictionError> EvictionLoss(int q_heads, int kv_heads, int d, int
                                            const float* q, const float* k, const float* v,
                                            const std::vector<std::vector<int64_t>>& keep);
 
+// A named eviction policy (ALGORITHMS.md §1-2), selectable as text:
+//   "none", "streaming:B", "h2o:B", "snapkv:B", "pyramidkv:B", "ada-snapkv:B",
+//   "ada-pyramid:B", "profile:FILE" (per-layer budgets from a layer-profile
+//   file, SnapKV selection), with options ":w=", ":k=", ":pool=max|avg|none",
+//   ":gqa=mean|max", ":alpha=", ":beta=". B is the per-head budget in tokens,
+//   the observation window included.
+enum class Method {
+  kNone,
+  kStreaming,
+  kH2o,
+  kSnapKv,
+  kPyramidKv,
+  kAdaSnapKv,
+  kAdaPyramid,
+  kProfile
+};
+
+struct Policy {
+  Method method = Method::kSnapKv;
+  int64_t budget = 128;
+  ScoreOptions score;
+  double alpha = 0.2;                  // Ada-KV safeguard.
+  double beta = 20;                    // PyramidKV.
+  int sinks = 4;                       // StreamingLLM.
+  std::vector<int64_t> layer_budgets;  // kProfile: per-layer per-head budgets.
+  std::string profile_name;
+};
+
+absl::StatusOr<Policy> ParsePolicy(const std::string& text);
+std::string PolicyName(const Policy& p);
+
+// Which tokens each KV head of `layer` (of `layers`) keeps after a round's
+// prefill. x holds the round's queries for every position (H2O uses all,
+// SnapKV-family the last w). Returns ascending indices per KV head.
+absl::StatusOr<std::vector<std::vector<int64_t>>> SelectTokens(const Policy& p, int layer,
+                                                               int layers, const LayerQK& x);
+
+// Layer-profile files (EvolKV output): text lines
+//   kvtier-layer-profile 1
+//   name NAME
+//   budgets B_0 B_1 ... B_{L-1}
+// Per-head budgets per layer, window included. '#' starts a comment.
+absl::StatusOr<Policy> LoadLayerProfile(const std::string& path);
+absl::Status SaveLayerProfile(const std::string& path, const std::string& name,
+                              const std::vector<int64_t>& budgets);
+
 }  // namespace kvtier::evict
 
 #endif  // KVTIER_KERNELS_EVICTION_H_

@@ -1,6 +1,8 @@
 #include "kernels/eviction.h"
 
+#include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <numeric>
 #include <random>
 
@@ -144,6 +146,65 @@ TEST(EvictionLossTest, ZeroWhenEverythingIsKeptAndGrowsAsBudgetsShrink) {
     EXPECT_GT(e.rel, 0.0);
     prev = e.l1;
   }
+}
+
+TEST(PolicyTest, ParsesSelectsAndRejects) {
+  KVT_ASSERT_OK_AND_ASSIGN(Policy p, ParsePolicy("ada-snapkv:64:w=8:alpha=0.5:pool=avg"));
+  EXPECT_EQ(p.method, Method::kAdaSnapKv);
+  EXPECT_EQ(p.budget, 64);
+  EXPECT_EQ(p.score.window, 8);
+  EXPECT_EQ(p.score.pooling, Pooling::kAvg);
+  EXPECT_EQ(PolicyName(p), "ada-snapkv:64");
+  EXPECT_THAT(ParsePolicy("snapkv:0"), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ParsePolicy("snapkv:-3"), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ParsePolicy("snapkv:16"),
+              StatusIs(absl::StatusCode::kInvalidArgument));  // w = 32 > 16
+  EXPECT_THAT(ParsePolicy("ada-snapkv:64:alpha=2"), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ParsePolicy("lru:64"), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ParsePolicy("snapkv"), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ParsePolicy("profile:/nonexistent"), StatusIs(absl::StatusCode::kNotFound));
+
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd;
+  const int qh = 4, kvh = 2, d = 8, layers = 3;
+  const int64_t t = 60;
+  std::vector<float> q(qh * t * d), k(kvh * t * d);
+  for (float& x : q) x = nd(rng);
+  for (float& x : k) x = nd(rng);
+  const LayerQK x{qh, kvh, d, t, q.data(), k.data()};
+  for (const char* text : {"streaming:20", "h2o:20", "snapkv:20:w=4", "pyramidkv:20:w=4",
+                           "ada-snapkv:20:w=4", "ada-pyramid:20:w=4"}) {
+    KVT_ASSERT_OK_AND_ASSIGN(Policy pol, ParsePolicy(text));
+    int64_t total = 0;
+    for (int l = 0; l < layers; ++l) {
+      KVT_ASSERT_OK_AND_ASSIGN(auto keep, SelectTokens(pol, l, layers, x));
+      ASSERT_EQ(keep.size(), 2u);
+      for (const auto& h : keep) {
+        ASSERT_TRUE(std::is_sorted(h.begin(), h.end()));
+        EXPECT_EQ(h.back(), t - 1) << text;  // The newest token always stays.
+        total += static_cast<int64_t>(h.size());
+      }
+    }
+    // Same mean budget for every method: 20 per head per layer.
+    EXPECT_EQ(total, 20 * 2 * layers) << text;
+  }
+  KVT_ASSERT_OK_AND_ASSIGN(Policy big, ParsePolicy("snapkv:100:w=4"));
+  KVT_ASSERT_OK_AND_ASSIGN(auto all, SelectTokens(big, 0, layers, x));
+  EXPECT_EQ(all[0].size(), static_cast<size_t>(t));
+}
+
+TEST(PolicyTest, LayerProfileFiles) {
+  const std::string path = ::testing::TempDir() + "/profile.txt";
+  ASSERT_TRUE(SaveLayerProfile(path, "evolkv-test", {40, 24, 16}).ok());
+  KVT_ASSERT_OK_AND_ASSIGN(Policy p, ParsePolicy("profile:" + path + ":w=8"));
+  EXPECT_EQ(p.method, Method::kProfile);
+  EXPECT_THAT(p.layer_budgets, ElementsAre(40, 24, 16));
+  EXPECT_EQ(PolicyName(p), "profile:evolkv-test");
+  {
+    std::ofstream f(path);
+    f << "budgets 1 2\n";
+  }
+  EXPECT_THAT(LoadLayerProfile(path), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 }  // namespace
