@@ -1,12 +1,17 @@
 // `kvtier eval codecs`: the codec fidelity table (docs/codecs.md).
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "eval/codec_eval.h"
+#include "eval/eviction_eval.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "tools/cli_args.h"
 
 namespace kvtier::cli {
@@ -144,6 +149,134 @@ int EvalCodecs(const Args& args) {
   return 0;
 }
 
+constexpr char kEvictionHelp[] =
+    "kvtier eval eviction [flags]\n"
+    "  Every eviction method at every per-head budget, side by side: on a model, the\n"
+    "  teacher-forced KL and top-1 agreement against the full cache after evicting once at\n"
+    "  the end of the prompt; on the synthetic trace, L1 eviction loss and relative\n"
+    "  attention-output error for its decode queries.\n\n"
+    "  --model=PATH        llama2.c checkpoint (e.g. ../shared/models/stories260K.bin)\n"
+    "  --sequences=N       held-out sequences sampled from the model (default 4; seeds\n"
+    "                      1000+, disjoint from the EvolKV search's)\n"
+    "  --seq_len=N         tokens per sequence (default 512)   --prompt=N (default 384)\n"
+    "  --budgets=A,B,...   per-head budgets, window included (default 16,32,64,128)\n"
+    "  --methods=A,B,...   default streaming,h2o,snapkv,pyramidkv,ada-snapkv,ada-pyramid\n"
+    "  --profiles=F,...    EvolKV layer-profile files to add (kvtier budgets search)\n"
+    "  --synthetic=BOOL    include the synthetic trace (default true); --synthetic_layers=N\n"
+    "                      (default 1)\n"
+    "  --csv=FILE          one row per (trace, method, budget)\n"
+    "  The observation window is min(32, budget / 4) so every budget is valid.\n";
+
+std::string Cell(double x, const char* fmt = "%.6g") {
+  return std::isnan(x) ? std::string() : absl::StrFormat(fmt, x);
+}
+
+int EvalEviction(const Args& args) {
+  const std::vector<std::string> unknown =
+      args.Unknown({"model", "sequences", "seq_len", "prompt", "budgets", "methods", "profiles",
+                    "synthetic", "synthetic_layers", "csv", "help"});
+  if (!unknown.empty()) return Usage("unknown flag --" + unknown[0]);
+  if (args.Has("help")) {
+    std::printf("%s", kEvictionHelp);
+    return 0;
+  }
+  std::vector<int64_t> budgets;
+  for (absl::string_view b : absl::StrSplit(args.Get("budgets", "16,32,64,128"), ',', absl::SkipEmpty())) {
+    int64_t v;
+    if (!absl::SimpleAtoi(b, &v) || v < 4) return Usage("budgets must be integers >= 4");
+    budgets.push_back(v);
+  }
+  const std::vector<std::string> methods = absl::StrSplit(
+      args.Get("methods", "streaming,h2o,snapkv,pyramidkv,ada-snapkv,ada-pyramid"), ',', absl::SkipEmpty());
+  struct Entry {
+    std::string method;
+    int64_t budget;
+    evict::Policy policy;
+  };
+  std::vector<Entry> entries;
+  for (int64_t b : budgets) {
+    for (const std::string& m : methods) {
+      auto p = evict::ParsePolicy(absl::StrCat(m, ":", b, ":w=", std::min<int64_t>(32, b / 4)));
+      if (!p.ok()) return Usage(std::string(p.status().message()));
+      entries.push_back({m, b, *p});
+    }
+  }
+  if (args.Has("profiles")) {
+    for (absl::string_view f : absl::StrSplit(args.Get("profiles"), ',', absl::SkipEmpty())) {
+      auto prof = evict::LoadLayerProfile(std::string(f));
+      if (!prof.ok()) return Usage(std::string(prof.status().message()));
+      int64_t sum = 0;
+      for (int64_t b : prof->layer_budgets) sum += b;
+      const int64_t mean = sum / static_cast<int64_t>(prof->layer_budgets.size());
+      auto p = evict::ParsePolicy(absl::StrCat("profile:", f, ":w=", std::min<int64_t>(32, mean / 4)));
+      if (!p.ok()) return Usage(std::string(p.status().message()));
+      entries.push_back({"evolkv:" + prof->profile_name, mean, *p});
+    }
+  }
+  std::unique_ptr<std::ofstream> csv;
+  if (args.Has("csv")) {
+    csv = std::make_unique<std::ofstream>(args.Get("csv"));
+    if (!*csv) return Usage("cannot write --csv file " + args.Get("csv"));
+    *csv << "trace,method,budget,budget_frac,l1_loss,attn_rel_err,kl,top1_agree\n";
+  }
+  std::printf("%-22s %-28s %6s %8s %9s %9s %9s %7s\n", "trace", "method", "budget", "frac", "l1_loss",
+              "attn_err", "kl", "top1");
+  auto emit = [&](const std::string& trace, const Entry& e, double frac, double l1, double rel,
+                  double kl, double top1) {
+    std::printf("%-22s %-28s %6lld %8.4f %9.5f %9.5f %9.5f %7.4f\n", trace.c_str(), e.method.c_str(),
+                static_cast<long long>(e.budget), frac, l1, rel, kl, top1);
+    std::fflush(stdout);
+    if (csv) {
+      *csv << trace << "," << e.method << "," << e.budget << "," << Cell(frac, "%.5f") << "," << Cell(l1)
+           << "," << Cell(rel) << "," << Cell(kl) << "," << Cell(top1, "%.4f") << "\n";
+    }
+  };
+  size_t done = 0;
+  if (args.Has("model")) {
+    auto m = model::LlamaModel::Load(args.Get("model"));
+    if (!m.ok()) return Usage(std::string(m.status().message()));
+    const int len = static_cast<int>(args.GetU64("seq_len", 512));
+    const int prompt = static_cast<int>(args.GetU64("prompt", 384));
+    if (prompt < 8 || prompt + 2 > len) return Usage("--prompt must be in [8, seq_len - 2]");
+    std::vector<std::vector<int>> seqs;
+    for (uint64_t i = 0; i < args.GetU64("sequences", 4); ++i) {
+      auto s = model::SampleTokens(**m, len, 1000 + i);
+      if (!s.ok()) return Usage(std::string(s.status().message()));
+      seqs.push_back(*s);
+    }
+    std::string stem = args.Get("model");
+    stem = stem.substr(stem.find_last_of('/') + 1);
+    stem = stem.substr(0, stem.find('.'));
+    for (const Entry& e : entries) {
+      std::fprintf(stderr, "[%zu/%zu] %s:%lld on %s\n", ++done, entries.size(), e.method.c_str(),
+                   static_cast<long long>(e.budget), stem.c_str());
+      auto r = eval::EvalEvictionOnModel(**m, seqs, prompt, e.policy);
+      if (!r.ok()) return Usage(std::string(r.status().message()));
+      emit(stem, e, static_cast<double>(e.budget) / prompt, NAN, NAN, r->kl, r->top1);
+    }
+  }
+  if (args.Get("synthetic", "true") != "false") {
+    traces::SyntheticOptions o;
+    o.layers = static_cast<int>(args.GetU64("synthetic_layers", 1));
+    o.token_queries = true;
+    auto t = traces::MakeSyntheticTrace(o);
+    if (!t.ok()) return Usage(std::string(t.status().message()));
+    done = 0;
+    for (const Entry& e : entries) {
+      if (e.policy.method == evict::Method::kProfile &&
+          static_cast<int>(e.policy.layer_budgets.size()) != t->layers) {
+        continue;  // A model's profile does not fit the trace's layer count.
+      }
+      std::fprintf(stderr, "[%zu/%zu] %s:%lld on %s\n", ++done, entries.size(), e.method.c_str(),
+                   static_cast<long long>(e.budget), t->name.c_str());
+      auto r = eval::EvalEvictionOnTrace(*t, e.policy);
+      if (!r.ok()) return Usage(std::string(r.status().message()));
+      emit(t->name, e, static_cast<double>(e.budget) / t->tokens, r->l1, r->rel, NAN, NAN);
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int EvalCommand(const Args& args) {
@@ -152,7 +285,8 @@ int EvalCommand(const Args& args) {
     return args.positional().empty() ? 2 : 0;
   }
   if (args.positional()[0] == "codecs") return EvalCodecs(args);
-  return Usage("unknown eval '" + args.positional()[0] + "' (codecs)");
+  if (args.positional()[0] == "eviction") return EvalEviction(args);
+  return Usage("unknown eval '" + args.positional()[0] + "' (codecs, eviction)");
 }
 
 }  // namespace kvtier::cli

@@ -81,6 +81,11 @@ absl::StatusOr<KvTrace> CaptureModelTrace(const model::LlamaModel& m,
       }
     }
     const auto& qc = cap.queries(l);
+    t.q_tokens.resize(static_cast<size_t>(t.layers) * t.q_heads * t.tokens * hd);
+    for (int h = 0; h < t.q_heads; ++h) {
+      float* qt = t.q_tokens.data() + ((static_cast<int64_t>(l) * t.q_heads + h) * t.tokens) * hd;
+      for (int64_t p = 0; p < t.tokens; ++p) std::copy_n(qc.begin() + p * c.dim + h * hd, hd, qt + p * hd);
+    }
     for (int h = 0; h < t.q_heads; ++h) {
       float* qd = t.q.data() + ((static_cast<int64_t>(l) * t.q_heads + h) * t.queries) * hd;
       for (int64_t i = 0; i < t.queries; ++i) {
@@ -163,6 +168,28 @@ absl::StatusOr<KvTrace> MakeSyntheticTrace(const SyntheticOptions& o) {
           if (outlier[c] != 0) k = outlier[c] * o.outlier_magnitude * (1.0f + 0.15f * gauss(rng));
           kd[tok * d + c] = k;
           vd[tok * d + c] = gauss(rng) + vmean[r][c];
+        }
+      }
+      if (o.token_queries) {
+        t.q_tokens.resize(static_cast<size_t>(o.layers) * o.q_heads * t.tokens * d);
+        for (int j = 0; j < rep; ++j) {
+          const int qh = h * rep + j;
+          float* qd = t.q_tokens.data() + ((static_cast<int64_t>(l) * o.q_heads + qh) * t.tokens) * d;
+          for (int64_t tok = 0; tok < t.tokens; ++tok) {
+            const int r = static_cast<int>(tok / o.tokens_per_round);
+            double norm = 0;
+            std::vector<float> dir(d);
+            for (int c = 0; c < d; ++c) {
+              float x = 0.5f * sink[c] + topic[r][c] + 0.3f * gauss(rng);
+              if (r == o.rounds - 1) {
+                for (int f : t.focus_rounds) x += topic[f][c];
+              }
+              dir[c] = x;
+              norm += static_cast<double>(x) * x;
+            }
+            const float s = beta[qh] * sqrt_d / static_cast<float>(std::sqrt(norm));
+            for (int c = 0; c < d; ++c) qd[tok * d + c] = outlier[c] != 0 ? 0.05f * gauss(rng) : dir[c] * s;
+          }
         }
       }
       for (int j = 0; j < rep; ++j) {

@@ -26,6 +26,10 @@ struct KvTrace {
   int64_t queries = 0;      // Decode queries per head; each attends over all cached tokens.
   std::vector<float> k, v;  // [layers, kv_heads, tokens, head_dim]
   std::vector<float> q;     // [layers, q_heads, queries, head_dim]; may be empty (imports).
+  // Optional: every cached position's own query, [layers, q_heads, tokens,
+  // head_dim] (model traces; synthetic ones with token_queries). Eviction
+  // scoring reads it (SnapKV the last w rows, H2O all).
+  std::vector<float> q_tokens;
   // Synthetic traces: the first token of each round, and the earlier rounds
   // the final question attends to.
   std::vector<int64_t> round_begin;
@@ -41,6 +45,9 @@ struct KvTrace {
   }
   const float* Q(int layer, int head) const {
     return q.data() + Offset(layer, head, q_heads, queries);
+  }
+  const float* QT(int layer, int head) const {
+    return q_tokens.data() + Offset(layer, head, q_heads, tokens);
   }
 
  private:
@@ -85,6 +92,10 @@ struct SyntheticOptions {
   float min_concentration = 0.3f;
   float max_concentration = 6.0f;
   int focus_rounds = 2;
+  // Also generate every token's own query (q_tokens): tokens of round r look
+  // at round r's topic and the sinks; the final round's look where the
+  // question's decode queries do.
+  bool token_queries = false;
   uint64_t seed = 1;
 };
 absl::StatusOr<KvTrace> MakeSyntheticTrace(const SyntheticOptions& o);
