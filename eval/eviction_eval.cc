@@ -9,7 +9,12 @@
 namespace kvtier::eval {
 
 EvictingAttention::EvictingAttention(const model::LlamaConfig& c, evict::Policy p, int prompt_len)
-    : c_(c), p_(std::move(p)), prompt_(prompt_len), full_(c), q_(c.n_layers), flat_(c.n_layers),
+    : c_(c),
+      p_(std::move(p)),
+      prompt_(prompt_len),
+      full_(c),
+      q_(c.n_layers),
+      flat_(c.n_layers),
       kept_(c.n_layers, 0) {}
 
 absl::Status EvictingAttention::Attend(int layer, int pos, const float* q, const float* k,
@@ -25,16 +30,19 @@ absl::Status EvictingAttention::Attend(int layer, int pos, const float* q, const
     std::vector<float> qm(static_cast<size_t>(qh) * n * hd), km(static_cast<size_t>(kvh) * n * hd),
         vm(km.size());
     for (int64_t t = 0; t < n; ++t) {
-      for (int h = 0; h < qh; ++h) std::copy_n(q_[layer].begin() + t * c_.dim + h * hd, hd, qm.begin() + (h * n + t) * hd);
+      for (int h = 0; h < qh; ++h)
+        std::copy_n(q_[layer].begin() + t * c_.dim + h * hd, hd, qm.begin() + (h * n + t) * hd);
       for (int h = 0; h < kvh; ++h) {
         std::copy_n(full_.keys(layer).begin() + t * kv + h * hd, hd, km.begin() + (h * n + t) * hd);
-        std::copy_n(full_.values(layer).begin() + t * kv + h * hd, hd, vm.begin() + (h * n + t) * hd);
+        std::copy_n(full_.values(layer).begin() + t * kv + h * hd, hd,
+                    vm.begin() + (h * n + t) * hd);
       }
     }
     const evict::LayerQK x{qh, kvh, hd, n, qm.data(), km.data()};
     KVT_ASSIGN_OR_RETURN(auto keep, evict::SelectTokens(p_, layer, c_.n_layers, x));
     for (const auto& h : keep) kept_[layer] += static_cast<int64_t>(h.size());
-    KVT_ASSIGN_OR_RETURN(FlatKvCache fc, FlatKvCache::Gather(kvh, hd, n, km.data(), vm.data(), keep));
+    KVT_ASSIGN_OR_RETURN(FlatKvCache fc,
+                         FlatKvCache::Gather(kvh, hd, n, km.data(), vm.data(), keep));
     flat_[layer] = std::make_unique<FlatKvCache>(std::move(fc));
   }
   // The new token's k/v arrive token-major [kv_heads * hd], as Append wants.
@@ -59,14 +67,18 @@ absl::StatusOr<ModelFidelity> EvalEvictionOnModel(const model::LlamaModel& m,
     model::Forward ff(m), fe(m);
     for (size_t pos = 0; pos + 1 < seq.size(); ++pos) {
       const bool scored = static_cast<int>(pos) >= prompt_len;
-      KVT_RETURN_IF_ERROR(ff.Step(seq[pos], static_cast<int>(pos), &full, scored ? lf.data() : nullptr));
-      KVT_RETURN_IF_ERROR(fe.Step(seq[pos], static_cast<int>(pos), &ev, scored ? le.data() : nullptr));
+      KVT_RETURN_IF_ERROR(
+          ff.Step(seq[pos], static_cast<int>(pos), &full, scored ? lf.data() : nullptr));
+      KVT_RETURN_IF_ERROR(
+          fe.Step(seq[pos], static_cast<int>(pos), &ev, scored ? le.data() : nullptr));
       if (!scored) continue;
-      r.kl += model::KlDivergence(model::Softmax(lf.data(), c.vocab_size), model::Softmax(le.data(), c.vocab_size));
+      r.kl += model::KlDivergence(model::Softmax(lf.data(), c.vocab_size),
+                                  model::Softmax(le.data(), c.vocab_size));
       agree += model::Argmax(lf.data(), c.vocab_size) == model::Argmax(le.data(), c.vocab_size);
       ++n;
     }
-    for (int64_t k : ev.kept()) kept += static_cast<double>(k) / (c.n_kv_heads * c.n_layers * prompt_len);
+    for (int64_t k : ev.kept())
+      kept += static_cast<double>(k) / (c.n_kv_heads * c.n_layers * prompt_len);
   }
   r.kl /= n;
   r.top1 = static_cast<double>(agree) / n;
@@ -74,9 +86,11 @@ absl::StatusOr<ModelFidelity> EvalEvictionOnModel(const model::LlamaModel& m,
   return r;
 }
 
-absl::StatusOr<TraceFidelity> EvalEvictionOnTrace(const traces::KvTrace& t, const evict::Policy& p) {
+absl::StatusOr<TraceFidelity> EvalEvictionOnTrace(const traces::KvTrace& t,
+                                                  const evict::Policy& p) {
   if (t.q_tokens.empty() || t.q.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("trace ", t.name, " has no per-token or decode queries"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("trace ", t.name, " has no per-token or decode queries"));
   }
   TraceFidelity r;
   const int d = t.head_dim;
@@ -89,7 +103,8 @@ absl::StatusOr<TraceFidelity> EvalEvictionOnTrace(const traces::KvTrace& t, cons
     for (int64_t i = 0; i < t.queries; ++i) {
       for (int h = 0; h < t.q_heads; ++h) std::copy_n(t.Q(l, h) + i * d, d, q.begin() + h * d);
       KVT_ASSIGN_OR_RETURN(evict::EvictionError e,
-                           evict::EvictionLoss(t.q_heads, t.kv_heads, d, t.tokens, q.data(), t.K(l, 0), t.V(l, 0), keep));
+                           evict::EvictionLoss(t.q_heads, t.kv_heads, d, t.tokens, q.data(),
+                                               t.K(l, 0), t.V(l, 0), keep));
       r.l1 += e.l1;
       // Recover squared norms from rel: accumulate per query weighted equally.
       num += e.rel * e.rel;

@@ -178,7 +178,8 @@ absl::StatusOr<std::vector<int64_t>> PyramidBudgets(int64_t budget, int window, 
     mx = n;
     mn = 2 * bp - mx;
   }
-  const int64_t step = layers > 1 ? (mx - mn) / (layers - 1) : 0;
+  if (layers == 1) return std::vector<int64_t>{std::min(bp, n)};  // No pyramid over one layer.
+  const int64_t step = (mx - mn) / (layers - 1);
   std::vector<int64_t> out(layers);
   for (int l = 0; l < layers; ++l) out[l] = std::clamp<int64_t>(mx - l * step, 0, n);
   return out;

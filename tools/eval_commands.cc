@@ -7,11 +7,13 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "eval/codec_eval.h"
 #include "eval/eviction_eval.h"
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
+#include "eval/evolkv.h"
 #include "tools/cli_args.h"
 
 namespace kvtier::cli {
@@ -181,13 +183,15 @@ int EvalEviction(const Args& args) {
     return 0;
   }
   std::vector<int64_t> budgets;
-  for (absl::string_view b : absl::StrSplit(args.Get("budgets", "16,32,64,128"), ',', absl::SkipEmpty())) {
+  for (absl::string_view b :
+       absl::StrSplit(args.Get("budgets", "16,32,64,128"), ',', absl::SkipEmpty())) {
     int64_t v;
     if (!absl::SimpleAtoi(b, &v) || v < 4) return Usage("budgets must be integers >= 4");
     budgets.push_back(v);
   }
-  const std::vector<std::string> methods = absl::StrSplit(
-      args.Get("methods", "streaming,h2o,snapkv,pyramidkv,ada-snapkv,ada-pyramid"), ',', absl::SkipEmpty());
+  const std::vector<std::string> methods =
+      absl::StrSplit(args.Get("methods", "streaming,h2o,snapkv,pyramidkv,ada-snapkv,ada-pyramid"),
+                     ',', absl::SkipEmpty());
   struct Entry {
     std::string method;
     int64_t budget;
@@ -208,7 +212,8 @@ int EvalEviction(const Args& args) {
       int64_t sum = 0;
       for (int64_t b : prof->layer_budgets) sum += b;
       const int64_t mean = sum / static_cast<int64_t>(prof->layer_budgets.size());
-      auto p = evict::ParsePolicy(absl::StrCat("profile:", f, ":w=", std::min<int64_t>(32, mean / 4)));
+      auto p =
+          evict::ParsePolicy(absl::StrCat("profile:", f, ":w=", std::min<int64_t>(32, mean / 4)));
       if (!p.ok()) return Usage(std::string(p.status().message()));
       entries.push_back({"evolkv:" + prof->profile_name, mean, *p});
     }
@@ -219,16 +224,16 @@ int EvalEviction(const Args& args) {
     if (!*csv) return Usage("cannot write --csv file " + args.Get("csv"));
     *csv << "trace,method,budget,budget_frac,l1_loss,attn_rel_err,kl,top1_agree\n";
   }
-  std::printf("%-22s %-28s %6s %8s %9s %9s %9s %7s\n", "trace", "method", "budget", "frac", "l1_loss",
-              "attn_err", "kl", "top1");
+  std::printf("%-22s %-28s %6s %8s %9s %9s %9s %7s\n", "trace", "method", "budget", "frac",
+              "l1_loss", "attn_err", "kl", "top1");
   auto emit = [&](const std::string& trace, const Entry& e, double frac, double l1, double rel,
                   double kl, double top1) {
-    std::printf("%-22s %-28s %6lld %8.4f %9.5f %9.5f %9.5f %7.4f\n", trace.c_str(), e.method.c_str(),
-                static_cast<long long>(e.budget), frac, l1, rel, kl, top1);
+    std::printf("%-22s %-28s %6lld %8.4f %9.5f %9.5f %9.5f %7.4f\n", trace.c_str(),
+                e.method.c_str(), static_cast<long long>(e.budget), frac, l1, rel, kl, top1);
     std::fflush(stdout);
     if (csv) {
-      *csv << trace << "," << e.method << "," << e.budget << "," << Cell(frac, "%.5f") << "," << Cell(l1)
-           << "," << Cell(rel) << "," << Cell(kl) << "," << Cell(top1, "%.4f") << "\n";
+      *csv << trace << "," << e.method << "," << e.budget << "," << Cell(frac, "%.5f") << ","
+           << Cell(l1) << "," << Cell(rel) << "," << Cell(kl) << "," << Cell(top1, "%.4f") << "\n";
     }
   };
   size_t done = 0;
@@ -277,7 +282,70 @@ int EvalEviction(const Args& args) {
   return 0;
 }
 
+constexpr char kBudgetsHelp[] =
+    "kvtier budgets search --model=PATH --out=FILE [flags]\n"
+    "  EvolKV: searches per-layer budgets with CMA-ES (groups of n_g layers, bottom first)\n"
+    "  to minimize the teacher-forced KL against the full cache plus lambda * (1 -\n"
+    "  CacheScore), then completes them to a mean of exactly --budget. Writes a layer\n"
+    "  profile that policies name as profile:FILE. Deterministic for a seed.\n\n"
+    "  --budget=C          target mean per-head budget, window included (default 64)\n"
+    "  --group=N           layers per CMA-ES group, n_g (default 1)\n"
+    "  --lambda=X --gamma=X   penalty weight (default 1) and CacheScore softness (0.5)\n"
+    "  --evals=N           objective evaluations per group (default 60)\n"
+    "  --sequences=N       search sequences sampled with seeds 1..N (default 2)\n"
+    "  --seq_len=N --prompt=N  (defaults 512, 384)   --seed=S (default 1)\n";
+
+int BudgetsSearch(const Args& args) {
+  const std::vector<std::string> unknown =
+      args.Unknown({"model", "out", "budget", "group", "lambda", "gamma", "evals", "sequences",
+                    "seq_len", "prompt", "seed", "help"});
+  if (!unknown.empty()) return Usage("unknown flag --" + unknown[0]);
+  if (args.Has("help") || !args.Has("model") || !args.Has("out")) {
+    std::printf("%s", kBudgetsHelp);
+    return args.Has("help") ? 0 : 2;
+  }
+  auto m = model::LlamaModel::Load(args.Get("model"));
+  if (!m.ok()) return Usage(std::string(m.status().message()));
+  eval::EvolKvOptions o;
+  o.mean_budget = static_cast<int64_t>(args.GetU64("budget", 64));
+  o.group_layers = static_cast<int>(args.GetU64("group", 1));
+  o.evals_per_group = static_cast<int>(args.GetU64("evals", 60));
+  o.prompt = static_cast<int>(args.GetU64("prompt", 384));
+  o.seed = args.GetU64("seed", 1);
+  if (args.Has("lambda") && !absl::SimpleAtod(args.Get("lambda"), &o.lambda))
+    return Usage("bad --lambda");
+  if (args.Has("gamma") && !absl::SimpleAtod(args.Get("gamma"), &o.gamma))
+    return Usage("bad --gamma");
+  const int len = static_cast<int>(args.GetU64("seq_len", 512));
+  if (o.prompt < 8 || o.prompt + 2 > len) return Usage("--prompt must be in [8, seq_len - 2]");
+  std::vector<std::vector<int>> seqs;
+  for (uint64_t i = 0; i < args.GetU64("sequences", 2); ++i) {
+    auto s = model::SampleTokens(**m, len, 1 + i);
+    if (!s.ok()) return Usage(std::string(s.status().message()));
+    seqs.push_back(*s);
+  }
+  auto r = eval::SearchLayerBudgets(
+      **m, seqs, o, [](const std::string& msg) { std::fprintf(stderr, "%s\n", msg.c_str()); });
+  if (!r.ok()) return Usage(std::string(r.status().message()));
+  const std::string name = absl::StrCat("evolkv-c", o.mean_budget, "-seed", o.seed);
+  if (auto s = evict::SaveLayerProfile(args.Get("out"), name, r->budgets); !s.ok()) {
+    return Usage(std::string(s.message()));
+  }
+  std::printf(
+      "profile %s -> %s\nbudgets %s\nsearch-set KL: profile %.5f, uniform snapkv:%lld %.5f (%d "
+      "evaluations)\n",
+      name.c_str(), args.Get("out").c_str(), absl::StrJoin(r->budgets, " ").c_str(), r->kl,
+      static_cast<long long>(o.mean_budget), r->uniform_kl, r->evals);
+  return 0;
+}
+
 }  // namespace
+
+int BudgetsCommand(const Args& args) {
+  if (!args.positional().empty() && args.positional()[0] == "search") return BudgetsSearch(args);
+  std::printf("%s", kBudgetsHelp);
+  return args.positional().empty() || args.positional()[0] != "help" ? 2 : 0;
+}
 
 int EvalCommand(const Args& args) {
   if (args.positional().empty() || args.positional()[0] == "help") {

@@ -10,6 +10,7 @@ namespace kvtier::cli {
 
 int StoreCommand(const Args& args);
 int EvalCommand(const Args& args);
+int BudgetsCommand(const Args& args);
 
 Args::Args(int argc, char** argv, int first) {
   for (int i = first; i < argc; ++i) {
@@ -64,11 +65,15 @@ int main(int argc, char** argv) {
   std::string cmd = argc > 1 ? argv[1] : "help";
   if (cmd == "store") return kvtier::cli::StoreCommand(kvtier::cli::Args(argc, argv, 2));
   if (cmd == "eval") return kvtier::cli::EvalCommand(kvtier::cli::Args(argc, argv, 2));
+  if (cmd == "budgets") return kvtier::cli::BudgetsCommand(kvtier::cli::Args(argc, argv, 2));
   std::printf(
       "kvtier: the kvtier command-line tool\n\n"
       "  kvtier store SUBCOMMAND [--target=HOST:PORT] [--token=TOKEN] ...\n"
       "      put | get | ls | drop | rm | pin | stats   (kvtier store help)\n"
       "  kvtier eval codecs [--model=PATH] [--csv=FILE] ...\n"
-      "      codec fidelity table                     (kvtier eval help)\n");
+      "  kvtier eval eviction [--model=PATH] [--csv=FILE] ...\n"
+      "      codec fidelity / eviction tables         (kvtier eval help)\n"
+      "  kvtier budgets search --model=PATH --out=FILE [--budget=C]\n"
+      "      EvolKV layer-budget search               (kvtier budgets help)\n");
   return cmd == "help" || cmd == "--help" ? 0 : 2;
 }

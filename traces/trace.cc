@@ -84,7 +84,8 @@ absl::StatusOr<KvTrace> CaptureModelTrace(const model::LlamaModel& m,
     t.q_tokens.resize(static_cast<size_t>(t.layers) * t.q_heads * t.tokens * hd);
     for (int h = 0; h < t.q_heads; ++h) {
       float* qt = t.q_tokens.data() + ((static_cast<int64_t>(l) * t.q_heads + h) * t.tokens) * hd;
-      for (int64_t p = 0; p < t.tokens; ++p) std::copy_n(qc.begin() + p * c.dim + h * hd, hd, qt + p * hd);
+      for (int64_t p = 0; p < t.tokens; ++p)
+        std::copy_n(qc.begin() + p * c.dim + h * hd, hd, qt + p * hd);
     }
     for (int h = 0; h < t.q_heads; ++h) {
       float* qd = t.q.data() + ((static_cast<int64_t>(l) * t.q_heads + h) * t.queries) * hd;
@@ -174,7 +175,8 @@ absl::StatusOr<KvTrace> MakeSyntheticTrace(const SyntheticOptions& o) {
         t.q_tokens.resize(static_cast<size_t>(o.layers) * o.q_heads * t.tokens * d);
         for (int j = 0; j < rep; ++j) {
           const int qh = h * rep + j;
-          float* qd = t.q_tokens.data() + ((static_cast<int64_t>(l) * o.q_heads + qh) * t.tokens) * d;
+          float* qd =
+              t.q_tokens.data() + ((static_cast<int64_t>(l) * o.q_heads + qh) * t.tokens) * d;
           for (int64_t tok = 0; tok < t.tokens; ++tok) {
             const int r = static_cast<int>(tok / o.tokens_per_round);
             double norm = 0;
@@ -188,7 +190,8 @@ absl::StatusOr<KvTrace> MakeSyntheticTrace(const SyntheticOptions& o) {
               norm += static_cast<double>(x) * x;
             }
             const float s = beta[qh] * sqrt_d / static_cast<float>(std::sqrt(norm));
-            for (int c = 0; c < d; ++c) qd[tok * d + c] = outlier[c] != 0 ? 0.05f * gauss(rng) : dir[c] * s;
+            for (int c = 0; c < d; ++c)
+              qd[tok * d + c] = outlier[c] != 0 ? 0.05f * gauss(rng) : dir[c] * s;
           }
         }
       }
