@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
@@ -312,6 +313,12 @@ TEST_F(StoreIntegrationTest, CancelledAndCappedUploadsStoreNothing) {
               StatusIs(Code::kResourceExhausted));
   ctx->TryCancel();
   EXPECT_EQ(stalled->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  // The client sees CANCELLED before the store has torn the upload down; the
+  // store must get there, so wait for it (bounded) rather than race it.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (alice_->ListRounds("s").ok() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   EXPECT_THAT(alice_->ListRounds("s"), StatusIs(Code::kNotFound));
   EXPECT_EQ(Stats().tenant_bytes(), 0u);
 }
