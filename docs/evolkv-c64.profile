@@ -1,3 +1,3 @@
 kvtier-layer-profile 1
 name evolkv-c64-seed1
-budgets 49 64 79 49 79
+budgets 80 58 53 53 76
