@@ -18,6 +18,7 @@
 #include "kernels/attention.h"
 #include "kernels/codec.h"
 #include "kernels/codec_internal.h"
+#include "kernels/flat_cache.h"
 
 namespace {
 
@@ -207,7 +208,51 @@ void AttnArgs(benchmark::internal::Benchmark* b) {
   }
 }
 
+// Ada-KV flattened cache: one decode step = append to every head + attention,
+// against attention over a dense fp32 cache of the same total length.
+constexpr int64_t kFlatTokens = 4096;  // Mean per KV head.
+
+void BM_DenseFp32Attention(benchmark::State& state) {
+  const std::vector<float> k = Random(kHeads * kFlatTokens * kDim, 11), v = Random(k.size(), 12);
+  const std::vector<float> q = Random(kQHeads * kDim, 13);
+  std::vector<float> out(q.size());
+  const kvtier::KvBlock b{kvtier::EncodedView::Raw(v1::DTYPE_FP32, k.data(), kHeads, kFlatTokens,
+                                                   kDim, kFlatTokens * kDim, kDim),
+                          kvtier::EncodedView::Raw(v1::DTYPE_FP32, v.data(), kHeads, kFlatTokens,
+                                                   kDim, kFlatTokens * kDim, kDim)};
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(
+        kvtier::DecodeAttention({kQHeads, kHeads, kDim}, q.data(), {&b, 1}, out.data()));
+  }
+  SetRatio(state, 2.0 * k.size() * 4);
+}
+
+void BM_FlatAppendAndAttention(benchmark::State& state) {
+  const std::vector<float> k = Random(kHeads * 2 * kFlatTokens * kDim, 11),
+                           v = Random(k.size(), 12);
+  // Heads keep between 1/4 and 7/4 of the mean, same total as the dense case.
+  std::vector<std::vector<int64_t>> keep(kHeads);
+  for (int h = 0; h < kHeads; ++h) {
+    const int64_t n = kFlatTokens / 4 + (kFlatTokens * 3 / 2) * h / (kHeads - 1);
+    for (int64_t t = 0; t < n; ++t) keep[h].push_back(t);
+  }
+  auto cache = kvtier::FlatKvCache::Gather(kHeads, kDim, 2 * kFlatTokens, k.data(), v.data(), keep);
+  const std::vector<float> q = Random(kQHeads * kDim, 13), nk = Random(kHeads * kDim, 14);
+  std::vector<float> out(q.size());
+  const bool append = state.range(0) == 1;
+  for (auto _ : state) {
+    if (append) cache->Append(nk.data(), nk.data());
+    benchmark::DoNotOptimize(cache->Attend(kQHeads, q.data(), out.data()));
+  }
+  SetRatio(state, 2.0 * cache->total_tokens() * kDim * 4);
+  state.SetLabel(std::string(append ? "append+attend, " : "attend only, ") +
+                 std::to_string(cache->total_tokens()) + " tokens at the end");
+}
+
 BENCHMARK(BM_Memcpy);
+BENCHMARK(BM_DenseFp32Attention)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_FlatAppendAndAttention)->Arg(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_FlatAppendAndAttention)->Arg(0)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_QuantizeKernel)
     ->ArgsProduct({{2, 4, 8}, {0, 1}, {1}})
     ->Args({4, 0, 0})
