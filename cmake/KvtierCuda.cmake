@@ -20,6 +20,8 @@ endif()
 if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
   set(CMAKE_CUDA_ARCHITECTURES 80 90)
 endif()
+# C++17 for device code: CMake 3.25 does not know the CUDA20 dialect of nvcc 13.
+# The .cu files include only plain C++ headers (kernels/cuda/cuda_kernels.h).
 set(CMAKE_CUDA_STANDARD 17)
 enable_language(CUDA)
 find_package(CUDAToolkit REQUIRED)

@@ -9,13 +9,9 @@
 #include "kernels/encoded_tensor.h"
 
 namespace kvtier::eval {
-namespace {
-
-std::string Cell(double x, const char* fmt = "%.6g") {
+std::string CsvCell(double x, const char* fmt) {
   return std::isnan(x) ? std::string() : absl::StrFormat(fmt, x);
 }
-
-}  // namespace
 
 std::vector<std::string> DefaultCodecSettings() {
   return {"fp16",
@@ -162,9 +158,9 @@ std::string CsvRow(const CodecRow& r) {
                       grouped ? absl::StrCat(c.group_size) : std::string(), ",",
                       gear ? absl::StrCat(c.rank) : std::string(), ",",
                       c.codec == v1::CODEC_GEAR ? absl::StrCat(c.outlier_fraction) : std::string(),
-                      ",", Cell(r.compression_ratio, "%.4f"), ",", Cell(r.k_rel_err), ",",
-                      Cell(r.v_rel_err), ",", Cell(r.attn_rel_err), ",", Cell(r.kl), ",",
-                      Cell(r.top1_agree, "%.4f"));
+                      ",", CsvCell(r.compression_ratio, "%.4f"), ",", CsvCell(r.k_rel_err), ",",
+                      CsvCell(r.v_rel_err), ",", CsvCell(r.attn_rel_err), ",", CsvCell(r.kl), ",",
+                      CsvCell(r.top1_agree, "%.4f"));
 }
 
 }  // namespace kvtier::eval

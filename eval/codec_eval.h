@@ -57,6 +57,9 @@ class StreamAttention : public model::AttentionBackend {
 // The settings `kvtier eval codecs` runs by default.
 std::vector<std::string> DefaultCodecSettings();
 
+// A CSV cell: empty for NaN (a metric that does not apply), else `fmt`.
+std::string CsvCell(double x, const char* fmt = "%.6g");
+
 // CSV header and row in the documented column order.
 std::string CsvHeader();
 std::string CsvRow(const CodecRow& r);

@@ -106,7 +106,7 @@ absl::StatusOr<TraceFidelity> EvalEvictionOnTrace(const traces::KvTrace& t,
                            evict::EvictionLoss(t.q_heads, t.kv_heads, d, t.tokens, q.data(),
                                                t.K(l, 0), t.V(l, 0), keep));
       r.l1 += e.l1;
-      // Recover squared norms from rel: accumulate per query weighted equally.
+      // Each query weighs the same: the root mean square of the per-query errors.
       num += e.rel * e.rel;
       den += 1.0;
       ++count;

@@ -51,7 +51,7 @@ absl::StatusOr<ModelFidelity> EvalEvictionOnModel(const model::LlamaModel& m,
 
 struct TraceFidelity {
   double l1 = 0;   // Mean over decode queries and layers of the summed per-head L1 loss.
-  double rel = 0;  // ||O - O^||_F / ||O||_F over all decode queries and layers.
+  double rel = 0;  // Root mean square over decode queries and layers of ||O - O^||_F / ||O||_F.
 };
 
 // Needs the trace's q_tokens (scoring) and q (decode queries).

@@ -8,7 +8,6 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "eval/codec_eval.h"
@@ -38,6 +37,12 @@ constexpr char kHelp[] =
     "  --block=NB          streaming block n_b for every setting (default 64)\n"
     "  --seed=S            sampling and synthetic seed (default 1)\n"
     "  --csv=FILE          also write one CSV row per (trace, setting)\n";
+
+// A trace name from a checkpoint path: "../m/stories260K.bin" -> "stories260K".
+std::string ModelStem(const std::string& path) {
+  std::string stem = path.substr(path.find_last_of('/') + 1);
+  return stem.substr(0, stem.find('.'));
+}
 
 int Usage(const std::string& msg) {
   std::fprintf(stderr, "kvtier eval: %s\n\n%s", msg.c_str(), kHelp);
@@ -80,9 +85,7 @@ int EvalCodecs(const Args& args) {
       if (!s.ok()) return Usage(std::string(s.status().message()));
       seqs.push_back(*s);
     }
-    std::string stem = args.Get("model");
-    stem = stem.substr(stem.find_last_of('/') + 1);
-    stem = stem.substr(0, stem.find('.'));
+    const std::string stem = ModelStem(args.Get("model"));
     auto t = traces::CaptureModelTrace(*model, seqs[0],
                                        static_cast<int>(args.GetU64("queries", 32)), stem);
     if (!t.ok()) return Usage(std::string(t.status().message()));
@@ -169,10 +172,6 @@ constexpr char kEvictionHelp[] =
     "  --csv=FILE          one row per (trace, method, budget)\n"
     "  The observation window is min(32, budget / 4) so every budget is valid.\n";
 
-std::string Cell(double x, const char* fmt = "%.6g") {
-  return std::isnan(x) ? std::string() : absl::StrFormat(fmt, x);
-}
-
 int EvalEviction(const Args& args) {
   const std::vector<std::string> unknown =
       args.Unknown({"model", "sequences", "seq_len", "prompt", "budgets", "methods", "profiles",
@@ -232,8 +231,9 @@ int EvalEviction(const Args& args) {
                 e.method.c_str(), static_cast<long long>(e.budget), frac, l1, rel, kl, top1);
     std::fflush(stdout);
     if (csv) {
-      *csv << trace << "," << e.method << "," << e.budget << "," << Cell(frac, "%.5f") << ","
-           << Cell(l1) << "," << Cell(rel) << "," << Cell(kl) << "," << Cell(top1, "%.4f") << "\n";
+      *csv << trace << "," << e.method << "," << e.budget << "," << eval::CsvCell(frac, "%.5f")
+           << "," << eval::CsvCell(l1) << "," << eval::CsvCell(rel) << "," << eval::CsvCell(kl)
+           << "," << eval::CsvCell(top1, "%.4f") << "\n";
     }
   };
   size_t done = 0;
@@ -249,9 +249,7 @@ int EvalEviction(const Args& args) {
       if (!s.ok()) return Usage(std::string(s.status().message()));
       seqs.push_back(*s);
     }
-    std::string stem = args.Get("model");
-    stem = stem.substr(stem.find_last_of('/') + 1);
-    stem = stem.substr(0, stem.find('.'));
+    const std::string stem = ModelStem(args.Get("model"));
     for (const Entry& e : entries) {
       std::fprintf(stderr, "[%zu/%zu] %s:%lld on %s\n", ++done, entries.size(), e.method.c_str(),
                    static_cast<long long>(e.budget), stem.c_str());

@@ -118,7 +118,8 @@ __global__ void ScoreKernel(AttnDims a, QuantDims kq, DeviceKv k, const float* q
     const float kv = LoadKv(k, kq, h, t, c);
     for (int r = 0; r < rep && r < 8; ++r) acc[r] += qs[r * a.d + c] * kv;
   }
-  for (int r = 0; r < rep && r < 8; ++r) scores[static_cast<int64_t>(h * rep + r) * a.tokens + t] = acc[r] * a.scale;
+  for (int r = 0; r < rep && r < 8; ++r)
+    scores[static_cast<int64_t>(h * rep + r) * a.tokens + t] = acc[r] * a.scale;
   // More than 8 query heads per KV head: the rest, one at a time.
   for (int r = 8; r < rep; ++r) {
     float s = 0.0f;
@@ -184,8 +185,8 @@ bool DeviceAvailable() {
 
 const char* ErrorString(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }
 
-int Quantize(const QuantDims& q, const float* x, uint32_t* codes, uint16_t* scales,
-             uint16_t* zeros, void* stream) {
+int Quantize(const QuantDims& q, const float* x, uint32_t* codes, uint16_t* scales, uint16_t* zeros,
+             void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (q.tq == 0 || q.slabs == 0) return 0;
   cudaError_t e = cudaMemsetAsync(codes, 0, q.WordsPerSlab() * q.slabs * 4, s);
@@ -204,8 +205,8 @@ int Dequantize(const QuantDims& q, const uint32_t* codes, const uint16_t* scales
                const uint16_t* zeros, float* out, void* stream) {
   const int64_t n = q.tq * q.d * q.slabs;
   if (n == 0) return 0;
-  DequantizeKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      q, codes, scales, zeros, out);
+  DequantizeKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0,
+                     static_cast<cudaStream_t>(stream)>>>(q, codes, scales, zeros, out);
   return cudaGetLastError();
 }
 
@@ -227,14 +228,17 @@ int DecodeAttention(const AttnDims& a, const float* q, const DeviceKv& k, const 
   vq.bits = v.bits > 0 ? v.bits : 16;
   vq.group = v.group;
   const int rep = a.q_heads / a.kv_heads;
-  const dim3 sgrid(static_cast<unsigned>((a.tokens + 127) / 128), static_cast<unsigned>(a.kv_heads));
+  const dim3 sgrid(static_cast<unsigned>((a.tokens + 127) / 128),
+                   static_cast<unsigned>(a.kv_heads));
   ScoreKernel<<<sgrid, 128, rep * a.d * sizeof(float), s>>>(a, kq, k, q, scratch);
   SoftmaxKernel<<<a.q_heads, 1024, 0, s>>>(a, scratch);
   cudaError_t e = cudaMemsetAsync(out, 0, static_cast<size_t>(a.q_heads) * a.d * sizeof(float), s);
   if (e != cudaSuccess) return e;
   const int64_t slice = 256;
-  const dim3 agrid(static_cast<unsigned>((a.tokens + slice - 1) / slice), static_cast<unsigned>(a.kv_heads));
-  AccumulateKernel<<<agrid, a.d <= 32 ? 32 : ((a.d + 31) / 32) * 32, 0, s>>>(a, vq, v, scratch, out, slice);
+  const dim3 agrid(static_cast<unsigned>((a.tokens + slice - 1) / slice),
+                   static_cast<unsigned>(a.kv_heads));
+  AccumulateKernel<<<agrid, a.d <= 32 ? 32 : ((a.d + 31) / 32) * 32, 0, s>>>(a, vq, v, scratch, out,
+                                                                             slice);
   return cudaGetLastError();
 }
 
