@@ -46,7 +46,7 @@ absl::Status EvictingAttention::Attend(int layer, int pos, const float* q, const
     flat_[layer] = std::make_unique<FlatKvCache>(std::move(fc));
   }
   // The new token's k/v arrive token-major [kv_heads * hd], as Append wants.
-  flat_[layer]->Append(k, v);
+  KVT_RETURN_IF_ERROR(flat_[layer]->Append(k, v));
   return flat_[layer]->Attend(qh, q, out);
 }
 
