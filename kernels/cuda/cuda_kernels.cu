@@ -176,6 +176,101 @@ __global__ void AccumulateKernel(AttnDims a, QuantDims vq, DeviceKv v, const flo
   }
 }
 
+// Flat cache: one block per packed kept row, threads over channels.
+__global__ void FlatGatherKernel(FlatDims f, int64_t tokens, const float* src, const int64_t* idx,
+                                 const int64_t* cu_len, const int64_t* offsets, uint16_t* dst) {
+  const int64_t i = blockIdx.x;
+  int h = 0;
+  while (h + 1 < f.kv_heads && cu_len[h + 1] <= i) ++h;
+  const int64_t row = offsets[h] + (i - cu_len[h]);
+  const float* s = src + (static_cast<int64_t>(h) * tokens + idx[i]) * f.d;
+  for (int c = threadIdx.x; c < f.d; c += blockDim.x) dst[row * f.d + c] = F2H(s[c]);
+}
+
+// One block per head: write the row, then bump the length once.
+__global__ void FlatAppendKernel(FlatDims f, const float* k, const float* v, const int64_t* offsets,
+                                 int64_t* lens, uint16_t* kf, uint16_t* vf) {
+  const int h = blockIdx.x;
+  const int64_t row = offsets[h] + lens[h];
+  for (int c = threadIdx.x; c < f.d; c += blockDim.x) {
+    kf[row * f.d + c] = F2H(k[h * f.d + c]);
+    vf[row * f.d + c] = F2H(v[h * f.d + c]);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) lens[h] += 1;
+}
+
+// scores[qh, t] for t < lens[h]: one thread per token, the group's queries in
+// shared memory.
+__global__ void FlatScoreKernel(FlatDims f, const float* q, const uint16_t* kf,
+                                const int64_t* offsets, const int64_t* lens, float* scores) {
+  extern __shared__ float qs[];
+  const int h = blockIdx.y;
+  const int rep = f.q_heads / f.kv_heads;
+  for (int i = threadIdx.x; i < rep * f.d; i += blockDim.x) qs[i] = q[h * rep * f.d + i];
+  __syncthreads();
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= lens[h]) return;
+  const uint16_t* kr = kf + (offsets[h] + t) * f.d;
+  for (int r = 0; r < rep; ++r) {
+    float s = 0.0f;
+    for (int c = 0; c < f.d; ++c) s += qs[r * f.d + c] * H2F(kr[c]);
+    scores[static_cast<int64_t>(h * rep + r) * f.max_len + t] = s * f.scale;
+  }
+}
+
+// In-place softmax of one query head's lens[h] scores per block.
+__global__ void FlatSoftmaxKernel(FlatDims f, const int64_t* lens, float* scores) {
+  __shared__ float red[1024];
+  const int rep = f.q_heads / f.kv_heads;
+  const int64_t n = lens[blockIdx.x / rep];
+  float* s = scores + static_cast<int64_t>(blockIdx.x) * f.max_len;
+  float m = -FLT_MAX;
+  for (int64_t t = threadIdx.x; t < n; t += blockDim.x) m = fmaxf(m, s[t]);
+  red[threadIdx.x] = m;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + w]);
+    __syncthreads();
+  }
+  m = red[0];
+  __syncthreads();
+  float sum = 0.0f;
+  for (int64_t t = threadIdx.x; t < n; t += blockDim.x) {
+    const float e = __expf(s[t] - m);
+    s[t] = e;
+    sum += e;
+  }
+  red[threadIdx.x] = sum;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
+    __syncthreads();
+  }
+  const float inv = red[0] > 0.0f ? 1.0f / red[0] : 0.0f;
+  for (int64_t t = threadIdx.x; t < n; t += blockDim.x) s[t] *= inv;
+}
+
+// out[qh, c] += sum over a token slice of p[qh, t] * v[t, c].
+__global__ void FlatAccumulateKernel(FlatDims f, const uint16_t* vf, const int64_t* offsets,
+                                     const int64_t* lens, const float* p, float* out,
+                                     int64_t slice) {
+  const int h = blockIdx.y;
+  const int c = threadIdx.x;
+  if (c >= f.d) return;
+  const int rep = f.q_heads / f.kv_heads;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * slice;
+  const int64_t t1 = min(lens[h], t0 + slice);
+  if (t0 >= t1) return;
+  const uint16_t* vh = vf + offsets[h] * f.d;
+  for (int r = 0; r < rep; ++r) {
+    const float* pr = p + static_cast<int64_t>(h * rep + r) * f.max_len;
+    float acc = 0.0f;
+    for (int64_t t = t0; t < t1; ++t) acc += pr[t] * H2F(vh[t * f.d + c]);
+    atomicAdd(&out[(h * rep + r) * f.d + c], acc);
+  }
+}
+
 }  // namespace
 
 bool DeviceAvailable() {
@@ -239,6 +334,54 @@ int DecodeAttention(const AttnDims& a, const float* q, const DeviceKv& k, const 
                    static_cast<unsigned>(a.kv_heads));
   AccumulateKernel<<<agrid, a.d <= 32 ? 32 : ((a.d + 31) / 32) * 32, 0, s>>>(a, vq, v, scratch, out,
                                                                              slice);
+  return cudaGetLastError();
+}
+
+namespace {
+bool BadFlat(const FlatDims& f) {
+  return f.q_heads <= 0 || f.kv_heads <= 0 || f.q_heads % f.kv_heads != 0 || f.d <= 0 ||
+         f.d > 256 || f.max_len < 0;
+}
+}  // namespace
+
+int FlatGather(const FlatDims& f, int64_t tokens, int64_t kept, const float* src,
+               const int64_t* idx, const int64_t* cu_len, const int64_t* offsets, uint16_t* dst,
+               void* stream) {
+  if (BadFlat(f) || tokens < 0 || kept < 0) return cudaErrorInvalidValue;
+  if (kept == 0) return 0;
+  FlatGatherKernel<<<static_cast<unsigned>(kept), 128, 0, static_cast<cudaStream_t>(stream)>>>(
+      f, tokens, src, idx, cu_len, offsets, dst);
+  return cudaGetLastError();
+}
+
+int FlatAppend(const FlatDims& f, const float* k, const float* v, const int64_t* offsets,
+               int64_t* lens, uint16_t* k_flat, uint16_t* v_flat, void* stream) {
+  if (BadFlat(f)) return cudaErrorInvalidValue;
+  FlatAppendKernel<<<f.kv_heads, 128, 0, static_cast<cudaStream_t>(stream)>>>(f, k, v, offsets,
+                                                                              lens, k_flat, v_flat);
+  return cudaGetLastError();
+}
+
+int FlatDecodeAttention(const FlatDims& f, const float* q, const uint16_t* k_flat,
+                        const uint16_t* v_flat, const int64_t* offsets, const int64_t* lens,
+                        float* scratch, float* out, void* stream) {
+  if (BadFlat(f)) return cudaErrorInvalidValue;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  cudaError_t e = cudaMemsetAsync(out, 0, static_cast<size_t>(f.q_heads) * f.d * sizeof(float), s);
+  if (e != cudaSuccess || f.max_len == 0) return e;
+  FlatDims g = f;
+  if (g.scale == 0.0f) g.scale = 1.0f / sqrtf(static_cast<float>(g.d));
+  const int rep = g.q_heads / g.kv_heads;
+  const dim3 sgrid(static_cast<unsigned>((g.max_len + 127) / 128),
+                   static_cast<unsigned>(g.kv_heads));
+  FlatScoreKernel<<<sgrid, 128, rep * g.d * sizeof(float), s>>>(g, q, k_flat, offsets, lens,
+                                                                scratch);
+  FlatSoftmaxKernel<<<g.q_heads, 1024, 0, s>>>(g, lens, scratch);
+  const int64_t slice = 256;
+  const dim3 agrid(static_cast<unsigned>((g.max_len + slice - 1) / slice),
+                   static_cast<unsigned>(g.kv_heads));
+  FlatAccumulateKernel<<<agrid, ((g.d + 31) / 32) * 32, 0, s>>>(g, v_flat, offsets, lens, scratch,
+                                                                out, slice);
   return cudaGetLastError();
 }
 

@@ -69,6 +69,38 @@ struct AttnDims {
 int DecodeAttention(const AttnDims& a, const float* q, const DeviceKv& k, const DeviceKv& v,
                     float* scratch, float* out, void* stream);
 
+// The Ada-KV flattened per-head cache on the device (kernels/flat_cache.h):
+// one fp16 K and one fp16 V tensor [rows, d] per layer; head h's tokens are
+// rows [offsets[h], offsets[h] + lens[h]). offsets, lens and cu_len live on
+// the device; cu_len[h] is the packed prefix sum of lens (H + 1 entries).
+struct FlatDims {
+  int q_heads = 0;
+  int kv_heads = 0;
+  int d = 0;            // <= 256.
+  int64_t max_len = 0;  // >= every lens[h]: sizes the grids.
+  float scale = 0.0f;
+};
+
+// Gathers kept tokens from dense fp32 K or V [kv_heads, tokens, d]: idx holds
+// every head's kept token indices, packed by cu_len (cu_len[kv_heads] in
+// total, passed as `kept`), and row i of head h goes to offsets[h] + i.
+int FlatGather(const FlatDims& f, int64_t tokens, int64_t kept, const float* src,
+               const int64_t* idx, const int64_t* cu_len, const int64_t* offsets, uint16_t* dst,
+               void* stream);
+
+// Appends one token per head (k, v [kv_heads, d] fp32) at row
+// offsets[h] + lens[h], then increments lens[h]. The caller guarantees the
+// capacity (re-packing when a head is full, as the CPU cache does).
+int FlatAppend(const FlatDims& f, const float* k, const float* v, const int64_t* offsets,
+               int64_t* lens, uint16_t* k_flat, uint16_t* v_flat, void* stream);
+
+// Decode attention over the flat cache: out [q_heads, d] for q [q_heads, d];
+// query head j uses KV head j / (q_heads / kv_heads) and only its lens[h]
+// tokens. A head with no tokens gives zeros. scratch: q_heads * max_len floats.
+int FlatDecodeAttention(const FlatDims& f, const float* q, const uint16_t* k_flat,
+                        const uint16_t* v_flat, const int64_t* offsets, const int64_t* lens,
+                        float* scratch, float* out, void* stream);
+
 }  // namespace kvtier::cuda
 
 #endif  // KVTIER_KERNELS_CUDA_CUDA_KERNELS_H_

@@ -12,6 +12,8 @@
 #include "kernels/attention.h"
 #include "kernels/codec.h"
 #include "kernels/codec_internal.h"
+#include "kernels/flat_cache.h"
+#include "kernels/half.h"
 #include "tests/util/status_matchers.h"
 
 namespace kvtier::cuda {
@@ -21,6 +23,8 @@ namespace {
   if (!DeviceAvailable()) {                                                     \
     GTEST_SKIP() << "no CUDA device: GPU tests run only on a machine with one"; \
   }
+
+#define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), ::kvtier::testing::IsOk())
 
 #define CUDA_OK(expr)                                         \
   do {                                                        \
@@ -160,6 +164,84 @@ TEST(CudaAttentionTest, FusedAttentionMatchesTheCpuReference) {
       for (size_t i = 0; i < gpu.size(); ++i) {
         ASSERT_NEAR(gpu[i], ref[i], 1e-4 + 1e-3 * std::fabs(ref[i])) << setting << " " << i;
       }
+    }
+  }
+}
+
+// Flat cache on the device: gather, appends that fill and overrun nothing,
+// and attention, against the CPU FlatKvCache on the same fp16-rounded values.
+TEST(CudaFlatCacheTest, GatherAppendAttendMatchTheCpuCache) {
+  SKIP_WITHOUT_GPU();
+  for (int d : {64, 128}) {
+    const int kvh = 8, qh = 32, appends = 9;
+    const int64_t tokens = 1000;
+    std::vector<float> k = Random(kvh * tokens * d, 31), v = Random(k.size(), 32);
+    for (float& x : k) x = HalfToFloat(FloatToHalf(x));
+    for (float& x : v) x = HalfToFloat(FloatToHalf(x));
+    std::mt19937 rng(d);
+    std::vector<std::vector<int64_t>> keep(kvh);
+    for (int h = 0; h < kvh; ++h) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        if (h != 5 && static_cast<int>(rng() % 8) <= h) keep[h].push_back(t);
+      }
+    }
+    KVT_ASSERT_OK_AND_ASSIGN(FlatKvCache cpu,
+                             FlatKvCache::Gather(kvh, d, tokens, k.data(), v.data(), keep));
+    std::vector<int64_t> idx, cu{0}, off, lens;
+    int64_t rows = 0, max_len = 0;
+    for (int h = 0; h < kvh; ++h) {
+      idx.insert(idx.end(), keep[h].begin(), keep[h].end());
+      cu.push_back(cu.back() + static_cast<int64_t>(keep[h].size()));
+      off.push_back(rows);
+      lens.push_back(static_cast<int64_t>(keep[h].size()));
+      rows += lens.back() + appends;
+      max_len = std::max(max_len, lens.back() + appends);
+    }
+    DeviceBuffer<float> dk(k.size()), dv(v.size());
+    dk.Upload(k);
+    dv.Upload(v);
+    DeviceBuffer<int64_t> didx(idx.size()), dcu(cu.size()), doff(off.size()), dlens(lens.size());
+    didx.Upload(idx);
+    dcu.Upload(cu);
+    doff.Upload(off);
+    dlens.Upload(lens);
+    DeviceBuffer<uint16_t> kf(rows * d), vf(rows * d);
+    const FlatDims f{qh, kvh, d, max_len, 0.0f};
+    CUDA_OK(FlatGather(f, tokens, cu.back(), dk.get(), didx.get(), dcu.get(), doff.get(), kf.get(),
+                       nullptr));
+    CUDA_OK(FlatGather(f, tokens, cu.back(), dv.get(), didx.get(), dcu.get(), doff.get(), vf.get(),
+                       nullptr));
+    DeviceBuffer<float> nk(kvh * d), nv(kvh * d);
+    for (int step = 0; step < appends; ++step) {
+      std::vector<float> ak = Random(kvh * d, 40 + step), av = Random(kvh * d, 60 + step);
+      for (float& x : ak) x = HalfToFloat(FloatToHalf(x));
+      for (float& x : av) x = HalfToFloat(FloatToHalf(x));
+      nk.Upload(ak);
+      nv.Upload(av);
+      CUDA_OK(
+          FlatAppend(f, nk.get(), nv.get(), doff.get(), dlens.get(), kf.get(), vf.get(), nullptr));
+      KVT_ASSERT_OK(cpu.Append(ak.data(), av.data()));
+    }
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(dlens.Download(), cpu.head_lens());
+    const std::vector<uint16_t> gk = kf.Download();
+    for (int h = 0; h < kvh; ++h) {
+      for (int64_t i = 0; i < cpu.head_lens()[h] * d; ++i) {
+        ASSERT_EQ(HalfToFloat(gk[off[h] * d + i]), cpu.keys()[cpu.head_offsets()[h] * d + i])
+            << "head " << h << " element " << i;
+      }
+    }
+    const std::vector<float> q = Random(qh * d, 77);
+    std::vector<float> ref(qh * d);
+    KVT_ASSERT_OK(cpu.Attend(qh, q.data(), ref.data(), KernelLevel::kReference));
+    DeviceBuffer<float> dq(q.size()), scratch(qh * max_len), dout(qh * d);
+    dq.Upload(q);
+    CUDA_OK(FlatDecodeAttention(f, dq.get(), kf.get(), vf.get(), doff.get(), dlens.get(),
+                                scratch.get(), dout.get(), nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<float> gpu = dout.Download();
+    for (size_t i = 0; i < gpu.size(); ++i) {
+      ASSERT_NEAR(gpu[i], ref[i], 1e-4 + 1e-3 * std::fabs(ref[i])) << "d " << d << " " << i;
     }
   }
 }
