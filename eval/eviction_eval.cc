@@ -86,8 +86,8 @@ absl::StatusOr<ModelFidelity> EvalEvictionOnModel(const model::LlamaModel& m,
   return r;
 }
 
-absl::StatusOr<TraceFidelity> EvalEvictionOnTrace(const traces::KvTrace& t,
-                                                  const evict::Policy& p) {
+absl::StatusOr<TraceFidelity> EvalEvictionOnTrace(const traces::KvTrace& t, const evict::Policy& p,
+                                                  bool oracle) {
   if (t.q_tokens.empty() || t.q.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("trace ", t.name, " has no per-token or decode queries"));
@@ -97,7 +97,11 @@ absl::StatusOr<TraceFidelity> EvalEvictionOnTrace(const traces::KvTrace& t,
   double num = 0, den = 0;
   int64_t count = 0;
   for (int l = 0; l < t.layers; ++l) {
-    const evict::LayerQK x{t.q_heads, t.kv_heads, d, t.tokens, t.QT(l, 0), t.K(l, 0)};
+    evict::LayerQK x{t.q_heads, t.kv_heads, d, t.tokens, t.QT(l, 0), t.K(l, 0)};
+    if (oracle) {
+      x.future_q = t.Q(l, 0);
+      x.future_queries = t.queries;
+    }
     KVT_ASSIGN_OR_RETURN(auto keep, evict::SelectTokens(p, l, t.layers, x));
     std::vector<float> q(static_cast<size_t>(t.q_heads) * d);
     for (int64_t i = 0; i < t.queries; ++i) {

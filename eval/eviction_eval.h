@@ -55,7 +55,10 @@ struct TraceFidelity {
 };
 
 // Needs the trace's q_tokens (scoring) and q (decode queries).
-absl::StatusOr<TraceFidelity> EvalEvictionOnTrace(const traces::KvTrace& t, const evict::Policy& p);
+// oracle: SnapKV-family scores from the trace's decode queries themselves
+// (LayerQK::future_q) instead of the observation window.
+absl::StatusOr<TraceFidelity> EvalEvictionOnTrace(const traces::KvTrace& t, const evict::Policy& p,
+                                                  bool oracle = false);
 
 }  // namespace kvtier::eval
 

@@ -29,9 +29,9 @@ absl::Status CheckShape(const LayerQK& x) {
 // Softmax of query row i of q head hq over keys [0, i], added (times `weight`)
 // into acc[0..limit).
 void AddAttention(const LayerQK& x, int hq, int64_t i, int64_t limit, double weight,
-                  std::vector<double>* acc, std::vector<double>* s) {
+                  std::vector<double>* acc, std::vector<double>* s, const float* q = nullptr) {
   const int rep = x.q_heads / x.kv_heads;
-  const float* q = x.q + (static_cast<int64_t>(hq) * x.tokens + i) * x.d;
+  if (q == nullptr) q = x.q + (static_cast<int64_t>(hq) * x.tokens + i) * x.d;
   const float* k = x.k + static_cast<int64_t>(hq / rep) * x.tokens * x.d;
   const double scale = 1.0 / std::sqrt(static_cast<double>(x.d));
   s->resize(static_cast<size_t>(i + 1));
@@ -79,6 +79,13 @@ absl::StatusOr<std::vector<float>> ObservationScores(const ScoreOptions& o, cons
   std::vector<std::vector<double>> per_q(x.q_heads, std::vector<double>(n, 0.0));
   std::vector<double> s;
   for (int hq = 0; hq < x.q_heads; ++hq) {
+    if (x.future_q != nullptr) {
+      for (int64_t i = 0; i < x.future_queries; ++i) {
+        AddAttention(x, hq, x.tokens - 1, n, 1.0 / x.future_queries, &per_q[hq], &s,
+                     x.future_q + (hq * x.future_queries + i) * x.d);
+      }
+      continue;
+    }
     for (int64_t i = n; i < x.tokens; ++i) AddAttention(x, hq, i, n, 1.0 / w, &per_q[hq], &s);
   }
   std::vector<float> raw = Reduce(per_q, x.kv_heads, n, o.gqa);

@@ -33,6 +33,13 @@ struct LayerQK {
   int64_t tokens = 0;
   const float* q = nullptr;
   const float* k = nullptr;
+  // Oracle window, for analysis only: when set, SnapKV-family scores come
+  // from these queries [q_heads, future_queries, d], each seeing all T keys,
+  // instead of the last w rows of q. Real eviction cannot know them; the
+  // gap between the two says how well the observation window predicts the
+  // queries that follow.
+  const float* future_q = nullptr;
+  int64_t future_queries = 0;
 };
 
 // SnapKV observation scores: for each KV head, each key j < T - w scored by

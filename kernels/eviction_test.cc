@@ -111,6 +111,28 @@ TEST(ScoresTest, ObservationScoresFindTheAttendedTokens) {
   EXPECT_LT(p[1], p[5]);
   KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> h2o, H2oScores(x, GqaReduce::kMean));
   EXPECT_EQ(std::max_element(h2o.begin(), h2o.begin() + t) - h2o.begin(), 5);
+  // Oracle window: future queries of head 0's group that point at token 30
+  // (channel 2) move its top score there; head 1's stay on token 20.
+  for (int64_t j = 0; j < t; ++j) k[(0 * t + j) * d + 2] = j == 30 ? 4.0f : 0.1f;
+  const int64_t nf = 3;
+  std::vector<float> fq(qh * nf * d, 0.0f);
+  for (int h = 0; h < qh; ++h) {
+    for (int64_t i = 0; i < nf; ++i) fq[(h * nf + i) * d + (h < 2 ? 2 : 1)] = 3.0f;
+  }
+  LayerQK oracle = x;
+  oracle.future_q = fq.data();
+  oracle.future_queries = nf;
+  o.pooling = Pooling::kNone;
+  KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> os, ObservationScores(o, oracle));
+  ASSERT_EQ(os.size(), 2u * 32);
+  EXPECT_EQ(std::max_element(os.begin(), os.begin() + 32) - os.begin(), 30);
+  EXPECT_EQ(std::max_element(os.begin() + 32, os.end()) - os.begin() - 32, 20);
+  // A future query's softmax runs over all T keys, so the window keys take a
+  // share and the scored keys' mass stays below 1.
+  double mass = 0;
+  for (int j = 0; j < 32; ++j) mass += os[j];
+  EXPECT_GT(mass, 0.5);
+  EXPECT_LT(mass, 1.0);
   o.kernel = 4;
   EXPECT_THAT(ObservationScores(o, x), StatusIs(absl::StatusCode::kInvalidArgument));
   LayerQK bad = x;

@@ -169,13 +169,21 @@ constexpr char kEvictionHelp[] =
     "  --profiles=F,...    EvolKV layer-profile files to add (kvtier budgets search)\n"
     "  --synthetic=BOOL    include the synthetic trace (default true); --synthetic_layers=N\n"
     "                      (default 1)\n"
+    "  --kvgroup=BOOL      also the synthetic variant whose concentrations differ per KV\n"
+    "                      head rather than per query head (default true)\n"
+    "  --model_trace=BOOL  with --model, also L1 loss and attention error on a trace captured\n"
+    "                      from the first held-out sequence (default true)\n"
+    "  --oracle=BOOL       add '+oracle' rows for the SnapKV family on traces: scores from\n"
+    "                      the real decode queries instead of the observation window\n"
+    "                      (analysis only; default true)\n"
     "  --csv=FILE          one row per (trace, method, budget)\n"
     "  The observation window is min(32, budget / 4) so every budget is valid.\n";
 
 int EvalEviction(const Args& args) {
   const std::vector<std::string> unknown =
       args.Unknown({"model", "sequences", "seq_len", "prompt", "budgets", "methods", "profiles",
-                    "synthetic", "synthetic_layers", "csv", "help"});
+                    "synthetic", "synthetic_layers", "kvgroup", "model_trace", "oracle", "csv",
+                    "help"});
   if (!unknown.empty()) return Usage("unknown flag --" + unknown[0]);
   if (args.Has("help")) {
     std::printf("%s", kEvictionHelp);
@@ -236,6 +244,32 @@ int EvalEviction(const Args& args) {
            << "," << eval::CsvCell(top1, "%.4f") << "\n";
     }
   };
+  const bool oracle = args.Get("oracle", "true") != "false";
+  // L1 loss and attention error on a trace, and the oracle-window rows.
+  auto run_trace = [&](const traces::KvTrace& t) -> int {
+    size_t done = 0;
+    for (const Entry& e : entries) {
+      if (e.policy.method == evict::Method::kProfile &&
+          static_cast<int>(e.policy.layer_budgets.size()) != t.layers) {
+        continue;  // A model's profile does not fit the trace's layer count.
+      }
+      std::fprintf(stderr, "[%zu/%zu] %s:%lld on %s\n", ++done, entries.size(), e.method.c_str(),
+                   static_cast<long long>(e.budget), t.name.c_str());
+      const double frac = static_cast<double>(e.budget) / t.tokens;
+      auto r = eval::EvalEvictionOnTrace(t, e.policy);
+      if (!r.ok()) return Usage(std::string(r.status().message()));
+      emit(t.name, e, frac, r->l1, r->rel, NAN, NAN);
+      const evict::Method m = e.policy.method;
+      if (oracle && m != evict::Method::kStreaming && m != evict::Method::kH2o) {
+        auto o = eval::EvalEvictionOnTrace(t, e.policy, /*oracle=*/true);
+        if (!o.ok()) return Usage(std::string(o.status().message()));
+        Entry oe = e;
+        oe.method += "+oracle";
+        emit(t.name, oe, frac, o->l1, o->rel, NAN, NAN);
+      }
+    }
+    return 0;
+  };
   size_t done = 0;
   if (args.Has("model")) {
     auto m = model::LlamaModel::Load(args.Get("model"));
@@ -257,24 +291,24 @@ int EvalEviction(const Args& args) {
       if (!r.ok()) return Usage(std::string(r.status().message()));
       emit(stem, e, static_cast<double>(e.budget) / prompt, NAN, NAN, r->kl, r->top1);
     }
+    if (args.Get("model_trace", "true") != "false") {
+      // The prompt's K/V and per-token queries, and the full-cache queries of
+      // the positions after it as decode queries.
+      auto t = traces::CaptureModelTrace(**m, seqs[0], len - prompt, stem + "-trace");
+      if (!t.ok()) return Usage(std::string(t.status().message()));
+      if (int rc = run_trace(*t); rc != 0) return rc;
+    }
   }
   if (args.Get("synthetic", "true") != "false") {
-    traces::SyntheticOptions o;
-    o.layers = static_cast<int>(args.GetU64("synthetic_layers", 1));
-    o.token_queries = true;
-    auto t = traces::MakeSyntheticTrace(o);
-    if (!t.ok()) return Usage(std::string(t.status().message()));
-    done = 0;
-    for (const Entry& e : entries) {
-      if (e.policy.method == evict::Method::kProfile &&
-          static_cast<int>(e.policy.layer_budgets.size()) != t->layers) {
-        continue;  // A model's profile does not fit the trace's layer count.
-      }
-      std::fprintf(stderr, "[%zu/%zu] %s:%lld on %s\n", ++done, entries.size(), e.method.c_str(),
-                   static_cast<long long>(e.budget), t->name.c_str());
-      auto r = eval::EvalEvictionOnTrace(*t, e.policy);
-      if (!r.ok()) return Usage(std::string(r.status().message()));
-      emit(t->name, e, static_cast<double>(e.budget) / t->tokens, r->l1, r->rel, NAN, NAN);
+    for (bool group : {false, true}) {
+      if (group && args.Get("kvgroup", "true") == "false") continue;
+      traces::SyntheticOptions o;
+      o.layers = static_cast<int>(args.GetU64("synthetic_layers", 1));
+      o.token_queries = true;
+      o.group_concentration = group;
+      auto t = traces::MakeSyntheticTrace(o);
+      if (!t.ok()) return Usage(std::string(t.status().message()));
+      if (int rc = run_trace(*t); rc != 0) return rc;
     }
   }
   return 0;

@@ -110,7 +110,8 @@ absl::StatusOr<KvTrace> MakeSyntheticTrace(const SyntheticOptions& o) {
   std::uniform_real_distribution<float> uni(0.0f, 1.0f);
   KvTrace t;
   t.name =
-      absl::StrCat("synthetic-d", o.head_dim, "-h", o.q_heads, "x", o.kv_heads, "-r", o.rounds);
+      absl::StrCat("synthetic-d", o.head_dim, "-h", o.q_heads, "x", o.kv_heads, "-r", o.rounds,
+                   o.group_concentration ? "-kvgroup" : "");
   t.layers = o.layers;
   t.q_heads = o.q_heads;
   t.kv_heads = o.kv_heads;
@@ -126,13 +127,19 @@ absl::StatusOr<KvTrace> MakeSyntheticTrace(const SyntheticOptions& o) {
   t.focus_rounds.assign(earlier.begin(), earlier.begin() + o.focus_rounds);
   std::sort(t.focus_rounds.begin(), t.focus_rounds.end());
   // Per-query-head concentration, log-uniform and shuffled across heads.
-  std::vector<float> beta(o.q_heads);
-  for (int j = 0; j < o.q_heads; ++j) {
-    const double f = o.q_heads == 1 ? 0.5 : static_cast<double>(j) / (o.q_heads - 1);
+  const int spread = o.group_concentration ? o.kv_heads : o.q_heads;
+  std::vector<float> beta(spread);
+  for (int j = 0; j < spread; ++j) {
+    const double f = spread == 1 ? 0.5 : static_cast<double>(j) / (spread - 1);
     beta[j] = static_cast<float>(o.min_concentration *
                                  std::pow(o.max_concentration / o.min_concentration, f));
   }
   std::shuffle(beta.begin(), beta.end(), rng);
+  if (o.group_concentration) {
+    std::vector<float> per_q(o.q_heads);
+    for (int j = 0; j < o.q_heads; ++j) per_q[j] = beta[j / (o.q_heads / o.kv_heads)];
+    beta = std::move(per_q);
+  }
   const int d = o.head_dim;
   const float sqrt_d = std::sqrt(static_cast<float>(d));
   t.k.resize(static_cast<size_t>(o.layers) * o.kv_heads * t.tokens * d);

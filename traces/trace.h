@@ -91,6 +91,10 @@ struct SyntheticOptions {
   float topic_strength = 2.5f;
   float min_concentration = 0.3f;
   float max_concentration = 6.0f;
+  // Spread the concentrations over KV heads instead of query heads: the
+  // query heads of one GQA group share one factor, so whole KV heads differ
+  // (the Ada-KV premise at KV-head granularity).
+  bool group_concentration = false;
   int focus_rounds = 2;
   // Also generate every token's own query (q_tokens): tokens of round r look
   // at round r's topic and the sinks; the final round's look where the
