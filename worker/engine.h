@@ -19,6 +19,7 @@
 #include <functional>
 #include <future>
 #include <map>
+#include <optional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -120,7 +121,9 @@ class Engine {
   // One layer of a prefill of n new tokens: q [n, q_heads, d], k and v
   // [n, kv_heads, d] (post-RoPE), out [n, q_heads, d]. Layers go 0..L-1 in
   // order. The first prefill of a round recalls at L_w from its first
-  // `question_tokens` queries (all n when 0). FAILED_PRECONDITION for a layer
+  // `question_tokens` queries (all n when 0) and returns the selection from
+  // layer L_w; layer L_w + 1 returns it again, completed with the fetched
+  // bytes and timings, when a fetch was needed. FAILED_PRECONDITION for a layer
   // out of order; NOT_FOUND for an unknown session; UNAVAILABLE when the
   // recall fetch fails (the round is rolled back to before this prefill).
   absl::StatusOr<std::optional<RecallReport>> PrefillLayer(const std::string& id, int layer,

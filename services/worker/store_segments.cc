@@ -1,0 +1,58 @@
+#include "services/worker/store_segments.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace kvtier {
+namespace {
+
+// The worker reports a store it cannot use as UNAVAILABLE, whatever the
+// transport said, so callers can retry; the store's own message is kept.
+absl::Status AsUnavailable(const absl::Status& s, const std::string& what) {
+  if (s.ok()) return s;
+  return absl::UnavailableError(absl::StrCat(what, ": ", s.ToString()));
+}
+
+}  // namespace
+
+absl::Status StoreSegments::Put(const std::string& session, const Segment& s, uint32_t layer_begin,
+                                uint32_t layer_end, const std::string& payload) {
+  PutSegmentArgs a;
+  a.session_id = session;
+  a.round = s.round;
+  a.segment = s.segment;
+  a.layer_begin = layer_begin;
+  a.layer_end = layer_end;
+  auto r = client_->PutSegment(a, payload);
+  if (!r.ok()) {
+    return AsUnavailable(r.status(),
+                         absl::StrCat("PutSegment round ", s.round, " segment ", s.segment));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::string>> StoreSegments::Get(const std::string& session,
+                                                            const std::vector<Segment>& segments) {
+  std::vector<v1::SegmentRef> refs;
+  for (const Segment& s : segments) {
+    v1::SegmentRef r;
+    r.set_round(s.round);
+    r.set_segment(s.segment);
+    refs.push_back(r);
+  }
+  get_calls_.fetch_add(1);
+  auto got = client_->GetSegments(session, refs);
+  if (!got.ok()) return AsUnavailable(got.status(), "GetSegments");
+  std::vector<std::string> out;
+  for (FetchedSegment& f : *got) out.push_back(std::move(f.payload));
+  return out;
+}
+
+absl::Status StoreSegments::Delete(const std::string& session) {
+  auto r = client_->DeleteSession(session);
+  if (!r.ok() && r.status().code() != absl::StatusCode::kNotFound) {
+    return AsUnavailable(r.status(), "DeleteSession");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvtier

@@ -1,0 +1,37 @@
+// worker::SegmentStore over kvtier-store's gRPC client: the worker's rounds
+// go to a real store.
+#ifndef KVTIER_SERVICES_WORKER_STORE_SEGMENTS_H_
+#define KVTIER_SERVICES_WORKER_STORE_SEGMENTS_H_
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "client/store_client.h"
+#include "worker/engine.h"
+
+namespace kvtier {
+
+class StoreSegments : public worker::SegmentStore {
+ public:
+  explicit StoreSegments(std::unique_ptr<StoreClient> client) : client_(std::move(client)) {}
+
+  absl::Status Put(const std::string& session, const Segment& s, uint32_t layer_begin,
+                   uint32_t layer_end, const std::string& payload) override;
+  absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
+                                               const std::vector<Segment>& segments) override;
+  absl::Status Delete(const std::string& session) override;
+
+  StoreClient* client() { return client_.get(); }
+  // GetSegments calls made so far.
+  uint64_t get_calls() const { return get_calls_.load(); }
+
+ private:
+  std::unique_ptr<StoreClient> client_;
+  std::atomic<uint64_t> get_calls_{0};
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVICES_WORKER_STORE_SEGMENTS_H_
