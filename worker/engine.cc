@@ -115,8 +115,7 @@ class Engine::Session {
 
   void NotePeak() {
     stats.working_set_bytes = static_cast<uint64_t>(WorkingSetBytes());
-    stats.peak_working_set_bytes =
-        std::max(stats.peak_working_set_bytes, stats.working_set_bytes);
+    stats.peak_working_set_bytes = std::max(stats.peak_working_set_bytes, stats.working_set_bytes);
   }
 
   // Drops the step in flight: the open round goes back to `tokens`.
@@ -162,9 +161,8 @@ absl::Status Engine::OpenSession(const std::string& id, const ModelShape& shape,
   s->policy = policy;
   s->lw = policy.watershed_layer >= 0 ? policy.watershed_layer : shape.layers / 3;
   if (s->lw >= shape.layers || (shape.layers > 1 && s->lw == shape.layers - 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("watershed layer ", s->lw, " must be below the last layer (", shape.layers,
-                     " layers)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "watershed layer ", s->lw, " must be below the last layer (", shape.layers, " layers)"));
   }
   if (policy.eviction.method != evict::Method::kNone) {
     KVT_RETURN_IF_ERROR(evict::ValidateBudget(policy.eviction.budget,
@@ -226,8 +224,7 @@ absl::Status AttendLayer(const ModelShape& sh, const std::vector<const RoundLaye
 }  // namespace
 
 absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const std::string& id, int layer,
-                                                                 int64_t n,
-                                                                 int64_t question_tokens,
+                                                                 int64_t n, int64_t question_tokens,
                                                                  const float* q, const float* k,
                                                                  const float* v, float* out) {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
@@ -256,7 +253,8 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const std::stri
                      s->step_prefill ? "" : " (a decode step is in flight)"));
   }
   const int d = sh.head_dim;
-  const size_t qrow = static_cast<size_t>(sh.q_heads) * d, kvrow = static_cast<size_t>(sh.kv_heads) * d;
+  const size_t qrow = static_cast<size_t>(sh.q_heads) * d,
+               kvrow = static_cast<size_t>(sh.kv_heads) * d;
   std::optional<RecallReport> report;
   // Above L_w: wait for the recall fetch started at L_w and install it.
   if (layer == s->lw + 1 && s->fetch.valid()) {
@@ -265,8 +263,7 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const std::stri
     const double exposed = MsSince(wait_start);
     if (!got.ok()) {
       s->RollBackStep();
-      return absl::UnavailableError(
-          absl::StrCat("recall fetch failed: ", got.status().message()));
+      return absl::UnavailableError(absl::StrCat("recall fetch failed: ", got.status().message()));
     }
     std::vector<std::vector<std::unique_ptr<RoundLayer>>> parsed;
     for (size_t i = 0; i < got->size(); ++i) {
@@ -292,8 +289,7 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const std::stri
     }
     for (size_t i = 0; i < parsed.size(); ++i) {
       Session::PastRound& r = s->past[s->fetch_rounds[i]];
-      for (int l = s->lw + 1; l < sh.layers; ++l)
-        r.layers[l] = std::move(parsed[i][l - s->lw - 1]);
+      for (int l = s->lw + 1; l < sh.layers; ++l) r.layers[l] = std::move(parsed[i][l - s->lw - 1]);
     }
     if (!s->stats.recalls.empty()) {
       RecallReport& rr = s->stats.recalls.back();
@@ -315,8 +311,7 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const std::stri
   } else {
     for (size_t i : s->selected) visible.push_back(s->past[i].layers[layer].get());
   }
-  if (auto st = AttendLayer(sh, visible, s->k[layer], s->v[layer], base, n, q, out,
-                            options_.level);
+  if (auto st = AttendLayer(sh, visible, s->k[layer], s->v[layer], base, n, q, out, options_.level);
       !st.ok()) {
     s->RollBackStep();
     return st;
@@ -406,7 +401,8 @@ absl::Status Engine::DecodeLayer(const std::string& id, int layer, const float* 
     s->step_prefill = false;
   }
   const int d = sh.head_dim;
-  const size_t qrow = static_cast<size_t>(sh.q_heads) * d, kvrow = static_cast<size_t>(sh.kv_heads) * d;
+  const size_t qrow = static_cast<size_t>(sh.q_heads) * d,
+               kvrow = static_cast<size_t>(sh.kv_heads) * d;
   const int64_t base = s->tokens;
   s->q[layer].insert(s->q[layer].end(), q, q + qrow);
   s->k[layer].insert(s->k[layer].end(), k, k + kvrow);
@@ -419,8 +415,7 @@ absl::Status Engine::DecodeLayer(const std::string& id, int layer, const float* 
   } else {
     for (size_t i : s->selected) visible.push_back(s->past[i].layers[layer].get());
   }
-  if (auto st = AttendLayer(sh, visible, s->k[layer], s->v[layer], base, 1, q, out,
-                            options_.level);
+  if (auto st = AttendLayer(sh, visible, s->k[layer], s->v[layer], base, 1, q, out, options_.level);
       !st.ok()) {
     s->RollBackStep();
     return st;
@@ -471,8 +466,8 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id) {
         std::memcpy(&hv[i * d], &vm[(h * t + keep[h][i]) * d], d * sizeof(float));
       }
       const int64_t shape[3] = {1, len, d};
-      KVT_ASSIGN_OR_RETURN(v1::EncodedTensor ek, Encode(s->policy.codec, v1::TENSOR_ROLE_KEY,
-                                                        shape, hk.data(), options_.level));
+      KVT_ASSIGN_OR_RETURN(v1::EncodedTensor ek, Encode(s->policy.codec, v1::TENSOR_ROLE_KEY, shape,
+                                                        hk.data(), options_.level));
       KVT_ASSIGN_OR_RETURN(v1::EncodedTensor ev, Encode(s->policy.codec, v1::TENSOR_ROLE_VALUE,
                                                         shape, hv.data(), options_.level));
       enc[l].push_back(std::move(ek));
@@ -550,9 +545,8 @@ absl::StatusOr<SessionStats> Engine::Stats(const std::string& id) const {
   std::lock_guard<std::mutex> lock(s->mu);
   SessionStats st = s->stats;
   st.working_set_bytes = static_cast<uint64_t>(s->WorkingSetBytes());
-  st.full_cache_bytes +=
-      static_cast<uint64_t>(s->tokens) * s->shape.layers * s->shape.kv_heads * s->shape.head_dim *
-      2 * s->shape.dtype_bytes;
+  st.full_cache_bytes += static_cast<uint64_t>(s->tokens) * s->shape.layers * s->shape.kv_heads *
+                         s->shape.head_dim * 2 * s->shape.dtype_bytes;
   return st;
 }
 

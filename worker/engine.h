@@ -19,9 +19,9 @@
 #include <functional>
 #include <future>
 #include <map>
-#include <optional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -80,13 +80,13 @@ class SegmentStore {
 };
 
 struct RecallReport {
-  uint32_t round = 0;                 // The round that recalled.
-  std::vector<uint32_t> selected;     // Past rounds attended above L_w.
-  std::vector<double> scores;         // Normalized qAttention per past round.
-  uint64_t bytes_fetched = 0;         // Payload bytes of the one GetSegments.
-  int fetched_segments = 0;           // 0 when everything was resident.
-  double fetch_ms = 0;                // The call's own duration.
-  double exposed_ms = 0;              // How long layer L_w + 1 waited for it.
+  uint32_t round = 0;              // The round that recalled.
+  std::vector<uint32_t> selected;  // Past rounds attended above L_w.
+  std::vector<double> scores;      // Normalized qAttention per past round.
+  uint64_t bytes_fetched = 0;      // Payload bytes of the one GetSegments.
+  int fetched_segments = 0;        // 0 when everything was resident.
+  double fetch_ms = 0;             // The call's own duration.
+  double exposed_ms = 0;           // How long layer L_w + 1 waited for it.
 };
 
 struct EndRoundReport {
@@ -97,11 +97,11 @@ struct EndRoundReport {
 };
 
 struct SessionStats {
-  uint32_t rounds = 0;               // Completed rounds.
-  uint64_t tokens = 0;               // All tokens, the open round's included.
-  uint64_t working_set_bytes = 0;    // Now.
+  uint32_t rounds = 0;             // Completed rounds.
+  uint64_t tokens = 0;             // All tokens, the open round's included.
+  uint64_t working_set_bytes = 0;  // Now.
   uint64_t peak_working_set_bytes = 0;
-  uint64_t full_cache_bytes = 0;     // Every token at every layer, model dtype.
+  uint64_t full_cache_bytes = 0;  // Every token at every layer, model dtype.
   std::vector<RecallReport> recalls;
 };
 

@@ -23,8 +23,8 @@ TEST(RecallTest, ParsesStrategiesAndRejectsBadOnes) {
   EXPECT_EQ(RecallName(ad), "adaptive:0.5");
   KVT_ASSERT_OK_AND_ASSIGN(RecallStrategy th, ParseRecall("threshold:0.1"));
   EXPECT_EQ(th.mode, RecallMode::kThreshold);
-  for (const char* bad : {"", "topk", "topk:0", "topk:1.5", "threshold:2", "adaptive:x", "best:3",
-                          "adaptive:nan"}) {
+  for (const char* bad :
+       {"", "topk", "topk:0", "topk:1.5", "threshold:2", "adaptive:x", "best:3", "adaptive:nan"}) {
     EXPECT_THAT(ParseRecall(bad), StatusIs(absl::StatusCode::kInvalidArgument)) << bad;
   }
 }
@@ -55,7 +55,7 @@ TEST(RecallTest, SelectionStrategies) {
 TEST(RecallTest, QAttentionMatchesLonghand) {
   const int d = 2;
   const std::vector<float> r0 = {1, 0, 0, 1}, r1 = {2, 0};  // Round 0: 2 keys; round 1: 1 key.
-  const std::vector<float> cur_k = {0, -1, 1, 1};            // Current round: 2 tokens.
+  const std::vector<float> cur_k = {0, -1, 1, 1};           // Current round: 2 tokens.
   const std::vector<float> q = {1, 0, 0, 1, /*token 1*/ 1, 1, -1, 0};
   std::vector<RoundKeys> rounds(2);
   rounds[0].keys = {r0.data()};
@@ -72,7 +72,8 @@ TEST(RecallTest, QAttentionMatchesLonghand) {
       const float* qi = &q[(i * 2 + h) * d];
       double e[5], z = 0;
       const int n = 3 + i + 1;
-      for (int j = 0; j < n; ++j) z += (e[j] = std::exp(sc * (qi[0] * keys[j][0] + qi[1] * keys[j][1])));
+      for (int j = 0; j < n; ++j)
+        z += (e[j] = std::exp(sc * (qi[0] * keys[j][0] + qi[1] * keys[j][1])));
       m0 += (e[0] + e[1]) / z;
       m1 += e[2] / z;
     }

@@ -1,0 +1,313 @@
+// The worker engine against a real kvtier-store process: lossless
+// equivalence with full attention, recall selection against the reference,
+// one GetSegments per recall, a store that dies mid-recall, and 16 sessions
+// at once.
+#include <cmath>
+#include <random>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/attention.h"
+#include "services/worker/store_segments.h"
+#include "tests/util/status_matchers.h"
+#include "tests/util/store_process.h"
+#include "tests/util/test_util.h"
+#include "worker/engine.h"
+
+namespace kvtier {
+namespace {
+
+using ::kvtier::testing::IsOk;
+using ::kvtier::testing::StatusIs;
+using worker::Engine;
+using worker::ModelShape;
+using worker::SessionPolicy;
+#define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), IsOk())
+
+constexpr ModelShape kShape{4, 4, 2, 16, 2};
+
+std::vector<float> Random(size_t n, std::mt19937* rng, float bias_dim = -1) {
+  std::normal_distribution<float> nd;
+  std::vector<float> x(n);
+  for (size_t i = 0; i < n; ++i)
+    x[i] = nd(*rng) + (static_cast<int>(i % 16) == bias_dim ? 2.f : 0.f);
+  return x;
+}
+
+// Full attention over a whole token-major history: the ground truth.
+class LocalCache {
+ public:
+  explicit LocalCache(const ModelShape& s) : s_(s), k_(s.layers), v_(s.layers) {}
+  // n new tokens at `layer`: appends k/v, writes out.
+  void Layer(int layer, int64_t n, const float* q, const float* k, const float* v, float* out) {
+    const int d = s_.head_dim, kvr = s_.kv_heads * d, qr = s_.q_heads * d;
+    const int64_t base = static_cast<int64_t>(k_[layer].size()) / kvr;
+    k_[layer].insert(k_[layer].end(), k, k + n * kvr);
+    v_[layer].insert(v_[layer].end(), v, v + n * kvr);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = base + i + 1;
+      const KvBlock b{
+          EncodedView::Raw(v1::DTYPE_FP32, k_[layer].data(), s_.kv_heads, t, d, d, kvr),
+          EncodedView::Raw(v1::DTYPE_FP32, v_[layer].data(), s_.kv_heads, t, d, d, kvr)};
+      ASSERT_TRUE(DecodeAttention({s_.q_heads, s_.kv_heads, d}, q + i * qr, {&b, 1}, out + i * qr,
+                                  KernelLevel::kReference)
+                      .ok());
+    }
+  }
+
+ private:
+  ModelShape s_;
+  std::vector<std::vector<float>> k_, v_;
+};
+
+class WorkerEngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::make_unique<testing::TempDir>();
+    store_ = std::make_unique<testing::StoreProcess>(dir_->path() + "/db");
+    KVT_ASSERT_OK(store_->Start());
+    StoreClientOptions o;
+    o.target = store_->target();
+    o.deadline = absl::Seconds(10);
+    KVT_ASSERT_OK_AND_ASSIGN(auto client, StoreClient::Connect(o));
+    segments_ = std::make_unique<StoreSegments>(std::move(client));
+    engine_ =
+        std::make_unique<Engine>(segments_.get(), worker::EngineOptions{KernelLevel::kReference});
+  }
+
+  // One round: prefill of n tokens (question_tokens of them the question),
+  // then `decode` single-token steps, each through every layer, compared with
+  // the local cache when `local` is set. Returns the max abs difference.
+  double Round(const std::string& id, int64_t n, int64_t question, int decode, std::mt19937* rng,
+               LocalCache* local, int topic = -1) {
+    const ModelShape s = kShape;
+    const int d = s.head_dim;
+    double worst = 0;
+    auto step = [&](int64_t m, bool prefill) {
+      for (int l = 0; l < s.layers; ++l) {
+        const auto q = Random(m * s.q_heads * d, rng, topic),
+                   k = Random(m * s.kv_heads * d, rng, topic), v = Random(m * s.kv_heads * d, rng);
+        std::vector<float> out(q.size()), ref(q.size());
+        if (prefill) {
+          auto r =
+              engine_->PrefillLayer(id, l, m, question, q.data(), k.data(), v.data(), out.data());
+          EXPECT_TRUE(r.ok()) << r.status();
+        } else {
+          EXPECT_TRUE(engine_->DecodeLayer(id, l, q.data(), k.data(), v.data(), out.data()).ok());
+        }
+        if (local != nullptr) {
+          local->Layer(l, m, q.data(), k.data(), v.data(), ref.data());
+          for (size_t i = 0; i < out.size(); ++i)
+            worst = std::max(worst, std::fabs(double(out[i]) - ref[i]));
+        }
+      }
+    };
+    step(n, true);
+    for (int i = 0; i < decode; ++i) step(1, false);
+    return worst;
+  }
+
+  std::unique_ptr<testing::TempDir> dir_;
+  std::unique_ptr<testing::StoreProcess> store_;
+  std::unique_ptr<StoreSegments> segments_;
+  std::unique_ptr<Engine> engine_;
+};
+
+TEST_F(WorkerEngineTest, LosslessRecallAllEqualsFullAttention) {
+  SessionPolicy p;
+  KVT_ASSERT_OK_AND_ASSIGN(p.recall, worker::ParseRecall("all"));
+  p.watershed_layer = 1;
+  KVT_ASSERT_OK(engine_->OpenSession("s1", kShape, p));
+  LocalCache local(kShape);
+  std::mt19937 rng(1);
+  for (int r = 0; r < 5; ++r) {
+    EXPECT_LT(Round("s1", 12 + r, 4, 3, &rng, &local), 1e-5) << "round " << r;
+    KVT_ASSERT_OK_AND_ASSIGN(auto end, engine_->EndRound("s1"));
+    EXPECT_EQ(end.round, static_cast<uint32_t>(r));
+    EXPECT_GT(end.stored_bytes, 0u);
+  }
+  KVT_ASSERT_OK_AND_ASSIGN(auto st, engine_->Stats("s1"));
+  EXPECT_EQ(st.rounds, 5u);
+  ASSERT_EQ(st.recalls.size(), 4u);  // Rounds 1..4 recall; round 0 has no past.
+  for (const auto& rc : st.recalls) EXPECT_EQ(rc.selected.size(), rc.round);
+  // Each recall fetched every past round's upper segment in one call.
+  EXPECT_EQ(segments_->get_calls(), 4u);
+  // Between rounds only the lower segments stay: 2 of 4 layers, but raw fp32
+  // against the fp16 full cache, so about the same bytes plus metadata.
+  EXPECT_GE(st.working_set_bytes, st.full_cache_bytes);
+  EXPECT_LT(st.working_set_bytes, st.full_cache_bytes * 1.15)
+      << "working set " << st.working_set_bytes << " full " << st.full_cache_bytes;
+}
+
+TEST_F(WorkerEngineTest, RecallSelectsTheReferenceRoundsInOneCall) {
+  SessionPolicy p;
+  KVT_ASSERT_OK_AND_ASSIGN(p.recall, worker::ParseRecall("topk:2"));
+  p.keep_recent_round = true;
+  p.watershed_layer = 1;
+  KVT_ASSERT_OK(engine_->OpenSession("s", kShape, p));
+  std::mt19937 rng(2);
+  // Rounds 0..5 each lean on their own channel; round 6's question leans on
+  // channel 2, so round 2 should win.
+  for (int r = 0; r < 6; ++r) {
+    Round("s", 10, 4, 0, &rng, nullptr, r);
+    KVT_ASSERT_OK(engine_->EndRound("s").status());
+  }
+  const uint64_t calls = segments_->get_calls();
+  // Round 6 by hand, keeping layer L_w's inputs for the reference.
+  const ModelShape s = kShape;
+  const int d = s.head_dim;
+  const int64_t n = 8, question = 5;
+  std::optional<worker::RecallReport> at_lw, at_next;
+  for (int l = 0; l < s.layers; ++l) {
+    const auto q = Random(n * s.q_heads * d, &rng, 2), k = Random(n * s.kv_heads * d, &rng),
+               v = Random(n * s.kv_heads * d, &rng);
+    std::vector<float> out(q.size());
+    KVT_ASSERT_OK_AND_ASSIGN(auto rep, engine_->PrefillLayer("s", l, n, question, q.data(),
+                                                             k.data(), v.data(), out.data()));
+    if (l == 1) {
+      ASSERT_TRUE(rep.has_value());
+      at_lw = rep;
+      // Reference: QAttention over the past rounds' layer-1 keys as stored.
+      std::vector<v1::SegmentRef> refs;
+      for (uint32_t r = 0; r < 6; ++r) {
+        v1::SegmentRef ref;
+        ref.set_round(r);
+        ref.set_segment(0);
+        refs.push_back(ref);
+      }
+      KVT_ASSERT_OK_AND_ASSIGN(auto got, segments_->client()->GetSegments("s", refs));
+      std::vector<std::vector<float>> keys;
+      std::vector<worker::RoundKeys> rk(6);
+      keys.reserve(12);
+      for (int r = 0; r < 6; ++r) {
+        v1::SegmentPayload pl;
+        ASSERT_TRUE(pl.ParseFromString(got[r].payload));
+        for (int h = 0; h < s.kv_heads; ++h) {
+          // Layer 1, head h, K: tensor index (1 * kv_heads + h) * 2.
+          KVT_ASSERT_OK_AND_ASSIGN(auto dec, Decode(pl.tensors((1 * s.kv_heads + h) * 2)));
+          keys.push_back(std::move(dec));
+          rk[r].keys.push_back(keys.back().data());
+          rk[r].lens.push_back(static_cast<int64_t>(keys.back().size()) / d);
+        }
+      }
+      const auto want = worker::QAttention(s.q_heads, s.kv_heads, d, q.data(), s.q_heads * d,
+                                           question, rk, k.data());
+      ASSERT_EQ(rep->scores.size(), want.size());
+      for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(rep->scores[i], want[i], 1e-9);
+      const auto pick = worker::SelectRounds(want, p.recall, true);
+      EXPECT_EQ(rep->selected, pick);
+      EXPECT_THAT(rep->selected, ::testing::Contains(2u));
+      EXPECT_THAT(rep->selected, ::testing::Contains(5u));  // The most recent.
+    }
+    if (l == 2) at_next = rep;
+  }
+  ASSERT_TRUE(at_next.has_value());
+  EXPECT_EQ(at_next->fetched_segments, static_cast<int>(at_lw->selected.size()));
+  EXPECT_GT(at_next->bytes_fetched, 0u);
+  // Exactly one GetSegments for the recall (the reference read above is one more).
+  EXPECT_EQ(segments_->get_calls(), calls + 1);
+}
+
+TEST_F(WorkerEngineTest, StoreDeathMidRecallLeavesTheSessionConsistent) {
+  SessionPolicy p;
+  KVT_ASSERT_OK_AND_ASSIGN(p.recall, worker::ParseRecall("all"));
+  p.watershed_layer = 1;
+  KVT_ASSERT_OK(engine_->OpenSession("s", kShape, p));
+  std::mt19937 rng(3);
+  for (int r = 0; r < 2; ++r) {
+    Round("s", 6, 3, 1, &rng, nullptr);
+    KVT_ASSERT_OK(engine_->EndRound("s").status());
+  }
+  KVT_ASSERT_OK_AND_ASSIGN(auto before, engine_->Stats("s"));
+  store_->Kill();
+  const int d = kShape.head_dim;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    absl::Status failed;
+    for (int l = 0; l < kShape.layers && failed.ok(); ++l) {
+      const auto q = Random(5 * kShape.q_heads * d, &rng),
+                 k = Random(5 * kShape.kv_heads * d, &rng),
+                 v = Random(5 * kShape.kv_heads * d, &rng);
+      std::vector<float> out(q.size());
+      failed =
+          engine_->PrefillLayer("s", l, 5, 3, q.data(), k.data(), v.data(), out.data()).status();
+      if (l < 2) KVT_ASSERT_OK(failed);
+    }
+    EXPECT_THAT(failed, StatusIs(absl::StatusCode::kUnavailable));
+    // Rolled back: the same tokens as before, and layer 0 is next again.
+    KVT_ASSERT_OK_AND_ASSIGN(auto after, engine_->Stats("s"));
+    EXPECT_EQ(after.tokens, before.tokens);
+    EXPECT_EQ(after.working_set_bytes, before.working_set_bytes);
+  }
+  const std::vector<float> q(kShape.q_heads * d, 0.1f), kv(kShape.kv_heads * d, 0.1f);
+  std::vector<float> out(q.size());
+  EXPECT_THAT(engine_->DecodeLayer("s", 0, q.data(), kv.data(), kv.data(), out.data()),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(engine_->DecodeLayer("nope", 0, q.data(), kv.data(), kv.data(), out.data()),
+              StatusIs(absl::StatusCode::kNotFound));
+}
+
+TEST_F(WorkerEngineTest, EndRoundWithTheStoreDownKeepsTheRoundOpen) {
+  KVT_ASSERT_OK(engine_->OpenSession("s", kShape, SessionPolicy{}));
+  std::mt19937 rng(4);
+  Round("s", 6, 3, 0, &rng, nullptr);
+  store_->Kill();
+  EXPECT_THAT(engine_->EndRound("s").status(), StatusIs(absl::StatusCode::kUnavailable));
+  KVT_ASSERT_OK_AND_ASSIGN(auto st, engine_->Stats("s"));
+  EXPECT_EQ(st.rounds, 0u);
+  EXPECT_EQ(st.tokens, 6u);
+  // Still open: a decode step continues the round.
+  Round("s", 1, 0, 1, &rng, nullptr);
+}
+
+TEST_F(WorkerEngineTest, RejectsBadShapesPoliciesAndOrder) {
+  EXPECT_THAT(engine_->OpenSession("x", ModelShape{4, 6, 4, 16, 2}, {}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  SessionPolicy p;
+  p.watershed_layer = 3;
+  EXPECT_THAT(engine_->OpenSession("x", kShape, p), StatusIs(absl::StatusCode::kInvalidArgument));
+  KVT_ASSERT_OK(engine_->OpenSession("x", kShape, {}));
+  EXPECT_THAT(engine_->OpenSession("x", kShape, {}), StatusIs(absl::StatusCode::kAlreadyExists));
+  const int d = kShape.head_dim;
+  const std::vector<float> q(2 * kShape.q_heads * d, 0.1f), kv(2 * kShape.kv_heads * d, 0.1f);
+  std::vector<float> out(q.size());
+  EXPECT_THAT(
+      engine_->PrefillLayer("x", 1, 2, 0, q.data(), kv.data(), kv.data(), out.data()).status(),
+      StatusIs(absl::StatusCode::kFailedPrecondition));
+  KVT_ASSERT_OK(
+      engine_->PrefillLayer("x", 0, 2, 0, q.data(), kv.data(), kv.data(), out.data()).status());
+  EXPECT_THAT(
+      engine_->PrefillLayer("x", 1, 1, 0, q.data(), kv.data(), kv.data(), out.data()).status(),
+      StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(
+      engine_->PrefillLayer("x", 9, 2, 0, q.data(), kv.data(), kv.data(), out.data()).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(engine_->EndRound("x").status(), StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
+TEST_F(WorkerEngineTest, SixteenSessionsAtOnce) {
+  std::vector<std::thread> threads;
+  std::vector<double> worst(16, 0);
+  for (int i = 0; i < 16; ++i) {
+    threads.emplace_back([&, i] {
+      const std::string id = "c" + std::to_string(i);
+      SessionPolicy p;
+      p.recall = {worker::RecallMode::kAll, 0};
+      p.watershed_layer = 1;
+      ASSERT_TRUE(engine_->OpenSession(id, kShape, p).ok());
+      LocalCache local(kShape);
+      std::mt19937 rng(100 + i);
+      for (int r = 0; r < 3; ++r) {
+        worst[i] = std::max(worst[i], Round(id, 8, 3, 2, &rng, &local));
+        ASSERT_TRUE(engine_->EndRound(id).ok());
+      }
+      ASSERT_TRUE(engine_->CloseSession(id, /*delete_from_store=*/true).ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 16; ++i) EXPECT_LT(worst[i], 1e-5) << "session " << i;
+  EXPECT_TRUE(engine_->Sessions().empty());
+}
+
+}  // namespace
+}  // namespace kvtier
