@@ -1,0 +1,95 @@
+// kvtier-worker: attention over each session's compressed, recalled working
+// set; rounds go to kvtier-store.
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "base/log.h"
+#include "services/worker/worker_server.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:7071", "gRPC listen address (port 0 picks one).");
+ABSL_FLAG(std::string, port_file, "", "If set, the bound gRPC port is written here.");
+ABSL_FLAG(std::string, store, "", "kvtier-store address host:port. Required.");
+ABSL_FLAG(std::string, store_token, "", "Bearer token for kvtier-store (empty: none).");
+ABSL_FLAG(std::string, store_tls_root_certs, "", "PEM file of the store's CA; empty: plaintext.");
+ABSL_FLAG(std::string, tenants_file, "", "Tenants file; empty turns authentication off.");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls_key enables TLS.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key.");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9471",
+          "Prometheus /metrics address; empty disables it.");
+ABSL_FLAG(std::string, metrics_port_file, "", "If set, the bound metrics port is written here.");
+ABSL_FLAG(std::string, log_level, "info", "debug, info, warn or error.");
+
+namespace {
+
+bool WritePortFile(const std::string& path, int port) {
+  if (path.empty()) return true;
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    if (!out) return false;
+    out << port << "\n";
+  }
+  return std::rename(tmp.c_str(), path.c_str()) == 0;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "kvtier-worker --store=HOST:PORT [--listen=ADDR] ...\n"
+      "Serves the kvtier.v1.Worker gRPC API: attention over compressed, recalled working sets.");
+  absl::ParseCommandLine(argc, argv);
+  kvtier::LogLevel level;
+  if (!kvtier::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {
+    std::fprintf(stderr, "kvtier-worker: --log_level must be debug, info, warn or error\n");
+    return 2;
+  }
+  kvtier::SetLogLevel(level);
+  kvtier::WorkerServerOptions o;
+  o.listen = absl::GetFlag(FLAGS_listen);
+  o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  o.tls_key = absl::GetFlag(FLAGS_tls_key);
+  o.tenants_file = absl::GetFlag(FLAGS_tenants_file);
+  o.store.target = absl::GetFlag(FLAGS_store);
+  o.store.token = absl::GetFlag(FLAGS_store_token);
+  if (!absl::GetFlag(FLAGS_store_tls_root_certs).empty()) {
+    o.store.tls_root_certs = ReadFile(absl::GetFlag(FLAGS_store_tls_root_certs));
+  }
+  if (o.store.target.empty()) {
+    std::fprintf(stderr, "kvtier-worker: --store is required\n");
+    return 2;
+  }
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  auto server = kvtier::WorkerServer::Start(o);
+  if (!server.ok()) {
+    kvtier::LogError("kvtier-worker failed to start", {{"error", server.status().ToString()}});
+    return 1;
+  }
+  if (!WritePortFile(absl::GetFlag(FLAGS_port_file), (*server)->port()) ||
+      !WritePortFile(absl::GetFlag(FLAGS_metrics_port_file), (*server)->metrics_port())) {
+    kvtier::LogError("cannot write port file");
+    return 1;
+  }
+  int sig = 0;
+  sigwait(&sigs, &sig);
+  kvtier::LogInfo("kvtier-worker shutting down", {{"signal", sig}});
+  server->reset();
+  return 0;
+}
