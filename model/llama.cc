@@ -180,6 +180,80 @@ absl::Status Forward::Step(int token, int pos, AttentionBackend* attn, float* lo
   return absl::OkStatus();
 }
 
+absl::Status PerTokenLayerAttention::AttendLayer(int layer, int pos0, int n, const float* q,
+                                                 const float* k, const float* v, float* out) {
+  const int d = c_.dim, kv = c_.kv_dim();
+  for (int i = 0; i < n; ++i) {
+    KVT_RETURN_IF_ERROR(
+        b_->Attend(layer, pos0 + i, q + i * d, k + i * kv, v + i * kv, out + i * d));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Forward::Run(const std::vector<int>& tokens, int pos0, LayerAttention* attn,
+                          float* logits) {
+  const LlamaConfig& c = m_.config();
+  const int n = static_cast<int>(tokens.size());
+  if (n == 0) return absl::InvalidArgumentError("no tokens to run");
+  if (pos0 < 0 || pos0 + n > c.seq_len) {
+    return absl::OutOfRangeError(
+        absl::StrCat("positions ", pos0, "..", pos0 + n - 1, " outside the model's ", c.seq_len));
+  }
+  const int d = c.dim, hd = c.head_dim(), kv = c.kv_dim(), hid = c.hidden_dim;
+  std::vector<float> x(static_cast<size_t>(n) * d), q(x.size()), att(x.size()),
+      k(static_cast<size_t>(n) * kv), v(k.size());
+  for (int i = 0; i < n; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= c.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("token id ", tokens[i], " outside vocab ", c.vocab_size));
+    }
+    std::memcpy(&x[i * d], m_.embed_ + static_cast<int64_t>(tokens[i]) * d, d * sizeof(float));
+  }
+  for (int l = 0; l < c.n_layers; ++l) {
+    for (int i = 0; i < n; ++i) {
+      RmsNorm(xb_.data(), &x[i * d], m_.rms_att_ + l * d, d);
+      float *qi = &q[i * d], *ki = &k[i * kv], *vi = &v[i * kv];
+      MatVec(qi, xb_.data(), m_.wq_ + static_cast<int64_t>(l) * d * d, d, d);
+      MatVec(ki, xb_.data(), m_.wk_ + static_cast<int64_t>(l) * kv * d, kv, d);
+      MatVec(vi, xb_.data(), m_.wv_ + static_cast<int64_t>(l) * kv * d, kv, d);
+      for (int j = 0; j < d; j += 2) {
+        const int hi = j % hd;
+        const double freq =
+            1.0 / std::pow(static_cast<double>(c.rope_theta), static_cast<double>(hi) / hd);
+        const double angle = (pos0 + i) * freq;
+        const float fc = static_cast<float>(std::cos(angle)),
+                    fs = static_cast<float>(std::sin(angle));
+        for (int which = 0; which < (j < kv ? 2 : 1); ++which) {
+          float* vec = which == 0 ? qi : ki;
+          const float a = vec[j], b = vec[j + 1];
+          vec[j] = a * fc - b * fs;
+          vec[j + 1] = a * fs + b * fc;
+        }
+      }
+    }
+    KVT_RETURN_IF_ERROR(attn->AttendLayer(l, pos0, n, q.data(), k.data(), v.data(), att.data()));
+    for (int i = 0; i < n; ++i) {
+      float* xi = &x[i * d];
+      MatVec(xb_.data(), &att[i * d], m_.wo_ + static_cast<int64_t>(l) * d * d, d, d);
+      for (int j = 0; j < d; ++j) xi[j] += xb_[j];
+      RmsNorm(xb_.data(), xi, m_.rms_ffn_ + l * d, d);
+      MatVec(hb_.data(), xb_.data(), m_.w1_ + static_cast<int64_t>(l) * hid * d, hid, d);
+      MatVec(hb2_.data(), xb_.data(), m_.w3_ + static_cast<int64_t>(l) * hid * d, hid, d);
+      for (int j = 0; j < hid; ++j) {
+        const float s = hb_[j] / (1.0f + std::exp(-hb_[j]));
+        hb_[j] = s * hb2_[j];
+      }
+      MatVec(xb_.data(), hb_.data(), m_.w2_ + static_cast<int64_t>(l) * d * hid, d, hid);
+      for (int j = 0; j < d; ++j) xi[j] += xb_[j];
+    }
+  }
+  if (logits != nullptr) {
+    RmsNorm(xb_.data(), &x[static_cast<size_t>(n - 1) * d], m_.rms_final_, d);
+    MatVec(logits, xb_.data(), m_.wcls_, c.vocab_size, d);
+  }
+  return absl::OkStatus();
+}
+
 std::vector<double> Softmax(const float* logits, int n) {
   std::vector<double> p(n);
   double m = logits[0];

@@ -82,6 +82,30 @@ class FullCacheAttention : public AttentionBackend {
   std::vector<std::vector<float>> k_, v_;
 };
 
+// Attention for one layer over n consecutive new tokens (positions pos0 ..
+// pos0 + n - 1), each attending causally over everything before it: q
+// [n, n_heads * head_dim], k and v [n, n_kv_heads * head_dim] (post-RoPE),
+// out [n, n_heads * head_dim]. Layers arrive in order 0..L-1 for each batch:
+// the shape of a round's prefill through a remote attention worker.
+class LayerAttention {
+ public:
+  virtual ~LayerAttention() = default;
+  virtual absl::Status AttendLayer(int layer, int pos0, int n, const float* q, const float* k,
+                                   const float* v, float* out) = 0;
+};
+
+// A LayerAttention over any per-token AttentionBackend (token by token).
+class PerTokenLayerAttention : public LayerAttention {
+ public:
+  explicit PerTokenLayerAttention(const LlamaConfig& c, AttentionBackend* b) : c_(c), b_(b) {}
+  absl::Status AttendLayer(int layer, int pos0, int n, const float* q, const float* k,
+                           const float* v, float* out) override;
+
+ private:
+  LlamaConfig c_;
+  AttentionBackend* b_;
+};
+
 // One sequence's activations; Step() runs one token through every layer.
 class Forward {
  public:
@@ -90,6 +114,11 @@ class Forward {
   // logits ([vocab_size]) when `logits` is not null. Positions must be fed in
   // order; the backend holds the cache.
   absl::Status Step(int token, int pos, AttentionBackend* attn, float* logits);
+  // Runs tokens at positions pos0.. layer by layer (every token through
+  // layer l before layer l + 1), so attention sees a whole layer at once.
+  // Per token the arithmetic is exactly Step()'s. Writes the last token's
+  // logits ([vocab_size]) when `logits` is not null.
+  absl::Status Run(const std::vector<int>& tokens, int pos0, LayerAttention* attn, float* logits);
 
  private:
   const LlamaModel& m_;

@@ -109,3 +109,34 @@ TEST(LlamaTest, Stories260KForwardMatchesNaiveAttentionAndPredictsWell) {
 
 }  // namespace
 }  // namespace kvtier::model
+
+namespace kvtier::model {
+namespace {
+
+// The layer-major Run() over chunks of tokens gives bit-identical logits to
+// Step() token by token (same arithmetic per token).
+TEST(LlamaTest, RunLayerByLayerEqualsStep) {
+  KVT_REQUIRE_SHARED_MODEL(path);
+  KVT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<LlamaModel> m, LlamaModel::Load(path));
+  const LlamaConfig& c = m->config();
+  KVT_ASSERT_OK_AND_ASSIGN(std::vector<int> tokens, SampleTokens(*m, 40, 7));
+  FullCacheAttention a(c), b(c);
+  PerTokenLayerAttention layered(c, &b);
+  Forward fa(*m), fb(*m);
+  std::vector<float> la(c.vocab_size), lb(c.vocab_size);
+  int pos = 0;
+  for (int chunk : {7, 1, 1, 12, 1, 18}) {
+    std::vector<int> part(tokens.begin() + pos, tokens.begin() + pos + chunk);
+    for (int i = 0; i < chunk; ++i) {
+      ASSERT_TRUE(fa.Step(part[i], pos + i, &a, la.data()).ok());
+    }
+    ASSERT_TRUE(fb.Run(part, pos, &layered, lb.data()).ok());
+    for (int v = 0; v < c.vocab_size; ++v) ASSERT_EQ(la[v], lb[v]) << "pos " << pos;
+    pos += chunk;
+  }
+  EXPECT_THAT(fb.Run({}, pos, &layered, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(fb.Run({1}, c.seq_len, &layered, nullptr), StatusIs(absl::StatusCode::kOutOfRange));
+}
+
+}  // namespace
+}  // namespace kvtier::model
