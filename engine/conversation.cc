@@ -1,0 +1,248 @@
+#include "engine/conversation.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "grpcpp/client_context.h"
+#include "services/common/grpc_status.h"
+
+namespace kvtier::engine {
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat(what, ": ", s.error_message()));
+}
+
+class Local : public ConversationBackend {
+ public:
+  explicit Local(const model::LlamaConfig& c) : full_(c), layered_(c, &full_) {}
+  absl::Status AttendLayer(int layer, int pos0, int n, const float* q, const float* k,
+                           const float* v, float* out) override {
+    return layered_.AttendLayer(layer, pos0, n, q, k, v, out);
+  }
+  absl::Status BeginStep(bool, int, int) override { return absl::OkStatus(); }
+  absl::Status EndStep() override { return absl::OkStatus(); }
+  absl::Status EndRound() override { return absl::OkStatus(); }
+
+ private:
+  model::FullCacheAttention full_;
+  model::PerTokenLayerAttention layered_;
+};
+
+void Dense(const float* x, int64_t tokens, int heads, int d, v1::DenseTensor* t) {
+  t->set_dtype(v1::DTYPE_FP32);
+  t->add_shape(tokens);
+  t->add_shape(heads);
+  t->add_shape(d);
+  t->set_data(reinterpret_cast<const char*>(x), static_cast<size_t>(tokens) * heads * d * 4);
+}
+
+class Tier : public ConversationBackend {
+ public:
+  Tier(const model::LlamaConfig& c, std::shared_ptr<grpc::Channel> ch, std::string session,
+       std::string token)
+      : c_(c), stub_(v1::Worker::NewStub(ch)), session_(std::move(session)), token_(token) {}
+
+  std::unique_ptr<grpc::ClientContext> Context() const {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    if (!token_.empty()) ctx->AddMetadata("authorization", "Bearer " + token_);
+    return ctx;
+  }
+
+  absl::Status Open(const v1::Policy& policy) {
+    v1::OpenSessionRequest r;
+    r.set_session_id(session_);
+    r.mutable_model()->set_num_layers(c_.n_layers);
+    r.mutable_model()->set_num_q_heads(c_.n_heads);
+    r.mutable_model()->set_num_kv_heads(c_.n_kv_heads);
+    r.mutable_model()->set_head_dim(c_.head_dim());
+    r.mutable_model()->set_dtype(v1::DTYPE_FP32);
+    r.mutable_model()->set_rope_theta(c_.rope_theta);
+    *r.mutable_policy() = policy;
+    v1::OpenSessionResponse resp;
+    auto ctx = Context();
+    return FromGrpc(stub_->OpenSession(ctx.get(), r, &resp), "OpenSession");
+  }
+
+  absl::Status BeginStep(bool prefill, int n, int question_tokens) override {
+    prefill_ = prefill;
+    question_ = question_tokens;
+    ctx_ = Context();
+    if (prefill) {
+      pstream_ = stub_->Prefill(ctx_.get());
+    } else {
+      dstream_ = stub_->Decode(ctx_.get());
+    }
+    (void)n;
+    return absl::OkStatus();
+  }
+
+  absl::Status AttendLayer(int layer, int pos0, int n, const float* q, const float* k,
+                           const float* v, float* out) override {
+    (void)pos0;
+    const int hd = c_.head_dim();
+    if (prefill_) {
+      v1::LayerRequest req;
+      if (layer == 0) req.set_session_id(session_);
+      req.set_layer(layer);
+      req.set_question_tokens(question_);
+      Dense(q, n, c_.n_heads, hd, req.mutable_q());
+      Dense(k, n, c_.n_kv_heads, hd, req.mutable_k());
+      Dense(v, n, c_.n_kv_heads, hd, req.mutable_v());
+      v1::LayerResponse resp;
+      if (!pstream_->Write(req) || !pstream_->Read(&resp)) {
+        return FromGrpc(pstream_->Finish(), absl::StrCat("Prefill layer ", layer));
+      }
+      if (resp.has_recall()) last_recall_ = resp.recall();
+      std::memcpy(out, resp.o().data().data(), resp.o().data().size());
+      return absl::OkStatus();
+    }
+    v1::DecodeRequest req;
+    auto* item = req.add_items();
+    item->set_session_id(session_);
+    item->set_layer(layer);
+    Dense(q, 1, c_.n_heads, hd, item->mutable_q());
+    Dense(k, 1, c_.n_kv_heads, hd, item->mutable_k());
+    Dense(v, 1, c_.n_kv_heads, hd, item->mutable_v());
+    v1::DecodeResponse resp;
+    if (!dstream_->Write(req) || !dstream_->Read(&resp)) {
+      return FromGrpc(dstream_->Finish(), absl::StrCat("Decode layer ", layer));
+    }
+    std::memcpy(out, resp.o(0).data().data(), resp.o(0).data().size());
+    return absl::OkStatus();
+  }
+
+  absl::Status EndStep() override {
+    grpc::Status s;
+    if (prefill_) {
+      pstream_->WritesDone();
+      s = pstream_->Finish();
+      pstream_.reset();
+    } else {
+      dstream_->WritesDone();
+      s = dstream_->Finish();
+      dstream_.reset();
+    }
+    return FromGrpc(s, prefill_ ? "Prefill" : "Decode");
+  }
+
+  absl::Status EndRound() override {
+    v1::EndRoundRequest r;
+    r.set_session_id(session_);
+    v1::EndRoundResponse resp;
+    auto ctx = Context();
+    return FromGrpc(stub_->EndRound(ctx.get(), r, &resp), "EndRound");
+  }
+
+ private:
+  model::LlamaConfig c_;
+  std::unique_ptr<v1::Worker::Stub> stub_;
+  std::string session_, token_;
+  bool prefill_ = false;
+  int question_ = 0;
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::LayerRequest, v1::LayerResponse>> pstream_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> dstream_;
+  v1::RecallDecision last_recall_;
+};
+
+}  // namespace
+
+std::unique_ptr<ConversationBackend> LocalBackend(const model::LlamaConfig& c) {
+  return std::make_unique<Local>(c);
+}
+
+absl::StatusOr<std::unique_ptr<ConversationBackend>> TierBackend(
+    const model::LlamaConfig& c, std::shared_ptr<grpc::Channel> channel, const std::string& session,
+    const v1::Policy& policy, const std::string& token) {
+  auto t = std::make_unique<Tier>(c, std::move(channel), session, token);
+  KVT_RETURN_IF_ERROR(t->Open(policy));
+  return std::unique_ptr<ConversationBackend>(std::move(t));
+}
+
+absl::StatusOr<Transcript> RunConversation(
+    const model::LlamaModel& m, const ConversationOptions& o, ConversationBackend* b,
+    const Transcript* teacher, const std::function<void(const std::string&)>& progress) {
+  const model::LlamaConfig& c = m.config();
+  const int per_round = o.question_tokens + o.answer_tokens;
+  if (o.rounds < 1 || o.question_tokens < 1 || o.answer_tokens < 1) {
+    return absl::InvalidArgumentError("rounds, question and answer tokens must be >= 1");
+  }
+  if (o.rounds * per_round > c.seq_len) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        o.rounds, " rounds of ", per_round, " tokens exceed the model's context of ", c.seq_len));
+  }
+  if (teacher != nullptr && static_cast<int>(teacher->answers.size()) != o.rounds) {
+    return absl::InvalidArgumentError("the teacher transcript has a different round count");
+  }
+  // Question text: slices of one sequence the model wrote itself.
+  KVT_ASSIGN_OR_RETURN(std::vector<int> source,
+                       model::SampleTokens(m, o.rounds * o.question_tokens, o.seed));
+  Transcript t;
+  model::Forward f(m);
+  std::vector<float> logits(c.vocab_size);
+  int pos = 0;
+  double decode_ms = 0;
+  int64_t decode_steps = 0;
+  for (int r = 0; r < o.rounds; ++r) {
+    std::vector<int> q(source.begin() + r * o.question_tokens,
+                       source.begin() + (r + 1) * o.question_tokens);
+    KVT_RETURN_IF_ERROR(b->BeginStep(true, o.question_tokens, o.question_tokens));
+    KVT_RETURN_IF_ERROR(f.Run(q, pos, b, logits.data()));
+    KVT_RETURN_IF_ERROR(b->EndStep());
+    pos += o.question_tokens;
+    std::vector<int> answer;
+    std::vector<float> round_logits;
+    for (int a = 0; a < o.answer_tokens; ++a) {
+      round_logits.insert(round_logits.end(), logits.begin(), logits.end());
+      const int next =
+          teacher != nullptr ? teacher->answers[r][a] : model::Argmax(logits.data(), c.vocab_size);
+      answer.push_back(next);
+      const auto t0 = std::chrono::steady_clock::now();
+      KVT_RETURN_IF_ERROR(b->BeginStep(false, 1, 0));
+      KVT_RETURN_IF_ERROR(f.Run({next}, pos, b, logits.data()));
+      KVT_RETURN_IF_ERROR(b->EndStep());
+      decode_ms +=
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      ++decode_steps;
+      ++pos;
+    }
+    KVT_RETURN_IF_ERROR(b->EndRound());
+    t.questions.push_back(std::move(q));
+    t.answers.push_back(std::move(answer));
+    t.logits.push_back(std::move(round_logits));
+    if (progress) {
+      progress(absl::StrCat("round ", r + 1, "/", o.rounds, ": ", pos, " tokens"));
+    }
+  }
+  t.decode_ms_per_token = decode_steps > 0 ? decode_ms / decode_steps : 0;
+  return t;
+}
+
+Agreement Compare(const Transcript& teacher, const Transcript& t, int vocab) {
+  Agreement a;
+  int64_t n = 0, agree = 0;
+  for (size_t r = 0; r < teacher.logits.size() && r < t.logits.size(); ++r) {
+    const size_t positions = teacher.logits[r].size() / vocab;
+    for (size_t i = 0; i < positions; ++i) {
+      const float* p = teacher.logits[r].data() + i * vocab;
+      const float* q = t.logits[r].data() + i * vocab;
+      agree += model::Argmax(p, vocab) == model::Argmax(q, vocab);
+      a.kl += model::KlDivergence(model::Softmax(p, vocab), model::Softmax(q, vocab));
+      for (int v = 0; v < vocab; ++v) {
+        a.max_logit_diff = std::max(a.max_logit_diff, static_cast<double>(std::fabs(p[v] - q[v])));
+      }
+      ++n;
+    }
+  }
+  a.top1 = n > 0 ? static_cast<double>(agree) / n : 0;
+  a.kl = n > 0 ? a.kl / n : 0;
+  return a;
+}
+
+}  // namespace kvtier::engine

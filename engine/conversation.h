@@ -1,0 +1,71 @@
+// The reference engine (issue 5): a llama2.c model holding a multi-round
+// conversation on token ids, with attention either in process over the full
+// cache (local mode, the ground truth) or in kvtier-worker over gRPC (tier
+// mode). Each round: the question's tokens as one prefill, then
+// `answer_tokens` greedy decode steps, then EndRound.
+#ifndef KVTIER_ENGINE_CONVERSATION_H_
+#define KVTIER_ENGINE_CONVERSATION_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "grpcpp/channel.h"
+#include "kvtier/v1/worker.grpc.pb.h"
+#include "model/llama.h"
+
+namespace kvtier::engine {
+
+struct ConversationOptions {
+  int rounds = 20;
+  int question_tokens = 10;  // Per round, taken from a sequence sampled from the model.
+  int answer_tokens = 15;    // Greedy decode steps per round.
+  uint64_t seed = 1;
+};
+
+struct Transcript {
+  std::vector<std::vector<int>> questions, answers;
+  // Per round, the logits of each answer position [answer_tokens, vocab].
+  std::vector<std::vector<float>> logits;
+  double decode_ms_per_token = 0;  // Mean wall time of one decode step.
+};
+
+// A conversation's attention: model::LayerAttention plus the round events.
+class ConversationBackend : public model::LayerAttention {
+ public:
+  // Called before each step (a prefill of `n` tokens or one decode token).
+  virtual absl::Status BeginStep(bool prefill, int n, int question_tokens) = 0;
+  virtual absl::Status EndStep() = 0;
+  virtual absl::Status EndRound() = 0;
+};
+
+// Local mode: the full fp32 cache.
+std::unique_ptr<ConversationBackend> LocalBackend(const model::LlamaConfig& c);
+
+// Tier mode: OpenSession on `channel` (policy as given; the model spec from
+// the checkpoint, fp32), then every layer over Prefill/Decode streams.
+absl::StatusOr<std::unique_ptr<ConversationBackend>> TierBackend(
+    const model::LlamaConfig& c, std::shared_ptr<grpc::Channel> channel, const std::string& session,
+    const v1::Policy& policy, const std::string& token = "");
+
+// Runs the conversation. With `teacher`, the answers are the teacher's
+// tokens (teacher forcing: the same context as the teacher had), and the
+// logits are this backend's; without, answers are greedy. `progress` gets
+// one line per round when set.
+absl::StatusOr<Transcript> RunConversation(const model::LlamaModel& m, const ConversationOptions& o,
+                                           ConversationBackend* b, const Transcript* teacher,
+                                           const std::function<void(const std::string&)>& progress);
+
+struct Agreement {
+  double top1 = 0;  // Fraction of answer positions whose argmax matches.
+  double kl = 0;    // Mean KL(teacher || this) in nats.
+  double max_logit_diff = 0;
+};
+Agreement Compare(const Transcript& teacher, const Transcript& t, int vocab);
+
+}  // namespace kvtier::engine
+
+#endif  // KVTIER_ENGINE_CONVERSATION_H_
