@@ -118,6 +118,20 @@ class Engine::Session {
     stats.peak_working_set_bytes = std::max(stats.peak_working_set_bytes, stats.working_set_bytes);
   }
 
+  // The past rounds' layer data a token attends at `layer`: every resident
+  // round up to L_w, the recalled ones above it.
+  std::vector<const RoundLayer*> Visible(int layer) const {
+    std::vector<const RoundLayer*> out;
+    if (layer <= lw || !recalled) {
+      for (const PastRound& r : past) {
+        if (r.layers[layer] != nullptr) out.push_back(r.layers[layer].get());
+      }
+    } else {
+      for (size_t i : selected) out.push_back(past[i].layers[layer].get());
+    }
+    return out;
+  }
+
   // Drops the step in flight: the open round goes back to `tokens`.
   void RollBackStep() {
     const size_t qrow = static_cast<size_t>(shape.q_heads) * shape.head_dim;
@@ -303,14 +317,7 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const std::stri
   s->q[layer].insert(s->q[layer].end(), q, q + n * qrow);
   s->k[layer].insert(s->k[layer].end(), k, k + n * kvrow);
   s->v[layer].insert(s->v[layer].end(), v, v + n * kvrow);
-  std::vector<const RoundLayer*> visible;
-  if (layer <= s->lw || !s->recalled) {
-    for (const auto& r : s->past) {
-      if (r.layers[layer] != nullptr) visible.push_back(r.layers[layer].get());
-    }
-  } else {
-    for (size_t i : s->selected) visible.push_back(s->past[i].layers[layer].get());
-  }
+  const std::vector<const RoundLayer*> visible = s->Visible(layer);
   if (auto st = AttendLayer(sh, visible, s->k[layer], s->v[layer], base, n, q, out, options_.level);
       !st.ok()) {
     s->RollBackStep();
@@ -407,14 +414,7 @@ absl::Status Engine::DecodeLayer(const std::string& id, int layer, const float* 
   s->q[layer].insert(s->q[layer].end(), q, q + qrow);
   s->k[layer].insert(s->k[layer].end(), k, k + kvrow);
   s->v[layer].insert(s->v[layer].end(), v, v + kvrow);
-  std::vector<const RoundLayer*> visible;
-  if (layer <= s->lw || !s->recalled) {
-    for (const auto& r : s->past) {
-      if (r.layers[layer] != nullptr) visible.push_back(r.layers[layer].get());
-    }
-  } else {
-    for (size_t i : s->selected) visible.push_back(s->past[i].layers[layer].get());
-  }
+  const std::vector<const RoundLayer*> visible = s->Visible(layer);
   if (auto st = AttendLayer(sh, visible, s->k[layer], s->v[layer], base, 1, q, out, options_.level);
       !st.ok()) {
     s->RollBackStep();

@@ -128,12 +128,12 @@ __global__ void ScoreKernel(AttnDims a, QuantDims kq, DeviceKv k, const float* q
   }
 }
 
-// In-place softmax of one query head's scores per block.
-__global__ void SoftmaxKernel(AttnDims a, float* scores) {
+// In-place softmax of s[0, n) by one block of up to 1024 threads (n = 0
+// leaves nothing to do).
+__device__ void BlockSoftmax(float* s, int64_t n) {
   __shared__ float red[1024];
-  float* s = scores + static_cast<int64_t>(blockIdx.x) * a.tokens;
   float m = -FLT_MAX;
-  for (int64_t t = threadIdx.x; t < a.tokens; t += blockDim.x) m = fmaxf(m, s[t]);
+  for (int64_t t = threadIdx.x; t < n; t += blockDim.x) m = fmaxf(m, s[t]);
   red[threadIdx.x] = m;
   __syncthreads();
   for (int w = blockDim.x / 2; w > 0; w /= 2) {
@@ -143,7 +143,7 @@ __global__ void SoftmaxKernel(AttnDims a, float* scores) {
   m = red[0];
   __syncthreads();
   float sum = 0.0f;
-  for (int64_t t = threadIdx.x; t < a.tokens; t += blockDim.x) {
+  for (int64_t t = threadIdx.x; t < n; t += blockDim.x) {
     const float e = __expf(s[t] - m);
     s[t] = e;
     sum += e;
@@ -154,8 +154,13 @@ __global__ void SoftmaxKernel(AttnDims a, float* scores) {
     if (threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
     __syncthreads();
   }
-  const float inv = 1.0f / red[0];
-  for (int64_t t = threadIdx.x; t < a.tokens; t += blockDim.x) s[t] *= inv;
+  const float inv = red[0] > 0.0f ? 1.0f / red[0] : 0.0f;
+  for (int64_t t = threadIdx.x; t < n; t += blockDim.x) s[t] *= inv;
+}
+
+// In-place softmax of one query head's scores per block.
+__global__ void SoftmaxKernel(AttnDims a, float* scores) {
+  BlockSoftmax(scores + static_cast<int64_t>(blockIdx.x) * a.tokens, a.tokens);
 }
 
 // out[qh, c] += sum over a token slice of p[qh, t] * v[t, c]: one thread per
@@ -221,34 +226,8 @@ __global__ void FlatScoreKernel(FlatDims f, const float* q, const uint16_t* kf,
 
 // In-place softmax of one query head's lens[h] scores per block.
 __global__ void FlatSoftmaxKernel(FlatDims f, const int64_t* lens, float* scores) {
-  __shared__ float red[1024];
   const int rep = f.q_heads / f.kv_heads;
-  const int64_t n = lens[blockIdx.x / rep];
-  float* s = scores + static_cast<int64_t>(blockIdx.x) * f.max_len;
-  float m = -FLT_MAX;
-  for (int64_t t = threadIdx.x; t < n; t += blockDim.x) m = fmaxf(m, s[t]);
-  red[threadIdx.x] = m;
-  __syncthreads();
-  for (int w = blockDim.x / 2; w > 0; w /= 2) {
-    if (threadIdx.x < w) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + w]);
-    __syncthreads();
-  }
-  m = red[0];
-  __syncthreads();
-  float sum = 0.0f;
-  for (int64_t t = threadIdx.x; t < n; t += blockDim.x) {
-    const float e = __expf(s[t] - m);
-    s[t] = e;
-    sum += e;
-  }
-  red[threadIdx.x] = sum;
-  __syncthreads();
-  for (int w = blockDim.x / 2; w > 0; w /= 2) {
-    if (threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
-    __syncthreads();
-  }
-  const float inv = red[0] > 0.0f ? 1.0f / red[0] : 0.0f;
-  for (int64_t t = threadIdx.x; t < n; t += blockDim.x) s[t] *= inv;
+  BlockSoftmax(scores + static_cast<int64_t>(blockIdx.x) * f.max_len, lens[blockIdx.x / rep]);
 }
 
 // out[qh, c] += sum over a token slice of p[qh, t] * v[t, c].

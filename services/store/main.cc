@@ -12,6 +12,7 @@
 #include "absl/flags/usage.h"
 #include "base/log.h"
 #include "base/memory.h"
+#include "services/common/port_file.h"
 #include "services/store/store_server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
@@ -42,21 +43,6 @@ ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9470",
 ABSL_FLAG(std::string, metrics_port_file, "", "If set, the bound metrics port is written here.");
 ABSL_FLAG(int, executor_threads, 8, "Threads for blocking store work (RocksDB, fsync).");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warn or error.");
-
-namespace {
-
-bool WritePortFile(const std::string& path, int port) {
-  if (path.empty()) return true;
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    if (!out) return false;
-    out << port << "\n";
-  }
-  return std::rename(tmp.c_str(), path.c_str()) == 0;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   kvtier::TuneAllocatorForLargeBuffers();
@@ -114,8 +100,8 @@ int main(int argc, char** argv) {
     kvtier::LogError("kvtier-store failed to start", {{"error", server.status().ToString()}});
     return 1;
   }
-  if (!WritePortFile(absl::GetFlag(FLAGS_port_file), (*server)->port()) ||
-      !WritePortFile(absl::GetFlag(FLAGS_metrics_port_file), (*server)->metrics_port())) {
+  if (!kvtier::WritePortFile(absl::GetFlag(FLAGS_port_file), (*server)->port()) ||
+      !kvtier::WritePortFile(absl::GetFlag(FLAGS_metrics_port_file), (*server)->metrics_port())) {
     kvtier::LogError("cannot write port file");
     return 1;
   }

@@ -11,6 +11,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "base/log.h"
+#include "services/common/port_file.h"
 #include "services/worker/worker_server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7071", "gRPC listen address (port 0 picks one).");
@@ -27,17 +28,6 @@ ABSL_FLAG(std::string, metrics_port_file, "", "If set, the bound metrics port is
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warn or error.");
 
 namespace {
-
-bool WritePortFile(const std::string& path, int port) {
-  if (path.empty()) return true;
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    if (!out) return false;
-    out << port << "\n";
-  }
-  return std::rename(tmp.c_str(), path.c_str()) == 0;
-}
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
@@ -82,8 +72,8 @@ int main(int argc, char** argv) {
     kvtier::LogError("kvtier-worker failed to start", {{"error", server.status().ToString()}});
     return 1;
   }
-  if (!WritePortFile(absl::GetFlag(FLAGS_port_file), (*server)->port()) ||
-      !WritePortFile(absl::GetFlag(FLAGS_metrics_port_file), (*server)->metrics_port())) {
+  if (!kvtier::WritePortFile(absl::GetFlag(FLAGS_port_file), (*server)->port()) ||
+      !kvtier::WritePortFile(absl::GetFlag(FLAGS_metrics_port_file), (*server)->metrics_port())) {
     kvtier::LogError("cannot write port file");
     return 1;
   }
