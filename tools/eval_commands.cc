@@ -180,10 +180,9 @@ constexpr char kEvictionHelp[] =
     "  The observation window is min(32, budget / 4) so every budget is valid.\n";
 
 int EvalEviction(const Args& args) {
-  const std::vector<std::string> unknown =
-      args.Unknown({"model", "sequences", "seq_len", "prompt", "budgets", "methods", "profiles",
-                    "synthetic", "synthetic_layers", "kvgroup", "model_trace", "oracle", "csv",
-                    "help"});
+  const std::vector<std::string> unknown = args.Unknown(
+      {"model", "sequences", "seq_len", "prompt", "budgets", "methods", "profiles", "synthetic",
+       "synthetic_layers", "kvgroup", "model_trace", "oracle", "csv", "help"});
   if (!unknown.empty()) return Usage("unknown flag --" + unknown[0]);
   if (args.Has("help")) {
     std::printf("%s", kEvictionHelp);

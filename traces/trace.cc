@@ -109,9 +109,8 @@ absl::StatusOr<KvTrace> MakeSyntheticTrace(const SyntheticOptions& o) {
   std::normal_distribution<float> gauss(0.0f, 1.0f);
   std::uniform_real_distribution<float> uni(0.0f, 1.0f);
   KvTrace t;
-  t.name =
-      absl::StrCat("synthetic-d", o.head_dim, "-h", o.q_heads, "x", o.kv_heads, "-r", o.rounds,
-                   o.group_concentration ? "-kvgroup" : "");
+  t.name = absl::StrCat("synthetic-d", o.head_dim, "-h", o.q_heads, "x", o.kv_heads, "-r", o.rounds,
+                        o.group_concentration ? "-kvgroup" : "");
   t.layers = o.layers;
   t.q_heads = o.q_heads;
   t.kv_heads = o.kv_heads;
