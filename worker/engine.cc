@@ -563,6 +563,20 @@ absl::StatusOr<ModelShape> Engine::Shape(const std::string& id) const {
   return s->shape;
 }
 
+uint64_t Engine::TotalWorkingSetBytes() const {
+  std::vector<std::shared_ptr<Session>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, s] : sessions_) all.push_back(s);
+  }
+  uint64_t total = 0;
+  for (const auto& s : all) {
+    std::lock_guard<std::mutex> lock(s->mu);
+    total += static_cast<uint64_t>(s->WorkingSetBytes());
+  }
+  return total;
+}
+
 std::vector<std::string> Engine::Sessions() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::string> ids;

@@ -145,6 +145,8 @@ class Engine {
   absl::StatusOr<SessionPolicy> Policy(const std::string& id) const;
   absl::StatusOr<ModelShape> Shape(const std::string& id) const;
   std::vector<std::string> Sessions() const;
+  // Working-set bytes over all sessions (no per-session copies).
+  uint64_t TotalWorkingSetBytes() const;
 
  private:
   class Session;

@@ -48,7 +48,7 @@ absl::StatusOr<worker::ModelShape> ShapeFromProto(const v1::ModelSpec& m) {
   return s;
 }
 
-absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p, int layers) {
+absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p) {
   worker::SessionPolicy s;
   const v1::CodecParams& cp = p.codec_params();
   switch (p.codec()) {
@@ -86,8 +86,8 @@ absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p, int l
     if (p.pyramid_beta() != 0) absl::StrAppend(&text, ":beta=", p.pyramid_beta());
     KVT_ASSIGN_OR_RETURN(s.eviction, evict::ParsePolicy(text));
   }
-  s.watershed_layer = static_cast<int>(p.watershed_layer());
-  if (p.watershed_layer() == 0 && layers > 2) s.watershed_layer = -1;  // Unset: L / 3.
+  // 0 is proto3's unset: the engine's default, L / 3.
+  s.watershed_layer = p.watershed_layer() == 0 ? -1 : static_cast<int>(p.watershed_layer());
   if (!p.recall().empty()) {
     KVT_ASSIGN_OR_RETURN(s.recall, worker::ParseRecall(p.recall()));
   }
@@ -247,8 +247,7 @@ class WorkerService final : public v1::Worker::Service {
         return absl::UnimplementedError("resume from the store is not supported yet");
       }
       KVT_ASSIGN_OR_RETURN(worker::ModelShape shape, ShapeFromProto(req->model()));
-      KVT_ASSIGN_OR_RETURN(worker::SessionPolicy policy,
-                           PolicyFromProto(req->policy(), shape.layers));
+      KVT_ASSIGN_OR_RETURN(worker::SessionPolicy policy, PolicyFromProto(req->policy()));
       KVT_RETURN_IF_ERROR(engine_->OpenSession(id, shape, policy));
       KVT_ASSIGN_OR_RETURN(worker::SessionPolicy eff, engine_->Policy(id));
       *resp->mutable_effective_policy() = req->policy();
@@ -393,12 +392,7 @@ class WorkerService final : public v1::Worker::Service {
   }
 
   void UpdateWorkingSet() {
-    double total = 0;
-    for (const std::string& id : engine_->Sessions()) {
-      auto st = engine_->Stats(id);
-      if (st.ok()) total += static_cast<double>(st->working_set_bytes);
-    }
-    metrics_->WorkingSet(total);
+    metrics_->WorkingSet(static_cast<double>(engine_->TotalWorkingSetBytes()));
   }
 
   grpc::Status Done(const char* method, const absl::Status& s) {

@@ -33,7 +33,7 @@ struct WorkerServerOptions {
 // Converts the wire policy to the engine's: zero fields take the published
 // defaults (ALGORITHMS.md). INVALID_ARGUMENT for an unknown method, codec or
 // recall strategy, or a bad parameter.
-absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p, int layers);
+absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p);
 absl::StatusOr<worker::ModelShape> ShapeFromProto(const v1::ModelSpec& m);
 
 class WorkerMetrics;
