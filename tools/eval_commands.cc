@@ -378,6 +378,8 @@ int BudgetsCommand(const Args& args) {
   return args.positional().empty() || args.positional()[0] != "help" ? 2 : 0;
 }
 
+int EvalWatershed(const Args& args);  // tools/eval_watershed.cc
+
 int EvalCommand(const Args& args) {
   if (args.positional().empty() || args.positional()[0] == "help") {
     std::printf("%s", kHelp);
@@ -385,7 +387,8 @@ int EvalCommand(const Args& args) {
   }
   if (args.positional()[0] == "codecs") return EvalCodecs(args);
   if (args.positional()[0] == "eviction") return EvalEviction(args);
-  return Usage("unknown eval '" + args.positional()[0] + "' (codecs, eviction)");
+  if (args.positional()[0] == "watershed") return EvalWatershed(args);
+  return Usage("unknown eval '" + args.positional()[0] + "' (codecs, eviction, watershed)");
 }
 
 }  // namespace kvtier::cli

@@ -72,6 +72,7 @@ int main(int argc, char** argv) {
       "      put | get | ls | drop | rm | pin | stats   (kvtier store help)\n"
       "  kvtier eval codecs [--model=PATH] [--csv=FILE] ...\n"
       "  kvtier eval eviction [--model=PATH] [--csv=FILE] ...\n"
+      "  kvtier eval watershed [--model=PATH] [--csv=FILE] ...\n"
       "      codec fidelity / eviction tables         (kvtier eval help)\n"
       "  kvtier budgets search --model=PATH --out=FILE [--budget=C]\n"
       "      EvolKV layer-budget search               (kvtier budgets help)\n");

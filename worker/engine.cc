@@ -442,6 +442,7 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id) {
   }
   const int d = sh.head_dim;
   const int64_t t = s->tokens;
+  const uint64_t round_working_set = static_cast<uint64_t>(s->WorkingSetBytes());
   // Eviction per layer, then encoding of each KV head's kept tokens.
   std::vector<std::vector<v1::EncodedTensor>> enc(sh.layers);
   std::vector<float> qm(static_cast<size_t>(sh.q_heads) * t * d),
@@ -522,6 +523,8 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id) {
   s->stats.rounds += 1;
   s->NotePeak();
   rep.working_set_bytes = s->stats.working_set_bytes;
+  rep.round_working_set_bytes = round_working_set;
+  rep.full_cache_bytes = s->stats.full_cache_bytes;
   return rep;
 }
 

@@ -94,6 +94,9 @@ struct EndRoundReport {
   uint64_t stored_bytes = 0;       // Both segments' payloads.
   uint64_t full_bytes = 0;         // The round in the model dtype, unevicted.
   uint64_t working_set_bytes = 0;  // Of the session, after release.
+  // Of the session just before EndRound (recalled rounds and this round in).
+  uint64_t round_working_set_bytes = 0;
+  uint64_t full_cache_bytes = 0;  // Of the session, this round included.
 };
 
 struct SessionStats {

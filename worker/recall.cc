@@ -22,7 +22,7 @@ absl::StatusOr<RecallStrategy> ParseRecall(const std::string& text) {
   double v = 0;
   if (!absl::SimpleAtod(arg, &v) || !std::isfinite(v)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "recall '", text, "': expected all, topk:K, adaptive:LAMBDA or threshold:THETA"));
+        "recall '", text, "': expected all, topk:K, adaptive:LAMBDA, threshold:THETA or mass:P"));
   }
   if (name == "topk") {
     if (v < 1 || v != std::floor(v)) {
@@ -37,9 +37,14 @@ absl::StatusOr<RecallStrategy> ParseRecall(const std::string& text) {
           absl::StrCat("recall threshold must be in [0, 1], got ", arg));
     }
     s.mode = RecallMode::kThreshold;
+  } else if (name == "mass") {
+    if (v <= 0 || v > 1) {
+      return absl::InvalidArgumentError(absl::StrCat("recall mass must be in (0, 1], got ", arg));
+    }
+    s.mode = RecallMode::kMass;
   } else {
     return absl::InvalidArgumentError(absl::StrCat(
-        "recall '", text, "': expected all, topk:K, adaptive:LAMBDA or threshold:THETA"));
+        "recall '", text, "': expected all, topk:K, adaptive:LAMBDA, threshold:THETA or mass:P"));
   }
   s.param = v;
   return s;
@@ -55,6 +60,8 @@ std::string RecallName(const RecallStrategy& s) {
       return absl::StrCat("adaptive:", s.param);
     case RecallMode::kThreshold:
       return absl::StrCat("threshold:", s.param);
+    case RecallMode::kMass:
+      return absl::StrCat("mass:", s.param);
   }
   return "?";
 }
@@ -109,15 +116,18 @@ std::vector<uint32_t> SelectRounds(const std::vector<double>& scores, const Reca
     case RecallMode::kAll:
       pick.assign(n, true);
       break;
-    case RecallMode::kTopK: {
+    case RecallMode::kTopK:
+    case RecallMode::kMass: {
+      const size_t k = s.mode == RecallMode::kTopK
+                           ? static_cast<size_t>(s.param)
+                           : static_cast<size_t>(RoundsForMass(scores, s.param));
       std::vector<uint32_t> order(n);
       std::iota(order.begin(), order.end(), 0u);
       // Higher score first; ties to the more recent round.
       std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
         return scores[a] > scores[b] || (scores[a] == scores[b] && a > b);
       });
-      for (size_t i = 0; i < std::min<size_t>(n, static_cast<size_t>(s.param)); ++i)
-        pick[order[i]] = true;
+      for (size_t i = 0; i < std::min(n, k); ++i) pick[order[i]] = true;
       break;
     }
     case RecallMode::kAdaptive: {

@@ -12,17 +12,18 @@
 
 namespace kvtier::worker {
 
-enum class RecallMode { kAll, kTopK, kAdaptive, kThreshold };
+enum class RecallMode { kAll, kTopK, kAdaptive, kThreshold, kMass };
 
 struct RecallStrategy {
   RecallMode mode = RecallMode::kAdaptive;
   // kTopK: k (rounds); kAdaptive: lambda in mean + lambda * std; kThreshold:
-  // theta on the normalized score.
+  // theta on the normalized score; kMass: P, top-k with k the smallest count
+  // whose rounds hold at least P of the normalized scores.
   double param = 1.0;
 };
 
-// "all", "topk:K" (K >= 1), "adaptive:LAMBDA", "threshold:THETA" (in [0, 1]).
-// INVALID_ARGUMENT otherwise.
+// "all", "topk:K" (K >= 1), "adaptive:LAMBDA", "threshold:THETA" (in [0, 1]),
+// "mass:P" (in (0, 1]). INVALID_ARGUMENT otherwise.
 absl::StatusOr<RecallStrategy> ParseRecall(const std::string& text);
 std::string RecallName(const RecallStrategy& s);
 

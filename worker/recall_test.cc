@@ -23,8 +23,11 @@ TEST(RecallTest, ParsesStrategiesAndRejectsBadOnes) {
   EXPECT_EQ(RecallName(ad), "adaptive:0.5");
   KVT_ASSERT_OK_AND_ASSIGN(RecallStrategy th, ParseRecall("threshold:0.1"));
   EXPECT_EQ(th.mode, RecallMode::kThreshold);
-  for (const char* bad :
-       {"", "topk", "topk:0", "topk:1.5", "threshold:2", "adaptive:x", "best:3", "adaptive:nan"}) {
+  KVT_ASSERT_OK_AND_ASSIGN(RecallStrategy mass, ParseRecall("mass:0.95"));
+  EXPECT_EQ(mass.mode, RecallMode::kMass);
+  EXPECT_EQ(RecallName(mass), "mass:0.95");
+  for (const char* bad : {"", "topk", "topk:0", "topk:1.5", "threshold:2", "adaptive:x", "best:3",
+                          "adaptive:nan", "mass:0", "mass:1.5"}) {
     EXPECT_THAT(ParseRecall(bad), StatusIs(absl::StatusCode::kInvalidArgument)) << bad;
   }
 }
@@ -48,6 +51,10 @@ TEST(RecallTest, SelectionStrategies) {
   EXPECT_THAT(SelectRounds({}, {RecallMode::kTopK, 3}, true), ElementsAre());
   EXPECT_EQ(RoundsForMass(s, 0.95), 5);
   EXPECT_EQ(RoundsForMass(s, 0.70), 2);
+  // mass:P is top-k with k = RoundsForMass(scores, P).
+  EXPECT_THAT(SelectRounds(s, {RecallMode::kMass, 0.70}, false), ElementsAre(1, 3));
+  EXPECT_THAT(SelectRounds(s, {RecallMode::kMass, 0.80}, false), ElementsAre(1, 3, 5));
+  EXPECT_THAT(SelectRounds(s, {RecallMode::kMass, 1.0}, false), ElementsAre(0, 1, 2, 3, 4, 5));
 }
 
 // QAttention against a longhand computation on a small case: 2 past rounds,

@@ -48,13 +48,17 @@ absl::StatusOr<worker::ModelShape> ShapeFromProto(const v1::ModelSpec& m) {
   return s;
 }
 
-absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p) {
+absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p, v1::DType model_dtype) {
   worker::SessionPolicy s;
   const v1::CodecParams& cp = p.codec_params();
   switch (p.codec()) {
     case v1::CODEC_UNSPECIFIED:
     case v1::CODEC_RAW:
+      // Lossless for the model: its own dtype.
       s.codec = worker::SessionPolicy::RawFp32Codec();
+      if (model_dtype == v1::DTYPE_FP16 || model_dtype == v1::DTYPE_BF16) {
+        s.codec.dtype = model_dtype;
+      }
       break;
     case v1::CODEC_KIVI:
     case v1::CODEC_KCVT:
@@ -230,6 +234,9 @@ void FillRecall(const worker::RecallReport& r, v1::RecallDecision* d) {
   for (uint32_t s : r.selected) d->add_selected_rounds(s);
   for (double s : r.scores) d->add_round_scores(static_cast<float>(s));
   d->set_bytes_fetched(r.bytes_fetched);
+  d->set_fetched_segments(static_cast<uint32_t>(r.fetched_segments));
+  d->set_fetch_ms(r.fetch_ms);
+  d->set_exposed_ms(r.exposed_ms);
 }
 
 }  // namespace
@@ -247,7 +254,8 @@ class WorkerService final : public v1::Worker::Service {
         return absl::UnimplementedError("resume from the store is not supported yet");
       }
       KVT_ASSIGN_OR_RETURN(worker::ModelShape shape, ShapeFromProto(req->model()));
-      KVT_ASSIGN_OR_RETURN(worker::SessionPolicy policy, PolicyFromProto(req->policy()));
+      KVT_ASSIGN_OR_RETURN(worker::SessionPolicy policy,
+                           PolicyFromProto(req->policy(), req->model().dtype()));
       KVT_RETURN_IF_ERROR(engine_->OpenSession(id, shape, policy));
       KVT_ASSIGN_OR_RETURN(worker::SessionPolicy eff, engine_->Policy(id));
       *resp->mutable_effective_policy() = req->policy();
@@ -342,6 +350,8 @@ class WorkerService final : public v1::Worker::Service {
       resp->set_round(r.round);
       resp->set_stored_bytes(r.stored_bytes);
       resp->set_working_set_bytes(r.working_set_bytes);
+      resp->set_round_working_set_bytes(r.round_working_set_bytes);
+      resp->set_full_cache_bytes(r.full_cache_bytes);
       resp->set_compression_ratio(r.stored_bytes > 0 ? static_cast<float>(r.full_bytes) /
                                                            static_cast<float>(r.stored_bytes)
                                                      : 0.0f);

@@ -32,8 +32,10 @@ struct WorkerServerOptions {
 
 // Converts the wire policy to the engine's: zero fields take the published
 // defaults (ALGORITHMS.md). INVALID_ARGUMENT for an unknown method, codec or
-// recall strategy, or a bad parameter.
-absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p);
+// recall strategy, or a bad parameter. CODEC_RAW (and unset) stores the
+// model's own dtype (`model_dtype`; fp32 when unspecified): lossless.
+absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p,
+                                                      v1::DType model_dtype = v1::DTYPE_FP32);
 absl::StatusOr<worker::ModelShape> ShapeFromProto(const v1::ModelSpec& m);
 
 class WorkerMetrics;

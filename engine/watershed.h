@@ -1,0 +1,58 @@
+// Round-attention analysis (ALGORITHMS.md §4): for each question of a
+// multi-round conversation and each layer, the distribution of the
+// question's attention over the past rounds (qAttention, exactly as the
+// worker computes it at L_w), and from those the watershed layer L_w.
+#ifndef KVTIER_ENGINE_WATERSHED_H_
+#define KVTIER_ENGINE_WATERSHED_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/conversation.h"
+#include "model/llama.h"
+#include "traces/synthetic_chat.h"
+
+namespace kvtier::engine {
+
+// Every question's round distribution at every layer.
+struct RoundDistributions {
+  int layers = 0;
+  // One probe per round with at least `min_past` past rounds:
+  // dist[probe][layer][past round], each summing to 1.
+  std::vector<std::vector<std::vector<double>>> dist;
+  std::vector<int> probe_round;
+};
+
+// From the synthetic chat (its queries and keys at every layer).
+RoundDistributions SyntheticChatDistributions(const traces::SyntheticChat& chat, int min_past = 2);
+
+// From a llama2.c model holding a conversation (local mode, greedy answers).
+absl::StatusOr<RoundDistributions> ModelDistributions(const model::LlamaModel& m,
+                                                      const ConversationOptions& o,
+                                                      int min_past = 2);
+
+struct WatershedReport {
+  // Per layer l < L - 1: mean over probes and later layers l' of
+  // KL(P_l' || P_l) in nats: how far the distribution at l is from the ones
+  // the layers above it see.
+  std::vector<double> mean_kl;
+  // Per layer: mean and max over probes of how many past rounds hold
+  // `mass` of the distribution, and the mean past-round count.
+  std::vector<double> rounds_for_mass_mean;
+  std::vector<int> rounds_for_mass_max;
+  double past_rounds_mean = 0;
+  double mass = 0.95;
+  // The first layer from which mean_kl stays at or below `kl_threshold`
+  // (nats) at every later layer: the distribution a recall sees there is
+  // the one the layers above it use. -1 when none gets that low.
+  int watershed = 0;
+  double kl_threshold = 0.01;
+};
+
+WatershedReport AnalyzeWatershed(const RoundDistributions& d, double mass = 0.95,
+                                 double kl_threshold = 0.01);
+
+}  // namespace kvtier::engine
+
+#endif  // KVTIER_ENGINE_WATERSHED_H_
