@@ -1,10 +1,14 @@
 # Two commands for a newcomer: `make demo` and `make test`. Both go through
 # scripts/kvtier.sh, which installs missing Debian packages, configures and
 # builds first.
-.PHONY: demo test build deps bench asan clean
+.PHONY: demo demo-store test build deps bench asan clean
 
 demo:
 	scripts/kvtier.sh demo
+
+# kvtier-store alone: segments, spills, one batched recall, kill -9 and restart.
+demo-store: build
+	scripts/store_demo.sh build
 
 test:
 	scripts/kvtier.sh test

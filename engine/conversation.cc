@@ -42,11 +42,20 @@ void Dense(const float* x, int64_t tokens, int heads, int d, v1::DenseTensor* t)
   t->set_data(reinterpret_cast<const char*>(x), static_cast<size_t>(tokens) * heads * d * 4);
 }
 
-class Tier : public ConversationBackend {
+class Tier : public TierSession {
  public:
-  Tier(const model::LlamaConfig& c, std::shared_ptr<grpc::Channel> ch, std::string session,
+  Tier(const v1::ModelSpec& spec, std::shared_ptr<grpc::Channel> ch, std::string session,
        std::string token)
-      : c_(c), stub_(v1::Worker::NewStub(ch)), session_(std::move(session)), token_(token) {}
+      : spec_(spec),
+        q_heads_(static_cast<int>(spec.num_q_heads())),
+        kv_heads_(static_cast<int>(spec.num_kv_heads())),
+        head_dim_(static_cast<int>(spec.head_dim())),
+        stub_(v1::Worker::NewStub(ch)),
+        session_(std::move(session)),
+        token_(token) {}
+
+  const std::vector<TierRound>& rounds() const override { return rounds_; }
+  const v1::Policy& effective_policy() const override { return effective_; }
 
   std::unique_ptr<grpc::ClientContext> Context() const {
     auto ctx = std::make_unique<grpc::ClientContext>();
@@ -57,16 +66,22 @@ class Tier : public ConversationBackend {
   absl::Status Open(const v1::Policy& policy) {
     v1::OpenSessionRequest r;
     r.set_session_id(session_);
-    r.mutable_model()->set_num_layers(c_.n_layers);
-    r.mutable_model()->set_num_q_heads(c_.n_heads);
-    r.mutable_model()->set_num_kv_heads(c_.n_kv_heads);
-    r.mutable_model()->set_head_dim(c_.head_dim());
-    r.mutable_model()->set_dtype(v1::DTYPE_FP32);
-    r.mutable_model()->set_rope_theta(c_.rope_theta);
+    *r.mutable_model() = spec_;
     *r.mutable_policy() = policy;
     v1::OpenSessionResponse resp;
     auto ctx = Context();
-    return FromGrpc(stub_->OpenSession(ctx.get(), r, &resp), "OpenSession");
+    KVT_RETURN_IF_ERROR(FromGrpc(stub_->OpenSession(ctx.get(), r, &resp), "OpenSession"));
+    effective_ = resp.effective_policy();
+    return absl::OkStatus();
+  }
+
+  absl::Status Close(bool delete_from_store) override {
+    v1::CloseSessionRequest r;
+    r.set_session_id(session_);
+    r.set_delete_from_store(delete_from_store);
+    v1::CloseSessionResponse resp;
+    auto ctx = Context();
+    return FromGrpc(stub_->CloseSession(ctx.get(), r, &resp), "CloseSession");
   }
 
   absl::Status BeginStep(bool prefill, int n, int question_tokens) override {
@@ -85,20 +100,23 @@ class Tier : public ConversationBackend {
   absl::Status AttendLayer(int layer, int pos0, int n, const float* q, const float* k,
                            const float* v, float* out) override {
     (void)pos0;
-    const int hd = c_.head_dim();
+    const int hd = head_dim_;
     if (prefill_) {
       v1::LayerRequest req;
       if (layer == 0) req.set_session_id(session_);
       req.set_layer(layer);
       req.set_question_tokens(question_);
-      Dense(q, n, c_.n_heads, hd, req.mutable_q());
-      Dense(k, n, c_.n_kv_heads, hd, req.mutable_k());
-      Dense(v, n, c_.n_kv_heads, hd, req.mutable_v());
+      Dense(q, n, q_heads_, hd, req.mutable_q());
+      Dense(k, n, kv_heads_, hd, req.mutable_k());
+      Dense(v, n, kv_heads_, hd, req.mutable_v());
       v1::LayerResponse resp;
       if (!pstream_->Write(req) || !pstream_->Read(&resp)) {
         return FromGrpc(pstream_->Finish(), absl::StrCat("Prefill layer ", layer));
       }
-      if (resp.has_recall()) last_recall_ = resp.recall();
+      if (resp.has_recall()) {
+        last_recall_ = resp.recall();
+        has_recall_ = true;
+      }
       std::memcpy(out, resp.o().data().data(), resp.o().data().size());
       return absl::OkStatus();
     }
@@ -106,9 +124,9 @@ class Tier : public ConversationBackend {
     auto* item = req.add_items();
     item->set_session_id(session_);
     item->set_layer(layer);
-    Dense(q, 1, c_.n_heads, hd, item->mutable_q());
-    Dense(k, 1, c_.n_kv_heads, hd, item->mutable_k());
-    Dense(v, 1, c_.n_kv_heads, hd, item->mutable_v());
+    Dense(q, 1, q_heads_, hd, item->mutable_q());
+    Dense(k, 1, kv_heads_, hd, item->mutable_k());
+    Dense(v, 1, kv_heads_, hd, item->mutable_v());
     v1::DecodeResponse resp;
     if (!dstream_->Write(req) || !dstream_->Read(&resp)) {
       return FromGrpc(dstream_->Finish(), absl::StrCat("Decode layer ", layer));
@@ -136,11 +154,29 @@ class Tier : public ConversationBackend {
     r.set_session_id(session_);
     v1::EndRoundResponse resp;
     auto ctx = Context();
-    return FromGrpc(stub_->EndRound(ctx.get(), r, &resp), "EndRound");
+    KVT_RETURN_IF_ERROR(FromGrpc(stub_->EndRound(ctx.get(), r, &resp), "EndRound"));
+    TierRound t;
+    t.round = resp.round();
+    t.recalled = has_recall_;
+    t.selected.assign(last_recall_.selected_rounds().begin(), last_recall_.selected_rounds().end());
+    t.scores.assign(last_recall_.round_scores().begin(), last_recall_.round_scores().end());
+    t.bytes_fetched = last_recall_.bytes_fetched();
+    t.fetched_segments = last_recall_.fetched_segments();
+    t.fetch_ms = last_recall_.fetch_ms();
+    t.exposed_ms = last_recall_.exposed_ms();
+    t.stored_bytes = resp.stored_bytes();
+    t.round_working_set_bytes = resp.round_working_set_bytes();
+    t.full_cache_bytes = resp.full_cache_bytes();
+    t.working_set_after = resp.working_set_bytes();
+    rounds_.push_back(std::move(t));
+    last_recall_.Clear();
+    has_recall_ = false;
+    return absl::OkStatus();
   }
 
  private:
-  model::LlamaConfig c_;
+  v1::ModelSpec spec_;
+  int q_heads_, kv_heads_, head_dim_;
   std::unique_ptr<v1::Worker::Stub> stub_;
   std::string session_, token_;
   bool prefill_ = false;
@@ -149,6 +185,9 @@ class Tier : public ConversationBackend {
   std::unique_ptr<grpc::ClientReaderWriter<v1::LayerRequest, v1::LayerResponse>> pstream_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> dstream_;
   v1::RecallDecision last_recall_;
+  bool has_recall_ = false;
+  v1::Policy effective_;
+  std::vector<TierRound> rounds_;
 };
 
 }  // namespace
@@ -157,12 +196,29 @@ std::unique_ptr<ConversationBackend> LocalBackend(const model::LlamaConfig& c) {
   return std::make_unique<Local>(c);
 }
 
-absl::StatusOr<std::unique_ptr<ConversationBackend>> TierBackend(
-    const model::LlamaConfig& c, std::shared_ptr<grpc::Channel> channel, const std::string& session,
-    const v1::Policy& policy, const std::string& token) {
-  auto t = std::make_unique<Tier>(c, std::move(channel), session, token);
+absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const v1::ModelSpec& spec,
+                                                         std::shared_ptr<grpc::Channel> channel,
+                                                         const std::string& session,
+                                                         const v1::Policy& policy,
+                                                         const std::string& token) {
+  auto t = std::make_unique<Tier>(spec, std::move(channel), session, token);
   KVT_RETURN_IF_ERROR(t->Open(policy));
-  return std::unique_ptr<ConversationBackend>(std::move(t));
+  return std::unique_ptr<TierSession>(std::move(t));
+}
+
+absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const model::LlamaConfig& c,
+                                                         std::shared_ptr<grpc::Channel> channel,
+                                                         const std::string& session,
+                                                         const v1::Policy& policy,
+                                                         const std::string& token) {
+  v1::ModelSpec spec;
+  spec.set_num_layers(c.n_layers);
+  spec.set_num_q_heads(c.n_heads);
+  spec.set_num_kv_heads(c.n_kv_heads);
+  spec.set_head_dim(c.head_dim());
+  spec.set_dtype(v1::DTYPE_FP32);
+  spec.set_rope_theta(c.rope_theta);
+  return TierBackend(spec, std::move(channel), session, policy, token);
 }
 
 absl::StatusOr<Transcript> RunConversation(

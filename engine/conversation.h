@@ -45,11 +45,44 @@ class ConversationBackend : public model::LayerAttention {
 // Local mode: the full fp32 cache.
 std::unique_ptr<ConversationBackend> LocalBackend(const model::LlamaConfig& c);
 
-// Tier mode: OpenSession on `channel` (policy as given; the model spec from
-// the checkpoint, fp32), then every layer over Prefill/Decode streams.
-absl::StatusOr<std::unique_ptr<ConversationBackend>> TierBackend(
-    const model::LlamaConfig& c, std::shared_ptr<grpc::Channel> channel, const std::string& session,
-    const v1::Policy& policy, const std::string& token = "");
+// What kvtier-worker reported for one round of a tier-mode session.
+struct TierRound {
+  uint32_t round = 0;
+  bool recalled = false;           // False for round 0 (nothing to recall).
+  std::vector<uint32_t> selected;  // Past rounds attended above L_w.
+  std::vector<float> scores;       // Normalized qAttention per past round.
+  uint64_t bytes_fetched = 0;      // The one GetSegments call's payload.
+  uint32_t fetched_segments = 0;
+  double fetch_ms = 0, exposed_ms = 0;
+  uint64_t stored_bytes = 0;             // PutSegment payloads of this round.
+  uint64_t round_working_set_bytes = 0;  // Before EndRound.
+  uint64_t full_cache_bytes = 0;         // The session's, this round included.
+  uint64_t working_set_after = 0;        // After EndRound's release.
+};
+
+// Tier mode: every layer's attention in kvtier-worker over Prefill/Decode
+// streams, and the worker's per-round reports.
+class TierSession : public ConversationBackend {
+ public:
+  virtual const std::vector<TierRound>& rounds() const = 0;
+  // The policy the worker applies (defaults filled in, L_w resolved).
+  virtual const v1::Policy& effective_policy() const = 0;
+  // CloseSession; with `delete_from_store` the store forgets the rounds.
+  virtual absl::Status Close(bool delete_from_store) = 0;
+};
+
+// OpenSession on `channel` with the model spec from the checkpoint (fp32).
+absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const model::LlamaConfig& c,
+                                                         std::shared_ptr<grpc::Channel> channel,
+                                                         const std::string& session,
+                                                         const v1::Policy& policy,
+                                                         const std::string& token = "");
+// OpenSession with any model spec; q/k/v go over the wire as fp32.
+absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const v1::ModelSpec& spec,
+                                                         std::shared_ptr<grpc::Channel> channel,
+                                                         const std::string& session,
+                                                         const v1::Policy& policy,
+                                                         const std::string& token = "");
 
 // Runs the conversation. With `teacher`, the answers are the teacher's
 // tokens (teacher forcing: the same context as the teacher had), and the

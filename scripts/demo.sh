@@ -1,80 +1,89 @@
 #!/usr/bin/env bash
-# The demo behind `make demo`. What exists today is kvtier-store; the
-# attention worker and the end-to-end chat demo arrive with the worker issue.
-# This starts a real kvtier-store on loopback (RocksDB in a temp dir) and
-# drives it the way a worker will: each conversation round is stored as two
-# segments split at the watershed layer, a recall fetches the upper segments
-# of chosen rounds in ONE GetSegments call, and a kill -9 loses nothing that
-# was acknowledged.
+# The demo behind `make demo`: kvtier serving multi-round chats end to end.
+# It starts kvtier-store (RocksDB in a temp dir) and kvtier-worker on
+# loopback, then kvtier-engine runs several concurrent conversations through
+# the worker, layer by layer, beside an in-process full cache as the ground
+# truth, and prints the report (docs/demo.md explains every line).
+#
+# Environment (defaults in brackets):
+#   CODEC     codec of stored rounds: raw, fp16, kivi8, kivi4, kivi2, gear2, ... [raw]
+#   RECALL    all, topk:K, adaptive:LAMBDA, threshold:THETA, mass:P [mass:0.95]
+#   EVICT     none, or METHOD:BUDGET, e.g. snapkv:64, ada-snapkv:32 [none]
+#   MODEL     a llama2.c checkpoint (e.g. ../shared/models/stories260K.bin); unset runs
+#             the embedded synthetic multi-round chat [unset]
+#   SESSIONS  concurrent conversations [4]
+#   ROUNDS    rounds per conversation [24]
+#   WATERSHED the watershed layer L_w [-1: 6 for the synthetic chat, L/3 for a model]
+#   RAM_MB    kvtier-store RAM tier budget; older rounds spill to RocksDB [32]
+#   REPORT    also write the report as JSON to this file [unset]
 set -euo pipefail
 BUILD_DIR=${1:-build}
-KV="$BUILD_DIR/tools/kvtier"
 STORE_BIN="$BUILD_DIR/services/store/kvtier-store"
+WORKER_BIN="$BUILD_DIR/services/worker/kvtier-worker"
+ENGINE_BIN="$BUILD_DIR/engine/kvtier-engine"
+CODEC=${CODEC:-raw}
+RECALL=${RECALL:-mass:0.95}
+EVICT=${EVICT:-none}
+MODEL=${MODEL:-}
+SESSIONS=${SESSIONS:-4}
+ROUNDS=${ROUNDS:-24}
+WATERSHED=${WATERSHED:--1}
+RAM_MB=${RAM_MB:-32}
+REPORT=${REPORT:-}
 WORK=$(mktemp -d /tmp/kvtier-demo-XXXXXX)
-STORE_PID=
+PIDS=()
 cleanup() {
-  [ -n "$STORE_PID" ] && kill "$STORE_PID" 2>/dev/null && wait "$STORE_PID" 2>/dev/null
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null && wait "$p" 2>/dev/null; done
   rm -rf "$WORK"
 }
 trap cleanup EXIT
 
-# Demo model: 8 layers, 8 KV heads, head_dim 128, fp16; watershed layer 2,
-# so segment 0 holds layers [0,3) and segment 1 layers [3,8).
-LAYERS=8 KV_HEADS=8 HEAD_DIM=128 SPLIT=3 TOKENS=128 SESSIONS=3 ROUNDS=6
-RAM_MB=${RAM_MB:-12}
-
-start_store() {
-  rm -f "$WORK/port"
-  "$STORE_BIN" --data_dir="$WORK/db" --listen=127.0.0.1:0 --port_file="$WORK/port" \
-    --metrics_listen=127.0.0.1:0 --metrics_port_file="$WORK/mport" \
-    --ram_budget_mb="$RAM_MB" 2>>"$WORK/store.log" &
-  STORE_PID=$!
-  for _ in $(seq 300); do [ -s "$WORK/port" ] && break; sleep 0.05; done
-  [ -s "$WORK/port" ] || { echo "kvtier-store did not start:"; tail "$WORK/store.log"; exit 1; }
-  export KVTIER_STORE=127.0.0.1:$(cat "$WORK/port")
+wait_port() {  # file, log, name
+  for _ in $(seq 300); do [ -s "$1" ] && return; sleep 0.05; done
+  echo "$3 did not start:"; tail "$2"; exit 1
 }
-
 step() { printf '\n== %s\n' "$*"; }
 
-step "Starting kvtier-store (RocksDB in $WORK/db, RAM tier budget ${RAM_MB} MiB)"
-start_store
-echo "serving on $KVTIER_STORE, metrics on 127.0.0.1:$(cat "$WORK/mport")/metrics"
+if [ -n "$MODEL" ] && [ ! -f "$MODEL" ]; then
+  echo "MODEL=$MODEL: no such file (a llama2.c checkpoint, e.g. ../shared/models/stories260K.bin)"
+  exit 2
+fi
+if [ -n "$REPORT" ]; then REPORT=$(realpath -m "$REPORT"); fi
 
-step "Writing $SESSIONS conversations x $ROUNDS rounds; each round = 2 segments split at the watershed layer"
-for s in $(seq 0 $((SESSIONS - 1))); do
-  for r in $(seq 0 $((ROUNDS - 1))); do
-    "$KV" store put --session=chat-$s --round=$r --segment=0 --layers=0:$SPLIT \
-      --tokens=$TOKENS --kv_heads=$KV_HEADS --head_dim=$HEAD_DIM --seed=$((s * 100 + r)) \
-      --question_tokens=24
-    "$KV" store put --session=chat-$s --round=$r --segment=1 --layers=$SPLIT:$LAYERS \
-      --tokens=$TOKENS --kv_heads=$KV_HEADS --head_dim=$HEAD_DIM --seed=$((s * 100 + r + 50))
-  done
-done
+step "Starting kvtier-store (RocksDB in $WORK/db, RAM tier ${RAM_MB} MiB)"
+"$STORE_BIN" --data_dir="$WORK/db" --listen=127.0.0.1:0 --port_file="$WORK/store.port" \
+  --metrics_listen=127.0.0.1:0 --ram_budget_mb="$RAM_MB" 2>>"$WORK/store.log" &
+PIDS+=($!)
+wait_port "$WORK/store.port" "$WORK/store.log" kvtier-store
+STORE=127.0.0.1:$(cat "$WORK/store.port")
+echo "kvtier-store on $STORE"
 
-step "The store's index for chat-0 (older rounds spilled to RocksDB once RAM filled)"
-"$KV" store ls --session=chat-0
+step "Starting kvtier-worker (rounds kept in that store)"
+"$WORKER_BIN" --store="$STORE" --listen=127.0.0.1:0 --port_file="$WORK/worker.port" \
+  --metrics_listen=127.0.0.1:0 --metrics_port_file="$WORK/worker.mport" 2>>"$WORK/worker.log" &
+PIDS+=($!)
+wait_port "$WORK/worker.port" "$WORK/worker.log" kvtier-worker
+WORKER=127.0.0.1:$(cat "$WORK/worker.port")
+echo "kvtier-worker on $WORKER, metrics on 127.0.0.1:$(cat "$WORK/worker.mport")/metrics"
 
-step "Round recall: the upper segments of rounds 1, 3 and 5 of chat-0 in ONE GetSegments call"
-"$KV" store get --session=chat-0 --refs=1:1,3:1,5:1
-
-step "Store statistics"
-"$KV" store stats
+if [ -n "$MODEL" ]; then
+  WHAT="the reference engine on $MODEL (local full cache vs kvtier, teacher-forced)"
+else
+  WHAT="the embedded synthetic multi-round chat (docs/demo.md)"
+fi
+step "Serving $SESSIONS conversations x $ROUNDS rounds: $WHAT"
+echo "policy: CODEC=$CODEC RECALL=$RECALL EVICT=$EVICT"
+ARGS=(--worker="$WORKER" --store="$STORE" --sessions="$SESSIONS" --rounds="$ROUNDS"
+  --codec="$CODEC" --recall="$RECALL" --evict="$EVICT" --watershed="$WATERSHED")
+[ -n "$MODEL" ] && ARGS+=(--model="$MODEL")
+[ -n "$REPORT" ] && ARGS+=(--report="$REPORT")
+"$ENGINE_BIN" "${ARGS[@]}"
 
 if command -v curl >/dev/null 2>&1; then
-  step "A few Prometheus metrics"
-  curl -s "127.0.0.1:$(cat "$WORK/mport")/metrics" | grep -E '^kvtier_store_(bytes|segments|hits_total|spills_total)' || true
+  step "kvtier-worker's Prometheus counters"
+  curl -s "127.0.0.1:$(cat "$WORK/worker.mport")/metrics" |
+    grep -E '^kvtier_worker_(recalls|recall_rounds|bytes_fetched|bytes_stored)' || true
 fi
-
-step "kill -9 the store, restart it, and read the same rounds back"
-kill -9 "$STORE_PID"; wait "$STORE_PID" 2>/dev/null || true
-start_store
-"$KV" store ls --session=chat-0
-"$KV" store get --session=chat-0 --refs=1:1,3:1,5:1
-
-step "Done"
-cat <<MSG
-What ran: a real kvtier-store (gRPC on loopback, RocksDB on disk) driven by the kvtier CLI.
-Not yet built: kvtier-worker (attention, eviction, quantization, round recall over a model)
-and the end-to-end chat demo; they arrive with their issues and will replace this script's
-synthetic K/V with a model's.
-MSG
+echo
+echo "Try: CODEC=kivi4 make demo, RECALL=all make demo, EVICT=snapkv:16 make demo,"
+echo "     MODEL=../shared/models/stories260K.bin make demo, REPORT=report.json make demo"

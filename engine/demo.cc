@@ -1,0 +1,488 @@
+#include "engine/demo.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "base/status_macros.h"
+#include "client/store_client.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "kernels/codec.h"
+#include "kernels/eviction.h"
+#include "traces/synthetic_chat.h"
+#include "worker/recall.h"
+
+namespace kvtier::engine {
+namespace {
+
+// The synthetic chat's watershed layer as `kvtier eval watershed` measures
+// it (the first layer whose round distribution stays within 0.01 nats of
+// every later layer's).
+constexpr int kSyntheticWatershed = 6;
+
+using Clock = std::chrono::steady_clock;
+
+double MsSince(Clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+}
+
+absl::Status RunSynthetic(const DemoOptions& o, const v1::Policy& policy,
+                          const std::shared_ptr<grpc::Channel>& channel, int index,
+                          DemoSession* out,
+                          const std::function<void(const std::string&)>& progress) {
+  traces::SyntheticChatOptions co;
+  co.rounds = o.rounds;
+  if (o.question_tokens > 0) co.question_tokens = o.question_tokens;
+  if (o.answer_tokens > 0) co.answer_tokens = o.answer_tokens;
+  co.seed = o.seed * 1000 + static_cast<uint64_t>(index);
+  KVT_RETURN_IF_ERROR(traces::ValidateSyntheticChat(co));
+  const traces::SyntheticChat chat(co);
+  const int per = chat.tokens_per_round(), d = co.head_dim;
+  model::LlamaConfig lc;
+  lc.n_layers = co.layers;
+  lc.n_heads = co.q_heads;
+  lc.n_kv_heads = co.kv_heads;
+  lc.dim = co.q_heads * d;
+  lc.seq_len = co.rounds * per;
+  auto local = LocalBackend(lc);
+  v1::ModelSpec spec;
+  spec.set_num_layers(co.layers);
+  spec.set_num_q_heads(co.q_heads);
+  spec.set_num_kv_heads(co.kv_heads);
+  spec.set_head_dim(d);
+  spec.set_dtype(v1::DTYPE_FP16);
+  KVT_ASSIGN_OR_RETURN(std::unique_ptr<TierSession> tier,
+                       TierBackend(spec, channel, out->id, policy, o.token));
+  const size_t qrow = static_cast<size_t>(co.q_heads) * d,
+               kvrow = static_cast<size_t>(co.kv_heads) * d;
+  std::vector<float> q(co.question_tokens * qrow), k(co.question_tokens * kvrow),
+      v(co.question_tokens * kvrow), o_tier(q.size()), o_local(q.size());
+  int pos = 0;
+  // One step: n tokens starting at `first` of round r, through every layer
+  // of both backends.
+  auto step = [&](int r, int first, int n, double* tier_ms, double* local_ms) -> absl::Status {
+    const bool prefill = first == 0;
+    auto t0 = Clock::now();
+    KVT_RETURN_IF_ERROR(tier->BeginStep(prefill, n, co.question_tokens));
+    double tms = MsSince(t0), lms = 0;
+    KVT_RETURN_IF_ERROR(local->BeginStep(prefill, n, co.question_tokens));
+    for (int l = 0; l < co.layers; ++l) {
+      for (int i = 0; i < n; ++i) {
+        chat.Token(r, first + i, l, &q[i * qrow], &k[i * kvrow], &v[i * kvrow]);
+      }
+      t0 = Clock::now();
+      KVT_RETURN_IF_ERROR(
+          tier->AttendLayer(l, pos, n, q.data(), k.data(), v.data(), o_tier.data()));
+      tms += MsSince(t0);
+      t0 = Clock::now();
+      KVT_RETURN_IF_ERROR(
+          local->AttendLayer(l, pos, n, q.data(), k.data(), v.data(), o_local.data()));
+      lms += MsSince(t0);
+      for (size_t j = 0; j < n * qrow; ++j) {
+        const double e = static_cast<double>(o_tier[j]) - o_local[j];
+        out->err2 += e * e;
+        out->ref2 += static_cast<double>(o_local[j]) * o_local[j];
+      }
+    }
+    t0 = Clock::now();
+    KVT_RETURN_IF_ERROR(tier->EndStep());
+    tms += MsSince(t0);
+    KVT_RETURN_IF_ERROR(local->EndStep());
+    pos += n;
+    if (tier_ms != nullptr) *tier_ms += tms;
+    if (local_ms != nullptr) *local_ms += lms;
+    return absl::OkStatus();
+  };
+  for (int r = 0; r < co.rounds; ++r) {
+    KVT_RETURN_IF_ERROR(step(r, 0, co.question_tokens, nullptr, nullptr));
+    for (int a = 0; a < co.answer_tokens; ++a) {
+      KVT_RETURN_IF_ERROR(
+          step(r, co.question_tokens + a, 1, &out->tier_decode_ms, &out->local_decode_ms));
+      ++out->decode_tokens;
+    }
+    KVT_RETURN_IF_ERROR(tier->EndRound());
+    KVT_RETURN_IF_ERROR(local->EndRound());
+    out->references.push_back(chat.References(r));
+    if (progress) {
+      const TierRound& tr = tier->rounds().back();
+      progress(
+          absl::StrCat(out->id, " round ", r + 1, "/", co.rounds, ": refers to [",
+                       absl::StrJoin(chat.References(r), " "), "], recalled [",
+                       absl::StrJoin(tr.selected, " "), "], working set ",
+                       absl::StrFormat("%.2f", static_cast<double>(tr.round_working_set_bytes) /
+                                                   std::max<uint64_t>(1, tr.full_cache_bytes)),
+                       " of the full cache"));
+    }
+  }
+  out->rounds = tier->rounds();
+  return tier->Close(false);
+}
+
+absl::Status RunModel(const DemoOptions& o, const model::LlamaModel& m, const v1::Policy& policy,
+                      const std::shared_ptr<grpc::Channel>& channel, int index, DemoSession* out,
+                      const std::function<void(const std::string&)>& progress) {
+  ConversationOptions co;
+  co.rounds = o.rounds;
+  co.question_tokens = o.question_tokens > 0 ? o.question_tokens : 10;
+  co.answer_tokens = o.answer_tokens > 0 ? o.answer_tokens : 11;
+  co.seed = o.seed * 1000 + static_cast<uint64_t>(index);
+  auto local = LocalBackend(m.config());
+  KVT_ASSIGN_OR_RETURN(Transcript teacher, RunConversation(m, co, local.get(), nullptr, nullptr));
+  KVT_ASSIGN_OR_RETURN(std::unique_ptr<TierSession> tier,
+                       TierBackend(m.config(), channel, out->id, policy, o.token));
+  auto line = [&](const std::string& s) {
+    if (progress) progress(absl::StrCat(out->id, " ", s));
+  };
+  KVT_ASSIGN_OR_RETURN(Transcript t, RunConversation(m, co, tier.get(), &teacher, line));
+  out->agreement = Compare(teacher, t, m.config().vocab_size);
+  out->decode_tokens = static_cast<int64_t>(co.rounds) * co.answer_tokens;
+  out->tier_decode_ms = t.decode_ms_per_token * out->decode_tokens;
+  out->local_decode_ms = teacher.decode_ms_per_token * out->decode_tokens;
+  out->rounds = tier->rounds();
+  return tier->Close(false);
+}
+
+std::string Mib(uint64_t b) { return absl::StrFormat("%.2f MiB", b / 1048576.0); }
+std::string Kib(double b) { return absl::StrFormat("%.1f KiB", b / 1024.0); }
+
+// Totals over sessions and rounds.
+struct Totals {
+  uint64_t full = 0, ws = 0;          // Final round of each session.
+  uint64_t full_all = 0, ws_all = 0;  // Summed over every round.
+  uint64_t stored = 0, fetched = 0;
+  int64_t round_count = 0, recalls = 0, selected = 0, candidates = 0, fetches = 0;
+  int64_t refs = 0, refs_hit = 0;
+  double fetch_ms = 0, exposed_ms = 0, tier_ms = 0, local_ms = 0;
+  int64_t decode_tokens = 0;
+  double err2 = 0, ref2 = 0;
+  double top1 = 0, kl = 0;
+};
+
+Totals Sum(const DemoReport& r) {
+  Totals t;
+  for (const DemoSession& s : r.sessions) {
+    if (!s.rounds.empty()) {
+      t.full += s.rounds.back().full_cache_bytes;
+      t.ws += s.rounds.back().round_working_set_bytes;
+    }
+    for (size_t i = 0; i < s.rounds.size(); ++i) {
+      const TierRound& tr = s.rounds[i];
+      t.full_all += tr.full_cache_bytes;
+      t.ws_all += tr.round_working_set_bytes;
+      t.stored += tr.stored_bytes;
+      t.fetched += tr.bytes_fetched;
+      ++t.round_count;
+      if (tr.recalled) {
+        ++t.recalls;
+        t.selected += static_cast<int64_t>(tr.selected.size());
+        t.candidates += static_cast<int64_t>(tr.scores.size());
+      }
+      if (tr.fetched_segments > 0) {
+        ++t.fetches;
+        t.fetch_ms += tr.fetch_ms;
+        t.exposed_ms += tr.exposed_ms;
+      }
+      if (i < s.references.size()) {
+        for (int ref : s.references[i]) {
+          ++t.refs;
+          t.refs_hit +=
+              std::count(tr.selected.begin(), tr.selected.end(), static_cast<uint32_t>(ref)) > 0;
+        }
+      }
+    }
+    t.tier_ms += s.tier_decode_ms;
+    t.local_ms += s.local_decode_ms;
+    t.decode_tokens += s.decode_tokens;
+    t.err2 += s.err2;
+    t.ref2 += s.ref2;
+    t.top1 += s.agreement.top1;
+    t.kl += s.agreement.kl;
+  }
+  if (!r.sessions.empty()) {
+    t.top1 /= static_cast<double>(r.sessions.size());
+    t.kl /= static_cast<double>(r.sessions.size());
+  }
+  return t;
+}
+
+bool Synthetic(const DemoReport& r) { return r.workload == "synthetic-chat"; }
+
+double Ratio(double a, double b) { return b > 0 ? a / b : 0; }
+
+}  // namespace
+
+absl::StatusOr<v1::Policy> DemoPolicy(const DemoOptions& o) {
+  v1::Policy p;
+  KVT_ASSIGN_OR_RETURN(CodecConfig c, ParseCodecSetting(o.codec));
+  p.set_codec(c.codec);
+  *p.mutable_codec_params() = ToParams(c);
+  KVT_ASSIGN_OR_RETURN(worker::RecallStrategy rs, worker::ParseRecall(o.recall));
+  p.set_recall(worker::RecallName(rs));
+  if (!o.evict.empty() && o.evict != "none") {
+    KVT_RETURN_IF_ERROR(evict::ParsePolicy(o.evict).status());
+    const std::vector<std::string> parts = absl::StrSplit(o.evict, ':');
+    uint32_t budget = 0;
+    if (parts.size() < 2 || !absl::SimpleAtoi(parts[1], &budget) || budget == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("evict '", o.evict, "': expected none or METHOD:BUDGET[:k=v...]"));
+    }
+    p.set_eviction(parts[0]);
+    p.set_budget_tokens(budget);
+    for (size_t i = 2; i < parts.size(); ++i) {
+      const std::vector<std::string> kv = absl::StrSplit(parts[i], absl::MaxSplits('=', 1));
+      double x = 0;
+      if (kv.size() != 2 || !absl::SimpleAtod(kv[1], &x)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("evict '", o.evict, "': bad '", parts[i], "'"));
+      }
+      if (kv[0] == "w") {
+        p.set_window(static_cast<uint32_t>(x));
+      } else if (kv[0] == "k") {
+        p.set_pool_kernel(static_cast<uint32_t>(x));
+      } else if (kv[0] == "alpha") {
+        p.set_ada_alpha(static_cast<float>(x));
+      } else if (kv[0] == "beta") {
+        p.set_pyramid_beta(static_cast<uint32_t>(x));
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "evict '", o.evict, "': the worker takes w, k, alpha and beta, not ", kv[0]));
+      }
+    }
+  }
+  const int lw = o.watershed >= 0 ? o.watershed : (o.model.empty() ? kSyntheticWatershed : -1);
+  if (lw == 0) {
+    return absl::InvalidArgumentError("watershed 0 is not supported on the wire (0 means default)");
+  }
+  if (lw > 0) p.set_watershed_layer(static_cast<uint32_t>(lw));
+  p.set_keep_recent_round(true);
+  p.set_release_after_end_round(true);
+  return p;
+}
+
+absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
+                                   const std::function<void(const std::string&)>& progress) {
+  if (o.worker.empty()) return absl::InvalidArgumentError("the worker address is required");
+  if (o.sessions < 1 || o.sessions > 256 || o.rounds < 1) {
+    return absl::InvalidArgumentError("sessions must be in [1, 256] and rounds >= 1");
+  }
+  KVT_ASSIGN_OR_RETURN(v1::Policy policy, DemoPolicy(o));
+  std::unique_ptr<model::LlamaModel> m;
+  DemoReport rep;
+  rep.rounds = o.rounds;
+  if (!o.model.empty()) {
+    KVT_ASSIGN_OR_RETURN(m, model::LlamaModel::Load(o.model));
+    rep.workload = o.model;
+    rep.layers = m->config().n_layers;
+    rep.tokens_per_round = (o.question_tokens > 0 ? o.question_tokens : 10) +
+                           (o.answer_tokens > 0 ? o.answer_tokens : 11);
+  } else {
+    traces::SyntheticChatOptions co;
+    rep.workload = "synthetic-chat";
+    rep.layers = co.layers;
+    rep.tokens_per_round = (o.question_tokens > 0 ? o.question_tokens : co.question_tokens) +
+                           (o.answer_tokens > 0 ? o.answer_tokens : co.answer_tokens);
+  }
+  rep.watershed =
+      policy.watershed_layer() > 0 ? static_cast<int>(policy.watershed_layer()) : rep.layers / 3;
+  rep.policy = absl::StrCat("codec=", o.codec, " recall=", policy.recall(), " evict=", o.evict,
+                            " watershed=", rep.watershed);
+  auto channel = grpc::CreateChannel(o.worker, grpc::InsecureChannelCredentials());
+  rep.sessions.resize(o.sessions);
+  std::vector<absl::Status> status(o.sessions);
+  std::mutex progress_mu;
+  auto line = [&](const std::string& s) {
+    if (!progress) return;
+    std::lock_guard<std::mutex> lock(progress_mu);
+    progress(s);
+  };
+  const auto t0 = Clock::now();
+  std::vector<std::thread> threads;
+  for (int i = 0; i < o.sessions; ++i) {
+    rep.sessions[i].id = absl::StrCat("chat-", i);
+    threads.emplace_back([&, i] {
+      status[i] = m != nullptr ? RunModel(o, *m, policy, channel, i, &rep.sessions[i], line)
+                               : RunSynthetic(o, policy, channel, i, &rep.sessions[i], line);
+    });
+  }
+  for (auto& t : threads) t.join();
+  rep.seconds = MsSince(t0) / 1000.0;
+  for (int i = 0; i < o.sessions; ++i) {
+    if (!status[i].ok()) {
+      return absl::Status(status[i].code(),
+                          absl::StrCat("session ", rep.sessions[i].id, ": ", status[i].message()));
+    }
+  }
+  if (!o.store.empty()) {
+    StoreClientOptions so;
+    so.target = o.store;
+    so.token = o.token;
+    KVT_ASSIGN_OR_RETURN(auto client, StoreClient::Connect(so));
+    KVT_ASSIGN_OR_RETURN(v1::StatsResponse st, client->Stats());
+    rep.store_bytes_ram = 0;
+    rep.store_bytes_disk = 0;
+    for (const v1::TierStats& t : st.tiers()) {
+      if (t.tier() == v1::TIER_RAM) *rep.store_bytes_ram += t.bytes();
+      if (t.tier() == v1::TIER_DISK) *rep.store_bytes_disk += t.bytes();
+    }
+  }
+  return rep;
+}
+
+std::string RenderText(const DemoReport& r) {
+  const Totals t = Sum(r);
+  std::string s;
+  absl::StrAppendFormat(&s, "\n== kvtier demo report: %s\n", r.workload);
+  absl::StrAppendFormat(&s, "%zu sessions x %d rounds x %d tokens; %d layers; %s; %.1f s\n\n",
+                        r.sessions.size(), r.rounds, r.tokens_per_round, r.layers, r.policy,
+                        r.seconds);
+  absl::StrAppendFormat(&s, "%-44s %14s %14s %7s\n", "device-side KV bytes (final round)",
+                        "full cache", "kvtier", "ratio");
+  for (const DemoSession& d : r.sessions) {
+    if (d.rounds.empty()) continue;
+    const TierRound& last = d.rounds.back();
+    absl::StrAppendFormat(&s, "  %-42s %14s %14s %7.3f\n", d.id, Mib(last.full_cache_bytes),
+                          Mib(last.round_working_set_bytes),
+                          Ratio(last.round_working_set_bytes, last.full_cache_bytes));
+  }
+  absl::StrAppendFormat(&s, "  %-42s %14s %14s %7.3f\n", "all sessions", Mib(t.full), Mib(t.ws),
+                        Ratio(t.ws, t.full));
+  absl::StrAppendFormat(&s, "  %-42s %14s %14s %7.3f\n", "all sessions, every round (mean)", "", "",
+                        Ratio(t.ws_all, t.full_all));
+  s += "\n";
+  if (r.store_bytes_ram.has_value()) {
+    absl::StrAppendFormat(&s,
+                          "kvtier-store: %s in the RAM tier (hot copies), %s in the RocksDB tier "
+                          "(every acknowledged round)\n",
+                          Mib(*r.store_bytes_ram), Mib(*r.store_bytes_disk));
+  }
+  absl::StrAppendFormat(&s,
+                        "bytes moved per round (mean): %s stored (2 PutSegment), %s recalled "
+                        "(%lld of %lld rounds fetched, ONE GetSegments each)\n",
+                        Kib(Ratio(t.stored, t.round_count)), Kib(Ratio(t.fetched, t.round_count)),
+                        static_cast<long long>(t.fetches), static_cast<long long>(t.round_count));
+  absl::StrAppendFormat(&s,
+                        "recall at layer %d: %lld recalls; %lld rounds selected of %lld candidates "
+                        "(%.2f per recall, recent round included)\n",
+                        r.watershed, static_cast<long long>(t.recalls),
+                        static_cast<long long>(t.selected), static_cast<long long>(t.candidates),
+                        Ratio(t.selected, t.recalls));
+  if (t.refs > 0) {
+    absl::StrAppendFormat(
+        &s, "  rounds the questions refer to that were recalled: %lld of %lld (%.1f%%)\n",
+        static_cast<long long>(t.refs_hit), static_cast<long long>(t.refs),
+        100.0 * Ratio(t.refs_hit, t.refs));
+  }
+  if (t.fetches > 0) {
+    absl::StrAppendFormat(&s,
+                          "  recall fetch: %.2f ms per call, %.2f ms of it exposed (%.0f%% hidden "
+                          "behind layers 0..%d)\n",
+                          t.fetch_ms / t.fetches, t.exposed_ms / t.fetches,
+                          100.0 * (1.0 - Ratio(t.exposed_ms, t.fetch_ms)), r.watershed);
+  }
+  if (!r.sessions.empty()) {
+    const DemoSession& d = r.sessions[0];
+    absl::StrAppendFormat(&s, "  recalled rounds, %s:\n", d.id);
+    for (size_t i = 0; i < d.rounds.size(); ++i) {
+      const TierRound& tr = d.rounds[i];
+      if (!tr.recalled) continue;
+      std::string refs;
+      if (i < d.references.size()) {
+        refs = absl::StrCat("refers to [", absl::StrJoin(d.references[i], " "), "], ");
+      }
+      absl::StrAppendFormat(&s, "    round %2u: %srecalled [%s] of %zu\n", tr.round, refs,
+                            absl::StrJoin(tr.selected, " "), tr.scores.size());
+    }
+  }
+  absl::StrAppendFormat(&s,
+                        "decode: %.3f ms per token through kvtier-worker (every layer over gRPC), "
+                        "%.3f ms in-process full cache\n",
+                        Ratio(t.tier_ms, t.decode_tokens), Ratio(t.local_ms, t.decode_tokens));
+  if (Synthetic(r)) {
+    absl::StrAppendFormat(&s,
+                          "fidelity: attention-output relative error %.5f (every layer, every "
+                          "token, against the full fp32 cache)\n",
+                          std::sqrt(Ratio(t.err2, t.ref2)));
+  } else {
+    absl::StrAppendFormat(&s,
+                          "fidelity: top-1 agreement %.3f, KL %.4f nats (teacher-forced on the "
+                          "local greedy answers)\n",
+                          t.top1, t.kl);
+  }
+  return s;
+}
+
+std::string RenderJson(const DemoReport& r) {
+  const Totals t = Sum(r);
+  auto num = [](double x) { return absl::StrFormat("%.6g", x); };
+  auto opt = [](const std::optional<uint64_t>& x) {
+    return x.has_value() ? absl::StrCat(*x) : std::string("null");
+  };
+  std::string s = "{\n";
+  absl::StrAppend(&s, "  \"workload\": \"", r.workload, "\",\n");
+  absl::StrAppend(&s, "  \"policy\": \"", r.policy, "\",\n");
+  absl::StrAppend(&s, "  \"sessions\": ", r.sessions.size(), ",\n");
+  absl::StrAppend(&s, "  \"rounds\": ", r.rounds, ",\n");
+  absl::StrAppend(&s, "  \"tokens_per_round\": ", r.tokens_per_round, ",\n");
+  absl::StrAppend(&s, "  \"layers\": ", r.layers, ",\n");
+  absl::StrAppend(&s, "  \"watershed_layer\": ", r.watershed, ",\n");
+  absl::StrAppend(&s, "  \"full_cache_bytes\": ", t.full, ",\n");
+  absl::StrAppend(&s, "  \"working_set_bytes\": ", t.ws, ",\n");
+  absl::StrAppend(&s, "  \"working_set_ratio\": ", num(Ratio(t.ws, t.full)), ",\n");
+  absl::StrAppend(
+      &s, "  \"working_set_ratio_mean_over_rounds\": ", num(Ratio(t.ws_all, t.full_all)), ",\n");
+  absl::StrAppend(&s, "  \"store_bytes_ram\": ", opt(r.store_bytes_ram), ",\n");
+  absl::StrAppend(&s, "  \"store_bytes_disk\": ", opt(r.store_bytes_disk), ",\n");
+  absl::StrAppend(&s, "  \"bytes_stored_per_round\": ", num(Ratio(t.stored, t.round_count)), ",\n");
+  absl::StrAppend(&s, "  \"bytes_fetched_per_round\": ", num(Ratio(t.fetched, t.round_count)),
+                  ",\n");
+  absl::StrAppend(&s, "  \"recall_calls\": ", t.recalls, ",\n");
+  absl::StrAppend(&s, "  \"recall_rounds_selected\": ", t.selected, ",\n");
+  absl::StrAppend(&s, "  \"recall_rounds_candidate\": ", t.candidates, ",\n");
+  absl::StrAppend(&s, "  \"recall_reference_hit_rate\": ",
+                  t.refs > 0 ? num(Ratio(t.refs_hit, t.refs)) : "null", ",\n");
+  absl::StrAppend(&s, "  \"fetch_ms_mean\": ", t.fetches > 0 ? num(t.fetch_ms / t.fetches) : "null",
+                  ",\n");
+  absl::StrAppend(&s, "  \"fetch_exposed_ms_mean\": ",
+                  t.fetches > 0 ? num(t.exposed_ms / t.fetches) : "null", ",\n");
+  absl::StrAppend(&s, "  \"decode_ms_per_token\": ", num(Ratio(t.tier_ms, t.decode_tokens)), ",\n");
+  absl::StrAppend(&s, "  \"local_decode_ms_per_token\": ", num(Ratio(t.local_ms, t.decode_tokens)),
+                  ",\n");
+  absl::StrAppend(&s, "  \"attn_rel_err\": ",
+                  Synthetic(r) ? num(std::sqrt(Ratio(t.err2, t.ref2))) : "null", ",\n");
+  absl::StrAppend(&s, "  \"top1_agreement\": ", Synthetic(r) ? "null" : num(t.top1), ",\n");
+  absl::StrAppend(&s, "  \"kl_nats\": ", Synthetic(r) ? "null" : num(t.kl), ",\n");
+  absl::StrAppend(&s, "  \"per_session\": [");
+  for (size_t i = 0; i < r.sessions.size(); ++i) {
+    const DemoSession& d = r.sessions[i];
+    const uint64_t full = d.rounds.empty() ? 0 : d.rounds.back().full_cache_bytes;
+    const uint64_t ws = d.rounds.empty() ? 0 : d.rounds.back().round_working_set_bytes;
+    absl::StrAppend(&s, i ? ",\n" : "\n", "    {\"id\": \"", d.id,
+                    "\", \"full_cache_bytes\": ", full, ", \"working_set_bytes\": ", ws,
+                    ", \"recalls\": [");
+    bool first = true;
+    for (size_t j = 0; j < d.rounds.size(); ++j) {
+      const TierRound& tr = d.rounds[j];
+      if (!tr.recalled) continue;
+      absl::StrAppend(&s, first ? "" : ", ", "{\"round\": ", tr.round, ", \"selected\": [",
+                      absl::StrJoin(tr.selected, ", "), "]");
+      if (j < d.references.size()) {
+        absl::StrAppend(&s, ", \"references\": [", absl::StrJoin(d.references[j], ", "), "]");
+      }
+      absl::StrAppend(&s, ", \"bytes_fetched\": ", tr.bytes_fetched, "}");
+      first = false;
+    }
+    absl::StrAppend(&s, "]}");
+  }
+  absl::StrAppend(&s, "\n  ]\n}\n");
+  return s;
+}
+
+}  // namespace kvtier::engine

@@ -1,0 +1,81 @@
+// The multi-round chat workload behind `make demo` (kvtier-engine): several
+// sessions, each a conversation of many rounds, served by kvtier-worker
+// (with kvtier-store behind it) and, beside it, by an in-process full cache
+// as the ground truth. Two workloads:
+//  - the embedded synthetic chat (traces/synthetic_chat.h): fidelity is the
+//    relative error of the attention outputs;
+//  - a llama2.c checkpoint (the reference engine): fidelity is top-1
+//    agreement and KL of the next-token distribution, teacher-forced on the
+//    local run's greedy answers.
+#ifndef KVTIER_ENGINE_DEMO_H_
+#define KVTIER_ENGINE_DEMO_H_
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/conversation.h"
+#include "kvtier/v1/worker.pb.h"
+
+namespace kvtier::engine {
+
+struct DemoOptions {
+  std::string worker;  // kvtier-worker "host:port". Required.
+  std::string store;   // kvtier-store "host:port": per-tier bytes; optional.
+  std::string token;   // Bearer token for both; empty: none.
+  std::string model;   // llama2.c checkpoint; empty: the synthetic chat.
+  int sessions = 4;
+  int rounds = 24;
+  // Per round; 0 takes the workload's default (synthetic 16 + 16, model
+  // 10 + 11 so that 24 rounds fit stories260K's 512-token context).
+  int question_tokens = 0;
+  int answer_tokens = 0;
+  std::string codec = "raw";         // kernels/codec.h ParseCodecSetting.
+  std::string recall = "mass:0.95";  // worker/recall.h ParseRecall.
+  std::string evict = "none";        // "none" or "METHOD:BUDGET[:k=v...]".
+  // L_w; -1: the synthetic chat's measured one (6, `kvtier eval watershed`),
+  // or the worker's default (L / 3) for a model.
+  int watershed = -1;
+  uint64_t seed = 1;
+};
+
+// The wire policy for codec/recall/evict/watershed texts. INVALID_ARGUMENT
+// with the offending text.
+absl::StatusOr<v1::Policy> DemoPolicy(const DemoOptions& o);
+
+struct DemoSession {
+  std::string id;
+  std::vector<TierRound> rounds;
+  std::vector<std::vector<int>> references;        // Synthetic: each round's true references.
+  double tier_decode_ms = 0, local_decode_ms = 0;  // Sums over decode tokens.
+  int64_t decode_tokens = 0;
+  double err2 = 0, ref2 = 0;  // Synthetic: sums of squares of (tier - local) and local.
+  Agreement agreement;        // Model.
+};
+
+struct DemoReport {
+  std::string workload;  // "synthetic-chat" or the checkpoint path.
+  std::string policy;    // Human-readable effective policy.
+  int layers = 0, watershed = 0, tokens_per_round = 0, rounds = 0;
+  std::vector<DemoSession> sessions;
+  std::optional<uint64_t> store_bytes_ram, store_bytes_disk;
+  double seconds = 0;
+};
+
+// Runs the sessions concurrently. `progress` gets one line per round.
+absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
+                                   const std::function<void(const std::string&)>& progress);
+
+std::string RenderText(const DemoReport& r);
+// The JSON report: sessions, rounds, full_cache_bytes, working_set_bytes,
+// working_set_ratio, store_bytes_ram, store_bytes_disk, recall_calls,
+// recall_rounds_selected, decode_ms_per_token, attn_rel_err, top1_agreement
+// (null where it does not apply), and more (docs/demo.md).
+std::string RenderJson(const DemoReport& r);
+
+}  // namespace kvtier::engine
+
+#endif  // KVTIER_ENGINE_DEMO_H_
