@@ -1,5 +1,7 @@
 #include "engine/demo.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -36,7 +38,7 @@ double MsSince(Clock::time_point t) {
 
 absl::Status RunSynthetic(const DemoOptions& o, const v1::Policy& policy,
                           const std::shared_ptr<grpc::Channel>& channel, int index,
-                          DemoSession* out,
+                          DemoSession* out, std::unique_ptr<TierSession>* session,
                           const std::function<void(const std::string&)>& progress) {
   traces::SyntheticChatOptions co;
   co.rounds = o.rounds;
@@ -59,8 +61,8 @@ absl::Status RunSynthetic(const DemoOptions& o, const v1::Policy& policy,
   spec.set_num_kv_heads(co.kv_heads);
   spec.set_head_dim(d);
   spec.set_dtype(v1::DTYPE_FP16);
-  KVT_ASSIGN_OR_RETURN(std::unique_ptr<TierSession> tier,
-                       TierBackend(spec, channel, out->id, policy, o.token));
+  KVT_ASSIGN_OR_RETURN(*session, TierBackend(spec, channel, out->id, policy, o.token));
+  TierSession* tier = session->get();
   const size_t qrow = static_cast<size_t>(co.q_heads) * d,
                kvrow = static_cast<size_t>(co.kv_heads) * d;
   std::vector<float> q(co.question_tokens * qrow), k(co.question_tokens * kvrow),
@@ -123,11 +125,12 @@ absl::Status RunSynthetic(const DemoOptions& o, const v1::Policy& policy,
     }
   }
   out->rounds = tier->rounds();
-  return tier->Close(false);
+  return absl::OkStatus();
 }
 
 absl::Status RunModel(const DemoOptions& o, const model::LlamaModel& m, const v1::Policy& policy,
                       const std::shared_ptr<grpc::Channel>& channel, int index, DemoSession* out,
+                      std::unique_ptr<TierSession>* session,
                       const std::function<void(const std::string&)>& progress) {
   ConversationOptions co;
   co.rounds = o.rounds;
@@ -136,18 +139,18 @@ absl::Status RunModel(const DemoOptions& o, const model::LlamaModel& m, const v1
   co.seed = o.seed * 1000 + static_cast<uint64_t>(index);
   auto local = LocalBackend(m.config());
   KVT_ASSIGN_OR_RETURN(Transcript teacher, RunConversation(m, co, local.get(), nullptr, nullptr));
-  KVT_ASSIGN_OR_RETURN(std::unique_ptr<TierSession> tier,
-                       TierBackend(m.config(), channel, out->id, policy, o.token));
+  KVT_ASSIGN_OR_RETURN(*session, TierBackend(m.config(), channel, out->id, policy, o.token));
+  TierSession* tier = session->get();
   auto line = [&](const std::string& s) {
     if (progress) progress(absl::StrCat(out->id, " ", s));
   };
-  KVT_ASSIGN_OR_RETURN(Transcript t, RunConversation(m, co, tier.get(), &teacher, line));
+  KVT_ASSIGN_OR_RETURN(Transcript t, RunConversation(m, co, tier, &teacher, line));
   out->agreement = Compare(teacher, t, m.config().vocab_size);
   out->decode_tokens = static_cast<int64_t>(co.rounds) * co.answer_tokens;
   out->tier_decode_ms = t.decode_ms_per_token * out->decode_tokens;
   out->local_decode_ms = teacher.decode_ms_per_token * out->decode_tokens;
   out->rounds = tier->rounds();
-  return tier->Close(false);
+  return absl::OkStatus();
 }
 
 std::string Mib(uint64_t b) { return absl::StrFormat("%.2f MiB", b / 1048576.0); }
@@ -296,7 +299,14 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
                             " watershed=", rep.watershed);
   auto channel = grpc::CreateChannel(o.worker, grpc::InsecureChannelCredentials());
   rep.sessions.resize(o.sessions);
+  std::vector<std::unique_ptr<TierSession>> tiers(o.sessions);
   std::vector<absl::Status> status(o.sessions);
+  std::string prefix = o.session_prefix;
+  if (prefix.empty()) {
+    const uint64_t run = static_cast<uint64_t>(Clock::now().time_since_epoch().count()) ^
+                         (static_cast<uint64_t>(::getpid()) << 32);
+    prefix = absl::StrFormat("chat-%06x-", run & 0xffffff);
+  }
   std::mutex progress_mu;
   auto line = [&](const std::string& s) {
     if (!progress) return;
@@ -306,16 +316,27 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
   const auto t0 = Clock::now();
   std::vector<std::thread> threads;
   for (int i = 0; i < o.sessions; ++i) {
-    rep.sessions[i].id = absl::StrCat("chat-", i);
+    rep.sessions[i].id = absl::StrCat(prefix, i);
     threads.emplace_back([&, i] {
-      status[i] = m != nullptr ? RunModel(o, *m, policy, channel, i, &rep.sessions[i], line)
-                               : RunSynthetic(o, policy, channel, i, &rep.sessions[i], line);
+      status[i] = m != nullptr
+                      ? RunModel(o, *m, policy, channel, i, &rep.sessions[i], &tiers[i], line)
+                      : RunSynthetic(o, policy, channel, i, &rep.sessions[i], &tiers[i], line);
     });
   }
   for (auto& t : threads) t.join();
   rep.seconds = MsSince(t0) / 1000.0;
+  // Sessions close (and leave the store when asked) whatever happens next.
+  auto close_all = [&]() {
+    absl::Status first;
+    for (auto& t : tiers) {
+      if (t != nullptr) first.Update(t->Close(o.delete_at_end));
+      t.reset();
+    }
+    return first;
+  };
   for (int i = 0; i < o.sessions; ++i) {
     if (!status[i].ok()) {
+      close_all().IgnoreError();
       return absl::Status(status[i].code(),
                           absl::StrCat("session ", rep.sessions[i].id, ": ", status[i].message()));
     }
@@ -325,7 +346,13 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     so.target = o.store;
     so.token = o.token;
     KVT_ASSIGN_OR_RETURN(auto client, StoreClient::Connect(so));
-    KVT_ASSIGN_OR_RETURN(v1::StatsResponse st, client->Stats());
+    absl::StatusOr<v1::StatsResponse> stats = client->Stats();
+    if (!stats.ok()) {
+      close_all().IgnoreError();
+      return absl::Status(stats.status().code(),
+                          absl::StrCat("kvtier-store Stats: ", stats.status().message()));
+    }
+    const v1::StatsResponse& st = *stats;
     rep.store_bytes_ram = 0;
     rep.store_bytes_disk = 0;
     for (const v1::TierStats& t : st.tiers()) {
@@ -333,6 +360,7 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
       if (t.tier() == v1::TIER_DISK) *rep.store_bytes_disk += t.bytes();
     }
   }
+  KVT_RETURN_IF_ERROR(close_all());
   return rep;
 }
 

@@ -40,6 +40,12 @@ struct DemoOptions {
   // or the worker's default (L / 3) for a model.
   int watershed = -1;
   uint64_t seed = 1;
+  // Session ids are "<prefix><i>"; empty picks "chat-<run id>-" so that
+  // runs against the same store do not collide.
+  std::string session_prefix;
+  // Delete the sessions' rounds from the store at the end (after the
+  // report's store figures are read).
+  bool delete_at_end = true;
 };
 
 // The wire policy for codec/recall/evict/watershed texts. INVALID_ARGUMENT

@@ -85,5 +85,5 @@ if command -v curl >/dev/null 2>&1; then
     grep -E '^kvtier_worker_(recalls|recall_rounds|bytes_fetched|bytes_stored)' || true
 fi
 echo
-echo "Try: CODEC=kivi4 make demo, RECALL=all make demo, EVICT=snapkv:16 make demo,"
+echo "Try: CODEC=kivi4 make demo, RECALL=all make demo, EVICT=snapkv:24:w=8 make demo,"
 echo "     MODEL=../shared/models/stories260K.bin make demo, REPORT=report.json make demo"

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# `make demo`'s script end to end, small: real kvtier-store and kvtier-worker
+# processes, kvtier-engine, the text report and every required JSON key.
+set -euo pipefail
+BUILD_DIR=$1
+SRC_DIR=$(cd "$(dirname "$0")/.." && pwd)
+OUT=$(mktemp -d /tmp/kvtier-demo-test-XXXXXX)
+trap 'rm -rf "$OUT"' EXIT
+SESSIONS=2 ROUNDS=20 CODEC=kivi8 REPORT="$OUT/report.json" \
+  "$SRC_DIR/scripts/demo.sh" "$BUILD_DIR" >"$OUT/stdout" 2>&1 || {
+  cat "$OUT/stdout"
+  exit 1
+}
+grep -q "== kvtier demo report: synthetic-chat" "$OUT/stdout" || { cat "$OUT/stdout"; exit 1; }
+grep -q "attention-output relative error" "$OUT/stdout"
+for key in sessions rounds full_cache_bytes working_set_bytes working_set_ratio store_bytes_ram \
+  store_bytes_disk recall_calls recall_rounds_selected decode_ms_per_token attn_rel_err \
+  top1_agreement; do
+  grep -q "\"$key\": " "$OUT/report.json" || { echo "missing key $key"; cat "$OUT/report.json"; exit 1; }
+done
+grep -q '"sessions": 2,' "$OUT/report.json"
+grep -q '"rounds": 20,' "$OUT/report.json"
+grep -q '"recall_calls": 38,' "$OUT/report.json"
+grep -q '"top1_agreement": null,' "$OUT/report.json"
+echo "demo script OK"
