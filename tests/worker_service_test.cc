@@ -172,8 +172,13 @@ TEST_F(WorkerServiceTest, RoundsOverGrpcMatchFullAttention) {
     ASSERT_TRUE(stub_->EndRound(&ec, er, &end).ok());
     EXPECT_EQ(end.round(), static_cast<uint32_t>(round));
     EXPECT_GT(end.stored_bytes(), 0u);
+    EXPECT_GE(end.round_working_set_bytes(), end.working_set_bytes());
+    EXPECT_GT(end.full_cache_bytes(), 0u);
   }
-  EXPECT_LT(worst, 1e-5);
+  // The model is fp16, so the raw codec keeps past rounds in fp16 (the
+  // model's own precision): the outputs match fp32 attention to fp16 error.
+  EXPECT_LT(worst, 2e-3);
+  EXPECT_GT(worst, 0.0);
   EXPECT_EQ(recalls, 2);
   EXPECT_THAT(server_->RenderMetrics(), ::testing::HasSubstr("kvtier_worker_recalls_total 2"));
   // grpc.health.v1.Health/Check with an empty request: SERVING is field 1 = 1.
