@@ -11,8 +11,8 @@
 #include "gtest/gtest.h"
 #include "services/worker/worker_server.h"
 #include "tests/util/status_matchers.h"
-#include "tests/util/store_process.h"
 #include "tests/util/test_util.h"
+#include "tests/util/worker_stack.h"
 
 namespace kvtier {
 namespace {
@@ -23,27 +23,16 @@ using ::kvtier::testing::StatusIs;
 
 class EngineDemoTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = std::make_unique<testing::TempDir>();
-    store_ = std::make_unique<testing::StoreProcess>(dir_->path() + "/db");
-    KVT_ASSERT_OK(store_->Start());
-    WorkerServerOptions o;
-    o.listen = "127.0.0.1:0";
-    o.metrics_listen = "";
-    o.store.target = store_->target();
-    KVT_ASSERT_OK_AND_ASSIGN(server_, WorkerServer::Start(o));
-  }
+  void SetUp() override { KVT_ASSERT_OK(stack_.Start()); }
 
-  engine::DemoOptions Options() const {
+  engine::DemoOptions Options() {
     engine::DemoOptions o;
-    o.worker = "127.0.0.1:" + std::to_string(server_->port());
-    o.store = store_->target();
+    o.worker = stack_.worker_target();
+    o.store = stack_.store()->target();
     return o;
   }
 
-  std::unique_ptr<testing::TempDir> dir_;
-  std::unique_ptr<testing::StoreProcess> store_;
-  std::unique_ptr<WorkerServer> server_;
+  testing::WorkerStack stack_;
 };
 
 double Ratio(const engine::DemoSession& s) {

@@ -8,8 +8,8 @@
 #include "gtest/gtest.h"
 #include "services/worker/worker_server.h"
 #include "tests/util/status_matchers.h"
-#include "tests/util/store_process.h"
 #include "tests/util/test_util.h"
+#include "tests/util/worker_stack.h"
 
 namespace kvtier {
 namespace {
@@ -20,21 +20,11 @@ using ::kvtier::testing::IsOk;
 class EngineE2eTest : public ::testing::Test {
  protected:
   void Start() {
-    dir_ = std::make_unique<testing::TempDir>();
-    store_ = std::make_unique<testing::StoreProcess>(dir_->path() + "/db");
-    KVT_ASSERT_OK(store_->Start());
-    WorkerServerOptions o;
-    o.listen = "127.0.0.1:0";
-    o.metrics_listen = "";
-    o.store.target = store_->target();
-    KVT_ASSERT_OK_AND_ASSIGN(server_, WorkerServer::Start(o));
-    channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(server_->port()),
-                                   grpc::InsecureChannelCredentials());
+    KVT_ASSERT_OK(stack_.Start());
+    channel_ = stack_.channel();
   }
 
-  std::unique_ptr<testing::TempDir> dir_;
-  std::unique_ptr<testing::StoreProcess> store_;
-  std::unique_ptr<WorkerServer> server_;
+  testing::WorkerStack stack_;
   std::shared_ptr<grpc::Channel> channel_;
 };
 

@@ -11,8 +11,8 @@
 #include "kernels/attention.h"
 #include "services/worker/worker_server.h"
 #include "tests/util/status_matchers.h"
-#include "tests/util/store_process.h"
 #include "tests/util/test_util.h"
+#include "tests/util/worker_stack.h"
 
 namespace kvtier {
 namespace {
@@ -41,18 +41,8 @@ std::vector<float> Floats(const v1::DenseTensor& t) {
 class WorkerServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = std::make_unique<testing::TempDir>();
-    store_ = std::make_unique<testing::StoreProcess>(dir_->path() + "/db");
-    KVT_ASSERT_OK(store_->Start());
-    WorkerServerOptions o;
-    o.listen = "127.0.0.1:0";
-    o.metrics_listen = "";
-    o.store.target = store_->target();
-    o.store.deadline = absl::Seconds(10);
-    KVT_ASSERT_OK_AND_ASSIGN(server_, WorkerServer::Start(o));
-    channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(server_->port()),
-                                   grpc::InsecureChannelCredentials());
-    stub_ = v1::Worker::NewStub(channel_);
+    KVT_ASSERT_OK(stack_.Start());
+    stub_ = v1::Worker::NewStub(stack_.channel());
   }
 
   v1::OpenSessionRequest Open(const std::string& id) {
@@ -70,10 +60,7 @@ class WorkerServiceTest : public ::testing::Test {
     return r;
   }
 
-  std::unique_ptr<testing::TempDir> dir_;
-  std::unique_ptr<testing::StoreProcess> store_;
-  std::unique_ptr<WorkerServer> server_;
-  std::shared_ptr<grpc::Channel> channel_;
+  testing::WorkerStack stack_;
   std::unique_ptr<v1::Worker::Stub> stub_;
 };
 
@@ -180,9 +167,10 @@ TEST_F(WorkerServiceTest, RoundsOverGrpcMatchFullAttention) {
   EXPECT_LT(worst, 2e-3);
   EXPECT_GT(worst, 0.0);
   EXPECT_EQ(recalls, 2);
-  EXPECT_THAT(server_->RenderMetrics(), ::testing::HasSubstr("kvtier_worker_recalls_total 2"));
+  EXPECT_THAT(stack_.server()->RenderMetrics(),
+              ::testing::HasSubstr("kvtier_worker_recalls_total 2"));
   // grpc.health.v1.Health/Check with an empty request: SERVING is field 1 = 1.
-  grpc::GenericStub generic(channel_);
+  grpc::GenericStub generic(stack_.channel());
   grpc::ClientContext hc;
   grpc::Slice empty_slice(std::string{});
   grpc::ByteBuffer hreq(&empty_slice, 1), hresp;
