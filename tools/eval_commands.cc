@@ -382,7 +382,7 @@ int EvalWatershed(const Args& args);  // tools/eval_watershed.cc
 
 int EvalCommand(const Args& args) {
   if (args.positional().empty() || args.positional()[0] == "help") {
-    std::printf("%s", kHelp);
+    std::printf("%s\nAlso: kvtier eval eviction --help, kvtier eval watershed --help\n", kHelp);
     return args.positional().empty() ? 2 : 0;
   }
   if (args.positional()[0] == "codecs") return EvalCodecs(args);
