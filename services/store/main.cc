@@ -12,7 +12,7 @@
 #include "absl/flags/usage.h"
 #include "base/log.h"
 #include "base/memory.h"
-#include "services/common/port_file.h"
+#include "services/common/serve_main.h"
 #include "services/store/store_server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
@@ -88,26 +88,7 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  // Block SIGINT/SIGTERM in every thread; one thread waits for them.
-  sigset_t sigs;
-  sigemptyset(&sigs);
-  sigaddset(&sigs, SIGINT);
-  sigaddset(&sigs, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
-
-  auto server = kvtier::StoreServer::Start(o);
-  if (!server.ok()) {
-    kvtier::LogError("kvtier-store failed to start", {{"error", server.status().ToString()}});
-    return 1;
-  }
-  if (!kvtier::WritePortFile(absl::GetFlag(FLAGS_port_file), (*server)->port()) ||
-      !kvtier::WritePortFile(absl::GetFlag(FLAGS_metrics_port_file), (*server)->metrics_port())) {
-    kvtier::LogError("cannot write port file");
-    return 1;
-  }
-  int sig = 0;
-  sigwait(&sigs, &sig);
-  kvtier::LogInfo("kvtier-store shutting down", {{"signal", sig}});
-  server->reset();
-  return 0;
+  return kvtier::ServeUntilSignal<kvtier::StoreServer>(
+      "kvtier-store", [&o] { return kvtier::StoreServer::Start(o); },
+      absl::GetFlag(FLAGS_port_file), absl::GetFlag(FLAGS_metrics_port_file));
 }

@@ -1,6 +1,7 @@
 #include "services/store/store_metrics.h"
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "prometheus/collectable.h"
 #include "prometheus/counter.h"
 #include "prometheus/text_serializer.h"
@@ -83,16 +84,8 @@ StoreMetrics::StoreMetrics(const cachestore::Store* store)
 StoreMetrics::~StoreMetrics() = default;
 
 absl::StatusOr<int> StoreMetrics::Serve(const std::string& address) {
-  try {
-    exposer_ = std::make_unique<prometheus::Exposer>(address);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
-  }
-  exposer_->RegisterCollectable(registry_);
-  exposer_->RegisterCollectable(tiers_);
-  std::vector<int> ports = exposer_->GetListeningPorts();
-  return ports.empty() ? 0 : ports[0];
+  KVT_ASSIGN_OR_RETURN(endpoint_, ServeMetrics(address, {registry_, tiers_}));
+  return endpoint_.port;
 }
 
 void StoreMetrics::ObserveRequest(const std::string& method, absl::Duration latency, bool ok) {

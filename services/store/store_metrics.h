@@ -10,10 +10,10 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "cachestore/store.h"
-#include "prometheus/exposer.h"
 #include "prometheus/family.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
+#include "services/common/metrics_exposer.h"
 
 namespace kvtier {
 
@@ -40,7 +40,7 @@ class StoreMetrics {
   std::shared_ptr<TierCollector> tiers_;
   prometheus::Family<prometheus::Histogram>* latency_;
   prometheus::Family<prometheus::Counter>* requests_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  MetricsEndpoint endpoint_;
 };
 
 }  // namespace kvtier

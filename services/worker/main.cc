@@ -1,8 +1,5 @@
 // kvtier-worker: attention over each session's compressed, recalled working
 // set; rounds go to kvtier-store.
-#include <pthread.h>
-#include <signal.h>
-
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -11,7 +8,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "base/log.h"
-#include "services/common/port_file.h"
+#include "services/common/serve_main.h"
 #include "services/worker/worker_server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7071", "gRPC listen address (port 0 picks one).");
@@ -62,24 +59,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvtier-worker: --store is required\n");
     return 2;
   }
-  sigset_t sigs;
-  sigemptyset(&sigs);
-  sigaddset(&sigs, SIGINT);
-  sigaddset(&sigs, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
-  auto server = kvtier::WorkerServer::Start(o);
-  if (!server.ok()) {
-    kvtier::LogError("kvtier-worker failed to start", {{"error", server.status().ToString()}});
-    return 1;
-  }
-  if (!kvtier::WritePortFile(absl::GetFlag(FLAGS_port_file), (*server)->port()) ||
-      !kvtier::WritePortFile(absl::GetFlag(FLAGS_metrics_port_file), (*server)->metrics_port())) {
-    kvtier::LogError("cannot write port file");
-    return 1;
-  }
-  int sig = 0;
-  sigwait(&sigs, &sig);
-  kvtier::LogInfo("kvtier-worker shutting down", {{"signal", sig}});
-  server->reset();
-  return 0;
+  return kvtier::ServeUntilSignal<kvtier::WorkerServer>(
+      "kvtier-worker", [&o] { return kvtier::WorkerServer::Start(o); },
+      absl::GetFlag(FLAGS_port_file), absl::GetFlag(FLAGS_metrics_port_file));
 }

@@ -11,13 +11,13 @@
 #include "grpcpp/server_builder.h"
 #include "kernels/half.h"
 #include "prometheus/counter.h"
-#include "prometheus/exposer.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
 #include "services/common/grpc_status.h"
+#include "services/common/metrics_exposer.h"
 #include "services/common/server_credentials.h"
 
 namespace kvtier {
@@ -146,15 +146,8 @@ class WorkerMetrics {
                        .Register(*registry_)) {}
 
   absl::StatusOr<int> Serve(const std::string& address) {
-    try {
-      exposer_ = std::make_unique<prometheus::Exposer>(address);
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
-    }
-    exposer_->RegisterCollectable(registry_);
-    std::vector<int> ports = exposer_->GetListeningPorts();
-    return ports.empty() ? 0 : ports[0];
+    KVT_ASSIGN_OR_RETURN(endpoint_, ServeMetrics(address, {registry_}));
+    return endpoint_.port;
   }
   void Layer(const char* kind, double seconds) {
     static const prometheus::Histogram::BucketBoundaries kBuckets = {
@@ -185,7 +178,7 @@ class WorkerMetrics {
   prometheus::Counter &recalls_, &selected_, &candidates_, &fetched_, &stored_;
   prometheus::Family<prometheus::Histogram>* layer_latency_;
   prometheus::Family<prometheus::Counter>* requests_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  MetricsEndpoint endpoint_;
 };
 
 namespace {
