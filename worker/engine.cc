@@ -132,6 +132,21 @@ class Engine::Session {
     return out;
   }
 
+  // Appends n tokens' q/k/v to the open round at `layer`, then attends them
+  // (positions tokens..tokens+n-1) over the visible past rounds plus the open
+  // round. Rolls the step back on failure.
+  absl::Status AppendAndAttend(int layer, int64_t n, const float* q, const float* k, const float* v,
+                               float* out, KernelLevel level);
+
+  // Marks `layer` done; after the last layer the step's n tokens commit.
+  void EndLayer(int64_t n) {
+    if (++next_layer < shape.layers) return;
+    next_layer = 0;
+    tokens += n;
+    stats.tokens += static_cast<uint64_t>(n);
+    NotePeak();
+  }
+
   // Drops the step in flight: the open round goes back to `tokens`.
   void RollBackStep() {
     const size_t qrow = static_cast<size_t>(shape.q_heads) * shape.head_dim;
@@ -237,6 +252,19 @@ absl::Status AttendLayer(const ModelShape& sh, const std::vector<const RoundLaye
 
 }  // namespace
 
+absl::Status Engine::Session::AppendAndAttend(int layer, int64_t n, const float* q, const float* k,
+                                              const float* v, float* out, KernelLevel level) {
+  const size_t qrow = static_cast<size_t>(shape.q_heads) * shape.head_dim,
+               kvrow = static_cast<size_t>(shape.kv_heads) * shape.head_dim;
+  this->q[layer].insert(this->q[layer].end(), q, q + n * qrow);
+  this->k[layer].insert(this->k[layer].end(), k, k + n * kvrow);
+  this->v[layer].insert(this->v[layer].end(), v, v + n * kvrow);
+  absl::Status st =
+      AttendLayer(shape, Visible(layer), this->k[layer], this->v[layer], tokens, n, q, out, level);
+  if (!st.ok()) RollBackStep();
+  return st;
+}
+
 absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const std::string& id, int layer,
                                                                  int64_t n, int64_t question_tokens,
                                                                  const float* q, const float* k,
@@ -267,8 +295,7 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const std::stri
                      s->step_prefill ? "" : " (a decode step is in flight)"));
   }
   const int d = sh.head_dim;
-  const size_t qrow = static_cast<size_t>(sh.q_heads) * d,
-               kvrow = static_cast<size_t>(sh.kv_heads) * d;
+  const size_t qrow = static_cast<size_t>(sh.q_heads) * d;
   std::optional<RecallReport> report;
   // Above L_w: wait for the recall fetch started at L_w and install it.
   if (layer == s->lw + 1 && s->fetch.valid()) {
@@ -314,15 +341,7 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const std::stri
     }
   }
   const int64_t base = s->tokens;
-  s->q[layer].insert(s->q[layer].end(), q, q + n * qrow);
-  s->k[layer].insert(s->k[layer].end(), k, k + n * kvrow);
-  s->v[layer].insert(s->v[layer].end(), v, v + n * kvrow);
-  const std::vector<const RoundLayer*> visible = s->Visible(layer);
-  if (auto st = AttendLayer(sh, visible, s->k[layer], s->v[layer], base, n, q, out, options_.level);
-      !st.ok()) {
-    s->RollBackStep();
-    return st;
-  }
+  KVT_RETURN_IF_ERROR(s->AppendAndAttend(layer, n, q, k, v, out, options_.level));
   // Recall at L_w, once per round, from the round's first prefill.
   if (layer == s->lw && !s->recalled && base == 0 && !s->past.empty() && sh.layers > 1) {
     std::vector<std::vector<float>> keys(s->past.size() * sh.kv_heads);
@@ -377,12 +396,7 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const std::stri
     s->selected.clear();
     for (size_t i = 0; i < s->past.size(); ++i) s->selected.push_back(i);
   }
-  if (++s->next_layer == sh.layers) {
-    s->next_layer = 0;
-    s->tokens += n;
-    s->stats.tokens += static_cast<uint64_t>(n);
-    s->NotePeak();
-  }
+  s->EndLayer(n);
   return report;
 }
 
@@ -407,25 +421,8 @@ absl::Status Engine::DecodeLayer(const std::string& id, int layer, const float* 
     s->step_n = 1;
     s->step_prefill = false;
   }
-  const int d = sh.head_dim;
-  const size_t qrow = static_cast<size_t>(sh.q_heads) * d,
-               kvrow = static_cast<size_t>(sh.kv_heads) * d;
-  const int64_t base = s->tokens;
-  s->q[layer].insert(s->q[layer].end(), q, q + qrow);
-  s->k[layer].insert(s->k[layer].end(), k, k + kvrow);
-  s->v[layer].insert(s->v[layer].end(), v, v + kvrow);
-  const std::vector<const RoundLayer*> visible = s->Visible(layer);
-  if (auto st = AttendLayer(sh, visible, s->k[layer], s->v[layer], base, 1, q, out, options_.level);
-      !st.ok()) {
-    s->RollBackStep();
-    return st;
-  }
-  if (++s->next_layer == sh.layers) {
-    s->next_layer = 0;
-    s->tokens += 1;
-    s->stats.tokens += 1;
-    s->NotePeak();
-  }
+  KVT_RETURN_IF_ERROR(s->AppendAndAttend(layer, 1, q, k, v, out, options_.level));
+  s->EndLayer(1);
   return absl::OkStatus();
 }
 
