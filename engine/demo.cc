@@ -29,6 +29,9 @@ namespace {
 // it (the first layer whose round distribution stays within 0.01 nats of
 // every later layer's).
 constexpr int kSyntheticWatershed = 6;
+// A model's round: 24 rounds of 10 + 11 tokens fill stories260K's context.
+constexpr int kModelQuestionTokens = 10;
+constexpr int kModelAnswerTokens = 11;
 
 using Clock = std::chrono::steady_clock;
 
@@ -134,8 +137,8 @@ absl::Status RunModel(const DemoOptions& o, const model::LlamaModel& m, const v1
                       const std::function<void(const std::string&)>& progress) {
   ConversationOptions co;
   co.rounds = o.rounds;
-  co.question_tokens = o.question_tokens > 0 ? o.question_tokens : 10;
-  co.answer_tokens = o.answer_tokens > 0 ? o.answer_tokens : 11;
+  co.question_tokens = o.question_tokens > 0 ? o.question_tokens : kModelQuestionTokens;
+  co.answer_tokens = o.answer_tokens > 0 ? o.answer_tokens : kModelAnswerTokens;
   co.seed = o.seed * 1000 + static_cast<uint64_t>(index);
   auto local = LocalBackend(m.config());
   KVT_ASSIGN_OR_RETURN(Transcript teacher, RunConversation(m, co, local.get(), nullptr, nullptr));
@@ -284,8 +287,8 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     KVT_ASSIGN_OR_RETURN(m, model::LlamaModel::Load(o.model));
     rep.workload = o.model;
     rep.layers = m->config().n_layers;
-    rep.tokens_per_round = (o.question_tokens > 0 ? o.question_tokens : 10) +
-                           (o.answer_tokens > 0 ? o.answer_tokens : 11);
+    rep.tokens_per_round = (o.question_tokens > 0 ? o.question_tokens : kModelQuestionTokens) +
+                           (o.answer_tokens > 0 ? o.answer_tokens : kModelAnswerTokens);
   } else {
     traces::SyntheticChatOptions co;
     rep.workload = "synthetic-chat";
