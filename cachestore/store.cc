@@ -729,20 +729,62 @@ absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& t
       e.last_access_seq = next_seq_++;
       if (std::find(bumped.begin(), bumped.end(), id.round) == bumped.end()) {
         bumped.push_back(id.round);
-        ++r.recall_count;
-        r.last_recall_ms = now;
-        internal::RecallRecord rec;
-        rec.set_recall_count(r.recall_count);
-        rec.set_last_recall_unix_ms(now);
-        counters.Put(RoundDbKey(KeyKind::kRecall, key, id.round), rec.SerializeAsString());
+        CountRecallLocked(key, id.round, r, now, &counters);
       }
       out.push_back(e.info);
     }
   }
-  // Counters are advisory: written without fsync, a failure only undercounts.
-  rocksdb::Status st = db_->Write(rocksdb::WriteOptions(), &counters);
-  if (!st.ok()) LogWarn("recall counter write failed", {{"error", st.ToString()}});
+  WriteRecallCounters(&counters);
   return out;
+}
+
+void Store::CountRecallLocked(const std::string& session_key, uint32_t round, RoundEntry& r,
+                              int64_t now_ms, rocksdb::WriteBatch* counters) {
+  ++r.recall_count;
+  r.last_recall_ms = now_ms;
+  internal::RecallRecord rec;
+  rec.set_recall_count(r.recall_count);
+  rec.set_last_recall_unix_ms(now_ms);
+  counters->Put(RoundDbKey(KeyKind::kRecall, session_key, round), rec.SerializeAsString());
+}
+
+void Store::WriteRecallCounters(rocksdb::WriteBatch* counters) {
+  if (counters->Count() == 0) return;
+  // Counters are advisory: written without fsync, a failure only undercounts.
+  rocksdb::Status st = db_->Write(rocksdb::WriteOptions(), counters);
+  if (!st.ok()) LogWarn("recall counter write failed", {{"error", st.ToString()}});
+}
+
+absl::StatusOr<Store::RecallResult> Store::RecordRecalls(const std::string& tenant,
+                                                         const std::string& session,
+                                                         const std::vector<uint32_t>& rounds) {
+  KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
+  const std::string key = SessionKey(tenant, session);
+  RecallResult result;
+  rocksdb::WriteBatch counters;
+  {
+    absl::MutexLock lock(&mu_);
+    SessionEntry* s = FindSessionLocked(key);
+    if (s == nullptr) return NoSession(session);
+    const int64_t now = options_.clock->NowUnixMs();
+    s->last_access_ms = now;
+    for (uint32_t round : rounds) {
+      auto r = s->rounds.find(round);
+      // Only rounds with a readable segment count, as in ListRounds.
+      const bool readable =
+          r != s->rounds.end() &&
+          std::any_of(r->second.segments.begin(), r->second.segments.end(),
+                      [](const auto& e) { return e.second.info.state != SegmentState::kWriting; });
+      if (!readable) {
+        result.not_found.push_back(round);
+        continue;
+      }
+      CountRecallLocked(key, round, r->second, now, &counters);
+      result.counted.push_back(round);
+    }
+  }
+  WriteRecallCounters(&counters);
+  return result;
 }
 
 absl::StatusOr<ReadResult> Store::ReadSegment(const std::string& tenant, const std::string& session,

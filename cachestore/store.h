@@ -36,6 +36,7 @@
 namespace rocksdb {
 class DB;
 class Env;
+class WriteBatch;
 }  // namespace rocksdb
 
 namespace kvtier::cachestore {
@@ -225,6 +226,17 @@ class Store {
   absl::StatusOr<DropResult> DropRounds(const std::string& tenant, const std::string& session,
                                         const std::vector<uint32_t>& rounds);
 
+  struct RecallResult {
+    std::vector<uint32_t> counted;
+    std::vector<uint32_t> not_found;
+  };
+  // Bumps the recall counter of each listed round (a round listed twice
+  // counts twice), as GetSegments does, for recalls served without a fetch
+  // (a worker's resident rounds). Segment fetch counts are untouched. NOT_FOUND for an unknown
+  // session, INVALID_ARGUMENT on bad names.
+  absl::StatusOr<RecallResult> RecordRecalls(const std::string& tenant, const std::string& session,
+                                             const std::vector<uint32_t>& rounds);
+
   // NOT_FOUND for an unknown session.
   absl::StatusOr<DropResult> DeleteSession(const std::string& tenant, const std::string& session);
 
@@ -291,6 +303,13 @@ class Store {
         std::unique_ptr<PayloadFiles> files);
   absl::Status Recover();
   void AbortWrite(const WriteSpec& spec, uint64_t write_id);
+
+  // Bumps round `round`'s recall counter and queues its record.
+  void CountRecallLocked(const std::string& session_key, uint32_t round, RoundEntry& r,
+                         int64_t now_ms, rocksdb::WriteBatch* counters)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes queued counter records (advisory: no fsync, a failure is logged).
+  void WriteRecallCounters(rocksdb::WriteBatch* counters);
 
   // Index mutations. REQUIRES: mu_ held.
   void SpillForRoomLocked(uint64_t bytes_needed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

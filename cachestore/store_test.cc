@@ -325,6 +325,35 @@ TEST_F(StoreTest, DiskPressureDropsNeverRecalledRoundsFirst) {
   EXPECT_EQ(Get("s", 1, 0).rfind("error: NOT_FOUND", 0), 0u);
 }
 
+TEST_F(StoreTest, RecordedRecallsProtectRoundsLikeFetches) {
+  options_.disk_budget_bytes = 3 * 1100;
+  Open();
+  for (int i = 0; i < 3; ++i) ASSERT_THAT(Put("s", i, 0, MakePayload(1000, i)), IsOk());
+  // Round 0 was recalled without a fetch (resident in a worker), twice.
+  KVT_ASSERT_OK_AND_ASSIGN(Store::RecallResult r, store_->RecordRecalls("t1", "s", {0, 7, 0}));
+  EXPECT_THAT(r.counted, ElementsAre(0u, 0u));
+  EXPECT_THAT(r.not_found, ElementsAre(7u));
+  KVT_ASSERT_OK_AND_ASSIGN(SessionInfo info, store_->ListRounds("t1", "s"));
+  EXPECT_EQ(info.rounds[0].summary.recall_count(), 2u);
+  EXPECT_EQ(info.rounds[0].segments[0].recall_count, 0u);  // Nothing was fetched.
+  EXPECT_GT(info.rounds[0].summary.last_recall_unix_ms(), 0);
+  EXPECT_EQ(info.rounds[1].summary.recall_count(), 0u);
+  // Disk pressure drops the never-recalled round 1, not the older round 0.
+  ASSERT_THAT(Put("s", 3, 0, MakePayload(1000, 3)), IsOk());
+  KVT_ASSERT_OK_AND_ASSIGN(info, store_->ListRounds("t1", "s"));
+  std::vector<uint32_t> rounds;
+  for (const auto& ri : info.rounds) rounds.push_back(ri.round);
+  EXPECT_THAT(rounds, ElementsAre(0u, 2u, 3u));
+  // The counters are durable.
+  Open();
+  KVT_ASSERT_OK_AND_ASSIGN(info, store_->ListRounds("t1", "s"));
+  EXPECT_EQ(info.rounds[0].summary.recall_count(), 2u);
+  // Unknown sessions, other tenants and bad names.
+  EXPECT_THAT(store_->RecordRecalls("t1", "nope", {0}), StatusIs(Code::kNotFound));
+  EXPECT_THAT(store_->RecordRecalls("t2", "s", {0}), StatusIs(Code::kNotFound));
+  EXPECT_THAT(store_->RecordRecalls("t1", "", {0}), StatusIs(Code::kInvalidArgument));
+}
+
 TEST_F(StoreTest, TtlExpiresIdleSessionsButNotPinnedOnes) {
   options_.default_ttl_seconds = 60;
   Open();

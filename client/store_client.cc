@@ -186,6 +186,17 @@ absl::StatusOr<v1::DropRoundsResponse> StoreClient::DropRounds(
   return Finish(s, std::move(resp));
 }
 
+absl::StatusOr<v1::RecordRecallsResponse> StoreClient::RecordRecalls(
+    const std::string& session_id, const std::vector<uint32_t>& rounds) {
+  auto ctx = NewContext();
+  v1::RecordRecallsRequest req;
+  req.set_session_id(session_id);
+  for (uint32_t r : rounds) req.add_rounds(r);
+  v1::RecordRecallsResponse resp;
+  grpc::Status s = stub_->RecordRecalls(ctx.get(), req, &resp);
+  return Finish(s, std::move(resp));
+}
+
 absl::StatusOr<v1::DeleteSessionResponse> StoreClient::DeleteSession(
     const std::string& session_id) {
   auto ctx = NewContext();

@@ -68,6 +68,9 @@ class StoreClient {
   absl::StatusOr<v1::ListRoundsResponse> ListRounds(const std::string& session_id);
   absl::StatusOr<v1::DropRoundsResponse> DropRounds(const std::string& session_id,
                                                     const std::vector<uint32_t>& rounds);
+  // Counts recalls served without a fetch (see store.proto).
+  absl::StatusOr<v1::RecordRecallsResponse> RecordRecalls(const std::string& session_id,
+                                                          const std::vector<uint32_t>& rounds);
   absl::StatusOr<v1::DeleteSessionResponse> DeleteSession(const std::string& session_id);
   absl::Status PinSession(const std::string& session_id, bool pinned);
   absl::StatusOr<v1::StatsResponse> Stats();

@@ -270,6 +270,8 @@ TEST_F(StoreIntegrationTest, BadInputGetsPreciseStatusAndChangesNothing) {
   EXPECT_THAT(alice_->GetSegments("s", {Ref(0), Ref(3)}), StatusIs(Code::kNotFound));
   EXPECT_THAT(alice_->ListRounds("nope"), StatusIs(Code::kNotFound));
   EXPECT_THAT(alice_->DeleteSession("nope"), StatusIs(Code::kNotFound));
+  EXPECT_THAT(alice_->RecordRecalls("s", {}), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(alice_->RecordRecalls("nope", {0}), StatusIs(Code::kNotFound));
 
   // UNAUTHENTICATED and PERMISSION_DENIED.
   EXPECT_THAT(Client("")->ListRounds("s"), StatusIs(Code::kUnauthenticated));
@@ -279,6 +281,7 @@ TEST_F(StoreIntegrationTest, BadInputGetsPreciseStatusAndChangesNothing) {
   EXPECT_THAT(reader->PutSegment(Args("s", 1), good), StatusIs(Code::kPermissionDenied));
   EXPECT_THAT(reader->DeleteSession("s"), StatusIs(Code::kPermissionDenied));
   EXPECT_THAT(reader->DropRounds("s", {0}), StatusIs(Code::kPermissionDenied));
+  EXPECT_THAT(reader->RecordRecalls("s", {0}), StatusIs(Code::kPermissionDenied));
   EXPECT_THAT(reader->ListRounds("s"), IsOk());  // Reading is allowed.
 
   // RESOURCE_EXHAUSTED: carol's quota is 100000 bytes.
@@ -331,6 +334,7 @@ TEST_F(StoreIntegrationTest, TenantsCannotSeeEachOthersSessions) {
   EXPECT_THAT(bob->ListRounds("conversation-1"), StatusIs(Code::kNotFound));
   EXPECT_THAT(bob->GetSegments("conversation-1", {Ref(0)}), StatusIs(Code::kNotFound));
   EXPECT_THAT(bob->DropRounds("conversation-1", {0}), StatusIs(Code::kNotFound));
+  EXPECT_THAT(bob->RecordRecalls("conversation-1", {0}), StatusIs(Code::kNotFound));
   EXPECT_THAT(bob->DeleteSession("conversation-1"), StatusIs(Code::kNotFound));
   // Bob may use the same name: it is a different session.
   ASSERT_THAT(bob->PutSegment(Args("conversation-1", 0), MakePayload(3000, 2)), IsOk());
@@ -343,7 +347,7 @@ TEST_F(StoreIntegrationTest, TenantsCannotSeeEachOthersSessions) {
   EXPECT_TRUE((*got)[0].payload == p);
 }
 
-TEST_F(StoreIntegrationTest, DropDeletePinAndRestart) {
+TEST_F(StoreIntegrationTest, DropRecordPinDeleteAndRestart) {
   StartStore();
   for (int r = 0; r < 3; ++r)
     ASSERT_THAT(alice_->PutSegment(Args("s", r), MakePayload(2000, r)), IsOk());
@@ -351,6 +355,10 @@ TEST_F(StoreIntegrationTest, DropDeletePinAndRestart) {
   ASSERT_THAT(dropped, IsOk());
   EXPECT_EQ(dropped->dropped_size(), 1);
   EXPECT_EQ(dropped->not_found(0), 9u);
+  auto counted = alice_->RecordRecalls("s", {2, 2, 1});
+  ASSERT_THAT(counted, IsOk());
+  EXPECT_EQ(counted->counted_size(), 2);
+  EXPECT_EQ(counted->not_found(0), 1u);  // Dropped above.
   ASSERT_THAT(alice_->PinSession("s", true), IsOk());
   ASSERT_THAT(alice_->PutSegment(Args("gone", 0), MakePayload(2000, 7)), IsOk());
   ASSERT_THAT(alice_->DeleteSession("gone"), IsOk());
@@ -362,6 +370,8 @@ TEST_F(StoreIntegrationTest, DropDeletePinAndRestart) {
   EXPECT_TRUE(list->pinned());
   ASSERT_EQ(list->rounds_size(), 2);
   EXPECT_EQ(list->rounds(1).round(), 2u);
+  EXPECT_EQ(list->rounds(1).summary().recall_count(), 2u);  // Recorded, and durable.
+  EXPECT_EQ(list->rounds(0).summary().recall_count(), 0u);
   EXPECT_THAT(alice_->ListRounds("gone"), StatusIs(Code::kNotFound));
 }
 

@@ -209,6 +209,87 @@ TEST_F(WorkerEngineTest, RecallSelectsTheReferenceRoundsInOneCall) {
   EXPECT_EQ(segments_->get_calls(), calls + 1);
 }
 
+// The real store, with RecordRecalls failing on demand.
+class FlakyCounters : public worker::SegmentStore {
+ public:
+  explicit FlakyCounters(worker::SegmentStore* real) : real_(real) {}
+  absl::Status Put(const std::string& session, const Segment& s, uint32_t b, uint32_t e,
+                   const std::string& payload) override {
+    return real_->Put(session, s, b, e, payload);
+  }
+  absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
+                                               const std::vector<Segment>& segs) override {
+    return real_->Get(session, segs);
+  }
+  absl::Status Delete(const std::string& session) override { return real_->Delete(session); }
+  absl::Status RecordRecalls(const std::string& session,
+                             const std::vector<uint32_t>& rounds) override {
+    if (fail_counters) return absl::UnavailableError("counters refused by the test");
+    return real_->RecordRecalls(session, rounds);
+  }
+  bool fail_counters = false;
+
+ private:
+  worker::SegmentStore* real_;
+};
+
+TEST_F(WorkerEngineTest, ResidentRecallsAreCountedInTheStore) {
+  FlakyCounters store(segments_.get());
+  Engine engine(&store, worker::EngineOptions{KernelLevel::kReference});
+  engine_.reset();
+  SessionPolicy p;
+  KVT_ASSERT_OK_AND_ASSIGN(p.recall, worker::ParseRecall("topk:1"));
+  p.watershed_layer = 1;
+  p.release_after_end_round = false;  // Every round stays resident.
+  KVT_ASSERT_OK(engine.OpenSession("s", kShape, p));
+  std::mt19937 rng(7);
+  std::vector<uint64_t> want(7, 0);
+  const int d = kShape.head_dim;
+  for (int r = 0; r < 7; ++r) {
+    // Round r's question leans on round r / 2's channel.
+    store.fail_counters = (r == 3);
+    for (int l = 0; l < kShape.layers; ++l) {
+      const int64_t n = 6;
+      const auto q = Random(n * kShape.q_heads * d, &rng, r / 2),
+                 k = Random(n * kShape.kv_heads * d, &rng, r),
+                 v = Random(n * kShape.kv_heads * d, &rng);
+      std::vector<float> out(q.size());
+      KVT_ASSERT_OK(
+          engine.PrefillLayer("s", l, n, 3, q.data(), k.data(), v.data(), out.data()).status());
+    }
+    KVT_ASSERT_OK_AND_ASSIGN(auto end, engine.EndRound("s"));
+    KVT_ASSERT_OK_AND_ASSIGN(auto st, engine.Stats("s"));
+    std::vector<uint32_t> selected;
+    if (r > 0) selected = st.recalls.back().selected;
+    for (uint32_t x : selected) ++want[x];
+    if (r == 3) {
+      // The report failed: EndRound still succeeds and keeps the counts.
+      EXPECT_TRUE(end.recalls_recorded.empty());
+      EXPECT_EQ(st.pending_recall_counts, selected.size());
+    } else if (r == 4) {
+      // Round 3's counts go with round 4's.
+      EXPECT_EQ(end.recalls_recorded.size(), st.recalls[2].selected.size() + selected.size());
+      EXPECT_EQ(st.pending_recall_counts, 0u);
+    } else {
+      EXPECT_EQ(end.recalls_recorded, selected) << "round " << r;
+    }
+  }
+  // Nothing was fetched: every recall was served from the working set, and
+  // the store's round counters still count each one.
+  EXPECT_EQ(segments_->get_calls(), 0u);
+  // Rounds 1..6 report, round 3's refused before reaching the store.
+  EXPECT_EQ(segments_->record_calls(), 5u);
+  KVT_ASSERT_OK_AND_ASSIGN(auto list, segments_->client()->ListRounds("s"));
+  ASSERT_EQ(list.rounds_size(), 7);
+  uint64_t total = 0;
+  for (int r = 0; r < 7; ++r) {
+    EXPECT_EQ(list.rounds(r).summary().recall_count(), want[r]) << "round " << r;
+    total += want[r];
+  }
+  EXPECT_GT(total, 6u);  // topk:1 plus the most recent round, when they differ.
+  KVT_ASSERT_OK(engine.CloseSession("s", true));
+}
+
 TEST_F(WorkerEngineTest, StoreDeathMidRecallLeavesTheSessionConsistent) {
   SessionPolicy p;
   KVT_ASSERT_OK_AND_ASSIGN(p.recall, worker::ParseRecall("all"));
@@ -231,7 +312,9 @@ TEST_F(WorkerEngineTest, StoreDeathMidRecallLeavesTheSessionConsistent) {
       std::vector<float> out(q.size());
       failed =
           engine_->PrefillLayer("s", l, 5, 3, q.data(), k.data(), v.data(), out.data()).status();
-      if (l < 2) KVT_ASSERT_OK(failed);
+      if (l < 2) {
+        KVT_ASSERT_OK(failed);
+      }
     }
     EXPECT_THAT(failed, StatusIs(absl::StatusCode::kUnavailable));
     // Rolled back: the same tokens as before, and layer 0 is next again.

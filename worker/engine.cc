@@ -6,8 +6,10 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "base/log.h"
 #include "base/status_macros.h"
 #include "kernels/attention.h"
+#include "worker/device_attention.h"
 
 namespace kvtier::worker {
 namespace {
@@ -25,7 +27,10 @@ struct HeadKv {
 
 struct RoundLayer {
   std::vector<HeadKv> heads;
-  int64_t bytes = 0;
+  int64_t bytes = 0;  // Encoded bytes, wherever they live.
+  // On a device session: the same K/V in device memory. The host tensors
+  // are then dropped, except at layer L_w (recall scores its keys).
+  std::unique_ptr<DeviceLayer> device;
 };
 
 // Parses a layer's tensors (2 per head, K then V) into a RoundLayer whose
@@ -99,7 +104,40 @@ class Engine::Session {
   std::vector<size_t> fetch_rounds;
   std::chrono::steady_clock::time_point fetch_start;
   std::shared_ptr<double> fetch_ms;
+  // Set when the working set is on the GPU.
+  std::unique_ptr<DeviceSession> device;
+  // Rounds the open round recalled without a fetch, and earlier ones whose
+  // report to the store failed (one entry per recall).
+  std::vector<uint32_t> round_resident, unreported_recalls;
   SessionStats stats;
+
+  // On a device session, uploads `rl` (a layer of a past round) and drops its
+  // host tensors unless it is layer L_w. Nothing to do on a host session.
+  absl::Status Place(RoundLayer& rl, int layer) {
+    if (device == nullptr) return absl::OkStatus();
+    std::vector<std::pair<EncodedView, EncodedView>> views;
+    for (const HeadKv& hk : rl.heads) views.emplace_back(hk.kview, hk.vview);
+    KVT_ASSIGN_OR_RETURN(rl.device, UploadLayer(views, shape.head_dim));
+    if (layer != lw) {
+      for (HeadKv& hk : rl.heads) {
+        hk.k.Clear();
+        hk.v.Clear();
+        hk.kview = {};
+        hk.vview = {};
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  uint64_t DeviceBytes() const {
+    uint64_t b = 0;
+    for (const PastRound& r : past) {
+      for (const auto& l : r.layers) {
+        if (l != nullptr && l->device != nullptr) b += static_cast<uint64_t>(l->device->bytes());
+      }
+    }
+    return b;
+  }
 
   int64_t WorkingSetBytes() const {
     int64_t b = 0;
@@ -114,6 +152,7 @@ class Engine::Session {
   }
 
   void NotePeak() {
+    stats.device_bytes = DeviceBytes();
     stats.working_set_bytes = static_cast<uint64_t>(WorkingSetBytes());
     stats.peak_working_set_bytes = std::max(stats.peak_working_set_bytes, stats.working_set_bytes);
   }
@@ -147,6 +186,27 @@ class Engine::Session {
     NotePeak();
   }
 
+  // Sends the open round's resident recalls and any earlier unreported ones
+  // to the store in one RecordRecalls call. Returns the rounds counted; on
+  // failure keeps them for the next report (the counters are advisory).
+  std::vector<uint32_t> ReportResidentRecalls(SegmentStore* store) {
+    std::vector<uint32_t> rounds = std::move(unreported_recalls);
+    rounds.insert(rounds.end(), round_resident.begin(), round_resident.end());
+    round_resident.clear();
+    unreported_recalls.clear();
+    if (!rounds.empty()) {
+      absl::Status st = store->RecordRecalls(id, rounds);
+      if (!st.ok()) {
+        LogWarn("recall counters not sent; kept for the next round",
+                {{"session", id}, {"rounds", rounds.size()}, {"error", st.ToString()}});
+        unreported_recalls = std::move(rounds);
+        rounds.clear();
+      }
+    }
+    stats.pending_recall_counts = unreported_recalls.size();
+    return rounds;
+  }
+
   // Drops the step in flight: the open round goes back to `tokens`.
   void RollBackStep() {
     const size_t qrow = static_cast<size_t>(shape.q_heads) * shape.head_dim;
@@ -160,6 +220,7 @@ class Engine::Session {
       round_open = false;
       recalled = false;
       selected.clear();
+      round_resident.clear();
     }
     if (fetch.valid()) fetch.wait();
     fetch = {};
@@ -208,6 +269,21 @@ absl::Status Engine::OpenSession(const std::string& id, const ModelShape& shape,
   s->q.resize(shape.layers);
   s->k.resize(shape.layers);
   s->v.resize(shape.layers);
+  using Placement = EngineOptions::Placement;
+  if (options_.placement != Placement::kHost) {
+    absl::Status why =
+        DeviceUsable() ? DeviceSupportsCodec(policy.codec)
+                       : absl::FailedPreconditionError(DeviceBuiltIn() ? "no CUDA device is visible"
+                                                                       : "this build has no CUDA");
+    if (why.ok()) {
+      KVT_ASSIGN_OR_RETURN(
+          s->device, NewDeviceSession(shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim));
+      s->stats.on_device = true;
+    } else if (options_.placement == Placement::kDevice) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("session ", id, " cannot have a device working set: ", why.message()));
+    }
+  }
   std::lock_guard<std::mutex> lock(mu_);
   if (!sessions_.emplace(id, std::move(s)).second) {
     return absl::AlreadyExistsError(absl::StrCat("session ", id, " already exists"));
@@ -259,8 +335,16 @@ absl::Status Engine::Session::AppendAndAttend(int layer, int64_t n, const float*
   this->q[layer].insert(this->q[layer].end(), q, q + n * qrow);
   this->k[layer].insert(this->k[layer].end(), k, k + n * kvrow);
   this->v[layer].insert(this->v[layer].end(), v, v + n * kvrow);
-  absl::Status st =
-      AttendLayer(shape, Visible(layer), this->k[layer], this->v[layer], tokens, n, q, out, level);
+  absl::Status st;
+  if (device != nullptr) {
+    std::vector<const DeviceLayer*> rounds;
+    for (const RoundLayer* r : Visible(layer)) rounds.push_back(r->device.get());
+    st = device->Attend(layer, rounds, this->k[layer].data(), this->v[layer].data(), tokens, n, q,
+                        out);
+  } else {
+    st = AttendLayer(shape, Visible(layer), this->k[layer], this->v[layer], tokens, n, q, out,
+                     level);
+  }
   if (!st.ok()) RollBackStep();
   return st;
 }
@@ -320,9 +404,10 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const std::stri
         const int first = 2 * sh.kv_heads * (l - s->lw - 1);
         for (int j = 0; j < 2 * sh.kv_heads; ++j) t.push_back(payload.tensors(first + j));
         auto rl = MakeLayer(std::move(t), sh.kv_heads, d);
-        if (!rl.ok()) {
+        absl::Status placed = rl.ok() ? s->Place(**rl, l) : rl.status();
+        if (!placed.ok()) {
           s->RollBackStep();
-          return rl.status();
+          return placed;
         }
         layers.push_back(std::move(*rl));
       }
@@ -366,13 +451,19 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const std::stri
     s->selected.assign(pick.begin(), pick.end());
     std::vector<SegmentStore::Segment> segs;
     s->fetch_rounds.clear();
+    std::vector<uint32_t> resident;
     for (uint32_t i : pick) {
       rep.selected.push_back(s->past[i].round);
       if (s->past[i].layers[s->lw + 1] == nullptr) {
         segs.push_back({s->past[i].round, 1});
         s->fetch_rounds.push_back(i);
+      } else {
+        resident.push_back(s->past[i].round);
       }
     }
+    // Reported at EndRound. Assigned, not appended: a rolled-back first
+    // prefill recalls again.
+    s->round_resident = std::move(resident);
     rep.fetched_segments = static_cast<int>(segs.size());
     if (!segs.empty()) {
       // ONE GetSegments call for every selected round, started now so that it
@@ -484,22 +575,25 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id) {
   EndRoundReport rep;
   rep.round = round;
   const std::string lower = payload_of(0, lw + 1);
+  const std::string upper = lw + 1 < sh.layers ? payload_of(lw + 1, sh.layers) : std::string();
+  // The round's working-set form, built (and on a GPU uploaded) before the
+  // puts, so that a failure of either leaves the round open.
+  Session::PastRound pr;
+  pr.round = round;
+  pr.tokens = t;
+  for (int l = 0; l < sh.layers; ++l) {
+    KVT_ASSIGN_OR_RETURN(auto rl, MakeLayer(std::move(enc[l]), sh.kv_heads, d));
+    KVT_RETURN_IF_ERROR(s->Place(*rl, l));
+    pr.layers.push_back(std::move(rl));
+  }
   KVT_RETURN_IF_ERROR(store_->Put(s->id, {round, 0}, 0, lw + 1, lower));
   rep.stored_bytes += lower.size();
   if (lw + 1 < sh.layers) {
-    const std::string upper = payload_of(lw + 1, sh.layers);
     KVT_RETURN_IF_ERROR(store_->Put(s->id, {round, 1}, lw + 1, sh.layers, upper));
     rep.stored_bytes += upper.size();
   }
   // The round becomes a past round of the working set.
-  Session::PastRound pr;
-  pr.round = round;
-  pr.tokens = t;
   pr.stored_bytes = rep.stored_bytes;
-  for (int l = 0; l < sh.layers; ++l) {
-    KVT_ASSIGN_OR_RETURN(auto rl, MakeLayer(std::move(enc[l]), sh.kv_heads, d));
-    pr.layers.push_back(std::move(rl));
-  }
   s->past.push_back(std::move(pr));
   if (s->policy.release_after_end_round) {
     for (auto& r : s->past) {
@@ -511,6 +605,7 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id) {
     s->k[l].clear();
     s->v[l].clear();
   }
+  rep.recalls_recorded = s->ReportResidentRecalls(store_);
   rep.full_bytes = static_cast<uint64_t>(t) * sh.layers * sh.kv_heads * d * 2 * sh.dtype_bytes;
   s->stats.full_cache_bytes += rep.full_bytes;
   s->tokens = 0;
@@ -537,6 +632,8 @@ absl::Status Engine::CloseSession(const std::string& id, bool delete_from_store)
   std::lock_guard<std::mutex> lock(s->mu);
   if (s->fetch.valid()) s->fetch.wait();
   if (delete_from_store) return store_->Delete(id);
+  // The session's rounds stay in the store: their counters should be right.
+  s->ReportResidentRecalls(store_);
   return absl::OkStatus();
 }
 
@@ -545,6 +642,7 @@ absl::StatusOr<SessionStats> Engine::Stats(const std::string& id) const {
   std::lock_guard<std::mutex> lock(s->mu);
   SessionStats st = s->stats;
   st.working_set_bytes = static_cast<uint64_t>(s->WorkingSetBytes());
+  st.device_bytes = s->DeviceBytes();
   st.full_cache_bytes += static_cast<uint64_t>(s->tokens) * s->shape.layers * s->shape.kv_heads *
                          s->shape.head_dim * 2 * s->shape.dtype_bytes;
   return st;

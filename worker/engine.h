@@ -9,6 +9,13 @@
 //  - the upper segments (layers (L_w, L)) of the rounds recalled for the
 //    current round (and, with release_after_end_round off, of every round);
 //  - the current round's K/V in fp32 (its queries too, for eviction scoring).
+// With a GPU (EngineOptions::placement) the past rounds' encoded K/V live in
+// device memory instead and attention runs there (worker/device_attention.h);
+// the open round is mirrored to the device layer by layer.
+// Recalls fetched with GetSegments are counted by the store itself; recalls of
+// rounds still resident are reported with RecordRecalls at EndRound, so the
+// store's per-round counters see every use and drops never-recalled rounds
+// first either way.
 // Each past round stores per layer and KV head one encoded K and one encoded
 // V tensor [1, kept_h, d]: eviction keeps a different number of tokens per
 // head (the Ada-KV layout), and attention reads the encoded bytes directly.
@@ -77,6 +84,9 @@ class SegmentStore {
   virtual absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
                                                        const std::vector<Segment>& segments) = 0;
   virtual absl::Status Delete(const std::string& session) = 0;
+  // Counts recalls of rounds that were resident (no fetch), in one call.
+  virtual absl::Status RecordRecalls(const std::string& session,
+                                     const std::vector<uint32_t>& rounds) = 0;
 };
 
 struct RecallReport {
@@ -97,6 +107,11 @@ struct EndRoundReport {
   // Of the session just before EndRound (recalled rounds and this round in).
   uint64_t round_working_set_bytes = 0;
   uint64_t full_cache_bytes = 0;  // Of the session, this round included.
+  // Rounds this round recalled from the working set without a fetch, whose
+  // recall counters went to the store (RecordRecalls) after the puts. A failed
+  // call keeps them for the next EndRound: the counters are advisory and
+  // EndRound does not fail for them.
+  std::vector<uint32_t> recalls_recorded;
 };
 
 struct SessionStats {
@@ -106,10 +121,23 @@ struct SessionStats {
   uint64_t peak_working_set_bytes = 0;
   uint64_t full_cache_bytes = 0;  // Every token at every layer, model dtype.
   std::vector<RecallReport> recalls;
+  // Resident recalls not yet counted by the store (after a failed report).
+  uint64_t pending_recall_counts = 0;
+  // The working set is on the GPU: past rounds' encoded K/V in device memory
+  // (device_bytes, allocation padding included), attention computed there.
+  // Layer L_w's keys also stay on the host for recall scoring.
+  bool on_device = false;
+  uint64_t device_bytes = 0;
 };
 
 struct EngineOptions {
   KernelLevel level = KernelLevel::kBest;
+  // Where session working sets live. kAuto: on the GPU when this build has
+  // CUDA, a device is present and the codec is one the device path reads (raw,
+  // KIVI, KCVT), otherwise in host memory. kHost: always host memory. kDevice:
+  // always the GPU; OpenSession fails (FAILED_PRECONDITION) when it cannot.
+  enum class Placement { kAuto, kHost, kDevice };
+  Placement placement = Placement::kAuto;
 };
 
 class Engine {

@@ -250,7 +250,86 @@ __global__ void FlatAccumulateKernel(FlatDims f, const uint16_t* vf, const int64
   }
 }
 
+__device__ __forceinline__ float LoadDtype(int dtype, const void* p, int64_t i) {
+  if (dtype == 0) return static_cast<const float*>(p)[i];
+  const uint16_t bits = static_cast<const uint16_t*>(p)[i];
+  if (dtype == 1) return H2F(bits);
+  return __uint_as_float(static_cast<uint32_t>(bits) << 16);  // bf16
+}
+
+// Element (t, c) of one block's K or V.
+__device__ __forceinline__ float LoadSeg(const SegKv& kv, int d, int64_t t, int c) {
+  if (kv.quantized_kind == 0) return LoadDtype(kv.dtype, kv.raw, t * kv.token_stride + c);
+  if (t >= kv.quantized) return LoadDtype(kv.dtype, kv.residual, (t - kv.quantized) * d + c);
+  QuantDims q;
+  q.key = kv.key != 0;
+  q.bits = kv.bits;
+  q.group = kv.group;
+  q.tq = kv.quantized;
+  q.d = d;
+  q.slabs = 1;
+  return Dequant(q, kv.codes, kv.scales, kv.zeros, t, c);
+}
+
+__device__ __forceinline__ int64_t Visible(const SegBlock& b, const SegDims& g, int i) {
+  return b.causal ? min(b.tokens, g.base + i + 1) : b.tokens;
+}
+
+// One block per (query i, query head j): scores into scratch, softmax, then
+// each thread sums p * v for its channels.
+__global__ void SegmentedAttentionKernel(SegDims g, const SegBlock* blocks, const int* head_first,
+                                         const float* q, float* scratch, float* out) {
+  extern __shared__ float qs[];
+  const int i = blockIdx.x, j = blockIdx.y;
+  const int h = j / (g.q_heads / g.kv_heads);
+  const float* qrow = q + (static_cast<int64_t>(i) * g.q_heads + j) * g.d;
+  for (int c = threadIdx.x; c < g.d; c += blockDim.x) qs[c] = qrow[c];
+  __syncthreads();
+  float* s = scratch + (static_cast<int64_t>(i) * g.q_heads + j) * g.max_tokens;
+  int64_t total = 0;
+  for (int b = head_first[h]; b < head_first[h + 1]; ++b) {
+    const SegBlock& blk = blocks[b];
+    const int64_t len = Visible(blk, g, i);
+    for (int64_t t = threadIdx.x; t < len; t += blockDim.x) {
+      float acc = 0.0f;
+      for (int c = 0; c < g.d; ++c) acc += qs[c] * LoadSeg(blk.k, g.d, t, c);
+      s[total + t] = acc * g.scale;
+    }
+    total += len;
+  }
+  __syncthreads();
+  BlockSoftmax(s, total);
+  __syncthreads();
+  float* o = out + (static_cast<int64_t>(i) * g.q_heads + j) * g.d;
+  for (int c = threadIdx.x; c < g.d; c += blockDim.x) {
+    float acc = 0.0f;
+    int64_t off = 0;
+    for (int b = head_first[h]; b < head_first[h + 1]; ++b) {
+      const SegBlock& blk = blocks[b];
+      const int64_t len = Visible(blk, g, i);
+      for (int64_t t = 0; t < len; ++t) acc += s[off + t] * LoadSeg(blk.v, g.d, t, c);
+      off += len;
+    }
+    o[c] = acc;
+  }
+}
+
 }  // namespace
+
+int SegmentedAttention(const SegDims& dims, const SegBlock* blocks, const int* head_first,
+                       const float* q, float* scratch, float* out, void* stream) {
+  if (dims.n < 0 || dims.q_heads <= 0 || dims.kv_heads <= 0 || dims.q_heads % dims.kv_heads != 0 ||
+      dims.d <= 0 || dims.d > 1024 || dims.max_tokens < 0 || dims.base < 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (dims.n == 0) return 0;
+  SegDims g = dims;
+  if (g.scale == 0.0f) g.scale = 1.0f / sqrtf(static_cast<float>(g.d));
+  const dim3 grid(static_cast<unsigned>(g.n), static_cast<unsigned>(g.q_heads));
+  SegmentedAttentionKernel<<<grid, 256, g.d * sizeof(float), static_cast<cudaStream_t>(stream)>>>(
+      g, blocks, head_first, q, scratch, out);
+  return cudaGetLastError();
+}
 
 bool DeviceAvailable() {
   int n = 0;

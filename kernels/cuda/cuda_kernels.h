@@ -101,6 +101,51 @@ int FlatDecodeAttention(const FlatDims& f, const float* q, const uint16_t* k_fla
                         const uint16_t* v_flat, const int64_t* offsets, const int64_t* lens,
                         float* scratch, float* out, void* stream);
 
+// Attention over a list of blocks per KV head, each in its own encoding: the
+// worker's device working set (worker/device_attention.h). One K or V of one
+// block: raw (fp32/fp16/bf16 elements at raw + t * token_stride + c) or
+// KIVI/KCVT-quantized (one slab as in QuantDims, then `tokens - quantized`
+// dense residual rows of `dtype`).
+struct SegKv {
+  int quantized_kind = 0;  // 0: raw; 1: KIVI/KCVT.
+  int dtype = 0;           // 0: fp32, 1: fp16, 2: bf16 (raw and residual rows).
+  int bits = 0;
+  int group = 0;  // Effective group, as in QuantDims.
+  int key = 1;    // Quantized K (groups of tokens per channel) or V.
+  int64_t quantized = 0;
+  int64_t token_stride = 0;  // Raw only.
+  const void* raw = nullptr;
+  const uint32_t* codes = nullptr;
+  const uint16_t* scales = nullptr;
+  const uint16_t* zeros = nullptr;
+  const void* residual = nullptr;
+};
+
+struct SegBlock {
+  int64_t tokens = 0;
+  // The open round: query i of the call sees its first base + i + 1 tokens.
+  int causal = 0;
+  SegKv k, v;
+};
+
+struct SegDims {
+  int n = 0;  // Queries (new tokens) in the call.
+  int q_heads = 0;
+  int kv_heads = 0;
+  int d = 0;               // <= 1024.
+  int64_t base = 0;        // Position of query 0 in the causal block.
+  int64_t max_tokens = 0;  // >= every KV head's total tokens: sizes scratch.
+  float scale = 0.0f;      // 0: 1 / sqrt(d).
+};
+
+// out[i, j, :] = softmax over the blocks of KV head j / rep (blocks
+// [head_first[h], head_first[h + 1]) of `blocks`) of scale * q[i, j] . k, times
+// v. q and out are [n, q_heads, d] fp32; blocks and head_first (kv_heads + 1
+// entries) live on the device; scratch holds n * q_heads * max_tokens floats.
+// A head with no visible token gives zeros.
+int SegmentedAttention(const SegDims& dims, const SegBlock* blocks, const int* head_first,
+                       const float* q, float* scratch, float* out, void* stream);
+
 }  // namespace kvtier::cuda
 
 #endif  // KVTIER_KERNELS_CUDA_CUDA_KERNELS_H_

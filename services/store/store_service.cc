@@ -395,6 +395,22 @@ grpc::ServerUnaryReactor* StoreService::DropRounds(grpc::CallbackServerContext* 
   });
 }
 
+grpc::ServerUnaryReactor* StoreService::RecordRecalls(grpc::CallbackServerContext* ctx,
+                                                      const v1::RecordRecallsRequest* req,
+                                                      v1::RecordRecallsResponse* resp) {
+  return Unary(ctx, "RecordRecalls", true, [this, req, resp](const Principal& p) -> absl::Status {
+    if (req->rounds_size() == 0 || req->rounds_size() > 4096) {
+      return absl::InvalidArgumentError("RecordRecalls takes 1 to 4096 rounds");
+    }
+    std::vector<uint32_t> rounds(req->rounds().begin(), req->rounds().end());
+    auto r = store_->RecordRecalls(p.tenant, req->session_id(), rounds);
+    if (!r.ok()) return r.status();
+    for (uint32_t x : r->counted) resp->add_counted(x);
+    for (uint32_t x : r->not_found) resp->add_not_found(x);
+    return absl::OkStatus();
+  });
+}
+
 grpc::ServerUnaryReactor* StoreService::DeleteSession(grpc::CallbackServerContext* ctx,
                                                       const v1::DeleteSessionRequest* req,
                                                       v1::DeleteSessionResponse* resp) {

@@ -56,6 +56,9 @@ class StoreService final
   grpc::ServerUnaryReactor* DropRounds(grpc::CallbackServerContext* ctx,
                                        const v1::DropRoundsRequest* request,
                                        v1::DropRoundsResponse* response) override;
+  grpc::ServerUnaryReactor* RecordRecalls(grpc::CallbackServerContext* ctx,
+                                          const v1::RecordRecallsRequest* request,
+                                          v1::RecordRecallsResponse* response) override;
   grpc::ServerUnaryReactor* DeleteSession(grpc::CallbackServerContext* ctx,
                                           const v1::DeleteSessionRequest* request,
                                           v1::DeleteSessionResponse* response) override;

@@ -47,6 +47,14 @@ absl::StatusOr<std::vector<std::string>> StoreSegments::Get(const std::string& s
   return out;
 }
 
+absl::Status StoreSegments::RecordRecalls(const std::string& session,
+                                          const std::vector<uint32_t>& rounds) {
+  record_calls_.fetch_add(1);
+  auto r = client_->RecordRecalls(session, rounds);
+  if (!r.ok()) return AsUnavailable(r.status(), "RecordRecalls");
+  return absl::OkStatus();
+}
+
 absl::Status StoreSegments::Delete(const std::string& session) {
   auto r = client_->DeleteSession(session);
   if (!r.ok() && r.status().code() != absl::StatusCode::kNotFound) {

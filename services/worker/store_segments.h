@@ -22,14 +22,19 @@ class StoreSegments : public worker::SegmentStore {
   absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
                                                const std::vector<Segment>& segments) override;
   absl::Status Delete(const std::string& session) override;
+  absl::Status RecordRecalls(const std::string& session,
+                             const std::vector<uint32_t>& rounds) override;
 
   StoreClient* client() { return client_.get(); }
   // GetSegments calls made so far.
   uint64_t get_calls() const { return get_calls_.load(); }
+  // RecordRecalls calls made so far.
+  uint64_t record_calls() const { return record_calls_.load(); }
 
  private:
   std::unique_ptr<StoreClient> client_;
   std::atomic<uint64_t> get_calls_{0};
+  std::atomic<uint64_t> record_calls_{0};
 };
 
 }  // namespace kvtier

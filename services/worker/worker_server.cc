@@ -345,6 +345,7 @@ class WorkerService final : public v1::Worker::Service {
       resp->set_working_set_bytes(r.working_set_bytes);
       resp->set_round_working_set_bytes(r.round_working_set_bytes);
       resp->set_full_cache_bytes(r.full_cache_bytes);
+      for (uint32_t x : r.recalls_recorded) resp->add_recalls_counted(x);
       resp->set_compression_ratio(r.stored_bytes > 0 ? static_cast<float>(r.full_bytes) /
                                                            static_cast<float>(r.stored_bytes)
                                                      : 0.0f);

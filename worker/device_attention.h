@@ -1,0 +1,68 @@
+// The GPU working set of a worker session (ARCHITECTURE.md §5): past rounds'
+// encoded K/V live in device memory as the codec left them, the open round
+// has a device mirror, and each layer's attention runs there
+// (kvtier::cuda::SegmentedAttention dequantizes inside both products).
+//
+// Built only with CUDA (KVTIER_HAVE_CUDA); without it every function says so
+// (DeviceBuiltIn() is false and uploads return FAILED_PRECONDITION), and the
+// engine keeps its working sets in host memory.
+//
+// Codecs the device path reads: raw (fp32, fp16, bf16), KIVI and KCVT (with
+// their residual rows). GEAR's low-rank and outlier parts are not implemented
+// on the device: such sessions stay in host memory.
+#ifndef KVTIER_WORKER_DEVICE_ATTENTION_H_
+#define KVTIER_WORKER_DEVICE_ATTENTION_H_
+
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/codec.h"
+
+namespace kvtier::worker {
+
+// True when this build has the CUDA path.
+bool DeviceBuiltIn();
+// True when it is built in and the runtime sees a device.
+bool DeviceUsable();
+// OK when the device path can hold tensors of this codec; otherwise why not.
+absl::Status DeviceSupportsCodec(const CodecConfig& codec);
+
+// One layer of one past round on the device: per KV head an encoded K and V.
+class DeviceLayer {
+ public:
+  virtual ~DeviceLayer() = default;
+  // Device bytes held (the encoded buffers, aligned).
+  virtual int64_t bytes() const = 0;
+};
+
+// Uploads one layer: heads[h] = (K view, V view) of KV head h, each
+// [1, len_h, d]. The views may be released afterwards.
+absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(
+    const std::vector<std::pair<EncodedView, EncodedView>>& heads, int head_dim);
+
+// Per-session device state: the open round's K/V mirror per layer and the
+// scratch buffers of the attention calls.
+class DeviceSession {
+ public:
+  virtual ~DeviceSession() = default;
+  // Attention of n new tokens at `layer` (positions base..base+n-1 of the open
+  // round) over `rounds` plus the open round, causally. cur_k/cur_v hold the
+  // open round's rows [0, base + n) token-major [t, kv_heads, d] on the host;
+  // rows [base, base + n) are uploaded here (earlier ones already are, and a
+  // rolled-back step's rows are overwritten by the next). q and out are
+  // [n, q_heads, d] on the host.
+  virtual absl::Status Attend(int layer, const std::vector<const DeviceLayer*>& rounds,
+                              const float* cur_k, const float* cur_v, int64_t base, int64_t n,
+                              const float* q, float* out) = 0;
+};
+
+absl::StatusOr<std::unique_ptr<DeviceSession>> NewDeviceSession(int layers, int q_heads,
+                                                                int kv_heads, int head_dim);
+
+}  // namespace kvtier::worker
+
+#endif  // KVTIER_WORKER_DEVICE_ATTENTION_H_

@@ -1,0 +1,282 @@
+// The CUDA build of worker/device_attention.h.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "kernels/cuda/cuda_kernels.h"
+#include "worker/device_attention.h"
+
+namespace kvtier::worker {
+namespace {
+
+absl::Status CudaError(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  if (e == cudaErrorMemoryAllocation) {
+    return absl::ResourceExhaustedError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+  }
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+}
+
+#define KVT_CUDA(expr, what)                    \
+  do {                                          \
+    absl::Status st_ = CudaError((expr), what); \
+    if (!st_.ok()) return st_;                  \
+  } while (0)
+
+int DtypeCode(v1::DType t) { return t == v1::DTYPE_FP32 ? 0 : t == v1::DTYPE_FP16 ? 1 : 2; }
+int64_t DtypeBytes(v1::DType t) { return t == v1::DTYPE_FP32 ? 4 : 2; }
+
+// A device allocation freed with the object.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (p_ != nullptr) cudaFree(p_);
+  }
+  // Grows to at least `bytes`, keeping the first `keep` bytes.
+  absl::Status Reserve(size_t bytes, size_t keep = 0) {
+    if (bytes <= size_) return absl::OkStatus();
+    const size_t want = std::max(bytes, size_ * 2);
+    void* p = nullptr;
+    KVT_CUDA(cudaMalloc(&p, want), "cudaMalloc");
+    if (keep > 0 && p_ != nullptr) {
+      const cudaError_t e = cudaMemcpy(p, p_, std::min(keep, size_), cudaMemcpyDeviceToDevice);
+      if (e != cudaSuccess) {
+        cudaFree(p);
+        return CudaError(e, "cudaMemcpy");
+      }
+    }
+    if (p_ != nullptr) cudaFree(p_);
+    p_ = p;
+    size_ = want;
+    return absl::OkStatus();
+  }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+  size_t size() const { return size_; }
+
+ private:
+  void* p_ = nullptr;
+  size_t size_ = 0;
+};
+
+class CudaLayer : public DeviceLayer {
+ public:
+  int64_t bytes() const override { return static_cast<int64_t>(buf.size()); }
+  DeviceBuffer buf;
+  // Per KV head, K and V, pointers into buf.
+  std::vector<std::pair<cuda::SegKv, cuda::SegKv>> heads;
+  std::vector<int64_t> lens;
+};
+
+// Staging: appends `bytes` at a 256-byte boundary and returns the offset.
+size_t Stage(std::vector<uint8_t>* host, const void* src, size_t bytes) {
+  const size_t off = (host->size() + 255) / 256 * 256;
+  host->resize(off + bytes);
+  if (bytes > 0) std::memcpy(host->data() + off, src, bytes);
+  return off;
+}
+
+// What one view needs on the device; pointer fields hold staging offsets
+// until the upload, then device addresses.
+struct Planned {
+  cuda::SegKv kv;
+  size_t raw = 0, codes = 0, scales = 0, zeros = 0, residual = 0;
+};
+
+absl::StatusOr<Planned> Plan(const EncodedView& v, int d, std::vector<uint8_t>* host) {
+  if (v.slabs != 1 || v.head_dim != d) {
+    return absl::InvalidArgumentError("device layers hold [1, tokens, head_dim] tensors");
+  }
+  Planned p;
+  p.kv.dtype = DtypeCode(v.dtype);
+  const int64_t eb = DtypeBytes(v.dtype);
+  if (v.codec == v1::CODEC_RAW) {
+    p.kv.quantized_kind = 0;
+    p.kv.token_stride = d;  // Encoded raw tensors are dense.
+    p.raw = Stage(host, v.raw, static_cast<size_t>(v.tokens * d * eb));
+    return p;
+  }
+  if ((v.codec != v1::CODEC_KIVI && v.codec != v1::CODEC_KCVT) || v.rank > 0 ||
+      v.outliers_per_row > 0) {
+    return absl::UnimplementedError("the device working set reads raw, KIVI and KCVT tensors only");
+  }
+  p.kv.quantized_kind = 1;
+  p.kv.bits = v.bits;
+  p.kv.group = v.group;
+  p.kv.key = v.role != v1::TENSOR_ROLE_VALUE ? 1 : 0;
+  p.kv.quantized = v.quantized;
+  p.codes = Stage(host, v.codes, static_cast<size_t>(v.words_per_slab) * 4);
+  p.scales = Stage(host, v.scales, static_cast<size_t>(v.groups_per_slab) * 2);
+  p.zeros = Stage(host, v.zeros, static_cast<size_t>(v.groups_per_slab) * 2);
+  if (v.residual > 0) p.residual = Stage(host, v.residual_data, v.residual * d * eb);
+  return p;
+}
+
+cuda::SegKv Place(const Planned& p, uint8_t* base) {
+  cuda::SegKv kv = p.kv;
+  if (kv.quantized_kind == 0) {
+    kv.raw = base + p.raw;
+  } else {
+    kv.codes = reinterpret_cast<const uint32_t*>(base + p.codes);
+    kv.scales = reinterpret_cast<const uint16_t*>(base + p.scales);
+    kv.zeros = reinterpret_cast<const uint16_t*>(base + p.zeros);
+    kv.residual = base + p.residual;
+  }
+  return kv;
+}
+
+class CudaSession : public DeviceSession {
+ public:
+  CudaSession(int layers, int q_heads, int kv_heads, int d)
+      : q_heads_(q_heads), kv_heads_(kv_heads), d_(d), k_(layers), v_(layers) {}
+  ~CudaSession() override {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  absl::Status Init() {
+    KVT_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    return absl::OkStatus();
+  }
+
+  absl::Status Attend(int layer, const std::vector<const DeviceLayer*>& rounds, const float* cur_k,
+                      const float* cur_v, int64_t base, int64_t n, const float* q,
+                      float* out) override {
+    const size_t row = static_cast<size_t>(kv_heads_) * d_ * sizeof(float);
+    const size_t rows = static_cast<size_t>(base + n);
+    // The open round's new rows.
+    KVT_RETURN_IF_ERROR(k_[layer].Reserve(rows * row, base * row));
+    KVT_RETURN_IF_ERROR(v_[layer].Reserve(rows * row, base * row));
+    KVT_CUDA(cudaMemcpyAsync(k_[layer].as<uint8_t>() + base * row, cur_k + base * kv_heads_ * d_,
+                             n * row, cudaMemcpyHostToDevice, stream_),
+             "upload K");
+    KVT_CUDA(cudaMemcpyAsync(v_[layer].as<uint8_t>() + base * row, cur_v + base * kv_heads_ * d_,
+                             n * row, cudaMemcpyHostToDevice, stream_),
+             "upload V");
+    // Blocks per KV head: every round's head h, then the open round.
+    std::vector<cuda::SegBlock> blocks;
+    std::vector<int> first(kv_heads_ + 1, 0);
+    int64_t max_tokens = 0;
+    for (int h = 0; h < kv_heads_; ++h) {
+      first[h] = static_cast<int>(blocks.size());
+      int64_t total = 0;
+      for (const DeviceLayer* r : rounds) {
+        const auto* cl = static_cast<const CudaLayer*>(r);
+        if (cl->lens[h] == 0) continue;
+        cuda::SegBlock b;
+        b.tokens = cl->lens[h];
+        b.k = cl->heads[h].first;
+        b.v = cl->heads[h].second;
+        blocks.push_back(b);
+        total += b.tokens;
+      }
+      cuda::SegBlock open;
+      open.tokens = base + n;
+      open.causal = 1;
+      open.k.dtype = open.v.dtype = 0;
+      open.k.token_stride = open.v.token_stride = static_cast<int64_t>(kv_heads_) * d_;
+      open.k.raw = k_[layer].as<float>() + h * d_;
+      open.v.raw = v_[layer].as<float>() + h * d_;
+      blocks.push_back(open);
+      total += open.tokens;
+      max_tokens = std::max(max_tokens, total);
+    }
+    first[kv_heads_] = static_cast<int>(blocks.size());
+    const size_t bbytes = blocks.size() * sizeof(cuda::SegBlock);
+    const size_t fbytes = first.size() * sizeof(int);
+    const size_t qbytes = static_cast<size_t>(n) * q_heads_ * d_ * sizeof(float);
+    KVT_RETURN_IF_ERROR(meta_.Reserve(bbytes + fbytes));
+    KVT_RETURN_IF_ERROR(q_.Reserve(qbytes));
+    KVT_RETURN_IF_ERROR(out_.Reserve(qbytes));
+    KVT_RETURN_IF_ERROR(
+        scratch_.Reserve(static_cast<size_t>(n) * q_heads_ * max_tokens * sizeof(float)));
+    // Staged in one host buffer so that the async copies read stable memory.
+    staging_.resize(bbytes + fbytes);
+    std::memcpy(staging_.data(), blocks.data(), bbytes);
+    std::memcpy(staging_.data() + bbytes, first.data(), fbytes);
+    KVT_CUDA(cudaMemcpyAsync(meta_.as<uint8_t>(), staging_.data(), bbytes + fbytes,
+                             cudaMemcpyHostToDevice, stream_),
+             "upload blocks");
+    KVT_CUDA(cudaMemcpyAsync(q_.as<float>(), q, qbytes, cudaMemcpyHostToDevice, stream_),
+             "upload q");
+    cuda::SegDims g;
+    g.n = static_cast<int>(n);
+    g.q_heads = q_heads_;
+    g.kv_heads = kv_heads_;
+    g.d = d_;
+    g.base = base;
+    g.max_tokens = max_tokens;
+    KVT_CUDA(static_cast<cudaError_t>(cuda::SegmentedAttention(
+                 g, meta_.as<cuda::SegBlock>(),
+                 reinterpret_cast<const int*>(meta_.as<uint8_t>() + bbytes), q_.as<float>(),
+                 scratch_.as<float>(), out_.as<float>(), stream_)),
+             "SegmentedAttention");
+    KVT_CUDA(cudaMemcpyAsync(out, out_.as<float>(), qbytes, cudaMemcpyDeviceToHost, stream_),
+             "download out");
+    KVT_CUDA(cudaStreamSynchronize(stream_), "attention");
+    return absl::OkStatus();
+  }
+
+ private:
+  int q_heads_, kv_heads_, d_;
+  cudaStream_t stream_ = nullptr;
+  std::vector<DeviceBuffer> k_, v_;
+  DeviceBuffer meta_, q_, out_, scratch_;
+  std::vector<uint8_t> staging_;
+};
+
+}  // namespace
+
+bool DeviceBuiltIn() { return true; }
+
+bool DeviceUsable() { return cuda::DeviceAvailable(); }
+
+absl::Status DeviceSupportsCodec(const CodecConfig& codec) {
+  if (codec.codec == v1::CODEC_RAW || codec.codec == v1::CODEC_KIVI ||
+      codec.codec == v1::CODEC_KCVT) {
+    return absl::OkStatus();
+  }
+  return absl::UnimplementedError(
+      "the device working set reads raw, KIVI and KCVT tensors; GEAR sessions stay in host "
+      "memory");
+}
+
+absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(
+    const std::vector<std::pair<EncodedView, EncodedView>>& heads, int head_dim) {
+  std::vector<uint8_t> host;
+  std::vector<std::pair<Planned, Planned>> plans;
+  auto layer = std::make_unique<CudaLayer>();
+  for (const auto& [k, v] : heads) {
+    KVT_ASSIGN_OR_RETURN(Planned pk, Plan(k, head_dim, &host));
+    KVT_ASSIGN_OR_RETURN(Planned pv, Plan(v, head_dim, &host));
+    plans.emplace_back(pk, pv);
+    layer->lens.push_back(k.tokens);
+  }
+  KVT_RETURN_IF_ERROR(layer->buf.Reserve(std::max<size_t>(host.size(), 1)));
+  KVT_CUDA(cudaMemcpy(layer->buf.as<uint8_t>(), host.data(), host.size(), cudaMemcpyHostToDevice),
+           "upload layer");
+  for (const auto& [pk, pv] : plans) {
+    layer->heads.emplace_back(Place(pk, layer->buf.as<uint8_t>()),
+                              Place(pv, layer->buf.as<uint8_t>()));
+  }
+  return std::unique_ptr<DeviceLayer>(std::move(layer));
+}
+
+absl::StatusOr<std::unique_ptr<DeviceSession>> NewDeviceSession(int layers, int q_heads,
+                                                                int kv_heads, int head_dim) {
+  if (!cuda::DeviceAvailable()) {
+    return absl::FailedPreconditionError("no CUDA device for the device working set");
+  }
+  auto s = std::make_unique<CudaSession>(layers, q_heads, kv_heads, head_dim);
+  KVT_RETURN_IF_ERROR(s->Init());
+  return std::unique_ptr<DeviceSession>(std::move(s));
+}
+
+}  // namespace kvtier::worker

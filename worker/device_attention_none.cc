@@ -1,0 +1,29 @@
+// worker/device_attention.h in a build without CUDA: there is no device path,
+// and every entry point says so. The engine then keeps working sets in host
+// memory (EngineOptions::placement kAuto), or refuses kDevice sessions.
+#include "worker/device_attention.h"
+
+namespace kvtier::worker {
+namespace {
+
+absl::Status NotBuilt() {
+  return absl::FailedPreconditionError(
+      "this kvtier was built without CUDA (KVTIER_CUDA=OFF or no nvcc): no device working set");
+}
+
+}  // namespace
+
+bool DeviceBuiltIn() { return false; }
+bool DeviceUsable() { return false; }
+absl::Status DeviceSupportsCodec(const CodecConfig&) { return NotBuilt(); }
+
+absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(
+    const std::vector<std::pair<EncodedView, EncodedView>>&, int) {
+  return NotBuilt();
+}
+
+absl::StatusOr<std::unique_ptr<DeviceSession>> NewDeviceSession(int, int, int, int) {
+  return NotBuilt();
+}
+
+}  // namespace kvtier::worker
