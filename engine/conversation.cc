@@ -56,6 +56,7 @@ class Tier : public TierSession {
 
   const std::vector<TierRound>& rounds() const override { return rounds_; }
   const v1::Policy& effective_policy() const override { return effective_; }
+  bool on_device() const override { return on_device_; }
 
   std::unique_ptr<grpc::ClientContext> Context() const {
     auto ctx = std::make_unique<grpc::ClientContext>();
@@ -72,6 +73,7 @@ class Tier : public TierSession {
     auto ctx = Context();
     KVT_RETURN_IF_ERROR(FromGrpc(stub_->OpenSession(ctx.get(), r, &resp), "OpenSession"));
     effective_ = resp.effective_policy();
+    on_device_ = resp.on_device();
     return absl::OkStatus();
   }
 
@@ -187,6 +189,7 @@ class Tier : public TierSession {
   v1::RecallDecision last_recall_;
   bool has_recall_ = false;
   v1::Policy effective_;
+  bool on_device_ = false;
   std::vector<TierRound> rounds_;
 };
 

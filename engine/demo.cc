@@ -128,6 +128,7 @@ absl::Status RunSynthetic(const DemoOptions& o, const v1::Policy& policy,
     }
   }
   out->rounds = tier->rounds();
+  out->on_device = tier->on_device();
   return absl::OkStatus();
 }
 
@@ -153,6 +154,7 @@ absl::Status RunModel(const DemoOptions& o, const model::LlamaModel& m, const v1
   out->tier_decode_ms = t.decode_ms_per_token * out->decode_tokens;
   out->local_decode_ms = teacher.decode_ms_per_token * out->decode_tokens;
   out->rounds = tier->rounds();
+  out->on_device = tier->on_device();
   return absl::OkStatus();
 }
 
@@ -374,6 +376,14 @@ std::string RenderText(const DemoReport& r) {
   absl::StrAppendFormat(&s, "%zu sessions x %d rounds x %d tokens; %d layers; %s; %.1f s\n\n",
                         r.sessions.size(), r.rounds, r.tokens_per_round, r.layers, r.policy,
                         r.seconds);
+  int on_gpu = 0;
+  for (const DemoSession& d : r.sessions) on_gpu += d.on_device ? 1 : 0;
+  absl::StrAppendFormat(
+      &s, "working sets: %s\n\n",
+      on_gpu == 0 ? "host memory (the worker has no GPU, or runs --placement=host)"
+      : on_gpu == static_cast<int>(r.sessions.size())
+          ? "GPU memory"
+          : absl::StrFormat("GPU memory for %d of %zu sessions", on_gpu, r.sessions.size()));
   absl::StrAppendFormat(&s, "%-44s %14s %14s %7s\n", "device-side KV bytes (final round)",
                         "full cache", "kvtier", "ratio");
   for (const DemoSession& d : r.sessions) {
@@ -466,6 +476,9 @@ std::string RenderJson(const DemoReport& r) {
   absl::StrAppend(&s, "  \"watershed_layer\": ", r.watershed, ",\n");
   absl::StrAppend(&s, "  \"full_cache_bytes\": ", t.full, ",\n");
   absl::StrAppend(&s, "  \"working_set_bytes\": ", t.ws, ",\n");
+  int on_gpu = 0;
+  for (const DemoSession& d : r.sessions) on_gpu += d.on_device ? 1 : 0;
+  absl::StrAppend(&s, "  \"working_set_sessions_on_gpu\": ", on_gpu, ",\n");
   absl::StrAppend(&s, "  \"working_set_ratio\": ", num(Ratio(t.ws, t.full)), ",\n");
   absl::StrAppend(
       &s, "  \"working_set_ratio_mean_over_rounds\": ", num(Ratio(t.ws_all, t.full_all)), ",\n");

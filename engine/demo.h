@@ -60,6 +60,7 @@ struct DemoSession {
   int64_t decode_tokens = 0;
   double err2 = 0, ref2 = 0;  // Synthetic: sums of squares of (tier - local) and local.
   Agreement agreement;        // Model.
+  bool on_device = false;     // The worker held the working set in GPU memory.
 };
 
 struct DemoReport {

@@ -209,12 +209,16 @@ TEST_F(WorkerEngineTest, RecallSelectsTheReferenceRoundsInOneCall) {
   EXPECT_EQ(segments_->get_calls(), calls + 1);
 }
 
-// The real store, with RecordRecalls failing on demand.
-class FlakyCounters : public worker::SegmentStore {
+// The real store, with RecordRecalls or upper-segment puts failing on demand.
+class FlakyStore : public worker::SegmentStore {
  public:
-  explicit FlakyCounters(worker::SegmentStore* real) : real_(real) {}
+  explicit FlakyStore(worker::SegmentStore* real) : real_(real) {}
   absl::Status Put(const std::string& session, const Segment& s, uint32_t b, uint32_t e,
                    const std::string& payload) override {
+    if (s.segment == 1 && fail_upper_puts > 0) {
+      --fail_upper_puts;
+      return absl::UnavailableError("upper put refused by the test");
+    }
     return real_->Put(session, s, b, e, payload);
   }
   absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
@@ -222,19 +226,23 @@ class FlakyCounters : public worker::SegmentStore {
     return real_->Get(session, segs);
   }
   absl::Status Delete(const std::string& session) override { return real_->Delete(session); }
+  absl::Status DropRound(const std::string& session, uint32_t round) override {
+    return real_->DropRound(session, round);
+  }
   absl::Status RecordRecalls(const std::string& session,
                              const std::vector<uint32_t>& rounds) override {
     if (fail_counters) return absl::UnavailableError("counters refused by the test");
     return real_->RecordRecalls(session, rounds);
   }
   bool fail_counters = false;
+  int fail_upper_puts = 0;
 
  private:
   worker::SegmentStore* real_;
 };
 
 TEST_F(WorkerEngineTest, ResidentRecallsAreCountedInTheStore) {
-  FlakyCounters store(segments_.get());
+  FlakyStore store(segments_.get());
   Engine engine(&store, worker::EngineOptions{KernelLevel::kReference});
   engine_.reset();
   SessionPolicy p;
@@ -288,6 +296,57 @@ TEST_F(WorkerEngineTest, ResidentRecallsAreCountedInTheStore) {
   }
   EXPECT_GT(total, 6u);  // topk:1 plus the most recent round, when they differ.
   KVT_ASSERT_OK(engine.CloseSession("s", true));
+}
+
+TEST_F(WorkerEngineTest, EndRoundAfterAPartialPutReplacesTheStoredPart) {
+  FlakyStore store(segments_.get());
+  Engine engine(&store, worker::EngineOptions{KernelLevel::kReference});
+  engine_.reset();
+  SessionPolicy p;
+  p.watershed_layer = 1;
+  KVT_ASSERT_OK(engine.OpenSession("s", kShape, p));
+  std::mt19937 rng(8);
+  const int d = kShape.head_dim;
+  auto step = [&](int64_t n) {
+    for (int l = 0; l < kShape.layers; ++l) {
+      const auto q = Random(n * kShape.q_heads * d, &rng),
+                 k = Random(n * kShape.kv_heads * d, &rng),
+                 v = Random(n * kShape.kv_heads * d, &rng);
+      std::vector<float> out(q.size());
+      if (n > 1) {
+        ASSERT_THAT(
+            engine.PrefillLayer("s", l, n, 2, q.data(), k.data(), v.data(), out.data()).status(),
+            IsOk());
+      } else {
+        ASSERT_THAT(engine.DecodeLayer("s", l, q.data(), k.data(), v.data(), out.data()), IsOk());
+      }
+    }
+  };
+  step(6);
+  // The lower segment is stored, the upper one is refused: the round stays open.
+  store.fail_upper_puts = 1;
+  EXPECT_THAT(engine.EndRound("s").status(), StatusIs(absl::StatusCode::kUnavailable));
+  KVT_ASSERT_OK_AND_ASSIGN(auto list, segments_->client()->ListRounds("s"));
+  ASSERT_EQ(list.rounds_size(), 1);
+  EXPECT_EQ(list.rounds(0).segments_size(), 1);
+  // The round grows by one token, then EndRound replaces the stale part.
+  step(1);
+  KVT_ASSERT_OK_AND_ASSIGN(auto end, engine.EndRound("s"));
+  EXPECT_EQ(end.round, 0u);
+  KVT_ASSERT_OK_AND_ASSIGN(list, segments_->client()->ListRounds("s"));
+  ASSERT_EQ(list.rounds_size(), 1);
+  EXPECT_EQ(list.rounds(0).segments_size(), 2);
+  v1::SegmentRef ref;
+  ref.set_round(0);
+  ref.set_segment(0);
+  KVT_ASSERT_OK_AND_ASSIGN(auto got, segments_->client()->GetSegments("s", {ref}));
+  v1::SegmentPayload payload;
+  ASSERT_TRUE(payload.ParseFromString(got[0].payload));
+  KVT_ASSERT_OK_AND_ASSIGN(EncodedView view, ParseEncoded(payload.tensors(0)));
+  EXPECT_EQ(view.tokens, 7);  // Both steps, not the 6 of the failed attempt.
+  // And the session goes on.
+  step(5);
+  KVT_ASSERT_OK(engine.EndRound("s").status());
 }
 
 TEST_F(WorkerEngineTest, StoreDeathMidRecallLeavesTheSessionConsistent) {

@@ -586,12 +586,26 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id) {
     KVT_RETURN_IF_ERROR(s->Place(*rl, l));
     pr.layers.push_back(std::move(rl));
   }
-  KVT_RETURN_IF_ERROR(store_->Put(s->id, {round, 0}, 0, lw + 1, lower));
-  rep.stored_bytes += lower.size();
-  if (lw + 1 < sh.layers) {
-    KVT_RETURN_IF_ERROR(store_->Put(s->id, {round, 1}, lw + 1, sh.layers, upper));
-    rep.stored_bytes += upper.size();
+  auto put_both = [&]() -> absl::Status {
+    KVT_RETURN_IF_ERROR(store_->Put(s->id, {round, 0}, 0, lw + 1, lower));
+    if (lw + 1 < sh.layers) {
+      KVT_RETURN_IF_ERROR(store_->Put(s->id, {round, 1}, lw + 1, sh.layers, upper));
+    }
+    return absl::OkStatus();
+  };
+  absl::Status put = put_both();
+  if (put.code() == absl::StatusCode::kAlreadyExists) {
+    // An earlier EndRound of this round stored its lower segment and then
+    // failed; the round may have grown since. Replace what is there.
+    KVT_RETURN_IF_ERROR(store_->DropRound(s->id, round));
+    put = put_both();
   }
+  if (put.code() == absl::StatusCode::kAlreadyExists) {
+    return absl::InternalError(
+        absl::StrCat("round ", round, " is still in the store after a drop"));
+  }
+  KVT_RETURN_IF_ERROR(put);
+  rep.stored_bytes += lower.size() + (lw + 1 < sh.layers ? upper.size() : 0);
   // The round becomes a past round of the working set.
   pr.stored_bytes = rep.stored_bytes;
   s->past.push_back(std::move(pr));

@@ -80,10 +80,13 @@ class SegmentStore {
   };
   virtual absl::Status Put(const std::string& session, const Segment& s, uint32_t layer_begin,
                            uint32_t layer_end, const std::string& payload) = 0;
+  // ALREADY_EXISTS (passed through as such) when the segment is stored.
   // Fetches all `segments` in ONE call, in order.
   virtual absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
                                                        const std::vector<Segment>& segments) = 0;
   virtual absl::Status Delete(const std::string& session) = 0;
+  // Drops one round (both segments). OK when it was not there.
+  virtual absl::Status DropRound(const std::string& session, uint32_t round) = 0;
   // Counts recalls of rounds that were resident (no fetch), in one call.
   virtual absl::Status RecordRecalls(const std::string& session,
                                      const std::vector<uint32_t>& rounds) = 0;

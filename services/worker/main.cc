@@ -10,6 +10,7 @@
 #include "base/log.h"
 #include "services/common/serve_main.h"
 #include "services/worker/worker_server.h"
+#include "worker/device_attention.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7071", "gRPC listen address (port 0 picks one).");
 ABSL_FLAG(std::string, port_file, "", "If set, the bound gRPC port is written here.");
@@ -23,6 +24,10 @@ ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9471",
           "Prometheus /metrics address; empty disables it.");
 ABSL_FLAG(std::string, metrics_port_file, "", "If set, the bound metrics port is written here.");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warn or error.");
+ABSL_FLAG(std::string, placement, "auto",
+          "Where working sets live: auto (the GPU when this build has CUDA and a device is "
+          "visible, for raw/KIVI/KCVT sessions; host memory otherwise), host, or device "
+          "(sessions that cannot be placed on the GPU are refused).");
 
 namespace {
 
@@ -55,6 +60,26 @@ int main(int argc, char** argv) {
   if (!absl::GetFlag(FLAGS_store_tls_root_certs).empty()) {
     o.store.tls_root_certs = ReadFile(absl::GetFlag(FLAGS_store_tls_root_certs));
   }
+  const std::string placement = absl::GetFlag(FLAGS_placement);
+  using Placement = kvtier::worker::EngineOptions::Placement;
+  if (placement == "auto") {
+    o.engine.placement = Placement::kAuto;
+  } else if (placement == "host") {
+    o.engine.placement = Placement::kHost;
+  } else if (placement == "device") {
+    o.engine.placement = Placement::kDevice;
+    if (!kvtier::worker::DeviceUsable()) {
+      std::fprintf(
+          stderr, "kvtier-worker: --placement=device but %s\n",
+          kvtier::worker::DeviceBuiltIn() ? "no CUDA device is visible" : "this build has no CUDA");
+      return 2;
+    }
+  } else {
+    std::fprintf(stderr, "kvtier-worker: --placement must be auto, host or device\n");
+    return 2;
+  }
+  kvtier::LogInfo("working sets", {{"placement", placement},
+                                   {"device", kvtier::worker::DeviceUsable() ? "cuda" : "none"}});
   if (o.store.target.empty()) {
     std::fprintf(stderr, "kvtier-worker: --store is required\n");
     return 2;

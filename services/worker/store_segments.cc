@@ -23,6 +23,7 @@ absl::Status StoreSegments::Put(const std::string& session, const Segment& s, ui
   a.layer_begin = layer_begin;
   a.layer_end = layer_end;
   auto r = client_->PutSegment(a, payload);
+  if (r.status().code() == absl::StatusCode::kAlreadyExists) return r.status();
   if (!r.ok()) {
     return AsUnavailable(r.status(),
                          absl::StrCat("PutSegment round ", s.round, " segment ", s.segment));
@@ -45,6 +46,14 @@ absl::StatusOr<std::vector<std::string>> StoreSegments::Get(const std::string& s
   std::vector<std::string> out;
   for (FetchedSegment& f : *got) out.push_back(std::move(f.payload));
   return out;
+}
+
+absl::Status StoreSegments::DropRound(const std::string& session, uint32_t round) {
+  auto r = client_->DropRounds(session, {round});
+  if (!r.ok() && r.status().code() != absl::StatusCode::kNotFound) {
+    return AsUnavailable(r.status(), absl::StrCat("DropRounds round ", round));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status StoreSegments::RecordRecalls(const std::string& session,

@@ -22,6 +22,7 @@ class StoreSegments : public worker::SegmentStore {
   absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
                                                const std::vector<Segment>& segments) override;
   absl::Status Delete(const std::string& session) override;
+  absl::Status DropRound(const std::string& session, uint32_t round) override;
   absl::Status RecordRecalls(const std::string& session,
                              const std::vector<uint32_t>& rounds) override;
 

@@ -255,6 +255,8 @@ class WorkerService final : public v1::Worker::Service {
       resp->mutable_effective_policy()->set_watershed_layer(eff.watershed_layer);
       resp->mutable_effective_policy()->set_recall(worker::RecallName(eff.recall));
       resp->mutable_effective_policy()->set_keep_recent_round(eff.keep_recent_round);
+      KVT_ASSIGN_OR_RETURN(worker::SessionStats st, engine_->Stats(id));
+      resp->set_on_device(st.on_device);
       resp->set_next_round(0);
       return absl::OkStatus();
     }();
