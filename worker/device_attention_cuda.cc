@@ -8,6 +8,7 @@
 #include "base/status_macros.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "worker/device_attention.h"
+#include "worker/device_layout.h"
 
 namespace kvtier::worker {
 namespace {
@@ -25,9 +26,6 @@ absl::Status CudaError(cudaError_t e, const char* what) {
     absl::Status st_ = CudaError((expr), what); \
     if (!st_.ok()) return st_;                  \
   } while (0)
-
-int DtypeCode(v1::DType t) { return t == v1::DTYPE_FP32 ? 0 : t == v1::DTYPE_FP16 ? 1 : 2; }
-int64_t DtypeBytes(v1::DType t) { return t == v1::DTYPE_FP32 ? 4 : 2; }
 
 // A device allocation freed with the object.
 class DeviceBuffer {
@@ -75,63 +73,6 @@ class CudaLayer : public DeviceLayer {
   std::vector<std::pair<cuda::SegKv, cuda::SegKv>> heads;
   std::vector<int64_t> lens;
 };
-
-// Staging: appends `bytes` at a 256-byte boundary and returns the offset.
-size_t Stage(std::vector<uint8_t>* host, const void* src, size_t bytes) {
-  const size_t off = (host->size() + 255) / 256 * 256;
-  host->resize(off + bytes);
-  if (bytes > 0) std::memcpy(host->data() + off, src, bytes);
-  return off;
-}
-
-// What one view needs on the device; pointer fields hold staging offsets
-// until the upload, then device addresses.
-struct Planned {
-  cuda::SegKv kv;
-  size_t raw = 0, codes = 0, scales = 0, zeros = 0, residual = 0;
-};
-
-absl::StatusOr<Planned> Plan(const EncodedView& v, int d, std::vector<uint8_t>* host) {
-  if (v.slabs != 1 || v.head_dim != d) {
-    return absl::InvalidArgumentError("device layers hold [1, tokens, head_dim] tensors");
-  }
-  Planned p;
-  p.kv.dtype = DtypeCode(v.dtype);
-  const int64_t eb = DtypeBytes(v.dtype);
-  if (v.codec == v1::CODEC_RAW) {
-    p.kv.quantized_kind = 0;
-    p.kv.token_stride = d;  // Encoded raw tensors are dense.
-    p.raw = Stage(host, v.raw, static_cast<size_t>(v.tokens * d * eb));
-    return p;
-  }
-  if ((v.codec != v1::CODEC_KIVI && v.codec != v1::CODEC_KCVT) || v.rank > 0 ||
-      v.outliers_per_row > 0) {
-    return absl::UnimplementedError("the device working set reads raw, KIVI and KCVT tensors only");
-  }
-  p.kv.quantized_kind = 1;
-  p.kv.bits = v.bits;
-  p.kv.group = v.group;
-  p.kv.key = v.role != v1::TENSOR_ROLE_VALUE ? 1 : 0;
-  p.kv.quantized = v.quantized;
-  p.codes = Stage(host, v.codes, static_cast<size_t>(v.words_per_slab) * 4);
-  p.scales = Stage(host, v.scales, static_cast<size_t>(v.groups_per_slab) * 2);
-  p.zeros = Stage(host, v.zeros, static_cast<size_t>(v.groups_per_slab) * 2);
-  if (v.residual > 0) p.residual = Stage(host, v.residual_data, v.residual * d * eb);
-  return p;
-}
-
-cuda::SegKv Place(const Planned& p, uint8_t* base) {
-  cuda::SegKv kv = p.kv;
-  if (kv.quantized_kind == 0) {
-    kv.raw = base + p.raw;
-  } else {
-    kv.codes = reinterpret_cast<const uint32_t*>(base + p.codes);
-    kv.scales = reinterpret_cast<const uint16_t*>(base + p.scales);
-    kv.zeros = reinterpret_cast<const uint16_t*>(base + p.zeros);
-    kv.residual = base + p.residual;
-  }
-  return kv;
-}
 
 class CudaSession : public DeviceSession {
  public:
@@ -251,11 +192,11 @@ absl::Status DeviceSupportsCodec(const CodecConfig& codec) {
 absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(
     const std::vector<std::pair<EncodedView, EncodedView>>& heads, int head_dim) {
   std::vector<uint8_t> host;
-  std::vector<std::pair<Planned, Planned>> plans;
+  std::vector<std::pair<StagedKv, StagedKv>> plans;
   auto layer = std::make_unique<CudaLayer>();
   for (const auto& [k, v] : heads) {
-    KVT_ASSIGN_OR_RETURN(Planned pk, Plan(k, head_dim, &host));
-    KVT_ASSIGN_OR_RETURN(Planned pv, Plan(v, head_dim, &host));
+    KVT_ASSIGN_OR_RETURN(StagedKv pk, StageView(k, head_dim, &host));
+    KVT_ASSIGN_OR_RETURN(StagedKv pv, StageView(v, head_dim, &host));
     plans.emplace_back(pk, pv);
     layer->lens.push_back(k.tokens);
   }
@@ -263,8 +204,8 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(
   KVT_CUDA(cudaMemcpy(layer->buf.as<uint8_t>(), host.data(), host.size(), cudaMemcpyHostToDevice),
            "upload layer");
   for (const auto& [pk, pv] : plans) {
-    layer->heads.emplace_back(Place(pk, layer->buf.as<uint8_t>()),
-                              Place(pv, layer->buf.as<uint8_t>()));
+    layer->heads.emplace_back(PlaceStaged(pk, layer->buf.as<uint8_t>()),
+                              PlaceStaged(pv, layer->buf.as<uint8_t>()));
   }
   return std::unique_ptr<DeviceLayer>(std::move(layer));
 }

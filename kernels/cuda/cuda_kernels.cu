@@ -4,6 +4,7 @@
 #include <cfloat>
 
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/seg_load.h"
 
 namespace kvtier::cuda {
 namespace {
@@ -250,27 +251,6 @@ __global__ void FlatAccumulateKernel(FlatDims f, const uint16_t* vf, const int64
   }
 }
 
-__device__ __forceinline__ float LoadDtype(int dtype, const void* p, int64_t i) {
-  if (dtype == 0) return static_cast<const float*>(p)[i];
-  const uint16_t bits = static_cast<const uint16_t*>(p)[i];
-  if (dtype == 1) return H2F(bits);
-  return __uint_as_float(static_cast<uint32_t>(bits) << 16);  // bf16
-}
-
-// Element (t, c) of one block's K or V.
-__device__ __forceinline__ float LoadSeg(const SegKv& kv, int d, int64_t t, int c) {
-  if (kv.quantized_kind == 0) return LoadDtype(kv.dtype, kv.raw, t * kv.token_stride + c);
-  if (t >= kv.quantized) return LoadDtype(kv.dtype, kv.residual, (t - kv.quantized) * d + c);
-  QuantDims q;
-  q.key = kv.key != 0;
-  q.bits = kv.bits;
-  q.group = kv.group;
-  q.tq = kv.quantized;
-  q.d = d;
-  q.slabs = 1;
-  return Dequant(q, kv.codes, kv.scales, kv.zeros, t, c);
-}
-
 __device__ __forceinline__ int64_t Visible(const SegBlock& b, const SegDims& g, int i) {
   return b.causal ? min(b.tokens, g.base + i + 1) : b.tokens;
 }
@@ -292,7 +272,7 @@ __global__ void SegmentedAttentionKernel(SegDims g, const SegBlock* blocks, cons
     const int64_t len = Visible(blk, g, i);
     for (int64_t t = threadIdx.x; t < len; t += blockDim.x) {
       float acc = 0.0f;
-      for (int c = 0; c < g.d; ++c) acc += qs[c] * LoadSeg(blk.k, g.d, t, c);
+      for (int c = 0; c < g.d; ++c) acc += qs[c] * SegLoad(blk.k, g.d, t, c);
       s[total + t] = acc * g.scale;
     }
     total += len;
@@ -307,7 +287,7 @@ __global__ void SegmentedAttentionKernel(SegDims g, const SegBlock* blocks, cons
     for (int b = head_first[h]; b < head_first[h + 1]; ++b) {
       const SegBlock& blk = blocks[b];
       const int64_t len = Visible(blk, g, i);
-      for (int64_t t = 0; t < len; ++t) acc += s[off + t] * LoadSeg(blk.v, g.d, t, c);
+      for (int64_t t = 0; t < len; ++t) acc += s[off + t] * SegLoad(blk.v, g.d, t, c);
       off += len;
     }
     o[c] = acc;

@@ -1,0 +1,59 @@
+// Element loads of kvtier::cuda::SegKv blocks (cuda_kernels.h), written once
+// for the device kernel (SegmentedAttention) and the host, where
+// worker/device_layout_test.cc checks them against the CPU codec's DecodeRows
+// on the same bytes. The byte layouts are kernels/codec.h's: codes packed
+// 32/bits per little-endian word, element (t, c) at index t * d + c; K scales
+// per (token group, channel), V scales per (token, channel group); residual
+// rows dense after the quantized ones.
+#ifndef KVTIER_KERNELS_CUDA_SEG_LOAD_H_
+#define KVTIER_KERNELS_CUDA_SEG_LOAD_H_
+
+#include <cstdint>
+
+#include "kernels/cuda/cuda_kernels.h"
+#include "kernels/half.h"  // Host branch; plain C++.
+#ifdef __CUDACC__
+#include <cuda_fp16.h>
+#endif
+
+namespace kvtier::cuda {
+
+KVT_HOST_DEVICE inline float SegHalf(uint16_t h) {
+#ifdef __CUDA_ARCH__
+  return __half2float(__ushort_as_half(h));
+#else
+  return ::kvtier::HalfToFloat(h);
+#endif
+}
+
+KVT_HOST_DEVICE inline float SegBf16(uint16_t b) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(static_cast<uint32_t>(b) << 16);
+#else
+  return ::kvtier::BitsFloat(static_cast<uint32_t>(b) << 16);
+#endif
+}
+
+// Element i of a fp32 (0), fp16 (1) or bf16 (2) array.
+KVT_HOST_DEVICE inline float SegLoadDtype(int dtype, const void* p, int64_t i) {
+  if (dtype == 0) return static_cast<const float*>(p)[i];
+  const uint16_t bits = static_cast<const uint16_t*>(p)[i];
+  return dtype == 1 ? SegHalf(bits) : SegBf16(bits);
+}
+
+// Element (t, c) of a block's K or V, t < the block's tokens.
+KVT_HOST_DEVICE inline float SegLoad(const SegKv& kv, int d, int64_t t, int c) {
+  if (kv.quantized_kind == 0) return SegLoadDtype(kv.dtype, kv.raw, t * kv.token_stride + c);
+  if (t >= kv.quantized) return SegLoadDtype(kv.dtype, kv.residual, (t - kv.quantized) * d + c);
+  const int64_t i = t * d + c;
+  const int per_word = 32 / kv.bits;
+  const uint32_t code =
+      (kv.codes[i / per_word] >> ((i % per_word) * kv.bits)) & ((1u << kv.bits) - 1u);
+  const int64_t si =
+      kv.key ? (t / kv.group) * d + c : t * ((d + kv.group - 1) / kv.group) + c / kv.group;
+  return static_cast<float>(code) * SegHalf(kv.scales[si]) + SegHalf(kv.zeros[si]);
+}
+
+}  // namespace kvtier::cuda
+
+#endif  // KVTIER_KERNELS_CUDA_SEG_LOAD_H_
