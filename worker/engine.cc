@@ -276,10 +276,16 @@ absl::Status Engine::OpenSession(const std::string& id, const ModelShape& shape,
                        : absl::FailedPreconditionError(DeviceBuiltIn() ? "no CUDA device is visible"
                                                                        : "this build has no CUDA");
     if (why.ok()) {
-      KVT_ASSIGN_OR_RETURN(
-          s->device, NewDeviceSession(shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim));
-      s->stats.on_device = true;
-    } else if (options_.placement == Placement::kDevice) {
+      auto dev = NewDeviceSession(shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim);
+      if (dev.ok()) {
+        s->device = std::move(*dev);
+        s->stats.on_device = true;
+      } else {
+        why = dev.status();  // kAuto falls back to host memory.
+        LogWarn("device working set unavailable", {{"session", id}, {"error", why.ToString()}});
+      }
+    }
+    if (!why.ok() && options_.placement == Placement::kDevice) {
       return absl::FailedPreconditionError(
           absl::StrCat("session ", id, " cannot have a device working set: ", why.message()));
     }
