@@ -10,8 +10,7 @@
 #include "gtest/gtest.h"
 #include "services/worker/store_segments.h"
 #include "tests/util/status_matchers.h"
-#include "tests/util/store_process.h"
-#include "tests/util/test_util.h"
+#include "tests/util/worker_stack.h"
 #include "worker/device_attention.h"
 #include "worker/engine.h"
 
@@ -40,19 +39,13 @@ constexpr ModelShape kShape{6, 8, 2, 64, 2};
 class WorkerDeviceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = std::make_unique<testing::TempDir>();
-    store_ = std::make_unique<testing::StoreProcess>(dir_->path() + "/db");
-    KVT_ASSERT_OK(store_->Start());
-    StoreClientOptions o;
-    o.target = store_->target();
-    o.deadline = absl::Seconds(10);
-    KVT_ASSERT_OK_AND_ASSIGN(auto client, StoreClient::Connect(o));
-    segments_ = std::make_unique<StoreSegments>(std::move(client));
+    KVT_ASSERT_OK(stack_.Start());
+    segments_ = stack_.segments();
     EngineOptions host_opts, dev_opts;
     host_opts.placement = Placement::kHost;
     dev_opts.placement = Placement::kDevice;
-    host_ = std::make_unique<Engine>(segments_.get(), host_opts);
-    device_ = std::make_unique<Engine>(segments_.get(), dev_opts);
+    host_ = std::make_unique<Engine>(segments_, host_opts);
+    device_ = std::make_unique<Engine>(segments_, dev_opts);
   }
 
   // Runs `rounds` rounds (prefill of a topical question plus answer, then
@@ -122,9 +115,8 @@ class WorkerDeviceTest : public ::testing::Test {
     return worst;
   }
 
-  std::unique_ptr<testing::TempDir> dir_;
-  std::unique_ptr<testing::StoreProcess> store_;
-  std::unique_ptr<StoreSegments> segments_;
+  testing::StoreStack stack_;
+  StoreSegments* segments_ = nullptr;
   std::unique_ptr<Engine> host_, device_;
 };
 
@@ -132,7 +124,7 @@ TEST_F(WorkerDeviceTest, PlacementFollowsTheBuildAndTheDevice) {
   SessionPolicy p;
   if (!worker::DeviceUsable()) {
     // kAuto falls back to host memory; kDevice says why it cannot.
-    Engine automatic(segments_.get());
+    Engine automatic(segments_);
     KVT_ASSERT_OK(automatic.OpenSession("a", kShape, p));
     KVT_ASSERT_OK_AND_ASSIGN(auto st, automatic.Stats("a"));
     EXPECT_FALSE(st.on_device);
@@ -140,7 +132,7 @@ TEST_F(WorkerDeviceTest, PlacementFollowsTheBuildAndTheDevice) {
                 StatusIs(absl::StatusCode::kFailedPrecondition));
     return;
   }
-  Engine automatic(segments_.get());
+  Engine automatic(segments_);
   KVT_ASSERT_OK(automatic.OpenSession("a", kShape, p));
   KVT_ASSERT_OK_AND_ASSIGN(auto st, automatic.Stats("a"));
   EXPECT_TRUE(st.on_device);

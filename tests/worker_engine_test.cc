@@ -11,8 +11,7 @@
 #include "kernels/attention.h"
 #include "services/worker/store_segments.h"
 #include "tests/util/status_matchers.h"
-#include "tests/util/store_process.h"
-#include "tests/util/test_util.h"
+#include "tests/util/worker_stack.h"
 #include "worker/engine.h"
 
 namespace kvtier {
@@ -64,16 +63,10 @@ class LocalCache {
 class WorkerEngineTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = std::make_unique<testing::TempDir>();
-    store_ = std::make_unique<testing::StoreProcess>(dir_->path() + "/db");
-    KVT_ASSERT_OK(store_->Start());
-    StoreClientOptions o;
-    o.target = store_->target();
-    o.deadline = absl::Seconds(10);
-    KVT_ASSERT_OK_AND_ASSIGN(auto client, StoreClient::Connect(o));
-    segments_ = std::make_unique<StoreSegments>(std::move(client));
-    engine_ =
-        std::make_unique<Engine>(segments_.get(), worker::EngineOptions{KernelLevel::kReference});
+    KVT_ASSERT_OK(stack_.Start());
+    store_ = stack_.store();
+    segments_ = stack_.segments();
+    engine_ = std::make_unique<Engine>(segments_, worker::EngineOptions{KernelLevel::kReference});
   }
 
   // One round: prefill of n tokens (question_tokens of them the question),
@@ -108,9 +101,9 @@ class WorkerEngineTest : public ::testing::Test {
     return worst;
   }
 
-  std::unique_ptr<testing::TempDir> dir_;
-  std::unique_ptr<testing::StoreProcess> store_;
-  std::unique_ptr<StoreSegments> segments_;
+  testing::StoreStack stack_;
+  testing::StoreProcess* store_ = nullptr;
+  StoreSegments* segments_ = nullptr;
   std::unique_ptr<Engine> engine_;
 };
 
@@ -242,7 +235,7 @@ class FlakyStore : public worker::SegmentStore {
 };
 
 TEST_F(WorkerEngineTest, ResidentRecallsAreCountedInTheStore) {
-  FlakyStore store(segments_.get());
+  FlakyStore store(segments_);
   Engine engine(&store, worker::EngineOptions{KernelLevel::kReference});
   engine_.reset();
   SessionPolicy p;
@@ -299,7 +292,7 @@ TEST_F(WorkerEngineTest, ResidentRecallsAreCountedInTheStore) {
 }
 
 TEST_F(WorkerEngineTest, EndRoundAfterAPartialPutReplacesTheStoredPart) {
-  FlakyStore store(segments_.get());
+  FlakyStore store(segments_);
   Engine engine(&store, worker::EngineOptions{KernelLevel::kReference});
   engine_.reset();
   SessionPolicy p;

@@ -1,5 +1,6 @@
-// A kvtier-store child process (RocksDB in a temp dir) with an in-process
-// kvtier-worker in front of it, both on 127.0.0.1 port 0, for the tests of
+// A kvtier-store child process (RocksDB in a temp dir), alone with the
+// worker's SegmentStore over it, or with an in-process kvtier-worker in front
+// of it, both on 127.0.0.1 port 0, for the tests of
 // the worker service and of the engines that drive it. Header-only: tests
 // that include it link kvtier_worker_service.
 #ifndef KVTIER_TESTS_UTIL_WORKER_STACK_H_
@@ -10,11 +11,38 @@
 
 #include "absl/status/status.h"
 #include "grpcpp/create_channel.h"
+#include "services/worker/store_segments.h"
 #include "services/worker/worker_server.h"
 #include "tests/util/store_process.h"
 #include "tests/util/test_util.h"
 
 namespace kvtier::testing {
+
+// A kvtier-store child process and the worker's SegmentStore over it, for
+// tests that drive worker::Engine directly.
+class StoreStack {
+ public:
+  absl::Status Start() {
+    dir_ = std::make_unique<TempDir>();
+    store_ = std::make_unique<StoreProcess>(dir_->path() + "/db");
+    if (absl::Status s = store_->Start(); !s.ok()) return s;
+    StoreClientOptions o;
+    o.target = store_->target();
+    o.deadline = absl::Seconds(10);
+    auto client = StoreClient::Connect(o);
+    if (!client.ok()) return client.status();
+    segments_ = std::make_unique<StoreSegments>(std::move(*client));
+    return absl::OkStatus();
+  }
+
+  StoreProcess* store() { return store_.get(); }
+  StoreSegments* segments() { return segments_.get(); }
+
+ private:
+  std::unique_ptr<TempDir> dir_;
+  std::unique_ptr<StoreProcess> store_;
+  std::unique_ptr<StoreSegments> segments_;
+};
 
 class WorkerStack {
  public:
