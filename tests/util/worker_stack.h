@@ -47,13 +47,11 @@ class StoreStack {
 class WorkerStack {
  public:
   absl::Status Start() {
-    dir_ = std::make_unique<TempDir>();
-    store_ = std::make_unique<StoreProcess>(dir_->path() + "/db");
-    if (absl::Status s = store_->Start(); !s.ok()) return s;
+    if (absl::Status s = stack_.Start(); !s.ok()) return s;
     WorkerServerOptions o;
     o.listen = "127.0.0.1:0";
     o.metrics_listen = "";
-    o.store.target = store_->target();
+    o.store.target = stack_.store()->target();
     o.store.deadline = absl::Seconds(10);
     auto server = WorkerServer::Start(o);
     if (!server.ok()) return server.status();
@@ -63,13 +61,12 @@ class WorkerStack {
   }
 
   std::string worker_target() const { return "127.0.0.1:" + std::to_string(server_->port()); }
-  StoreProcess* store() { return store_.get(); }
+  StoreProcess* store() { return stack_.store(); }
   WorkerServer* server() { return server_.get(); }
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
 
  private:
-  std::unique_ptr<TempDir> dir_;
-  std::unique_ptr<StoreProcess> store_;
+  StoreStack stack_;
   std::unique_ptr<WorkerServer> server_;
   std::shared_ptr<grpc::Channel> channel_;
 };
