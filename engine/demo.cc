@@ -424,9 +424,11 @@ std::string RenderText(const DemoReport& r) {
   if (t.fetches > 0) {
     absl::StrAppendFormat(&s,
                           "  recall fetch: %.2f ms per call, %.2f ms of it exposed (%.0f%% hidden "
-                          "behind layers 0..%d)\n",
+                          "behind layer %d's attention and the engine's own work before layer "
+                          "%d)\n",
                           t.fetch_ms / t.fetches, t.exposed_ms / t.fetches,
-                          100.0 * (1.0 - Ratio(t.exposed_ms, t.fetch_ms)), r.watershed);
+                          100.0 * (1.0 - Ratio(t.exposed_ms, t.fetch_ms)), r.watershed,
+                          r.watershed + 1);
   }
   if (!r.sessions.empty()) {
     const DemoSession& d = r.sessions[0];

@@ -175,7 +175,14 @@ class Engine::Session {
   // (positions tokens..tokens+n-1) over the visible past rounds plus the open
   // round. Rolls the step back on failure.
   absl::Status AppendAndAttend(int layer, int64_t n, const float* q, const float* k, const float* v,
-                               float* out, KernelLevel level);
+                               float* out, KernelLevel level) {
+    Append(layer, n, q, k, v);
+    return Attend(layer, n, q, out, level);
+  }
+  void Append(int layer, int64_t n, const float* q, const float* k, const float* v);
+  // Attends the n tokens appended last at `layer`; rolls the step back on
+  // failure.
+  absl::Status Attend(int layer, int64_t n, const float* q, float* out, KernelLevel level);
 
   // Marks `layer` done; after the last layer the step's n tokens commit.
   void EndLayer(int64_t n) {
@@ -334,13 +341,16 @@ absl::Status AttendLayer(const ModelShape& sh, const std::vector<const RoundLaye
 
 }  // namespace
 
-absl::Status Engine::Session::AppendAndAttend(int layer, int64_t n, const float* q, const float* k,
-                                              const float* v, float* out, KernelLevel level) {
+void Engine::Session::Append(int layer, int64_t n, const float* q, const float* k, const float* v) {
   const size_t qrow = static_cast<size_t>(shape.q_heads) * shape.head_dim,
                kvrow = static_cast<size_t>(shape.kv_heads) * shape.head_dim;
   this->q[layer].insert(this->q[layer].end(), q, q + n * qrow);
   this->k[layer].insert(this->k[layer].end(), k, k + n * kvrow);
   this->v[layer].insert(this->v[layer].end(), v, v + n * kvrow);
+}
+
+absl::Status Engine::Session::Attend(int layer, int64_t n, const float* q, float* out,
+                                     KernelLevel level) {
   absl::Status st;
   if (device != nullptr) {
     std::vector<const DeviceLayer*> rounds;
@@ -432,8 +442,10 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const std::stri
     }
   }
   const int64_t base = s->tokens;
-  KVT_RETURN_IF_ERROR(s->AppendAndAttend(layer, n, q, k, v, out, options_.level));
-  // Recall at L_w, once per round, from the round's first prefill.
+  s->Append(layer, n, q, k, v);
+  // Recall at L_w, once per round, from the round's first prefill. It needs
+  // only this layer's queries and keys, so the fetch starts before this
+  // layer's attention and overlaps with it too.
   if (layer == s->lw && !s->recalled && base == 0 && !s->past.empty() && sh.layers > 1) {
     std::vector<std::vector<float>> keys(s->past.size() * sh.kv_heads);
     std::vector<RoundKeys> rk(s->past.size());
@@ -493,6 +505,7 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const std::stri
     s->selected.clear();
     for (size_t i = 0; i < s->past.size(); ++i) s->selected.push_back(i);
   }
+  KVT_RETURN_IF_ERROR(s->Attend(layer, n, q, out, options_.level));
   s->EndLayer(n);
   return report;
 }
