@@ -9,17 +9,12 @@
 namespace kvtier::cuda {
 namespace {
 
-__device__ __forceinline__ uint32_t GetCode(const uint32_t* codes, int bits, int64_t i) {
-  const int per_word = 32 / bits;
-  return (codes[i / per_word] >> ((i % per_word) * bits)) & ((1u << bits) - 1u);
-}
-
 __device__ __forceinline__ void PutCode(uint32_t* codes, int bits, int64_t i, uint32_t code) {
   const int per_word = 32 / bits;
   atomicOr(&codes[i / per_word], code << ((i % per_word) * bits));
 }
 
-__device__ __forceinline__ float H2F(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+__device__ __forceinline__ float H2F(uint16_t h) { return SegHalf(h); }
 __device__ __forceinline__ uint16_t F2H(float f) { return __half_as_ushort(__float2half_rn(f)); }
 
 // Min/max of one group, then its codes. `stride` steps between the group's
@@ -80,9 +75,7 @@ __global__ void QuantizeValueKernel(QuantDims q, const float* x, uint32_t* codes
 __device__ __forceinline__ float Dequant(const QuantDims& q, const uint32_t* codes,
                                          const uint16_t* scales, const uint16_t* zeros, int64_t t,
                                          int c) {
-  const int vgroups = (q.d + q.group - 1) / q.group;
-  const int64_t si = q.key ? (t / q.group) * q.d + c : t * vgroups + c / q.group;
-  return static_cast<float>(GetCode(codes, q.bits, t * q.d + c)) * H2F(scales[si]) + H2F(zeros[si]);
+  return DequantAt(codes, scales, zeros, q.key, q.bits, q.group, q.d, t, c);
 }
 
 __global__ void DequantizeKernel(QuantDims q, const uint32_t* codes, const uint16_t* scales,

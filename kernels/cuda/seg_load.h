@@ -1,5 +1,5 @@
-// Element loads of kvtier::cuda::SegKv blocks (cuda_kernels.h), written once
-// for the device kernel (SegmentedAttention) and the host, where
+// Element loads of KIVI/KCVT slabs and of kvtier::cuda::SegKv blocks
+// (cuda_kernels.h), written once for the device kernels and the host, where
 // worker/device_layout_test.cc checks them against the CPU codec's DecodeRows
 // on the same bytes. The byte layouts are kernels/codec.h's: codes packed
 // 32/bits per little-endian word, element (t, c) at index t * d + c; K scales
@@ -41,17 +41,23 @@ KVT_HOST_DEVICE inline float SegLoadDtype(int dtype, const void* p, int64_t i) {
   return dtype == 1 ? SegHalf(bits) : SegBf16(bits);
 }
 
+// Element (t, c) of one KIVI/KCVT slab: K (`key`) groups `group` tokens per
+// channel, V groups `group` channels per token.
+KVT_HOST_DEVICE inline float DequantAt(const uint32_t* codes, const uint16_t* scales,
+                                       const uint16_t* zeros, bool key, int bits, int group, int d,
+                                       int64_t t, int c) {
+  const int64_t i = t * d + c;
+  const int per_word = 32 / bits;
+  const uint32_t code = (codes[i / per_word] >> ((i % per_word) * bits)) & ((1u << bits) - 1u);
+  const int64_t si = key ? (t / group) * d + c : t * ((d + group - 1) / group) + c / group;
+  return static_cast<float>(code) * SegHalf(scales[si]) + SegHalf(zeros[si]);
+}
+
 // Element (t, c) of a block's K or V, t < the block's tokens.
 KVT_HOST_DEVICE inline float SegLoad(const SegKv& kv, int d, int64_t t, int c) {
   if (kv.quantized_kind == 0) return SegLoadDtype(kv.dtype, kv.raw, t * kv.token_stride + c);
   if (t >= kv.quantized) return SegLoadDtype(kv.dtype, kv.residual, (t - kv.quantized) * d + c);
-  const int64_t i = t * d + c;
-  const int per_word = 32 / kv.bits;
-  const uint32_t code =
-      (kv.codes[i / per_word] >> ((i % per_word) * kv.bits)) & ((1u << kv.bits) - 1u);
-  const int64_t si =
-      kv.key ? (t / kv.group) * d + c : t * ((d + kv.group - 1) / kv.group) + c / kv.group;
-  return static_cast<float>(code) * SegHalf(kv.scales[si]) + SegHalf(kv.zeros[si]);
+  return DequantAt(kv.codes, kv.scales, kv.zeros, kv.key != 0, kv.bits, kv.group, d, t, c);
 }
 
 }  // namespace kvtier::cuda
