@@ -28,12 +28,9 @@ using Placement = worker::EngineOptions::Placement;
 
 constexpr ModelShape kShape{6, 8, 2, 64, 2};
 
-#define SKIP_WITHOUT_GPU()                                                                \
-  if (!worker::DeviceUsable()) {                                                          \
-    GTEST_SKIP() << (worker::DeviceBuiltIn()                                              \
-                         ? "no CUDA device: GPU working-set tests run only on a machine " \
-                           "with one"                                                     \
-                         : "built without CUDA: no device working set to test");          \
+#define SKIP_WITHOUT_GPU()                                                         \
+  if (absl::Status st_ = worker::DeviceStatus(); !st_.ok()) {                      \
+    GTEST_SKIP() << "GPU working-set tests need a CUDA device: " << st_.message(); \
   }
 
 class WorkerDeviceTest : public ::testing::Test {

@@ -28,6 +28,8 @@ namespace kvtier::worker {
 bool DeviceBuiltIn();
 // True when it is built in and the runtime sees a device.
 bool DeviceUsable();
+// OK when DeviceUsable(); otherwise FAILED_PRECONDITION saying why.
+absl::Status DeviceStatus();
 // OK when the device path can hold tensors of this codec; otherwise why not.
 absl::Status DeviceSupportsCodec(const CodecConfig& codec);
 

@@ -179,6 +179,11 @@ bool DeviceBuiltIn() { return true; }
 
 bool DeviceUsable() { return cuda::DeviceAvailable(); }
 
+absl::Status DeviceStatus() {
+  if (DeviceUsable()) return absl::OkStatus();
+  return absl::FailedPreconditionError("no CUDA device is visible");
+}
+
 absl::Status DeviceSupportsCodec(const CodecConfig& codec) {
   if (codec.codec == v1::CODEC_RAW || codec.codec == v1::CODEC_KIVI ||
       codec.codec == v1::CODEC_KCVT) {

@@ -15,6 +15,7 @@ absl::Status NotBuilt() {
 
 bool DeviceBuiltIn() { return false; }
 bool DeviceUsable() { return false; }
+absl::Status DeviceStatus() { return NotBuilt(); }
 absl::Status DeviceSupportsCodec(const CodecConfig&) { return NotBuilt(); }
 
 absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(

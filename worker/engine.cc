@@ -278,10 +278,8 @@ absl::Status Engine::OpenSession(const std::string& id, const ModelShape& shape,
   s->v.resize(shape.layers);
   using Placement = EngineOptions::Placement;
   if (options_.placement != Placement::kHost) {
-    absl::Status why =
-        DeviceUsable() ? DeviceSupportsCodec(policy.codec)
-                       : absl::FailedPreconditionError(DeviceBuiltIn() ? "no CUDA device is visible"
-                                                                       : "this build has no CUDA");
+    absl::Status why = DeviceStatus();
+    if (why.ok()) why = DeviceSupportsCodec(policy.codec);
     if (why.ok()) {
       auto dev = NewDeviceSession(shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim);
       if (dev.ok()) {

@@ -68,10 +68,9 @@ int main(int argc, char** argv) {
     o.engine.placement = Placement::kHost;
   } else if (placement == "device") {
     o.engine.placement = Placement::kDevice;
-    if (!kvtier::worker::DeviceUsable()) {
-      std::fprintf(
-          stderr, "kvtier-worker: --placement=device but %s\n",
-          kvtier::worker::DeviceBuiltIn() ? "no CUDA device is visible" : "this build has no CUDA");
+    if (absl::Status s = kvtier::worker::DeviceStatus(); !s.ok()) {
+      std::fprintf(stderr, "kvtier-worker: --placement=device, but %s\n",
+                   std::string(s.message()).c_str());
       return 2;
     }
   } else {
