@@ -39,16 +39,17 @@ absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Connect(StoreClientOpt
   return std::unique_ptr<StoreClient>(new StoreClient(std::move(options), std::move(channel)));
 }
 
-std::unique_ptr<grpc::ClientContext> StoreClient::NewContext() const {
+std::unique_ptr<grpc::ClientContext> StoreClient::NewContext(const CallOptions& call) const {
   auto ctx = std::make_unique<grpc::ClientContext>();
   if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
-  ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
+  ctx->set_deadline(absl::ToChronoTime(call.DeadlineOr(options_.deadline)));
   return ctx;
 }
 
 absl::StatusOr<v1::PutSegmentResponse> StoreClient::PutSegment(const PutSegmentArgs& a,
-                                                               std::string_view payload) {
-  auto ctx = NewContext();
+                                                               std::string_view payload,
+                                                               const CallOptions& call_options) {
+  auto ctx = NewContext(call_options);
   RawCall call(channel_, ctx.get(), "/kvtier.v1.Store/PutSegment");
   v1::PutSegmentRequest req;
   v1::PutSegmentHeader* h = req.mutable_header();
@@ -82,8 +83,9 @@ absl::StatusOr<v1::PutSegmentResponse> StoreClient::PutSegment(const PutSegmentA
 }
 
 absl::StatusOr<std::vector<FetchedSegment>> StoreClient::GetSegments(
-    const std::string& session_id, const std::vector<v1::SegmentRef>& refs) {
-  auto ctx = NewContext();
+    const std::string& session_id, const std::vector<v1::SegmentRef>& refs,
+    const CallOptions& call_options) {
+  auto ctx = NewContext(call_options);
   RawCall call(channel_, ctx.get(), "/kvtier.v1.Store/GetSegments");
   v1::GetSegmentsRequest req;
   req.set_session_id(session_id);
@@ -166,8 +168,9 @@ absl::StatusOr<Resp> Finish(const grpc::Status& s, Resp resp) {
 
 }  // namespace
 
-absl::StatusOr<v1::ListRoundsResponse> StoreClient::ListRounds(const std::string& session_id) {
-  auto ctx = NewContext();
+absl::StatusOr<v1::ListRoundsResponse> StoreClient::ListRounds(const std::string& session_id,
+                                                               const CallOptions& call) {
+  auto ctx = NewContext(call);
   v1::ListRoundsRequest req;
   req.set_session_id(session_id);
   v1::ListRoundsResponse resp;
@@ -176,8 +179,8 @@ absl::StatusOr<v1::ListRoundsResponse> StoreClient::ListRounds(const std::string
 }
 
 absl::StatusOr<v1::DropRoundsResponse> StoreClient::DropRounds(
-    const std::string& session_id, const std::vector<uint32_t>& rounds) {
-  auto ctx = NewContext();
+    const std::string& session_id, const std::vector<uint32_t>& rounds, const CallOptions& call) {
+  auto ctx = NewContext(call);
   v1::DropRoundsRequest req;
   req.set_session_id(session_id);
   for (uint32_t r : rounds) req.add_rounds(r);
@@ -187,8 +190,8 @@ absl::StatusOr<v1::DropRoundsResponse> StoreClient::DropRounds(
 }
 
 absl::StatusOr<v1::RecordRecallsResponse> StoreClient::RecordRecalls(
-    const std::string& session_id, const std::vector<uint32_t>& rounds) {
-  auto ctx = NewContext();
+    const std::string& session_id, const std::vector<uint32_t>& rounds, const CallOptions& call) {
+  auto ctx = NewContext(call);
   v1::RecordRecallsRequest req;
   req.set_session_id(session_id);
   for (uint32_t r : rounds) req.add_rounds(r);
@@ -198,8 +201,8 @@ absl::StatusOr<v1::RecordRecallsResponse> StoreClient::RecordRecalls(
 }
 
 absl::StatusOr<v1::DeleteSessionResponse> StoreClient::DeleteSession(
-    const std::string& session_id) {
-  auto ctx = NewContext();
+    const std::string& session_id, const CallOptions& call) {
+  auto ctx = NewContext(call);
   v1::DeleteSessionRequest req;
   req.set_session_id(session_id);
   v1::DeleteSessionResponse resp;
@@ -207,8 +210,9 @@ absl::StatusOr<v1::DeleteSessionResponse> StoreClient::DeleteSession(
   return Finish(s, std::move(resp));
 }
 
-absl::Status StoreClient::PinSession(const std::string& session_id, bool pinned) {
-  auto ctx = NewContext();
+absl::Status StoreClient::PinSession(const std::string& session_id, bool pinned,
+                                     const CallOptions& call) {
+  auto ctx = NewContext(call);
   v1::PinSessionRequest req;
   req.set_session_id(session_id);
   req.set_pinned(pinned);
@@ -216,8 +220,8 @@ absl::Status StoreClient::PinSession(const std::string& session_id, bool pinned)
   return FromGrpc(stub_->PinSession(ctx.get(), req, &resp));
 }
 
-absl::StatusOr<v1::StatsResponse> StoreClient::Stats() {
-  auto ctx = NewContext();
+absl::StatusOr<v1::StatsResponse> StoreClient::Stats(const CallOptions& call) {
+  auto ctx = NewContext(call);
   v1::StatsResponse resp;
   grpc::Status s = stub_->Stats(ctx.get(), v1::StatsRequest(), &resp);
   return Finish(s, std::move(resp));

@@ -1,5 +1,7 @@
 // A synchronous client for kvtier-store. Thread-safe: one client may be used
-// from many threads (gRPC channels multiplex).
+// from many threads (gRPC channels multiplex). Every call takes CallOptions;
+// a call past its deadline returns DEADLINE_EXCEEDED, a store that cannot be
+// reached UNAVAILABLE, never a hang.
 #ifndef KVTIER_CLIENT_STORE_CLIENT_H_
 #define KVTIER_CLIENT_STORE_CLIENT_H_
 
@@ -10,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "base/call_options.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "kvtier/v1/store.grpc.pb.h"
@@ -27,7 +30,9 @@ struct StoreClientOptions {
   std::string tls_server_name;
   // Payload bytes per PutSegment chunk. Range [1, 4 MiB]. Default: 1 MiB.
   size_t chunk_bytes = size_t{1} << 20;
-  // Deadline of each call. Default: 120 s.
+  // Deadline of a call whose CallOptions set none (bulk uploads of the CLI
+  // and benchmarks). A call's own CallOptions::deadline wins when sooner.
+  // Default: 120 s.
   absl::Duration deadline = absl::Seconds(120);
 };
 
@@ -58,26 +63,33 @@ class StoreClient {
   // Uploads `payload` (a serialized SegmentPayload) in chunks. Returns the
   // store's status (see store.proto) on failure.
   absl::StatusOr<v1::PutSegmentResponse> PutSegment(const PutSegmentArgs& args,
-                                                    std::string_view payload);
+                                                    std::string_view payload,
+                                                    const CallOptions& call = {});
 
   // Fetches segments of one session in ONE call. DATA_LOSS if a payload
   // arrives with a wrong checksum; INTERNAL if the stream is malformed.
   absl::StatusOr<std::vector<FetchedSegment>> GetSegments(const std::string& session_id,
-                                                          const std::vector<v1::SegmentRef>& refs);
+                                                          const std::vector<v1::SegmentRef>& refs,
+                                                          const CallOptions& call = {});
 
-  absl::StatusOr<v1::ListRoundsResponse> ListRounds(const std::string& session_id);
+  absl::StatusOr<v1::ListRoundsResponse> ListRounds(const std::string& session_id,
+                                                    const CallOptions& call = {});
   absl::StatusOr<v1::DropRoundsResponse> DropRounds(const std::string& session_id,
-                                                    const std::vector<uint32_t>& rounds);
+                                                    const std::vector<uint32_t>& rounds,
+                                                    const CallOptions& call = {});
   // Counts recalls served without a fetch (see store.proto).
   absl::StatusOr<v1::RecordRecallsResponse> RecordRecalls(const std::string& session_id,
-                                                          const std::vector<uint32_t>& rounds);
-  absl::StatusOr<v1::DeleteSessionResponse> DeleteSession(const std::string& session_id);
-  absl::Status PinSession(const std::string& session_id, bool pinned);
-  absl::StatusOr<v1::StatsResponse> Stats();
+                                                          const std::vector<uint32_t>& rounds,
+                                                          const CallOptions& call = {});
+  absl::StatusOr<v1::DeleteSessionResponse> DeleteSession(const std::string& session_id,
+                                                          const CallOptions& call = {});
+  absl::Status PinSession(const std::string& session_id, bool pinned,
+                          const CallOptions& call = {});
+  absl::StatusOr<v1::StatsResponse> Stats(const CallOptions& call = {});
 
   // For callers that drive the raw stub (tests of malformed streams): a
-  // context with the token and deadline set.
-  std::unique_ptr<grpc::ClientContext> NewContext() const;
+  // context with the token and the call's deadline (or the default) set.
+  std::unique_ptr<grpc::ClientContext> NewContext(const CallOptions& call = {}) const;
   v1::Store::Stub* stub() { return stub_.get(); }
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
 

@@ -6,8 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "absl/time/clock.h"
 #include "grpcpp/client_context.h"
-#include "services/common/grpc_status.h"
 
 namespace kvtier::engine {
 namespace {
@@ -45,22 +45,32 @@ void Dense(const float* x, int64_t tokens, int heads, int d, v1::DenseTensor* t)
 class Tier : public TierSession {
  public:
   Tier(const v1::ModelSpec& spec, std::shared_ptr<grpc::Channel> ch, std::string session,
-       std::string token)
+       std::string token, TierDeadlines deadlines)
       : spec_(spec),
         q_heads_(static_cast<int>(spec.num_q_heads())),
         kv_heads_(static_cast<int>(spec.num_kv_heads())),
         head_dim_(static_cast<int>(spec.head_dim())),
         stub_(v1::Worker::NewStub(ch)),
         session_(std::move(session)),
-        token_(token) {}
+        token_(token),
+        deadlines_(deadlines) {}
+  ~Tier() override {
+    if (dstream_ != nullptr) {
+      dctx_->TryCancel();
+      dstream_->Finish().IgnoreError();  // Cancelled on purpose.
+    }
+  }
 
   const std::vector<TierRound>& rounds() const override { return rounds_; }
   const v1::Policy& effective_policy() const override { return effective_; }
   bool on_device() const override { return on_device_; }
 
-  std::unique_ptr<grpc::ClientContext> Context() const {
+  // Every call carries a deadline: a worker (or a store behind it) that
+  // stops costs the conversation this long, then a precise error.
+  std::unique_ptr<grpc::ClientContext> Context(absl::Duration deadline) const {
     auto ctx = std::make_unique<grpc::ClientContext>();
     if (!token_.empty()) ctx->AddMetadata("authorization", "Bearer " + token_);
+    ctx->set_deadline(absl::ToChronoTime(absl::Now() + deadline));
     return ctx;
   }
 
@@ -70,7 +80,7 @@ class Tier : public TierSession {
     *r.mutable_model() = spec_;
     *r.mutable_policy() = policy;
     v1::OpenSessionResponse resp;
-    auto ctx = Context();
+    auto ctx = Context(deadlines_.call);
     KVT_RETURN_IF_ERROR(FromGrpc(stub_->OpenSession(ctx.get(), r, &resp), "OpenSession"));
     effective_ = resp.effective_policy();
     on_device_ = resp.on_device();
@@ -82,18 +92,21 @@ class Tier : public TierSession {
     r.set_session_id(session_);
     r.set_delete_from_store(delete_from_store);
     v1::CloseSessionResponse resp;
-    auto ctx = Context();
+    KVT_RETURN_IF_ERROR(CloseDecodeStream());
+    auto ctx = Context(deadlines_.call);
     return FromGrpc(stub_->CloseSession(ctx.get(), r, &resp), "CloseSession");
   }
 
   absl::Status BeginStep(bool prefill, int n, int question_tokens) override {
     prefill_ = prefill;
     question_ = question_tokens;
-    ctx_ = Context();
     if (prefill) {
-      pstream_ = stub_->Prefill(ctx_.get());
-    } else {
-      dstream_ = stub_->Decode(ctx_.get());
+      pctx_ = Context(deadlines_.step);
+      pstream_ = stub_->Prefill(pctx_.get());
+    } else if (dstream_ == nullptr) {
+      // One Decode stream for the round's steps, not one per token.
+      dctx_ = Context(deadlines_.round);
+      dstream_ = stub_->Decode(dctx_.get());
     }
     (void)n;
     return absl::OkStatus();
@@ -104,22 +117,45 @@ class Tier : public TierSession {
     (void)pos0;
     const int hd = head_dim_;
     if (prefill_) {
-      v1::LayerRequest req;
-      if (layer == 0) req.set_session_id(session_);
-      req.set_layer(layer);
-      req.set_question_tokens(question_);
-      Dense(q, n, q_heads_, hd, req.mutable_q());
-      Dense(k, n, kv_heads_, hd, req.mutable_k());
-      Dense(v, n, kv_heads_, hd, req.mutable_v());
+      // Token slices of at most kChunkBytes per message, like the store's
+      // chunks, instead of one message as large as the layer.
+      const int64_t row = static_cast<int64_t>(q_heads_ + 2 * kv_heads_) * hd * 4;
+      const int per = static_cast<int>(std::max<int64_t>(1, kChunkBytes / row));
+      for (int t = 0; t < n; t += per) {
+        const int m = std::min(per, n - t);
+        v1::LayerRequest req;
+        if (layer == 0 && t == 0) req.set_session_id(session_);
+        req.set_layer(layer);
+        req.set_question_tokens(question_);
+        Dense(q + static_cast<size_t>(t) * q_heads_ * hd, m, q_heads_, hd, req.mutable_q());
+        Dense(k + static_cast<size_t>(t) * kv_heads_ * hd, m, kv_heads_, hd, req.mutable_k());
+        Dense(v + static_cast<size_t>(t) * kv_heads_ * hd, m, kv_heads_, hd, req.mutable_v());
+        req.set_more_chunks(t + m < n);
+        if (!pstream_->Write(req)) {
+          return FromGrpc(pstream_->Finish(), absl::StrCat("Prefill layer ", layer));
+        }
+      }
+      size_t got = 0;
+      const size_t want = static_cast<size_t>(n) * q_heads_ * hd * 4;
       v1::LayerResponse resp;
-      if (!pstream_->Write(req) || !pstream_->Read(&resp)) {
-        return FromGrpc(pstream_->Finish(), absl::StrCat("Prefill layer ", layer));
+      do {
+        if (!pstream_->Read(&resp)) {
+          return FromGrpc(pstream_->Finish(), absl::StrCat("Prefill layer ", layer));
+        }
+        if (resp.o().dtype() != v1::DTYPE_FP32 || got + resp.o().data().size() > want) {
+          return absl::InternalError(absl::StrCat("Prefill layer ", layer, ": bad output"));
+        }
+        std::memcpy(reinterpret_cast<char*>(out) + got, resp.o().data().data(),
+                    resp.o().data().size());
+        got += resp.o().data().size();
+        if (resp.has_recall()) {
+          last_recall_ = resp.recall();
+          has_recall_ = true;
+        }
+      } while (resp.more_chunks());
+      if (got != want) {
+        return absl::InternalError(absl::StrCat("Prefill layer ", layer, ": short output"));
       }
-      if (resp.has_recall()) {
-        last_recall_ = resp.recall();
-        has_recall_ = true;
-      }
-      std::memcpy(out, resp.o().data().data(), resp.o().data().size());
       return absl::OkStatus();
     }
     v1::DecodeRequest req;
@@ -131,31 +167,39 @@ class Tier : public TierSession {
     Dense(v, 1, kv_heads_, hd, item->mutable_v());
     v1::DecodeResponse resp;
     if (!dstream_->Write(req) || !dstream_->Read(&resp)) {
-      return FromGrpc(dstream_->Finish(), absl::StrCat("Decode layer ", layer));
+      absl::Status s = FromGrpc(dstream_->Finish(), absl::StrCat("Decode layer ", layer));
+      dstream_.reset();
+      return s;
+    }
+    if (resp.o_size() != 1 || resp.o(0).data().size() != static_cast<size_t>(q_heads_) * hd * 4) {
+      return absl::InternalError(absl::StrCat("Decode layer ", layer, ": bad output"));
     }
     std::memcpy(out, resp.o(0).data().data(), resp.o(0).data().size());
     return absl::OkStatus();
   }
 
   absl::Status EndStep() override {
-    grpc::Status s;
-    if (prefill_) {
-      pstream_->WritesDone();
-      s = pstream_->Finish();
-      pstream_.reset();
-    } else {
-      dstream_->WritesDone();
-      s = dstream_->Finish();
-      dstream_.reset();
-    }
-    return FromGrpc(s, prefill_ ? "Prefill" : "Decode");
+    if (!prefill_) return absl::OkStatus();  // The Decode stream stays open.
+    pstream_->WritesDone();
+    grpc::Status s = pstream_->Finish();
+    pstream_.reset();
+    return FromGrpc(s, "Prefill");
+  }
+
+  absl::Status CloseDecodeStream() {
+    if (dstream_ == nullptr) return absl::OkStatus();
+    dstream_->WritesDone();
+    grpc::Status s = dstream_->Finish();
+    dstream_.reset();
+    return FromGrpc(s, "Decode");
   }
 
   absl::Status EndRound() override {
     v1::EndRoundRequest r;
     r.set_session_id(session_);
     v1::EndRoundResponse resp;
-    auto ctx = Context();
+    KVT_RETURN_IF_ERROR(CloseDecodeStream());
+    auto ctx = Context(deadlines_.call);
     KVT_RETURN_IF_ERROR(FromGrpc(stub_->EndRound(ctx.get(), r, &resp), "EndRound"));
     TierRound t;
     t.round = resp.round();
@@ -183,7 +227,9 @@ class Tier : public TierSession {
   std::string session_, token_;
   bool prefill_ = false;
   int question_ = 0;
-  std::unique_ptr<grpc::ClientContext> ctx_;
+  static constexpr int64_t kChunkBytes = int64_t{1} << 20;
+  TierDeadlines deadlines_;
+  std::unique_ptr<grpc::ClientContext> pctx_, dctx_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::LayerRequest, v1::LayerResponse>> pstream_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> dstream_;
   v1::RecallDecision last_recall_;
@@ -203,8 +249,9 @@ absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const v1::ModelSpec& sp
                                                          std::shared_ptr<grpc::Channel> channel,
                                                          const std::string& session,
                                                          const v1::Policy& policy,
-                                                         const std::string& token) {
-  auto t = std::make_unique<Tier>(spec, std::move(channel), session, token);
+                                                         const std::string& token,
+                                                         const TierDeadlines& deadlines) {
+  auto t = std::make_unique<Tier>(spec, std::move(channel), session, token, deadlines);
   KVT_RETURN_IF_ERROR(t->Open(policy));
   return std::unique_ptr<TierSession>(std::move(t));
 }
@@ -213,7 +260,8 @@ absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const model::LlamaConfi
                                                          std::shared_ptr<grpc::Channel> channel,
                                                          const std::string& session,
                                                          const v1::Policy& policy,
-                                                         const std::string& token) {
+                                                         const std::string& token,
+                                                         const TierDeadlines& deadlines) {
   v1::ModelSpec spec;
   spec.set_num_layers(c.n_layers);
   spec.set_num_q_heads(c.n_heads);
@@ -221,7 +269,7 @@ absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const model::LlamaConfi
   spec.set_head_dim(c.head_dim());
   spec.set_dtype(v1::DTYPE_FP32);
   spec.set_rope_theta(c.rope_theta);
-  return TierBackend(spec, std::move(channel), session, policy, token);
+  return TierBackend(spec, std::move(channel), session, policy, token, deadlines);
 }
 
 absl::StatusOr<Transcript> RunConversation(

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "grpcpp/channel.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "model/llama.h"
@@ -73,18 +74,33 @@ class TierSession : public ConversationBackend {
   virtual absl::Status Close(bool delete_from_store) = 0;
 };
 
+// How long each call of a tier session may take; past it the call fails
+// DEADLINE_EXCEEDED instead of waiting on a stopped worker or store.
+struct TierDeadlines {
+  // OpenSession, EndRound, CloseSession. Default: 30 s.
+  absl::Duration call = absl::Seconds(30);
+  // One prefill step's stream (every layer, the recall fetch included).
+  // Default: 30 s.
+  absl::Duration step = absl::Seconds(30);
+  // The Decode stream, which carries every decode step of one round.
+  // Default: 300 s.
+  absl::Duration round = absl::Seconds(300);
+};
+
 // OpenSession on `channel` with the model spec from the checkpoint (fp32).
 absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const model::LlamaConfig& c,
                                                          std::shared_ptr<grpc::Channel> channel,
                                                          const std::string& session,
                                                          const v1::Policy& policy,
-                                                         const std::string& token = "");
+                                                         const std::string& token = "",
+                                                         const TierDeadlines& deadlines = {});
 // OpenSession with any model spec; q/k/v go over the wire as fp32.
 absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const v1::ModelSpec& spec,
                                                          std::shared_ptr<grpc::Channel> channel,
                                                          const std::string& session,
                                                          const v1::Policy& policy,
-                                                         const std::string& token = "");
+                                                         const std::string& token = "",
+                                                         const TierDeadlines& deadlines = {});
 
 // Runs the conversation. With `teacher`, the answers are the teacher's
 // tokens (teacher forcing: the same context as the teacher had), and the

@@ -20,7 +20,7 @@
 #include "kernels/codec.h"
 #include "kernels/eviction.h"
 #include "traces/synthetic_chat.h"
-#include "worker/recall.h"
+#include "kernels/recall.h"
 
 namespace kvtier::engine {
 namespace {
@@ -232,8 +232,8 @@ absl::StatusOr<v1::Policy> DemoPolicy(const DemoOptions& o) {
   KVT_ASSIGN_OR_RETURN(CodecConfig c, ParseCodecSetting(o.codec));
   p.set_codec(c.codec);
   *p.mutable_codec_params() = ToParams(c);
-  KVT_ASSIGN_OR_RETURN(worker::RecallStrategy rs, worker::ParseRecall(o.recall));
-  p.set_recall(worker::RecallName(rs));
+  KVT_ASSIGN_OR_RETURN(RecallStrategy rs, ParseRecall(o.recall));
+  p.set_recall(RecallName(rs));
   if (!o.evict.empty() && o.evict != "none") {
     KVT_RETURN_IF_ERROR(evict::ParsePolicy(o.evict).status());
     const std::vector<std::string> parts = absl::StrSplit(o.evict, ':');

@@ -34,7 +34,7 @@ struct DemoOptions {
   int question_tokens = 0;
   int answer_tokens = 0;
   std::string codec = "raw";         // kernels/codec.h ParseCodecSetting.
-  std::string recall = "mass:0.95";  // worker/recall.h ParseRecall.
+  std::string recall = "mass:0.95";  // kernels/recall.h ParseRecall.
   std::string evict = "none";        // "none" or "METHOD:BUDGET[:k=v...]".
   // L_w; -1: the synthetic chat's measured one (6, `kvtier eval watershed`),
   // or the worker's default (L / 3) for a model.

@@ -5,7 +5,7 @@
 #include <limits>
 
 #include "base/status_macros.h"
-#include "worker/recall.h"
+#include "kernels/recall.h"
 
 namespace kvtier::engine {
 namespace {
@@ -39,7 +39,7 @@ RoundDistributions Distributions(const Capture& c, int min_past) {
     }
     for (size_t p = 0; p < out.probe_round.size(); ++p) {
       const int r = out.probe_round[p];
-      std::vector<worker::RoundKeys> past(r);
+      std::vector<RoundKeys> past(r);
       for (int j = 0; j < r; ++j) {
         for (int h = 0; h < c.kv_heads; ++h) {
           past[j].keys.push_back(&kh[h][c.round_begin[j] * c.d]);
@@ -47,7 +47,7 @@ RoundDistributions Distributions(const Capture& c, int min_past) {
         }
       }
       const int64_t b = c.round_begin[r];
-      out.dist[p][l] = worker::QAttention(c.q_heads, c.kv_heads, c.d, &c.q[l][b * qrow],
+      out.dist[p][l] = QAttention(c.q_heads, c.kv_heads, c.d, &c.q[l][b * qrow],
                                           static_cast<int64_t>(qrow), c.question_tokens, past,
                                           &c.k[l][b * kvrow]);
     }
@@ -137,7 +137,7 @@ WatershedReport AnalyzeWatershed(const RoundDistributions& d, double mass, doubl
   for (size_t p = 0; p < probes; ++p) {
     w.past_rounds_mean += static_cast<double>(d.dist[p][0].size());
     for (int l = 0; l < L; ++l) {
-      const int k = worker::RoundsForMass(d.dist[p][l], mass);
+      const int k = RoundsForMass(d.dist[p][l], mass);
       w.rounds_for_mass_mean[l] += k;
       w.rounds_for_mass_max[l] = std::max(w.rounds_for_mass_max[l], k);
     }

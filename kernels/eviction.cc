@@ -251,6 +251,7 @@ absl::StatusOr<Policy> ParsePolicy(const std::string& text) {
                                                           {"pyramidkv", Method::kPyramidKv},
                                                           {"ada-snapkv", Method::kAdaSnapKv},
                                                           {"ada-pyramid", Method::kAdaPyramid},
+                                                          {"ada-pyramidkv", Method::kAdaPyramid},
                                                           {"profile", Method::kProfile}};
   bool found = false;
   for (const auto& [n, m] : kNames) {

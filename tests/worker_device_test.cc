@@ -164,7 +164,7 @@ TEST_F(WorkerDeviceTest, DeviceAttentionMatchesHostForEveryCodec) {
     SCOPED_TRACE(std::string(c.codec) + " " + c.recall);
     SessionPolicy p;
     KVT_ASSERT_OK_AND_ASSIGN(p.codec, ParseCodecSetting(c.codec));
-    KVT_ASSERT_OK_AND_ASSIGN(p.recall, worker::ParseRecall(c.recall));
+    KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall(c.recall));
     p.watershed_layer = 2;
     p.release_after_end_round = c.release;
     if (c.evict != nullptr) {

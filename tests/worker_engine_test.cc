@@ -109,7 +109,7 @@ class WorkerEngineTest : public ::testing::Test {
 
 TEST_F(WorkerEngineTest, LosslessRecallAllEqualsFullAttention) {
   SessionPolicy p;
-  KVT_ASSERT_OK_AND_ASSIGN(p.recall, worker::ParseRecall("all"));
+  KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("all"));
   p.watershed_layer = 1;
   KVT_ASSERT_OK(engine_->OpenSession("s1", kShape, p));
   LocalCache local(kShape);
@@ -135,7 +135,7 @@ TEST_F(WorkerEngineTest, LosslessRecallAllEqualsFullAttention) {
 
 TEST_F(WorkerEngineTest, RecallSelectsTheReferenceRoundsInOneCall) {
   SessionPolicy p;
-  KVT_ASSERT_OK_AND_ASSIGN(p.recall, worker::ParseRecall("topk:2"));
+  KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("topk:2"));
   p.keep_recent_round = true;
   p.watershed_layer = 1;
   KVT_ASSERT_OK(engine_->OpenSession("s", kShape, p));
@@ -171,7 +171,7 @@ TEST_F(WorkerEngineTest, RecallSelectsTheReferenceRoundsInOneCall) {
       }
       KVT_ASSERT_OK_AND_ASSIGN(auto got, segments_->client()->GetSegments("s", refs));
       std::vector<std::vector<float>> keys;
-      std::vector<worker::RoundKeys> rk(6);
+      std::vector<RoundKeys> rk(6);
       keys.reserve(12);
       for (int r = 0; r < 6; ++r) {
         v1::SegmentPayload pl;
@@ -184,11 +184,11 @@ TEST_F(WorkerEngineTest, RecallSelectsTheReferenceRoundsInOneCall) {
           rk[r].lens.push_back(static_cast<int64_t>(keys.back().size()) / d);
         }
       }
-      const auto want = worker::QAttention(s.q_heads, s.kv_heads, d, q.data(), s.q_heads * d,
+      const auto want = QAttention(s.q_heads, s.kv_heads, d, q.data(), s.q_heads * d,
                                            question, rk, k.data());
       ASSERT_EQ(rep->scores.size(), want.size());
       for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(rep->scores[i], want[i], 1e-9);
-      const auto pick = worker::SelectRounds(want, p.recall, true);
+      const auto pick = SelectRounds(want, p.recall, true);
       EXPECT_EQ(rep->selected, pick);
       EXPECT_THAT(rep->selected, ::testing::Contains(2u));
       EXPECT_THAT(rep->selected, ::testing::Contains(5u));  // The most recent.
@@ -207,25 +207,29 @@ class FlakyStore : public worker::SegmentStore {
  public:
   explicit FlakyStore(worker::SegmentStore* real) : real_(real) {}
   absl::Status Put(const std::string& session, const Segment& s, uint32_t b, uint32_t e,
-                   const std::string& payload) override {
+                   std::string_view payload, const CallOptions& call) override {
     if (s.segment == 1 && fail_upper_puts > 0) {
       --fail_upper_puts;
       return absl::UnavailableError("upper put refused by the test");
     }
-    return real_->Put(session, s, b, e, payload);
+    return real_->Put(session, s, b, e, payload, call);
   }
   absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
-                                               const std::vector<Segment>& segs) override {
-    return real_->Get(session, segs);
+                                               const std::vector<Segment>& segs,
+                                               const CallOptions& call) override {
+    return real_->Get(session, segs, call);
   }
-  absl::Status Delete(const std::string& session) override { return real_->Delete(session); }
-  absl::Status DropRound(const std::string& session, uint32_t round) override {
-    return real_->DropRound(session, round);
+  absl::Status Delete(const std::string& session, const CallOptions& call) override {
+    return real_->Delete(session, call);
   }
-  absl::Status RecordRecalls(const std::string& session,
-                             const std::vector<uint32_t>& rounds) override {
+  absl::Status DropRound(const std::string& session, uint32_t round,
+                         const CallOptions& call) override {
+    return real_->DropRound(session, round, call);
+  }
+  absl::Status RecordRecalls(const std::string& session, const std::vector<uint32_t>& rounds,
+                             const CallOptions& call) override {
     if (fail_counters) return absl::UnavailableError("counters refused by the test");
-    return real_->RecordRecalls(session, rounds);
+    return real_->RecordRecalls(session, rounds, call);
   }
   bool fail_counters = false;
   int fail_upper_puts = 0;
@@ -239,7 +243,7 @@ TEST_F(WorkerEngineTest, ResidentRecallsAreCountedInTheStore) {
   Engine engine(&store, worker::EngineOptions{KernelLevel::kReference});
   engine_.reset();
   SessionPolicy p;
-  KVT_ASSERT_OK_AND_ASSIGN(p.recall, worker::ParseRecall("topk:1"));
+  KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("topk:1"));
   p.watershed_layer = 1;
   p.release_after_end_round = false;  // Every round stays resident.
   KVT_ASSERT_OK(engine.OpenSession("s", kShape, p));
@@ -344,7 +348,7 @@ TEST_F(WorkerEngineTest, EndRoundAfterAPartialPutReplacesTheStoredPart) {
 
 TEST_F(WorkerEngineTest, StoreDeathMidRecallLeavesTheSessionConsistent) {
   SessionPolicy p;
-  KVT_ASSERT_OK_AND_ASSIGN(p.recall, worker::ParseRecall("all"));
+  KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("all"));
   p.watershed_layer = 1;
   KVT_ASSERT_OK(engine_->OpenSession("s", kShape, p));
   std::mt19937 rng(3);
@@ -427,7 +431,7 @@ TEST_F(WorkerEngineTest, SixteenSessionsAtOnce) {
     threads.emplace_back([&, i] {
       const std::string id = "c" + std::to_string(i);
       SessionPolicy p;
-      p.recall = {worker::RecallMode::kAll, 0};
+      p.recall = {RecallMode::kAll, 0};
       p.watershed_layer = 1;
       ASSERT_TRUE(engine_->OpenSession(id, kShape, p).ok());
       LocalCache local(kShape);

@@ -9,6 +9,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
 #include "kernels/attention.h"
+#include "kernels/half.h"
 #include "services/worker/worker_server.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_util.h"
@@ -18,6 +19,7 @@ namespace kvtier {
 namespace {
 
 using ::kvtier::testing::IsOk;
+using ::kvtier::testing::StatusIs;
 #define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), IsOk())
 
 constexpr int kLayers = 3, kQHeads = 4, kKvHeads = 2, kDim = 8;
@@ -251,6 +253,354 @@ TEST_F(WorkerServiceTest, BadInputGetsPreciseStatus) {
     v1::CloseSessionResponse r;
     EXPECT_TRUE(stub_->CloseSession(&c, cr, &r).ok());
   }
+}
+
+
+// Runs one whole prefill step of n tokens for `id` over `stub`, returning
+// the stream's final status.
+grpc::Status PrefillStep(v1::Worker::Stub* stub, const std::string& id, int64_t n,
+                         std::mt19937* rng, absl::Duration deadline = absl::Seconds(30)) {
+  std::normal_distribution<float> nd;
+  auto rnd = [&](size_t len) {
+    std::vector<float> x(len);
+    for (float& v : x) v = nd(*rng);
+    return x;
+  };
+  grpc::ClientContext c;
+  c.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  auto s = stub->Prefill(&c);
+  for (int l = 0; l < kLayers; ++l) {
+    v1::LayerRequest req;
+    if (l == 0) req.set_session_id(id);
+    req.set_layer(l);
+    *req.mutable_q() = Dense(rnd(n * kQHeads * kDim), n, kQHeads);
+    *req.mutable_k() = Dense(rnd(n * kKvHeads * kDim), n, kKvHeads);
+    *req.mutable_v() = Dense(rnd(n * kKvHeads * kDim), n, kKvHeads);
+    v1::LayerResponse resp;
+    if (!s->Write(req) || !s->Read(&resp)) break;
+  }
+  s->WritesDone();
+  return s->Finish();
+}
+
+grpc::Status EndRound(v1::Worker::Stub* stub, const std::string& id, v1::EndRoundResponse* resp,
+                      absl::Duration deadline = absl::Seconds(30)) {
+  grpc::ClientContext c;
+  c.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  v1::EndRoundRequest r;
+  r.set_session_id(id);
+  return stub->EndRound(&c, r, resp);
+}
+
+// A Policy left at its defaults is the documented default policy: upper
+// segments leave the working set at EndRound, the recent round is kept; and
+// an explicit false means false.
+TEST_F(WorkerServiceTest, DefaultPolicyIsTheDocumentedDefault) {
+  v1::OpenSessionRequest open = Open("d");
+  open.clear_policy();
+  grpc::ClientContext oc;
+  v1::OpenSessionResponse resp;
+  ASSERT_TRUE(stub_->OpenSession(&oc, open, &resp).ok());
+  EXPECT_TRUE(resp.effective_policy().has_release_after_end_round());
+  EXPECT_TRUE(resp.effective_policy().release_after_end_round());
+  EXPECT_TRUE(resp.effective_policy().keep_recent_round());
+  std::mt19937 rng(3);
+  v1::EndRoundResponse end;
+  for (int round = 0; round < 5; ++round) {
+    ASSERT_TRUE(PrefillStep(stub_.get(), "d", 8, &rng).ok());
+    ASSERT_TRUE(EndRound(stub_.get(), "d", &end).ok());
+  }
+  // 3 layers, L_w = 1: one of three layers stays per round (fp16 raw).
+  const double ratio =
+      static_cast<double>(end.working_set_bytes()) / static_cast<double>(end.full_cache_bytes());
+  EXPECT_LT(ratio, 0.75) << end.working_set_bytes() << " of " << end.full_cache_bytes();
+
+  v1::OpenSessionRequest keep = Open("k");
+  keep.mutable_policy()->set_release_after_end_round(false);
+  keep.mutable_policy()->set_keep_recent_round(false);
+  grpc::ClientContext kc;
+  ASSERT_TRUE(stub_->OpenSession(&kc, keep, &resp).ok());
+  EXPECT_FALSE(resp.effective_policy().release_after_end_round());
+  EXPECT_FALSE(resp.effective_policy().keep_recent_round());
+  for (int round = 0; round < 5; ++round) {
+    ASSERT_TRUE(PrefillStep(stub_.get(), "k", 8, &rng).ok());
+    ASSERT_TRUE(EndRound(stub_.get(), "k", &end).ok());
+  }
+  EXPECT_EQ(end.working_set_bytes(), end.full_cache_bytes());
+}
+
+// A layer larger than gRPC's 4 MiB message limit travels in chunks and
+// comes back in slices; as one message it is refused.
+TEST_F(WorkerServiceTest, LargeLayersTravelInChunks) {
+  v1::OpenSessionRequest open = Open("big");
+  open.mutable_model()->set_num_q_heads(64);
+  open.mutable_model()->set_num_kv_heads(8);
+  open.mutable_model()->set_head_dim(64);
+  grpc::ClientContext oc;
+  v1::OpenSessionResponse or_;
+  ASSERT_TRUE(stub_->OpenSession(&oc, open, &or_).ok());
+  constexpr int kQ = 64, kKv = 8, kD = 64;
+  constexpr int64_t kTokens = 320;  // q: 320 * 64 * 64 * 4 = 5 MiB per layer.
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd;
+  auto rnd = [&](size_t len) {
+    std::vector<float> x(len);
+    for (float& v : x) v = nd(rng);
+    return x;
+  };
+  auto dense = [](const std::vector<float>& x, int64_t t0, int64_t n, int heads) {
+    v1::DenseTensor t;
+    t.set_dtype(v1::DTYPE_FP32);
+    t.add_shape(n);
+    t.add_shape(heads);
+    t.add_shape(kD);
+    t.set_data(reinterpret_cast<const char*>(x.data() + t0 * heads * kD), n * heads * kD * 4);
+    return t;
+  };
+  {  // One message: over the limit.
+    grpc::ClientContext c;
+    auto s = stub_->Prefill(&c);
+    v1::LayerRequest req;
+    req.set_session_id("big");
+    const auto q = rnd(kTokens * kQ * kD), kv = rnd(kTokens * kKv * kD);
+    *req.mutable_q() = dense(q, 0, kTokens, kQ);
+    *req.mutable_k() = dense(kv, 0, kTokens, kKv);
+    *req.mutable_v() = dense(kv, 0, kTokens, kKv);
+    s->Write(req);
+    s->WritesDone();
+    v1::LayerResponse resp;
+    while (s->Read(&resp)) {
+    }
+    EXPECT_EQ(s->Finish().error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  }
+  grpc::ClientContext c;
+  auto s = stub_->Prefill(&c);
+  size_t max_msg = 0;
+  for (int l = 0; l < kLayers; ++l) {
+    const auto q = rnd(kTokens * kQ * kD), k = rnd(kTokens * kKv * kD), v = rnd(kTokens * kKv * kD);
+    constexpr int64_t kPer = 40;  // 40 tokens: 0.8 MiB per message.
+    for (int64_t t = 0; t < kTokens; t += kPer) {
+      v1::LayerRequest req;
+      if (l == 0 && t == 0) req.set_session_id("big");
+      req.set_layer(l);
+      *req.mutable_q() = dense(q, t, kPer, kQ);
+      *req.mutable_k() = dense(k, t, kPer, kKv);
+      *req.mutable_v() = dense(v, t, kPer, kKv);
+      req.set_more_chunks(t + kPer < kTokens);
+      ASSERT_TRUE(s->Write(req));
+    }
+    // Layer 0 of a fresh round attends only to itself: check it against the
+    // reference, slice by slice.
+    std::vector<float> got;
+    v1::LayerResponse resp;
+    int slices = 0;
+    do {
+      ASSERT_TRUE(s->Read(&resp));
+      EXPECT_EQ(resp.layer(), static_cast<uint32_t>(l));
+      max_msg = std::max(max_msg, resp.ByteSizeLong());
+      const auto part = Floats(resp.o());
+      got.insert(got.end(), part.begin(), part.end());
+      ++slices;
+    } while (resp.more_chunks());
+    ASSERT_EQ(got.size(), q.size());
+    EXPECT_GE(slices, 5);
+    if (l == 0) {
+      double worst = 0;
+      for (int64_t i = 0; i < kTokens; i += 63) {
+        const KvBlock b{EncodedView::Raw(v1::DTYPE_FP32, k.data(), kKv, i + 1, kD, kD, kKv * kD),
+                        EncodedView::Raw(v1::DTYPE_FP32, v.data(), kKv, i + 1, kD, kD, kKv * kD)};
+        std::vector<float> want(kQ * kD);
+        ASSERT_TRUE(DecodeAttention({kQ, kKv, kD}, q.data() + i * kQ * kD, {&b, 1}, want.data(),
+                                    KernelLevel::kReference)
+                        .ok());
+        for (int j = 0; j < kQ * kD; ++j) {
+          worst = std::max(worst, double(std::fabs(got[i * kQ * kD + j] - want[j])));
+        }
+      }
+      EXPECT_LT(worst, 1e-4);
+    }
+  }
+  s->WritesDone();
+  ASSERT_TRUE(s->Finish().ok());
+  EXPECT_LE(max_msg, (size_t{1} << 20) + 1024);
+}
+
+// A Prefill cancelled in the middle of its layers rolls the step back: the
+// next Prefill starts again at layer 0, and the round ends normally.
+TEST_F(WorkerServiceTest, CancelledPrefillRollsBack) {
+  grpc::ClientContext oc;
+  v1::OpenSessionResponse or_;
+  ASSERT_TRUE(stub_->OpenSession(&oc, Open("c"), &or_).ok());
+  std::mt19937 rng(4);
+  {
+    grpc::ClientContext c;
+    auto s = stub_->Prefill(&c);
+    for (int l = 0; l < 2; ++l) {
+      v1::LayerRequest req;
+      if (l == 0) req.set_session_id("c");
+      req.set_layer(l);
+      const std::vector<float> q(2 * kQHeads * kDim, 0.1f), kv(2 * kKvHeads * kDim, 0.2f);
+      *req.mutable_q() = Dense(q, 2, kQHeads);
+      *req.mutable_k() = Dense(kv, 2, kKvHeads);
+      *req.mutable_v() = Dense(kv, 2, kKvHeads);
+      ASSERT_TRUE(s->Write(req));
+      v1::LayerResponse resp;
+      ASSERT_TRUE(s->Read(&resp));
+    }
+    c.TryCancel();
+    EXPECT_EQ(s->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  // The worker notices the cancellation on its own thread; the rollback is
+  // there by the time a new stream's layer 0 is accepted.
+  grpc::Status st;
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    st = PrefillStep(stub_.get(), "c", 4, &rng);
+    if (st.error_code() != grpc::StatusCode::FAILED_PRECONDITION) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  v1::EndRoundResponse end;
+  ASSERT_TRUE(EndRound(stub_.get(), "c", &end).ok());
+  EXPECT_EQ(end.full_cache_bytes(), 4u * kLayers * kKvHeads * kDim * 2 * 2);
+}
+
+// One DecodeRequest carries several sessions' items; each gets the output
+// it gets alone, in the dtype it sent (fp16 here).
+TEST_F(WorkerServiceTest, DecodeBatchesSessionsInOneRequest) {
+  constexpr int kSessions = 4;
+  std::mt19937 rng(8);
+  for (int i = 0; i < kSessions; ++i) {
+    const std::string id = "b" + std::to_string(i);
+    grpc::ClientContext oc;
+    v1::OpenSessionResponse or_;
+    ASSERT_TRUE(stub_->OpenSession(&oc, Open(id), &or_).ok());
+    ASSERT_TRUE(PrefillStep(stub_.get(), id, 5, &rng).ok());
+    // A twin session with the same prefill, decoded alone below.
+  }
+  std::normal_distribution<float> nd;
+  auto half = [&](int heads) {
+    v1::DenseTensor t;
+    t.set_dtype(v1::DTYPE_FP16);
+    t.add_shape(1);
+    t.add_shape(heads);
+    t.add_shape(kDim);
+    std::string data(heads * kDim * 2, '\0');
+    for (int j = 0; j < heads * kDim; ++j) {
+      const uint16_t h = FloatToHalf(nd(rng));
+      std::memcpy(&data[2 * j], &h, 2);
+    }
+    t.set_data(data);
+    return t;
+  };
+  grpc::ClientContext dc;
+  auto stream = stub_->Decode(&dc);
+  for (int step = 0; step < 2; ++step) {
+    for (int l = 0; l < kLayers; ++l) {
+      v1::DecodeRequest req;
+      for (int i = 0; i < kSessions; ++i) {
+        auto* item = req.add_items();
+        item->set_session_id("b" + std::to_string(i));
+        item->set_layer(l);
+        *item->mutable_q() = half(kQHeads);
+        *item->mutable_k() = half(kKvHeads);
+        *item->mutable_v() = half(kKvHeads);
+      }
+      ASSERT_TRUE(stream->Write(req));
+      v1::DecodeResponse resp;
+      ASSERT_TRUE(stream->Read(&resp));
+      ASSERT_EQ(resp.o_size(), kSessions);
+      for (const auto& o : resp.o()) {
+        EXPECT_EQ(o.dtype(), v1::DTYPE_FP16);
+        EXPECT_EQ(o.data().size(), static_cast<size_t>(kQHeads * kDim * 2));
+      }
+    }
+  }
+  stream->WritesDone();
+  ASSERT_TRUE(stream->Finish().ok());
+  for (int i = 0; i < kSessions; ++i) {
+    auto st = stack_.server()->engine()->Stats("default.b" + std::to_string(i));
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(st->tokens, 7u);
+  }
+}
+
+// A store that stops answering (SIGSTOP) costs a call its deadline and a
+// precise DEADLINE_EXCEEDED, never a hang: the caller's own deadline when
+// it sets one, the worker's store deadline when it does not.
+class WorkerDeadlineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    KVT_ASSERT_OK(stack_.Start(absl::Seconds(1)));
+    stub_ = v1::Worker::NewStub(stack_.channel());
+  }
+  void TearDown() override { stack_.store()->Resume(); }
+  testing::WorkerStack stack_;
+  std::unique_ptr<v1::Worker::Stub> stub_;
+};
+
+TEST_F(WorkerDeadlineTest, StoppedStoreGivesDeadlineExceeded) {
+  v1::OpenSessionRequest open;
+  open.set_session_id("s");
+  open.mutable_model()->set_num_layers(kLayers);
+  open.mutable_model()->set_num_q_heads(kQHeads);
+  open.mutable_model()->set_num_kv_heads(kKvHeads);
+  open.mutable_model()->set_head_dim(kDim);
+  open.mutable_model()->set_dtype(v1::DTYPE_FP16);
+  open.mutable_policy()->set_watershed_layer(1);
+  open.mutable_policy()->set_recall("all");
+  grpc::ClientContext oc;
+  v1::OpenSessionResponse or_;
+  ASSERT_TRUE(stub_->OpenSession(&oc, open, &or_).ok());
+  std::mt19937 rng(2);
+  v1::EndRoundResponse end;
+  ASSERT_TRUE(PrefillStep(stub_.get(), "s", 4, &rng).ok());
+  ASSERT_TRUE(EndRound(stub_.get(), "s", &end).ok());
+  ASSERT_TRUE(PrefillStep(stub_.get(), "s", 4, &rng).ok());
+
+  stack_.store()->Pause();
+  // The caller's deadline (0.5 s) reaches the store.
+  auto t0 = absl::Now();
+  grpc::Status s = EndRound(stub_.get(), "s", &end, absl::Milliseconds(500));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
+  // Without a caller deadline: the worker's own store deadline (1 s).
+  t0 = absl::Now();
+  {
+    grpc::ClientContext c;
+    v1::EndRoundRequest r;
+    r.set_session_id("s");
+    s = stub_->EndRound(&c, r, &end);
+  }
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
+  EXPECT_GE(absl::Now() - t0, absl::Milliseconds(900));
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
+  // The engine directly: its Get/Put pass the deadline on.
+  worker::Engine* engine = stack_.server()->engine();
+  t0 = absl::Now();
+  EXPECT_THAT(engine->EndRound("default.s", CallOptions::Within(absl::Milliseconds(300))).status(),
+              StatusIs(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(3));
+
+  // The round stayed open; with the store back, EndRound succeeds.
+  stack_.store()->Resume();
+  ASSERT_TRUE(EndRound(stub_.get(), "s", &end).ok());
+  EXPECT_EQ(end.round(), 1u);
+
+  // The recall fetch at L_w + 1 waits at most the caller's deadline.
+  stack_.store()->Pause();
+  t0 = absl::Now();
+  s = PrefillStep(stub_.get(), "s", 4, &rng, absl::Milliseconds(700));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
+  stack_.store()->Resume();
+  // Rolled back: the whole step can be sent again.
+  grpc::Status again;
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    again = PrefillStep(stub_.get(), "s", 4, &rng);
+    if (again.error_code() != grpc::StatusCode::FAILED_PRECONDITION) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(again.ok()) << again.error_message();
 }
 
 }  // namespace

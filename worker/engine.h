@@ -1,8 +1,8 @@
 // The attention worker engine (ARCHITECTURE.md §5): sessions, their working
 // sets, prefill and decode attention layer by layer, round recall at the
 // watershed layer, and EndRound (eviction, encoding, PutSegment). No gRPC:
-// the store is reached through SegmentStore, and services/worker wraps this
-// class in the Worker RPCs.
+// the store is reached through SegmentStore (worker/segment_store.h), and
+// services/worker wraps this class in the Worker RPCs.
 //
 // Working set of a session:
 //  - every past round's lower segment (layers [0, L_w]), as the codec left it;
@@ -19,24 +19,31 @@
 // Each past round stores per layer and KV head one encoded K and one encoded
 // V tensor [1, kept_h, d]: eviction keeps a different number of tokens per
 // head (the Ada-KV layout), and attention reads the encoded bytes directly.
+//
+// The files: engine.cc (sessions, steps, stats), session.{h,cc} (one
+// session's state and attention), recall_fetch.cc (recall at L_w and the
+// fetch), round_writer.cc (EndRound: plan, send, commit).
 #ifndef KVTIER_WORKER_ENGINE_H_
 #define KVTIER_WORKER_ENGINE_H_
 
 #include <cstdint>
-#include <functional>
-#include <future>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "base/call_options.h"
+#include "base/executor.h"
 #include "kernels/codec.h"
 #include "kernels/eviction.h"
-#include "worker/recall.h"
+#include "kernels/recall.h"
+#include "worker/segment_store.h"
 
 namespace kvtier::worker {
 
@@ -55,41 +62,23 @@ struct SessionPolicy {
   CodecConfig codec = RawFp32Codec();
   // Eviction at EndRound. Default: none.
   evict::Policy eviction = NoEviction();
-  // Watershed layer L_w; -1 picks layers / 3 (inside the published
-  // 0.18-0.46 range of L_w / L).
+  // Watershed layer L_w. Default: -1, which picks layers / 3 (inside the
+  // published 0.18-0.46 range of L_w / L).
   int watershed_layer = -1;
-  // Default: adaptive:1 (mean + 1 std).
+  // Which past rounds layers above L_w attend. Default: adaptive:1 (mean +
+  // 1 std of the normalized qAttention).
   RecallStrategy recall;
+  // The most recent past round is attended above L_w whatever its score.
+  // Default: true.
   bool keep_recent_round = true;
   // Drop recalled and just-stored upper segments from the working set at
-  // EndRound (they stay in the store). Default true.
+  // EndRound (they stay in the store, and recall brings them back).
+  // Default: true. Off, every round stays resident and the working set
+  // grows like the full cache.
   bool release_after_end_round = true;
 
   static CodecConfig RawFp32Codec();
   static evict::Policy NoEviction();
-};
-
-// Where rounds go: kvtier-store in production (services/worker), any
-// implementation in tests of layers above it.
-class SegmentStore {
- public:
-  virtual ~SegmentStore() = default;
-  struct Segment {
-    uint32_t round = 0;
-    uint32_t segment = 0;  // 0: layers [0, L_w]; 1: (L_w, L).
-  };
-  virtual absl::Status Put(const std::string& session, const Segment& s, uint32_t layer_begin,
-                           uint32_t layer_end, const std::string& payload) = 0;
-  // ALREADY_EXISTS (passed through as such) when the segment is stored.
-  // Fetches all `segments` in ONE call, in order.
-  virtual absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
-                                                       const std::vector<Segment>& segments) = 0;
-  virtual absl::Status Delete(const std::string& session) = 0;
-  // Drops one round (both segments). OK when it was not there.
-  virtual absl::Status DropRound(const std::string& session, uint32_t round) = 0;
-  // Counts recalls of rounds that were resident (no fetch), in one call.
-  virtual absl::Status RecordRecalls(const std::string& session,
-                                     const std::vector<uint32_t>& rounds) = 0;
 };
 
 struct RecallReport {
@@ -134,21 +123,48 @@ struct SessionStats {
 };
 
 struct EngineOptions {
+  // Kernels for host attention and the codecs. Default: kBest (AVX2 when the
+  // CPU has it).
   KernelLevel level = KernelLevel::kBest;
   // Where session working sets live. kAuto: on the GPU when this build has
   // CUDA, a device is present and the codec is one the device path reads (raw,
   // KIVI, KCVT), otherwise in host memory. kHost: always host memory. kDevice:
   // always the GPU; OpenSession fails (FAILED_PRECONDITION) when it cannot.
+  // Default: kAuto.
   enum class Placement { kAuto, kHost, kDevice };
   Placement placement = Placement::kAuto;
+  // Runs the recall fetches (one GetSegments each), so that they overlap the
+  // layers between L_w and L_w + 1. Not owned; it must outlive the engine,
+  // and must not be the pool that runs the engine's callers (a caller at
+  // L_w + 1 waits for a fetch). Default: null, the engine starts its own
+  // pool of `fetch_threads` threads.
+  Executor* fetch_executor = nullptr;
+  // Threads of the engine's own fetch pool. Default: 4.
+  int fetch_threads = 4;
+  // Deadline of the engine's store calls when the caller's CallOptions carry
+  // none. Default: 10 s.
+  absl::Duration store_deadline = absl::Seconds(10);
 };
 
+// Thread-safe: any method may be called from any thread. Calls on one
+// session are serialized by the session's lock; the engine never holds that
+// lock across a store call or a wait (EndRound plans under it, sends without
+// it, commits under it again; layer L_w + 1 waits for the recall fetch
+// without it). Steps of one session must still come in order (a session's
+// layers are a sequence); steps of different sessions run in parallel.
+//
+// Lock order: Engine::mu_ before Session::mu; neither is held across a call
+// into SegmentStore.
 class Engine {
  public:
   explicit Engine(SegmentStore* store, EngineOptions options = {});
+  // Waits for fetches still in flight (they use the store).
   ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
 
-  // INVALID_ARGUMENT for a bad shape or policy, ALREADY_EXISTS.
+  // OK; INVALID_ARGUMENT for a bad shape or policy; ALREADY_EXISTS;
+  // FAILED_PRECONDITION when placement is kDevice and there is no device.
   absl::Status OpenSession(const std::string& id, const ModelShape& shape,
                            const SessionPolicy& policy);
 
@@ -157,24 +173,45 @@ class Engine {
   // order. The first prefill of a round recalls at L_w from its first
   // `question_tokens` queries (all n when 0) and returns the selection from
   // layer L_w; layer L_w + 1 returns it again, completed with the fetched
-  // bytes and timings, when a fetch was needed. FAILED_PRECONDITION for a layer
-  // out of order; NOT_FOUND for an unknown session; UNAVAILABLE when the
-  // recall fetch fails (the round is rolled back to before this prefill).
+  // bytes and timings, when a fetch was needed. Outcomes: OK and *out set;
+  // NOT_FOUND for an unknown session; INVALID_ARGUMENT for a layer outside
+  // the model or n < 1; FAILED_PRECONDITION for a layer out of order or while
+  // EndRound runs; UNAVAILABLE or DEADLINE_EXCEEDED (by `call.deadline`) when
+  // the recall fetch fails, and DATA_LOSS when it brings back malformed
+  // bytes: in these three the step is rolled back to before this prefill, so
+  // the engine may send the whole step again.
   absl::StatusOr<std::optional<RecallReport>> PrefillLayer(const std::string& id, int layer,
                                                            int64_t n, int64_t question_tokens,
                                                            const float* q, const float* k,
-                                                           const float* v, float* out);
+                                                           const float* v, float* out,
+                                                           const CallOptions& call = {});
 
-  // One layer of one decode token (n = 1 above, no recall).
+  // One layer of one decode token (n = 1 above, no recall). OK; NOT_FOUND;
+  // INVALID_ARGUMENT; FAILED_PRECONDITION before the round's first prefill,
+  // for a layer out of order, or while EndRound runs.
   absl::Status DecodeLayer(const std::string& id, int layer, const float* q, const float* k,
                            const float* v, float* out);
 
-  // Eviction, encoding and PutSegment of the open round. UNAVAILABLE when the
-  // store fails: the round stays open and EndRound may be retried.
-  absl::StatusOr<EndRoundReport> EndRound(const std::string& id);
+  // Abandons the step in flight (layers sent, not all of them): the open
+  // round goes back to where it was before the step; a round whose first
+  // prefill is abandoned is not open any more. What a stream that broke
+  // mid-step calls. OK (also when no step is in flight); NOT_FOUND.
+  absl::Status AbortStep(const std::string& id);
 
-  absl::Status CloseSession(const std::string& id, bool delete_from_store);
+  // Eviction, encoding and PutSegment of the open round. OK and the report;
+  // NOT_FOUND; FAILED_PRECONDITION without an open round, in the middle of a
+  // step, or while another EndRound of the session runs; UNAVAILABLE or
+  // DEADLINE_EXCEEDED when the store fails: the round stays open and
+  // EndRound may be retried.
+  absl::StatusOr<EndRoundReport> EndRound(const std::string& id, const CallOptions& call = {});
 
+  // Forgets the session; with `delete_from_store` its stored rounds too
+  // (then the store's status, UNAVAILABLE or DEADLINE_EXCEEDED, is returned,
+  // and the session is gone from the worker either way). OK; NOT_FOUND.
+  absl::Status CloseSession(const std::string& id, bool delete_from_store,
+                            const CallOptions& call = {});
+
+  // NOT_FOUND for an unknown session.
   absl::StatusOr<SessionStats> Stats(const std::string& id) const;
   absl::StatusOr<SessionPolicy> Policy(const std::string& id) const;
   absl::StatusOr<ModelShape> Shape(const std::string& id) const;
@@ -184,12 +221,30 @@ class Engine {
 
  private:
   class Session;
+  struct Fetch;
   absl::StatusOr<std::shared_ptr<Session>> Find(const std::string& id) const;
+  // Scores the past rounds at L_w and starts the one fetch (recall_fetch.cc).
+  // REQUIRES: s.mu held (both; checked with AssertHeld).
+  RecallReport StartRecall(Session& s, int64_t n, int64_t question_tokens, const float* q,
+                           const CallOptions& call);
+  // At layer L_w + 1, after waiting for `f` without the session lock:
+  // installs the fetched upper segments, or rolls the step back when the
+  // fetch failed or had not `arrived` by the deadline (recall_fetch.cc).
+  absl::StatusOr<RecallReport> InstallFetch(Session& s, const std::shared_ptr<Fetch>& f,
+                                            bool arrived, double exposed_ms);
+  absl::Time StoreDeadline(const CallOptions& call) const {
+    return call.DeadlineOr(options_.store_deadline);
+  }
 
   SegmentStore* store_;
   EngineOptions options_;
-  mutable std::mutex mu_;
-  std::map<std::string, std::shared_ptr<Session>> sessions_;
+  std::unique_ptr<Executor> own_fetch_executor_;
+  Executor* fetch_executor_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  // Fetches scheduled and not yet done; the destructor waits for zero.
+  absl::Mutex fetches_mu_;
+  int fetches_in_flight_ ABSL_GUARDED_BY(fetches_mu_) = 0;
 };
 
 }  // namespace kvtier::worker

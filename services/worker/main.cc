@@ -24,6 +24,11 @@ ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9471",
           "Prometheus /metrics address; empty disables it.");
 ABSL_FLAG(std::string, metrics_port_file, "", "If set, the bound metrics port is written here.");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warn or error.");
+ABSL_FLAG(int64_t, store_deadline_ms, 10000,
+          "Deadline (ms) of the store calls an RPC makes when its caller sent no deadline; a "
+          "caller's own deadline is passed on to the store as is.");
+ABSL_FLAG(int, compute_threads, 0, "Threads running attention; 0: one per CPU.");
+ABSL_FLAG(int, io_threads, 8, "Threads running the RPCs that reach the store.");
 ABSL_FLAG(std::string, placement, "auto",
           "Where working sets live: auto (the GPU when this build has CUDA and a device is "
           "visible, for raw/KIVI/KCVT sessions; host memory otherwise), host, or device "
@@ -55,6 +60,13 @@ int main(int argc, char** argv) {
   o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key = absl::GetFlag(FLAGS_tls_key);
   o.tenants_file = absl::GetFlag(FLAGS_tenants_file);
+  if (absl::GetFlag(FLAGS_store_deadline_ms) < 1) {
+    std::fprintf(stderr, "kvtier-worker: --store_deadline_ms must be at least 1\n");
+    return 2;
+  }
+  o.service.store_deadline = absl::Milliseconds(absl::GetFlag(FLAGS_store_deadline_ms));
+  o.compute_threads = absl::GetFlag(FLAGS_compute_threads);
+  o.io_threads = absl::GetFlag(FLAGS_io_threads);
   o.store.target = absl::GetFlag(FLAGS_store);
   o.store.token = absl::GetFlag(FLAGS_store_token);
   if (!absl::GetFlag(FLAGS_store_tls_root_certs).empty()) {

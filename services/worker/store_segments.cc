@@ -6,23 +6,29 @@ namespace kvtier {
 namespace {
 
 // The worker reports a store it cannot use as UNAVAILABLE, whatever the
-// transport said, so callers can retry; the store's own message is kept.
+// transport said, so callers can retry; the store's own message is kept. A
+// deadline that ran out stays DEADLINE_EXCEEDED: the caller's budget is
+// spent, which is not the store's fault.
 absl::Status AsUnavailable(const absl::Status& s, const std::string& what) {
   if (s.ok()) return s;
+  if (s.code() == absl::StatusCode::kDeadlineExceeded) {
+    return absl::DeadlineExceededError(absl::StrCat(what, ": ", s.message()));
+  }
   return absl::UnavailableError(absl::StrCat(what, ": ", s.ToString()));
 }
 
 }  // namespace
 
 absl::Status StoreSegments::Put(const std::string& session, const Segment& s, uint32_t layer_begin,
-                                uint32_t layer_end, const std::string& payload) {
+                                uint32_t layer_end, std::string_view payload,
+                                const CallOptions& call) {
   PutSegmentArgs a;
   a.session_id = session;
   a.round = s.round;
   a.segment = s.segment;
   a.layer_begin = layer_begin;
   a.layer_end = layer_end;
-  auto r = client_->PutSegment(a, payload);
+  auto r = client_->PutSegment(a, payload, call);
   if (r.status().code() == absl::StatusCode::kAlreadyExists) return r.status();
   if (!r.ok()) {
     return AsUnavailable(r.status(),
@@ -32,7 +38,8 @@ absl::Status StoreSegments::Put(const std::string& session, const Segment& s, ui
 }
 
 absl::StatusOr<std::vector<std::string>> StoreSegments::Get(const std::string& session,
-                                                            const std::vector<Segment>& segments) {
+                                                            const std::vector<Segment>& segments,
+                                                            const CallOptions& call) {
   std::vector<v1::SegmentRef> refs;
   for (const Segment& s : segments) {
     v1::SegmentRef r;
@@ -41,15 +48,16 @@ absl::StatusOr<std::vector<std::string>> StoreSegments::Get(const std::string& s
     refs.push_back(r);
   }
   get_calls_.fetch_add(1);
-  auto got = client_->GetSegments(session, refs);
+  auto got = client_->GetSegments(session, refs, call);
   if (!got.ok()) return AsUnavailable(got.status(), "GetSegments");
   std::vector<std::string> out;
   for (FetchedSegment& f : *got) out.push_back(std::move(f.payload));
   return out;
 }
 
-absl::Status StoreSegments::DropRound(const std::string& session, uint32_t round) {
-  auto r = client_->DropRounds(session, {round});
+absl::Status StoreSegments::DropRound(const std::string& session, uint32_t round,
+                                      const CallOptions& call) {
+  auto r = client_->DropRounds(session, {round}, call);
   if (!r.ok() && r.status().code() != absl::StatusCode::kNotFound) {
     return AsUnavailable(r.status(), absl::StrCat("DropRounds round ", round));
   }
@@ -57,15 +65,16 @@ absl::Status StoreSegments::DropRound(const std::string& session, uint32_t round
 }
 
 absl::Status StoreSegments::RecordRecalls(const std::string& session,
-                                          const std::vector<uint32_t>& rounds) {
+                                          const std::vector<uint32_t>& rounds,
+                                          const CallOptions& call) {
   record_calls_.fetch_add(1);
-  auto r = client_->RecordRecalls(session, rounds);
+  auto r = client_->RecordRecalls(session, rounds, call);
   if (!r.ok()) return AsUnavailable(r.status(), "RecordRecalls");
   return absl::OkStatus();
 }
 
-absl::Status StoreSegments::Delete(const std::string& session) {
-  auto r = client_->DeleteSession(session);
+absl::Status StoreSegments::Delete(const std::string& session, const CallOptions& call) {
+  auto r = client_->DeleteSession(session, call);
   if (!r.ok() && r.status().code() != absl::StatusCode::kNotFound) {
     return AsUnavailable(r.status(), "DeleteSession");
   }

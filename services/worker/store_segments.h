@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "client/store_client.h"
-#include "worker/engine.h"
+#include "worker/segment_store.h"
 
 namespace kvtier {
 
@@ -18,13 +18,16 @@ class StoreSegments : public worker::SegmentStore {
   explicit StoreSegments(std::unique_ptr<StoreClient> client) : client_(std::move(client)) {}
 
   absl::Status Put(const std::string& session, const Segment& s, uint32_t layer_begin,
-                   uint32_t layer_end, const std::string& payload) override;
+                   uint32_t layer_end, std::string_view payload,
+                   const CallOptions& call) override;
   absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
-                                               const std::vector<Segment>& segments) override;
-  absl::Status Delete(const std::string& session) override;
-  absl::Status DropRound(const std::string& session, uint32_t round) override;
-  absl::Status RecordRecalls(const std::string& session,
-                             const std::vector<uint32_t>& rounds) override;
+                                               const std::vector<Segment>& segments,
+                                               const CallOptions& call) override;
+  absl::Status Delete(const std::string& session, const CallOptions& call) override;
+  absl::Status DropRound(const std::string& session, uint32_t round,
+                         const CallOptions& call) override;
+  absl::Status RecordRecalls(const std::string& session, const std::vector<uint32_t>& rounds,
+                             const CallOptions& call) override;
 
   StoreClient* client() { return client_.get(); }
   // GetSegments calls made so far.

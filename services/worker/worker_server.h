@@ -10,10 +10,12 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
+#include "base/executor.h"
 #include "grpcpp/server.h"
-#include "kvtier/v1/worker.grpc.pb.h"
 #include "services/common/auth.h"
+#include "services/worker/policy_proto.h"
 #include "services/worker/store_segments.h"
+#include "services/worker/worker_service.h"
 #include "worker/engine.h"
 
 namespace kvtier {
@@ -28,21 +30,22 @@ struct WorkerServerOptions {
   // kvtier-store to keep rounds in ("host:port"). Required.
   StoreClientOptions store;
   worker::EngineOptions engine;
+  // Store deadline of RPCs whose caller set none, and the chunking of
+  // Prefill outputs (worker_service.h).
+  WorkerServiceOptions service;
+  // Threads that run attention (Prefill and Decode layers). Default: 0, the
+  // number of CPUs.
+  int compute_threads = 0;
+  // Threads that run the calls reaching the store (OpenSession, EndRound,
+  // CloseSession). Default: 8.
+  int io_threads = 8;
 };
 
-// Converts the wire policy to the engine's: zero fields take the published
-// defaults (ALGORITHMS.md). INVALID_ARGUMENT for an unknown method, codec or
-// recall strategy, or a bad parameter. CODEC_RAW (and unset) stores the
-// model's own dtype (`model_dtype`; fp32 when unspecified): lossless.
-absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p,
-                                                      v1::DType model_dtype = v1::DTYPE_FP32);
-absl::StatusOr<worker::ModelShape> ShapeFromProto(const v1::ModelSpec& m);
-
-class WorkerMetrics;
-class WorkerService;
-
+// Thread-safe.
 class WorkerServer {
  public:
+  // Connects the store client (without waiting for the store), then listens.
+  // INVALID_ARGUMENT for bad options; UNAVAILABLE when it cannot listen.
   static absl::StatusOr<std::unique_ptr<WorkerServer>> Start(WorkerServerOptions options);
   ~WorkerServer();
 
@@ -56,10 +59,13 @@ class WorkerServer {
 
  private:
   WorkerServer() = default;
+  // Destroyed in reverse order: the server first (no more callbacks), then
+  // the executors (their queued tasks run), then the engine and the store.
   Authenticator auth_;
   std::unique_ptr<StoreSegments> segments_;
   std::unique_ptr<worker::Engine> engine_;
   std::unique_ptr<WorkerMetrics> metrics_;
+  std::unique_ptr<Executor> io_, compute_;
   std::unique_ptr<WorkerService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0, metrics_port_ = 0;

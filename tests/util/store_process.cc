@@ -96,8 +96,17 @@ void StoreProcess::Kill() {
   pid_ = -1;
 }
 
+void StoreProcess::Pause() {
+  if (pid_ > 0) ::kill(pid_, SIGSTOP);
+}
+
+void StoreProcess::Resume() {
+  if (pid_ > 0) ::kill(pid_, SIGCONT);
+}
+
 int StoreProcess::Stop() {
   if (pid_ <= 0) return -1;
+  ::kill(pid_, SIGCONT);  // A paused process would not see SIGTERM.
   ::kill(pid_, SIGTERM);
   int status = 0;
   ::waitpid(pid_, &status, 0);

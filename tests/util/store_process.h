@@ -27,6 +27,9 @@ class StoreProcess {
   absl::Status Start();
   // SIGKILL and reap.
   void Kill();
+  // SIGSTOP / SIGCONT: a store that accepts connections and never answers.
+  void Pause();
+  void Resume();
   // SIGTERM, then wait for a clean exit. Returns the exit status.
   int Stop();
 

@@ -46,13 +46,16 @@ class StoreStack {
 
 class WorkerStack {
  public:
-  absl::Status Start() {
+  // `store_deadline`: the worker's deadline for store calls whose RPC came
+  // without one (WorkerServiceOptions::store_deadline).
+  absl::Status Start(absl::Duration store_deadline = absl::Seconds(10)) {
     if (absl::Status s = stack_.Start(); !s.ok()) return s;
     WorkerServerOptions o;
     o.listen = "127.0.0.1:0";
     o.metrics_listen = "";
     o.store.target = stack_.store()->target();
     o.store.deadline = absl::Seconds(10);
+    o.service.store_deadline = store_deadline;
     auto server = WorkerServer::Start(o);
     if (!server.ok()) return server.status();
     server_ = std::move(*server);

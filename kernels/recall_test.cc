@@ -1,4 +1,4 @@
-#include "worker/recall.h"
+#include "kernels/recall.h"
 
 #include <cmath>
 #include <random>
@@ -7,7 +7,7 @@
 #include "gtest/gtest.h"
 #include "tests/util/status_matchers.h"
 
-namespace kvtier::worker {
+namespace kvtier {
 namespace {
 
 using ::kvtier::testing::StatusIs;
@@ -114,4 +114,4 @@ TEST(RecallTest, QAttentionFindsTheRoundTheQuestionPointsAt) {
 }
 
 }  // namespace
-}  // namespace kvtier::worker
+}  // namespace kvtier

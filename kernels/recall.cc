@@ -1,4 +1,4 @@
-#include "worker/recall.h"
+#include "kernels/recall.h"
 
 #include <algorithm>
 #include <cmath>
@@ -7,7 +7,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
-namespace kvtier::worker {
+namespace kvtier {
 
 absl::StatusOr<RecallStrategy> ParseRecall(const std::string& text) {
   RecallStrategy s;
@@ -162,4 +162,4 @@ int RoundsForMass(const std::vector<double>& scores, double mass) {
   return static_cast<int>(sorted.size());
 }
 
-}  // namespace kvtier::worker
+}  // namespace kvtier

@@ -1,8 +1,8 @@
 // Round recall (ALGORITHMS.md §4, Round Attention): how much the new
 // question's queries attend to each past round at the watershed layer
 // (qAttention), and which rounds to bring back for the layers above it.
-#ifndef KVTIER_WORKER_RECALL_H_
-#define KVTIER_WORKER_RECALL_H_
+#ifndef KVTIER_KERNELS_RECALL_H_
+#define KVTIER_KERNELS_RECALL_H_
 
 #include <cstdint>
 #include <string>
@@ -10,7 +10,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace kvtier::worker {
+namespace kvtier {
 
 enum class RecallMode { kAll, kTopK, kAdaptive, kThreshold, kMass };
 
@@ -53,6 +53,6 @@ std::vector<uint32_t> SelectRounds(const std::vector<double>& scores, const Reca
 // The smallest k whose top-k rounds hold at least `mass` of the scores.
 int RoundsForMass(const std::vector<double>& scores, double mass);
 
-}  // namespace kvtier::worker
+}  // namespace kvtier
 
-#endif  // KVTIER_WORKER_RECALL_H_
+#endif  // KVTIER_KERNELS_RECALL_H_

@@ -1,0 +1,179 @@
+#include "services/worker/policy_proto.h"
+
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "kernels/half.h"
+
+namespace kvtier {
+
+absl::StatusOr<worker::ModelShape> ShapeFromProto(const v1::ModelSpec& m) {
+  worker::ModelShape s;
+  s.layers = static_cast<int>(m.num_layers());
+  s.q_heads = static_cast<int>(m.num_q_heads());
+  s.kv_heads = static_cast<int>(m.num_kv_heads());
+  s.head_dim = static_cast<int>(m.head_dim());
+  switch (m.dtype()) {
+    case v1::DTYPE_FP32:
+      s.dtype_bytes = 4;
+      break;
+    case v1::DTYPE_FP16:
+    case v1::DTYPE_BF16:
+      s.dtype_bytes = 2;
+      break;
+    default:
+      return absl::InvalidArgumentError("ModelSpec.dtype must be fp16, bf16 or fp32");
+  }
+  if (s.layers < 1 || s.layers > 1024 || s.q_heads < 1 || s.q_heads > 1024 || s.kv_heads < 1 ||
+      s.q_heads % s.kv_heads != 0 || s.head_dim < 1 || s.head_dim > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad ModelSpec: layers ", s.layers, ", q_heads ", s.q_heads, ", kv_heads ",
+                     s.kv_heads, " (must divide q_heads), head_dim ", s.head_dim));
+  }
+  return s;
+}
+
+namespace {
+
+absl::StatusOr<CodecConfig> CodecFromProto(const v1::Policy& p, v1::DType model_dtype) {
+  const v1::CodecParams& cp = p.codec_params();
+  switch (p.codec()) {
+    case v1::CODEC_UNSPECIFIED:
+    case v1::CODEC_RAW: {
+      // Lossless for the model: its own dtype.
+      CodecConfig c = worker::SessionPolicy::RawFp32Codec();
+      if (model_dtype == v1::DTYPE_FP16 || model_dtype == v1::DTYPE_BF16) c.dtype = model_dtype;
+      return c;
+    }
+    case v1::CODEC_KIVI:
+    case v1::CODEC_KCVT:
+    case v1::CODEC_GEAR:
+    case v1::CODEC_GEAR_L: {
+      CodecConfig c;
+      c.codec = p.codec();
+      const bool gear = p.codec() == v1::CODEC_GEAR || p.codec() == v1::CODEC_GEAR_L;
+      c.bits = cp.bits() != 0 ? static_cast<int>(cp.bits()) : (gear ? 2 : 4);
+      if (cp.group_size() != 0) c.group_size = static_cast<int>(cp.group_size());
+      c.residual_tokens = static_cast<int>(cp.residual_tokens());
+      if (cp.rank() != 0) c.rank = static_cast<int>(cp.rank());
+      if (cp.outlier_fraction() != 0) c.outlier_fraction = cp.outlier_fraction();
+      if (cp.backbone() != v1::CODEC_UNSPECIFIED) c.backbone = cp.backbone();
+      return c;
+    }
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("unknown codec ", p.codec()));
+  }
+}
+
+absl::StatusOr<evict::Policy> EvictionFromProto(const v1::Policy& p) {
+  const std::string& name = p.eviction();
+  if (name.empty() || name == "none") return worker::SessionPolicy::NoEviction();
+  evict::Policy e;
+  if (absl::StartsWith(name, "profile:")) {
+    // The layer profile carries its own budgets.
+    KVT_ASSIGN_OR_RETURN(e, evict::ParsePolicy(name));
+  } else {
+    if (p.budget_tokens() == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("eviction '", name, "' needs budget_tokens (0 means no eviction only "
+                                           "with eviction unset or \"none\")"));
+    }
+    // The method's name; its parameters are set field by field below.
+    KVT_ASSIGN_OR_RETURN(
+        e, evict::ParsePolicy(absl::StrCat(name == "streamingllm" ? "streaming" : name, ":",
+                                           p.budget_tokens())));
+  }
+  if (p.window() != 0) e.score.window = static_cast<int>(p.window());
+  if (p.pool_kernel() != 0) e.score.kernel = static_cast<int>(p.pool_kernel());
+  if (p.ada_alpha() != 0) e.alpha = p.ada_alpha();
+  if (p.pyramid_beta() != 0) e.beta = p.pyramid_beta();
+  return e;
+}
+
+}  // namespace
+
+absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p, v1::DType model_dtype) {
+  worker::SessionPolicy s;
+  KVT_ASSIGN_OR_RETURN(s.codec, CodecFromProto(p, model_dtype));
+  KVT_RETURN_IF_ERROR(ValidateCodecConfig(s.codec));
+  KVT_ASSIGN_OR_RETURN(s.eviction, EvictionFromProto(p));
+  // 0 is proto3's unset: the engine's default, L / 3.
+  s.watershed_layer = p.watershed_layer() == 0 ? -1 : static_cast<int>(p.watershed_layer());
+  if (!p.recall().empty()) {
+    KVT_ASSIGN_OR_RETURN(s.recall, ParseRecall(p.recall()));
+  }
+  // Presence-aware: unset keeps the documented default (true).
+  if (p.has_keep_recent_round()) s.keep_recent_round = p.keep_recent_round();
+  if (p.has_release_after_end_round()) s.release_after_end_round = p.release_after_end_round();
+  return s;
+}
+
+v1::Policy EffectivePolicy(const v1::Policy& requested, const worker::SessionPolicy& eff) {
+  v1::Policy p = requested;
+  p.set_watershed_layer(static_cast<uint32_t>(eff.watershed_layer));
+  p.set_recall(RecallName(eff.recall));
+  p.set_keep_recent_round(eff.keep_recent_round);
+  p.set_release_after_end_round(eff.release_after_end_round);
+  return p;
+}
+
+absl::Status AppendDense(const v1::DenseTensor& t, int heads, int d, const char* what,
+                         std::vector<float>* out) {
+  if (t.shape_size() != 3 || t.shape(0) < 1 || t.shape(1) != heads || t.shape(2) != d) {
+    std::string got;
+    for (int64_t s : t.shape()) absl::StrAppend(&got, got.empty() ? "" : ",", s);
+    return absl::InvalidArgumentError(absl::StrCat(what, " has shape [", got,
+                                                   "], expected [tokens, ", heads, ",", d, "]"));
+  }
+  if (t.dtype() != v1::DTYPE_FP32 && t.dtype() != v1::DTYPE_FP16 && t.dtype() != v1::DTYPE_BF16) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": dtype must be fp32, fp16 or bf16"));
+  }
+  const int64_t n = t.shape(0) * heads * d;
+  const size_t es = t.dtype() == v1::DTYPE_FP32 ? 4 : 2;
+  if (t.data().size() != static_cast<size_t>(n) * es) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " holds ", t.data().size(), " bytes, expected ", n * es));
+  }
+  const size_t at = out->size();
+  out->resize(at + n);
+  float* dst = out->data() + at;
+  const char* p = t.data().data();
+  if (t.dtype() == v1::DTYPE_FP32) {
+    std::memcpy(dst, p, n * 4);
+  } else {
+    const bool fp16 = t.dtype() == v1::DTYPE_FP16;
+    for (int64_t i = 0; i < n; ++i) {
+      uint16_t h;
+      std::memcpy(&h, p + 2 * i, 2);
+      dst[i] = fp16 ? HalfToFloat(h) : Bf16ToFloat(h);
+    }
+  }
+  return absl::OkStatus();
+}
+
+void WriteDense(const float* x, int64_t t0, int64_t tokens, int heads, int d, v1::DType dtype,
+                v1::DenseTensor* t) {
+  t->set_dtype(dtype);
+  t->add_shape(tokens);
+  t->add_shape(heads);
+  t->add_shape(d);
+  const int64_t n = tokens * heads * d;
+  const float* src = x + t0 * heads * d;
+  if (dtype == v1::DTYPE_FP16 || dtype == v1::DTYPE_BF16) {
+    std::string* data = t->mutable_data();
+    data->resize(static_cast<size_t>(n) * 2);
+    char* p = data->data();
+    const bool fp16 = dtype == v1::DTYPE_FP16;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t h = fp16 ? FloatToHalf(src[i]) : FloatToBf16(src[i]);
+      std::memcpy(p + 2 * i, &h, 2);
+    }
+    return;
+  }
+  t->set_dtype(v1::DTYPE_FP32);
+  t->set_data(reinterpret_cast<const char*>(src), static_cast<size_t>(n) * 4);
+}
+
+}  // namespace kvtier

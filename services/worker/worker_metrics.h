@@ -1,0 +1,101 @@
+// Prometheus metrics of kvtier-worker: working-set bytes, recalls, bytes
+// fetched and stored, per-layer latency, RPC outcomes.
+#ifndef KVTIER_SERVICES_WORKER_WORKER_METRICS_H_
+#define KVTIER_SERVICES_WORKER_WORKER_METRICS_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "base/status_macros.h"
+#include "services/common/metrics_exposer.h"
+#include "worker/engine.h"
+
+namespace kvtier {
+
+// Thread-safe (prometheus-cpp metrics are).
+class WorkerMetrics {
+ public:
+  WorkerMetrics()
+      : registry_(std::make_shared<prometheus::Registry>()),
+        working_set_(prometheus::BuildGauge()
+                         .Name("kvtier_worker_working_set_bytes")
+                         .Help("Working-set bytes over all sessions")
+                         .Register(*registry_)
+                         .Add({})),
+        recalls_(prometheus::BuildCounter()
+                     .Name("kvtier_worker_recalls_total")
+                     .Help("Round recalls at the watershed layer")
+                     .Register(*registry_)
+                     .Add({})),
+        selected_(prometheus::BuildCounter()
+                      .Name("kvtier_worker_recall_rounds_selected_total")
+                      .Help("Past rounds selected by recall")
+                      .Register(*registry_)
+                      .Add({})),
+        candidates_(prometheus::BuildCounter()
+                        .Name("kvtier_worker_recall_rounds_candidate_total")
+                        .Help("Past rounds recall chose from")
+                        .Register(*registry_)
+                        .Add({})),
+        fetched_(prometheus::BuildCounter()
+                     .Name("kvtier_worker_bytes_fetched_total")
+                     .Help("Payload bytes fetched from kvtier-store by recall")
+                     .Register(*registry_)
+                     .Add({})),
+        stored_(prometheus::BuildCounter()
+                    .Name("kvtier_worker_bytes_stored_total")
+                    .Help("Payload bytes written to kvtier-store at EndRound")
+                    .Register(*registry_)
+                    .Add({})),
+        layer_latency_(&prometheus::BuildHistogram()
+                            .Name("kvtier_worker_layer_seconds")
+                            .Help("Per-layer attention latency")
+                            .Register(*registry_)),
+        requests_(&prometheus::BuildCounter()
+                       .Name("kvtier_worker_requests_total")
+                       .Help("RPCs by method and outcome")
+                       .Register(*registry_)) {}
+
+  absl::StatusOr<int> Serve(const std::string& address) {
+    KVT_ASSIGN_OR_RETURN(endpoint_, ServeMetrics(address, {registry_}));
+    return endpoint_.port;
+  }
+  void Layer(const char* kind, double seconds) {
+    static const prometheus::Histogram::BucketBoundaries kBuckets = {
+        0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5};
+    layer_latency_->Add({{"kind", kind}}, kBuckets).Observe(seconds);
+  }
+  void Request(const char* method, bool ok) {
+    requests_->Add({{"method", method}, {"outcome", ok ? "ok" : "error"}}).Increment();
+  }
+  void Recall(const worker::RecallReport& r, bool completed) {
+    if (completed) {
+      fetched_.Increment(static_cast<double>(r.bytes_fetched));
+      return;
+    }
+    recalls_.Increment();
+    selected_.Increment(static_cast<double>(r.selected.size()));
+    candidates_.Increment(static_cast<double>(r.scores.size()));
+  }
+  void Stored(uint64_t bytes) { stored_.Increment(static_cast<double>(bytes)); }
+  void WorkingSet(double bytes) { working_set_.Set(bytes); }
+  std::string Render() const;
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Gauge& working_set_;
+  prometheus::Counter &recalls_, &selected_, &candidates_, &fetched_, &stored_;
+  prometheus::Family<prometheus::Histogram>* layer_latency_;
+  prometheus::Family<prometheus::Counter>* requests_;
+  MetricsEndpoint endpoint_;
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVICES_WORKER_WORKER_METRICS_H_

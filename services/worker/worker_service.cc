@@ -1,0 +1,509 @@
+#include "services/worker/worker_service.h"
+
+#include <atomic>
+#include <cctype>
+#include <chrono>
+#include <deque>
+#include <map>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "base/status_macros.h"
+#include "services/common/grpc_status.h"
+#include "services/worker/policy_proto.h"
+
+namespace kvtier {
+namespace {
+
+double SecondsSince(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+void FillRecall(const worker::RecallReport& r, v1::RecallDecision* d) {
+  for (uint32_t s : r.selected) d->add_selected_rounds(s);
+  for (double s : r.scores) d->add_round_scores(static_cast<float>(s));
+  d->set_bytes_fetched(r.bytes_fetched);
+  d->set_fetched_segments(static_cast<uint32_t>(r.fetched_segments));
+  d->set_fetch_ms(r.fetch_ms);
+  d->set_exposed_ms(r.exposed_ms);
+}
+
+size_t DtypeBytes(v1::DType t) { return t == v1::DTYPE_FP16 || t == v1::DTYPE_BF16 ? 2 : 4; }
+
+}  // namespace
+
+WorkerService::WorkerService(worker::Engine* engine, const Authenticator* auth,
+                             WorkerMetrics* metrics, Executor* compute, Executor* io,
+                             WorkerServiceOptions options)
+    : engine_(engine),
+      auth_(auth),
+      metrics_(metrics),
+      compute_(compute),
+      io_(io),
+      options_(options) {}
+
+absl::StatusOr<std::string> WorkerService::Key(const grpc::CallbackServerContext& ctx,
+                                               const std::string& session) const {
+  KVT_ASSIGN_OR_RETURN(Principal p, auth_->Authenticate(ctx));
+  KVT_RETURN_IF_ERROR(Authenticator::RequireWrite(p));
+  if (session.empty() || session.size() > 128) {
+    return absl::InvalidArgumentError("session_id must have 1 to 128 characters");
+  }
+  for (char c : session) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == ':' ||
+          c == '-')) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("session_id '", session, "' has characters outside [A-Za-z0-9._:-]"));
+    }
+  }
+  std::string key = absl::StrCat(p.tenant, ".", session);
+  if (key.size() > 128) {
+    return absl::InvalidArgumentError("tenant plus session_id exceed 128 characters");
+  }
+  return key;
+}
+
+CallOptions WorkerService::StoreCall(const grpc::CallbackServerContext& ctx) const {
+  CallOptions call;
+  const auto deadline = ctx.deadline();
+  if (deadline != std::chrono::system_clock::time_point::max()) {
+    call.deadline = absl::FromChrono(deadline);
+  }
+  call.deadline = call.DeadlineOr(options_.store_deadline);
+  return call;
+}
+
+void WorkerService::UpdateWorkingSet() {
+  metrics_->WorkingSet(static_cast<double>(engine_->TotalWorkingSetBytes()));
+}
+
+grpc::Status WorkerService::Done(const char* method, const absl::Status& s) {
+  metrics_->Request(method, s.ok());
+  return ToGrpc(s);
+}
+
+// ---- Unary calls: each runs on the io executor and finishes from there. ----
+
+grpc::ServerUnaryReactor* WorkerService::OpenSession(grpc::CallbackServerContext* ctx,
+                                                     const v1::OpenSessionRequest* req,
+                                                     v1::OpenSessionResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  io_->Schedule([this, ctx, req, resp, reactor] {
+    absl::Status s = [&]() -> absl::Status {
+      KVT_ASSIGN_OR_RETURN(std::string id, Key(*ctx, req->session_id()));
+      if (req->resume()) {
+        return absl::UnimplementedError("resume from the store is not supported yet");
+      }
+      KVT_ASSIGN_OR_RETURN(worker::ModelShape shape, ShapeFromProto(req->model()));
+      KVT_ASSIGN_OR_RETURN(worker::SessionPolicy policy,
+                           PolicyFromProto(req->policy(), req->model().dtype()));
+      KVT_RETURN_IF_ERROR(engine_->OpenSession(id, shape, policy));
+      KVT_ASSIGN_OR_RETURN(worker::SessionPolicy eff, engine_->Policy(id));
+      *resp->mutable_effective_policy() = EffectivePolicy(req->policy(), eff);
+      KVT_ASSIGN_OR_RETURN(worker::SessionStats st, engine_->Stats(id));
+      resp->set_on_device(st.on_device);
+      resp->set_next_round(0);
+      return absl::OkStatus();
+    }();
+    reactor->Finish(Done("OpenSession", s));
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* WorkerService::EndRound(grpc::CallbackServerContext* ctx,
+                                                  const v1::EndRoundRequest* req,
+                                                  v1::EndRoundResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  io_->Schedule([this, ctx, req, resp, reactor] {
+    absl::Status s = [&]() -> absl::Status {
+      KVT_ASSIGN_OR_RETURN(std::string id, Key(*ctx, req->session_id()));
+      KVT_ASSIGN_OR_RETURN(worker::EndRoundReport r, engine_->EndRound(id, StoreCall(*ctx)));
+      resp->set_round(r.round);
+      resp->set_stored_bytes(r.stored_bytes);
+      resp->set_working_set_bytes(r.working_set_bytes);
+      resp->set_round_working_set_bytes(r.round_working_set_bytes);
+      resp->set_full_cache_bytes(r.full_cache_bytes);
+      for (uint32_t x : r.recalls_recorded) resp->add_recalls_counted(x);
+      resp->set_compression_ratio(r.stored_bytes > 0 ? static_cast<float>(r.full_bytes) /
+                                                           static_cast<float>(r.stored_bytes)
+                                                     : 0.0f);
+      metrics_->Stored(r.stored_bytes);
+      return absl::OkStatus();
+    }();
+    UpdateWorkingSet();
+    reactor->Finish(Done("EndRound", s));
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* WorkerService::CloseSession(grpc::CallbackServerContext* ctx,
+                                                      const v1::CloseSessionRequest* req,
+                                                      v1::CloseSessionResponse*) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  io_->Schedule([this, ctx, req, reactor] {
+    absl::Status s = [&]() -> absl::Status {
+      KVT_ASSIGN_OR_RETURN(std::string id, Key(*ctx, req->session_id()));
+      return engine_->CloseSession(id, req->delete_from_store(), StoreCall(*ctx));
+    }();
+    UpdateWorkingSet();
+    reactor->Finish(Done("CloseSession", s));
+  });
+  return reactor;
+}
+
+grpc::ServerReadReactor<v1::TransferChunk>* WorkerService::TransferSession(
+    grpc::CallbackServerContext*, v1::TransferSessionResponse*) {
+  class Refuse : public grpc::ServerReadReactor<v1::TransferChunk> {
+   public:
+    explicit Refuse(grpc::Status s) { Finish(std::move(s)); }
+    void OnDone() override { delete this; }
+  };
+  return new Refuse(Done("TransferSession",
+                         absl::UnimplementedError("TransferSession (prefill -> decode hand-off) is "
+                                                  "not implemented yet")));
+}
+
+// ---- Prefill ----
+
+// One layer at a time: its chunks are read and converted on the compute
+// executor, the layer runs there (the wait for a recall fetch at L_w + 1
+// included, never on a callback thread), and its output goes back in slices.
+// Exactly one Finish() on every path, from the executor; nothing touches
+// `this` after it.
+class WorkerService::PrefillReactor
+    : public grpc::ServerBidiReactor<v1::LayerRequest, v1::LayerResponse> {
+ public:
+  PrefillReactor(WorkerService* svc, grpc::CallbackServerContext* ctx)
+      : svc_(svc), ctx_(ctx), call_(svc->StoreCall(*ctx)) {
+    StartRead(&req_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // The client half-closed, or the call broke.
+      svc_->compute_->Schedule([this] { EndOfStream(); });
+      return;
+    }
+    svc_->compute_->Schedule([this] { OnMessage(); });
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      svc_->compute_->Schedule([this] { Fail(absl::CancelledError("the client went away")); });
+      return;
+    }
+    out_msgs_.pop_front();
+    if (!out_msgs_.empty()) {
+      StartWrite(&out_msgs_.front());
+    } else {
+      StartRead(&req_);
+    }
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void OnMessage() {
+    absl::Status s = Accumulate();
+    if (!s.ok()) {
+      Fail(s);
+      return;
+    }
+    if (req_.more_chunks()) {
+      StartRead(&req_);
+      return;
+    }
+    s = RunLayer();
+    if (!s.ok()) Fail(s);
+  }
+
+  // Adds one message's token slice to the layer being gathered.
+  absl::Status Accumulate() {
+    if (id_.empty()) {
+      if (req_.session_id().empty()) {
+        return absl::InvalidArgumentError("the first LayerRequest must name the session");
+      }
+      KVT_ASSIGN_OR_RETURN(id_, svc_->Key(*ctx_, req_.session_id()));
+      session_ = req_.session_id();
+      KVT_ASSIGN_OR_RETURN(shape_, svc_->engine_->Shape(id_));
+    } else if (!req_.session_id().empty() && req_.session_id() != session_) {
+      return absl::InvalidArgumentError("a Prefill stream carries one session");
+    }
+    if (!gathering_) {
+      layer_ = static_cast<int>(req_.layer());
+      question_ = req_.question_tokens();
+      dtype_ = req_.q().dtype();
+      q_.clear();
+      k_.clear();
+      v_.clear();
+      gathering_ = true;
+    } else if (static_cast<int>(req_.layer()) != layer_) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", req_.layer(),
+                                                     " arrived before the last chunk of layer ",
+                                                     layer_));
+    }
+    const int d = shape_.head_dim;
+    const size_t q0 = q_.size(), k0 = k_.size();
+    KVT_RETURN_IF_ERROR(AppendDense(req_.q(), shape_.q_heads, d, "q", &q_));
+    KVT_RETURN_IF_ERROR(AppendDense(req_.k(), shape_.kv_heads, d, "k", &k_));
+    KVT_RETURN_IF_ERROR(AppendDense(req_.v(), shape_.kv_heads, d, "v", &v_));
+    const size_t qt = (q_.size() - q0) / (static_cast<size_t>(shape_.q_heads) * d);
+    const size_t kt = (k_.size() - k0) / (static_cast<size_t>(shape_.kv_heads) * d);
+    if (qt != kt || v_.size() != k_.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("q carries ", qt, " tokens, k ", kt, " and v ",
+                       (v_.size() - k0) / (static_cast<size_t>(shape_.kv_heads) * d)));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status RunLayer() {
+    gathering_ = false;
+    const int d = shape_.head_dim;
+    const int64_t n = static_cast<int64_t>(q_.size() / (static_cast<size_t>(shape_.q_heads) * d));
+    out_.resize(q_.size());
+    const auto t0 = std::chrono::steady_clock::now();
+    auto recall = svc_->engine_->PrefillLayer(id_, layer_, n, question_, q_.data(), k_.data(),
+                                              v_.data(), out_.data(), call_);
+    if (!recall.ok()) {
+      // A failed recall rolled its step back already; any other failure
+      // leaves our step in flight, which EndOfStream/Fail roll back.
+      return recall.status();
+    }
+    svc_->metrics_->Layer("prefill", SecondsSince(t0));
+    in_step_ = layer_ + 1 < shape_.layers;
+    // The output in slices of at most max_response_bytes.
+    const size_t row = static_cast<size_t>(shape_.q_heads) * d * DtypeBytes(dtype_);
+    const int64_t per = std::max<int64_t>(
+        1, static_cast<int64_t>(svc_->options_.max_response_bytes / std::max<size_t>(row, 1)));
+    for (int64_t t = 0; t < n; t += per) {
+      v1::LayerResponse& r = out_msgs_.emplace_back();
+      r.set_layer(static_cast<uint32_t>(layer_));
+      WriteDense(out_.data(), t, std::min(per, n - t), shape_.q_heads, d, dtype_, r.mutable_o());
+      r.set_more_chunks(t + per < n);
+    }
+    if (recall->has_value()) {
+      const worker::RecallReport& rr = **recall;
+      FillRecall(rr, out_msgs_.back().mutable_recall());
+      svc_->metrics_->Recall(rr, rr.fetched_segments > 0 && rr.bytes_fetched > 0);
+    }
+    StartWrite(&out_msgs_.front());
+    return absl::OkStatus();
+  }
+
+  // The client closed its side: fine between steps, a rolled-back step in
+  // the middle of one.
+  void EndOfStream() {
+    absl::Status s;
+    if (in_step_ || gathering_) {
+      s = absl::FailedPreconditionError(absl::StrCat(
+          "the Prefill stream ended in the middle of a step (after layer ", layer_,
+          "); the step was rolled back"));
+    }
+    Fail(s);
+  }
+
+  void Fail(const absl::Status& s) {
+    if (in_step_ && !id_.empty()) {
+      // Deliberately ignored: NOT_FOUND when the session was closed meanwhile.
+      svc_->engine_->AbortStep(id_).IgnoreError();
+    }
+    svc_->UpdateWorkingSet();
+    Finish(svc_->Done("Prefill", s));
+  }
+
+  WorkerService* const svc_;
+  grpc::CallbackServerContext* const ctx_;
+  const CallOptions call_;
+  v1::LayerRequest req_;
+  std::string id_, session_;
+  worker::ModelShape shape_;
+  // The layer being gathered from its chunks.
+  bool gathering_ = false;
+  int layer_ = 0;
+  int64_t question_ = 0;
+  v1::DType dtype_ = v1::DTYPE_FP32;
+  std::vector<float> q_, k_, v_, out_;
+  // This stream has layers of an unfinished step in the engine.
+  bool in_step_ = false;
+  std::deque<v1::LayerResponse> out_msgs_;
+};
+
+grpc::ServerBidiReactor<v1::LayerRequest, v1::LayerResponse>* WorkerService::Prefill(
+    grpc::CallbackServerContext* ctx) {
+  return new PrefillReactor(this, ctx);
+}
+
+// ---- Decode ----
+
+// One DecodeRequest at a time. Its items are grouped by session; the groups
+// run in parallel on the compute executor (one group on the thread that read
+// the request, the others as tasks), items of a group in their order, and
+// the last group to finish writes the response. Nothing waits for anything.
+class WorkerService::DecodeReactor
+    : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse> {
+ public:
+  DecodeReactor(WorkerService* svc, grpc::CallbackServerContext* ctx) : svc_(svc), ctx_(ctx) {
+    StartRead(&req_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      svc_->compute_->Schedule([this] { EndOfStream(); });
+      return;
+    }
+    svc_->compute_->Schedule([this] { OnRequest(); });
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      svc_->compute_->Schedule([this] { Fail(absl::CancelledError("the client went away")); });
+      return;
+    }
+    StartRead(&req_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  struct Item {
+    std::string key;
+    worker::ModelShape shape;
+  };
+
+  void OnRequest() {
+    resp_.Clear();
+    items_.clear();
+    first_error_ = absl::OkStatus();
+    std::map<std::string, std::vector<int>> groups;
+    std::vector<const std::vector<int>*> order;
+    for (int i = 0; i < req_.items_size(); ++i) {
+      const v1::DecodeItem& it = req_.items(i);
+      Item item;
+      absl::Status s = [&]() -> absl::Status {
+        auto known = keys_.find(it.session_id());
+        if (known == keys_.end()) {
+          KVT_ASSIGN_OR_RETURN(std::string key, svc_->Key(*ctx_, it.session_id()));
+          known = keys_.emplace(it.session_id(), std::move(key)).first;
+        }
+        item.key = known->second;
+        // Looked up per request: a session may be closed and opened again.
+        KVT_ASSIGN_OR_RETURN(item.shape, svc_->engine_->Shape(item.key));
+        return absl::OkStatus();
+      }();
+      if (!s.ok()) {
+        Fail(absl::Status(s.code(), absl::StrCat("item ", i, ": ", s.message())));
+        return;
+      }
+      auto [g, inserted] = groups.try_emplace(item.key);
+      if (inserted) order.push_back(&g->second);
+      g->second.push_back(i);
+      items_.push_back(std::move(item));
+      resp_.add_o();
+    }
+    if (order.empty()) {
+      StartWrite(&resp_);
+      return;
+    }
+    pending_.store(static_cast<int>(order.size()));
+    for (size_t g = 1; g < order.size(); ++g) {
+      svc_->compute_->Schedule([this, group = *order[g]] { RunGroup(group); });
+    }
+    RunGroup(*order[0]);
+  }
+
+  void RunGroup(const std::vector<int>& group) {
+    std::vector<float> q, k, v, out;
+    for (int i : group) {
+      const v1::DecodeItem& it = req_.items(i);
+      const Item& item = items_[i];
+      const int d = item.shape.head_dim;
+      absl::Status s = [&]() -> absl::Status {
+        q.clear();
+        k.clear();
+        v.clear();
+        KVT_RETURN_IF_ERROR(AppendDense(it.q(), item.shape.q_heads, d, "q", &q));
+        KVT_RETURN_IF_ERROR(AppendDense(it.k(), item.shape.kv_heads, d, "k", &k));
+        KVT_RETURN_IF_ERROR(AppendDense(it.v(), item.shape.kv_heads, d, "v", &v));
+        if (it.q().shape(0) != 1 || it.k().shape(0) != 1 || it.v().shape(0) != 1) {
+          return absl::InvalidArgumentError("a decode item carries exactly one token");
+        }
+        out.resize(q.size());
+        const auto t0 = std::chrono::steady_clock::now();
+        KVT_RETURN_IF_ERROR(svc_->engine_->DecodeLayer(item.key, static_cast<int>(it.layer()),
+                                                       q.data(), k.data(), v.data(), out.data()));
+        svc_->metrics_->Layer("decode", SecondsSince(t0));
+        WriteDense(out.data(), 0, 1, item.shape.q_heads, d, it.q().dtype(), resp_.mutable_o(i));
+        return absl::OkStatus();
+      }();
+      absl::MutexLock lock(&mu_);
+      if (!s.ok()) {
+        if (first_error_.ok()) {
+          first_error_ = absl::Status(
+              s.code(), absl::StrCat("item ", i, " (session ", it.session_id(), "): ", s.message()));
+        }
+        break;
+      }
+      if (static_cast<int>(it.layer()) + 1 < item.shape.layers) {
+        in_step_.insert(item.key);
+      } else {
+        in_step_.erase(item.key);
+      }
+    }
+    if (pending_.fetch_sub(1) != 1) return;
+    // The last group: the response is complete.
+    absl::Status s;
+    {
+      absl::MutexLock lock(&mu_);
+      s = first_error_;
+    }
+    if (!s.ok()) {
+      Fail(s);
+      return;
+    }
+    StartWrite(&resp_);
+  }
+
+  void EndOfStream() {
+    bool mid_step;
+    {
+      absl::MutexLock lock(&mu_);
+      mid_step = !in_step_.empty();
+    }
+    Fail(mid_step ? absl::FailedPreconditionError("the Decode stream ended in the middle of a "
+                                                  "step; the step was rolled back")
+                  : absl::OkStatus());
+  }
+
+  void Fail(const absl::Status& s) {
+    std::set<std::string> abort;
+    {
+      absl::MutexLock lock(&mu_);
+      abort.swap(in_step_);
+    }
+    // Deliberately ignored: NOT_FOUND when a session was closed meanwhile.
+    for (const std::string& key : abort) svc_->engine_->AbortStep(key).IgnoreError();
+    Finish(svc_->Done("Decode", s));
+  }
+
+  WorkerService* const svc_;
+  grpc::CallbackServerContext* const ctx_;
+  v1::DecodeRequest req_;
+  v1::DecodeResponse resp_;
+  // Per item of req_: the engine key and shape (from keys_).
+  std::vector<Item> items_;
+  // Session id -> engine key, authenticated once per stream.
+  std::map<std::string, std::string> keys_;
+  std::atomic<int> pending_{0};
+  absl::Mutex mu_;
+  absl::Status first_error_ ABSL_GUARDED_BY(mu_);
+  // Sessions whose current step this stream has begun and not finished.
+  std::set<std::string> in_step_ ABSL_GUARDED_BY(mu_);
+};
+
+grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* WorkerService::Decode(
+    grpc::CallbackServerContext* ctx) {
+  return new DecodeReactor(this, ctx);
+}
+
+}  // namespace kvtier

@@ -1,0 +1,78 @@
+// The kvtier.v1.Worker service on gRPC's callback API, over worker::Engine.
+// Shaped like kvtier-store's service: unary calls finish from an executor,
+// streams are reactors that own their state and delete themselves in
+// OnDone(), and no callback ever blocks: attention runs on the compute
+// executor, calls that reach the store (EndRound, CloseSession) on the io
+// executor, and the engine never holds a session lock across a store call.
+#ifndef KVTIER_SERVICES_WORKER_WORKER_SERVICE_H_
+#define KVTIER_SERVICES_WORKER_WORKER_SERVICE_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "base/executor.h"
+#include "grpcpp/support/server_callback.h"
+#include "kvtier/v1/worker.grpc.pb.h"
+#include "services/common/auth.h"
+#include "services/worker/worker_metrics.h"
+#include "worker/engine.h"
+
+namespace kvtier {
+
+struct WorkerServiceOptions {
+  // Deadline of the store calls an RPC makes when its caller set none (a
+  // caller's deadline is passed on as is). Default: 10 s.
+  absl::Duration store_deadline = absl::Seconds(10);
+  // Largest output slice per LayerResponse (o is split by tokens above it).
+  // Default: 1 MiB.
+  size_t max_response_bytes = size_t{1} << 20;
+};
+
+// Thread-safe; the pointers are not owned and must outlive the service (and
+// the server it is registered with).
+class WorkerService final : public v1::Worker::CallbackService {
+ public:
+  WorkerService(worker::Engine* engine, const Authenticator* auth, WorkerMetrics* metrics,
+                Executor* compute, Executor* io, WorkerServiceOptions options = {});
+
+  grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* ctx,
+                                        const v1::OpenSessionRequest* req,
+                                        v1::OpenSessionResponse* resp) override;
+  grpc::ServerBidiReactor<v1::LayerRequest, v1::LayerResponse>* Prefill(
+      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* Decode(
+      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerUnaryReactor* EndRound(grpc::CallbackServerContext* ctx,
+                                     const v1::EndRoundRequest* req,
+                                     v1::EndRoundResponse* resp) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
+                                         const v1::CloseSessionRequest* req,
+                                         v1::CloseSessionResponse* resp) override;
+  grpc::ServerReadReactor<v1::TransferChunk>* TransferSession(
+      grpc::CallbackServerContext* ctx, v1::TransferSessionResponse* resp) override;
+
+ private:
+  class PrefillReactor;
+  class DecodeReactor;
+
+  // The engine's key for a caller's session: tenant-scoped. UNAUTHENTICATED,
+  // PERMISSION_DENIED, INVALID_ARGUMENT for a malformed id.
+  absl::StatusOr<std::string> Key(const grpc::CallbackServerContext& ctx,
+                                  const std::string& session) const;
+  // The store calls' options for an RPC: its caller's deadline, or ours.
+  CallOptions StoreCall(const grpc::CallbackServerContext& ctx) const;
+  void UpdateWorkingSet();
+  grpc::Status Done(const char* method, const absl::Status& s);
+
+  worker::Engine* engine_;
+  const Authenticator* auth_;
+  WorkerMetrics* metrics_;
+  Executor* compute_;
+  Executor* io_;
+  const WorkerServiceOptions options_;
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVICES_WORKER_WORKER_SERVICE_H_

@@ -1,0 +1,140 @@
+// Round recall inside the engine: scoring at L_w, the one GetSegments call on
+// the fetch executor, and its installation at L_w + 1.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "kvtier/v1/store.pb.h"
+#include "worker/session.h"
+
+namespace kvtier::worker {
+
+RecallReport Engine::StartRecall(Session& s, int64_t n, int64_t question_tokens, const float* q,
+                                 const CallOptions& call) {
+  s.mu.AssertHeld();
+  const ModelShape& sh = s.shape;
+  const int d = sh.head_dim;
+  std::vector<std::vector<float>> keys(s.past.size() * sh.kv_heads);
+  std::vector<RoundKeys> rk(s.past.size());
+  for (size_t r = 0; r < s.past.size(); ++r) {
+    const RoundLayer& rl = *s.past[r].layers[s.lw];
+    for (int h = 0; h < sh.kv_heads; ++h) {
+      std::vector<float>& buf = keys[r * sh.kv_heads + h];
+      buf.resize(static_cast<size_t>(rl.heads[h].len) * d);
+      DecodeRows(rl.heads[h].kview, 0, 0, rl.heads[h].len, buf.data(), options_.level);
+      rk[r].keys.push_back(buf.data());
+      rk[r].lens.push_back(rl.heads[h].len);
+    }
+  }
+  const int64_t qt = question_tokens > 0 ? std::min(question_tokens, n) : n;
+  RecallReport rep;
+  rep.round = s.stats.rounds;
+  rep.scores = QAttention(sh.q_heads, sh.kv_heads, d, q,
+                          static_cast<int64_t>(sh.q_heads) * d, qt, rk, s.k[s.lw].data());
+  const std::vector<uint32_t> pick = SelectRounds(rep.scores, s.policy.recall,
+                                                  s.policy.keep_recent_round);
+  s.selected.assign(pick.begin(), pick.end());
+  std::vector<SegmentStore::Segment> segs;
+  s.fetch_rounds.clear();
+  std::vector<uint32_t> resident;
+  for (uint32_t i : pick) {
+    rep.selected.push_back(s.past[i].round);
+    if (s.past[i].layers[s.lw + 1] == nullptr) {
+      segs.push_back({s.past[i].round, 1});
+      s.fetch_rounds.push_back(i);
+    } else {
+      resident.push_back(s.past[i].round);
+    }
+  }
+  // Reported at EndRound. Assigned, not appended: a rolled-back first
+  // prefill recalls again.
+  s.round_resident = std::move(resident);
+  rep.fetched_segments = static_cast<int>(segs.size());
+  s.recall = RecallState::kReady;
+  if (!segs.empty()) {
+    // ONE GetSegments call for every selected round, started now so that it
+    // overlaps with this layer's attention and the engine's work up to layer
+    // L_w + 1. The task owns what it uses: a session that rolls back or
+    // closes drops its reference and never waits.
+    auto f = std::make_shared<Fetch>();
+    s.fetch = f;
+    s.recall = RecallState::kFetching;
+    {
+      absl::MutexLock lock(&fetches_mu_);
+      ++fetches_in_flight_;
+    }
+    fetch_executor_->Schedule(
+        [this, f, sid = s.id, segs = std::move(segs), deadline = StoreDeadline(call)] {
+          const auto t0 = std::chrono::steady_clock::now();
+          f->result = store_->Get(sid, segs, CallOptions{deadline});
+          f->ms = MsSince(t0);
+          f->done.Notify();
+          absl::MutexLock lock(&fetches_mu_);
+          --fetches_in_flight_;
+        });
+  }
+  s.stats.recalls.push_back(rep);
+  return rep;
+}
+
+absl::StatusOr<RecallReport> Engine::InstallFetch(Session& s, const std::shared_ptr<Fetch>& f,
+                                                  bool arrived, double exposed_ms) {
+  s.mu.AssertHeld();
+  const ModelShape& sh = s.shape;
+  auto fail = [&s](absl::Status st) {
+    s.mu.AssertHeld();
+    s.RollBackStep();
+    return st;
+  };
+  if (!arrived) {
+    return fail(absl::DeadlineExceededError(
+        "recall fetch (GetSegments) did not finish within the call's deadline"));
+  }
+  if (!f->result.ok()) {
+    const absl::Status& st = f->result.status();
+    return fail(absl::Status(st.code() == absl::StatusCode::kDeadlineExceeded
+                                 ? absl::StatusCode::kDeadlineExceeded
+                                 : absl::StatusCode::kUnavailable,
+                             absl::StrCat("recall fetch failed: ", st.message())));
+  }
+  const std::vector<std::string>& got = *f->result;
+  if (got.size() != s.fetch_rounds.size()) {
+    return fail(absl::DataLossError("recall fetch returned a different segment count"));
+  }
+  const int upper_layers = sh.layers - s.lw - 1;
+  std::vector<std::vector<std::unique_ptr<RoundLayer>>> parsed;
+  for (const std::string& bytes : got) {
+    v1::SegmentPayload payload;
+    if (!payload.ParseFromString(bytes) ||
+        payload.tensors_size() != 2 * sh.kv_heads * upper_layers) {
+      return fail(absl::DataLossError("recalled segment payload is malformed"));
+    }
+    std::vector<std::unique_ptr<RoundLayer>> layers;
+    for (int l = s.lw + 1; l < sh.layers; ++l) {
+      const int first = 2 * sh.kv_heads * (l - s.lw - 1);
+      std::vector<v1::EncodedTensor> t;
+      t.reserve(2 * sh.kv_heads);
+      for (int j = 0; j < 2 * sh.kv_heads; ++j) {
+        t.push_back(std::move(*payload.mutable_tensors(first + j)));
+      }
+      auto rl = MakeLayer(std::move(t), sh.kv_heads, sh.head_dim);
+      absl::Status placed = rl.ok() ? s.Place(**rl, l) : rl.status();
+      if (!placed.ok()) return fail(placed);
+      layers.push_back(std::move(*rl));
+    }
+    parsed.push_back(std::move(layers));
+  }
+  for (size_t i = 0; i < parsed.size(); ++i) {
+    Session::PastRound& r = s.past[s.fetch_rounds[i]];
+    for (int l = s.lw + 1; l < sh.layers; ++l) r.layers[l] = std::move(parsed[i][l - s.lw - 1]);
+  }
+  s.recall = RecallState::kReady;
+  s.fetch.reset();
+  RecallReport& rr = s.stats.recalls.back();
+  rr.exposed_ms = exposed_ms;
+  rr.fetch_ms = f->ms;
+  for (const std::string& p : got) rr.bytes_fetched += p.size();
+  return rr;
+}
+
+}  // namespace kvtier::worker

@@ -1,0 +1,197 @@
+// EndRound: eviction and encoding of the open round under the session lock
+// (the plan), PutSegment of its two segments without it (the send), and the
+// round's move into the working set under the lock again (the commit).
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "base/log.h"
+#include "base/status_macros.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "worker/session.h"
+
+namespace kvtier::worker {
+namespace {
+
+// Serializes SegmentPayload{tensors = layers [l0, l1) of `enc`} straight
+// into one buffer: the wire form of a repeated message field, written tensor
+// by tensor, so the encoded bytes are copied once (here) on their way to the
+// store, which receives this buffer as is.
+std::string SerializeSegment(const std::vector<std::vector<v1::EncodedTensor>>& enc, int l0,
+                             int l1) {
+  constexpr uint32_t kTensorsTag = (1 << 3) | 2;  // Field 1, length-delimited.
+  size_t total = 0;
+  for (int l = l0; l < l1; ++l) {
+    for (const auto& e : enc[l]) {
+      const size_t n = e.ByteSizeLong();
+      total += 1 + google::protobuf::io::CodedOutputStream::VarintSize64(n) + n;
+    }
+  }
+  std::string out(total, '\0');
+  auto* p = reinterpret_cast<uint8_t*>(out.data());
+  for (int l = l0; l < l1; ++l) {
+    for (const auto& e : enc[l]) {
+      p = google::protobuf::io::CodedOutputStream::WriteVarint32ToArray(kTensorsTag, p);
+      p = google::protobuf::io::CodedOutputStream::WriteVarint64ToArray(e.GetCachedSize(), p);
+      p = e.SerializeWithCachedSizesToArray(p);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+// What EndRound sends and then commits.
+struct RoundPlan {
+  uint32_t round = 0;
+  int64_t tokens = 0;
+  std::string lower, upper;  // Serialized SegmentPayloads; upper empty if L_w = L - 1.
+  std::vector<std::unique_ptr<RoundLayer>> layers;  // The round's working-set form.
+  uint64_t round_working_set = 0;
+  std::vector<uint32_t> recalls;  // Resident recalls to report, older ones first.
+};
+
+absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id, const CallOptions& call) {
+  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
+  const ModelShape& sh = s->shape;
+  const int lw = s->lw;
+  RoundPlan plan;
+  {
+    // Plan: eviction per layer, then encoding of each KV head's kept tokens.
+    absl::MutexLock lock(&s->mu);
+    switch (s->state) {
+      case SessionState::kOpen:
+        break;
+      case SessionState::kIdle:
+        return absl::FailedPreconditionError("EndRound without an open round");
+      case SessionState::kEnding:
+        return absl::FailedPreconditionError("EndRound of this session is already running");
+      case SessionState::kPrefill:
+      case SessionState::kDecode:
+        return absl::FailedPreconditionError(absl::StrCat(
+            "EndRound in the middle of a ", StateName(s->state), " step (next layer ",
+            s->next_layer, ")"));
+    }
+    const int d = sh.head_dim;
+    const int64_t t = s->tokens;
+    plan.round = s->stats.rounds;
+    plan.tokens = t;
+    plan.round_working_set = static_cast<uint64_t>(s->WorkingSetBytes());
+    std::vector<std::vector<v1::EncodedTensor>> enc(sh.layers);
+    std::vector<float> qm(static_cast<size_t>(sh.q_heads) * t * d),
+        km(static_cast<size_t>(sh.kv_heads) * t * d), vm(km.size()), hk, hv;
+    for (int l = 0; l < sh.layers; ++l) {
+      for (int64_t i = 0; i < t; ++i) {
+        for (int h = 0; h < sh.q_heads; ++h)
+          std::memcpy(&qm[(h * t + i) * d], &s->q[l][(i * sh.q_heads + h) * d], d * sizeof(float));
+        for (int h = 0; h < sh.kv_heads; ++h) {
+          std::memcpy(&km[(h * t + i) * d], &s->k[l][(i * sh.kv_heads + h) * d],
+                      d * sizeof(float));
+          std::memcpy(&vm[(h * t + i) * d], &s->v[l][(i * sh.kv_heads + h) * d],
+                      d * sizeof(float));
+        }
+      }
+      const evict::LayerQK x{sh.q_heads, sh.kv_heads, d, t, qm.data(), km.data()};
+      KVT_ASSIGN_OR_RETURN(auto keep, evict::SelectTokens(s->policy.eviction, l, sh.layers, x));
+      for (int h = 0; h < sh.kv_heads; ++h) {
+        const int64_t len = static_cast<int64_t>(keep[h].size());
+        hk.resize(len * d);
+        hv.resize(len * d);
+        for (int64_t i = 0; i < len; ++i) {
+          std::memcpy(&hk[i * d], &km[(h * t + keep[h][i]) * d], d * sizeof(float));
+          std::memcpy(&hv[i * d], &vm[(h * t + keep[h][i]) * d], d * sizeof(float));
+        }
+        const int64_t shape[3] = {1, len, d};
+        KVT_ASSIGN_OR_RETURN(v1::EncodedTensor ek, Encode(s->policy.codec, v1::TENSOR_ROLE_KEY,
+                                                          shape, hk.data(), options_.level));
+        KVT_ASSIGN_OR_RETURN(v1::EncodedTensor ev, Encode(s->policy.codec, v1::TENSOR_ROLE_VALUE,
+                                                          shape, hv.data(), options_.level));
+        enc[l].push_back(std::move(ek));
+        enc[l].push_back(std::move(ev));
+      }
+    }
+    plan.lower = SerializeSegment(enc, 0, lw + 1);
+    if (lw + 1 < sh.layers) plan.upper = SerializeSegment(enc, lw + 1, sh.layers);
+    // The round's working-set form, built (and on a GPU uploaded) before the
+    // puts, so that a failure of either leaves the round open.
+    for (int l = 0; l < sh.layers; ++l) {
+      KVT_ASSIGN_OR_RETURN(auto rl, MakeLayer(std::move(enc[l]), sh.kv_heads, d));
+      KVT_RETURN_IF_ERROR(s->Place(*rl, l));
+      plan.layers.push_back(std::move(rl));
+    }
+    plan.recalls = s->unreported_recalls;
+    plan.recalls.insert(plan.recalls.end(), s->round_resident.begin(), s->round_resident.end());
+    // Steps and other EndRounds are refused until the commit below.
+    s->state = SessionState::kEnding;
+  }
+
+  // Send, without the lock.
+  const CallOptions store_call{StoreDeadline(call)};
+  auto put_both = [&]() -> absl::Status {
+    KVT_RETURN_IF_ERROR(store_->Put(s->id, {plan.round, 0}, 0, lw + 1, plan.lower, store_call));
+    if (lw + 1 < sh.layers) {
+      KVT_RETURN_IF_ERROR(
+          store_->Put(s->id, {plan.round, 1}, lw + 1, sh.layers, plan.upper, store_call));
+    }
+    return absl::OkStatus();
+  };
+  absl::Status put = put_both();
+  if (put.code() == absl::StatusCode::kAlreadyExists) {
+    // An earlier EndRound of this round stored its lower segment and then
+    // failed; the round may have grown since. Replace what is there.
+    put = store_->DropRound(s->id, plan.round, store_call);
+    if (put.ok()) put = put_both();
+    if (put.code() == absl::StatusCode::kAlreadyExists) {
+      put = absl::InternalError(
+          absl::StrCat("round ", plan.round, " is still in the store after a drop"));
+    }
+  }
+  absl::Status recorded = absl::CancelledError("not sent");
+  if (put.ok() && !plan.recalls.empty()) {
+    recorded = store_->RecordRecalls(s->id, plan.recalls, store_call);
+    if (!recorded.ok()) {
+      LogWarn("recall counters not sent; kept for the next round",
+              {{"session", s->id}, {"rounds", plan.recalls.size()}, {"error", recorded.ToString()}});
+    }
+  }
+
+  // Commit.
+  absl::MutexLock lock(&s->mu);
+  if (!put.ok()) {
+    s->state = SessionState::kOpen;
+    return put;
+  }
+  EndRoundReport rep;
+  rep.round = plan.round;
+  rep.stored_bytes = plan.lower.size() + plan.upper.size();
+  Session::PastRound pr;
+  pr.round = plan.round;
+  pr.tokens = plan.tokens;
+  pr.layers = std::move(plan.layers);
+  pr.stored_bytes = rep.stored_bytes;
+  s->past.push_back(std::move(pr));
+  if (s->policy.release_after_end_round) {
+    for (auto& r : s->past) {
+      for (int l = lw + 1; l < sh.layers; ++l) r.layers[l].reset();
+    }
+  }
+  s->round_resident.clear();
+  if (recorded.ok()) {
+    s->unreported_recalls.clear();
+    rep.recalls_recorded = std::move(plan.recalls);
+  } else {
+    s->unreported_recalls = std::move(plan.recalls);
+  }
+  s->stats.pending_recall_counts = s->unreported_recalls.size();
+  rep.full_bytes =
+      static_cast<uint64_t>(plan.tokens) * sh.layers * sh.kv_heads * sh.head_dim * 2 * sh.dtype_bytes;
+  s->stats.full_cache_bytes += rep.full_bytes;
+  s->CloseRound();
+  s->stats.rounds += 1;
+  s->NotePeak();
+  rep.working_set_bytes = s->stats.working_set_bytes;
+  rep.round_working_set_bytes = plan.round_working_set;
+  rep.full_cache_bytes = s->stats.full_cache_bytes;
+  return rep;
+}
+
+}  // namespace kvtier::worker

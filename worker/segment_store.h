@@ -1,0 +1,53 @@
+// Where the worker engine keeps rounds: kvtier-store in production
+// (services/worker/store_segments.h), any implementation in tests of the
+// layers above it. No gRPC here.
+#ifndef KVTIER_WORKER_SEGMENT_STORE_H_
+#define KVTIER_WORKER_SEGMENT_STORE_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "base/call_options.h"
+
+namespace kvtier::worker {
+
+// Implementations are thread-safe: the engine calls them from several
+// threads at once, never while holding a session's lock. Every method
+// honours `call.deadline`: past it the call returns DEADLINE_EXCEEDED; a
+// store that cannot be reached gives UNAVAILABLE.
+class SegmentStore {
+ public:
+  virtual ~SegmentStore() = default;
+  struct Segment {
+    uint32_t round = 0;
+    uint32_t segment = 0;  // 0: layers [0, L_w]; 1: (L_w, L).
+  };
+  // Stores one segment's serialized SegmentPayload. OK; ALREADY_EXISTS
+  // (passed through as such) when the segment is stored already;
+  // DEADLINE_EXCEEDED; UNAVAILABLE for any other store failure.
+  virtual absl::Status Put(const std::string& session, const Segment& s, uint32_t layer_begin,
+                           uint32_t layer_end, std::string_view payload,
+                           const CallOptions& call) = 0;
+  // Fetches all `segments` in ONE call, in order. OK and one payload per
+  // segment; DEADLINE_EXCEEDED; UNAVAILABLE otherwise.
+  virtual absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
+                                                       const std::vector<Segment>& segments,
+                                                       const CallOptions& call) = 0;
+  // Deletes every stored round of the session. OK when it had none.
+  virtual absl::Status Delete(const std::string& session, const CallOptions& call) = 0;
+  // Drops one round (both segments). OK when it was not there.
+  virtual absl::Status DropRound(const std::string& session, uint32_t round,
+                                 const CallOptions& call) = 0;
+  // Counts recalls of rounds that were resident (no fetch), in one call.
+  virtual absl::Status RecordRecalls(const std::string& session,
+                                     const std::vector<uint32_t>& rounds,
+                                     const CallOptions& call) = 0;
+};
+
+}  // namespace kvtier::worker
+
+#endif  // KVTIER_WORKER_SEGMENT_STORE_H_

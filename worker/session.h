@@ -1,0 +1,159 @@
+// One session of the worker engine: its state machine, working set and the
+// attention of one step. Private to worker/ (engine.cc, recall_fetch.cc,
+// round_writer.cc).
+#ifndef KVTIER_WORKER_SESSION_H_
+#define KVTIER_WORKER_SESSION_H_
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "kernels/codec.h"
+#include "worker/device_attention.h"
+#include "worker/engine.h"
+
+namespace kvtier::worker {
+
+// One KV head of one layer of a past round: encoded K and V [1, len, d].
+struct HeadKv {
+  v1::EncodedTensor k, v;
+  EncodedView kview, vview;
+  int64_t len = 0;
+};
+
+struct RoundLayer {
+  std::vector<HeadKv> heads;
+  int64_t bytes = 0;  // Encoded bytes, wherever they live.
+  // On a device session: the same K/V in device memory. The host tensors
+  // are then dropped, except at layer L_w (recall scores its keys).
+  std::unique_ptr<DeviceLayer> device;
+};
+
+// Parses a layer's tensors (2 per head, K then V) into a RoundLayer whose
+// views point into its own tensors. DATA_LOSS when they do not fit the model.
+absl::StatusOr<std::unique_ptr<RoundLayer>> MakeLayer(std::vector<v1::EncodedTensor> tensors,
+                                                      int kv_heads, int d);
+
+double MsSince(std::chrono::steady_clock::time_point t);
+
+// Where a session is in its round. Transitions (one place each):
+//   kIdle    --PrefillLayer(0)-->           kPrefill
+//   kOpen    --PrefillLayer(0)-->           kPrefill
+//   kOpen    --DecodeLayer(0)-->            kDecode
+//   kPrefill/kDecode --last layer-->        kOpen     (the step's tokens commit)
+//   kPrefill/kDecode --failure, AbortStep-->kOpen, or kIdle when the round
+//                                           had no committed token
+//   kOpen    --EndRound plans-->            kEnding   (lock released to send)
+//   kEnding  --puts OK-->                   kIdle     (the round is a past round)
+//   kEnding  --puts fail-->                 kOpen     (EndRound may be retried)
+enum class SessionState { kIdle, kOpen, kPrefill, kDecode, kEnding };
+const char* StateName(SessionState s);
+
+// Where the open round is in its recall (done once, by its first prefill).
+//   kNone --L_w with past rounds-->  kFetching (one GetSegments in flight)
+//                                    or kReady (everything resident)
+//   kFetching --L_w + 1 installs-->  kReady
+//   any --rollback of the first prefill, EndRound--> kNone
+enum class RecallState { kNone, kFetching, kReady };
+
+// The one GetSegments of a recall, shared by the session and the task that
+// runs it, so that a session that rolls back or closes never waits for it.
+struct Engine::Fetch {
+  absl::Notification done;
+  absl::StatusOr<std::vector<std::string>> result;  // Set before `done`.
+  double ms = 0;
+};
+
+// Thread-safe through `mu`: the engine locks it around every access (the
+// fields are guarded by it), and never holds it across a store call.
+class Engine::Session {
+ public:
+  struct PastRound {
+    uint32_t round = 0;
+    int64_t tokens = 0;
+    std::vector<std::unique_ptr<RoundLayer>> layers;  // Null: not resident.
+    uint64_t stored_bytes = 0;
+  };
+
+  Session(std::string session_id, const ModelShape& model, const SessionPolicy& p, int watershed)
+      : id(std::move(session_id)), shape(model), policy(p), lw(watershed) {}
+
+  // Immutable after construction.
+  const std::string id;
+  const ModelShape shape;
+  const SessionPolicy policy;
+  const int lw;  // The resolved watershed layer L_w.
+
+  mutable absl::Mutex mu;
+  SessionState state ABSL_GUARDED_BY(mu) = SessionState::kIdle;
+  RecallState recall ABSL_GUARDED_BY(mu) = RecallState::kNone;
+  std::vector<PastRound> past ABSL_GUARDED_BY(mu);
+  // The open round: per layer token-major q [t, Hq, d], k/v [t, Hkv, d].
+  std::vector<std::vector<float>> q ABSL_GUARDED_BY(mu), k ABSL_GUARDED_BY(mu),
+      v ABSL_GUARDED_BY(mu);
+  int64_t tokens ABSL_GUARDED_BY(mu) = 0;  // Committed tokens of the open round.
+  // The step in flight (kPrefill, kDecode): layers done so far, token count.
+  int next_layer ABSL_GUARDED_BY(mu) = 0;
+  int64_t step_n ABSL_GUARDED_BY(mu) = 0;
+  // Past rounds (indices into `past`) attended above L_w in this round.
+  std::vector<size_t> selected ABSL_GUARDED_BY(mu);
+  // The recall fetch (kFetching) and the rounds it brings, in order.
+  std::shared_ptr<Fetch> fetch ABSL_GUARDED_BY(mu);
+  std::vector<size_t> fetch_rounds ABSL_GUARDED_BY(mu);
+  // Set when the working set is on the GPU.
+  std::unique_ptr<DeviceSession> device ABSL_GUARDED_BY(mu);
+  // Rounds the open round recalled without a fetch, and earlier ones whose
+  // report to the store failed (one entry per recall).
+  std::vector<uint32_t> round_resident ABSL_GUARDED_BY(mu),
+      unreported_recalls ABSL_GUARDED_BY(mu);
+  SessionStats stats ABSL_GUARDED_BY(mu);
+
+  // OK when `layer` of a step of n tokens (prefill or decode) may run now;
+  // FAILED_PRECONDITION or INVALID_ARGUMENT saying why not.
+  absl::Status CheckStep(int layer, int64_t n, bool prefill) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Layer 0 of a step: enters kPrefill/kDecode.
+  void BeginStep(int64_t n, bool prefill) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // On a device session, uploads `rl` (a layer of a past round) and drops its
+  // host tensors unless it is layer L_w. Nothing to do on a host session.
+  absl::Status Place(RoundLayer& rl, int layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  uint64_t DeviceBytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  int64_t WorkingSetBytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void NotePeak() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // The past rounds' layer data a token attends at `layer`: every resident
+  // round up to L_w, the recalled ones above it.
+  std::vector<const RoundLayer*> Visible(int layer) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // Appends n tokens' q/k/v to the open round at `layer`.
+  void Append(int layer, int64_t n, const float* q, const float* k, const float* v)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Attends the n tokens appended last at `layer` over the visible past
+  // rounds plus the open round (positions tokens..tokens+n-1, causally);
+  // rolls the step back on failure.
+  absl::Status Attend(int layer, int64_t n, const float* q, float* out, KernelLevel level)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // Marks `layer` done; after the last layer the step's n tokens commit.
+  void EndLayer(int64_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // Drops the step in flight: the open round goes back to `tokens`. A fetch
+  // in flight is abandoned (its task finishes on its own).
+  void RollBackStep() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // Clears the open round after EndRound stored it.
+  void CloseRound() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+};
+
+}  // namespace kvtier::worker
+
+#endif  // KVTIER_WORKER_SESSION_H_
