@@ -310,10 +310,7 @@ TEST_F(WorkerServiceTest, DefaultPolicyIsTheDocumentedDefault) {
     ASSERT_TRUE(PrefillStep(stub_.get(), "d", 8, &rng).ok());
     ASSERT_TRUE(EndRound(stub_.get(), "d", &end).ok());
   }
-  // 3 layers, L_w = 1: one of three layers stays per round (fp16 raw).
-  const double ratio =
-      static_cast<double>(end.working_set_bytes()) / static_cast<double>(end.full_cache_bytes());
-  EXPECT_LT(ratio, 0.75) << end.working_set_bytes() << " of " << end.full_cache_bytes();
+  const uint64_t released = end.working_set_bytes();
 
   v1::OpenSessionRequest keep = Open("k");
   keep.mutable_policy()->set_release_after_end_round(false);
@@ -326,7 +323,11 @@ TEST_F(WorkerServiceTest, DefaultPolicyIsTheDocumentedDefault) {
     ASSERT_TRUE(PrefillStep(stub_.get(), "k", 8, &rng).ok());
     ASSERT_TRUE(EndRound(stub_.get(), "k", &end).ok());
   }
-  EXPECT_EQ(end.working_set_bytes(), end.full_cache_bytes());
+  // Everything resident: the working set is (at least) the full cache. With
+  // the default, 3 layers and L_w = 1, layer 2 of every round left it: 2/3.
+  EXPECT_GE(end.working_set_bytes(), end.full_cache_bytes());
+  const double ratio = static_cast<double>(released) / static_cast<double>(end.working_set_bytes());
+  EXPECT_NEAR(ratio, 2.0 / 3.0, 0.02) << released << " of " << end.working_set_bytes();
 }
 
 // A layer larger than gRPC's 4 MiB message limit travels in chunks and
