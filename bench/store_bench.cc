@@ -21,8 +21,8 @@
 
 #include "base/memory.h"
 #include "client/store_client.h"
-#include "tests/util/store_process.h"
-#include "tests/util/test_util.h"
+#include "testing/store_process.h"
+#include "testing/test_util.h"
 
 namespace kvtier::bench {
 namespace {

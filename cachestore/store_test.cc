@@ -15,7 +15,7 @@
 #include "rocksdb/env.h"
 #include "rocksdb/file_system.h"
 #include "tests/util/status_matchers.h"
-#include "tests/util/test_util.h"
+#include "testing/test_util.h"
 
 namespace kvtier::cachestore {
 namespace {

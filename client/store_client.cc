@@ -5,9 +5,9 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "kernels/crc32c.h"
-#include "services/common/grpc_status.h"
-#include "services/common/transport_args.h"
-#include "services/common/wire_format.h"
+#include "rpc/grpc_status.h"
+#include "rpc/transport_args.h"
+#include "rpc/wire_format.h"
 
 namespace kvtier {
 

@@ -6,7 +6,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/util/status_matchers.h"
-#include "tests/util/test_util.h"
+#include "testing/test_util.h"
 
 namespace kvtier::model {
 namespace {

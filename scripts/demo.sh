@@ -20,7 +20,7 @@ set -euo pipefail
 BUILD_DIR=${1:-build}
 STORE_BIN="$BUILD_DIR/services/store/kvtier-store"
 WORKER_BIN="$BUILD_DIR/services/worker/kvtier-worker"
-ENGINE_BIN="$BUILD_DIR/engine/kvtier-engine"
+ENGINE_BIN="$BUILD_DIR/refengine/kvtier-engine"
 CODEC=${CODEC:-raw}
 RECALL=${RECALL:-mass:0.95}
 EVICT=${EVICT:-none}

@@ -1,4 +1,4 @@
-// The `make demo` workload (engine/demo.h) against a real kvtier-store
+// The `make demo` workload (refengine/demo.h) against a real kvtier-store
 // process and an in-process kvtier-worker: the synthetic chat's memory
 // targets with recall (and 4-bit KIVI), recall finding the rounds each
 // question refers to, the JSON report's keys, and the stories260K path.
@@ -6,12 +6,12 @@
 #include <cmath>
 #include <string>
 
-#include "engine/demo.h"
-#include "engine/watershed.h"
+#include "refengine/demo.h"
+#include "refengine/watershed.h"
 #include "gtest/gtest.h"
 #include "services/worker/worker_server.h"
 #include "tests/util/status_matchers.h"
-#include "tests/util/test_util.h"
+#include "testing/test_util.h"
 #include "tests/util/worker_stack.h"
 
 namespace kvtier {
@@ -25,8 +25,8 @@ class EngineDemoTest : public ::testing::Test {
  protected:
   void SetUp() override { KVT_ASSERT_OK(stack_.Start()); }
 
-  engine::DemoOptions Options() {
-    engine::DemoOptions o;
+  refengine::DemoOptions Options() {
+    refengine::DemoOptions o;
     o.worker = stack_.worker_target();
     o.store = stack_.store()->target();
     return o;
@@ -35,7 +35,7 @@ class EngineDemoTest : public ::testing::Test {
   testing::WorkerStack stack_;
 };
 
-double Ratio(const engine::DemoSession& s) {
+double Ratio(const refengine::DemoSession& s) {
   return static_cast<double>(s.rounds.back().round_working_set_bytes) /
          static_cast<double>(s.rounds.back().full_cache_bytes);
 }
@@ -46,11 +46,11 @@ double Ratio(const engine::DemoSession& s) {
 // selections are deterministic for a seed; measured 0.383 and 0.147 for
 // this session (docs/demo.md).
 TEST_F(EngineDemoTest, SyntheticChatMeetsTheMemoryTargets) {
-  engine::DemoOptions o = Options();
+  refengine::DemoOptions o = Options();
   o.sessions = 1;
-  KVT_ASSERT_OK_AND_ASSIGN(engine::DemoReport raw, engine::RunDemo(o, {}));
+  KVT_ASSERT_OK_AND_ASSIGN(refengine::DemoReport raw, refengine::RunDemo(o, {}));
   ASSERT_EQ(raw.sessions.size(), 1u);
-  const engine::DemoSession& s = raw.sessions[0];
+  const refengine::DemoSession& s = raw.sessions[0];
   ASSERT_EQ(s.rounds.size(), 24u);
   EXPECT_LE(Ratio(s), 0.45);
   // Every round after the first recalled; the referenced rounds come back.
@@ -71,23 +71,23 @@ TEST_F(EngineDemoTest, SyntheticChatMeetsTheMemoryTargets) {
   EXPECT_GT(*raw.store_bytes_disk, 0u);
 
   o.codec = "kivi4";
-  KVT_ASSERT_OK_AND_ASSIGN(engine::DemoReport k4, engine::RunDemo(o, {}));
+  KVT_ASSERT_OK_AND_ASSIGN(refengine::DemoReport k4, refengine::RunDemo(o, {}));
   EXPECT_LE(Ratio(k4.sessions[0]), 0.15);
   // 4-bit keys and values: a larger but still small attention error.
   EXPECT_LT(std::sqrt(k4.sessions[0].err2 / k4.sessions[0].ref2), 0.1);
 }
 
 TEST_F(EngineDemoTest, RecallAllIsLosslessUpToFp16AndReportHasEveryKey) {
-  engine::DemoOptions o = Options();
+  refengine::DemoOptions o = Options();
   o.sessions = 2;
   o.rounds = 4;
   o.recall = "all";
-  KVT_ASSERT_OK_AND_ASSIGN(engine::DemoReport r, engine::RunDemo(o, {}));
-  for (const engine::DemoSession& s : r.sessions) {
+  KVT_ASSERT_OK_AND_ASSIGN(refengine::DemoReport r, refengine::RunDemo(o, {}));
+  for (const refengine::DemoSession& s : r.sessions) {
     EXPECT_LT(std::sqrt(s.err2 / s.ref2), 2e-3);  // fp16 storage of past rounds.
     EXPECT_EQ(s.rounds.back().selected.size(), 3u);
   }
-  const std::string json = engine::RenderJson(r);
+  const std::string json = refengine::RenderJson(r);
   for (const char* key :
        {"\"sessions\": 2", "\"rounds\": 4", "\"full_cache_bytes\": ", "\"working_set_bytes\": ",
         "\"working_set_ratio\": ", "\"store_bytes_ram\": ", "\"store_bytes_disk\": ",
@@ -95,22 +95,22 @@ TEST_F(EngineDemoTest, RecallAllIsLosslessUpToFp16AndReportHasEveryKey) {
         "\"decode_ms_per_token\": ", "\"attn_rel_err\": ", "\"top1_agreement\": null"}) {
     EXPECT_NE(json.find(key), std::string::npos) << key << " missing in\n" << json;
   }
-  EXPECT_NE(engine::RenderText(r).find("attention-output relative error"), std::string::npos);
+  EXPECT_NE(refengine::RenderText(r).find("attention-output relative error"), std::string::npos);
 }
 
 TEST_F(EngineDemoTest, BadPolicyTextsAreInvalidArgument) {
-  engine::DemoOptions o = Options();
-  for (auto f : {+[](engine::DemoOptions* x) { x->codec = "kivi3"; },
-                 +[](engine::DemoOptions* x) { x->recall = "top:3"; },
-                 +[](engine::DemoOptions* x) { x->evict = "snapkv"; },
-                 +[](engine::DemoOptions* x) { x->evict = "snapkv:64:zeta=1"; },
-                 +[](engine::DemoOptions* x) { x->sessions = 0; }}) {
-    engine::DemoOptions bad = o;
+  refengine::DemoOptions o = Options();
+  for (auto f : {+[](refengine::DemoOptions* x) { x->codec = "kivi3"; },
+                 +[](refengine::DemoOptions* x) { x->recall = "top:3"; },
+                 +[](refengine::DemoOptions* x) { x->evict = "snapkv"; },
+                 +[](refengine::DemoOptions* x) { x->evict = "snapkv:64:zeta=1"; },
+                 +[](refengine::DemoOptions* x) { x->sessions = 0; }}) {
+    refengine::DemoOptions bad = o;
     f(&bad);
-    EXPECT_THAT(engine::RunDemo(bad, {}).status(), StatusIs(absl::StatusCode::kInvalidArgument));
+    EXPECT_THAT(refengine::RunDemo(bad, {}).status(), StatusIs(absl::StatusCode::kInvalidArgument));
   }
   o.evict = "snapkv:24:w=8";
-  KVT_ASSERT_OK_AND_ASSIGN(v1::Policy p, engine::DemoPolicy(o));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::Policy p, refengine::DemoPolicy(o));
   EXPECT_EQ(p.eviction(), "snapkv");
   EXPECT_EQ(p.budget_tokens(), 24u);
   EXPECT_EQ(p.window(), 8u);
@@ -120,19 +120,19 @@ TEST_F(EngineDemoTest, BadPolicyTextsAreInvalidArgument) {
 // kivi8 with recall=all stays at the issue's >= 95% (measured 0.977 here).
 TEST_F(EngineDemoTest, Stories260KThroughTheDemo) {
   KVT_REQUIRE_SHARED_MODEL(path);
-  engine::DemoOptions o = Options();
+  refengine::DemoOptions o = Options();
   o.model = path;
   o.sessions = 2;
   o.recall = "all";
-  KVT_ASSERT_OK_AND_ASSIGN(engine::DemoReport lossless, engine::RunDemo(o, {}));
-  for (const engine::DemoSession& s : lossless.sessions) {
+  KVT_ASSERT_OK_AND_ASSIGN(refengine::DemoReport lossless, refengine::RunDemo(o, {}));
+  for (const refengine::DemoSession& s : lossless.sessions) {
     EXPECT_EQ(s.agreement.top1, 1.0);
     EXPECT_LT(s.agreement.max_logit_diff, 1e-3);
   }
   o.codec = "kivi8";
-  KVT_ASSERT_OK_AND_ASSIGN(engine::DemoReport k8, engine::RunDemo(o, {}));
-  for (const engine::DemoSession& s : k8.sessions) EXPECT_GE(s.agreement.top1, 0.95);
-  EXPECT_NE(engine::RenderJson(k8).find("\"attn_rel_err\": null"), std::string::npos);
+  KVT_ASSERT_OK_AND_ASSIGN(refengine::DemoReport k8, refengine::RunDemo(o, {}));
+  for (const refengine::DemoSession& s : k8.sessions) EXPECT_GE(s.agreement.top1, 0.95);
+  EXPECT_NE(refengine::RenderJson(k8).find("\"attn_rel_err\": null"), std::string::npos);
 }
 
 // kvtier eval watershed on the synthetic chat finds the layer the demo uses
@@ -140,10 +140,10 @@ TEST_F(EngineDemoTest, Stories260KThroughTheDemo) {
 // nats), and above it 95% of the mass sits in a few rounds.
 TEST(WatershedTest, SyntheticChatWatershedIsSix) {
   traces::SyntheticChatOptions o;
-  const engine::RoundDistributions d = engine::SyntheticChatDistributions(traces::SyntheticChat(o));
+  const refengine::RoundDistributions d = refengine::SyntheticChatDistributions(traces::SyntheticChat(o));
   ASSERT_EQ(d.layers, 32);
   ASSERT_EQ(d.dist.size(), 22u);
-  const engine::WatershedReport w = engine::AnalyzeWatershed(d);
+  const refengine::WatershedReport w = refengine::AnalyzeWatershed(d);
   EXPECT_EQ(w.watershed, 6);
   EXPECT_GT(w.mean_kl[0], 10 * w.mean_kl[10]);
   EXPECT_LT(w.rounds_for_mass_mean[20], 3.0);
@@ -151,14 +151,14 @@ TEST(WatershedTest, SyntheticChatWatershedIsSix) {
 }
 
 TEST(WatershedTest, RuleOnHandmadeDistributions) {
-  engine::RoundDistributions d;
+  refengine::RoundDistributions d;
   d.layers = 4;
   // Layer 0 uniform, layers 1-3 identical and concentrated: L_w = 1.
   d.dist.push_back({{0.25, 0.25, 0.25, 0.25},
                     {0.05, 0.05, 0.1, 0.8},
                     {0.05, 0.05, 0.1, 0.8},
                     {0.05, 0.05, 0.1, 0.8}});
-  engine::WatershedReport w = engine::AnalyzeWatershed(d, 0.9);
+  refengine::WatershedReport w = refengine::AnalyzeWatershed(d, 0.9);
   EXPECT_EQ(w.watershed, 1);
   EXPECT_DOUBLE_EQ(w.mean_kl[1], 0.0);
   EXPECT_EQ(w.rounds_for_mass_max[0], 4);
@@ -166,7 +166,7 @@ TEST(WatershedTest, RuleOnHandmadeDistributions) {
   // No layer agrees with the ones above it: no watershed.
   d.dist[0] = {
       {0.7, 0.1, 0.1, 0.1}, {0.1, 0.7, 0.1, 0.1}, {0.1, 0.1, 0.7, 0.1}, {0.1, 0.1, 0.1, 0.7}};
-  EXPECT_EQ(engine::AnalyzeWatershed(d).watershed, -1);
+  EXPECT_EQ(refengine::AnalyzeWatershed(d).watershed, -1);
 }
 
 }  // namespace

@@ -3,12 +3,12 @@
 // rounds kept in a real kvtier-store).
 #include <cstdio>
 
-#include "engine/conversation.h"
+#include "refengine/conversation.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "services/worker/worker_server.h"
 #include "tests/util/status_matchers.h"
-#include "tests/util/test_util.h"
+#include "testing/test_util.h"
 #include "tests/util/worker_stack.h"
 
 namespace kvtier {
@@ -33,24 +33,24 @@ TEST_F(EngineE2eTest, Stories260KTierModeMatchesLocalMode) {
   Start();
   KVT_ASSERT_OK_AND_ASSIGN(auto m, model::LlamaModel::Load(path));
   const int vocab = m->config().vocab_size;
-  engine::ConversationOptions o;
+  refengine::ConversationOptions o;
   o.rounds = 8;
   o.question_tokens = 10;
   o.answer_tokens = 12;
-  auto local = engine::LocalBackend(m->config());
-  KVT_ASSERT_OK_AND_ASSIGN(engine::Transcript truth,
-                           engine::RunConversation(*m, o, local.get(), nullptr, {}));
+  auto local = refengine::LocalBackend(m->config());
+  KVT_ASSERT_OK_AND_ASSIGN(refengine::Transcript truth,
+                           refengine::RunConversation(*m, o, local.get(), nullptr, {}));
 
   // Lossless: raw fp32, no eviction, recall of every round.
   v1::Policy lossless;
   lossless.set_recall("all");
   lossless.set_release_after_end_round(true);
   KVT_ASSERT_OK_AND_ASSIGN(auto tier,
-                           engine::TierBackend(m->config(), channel_, "lossless", lossless));
-  KVT_ASSERT_OK_AND_ASSIGN(engine::Transcript got,
-                           engine::RunConversation(*m, o, tier.get(), nullptr, {}));
+                           refengine::TierBackend(m->config(), channel_, "lossless", lossless));
+  KVT_ASSERT_OK_AND_ASSIGN(refengine::Transcript got,
+                           refengine::RunConversation(*m, o, tier.get(), nullptr, {}));
   EXPECT_EQ(got.answers, truth.answers) << "greedy tokens differ";
-  const engine::Agreement same = engine::Compare(truth, got, vocab);
+  const refengine::Agreement same = refengine::Compare(truth, got, vocab);
   EXPECT_LT(same.max_logit_diff, 1e-3);
   EXPECT_EQ(same.top1, 1.0);
 
@@ -62,11 +62,11 @@ TEST_F(EngineE2eTest, Stories260KTierModeMatchesLocalMode) {
     p.mutable_codec_params()->set_bits(bits);
     p.set_recall(recall);
     p.set_release_after_end_round(true);
-    auto b = engine::TierBackend(m->config(), channel_, name, p);
+    auto b = refengine::TierBackend(m->config(), channel_, name, p);
     EXPECT_TRUE(b.ok()) << b.status();
-    auto t = engine::RunConversation(*m, o, b->get(), &truth, {});
+    auto t = refengine::RunConversation(*m, o, b->get(), &truth, {});
     EXPECT_TRUE(t.ok()) << t.status();
-    const engine::Agreement a = engine::Compare(truth, *t, vocab);
+    const refengine::Agreement a = refengine::Compare(truth, *t, vocab);
     std::printf("%-20s top-1 agreement %.4f, KL %.5f nats\n", name.c_str(), a.top1, a.kl);
     return a;
   };

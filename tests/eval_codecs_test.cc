@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
-#include "tests/util/test_util.h"
+#include "testing/test_util.h"
 
 namespace kvtier {
 namespace {

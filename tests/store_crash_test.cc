@@ -16,8 +16,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/util/status_matchers.h"
-#include "tests/util/store_process.h"
-#include "tests/util/test_util.h"
+#include "testing/store_process.h"
+#include "testing/test_util.h"
 
 namespace kvtier {
 namespace {

@@ -19,8 +19,8 @@
 #include "kernels/crc32c.h"
 #include "kernels/encoded_tensor.h"
 #include "tests/util/status_matchers.h"
-#include "tests/util/store_process.h"
-#include "tests/util/test_util.h"
+#include "testing/store_process.h"
+#include "testing/test_util.h"
 
 namespace kvtier {
 namespace {

@@ -12,7 +12,7 @@
 #include "kernels/half.h"
 #include "services/worker/worker_server.h"
 #include "tests/util/status_matchers.h"
-#include "tests/util/test_util.h"
+#include "testing/test_util.h"
 #include "tests/util/worker_stack.h"
 
 namespace kvtier {

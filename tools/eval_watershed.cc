@@ -1,5 +1,5 @@
 // `kvtier eval watershed`: the watershed layer L_w of Round Attention from a
-// conversation's round-attention distributions (engine/watershed.h).
+// conversation's round-attention distributions (refengine/watershed.h).
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -7,7 +7,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "engine/watershed.h"
+#include "refengine/watershed.h"
 #include "tools/cli_args.h"
 
 namespace kvtier::cli {
@@ -52,7 +52,7 @@ int EvalWatershed(const Args& args) {
     return 2;
   }
   const uint64_t seed = args.GetU64("seed", 1);
-  engine::RoundDistributions dist;
+  refengine::RoundDistributions dist;
   std::string what;
   if (args.Has("model")) {
     auto m = model::LlamaModel::Load(args.Get("model"));
@@ -61,7 +61,7 @@ int EvalWatershed(const Args& args) {
                    std::string(m.status().message()).c_str());
       return 1;
     }
-    engine::ConversationOptions o;
+    refengine::ConversationOptions o;
     o.rounds = static_cast<int>(args.GetU64("rounds", 24));
     o.question_tokens = static_cast<int>(args.GetU64("question_tokens", 10));
     o.answer_tokens = static_cast<int>(args.GetU64("answer_tokens", 11));
@@ -69,7 +69,7 @@ int EvalWatershed(const Args& args) {
     what = absl::StrCat(args.Get("model"), ", ", o.rounds, " rounds x (", o.question_tokens,
                         " question + ", o.answer_tokens, " greedy answer tokens)");
     std::fprintf(stderr, "running the conversation on %s...\n", what.c_str());
-    auto d = engine::ModelDistributions(**m, o);
+    auto d = refengine::ModelDistributions(**m, o);
     if (!d.ok()) {
       std::fprintf(stderr, "kvtier eval watershed: %s\n",
                    std::string(d.status().message()).c_str());
@@ -90,13 +90,13 @@ int EvalWatershed(const Args& args) {
                         o.question_tokens, " + ", o.answer_tokens, " tokens), topics from layer ",
                         o.topic_layer);
     std::fprintf(stderr, "generating the %s...\n", what.c_str());
-    dist = engine::SyntheticChatDistributions(traces::SyntheticChat(o));
+    dist = refengine::SyntheticChatDistributions(traces::SyntheticChat(o));
   }
   if (dist.dist.empty()) {
     std::fprintf(stderr, "kvtier eval watershed: no question has 2 past rounds; use more rounds\n");
     return 2;
   }
-  const engine::WatershedReport w = engine::AnalyzeWatershed(dist, mass, kl_threshold);
+  const refengine::WatershedReport w = refengine::AnalyzeWatershed(dist, mass, kl_threshold);
   std::printf("%s: %zu questions, %.1f past rounds on average\n\n", what.c_str(), dist.dist.size(),
               w.past_rounds_mean);
   std::printf("%5s  %14s  %22s\n", "layer", "mean KL (nats)",

@@ -9,7 +9,7 @@
 #include "gtest/gtest.h"
 #include "kernels/half.h"
 #include "tests/util/status_matchers.h"
-#include "tests/util/test_util.h"
+#include "testing/test_util.h"
 
 namespace kvtier::traces {
 namespace {

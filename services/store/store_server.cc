@@ -8,7 +8,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/server_builder.h"
 #include "services/common/server_credentials.h"
-#include "services/common/transport_args.h"
+#include "rpc/transport_args.h"
 #include "services/store/store_metrics.h"
 #include "services/store/store_service.h"
 

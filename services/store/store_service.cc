@@ -8,8 +8,8 @@
 #include "base/log.h"
 #include "cachestore/names.h"
 #include "kernels/crc32c.h"
-#include "services/common/grpc_status.h"
-#include "services/common/wire_format.h"
+#include "rpc/grpc_status.h"
+#include "rpc/wire_format.h"
 
 namespace kvtier {
 namespace {

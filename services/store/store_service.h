@@ -35,7 +35,7 @@ struct StoreServiceOptions {
 // first).
 //
 // PutSegment and GetSegments are "raw" methods: their messages are framed by
-// hand (services/common/wire_format.h) so payload chunks are neither copied
+// hand (rpc/wire_format.h) so payload chunks are neither copied
 // into protobuf objects nor serialized again; GetSegments sends slices that
 // point into the stored payload. The wire format is the proto's.
 class StoreService final

@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "base/status_macros.h"
-#include "services/common/grpc_status.h"
+#include "rpc/grpc_status.h"
 #include "services/worker/policy_proto.h"
 
 namespace kvtier {

@@ -13,8 +13,8 @@
 #include "grpcpp/create_channel.h"
 #include "services/worker/store_segments.h"
 #include "services/worker/worker_server.h"
-#include "tests/util/store_process.h"
-#include "tests/util/test_util.h"
+#include "testing/store_process.h"
+#include "testing/test_util.h"
 
 namespace kvtier::testing {
 

@@ -2,18 +2,18 @@
 // multi-round conversation and each layer, the distribution of the
 // question's attention over the past rounds (qAttention, exactly as the
 // worker computes it at L_w), and from those the watershed layer L_w.
-#ifndef KVTIER_ENGINE_WATERSHED_H_
-#define KVTIER_ENGINE_WATERSHED_H_
+#ifndef KVTIER_REFENGINE_WATERSHED_H_
+#define KVTIER_REFENGINE_WATERSHED_H_
 
 #include <cstdint>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/conversation.h"
+#include "refengine/conversation.h"
 #include "model/llama.h"
 #include "traces/synthetic_chat.h"
 
-namespace kvtier::engine {
+namespace kvtier::refengine {
 
 // Every question's round distribution at every layer.
 struct RoundDistributions {
@@ -53,6 +53,6 @@ struct WatershedReport {
 WatershedReport AnalyzeWatershed(const RoundDistributions& d, double mass = 0.95,
                                  double kl_threshold = 0.01);
 
-}  // namespace kvtier::engine
+}  // namespace kvtier::refengine
 
-#endif  // KVTIER_ENGINE_WATERSHED_H_
+#endif  // KVTIER_REFENGINE_WATERSHED_H_

@@ -1,4 +1,4 @@
-#include "services/common/wire_format.h"
+#include "rpc/wire_format.h"
 
 #include <cstring>
 

@@ -6,8 +6,8 @@
 // field is the bytes tag, varint(length), then the field's bytes. Anything
 // that is not one such field falls back to a full protobuf parse, so any
 // conforming peer interoperates.
-#ifndef KVTIER_SERVICES_COMMON_WIRE_FORMAT_H_
-#define KVTIER_SERVICES_COMMON_WIRE_FORMAT_H_
+#ifndef KVTIER_RPC_WIRE_FORMAT_H_
+#define KVTIER_RPC_WIRE_FORMAT_H_
 
 #include <cstdint>
 #include <memory>
@@ -51,4 +51,4 @@ absl::StatusOr<Field> SingleField(const grpc::ByteBuffer& b);
 
 }  // namespace kvtier::wire
 
-#endif  // KVTIER_SERVICES_COMMON_WIRE_FORMAT_H_
+#endif  // KVTIER_RPC_WIRE_FORMAT_H_

@@ -1,7 +1,7 @@
 // absl::Status <-> grpc::Status. The codes are the same numbers, so the
 // conversion is 1:1 and keeps the message.
-#ifndef KVTIER_SERVICES_COMMON_GRPC_STATUS_H_
-#define KVTIER_SERVICES_COMMON_GRPC_STATUS_H_
+#ifndef KVTIER_RPC_GRPC_STATUS_H_
+#define KVTIER_RPC_GRPC_STATUS_H_
 
 #include "absl/status/status.h"
 #include "grpcpp/support/status.h"
@@ -13,4 +13,4 @@ absl::Status FromGrpc(const grpc::Status& s);
 
 }  // namespace kvtier
 
-#endif  // KVTIER_SERVICES_COMMON_GRPC_STATUS_H_
+#endif  // KVTIER_RPC_GRPC_STATUS_H_

@@ -1,4 +1,4 @@
-#include "services/common/transport_args.h"
+#include "rpc/transport_args.h"
 
 #include <utility>
 

@@ -1,7 +1,7 @@
 // Runs a real kvtier-store process on 127.0.0.1 with port 0, for
 // integration, crash and benchmark runs.
-#ifndef KVTIER_TESTS_UTIL_STORE_PROCESS_H_
-#define KVTIER_TESTS_UTIL_STORE_PROCESS_H_
+#ifndef KVTIER_TESTING_STORE_PROCESS_H_
+#define KVTIER_TESTING_STORE_PROCESS_H_
 
 #include <sys/types.h>
 
@@ -49,4 +49,4 @@ class StoreProcess {
 
 }  // namespace kvtier::testing
 
-#endif  // KVTIER_TESTS_UTIL_STORE_PROCESS_H_
+#endif  // KVTIER_TESTING_STORE_PROCESS_H_

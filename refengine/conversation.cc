@@ -1,4 +1,4 @@
-#include "engine/conversation.h"
+#include "refengine/conversation.h"
 
 #include <chrono>
 #include <cmath>
@@ -9,7 +9,7 @@
 #include "absl/time/clock.h"
 #include "grpcpp/client_context.h"
 
-namespace kvtier::engine {
+namespace kvtier::refengine {
 namespace {
 
 absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
@@ -352,4 +352,4 @@ Agreement Compare(const Transcript& teacher, const Transcript& t, int vocab) {
   return a;
 }
 
-}  // namespace kvtier::engine
+}  // namespace kvtier::refengine

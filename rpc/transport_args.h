@@ -5,8 +5,8 @@
 // Larger TCP read chunks (grpc.experimental.tcp_*read_chunk_size) were tried
 // and left out: they made no measurable difference here, and with TLS they
 // make gRPC 1.51 leak a slice buffer per connection (LeakSanitizer).
-#ifndef KVTIER_SERVICES_COMMON_TRANSPORT_ARGS_H_
-#define KVTIER_SERVICES_COMMON_TRANSPORT_ARGS_H_
+#ifndef KVTIER_RPC_TRANSPORT_ARGS_H_
+#define KVTIER_RPC_TRANSPORT_ARGS_H_
 
 #include "grpcpp/server_builder.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -18,4 +18,4 @@ void ApplyBulkTransportArgs(grpc::ServerBuilder* builder);
 
 }  // namespace kvtier
 
-#endif  // KVTIER_SERVICES_COMMON_TRANSPORT_ARGS_H_
+#endif  // KVTIER_RPC_TRANSPORT_ARGS_H_

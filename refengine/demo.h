@@ -7,8 +7,8 @@
 //  - a llama2.c checkpoint (the reference engine): fidelity is top-1
 //    agreement and KL of the next-token distribution, teacher-forced on the
 //    local run's greedy answers.
-#ifndef KVTIER_ENGINE_DEMO_H_
-#define KVTIER_ENGINE_DEMO_H_
+#ifndef KVTIER_REFENGINE_DEMO_H_
+#define KVTIER_REFENGINE_DEMO_H_
 
 #include <cstdint>
 #include <functional>
@@ -17,10 +17,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/conversation.h"
+#include "refengine/conversation.h"
 #include "kvtier/v1/worker.pb.h"
 
-namespace kvtier::engine {
+namespace kvtier::refengine {
 
 struct DemoOptions {
   std::string worker;  // kvtier-worker "host:port". Required.
@@ -83,6 +83,6 @@ std::string RenderText(const DemoReport& r);
 // (null where it does not apply), and more (docs/demo.md).
 std::string RenderJson(const DemoReport& r);
 
-}  // namespace kvtier::engine
+}  // namespace kvtier::refengine
 
-#endif  // KVTIER_ENGINE_DEMO_H_
+#endif  // KVTIER_REFENGINE_DEMO_H_

@@ -3,8 +3,8 @@
 // cache (local mode, the ground truth) or in kvtier-worker over gRPC (tier
 // mode). Each round: the question's tokens as one prefill, then
 // `answer_tokens` greedy decode steps, then EndRound.
-#ifndef KVTIER_ENGINE_CONVERSATION_H_
-#define KVTIER_ENGINE_CONVERSATION_H_
+#ifndef KVTIER_REFENGINE_CONVERSATION_H_
+#define KVTIER_REFENGINE_CONVERSATION_H_
 
 #include <cstdint>
 #include <functional>
@@ -18,7 +18,7 @@
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "model/llama.h"
 
-namespace kvtier::engine {
+namespace kvtier::refengine {
 
 struct ConversationOptions {
   int rounds = 20;
@@ -117,6 +117,6 @@ struct Agreement {
 };
 Agreement Compare(const Transcript& teacher, const Transcript& t, int vocab);
 
-}  // namespace kvtier::engine
+}  // namespace kvtier::refengine
 
-#endif  // KVTIER_ENGINE_CONVERSATION_H_
+#endif  // KVTIER_REFENGINE_CONVERSATION_H_

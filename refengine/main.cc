@@ -1,5 +1,5 @@
 // kvtier-engine: multi-round conversations served through kvtier-worker,
-// against an in-process full cache (engine/demo.h). `make demo` runs it.
+// against an in-process full cache (refengine/demo.h). `make demo` runs it.
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -7,7 +7,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "engine/demo.h"
+#include "refengine/demo.h"
 
 ABSL_FLAG(std::string, worker, "", "kvtier-worker address host:port. Required.");
 ABSL_FLAG(std::string, store, "",
@@ -42,7 +42,7 @@ int main(int argc, char** argv) {
       "in-process full cache.\n  kvtier-engine --worker=HOST:PORT [--store=HOST:PORT] "
       "[--model=PATH] [--codec=..] [--recall=..] [--evict=..] [--report=FILE]");
   absl::ParseCommandLine(argc, argv);
-  kvtier::engine::DemoOptions o;
+  kvtier::refengine::DemoOptions o;
   o.worker = absl::GetFlag(FLAGS_worker);
   o.store = absl::GetFlag(FLAGS_store);
   o.token = absl::GetFlag(FLAGS_token);
@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const bool quiet = absl::GetFlag(FLAGS_quiet);
-  auto report = kvtier::engine::RunDemo(o, [quiet](const std::string& line) {
+  auto report = kvtier::refengine::RunDemo(o, [quiet](const std::string& line) {
     if (!quiet) std::printf("  %s\n", line.c_str());
     std::fflush(stdout);
   });
@@ -69,11 +69,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvtier-engine: %s\n", report.status().ToString().c_str());
     return 1;
   }
-  std::printf("%s", kvtier::engine::RenderText(*report).c_str());
+  std::printf("%s", kvtier::refengine::RenderText(*report).c_str());
   const std::string path = absl::GetFlag(FLAGS_report);
   if (!path.empty()) {
     std::ofstream f(path);
-    f << kvtier::engine::RenderJson(*report);
+    f << kvtier::refengine::RenderJson(*report);
     if (!f) {
       std::fprintf(stderr, "kvtier-engine: cannot write %s\n", path.c_str());
       return 1;

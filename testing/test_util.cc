@@ -1,4 +1,4 @@
-#include "tests/util/test_util.h"
+#include "testing/test_util.h"
 
 #include <cstdlib>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "tests/util/store_process.h"
+#include "testing/store_process.h"
 
 #include <fcntl.h>
 #include <signal.h>

@@ -1,4 +1,4 @@
-#include "engine/watershed.h"
+#include "refengine/watershed.h"
 
 #include <algorithm>
 #include <cmath>
@@ -7,7 +7,7 @@
 #include "base/status_macros.h"
 #include "kernels/recall.h"
 
-namespace kvtier::engine {
+namespace kvtier::refengine {
 namespace {
 
 // A conversation's queries and keys at every layer, token-major.
@@ -168,4 +168,4 @@ WatershedReport AnalyzeWatershed(const RoundDistributions& d, double mass, doubl
   return w;
 }
 
-}  // namespace kvtier::engine
+}  // namespace kvtier::refengine

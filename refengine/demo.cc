@@ -1,4 +1,4 @@
-#include "engine/demo.h"
+#include "refengine/demo.h"
 
 #include <unistd.h>
 
@@ -22,7 +22,7 @@
 #include "traces/synthetic_chat.h"
 #include "kernels/recall.h"
 
-namespace kvtier::engine {
+namespace kvtier::refengine {
 namespace {
 
 // The synthetic chat's watershed layer as `kvtier eval watershed` measures
@@ -531,4 +531,4 @@ std::string RenderJson(const DemoReport& r) {
   return s;
 }
 
-}  // namespace kvtier::engine
+}  // namespace kvtier::refengine

@@ -1,7 +1,7 @@
 // Helpers shared by kvtier's tests and benchmarks: deterministic segment
 // payloads and temporary directories.
-#ifndef KVTIER_TESTS_UTIL_TEST_UTIL_H_
-#define KVTIER_TESTS_UTIL_TEST_UTIL_H_
+#ifndef KVTIER_TESTING_TEST_UTIL_H_
+#define KVTIER_TESTING_TEST_UTIL_H_
 
 #include <cstdint>
 #include <string>
@@ -47,4 +47,4 @@ bool InCi();
                     "(or KVTIER_MODEL=path); a user's clone has none";            \
   }
 
-#endif  // KVTIER_TESTS_UTIL_TEST_UTIL_H_
+#endif  // KVTIER_TESTING_TEST_UTIL_H_
