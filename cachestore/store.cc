@@ -118,6 +118,7 @@ absl::Status Store::Recover() {
   absl::flat_hash_set<uint64_t> referenced_files;
   const int64_t now = options_.clock->NowUnixMs();
   auto session_for = [&](const ParsedKey& k) -> SessionEntry& {
+    mu_.AssertHeld();  // Runs under the lock above; tells clang's analysis.
     SessionEntry& s = sessions_[SessionKey(k.tenant, k.session)];
     if (s.tenant.empty()) {
       s.tenant = k.tenant;
@@ -793,6 +794,7 @@ absl::StatusOr<ReadResult> Store::ReadSegment(const std::string& tenant, const s
   ReadResult result;
   uint64_t file_id = 0;
   auto find = [&]() -> SegmentEntry* {
+    mu_.AssertHeld();  // Called only under the lock.
     SessionEntry* s = FindSessionLocked(key);
     if (s == nullptr) return nullptr;
     auto r = s->rounds.find(id.round);

@@ -14,7 +14,7 @@ BUILD_DIR=${BUILD_DIR:-build}
 JOBS=${JOBS:-$(nproc)}
 PACKAGES=(g++ cmake make pkg-config libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev
   protobuf-compiler librocksdb-dev prometheus-cpp-dev libabsl-dev libgtest-dev libgmock-dev
-  libbenchmark-dev libssl-dev openssl)
+  libbenchmark-dev libssl-dev openssl clang python3)
 
 deps() {
   local missing=()

@@ -374,7 +374,10 @@ class WorkerService::DecodeReactor
   void OnRequest() {
     resp_.Clear();
     items_.clear();
-    first_error_ = absl::OkStatus();
+    {
+      absl::MutexLock lock(&mu_);
+      first_error_ = absl::OkStatus();
+    }
     std::map<std::string, std::vector<int>> groups;
     std::vector<const std::vector<int>*> order;
     for (int i = 0; i < req_.items_size(); ++i) {
