@@ -539,14 +539,17 @@ EncodedView EncodedView::Raw(v1::DType dtype, const void* data, int64_t slabs, i
   return v;
 }
 
-absl::StatusOr<EncodedView> ParseEncoded(const v1::EncodedTensor& t) {
-  KVT_RETURN_IF_ERROR(ValidateTensor(t));
+namespace {
+
+// ParseEncoded over metadata `t` (format-validated) and its buffers `bufs`.
+absl::StatusOr<EncodedView> ParseEncodedParts(const v1::EncodedTensor& t,
+                                              const std::vector<BufferView>& bufs) {
   const v1::CodecParams& p = t.params();
   KVT_ASSIGN_OR_RETURN(
       Layout l, MakeLayout(t.codec(), p.backbone(), t.role(), t.dtype(), static_cast<int>(p.bits()),
                            static_cast<int>(p.group_size()), p.residual_tokens(),
                            static_cast<int>(p.rank()), p.outlier_fraction(), t.shape()));
-  auto buf = [&](int i) { return reinterpret_cast<const uint8_t*>(t.buffers(i).data().data()); };
+  auto buf = [&](int i) { return reinterpret_cast<const uint8_t*>(bufs[i].data.data()); };
   if (t.codec() == v1::CODEC_RAW) {
     return EncodedView::Raw(t.dtype(), buf(0), l.slabs, l.tokens, l.d, l.tokens * l.d, l.d);
   }
@@ -577,16 +580,16 @@ absl::StatusOr<EncodedView> ParseEncoded(const v1::EncodedTensor& t) {
     want.push_back({v1::BUFFER_SPARSE_INDEX, l.sparse_count() * l.index_bytes});
     want.push_back({v1::BUFFER_SPARSE_VALUE, l.sparse_count() * l.dsize});
   }
-  if (t.buffers_size() != static_cast<int>(want.size())) {
+  if (bufs.size() != want.size()) {
     return absl::InvalidArgumentError(absl::StrCat("codec ", v1::Codec_Name(t.codec()), " needs ",
                                                    want.size(), " buffers, tensor has ",
-                                                   t.buffers_size()));
+                                                   bufs.size()));
   }
   for (size_t i = 0; i < want.size(); ++i) {
-    const auto& b = t.buffers(static_cast<int>(i));
-    if (b.kind() != want[i].kind || static_cast<int64_t>(b.data().size()) != want[i].bytes) {
+    const BufferView& b = bufs[i];
+    if (b.kind != want[i].kind || static_cast<int64_t>(b.data.size()) != want[i].bytes) {
       return absl::InvalidArgumentError(
-          absl::StrCat("buffer ", i, " is ", v1::BufferKind_Name(b.kind()), " of ", b.data().size(),
+          absl::StrCat("buffer ", i, " is ", v1::BufferKind_Name(b.kind), " of ", b.data.size(),
                        " bytes; the shape and parameters need ", v1::BufferKind_Name(want[i].kind),
                        " of ", want[i].bytes));
     }
@@ -638,6 +641,20 @@ absl::StatusOr<EncodedView> ParseEncoded(const v1::EncodedTensor& t) {
     }
   }
   return v;
+}
+
+}  // namespace
+
+absl::StatusOr<EncodedView> ParseEncoded(const v1::EncodedTensor& t, bool verify_crc) {
+  KVT_RETURN_IF_ERROR(ValidateTensor(t, verify_crc));
+  std::vector<BufferView> bufs;
+  bufs.reserve(t.buffers_size());
+  for (const auto& b : t.buffers()) bufs.push_back({b.kind(), b.data()});
+  return ParseEncodedParts(t, bufs);
+}
+
+absl::StatusOr<EncodedView> ParseEncoded(const TensorParts& t) {
+  return ParseEncodedParts(t.meta, t.buffers);
 }
 
 void DecodeRows(const EncodedView& v, int64_t s, int64_t t0, int64_t t1, float* out,

@@ -43,6 +43,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "kernels/encoded_tensor.h"
 #include "kvtier/v1/tensor.pb.h"
 
 namespace kvtier {
@@ -144,7 +145,11 @@ struct EncodedView {
 // Validates `t` fully (format checks, CRC, every buffer's exact size, sparse
 // positions) and returns a view into its buffers. `t` must outlive the view.
 // INVALID_ARGUMENT for a malformed tensor, DATA_LOSS for a CRC mismatch.
-absl::StatusOr<EncodedView> ParseEncoded(const v1::EncodedTensor& t);
+// verify_crc = false: every check but the checksum (see ValidateTensor).
+absl::StatusOr<EncodedView> ParseEncoded(const v1::EncodedTensor& t, bool verify_crc = true);
+// The same over a tensor split in place by SplitPayload (which validated its
+// format): the view points into the payload's bytes, which must outlive it.
+absl::StatusOr<EncodedView> ParseEncoded(const TensorParts& t);
 
 // Decodes rows [t0, t1) of slab `s` into out[(t - t0) * D + d].
 void DecodeRows(const EncodedView& v, int64_t s, int64_t t0, int64_t t1, float* out,

@@ -79,14 +79,10 @@ absl::Status ValidateParams(const v1::EncodedTensor& t) {
 
 namespace {
 
-struct BufferView {
-  v1::BufferKind kind = v1::BUFFER_KIND_UNSPECIFIED;
-  std::string_view data;
-};
-
 // The checks of ValidateTensor over tensor metadata `t` (whose own buffers
 // are ignored) and the buffers in `bufs`.
-absl::Status ValidateTensorView(const v1::EncodedTensor& t, const std::vector<BufferView>& bufs) {
+absl::Status ValidateTensorView(const v1::EncodedTensor& t, const std::vector<BufferView>& bufs,
+                                bool verify_crc = true) {
   if (t.format_version() == 0 || t.format_version() > kEncodedTensorFormatVersion) {
     return absl::InvalidArgumentError(
         absl::StrCat("unsupported EncodedTensor format_version ", t.format_version()));
@@ -119,6 +115,7 @@ absl::Status ValidateTensorView(const v1::EncodedTensor& t, const std::vector<Bu
           absl::StrCat("raw buffer holds ", bufs[0].data.size(), " bytes, shape needs ", want));
     }
   }
+  if (!verify_crc) return absl::OkStatus();
   uint32_t crc = 0;
   for (const BufferView& b : bufs) crc = Crc32cExtend(crc, b.data.data(), b.data.size());
   if (crc != t.crc32c()) return absl::DataLossError("tensor crc32c does not match its buffers");
@@ -160,12 +157,12 @@ bool ParseBuffer(std::string_view bytes, BufferView* out) {
 }
 
 // Splits an EncodedTensor message into its metadata (parsed normally, without
-// buffers) and views of its buffers, then validates.
-absl::Status ValidateTensorBytes(std::string_view bytes) {
+// buffers) and views of its buffers.
+absl::Status SplitTensorBytes(std::string_view bytes, TensorParts* out) {
   CodedInputStream in(reinterpret_cast<const uint8_t*>(bytes.data()),
                       static_cast<int>(bytes.size()));
   std::string meta;
-  std::vector<BufferView> bufs;
+  out->buffers.clear();
   for (;;) {
     const int start = in.CurrentPosition();
     const uint32_t tag = in.ReadTag();
@@ -177,7 +174,7 @@ absl::Status ValidateTensorBytes(std::string_view bytes) {
       if (!ReadView(&in, bytes.data(), &view) || !ParseBuffer(view, &b)) {
         return absl::InvalidArgumentError("tensor buffer does not parse");
       }
-      bufs.push_back(b);
+      out->buffers.push_back(b);
       continue;
     }
     if (!WireFormatLite::SkipField(&in, tag)) {
@@ -186,18 +183,24 @@ absl::Status ValidateTensorBytes(std::string_view bytes) {
     meta.append(bytes.data() + start, in.CurrentPosition() - start);
   }
   if (!in.ConsumedEntireMessage()) return absl::InvalidArgumentError("tensor does not parse");
-  v1::EncodedTensor t;
-  if (!t.ParseFromString(meta)) return absl::InvalidArgumentError("tensor does not parse");
-  return ValidateTensorView(t, bufs);
+  if (!out->meta.ParseFromString(meta)) return absl::InvalidArgumentError("tensor does not parse");
+  out->bytes = bytes;
+  return absl::OkStatus();
+}
+
+absl::Status ValidateTensorBytes(std::string_view bytes) {
+  TensorParts parts;
+  if (absl::Status s = SplitTensorBytes(bytes, &parts); !s.ok()) return s;
+  return ValidateTensorView(parts.meta, parts.buffers);
 }
 
 }  // namespace
 
-absl::Status ValidateTensor(const v1::EncodedTensor& t) {
+absl::Status ValidateTensor(const v1::EncodedTensor& t, bool verify_crc) {
   std::vector<BufferView> bufs;
   bufs.reserve(t.buffers_size());
   for (const auto& b : t.buffers()) bufs.push_back({b.kind(), b.data()});
-  return ValidateTensorView(t, bufs);
+  return ValidateTensorView(t, bufs, verify_crc);
 }
 
 absl::StatusOr<int> ValidatePayloadBytes(std::string_view bytes) {
@@ -245,6 +248,41 @@ absl::StatusOr<v1::SegmentPayload> ParseAndValidatePayload(std::string_view byte
     }
   }
   return payload;
+}
+
+}  // namespace kvtier
+
+namespace kvtier {
+
+absl::StatusOr<std::vector<TensorParts>> SplitPayload(std::string_view payload, bool verify_crc) {
+  if (payload.size() > static_cast<size_t>(INT32_MAX)) {
+    return absl::InvalidArgumentError("segment payload over 2 GiB");
+  }
+  CodedInputStream in(reinterpret_cast<const uint8_t*>(payload.data()),
+                      static_cast<int>(payload.size()));
+  in.SetTotalBytesLimit(INT32_MAX);
+  std::vector<TensorParts> out;
+  for (uint32_t tag; (tag = in.ReadTag()) != 0;) {
+    if (WireFormatLite::GetTagFieldNumber(tag) == 1 &&
+        WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+      std::string_view view;
+      if (!ReadView(&in, payload.data(), &view)) {
+        return absl::InvalidArgumentError("segment payload is not a serialized SegmentPayload");
+      }
+      TensorParts& t = out.emplace_back();
+      absl::Status s = SplitTensorBytes(view, &t);
+      if (s.ok()) s = ValidateTensorView(t.meta, t.buffers, verify_crc);
+      if (!s.ok()) {
+        return absl::Status(s.code(), absl::StrCat("tensor ", out.size() - 1, ": ", s.message()));
+      }
+    } else if (!WireFormatLite::SkipField(&in, tag)) {
+      return absl::InvalidArgumentError("segment payload is not a serialized SegmentPayload");
+    }
+  }
+  if (!in.ConsumedEntireMessage()) {
+    return absl::InvalidArgumentError("segment payload is not a serialized SegmentPayload");
+  }
+  return out;
 }
 
 }  // namespace kvtier

@@ -5,6 +5,8 @@
 #define KVTIER_KERNELS_ENCODED_TENSOR_H_
 
 #include <cstdint>
+#include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -24,6 +26,29 @@ uint32_t ComputeTensorCrc(const v1::EncodedTensor& t);
 // Sets format_version and crc32c from the current buffers.
 void SealTensor(v1::EncodedTensor* t);
 
+// One buffer of a tensor, as a view of bytes held elsewhere.
+struct BufferView {
+  v1::BufferKind kind = v1::BUFFER_KIND_UNSPECIFIED;
+  std::string_view data;
+};
+
+// One tensor of a serialized SegmentPayload, split where it lies: its
+// metadata (every field but the buffers, parsed) and views of its buffers'
+// bytes. Valid while the payload's bytes are.
+struct TensorParts {
+  v1::EncodedTensor meta;          // Its `buffers` are empty.
+  std::vector<BufferView> buffers;  // In order.
+  std::string_view bytes;           // The tensor's whole serialized form.
+};
+
+// Splits every tensor of a serialized SegmentPayload in place, copying no
+// buffer bytes, and validates each as ValidateTensor does (the checksum only
+// with verify_crc). OK and the tensors in order; INVALID_ARGUMENT for bytes
+// that are no SegmentPayload or a malformed tensor; DATA_LOSS for a checksum
+// mismatch.
+absl::StatusOr<std::vector<TensorParts>> SplitPayload(std::string_view payload,
+                                                      bool verify_crc = true);
+
 // Checks a tensor. Returns:
 //   OK                 well-formed, checksum matches.
 //   INVALID_ARGUMENT   unknown version/codec/dtype, bad shape (0 or > 8 dims,
@@ -31,7 +56,10 @@ void SealTensor(v1::EncodedTensor* t);
 //                      bad codec parameters, or a CODEC_RAW buffer whose size
 //                      is not elements * dtype size.
 //   DATA_LOSS          crc32c does not match the buffers.
-absl::Status ValidateTensor(const v1::EncodedTensor& t);
+// verify_crc = false skips the checksum (only the checksum): for bytes whose
+// integrity is already established on this hop (just sealed here, or inside
+// a segment payload whose own crc32c was checked on arrival).
+absl::Status ValidateTensor(const v1::EncodedTensor& t, bool verify_crc = true);
 
 // Validates a serialized SegmentPayload in place: the same checks as
 // ParseAndValidatePayload, but buffer bytes are checksummed where they lie

@@ -31,8 +31,9 @@ absl::Status CheckShape(const LayerQK& x) {
 void AddAttention(const LayerQK& x, int hq, int64_t i, int64_t limit, double weight,
                   std::vector<double>* acc, std::vector<double>* s, const float* q = nullptr) {
   const int rep = x.q_heads / x.kv_heads;
-  if (q == nullptr) q = x.q + (static_cast<int64_t>(hq) * x.tokens + i) * x.d;
-  const float* k = x.k + static_cast<int64_t>(hq / rep) * x.tokens * x.d;
+  const int64_t hs = x.head_stride > 0 ? x.head_stride : x.tokens * x.d;
+  if (q == nullptr) q = x.q + static_cast<int64_t>(hq) * hs + i * x.d;
+  const float* k = x.k + static_cast<int64_t>(hq / rep) * hs;
   const double scale = 1.0 / std::sqrt(static_cast<double>(x.d));
   s->resize(static_cast<size_t>(i + 1));
   double m = -1e300;

@@ -33,6 +33,10 @@ struct LayerQK {
   int64_t tokens = 0;
   const float* q = nullptr;
   const float* k = nullptr;
+  // Floats from one head's first row to the next head's, in q and in k.
+  // Default: 0, meaning tokens * d (heads packed). The worker's open round
+  // leaves room between heads to grow.
+  int64_t head_stride = 0;
   // Oracle window, for analysis only: when set, SnapKV-family scores come
   // from these queries [q_heads, future_queries, d], each seeing all T keys,
   // instead of the last w rows of q. Real eviction cannot know them; the

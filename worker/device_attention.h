@@ -53,10 +53,10 @@ class DeviceSession {
   virtual ~DeviceSession() = default;
   // Attention of n new tokens at `layer` (positions base..base+n-1 of the open
   // round) over `rounds` plus the open round, causally. cur_k/cur_v hold the
-  // open round's rows [0, base + n) token-major [t, kv_heads, d] on the host;
-  // rows [base, base + n) are uploaded here (earlier ones already are, and a
-  // rolled-back step's rows are overwritten by the next). q and out are
-  // [n, q_heads, d] on the host.
+  // step's n new rows token-major [n, kv_heads, d] on the host; they are
+  // uploaded here as the mirror's rows [base, base + n) (earlier ones already
+  // are, and a rolled-back step's rows are overwritten by the next). q and
+  // out are [n, q_heads, d] on the host.
   virtual absl::Status Attend(int layer, const std::vector<const DeviceLayer*>& rounds,
                               const float* cur_k, const float* cur_v, int64_t base, int64_t n,
                               const float* q, float* out) = 0;

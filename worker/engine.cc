@@ -68,9 +68,7 @@ absl::Status Engine::OpenSession(const std::string& id, const ModelShape& shape,
   auto s = std::make_shared<Session>(id, shape, policy, lw);
   {
     absl::MutexLock lock(&s->mu);
-    s->q.resize(shape.layers);
-    s->k.resize(shape.layers);
-    s->v.resize(shape.layers);
+    s->open.resize(shape.layers);
     using Placement = EngineOptions::Placement;
     if (options_.placement != Placement::kHost) {
       absl::Status why = DeviceStatus();
@@ -141,13 +139,13 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(
   // layer's attention and overlaps with it too.
   if (layer == s->lw && base == 0 && s->recall == RecallState::kNone) {
     if (!s->past.empty() && s->shape.layers > 1) {
-      report = StartRecall(*s, n, question_tokens, q, call);
+      report = StartRecall(*s, n, question_tokens, q, k, call);
     } else {
       s->recall = RecallState::kReady;  // Nothing to recall.
       s->selected.clear();
     }
   }
-  KVT_RETURN_IF_ERROR(s->Attend(layer, n, q, out, options_.level));
+  KVT_RETURN_IF_ERROR(s->Attend(layer, n, q, k, v, out, options_.level));
   s->EndLayer(n);
   return report;
 }
@@ -159,7 +157,7 @@ absl::Status Engine::DecodeLayer(const std::string& id, int layer, const float* 
   KVT_RETURN_IF_ERROR(s->CheckStep(layer, 1, /*prefill=*/false));
   if (layer == 0) s->BeginStep(1, /*prefill=*/false);
   s->Append(layer, 1, q, k, v);
-  KVT_RETURN_IF_ERROR(s->Attend(layer, 1, q, out, options_.level));
+  KVT_RETURN_IF_ERROR(s->Attend(layer, 1, q, k, v, out, options_.level));
   s->EndLayer(1);
   return absl::OkStatus();
 }

@@ -8,7 +8,8 @@
 //  - every past round's lower segment (layers [0, L_w]), as the codec left it;
 //  - the upper segments (layers (L_w, L)) of the rounds recalled for the
 //    current round (and, with release_after_end_round off, of every round);
-//  - the current round's K/V in fp32 (its queries too, for eviction scoring).
+//  - the current round's K/V in fp32, head-major (its queries too, for
+//    eviction scoring).
 // With a GPU (EngineOptions::placement) the past rounds' encoded K/V live in
 // device memory instead and attention runs there (worker/device_attention.h);
 // the open round is mirrored to the device layer by layer.
@@ -199,8 +200,9 @@ class Engine {
   absl::Status AbortStep(const std::string& id);
 
   // Eviction, encoding and PutSegment of the open round. OK and the report;
-  // NOT_FOUND; FAILED_PRECONDITION without an open round, in the middle of a
-  // step, or while another EndRound of the session runs; UNAVAILABLE or
+  // NOT_FOUND; FAILED_PRECONDITION without an open round or in the middle of
+  // a step; ABORTED while another EndRound of the session runs (retry);
+  // UNAVAILABLE or
   // DEADLINE_EXCEEDED when the store fails: the round stays open and
   // EndRound may be retried.
   absl::StatusOr<EndRoundReport> EndRound(const std::string& id, const CallOptions& call = {});
@@ -225,8 +227,9 @@ class Engine {
   absl::StatusOr<std::shared_ptr<Session>> Find(const std::string& id) const;
   // Scores the past rounds at L_w and starts the one fetch (recall_fetch.cc).
   // REQUIRES: s.mu held (both; checked with AssertHeld).
+  // q and k: the round's first n tokens at L_w, token-major as they arrived.
   RecallReport StartRecall(Session& s, int64_t n, int64_t question_tokens, const float* q,
-                           const CallOptions& call);
+                           const float* k, const CallOptions& call);
   // At layer L_w + 1, after waiting for `f` without the session lock:
   // installs the fetched upper segments, or rolls the step back when the
   // fetch failed or had not `arrived` by the deadline (recall_fetch.cc).

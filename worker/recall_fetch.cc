@@ -10,7 +10,7 @@
 namespace kvtier::worker {
 
 RecallReport Engine::StartRecall(Session& s, int64_t n, int64_t question_tokens, const float* q,
-                                 const CallOptions& call) {
+                                 const float* k, const CallOptions& call) {
   s.mu.AssertHeld();
   const ModelShape& sh = s.shape;
   const int d = sh.head_dim;
@@ -30,7 +30,7 @@ RecallReport Engine::StartRecall(Session& s, int64_t n, int64_t question_tokens,
   RecallReport rep;
   rep.round = s.stats.rounds;
   rep.scores = QAttention(sh.q_heads, sh.kv_heads, d, q,
-                          static_cast<int64_t>(sh.q_heads) * d, qt, rk, s.k[s.lw].data());
+                          static_cast<int64_t>(sh.q_heads) * d, qt, rk, k);
   const std::vector<uint32_t> pick = SelectRounds(rep.scores, s.policy.recall,
                                                   s.policy.keep_recent_round);
   s.selected.assign(pick.begin(), pick.end());
@@ -97,32 +97,27 @@ absl::StatusOr<RecallReport> Engine::InstallFetch(Session& s, const std::shared_
                                  : absl::StatusCode::kUnavailable,
                              absl::StrCat("recall fetch failed: ", st.message())));
   }
-  const std::vector<std::string>& got = *f->result;
-  if (got.size() != s.fetch_rounds.size()) {
+  if (f->result->size() != s.fetch_rounds.size()) {
     return fail(absl::DataLossError("recall fetch returned a different segment count"));
   }
   const int upper_layers = sh.layers - s.lw - 1;
   std::vector<std::vector<std::unique_ptr<RoundLayer>>> parsed;
-  for (const std::string& bytes : got) {
-    v1::SegmentPayload payload;
-    if (!payload.ParseFromString(bytes) ||
-        payload.tensors_size() != 2 * sh.kv_heads * upper_layers) {
-      return fail(absl::DataLossError("recalled segment payload is malformed"));
+  uint64_t fetched = 0;
+  for (std::string& bytes : f->result.value()) {
+    fetched += bytes.size();
+    // The fetched buffer itself becomes the working set's bytes: views, no
+    // copy (its crc32c was checked on arrival).
+    auto payload = std::make_shared<const std::string>(std::move(bytes));
+    auto layers = MakeLayers(std::move(payload), upper_layers, sh.kv_heads, sh.head_dim);
+    if (!layers.ok()) {
+      return fail(absl::DataLossError(
+          absl::StrCat("recalled segment payload is malformed: ", layers.status().message())));
     }
-    std::vector<std::unique_ptr<RoundLayer>> layers;
     for (int l = s.lw + 1; l < sh.layers; ++l) {
-      const int first = 2 * sh.kv_heads * (l - s.lw - 1);
-      std::vector<v1::EncodedTensor> t;
-      t.reserve(2 * sh.kv_heads);
-      for (int j = 0; j < 2 * sh.kv_heads; ++j) {
-        t.push_back(std::move(*payload.mutable_tensors(first + j)));
-      }
-      auto rl = MakeLayer(std::move(t), sh.kv_heads, sh.head_dim);
-      absl::Status placed = rl.ok() ? s.Place(**rl, l) : rl.status();
+      absl::Status placed = s.Place(*(*layers)[l - s.lw - 1], l);
       if (!placed.ok()) return fail(placed);
-      layers.push_back(std::move(*rl));
     }
-    parsed.push_back(std::move(layers));
+    parsed.push_back(*std::move(layers));
   }
   for (size_t i = 0; i < parsed.size(); ++i) {
     Session::PastRound& r = s.past[s.fetch_rounds[i]];
@@ -133,7 +128,7 @@ absl::StatusOr<RecallReport> Engine::InstallFetch(Session& s, const std::shared_
   RecallReport& rr = s.stats.recalls.back();
   rr.exposed_ms = exposed_ms;
   rr.fetch_ms = f->ms;
-  for (const std::string& p : got) rr.bytes_fetched += p.size();
+  rr.bytes_fetched += fetched;
   return rr;
 }
 

@@ -1,7 +1,7 @@
 // EndRound: eviction and encoding of the open round under the session lock
 // (the plan), PutSegment of its two segments without it (the send), and the
 // round's move into the working set under the lock again (the commit).
-#include <cstring>
+#include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
@@ -44,7 +44,8 @@ std::string SerializeSegment(const std::vector<std::vector<v1::EncodedTensor>>& 
 struct RoundPlan {
   uint32_t round = 0;
   int64_t tokens = 0;
-  std::string lower, upper;  // Serialized SegmentPayloads; upper empty if L_w = L - 1.
+  // Serialized SegmentPayloads, sent as they are; upper null if L_w = L - 1.
+  std::shared_ptr<const std::string> lower, upper;
   std::vector<std::unique_ptr<RoundLayer>> layers;  // The round's working-set form.
   uint64_t round_working_set = 0;
   std::vector<uint32_t> recalls;  // Resident recalls to report, older ones first.
@@ -64,7 +65,9 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id, const Cal
       case SessionState::kIdle:
         return absl::FailedPreconditionError("EndRound without an open round");
       case SessionState::kEnding:
-        return absl::FailedPreconditionError("EndRound of this session is already running");
+        // A concurrent attempt (often a retry whose first try is still
+        // finishing after its caller gave up): retryable.
+        return absl::AbortedError("EndRound of this session is already running");
       case SessionState::kPrefill:
       case SessionState::kDecode:
         return absl::FailedPreconditionError(absl::StrCat(
@@ -77,47 +80,59 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id, const Cal
     plan.tokens = t;
     plan.round_working_set = static_cast<uint64_t>(s->WorkingSetBytes());
     std::vector<std::vector<v1::EncodedTensor>> enc(sh.layers);
-    std::vector<float> qm(static_cast<size_t>(sh.q_heads) * t * d),
-        km(static_cast<size_t>(sh.kv_heads) * t * d), vm(km.size()), hk, hv;
+    std::vector<float> hk, hv;
+    const bool evicting = s->policy.eviction.method != evict::Method::kNone;
     for (int l = 0; l < sh.layers; ++l) {
-      for (int64_t i = 0; i < t; ++i) {
-        for (int h = 0; h < sh.q_heads; ++h)
-          std::memcpy(&qm[(h * t + i) * d], &s->q[l][(i * sh.q_heads + h) * d], d * sizeof(float));
-        for (int h = 0; h < sh.kv_heads; ++h) {
-          std::memcpy(&km[(h * t + i) * d], &s->k[l][(i * sh.kv_heads + h) * d],
-                      d * sizeof(float));
-          std::memcpy(&vm[(h * t + i) * d], &s->v[l][(i * sh.kv_heads + h) * d],
-                      d * sizeof(float));
-        }
+      // The open round is head-major already: eviction scores it in place,
+      // and each head's kept rows are encoded straight from it when eviction
+      // keeps them all.
+      const OpenLayer& o = s->open[l];
+      evict::LayerQK x{sh.q_heads, sh.kv_heads, d, t, o.q.data(), o.k.data()};
+      x.head_stride = o.cap * d;
+      std::vector<std::vector<int64_t>> keep;
+      if (evicting) {
+        KVT_ASSIGN_OR_RETURN(keep, evict::SelectTokens(s->policy.eviction, l, sh.layers, x));
       }
-      const evict::LayerQK x{sh.q_heads, sh.kv_heads, d, t, qm.data(), km.data()};
-      KVT_ASSIGN_OR_RETURN(auto keep, evict::SelectTokens(s->policy.eviction, l, sh.layers, x));
       for (int h = 0; h < sh.kv_heads; ++h) {
-        const int64_t len = static_cast<int64_t>(keep[h].size());
-        hk.resize(len * d);
-        hv.resize(len * d);
-        for (int64_t i = 0; i < len; ++i) {
-          std::memcpy(&hk[i * d], &km[(h * t + keep[h][i]) * d], d * sizeof(float));
-          std::memcpy(&hv[i * d], &vm[(h * t + keep[h][i]) * d], d * sizeof(float));
+        const float* kp = o.k_head(h, d);
+        const float* vp = o.v_head(h, d);
+        int64_t len = t;
+        if (evicting && static_cast<int64_t>(keep[h].size()) != t) {
+          // Attention does not depend on key order, so all t kept = as is.
+          len = static_cast<int64_t>(keep[h].size());
+          hk.resize(len * d);
+          hv.resize(len * d);
+          for (int64_t i = 0; i < len; ++i) {
+            std::copy_n(kp + keep[h][i] * d, d, &hk[i * d]);
+            std::copy_n(vp + keep[h][i] * d, d, &hv[i * d]);
+          }
+          kp = hk.data();
+          vp = hv.data();
         }
         const int64_t shape[3] = {1, len, d};
         KVT_ASSIGN_OR_RETURN(v1::EncodedTensor ek, Encode(s->policy.codec, v1::TENSOR_ROLE_KEY,
-                                                          shape, hk.data(), options_.level));
+                                                          shape, kp, options_.level));
         KVT_ASSIGN_OR_RETURN(v1::EncodedTensor ev, Encode(s->policy.codec, v1::TENSOR_ROLE_VALUE,
-                                                          shape, hv.data(), options_.level));
+                                                          shape, vp, options_.level));
         enc[l].push_back(std::move(ek));
         enc[l].push_back(std::move(ev));
       }
     }
-    plan.lower = SerializeSegment(enc, 0, lw + 1);
-    if (lw + 1 < sh.layers) plan.upper = SerializeSegment(enc, lw + 1, sh.layers);
-    // The round's working-set form, built (and on a GPU uploaded) before the
-    // puts, so that a failure of either leaves the round open.
-    for (int l = 0; l < sh.layers; ++l) {
-      KVT_ASSIGN_OR_RETURN(auto rl, MakeLayer(std::move(enc[l]), sh.kv_heads, d));
-      KVT_RETURN_IF_ERROR(s->Place(*rl, l));
-      plan.layers.push_back(std::move(rl));
+    // Each segment is serialized once, into the buffer that goes to the store
+    // as is; the round's working-set form is views into the same buffers.
+    // Built (and on a GPU uploaded) before the puts, so that a failure of
+    // either leaves the round open.
+    plan.lower = std::make_shared<const std::string>(SerializeSegment(enc, 0, lw + 1));
+    enc.erase(enc.begin(), enc.begin() + lw + 1);
+    KVT_ASSIGN_OR_RETURN(plan.layers, MakeLayers(plan.lower, lw + 1, sh.kv_heads, d));
+    if (lw + 1 < sh.layers) {
+      plan.upper = std::make_shared<const std::string>(SerializeSegment(enc, 0, sh.layers - lw - 1));
+      enc.clear();
+      KVT_ASSIGN_OR_RETURN(auto upper,
+                           MakeLayers(plan.upper, sh.layers - lw - 1, sh.kv_heads, d));
+      for (auto& rl : upper) plan.layers.push_back(std::move(rl));
     }
+    for (int l = 0; l < sh.layers; ++l) KVT_RETURN_IF_ERROR(s->Place(*plan.layers[l], l));
     plan.recalls = s->unreported_recalls;
     plan.recalls.insert(plan.recalls.end(), s->round_resident.begin(), s->round_resident.end());
     // Steps and other EndRounds are refused until the commit below.
@@ -127,10 +142,10 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id, const Cal
   // Send, without the lock.
   const CallOptions store_call{StoreDeadline(call)};
   auto put_both = [&]() -> absl::Status {
-    KVT_RETURN_IF_ERROR(store_->Put(s->id, {plan.round, 0}, 0, lw + 1, plan.lower, store_call));
+    KVT_RETURN_IF_ERROR(store_->Put(s->id, {plan.round, 0}, 0, lw + 1, *plan.lower, store_call));
     if (lw + 1 < sh.layers) {
       KVT_RETURN_IF_ERROR(
-          store_->Put(s->id, {plan.round, 1}, lw + 1, sh.layers, plan.upper, store_call));
+          store_->Put(s->id, {plan.round, 1}, lw + 1, sh.layers, *plan.upper, store_call));
     }
     return absl::OkStatus();
   };
@@ -162,7 +177,7 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id, const Cal
   }
   EndRoundReport rep;
   rep.round = plan.round;
-  rep.stored_bytes = plan.lower.size() + plan.upper.size();
+  rep.stored_bytes = plan.lower->size() + (plan.upper != nullptr ? plan.upper->size() : 0);
   Session::PastRound pr;
   pr.round = plan.round;
   pr.tokens = plan.tokens;

@@ -4,7 +4,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "google/protobuf/io/coded_stream.h"
 #include "kernels/attention.h"
+#include "kernels/encoded_tensor.h"
 
 namespace kvtier::worker {
 
@@ -28,27 +30,58 @@ const char* StateName(SessionState s) {
   return "?";
 }
 
-absl::StatusOr<std::unique_ptr<RoundLayer>> MakeLayer(std::vector<v1::EncodedTensor> tensors,
-                                                      int kv_heads, int d) {
-  if (static_cast<int>(tensors.size()) != 2 * kv_heads) {
-    return absl::DataLossError("segment payload does not hold 2 tensors per KV head");
+absl::StatusOr<std::vector<std::unique_ptr<RoundLayer>>> MakeLayers(
+    std::shared_ptr<const std::string> payload, int layers, int kv_heads, int d) {
+  auto split = SplitPayload(*payload, /*verify_crc=*/false);
+  if (!split.ok()) {
+    return absl::DataLossError(absl::StrCat("segment payload: ", split.status().message()));
   }
-  auto layer = std::make_unique<RoundLayer>();
-  layer->heads.resize(kv_heads);
-  for (int h = 0; h < kv_heads; ++h) {
-    HeadKv& hk = layer->heads[h];
-    hk.k = std::move(tensors[2 * h]);
-    hk.v = std::move(tensors[2 * h + 1]);
-    KVT_ASSIGN_OR_RETURN(hk.kview, ParseEncoded(hk.k));
-    KVT_ASSIGN_OR_RETURN(hk.vview, ParseEncoded(hk.v));
-    if (hk.kview.slabs != 1 || hk.kview.head_dim != d || hk.vview.tokens != hk.kview.tokens ||
-        hk.vview.head_dim != d || hk.vview.slabs != 1) {
-      return absl::DataLossError("segment tensor shape does not match the session's model");
+  if (static_cast<int64_t>(split->size()) != int64_t{2} * kv_heads * layers) {
+    return absl::DataLossError(absl::StrCat("segment payload holds ", split->size(),
+                                            " tensors; the model needs ", 2 * kv_heads * layers));
+  }
+  std::vector<std::unique_ptr<RoundLayer>> out;
+  for (int l = 0; l < layers; ++l) {
+    auto layer = std::make_unique<RoundLayer>();
+    layer->payload = payload;
+    layer->heads.resize(kv_heads);
+    for (int h = 0; h < kv_heads; ++h) {
+      const TensorParts& kt = (*split)[(l * kv_heads + h) * 2];
+      const TensorParts& vt = (*split)[(l * kv_heads + h) * 2 + 1];
+      HeadKv& hk = layer->heads[h];
+      auto kv = ParseEncoded(kt);
+      auto vv = kv.ok() ? ParseEncoded(vt) : kv;
+      if (!vv.ok()) return absl::DataLossError(absl::StrCat("segment tensor: ", vv.status().message()));
+      hk.kview = *kv;
+      hk.vview = *vv;
+      if (hk.kview.slabs != 1 || hk.kview.head_dim != d || hk.vview.tokens != hk.kview.tokens ||
+          hk.vview.head_dim != d || hk.vview.slabs != 1) {
+        return absl::DataLossError("segment tensor shape does not match the session's model");
+      }
+      hk.len = hk.kview.tokens;
+      layer->bytes += static_cast<int64_t>(kt.bytes.size() + vt.bytes.size());
+      layer->tensors.push_back(kt.bytes);
+      layer->tensors.push_back(vt.bytes);
     }
-    hk.len = hk.kview.tokens;
-    layer->bytes += EncodedTotalBytes(hk.k) + EncodedTotalBytes(hk.v);
+    out.push_back(std::move(layer));
   }
-  return layer;
+  return out;
+}
+
+std::string SerializePayload(const std::vector<std::string_view>& tensors) {
+  constexpr uint32_t kTensorsTag = (1 << 3) | 2;  // Field 1, length-delimited.
+  size_t total = 0;
+  for (std::string_view t : tensors) {
+    total += 1 + google::protobuf::io::CodedOutputStream::VarintSize64(t.size()) + t.size();
+  }
+  std::string out(total, '\0');
+  auto* p = reinterpret_cast<uint8_t*>(out.data());
+  for (std::string_view t : tensors) {
+    p = google::protobuf::io::CodedOutputStream::WriteVarint32ToArray(kTensorsTag, p);
+    p = google::protobuf::io::CodedOutputStream::WriteVarint64ToArray(t.size(), p);
+    p = std::copy(t.begin(), t.end(), p);
+  }
+  return out;
 }
 
 absl::Status Engine::Session::CheckStep(int layer, int64_t n, bool prefill) const {
@@ -99,12 +132,20 @@ absl::Status Engine::Session::Place(RoundLayer& rl, int layer) {
   KVT_ASSIGN_OR_RETURN(rl.device, UploadLayer(views, shape.head_dim));
   if (layer != lw) {
     for (HeadKv& hk : rl.heads) {
-      hk.k.Clear();
-      hk.v.Clear();
       hk.kview = {};
       hk.vview = {};
     }
+    rl.payload.reset();
+    rl.tensors.clear();
+    return absl::OkStatus();
   }
+  // Layer L_w stays on the host for recall scoring, in a payload of its own,
+  // so the rest of its segment's host bytes can go.
+  auto own = std::make_shared<const std::string>(SerializePayload(rl.tensors));
+  KVT_ASSIGN_OR_RETURN(auto copy, MakeLayers(own, 1, shape.kv_heads, shape.head_dim));
+  rl.heads = std::move(copy[0]->heads);
+  rl.tensors = std::move(copy[0]->tensors);
+  rl.payload = std::move(own);
   return absl::OkStatus();
 }
 
@@ -148,13 +189,45 @@ std::vector<const RoundLayer*> Engine::Session::Visible(int layer) const {
   return out;
 }
 
+namespace {
+
+// Grows `x` ([heads][cap][d], `rows` valid per head) to `cap2` rows per head.
+void Regrow(std::vector<float>& x, int heads, int64_t cap, int64_t cap2, int64_t rows, int d) {
+  std::vector<float> y(static_cast<size_t>(heads) * cap2 * d);
+  for (int h = 0; h < heads; ++h) {
+    std::copy_n(x.data() + h * cap * d, rows * d, y.data() + h * cap2 * d);
+  }
+  x.swap(y);
+}
+
+// Scatters n token-major rows [n, heads, d] to rows [at, at + n) of each
+// head of `x` ([heads][cap][d]).
+void Scatter(const float* src, int64_t n, int heads, int d, int64_t cap, int64_t at, float* x) {
+  for (int64_t i = 0; i < n; ++i) {
+    for (int h = 0; h < heads; ++h) {
+      std::copy_n(src + (i * heads + h) * d, d, x + (h * cap + at + i) * d);
+    }
+  }
+}
+
+}  // namespace
+
 void Engine::Session::Append(int layer, int64_t n, const float* qs, const float* ks,
                              const float* vs) {
-  const size_t qrow = static_cast<size_t>(shape.q_heads) * shape.head_dim,
-               kvrow = static_cast<size_t>(shape.kv_heads) * shape.head_dim;
-  q[layer].insert(q[layer].end(), qs, qs + n * qrow);
-  k[layer].insert(k[layer].end(), ks, ks + n * kvrow);
-  v[layer].insert(v[layer].end(), vs, vs + n * kvrow);
+  OpenLayer& o = open[layer];
+  const int d = shape.head_dim;
+  o.rows = tokens;  // A rolled-back step's rows are overwritten.
+  if (o.rows + n > o.cap) {
+    const int64_t cap2 = std::max({o.rows + n, 2 * o.cap, int64_t{16}});
+    Regrow(o.q, shape.q_heads, o.cap, cap2, o.rows, d);
+    Regrow(o.k, shape.kv_heads, o.cap, cap2, o.rows, d);
+    Regrow(o.v, shape.kv_heads, o.cap, cap2, o.rows, d);
+    o.cap = cap2;
+  }
+  Scatter(qs, n, shape.q_heads, d, o.cap, o.rows, o.q.data());
+  Scatter(ks, n, shape.kv_heads, d, o.cap, o.rows, o.k.data());
+  Scatter(vs, n, shape.kv_heads, d, o.cap, o.rows, o.v.data());
+  o.rows += n;
 }
 
 namespace {
@@ -162,8 +235,8 @@ namespace {
 // Attention of n new tokens (positions base..base+n-1 of the open round) at
 // one layer over the visible past rounds plus the open round, causally.
 absl::Status AttendLayer(const ModelShape& sh, const std::vector<const RoundLayer*>& rounds,
-                         const std::vector<float>& cur_k, const std::vector<float>& cur_v,
-                         int64_t base, int64_t n, const float* q, float* out, KernelLevel level) {
+                         const OpenLayer& cur, int64_t base, int64_t n, const float* q, float* out,
+                         KernelLevel level) {
   const int d = sh.head_dim, rep = sh.q_heads / sh.kv_heads;
   std::vector<KvBlock> blocks;
   for (int64_t i = 0; i < n; ++i) {
@@ -174,10 +247,8 @@ absl::Status AttendLayer(const ModelShape& sh, const std::vector<const RoundLaye
         if (hk.len > 0) blocks.push_back({hk.kview, hk.vview});
       }
       const int64_t visible = base + i + 1;
-      const int64_t stride = static_cast<int64_t>(sh.kv_heads) * d;
-      blocks.push_back(
-          {EncodedView::Raw(v1::DTYPE_FP32, cur_k.data() + h * d, 1, visible, d, 0, stride),
-           EncodedView::Raw(v1::DTYPE_FP32, cur_v.data() + h * d, 1, visible, d, 0, stride)});
+      blocks.push_back({EncodedView::Raw(v1::DTYPE_FP32, cur.k_head(h, d), 1, visible, d, 0, d),
+                        EncodedView::Raw(v1::DTYPE_FP32, cur.v_head(h, d), 1, visible, d, 0, d)});
       const int64_t row = i * sh.q_heads * d + static_cast<int64_t>(h) * rep * d;
       KVT_RETURN_IF_ERROR(DecodeAttention({rep, 1, d}, q + row, blocks, out + row, level));
     }
@@ -187,15 +258,15 @@ absl::Status AttendLayer(const ModelShape& sh, const std::vector<const RoundLaye
 
 }  // namespace
 
-absl::Status Engine::Session::Attend(int layer, int64_t n, const float* qs, float* out,
-                                     KernelLevel level) {
+absl::Status Engine::Session::Attend(int layer, int64_t n, const float* qs, const float* ks,
+                                     const float* vs, float* out, KernelLevel level) {
   absl::Status st;
   if (device != nullptr) {
     std::vector<const DeviceLayer*> rounds;
     for (const RoundLayer* r : Visible(layer)) rounds.push_back(r->device.get());
-    st = device->Attend(layer, rounds, k[layer].data(), v[layer].data(), tokens, n, qs, out);
+    st = device->Attend(layer, rounds, ks, vs, tokens, n, qs, out);
   } else {
-    st = AttendLayer(shape, Visible(layer), k[layer], v[layer], tokens, n, qs, out, level);
+    st = AttendLayer(shape, Visible(layer), open[layer], tokens, n, qs, out, level);
   }
   if (!st.ok()) RollBackStep();
   return st;
@@ -211,13 +282,7 @@ void Engine::Session::EndLayer(int64_t n) {
 }
 
 void Engine::Session::RollBackStep() {
-  const size_t qrow = static_cast<size_t>(shape.q_heads) * shape.head_dim;
-  const size_t kvrow = static_cast<size_t>(shape.kv_heads) * shape.head_dim;
-  for (int l = 0; l < shape.layers; ++l) {
-    q[l].resize(tokens * qrow);
-    k[l].resize(tokens * kvrow);
-    v[l].resize(tokens * kvrow);
-  }
+  for (OpenLayer& o : open) o.rows = tokens;
   if (state == SessionState::kPrefill && tokens == 0) {
     // The round's first prefill: the round was never open, and its recall
     // (done from this prefill's queries) goes too.
@@ -235,11 +300,8 @@ void Engine::Session::RollBackStep() {
 }
 
 void Engine::Session::CloseRound() {
-  for (int l = 0; l < shape.layers; ++l) {
-    q[l].clear();
-    k[l].clear();
-    v[l].clear();
-  }
+  // The buffers go: an idle session holds no open-round memory.
+  for (OpenLayer& o : open) o = OpenLayer();
   tokens = 0;
   state = SessionState::kIdle;
   recall = RecallState::kNone;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -21,27 +22,53 @@
 
 namespace kvtier::worker {
 
-// One KV head of one layer of a past round: encoded K and V [1, len, d].
+// One KV head of one layer of a past round: views of its encoded K and V
+// [1, len, d], pointing into the segment payload that holds them.
 struct HeadKv {
-  v1::EncodedTensor k, v;
   EncodedView kview, vview;
   int64_t len = 0;
 };
 
 struct RoundLayer {
   std::vector<HeadKv> heads;
-  int64_t bytes = 0;  // Encoded bytes, wherever they live.
-  // On a device session: the same K/V in device memory. The host tensors
-  // are then dropped, except at layer L_w (recall scores its keys).
+  int64_t bytes = 0;  // Encoded bytes (the tensors' serialized size), wherever they live.
+  // The serialized SegmentPayload the views point into: the very buffer that
+  // was sent to (or fetched from) the store, shared by the segment's layers.
+  std::shared_ptr<const std::string> payload;
+  // This layer's serialized tensors inside `payload` (K, V per head).
+  std::vector<std::string_view> tensors;
+  // On a device session: the same K/V in device memory. The host views and
+  // payload are then dropped, except at layer L_w (recall scores its keys),
+  // which keeps a copy of its own tensors only.
   std::unique_ptr<DeviceLayer> device;
 };
 
-// Parses a layer's tensors (2 per head, K then V) into a RoundLayer whose
-// views point into its own tensors. DATA_LOSS when they do not fit the model.
-absl::StatusOr<std::unique_ptr<RoundLayer>> MakeLayer(std::vector<v1::EncodedTensor> tensors,
-                                                      int kv_heads, int d);
+// The working-set form of a segment of `layers` layers from its serialized
+// SegmentPayload: views into `payload`, no bytes copied. DATA_LOSS when it
+// does not hold 2 tensors per KV head per layer of this model's shape. The
+// tensors' checksums are not checked again: each hop checks once (EndRound
+// just sealed them; a fetched payload's crc32c was checked by the store
+// client on arrival).
+absl::StatusOr<std::vector<std::unique_ptr<RoundLayer>>> MakeLayers(
+    std::shared_ptr<const std::string> payload, int layers, int kv_heads, int d);
+
+// A serialized SegmentPayload of these serialized tensors, in order.
+std::string SerializePayload(const std::vector<std::string_view>& tensors);
 
 double MsSince(std::chrono::steady_clock::time_point t);
+
+// One layer of the open round in fp32, head-major: head h's rows are
+// [h * cap * d, h * cap * d + rows * d) of q (q_heads heads) and of k and v
+// (kv_heads heads). Capacity grows by doubling, so appends are amortized.
+struct OpenLayer {
+  std::vector<float> q, k, v;
+  int64_t cap = 0;   // Rows of room per head.
+  int64_t rows = 0;  // Rows held: committed tokens plus the step's, if this
+                     // layer has seen the step in flight.
+  const float* q_head(int h, int d) const { return q.data() + h * cap * d; }
+  const float* k_head(int h, int d) const { return k.data() + h * cap * d; }
+  const float* v_head(int h, int d) const { return v.data() + h * cap * d; }
+};
 
 // Where a session is in its round. Transitions (one place each):
 //   kIdle    --PrefillLayer(0)-->           kPrefill
@@ -95,9 +122,9 @@ class Engine::Session {
   SessionState state ABSL_GUARDED_BY(mu) = SessionState::kIdle;
   RecallState recall ABSL_GUARDED_BY(mu) = RecallState::kNone;
   std::vector<PastRound> past ABSL_GUARDED_BY(mu);
-  // The open round: per layer token-major q [t, Hq, d], k/v [t, Hkv, d].
-  std::vector<std::vector<float>> q ABSL_GUARDED_BY(mu), k ABSL_GUARDED_BY(mu),
-      v ABSL_GUARDED_BY(mu);
+  // The open round, per layer, head-major: what attention reads per head,
+  // what eviction scores and what EndRound encodes, without a transpose.
+  std::vector<OpenLayer> open ABSL_GUARDED_BY(mu);
   int64_t tokens ABSL_GUARDED_BY(mu) = 0;  // Committed tokens of the open round.
   // The step in flight (kPrefill, kDecode): layers done so far, token count.
   int next_layer ABSL_GUARDED_BY(mu) = 0;
@@ -134,14 +161,15 @@ class Engine::Session {
   // round up to L_w, the recalled ones above it.
   std::vector<const RoundLayer*> Visible(int layer) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
-  // Appends n tokens' q/k/v to the open round at `layer`.
+  // Appends n tokens' q [n, Hq, d], k and v [n, Hkv, d] (token-major, as
+  // they arrive) to the open round at `layer`, scattering them head-major.
   void Append(int layer, int64_t n, const float* q, const float* k, const float* v)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // Attends the n tokens appended last at `layer` over the visible past
-  // rounds plus the open round (positions tokens..tokens+n-1, causally);
-  // rolls the step back on failure.
-  absl::Status Attend(int layer, int64_t n, const float* q, float* out, KernelLevel level)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Attends the n tokens appended last at `layer` (q, and their k and v as
+  // given to Append) over the visible past rounds plus the open round
+  // (positions tokens..tokens+n-1, causally); rolls the step back on failure.
+  absl::Status Attend(int layer, int64_t n, const float* q, const float* k, const float* v,
+                      float* out, KernelLevel level) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
   // Marks `layer` done; after the last layer the step's n tokens commit.
   void EndLayer(int64_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
