@@ -119,8 +119,7 @@ v1::Policy EffectivePolicy(const v1::Policy& requested, const worker::SessionPol
   return p;
 }
 
-absl::Status AppendDense(const v1::DenseTensor& t, int heads, int d, const char* what,
-                         std::vector<float>* out) {
+absl::StatusOr<int64_t> DenseTokens(const v1::DenseTensor& t, int heads, int d, const char* what) {
   if (t.shape_size() != 3 || t.shape(0) < 1 || t.shape(1) != heads || t.shape(2) != d) {
     std::string got;
     for (int64_t s : t.shape()) absl::StrAppend(&got, got.empty() ? "" : ",", s);
@@ -136,6 +135,13 @@ absl::Status AppendDense(const v1::DenseTensor& t, int heads, int d, const char*
     return absl::InvalidArgumentError(
         absl::StrCat(what, " holds ", t.data().size(), " bytes, expected ", n * es));
   }
+  return t.shape(0);
+}
+
+absl::Status AppendDense(const v1::DenseTensor& t, int heads, int d, const char* what,
+                         std::vector<float>* out) {
+  KVT_ASSIGN_OR_RETURN(const int64_t tokens, DenseTokens(t, heads, d, what));
+  const int64_t n = tokens * heads * d;
   const size_t at = out->size();
   out->resize(at + n);
   float* dst = out->data() + at;

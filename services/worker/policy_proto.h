@@ -29,6 +29,10 @@ absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p,
 // The policy a session runs with, every default filled in (L_w resolved).
 v1::Policy EffectivePolicy(const v1::Policy& requested, const worker::SessionPolicy& eff);
 
+// The token count of `t`, a [tokens, heads, d] tensor of fp32, fp16 or bf16
+// whose bytes match its shape; INVALID_ARGUMENT (naming `what`) otherwise.
+absl::StatusOr<int64_t> DenseTokens(const v1::DenseTensor& t, int heads, int d, const char* what);
+
 // Appends the rows of `t`, a [tokens, heads, d] tensor of fp32, fp16 or bf16,
 // to `out` as fp32. INVALID_ARGUMENT (naming `what`) for another shape,
 // dtype or byte count.

@@ -243,6 +243,22 @@ class WorkerService::PrefillReactor
                                                      layer_));
     }
     const int d = shape_.head_dim;
+    // A whole layer in one fp32 message is read where it lies: the engine's
+    // append is then its only copy into the worker.
+    direct_ = false;
+    if (q_.empty() && !req_.more_chunks() && req_.q().dtype() == v1::DTYPE_FP32 &&
+        req_.k().dtype() == v1::DTYPE_FP32 && req_.v().dtype() == v1::DTYPE_FP32) {
+      KVT_ASSIGN_OR_RETURN(const int64_t qt, DenseTokens(req_.q(), shape_.q_heads, d, "q"));
+      KVT_ASSIGN_OR_RETURN(const int64_t kt, DenseTokens(req_.k(), shape_.kv_heads, d, "k"));
+      KVT_ASSIGN_OR_RETURN(const int64_t vt, DenseTokens(req_.v(), shape_.kv_heads, d, "v"));
+      if (qt != kt || kt != vt) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("q carries ", qt, " tokens, k ", kt, " and v ", vt));
+      }
+      direct_ = true;
+      direct_tokens_ = qt;
+      return absl::OkStatus();
+    }
     const size_t q0 = q_.size(), k0 = k_.size();
     KVT_RETURN_IF_ERROR(AppendDense(req_.q(), shape_.q_heads, d, "q", &q_));
     KVT_RETURN_IF_ERROR(AppendDense(req_.k(), shape_.kv_heads, d, "k", &k_));
@@ -260,11 +276,19 @@ class WorkerService::PrefillReactor
   absl::Status RunLayer() {
     gathering_ = false;
     const int d = shape_.head_dim;
-    const int64_t n = static_cast<int64_t>(q_.size() / (static_cast<size_t>(shape_.q_heads) * d));
-    out_.resize(q_.size());
+    const int64_t n =
+        direct_ ? direct_tokens_
+                : static_cast<int64_t>(q_.size() / (static_cast<size_t>(shape_.q_heads) * d));
+    auto floats = [](const v1::DenseTensor& t) {
+      return reinterpret_cast<const float*>(t.data().data());
+    };
+    const float* q = direct_ ? floats(req_.q()) : q_.data();
+    const float* k = direct_ ? floats(req_.k()) : k_.data();
+    const float* v = direct_ ? floats(req_.v()) : v_.data();
+    out_.resize(static_cast<size_t>(n) * shape_.q_heads * d);
     const auto t0 = std::chrono::steady_clock::now();
-    auto recall = svc_->engine_->PrefillLayer(id_, layer_, n, question_, q_.data(), k_.data(),
-                                              v_.data(), out_.data(), call_);
+    auto recall =
+        svc_->engine_->PrefillLayer(id_, layer_, n, question_, q, k, v, out_.data(), call_);
     if (!recall.ok()) {
       // A failed recall rolled its step back already; any other failure
       // leaves our step in flight, which EndOfStream/Fail roll back.
@@ -324,6 +348,9 @@ class WorkerService::PrefillReactor
   int64_t question_ = 0;
   v1::DType dtype_ = v1::DTYPE_FP32;
   std::vector<float> q_, k_, v_, out_;
+  // The layer is req_'s own fp32 bytes (one message), `direct_tokens_` rows.
+  bool direct_ = false;
+  int64_t direct_tokens_ = 0;
   // This stream has layers of an unfinished step in the engine.
   bool in_step_ = false;
   std::deque<v1::LayerResponse> out_msgs_;
@@ -422,19 +449,25 @@ class WorkerService::DecodeReactor
       const Item& item = items_[i];
       const int d = item.shape.head_dim;
       absl::Status s = [&]() -> absl::Status {
-        q.clear();
-        k.clear();
-        v.clear();
-        KVT_RETURN_IF_ERROR(AppendDense(it.q(), item.shape.q_heads, d, "q", &q));
-        KVT_RETURN_IF_ERROR(AppendDense(it.k(), item.shape.kv_heads, d, "k", &k));
-        KVT_RETURN_IF_ERROR(AppendDense(it.v(), item.shape.kv_heads, d, "v", &v));
-        if (it.q().shape(0) != 1 || it.k().shape(0) != 1 || it.v().shape(0) != 1) {
-          return absl::InvalidArgumentError("a decode item carries exactly one token");
-        }
-        out.resize(q.size());
+        // fp32 is read where it lies; fp16/bf16 is widened once.
+        auto rows = [&](const v1::DenseTensor& t, int heads, const char* what,
+                        std::vector<float>* buf) -> absl::StatusOr<const float*> {
+          KVT_ASSIGN_OR_RETURN(const int64_t tokens, DenseTokens(t, heads, d, what));
+          if (tokens != 1) {
+            return absl::InvalidArgumentError("a decode item carries exactly one token");
+          }
+          if (t.dtype() == v1::DTYPE_FP32) return reinterpret_cast<const float*>(t.data().data());
+          buf->clear();
+          KVT_RETURN_IF_ERROR(AppendDense(t, heads, d, what, buf));
+          return buf->data();
+        };
+        KVT_ASSIGN_OR_RETURN(const float* qp, rows(it.q(), item.shape.q_heads, "q", &q));
+        KVT_ASSIGN_OR_RETURN(const float* kp, rows(it.k(), item.shape.kv_heads, "k", &k));
+        KVT_ASSIGN_OR_RETURN(const float* vp, rows(it.v(), item.shape.kv_heads, "v", &v));
+        out.resize(static_cast<size_t>(item.shape.q_heads) * d);
         const auto t0 = std::chrono::steady_clock::now();
-        KVT_RETURN_IF_ERROR(svc_->engine_->DecodeLayer(item.key, static_cast<int>(it.layer()),
-                                                       q.data(), k.data(), v.data(), out.data()));
+        KVT_RETURN_IF_ERROR(svc_->engine_->DecodeLayer(item.key, static_cast<int>(it.layer()), qp,
+                                                       kp, vp, out.data()));
         svc_->metrics_->Layer("decode", SecondsSince(t0));
         WriteDense(out.data(), 0, 1, item.shape.q_heads, d, it.q().dtype(), resp_.mutable_o(i));
         return absl::OkStatus();
