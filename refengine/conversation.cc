@@ -42,10 +42,121 @@ void Dense(const float* x, int64_t tokens, int heads, int d, v1::DenseTensor* t)
   t->set_data(reinterpret_cast<const char*>(x), static_cast<size_t>(tokens) * heads * d * 4);
 }
 
+}  // namespace
+
+struct DecodeMux::Pending {
+  v1::DecodeItem item;
+  float* out = nullptr;
+  size_t out_floats = 0;
+  absl::Status status;
+  bool done = false;
+};
+
+DecodeMux::DecodeMux(std::shared_ptr<grpc::Channel> channel, std::string token,
+                     absl::Duration deadline)
+    : stub_(v1::Worker::NewStub(channel)), token_(std::move(token)), deadline_(deadline) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+DecodeMux::~DecodeMux() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
+
+uint64_t DecodeMux::requests() const {
+  absl::MutexLock lock(&mu_);
+  return requests_;
+}
+
+uint64_t DecodeMux::items() const {
+  absl::MutexLock lock(&mu_);
+  return items_;
+}
+
+absl::Status DecodeMux::Attend(v1::DecodeItem item, float* out, size_t out_floats) {
+  Pending p;
+  p.item = std::move(item);
+  p.out = out;
+  p.out_floats = out_floats;
+  absl::MutexLock lock(&mu_);
+  queue_.push_back(&p);
+  mu_.Await(absl::Condition(&p.done));
+  return p.status;
+}
+
+void DecodeMux::Loop() {
+  std::unique_ptr<grpc::ClientContext> ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> stream;
+  absl::Time opened;
+  auto close = [&](bool cancel) {
+    if (stream == nullptr) return grpc::Status::OK;
+    if (cancel) ctx->TryCancel();
+    stream->WritesDone();
+    grpc::Status st = stream->Finish();
+    stream.reset();
+    return st;
+  };
+  for (;;) {
+    std::vector<Pending*> batch;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](DecodeMux* m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(m->mu_) {
+            return m->stop_ || !m->queue_.empty();
+          },
+          this));
+      if (queue_.empty()) break;  // stop_ and drained.
+      batch.swap(queue_);
+      ++requests_;
+      items_ += batch.size();
+    }
+    if (stream != nullptr && absl::Now() - opened > deadline_ / 2) close(false).IgnoreError();
+    if (stream == nullptr) {
+      ctx = std::make_unique<grpc::ClientContext>();
+      if (!token_.empty()) ctx->AddMetadata("authorization", "Bearer " + token_);
+      ctx->set_deadline(absl::ToChronoTime(absl::Now() + deadline_));
+      stream = stub_->Decode(ctx.get());
+      opened = absl::Now();
+    }
+    v1::DecodeRequest req;
+    for (Pending* p : batch) *req.add_items() = std::move(p->item);
+    v1::DecodeResponse resp;
+    absl::Status st;
+    if (!stream->Write(req) || !stream->Read(&resp)) {
+      st = FromGrpc(close(false), "Decode");
+      if (st.ok()) st = absl::UnavailableError("Decode: the stream ended");
+    } else if (resp.o_size() != static_cast<int>(batch.size())) {
+      st = absl::InternalError("Decode: the response does not hold one output per item");
+      close(true).IgnoreError();
+    }
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      Pending* p = batch[i];
+      p->status = st;
+      if (st.ok()) {
+        const std::string& data = resp.o(static_cast<int>(i)).data();
+        if (resp.o(static_cast<int>(i)).dtype() != v1::DTYPE_FP32 ||
+            data.size() != p->out_floats * 4) {
+          p->status = absl::InternalError("Decode: bad output");
+        } else {
+          std::memcpy(p->out, data.data(), data.size());
+        }
+      }
+      p->done = true;
+    }
+  }
+  close(false).IgnoreError();
+}
+
+namespace {
+
 class Tier : public TierSession {
  public:
   Tier(const v1::ModelSpec& spec, std::shared_ptr<grpc::Channel> ch, std::string session,
-       std::string token, TierDeadlines deadlines)
+       std::string token, TierDeadlines deadlines, DecodeMux* mux)
       : spec_(spec),
         q_heads_(static_cast<int>(spec.num_q_heads())),
         kv_heads_(static_cast<int>(spec.num_kv_heads())),
@@ -53,6 +164,7 @@ class Tier : public TierSession {
         stub_(v1::Worker::NewStub(ch)),
         session_(std::move(session)),
         token_(token),
+        mux_(mux),
         deadlines_(deadlines) {}
   ~Tier() override {
     if (dstream_ != nullptr) {
@@ -103,7 +215,7 @@ class Tier : public TierSession {
     if (prefill) {
       pctx_ = Context(deadlines_.step);
       pstream_ = stub_->Prefill(pctx_.get());
-    } else if (dstream_ == nullptr) {
+    } else if (mux_ == nullptr && dstream_ == nullptr) {
       // One Decode stream for the round's steps, not one per token.
       dctx_ = Context(deadlines_.round);
       dstream_ = stub_->Decode(dctx_.get());
@@ -165,6 +277,9 @@ class Tier : public TierSession {
     Dense(q, 1, q_heads_, hd, item->mutable_q());
     Dense(k, 1, kv_heads_, hd, item->mutable_k());
     Dense(v, 1, kv_heads_, hd, item->mutable_v());
+    if (mux_ != nullptr) {
+      return mux_->Attend(std::move(*item), out, static_cast<size_t>(q_heads_) * hd);
+    }
     v1::DecodeResponse resp;
     if (!dstream_->Write(req) || !dstream_->Read(&resp)) {
       absl::Status s = FromGrpc(dstream_->Finish(), absl::StrCat("Decode layer ", layer));
@@ -228,6 +343,7 @@ class Tier : public TierSession {
   bool prefill_ = false;
   int question_ = 0;
   static constexpr int64_t kChunkBytes = int64_t{1} << 20;
+  DecodeMux* const mux_;
   TierDeadlines deadlines_;
   std::unique_ptr<grpc::ClientContext> pctx_, dctx_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::LayerRequest, v1::LayerResponse>> pstream_;
@@ -250,8 +366,9 @@ absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const v1::ModelSpec& sp
                                                          const std::string& session,
                                                          const v1::Policy& policy,
                                                          const std::string& token,
-                                                         const TierDeadlines& deadlines) {
-  auto t = std::make_unique<Tier>(spec, std::move(channel), session, token, deadlines);
+                                                         const TierDeadlines& deadlines,
+                                                         DecodeMux* decode) {
+  auto t = std::make_unique<Tier>(spec, std::move(channel), session, token, deadlines, decode);
   KVT_RETURN_IF_ERROR(t->Open(policy));
   return std::unique_ptr<TierSession>(std::move(t));
 }
@@ -261,7 +378,8 @@ absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const model::LlamaConfi
                                                          const std::string& session,
                                                          const v1::Policy& policy,
                                                          const std::string& token,
-                                                         const TierDeadlines& deadlines) {
+                                                         const TierDeadlines& deadlines,
+                                                         DecodeMux* decode) {
   v1::ModelSpec spec;
   spec.set_num_layers(c.n_layers);
   spec.set_num_q_heads(c.n_heads);
@@ -269,7 +387,7 @@ absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const model::LlamaConfi
   spec.set_head_dim(c.head_dim());
   spec.set_dtype(v1::DTYPE_FP32);
   spec.set_rope_theta(c.rope_theta);
-  return TierBackend(spec, std::move(channel), session, policy, token, deadlines);
+  return TierBackend(spec, std::move(channel), session, policy, token, deadlines, decode);
 }
 
 absl::StatusOr<Transcript> RunConversation(

@@ -10,9 +10,11 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
 #include "kvtier/v1/worker.grpc.pb.h"
@@ -87,20 +89,63 @@ struct TierDeadlines {
   absl::Duration round = absl::Seconds(300);
 };
 
+// One long-lived Decode stream shared by all of an engine's tier sessions:
+// each session's decode layer joins the next DecodeRequest together with
+// whatever the other sessions have pending (continuous batching), so N
+// concurrent conversations cost one hop per round trip instead of N. One
+// request is in flight at a time; a session waits for its own output, so its
+// layers stay in order. Thread-safe. A broken stream fails the requests on it
+// and is opened again for the next ones; each stream lives at most
+// `deadline` (then it is replaced between requests).
+class DecodeMux {
+ public:
+  DecodeMux(std::shared_ptr<grpc::Channel> channel, std::string token,
+            absl::Duration deadline = absl::Seconds(300));
+  ~DecodeMux();
+  DecodeMux(const DecodeMux&) = delete;
+  DecodeMux& operator=(const DecodeMux&) = delete;
+
+  // Sends `item` in the next request and waits for its output (fp32, `out`
+  // holds out_floats). The worker's status on failure.
+  absl::Status Attend(v1::DecodeItem item, float* out, size_t out_floats);
+
+  // Requests sent and items carried so far (items / requests = mean batch).
+  uint64_t requests() const;
+  uint64_t items() const;
+
+ private:
+  struct Pending;
+  void Loop();
+
+  std::unique_ptr<v1::Worker::Stub> stub_;
+  const std::string token_;
+  const absl::Duration deadline_;
+  mutable absl::Mutex mu_;
+  std::vector<Pending*> queue_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t requests_ ABSL_GUARDED_BY(mu_) = 0, items_ ABSL_GUARDED_BY(mu_) = 0;
+  std::thread thread_;
+};
+
 // OpenSession on `channel` with the model spec from the checkpoint (fp32).
 absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const model::LlamaConfig& c,
                                                          std::shared_ptr<grpc::Channel> channel,
                                                          const std::string& session,
                                                          const v1::Policy& policy,
                                                          const std::string& token = "",
-                                                         const TierDeadlines& deadlines = {});
-// OpenSession with any model spec; q/k/v go over the wire as fp32.
+                                                         const TierDeadlines& deadlines = {},
+                                                         DecodeMux* decode = nullptr);
+// OpenSession with any model spec; q/k/v go over the wire as fp32. With
+// `decode` (not owned; it must outlive the session), decode steps go through
+// that shared stream; without, the session keeps a Decode stream of its own
+// per round.
 absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const v1::ModelSpec& spec,
                                                          std::shared_ptr<grpc::Channel> channel,
                                                          const std::string& session,
                                                          const v1::Policy& policy,
                                                          const std::string& token = "",
-                                                         const TierDeadlines& deadlines = {});
+                                                         const TierDeadlines& deadlines = {},
+                                                         DecodeMux* decode = nullptr);
 
 // Runs the conversation. With `teacher`, the answers are the teacher's
 // tokens (teacher forcing: the same context as the teacher had), and the

@@ -40,8 +40,8 @@ double MsSince(Clock::time_point t) {
 }
 
 absl::Status RunSynthetic(const DemoOptions& o, const v1::Policy& policy,
-                          const std::shared_ptr<grpc::Channel>& channel, int index,
-                          DemoSession* out, std::unique_ptr<TierSession>* session,
+                          const std::shared_ptr<grpc::Channel>& channel, DecodeMux* mux,
+                          int index, DemoSession* out, std::unique_ptr<TierSession>* session,
                           const std::function<void(const std::string&)>& progress) {
   traces::SyntheticChatOptions co;
   co.rounds = o.rounds;
@@ -64,7 +64,7 @@ absl::Status RunSynthetic(const DemoOptions& o, const v1::Policy& policy,
   spec.set_num_kv_heads(co.kv_heads);
   spec.set_head_dim(d);
   spec.set_dtype(v1::DTYPE_FP16);
-  KVT_ASSIGN_OR_RETURN(*session, TierBackend(spec, channel, out->id, policy, o.token));
+  KVT_ASSIGN_OR_RETURN(*session, TierBackend(spec, channel, out->id, policy, o.token, {}, mux));
   TierSession* tier = session->get();
   const size_t qrow = static_cast<size_t>(co.q_heads) * d,
                kvrow = static_cast<size_t>(co.kv_heads) * d;
@@ -133,7 +133,8 @@ absl::Status RunSynthetic(const DemoOptions& o, const v1::Policy& policy,
 }
 
 absl::Status RunModel(const DemoOptions& o, const model::LlamaModel& m, const v1::Policy& policy,
-                      const std::shared_ptr<grpc::Channel>& channel, int index, DemoSession* out,
+                      const std::shared_ptr<grpc::Channel>& channel, DecodeMux* mux, int index,
+                      DemoSession* out,
                       std::unique_ptr<TierSession>* session,
                       const std::function<void(const std::string&)>& progress) {
   ConversationOptions co;
@@ -143,7 +144,8 @@ absl::Status RunModel(const DemoOptions& o, const model::LlamaModel& m, const v1
   co.seed = o.seed * 1000 + static_cast<uint64_t>(index);
   auto local = LocalBackend(m.config());
   KVT_ASSIGN_OR_RETURN(Transcript teacher, RunConversation(m, co, local.get(), nullptr, nullptr));
-  KVT_ASSIGN_OR_RETURN(*session, TierBackend(m.config(), channel, out->id, policy, o.token));
+  KVT_ASSIGN_OR_RETURN(*session,
+                       TierBackend(m.config(), channel, out->id, policy, o.token, {}, mux));
   TierSession* tier = session->get();
   auto line = [&](const std::string& s) {
     if (progress) progress(absl::StrCat(out->id, " ", s));
@@ -303,6 +305,8 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
   rep.policy = absl::StrCat("codec=", o.codec, " recall=", policy.recall(), " evict=", o.evict,
                             " watershed=", rep.watershed);
   auto channel = grpc::CreateChannel(o.worker, grpc::InsecureChannelCredentials());
+  // Every session's decode layers share one long-lived stream, batched.
+  DecodeMux mux(channel, o.token);
   rep.sessions.resize(o.sessions);
   std::vector<std::unique_ptr<TierSession>> tiers(o.sessions);
   std::vector<absl::Status> status(o.sessions);
@@ -324,12 +328,16 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     rep.sessions[i].id = absl::StrCat(prefix, i);
     threads.emplace_back([&, i] {
       status[i] = m != nullptr
-                      ? RunModel(o, *m, policy, channel, i, &rep.sessions[i], &tiers[i], line)
-                      : RunSynthetic(o, policy, channel, i, &rep.sessions[i], &tiers[i], line);
+                      ? RunModel(o, *m, policy, channel, &mux, i, &rep.sessions[i], &tiers[i],
+                                 line)
+                      : RunSynthetic(o, policy, channel, &mux, i, &rep.sessions[i], &tiers[i],
+                                     line);
     });
   }
   for (auto& t : threads) t.join();
   rep.seconds = MsSince(t0) / 1000.0;
+  rep.decode_requests = mux.requests();
+  rep.decode_items = mux.items();
   // Sessions close (and leave the store when asked) whatever happens next.
   auto close_all = [&]() {
     absl::Status first;
@@ -384,6 +392,14 @@ std::string RenderText(const DemoReport& r) {
       : on_gpu == static_cast<int>(r.sessions.size())
           ? "GPU memory"
           : absl::StrFormat("GPU memory for %d of %zu sessions", on_gpu, r.sessions.size()));
+  if (r.decode_requests > 0) {
+    absl::StrAppendFormat(&s,
+                          "decode: one shared stream, %llu requests carried %llu session-layer "
+                          "steps (%.2f per request)\n\n",
+                          static_cast<unsigned long long>(r.decode_requests),
+                          static_cast<unsigned long long>(r.decode_items),
+                          static_cast<double>(r.decode_items) / r.decode_requests);
+  }
   absl::StrAppendFormat(&s, "%-44s %14s %14s %7s\n", "device-side KV bytes (final round)",
                         "full cache", "kvtier", "ratio");
   for (const DemoSession& d : r.sessions) {
@@ -481,6 +497,8 @@ std::string RenderJson(const DemoReport& r) {
   int on_gpu = 0;
   for (const DemoSession& d : r.sessions) on_gpu += d.on_device ? 1 : 0;
   absl::StrAppend(&s, "  \"working_set_sessions_on_gpu\": ", on_gpu, ",\n");
+  absl::StrAppend(&s, "  \"decode_requests\": ", r.decode_requests, ",\n");
+  absl::StrAppend(&s, "  \"decode_session_steps\": ", r.decode_items, ",\n");
   absl::StrAppend(&s, "  \"working_set_ratio\": ", num(Ratio(t.ws, t.full)), ",\n");
   absl::StrAppend(
       &s, "  \"working_set_ratio_mean_over_rounds\": ", num(Ratio(t.ws_all, t.full_all)), ",\n");

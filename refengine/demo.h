@@ -70,6 +70,9 @@ struct DemoReport {
   std::vector<DemoSession> sessions;
   std::optional<uint64_t> store_bytes_ram, store_bytes_disk;
   double seconds = 0;
+  // Decode traffic on the shared stream: requests sent and the session-layer
+  // items they carried (items / requests = the mean batch).
+  uint64_t decode_requests = 0, decode_items = 0;
 };
 
 // Runs the sessions concurrently. `progress` gets one line per round.
