@@ -686,9 +686,9 @@ void DecodeRows(const EncodedView& v, int64_t s, int64_t t0, int64_t t1, float* 
       const uint16_t* b = v.lowrank_b + s * v.rank * d;
       for (int64_t t = t0; t < qe; ++t) {
         for (int j = 0; j < v.rank; ++j) {
-          const float aj = HalfToFloat(a[t * v.rank + j]);
+          const float aj = HalfToFloat(internal::LoadU16(a, t * v.rank + j));
           float* o = out + (t - t0) * d;
-          for (int c = 0; c < d; ++c) o[c] += aj * HalfToFloat(b[j * d + c]);
+          for (int c = 0; c < d; ++c) o[c] += aj * HalfToFloat(internal::LoadU16(b, j * d + c));
         }
       }
     }

@@ -4,6 +4,7 @@
 #define KVTIER_KERNELS_CODEC_INTERNAL_H_
 
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/codec.h"
 
@@ -52,6 +53,15 @@ bool SoftmaxSimd(float* x, int64_t n);
 
 // Reads one element of a raw block (dtype element at `ptr[index]`).
 float LoadElement(v1::DType dtype, const void* ptr, int64_t index);
+
+// p[i] for fp16 bits that may sit at any address: views of a segment
+// payload point into its serialized bytes, where protobuf's framing leaves
+// buffers unaligned.
+inline uint16_t LoadU16(const uint16_t* p, int64_t i) {
+  uint16_t h;
+  std::memcpy(&h, reinterpret_cast<const char*>(p) + 2 * i, 2);
+  return h;
+}
 
 }  // namespace kvtier::internal
 

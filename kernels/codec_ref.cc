@@ -88,8 +88,8 @@ void DequantRowsRef(const QuantShape& q, const uint8_t* codes, const uint16_t* s
   for (int64_t t = t0; t < t1; ++t) {
     for (int c = 0; c < d; ++c) {
       const int64_t si = q.key ? (t / q.group) * d + c : t * vgroups + c / q.group;
-      const double scale = HalfToFloat(scales[si]);
-      const double zero = HalfToFloat(zeros[si]);
+      const double scale = HalfToFloat(LoadU16(scales, si));
+      const double zero = HalfToFloat(LoadU16(zeros, si));
       const double code = GetCode(codes, q.bits, t * d + c);
       out[(t - t0) * d + c] = static_cast<float>(code * scale + zero);
     }

@@ -220,8 +220,8 @@ bool DequantRowsSimd(const QuantShape& q, const uint8_t* codes, const uint16_t* 
   for (int64_t t = t0; t < t1; ++t) {
     float* o = out + (t - t0) * d;
     for (int g = 0; g < groups; ++g) {
-      const __m256 sv = _mm256_set1_ps(_cvtsh_ss(scales[t * groups + g]));
-      const __m256 zv = _mm256_set1_ps(_cvtsh_ss(zeros[t * groups + g]));
+      const __m256 sv = _mm256_set1_ps(_cvtsh_ss(LoadU16(scales, t * groups + g)));
+      const __m256 zv = _mm256_set1_ps(_cvtsh_ss(LoadU16(zeros, t * groups + g)));
       const int c1 = std::min(d, (g + 1) * q.group);
       for (int c = g * q.group; c < c1; c += 8) {
         _mm256_storeu_ps(o + c, _mm256_fmadd_ps(LoadCodes8(codes, q.bits, t * d + c), sv, zv));
@@ -358,8 +358,8 @@ void AccumKivi(const EncodedView& v, int64_t s, const float* const* p, float* co
     const int64_t t1 = std::min(v.quantized, t0 + kAccumTile);
     for (int64_t t = t0; t < t1; ++t) {
       for (int g = 0; g < groups; ++g) {
-        const float sg = _cvtsh_ss(sc[t * groups + g]);
-        const float zg = _cvtsh_ss(zc[t * groups + g]);
+        const float sg = _cvtsh_ss(LoadU16(sc, t * groups + g));
+        const float zg = _cvtsh_ss(LoadU16(zc, t * groups + g));
         for (int r = 0; r < R; ++r) {
           ps[(r * kAccumTile + (t - t0)) * groups + g] = p[r][t] * sg;
           zacc[r * groups + g] += p[r][t] * zg;

@@ -507,3 +507,62 @@ TEST(KvStreamTest, EncodesWholeBlocksAndNeverReencodes) {
 
 }  // namespace
 }  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+// Views of a serialized SegmentPayload read the tensors where they lie,
+// whatever alignment protobuf's framing left their buffers at, and decode
+// exactly as the parsed tensors do.
+TEST(SplitPayloadTest, ViewsDecodeLikeParsedTensorsAtAnyAlignment) {
+  std::mt19937 rng(21);
+  std::normal_distribution<float> nd;
+  const int64_t shape[3] = {1, 70, 64};
+  std::vector<float> x(70 * 64);
+  for (float& v : x) v = nd(rng);
+  v1::SegmentPayload p;
+  for (const char* setting : {"raw", "fp16", "kivi4", "kivi2:R=16", "kcvt4", "gear2", "gearl2"}) {
+    KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting(setting));
+    for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+      KVT_ASSERT_OK_AND_ASSIGN(*p.add_tensors(), Encode(c, role, shape, x.data()));
+    }
+  }
+  const std::string bytes = p.SerializeAsString();
+  for (int shift = 0; shift < 4; ++shift) {
+    // The payload at every offset from an aligned base.
+    std::string buf(shift, 'x');
+    buf += bytes;
+    const std::string_view payload(buf.data() + shift, bytes.size());
+    KVT_ASSERT_OK_AND_ASSIGN(std::vector<TensorParts> parts, SplitPayload(payload));
+    ASSERT_EQ(parts.size(), static_cast<size_t>(p.tensors_size()));
+    for (size_t i = 0; i < parts.size(); ++i) {
+      EXPECT_EQ(parts[i].bytes.size(), p.tensors(static_cast<int>(i)).ByteSizeLong());
+      KVT_ASSERT_OK_AND_ASSIGN(EncodedView view, ParseEncoded(parts[i]));
+      KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> want, Decode(p.tensors(static_cast<int>(i))));
+      for (KernelLevel level : {KernelLevel::kReference, KernelLevel::kBest}) {
+        std::vector<float> got(want.size());
+        DecodeRows(view, 0, 0, view.tokens, got.data(), level);
+        for (size_t j = 0; j < got.size(); ++j) {
+          ASSERT_NEAR(got[j], want[j], 1e-5 * (1 + std::fabs(want[j]))) << i << " " << j;
+        }
+      }
+    }
+  }
+}
+
+TEST(SplitPayloadTest, RejectsBadBytesAndChecksumsOnRequest) {
+  std::vector<float> x(8 * 16, 0.5f);
+  const int64_t shape[3] = {1, 8, 16};
+  KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting("kivi4"));
+  v1::SegmentPayload p;
+  KVT_ASSERT_OK_AND_ASSIGN(*p.add_tensors(), Encode(c, v1::TENSOR_ROLE_KEY, shape, x.data()));
+  std::string bytes = p.SerializeAsString();
+  EXPECT_THAT(SplitPayload(std::string_view(bytes).substr(0, bytes.size() - 3)).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  bytes[bytes.size() - 1] ^= 0x5a;  // A byte of the last buffer.
+  EXPECT_THAT(SplitPayload(bytes).status(), StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_THAT(SplitPayload(bytes, /*verify_crc=*/false).status(), IsOk());
+}
+
+}  // namespace
+}  // namespace kvtier

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/wire_format_lite.h"
+#include "base/status_macros.h"
 #include "kernels/crc32c.h"
 
 namespace kvtier {
@@ -188,11 +189,6 @@ absl::Status SplitTensorBytes(std::string_view bytes, TensorParts* out) {
   return absl::OkStatus();
 }
 
-absl::Status ValidateTensorBytes(std::string_view bytes) {
-  TensorParts parts;
-  if (absl::Status s = SplitTensorBytes(bytes, &parts); !s.ok()) return s;
-  return ValidateTensorView(parts.meta, parts.buffers);
-}
 
 }  // namespace
 
@@ -204,33 +200,9 @@ absl::Status ValidateTensor(const v1::EncodedTensor& t, bool verify_crc) {
 }
 
 absl::StatusOr<int> ValidatePayloadBytes(std::string_view bytes) {
-  if (bytes.size() > static_cast<size_t>(INT32_MAX)) {
-    return absl::InvalidArgumentError("segment payload over 2 GiB");
-  }
-  CodedInputStream in(reinterpret_cast<const uint8_t*>(bytes.data()),
-                      static_cast<int>(bytes.size()));
-  in.SetTotalBytesLimit(INT32_MAX);
-  int tensors = 0;
-  for (uint32_t tag; (tag = in.ReadTag()) != 0;) {
-    if (WireFormatLite::GetTagFieldNumber(tag) == 1 &&
-        WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
-      std::string_view view;
-      if (!ReadView(&in, bytes.data(), &view)) {
-        return absl::InvalidArgumentError("segment payload is not a serialized SegmentPayload");
-      }
-      absl::Status s = ValidateTensorBytes(view);
-      if (!s.ok())
-        return absl::Status(s.code(), absl::StrCat("tensor ", tensors, ": ", s.message()));
-      ++tensors;
-    } else if (!WireFormatLite::SkipField(&in, tag)) {
-      return absl::InvalidArgumentError("segment payload is not a serialized SegmentPayload");
-    }
-  }
-  if (!in.ConsumedEntireMessage()) {
-    return absl::InvalidArgumentError("segment payload is not a serialized SegmentPayload");
-  }
-  if (tensors == 0) return absl::InvalidArgumentError("segment payload holds no tensors");
-  return tensors;
+  KVT_ASSIGN_OR_RETURN(std::vector<TensorParts> parts, SplitPayload(bytes, /*verify_crc=*/true));
+  if (parts.empty()) return absl::InvalidArgumentError("segment payload holds no tensors");
+  return static_cast<int>(parts.size());
 }
 
 absl::StatusOr<v1::SegmentPayload> ParseAndValidatePayload(std::string_view bytes) {

@@ -373,13 +373,7 @@ absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const v1::ModelSpec& sp
   return std::unique_ptr<TierSession>(std::move(t));
 }
 
-absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const model::LlamaConfig& c,
-                                                         std::shared_ptr<grpc::Channel> channel,
-                                                         const std::string& session,
-                                                         const v1::Policy& policy,
-                                                         const std::string& token,
-                                                         const TierDeadlines& deadlines,
-                                                         DecodeMux* decode) {
+v1::ModelSpec SpecOf(const model::LlamaConfig& c) {
   v1::ModelSpec spec;
   spec.set_num_layers(c.n_layers);
   spec.set_num_q_heads(c.n_heads);
@@ -387,7 +381,7 @@ absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const model::LlamaConfi
   spec.set_head_dim(c.head_dim());
   spec.set_dtype(v1::DTYPE_FP32);
   spec.set_rope_theta(c.rope_theta);
-  return TierBackend(spec, std::move(channel), session, policy, token, deadlines, decode);
+  return spec;
 }
 
 absl::StatusOr<Transcript> RunConversation(

@@ -127,14 +127,9 @@ class DecodeMux {
   std::thread thread_;
 };
 
-// OpenSession on `channel` with the model spec from the checkpoint (fp32).
-absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const model::LlamaConfig& c,
-                                                         std::shared_ptr<grpc::Channel> channel,
-                                                         const std::string& session,
-                                                         const v1::Policy& policy,
-                                                         const std::string& token = "",
-                                                         const TierDeadlines& deadlines = {},
-                                                         DecodeMux* decode = nullptr);
+// The ModelSpec of a llama2.c checkpoint (fp32, as the reference model runs).
+v1::ModelSpec SpecOf(const model::LlamaConfig& c);
+
 // OpenSession with any model spec; q/k/v go over the wire as fp32. With
 // `decode` (not owned; it must outlive the session), decode steps go through
 // that shared stream; without, the session keeps a Decode stream of its own

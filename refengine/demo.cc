@@ -145,7 +145,7 @@ absl::Status RunModel(const DemoOptions& o, const model::LlamaModel& m, const v1
   auto local = LocalBackend(m.config());
   KVT_ASSIGN_OR_RETURN(Transcript teacher, RunConversation(m, co, local.get(), nullptr, nullptr));
   KVT_ASSIGN_OR_RETURN(*session,
-                       TierBackend(m.config(), channel, out->id, policy, o.token, {}, mux));
+                       TierBackend(SpecOf(m.config()), channel, out->id, policy, o.token, {}, mux));
   TierSession* tier = session->get();
   auto line = [&](const std::string& s) {
     if (progress) progress(absl::StrCat(out->id, " ", s));
@@ -307,6 +307,7 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
   auto channel = grpc::CreateChannel(o.worker, grpc::InsecureChannelCredentials());
   // Every session's decode layers share one long-lived stream, batched.
   DecodeMux mux(channel, o.token);
+  DecodeMux* shared = o.shared_decode_stream ? &mux : nullptr;
   rep.sessions.resize(o.sessions);
   std::vector<std::unique_ptr<TierSession>> tiers(o.sessions);
   std::vector<absl::Status> status(o.sessions);
@@ -328,9 +329,9 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     rep.sessions[i].id = absl::StrCat(prefix, i);
     threads.emplace_back([&, i] {
       status[i] = m != nullptr
-                      ? RunModel(o, *m, policy, channel, &mux, i, &rep.sessions[i], &tiers[i],
+                      ? RunModel(o, *m, policy, channel, shared, i, &rep.sessions[i], &tiers[i],
                                  line)
-                      : RunSynthetic(o, policy, channel, &mux, i, &rep.sessions[i], &tiers[i],
+                      : RunSynthetic(o, policy, channel, shared, i, &rep.sessions[i], &tiers[i],
                                      line);
     });
   }

@@ -40,6 +40,10 @@ struct DemoOptions {
   // or the worker's default (L / 3) for a model.
   int watershed = -1;
   uint64_t seed = 1;
+  // Every session's decode layers on one long-lived Decode stream, batched
+  // (DecodeMux); false: a stream per session and round, one item each.
+  // Default: true.
+  bool shared_decode_stream = true;
   // Session ids are "<prefix><i>"; empty picks "chat-<run id>-" so that
   // runs against the same store do not collide.
   std::string session_prefix;

@@ -35,6 +35,9 @@ ABSL_FLAG(int, watershed, -1,
 ABSL_FLAG(uint64_t, seed, 1, "Conversation seed.");
 ABSL_FLAG(std::string, report, "", "Also write the report as JSON to this file.");
 ABSL_FLAG(bool, quiet, false, "No per-round progress lines.");
+ABSL_FLAG(bool, shared_decode_stream, true,
+          "All sessions' decode layers on one long-lived Decode stream, batched; false: one "
+          "stream per session and round.");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
@@ -43,6 +46,7 @@ int main(int argc, char** argv) {
       "[--model=PATH] [--codec=..] [--recall=..] [--evict=..] [--report=FILE]");
   absl::ParseCommandLine(argc, argv);
   kvtier::refengine::DemoOptions o;
+  o.shared_decode_stream = absl::GetFlag(FLAGS_shared_decode_stream);
   o.worker = absl::GetFlag(FLAGS_worker);
   o.store = absl::GetFlag(FLAGS_store);
   o.token = absl::GetFlag(FLAGS_token);

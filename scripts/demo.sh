@@ -16,6 +16,8 @@
 #   WATERSHED the watershed layer L_w [-1: 6 for the synthetic chat, L/3 for a model]
 #   RAM_MB    kvtier-store RAM tier budget; older rounds spill to RocksDB [32]
 #   REPORT    also write the report as JSON to this file [unset]
+#   SHARED_DECODE_STREAM  true: every session's decode layers on one batched stream;
+#             false: a stream per session and round [true]
 set -euo pipefail
 BUILD_DIR=${1:-build}
 STORE_BIN="$BUILD_DIR/services/store/kvtier-store"
@@ -77,6 +79,7 @@ ARGS=(--worker="$WORKER" --store="$STORE" --sessions="$SESSIONS" --rounds="$ROUN
   --codec="$CODEC" --recall="$RECALL" --evict="$EVICT" --watershed="$WATERSHED")
 [ -n "$MODEL" ] && ARGS+=(--model="$MODEL")
 [ -n "$REPORT" ] && ARGS+=(--report="$REPORT")
+[ -n "${SHARED_DECODE_STREAM:-}" ] && ARGS+=(--shared_decode_stream="$SHARED_DECODE_STREAM")
 "$ENGINE_BIN" "${ARGS[@]}"
 
 if command -v curl >/dev/null 2>&1; then

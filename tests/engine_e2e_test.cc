@@ -46,7 +46,7 @@ TEST_F(EngineE2eTest, Stories260KTierModeMatchesLocalMode) {
   lossless.set_recall("all");
   lossless.set_release_after_end_round(true);
   KVT_ASSERT_OK_AND_ASSIGN(auto tier,
-                           refengine::TierBackend(m->config(), channel_, "lossless", lossless));
+                           refengine::TierBackend(refengine::SpecOf(m->config()), channel_, "lossless", lossless));
   KVT_ASSERT_OK_AND_ASSIGN(refengine::Transcript got,
                            refengine::RunConversation(*m, o, tier.get(), nullptr, {}));
   EXPECT_EQ(got.answers, truth.answers) << "greedy tokens differ";
@@ -62,7 +62,7 @@ TEST_F(EngineE2eTest, Stories260KTierModeMatchesLocalMode) {
     p.mutable_codec_params()->set_bits(bits);
     p.set_recall(recall);
     p.set_release_after_end_round(true);
-    auto b = refengine::TierBackend(m->config(), channel_, name, p);
+    auto b = refengine::TierBackend(refengine::SpecOf(m->config()), channel_, name, p);
     EXPECT_TRUE(b.ok()) << b.status();
     auto t = refengine::RunConversation(*m, o, b->get(), &truth, {});
     EXPECT_TRUE(t.ok()) << t.status();

@@ -256,6 +256,19 @@ TEST_F(WorkerServiceTest, BadInputGetsPreciseStatus) {
 }
 
 
+// Calls `f` until it returns something other than `code` (at most 50 tries,
+// 20 ms apart): for the moments the worker finishes an abandoned call on
+// its own threads. Returns the last result.
+template <typename F>
+auto RetryWhile(grpc::StatusCode code, F f) {
+  auto st = f();
+  for (int attempt = 1; attempt < 50 && st.error_code() == code; ++attempt) {
+    absl::SleepFor(absl::Milliseconds(20));
+    st = f();
+  }
+  return st;
+}
+
 // Runs one whole prefill step of n tokens for `id` over `stub`, returning
 // the stream's final status.
 grpc::Status PrefillStep(v1::Worker::Stub* stub, const std::string& id, int64_t n,
@@ -453,12 +466,8 @@ TEST_F(WorkerServiceTest, CancelledPrefillRollsBack) {
   }
   // The worker notices the cancellation on its own thread; the rollback is
   // there by the time a new stream's layer 0 is accepted.
-  grpc::Status st;
-  for (int attempt = 0; attempt < 50; ++attempt) {
-    st = PrefillStep(stub_.get(), "c", 4, &rng);
-    if (st.error_code() != grpc::StatusCode::FAILED_PRECONDITION) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
+  const grpc::Status st = RetryWhile(grpc::StatusCode::FAILED_PRECONDITION,
+                                     [&] { return PrefillStep(stub_.get(), "c", 4, &rng); });
   ASSERT_TRUE(st.ok()) << st.error_message();
   v1::EndRoundResponse end;
   ASSERT_TRUE(EndRound(stub_.get(), "c", &end).ok());
@@ -567,15 +576,13 @@ TEST_F(WorkerDeadlineTest, StoppedStoreGivesDeadlineExceeded) {
   // Without a caller deadline: the worker's own store deadline (1 s). The
   // first attempt may still be finishing on the worker (its store call had
   // the same 0.5 s): that is ABORTED, and a retry.
-  for (int attempt = 0; attempt < 50; ++attempt) {
+  s = RetryWhile(grpc::StatusCode::ABORTED, [&] {
     t0 = absl::Now();
     grpc::ClientContext c;
     v1::EndRoundRequest r;
     r.set_session_id("s");
-    s = stub_->EndRound(&c, r, &end);
-    if (s.error_code() != grpc::StatusCode::ABORTED) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
+    return stub_->EndRound(&c, r, &end);
+  });
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
   EXPECT_GE(absl::Now() - t0, absl::Milliseconds(900));
   EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
@@ -593,11 +600,7 @@ TEST_F(WorkerDeadlineTest, StoppedStoreGivesDeadlineExceeded) {
 
   // The round stayed open; with the store back, EndRound succeeds.
   stack_.store()->Resume();
-  for (int attempt = 0; attempt < 50; ++attempt) {
-    s = EndRound(stub_.get(), "s", &end);
-    if (s.error_code() != grpc::StatusCode::ABORTED) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
+  s = RetryWhile(grpc::StatusCode::ABORTED, [&] { return EndRound(stub_.get(), "s", &end); });
   ASSERT_TRUE(s.ok()) << s.error_message();
   EXPECT_EQ(end.round(), 1u);
 
@@ -609,12 +612,8 @@ TEST_F(WorkerDeadlineTest, StoppedStoreGivesDeadlineExceeded) {
   EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
   stack_.store()->Resume();
   // Rolled back: the whole step can be sent again.
-  grpc::Status again;
-  for (int attempt = 0; attempt < 50; ++attempt) {
-    again = PrefillStep(stub_.get(), "s", 4, &rng);
-    if (again.error_code() != grpc::StatusCode::FAILED_PRECONDITION) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
+  const grpc::Status again = RetryWhile(grpc::StatusCode::FAILED_PRECONDITION,
+                                        [&] { return PrefillStep(stub_.get(), "s", 4, &rng); });
   EXPECT_TRUE(again.ok()) << again.error_message();
 }
 
