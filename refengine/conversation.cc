@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "kernels/half.h"
 #include "absl/time/clock.h"
 #include "grpcpp/client_context.h"
 
@@ -34,12 +35,47 @@ class Local : public ConversationBackend {
   model::PerTokenLayerAttention layered_;
 };
 
-void Dense(const float* x, int64_t tokens, int heads, int d, v1::DenseTensor* t) {
-  t->set_dtype(v1::DTYPE_FP32);
+// x [tokens, heads, d] on the wire in `dtype` (the model's: fp32, fp16 or
+// bf16), so a half-precision model sends half the bytes.
+void Dense(const float* x, int64_t tokens, int heads, int d, v1::DType dtype,
+           v1::DenseTensor* t) {
+  const size_t n = static_cast<size_t>(tokens) * heads * d;
   t->add_shape(tokens);
   t->add_shape(heads);
   t->add_shape(d);
-  t->set_data(reinterpret_cast<const char*>(x), static_cast<size_t>(tokens) * heads * d * 4);
+  if (dtype == v1::DTYPE_FP16 || dtype == v1::DTYPE_BF16) {
+    t->set_dtype(dtype);
+    std::string* data = t->mutable_data();
+    data->resize(2 * n);
+    for (size_t i = 0; i < n; ++i) {
+      const uint16_t h = dtype == v1::DTYPE_FP16 ? FloatToHalf(x[i]) : FloatToBf16(x[i]);
+      std::memcpy(data->data() + 2 * i, &h, 2);
+    }
+    return;
+  }
+  t->set_dtype(v1::DTYPE_FP32);
+  t->set_data(reinterpret_cast<const char*>(x), n * 4);
+}
+
+// Widens an output tensor's elements into out[0, n); INTERNAL unless it
+// holds exactly n elements of fp32, fp16 or bf16.
+absl::Status ReadFloats(const v1::DenseTensor& t, float* out, size_t n, const std::string& what) {
+  const std::string& data = t.data();
+  const v1::DType dt = t.dtype();
+  const size_t es = dt == v1::DTYPE_FP32 ? 4 : (dt == v1::DTYPE_FP16 || dt == v1::DTYPE_BF16) ? 2 : 0;
+  if (es == 0 || data.size() != n * es) {
+    return absl::InternalError(absl::StrCat(what, ": bad output"));
+  }
+  if (es == 4) {
+    std::memcpy(out, data.data(), data.size());
+    return absl::OkStatus();
+  }
+  for (size_t i = 0; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, data.data() + 2 * i, 2);
+    out[i] = dt == v1::DTYPE_FP16 ? HalfToFloat(h) : Bf16ToFloat(h);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -136,15 +172,7 @@ void DecodeMux::Loop() {
     for (size_t i = 0; i < batch.size(); ++i) {
       Pending* p = batch[i];
       p->status = st;
-      if (st.ok()) {
-        const std::string& data = resp.o(static_cast<int>(i)).data();
-        if (resp.o(static_cast<int>(i)).dtype() != v1::DTYPE_FP32 ||
-            data.size() != p->out_floats * 4) {
-          p->status = absl::InternalError("Decode: bad output");
-        } else {
-          std::memcpy(p->out, data.data(), data.size());
-        }
-      }
+      if (st.ok()) p->status = ReadFloats(resp.o(static_cast<int>(i)), p->out, p->out_floats, "Decode");
       p->done = true;
     }
   }
@@ -231,7 +259,8 @@ class Tier : public TierSession {
     if (prefill_) {
       // Token slices of at most kChunkBytes per message, like the store's
       // chunks, instead of one message as large as the layer.
-      const int64_t row = static_cast<int64_t>(q_heads_ + 2 * kv_heads_) * hd * 4;
+      const int64_t es = wire_ == v1::DTYPE_FP32 ? 4 : 2;
+      const int64_t row = static_cast<int64_t>(q_heads_ + 2 * kv_heads_) * hd * es;
       const int per = static_cast<int>(std::max<int64_t>(1, kChunkBytes / row));
       for (int t = 0; t < n; t += per) {
         const int m = std::min(per, n - t);
@@ -239,33 +268,36 @@ class Tier : public TierSession {
         if (layer == 0 && t == 0) req.set_session_id(session_);
         req.set_layer(layer);
         req.set_question_tokens(question_);
-        Dense(q + static_cast<size_t>(t) * q_heads_ * hd, m, q_heads_, hd, req.mutable_q());
-        Dense(k + static_cast<size_t>(t) * kv_heads_ * hd, m, kv_heads_, hd, req.mutable_k());
-        Dense(v + static_cast<size_t>(t) * kv_heads_ * hd, m, kv_heads_, hd, req.mutable_v());
+        Dense(q + static_cast<size_t>(t) * q_heads_ * hd, m, q_heads_, hd, wire_, req.mutable_q());
+        Dense(k + static_cast<size_t>(t) * kv_heads_ * hd, m, kv_heads_, hd, wire_,
+              req.mutable_k());
+        Dense(v + static_cast<size_t>(t) * kv_heads_ * hd, m, kv_heads_, hd, wire_,
+              req.mutable_v());
         req.set_more_chunks(t + m < n);
         if (!pstream_->Write(req)) {
           return FromGrpc(pstream_->Finish(), absl::StrCat("Prefill layer ", layer));
         }
       }
-      size_t got = 0;
-      const size_t want = static_cast<size_t>(n) * q_heads_ * hd * 4;
+      size_t got = 0;  // Output rows so far.
+      const size_t qrow = static_cast<size_t>(q_heads_) * hd;
       v1::LayerResponse resp;
       do {
         if (!pstream_->Read(&resp)) {
           return FromGrpc(pstream_->Finish(), absl::StrCat("Prefill layer ", layer));
         }
-        if (resp.o().dtype() != v1::DTYPE_FP32 || got + resp.o().data().size() > want) {
+        const int64_t rows = resp.o().shape_size() == 3 ? resp.o().shape(0) : -1;
+        if (rows < 1 || got + rows > static_cast<size_t>(n)) {
           return absl::InternalError(absl::StrCat("Prefill layer ", layer, ": bad output"));
         }
-        std::memcpy(reinterpret_cast<char*>(out) + got, resp.o().data().data(),
-                    resp.o().data().size());
-        got += resp.o().data().size();
+        KVT_RETURN_IF_ERROR(ReadFloats(resp.o(), out + got * qrow, rows * qrow,
+                                       absl::StrCat("Prefill layer ", layer)));
+        got += rows;
         if (resp.has_recall()) {
           last_recall_ = resp.recall();
           has_recall_ = true;
         }
       } while (resp.more_chunks());
-      if (got != want) {
+      if (got != static_cast<size_t>(n)) {
         return absl::InternalError(absl::StrCat("Prefill layer ", layer, ": short output"));
       }
       return absl::OkStatus();
@@ -274,9 +306,9 @@ class Tier : public TierSession {
     auto* item = req.add_items();
     item->set_session_id(session_);
     item->set_layer(layer);
-    Dense(q, 1, q_heads_, hd, item->mutable_q());
-    Dense(k, 1, kv_heads_, hd, item->mutable_k());
-    Dense(v, 1, kv_heads_, hd, item->mutable_v());
+    Dense(q, 1, q_heads_, hd, wire_, item->mutable_q());
+    Dense(k, 1, kv_heads_, hd, wire_, item->mutable_k());
+    Dense(v, 1, kv_heads_, hd, wire_, item->mutable_v());
     if (mux_ != nullptr) {
       return mux_->Attend(std::move(*item), out, static_cast<size_t>(q_heads_) * hd);
     }
@@ -286,11 +318,11 @@ class Tier : public TierSession {
       dstream_.reset();
       return s;
     }
-    if (resp.o_size() != 1 || resp.o(0).data().size() != static_cast<size_t>(q_heads_) * hd * 4) {
+    if (resp.o_size() != 1) {
       return absl::InternalError(absl::StrCat("Decode layer ", layer, ": bad output"));
     }
-    std::memcpy(out, resp.o(0).data().data(), resp.o(0).data().size());
-    return absl::OkStatus();
+    return ReadFloats(resp.o(0), out, static_cast<size_t>(q_heads_) * hd,
+                      absl::StrCat("Decode layer ", layer));
   }
 
   absl::Status EndStep() override {
@@ -344,6 +376,10 @@ class Tier : public TierSession {
   int question_ = 0;
   static constexpr int64_t kChunkBytes = int64_t{1} << 20;
   DecodeMux* const mux_;
+  // The model's dtype: what q/k/v travel in.
+  const v1::DType wire_ = spec_.dtype() == v1::DTYPE_FP16 || spec_.dtype() == v1::DTYPE_BF16
+                              ? spec_.dtype()
+                              : v1::DTYPE_FP32;
   TierDeadlines deadlines_;
   std::unique_ptr<grpc::ClientContext> pctx_, dctx_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::LayerRequest, v1::LayerResponse>> pstream_;

@@ -130,7 +130,7 @@ class DecodeMux {
 // The ModelSpec of a llama2.c checkpoint (fp32, as the reference model runs).
 v1::ModelSpec SpecOf(const model::LlamaConfig& c);
 
-// OpenSession with any model spec; q/k/v go over the wire as fp32. With
+// OpenSession with any model spec; q/k/v go over the wire in its dtype. With
 // `decode` (not owned; it must outlive the session), decode steps go through
 // that shared stream; without, the session keeps a Decode stream of its own
 // per round.
