@@ -24,13 +24,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "base/status_macros.h"
 #include "client/raw_call.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/server_builder.h"
 #include "rpc/wire_format.h"
-#include "base/status_macros.h"
 #include "services/worker/worker_server.h"
 
 namespace kvtier {
@@ -103,9 +103,9 @@ v1::DenseTensor Dense(int heads, std::mt19937* rng) {
 struct Row {
   std::string name;
   int sessions = 1;
-  double hop_us = 0;      // One request/response round trip (all its items).
+  double hop_us = 0;  // One request/response round trip (all its items).
   double tokens_per_s = 0;
-  std::string ratio;      // Against its baseline, said in words.
+  std::string ratio;  // Against its baseline, said in words.
 };
 
 class Bench {
@@ -130,8 +130,8 @@ class Bench {
     b.RegisterCallbackGenericService(echo_.get());
     echo_server_ = b.BuildAndStart();
     if (echo_server_ == nullptr) return absl::UnavailableError("echo server did not start");
-    echo_channel_ = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
-                                        grpc::InsecureChannelCredentials());
+    echo_channel_ =
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
     return absl::OkStatus();
   }
 
@@ -149,15 +149,15 @@ class Bench {
       const std::string id = absl::StrCat("default.", prefix, i);
       if (absl::Status s = worker_->engine()->OpenSession(id, shape, {}); !s.ok()) return s;
       for (int l = 0; l < kLayers; ++l) {
-        auto r = worker_->engine()->PrefillLayer(id, l, context_, 0, q.data(), kv.data(),
-                                                 kv.data(), out.data());
+        auto r = worker_->engine()->PrefillLayer(id, l, context_, 0, q.data(), kv.data(), kv.data(),
+                                                 out.data());
         if (!r.ok()) return r.status();
       }
       // One decode token, untimed: the open round's buffers grow on the
       // first one (a reallocation of every layer), which no row should pay.
       for (int l = 0; l < kLayers; ++l) {
-        absl::Status s = worker_->engine()->DecodeLayer(id, l, q.data(), kv.data(), kv.data(),
-                                                        out.data());
+        absl::Status s =
+            worker_->engine()->DecodeLayer(id, l, q.data(), kv.data(), kv.data(), out.data());
         if (!s.ok()) return s;
       }
     }
@@ -256,9 +256,9 @@ class Bench {
     const auto t0 = Clock::now();
     for (int h = 0; h < hops; ++h) {
       for (int i = 0; i < sessions; ++i) {
-        absl::Status s = worker_->engine()->DecodeLayer(absl::StrCat("default.", prefix, i),
-                                                        h % kLayers, q.data(), k.data(),
-                                                        v.data(), out.data());
+        absl::Status s =
+            worker_->engine()->DecodeLayer(absl::StrCat("default.", prefix, i), h % kLayers,
+                                           q.data(), k.data(), v.data(), out.data());
         if (!s.ok()) return s;
       }
     }
@@ -318,9 +318,10 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "kvtier-hop-bench: %s\n", s.ToString().c_str());
     return 1;
   }
-  std::printf("kvtier-hop-bench: %d layers, %d q / %d kv heads, d=%d, fp32 on the wire, "
-              "%d tokens of context per session, %d hops per row\n",
-              kLayers, kQHeads, kKvHeads, kDim, context, hops);
+  std::printf(
+      "kvtier-hop-bench: %d layers, %d q / %d kv heads, d=%d, fp32 on the wire, "
+      "%d tokens of context per session, %d hops per row\n",
+      kLayers, kQHeads, kKvHeads, kDim, context, hops);
   std::vector<Row> rows;
   const Row floor = b.Floor(hops);
   rows.push_back(floor);
@@ -347,8 +348,8 @@ int Main(int argc, char** argv) {
     auto hop = measure(n, [&](const std::string& p) { return b.Kvtier(p, n, row_hops, false); });
     if (!hop.ok()) return fail(hop.status());
     hop->name = absl::StrCat("kvtier-worker, ", n, " session(s), one stream, batched");
-    hop->ratio = absl::StrFormat("%.2fx in-process tokens/s",
-                                 hop->tokens_per_s / inproc->tokens_per_s);
+    hop->ratio =
+        absl::StrFormat("%.2fx in-process tokens/s", hop->tokens_per_s / inproc->tokens_per_s);
     rows.push_back(*inproc);
     if (n == 1) {
       // The hop's own cost: what it adds to the same attention in process.
@@ -375,8 +376,8 @@ int Main(int argc, char** argv) {
     std::ofstream f(csv);
     f << "case,sessions,hop_us,tokens_per_s,ratio\n";
     for (const Row& r : rows) {
-      f << '"' << r.name << "\"," << r.sessions << ',' << r.hop_us << ',' << r.tokens_per_s
-        << ",\"" << r.ratio << "\"\n";
+      f << '"' << r.name << "\"," << r.sessions << ',' << r.hop_us << ',' << r.tokens_per_s << ",\""
+        << r.ratio << "\"\n";
     }
   }
   return 0;

@@ -14,8 +14,8 @@
 #include "kernels/crc32c.h"
 #include "rocksdb/env.h"
 #include "rocksdb/file_system.h"
-#include "tests/util/status_matchers.h"
 #include "testing/test_util.h"
+#include "tests/util/status_matchers.h"
 
 namespace kvtier::cachestore {
 namespace {

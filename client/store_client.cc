@@ -178,8 +178,9 @@ absl::StatusOr<v1::ListRoundsResponse> StoreClient::ListRounds(const std::string
   return Finish(s, std::move(resp));
 }
 
-absl::StatusOr<v1::DropRoundsResponse> StoreClient::DropRounds(
-    const std::string& session_id, const std::vector<uint32_t>& rounds, const CallOptions& call) {
+absl::StatusOr<v1::DropRoundsResponse> StoreClient::DropRounds(const std::string& session_id,
+                                                               const std::vector<uint32_t>& rounds,
+                                                               const CallOptions& call) {
   auto ctx = NewContext(call);
   v1::DropRoundsRequest req;
   req.set_session_id(session_id);
@@ -200,8 +201,8 @@ absl::StatusOr<v1::RecordRecallsResponse> StoreClient::RecordRecalls(
   return Finish(s, std::move(resp));
 }
 
-absl::StatusOr<v1::DeleteSessionResponse> StoreClient::DeleteSession(
-    const std::string& session_id, const CallOptions& call) {
+absl::StatusOr<v1::DeleteSessionResponse> StoreClient::DeleteSession(const std::string& session_id,
+                                                                     const CallOptions& call) {
   auto ctx = NewContext(call);
   v1::DeleteSessionRequest req;
   req.set_session_id(session_id);

@@ -83,8 +83,7 @@ class StoreClient {
                                                           const CallOptions& call = {});
   absl::StatusOr<v1::DeleteSessionResponse> DeleteSession(const std::string& session_id,
                                                           const CallOptions& call = {});
-  absl::Status PinSession(const std::string& session_id, bool pinned,
-                          const CallOptions& call = {});
+  absl::Status PinSession(const std::string& session_id, bool pinned, const CallOptions& call = {});
   absl::StatusOr<v1::StatsResponse> Stats(const CallOptions& call = {});
 
   // For callers that drive the raw stub (tests of malformed streams): a

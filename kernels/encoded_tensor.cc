@@ -3,9 +3,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/wire_format_lite.h"
-#include "base/status_macros.h"
 #include "kernels/crc32c.h"
 
 namespace kvtier {
@@ -188,7 +188,6 @@ absl::Status SplitTensorBytes(std::string_view bytes, TensorParts* out) {
   out->bytes = bytes;
   return absl::OkStatus();
 }
-
 
 }  // namespace
 

@@ -36,7 +36,7 @@ struct BufferView {
 // metadata (every field but the buffers, parsed) and views of its buffers'
 // bytes. Valid while the payload's bytes are.
 struct TensorParts {
-  v1::EncodedTensor meta;          // Its `buffers` are empty.
+  v1::EncodedTensor meta;           // Its `buffers` are empty.
   std::vector<BufferView> buffers;  // In order.
   std::string_view bytes;           // The tensor's whole serialized form.
 };

@@ -5,8 +5,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/util/status_matchers.h"
 #include "testing/test_util.h"
+#include "tests/util/status_matchers.h"
 
 namespace kvtier::model {
 namespace {

@@ -5,10 +5,10 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "base/status_macros.h"
-#include "kernels/half.h"
 #include "absl/time/clock.h"
+#include "base/status_macros.h"
 #include "grpcpp/client_context.h"
+#include "kernels/half.h"
 
 namespace kvtier::refengine {
 namespace {
@@ -37,8 +37,7 @@ class Local : public ConversationBackend {
 
 // x [tokens, heads, d] on the wire in `dtype` (the model's: fp32, fp16 or
 // bf16), so a half-precision model sends half the bytes.
-void Dense(const float* x, int64_t tokens, int heads, int d, v1::DType dtype,
-           v1::DenseTensor* t) {
+void Dense(const float* x, int64_t tokens, int heads, int d, v1::DType dtype, v1::DenseTensor* t) {
   const size_t n = static_cast<size_t>(tokens) * heads * d;
   t->add_shape(tokens);
   t->add_shape(heads);
@@ -62,7 +61,9 @@ void Dense(const float* x, int64_t tokens, int heads, int d, v1::DType dtype,
 absl::Status ReadFloats(const v1::DenseTensor& t, float* out, size_t n, const std::string& what) {
   const std::string& data = t.data();
   const v1::DType dt = t.dtype();
-  const size_t es = dt == v1::DTYPE_FP32 ? 4 : (dt == v1::DTYPE_FP16 || dt == v1::DTYPE_BF16) ? 2 : 0;
+  const size_t es = dt == v1::DTYPE_FP32                             ? 4
+                    : (dt == v1::DTYPE_FP16 || dt == v1::DTYPE_BF16) ? 2
+                                                                     : 0;
   if (es == 0 || data.size() != n * es) {
     return absl::InternalError(absl::StrCat(what, ": bad output"));
   }
@@ -140,9 +141,8 @@ void DecodeMux::Loop() {
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
-          +[](DecodeMux* m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(m->mu_) {
-            return m->stop_ || !m->queue_.empty();
-          },
+          +[](DecodeMux* m)
+               ABSL_EXCLUSIVE_LOCKS_REQUIRED(m->mu_) { return m->stop_ || !m->queue_.empty(); },
           this));
       if (queue_.empty()) break;  // stop_ and drained.
       batch.swap(queue_);
@@ -172,7 +172,8 @@ void DecodeMux::Loop() {
     for (size_t i = 0; i < batch.size(); ++i) {
       Pending* p = batch[i];
       p->status = st;
-      if (st.ok()) p->status = ReadFloats(resp.o(static_cast<int>(i)), p->out, p->out_floats, "Decode");
+      if (st.ok())
+        p->status = ReadFloats(resp.o(static_cast<int>(i)), p->out, p->out_floats, "Decode");
       p->done = true;
     }
   }
@@ -397,13 +398,10 @@ std::unique_ptr<ConversationBackend> LocalBackend(const model::LlamaConfig& c) {
   return std::make_unique<Local>(c);
 }
 
-absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const v1::ModelSpec& spec,
-                                                         std::shared_ptr<grpc::Channel> channel,
-                                                         const std::string& session,
-                                                         const v1::Policy& policy,
-                                                         const std::string& token,
-                                                         const TierDeadlines& deadlines,
-                                                         DecodeMux* decode) {
+absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(
+    const v1::ModelSpec& spec, std::shared_ptr<grpc::Channel> channel, const std::string& session,
+    const v1::Policy& policy, const std::string& token, const TierDeadlines& deadlines,
+    DecodeMux* decode) {
   auto t = std::make_unique<Tier>(spec, std::move(channel), session, token, deadlines, decode);
   KVT_RETURN_IF_ERROR(t->Open(policy));
   return std::unique_ptr<TierSession>(std::move(t));

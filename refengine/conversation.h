@@ -134,13 +134,10 @@ v1::ModelSpec SpecOf(const model::LlamaConfig& c);
 // `decode` (not owned; it must outlive the session), decode steps go through
 // that shared stream; without, the session keeps a Decode stream of its own
 // per round.
-absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(const v1::ModelSpec& spec,
-                                                         std::shared_ptr<grpc::Channel> channel,
-                                                         const std::string& session,
-                                                         const v1::Policy& policy,
-                                                         const std::string& token = "",
-                                                         const TierDeadlines& deadlines = {},
-                                                         DecodeMux* decode = nullptr);
+absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(
+    const v1::ModelSpec& spec, std::shared_ptr<grpc::Channel> channel, const std::string& session,
+    const v1::Policy& policy, const std::string& token = "", const TierDeadlines& deadlines = {},
+    DecodeMux* decode = nullptr);
 
 // Runs the conversation. With `teacher`, the answers are the teacher's
 // tokens (teacher forcing: the same context as the teacher had), and the

@@ -19,8 +19,8 @@
 #include "grpcpp/security/credentials.h"
 #include "kernels/codec.h"
 #include "kernels/eviction.h"
-#include "traces/synthetic_chat.h"
 #include "kernels/recall.h"
+#include "traces/synthetic_chat.h"
 
 namespace kvtier::refengine {
 namespace {
@@ -40,8 +40,8 @@ double MsSince(Clock::time_point t) {
 }
 
 absl::Status RunSynthetic(const DemoOptions& o, const v1::Policy& policy,
-                          const std::shared_ptr<grpc::Channel>& channel, DecodeMux* mux,
-                          int index, DemoSession* out, std::unique_ptr<TierSession>* session,
+                          const std::shared_ptr<grpc::Channel>& channel, DecodeMux* mux, int index,
+                          DemoSession* out, std::unique_ptr<TierSession>* session,
                           const std::function<void(const std::string&)>& progress) {
   traces::SyntheticChatOptions co;
   co.rounds = o.rounds;
@@ -134,8 +134,7 @@ absl::Status RunSynthetic(const DemoOptions& o, const v1::Policy& policy,
 
 absl::Status RunModel(const DemoOptions& o, const model::LlamaModel& m, const v1::Policy& policy,
                       const std::shared_ptr<grpc::Channel>& channel, DecodeMux* mux, int index,
-                      DemoSession* out,
-                      std::unique_ptr<TierSession>* session,
+                      DemoSession* out, std::unique_ptr<TierSession>* session,
                       const std::function<void(const std::string&)>& progress) {
   ConversationOptions co;
   co.rounds = o.rounds;
@@ -328,11 +327,10 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
   for (int i = 0; i < o.sessions; ++i) {
     rep.sessions[i].id = absl::StrCat(prefix, i);
     threads.emplace_back([&, i] {
-      status[i] = m != nullptr
-                      ? RunModel(o, *m, policy, channel, shared, i, &rep.sessions[i], &tiers[i],
-                                 line)
-                      : RunSynthetic(o, policy, channel, shared, i, &rep.sessions[i], &tiers[i],
-                                     line);
+      status[i] =
+          m != nullptr
+              ? RunModel(o, *m, policy, channel, shared, i, &rep.sessions[i], &tiers[i], line)
+              : RunSynthetic(o, policy, channel, shared, i, &rep.sessions[i], &tiers[i], line);
     });
   }
   for (auto& t : threads) t.join();

@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "refengine/conversation.h"
 #include "kvtier/v1/worker.pb.h"
+#include "refengine/conversation.h"
 
 namespace kvtier::refengine {
 

@@ -47,9 +47,9 @@ RoundDistributions Distributions(const Capture& c, int min_past) {
         }
       }
       const int64_t b = c.round_begin[r];
-      out.dist[p][l] = QAttention(c.q_heads, c.kv_heads, c.d, &c.q[l][b * qrow],
-                                          static_cast<int64_t>(qrow), c.question_tokens, past,
-                                          &c.k[l][b * kvrow]);
+      out.dist[p][l] =
+          QAttention(c.q_heads, c.kv_heads, c.d, &c.q[l][b * qrow], static_cast<int64_t>(qrow),
+                     c.question_tokens, past, &c.k[l][b * kvrow]);
     }
   }
   return out;

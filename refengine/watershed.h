@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "refengine/conversation.h"
 #include "model/llama.h"
+#include "refengine/conversation.h"
 #include "traces/synthetic_chat.h"
 
 namespace kvtier::refengine {

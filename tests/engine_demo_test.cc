@@ -6,12 +6,12 @@
 #include <cmath>
 #include <string>
 
+#include "gtest/gtest.h"
 #include "refengine/demo.h"
 #include "refengine/watershed.h"
-#include "gtest/gtest.h"
 #include "services/worker/worker_server.h"
-#include "tests/util/status_matchers.h"
 #include "testing/test_util.h"
+#include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
 
 namespace kvtier {
@@ -140,7 +140,8 @@ TEST_F(EngineDemoTest, Stories260KThroughTheDemo) {
 // nats), and above it 95% of the mass sits in a few rounds.
 TEST(WatershedTest, SyntheticChatWatershedIsSix) {
   traces::SyntheticChatOptions o;
-  const refengine::RoundDistributions d = refengine::SyntheticChatDistributions(traces::SyntheticChat(o));
+  const refengine::RoundDistributions d =
+      refengine::SyntheticChatDistributions(traces::SyntheticChat(o));
   ASSERT_EQ(d.layers, 32);
   ASSERT_EQ(d.dist.size(), 22u);
   const refengine::WatershedReport w = refengine::AnalyzeWatershed(d);

@@ -3,12 +3,12 @@
 // rounds kept in a real kvtier-store).
 #include <cstdio>
 
-#include "refengine/conversation.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
+#include "refengine/conversation.h"
 #include "services/worker/worker_server.h"
-#include "tests/util/status_matchers.h"
 #include "testing/test_util.h"
+#include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
 
 namespace kvtier {
@@ -45,8 +45,8 @@ TEST_F(EngineE2eTest, Stories260KTierModeMatchesLocalMode) {
   v1::Policy lossless;
   lossless.set_recall("all");
   lossless.set_release_after_end_round(true);
-  KVT_ASSERT_OK_AND_ASSIGN(auto tier,
-                           refengine::TierBackend(refengine::SpecOf(m->config()), channel_, "lossless", lossless));
+  KVT_ASSERT_OK_AND_ASSIGN(auto tier, refengine::TierBackend(refengine::SpecOf(m->config()),
+                                                             channel_, "lossless", lossless));
   KVT_ASSERT_OK_AND_ASSIGN(refengine::Transcript got,
                            refengine::RunConversation(*m, o, tier.get(), nullptr, {}));
   EXPECT_EQ(got.answers, truth.answers) << "greedy tokens differ";

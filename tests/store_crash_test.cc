@@ -15,9 +15,9 @@
 #include "client/store_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/util/status_matchers.h"
 #include "testing/store_process.h"
 #include "testing/test_util.h"
+#include "tests/util/status_matchers.h"
 
 namespace kvtier {
 namespace {

@@ -18,9 +18,9 @@
 #include "gtest/gtest.h"
 #include "kernels/crc32c.h"
 #include "kernels/encoded_tensor.h"
-#include "tests/util/status_matchers.h"
 #include "testing/store_process.h"
 #include "testing/test_util.h"
+#include "tests/util/status_matchers.h"
 
 namespace kvtier {
 namespace {

@@ -184,8 +184,8 @@ TEST_F(WorkerEngineTest, RecallSelectsTheReferenceRoundsInOneCall) {
           rk[r].lens.push_back(static_cast<int64_t>(keys.back().size()) / d);
         }
       }
-      const auto want = QAttention(s.q_heads, s.kv_heads, d, q.data(), s.q_heads * d,
-                                           question, rk, k.data());
+      const auto want =
+          QAttention(s.q_heads, s.kv_heads, d, q.data(), s.q_heads * d, question, rk, k.data());
       ASSERT_EQ(rep->scores.size(), want.size());
       for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(rep->scores[i], want[i], 1e-9);
       const auto pick = SelectRounds(want, p.recall, true);

@@ -11,8 +11,8 @@
 #include "kernels/attention.h"
 #include "kernels/half.h"
 #include "services/worker/worker_server.h"
-#include "tests/util/status_matchers.h"
 #include "testing/test_util.h"
+#include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
 
 namespace kvtier {
@@ -254,7 +254,6 @@ TEST_F(WorkerServiceTest, BadInputGetsPreciseStatus) {
     EXPECT_TRUE(stub_->CloseSession(&c, cr, &r).ok());
   }
 }
-
 
 // Calls `f` until it returns something other than `code` (at most 50 tries,
 // 20 ms apart): for the moments the worker finishes an abandoned call on

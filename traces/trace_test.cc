@@ -8,8 +8,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/half.h"
-#include "tests/util/status_matchers.h"
 #include "testing/test_util.h"
+#include "tests/util/status_matchers.h"
 
 namespace kvtier::traces {
 namespace {

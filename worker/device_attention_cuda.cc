@@ -95,11 +95,11 @@ class CudaSession : public DeviceSession {
     // The open round's new rows.
     KVT_RETURN_IF_ERROR(k_[layer].Reserve(rows * row, base * row));
     KVT_RETURN_IF_ERROR(v_[layer].Reserve(rows * row, base * row));
-    KVT_CUDA(cudaMemcpyAsync(k_[layer].as<uint8_t>() + base * row, cur_k,
-                             n * row, cudaMemcpyHostToDevice, stream_),
+    KVT_CUDA(cudaMemcpyAsync(k_[layer].as<uint8_t>() + base * row, cur_k, n * row,
+                             cudaMemcpyHostToDevice, stream_),
              "upload K");
-    KVT_CUDA(cudaMemcpyAsync(v_[layer].as<uint8_t>() + base * row, cur_v,
-                             n * row, cudaMemcpyHostToDevice, stream_),
+    KVT_CUDA(cudaMemcpyAsync(v_[layer].as<uint8_t>() + base * row, cur_v, n * row,
+                             cudaMemcpyHostToDevice, stream_),
              "upload V");
     // Blocks per KV head: every round's head h, then the open round.
     std::vector<cuda::SegBlock> blocks;

@@ -103,9 +103,11 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::Find(const std::string&
   return it->second;
 }
 
-absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(
-    const std::string& id, int layer, int64_t n, int64_t question_tokens, const float* q,
-    const float* k, const float* v, float* out, const CallOptions& call) {
+absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const std::string& id, int layer,
+                                                                 int64_t n, int64_t question_tokens,
+                                                                 const float* q, const float* k,
+                                                                 const float* v, float* out,
+                                                                 const CallOptions& call) {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   // Layer L_w + 1 first waits for the recall fetch started at L_w, without
   // the session lock: Stats, other sessions' steps and CloseSession go on.

@@ -29,10 +29,10 @@ RecallReport Engine::StartRecall(Session& s, int64_t n, int64_t question_tokens,
   const int64_t qt = question_tokens > 0 ? std::min(question_tokens, n) : n;
   RecallReport rep;
   rep.round = s.stats.rounds;
-  rep.scores = QAttention(sh.q_heads, sh.kv_heads, d, q,
-                          static_cast<int64_t>(sh.q_heads) * d, qt, rk, k);
-  const std::vector<uint32_t> pick = SelectRounds(rep.scores, s.policy.recall,
-                                                  s.policy.keep_recent_round);
+  rep.scores =
+      QAttention(sh.q_heads, sh.kv_heads, d, q, static_cast<int64_t>(sh.q_heads) * d, qt, rk, k);
+  const std::vector<uint32_t> pick =
+      SelectRounds(rep.scores, s.policy.recall, s.policy.keep_recent_round);
   s.selected.assign(pick.begin(), pick.end());
   std::vector<SegmentStore::Segment> segs;
   s.fetch_rounds.clear();

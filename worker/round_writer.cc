@@ -70,9 +70,9 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id, const Cal
         return absl::AbortedError("EndRound of this session is already running");
       case SessionState::kPrefill:
       case SessionState::kDecode:
-        return absl::FailedPreconditionError(absl::StrCat(
-            "EndRound in the middle of a ", StateName(s->state), " step (next layer ",
-            s->next_layer, ")"));
+        return absl::FailedPreconditionError(absl::StrCat("EndRound in the middle of a ",
+                                                          StateName(s->state), " step (next layer ",
+                                                          s->next_layer, ")"));
     }
     const int d = sh.head_dim;
     const int64_t t = s->tokens;
@@ -126,10 +126,10 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id, const Cal
     enc.erase(enc.begin(), enc.begin() + lw + 1);
     KVT_ASSIGN_OR_RETURN(plan.layers, MakeLayers(plan.lower, lw + 1, sh.kv_heads, d));
     if (lw + 1 < sh.layers) {
-      plan.upper = std::make_shared<const std::string>(SerializeSegment(enc, 0, sh.layers - lw - 1));
+      plan.upper =
+          std::make_shared<const std::string>(SerializeSegment(enc, 0, sh.layers - lw - 1));
       enc.clear();
-      KVT_ASSIGN_OR_RETURN(auto upper,
-                           MakeLayers(plan.upper, sh.layers - lw - 1, sh.kv_heads, d));
+      KVT_ASSIGN_OR_RETURN(auto upper, MakeLayers(plan.upper, sh.layers - lw - 1, sh.kv_heads, d));
       for (auto& rl : upper) plan.layers.push_back(std::move(rl));
     }
     for (int l = 0; l < sh.layers; ++l) KVT_RETURN_IF_ERROR(s->Place(*plan.layers[l], l));
@@ -164,8 +164,9 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id, const Cal
   if (put.ok() && !plan.recalls.empty()) {
     recorded = store_->RecordRecalls(s->id, plan.recalls, store_call);
     if (!recorded.ok()) {
-      LogWarn("recall counters not sent; kept for the next round",
-              {{"session", s->id}, {"rounds", plan.recalls.size()}, {"error", recorded.ToString()}});
+      LogWarn(
+          "recall counters not sent; kept for the next round",
+          {{"session", s->id}, {"rounds", plan.recalls.size()}, {"error", recorded.ToString()}});
     }
   }
 
@@ -197,8 +198,8 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id, const Cal
     s->unreported_recalls = std::move(plan.recalls);
   }
   s->stats.pending_recall_counts = s->unreported_recalls.size();
-  rep.full_bytes =
-      static_cast<uint64_t>(plan.tokens) * sh.layers * sh.kv_heads * sh.head_dim * 2 * sh.dtype_bytes;
+  rep.full_bytes = static_cast<uint64_t>(plan.tokens) * sh.layers * sh.kv_heads * sh.head_dim * 2 *
+                   sh.dtype_bytes;
   s->stats.full_cache_bytes += rep.full_bytes;
   s->CloseRound();
   s->stats.rounds += 1;

@@ -51,7 +51,8 @@ absl::StatusOr<std::vector<std::unique_ptr<RoundLayer>>> MakeLayers(
       HeadKv& hk = layer->heads[h];
       auto kv = ParseEncoded(kt);
       auto vv = kv.ok() ? ParseEncoded(vt) : kv;
-      if (!vv.ok()) return absl::DataLossError(absl::StrCat("segment tensor: ", vv.status().message()));
+      if (!vv.ok())
+        return absl::DataLossError(absl::StrCat("segment tensor: ", vv.status().message()));
       hk.kview = *kv;
       hk.vview = *vv;
       if (hk.kview.slabs != 1 || hk.kview.head_dim != d || hk.vview.tokens != hk.kview.tokens ||
@@ -104,9 +105,9 @@ absl::Status Engine::Session::CheckStep(int layer, int64_t n, bool prefill) cons
                      in_step ? absl::StrCat(" of a ", StateName(state), " step") : ""));
   }
   if ((state == SessionState::kPrefill) != prefill) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "layer ", layer, " of a ", prefill ? "prefill" : "decode", " step while a ",
-        StateName(state), " step is in flight"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", layer, " of a ", prefill ? "prefill" : "decode", " step while a ",
+                     StateName(state), " step is in flight"));
   }
   if (n != step_n) {
     return absl::FailedPreconditionError(

@@ -138,8 +138,7 @@ class Engine::Session {
   std::unique_ptr<DeviceSession> device ABSL_GUARDED_BY(mu);
   // Rounds the open round recalled without a fetch, and earlier ones whose
   // report to the store failed (one entry per recall).
-  std::vector<uint32_t> round_resident ABSL_GUARDED_BY(mu),
-      unreported_recalls ABSL_GUARDED_BY(mu);
+  std::vector<uint32_t> round_resident ABSL_GUARDED_BY(mu), unreported_recalls ABSL_GUARDED_BY(mu);
   SessionStats stats ABSL_GUARDED_BY(mu);
 
   // OK when `layer` of a step of n tokens (prefill or decode) may run now;

@@ -7,8 +7,8 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/server_builder.h"
-#include "services/common/server_credentials.h"
 #include "rpc/transport_args.h"
+#include "services/common/server_credentials.h"
 #include "services/store/store_metrics.h"
 #include "services/store/store_service.h"
 

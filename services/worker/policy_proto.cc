@@ -77,13 +77,14 @@ absl::StatusOr<evict::Policy> EvictionFromProto(const v1::Policy& p) {
   } else {
     if (p.budget_tokens() == 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("eviction '", name, "' needs budget_tokens (0 means no eviction only "
-                                           "with eviction unset or \"none\")"));
+          absl::StrCat("eviction '", name,
+                       "' needs budget_tokens (0 means no eviction only "
+                       "with eviction unset or \"none\")"));
     }
     // The method's name; its parameters are set field by field below.
     KVT_ASSIGN_OR_RETURN(
-        e, evict::ParsePolicy(absl::StrCat(name == "streamingllm" ? "streaming" : name, ":",
-                                           p.budget_tokens())));
+        e, evict::ParsePolicy(
+               absl::StrCat(name == "streamingllm" ? "streaming" : name, ":", p.budget_tokens())));
   }
   if (p.window() != 0) e.score.window = static_cast<int>(p.window());
   if (p.pool_kernel() != 0) e.score.kernel = static_cast<int>(p.pool_kernel());
@@ -123,8 +124,8 @@ absl::StatusOr<int64_t> DenseTokens(const v1::DenseTensor& t, int heads, int d, 
   if (t.shape_size() != 3 || t.shape(0) < 1 || t.shape(1) != heads || t.shape(2) != d) {
     std::string got;
     for (int64_t s : t.shape()) absl::StrAppend(&got, got.empty() ? "" : ",", s);
-    return absl::InvalidArgumentError(absl::StrCat(what, " has shape [", got,
-                                                   "], expected [tokens, ", heads, ",", d, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " has shape [", got, "], expected [tokens, ", heads, ",", d, "]"));
   }
   if (t.dtype() != v1::DTYPE_FP32 && t.dtype() != v1::DTYPE_FP16 && t.dtype() != v1::DTYPE_BF16) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": dtype must be fp32, fp16 or bf16"));

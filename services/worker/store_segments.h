@@ -18,8 +18,7 @@ class StoreSegments : public worker::SegmentStore {
   explicit StoreSegments(std::unique_ptr<StoreClient> client) : client_(std::move(client)) {}
 
   absl::Status Put(const std::string& session, const Segment& s, uint32_t layer_begin,
-                   uint32_t layer_end, std::string_view payload,
-                   const CallOptions& call) override;
+                   uint32_t layer_end, std::string_view payload, const CallOptions& call) override;
   absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
                                                const std::vector<Segment>& segments,
                                                const CallOptions& call) override;

@@ -7,12 +7,12 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "base/status_macros.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
-#include "base/status_macros.h"
 #include "services/common/metrics_exposer.h"
 #include "worker/engine.h"
 

@@ -238,9 +238,8 @@ class WorkerService::PrefillReactor
       v_.clear();
       gathering_ = true;
     } else if (static_cast<int>(req_.layer()) != layer_) {
-      return absl::InvalidArgumentError(absl::StrCat("layer ", req_.layer(),
-                                                     " arrived before the last chunk of layer ",
-                                                     layer_));
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", req_.layer(), " arrived before the last chunk of layer ", layer_));
     }
     const int d = shape_.head_dim;
     // A whole layer in one fp32 message is read where it lies: the engine's
@@ -320,9 +319,9 @@ class WorkerService::PrefillReactor
   void EndOfStream() {
     absl::Status s;
     if (in_step_ || gathering_) {
-      s = absl::FailedPreconditionError(absl::StrCat(
-          "the Prefill stream ended in the middle of a step (after layer ", layer_,
-          "); the step was rolled back"));
+      s = absl::FailedPreconditionError(
+          absl::StrCat("the Prefill stream ended in the middle of a step (after layer ", layer_,
+                       "); the step was rolled back"));
     }
     Fail(s);
   }
@@ -475,8 +474,8 @@ class WorkerService::DecodeReactor
       absl::MutexLock lock(&mu_);
       if (!s.ok()) {
         if (first_error_.ok()) {
-          first_error_ = absl::Status(
-              s.code(), absl::StrCat("item ", i, " (session ", it.session_id(), "): ", s.message()));
+          first_error_ = absl::Status(s.code(), absl::StrCat("item ", i, " (session ",
+                                                             it.session_id(), "): ", s.message()));
         }
         break;
       }
