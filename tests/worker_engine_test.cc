@@ -3,12 +3,14 @@
 // one GetSegments per recall, a store that dies mid-recall, and 16 sessions
 // at once.
 #include <cmath>
+#include <limits>
 #include <random>
 #include <thread>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/attention.h"
+#include "kernels/codec.h"
 #include "services/worker/store_segments.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
@@ -446,6 +448,96 @@ TEST_F(WorkerEngineTest, SixteenSessionsAtOnce) {
   for (auto& t : threads) t.join();
   for (int i = 0; i < 16; ++i) EXPECT_LT(worst[i], 1e-5) << "session " << i;
   EXPECT_TRUE(engine_->Sessions().empty());
+}
+
+// Non-finite q/k/v, and K/V outside fp16 range for a codec that stores fp16,
+// are refused where they arrive (INVALID_ARGUMENT naming layer and element),
+// nothing is appended, and the round carries on; before, they were accepted
+// and EndRound failed on every retry.
+TEST_F(WorkerEngineTest, BadValuesAreRefusedWhereTheyArrive) {
+  SessionPolicy p;
+  KVT_ASSERT_OK_AND_ASSIGN(p.codec, ParseCodecSetting("kivi4"));
+  KVT_ASSERT_OK(engine_->OpenSession("s", kShape, p));
+  std::mt19937 rng(6);
+  const int d = kShape.head_dim;
+  const int64_t n = 3;
+  auto q = Random(n * kShape.q_heads * d, &rng), k = Random(n * kShape.kv_heads * d, &rng),
+       v = Random(n * kShape.kv_heads * d, &rng);
+  std::vector<float> out(q.size());
+  KVT_ASSERT_OK(engine_->PrefillLayer("s", 0, n, 0, q.data(), k.data(), v.data(), out.data()));
+  auto bad = k;
+  bad[kShape.kv_heads * d + 5] = std::numeric_limits<float>::quiet_NaN();  // Token 1, head 0.
+  auto r = engine_->PrefillLayer("s", 1, n, 0, q.data(), bad.data(), v.data(), out.data());
+  EXPECT_THAT(r.status(), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(std::string(r.status().message()), ::testing::HasSubstr("layer 1: k[1, 0, 5]"));
+  bad = v;
+  bad[0] = 1e6f;  // Finite, but past what KIVI's fp16 scales hold.
+  EXPECT_THAT(
+      engine_->PrefillLayer("s", 1, n, 0, q.data(), k.data(), bad.data(), out.data()).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument));
+  auto inf_q = q;
+  inf_q[3] = std::numeric_limits<float>::infinity();
+  EXPECT_THAT(
+      engine_->PrefillLayer("s", 1, n, 0, inf_q.data(), k.data(), v.data(), out.data()).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument));
+  // Nothing was appended: the step goes on at layer 1 and the round ends.
+  for (int l = 1; l < kShape.layers; ++l) {
+    KVT_ASSERT_OK(engine_->PrefillLayer("s", l, n, 0, q.data(), k.data(), v.data(), out.data()));
+  }
+  KVT_ASSERT_OK_AND_ASSIGN(auto end, engine_->EndRound("s"));
+  EXPECT_EQ(end.full_bytes, static_cast<uint64_t>(n) * kShape.layers * kShape.kv_heads * d * 2 * 2);
+
+  // A raw fp32 session stores 1e6 as it is.
+  KVT_ASSERT_OK(engine_->OpenSession("raw", kShape, SessionPolicy{}));
+  bad = v;
+  bad[0] = 1e6f;
+  KVT_ASSERT_OK(engine_->PrefillLayer("raw", 0, n, 0, q.data(), k.data(), bad.data(), out.data()));
+}
+
+// The session cap and the working-set budget: RESOURCE_EXHAUSTED at the
+// edge, with every session left as it was.
+TEST_F(WorkerEngineTest, SessionCapAndWorkingSetBudget) {
+  worker::EngineOptions o{KernelLevel::kReference};
+  o.max_sessions = 2;
+  // Room for 10 tokens of kShape (10 * 4 layers * 2 heads * 16 * 2 * 2 bytes).
+  o.max_working_set_bytes = 10 * 4 * 2 * 16 * 2 * 2;
+  Engine engine(segments_, o);
+  KVT_ASSERT_OK(engine.OpenSession("a", kShape, {}));
+  KVT_ASSERT_OK(engine.OpenSession("b", kShape, {}));
+  EXPECT_THAT(engine.OpenSession("c", kShape, {}), StatusIs(absl::StatusCode::kResourceExhausted));
+  std::mt19937 rng(7);
+  const int d = kShape.head_dim;
+  auto prefill = [&](const std::string& id, int64_t n) -> absl::Status {
+    for (int l = 0; l < kShape.layers; ++l) {
+      const auto q = Random(n * kShape.q_heads * d, &rng),
+                 k = Random(n * kShape.kv_heads * d, &rng),
+                 v = Random(n * kShape.kv_heads * d, &rng);
+      std::vector<float> out(q.size());
+      auto r = engine.PrefillLayer(id, l, n, 0, q.data(), k.data(), v.data(), out.data());
+      if (!r.ok()) return r.status();
+    }
+    return absl::OkStatus();
+  };
+  KVT_ASSERT_OK(prefill("a", 6));
+  EXPECT_EQ(engine.TotalWorkingSetBytes(), 6u * 4 * 2 * 16 * 2 * 2);
+  EXPECT_THAT(prefill("b", 6), StatusIs(absl::StatusCode::kResourceExhausted));
+  KVT_ASSERT_OK_AND_ASSIGN(auto stats, engine.Stats("b"));
+  EXPECT_EQ(stats.tokens, 0u);
+  KVT_ASSERT_OK(prefill("b", 4));  // Exactly the room left.
+  std::vector<float> q(kShape.q_heads * d, 0.1f), kv(kShape.kv_heads * d, 0.1f), out(q.size());
+  EXPECT_THAT(engine.DecodeLayer("a", 0, q.data(), kv.data(), kv.data(), out.data()),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  KVT_ASSERT_OK(engine.CloseSession("b", /*delete_from_store=*/true));
+  EXPECT_EQ(engine.TotalWorkingSetBytes(), 6u * 4 * 2 * 16 * 2 * 2);
+  KVT_ASSERT_OK(engine.OpenSession("c", kShape, {}));
+  for (int l = 0; l < kShape.layers; ++l) {
+    KVT_ASSERT_OK(engine.DecodeLayer("a", l, q.data(), kv.data(), kv.data(), out.data()));
+  }
+  KVT_ASSERT_OK_AND_ASSIGN(stats, engine.Stats("a"));
+  EXPECT_EQ(stats.tokens, 7u);
+  KVT_ASSERT_OK(engine.CloseSession("a", true));
+  KVT_ASSERT_OK(engine.CloseSession("c", true));
+  EXPECT_EQ(engine.TotalWorkingSetBytes(), 0u);
 }
 
 }  // namespace

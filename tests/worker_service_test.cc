@@ -533,6 +533,84 @@ TEST_F(WorkerServiceTest, DecodeBatchesSessionsInOneRequest) {
   }
 }
 
+// Every way a stream can end mid-step rolls the step back: a Prefill
+// half-closed after layer 1 (FAILED_PRECONDITION for it), a Decode cancelled
+// after layer 1, a Decode whose deadline runs out mid-step. Each time the
+// session carries on from where it was before the step.
+TEST_F(WorkerServiceTest, StreamsEndingMidStepRollBack) {
+  grpc::ClientContext oc;
+  v1::OpenSessionResponse or_;
+  ASSERT_TRUE(stub_->OpenSession(&oc, Open("m"), &or_).ok());
+  std::mt19937 rng(12);
+  ASSERT_TRUE(PrefillStep(stub_.get(), "m", 4, &rng).ok());
+  const std::vector<float> q(kQHeads * kDim, 0.1f), kv(kKvHeads * kDim, 0.2f);
+  auto layer_req = [&](int l) {
+    v1::DecodeRequest req;
+    auto* item = req.add_items();
+    item->set_session_id("m");
+    item->set_layer(l);
+    *item->mutable_q() = Dense(q, 1, kQHeads);
+    *item->mutable_k() = Dense(kv, 1, kKvHeads);
+    *item->mutable_v() = Dense(kv, 1, kKvHeads);
+    return req;
+  };
+  {  // Prefill half-closed after two of three layers.
+    grpc::ClientContext c;
+    auto s = stub_->Prefill(&c);
+    for (int l = 0; l < 2; ++l) {
+      v1::LayerRequest req;
+      if (l == 0) req.set_session_id("m");
+      req.set_layer(l);
+      const std::vector<float> pq(2 * kQHeads * kDim, 0.1f), pkv(2 * kKvHeads * kDim, 0.2f);
+      *req.mutable_q() = Dense(pq, 2, kQHeads);
+      *req.mutable_k() = Dense(pkv, 2, kKvHeads);
+      *req.mutable_v() = Dense(pkv, 2, kKvHeads);
+      ASSERT_TRUE(s->Write(req));
+      v1::LayerResponse resp;
+      ASSERT_TRUE(s->Read(&resp));
+    }
+    s->WritesDone();
+    EXPECT_EQ(s->Finish().error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  }
+  {  // Decode cancelled after layer 1.
+    grpc::ClientContext c;
+    auto s = stub_->Decode(&c);
+    for (int l = 0; l < 2; ++l) {
+      ASSERT_TRUE(s->Write(layer_req(l)));
+      v1::DecodeResponse resp;
+      ASSERT_TRUE(s->Read(&resp));
+    }
+    c.TryCancel();
+    EXPECT_EQ(s->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  {  // Decode whose deadline runs out after layer 0.
+    grpc::ClientContext c;
+    c.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(300)));
+    auto s = stub_->Decode(&c);
+    ASSERT_TRUE(s->Write(layer_req(0)));
+    v1::DecodeResponse resp;
+    ASSERT_TRUE(s->Read(&resp));
+    EXPECT_FALSE(s->Read(&resp));  // Nothing more comes; the deadline ends it.
+    EXPECT_EQ(s->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+  // Each step was rolled back: a whole decode step goes through from layer 0.
+  const grpc::Status st = RetryWhile(grpc::StatusCode::FAILED_PRECONDITION, [&] {
+    grpc::ClientContext c;
+    auto s = stub_->Decode(&c);
+    for (int l = 0; l < kLayers; ++l) {
+      v1::DecodeResponse resp;
+      if (!s->Write(layer_req(l)) || !s->Read(&resp)) break;
+    }
+    s->WritesDone();
+    return s->Finish();
+  });
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  v1::EndRoundResponse end;
+  ASSERT_TRUE(EndRound(stub_.get(), "m", &end).ok());
+  // 4 prefill tokens and the one decode token, nothing of the abandoned steps.
+  EXPECT_EQ(end.full_cache_bytes(), 5u * kLayers * kKvHeads * kDim * 2 * 2);
+}
+
 // A store that stops answering (SIGSTOP) costs a call its deadline and a
 // precise DEADLINE_EXCEEDED, never a hang: the caller's own deadline when
 // it sets one, the worker's store deadline when it does not.

@@ -1,5 +1,7 @@
 #include "worker/engine.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
 #include "base/status_macros.h"
@@ -90,8 +92,32 @@ absl::Status Engine::OpenSession(const std::string& id, const ModelShape& shape,
     }
   }
   absl::MutexLock lock(&mu_);
-  if (!sessions_.emplace(id, std::move(s)).second) {
+  if (sessions_.count(id) != 0) {
     return absl::AlreadyExistsError(absl::StrCat("session ", id, " already exists"));
+  }
+  if (options_.max_sessions > 0 && static_cast<int>(sessions_.size()) >= options_.max_sessions) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the worker holds its maximum of ", options_.max_sessions,
+                     " sessions (--max_sessions); close one first"));
+  }
+  sessions_.emplace(id, std::move(s));
+  return absl::OkStatus();
+}
+
+void Engine::Account(Session& s) {
+  s.mu.AssertHeld();
+  const int64_t now = s.WorkingSetBytes();
+  working_set_total_.fetch_add(now - s.accounted);
+  s.accounted = now;
+}
+
+absl::Status Engine::CheckBudget(uint64_t bytes) const {
+  if (options_.max_working_set_bytes == 0) return absl::OkStatus();
+  const uint64_t total = static_cast<uint64_t>(std::max<int64_t>(0, working_set_total_.load()));
+  if (total + bytes > options_.max_working_set_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the step needs ", bytes, " working-set bytes; the worker holds ", total,
+                     " of its ", options_.max_working_set_bytes, " (--max_working_set_mb)"));
   }
   return absl::OkStatus();
 }
@@ -125,7 +151,25 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const std::stri
     exposed_ms = MsSince(wait_start);
   }
   absl::MutexLock lock(&s->mu);
+  auto step = [&]() -> absl::StatusOr<std::optional<RecallReport>> {
+    s->mu.AssertHeld();
+    return PrefillLocked(*s, layer, n, question_tokens, q, k, v, out, call, fetch, arrived,
+                         exposed_ms);
+  };
+  auto result = step();
+  Account(*s);
+  return result;
+}
+
+absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLocked(
+    Session& s_ref, int layer, int64_t n, int64_t question_tokens, const float* q, const float* k,
+    const float* v, float* out, const CallOptions& call, const std::shared_ptr<Fetch>& fetch,
+    bool arrived, double exposed_ms) {
+  Session* s = &s_ref;
+  s->mu.AssertHeld();
   KVT_RETURN_IF_ERROR(s->CheckStep(layer, n, /*prefill=*/true));
+  KVT_RETURN_IF_ERROR(s->CheckValues(layer, n, q, k, v));
+  if (layer == 0) KVT_RETURN_IF_ERROR(CheckBudget(static_cast<uint64_t>(s->TokenBytes(n))));
   std::optional<RecallReport> report;
   if (fetch != nullptr) {
     if (s->fetch != fetch) {
@@ -157,17 +201,23 @@ absl::Status Engine::DecodeLayer(const std::string& id, int layer, const float* 
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   absl::MutexLock lock(&s->mu);
   KVT_RETURN_IF_ERROR(s->CheckStep(layer, 1, /*prefill=*/false));
-  if (layer == 0) s->BeginStep(1, /*prefill=*/false);
+  KVT_RETURN_IF_ERROR(s->CheckValues(layer, 1, q, k, v));
+  if (layer == 0) {
+    KVT_RETURN_IF_ERROR(CheckBudget(static_cast<uint64_t>(s->TokenBytes(1))));
+    s->BeginStep(1, /*prefill=*/false);
+  }
   s->Append(layer, 1, q, k, v);
-  KVT_RETURN_IF_ERROR(s->Attend(layer, 1, q, k, v, out, options_.level));
-  s->EndLayer(1);
-  return absl::OkStatus();
+  absl::Status st = s->Attend(layer, 1, q, k, v, out, options_.level);
+  if (st.ok()) s->EndLayer(1);
+  if (!st.ok() || layer + 1 == s->shape.layers) Account(*s);
+  return st;
 }
 
 absl::Status Engine::AbortStep(const std::string& id) {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   absl::MutexLock lock(&s->mu);
   if (s->state == SessionState::kPrefill || s->state == SessionState::kDecode) s->RollBackStep();
+  Account(*s);
   return absl::OkStatus();
 }
 
@@ -180,6 +230,12 @@ absl::Status Engine::CloseSession(const std::string& id, bool delete_from_store,
     if (it == sessions_.end()) return absl::NotFoundError(absl::StrCat("unknown session ", id));
     s = it->second;
     sessions_.erase(it);
+  }
+  {
+    // The session leaves the total now, whatever the store says below.
+    absl::MutexLock lock(&s->mu);
+    working_set_total_.fetch_sub(s->accounted);
+    s->accounted = 0;
   }
   const CallOptions store_call{StoreDeadline(call)};
   if (delete_from_store) return store_->Delete(id, store_call);
@@ -224,17 +280,12 @@ absl::StatusOr<ModelShape> Engine::Shape(const std::string& id) const {
 }
 
 uint64_t Engine::TotalWorkingSetBytes() const {
-  std::vector<std::shared_ptr<Session>> all;
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& [id, s] : sessions_) all.push_back(s);
-  }
-  uint64_t total = 0;
-  for (const auto& s : all) {
-    absl::MutexLock lock(&s->mu);
-    total += static_cast<uint64_t>(s->WorkingSetBytes());
-  }
-  return total;
+  return static_cast<uint64_t>(std::max<int64_t>(0, working_set_total_.load()));
+}
+
+int Engine::SessionCount() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(sessions_.size());
 }
 
 std::vector<std::string> Engine::Sessions() const {

@@ -27,6 +27,7 @@
 #ifndef KVTIER_WORKER_ENGINE_H_
 #define KVTIER_WORKER_ENGINE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -145,6 +146,16 @@ struct EngineOptions {
   // Deadline of the engine's store calls when the caller's CallOptions carry
   // none. Default: 10 s.
   absl::Duration store_deadline = absl::Seconds(10);
+  // Sessions held at once; OpenSession past it is RESOURCE_EXHAUSTED.
+  // 0: no limit. Default: 1024.
+  int max_sessions = 1024;
+  // Working-set bytes over all sessions (SessionStats::working_set_bytes
+  // summed: encoded past rounds plus open rounds at the model's dtype). A
+  // step that would take the total past it is refused, RESOURCE_EXHAUSTED,
+  // before anything is appended; it is checked when a step begins, so a
+  // recall that lands during a step may exceed it by the recalled bytes.
+  // 0: no limit. Default: 0.
+  uint64_t max_working_set_bytes = 0;
 };
 
 // Thread-safe: any method may be called from any thread. Calls on one
@@ -165,18 +176,24 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // OK; INVALID_ARGUMENT for a bad shape or policy; ALREADY_EXISTS;
-  // FAILED_PRECONDITION when placement is kDevice and there is no device.
+  // RESOURCE_EXHAUSTED at max_sessions; FAILED_PRECONDITION when placement
+  // is kDevice and there is no device.
   absl::Status OpenSession(const std::string& id, const ModelShape& shape,
                            const SessionPolicy& policy);
 
   // One layer of a prefill of n new tokens: q [n, q_heads, d], k and v
   // [n, kv_heads, d] (post-RoPE), out [n, q_heads, d]. Layers go 0..L-1 in
-  // order. The first prefill of a round recalls at L_w from its first
+  // order. q, k and v must be finite, and k and v within fp16 range when the
+  // session's codec stores fp16 or quantizes (INVALID_ARGUMENT naming the
+  // layer and the element; nothing is appended). The first prefill of a
+  // round recalls at L_w from its first
   // `question_tokens` queries (all n when 0) and returns the selection from
   // layer L_w; layer L_w + 1 returns it again, completed with the fetched
   // bytes and timings, when a fetch was needed. Outcomes: OK and *out set;
   // NOT_FOUND for an unknown session; INVALID_ARGUMENT for a layer outside
-  // the model or n < 1; FAILED_PRECONDITION for a layer out of order or while
+  // the model, n < 1 or a bad value; RESOURCE_EXHAUSTED at layer 0 when the
+  // step would exceed max_working_set_bytes; FAILED_PRECONDITION for a layer
+  // out of order or while
   // EndRound runs; UNAVAILABLE or DEADLINE_EXCEEDED (by `call.deadline`) when
   // the recall fetch fails, and DATA_LOSS when it brings back malformed
   // bytes: in these three the step is rolled back to before this prefill, so
@@ -188,7 +205,8 @@ class Engine {
                                                            const CallOptions& call = {});
 
   // One layer of one decode token (n = 1 above, no recall). OK; NOT_FOUND;
-  // INVALID_ARGUMENT; FAILED_PRECONDITION before the round's first prefill,
+  // INVALID_ARGUMENT; RESOURCE_EXHAUSTED as above; FAILED_PRECONDITION
+  // before the round's first prefill,
   // for a layer out of order, or while EndRound runs.
   absl::Status DecodeLayer(const std::string& id, int layer, const float* q, const float* k,
                            const float* v, float* out);
@@ -218,8 +236,10 @@ class Engine {
   absl::StatusOr<SessionPolicy> Policy(const std::string& id) const;
   absl::StatusOr<ModelShape> Shape(const std::string& id) const;
   std::vector<std::string> Sessions() const;
-  // Working-set bytes over all sessions (no per-session copies).
+  // Working-set bytes over all sessions, as last accounted (each session
+  // accounts at the end of every step, EndRound, recall and rollback).
   uint64_t TotalWorkingSetBytes() const;
+  int SessionCount() const;
 
  private:
   class Session;
@@ -238,6 +258,17 @@ class Engine {
   absl::Time StoreDeadline(const CallOptions& call) const {
     return call.DeadlineOr(options_.store_deadline);
   }
+  // PrefillLayer under the session lock (REQUIRES s.mu), after any wait.
+  absl::StatusOr<std::optional<RecallReport>> PrefillLocked(Session& s, int layer, int64_t n,
+                                                            int64_t question_tokens, const float* q,
+                                                            const float* k, const float* v,
+                                                            float* out, const CallOptions& call,
+                                                            const std::shared_ptr<Fetch>& fetch,
+                                                            bool arrived, double exposed_ms);
+  // Brings the engine's total up to date with `s` (REQUIRES s.mu).
+  void Account(Session& s);
+  // RESOURCE_EXHAUSTED when `bytes` more would pass max_working_set_bytes.
+  absl::Status CheckBudget(uint64_t bytes) const;
 
   SegmentStore* store_;
   EngineOptions options_;
@@ -245,6 +276,8 @@ class Engine {
   Executor* fetch_executor_;
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  // The sum of every session's accounted working-set bytes.
+  std::atomic<int64_t> working_set_total_{0};
   // Fetches scheduled and not yet done; the destructor waits for zero.
   absl::Mutex fetches_mu_;
   int fetches_in_flight_ ABSL_GUARDED_BY(fetches_mu_) = 0;

@@ -204,6 +204,7 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id, const Cal
   s->CloseRound();
   s->stats.rounds += 1;
   s->NotePeak();
+  Account(*s);
   rep.working_set_bytes = s->stats.working_set_bytes;
   rep.round_working_set_bytes = plan.round_working_set;
   rep.full_cache_bytes = s->stats.full_cache_bytes;

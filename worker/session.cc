@@ -1,12 +1,15 @@
 #include "worker/session.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "kernels/attention.h"
 #include "kernels/encoded_tensor.h"
+#include "kernels/half.h"
 
 namespace kvtier::worker {
 
@@ -83,6 +86,33 @@ std::string SerializePayload(const std::vector<std::string_view>& tensors) {
     p = std::copy(t.begin(), t.end(), p);
   }
   return out;
+}
+
+absl::Status Engine::Session::CheckValues(int layer, int64_t n, const float* qs, const float* ks,
+                                          const float* vs) const {
+  // What EndRound's codec will accept: fp16 storage and the quantizing codecs
+  // hold fp16 scales and values.
+  const bool half = policy.codec.codec != v1::CODEC_RAW || policy.codec.dtype == v1::DTYPE_FP16;
+  const float limit = half ? kHalfMax : std::numeric_limits<float>::max();
+  const int d = shape.head_dim;
+  auto check = [&](const char* what, const float* x, int heads, float lim) -> absl::Status {
+    const int64_t count = n * heads * d;
+    for (int64_t i = 0; i < count; ++i) {
+      if (!(std::fabs(x[i]) <= lim)) {
+        const int64_t token = i / (static_cast<int64_t>(heads) * d);
+        const int64_t head = i / d % heads;
+        return absl::InvalidArgumentError(absl::StrCat(
+            "layer ", layer, ": ", what, "[", token, ", ", head, ", ", i % d, "] is ", x[i],
+            lim == kHalfMax ? "; K/V must be finite and within fp16 range (|x| <= 65504) for "
+                              "this session's codec"
+                            : "; values must be finite"));
+      }
+    }
+    return absl::OkStatus();
+  };
+  KVT_RETURN_IF_ERROR(check("q", qs, shape.q_heads, std::numeric_limits<float>::max()));
+  KVT_RETURN_IF_ERROR(check("k", ks, shape.kv_heads, limit));
+  return check("v", vs, shape.kv_heads, limit);
 }
 
 absl::Status Engine::Session::CheckStep(int layer, int64_t n, bool prefill) const {

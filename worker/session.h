@@ -140,6 +140,17 @@ class Engine::Session {
   // report to the store failed (one entry per recall).
   std::vector<uint32_t> round_resident ABSL_GUARDED_BY(mu), unreported_recalls ABSL_GUARDED_BY(mu);
   SessionStats stats ABSL_GUARDED_BY(mu);
+  // Working-set bytes this session has added to the engine's total.
+  int64_t accounted ABSL_GUARDED_BY(mu) = 0;
+
+  // OK when q [n, Hq, d], k and v [n, Hkv, d] hold only values this
+  // session can store; INVALID_ARGUMENT naming the layer and the element.
+  absl::Status CheckValues(int layer, int64_t n, const float* q, const float* k,
+                           const float* v) const;
+  // Working-set bytes of n more tokens of the open round.
+  int64_t TokenBytes(int64_t n) const {
+    return n * shape.layers * shape.kv_heads * shape.head_dim * 2 * shape.dtype_bytes;
+  }
 
   // OK when `layer` of a step of n tokens (prefill or decode) may run now;
   // FAILED_PRECONDITION or INVALID_ARGUMENT saying why not.

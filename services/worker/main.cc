@@ -28,6 +28,11 @@ ABSL_FLAG(int64_t, store_deadline_ms, 10000,
           "Deadline (ms) of the store calls an RPC makes when its caller sent no deadline; a "
           "caller's own deadline is passed on to the store as is.");
 ABSL_FLAG(int, compute_threads, 0, "Threads running attention; 0: one per CPU.");
+ABSL_FLAG(int, max_sessions, 1024,
+          "Sessions held at once; OpenSession past it is RESOURCE_EXHAUSTED. 0: no limit.");
+ABSL_FLAG(int64_t, max_working_set_mb, 0,
+          "Working-set MiB over all sessions (encoded past rounds plus open rounds at the "
+          "model's dtype); a step that would pass it is RESOURCE_EXHAUSTED. 0: no limit.");
 ABSL_FLAG(int, io_threads, 8, "Threads running the RPCs that reach the store.");
 ABSL_FLAG(std::string, placement, "auto",
           "Where working sets live: auto (the GPU when this build has CUDA and a device is "
@@ -66,6 +71,13 @@ int main(int argc, char** argv) {
   }
   o.service.store_deadline = absl::Milliseconds(absl::GetFlag(FLAGS_store_deadline_ms));
   o.compute_threads = absl::GetFlag(FLAGS_compute_threads);
+  if (absl::GetFlag(FLAGS_max_sessions) < 0 || absl::GetFlag(FLAGS_max_working_set_mb) < 0) {
+    std::fprintf(stderr, "kvtier-worker: --max_sessions and --max_working_set_mb must be >= 0\n");
+    return 2;
+  }
+  o.engine.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  o.engine.max_working_set_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_max_working_set_mb))
+                                   << 20;
   o.io_threads = absl::GetFlag(FLAGS_io_threads);
   o.store.target = absl::GetFlag(FLAGS_store);
   o.store.token = absl::GetFlag(FLAGS_store_token);

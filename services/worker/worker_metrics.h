@@ -28,6 +28,16 @@ class WorkerMetrics {
                          .Help("Working-set bytes over all sessions")
                          .Register(*registry_)
                          .Add({})),
+        sessions_(prometheus::BuildGauge()
+                      .Name("kvtier_worker_sessions")
+                      .Help("Sessions held")
+                      .Register(*registry_)
+                      .Add({})),
+        budget_(prometheus::BuildGauge()
+                    .Name("kvtier_worker_working_set_budget_bytes")
+                    .Help("The working-set byte budget (0: none)")
+                    .Register(*registry_)
+                    .Add({})),
         recalls_(prometheus::BuildCounter()
                      .Name("kvtier_worker_recalls_total")
                      .Help("Round recalls at the watershed layer")
@@ -85,11 +95,15 @@ class WorkerMetrics {
   }
   void Stored(uint64_t bytes) { stored_.Increment(static_cast<double>(bytes)); }
   void WorkingSet(double bytes) { working_set_.Set(bytes); }
+  void Sessions(double n) { sessions_.Set(n); }
+  void Budget(double bytes) { budget_.Set(bytes); }
   std::string Render() const;
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Gauge& working_set_;
+  prometheus::Gauge& sessions_;
+  prometheus::Gauge& budget_;
   prometheus::Counter &recalls_, &selected_, &candidates_, &fetched_, &stored_;
   prometheus::Family<prometheus::Histogram>* layer_latency_;
   prometheus::Family<prometheus::Counter>* requests_;

@@ -28,6 +28,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
   options.engine.store_deadline = options.service.store_deadline;
   s->engine_ = std::make_unique<worker::Engine>(s->segments_.get(), options.engine);
   s->metrics_ = std::make_unique<WorkerMetrics>();
+  s->metrics_->Budget(static_cast<double>(options.engine.max_working_set_bytes));
   if (!options.metrics_listen.empty()) {
     KVT_ASSIGN_OR_RETURN(s->metrics_port_, s->metrics_->Serve(options.metrics_listen));
   }
@@ -54,6 +55,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
                                     {"metrics_port", s->metrics_port_},
                                     {"store", options.store.target},
                                     {"compute_threads", compute},
+                                    {"max_sessions", options.engine.max_sessions},
+                                    {"max_working_set_bytes", options.engine.max_working_set_bytes},
                                     {"auth", s->auth_.enabled() ? "on" : "off"}});
   return s;
 }

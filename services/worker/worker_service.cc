@@ -76,6 +76,7 @@ CallOptions WorkerService::StoreCall(const grpc::CallbackServerContext& ctx) con
 
 void WorkerService::UpdateWorkingSet() {
   metrics_->WorkingSet(static_cast<double>(engine_->TotalWorkingSetBytes()));
+  metrics_->Sessions(static_cast<double>(engine_->SessionCount()));
 }
 
 grpc::Status WorkerService::Done(const char* method, const absl::Status& s) {
@@ -106,6 +107,7 @@ grpc::ServerUnaryReactor* WorkerService::OpenSession(grpc::CallbackServerContext
       resp->set_next_round(0);
       return absl::OkStatus();
     }();
+    UpdateWorkingSet();
     reactor->Finish(Done("OpenSession", s));
   });
   return reactor;
