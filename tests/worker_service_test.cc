@@ -255,6 +255,24 @@ TEST_F(WorkerServiceTest, BadInputGetsPreciseStatus) {
   }
 }
 
+// Sends the first `layers` layers of a 2-token prefill of `id` on `s`, each
+// answered; false when the stream broke.
+bool SendPrefillLayers(grpc::ClientReaderWriter<v1::LayerRequest, v1::LayerResponse>* s,
+                       const std::string& id, int layers) {
+  const std::vector<float> q(2 * kQHeads * kDim, 0.1f), kv(2 * kKvHeads * kDim, 0.2f);
+  for (int l = 0; l < layers; ++l) {
+    v1::LayerRequest req;
+    if (l == 0) req.set_session_id(id);
+    req.set_layer(l);
+    *req.mutable_q() = Dense(q, 2, kQHeads);
+    *req.mutable_k() = Dense(kv, 2, kKvHeads);
+    *req.mutable_v() = Dense(kv, 2, kKvHeads);
+    v1::LayerResponse resp;
+    if (!s->Write(req) || !s->Read(&resp)) return false;
+  }
+  return true;
+}
+
 // Calls `f` until it returns something other than `code` (at most 50 tries,
 // 20 ms apart): for the moments the worker finishes an abandoned call on
 // its own threads. Returns the last result.
@@ -448,18 +466,7 @@ TEST_F(WorkerServiceTest, CancelledPrefillRollsBack) {
   {
     grpc::ClientContext c;
     auto s = stub_->Prefill(&c);
-    for (int l = 0; l < 2; ++l) {
-      v1::LayerRequest req;
-      if (l == 0) req.set_session_id("c");
-      req.set_layer(l);
-      const std::vector<float> q(2 * kQHeads * kDim, 0.1f), kv(2 * kKvHeads * kDim, 0.2f);
-      *req.mutable_q() = Dense(q, 2, kQHeads);
-      *req.mutable_k() = Dense(kv, 2, kKvHeads);
-      *req.mutable_v() = Dense(kv, 2, kKvHeads);
-      ASSERT_TRUE(s->Write(req));
-      v1::LayerResponse resp;
-      ASSERT_TRUE(s->Read(&resp));
-    }
+    ASSERT_TRUE(SendPrefillLayers(s.get(), "c", 2));
     c.TryCancel();
     EXPECT_EQ(s->Finish().error_code(), grpc::StatusCode::CANCELLED);
   }
@@ -557,18 +564,7 @@ TEST_F(WorkerServiceTest, StreamsEndingMidStepRollBack) {
   {  // Prefill half-closed after two of three layers.
     grpc::ClientContext c;
     auto s = stub_->Prefill(&c);
-    for (int l = 0; l < 2; ++l) {
-      v1::LayerRequest req;
-      if (l == 0) req.set_session_id("m");
-      req.set_layer(l);
-      const std::vector<float> pq(2 * kQHeads * kDim, 0.1f), pkv(2 * kKvHeads * kDim, 0.2f);
-      *req.mutable_q() = Dense(pq, 2, kQHeads);
-      *req.mutable_k() = Dense(pkv, 2, kKvHeads);
-      *req.mutable_v() = Dense(pkv, 2, kKvHeads);
-      ASSERT_TRUE(s->Write(req));
-      v1::LayerResponse resp;
-      ASSERT_TRUE(s->Read(&resp));
-    }
+    ASSERT_TRUE(SendPrefillLayers(s.get(), "m", 2));
     s->WritesDone();
     EXPECT_EQ(s->Finish().error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   }
