@@ -8,7 +8,7 @@
 #include "absl/time/clock.h"
 #include "base/status_macros.h"
 #include "grpcpp/client_context.h"
-#include "kernels/half.h"
+#include "rpc/dense_tensor.h"
 
 namespace kvtier::refengine {
 namespace {
@@ -35,47 +35,16 @@ class Local : public ConversationBackend {
   model::PerTokenLayerAttention layered_;
 };
 
-// x [tokens, heads, d] on the wire in `dtype` (the model's: fp32, fp16 or
-// bf16), so a half-precision model sends half the bytes.
-void Dense(const float* x, int64_t tokens, int heads, int d, v1::DType dtype, v1::DenseTensor* t) {
-  const size_t n = static_cast<size_t>(tokens) * heads * d;
-  t->add_shape(tokens);
-  t->add_shape(heads);
-  t->add_shape(d);
-  if (dtype == v1::DTYPE_FP16 || dtype == v1::DTYPE_BF16) {
-    t->set_dtype(dtype);
-    std::string* data = t->mutable_data();
-    data->resize(2 * n);
-    for (size_t i = 0; i < n; ++i) {
-      const uint16_t h = dtype == v1::DTYPE_FP16 ? FloatToHalf(x[i]) : FloatToBf16(x[i]);
-      std::memcpy(data->data() + 2 * i, &h, 2);
-    }
-    return;
-  }
-  t->set_dtype(v1::DTYPE_FP32);
-  t->set_data(reinterpret_cast<const char*>(x), n * 4);
-}
-
-// Widens an output tensor's elements into out[0, n); INTERNAL unless it
-// holds exactly n elements of fp32, fp16 or bf16.
+// Widens an output tensor into out[0, n); INTERNAL unless it is a
+// well-formed [tokens, heads, d] tensor of exactly n elements.
 absl::Status ReadFloats(const v1::DenseTensor& t, float* out, size_t n, const std::string& what) {
-  const std::string& data = t.data();
-  const v1::DType dt = t.dtype();
-  const size_t es = dt == v1::DTYPE_FP32                             ? 4
-                    : (dt == v1::DTYPE_FP16 || dt == v1::DTYPE_BF16) ? 2
-                                                                     : 0;
-  if (es == 0 || data.size() != n * es) {
+  const int heads = t.shape_size() == 3 ? static_cast<int>(t.shape(1)) : 0;
+  const int d = t.shape_size() == 3 ? static_cast<int>(t.shape(2)) : 0;
+  auto tokens = DenseTokens(t, heads, d, what.c_str());
+  if (!tokens.ok() || static_cast<size_t>(*tokens) * heads * d != n) {
     return absl::InternalError(absl::StrCat(what, ": bad output"));
   }
-  if (es == 4) {
-    std::memcpy(out, data.data(), data.size());
-    return absl::OkStatus();
-  }
-  for (size_t i = 0; i < n; ++i) {
-    uint16_t h;
-    std::memcpy(&h, data.data() + 2 * i, 2);
-    out[i] = dt == v1::DTYPE_FP16 ? HalfToFloat(h) : Bf16ToFloat(h);
-  }
+  ReadDense(t, out);
   return absl::OkStatus();
 }
 
@@ -269,11 +238,9 @@ class Tier : public TierSession {
         if (layer == 0 && t == 0) req.set_session_id(session_);
         req.set_layer(layer);
         req.set_question_tokens(question_);
-        Dense(q + static_cast<size_t>(t) * q_heads_ * hd, m, q_heads_, hd, wire_, req.mutable_q());
-        Dense(k + static_cast<size_t>(t) * kv_heads_ * hd, m, kv_heads_, hd, wire_,
-              req.mutable_k());
-        Dense(v + static_cast<size_t>(t) * kv_heads_ * hd, m, kv_heads_, hd, wire_,
-              req.mutable_v());
+        WriteDense(q, t, m, q_heads_, hd, wire_, req.mutable_q());
+        WriteDense(k, t, m, kv_heads_, hd, wire_, req.mutable_k());
+        WriteDense(v, t, m, kv_heads_, hd, wire_, req.mutable_v());
         req.set_more_chunks(t + m < n);
         if (!pstream_->Write(req)) {
           return FromGrpc(pstream_->Finish(), absl::StrCat("Prefill layer ", layer));
@@ -307,9 +274,9 @@ class Tier : public TierSession {
     auto* item = req.add_items();
     item->set_session_id(session_);
     item->set_layer(layer);
-    Dense(q, 1, q_heads_, hd, wire_, item->mutable_q());
-    Dense(k, 1, kv_heads_, hd, wire_, item->mutable_k());
-    Dense(v, 1, kv_heads_, hd, wire_, item->mutable_v());
+    WriteDense(q, 0, 1, q_heads_, hd, wire_, item->mutable_q());
+    WriteDense(k, 0, 1, kv_heads_, hd, wire_, item->mutable_k());
+    WriteDense(v, 0, 1, kv_heads_, hd, wire_, item->mutable_v());
     if (mux_ != nullptr) {
       return mux_->Attend(std::move(*item), out, static_cast<size_t>(q_heads_) * hd);
     }
@@ -377,7 +344,7 @@ class Tier : public TierSession {
   int question_ = 0;
   static constexpr int64_t kChunkBytes = int64_t{1} << 20;
   DecodeMux* const mux_;
-  // The model's dtype: what q/k/v travel in.
+  // The model's dtype: what q/k/v travel in (half the bytes for fp16).
   const v1::DType wire_ = spec_.dtype() == v1::DTYPE_FP16 || spec_.dtype() == v1::DTYPE_BF16
                               ? spec_.dtype()
                               : v1::DTYPE_FP32;

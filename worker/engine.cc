@@ -151,21 +151,16 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const std::stri
     exposed_ms = MsSince(wait_start);
   }
   absl::MutexLock lock(&s->mu);
-  auto step = [&]() -> absl::StatusOr<std::optional<RecallReport>> {
-    s->mu.AssertHeld();
-    return PrefillLocked(*s, layer, n, question_tokens, q, k, v, out, call, fetch, arrived,
-                         exposed_ms);
-  };
-  auto result = step();
+  auto result = PrefillLocked(s.get(), layer, n, question_tokens, q, k, v, out, call, fetch,
+                              arrived, exposed_ms);
   Account(*s);
   return result;
 }
 
 absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLocked(
-    Session& s_ref, int layer, int64_t n, int64_t question_tokens, const float* q, const float* k,
+    Session* s, int layer, int64_t n, int64_t question_tokens, const float* q, const float* k,
     const float* v, float* out, const CallOptions& call, const std::shared_ptr<Fetch>& fetch,
     bool arrived, double exposed_ms) {
-  Session* s = &s_ref;
   s->mu.AssertHeld();
   KVT_RETURN_IF_ERROR(s->CheckStep(layer, n, /*prefill=*/true));
   KVT_RETURN_IF_ERROR(s->CheckValues(layer, n, q, k, v));
@@ -262,8 +257,7 @@ absl::StatusOr<SessionStats> Engine::Stats(const std::string& id) const {
   SessionStats st = s->stats;
   st.working_set_bytes = static_cast<uint64_t>(s->WorkingSetBytes());
   st.device_bytes = s->DeviceBytes();
-  st.full_cache_bytes += static_cast<uint64_t>(s->tokens) * s->shape.layers * s->shape.kv_heads *
-                         s->shape.head_dim * 2 * s->shape.dtype_bytes;
+  st.full_cache_bytes += static_cast<uint64_t>(s->TokenBytes(s->tokens));
   return st;
 }
 

@@ -259,7 +259,7 @@ class Engine {
     return call.DeadlineOr(options_.store_deadline);
   }
   // PrefillLayer under the session lock (REQUIRES s.mu), after any wait.
-  absl::StatusOr<std::optional<RecallReport>> PrefillLocked(Session& s, int layer, int64_t n,
+  absl::StatusOr<std::optional<RecallReport>> PrefillLocked(Session* s, int layer, int64_t n,
                                                             int64_t question_tokens, const float* q,
                                                             const float* k, const float* v,
                                                             float* out, const CallOptions& call,

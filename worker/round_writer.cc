@@ -6,36 +6,26 @@
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
 #include "base/status_macros.h"
-#include "google/protobuf/io/coded_stream.h"
 #include "worker/session.h"
 
 namespace kvtier::worker {
 namespace {
 
 // Serializes SegmentPayload{tensors = layers [l0, l1) of `enc`} straight
-// into one buffer: the wire form of a repeated message field, written tensor
-// by tensor, so the encoded bytes are copied once (here) on their way to the
-// store, which receives this buffer as is.
+// into one buffer, tensor by tensor, so the encoded bytes are copied once
+// (here) on their way to the store, which receives this buffer as is.
 std::string SerializeSegment(const std::vector<std::vector<v1::EncodedTensor>>& enc, int l0,
                              int l1) {
-  constexpr uint32_t kTensorsTag = (1 << 3) | 2;  // Field 1, length-delimited.
-  size_t total = 0;
+  std::vector<const v1::EncodedTensor*> tensors;
+  std::vector<size_t> sizes;
   for (int l = l0; l < l1; ++l) {
     for (const auto& e : enc[l]) {
-      const size_t n = e.ByteSizeLong();
-      total += 1 + google::protobuf::io::CodedOutputStream::VarintSize64(n) + n;
+      tensors.push_back(&e);
+      sizes.push_back(e.ByteSizeLong());  // Also caches the size for the write.
     }
   }
-  std::string out(total, '\0');
-  auto* p = reinterpret_cast<uint8_t*>(out.data());
-  for (int l = l0; l < l1; ++l) {
-    for (const auto& e : enc[l]) {
-      p = google::protobuf::io::CodedOutputStream::WriteVarint32ToArray(kTensorsTag, p);
-      p = google::protobuf::io::CodedOutputStream::WriteVarint64ToArray(e.GetCachedSize(), p);
-      p = e.SerializeWithCachedSizesToArray(p);
-    }
-  }
-  return out;
+  return SerializePayload(
+      sizes, [&](size_t i, uint8_t* p) { return tensors[i]->SerializeWithCachedSizesToArray(p); });
 }
 
 }  // namespace
@@ -198,8 +188,7 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id, const Cal
     s->unreported_recalls = std::move(plan.recalls);
   }
   s->stats.pending_recall_counts = s->unreported_recalls.size();
-  rep.full_bytes = static_cast<uint64_t>(plan.tokens) * sh.layers * sh.kv_heads * sh.head_dim * 2 *
-                   sh.dtype_bytes;
+  rep.full_bytes = static_cast<uint64_t>(s->TokenBytes(plan.tokens));
   s->stats.full_cache_bytes += rep.full_bytes;
   s->CloseRound();
   s->stats.rounds += 1;

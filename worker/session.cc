@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -72,20 +73,28 @@ absl::StatusOr<std::vector<std::unique_ptr<RoundLayer>>> MakeLayers(
   return out;
 }
 
-std::string SerializePayload(const std::vector<std::string_view>& tensors) {
+std::string SerializePayload(const std::vector<size_t>& sizes,
+                             const std::function<uint8_t*(size_t, uint8_t*)>& write) {
+  using google::protobuf::io::CodedOutputStream;
   constexpr uint32_t kTensorsTag = (1 << 3) | 2;  // Field 1, length-delimited.
   size_t total = 0;
-  for (std::string_view t : tensors) {
-    total += 1 + google::protobuf::io::CodedOutputStream::VarintSize64(t.size()) + t.size();
-  }
+  for (size_t n : sizes) total += 1 + CodedOutputStream::VarintSize64(n) + n;
   std::string out(total, '\0');
   auto* p = reinterpret_cast<uint8_t*>(out.data());
-  for (std::string_view t : tensors) {
-    p = google::protobuf::io::CodedOutputStream::WriteVarint32ToArray(kTensorsTag, p);
-    p = google::protobuf::io::CodedOutputStream::WriteVarint64ToArray(t.size(), p);
-    p = std::copy(t.begin(), t.end(), p);
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    p = CodedOutputStream::WriteVarint32ToArray(kTensorsTag, p);
+    p = CodedOutputStream::WriteVarint64ToArray(sizes[i], p);
+    p = write(i, p);
   }
   return out;
+}
+
+std::string SerializePayload(const std::vector<std::string_view>& tensors) {
+  std::vector<size_t> sizes;
+  for (std::string_view t : tensors) sizes.push_back(t.size());
+  return SerializePayload(sizes, [&](size_t i, uint8_t* p) {
+    return std::copy(tensors[i].begin(), tensors[i].end(), p);
+  });
 }
 
 absl::Status Engine::Session::CheckValues(int layer, int64_t n, const float* qs, const float* ks,
@@ -198,7 +207,7 @@ int64_t Engine::Session::WorkingSetBytes() const {
     }
   }
   // The open round counts at the model's dtype, as an engine holds it.
-  b += tokens * shape.layers * shape.kv_heads * shape.head_dim * 2 * shape.dtype_bytes;
+  b += TokenBytes(tokens);
   return b;
 }
 

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -52,7 +53,13 @@ struct RoundLayer {
 absl::StatusOr<std::vector<std::unique_ptr<RoundLayer>>> MakeLayers(
     std::shared_ptr<const std::string> payload, int layers, int kv_heads, int d);
 
-// A serialized SegmentPayload of these serialized tensors, in order.
+// A serialized SegmentPayload of tensors whose serialized sizes are `sizes`:
+// the framing of its repeated field, with write(i, p) putting tensor i's
+// bytes at p and returning their end. Each tensor is written once, into the
+// returned buffer.
+std::string SerializePayload(const std::vector<size_t>& sizes,
+                             const std::function<uint8_t*(size_t, uint8_t*)>& write);
+// The same of already serialized tensors, in order.
 std::string SerializePayload(const std::vector<std::string_view>& tensors);
 
 double MsSince(std::chrono::steady_clock::time_point t);
@@ -147,7 +154,8 @@ class Engine::Session {
   // session can store; INVALID_ARGUMENT naming the layer and the element.
   absl::Status CheckValues(int layer, int64_t n, const float* q, const float* k,
                            const float* v) const;
-  // Working-set bytes of n more tokens of the open round.
+  // Bytes of n tokens at every layer in the model's dtype: what the open
+  // round counts in the working set, and what the full cache holds.
   int64_t TokenBytes(int64_t n) const {
     return n * shape.layers * shape.kv_heads * shape.head_dim * 2 * shape.dtype_bytes;
   }

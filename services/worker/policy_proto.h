@@ -1,6 +1,6 @@
 // The Worker wire types and the engine's own, converted once at the service
 // edge: ModelSpec -> ModelShape, Policy -> SessionPolicy (a struct, never
-// text), DenseTensor <-> fp32 rows in the caller's dtype.
+// text). DenseTensor conversion is in rpc/dense_tensor.h.
 #ifndef KVTIER_SERVICES_WORKER_POLICY_PROTO_H_
 #define KVTIER_SERVICES_WORKER_POLICY_PROTO_H_
 
@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "kvtier/v1/worker.pb.h"
+#include "rpc/dense_tensor.h"
 #include "worker/engine.h"
 
 namespace kvtier {
@@ -28,21 +29,6 @@ absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p,
 
 // The policy a session runs with, every default filled in (L_w resolved).
 v1::Policy EffectivePolicy(const v1::Policy& requested, const worker::SessionPolicy& eff);
-
-// The token count of `t`, a [tokens, heads, d] tensor of fp32, fp16 or bf16
-// whose bytes match its shape; INVALID_ARGUMENT (naming `what`) otherwise.
-absl::StatusOr<int64_t> DenseTokens(const v1::DenseTensor& t, int heads, int d, const char* what);
-
-// Appends the rows of `t`, a [tokens, heads, d] tensor of fp32, fp16 or bf16,
-// to `out` as fp32. INVALID_ARGUMENT (naming `what`) for another shape,
-// dtype or byte count.
-absl::Status AppendDense(const v1::DenseTensor& t, int heads, int d, const char* what,
-                         std::vector<float>* out);
-
-// Writes rows [t0, t0 + tokens) of `x` ([*, heads, d] fp32) to `t` in `dtype`
-// (fp32, fp16 or bf16): the caller's own dtype goes back on the wire.
-void WriteDense(const float* x, int64_t t0, int64_t tokens, int heads, int d, v1::DType dtype,
-                v1::DenseTensor* t);
 
 }  // namespace kvtier
 
