@@ -5,6 +5,7 @@
 #define KVTIER_BASE_CALL_OPTIONS_H_
 
 #include <algorithm>
+#include <string>
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -18,8 +19,12 @@ struct CallOptions {
   // Default: absl::InfiniteFuture(), meaning the client's own default (for
   // the store client, StoreClientOptions::deadline).
   absl::Time deadline = absl::InfiniteFuture();
+  // The end tenant the call acts for, sent as "kvtier-tenant" metadata
+  // (services/common/auth.h). The callee honours it only from a node token
+  // (or with authentication off). Default: empty, the caller's own tenant.
+  std::string tenant;
 
-  static CallOptions Within(absl::Duration d) { return {absl::Now() + d}; }
+  static CallOptions Within(absl::Duration d) { return {absl::Now() + d, {}}; }
 
   // The earlier of this deadline and now + `fallback`: a caller's deadline
   // wins when it is set and sooner.

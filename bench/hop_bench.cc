@@ -146,7 +146,7 @@ class Bench {
     for (float& x : q) x = nd(rng);
     for (float& x : kv) x = nd(rng);
     for (int i = 0; i < n; ++i) {
-      const std::string id = absl::StrCat("default.", prefix, i);
+      const std::string id = absl::StrCat(prefix, i);
       if (absl::Status s = worker_->engine()->OpenSession(id, shape, {}); !s.ok()) return s;
       for (int l = 0; l < kLayers; ++l) {
         auto r = worker_->engine()->PrefillLayer(id, l, context_, 0, q.data(), kv.data(), kv.data(),
@@ -167,7 +167,7 @@ class Bench {
   void Close(const std::string& prefix, int n) {
     for (int i = 0; i < n; ++i) {
       // No store call: the sessions have no resident recalls to report.
-      worker_->engine()->CloseSession(absl::StrCat("default.", prefix, i), false).IgnoreError();
+      worker_->engine()->CloseSession(absl::StrCat(prefix, i), false).IgnoreError();
     }
   }
 
@@ -257,7 +257,7 @@ class Bench {
     for (int h = 0; h < hops; ++h) {
       for (int i = 0; i < sessions; ++i) {
         absl::Status s =
-            worker_->engine()->DecodeLayer(absl::StrCat("default.", prefix, i), h % kLayers,
+            worker_->engine()->DecodeLayer(absl::StrCat(prefix, i), h % kLayers,
                                            q.data(), k.data(), v.data(), out.data());
         if (!s.ok()) return s;
       }

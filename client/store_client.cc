@@ -42,6 +42,7 @@ absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Connect(StoreClientOpt
 std::unique_ptr<grpc::ClientContext> StoreClient::NewContext(const CallOptions& call) const {
   auto ctx = std::make_unique<grpc::ClientContext>();
   if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
+  if (!call.tenant.empty()) ctx->AddMetadata("kvtier-tenant", call.tenant);
   ctx->set_deadline(absl::ToChronoTime(call.DeadlineOr(options_.deadline)));
   return ctx;
 }

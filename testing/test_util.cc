@@ -1,8 +1,10 @@
 #include "testing/test_util.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <stdexcept>
 
@@ -10,6 +12,15 @@
 #include "kvtier/v1/tensor.pb.h"
 
 namespace kvtier::testing {
+
+void WriteFile(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+  if (!out.flush()) {
+    std::fprintf(stderr, "cannot write %s\n", path.c_str());
+    std::abort();
+  }
+}
 
 std::string MakePayload(uint64_t target_bytes, uint64_t seed) {
   // About 24 bytes of protobuf framing around the raw buffer.

@@ -26,6 +26,10 @@ class TempDir {
   std::string path_;
 };
 
+// Writes `text` to `path` (created or truncated); aborts the test binary on
+// failure, which only a broken temp dir can cause.
+void WriteFile(const std::string& path, const std::string& text);
+
 // Path of the shared test model (../shared/models/stories260K.bin beside the
 // source tree, or $KVTIER_MODEL), or "" when it is not there.
 std::string SharedModelPath();

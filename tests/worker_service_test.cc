@@ -289,7 +289,8 @@ auto RetryWhile(grpc::StatusCode code, F f) {
 // Runs one whole prefill step of n tokens for `id` over `stub`, returning
 // the stream's final status.
 grpc::Status PrefillStep(v1::Worker::Stub* stub, const std::string& id, int64_t n,
-                         std::mt19937* rng, absl::Duration deadline = absl::Seconds(30)) {
+                         std::mt19937* rng, absl::Duration deadline = absl::Seconds(30),
+                         const std::string& token = "") {
   std::normal_distribution<float> nd;
   auto rnd = [&](size_t len) {
     std::vector<float> x(len);
@@ -298,6 +299,7 @@ grpc::Status PrefillStep(v1::Worker::Stub* stub, const std::string& id, int64_t 
   };
   grpc::ClientContext c;
   c.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  if (!token.empty()) c.AddMetadata("authorization", "Bearer " + token);
   auto s = stub->Prefill(&c);
   for (int l = 0; l < kLayers; ++l) {
     v1::LayerRequest req;
@@ -314,9 +316,10 @@ grpc::Status PrefillStep(v1::Worker::Stub* stub, const std::string& id, int64_t 
 }
 
 grpc::Status EndRound(v1::Worker::Stub* stub, const std::string& id, v1::EndRoundResponse* resp,
-                      absl::Duration deadline = absl::Seconds(30)) {
+                      absl::Duration deadline = absl::Seconds(30), const std::string& token = "") {
   grpc::ClientContext c;
   c.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  if (!token.empty()) c.AddMetadata("authorization", "Bearer " + token);
   v1::EndRoundRequest r;
   r.set_session_id(id);
   return stub->EndRound(&c, r, resp);
@@ -534,7 +537,7 @@ TEST_F(WorkerServiceTest, DecodeBatchesSessionsInOneRequest) {
   stream->WritesDone();
   ASSERT_TRUE(stream->Finish().ok());
   for (int i = 0; i < kSessions; ++i) {
-    auto st = stack_.server()->engine()->Stats("default.b" + std::to_string(i));
+    auto st = stack_.server()->engine()->Stats("b" + std::to_string(i));
     ASSERT_TRUE(st.ok());
     EXPECT_EQ(st->tokens, 7u);
   }
@@ -579,15 +582,20 @@ TEST_F(WorkerServiceTest, StreamsEndingMidStepRollBack) {
     c.TryCancel();
     EXPECT_EQ(s->Finish().error_code(), grpc::StatusCode::CANCELLED);
   }
-  {  // Decode whose deadline runs out after layer 0.
-    grpc::ClientContext c;
-    c.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(300)));
-    auto s = stub_->Decode(&c);
-    ASSERT_TRUE(s->Write(layer_req(0)));
-    v1::DecodeResponse resp;
-    ASSERT_TRUE(s->Read(&resp));
-    EXPECT_FALSE(s->Read(&resp));  // Nothing more comes; the deadline ends it.
-    EXPECT_EQ(s->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  {  // Decode whose deadline runs out after layer 0. The cancelled stream
+     // above is rolled back on the worker's own thread: until then layer 0
+     // is out of order (FAILED_PRECONDITION), so that is retried.
+    grpc::Status end = RetryWhile(grpc::StatusCode::FAILED_PRECONDITION, [&] {
+      grpc::ClientContext c;
+      c.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(300)));
+      auto s = stub_->Decode(&c);
+      v1::DecodeResponse resp;
+      if (s->Write(layer_req(0)) && s->Read(&resp)) {
+        EXPECT_FALSE(s->Read(&resp));  // Nothing more comes; the deadline ends it.
+      }
+      return s->Finish();
+    });
+    EXPECT_EQ(end.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   }
   // Each step was rolled back: a whole decode step goes through from layer 0.
   const grpc::Status st = RetryWhile(grpc::StatusCode::FAILED_PRECONDITION, [&] {
@@ -664,7 +672,7 @@ TEST_F(WorkerDeadlineTest, StoppedStoreGivesDeadlineExceeded) {
   absl::Status direct;
   for (int attempt = 0; attempt < 50; ++attempt) {
     t0 = absl::Now();
-    direct = engine->EndRound("default.s", CallOptions::Within(absl::Milliseconds(300))).status();
+    direct = engine->EndRound("s", CallOptions::Within(absl::Milliseconds(300))).status();
     if (!absl::IsAborted(direct)) break;
     absl::SleepFor(absl::Milliseconds(20));
   }
@@ -688,6 +696,102 @@ TEST_F(WorkerDeadlineTest, StoppedStoreGivesDeadlineExceeded) {
   const grpc::Status again = RetryWhile(grpc::StatusCode::FAILED_PRECONDITION,
                                         [&] { return PrefillStep(stub_.get(), "s", 4, &rng); });
   EXPECT_TRUE(again.ok()) << again.error_message();
+}
+
+// Tenants are a (tenant, session) pair, never one joined string: with
+// tenants `acme` and `acme.eu`, `acme` naming session `eu.x` reaches its own
+// session, not acme.eu's `x`. The worker acts for each end tenant at the
+// store (a node token), so rounds land under the end tenant and its own
+// store quota applies.
+TEST(WorkerTenantTest, TenantsCannotReachEachOther) {
+  testing::TempDir dir;
+  const std::string worker_tenants = dir.path() + "/worker-tenants";
+  const std::string store_tenants = dir.path() + "/store-tenants";
+  testing::WriteFile(worker_tenants,
+                     "acme-token-1   acme     readwrite\n"
+                     "acmeeu-token-1 acme.eu  readwrite\n");
+  // The worker's node token; readonly tokens for looking, and acme's quota
+  // (too small for one round).
+  testing::WriteFile(store_tenants,
+                     "worker-node-token worker   node\n"
+                     "acme-reader-1     acme     readonly 1024\n"
+                     "acmeeu-reader-1   acme.eu  readonly\n");
+  testing::WorkerStackOptions o;
+  o.worker_tenants_file = worker_tenants;
+  o.store_flags = {"--tenants_file=" + store_tenants};
+  o.store_token = "worker-node-token";
+  testing::WorkerStack stack;
+  KVT_ASSERT_OK(stack.Start(o));
+  auto stub = v1::Worker::NewStub(stack.channel());
+  auto open = [&](const std::string& id, const std::string& token) {
+    grpc::ClientContext c;
+    c.AddMetadata("authorization", "Bearer " + token);
+    v1::OpenSessionRequest r;
+    r.set_session_id(id);
+    r.mutable_model()->set_num_layers(kLayers);
+    r.mutable_model()->set_num_q_heads(kQHeads);
+    r.mutable_model()->set_num_kv_heads(kKvHeads);
+    r.mutable_model()->set_head_dim(kDim);
+    r.mutable_model()->set_dtype(v1::DTYPE_FP16);
+    r.mutable_policy()->set_watershed_layer(1);
+    v1::OpenSessionResponse resp;
+    return stub->OpenSession(&c, r, &resp);
+  };
+  auto close = [&](const std::string& id, const std::string& token) {
+    grpc::ClientContext c;
+    c.AddMetadata("authorization", "Bearer " + token);
+    v1::CloseSessionRequest r;
+    r.set_session_id(id);
+    r.set_delete_from_store(true);
+    v1::CloseSessionResponse resp;
+    return stub->CloseSession(&c, r, &resp);
+  };
+  std::mt19937 rng(7);
+  ASSERT_TRUE(open("x", "acmeeu-token-1").ok());
+  ASSERT_TRUE(PrefillStep(stub.get(), "x", 4, &rng, absl::Seconds(30), "acmeeu-token-1").ok());
+  v1::EndRoundResponse end;
+  ASSERT_TRUE(EndRound(stub.get(), "x", &end, absl::Seconds(30), "acmeeu-token-1").ok());
+
+  // acme cannot touch acme.eu's x under any spelling.
+  EXPECT_EQ(EndRound(stub.get(), "eu.x", &end, absl::Seconds(30), "acme-token-1").error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(close("eu.x", "acme-token-1").error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(close("x", "acme-token-1").error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(open("acme.eu/x", "acme-token-1").error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // Its own eu.x is a different session; filling it leaves acme.eu's alone.
+  ASSERT_TRUE(open("eu.x", "acme-token-1").ok());
+  ASSERT_TRUE(PrefillStep(stub.get(), "eu.x", 4, &rng, absl::Seconds(30), "acme-token-1").ok());
+  // acme's store quota (1 KiB) holds per end tenant: its round is refused...
+  const grpc::Status over = EndRound(stub.get(), "eu.x", &end, absl::Seconds(30), "acme-token-1");
+  EXPECT_EQ(over.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << over.error_message();
+  // ...while acme.eu, with no quota, goes on.
+  ASSERT_TRUE(PrefillStep(stub.get(), "x", 2, &rng, absl::Seconds(30), "acmeeu-token-1").ok());
+  ASSERT_TRUE(EndRound(stub.get(), "x", &end, absl::Seconds(30), "acmeeu-token-1").ok());
+
+  // In the store, the rounds are acme.eu's, under its own session name.
+  auto store = v1::Store::NewStub(
+      grpc::CreateChannel(stack.store()->target(), grpc::InsecureChannelCredentials()));
+  auto list = [&](const std::string& token, const std::string& session, int* rounds) {
+    grpc::ClientContext c;
+    c.AddMetadata("authorization", "Bearer " + token);
+    v1::ListRoundsRequest r;
+    r.set_session_id(session);
+    v1::ListRoundsResponse resp;
+    grpc::Status st = store->ListRounds(&c, r, &resp);
+    *rounds = resp.rounds_size();
+    return st.error_code();
+  };
+  int rounds = 0;
+  EXPECT_EQ(list("acmeeu-reader-1", "x", &rounds), grpc::StatusCode::OK);
+  EXPECT_EQ(rounds, 2);
+  EXPECT_EQ(list("acme-reader-1", "x", &rounds), grpc::StatusCode::NOT_FOUND);
+  // acme's refused round left nothing behind (its session record may stay).
+  rounds = -1;
+  list("acme-reader-1", "eu.x", &rounds);
+  EXPECT_EQ(rounds, 0);
+  // Deleting from the store also acts for the end tenant.
+  EXPECT_TRUE(close("x", "acmeeu-token-1").ok());
+  EXPECT_EQ(list("acmeeu-reader-1", "x", &rounds), grpc::StatusCode::NOT_FOUND);
 }
 
 }  // namespace

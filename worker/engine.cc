@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
+#include "base/names.h"
 #include "base/status_macros.h"
 #include "worker/device_attention.h"
 #include "worker/session.h"
@@ -37,11 +38,10 @@ Engine::~Engine() {
       +[](int* n) { return *n == 0; }, &fetches_in_flight_));
 }
 
-absl::Status Engine::OpenSession(const std::string& id, const ModelShape& shape,
+absl::Status Engine::OpenSession(const SessionKey& id, const ModelShape& shape,
                                  const SessionPolicy& policy) {
-  if (id.empty() || id.size() > 128) {
-    return absl::InvalidArgumentError("session id must have 1 to 128 characters");
-  }
+  KVT_RETURN_IF_ERROR(ValidateName("session_id", id.session));
+  if (!id.tenant.empty()) KVT_RETURN_IF_ERROR(ValidateName("tenant", id.tenant));
   if (shape.layers < 1 || shape.q_heads < 1 || shape.kv_heads < 1 ||
       shape.q_heads % shape.kv_heads != 0 || shape.head_dim < 1 || shape.head_dim > 1024 ||
       shape.dtype_bytes < 1) {
@@ -82,18 +82,18 @@ absl::Status Engine::OpenSession(const std::string& id, const ModelShape& shape,
           s->stats.on_device = true;
         } else {
           why = dev.status();  // kAuto falls back to host memory.
-          LogWarn("device working set unavailable", {{"session", id}, {"error", why.ToString()}});
+          LogWarn("device working set unavailable", {{"session", id.ToString()}, {"error", why.ToString()}});
         }
       }
       if (!why.ok() && options_.placement == Placement::kDevice) {
         return absl::FailedPreconditionError(
-            absl::StrCat("session ", id, " cannot have a device working set: ", why.message()));
+            absl::StrCat("session ", id.ToString(), " cannot have a device working set: ", why.message()));
       }
     }
   }
   absl::MutexLock lock(&mu_);
   if (sessions_.count(id) != 0) {
-    return absl::AlreadyExistsError(absl::StrCat("session ", id, " already exists"));
+    return absl::AlreadyExistsError(absl::StrCat("session ", id.ToString(), " already exists"));
   }
   if (options_.max_sessions > 0 && static_cast<int>(sessions_.size()) >= options_.max_sessions) {
     return absl::ResourceExhaustedError(
@@ -122,14 +122,14 @@ absl::Status Engine::CheckBudget(uint64_t bytes) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::Find(const std::string& id) const {
+absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::Find(const SessionKey& id) const {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
-  if (it == sessions_.end()) return absl::NotFoundError(absl::StrCat("unknown session ", id));
+  if (it == sessions_.end()) return absl::NotFoundError(absl::StrCat("unknown session ", id.ToString()));
   return it->second;
 }
 
-absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const std::string& id, int layer,
+absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const SessionKey& id, int layer,
                                                                  int64_t n, int64_t question_tokens,
                                                                  const float* q, const float* k,
                                                                  const float* v, float* out,
@@ -191,7 +191,7 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLocked(
   return report;
 }
 
-absl::Status Engine::DecodeLayer(const std::string& id, int layer, const float* q, const float* k,
+absl::Status Engine::DecodeLayer(const SessionKey& id, int layer, const float* q, const float* k,
                                  const float* v, float* out) {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   absl::MutexLock lock(&s->mu);
@@ -208,7 +208,7 @@ absl::Status Engine::DecodeLayer(const std::string& id, int layer, const float* 
   return st;
 }
 
-absl::Status Engine::AbortStep(const std::string& id) {
+absl::Status Engine::AbortStep(const SessionKey& id) {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   absl::MutexLock lock(&s->mu);
   if (s->state == SessionState::kPrefill || s->state == SessionState::kDecode) s->RollBackStep();
@@ -216,13 +216,13 @@ absl::Status Engine::AbortStep(const std::string& id) {
   return absl::OkStatus();
 }
 
-absl::Status Engine::CloseSession(const std::string& id, bool delete_from_store,
+absl::Status Engine::CloseSession(const SessionKey& id, bool delete_from_store,
                                   const CallOptions& call) {
   std::shared_ptr<Session> s;
   {
     absl::MutexLock lock(&mu_);
     auto it = sessions_.find(id);
-    if (it == sessions_.end()) return absl::NotFoundError(absl::StrCat("unknown session ", id));
+    if (it == sessions_.end()) return absl::NotFoundError(absl::StrCat("unknown session ", id.ToString()));
     s = it->second;
     sessions_.erase(it);
   }
@@ -232,8 +232,8 @@ absl::Status Engine::CloseSession(const std::string& id, bool delete_from_store,
     working_set_total_.fetch_sub(s->accounted);
     s->accounted = 0;
   }
-  const CallOptions store_call{StoreDeadline(call)};
-  if (delete_from_store) return store_->Delete(id, store_call);
+  const CallOptions store_call = s->ForStore({StoreDeadline(call), {}});
+  if (delete_from_store) return store_->Delete(id.session, store_call);
   // The session's rounds stay in the store: their counters should be right.
   std::vector<uint32_t> rounds;
   {
@@ -242,16 +242,16 @@ absl::Status Engine::CloseSession(const std::string& id, bool delete_from_store,
     rounds.insert(rounds.end(), s->round_resident.begin(), s->round_resident.end());
   }
   if (!rounds.empty()) {
-    absl::Status st = store_->RecordRecalls(id, rounds, store_call);
+    absl::Status st = store_->RecordRecalls(id.session, rounds, store_call);
     if (!st.ok()) {
       LogWarn("recall counters of a closed session not sent",
-              {{"session", id}, {"rounds", rounds.size()}, {"error", st.ToString()}});
+              {{"session", id.ToString()}, {"rounds", rounds.size()}, {"error", st.ToString()}});
     }
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<SessionStats> Engine::Stats(const std::string& id) const {
+absl::StatusOr<SessionStats> Engine::Stats(const SessionKey& id) const {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   absl::MutexLock lock(&s->mu);
   SessionStats st = s->stats;
@@ -261,14 +261,14 @@ absl::StatusOr<SessionStats> Engine::Stats(const std::string& id) const {
   return st;
 }
 
-absl::StatusOr<SessionPolicy> Engine::Policy(const std::string& id) const {
+absl::StatusOr<SessionPolicy> Engine::Policy(const SessionKey& id) const {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   SessionPolicy p = s->policy;
   p.watershed_layer = s->lw;
   return p;
 }
 
-absl::StatusOr<ModelShape> Engine::Shape(const std::string& id) const {
+absl::StatusOr<ModelShape> Engine::Shape(const SessionKey& id) const {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   return s->shape;
 }
@@ -282,9 +282,9 @@ int Engine::SessionCount() const {
   return static_cast<int>(sessions_.size());
 }
 
-std::vector<std::string> Engine::Sessions() const {
+std::vector<SessionKey> Engine::Sessions() const {
   absl::MutexLock lock(&mu_);
-  std::vector<std::string> ids;
+  std::vector<SessionKey> ids;
   for (const auto& [id, s] : sessions_) ids.push_back(id);
   return ids;
 }

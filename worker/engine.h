@@ -46,6 +46,7 @@
 #include "kernels/eviction.h"
 #include "kernels/recall.h"
 #include "worker/segment_store.h"
+#include "worker/session_key.h"
 
 namespace kvtier::worker {
 
@@ -178,7 +179,7 @@ class Engine {
   // OK; INVALID_ARGUMENT for a bad shape or policy; ALREADY_EXISTS;
   // RESOURCE_EXHAUSTED at max_sessions; FAILED_PRECONDITION when placement
   // is kDevice and there is no device.
-  absl::Status OpenSession(const std::string& id, const ModelShape& shape,
+  absl::Status OpenSession(const SessionKey& id, const ModelShape& shape,
                            const SessionPolicy& policy);
 
   // One layer of a prefill of n new tokens: q [n, q_heads, d], k and v
@@ -198,7 +199,7 @@ class Engine {
   // the recall fetch fails, and DATA_LOSS when it brings back malformed
   // bytes: in these three the step is rolled back to before this prefill, so
   // the engine may send the whole step again.
-  absl::StatusOr<std::optional<RecallReport>> PrefillLayer(const std::string& id, int layer,
+  absl::StatusOr<std::optional<RecallReport>> PrefillLayer(const SessionKey& id, int layer,
                                                            int64_t n, int64_t question_tokens,
                                                            const float* q, const float* k,
                                                            const float* v, float* out,
@@ -208,34 +209,34 @@ class Engine {
   // INVALID_ARGUMENT; RESOURCE_EXHAUSTED as above; FAILED_PRECONDITION
   // before the round's first prefill,
   // for a layer out of order, or while EndRound runs.
-  absl::Status DecodeLayer(const std::string& id, int layer, const float* q, const float* k,
+  absl::Status DecodeLayer(const SessionKey& id, int layer, const float* q, const float* k,
                            const float* v, float* out);
 
   // Abandons the step in flight (layers sent, not all of them): the open
   // round goes back to where it was before the step; a round whose first
   // prefill is abandoned is not open any more. What a stream that broke
   // mid-step calls. OK (also when no step is in flight); NOT_FOUND.
-  absl::Status AbortStep(const std::string& id);
+  absl::Status AbortStep(const SessionKey& id);
 
   // Eviction, encoding and PutSegment of the open round. OK and the report;
   // NOT_FOUND; FAILED_PRECONDITION without an open round or in the middle of
   // a step; ABORTED while another EndRound of the session runs (retry);
-  // UNAVAILABLE or
-  // DEADLINE_EXCEEDED when the store fails: the round stays open and
-  // EndRound may be retried.
-  absl::StatusOr<EndRoundReport> EndRound(const std::string& id, const CallOptions& call = {});
+  // UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED (the tenant's store
+  // quota) or PERMISSION_DENIED when the store refuses: the round stays
+  // open, no half of it stays in the store, and EndRound may be retried.
+  absl::StatusOr<EndRoundReport> EndRound(const SessionKey& id, const CallOptions& call = {});
 
   // Forgets the session; with `delete_from_store` its stored rounds too
   // (then the store's status, UNAVAILABLE or DEADLINE_EXCEEDED, is returned,
   // and the session is gone from the worker either way). OK; NOT_FOUND.
-  absl::Status CloseSession(const std::string& id, bool delete_from_store,
+  absl::Status CloseSession(const SessionKey& id, bool delete_from_store,
                             const CallOptions& call = {});
 
   // NOT_FOUND for an unknown session.
-  absl::StatusOr<SessionStats> Stats(const std::string& id) const;
-  absl::StatusOr<SessionPolicy> Policy(const std::string& id) const;
-  absl::StatusOr<ModelShape> Shape(const std::string& id) const;
-  std::vector<std::string> Sessions() const;
+  absl::StatusOr<SessionStats> Stats(const SessionKey& id) const;
+  absl::StatusOr<SessionPolicy> Policy(const SessionKey& id) const;
+  absl::StatusOr<ModelShape> Shape(const SessionKey& id) const;
+  std::vector<SessionKey> Sessions() const;
   // Working-set bytes over all sessions, as last accounted (each session
   // accounts at the end of every step, EndRound, recall and rollback).
   uint64_t TotalWorkingSetBytes() const;
@@ -244,7 +245,7 @@ class Engine {
  private:
   class Session;
   struct Fetch;
-  absl::StatusOr<std::shared_ptr<Session>> Find(const std::string& id) const;
+  absl::StatusOr<std::shared_ptr<Session>> Find(const SessionKey& id) const;
   // Scores the past rounds at L_w and starts the one fetch (recall_fetch.cc).
   // REQUIRES: s.mu held (both; checked with AssertHeld).
   // q and k: the round's first n tokens at L_w, token-major as they arrived.
@@ -275,7 +276,7 @@ class Engine {
   std::unique_ptr<Executor> own_fetch_executor_;
   Executor* fetch_executor_;
   mutable absl::Mutex mu_;
-  std::map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  std::map<SessionKey, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   // The sum of every session's accounted working-set bytes.
   std::atomic<int64_t> working_set_total_{0};
   // Fetches scheduled and not yet done; the destructor waits for zero.

@@ -64,9 +64,10 @@ RecallReport Engine::StartRecall(Session& s, int64_t n, int64_t question_tokens,
       ++fetches_in_flight_;
     }
     fetch_executor_->Schedule(
-        [this, f, sid = s.id, segs = std::move(segs), deadline = StoreDeadline(call)] {
+        [this, f, sid = s.key.session, segs = std::move(segs),
+         store_call = s.ForStore({StoreDeadline(call), {}})] {
           const auto t0 = std::chrono::steady_clock::now();
-          f->result = store_->Get(sid, segs, CallOptions{deadline});
+          f->result = store_->Get(sid, segs, store_call);
           f->ms = MsSince(t0);
           f->done.Notify();
           absl::MutexLock lock(&fetches_mu_);

@@ -41,7 +41,7 @@ struct RoundPlan {
   std::vector<uint32_t> recalls;  // Resident recalls to report, older ones first.
 };
 
-absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id, const CallOptions& call) {
+absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const CallOptions& call) {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   const ModelShape& sh = s->shape;
   const int lw = s->lw;
@@ -130,12 +130,24 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id, const Cal
   }
 
   // Send, without the lock.
-  const CallOptions store_call{StoreDeadline(call)};
+  const CallOptions store_call = s->ForStore({StoreDeadline(call), {}});
+  const std::string& name = s->key.session;
   auto put_both = [&]() -> absl::Status {
-    KVT_RETURN_IF_ERROR(store_->Put(s->id, {plan.round, 0}, 0, lw + 1, *plan.lower, store_call));
+    KVT_RETURN_IF_ERROR(store_->Put(name, {plan.round, 0}, 0, lw + 1, *plan.lower, store_call));
     if (lw + 1 < sh.layers) {
-      KVT_RETURN_IF_ERROR(
-          store_->Put(s->id, {plan.round, 1}, lw + 1, sh.layers, *plan.upper, store_call));
+      absl::Status upper =
+          store_->Put(name, {plan.round, 1}, lw + 1, sh.layers, *plan.upper, store_call);
+      if (!upper.ok() && upper.code() != absl::StatusCode::kAlreadyExists) {
+        // Leave no half round behind (best effort: a retry of EndRound
+        // replaces one anyway).
+        absl::Status dropped = store_->DropRound(name, plan.round, store_call);
+        if (!dropped.ok()) {
+          LogWarn("half-stored round not dropped",
+                  {{"session", s->key.ToString()}, {"round", plan.round},
+                   {"error", dropped.ToString()}});
+        }
+      }
+      return upper;
     }
     return absl::OkStatus();
   };
@@ -143,7 +155,7 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id, const Cal
   if (put.code() == absl::StatusCode::kAlreadyExists) {
     // An earlier EndRound of this round stored its lower segment and then
     // failed; the round may have grown since. Replace what is there.
-    put = store_->DropRound(s->id, plan.round, store_call);
+    put = store_->DropRound(name, plan.round, store_call);
     if (put.ok()) put = put_both();
     if (put.code() == absl::StatusCode::kAlreadyExists) {
       put = absl::InternalError(
@@ -152,11 +164,12 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const std::string& id, const Cal
   }
   absl::Status recorded = absl::CancelledError("not sent");
   if (put.ok() && !plan.recalls.empty()) {
-    recorded = store_->RecordRecalls(s->id, plan.recalls, store_call);
+    recorded = store_->RecordRecalls(name, plan.recalls, store_call);
     if (!recorded.ok()) {
-      LogWarn(
-          "recall counters not sent; kept for the next round",
-          {{"session", s->id}, {"rounds", plan.recalls.size()}, {"error", recorded.ToString()}});
+      LogWarn("recall counters not sent; kept for the next round",
+              {{"session", s->key.ToString()},
+               {"rounds", plan.recalls.size()},
+               {"error", recorded.ToString()}});
     }
   }
 

@@ -18,7 +18,10 @@ namespace kvtier::worker {
 // Implementations are thread-safe: the engine calls them from several
 // threads at once, never while holding a session's lock. Every method
 // honours `call.deadline`: past it the call returns DEADLINE_EXCEEDED; a
-// store that cannot be reached gives UNAVAILABLE.
+// store that cannot be reached gives UNAVAILABLE. `call.tenant` names the
+// end tenant the call acts for; RESOURCE_EXHAUSTED (that tenant's quota) and
+// PERMISSION_DENIED (the store does not let this worker act for it) come
+// back as such from every method.
 class SegmentStore {
  public:
   virtual ~SegmentStore() = default;

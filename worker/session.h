@@ -116,11 +116,17 @@ class Engine::Session {
     uint64_t stored_bytes = 0;
   };
 
-  Session(std::string session_id, const ModelShape& model, const SessionPolicy& p, int watershed)
-      : id(std::move(session_id)), shape(model), policy(p), lw(watershed) {}
+  Session(SessionKey session_key, const ModelShape& model, const SessionPolicy& p, int watershed)
+      : key(std::move(session_key)), shape(model), policy(p), lw(watershed) {}
+
+  // Store calls for this session: `call` acting for the session's tenant.
+  CallOptions ForStore(CallOptions call) const {
+    call.tenant = key.tenant;
+    return call;
+  }
 
   // Immutable after construction.
-  const std::string id;
+  const SessionKey key;
   const ModelShape shape;
   const SessionPolicy policy;
   const int lw;  // The resolved watershed layer L_w.

@@ -7,6 +7,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/names.h"
+#include "base/status_macros.h"
 
 namespace kvtier {
 
@@ -40,12 +42,15 @@ absl::StatusOr<Authenticator> Authenticator::FromText(const std::string& text) {
     TenantEntry e;
     e.token = f[0];
     e.principal.tenant = f[1];
+    if (absl::Status s = ValidateName("tenant", f[1]); !s.ok()) return bad(s.message());
     if (f[2] == "readwrite") {
       e.principal.role = Role::kReadWrite;
     } else if (f[2] == "readonly") {
       e.principal.role = Role::kReadOnly;
+    } else if (f[2] == "node") {
+      e.principal.role = Role::kNode;
     } else {
-      return bad("role must be readwrite or readonly");
+      return bad("role must be readwrite, readonly or node");
     }
     if (f.size() == 4 && !absl::SimpleAtoi(f[3], &e.quota_bytes)) {
       return bad("quota_bytes must be a non-negative integer");
@@ -58,6 +63,21 @@ absl::StatusOr<Authenticator> Authenticator::FromText(const std::string& text) {
 }
 
 absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContextBase& ctx) const {
+  KVT_ASSIGN_OR_RETURN(Principal caller, Caller(ctx));
+  const auto& md = ctx.client_metadata();
+  auto named = md.find(kTenantMetadata);
+  if (named == md.end()) return caller;
+  absl::string_view tenant(named->second.data(), named->second.size());
+  if (caller.role != Role::kNode && enabled_) {
+    return absl::PermissionDeniedError(absl::StrCat("tenant '", caller.tenant,
+                                                    "' is not a node: its token may not act for "
+                                                    "tenant '", tenant, "'"));
+  }
+  KVT_RETURN_IF_ERROR(ValidateName(kTenantMetadata, std::string_view(tenant.data(), tenant.size())));
+  return Principal{std::string(tenant), Role::kReadWrite};
+}
+
+absl::StatusOr<Principal> Authenticator::Caller(const grpc::ServerContextBase& ctx) const {
   if (!enabled_) return Principal{"default", Role::kReadWrite};
   const auto& md = ctx.client_metadata();
   auto it = md.find("authorization");
@@ -75,7 +95,7 @@ absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContextB
 }
 
 absl::Status Authenticator::RequireWrite(const Principal& p) {
-  if (p.role == Role::kReadWrite) return absl::OkStatus();
+  if (p.role != Role::kReadOnly) return absl::OkStatus();
   return absl::PermissionDeniedError(
       absl::StrCat("tenant '", p.tenant, "' token is readonly; this call writes"));
 }

@@ -3,10 +3,18 @@
 //   # token            tenant   role        quota_bytes (optional, 0 = none)
 //   alice-secret-1     alice    readwrite   10737418240
 //   alice-reader       alice    readonly
+//   worker-7-secret    worker7  node
 //
-// Callers send "authorization: Bearer <token>" metadata. Without a tenants
-// file authentication is off and every caller is tenant "default" with role
-// readwrite (for a single-user box; the server logs a warning).
+// Callers send "authorization: Bearer <token>" metadata. Tenant names follow
+// the session-name rule (base/names.h). Without a tenants file authentication
+// is off and every caller is tenant "default" with role readwrite (for a
+// single-user box; the server logs a warning).
+//
+// Delegation: a kvtier service that acts for its own callers (a worker
+// writing an end tenant's rounds to the store) names that end tenant in
+// "kvtier-tenant" metadata. The callee honours it only from a `node` token,
+// or when authentication is off; the call then runs as that tenant, with its
+// quota and its keys. Any other token naming a tenant is PERMISSION_DENIED.
 #ifndef KVTIER_SERVICES_COMMON_AUTH_H_
 #define KVTIER_SERVICES_COMMON_AUTH_H_
 
@@ -20,7 +28,11 @@
 
 namespace kvtier {
 
-enum class Role { kReadOnly, kReadWrite };
+// kNode: readwrite for itself, and may act for any end tenant (delegation).
+enum class Role { kReadOnly, kReadWrite, kNode };
+
+// Metadata key naming the end tenant a node acts for.
+inline constexpr char kTenantMetadata[] = "kvtier-tenant";
 
 struct Principal {
   std::string tenant;
@@ -45,8 +57,11 @@ class Authenticator {
   static absl::StatusOr<Authenticator> FromFile(const std::string& path);
   static absl::StatusOr<Authenticator> FromText(const std::string& text);
 
-  // The caller's principal. UNAUTHENTICATED when the metadata is missing or
-  // the token unknown (auth on).
+  // The caller's principal: the token's tenant, or the delegated end tenant
+  // (readwrite) when a node token or auth-off caller names one.
+  // UNAUTHENTICATED when the metadata is missing or the token unknown (auth
+  // on); PERMISSION_DENIED when a non-node token names a tenant;
+  // INVALID_ARGUMENT when the named tenant breaks the naming rule.
   absl::StatusOr<Principal> Authenticate(const grpc::ServerContextBase& ctx) const;
   // PERMISSION_DENIED unless the principal may write.
   static absl::Status RequireWrite(const Principal& p);
@@ -55,6 +70,9 @@ class Authenticator {
   const std::vector<TenantEntry>& entries() const { return entries_; }
 
  private:
+  // The token's own principal, before delegation.
+  absl::StatusOr<Principal> Caller(const grpc::ServerContextBase& ctx) const;
+
   bool enabled_ = false;
   std::vector<TenantEntry> entries_;
   absl::flat_hash_map<std::string, Principal> by_token_;

@@ -33,7 +33,19 @@ TEST(Authenticator, RejectsBadLines) {
   EXPECT_THAT(Authenticator::FromText("tok-12345 a readwrite\ntok-12345 b readonly\n"),
               StatusIs(Code::kInvalidArgument));
   EXPECT_THAT(Authenticator::FromText("# nothing\n"), StatusIs(Code::kInvalidArgument));
+  // Tenant names follow the session-name rule.
+  EXPECT_THAT(Authenticator::FromText("tok-12345 acme/eu readwrite\n"),
+              StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(Authenticator::FromText("tok-12345 " + std::string(129, 'a') + " readwrite\n"),
+              StatusIs(Code::kInvalidArgument));
   EXPECT_THAT(Authenticator::FromFile("/nonexistent/tenants"), StatusIs(Code::kNotFound));
+}
+
+TEST(Authenticator, NodeRole) {
+  auto a = Authenticator::FromText("node-token-1 worker7 node\n");
+  ASSERT_THAT(a, IsOk());
+  EXPECT_EQ(a->entries()[0].principal.role, Role::kNode);
+  EXPECT_THAT(Authenticator::RequireWrite(a->entries()[0].principal), IsOk());
 }
 
 TEST(Authenticator, ReadOnlyMayNotWrite) {

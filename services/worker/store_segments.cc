@@ -6,13 +6,20 @@ namespace kvtier {
 namespace {
 
 // The worker reports a store it cannot use as UNAVAILABLE, whatever the
-// transport said, so callers can retry; the store's own message is kept. A
-// deadline that ran out stays DEADLINE_EXCEEDED: the caller's budget is
-// spent, which is not the store's fault.
+// transport said, so callers can retry; the store's own message is kept. Two
+// codes pass through, because retrying cannot help and the caller must know:
+// DEADLINE_EXCEEDED (the caller's budget is spent) and RESOURCE_EXHAUSTED
+// (the end tenant's store quota is full). PERMISSION_DENIED (the worker's
+// store token may not act for end tenants: a configuration error) too.
 absl::Status AsUnavailable(const absl::Status& s, const std::string& what) {
   if (s.ok()) return s;
-  if (s.code() == absl::StatusCode::kDeadlineExceeded) {
-    return absl::DeadlineExceededError(absl::StrCat(what, ": ", s.message()));
+  switch (s.code()) {
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kPermissionDenied:
+      return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+    default:
+      break;
   }
   return absl::UnavailableError(absl::StrCat(what, ": ", s.ToString()));
 }

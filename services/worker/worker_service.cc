@@ -5,10 +5,12 @@
 #include <chrono>
 #include <deque>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "base/names.h"
 #include "base/status_macros.h"
 #include "rpc/grpc_status.h"
 #include "services/worker/policy_proto.h"
@@ -43,25 +45,14 @@ WorkerService::WorkerService(worker::Engine* engine, const Authenticator* auth,
       io_(io),
       options_(options) {}
 
-absl::StatusOr<std::string> WorkerService::Key(const grpc::CallbackServerContext& ctx,
-                                               const std::string& session) const {
+absl::StatusOr<worker::SessionKey> WorkerService::Key(const grpc::CallbackServerContext& ctx,
+                                                      const std::string& session) const {
   KVT_ASSIGN_OR_RETURN(Principal p, auth_->Authenticate(ctx));
   KVT_RETURN_IF_ERROR(Authenticator::RequireWrite(p));
-  if (session.empty() || session.size() > 128) {
-    return absl::InvalidArgumentError("session_id must have 1 to 128 characters");
-  }
-  for (char c : session) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == ':' ||
-          c == '-')) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("session_id '", session, "' has characters outside [A-Za-z0-9._:-]"));
-    }
-  }
-  std::string key = absl::StrCat(p.tenant, ".", session);
-  if (key.size() > 128) {
-    return absl::InvalidArgumentError("tenant plus session_id exceed 128 characters");
-  }
-  return key;
+  KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
+  // Without authentication every caller is one tenant; its sessions go to
+  // the store under the worker's own store tenant.
+  return worker::SessionKey(auth_->enabled() ? p.tenant : std::string(), session);
 }
 
 CallOptions WorkerService::StoreCall(const grpc::CallbackServerContext& ctx) const {
@@ -92,7 +83,7 @@ grpc::ServerUnaryReactor* WorkerService::OpenSession(grpc::CallbackServerContext
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   io_->Schedule([this, ctx, req, resp, reactor] {
     absl::Status s = [&]() -> absl::Status {
-      KVT_ASSIGN_OR_RETURN(std::string id, Key(*ctx, req->session_id()));
+      KVT_ASSIGN_OR_RETURN(worker::SessionKey id, Key(*ctx, req->session_id()));
       if (req->resume()) {
         return absl::UnimplementedError("resume from the store is not supported yet");
       }
@@ -119,7 +110,7 @@ grpc::ServerUnaryReactor* WorkerService::EndRound(grpc::CallbackServerContext* c
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   io_->Schedule([this, ctx, req, resp, reactor] {
     absl::Status s = [&]() -> absl::Status {
-      KVT_ASSIGN_OR_RETURN(std::string id, Key(*ctx, req->session_id()));
+      KVT_ASSIGN_OR_RETURN(worker::SessionKey id, Key(*ctx, req->session_id()));
       KVT_ASSIGN_OR_RETURN(worker::EndRoundReport r, engine_->EndRound(id, StoreCall(*ctx)));
       resp->set_round(r.round);
       resp->set_stored_bytes(r.stored_bytes);
@@ -145,7 +136,7 @@ grpc::ServerUnaryReactor* WorkerService::CloseSession(grpc::CallbackServerContex
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   io_->Schedule([this, ctx, req, reactor] {
     absl::Status s = [&]() -> absl::Status {
-      KVT_ASSIGN_OR_RETURN(std::string id, Key(*ctx, req->session_id()));
+      KVT_ASSIGN_OR_RETURN(worker::SessionKey id, Key(*ctx, req->session_id()));
       return engine_->CloseSession(id, req->delete_from_store(), StoreCall(*ctx));
     }();
     UpdateWorkingSet();
@@ -221,13 +212,13 @@ class WorkerService::PrefillReactor
 
   // Adds one message's token slice to the layer being gathered.
   absl::Status Accumulate() {
-    if (id_.empty()) {
+    if (!id_.has_value()) {
       if (req_.session_id().empty()) {
         return absl::InvalidArgumentError("the first LayerRequest must name the session");
       }
       KVT_ASSIGN_OR_RETURN(id_, svc_->Key(*ctx_, req_.session_id()));
       session_ = req_.session_id();
-      KVT_ASSIGN_OR_RETURN(shape_, svc_->engine_->Shape(id_));
+      KVT_ASSIGN_OR_RETURN(shape_, svc_->engine_->Shape(*id_));
     } else if (!req_.session_id().empty() && req_.session_id() != session_) {
       return absl::InvalidArgumentError("a Prefill stream carries one session");
     }
@@ -289,7 +280,7 @@ class WorkerService::PrefillReactor
     out_.resize(static_cast<size_t>(n) * shape_.q_heads * d);
     const auto t0 = std::chrono::steady_clock::now();
     auto recall =
-        svc_->engine_->PrefillLayer(id_, layer_, n, question_, q, k, v, out_.data(), call_);
+        svc_->engine_->PrefillLayer(*id_, layer_, n, question_, q, k, v, out_.data(), call_);
     if (!recall.ok()) {
       // A failed recall rolled its step back already; any other failure
       // leaves our step in flight, which EndOfStream/Fail roll back.
@@ -329,9 +320,9 @@ class WorkerService::PrefillReactor
   }
 
   void Fail(const absl::Status& s) {
-    if (in_step_ && !id_.empty()) {
+    if (in_step_ && id_.has_value()) {
       // Deliberately ignored: NOT_FOUND when the session was closed meanwhile.
-      svc_->engine_->AbortStep(id_).IgnoreError();
+      svc_->engine_->AbortStep(*id_).IgnoreError();
     }
     svc_->UpdateWorkingSet();
     Finish(svc_->Done("Prefill", s));
@@ -341,7 +332,8 @@ class WorkerService::PrefillReactor
   grpc::CallbackServerContext* const ctx_;
   const CallOptions call_;
   v1::LayerRequest req_;
-  std::string id_, session_;
+  std::optional<worker::SessionKey> id_;
+  std::string session_;
   worker::ModelShape shape_;
   // The layer being gathered from its chunks.
   bool gathering_ = false;
@@ -395,7 +387,7 @@ class WorkerService::DecodeReactor
 
  private:
   struct Item {
-    std::string key;
+    worker::SessionKey key{""};
     worker::ModelShape shape;
   };
 
@@ -406,7 +398,7 @@ class WorkerService::DecodeReactor
       absl::MutexLock lock(&mu_);
       first_error_ = absl::OkStatus();
     }
-    std::map<std::string, std::vector<int>> groups;
+    std::map<worker::SessionKey, std::vector<int>> groups;
     std::vector<const std::vector<int>*> order;
     for (int i = 0; i < req_.items_size(); ++i) {
       const v1::DecodeItem& it = req_.items(i);
@@ -414,7 +406,7 @@ class WorkerService::DecodeReactor
       absl::Status s = [&]() -> absl::Status {
         auto known = keys_.find(it.session_id());
         if (known == keys_.end()) {
-          KVT_ASSIGN_OR_RETURN(std::string key, svc_->Key(*ctx_, it.session_id()));
+          KVT_ASSIGN_OR_RETURN(worker::SessionKey key, svc_->Key(*ctx_, it.session_id()));
           known = keys_.emplace(it.session_id(), std::move(key)).first;
         }
         item.key = known->second;
@@ -513,13 +505,13 @@ class WorkerService::DecodeReactor
   }
 
   void Fail(const absl::Status& s) {
-    std::set<std::string> abort;
+    std::set<worker::SessionKey> abort;
     {
       absl::MutexLock lock(&mu_);
       abort.swap(in_step_);
     }
     // Deliberately ignored: NOT_FOUND when a session was closed meanwhile.
-    for (const std::string& key : abort) svc_->engine_->AbortStep(key).IgnoreError();
+    for (const worker::SessionKey& key : abort) svc_->engine_->AbortStep(key).IgnoreError();
     Finish(svc_->Done("Decode", s));
   }
 
@@ -530,12 +522,12 @@ class WorkerService::DecodeReactor
   // Per item of req_: the engine key and shape (from keys_).
   std::vector<Item> items_;
   // Session id -> engine key, authenticated once per stream.
-  std::map<std::string, std::string> keys_;
+  std::map<std::string, worker::SessionKey> keys_;
   std::atomic<int> pending_{0};
   absl::Mutex mu_;
   absl::Status first_error_ ABSL_GUARDED_BY(mu_);
   // Sessions whose current step this stream has begun and not finished.
-  std::set<std::string> in_step_ ABSL_GUARDED_BY(mu_);
+  std::set<worker::SessionKey> in_step_ ABSL_GUARDED_BY(mu_);
 };
 
 grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* WorkerService::Decode(

@@ -58,7 +58,7 @@ class WorkerService final : public v1::Worker::CallbackService {
 
   // The engine's key for a caller's session: tenant-scoped. UNAUTHENTICATED,
   // PERMISSION_DENIED, INVALID_ARGUMENT for a malformed id.
-  absl::StatusOr<std::string> Key(const grpc::CallbackServerContext& ctx,
+  absl::StatusOr<worker::SessionKey> Key(const grpc::CallbackServerContext& ctx,
                                   const std::string& session) const;
   // The store calls' options for an RPC: its caller's deadline, or ours.
   CallOptions StoreCall(const grpc::CallbackServerContext& ctx) const;

@@ -8,6 +8,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "grpcpp/create_channel.h"
@@ -22,12 +23,15 @@ namespace kvtier::testing {
 // tests that drive worker::Engine directly.
 class StoreStack {
  public:
-  absl::Status Start() {
+  // `store_flags` go to kvtier-store; `token` is the SegmentStore's bearer
+  // token.
+  absl::Status Start(std::vector<std::string> store_flags = {}, std::string token = "") {
     dir_ = std::make_unique<TempDir>();
-    store_ = std::make_unique<StoreProcess>(dir_->path() + "/db");
+    store_ = std::make_unique<StoreProcess>(dir_->path() + "/db", std::move(store_flags));
     if (absl::Status s = store_->Start(); !s.ok()) return s;
     StoreClientOptions o;
     o.target = store_->target();
+    o.token = std::move(token);
     o.deadline = absl::Seconds(10);
     auto client = StoreClient::Connect(o);
     if (!client.ok()) return client.status();
@@ -44,18 +48,36 @@ class StoreStack {
   std::unique_ptr<StoreSegments> segments_;
 };
 
+struct WorkerStackOptions {
+  // The worker's deadline for store calls whose RPC came without one
+  // (WorkerServiceOptions::store_deadline).
+  absl::Duration store_deadline = absl::Seconds(10);
+  // Extra kvtier-store flags (a tenants file, limits).
+  std::vector<std::string> store_flags;
+  // The worker's tenants file (empty: auth off) and its store token.
+  std::string worker_tenants_file;
+  std::string store_token;
+};
+
 class WorkerStack {
  public:
-  // `store_deadline`: the worker's deadline for store calls whose RPC came
-  // without one (WorkerServiceOptions::store_deadline).
   absl::Status Start(absl::Duration store_deadline = absl::Seconds(10)) {
-    if (absl::Status s = stack_.Start(); !s.ok()) return s;
+    WorkerStackOptions o;
+    o.store_deadline = store_deadline;
+    return Start(std::move(o));
+  }
+  absl::Status Start(WorkerStackOptions options) {
+    if (absl::Status s = stack_.Start(options.store_flags, options.store_token); !s.ok()) {
+      return s;
+    }
     WorkerServerOptions o;
     o.listen = "127.0.0.1:0";
     o.metrics_listen = "";
+    o.tenants_file = options.worker_tenants_file;
     o.store.target = stack_.store()->target();
+    o.store.token = options.store_token;
     o.store.deadline = absl::Seconds(10);
-    o.service.store_deadline = store_deadline;
+    o.service.store_deadline = options.store_deadline;
     auto server = WorkerServer::Start(o);
     if (!server.ok()) return server.status();
     server_ = std::move(*server);

@@ -1,8 +1,8 @@
-#include "cachestore/names.h"
+#include "base/names.h"
 
 #include "absl/strings/str_cat.h"
 
-namespace kvtier::cachestore {
+namespace kvtier {
 
 absl::Status ValidateName(std::string_view what, std::string_view name) {
   if (name.empty() || name.size() > kMaxNameLength) {
@@ -21,4 +21,4 @@ absl::Status ValidateName(std::string_view what, std::string_view name) {
   return absl::OkStatus();
 }
 
-}  // namespace kvtier::cachestore
+}  // namespace kvtier
