@@ -697,7 +697,8 @@ absl::StatusOr<int> Store::ExpireSessions() {
 
 absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& tenant,
                                                             const std::string& session,
-                                                            const std::vector<SegmentId>& ids) {
+                                                            const std::vector<SegmentId>& ids,
+                                                            uint64_t max_bytes) {
   KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
   const std::string key = SessionKey(tenant, session);
   std::vector<SegmentInfo> out;
@@ -706,6 +707,7 @@ absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& t
     absl::MutexLock lock(&mu_);
     SessionEntry* s = FindSessionLocked(key);
     if (s == nullptr) return NoSession(session);
+    uint64_t total = 0;
     for (const SegmentId& id : ids) {
       auto r = s->rounds.find(id.round);
       const SegmentEntry* e = nullptr;
@@ -719,6 +721,12 @@ absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& t
         return absl::NotFoundError(absl::StrCat("session '", session, "' has no round ", id.round,
                                                 " segment ", id.segment));
       }
+      total += e->info.payload_bytes;
+    }
+    if (total > max_bytes) {
+      return absl::OutOfRangeError(absl::StrCat("the segments asked for hold ", total,
+                                                " bytes; one read may take at most ", max_bytes,
+                                                " (split the call)"));
     }
     const int64_t now = options_.clock->NowUnixMs();
     s->last_access_ms = now;

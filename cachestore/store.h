@@ -18,6 +18,7 @@
 #define KVTIER_CACHESTORE_STORE_H_
 
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -202,10 +203,12 @@ class Store {
 
   // Checks that every id exists and is readable, bumps each distinct
   // round's recall counter once, and returns their infos in order. NOT_FOUND
-  // if the session or any segment is missing; INVALID_ARGUMENT on bad names.
-  absl::StatusOr<std::vector<SegmentInfo>> PrepareRead(const std::string& tenant,
-                                                       const std::string& session,
-                                                       const std::vector<SegmentId>& ids);
+  // if the session or any segment is missing; INVALID_ARGUMENT on bad names;
+  // OUT_OF_RANGE (nothing counted) when the payloads together pass
+  // `max_bytes`.
+  absl::StatusOr<std::vector<SegmentInfo>> PrepareRead(
+      const std::string& tenant, const std::string& session, const std::vector<SegmentId>& ids,
+      uint64_t max_bytes = std::numeric_limits<uint64_t>::max());
 
   // Returns one segment's bytes from RAM or RocksDB, promoting it when hot.
   // NOT_FOUND when it is gone; DATA_LOSS when the stored bytes fail their

@@ -37,6 +37,7 @@ constexpr char kAliceToken[] = "alice-token-0001";
 constexpr char kAliceReader[] = "alice-reader-001";
 constexpr char kBobToken[] = "bob-token-000001";
 constexpr char kCarolToken[] = "carol-token-0001";  // Tiny quota.
+constexpr char kNodeToken[] = "node-token-00001";   // May act for end tenants.
 
 class StoreIntegrationTest : public ::testing::Test {
  protected:
@@ -45,7 +46,8 @@ class StoreIntegrationTest : public ::testing::Test {
                                             << kAliceToken << " alice readwrite\n"
                                             << kAliceReader << " alice readonly\n"
                                             << kBobToken << " bob readwrite\n"
-                                            << kCarolToken << " carol readwrite 100000\n";
+                                            << kCarolToken << " carol readwrite 100000\n"
+                                            << kNodeToken << " node1 node\n";
     flags.push_back("--tenants_file=" + dir_.path() + "/tenants");
     flags.push_back("--sync_writes=false");  // The crash test covers fsync.
     store_ = std::make_unique<StoreProcess>(dir_.path() + "/db", flags);
@@ -302,7 +304,8 @@ TEST_F(StoreIntegrationTest, BadInputGetsPreciseStatusAndChangesNothing) {
 }
 
 TEST_F(StoreIntegrationTest, CancelledAndCappedUploadsStoreNothing) {
-  StartStore({"--max_inflight_upload_mb=1"});
+  // Four tenants may write: each has 1 MiB of the 4 MiB in flight.
+  StartStore({"--max_inflight_upload_mb=4"});
   const std::string p = MakePayload(700'000, 1);
   // An upload that stalls after its first chunk holds 700 KB of the 1 MiB cap.
   auto c = Client(kAliceToken);
@@ -313,7 +316,9 @@ TEST_F(StoreIntegrationTest, CancelledAndCappedUploadsStoreNothing) {
   stalled->WaitForInitialMetadata();  // The store accepted the header.
   ASSERT_TRUE(stalled->Write(Chunk(p.substr(0, 100'000))));
   EXPECT_THAT(alice_->PutSegment(Args("other", 0), MakePayload(500'000, 2)),
-              StatusIs(Code::kResourceExhausted));
+              StatusIs(Code::kResourceExhausted, HasSubstr("its share")));
+  // Her share is hers alone: bob's upload of the same size goes through.
+  EXPECT_THAT(Client(kBobToken)->PutSegment(Args("other", 0), MakePayload(500'000, 2)), IsOk());
   ctx->TryCancel();
   EXPECT_EQ(stalled->Finish().error_code(), grpc::StatusCode::CANCELLED);
   // The client sees CANCELLED before the store has torn the upload down; the
@@ -324,6 +329,97 @@ TEST_F(StoreIntegrationTest, CancelledAndCappedUploadsStoreNothing) {
   }
   EXPECT_THAT(alice_->ListRounds("s"), StatusIs(Code::kNotFound));
   EXPECT_EQ(Stats().tenant_bytes(), 0u);
+}
+
+// Issue 14 #1: eight uploads that send a header and then nothing used to
+// fill the shared in-flight budget and refuse every tenant's puts. Now a
+// tenant gets only its share (RESOURCE_EXHAUSTED names it), the others put
+// at once, and idle uploads are cancelled and refunded.
+TEST_F(StoreIntegrationTest, IdleUploadsCannotStarveOtherTenants) {
+  StartStore({"--max_inflight_upload_mb=8", "--upload_idle_timeout_ms=2000"});
+  const absl::Time t0 = absl::Now();
+  auto c = Client(kAliceToken);
+  struct Stalled {
+    std::unique_ptr<grpc::ClientContext> ctx;
+    v1::PutSegmentResponse resp;
+    std::unique_ptr<grpc::ClientWriter<v1::PutSegmentRequest>> w;
+  };
+  std::vector<Stalled> stalled(8);
+  for (int i = 0; i < 8; ++i) {
+    stalled[i].ctx = c->NewContext(CallOptions::Within(absl::Seconds(30)));
+    stalled[i].w = c->stub()->PutSegment(stalled[i].ctx.get(), &stalled[i].resp);
+    ASSERT_TRUE(stalled[i].w->Write(
+        Header("idle-" + std::to_string(i), 0, MakePayload(1 << 20, i))));
+    stalled[i].w->WaitForInitialMetadata();
+  }
+  // While alice's uploads still hold her share, bob and carol put at once.
+  EXPECT_THAT(Client(kBobToken)->PutSegment(Args("b", 0), MakePayload(1 << 20, 10)), IsOk());
+  EXPECT_THAT(Client(kCarolToken)->PutSegment(Args("c", 0), MakePayload(50'000, 11)), IsOk());
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(2)) << "too slow to tell; the idle timeout passed";
+  int admitted = 0, refused = 0;
+  for (Stalled& st : stalled) {
+    const grpc::Status s = st.w->Finish();
+    if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      EXPECT_THAT(s.error_message(), HasSubstr("its share"));
+      ++refused;
+    } else {
+      // The store cancelled the idle upload, after its timeout.
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED) << s.error_message();
+      EXPECT_GE(absl::Now() - t0, absl::Milliseconds(1900));
+      ++admitted;
+    }
+  }
+  EXPECT_EQ(admitted, 2);  // 2 MiB of her 8 MiB / 4 tenants.
+  EXPECT_EQ(refused, 6);
+  // The cancelled uploads' share came back, and they stored nothing.
+  EXPECT_THAT(alice_->PutSegment(Args("after", 0), MakePayload(1 << 20, 12)), IsOk());
+  EXPECT_THAT(alice_->ListRounds("idle-0"), StatusIs(Code::kNotFound));
+}
+
+// Issue 14 #10: one GetSegments naming one segment 4,096 times used to
+// stream 4,096 copies. Duplicate refs are INVALID_ARGUMENT, and a call's
+// bytes are capped (OUT_OF_RANGE before a byte is sent), readonly or not.
+TEST_F(StoreIntegrationTest, ReadAmplificationIsRefused) {
+  StartStore({"--max_get_mb=1"});
+  ASSERT_THAT(alice_->PutSegment(Args("s", 0), MakePayload(700'000, 1)), IsOk());
+  ASSERT_THAT(alice_->PutSegment(Args("s", 1), MakePayload(700'000, 2)), IsOk());
+  auto reader = Client(kAliceReader);
+  std::vector<v1::SegmentRef> same(4096, Ref(0));
+  EXPECT_THAT(reader->GetSegments("s", same),
+              StatusIs(Code::kInvalidArgument, HasSubstr("twice")));
+  EXPECT_THAT(reader->GetSegments("s", {Ref(0), Ref(1)}),
+              StatusIs(Code::kOutOfRange, HasSubstr("split the call")));
+  EXPECT_THAT(reader->GetSegments("s", {Ref(1)}), IsOk());
+  // The refused calls counted no recall.
+  auto list = alice_->ListRounds("s");
+  ASSERT_THAT(list, IsOk());
+  EXPECT_EQ(list->rounds(0).segments(0).recall_count(), 0u);
+  EXPECT_EQ(list->rounds(1).segments(0).recall_count(), 1u);
+}
+
+// A node token may act for an end tenant (kvtier-tenant metadata): the call
+// uses that tenant's keys and quota. Any other token naming a tenant is
+// PERMISSION_DENIED.
+TEST_F(StoreIntegrationTest, OnlyNodesActForOtherTenants) {
+  StartStore();
+  const std::string p = MakePayload(3000, 1);
+  ASSERT_THAT(alice_->PutSegment(Args("conv", 0), p), IsOk());
+  CallOptions as_alice;
+  as_alice.tenant = "alice";
+  EXPECT_THAT(Client(kBobToken)->ListRounds("conv", as_alice),
+              StatusIs(Code::kPermissionDenied, HasSubstr("not a node")));
+  auto node = Client(kNodeToken);
+  EXPECT_THAT(node->ListRounds("conv"), StatusIs(Code::kNotFound));  // node1's own.
+  EXPECT_THAT(node->ListRounds("conv", as_alice), IsOk());
+  // carol's quota (100000 bytes) holds for writes a node makes for her.
+  CallOptions as_carol;
+  as_carol.tenant = "carol";
+  EXPECT_THAT(node->PutSegment(Args("c", 0), MakePayload(60'000, 2), as_carol), IsOk());
+  EXPECT_THAT(node->PutSegment(Args("c", 1), MakePayload(60'000, 3), as_carol),
+              StatusIs(Code::kResourceExhausted));
+  CallOptions bad;
+  bad.tenant = "no/slashes";
+  EXPECT_THAT(node->ListRounds("conv", bad), StatusIs(Code::kInvalidArgument));
 }
 
 TEST_F(StoreIntegrationTest, TenantsCannotSeeEachOthersSessions) {

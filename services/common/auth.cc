@@ -3,6 +3,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -42,6 +43,7 @@ absl::StatusOr<Authenticator> Authenticator::FromText(const std::string& text) {
     TenantEntry e;
     e.token = f[0];
     e.principal.tenant = f[1];
+    e.principal.caller = f[1];
     if (absl::Status s = ValidateName("tenant", f[1]); !s.ok()) return bad(s.message());
     if (f[2] == "readwrite") {
       e.principal.role = Role::kReadWrite;
@@ -74,11 +76,20 @@ absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContextB
                                                     "tenant '", tenant, "'"));
   }
   KVT_RETURN_IF_ERROR(ValidateName(kTenantMetadata, std::string_view(tenant.data(), tenant.size())));
-  return Principal{std::string(tenant), Role::kReadWrite};
+  return Principal{std::string(tenant), Role::kReadWrite, caller.caller};
+}
+
+int Authenticator::WritingTenants() const {
+  if (!enabled_) return 1;
+  absl::flat_hash_set<std::string> writers;
+  for (const TenantEntry& e : entries_) {
+    if (e.principal.role != Role::kReadOnly) writers.insert(e.principal.tenant);
+  }
+  return static_cast<int>(writers.size());
 }
 
 absl::StatusOr<Principal> Authenticator::Caller(const grpc::ServerContextBase& ctx) const {
-  if (!enabled_) return Principal{"default", Role::kReadWrite};
+  if (!enabled_) return Principal{"default", Role::kReadWrite, "default"};
   const auto& md = ctx.client_metadata();
   auto it = md.find("authorization");
   if (it == md.end()) {

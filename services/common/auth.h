@@ -35,8 +35,14 @@ enum class Role { kReadOnly, kReadWrite, kNode };
 inline constexpr char kTenantMetadata[] = "kvtier-tenant";
 
 struct Principal {
+  // Whose keys, quota and data the call uses: the token's tenant, or the end
+  // tenant a node acts for.
   std::string tenant;
   Role role = Role::kReadWrite;
+  // The tenant of the token that made the call (== tenant unless a node
+  // delegates): the one that shares of the service's own resources, such as
+  // upload buffers, are charged to.
+  std::string caller;
 };
 
 struct TenantEntry {
@@ -67,6 +73,9 @@ class Authenticator {
   static absl::Status RequireWrite(const Principal& p);
 
   bool enabled() const { return enabled_; }
+  // Distinct tenants whose tokens may write (readwrite or node); 1 when
+  // authentication is off.
+  int WritingTenants() const;
   const std::vector<TenantEntry>& entries() const { return entries_; }
 
  private:

@@ -31,6 +31,15 @@ ABSL_FLAG(uint32_t, promote_after_reads, 2,
 ABSL_FLAG(uint64_t, max_segment_mb, 256, "Largest accepted segment payload in MiB.");
 ABSL_FLAG(uint64_t, max_inflight_upload_mb, 4096,
           "Payload MiB that PutSegment uploads in flight may declare together.");
+ABSL_FLAG(uint64_t, tenant_inflight_upload_mb, 0,
+          "Each tenant's share of --max_inflight_upload_mb (charged to the calling token's "
+          "tenant); 0 = that budget divided by the tenants that may write, so no tenant's uploads "
+          "can push another's into RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int, upload_idle_timeout_ms, 10000,
+          "Cancel a PutSegment stream that sends nothing for this long and refund its share; "
+          "0 = never.");
+ABSL_FLAG(uint64_t, max_get_mb, 2048,
+          "Most payload MiB one GetSegments call may stream (OUT_OF_RANGE above).");
 ABSL_FLAG(uint32_t, default_ttl_seconds, 0,
           "TTL of sessions that set none; 0 = sessions never expire.");
 ABSL_FLAG(int, ttl_sweep_seconds, 10, "Seconds between TTL sweeps; 0 disables them.");
@@ -74,6 +83,9 @@ int main(int argc, char** argv) {
   o.store.max_segment_bytes = absl::GetFlag(FLAGS_max_segment_mb) << 20;
   o.store.default_ttl_seconds = absl::GetFlag(FLAGS_default_ttl_seconds);
   o.service.max_inflight_upload_bytes = absl::GetFlag(FLAGS_max_inflight_upload_mb) << 20;
+  o.service.tenant_inflight_upload_bytes = absl::GetFlag(FLAGS_tenant_inflight_upload_mb) << 20;
+  o.service.upload_idle_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_upload_idle_timeout_ms));
+  o.service.max_get_bytes = absl::GetFlag(FLAGS_max_get_mb) << 20;
   const std::string policy = absl::GetFlag(FLAGS_spill_policy);
   if (policy == "counter") {
     o.store.spill_policy = kvtier::cachestore::SpillPolicy::kCounter;

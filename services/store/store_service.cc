@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
+#include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/log.h"
@@ -53,7 +56,62 @@ StoreService::StoreService(cachestore::Store* store, cachestore::QuotaManager* q
       auth_(auth),
       executor_(executor),
       metrics_(metrics),
-      options_(options) {}
+      options_(options),
+      tenant_inflight_share_(options.tenant_inflight_upload_bytes != 0
+                                 ? options.tenant_inflight_upload_bytes
+                                 : options.max_inflight_upload_bytes /
+                                       std::max(1, auth->WritingTenants())) {
+  if (options_.upload_idle_timeout > absl::ZeroDuration()) {
+    watchdog_ = std::thread([this] { WatchIdleUploads(); });
+  }
+}
+
+StoreService::~StoreService() {
+  stop_.Notify();
+  if (watchdog_.joinable()) watchdog_.join();
+}
+
+absl::Status StoreService::AdmitUpload(const std::string& tenant, uint64_t bytes) {
+  absl::MutexLock lock(&upload_mu_);
+  uint64_t& mine = tenant_inflight_[tenant];
+  if (bytes > tenant_inflight_share_ || mine > tenant_inflight_share_ - bytes) {
+    const uint64_t held = mine;
+    if (mine == 0) tenant_inflight_.erase(tenant);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "tenant '", tenant, "' has uploads in flight declaring ", held, " bytes; with ", bytes,
+        " more it would pass its share of ", tenant_inflight_share_, " bytes"));
+  }
+  if (bytes > options_.max_inflight_upload_bytes ||
+      inflight_upload_bytes_ > options_.max_inflight_upload_bytes - bytes) {
+    if (mine == 0) tenant_inflight_.erase(tenant);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("uploads in flight already declare ", inflight_upload_bytes_,
+                     " bytes; the limit is ", options_.max_inflight_upload_bytes));
+  }
+  mine += bytes;
+  inflight_upload_bytes_ += bytes;
+  return absl::OkStatus();
+}
+
+void StoreService::RefundUpload(const std::string& tenant, uint64_t bytes) {
+  if (bytes == 0) return;
+  absl::MutexLock lock(&upload_mu_);
+  inflight_upload_bytes_ -= bytes;
+  auto it = tenant_inflight_.find(tenant);
+  it->second -= bytes;
+  if (it->second == 0) tenant_inflight_.erase(it);
+}
+
+uint64_t StoreService::InflightUploadBytes() const {
+  absl::MutexLock lock(&upload_mu_);
+  return inflight_upload_bytes_;
+}
+
+uint64_t StoreService::InflightUploadBytes(const std::string& tenant) const {
+  absl::MutexLock lock(&upload_mu_);
+  auto it = tenant_inflight_.find(tenant);
+  return it == tenant_inflight_.end() ? 0 : it->second;
+}
 
 // ---- PutSegment ----
 
@@ -72,10 +130,33 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
       return;
     }
     principal_ = *std::move(p);
-    StartRead(&req_);
+    svc_->Register(this);
+    Read();
+  }
+
+  // For the idle watchdog: since when the stream has waited for the
+  // client's next message, or nullopt while the store itself works (a slow
+  // fsync is not the client's idleness).
+  std::optional<absl::Time> waiting_since() const {
+    const int64_t ns = waiting_since_ns_.load(std::memory_order_relaxed);
+    if (ns == 0) return std::nullopt;
+    return absl::FromUnixNanos(ns);
+  }
+  // Called by the watchdog under upload_mu_, while registered (so before
+  // Done): cancels the call; the pending read then ends.
+  void CancelIdle() {
+    idle_cancelled_.store(true);
+    ctx_->TryCancel();
   }
 
   void OnReadDone(bool ok) override {
+    waiting_since_ns_.store(0, std::memory_order_relaxed);
+    if (!ok && idle_cancelled_.load()) {
+      Done(absl::DeadlineExceededError(absl::StrCat(
+          "upload idle for ", absl::FormatDuration(svc_->options_.upload_idle_timeout),
+          "; cancelled")));
+      return;
+    }
     if (!ok) {  // The client half-closed (or the call broke).
       if (!ticket_.valid()) {
         Done(absl::InvalidArgumentError("PutSegment stream ended without a header"));
@@ -135,7 +216,7 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
       buffer_.append(parsed.chunk());
     }
     crc_ = Crc32cExtend(crc_, buffer_.data() + at, buffer_.size() - at);
-    StartRead(&req_);
+    Read();
   }
 
   void OnDone() override { delete this; }
@@ -154,14 +235,11 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     spec.has_round_summary = h.has_round_summary();
     if (spec.has_round_summary) spec.round_summary = h.round_summary();
     spec.session_ttl_seconds = h.session_ttl_seconds();
-    const uint64_t before = svc_->inflight_upload_bytes_.fetch_add(spec.payload_bytes);
-    inflight_bytes_ = spec.payload_bytes;
-    if (before + spec.payload_bytes > svc_->options_.max_inflight_upload_bytes) {
-      Done(absl::ResourceExhaustedError(absl::StrCat("uploads in flight already declare ", before,
-                                                     " bytes; the limit is ",
-                                                     svc_->options_.max_inflight_upload_bytes)));
+    if (absl::Status s = svc_->AdmitUpload(principal_.caller, spec.payload_bytes); !s.ok()) {
+      Done(s);
       return;
     }
+    inflight_bytes_ = spec.payload_bytes;
     absl::StatusOr<cachestore::WriteTicket> t = svc_->store_->BeginWrite(spec);
     if (!t.ok()) {
       Done(t.status());
@@ -172,6 +250,11 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     // Initial metadata tells the client the header was accepted (quota and
     // room reserved) before it streams the payload.
     StartSendInitialMetadata();
+    Read();
+  }
+
+  void Read() {
+    waiting_since_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
     StartRead(&req_);
   }
 
@@ -192,7 +275,8 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     // Abort a pending write before the client hears the outcome, so that a
     // retry never meets the failed upload's reservation (ALREADY_EXISTS).
     ticket_ = cachestore::WriteTicket();
-    svc_->inflight_upload_bytes_.fetch_sub(inflight_bytes_);
+    svc_->Unregister(this);
+    svc_->RefundUpload(principal_.caller, inflight_bytes_);
     inflight_bytes_ = 0;
     std::string().swap(buffer_);
     svc_->metrics_->ObserveRequest("PutSegment", absl::Now() - start_, s.ok());
@@ -211,11 +295,36 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   Principal principal_;
   grpc::ByteBuffer req_;
   v1::PutSegmentHeader header_;
-  uint64_t inflight_bytes_ = 0;  // Counted in svc_->inflight_upload_bytes_.
+  uint64_t inflight_bytes_ = 0;  // Admitted by svc_->AdmitUpload.
+  std::atomic<int64_t> waiting_since_ns_{0};  // 0: not waiting for the client.
+  std::atomic<bool> idle_cancelled_{false};
   uint32_t crc_ = 0;             // CRC-32C of buffer_.
   cachestore::WriteTicket ticket_;
   std::string buffer_;
 };
+
+void StoreService::Register(PutReactor* r) {
+  absl::MutexLock lock(&upload_mu_);
+  uploads_.insert(r);
+}
+
+void StoreService::Unregister(PutReactor* r) {
+  absl::MutexLock lock(&upload_mu_);
+  uploads_.erase(r);
+}
+
+void StoreService::WatchIdleUploads() {
+  const absl::Duration timeout = options_.upload_idle_timeout;
+  const absl::Duration tick = std::clamp(timeout / 4, absl::Milliseconds(10), absl::Seconds(1));
+  while (!stop_.WaitForNotificationWithTimeout(tick)) {
+    const absl::Time now = absl::Now();
+    absl::MutexLock lock(&upload_mu_);
+    for (PutReactor* r : uploads_) {
+      std::optional<absl::Time> since = r->waiting_since();
+      if (since.has_value() && now - *since > timeout) r->CancelIdle();
+    }
+  }
+}
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* StoreService::PutSegment(
     grpc::CallbackServerContext* ctx, grpc::ByteBuffer* response) {
@@ -247,6 +356,14 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
                                                    request_.refs_size())));
       return;
     }
+    absl::flat_hash_set<std::pair<uint32_t, uint32_t>> seen;
+    for (const auto& r : request_.refs()) {
+      if (!seen.insert({r.round(), r.segment()}).second) {
+        Done(absl::InvalidArgumentError(absl::StrCat("GetSegments names round ", r.round(),
+                                                     " segment ", r.segment(), " twice")));
+        return;
+      }
+    }
     svc_->executor_->Schedule([this] { Prepare(); });
   }
 
@@ -266,7 +383,8 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     ids.reserve(request_.refs_size());
     for (const auto& r : request_.refs()) ids.push_back({r.round(), r.segment()});
     absl::StatusOr<std::vector<cachestore::SegmentInfo>> infos =
-        svc_->store_->PrepareRead(principal_.tenant, request_.session_id(), ids);
+        svc_->store_->PrepareRead(principal_.tenant, request_.session_id(), ids,
+                                  svc_->options_.max_get_bytes);
     if (!infos.ok()) {
       Done(infos.status());
       return;

@@ -7,7 +7,15 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <thread>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "base/executor.h"
 #include "cachestore/quota.h"
 #include "cachestore/store.h"
@@ -28,6 +36,18 @@ struct StoreServiceOptions {
   // would pass it gets RESOURCE_EXHAUSTED, so slow or idle uploads cannot pin
   // unbounded receive buffers. Default: 4 GiB.
   uint64_t max_inflight_upload_bytes = uint64_t{4} << 30;
+  // Each calling tenant's share of that budget (charged to the token's
+  // tenant, so a node's uploads for its end tenants share the node's). 0 =
+  // the budget divided by the number of tenants that may write, which
+  // partitions it: no tenant's uploads can then push another's into
+  // RESOURCE_EXHAUSTED. Default: 0.
+  uint64_t tenant_inflight_upload_bytes = 0;
+  // An upload that sends no bytes for this long (header included) is
+  // cancelled and its share refunded. Zero or less: never. Default: 10 s.
+  absl::Duration upload_idle_timeout = absl::Seconds(10);
+  // Most payload bytes one GetSegments call may stream; a call asking for
+  // more is OUT_OF_RANGE before a byte is sent. Default: 2 GiB.
+  uint64_t max_get_bytes = uint64_t{2} << 30;
 };
 
 // Thread-safe. `store`, `auth`, `executor` and `metrics` are not owned and
@@ -45,6 +65,11 @@ class StoreService final
   StoreService(cachestore::Store* store, cachestore::QuotaManager* quotas,
                const Authenticator* auth, Executor* executor, StoreMetrics* metrics,
                StoreServiceOptions options = {});
+  // Stops the idle-upload watchdog. Shut the server down first.
+  ~StoreService() override;
+  // Bytes that uploads in flight have reserved, over all tenants and for one.
+  uint64_t InflightUploadBytes() const;
+  uint64_t InflightUploadBytes(const std::string& tenant) const;
 
   grpc::ServerReadReactor<grpc::ByteBuffer>* PutSegment(grpc::CallbackServerContext* ctx,
                                                         grpc::ByteBuffer* response) override;
@@ -84,7 +109,23 @@ class StoreService final
   Executor* const executor_;
   StoreMetrics* const metrics_;
   const StoreServiceOptions options_;
-  std::atomic<uint64_t> inflight_upload_bytes_{0};
+  const uint64_t tenant_inflight_share_;  // Resolved tenant_inflight_upload_bytes.
+
+  // Admission of uploads: reserves `bytes` of the in-flight budget for
+  // `tenant`'s upload, or says whose limit it would pass.
+  absl::Status AdmitUpload(const std::string& tenant, uint64_t bytes);
+  void RefundUpload(const std::string& tenant, uint64_t bytes);
+  // Watches uploads for idleness (upload_idle_timeout).
+  void Register(PutReactor* r);
+  void Unregister(PutReactor* r);
+  void WatchIdleUploads();
+
+  mutable absl::Mutex upload_mu_;
+  uint64_t inflight_upload_bytes_ ABSL_GUARDED_BY(upload_mu_) = 0;
+  absl::flat_hash_map<std::string, uint64_t> tenant_inflight_ ABSL_GUARDED_BY(upload_mu_);
+  absl::flat_hash_set<PutReactor*> uploads_ ABSL_GUARDED_BY(upload_mu_);
+  absl::Notification stop_;
+  std::thread watchdog_;
 };
 
 // Proto <-> engine conversions, shared with tests.
