@@ -260,8 +260,7 @@ absl::StatusOr<WriteTicket> Store::BeginWrite(const WriteSpec& spec) {
       s = &sessions_[key];
       s->tenant = spec.tenant;
       s->session = spec.session;
-      s->ttl_seconds =
-          spec.session_ttl_seconds != 0 ? spec.session_ttl_seconds : options_.default_ttl_seconds;
+      s->ttl_seconds = spec.session_ttl_seconds.value_or(options_.default_ttl_seconds);
     }
     s->last_access_ms = options_.clock->NowUnixMs();
     RoundEntry& r = s->rounds[spec.id.round];
@@ -413,8 +412,8 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
       e->insert_seq = next_seq_++;
       e->last_access_seq = e->insert_seq;
       const bool fits = spec.payload_bytes <= options_.ram_budget_bytes;
-      if (s->pinned || fits) SpillForRoomLocked(spec.payload_bytes);
-      if (s->pinned || (fits && ram_bytes_ + spec.payload_bytes <= options_.ram_budget_bytes)) {
+      if (fits) SpillForRoomLocked(spec.payload_bytes);
+      if (fits && ram_bytes_ + spec.payload_bytes <= options_.ram_budget_bytes) {
         e->ram = std::make_shared<const std::string>(std::move(payload));
         e->info.state = SegmentState::kSealed;
         ram_bytes_ += spec.payload_bytes;
@@ -438,28 +437,31 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
 }
 
 void Store::SpillForRoomLocked(uint64_t bytes_needed) {
-  if (ram_bytes_ + bytes_needed <= options_.ram_budget_bytes) return;
-  std::vector<SpillCandidate> cands;
-  std::vector<SegmentEntry*> entries;
-  for (auto& [k, s] : sessions_) {
-    if (s.pinned) continue;
-    for (auto& [rn, r] : s.rounds) {
-      for (auto& [sn, e] : r.segments) {
-        if (e.info.state != SegmentState::kSealed) continue;
-        cands.push_back({e.info.payload_bytes, e.insert_seq, e.last_access_seq, r.recall_count});
-        entries.push_back(&e);
+  // Unpinned segments first; pinned ones only when those are not enough.
+  for (bool pinned : {false, true}) {
+    if (ram_bytes_ + bytes_needed <= options_.ram_budget_bytes) return;
+    std::vector<SpillCandidate> cands;
+    std::vector<SegmentEntry*> entries;
+    for (auto& [k, s] : sessions_) {
+      if (s.pinned != pinned) continue;
+      for (auto& [rn, r] : s.rounds) {
+        for (auto& [sn, e] : r.segments) {
+          if (e.info.state != SegmentState::kSealed) continue;
+          cands.push_back({e.info.payload_bytes, e.insert_seq, e.last_access_seq, r.recall_count});
+          entries.push_back(&e);
+        }
       }
     }
-  }
-  const uint64_t excess = ram_bytes_ + bytes_needed - options_.ram_budget_bytes;
-  for (size_t i : PlanSpill(cands, excess, options_.spill_policy)) {
-    SegmentEntry& e = *entries[i];
-    e.ram.reset();
-    e.info.state = SegmentState::kSpilled;
-    e.disk_reads = 0;
-    ram_bytes_ -= e.info.payload_bytes;
-    --ram_segments_;
-    ++counters_.spills;
+    const uint64_t excess = ram_bytes_ + bytes_needed - options_.ram_budget_bytes;
+    for (size_t i : PlanSpill(cands, excess, options_.spill_policy)) {
+      SegmentEntry& e = *entries[i];
+      e.ram.reset();
+      e.info.state = SegmentState::kSpilled;
+      e.disk_reads = 0;
+      ram_bytes_ -= e.info.payload_bytes;
+      --ram_segments_;
+      ++counters_.spills;
+    }
   }
 }
 
@@ -656,12 +658,9 @@ absl::Status Store::PinSession(const std::string& tenant, const std::string& ses
   uint32_t ttl;
   {
     absl::MutexLock lock(&mu_);
-    SessionEntry& s = sessions_[key];
-    if (s.tenant.empty()) {
-      s.tenant = tenant;
-      s.session = session;
-      s.ttl_seconds = options_.default_ttl_seconds;
-    }
+    SessionEntry* found = FindSessionLocked(key);
+    if (found == nullptr) return NoSession(session);
+    SessionEntry& s = *found;
     s.pinned = pinned;
     s.persisted = true;
     s.last_access_ms = options_.clock->NowUnixMs();
@@ -860,9 +859,9 @@ absl::StatusOr<ReadResult> Store::ReadSegment(const std::string& tenant, const s
       const bool hot = s->pinned || (options_.promote_after_disk_reads != 0 &&
                                      e->disk_reads >= options_.promote_after_disk_reads);
       const uint64_t n = e->info.payload_bytes;
-      if (hot && (s->pinned || n <= options_.ram_budget_bytes)) {
+      if (hot && n <= options_.ram_budget_bytes) {
         SpillForRoomLocked(n);
-        if (s->pinned || ram_bytes_ + n <= options_.ram_budget_bytes) {
+        if (ram_bytes_ + n <= options_.ram_budget_bytes) {
           e->ram = result.payload;
           e->info.state = SegmentState::kSealed;
           ram_bytes_ += n;
@@ -915,6 +914,37 @@ StoreStats Store::Stats() const {
   s.disk_budget_bytes = options_.disk_budget_bytes;
   s.sessions = sessions_.size();
   return s;
+}
+
+std::vector<Store::SessionSummary> Store::ListSessions(const std::string& tenant,
+                                                       int64_t min_idle_ms, size_t limit,
+                                                       const std::string& start_after) const {
+  std::vector<SessionSummary> out;
+  absl::MutexLock lock(&mu_);
+  const int64_t now = options_.clock->NowUnixMs();
+  for (const auto& [k, s] : sessions_) {
+    if (s.tenant != tenant || s.session <= start_after) continue;
+    if (now - s.last_access_ms < min_idle_ms) continue;
+    SessionSummary sum;
+    sum.session = s.session;
+    sum.idle_ms = now - s.last_access_ms;
+    sum.pinned = s.pinned;
+    sum.ttl_seconds = s.ttl_seconds;
+    for (const auto& [rn, r] : s.rounds) {
+      bool any = false;
+      for (const auto& [sn, e] : r.segments) {
+        if (e.info.state == SegmentState::kWriting) continue;
+        sum.bytes += e.info.payload_bytes;
+        any = true;
+      }
+      sum.rounds += any ? 1 : 0;
+    }
+    out.push_back(std::move(sum));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const SessionSummary& a, const SessionSummary& b) { return a.session < b.session; });
+  if (out.size() > limit) out.resize(limit);
+  return out;
 }
 
 uint64_t Store::TenantSessions(const std::string& tenant) const {

@@ -68,8 +68,10 @@ struct StoreOptions {
   uint64_t inline_payload_max_bytes = uint64_t{256} << 10;
   // Largest accepted segment payload. Default: 256 MiB.
   uint64_t max_segment_bytes = uint64_t{256} << 20;
-  // TTL of a session without its own; 0 = sessions never expire. Default: 0.
-  uint32_t default_ttl_seconds = 0;
+  // TTL of a session without its own (after its last access); 0 = such
+  // sessions never expire. Default: 7 days, so that sessions nobody closes
+  // (a client or worker that died) do not stay forever.
+  uint32_t default_ttl_seconds = 7 * 24 * 3600;
   // Time source. Default: the real clock. Not owned.
   Clock* clock = Clock::Real();
   // RocksDB environment (tests inject a failing one). Default: nullptr, the
@@ -117,7 +119,8 @@ struct WriteSpec {
   uint32_t payload_crc32c = 0;
   bool has_round_summary = false;
   v1::RoundSummary round_summary;
-  uint32_t session_ttl_seconds = 0;  // 0 = store default.
+  // Unset: the store's default_ttl_seconds; 0: never expires.
+  std::optional<uint32_t> session_ttl_seconds;
 };
 
 struct ReadResult {
@@ -243,9 +246,25 @@ class Store {
   // NOT_FOUND for an unknown session.
   absl::StatusOr<DropResult> DeleteSession(const std::string& tenant, const std::string& session);
 
-  // Creates the session's record if needed. INVALID_ARGUMENT on bad names,
-  // INTERNAL on RocksDB errors.
+  // Pins or unpins an existing session: a pinned one never expires and is
+  // never dropped for disk room; it still counts against quota and the RAM
+  // budget, and spills after every unpinned segment. NOT_FOUND for an
+  // unknown session; INVALID_ARGUMENT on bad names; INTERNAL on RocksDB
+  // errors.
   absl::Status PinSession(const std::string& tenant, const std::string& session, bool pinned);
+
+  struct SessionSummary {
+    std::string session;
+    int64_t idle_ms = 0;
+    uint32_t rounds = 0;
+    uint64_t bytes = 0;
+    bool pinned = false;
+    uint32_t ttl_seconds = 0;
+  };
+  // Up to `limit` of the tenant's sessions idle for at least `min_idle_ms`,
+  // ascending by name, after `start_after`.
+  std::vector<SessionSummary> ListSessions(const std::string& tenant, int64_t min_idle_ms,
+                                           size_t limit, const std::string& start_after) const;
 
   // Deletes every unpinned session idle for longer than its TTL. Returns how
   // many were deleted.

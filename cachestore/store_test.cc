@@ -290,15 +290,33 @@ TEST_F(StoreTest, SegmentLargerThanRamGoesStraightToDisk) {
   EXPECT_EQ(Get("s", 0, 0), p);
 }
 
-TEST_F(StoreTest, PinnedSessionsStayInRamAndSurvivePressure) {
+// Issue 14 #5: pinning an unknown session is NOT_FOUND (it used to create
+// an empty pinned record that never expired). Pinned bytes count against
+// the RAM budget: they spill after every unpinned segment, never past the
+// budget; they are never dropped for disk room.
+TEST_F(StoreTest, PinnedSessionsSpillLastAndSurvivePressure) {
   options_.ram_budget_bytes = 2 * 1100;
   options_.disk_budget_bytes = 4 * 1100;
   Open();
+  EXPECT_THAT(store_->PinSession("t1", "pinned", true), StatusIs(Code::kNotFound));
+  EXPECT_EQ(store_->Stats().sessions, 0u);
+  std::vector<std::string> payloads;
+  for (int i = 0; i < 3; ++i) payloads.push_back(MakePayload(1000, i));
+  ASSERT_THAT(Put("pinned", 0, 0, payloads[0]), IsOk());
   ASSERT_THAT(store_->PinSession("t1", "pinned", true), IsOk());
-  for (int i = 0; i < 3; ++i) ASSERT_THAT(Put("pinned", i, 0, MakePayload(1000, i)), IsOk());
+  ASSERT_THAT(Put("other", 0, 0, MakePayload(1000, 9)), IsOk());
+  // RAM is full: the next pinned round spills the unpinned one first.
+  ASSERT_THAT(Put("pinned", 1, 0, payloads[1]), IsOk());
   KVT_ASSERT_OK_AND_ASSIGN(SessionInfo info, store_->ListRounds("t1", "pinned"));
   for (const auto& r : info.rounds) EXPECT_EQ(r.segments[0].state, SegmentState::kSealed);
-  ASSERT_THAT(Put("other", 0, 0, MakePayload(1000, 9)), IsOk());
+  EXPECT_EQ(store_->ListRounds("t1", "other").value().rounds[0].segments[0].state,
+            SegmentState::kSpilled);
+  // Only pinned segments are left in RAM: one of them spills now.
+  ASSERT_THAT(Put("pinned", 2, 0, payloads[2]), IsOk());
+  EXPECT_LE(store_->Stats().ram_bytes, options_.ram_budget_bytes);
+  EXPECT_EQ(store_->Stats().ram_segments, 2u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(Get("pinned", i, 0), payloads[i]);
+  EXPECT_LE(store_->Stats().ram_bytes, options_.ram_budget_bytes);
   // Disk is full of pinned rounds plus one unpinned: the next write may drop
   // only "other".
   ASSERT_THAT(Put("other", 1, 0, MakePayload(1000, 10)), IsOk());
@@ -365,6 +383,11 @@ TEST_F(StoreTest, TtlExpiresIdleSessionsButNotPinnedOnes) {
   longer.session_ttl_seconds = 3600;
   KVT_ASSERT_OK_AND_ASSIGN(WriteTicket t, store_->BeginWrite(longer));
   ASSERT_THAT(store_->CommitWrite(std::move(t), MakePayload(100, 4)), IsOk());
+  // An explicit 0 means never, whatever the store's default.
+  WriteSpec forever = Spec("forever", 0, 0, MakePayload(100, 5));
+  forever.session_ttl_seconds = 0;
+  KVT_ASSERT_OK_AND_ASSIGN(WriteTicket t2, store_->BeginWrite(forever));
+  ASSERT_THAT(store_->CommitWrite(std::move(t2), MakePayload(100, 5)), IsOk());
 
   clock_.AdvanceMs(40'000);
   ASSERT_THAT(store_->ListRounds("t1", "busy"), IsOk());  // Touches it.
@@ -376,6 +399,38 @@ TEST_F(StoreTest, TtlExpiresIdleSessionsButNotPinnedOnes) {
   EXPECT_THAT(store_->ListRounds("t1", "pinned"), IsOk());
   EXPECT_THAT(store_->ListRounds("t1", "long"), IsOk());
   EXPECT_EQ(quota_manager_->Usage("t1").used_bytes, store_->Stats().disk_bytes);
+  clock_.AdvanceMs(int64_t{400} * 24 * 3600 * 1000);
+  ASSERT_THAT(store_->ExpireSessions(), IsOk());
+  EXPECT_THAT(store_->ListRounds("t1", "forever"), IsOk());
+  EXPECT_THAT(store_->ListRounds("t1", "long"), StatusIs(Code::kNotFound));
+}
+
+TEST_F(StoreTest, DefaultTtlIsAWeek) { EXPECT_EQ(StoreOptions().default_ttl_seconds, 604800u); }
+
+// What `kvtier store gc` lists: one tenant's sessions, idle ones only,
+// by name, in pages.
+TEST_F(StoreTest, ListSessionsByIdleTime) {
+  Open();
+  ASSERT_THAT(Put("b-old", 0, 0, MakePayload(100, 1)), IsOk());
+  ASSERT_THAT(Put("a-old", 0, 0, MakePayload(100, 2)), IsOk());
+  ASSERT_THAT(Put("a-old", 1, 0, MakePayload(100, 3)), IsOk());
+  clock_.AdvanceMs(3'600'000);
+  ASSERT_THAT(Put("c-new", 0, 0, MakePayload(100, 4)), IsOk());
+  WriteSpec other = Spec("a-old", 0, 0, MakePayload(100, 5));
+  other.tenant = "t2";
+  KVT_ASSERT_OK_AND_ASSIGN(WriteTicket t, store_->BeginWrite(other));
+  ASSERT_THAT(store_->CommitWrite(std::move(t), MakePayload(100, 5)), IsOk());
+
+  std::vector<Store::SessionSummary> idle = store_->ListSessions("t1", 1'800'000, 10, "");
+  ASSERT_EQ(idle.size(), 2u);
+  EXPECT_EQ(idle[0].session, "a-old");
+  EXPECT_EQ(idle[0].rounds, 2u);
+  EXPECT_GE(idle[0].idle_ms, 3'600'000);
+  EXPECT_EQ(idle[1].session, "b-old");
+  EXPECT_EQ(store_->ListSessions("t1", 0, 10, "").size(), 3u);
+  std::vector<Store::SessionSummary> page = store_->ListSessions("t1", 0, 1, "a-old");
+  ASSERT_EQ(page.size(), 1u);
+  EXPECT_EQ(page[0].session, "b-old");
 }
 
 TEST_F(StoreTest, RecoveryRebuildsIndexCountersAndQuota) {

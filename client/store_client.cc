@@ -62,7 +62,7 @@ absl::StatusOr<v1::PutSegmentResponse> StoreClient::PutSegment(const PutSegmentA
   h->set_payload_bytes(payload.size());
   h->set_payload_crc32c(Crc32c(payload));
   if (a.round_summary != nullptr) *h->mutable_round_summary() = *a.round_summary;
-  h->set_session_ttl_seconds(a.session_ttl_seconds);
+  if (a.session_ttl_seconds.has_value()) h->set_session_ttl_seconds(*a.session_ttl_seconds);
   bool ok = call.Write(wire::Serialize(req));
   // Chunks reference `payload` directly: it outlives the call, which is over
   // when Finish() returns.
@@ -176,6 +176,14 @@ absl::StatusOr<v1::ListRoundsResponse> StoreClient::ListRounds(const std::string
   req.set_session_id(session_id);
   v1::ListRoundsResponse resp;
   grpc::Status s = stub_->ListRounds(ctx.get(), req, &resp);
+  return Finish(s, std::move(resp));
+}
+
+absl::StatusOr<v1::ListSessionsResponse> StoreClient::ListSessions(
+    const v1::ListSessionsRequest& req, const CallOptions& call) {
+  auto ctx = NewContext(call);
+  v1::ListSessionsResponse resp;
+  grpc::Status s = stub_->ListSessions(ctx.get(), req, &resp);
   return Finish(s, std::move(resp));
 }
 

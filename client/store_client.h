@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -45,7 +46,8 @@ struct PutSegmentArgs {
   uint32_t layer_begin = 0;
   uint32_t layer_end = 1;
   const v1::RoundSummary* round_summary = nullptr;  // Optional; not owned.
-  uint32_t session_ttl_seconds = 0;
+  // Unset: the store's default TTL; 0: the session never expires.
+  std::optional<uint32_t> session_ttl_seconds;
 };
 
 struct FetchedSegment {
@@ -84,6 +86,8 @@ class StoreClient {
   absl::StatusOr<v1::DeleteSessionResponse> DeleteSession(const std::string& session_id,
                                                           const CallOptions& call = {});
   absl::Status PinSession(const std::string& session_id, bool pinned, const CallOptions& call = {});
+  absl::StatusOr<v1::ListSessionsResponse> ListSessions(const v1::ListSessionsRequest& req,
+                                                        const CallOptions& call = {});
   absl::StatusOr<v1::StatsResponse> Stats(const CallOptions& call = {});
 
   // For callers that drive the raw stub (tests of malformed streams): a

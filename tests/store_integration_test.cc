@@ -422,6 +422,52 @@ TEST_F(StoreIntegrationTest, OnlyNodesActForOtherTenants) {
   EXPECT_THAT(node->ListRounds("conv", bad), StatusIs(Code::kInvalidArgument));
 }
 
+// Issue 14 #9: sessions nobody closes (a killed worker's) no longer stay
+// forever: without a TTL of their own they take the store's default; an
+// explicit 0 still means never. `kvtier store gc` removes idle ones now.
+TEST_F(StoreIntegrationTest, OrphansExpireAndGcRemovesIdleSessions) {
+  StartStore({"--default_ttl_seconds=2", "--ttl_sweep_seconds=1"});
+  ASSERT_THAT(alice_->PutSegment(Args("orphan", 0), MakePayload(2000, 1)), IsOk());
+  PutSegmentArgs forever = Args("forever", 0);
+  forever.session_ttl_seconds = 0;
+  ASSERT_THAT(alice_->PutSegment(forever, MakePayload(2000, 2)), IsOk());
+  // Stats, unlike ListRounds, touches no session.
+  const absl::Time deadline = absl::Now() + absl::Seconds(15);
+  while (Stats().expired_sessions() == 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_EQ(Stats().expired_sessions(), 1u);
+  EXPECT_THAT(alice_->ListRounds("orphan"), StatusIs(Code::kNotFound));
+  EXPECT_THAT(alice_->ListRounds("forever"), IsOk());
+
+  // gc: the CLI as an operator runs it.
+  PutSegmentArgs pinned = Args("pinned", 0);
+  pinned.session_ttl_seconds = 0;
+  ASSERT_THAT(alice_->PutSegment(pinned, MakePayload(2000, 3)), IsOk());
+  ASSERT_THAT(alice_->PinSession("pinned", true), IsOk());
+  absl::SleepFor(absl::Milliseconds(1100));
+  PutSegmentArgs fresh = Args("fresh", 0);
+  fresh.session_ttl_seconds = 0;
+  ASSERT_THAT(alice_->PutSegment(fresh, MakePayload(2000, 4)), IsOk());
+  const char* b = std::getenv("KVTIER_BUILD_DIR");
+  const std::string cli = std::string(b != nullptr ? b : ".") + "/tools/kvtier store gc --target=" +
+                          store_->target() + " --token=" + kAliceToken + " --idle_for=1s";
+  const std::string out = dir_.path() + "/gc.out";
+  auto run = [&](const std::string& flags) {
+    EXPECT_EQ(std::system((cli + flags + " >" + out + " 2>&1").c_str()), 0);
+    std::ifstream in(out);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  EXPECT_THAT(run(" --dry_run"), HasSubstr("would delete 1"));
+  const std::string text = run("");
+  EXPECT_THAT(text, HasSubstr("delete forever"));
+  EXPECT_THAT(text, HasSubstr("deleted 1"));
+  EXPECT_THAT(text, HasSubstr("kept 1 pinned"));
+  EXPECT_THAT(alice_->ListRounds("forever"), StatusIs(Code::kNotFound));
+  EXPECT_THAT(alice_->ListRounds("pinned"), IsOk());
+  EXPECT_THAT(alice_->ListRounds("fresh"), IsOk());
+}
+
 TEST_F(StoreIntegrationTest, TenantsCannotSeeEachOthersSessions) {
   StartStore();
   const std::string p = MakePayload(3000, 1);
@@ -456,6 +502,10 @@ TEST_F(StoreIntegrationTest, DropRecordPinDeleteAndRestart) {
   EXPECT_EQ(counted->counted_size(), 2);
   EXPECT_EQ(counted->not_found(0), 1u);  // Dropped above.
   ASSERT_THAT(alice_->PinSession("s", true), IsOk());
+  // Issue 14 #5: pinning a session that does not exist creates nothing.
+  EXPECT_THAT(alice_->PinSession("never-written", true), StatusIs(Code::kNotFound));
+  EXPECT_THAT(alice_->ListRounds("never-written"), StatusIs(Code::kNotFound));
+  EXPECT_THAT(Client(kAliceReader)->PinSession("s", false), StatusIs(Code::kPermissionDenied));
   ASSERT_THAT(alice_->PutSegment(Args("gone", 0), MakePayload(2000, 7)), IsOk());
   ASSERT_THAT(alice_->DeleteSession("gone"), IsOk());
   EXPECT_EQ(store_->Stop(), 0);  // Clean SIGTERM shutdown.

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "absl/strings/numbers.h"
+#include "absl/time/time.h"
 #include "absl/strings/str_split.h"
 #include "client/store_client.h"
 #include "kernels/encoded_tensor.h"
@@ -35,6 +36,10 @@ constexpr char kHelp[] =
     "  drop  --session=S --rounds=R[,R...]\n"
     "  rm    --session=S\n"
     "  pin   --session=S [--unpin]\n"
+    "  sessions [--idle_for=AGE]                           the tenant's sessions, idle time, size\n"
+    "  gc    --idle_for=AGE [--dry_run] [--include_pinned]\n"
+    "        Deletes the tenant's sessions idle for at least AGE (e.g. 36h, 90m, 7d): the ones\n"
+    "        a client or a worker never closed. Pinned sessions are kept unless asked.\n"
     "  stats\n";
 
 int Fail(const absl::Status& s) {
@@ -110,6 +115,17 @@ bool ParseRange(const std::string& s, uint32_t* a, uint32_t* b) {
   return p.size() == 2 && absl::SimpleAtoi(p[0], a) && absl::SimpleAtoi(p[1], b);
 }
 
+// "36h", "90m", "45s", "7d" (days, which absl does not parse).
+bool ParseAge(const std::string& text, absl::Duration* out) {
+  if (!text.empty() && text.back() == 'd') {
+    uint64_t days;
+    if (!absl::SimpleAtoi(text.substr(0, text.size() - 1), &days) || days > 100000) return false;
+    *out = absl::Hours(24) * static_cast<int64_t>(days);
+    return true;
+  }
+  return absl::ParseDuration(text, out) && *out >= absl::ZeroDuration();
+}
+
 }  // namespace
 
 int StoreCommand(const Args& args) {
@@ -120,7 +136,8 @@ int StoreCommand(const Args& args) {
   const std::string sub = args.positional()[0];
   std::vector<std::string> unknown = args.Unknown(
       {"target", "token", "tls_ca", "session", "round", "segment", "layers", "file", "tokens",
-       "kv_heads", "head_dim", "seed", "question_tokens", "ttl", "refs", "out", "rounds", "unpin"});
+       "kv_heads", "head_dim", "seed", "question_tokens", "ttl", "refs", "out", "rounds", "unpin",
+       "idle_for", "dry_run", "include_pinned"});
   if (!unknown.empty()) return Usage("unknown flag --" + unknown[0]);
 
   StoreClientOptions o;
@@ -139,14 +156,16 @@ int StoreCommand(const Args& args) {
   if (!client_or.ok()) return Fail(client_or.status());
   StoreClient& client = **client_or;
   const std::string session = args.Get("session");
-  if (sub != "stats" && session.empty()) return Usage(sub + " needs --session");
+  if (sub != "stats" && sub != "gc" && sub != "sessions" && session.empty()) {
+    return Usage(sub + " needs --session");
+  }
 
   if (sub == "put") {
     PutSegmentArgs a;
     a.session_id = session;
     a.round = static_cast<uint32_t>(args.GetU64("round", 0));
     a.segment = static_cast<uint32_t>(args.GetU64("segment", 0));
-    a.session_ttl_seconds = static_cast<uint32_t>(args.GetU64("ttl", 0));
+    if (args.Has("ttl")) a.session_ttl_seconds = static_cast<uint32_t>(args.GetU64("ttl", 0));
     if (!ParseRange(args.Get("layers"), &a.layer_begin, &a.layer_end)) {
       return Usage("put needs --layers=BEGIN:END");
     }
@@ -267,6 +286,61 @@ int StoreCommand(const Args& args) {
     absl::Status s = client.PinSession(session, !args.Has("unpin"));
     if (!s.ok()) return Fail(s);
     std::printf("%s %s\n", session.c_str(), args.Has("unpin") ? "unpinned" : "pinned");
+    return 0;
+  }
+  if (sub == "sessions" || sub == "gc") {
+    absl::Duration idle = absl::ZeroDuration();
+    if (args.Has("idle_for") && !ParseAge(args.Get("idle_for"), &idle)) {
+      return Usage("--idle_for wants an age such as 36h, 90m or 7d");
+    }
+    if (sub == "gc" && !args.Has("idle_for")) return Usage("gc needs --idle_for");
+    const bool dry = args.Has("dry_run");
+    const bool pinned_too = args.Has("include_pinned");
+    v1::ListSessionsRequest req;
+    req.set_min_idle_seconds(static_cast<uint64_t>(absl::ToInt64Seconds(idle)));
+    uint64_t listed = 0, deleted = 0, kept = 0, freed = 0;
+    if (sub == "sessions") {
+      std::printf("%-40s %10s %7s %12s %7s %10s\n", "session", "idle", "rounds", "bytes",
+                  "pinned", "ttl");
+    }
+    do {
+      auto page = client.ListSessions(req);
+      if (!page.ok()) return Fail(page.status());
+      for (const v1::SessionSummary& s : page->sessions()) {
+        ++listed;
+        if (sub == "sessions") {
+          std::printf("%-40s %9lus %7u %12s %7s %9us\n", s.session_id().c_str(),
+                      static_cast<unsigned long>(s.idle_seconds()), s.rounds(),
+                      HumanBytes(s.bytes()).c_str(), s.pinned() ? "yes" : "no", s.ttl_seconds());
+          continue;
+        }
+        if (s.pinned() && !pinned_too) {
+          ++kept;
+          continue;
+        }
+        std::printf("%s %s  idle %lus  %u rounds  %s\n", dry ? "would delete" : "delete",
+                    s.session_id().c_str(), static_cast<unsigned long>(s.idle_seconds()),
+                    s.rounds(), HumanBytes(s.bytes()).c_str());
+        if (dry) {
+          freed += s.bytes();
+          continue;
+        }
+        auto d = client.DeleteSession(s.session_id());
+        if (!d.ok() && d.status().code() != absl::StatusCode::kNotFound) return Fail(d.status());
+        if (d.ok()) {
+          ++deleted;
+          freed += d->freed_bytes();
+        }
+      }
+      req.set_start_after(page->next_start_after());
+    } while (!req.start_after().empty());
+    if (sub == "gc") {
+      std::printf("%lu sessions idle for %s or more: %s %lu (%s), kept %lu pinned\n",
+                  static_cast<unsigned long>(listed), absl::FormatDuration(idle).c_str(),
+                  dry ? "would delete" : "deleted",
+                  static_cast<unsigned long>(dry ? listed - kept : deleted),
+                  HumanBytes(freed).c_str(), static_cast<unsigned long>(kept));
+    }
     return 0;
   }
   if (sub == "stats") {

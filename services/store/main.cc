@@ -40,8 +40,10 @@ ABSL_FLAG(int, upload_idle_timeout_ms, 10000,
           "0 = never.");
 ABSL_FLAG(uint64_t, max_get_mb, 2048,
           "Most payload MiB one GetSegments call may stream (OUT_OF_RANGE above).");
-ABSL_FLAG(uint32_t, default_ttl_seconds, 0,
-          "TTL of sessions that set none; 0 = sessions never expire.");
+ABSL_FLAG(uint32_t, default_ttl_seconds, 7 * 24 * 3600,
+          "TTL (after the last access) of sessions that set none, so that sessions nobody closes "
+          "do not stay forever; 0 = such sessions never expire. A session that sets 0 itself "
+          "never expires.");
 ABSL_FLAG(int, ttl_sweep_seconds, 10, "Seconds between TTL sweeps; 0 disables them.");
 ABSL_FLAG(std::string, tenants_file, "",
           "Bearer tokens per tenant (token tenant role [quota_bytes]); empty = auth off.");

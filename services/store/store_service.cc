@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/log.h"
+#include "base/status_macros.h"
 #include "cachestore/names.h"
 #include "kernels/crc32c.h"
 #include "rpc/grpc_status.h"
@@ -234,7 +235,7 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     spec.payload_crc32c = h.payload_crc32c();
     spec.has_round_summary = h.has_round_summary();
     if (spec.has_round_summary) spec.round_summary = h.round_summary();
-    spec.session_ttl_seconds = h.session_ttl_seconds();
+    if (h.has_session_ttl_seconds()) spec.session_ttl_seconds = h.session_ttl_seconds();
     if (absl::Status s = svc_->AdmitUpload(principal_.caller, spec.payload_bytes); !s.ok()) {
       Done(s);
       return;
@@ -546,6 +547,39 @@ grpc::ServerUnaryReactor* StoreService::PinSession(grpc::CallbackServerContext* 
                                                    v1::PinSessionResponse*) {
   return Unary(ctx, "PinSession", true, [this, req](const Principal& p) {
     return store_->PinSession(p.tenant, req->session_id(), req->pinned());
+  });
+}
+
+grpc::ServerUnaryReactor* StoreService::ListSessions(grpc::CallbackServerContext* ctx,
+                                                     const v1::ListSessionsRequest* req,
+                                                     v1::ListSessionsResponse* resp) {
+  return Unary(ctx, "ListSessions", false, [this, req, resp](const Principal& p) -> absl::Status {
+    if (req->limit() > 10000) {
+      return absl::InvalidArgumentError("ListSessions takes a limit of at most 10000");
+    }
+    if (!req->start_after().empty()) {
+      KVT_RETURN_IF_ERROR(ValidateName("start_after", req->start_after()));
+    }
+    const size_t limit = req->limit() == 0 ? 1000 : req->limit();
+    const int64_t min_idle_ms =
+        static_cast<int64_t>(std::min<uint64_t>(req->min_idle_seconds(), uint64_t{1} << 40)) *
+        1000;
+    // One more than asked, to know whether a next page exists.
+    std::vector<cachestore::Store::SessionSummary> list =
+        store_->ListSessions(p.tenant, min_idle_ms, limit + 1, req->start_after());
+    const bool more = list.size() > limit;
+    if (more) list.resize(limit);
+    for (const auto& s : list) {
+      v1::SessionSummary* out = resp->add_sessions();
+      out->set_session_id(s.session);
+      out->set_idle_seconds(static_cast<uint64_t>(s.idle_ms / 1000));
+      out->set_rounds(s.rounds);
+      out->set_bytes(s.bytes);
+      out->set_pinned(s.pinned);
+      out->set_ttl_seconds(s.ttl_seconds);
+    }
+    if (more) resp->set_next_start_after(list.back().session);
+    return absl::OkStatus();
   });
 }
 

@@ -90,6 +90,9 @@ class StoreService final
   grpc::ServerUnaryReactor* PinSession(grpc::CallbackServerContext* ctx,
                                        const v1::PinSessionRequest* request,
                                        v1::PinSessionResponse* response) override;
+  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* ctx,
+                                         const v1::ListSessionsRequest* request,
+                                         v1::ListSessionsResponse* response) override;
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* request,
                                   v1::StatsResponse* response) override;
 
