@@ -312,7 +312,18 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
   if (crc != spec.payload_crc32c) {
     return absl::DataLossError("payload crc32c does not match the header");
   }
-  KVT_RETURN_IF_ERROR(ValidatePayloadBytes(payload).status());
+  {
+    KVT_ASSIGN_OR_RETURN(std::vector<TensorParts> parts, SplitPayload(payload, true));
+    if (parts.empty()) return absl::InvalidArgumentError("segment payload holds no tensors");
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const uint32_t lb = parts[i].meta.layer_begin();
+      if (lb < spec.layer_begin || lb >= spec.layer_end) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor ", i, " starts at layer ", lb, ", outside the segment's layers [",
+                         spec.layer_begin, ", ", spec.layer_end, ")"));
+      }
+    }
+  }
 
   const std::string key = SessionKey(spec.tenant, spec.session);
   bool write_session_record = false;
@@ -583,6 +594,11 @@ absl::StatusOr<Store::DropResult> Store::DropRounds(const std::string& tenant,
                                                     const std::vector<uint32_t>& rounds) {
   absl::MutexLock order(&removal_mu_);
   KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
+  for (uint32_t r : rounds) {
+    if (r > kMaxRound) {
+      return absl::InvalidArgumentError(absl::StrCat("round ", r, " is outside [0, 2^31)"));
+    }
+  }
   DropResult result;
   Removal rm;
   {

@@ -120,7 +120,7 @@ class StoreTest : public ::testing::Test {
 
 TEST_F(StoreTest, PutThenReadIsBitExact) {
   Open();
-  std::string p0 = MakePayload(1000, 1), p1 = MakePayload(5000, 2);
+  std::string p0 = MakePayload(1000, 1), p1 = MakePayload(5000, 2, 3);
   ASSERT_THAT(Put("s", 0, 0, p0), IsOk());
   ASSERT_THAT(Put("s", 0, 1, p1), IsOk());
   EXPECT_EQ(Get("s", 0, 0), p0);
@@ -192,7 +192,7 @@ TEST_F(StoreTest, AbandonedTicketRefundsEverything) {
   options_.disk_budget_bytes = 10'000;
   Open();
   quota_manager_->SetQuota("t1", 1000);
-  std::string p = MakePayload(800, 1);
+  std::string p = MakePayload(800, 1, 3);
   {
     KVT_ASSERT_OK_AND_ASSIGN(WriteTicket t, store_->BeginWrite(Spec("s", 0, 0, p)));
     EXPECT_EQ(quota_manager_->Usage("t1").reserved_bytes, p.size());
@@ -435,7 +435,7 @@ TEST_F(StoreTest, ListSessionsByIdleTime) {
 
 TEST_F(StoreTest, RecoveryRebuildsIndexCountersAndQuota) {
   Open();
-  std::string p0 = MakePayload(700, 1), p1 = MakePayload(900, 2);
+  std::string p0 = MakePayload(700, 1), p1 = MakePayload(900, 2, 3);
   WriteSpec w = Spec("s", 0, 0, p0);
   w.has_round_summary = true;
   w.round_summary.set_token_begin(0);
@@ -444,7 +444,7 @@ TEST_F(StoreTest, RecoveryRebuildsIndexCountersAndQuota) {
   KVT_ASSERT_OK_AND_ASSIGN(WriteTicket t, store_->BeginWrite(w));
   ASSERT_THAT(store_->CommitWrite(std::move(t), p0), IsOk());
   ASSERT_THAT(Put("s", 0, 1, p1), IsOk());
-  ASSERT_THAT(Put("gone", 0, 0, p1), IsOk());
+  ASSERT_THAT(Put("gone", 0, 0, MakePayload(900, 2)), IsOk());
   ASSERT_THAT(store_->DeleteSession("t1", "gone"), IsOk());
   ASSERT_THAT(store_->PrepareRead("t1", "s", {{0, 0}, {0, 1}}), IsOk());
   ASSERT_THAT(store_->PinSession("t1", "s", true), IsOk());
@@ -521,7 +521,7 @@ int CountPayloadFiles(const std::string& db) {
 TEST_F(StoreTest, LargePayloadsLiveInFilesAndSurviveRecovery) {
   options_.inline_payload_max_bytes = 1000;
   Open();
-  std::string small = MakePayload(800, 1), big = MakePayload(50'000, 2);
+  std::string small = MakePayload(800, 1), big = MakePayload(50'000, 2, 3);
   ASSERT_THAT(Put("s", 0, 0, small), IsOk());
   ASSERT_THAT(Put("s", 0, 1, big), IsOk());
   EXPECT_EQ(CountPayloadFiles(options_.path), 1);
@@ -585,7 +585,7 @@ TEST_F(StoreTest, ConcurrentOperationsKeepTheIndexConsistent) {
   constexpr int kThreads = 6, kOps = 300, kSessions = 4, kRounds = 6;
   auto payload_for = [](int session, int round, int seg) {
     return MakePayload(2000 + 3000 * ((session + round + seg) % 5),
-                       session * 100 + round * 2 + seg);
+                       session * 100 + round * 2 + seg, seg == 0 ? 0 : 3);
   };
   std::vector<std::thread> threads;
   std::atomic<int> unexpected{0};

@@ -19,11 +19,17 @@ absl::StatusOr<int64_t> DenseTokens(const v1::DenseTensor& t, int heads, int d, 
   if (t.dtype() != v1::DTYPE_FP32 && t.dtype() != v1::DTYPE_FP16 && t.dtype() != v1::DTYPE_BF16) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": dtype must be fp32, fp16 or bf16"));
   }
-  const int64_t n = t.shape(0) * heads * d;
   const size_t es = t.dtype() == v1::DTYPE_FP32 ? 4 : 2;
-  if (t.data().size() != static_cast<size_t>(n) * es) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " holds ", t.data().size(), " bytes, expected ", n * es));
+  // Checked: a shape such as [2^60 + 1, 2, 4] must not wrap to a small size.
+  uint64_t bytes = 0;
+  if (__builtin_mul_overflow(static_cast<uint64_t>(t.shape(0)),
+                             static_cast<uint64_t>(heads) * static_cast<uint64_t>(d) * es,
+                             &bytes) ||
+      t.data().size() != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " holds ", t.data().size(),
+                                                   " bytes, not what its shape [", t.shape(0), ",",
+                                                   heads, ",", d, "] of ", es,
+                                                   "-byte elements needs"));
   }
   return t.shape(0);
 }

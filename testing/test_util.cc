@@ -22,7 +22,7 @@ void WriteFile(const std::string& path, const std::string& text) {
   }
 }
 
-std::string MakePayload(uint64_t target_bytes, uint64_t seed) {
+std::string MakePayload(uint64_t target_bytes, uint64_t seed, uint32_t layer_begin) {
   // About 24 bytes of protobuf framing around the raw buffer.
   uint64_t raw = target_bytes > 64 ? target_bytes - 48 : 16;
   uint64_t elements = raw / 2;
@@ -31,6 +31,7 @@ std::string MakePayload(uint64_t target_bytes, uint64_t seed) {
   t->set_codec(v1::CODEC_RAW);
   t->set_dtype(v1::DTYPE_FP16);
   t->add_shape(static_cast<int64_t>(elements));
+  t->set_layer_begin(layer_begin);
   v1::Buffer* b = t->add_buffers();
   b->set_kind(v1::BUFFER_RAW);
   std::string* data = b->mutable_data();

@@ -9,8 +9,10 @@
 namespace kvtier::testing {
 
 // A serialized SegmentPayload of one raw fp16 tensor whose serialized size is
-// close to `target_bytes` (at least 64). The content is a function of `seed`.
-std::string MakePayload(uint64_t target_bytes, uint64_t seed);
+// close to `target_bytes` (at least 64). The content is a function of `seed`;
+// the tensor starts at `layer_begin` (the store checks it lies within the
+// segment's layers).
+std::string MakePayload(uint64_t target_bytes, uint64_t seed, uint32_t layer_begin = 0);
 
 // A fresh directory under $TMPDIR (or /tmp), removed with its contents on
 // destruction.

@@ -163,7 +163,8 @@ TEST_F(StoreIntegrationTest, ManyConcurrentSessions) {
         std::string session = "chat-" + std::to_string(t) + "-" + std::to_string(s);
         for (int r = 0; r < kRounds; ++r) {
           for (uint32_t seg = 0; seg < 2; ++seg) {
-            std::string p = MakePayload(20'000 + 1000 * r, t * 1000 + s * 10 + r * 2 + seg);
+            std::string p =
+                MakePayload(20'000 + 1000 * r, t * 1000 + s * 10 + r * 2 + seg, seg == 0 ? 0 : 2);
             if (!c->PutSegment(Args(session, r, seg), p).ok()) ++failures;
           }
         }
@@ -175,7 +176,8 @@ TEST_F(StoreIntegrationTest, ManyConcurrentSessions) {
           continue;
         }
         for (int r = 0; r < kRounds; ++r) {
-          if ((*got)[r].payload != MakePayload(20'000 + 1000 * r, t * 1000 + s * 10 + r * 2 + 1)) {
+          if ((*got)[r].payload !=
+              MakePayload(20'000 + 1000 * r, t * 1000 + s * 10 + r * 2 + 1, 2)) {
             ++failures;
           }
         }
@@ -244,6 +246,14 @@ TEST_F(StoreIntegrationTest, BadInputGetsPreciseStatusAndChangesNothing) {
   shaped.mutable_tensors(0)->set_shape(0, shaped.tensors(0).shape(0) + 1);
   EXPECT_THAT(alice_->PutSegment(Args("s", 1), shaped.SerializeAsString()),
               StatusIs(Code::kInvalidArgument));
+  // Issue 14 #7: a tensor outside the segment's layers [0, 2) is refused.
+  v1::SegmentPayload far;
+  ASSERT_TRUE(far.ParseFromString(good));
+  far.mutable_tensors(0)->set_layer_begin(1'000'000'000);
+  EXPECT_THAT(alice_->PutSegment(Args("s", 1), far.SerializeAsString()),
+              StatusIs(Code::kInvalidArgument, HasSubstr("outside the segment's layers")));
+  // ...and so is a round outside [0, 2^31) in DropRounds.
+  EXPECT_THAT(alice_->DropRounds("s", {1u << 31}), StatusIs(Code::kInvalidArgument));
   EXPECT_THAT(alice_->GetSegments("s", {}), StatusIs(Code::kInvalidArgument));
 
   // DATA_LOSS: the header's checksum, and a tensor's own checksum.
@@ -262,6 +272,10 @@ TEST_F(StoreIntegrationTest, BadInputGetsPreciseStatusAndChangesNothing) {
   EXPECT_THAT(RawPut({Header("s", 1, good), Chunk(good), Chunk("x")}), StatusIs(Code::kOutOfRange));
   EXPECT_THAT(alice_->PutSegment(Args("s", 1), MakePayload(2 << 20, 3)),
               StatusIs(Code::kOutOfRange));
+  // A declared size of 2^64 - 1 is out of range, not merely too much now.
+  v1::PutSegmentRequest huge = Header("s", 1, good);
+  huge.mutable_header()->set_payload_bytes(~uint64_t{0});
+  EXPECT_THAT(RawPut({huge}), StatusIs(Code::kOutOfRange));
 
   // ALREADY_EXISTS.
   EXPECT_THAT(alice_->PutSegment(Args("s", 0), MakePayload(5000, 9)),

@@ -226,6 +226,10 @@ class FlakyStore : public worker::SegmentStore {
   }
   absl::Status DropRound(const std::string& session, uint32_t round,
                          const CallOptions& call) override {
+    if (fail_drops > 0) {
+      --fail_drops;
+      return absl::UnavailableError("drop refused by the test");
+    }
     return real_->DropRound(session, round, call);
   }
   absl::Status RecordRecalls(const std::string& session, const std::vector<uint32_t>& rounds,
@@ -235,6 +239,7 @@ class FlakyStore : public worker::SegmentStore {
   }
   bool fail_counters = false;
   int fail_upper_puts = 0;
+  int fail_drops = 0;
 
  private:
   worker::SegmentStore* real_;
@@ -322,10 +327,17 @@ TEST_F(WorkerEngineTest, EndRoundAfterAPartialPutReplacesTheStoredPart) {
     }
   };
   step(6);
-  // The lower segment is stored, the upper one is refused: the round stays open.
+  // The lower segment is stored, the upper one is refused: the round stays
+  // open, and the half round is dropped from the store.
   store.fail_upper_puts = 1;
   EXPECT_THAT(engine.EndRound("s").status(), StatusIs(absl::StatusCode::kUnavailable));
   KVT_ASSERT_OK_AND_ASSIGN(auto list, segments_->client()->ListRounds("s"));
+  EXPECT_EQ(list.rounds_size(), 0);
+  // Again, and this time the drop fails too: the half round stays.
+  store.fail_upper_puts = 1;
+  store.fail_drops = 1;
+  EXPECT_THAT(engine.EndRound("s").status(), StatusIs(absl::StatusCode::kUnavailable));
+  KVT_ASSERT_OK_AND_ASSIGN(list, segments_->client()->ListRounds("s"));
   ASSERT_EQ(list.rounds_size(), 1);
   EXPECT_EQ(list.rounds(0).segments_size(), 1);
   // The round grows by one token, then EndRound replaces the stale part.

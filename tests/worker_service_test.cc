@@ -794,5 +794,131 @@ TEST(WorkerTenantTest, TenantsCannotReachEachOther) {
   EXPECT_EQ(list("acmeeu-reader-1", "x", &rounds), grpc::StatusCode::NOT_FOUND);
 }
 
+// Sends `bytes` as the one request message of a unary `method`.
+grpc::Status RawUnary(const std::shared_ptr<grpc::Channel>& ch, const std::string& method,
+                      const std::string& bytes) {
+  grpc::GenericStub generic(ch);
+  grpc::ClientContext c;
+  c.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer req(&slice, 1), resp;
+  absl::Notification done;
+  grpc::Status status;
+  generic.UnaryCall(&c, method, grpc::StubOptions(), &req, &resp, [&](grpc::Status s) {
+    status = std::move(s);
+    done.Notify();
+  });
+  done.WaitForNotification();
+  return status;
+}
+
+// Sends `bytes` as one message on a bidi stream `method`, half-closes, reads
+// whatever comes, and returns the final status.
+grpc::Status RawStream(const std::shared_ptr<grpc::Channel>& ch, const std::string& method,
+                       const std::string& bytes, int* responses) {
+  grpc::GenericStub generic(ch);
+  grpc::CompletionQueue cq;
+  grpc::ClientContext c;
+  c.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  auto call = generic.PrepareCall(&c, method, &cq);
+  auto step = [&](intptr_t tag) {
+    void* got = nullptr;
+    bool ok = false;
+    EXPECT_TRUE(cq.Next(&got, &ok));
+    EXPECT_EQ(reinterpret_cast<intptr_t>(got), tag);
+    return ok;
+  };
+  call->StartCall(reinterpret_cast<void*>(1));
+  step(1);
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer out(&slice, 1);
+  call->Write(out, reinterpret_cast<void*>(2));
+  step(2);
+  call->WritesDone(reinterpret_cast<void*>(3));
+  step(3);
+  *responses = 0;
+  for (;;) {
+    grpc::ByteBuffer in;
+    call->Read(&in, reinterpret_cast<void*>(4));
+    if (!step(4)) break;
+    ++*responses;
+  }
+  grpc::Status fin;
+  call->Finish(&fin, reinterpret_cast<void*>(5));
+  step(5);
+  cq.Shutdown();
+  void* tag;
+  bool ok;
+  while (cq.Next(&tag, &ok)) {
+  }
+  return fin;
+}
+
+// Issue 14 #7: garbage frames, wrapping shapes and out-of-range policy
+// fields used to end with OK and no response (streams), INTERNAL with no
+// details (unary calls), UNKNOWN, or be accepted. Each is now
+// INVALID_ARGUMENT with a reason, and the session is unharmed.
+TEST_F(WorkerServiceTest, MalformedInputIsInvalidArgument) {
+  const std::string garbage("\xff\xff\xff\xff\x0f\x01\x02", 7);
+  for (const char* m : {"/kvtier.v1.Worker/OpenSession", "/kvtier.v1.Worker/EndRound",
+                        "/kvtier.v1.Worker/CloseSession"}) {
+    const grpc::Status st = RawUnary(stack_.channel(), m, garbage);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << m;
+    EXPECT_FALSE(st.error_message().empty()) << m;
+  }
+  for (const char* m : {"/kvtier.v1.Worker/Prefill", "/kvtier.v1.Worker/Decode"}) {
+    int responses = -1;
+    const grpc::Status st = RawStream(stack_.channel(), m, garbage, &responses);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << m << ": " << st.error_message();
+    EXPECT_EQ(responses, 0);
+  }
+  auto open_status = [&](const v1::OpenSessionRequest& r) {
+    grpc::ClientContext c;
+    v1::OpenSessionResponse resp;
+    return stub_->OpenSession(&c, r, &resp);
+  };
+  v1::OpenSessionRequest bogus = Open("p");
+  bogus.mutable_policy()->set_eviction("bogus");
+  bogus.mutable_policy()->set_budget_tokens(64);
+  EXPECT_EQ(open_status(bogus).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  v1::OpenSessionRequest far = Open("p");
+  far.mutable_policy()->set_watershed_layer(0xffffffffu);
+  const grpc::Status fs = open_status(far);
+  EXPECT_EQ(fs.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << fs.error_message();
+  far.mutable_policy()->set_watershed_layer(kLayers);  // Past the model's last layer.
+  EXPECT_EQ(open_status(far).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  // A q shape whose element count wraps 64 bits: [2^60 + 1, 2, 4] times 4 bytes.
+  ASSERT_TRUE(open_status(Open("p")).ok());
+  {
+    grpc::ClientContext c;
+    auto s = stub_->Prefill(&c);
+    v1::LayerRequest req;
+    req.set_session_id("p");
+    req.set_layer(0);
+    const std::vector<float> kv(2 * kKvHeads * kDim, 0.1f);
+    v1::DenseTensor* q = req.mutable_q();
+    q->set_dtype(v1::DTYPE_FP32);
+    q->add_shape((int64_t{1} << 60) + 1);
+    q->add_shape(kQHeads);
+    q->add_shape(kDim);
+    q->set_data(std::string(kQHeads * kDim * 4, '\0'));
+    *req.mutable_k() = Dense(kv, 2, kKvHeads);
+    *req.mutable_v() = Dense(kv, 2, kKvHeads);
+    s->Write(req);
+    s->WritesDone();
+    v1::LayerResponse resp;
+    while (s->Read(&resp)) {
+    }
+    const grpc::Status st = s->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  }
+  // Nothing above harmed the session: a whole step and a round go through.
+  std::mt19937 rng(3);
+  ASSERT_TRUE(PrefillStep(stub_.get(), "p", 3, &rng).ok());
+  v1::EndRoundResponse end;
+  ASSERT_TRUE(EndRound(stub_.get(), "p", &end).ok());
+}
+
 }  // namespace
 }  // namespace kvtier

@@ -104,6 +104,9 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
                                                           shape, kp, options_.level));
         KVT_ASSIGN_OR_RETURN(v1::EncodedTensor ev, Encode(s->policy.codec, v1::TENSOR_ROLE_VALUE,
                                                           shape, vp, options_.level));
+        // Self-locating, as the format wants (the store checks it).
+        ek.set_layer_begin(static_cast<uint32_t>(l));
+        ev.set_layer_begin(static_cast<uint32_t>(l));
         enc[l].push_back(std::move(ek));
         enc[l].push_back(std::move(ev));
       }

@@ -236,6 +236,14 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     spec.has_round_summary = h.has_round_summary();
     if (spec.has_round_summary) spec.round_summary = h.round_summary();
     if (h.has_session_ttl_seconds()) spec.session_ttl_seconds = h.session_ttl_seconds();
+    // The size's range first: a header declaring 2^64 - 1 bytes is out of
+    // range, not a request that merely does not fit right now.
+    const uint64_t max_segment = svc_->store_->options().max_segment_bytes;
+    if (spec.payload_bytes == 0 || spec.payload_bytes > max_segment) {
+      Done(absl::OutOfRangeError(absl::StrCat("payload_bytes ", spec.payload_bytes,
+                                              " outside [1, ", max_segment, "]")));
+      return;
+    }
     if (absl::Status s = svc_->AdmitUpload(principal_.caller, spec.payload_bytes); !s.ok()) {
       Done(s);
       return;

@@ -97,7 +97,12 @@ absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p, v1::D
   KVT_ASSIGN_OR_RETURN(s.codec, CodecFromProto(p, model_dtype));
   KVT_RETURN_IF_ERROR(ValidateCodecConfig(s.codec));
   KVT_ASSIGN_OR_RETURN(s.eviction, EvictionFromProto(p));
-  // 0 is proto3's unset: the engine's default, L / 3.
+  // 0 is proto3's unset: the engine's default, L / 3. The engine checks the
+  // layer against the model; here only that it fits an int.
+  if (p.watershed_layer() > uint32_t{1024}) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "watershed_layer ", p.watershed_layer(), " is beyond any model (at most 1024 layers)"));
+  }
   s.watershed_layer = p.watershed_layer() == 0 ? -1 : static_cast<int>(p.watershed_layer());
   if (!p.recall().empty()) {
     KVT_ASSIGN_OR_RETURN(s.recall, ParseRecall(p.recall()));

@@ -13,6 +13,7 @@
 #include "base/names.h"
 #include "base/status_macros.h"
 #include "rpc/grpc_status.h"
+#include "rpc/wire_format.h"
 #include "services/worker/policy_proto.h"
 
 namespace kvtier {
@@ -77,72 +78,83 @@ grpc::Status WorkerService::Done(const char* method, const absl::Status& s) {
 
 // ---- Unary calls: each runs on the io executor and finishes from there. ----
 
+template <typename Req, typename Resp>
+grpc::ServerUnaryReactor* WorkerService::Unary(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw, grpc::ByteBuffer* out,
+    const char* method,
+    absl::Status (WorkerService::*work)(grpc::CallbackServerContext&, const Req&, Resp*)) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  io_->Schedule([this, ctx, raw, out, method, work, reactor] {
+    Req req;
+    Resp resp;
+    // Parsed here, not by gRPC, so that garbage is INVALID_ARGUMENT with a
+    // reason rather than INTERNAL without one.
+    absl::Status s = wire::Parse(*raw, &req);
+    if (s.ok()) s = (this->*work)(*ctx, req, &resp);
+    if (s.ok()) *out = wire::Serialize(resp);
+    UpdateWorkingSet();
+    reactor->Finish(Done(method, s));
+  });
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* WorkerService::OpenSession(grpc::CallbackServerContext* ctx,
-                                                     const v1::OpenSessionRequest* req,
-                                                     v1::OpenSessionResponse* resp) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  io_->Schedule([this, ctx, req, resp, reactor] {
-    absl::Status s = [&]() -> absl::Status {
-      KVT_ASSIGN_OR_RETURN(worker::SessionKey id, Key(*ctx, req->session_id()));
-      if (req->resume()) {
-        return absl::UnimplementedError("resume from the store is not supported yet");
-      }
-      KVT_ASSIGN_OR_RETURN(worker::ModelShape shape, ShapeFromProto(req->model()));
-      KVT_ASSIGN_OR_RETURN(worker::SessionPolicy policy,
-                           PolicyFromProto(req->policy(), req->model().dtype()));
-      KVT_RETURN_IF_ERROR(engine_->OpenSession(id, shape, policy));
-      KVT_ASSIGN_OR_RETURN(worker::SessionPolicy eff, engine_->Policy(id));
-      *resp->mutable_effective_policy() = EffectivePolicy(req->policy(), eff);
-      KVT_ASSIGN_OR_RETURN(worker::SessionStats st, engine_->Stats(id));
-      resp->set_on_device(st.on_device);
-      resp->set_next_round(0);
-      return absl::OkStatus();
-    }();
-    UpdateWorkingSet();
-    reactor->Finish(Done("OpenSession", s));
-  });
-  return reactor;
+                                                     const grpc::ByteBuffer* req,
+                                                     grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, "OpenSession", &WorkerService::DoOpenSession);
 }
-
 grpc::ServerUnaryReactor* WorkerService::EndRound(grpc::CallbackServerContext* ctx,
-                                                  const v1::EndRoundRequest* req,
-                                                  v1::EndRoundResponse* resp) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  io_->Schedule([this, ctx, req, resp, reactor] {
-    absl::Status s = [&]() -> absl::Status {
-      KVT_ASSIGN_OR_RETURN(worker::SessionKey id, Key(*ctx, req->session_id()));
-      KVT_ASSIGN_OR_RETURN(worker::EndRoundReport r, engine_->EndRound(id, StoreCall(*ctx)));
-      resp->set_round(r.round);
-      resp->set_stored_bytes(r.stored_bytes);
-      resp->set_working_set_bytes(r.working_set_bytes);
-      resp->set_round_working_set_bytes(r.round_working_set_bytes);
-      resp->set_full_cache_bytes(r.full_cache_bytes);
-      for (uint32_t x : r.recalls_recorded) resp->add_recalls_counted(x);
-      resp->set_compression_ratio(r.stored_bytes > 0 ? static_cast<float>(r.full_bytes) /
-                                                           static_cast<float>(r.stored_bytes)
-                                                     : 0.0f);
-      metrics_->Stored(r.stored_bytes);
-      return absl::OkStatus();
-    }();
-    UpdateWorkingSet();
-    reactor->Finish(Done("EndRound", s));
-  });
-  return reactor;
+                                                  const grpc::ByteBuffer* req,
+                                                  grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, "EndRound", &WorkerService::DoEndRound);
+}
+grpc::ServerUnaryReactor* WorkerService::CloseSession(grpc::CallbackServerContext* ctx,
+                                                      const grpc::ByteBuffer* req,
+                                                      grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, "CloseSession", &WorkerService::DoCloseSession);
 }
 
-grpc::ServerUnaryReactor* WorkerService::CloseSession(grpc::CallbackServerContext* ctx,
-                                                      const v1::CloseSessionRequest* req,
-                                                      v1::CloseSessionResponse*) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  io_->Schedule([this, ctx, req, reactor] {
-    absl::Status s = [&]() -> absl::Status {
-      KVT_ASSIGN_OR_RETURN(worker::SessionKey id, Key(*ctx, req->session_id()));
-      return engine_->CloseSession(id, req->delete_from_store(), StoreCall(*ctx));
-    }();
-    UpdateWorkingSet();
-    reactor->Finish(Done("CloseSession", s));
-  });
-  return reactor;
+absl::Status WorkerService::DoOpenSession(grpc::CallbackServerContext& ctx,
+                                          const v1::OpenSessionRequest& req,
+                                          v1::OpenSessionResponse* resp) {
+  KVT_ASSIGN_OR_RETURN(worker::SessionKey id, Key(ctx, req.session_id()));
+  if (req.resume()) {
+    return absl::UnimplementedError("resume from the store is not supported yet");
+  }
+  KVT_ASSIGN_OR_RETURN(worker::ModelShape shape, ShapeFromProto(req.model()));
+  KVT_ASSIGN_OR_RETURN(worker::SessionPolicy policy,
+                       PolicyFromProto(req.policy(), req.model().dtype()));
+  KVT_RETURN_IF_ERROR(engine_->OpenSession(id, shape, policy));
+  KVT_ASSIGN_OR_RETURN(worker::SessionPolicy eff, engine_->Policy(id));
+  *resp->mutable_effective_policy() = EffectivePolicy(req.policy(), eff);
+  KVT_ASSIGN_OR_RETURN(worker::SessionStats st, engine_->Stats(id));
+  resp->set_on_device(st.on_device);
+  resp->set_next_round(0);
+  return absl::OkStatus();
+}
+
+absl::Status WorkerService::DoEndRound(grpc::CallbackServerContext& ctx,
+                                       const v1::EndRoundRequest& req, v1::EndRoundResponse* resp) {
+  KVT_ASSIGN_OR_RETURN(worker::SessionKey id, Key(ctx, req.session_id()));
+  KVT_ASSIGN_OR_RETURN(worker::EndRoundReport r, engine_->EndRound(id, StoreCall(ctx)));
+  resp->set_round(r.round);
+  resp->set_stored_bytes(r.stored_bytes);
+  resp->set_working_set_bytes(r.working_set_bytes);
+  resp->set_round_working_set_bytes(r.round_working_set_bytes);
+  resp->set_full_cache_bytes(r.full_cache_bytes);
+  for (uint32_t x : r.recalls_recorded) resp->add_recalls_counted(x);
+  resp->set_compression_ratio(r.stored_bytes > 0 ? static_cast<float>(r.full_bytes) /
+                                                       static_cast<float>(r.stored_bytes)
+                                                 : 0.0f);
+  metrics_->Stored(r.stored_bytes);
+  return absl::OkStatus();
+}
+
+absl::Status WorkerService::DoCloseSession(grpc::CallbackServerContext& ctx,
+                                           const v1::CloseSessionRequest& req,
+                                           v1::CloseSessionResponse*) {
+  KVT_ASSIGN_OR_RETURN(worker::SessionKey id, Key(ctx, req.session_id()));
+  return engine_->CloseSession(id, req.delete_from_store(), StoreCall(ctx));
 }
 
 grpc::ServerReadReactor<v1::TransferChunk>* WorkerService::TransferSession(
@@ -165,11 +177,11 @@ grpc::ServerReadReactor<v1::TransferChunk>* WorkerService::TransferSession(
 // Exactly one Finish() on every path, from the executor; nothing touches
 // `this` after it.
 class WorkerService::PrefillReactor
-    : public grpc::ServerBidiReactor<v1::LayerRequest, v1::LayerResponse> {
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   PrefillReactor(WorkerService* svc, grpc::CallbackServerContext* ctx)
       : svc_(svc), ctx_(ctx), call_(svc->StoreCall(*ctx)) {
-    StartRead(&req_);
+    StartRead(&in_);
   }
 
   void OnReadDone(bool ok) override {
@@ -189,7 +201,7 @@ class WorkerService::PrefillReactor
     if (!out_msgs_.empty()) {
       StartWrite(&out_msgs_.front());
     } else {
-      StartRead(&req_);
+      StartRead(&in_);
     }
   }
 
@@ -197,13 +209,16 @@ class WorkerService::PrefillReactor
 
  private:
   void OnMessage() {
-    absl::Status s = Accumulate();
+    // Parsed here, not by gRPC, so that garbage is INVALID_ARGUMENT rather
+    // than a read that just ends.
+    absl::Status s = wire::Parse(in_, &req_);
+    if (s.ok()) s = Accumulate();
     if (!s.ok()) {
       Fail(s);
       return;
     }
     if (req_.more_chunks()) {
-      StartRead(&req_);
+      StartRead(&in_);
       return;
     }
     s = RunLayer();
@@ -292,16 +307,18 @@ class WorkerService::PrefillReactor
     const size_t row = static_cast<size_t>(shape_.q_heads) * d * DtypeBytes(dtype_);
     const int64_t per = std::max<int64_t>(
         1, static_cast<int64_t>(svc_->options_.max_response_bytes / std::max<size_t>(row, 1)));
+    v1::LayerResponse r;
     for (int64_t t = 0; t < n; t += per) {
-      v1::LayerResponse& r = out_msgs_.emplace_back();
+      r.Clear();
       r.set_layer(static_cast<uint32_t>(layer_));
       WriteDense(out_.data(), t, std::min(per, n - t), shape_.q_heads, d, dtype_, r.mutable_o());
       r.set_more_chunks(t + per < n);
-    }
-    if (recall->has_value()) {
-      const worker::RecallReport& rr = **recall;
-      FillRecall(rr, out_msgs_.back().mutable_recall());
-      svc_->metrics_->Recall(rr, rr.fetched_segments > 0 && rr.bytes_fetched > 0);
+      if (!r.more_chunks() && recall->has_value()) {
+        const worker::RecallReport& rr = **recall;
+        FillRecall(rr, r.mutable_recall());
+        svc_->metrics_->Recall(rr, rr.fetched_segments > 0 && rr.bytes_fetched > 0);
+      }
+      out_msgs_.push_back(wire::Serialize(r));
     }
     StartWrite(&out_msgs_.front());
     return absl::OkStatus();
@@ -331,6 +348,7 @@ class WorkerService::PrefillReactor
   WorkerService* const svc_;
   grpc::CallbackServerContext* const ctx_;
   const CallOptions call_;
+  grpc::ByteBuffer in_;
   v1::LayerRequest req_;
   std::optional<worker::SessionKey> id_;
   std::string session_;
@@ -346,10 +364,10 @@ class WorkerService::PrefillReactor
   int64_t direct_tokens_ = 0;
   // This stream has layers of an unfinished step in the engine.
   bool in_step_ = false;
-  std::deque<v1::LayerResponse> out_msgs_;
+  std::deque<grpc::ByteBuffer> out_msgs_;
 };
 
-grpc::ServerBidiReactor<v1::LayerRequest, v1::LayerResponse>* WorkerService::Prefill(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* WorkerService::Prefill(
     grpc::CallbackServerContext* ctx) {
   return new PrefillReactor(this, ctx);
 }
@@ -361,10 +379,10 @@ grpc::ServerBidiReactor<v1::LayerRequest, v1::LayerResponse>* WorkerService::Pre
 // the request, the others as tasks), items of a group in their order, and
 // the last group to finish writes the response. Nothing waits for anything.
 class WorkerService::DecodeReactor
-    : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse> {
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   DecodeReactor(WorkerService* svc, grpc::CallbackServerContext* ctx) : svc_(svc), ctx_(ctx) {
-    StartRead(&req_);
+    StartRead(&in_);
   }
 
   void OnReadDone(bool ok) override {
@@ -380,7 +398,7 @@ class WorkerService::DecodeReactor
       svc_->compute_->Schedule([this] { Fail(absl::CancelledError("the client went away")); });
       return;
     }
-    StartRead(&req_);
+    StartRead(&in_);
   }
 
   void OnDone() override { delete this; }
@@ -392,6 +410,10 @@ class WorkerService::DecodeReactor
   };
 
   void OnRequest() {
+    if (absl::Status s = wire::Parse(in_, &req_); !s.ok()) {
+      Fail(s);
+      return;
+    }
     resp_.Clear();
     items_.clear();
     {
@@ -425,7 +447,7 @@ class WorkerService::DecodeReactor
       resp_.add_o();
     }
     if (order.empty()) {
-      StartWrite(&resp_);
+      Respond();
       return;
     }
     pending_.store(static_cast<int>(order.size()));
@@ -490,7 +512,12 @@ class WorkerService::DecodeReactor
       Fail(s);
       return;
     }
-    StartWrite(&resp_);
+    Respond();
+  }
+
+  void Respond() {
+    out_ = wire::Serialize(resp_);
+    StartWrite(&out_);
   }
 
   void EndOfStream() {
@@ -517,6 +544,7 @@ class WorkerService::DecodeReactor
 
   WorkerService* const svc_;
   grpc::CallbackServerContext* const ctx_;
+  grpc::ByteBuffer in_, out_;
   v1::DecodeRequest req_;
   v1::DecodeResponse resp_;
   // Per item of req_: the engine key and shape (from keys_).
@@ -530,7 +558,7 @@ class WorkerService::DecodeReactor
   std::set<worker::SessionKey> in_step_ ABSL_GUARDED_BY(mu_);
 };
 
-grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* WorkerService::Decode(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* WorkerService::Decode(
     grpc::CallbackServerContext* ctx) {
   return new DecodeReactor(this, ctx);
 }

@@ -31,30 +31,53 @@ struct WorkerServiceOptions {
 
 // Thread-safe; the pointers are not owned and must outlive the service (and
 // the server it is registered with).
-class WorkerService final : public v1::Worker::CallbackService {
+//
+// Every method but TransferSession is "raw": the service parses its requests
+// itself (rpc/wire_format.h), so a message that does not parse is
+// INVALID_ARGUMENT with a reason, on streams too, instead of gRPC's bare
+// INTERNAL or a stream that just ends. The wire format is the proto's.
+class WorkerService final
+    : public v1::Worker::WithRawCallbackMethod_OpenSession<
+          v1::Worker::WithRawCallbackMethod_Prefill<v1::Worker::WithRawCallbackMethod_Decode<
+              v1::Worker::WithRawCallbackMethod_EndRound<
+                  v1::Worker::WithRawCallbackMethod_CloseSession<
+                      v1::Worker::WithCallbackMethod_TransferSession<v1::Worker::Service>>>>>> {
  public:
   WorkerService(worker::Engine* engine, const Authenticator* auth, WorkerMetrics* metrics,
                 Executor* compute, Executor* io, WorkerServiceOptions options = {});
 
   grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* ctx,
-                                        const v1::OpenSessionRequest* req,
-                                        v1::OpenSessionResponse* resp) override;
-  grpc::ServerBidiReactor<v1::LayerRequest, v1::LayerResponse>* Prefill(
+                                        const grpc::ByteBuffer* req,
+                                        grpc::ByteBuffer* resp) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Prefill(
       grpc::CallbackServerContext* ctx) override;
-  grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* Decode(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Decode(
       grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* EndRound(grpc::CallbackServerContext* ctx,
-                                     const v1::EndRoundRequest* req,
-                                     v1::EndRoundResponse* resp) override;
+                                     const grpc::ByteBuffer* req, grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
-                                         const v1::CloseSessionRequest* req,
-                                         v1::CloseSessionResponse* resp) override;
+                                         const grpc::ByteBuffer* req,
+                                         grpc::ByteBuffer* resp) override;
   grpc::ServerReadReactor<v1::TransferChunk>* TransferSession(
       grpc::CallbackServerContext* ctx, v1::TransferSessionResponse* resp) override;
 
  private:
   class PrefillReactor;
   class DecodeReactor;
+
+  // A unary call on the io executor: parses `raw`, runs `work`, serializes
+  // its response into `out`, and finishes.
+  template <typename Req, typename Resp>
+  grpc::ServerUnaryReactor* Unary(
+      grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw, grpc::ByteBuffer* out,
+      const char* method,
+      absl::Status (WorkerService::*work)(grpc::CallbackServerContext&, const Req&, Resp*));
+  absl::Status DoOpenSession(grpc::CallbackServerContext& ctx, const v1::OpenSessionRequest& req,
+                             v1::OpenSessionResponse* resp);
+  absl::Status DoEndRound(grpc::CallbackServerContext& ctx, const v1::EndRoundRequest& req,
+                          v1::EndRoundResponse* resp);
+  absl::Status DoCloseSession(grpc::CallbackServerContext& ctx,
+                              const v1::CloseSessionRequest& req, v1::CloseSessionResponse* resp);
 
   // The engine's key for a caller's session: tenant-scoped. UNAUTHENTICATED,
   // PERMISSION_DENIED, INVALID_ARGUMENT for a malformed id.
