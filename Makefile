@@ -1,7 +1,7 @@
 # Two commands for a newcomer: `make demo` and `make test`. Both go through
 # scripts/kvtier.sh, which installs missing Debian packages, configures and
 # builds first.
-.PHONY: demo demo-store test build deps bench asan clean
+.PHONY: demo demo-store test build deps bench asan fuzz clean
 
 demo:
 	scripts/kvtier.sh demo
@@ -27,5 +27,10 @@ bench: build
 asan:
 	BUILD_DIR=build-asan KVTIER_SANITIZE=address KVTIER_CUDA=OFF scripts/kvtier.sh test
 
+# libFuzzer over every fuzz target (fuzz/), FUZZ_SECONDS each (default 60),
+# clang + ASan + UBSan, in build-fuzz/.
+fuzz:
+	scripts/fuzz.sh
+
 clean:
-	rm -rf build build-asan
+	rm -rf build build-asan build-fuzz
