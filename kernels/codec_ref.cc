@@ -2,6 +2,8 @@
 // define what the vectorized and CUDA levels must reproduce.
 #include <algorithm>
 #include <cmath>
+#include <cpuid.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -96,13 +98,20 @@ void DequantRowsRef(const QuantShape& q, const uint8_t* codes, const uint16_t* s
   }
 }
 
+// CPUID leaf 1, ECX bit 29. Asked directly: clang's __builtin_cpu_supports
+// does not know "f16c".
+bool HasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1u << 29)) != 0;
+}
+
 bool SimdAvailable() {
   static const bool available = [] {
     const char* env = std::getenv("KVTIER_SIMD");
     if (env != nullptr && std::string(env) == "off") return false;
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+           HasF16c() && __builtin_cpu_supports("bmi2");
   }();
   return available;
 }

@@ -552,5 +552,42 @@ TEST_F(WorkerEngineTest, SessionCapAndWorkingSetBudget) {
   EXPECT_EQ(engine.TotalWorkingSetBytes(), 0u);
 }
 
+// Issue 14 #2, per tenant: the tenants file's max_sessions and
+// max_working_set_mb bound one tenant without touching another.
+TEST_F(WorkerEngineTest, PerTenantLimits) {
+  worker::EngineOptions o{KernelLevel::kReference};
+  // acme: 2 sessions, room for 10 tokens of kShape.
+  o.tenant_limits["acme"] = {2, 10 * 4 * 2 * 16 * 2 * 2};
+  Engine engine(segments_, o);
+  const worker::SessionKey a1("acme", "1"), a2("acme", "2"), a3("acme", "3"), b1("bob", "1");
+  KVT_ASSERT_OK(engine.OpenSession(a1, kShape, {}));
+  KVT_ASSERT_OK(engine.OpenSession(a2, kShape, {}));
+  EXPECT_THAT(engine.OpenSession(a3, kShape, {}),
+              StatusIs(absl::StatusCode::kResourceExhausted, ::testing::HasSubstr("tenant 'acme'")));
+  KVT_ASSERT_OK(engine.OpenSession(b1, kShape, {}));
+  std::mt19937 rng(9);
+  const int d = kShape.head_dim;
+  auto prefill = [&](const worker::SessionKey& id, int64_t n) -> absl::Status {
+    for (int l = 0; l < kShape.layers; ++l) {
+      const auto q = Random(n * kShape.q_heads * d, &rng),
+                 k = Random(n * kShape.kv_heads * d, &rng),
+                 v = Random(n * kShape.kv_heads * d, &rng);
+      std::vector<float> out(q.size());
+      auto r = engine.PrefillLayer(id, l, n, 0, q.data(), k.data(), v.data(), out.data());
+      if (!r.ok()) return r.status();
+    }
+    return absl::OkStatus();
+  };
+  KVT_ASSERT_OK(prefill(a1, 8));
+  EXPECT_THAT(prefill(a2, 4),
+              StatusIs(absl::StatusCode::kResourceExhausted, ::testing::HasSubstr("max_working_set_mb")));
+  KVT_ASSERT_OK(prefill(b1, 64));  // bob has no limit.
+  KVT_ASSERT_OK(prefill(a2, 2));   // What acme has left.
+  // Closing gives the session and its bytes back to the tenant.
+  KVT_ASSERT_OK(engine.CloseSession(a1, false));
+  KVT_ASSERT_OK(engine.OpenSession(a3, kShape, {}));
+  KVT_ASSERT_OK(prefill(a3, 8));
+}
+
 }  // namespace
 }  // namespace kvtier

@@ -100,6 +100,19 @@ absl::Status Engine::OpenSession(const SessionKey& id, const ModelShape& shape,
         absl::StrCat("the worker holds its maximum of ", options_.max_sessions,
                      " sessions (--max_sessions); close one first"));
   }
+  TenantUse& use = tenants_[id.tenant];
+  if (use.limit == nullptr) {
+    auto l = options_.tenant_limits.find(id.tenant);
+    if (l != options_.tenant_limits.end()) use.limit = &l->second;
+  }
+  if (use.limit != nullptr && use.limit->max_sessions > 0 &&
+      use.sessions >= use.limit->max_sessions) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("tenant '", id.tenant, "' holds its maximum of ", use.limit->max_sessions,
+                     " sessions (tenants file max_sessions); close one first"));
+  }
+  ++use.sessions;
+  s->tenant = &use;
   sessions_.emplace(id, std::move(s));
   return absl::OkStatus();
 }
@@ -108,16 +121,27 @@ void Engine::Account(Session& s) {
   s.mu.AssertHeld();
   const int64_t now = s.WorkingSetBytes();
   working_set_total_.fetch_add(now - s.accounted);
+  s.tenant->bytes.fetch_add(now - s.accounted);
   s.accounted = now;
 }
 
-absl::Status Engine::CheckBudget(uint64_t bytes) const {
-  if (options_.max_working_set_bytes == 0) return absl::OkStatus();
-  const uint64_t total = static_cast<uint64_t>(std::max<int64_t>(0, working_set_total_.load()));
-  if (total + bytes > options_.max_working_set_bytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("the step needs ", bytes, " working-set bytes; the worker holds ", total,
-                     " of its ", options_.max_working_set_bytes, " (--max_working_set_mb)"));
+absl::Status Engine::CheckBudget(const Session& s, uint64_t bytes) const {
+  if (options_.max_working_set_bytes != 0) {
+    const uint64_t total = static_cast<uint64_t>(std::max<int64_t>(0, working_set_total_.load()));
+    if (total + bytes > options_.max_working_set_bytes) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the step needs ", bytes, " working-set bytes; the worker holds ", total,
+                       " of its ", options_.max_working_set_bytes, " (--max_working_set_mb)"));
+    }
+  }
+  const EngineOptions::TenantLimit* limit = s.tenant->limit;
+  if (limit != nullptr && limit->max_working_set_bytes != 0) {
+    const uint64_t mine = static_cast<uint64_t>(std::max<int64_t>(0, s.tenant->bytes.load()));
+    if (mine + bytes > limit->max_working_set_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the step needs ", bytes, " working-set bytes; tenant '", s.key.tenant, "' holds ", mine,
+          " of its ", limit->max_working_set_bytes, " (tenants file max_working_set_mb)"));
+    }
   }
   return absl::OkStatus();
 }
@@ -164,7 +188,7 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLocked(
   s->mu.AssertHeld();
   KVT_RETURN_IF_ERROR(s->CheckStep(layer, n, /*prefill=*/true));
   KVT_RETURN_IF_ERROR(s->CheckValues(layer, n, q, k, v));
-  if (layer == 0) KVT_RETURN_IF_ERROR(CheckBudget(static_cast<uint64_t>(s->TokenBytes(n))));
+  if (layer == 0) KVT_RETURN_IF_ERROR(CheckBudget(*s, static_cast<uint64_t>(s->TokenBytes(n))));
   std::optional<RecallReport> report;
   if (fetch != nullptr) {
     if (s->fetch != fetch) {
@@ -198,7 +222,7 @@ absl::Status Engine::DecodeLayer(const SessionKey& id, int layer, const float* q
   KVT_RETURN_IF_ERROR(s->CheckStep(layer, 1, /*prefill=*/false));
   KVT_RETURN_IF_ERROR(s->CheckValues(layer, 1, q, k, v));
   if (layer == 0) {
-    KVT_RETURN_IF_ERROR(CheckBudget(static_cast<uint64_t>(s->TokenBytes(1))));
+    KVT_RETURN_IF_ERROR(CheckBudget(*s, static_cast<uint64_t>(s->TokenBytes(1))));
     s->BeginStep(1, /*prefill=*/false);
   }
   s->Append(layer, 1, q, k, v);
@@ -222,14 +246,18 @@ absl::Status Engine::CloseSession(const SessionKey& id, bool delete_from_store,
   {
     absl::MutexLock lock(&mu_);
     auto it = sessions_.find(id);
-    if (it == sessions_.end()) return absl::NotFoundError(absl::StrCat("unknown session ", id.ToString()));
+    if (it == sessions_.end()) {
+      return absl::NotFoundError(absl::StrCat("unknown session ", id.ToString()));
+    }
     s = it->second;
     sessions_.erase(it);
+    --s->tenant->sessions;
   }
   {
-    // The session leaves the total now, whatever the store says below.
+    // The session leaves the totals now, whatever the store says below.
     absl::MutexLock lock(&s->mu);
     working_set_total_.fetch_sub(s->accounted);
+    s->tenant->bytes.fetch_sub(s->accounted);
     s->accounted = 0;
   }
   const CallOptions store_call = s->ForStore({StoreDeadline(call), {}});

@@ -157,6 +157,15 @@ struct EngineOptions {
   // recall that lands during a step may exceed it by the recalled bytes.
   // 0: no limit. Default: 0.
   uint64_t max_working_set_bytes = 0;
+  // Limits per tenant (SessionKey::tenant), on top of the two above: the
+  // sessions it may hold and its sessions' working-set bytes (checked as
+  // max_working_set_bytes is). 0 in a field: no limit; a tenant not listed
+  // has none. Default: empty.
+  struct TenantLimit {
+    int max_sessions = 0;
+    uint64_t max_working_set_bytes = 0;
+  };
+  std::map<std::string, TenantLimit> tenant_limits;
 };
 
 // Thread-safe: any method may be called from any thread. Calls on one
@@ -266,10 +275,19 @@ class Engine {
                                                             float* out, const CallOptions& call,
                                                             const std::shared_ptr<Fetch>& fetch,
                                                             bool arrived, double exposed_ms);
-  // Brings the engine's total up to date with `s` (REQUIRES s.mu).
+  // What one tenant holds. Entries are never erased (pointers stay valid);
+  // there is one per tenant that ever opened a session.
+  struct TenantUse {
+    std::atomic<int64_t> bytes{0};
+    int sessions = 0;  // Guarded by mu_.
+    const EngineOptions::TenantLimit* limit = nullptr;  // Null: none.
+  };
+  // Brings the engine's and the tenant's totals up to date with `s`
+  // (REQUIRES s.mu).
   void Account(Session& s);
-  // RESOURCE_EXHAUSTED when `bytes` more would pass max_working_set_bytes.
-  absl::Status CheckBudget(uint64_t bytes) const;
+  // RESOURCE_EXHAUSTED when `bytes` more would pass max_working_set_bytes or
+  // the session's tenant's limit.
+  absl::Status CheckBudget(const Session& s, uint64_t bytes) const;
 
   SegmentStore* store_;
   EngineOptions options_;
@@ -279,6 +297,7 @@ class Engine {
   std::map<SessionKey, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   // The sum of every session's accounted working-set bytes.
   std::atomic<int64_t> working_set_total_{0};
+  std::map<std::string, TenantUse> tenants_ ABSL_GUARDED_BY(mu_);
   // Fetches scheduled and not yet done; the destructor waits for zero.
   absl::Mutex fetches_mu_;
   int fetches_in_flight_ ABSL_GUARDED_BY(fetches_mu_) = 0;

@@ -127,6 +127,9 @@ class Engine::Session {
 
   // Immutable after construction.
   const SessionKey key;
+  // Its tenant's totals in the engine (set by OpenSession before the session
+  // is shared; the entry outlives it).
+  TenantUse* tenant = nullptr;
   const ModelShape shape;
   const SessionPolicy policy;
   const int lw;  // The resolved watershed layer L_w.

@@ -1,5 +1,6 @@
 #include "services/common/auth.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -38,7 +39,15 @@ absl::StatusOr<Authenticator> Authenticator::FromText(const std::string& text) {
     auto bad = [&](absl::string_view why) {
       return absl::InvalidArgumentError(absl::StrCat("tenants file line ", line_no, ": ", why));
     };
-    if (f.size() < 3 || f.size() > 4) return bad("want: token tenant role [quota_bytes]");
+    // key=value limits at the end.
+    std::vector<std::string> kv;
+    while (f.size() > 3 && f.back().find('=') != std::string::npos) {
+      kv.push_back(f.back());
+      f.pop_back();
+    }
+    if (f.size() < 3 || f.size() > 4) {
+      return bad("want: token tenant role [quota_bytes] [key=value ...]");
+    }
     if (f[0].size() < 8) return bad("tokens must be at least 8 characters");
     TenantEntry e;
     e.token = f[0];
@@ -56,6 +65,24 @@ absl::StatusOr<Authenticator> Authenticator::FromText(const std::string& text) {
     }
     if (f.size() == 4 && !absl::SimpleAtoi(f[3], &e.quota_bytes)) {
       return bad("quota_bytes must be a non-negative integer");
+    }
+    for (const std::string& item : kv) {
+      const size_t eq = item.find('=');
+      const std::string key = item.substr(0, eq);
+      uint64_t value = 0;
+      if (!absl::SimpleAtoi(item.substr(eq + 1), &value)) {
+        return bad(absl::StrCat(key, " must be a non-negative integer"));
+      }
+      if (key == "max_sessions" && value <= 1'000'000) {
+        e.limits.max_sessions = static_cast<int>(value);
+      } else if (key == "max_working_set_mb" && value <= (uint64_t{1} << 30)) {
+        e.limits.max_working_set_bytes = value << 20;
+      } else if (key == "max_sessions" || key == "max_working_set_mb") {
+        return bad(absl::StrCat(key, " is out of range"));
+      } else {
+        return bad(absl::StrCat("unknown limit '", key,
+                                "' (max_sessions=N, max_working_set_mb=N)"));
+      }
     }
     if (!seen.emplace(e.token, line_no).second) return bad("duplicate token");
     entries.push_back(std::move(e));
@@ -77,6 +104,17 @@ absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContextB
   }
   KVT_RETURN_IF_ERROR(ValidateName(kTenantMetadata, std::string_view(tenant.data(), tenant.size())));
   return Principal{std::string(tenant), Role::kReadWrite, caller.caller};
+}
+
+std::map<std::string, TenantLimits> Authenticator::Limits() const {
+  std::map<std::string, TenantLimits> out;
+  for (const TenantEntry& e : entries_) {
+    if (e.limits.max_sessions == 0 && e.limits.max_working_set_bytes == 0) continue;
+    TenantLimits& l = out[e.principal.tenant];
+    l.max_sessions = std::max(l.max_sessions, e.limits.max_sessions);
+    l.max_working_set_bytes = std::max(l.max_working_set_bytes, e.limits.max_working_set_bytes);
+  }
+  return out;
 }
 
 int Authenticator::WritingTenants() const {
@@ -109,6 +147,30 @@ absl::Status Authenticator::RequireWrite(const Principal& p) {
   if (p.role != Role::kReadOnly) return absl::OkStatus();
   return absl::PermissionDeniedError(
       absl::StrCat("tenant '", p.tenant, "' token is readonly; this call writes"));
+}
+
+namespace {
+
+bool IsLoopback(absl::string_view listen) {
+  if (absl::StartsWith(listen, "unix:")) return true;
+  absl::string_view host = listen;
+  if (absl::StartsWith(host, "[")) {
+    host = host.substr(1, host.find(']') == absl::string_view::npos ? host.size() - 1
+                                                                    : host.find(']') - 1);
+  } else if (size_t colon = host.rfind(':'); colon != absl::string_view::npos) {
+    host = host.substr(0, colon);
+  }
+  return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
+}
+
+}  // namespace
+
+absl::Status CheckListenAuth(const std::string& listen, bool has_tenants_file,
+                             bool allow_unauthenticated) {
+  if (has_tenants_file || allow_unauthenticated || IsLoopback(listen)) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "refusing to listen on ", listen, " without authentication: give --tenants_file, or "
+      "--allow_unauthenticated to let any caller in as tenant 'default'"));
 }
 
 }  // namespace kvtier

@@ -4,6 +4,14 @@
 //   alice-secret-1     alice    readwrite   10737418240
 //   alice-reader       alice    readonly
 //   worker-7-secret    worker7  node
+//   bob-secret-0001    bob      readwrite   0   max_sessions=64 max_working_set_mb=2048
+//
+// After the optional quota, `key=value` limits may follow; the same tenant's
+// limits may sit on any of its lines (the largest value of each wins):
+//   max_sessions=N        kvtier-worker: sessions the tenant may hold at once
+//   max_working_set_mb=N  kvtier-worker: working-set MiB over its sessions
+// quota_bytes binds kvtier-store (stored bytes); the worker limits bind
+// kvtier-worker. 0 or absent: no per-tenant limit.
 //
 // Callers send "authorization: Bearer <token>" metadata. Tenant names follow
 // the session-name rule (base/names.h). Without a tenants file authentication
@@ -19,6 +27,7 @@
 #define KVTIER_SERVICES_COMMON_AUTH_H_
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -45,10 +54,16 @@ struct Principal {
   std::string caller;
 };
 
+struct TenantLimits {
+  int max_sessions = 0;                // 0: none.
+  uint64_t max_working_set_bytes = 0;  // 0: none.
+};
+
 struct TenantEntry {
   std::string token;
   Principal principal;
   uint64_t quota_bytes = 0;
+  TenantLimits limits;
 };
 
 // Immutable after construction; thread-safe.
@@ -73,6 +88,8 @@ class Authenticator {
   static absl::Status RequireWrite(const Principal& p);
 
   bool enabled() const { return enabled_; }
+  // Per-tenant worker limits, merged over each tenant's lines.
+  std::map<std::string, TenantLimits> Limits() const;
   // Distinct tenants whose tokens may write (readwrite or node); 1 when
   // authentication is off.
   int WritingTenants() const;
@@ -86,6 +103,13 @@ class Authenticator {
   std::vector<TenantEntry> entries_;
   absl::flat_hash_map<std::string, Principal> by_token_;
 };
+
+// Authentication is on by default outside loopback: OK when `listen` is a
+// loopback address (127.0.0.0/8, ::1, localhost, unix:), when a tenants file
+// is set, or when the operator said --allow_unauthenticated; otherwise
+// FAILED_PRECONDITION saying how to fix it.
+absl::Status CheckListenAuth(const std::string& listen, bool has_tenants_file,
+                             bool allow_unauthenticated);
 
 }  // namespace kvtier
 

@@ -48,6 +48,38 @@ TEST(Authenticator, NodeRole) {
   EXPECT_THAT(Authenticator::RequireWrite(a->entries()[0].principal), IsOk());
 }
 
+TEST(Authenticator, PerTenantLimits) {
+  auto a = Authenticator::FromText(
+      "acme-token-1 acme readwrite 1000 max_sessions=8 max_working_set_mb=64\n"
+      "acme-token-2 acme readonly max_sessions=16\n"
+      "bob-token-01 bob  readwrite\n");
+  ASSERT_THAT(a, IsOk());
+  EXPECT_EQ(a->entries()[0].quota_bytes, 1000u);
+  auto limits = a->Limits();
+  ASSERT_EQ(limits.size(), 1u);
+  EXPECT_EQ(limits["acme"].max_sessions, 16);
+  EXPECT_EQ(limits["acme"].max_working_set_bytes, uint64_t{64} << 20);
+  EXPECT_EQ(a->WritingTenants(), 2);
+  EXPECT_THAT(Authenticator::FromText("acme-token-1 acme readwrite max_sesions=8\n"),
+              StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(Authenticator::FromText("acme-token-1 acme readwrite max_sessions=-1\n"),
+              StatusIs(Code::kInvalidArgument));
+}
+
+TEST(CheckListenAuth, OnByDefaultOutsideLoopback) {
+  EXPECT_THAT(CheckListenAuth("127.0.0.1:7070", false, false), IsOk());
+  EXPECT_THAT(CheckListenAuth("localhost:0", false, false), IsOk());
+  EXPECT_THAT(CheckListenAuth("[::1]:7070", false, false), IsOk());
+  EXPECT_THAT(CheckListenAuth("unix:/run/kvtier.sock", false, false), IsOk());
+  EXPECT_THAT(CheckListenAuth("0.0.0.0:7070", false, false),
+              StatusIs(Code::kFailedPrecondition));
+  EXPECT_THAT(CheckListenAuth("[::]:7070", false, false), StatusIs(Code::kFailedPrecondition));
+  EXPECT_THAT(CheckListenAuth("10.1.2.3:7070", false, false),
+              StatusIs(Code::kFailedPrecondition));
+  EXPECT_THAT(CheckListenAuth("0.0.0.0:7070", true, false), IsOk());
+  EXPECT_THAT(CheckListenAuth("0.0.0.0:7070", false, true), IsOk());
+}
+
 TEST(Authenticator, ReadOnlyMayNotWrite) {
   EXPECT_THAT(Authenticator::RequireWrite({"a", Role::kReadOnly}),
               StatusIs(Code::kPermissionDenied));

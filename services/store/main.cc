@@ -47,6 +47,9 @@ ABSL_FLAG(uint32_t, default_ttl_seconds, 7 * 24 * 3600,
 ABSL_FLAG(int, ttl_sweep_seconds, 10, "Seconds between TTL sweeps; 0 disables them.");
 ABSL_FLAG(std::string, tenants_file, "",
           "Bearer tokens per tenant (token tenant role [quota_bytes]); empty = auth off.");
+ABSL_FLAG(bool, allow_unauthenticated, false,
+          "Listen on a non-loopback address without --tenants_file (every caller is tenant "
+          "'default'); without it such a start is refused.");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls_key enables TLS.");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key.");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9470",
@@ -75,6 +78,7 @@ int main(int argc, char** argv) {
   o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key = absl::GetFlag(FLAGS_tls_key);
   o.tenants_file = absl::GetFlag(FLAGS_tenants_file);
+  o.allow_unauthenticated = absl::GetFlag(FLAGS_allow_unauthenticated);
   o.executor_threads = absl::GetFlag(FLAGS_executor_threads);
   o.ttl_sweep_seconds = absl::GetFlag(FLAGS_ttl_sweep_seconds);
   o.store.path = absl::GetFlag(FLAGS_data_dir);

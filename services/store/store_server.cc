@@ -17,6 +17,8 @@ namespace kvtier {
 absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptions options) {
   std::unique_ptr<StoreServer> s(new StoreServer());
   s->options_ = options;
+  KVT_RETURN_IF_ERROR(CheckListenAuth(options.listen, !options.tenants_file.empty(),
+                                      options.allow_unauthenticated));
   if (!options.tenants_file.empty()) {
     KVT_ASSIGN_OR_RETURN(s->auth_, Authenticator::FromFile(options.tenants_file));
   } else {

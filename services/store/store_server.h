@@ -30,6 +30,9 @@ struct StoreServerOptions {
   std::string tls_key;
   // Tenants file (services/common/auth.h); empty = authentication off.
   std::string tenants_file;
+  // Listen without a tenants file on a non-loopback address (auth is on by
+  // default outside loopback). Default: false.
+  bool allow_unauthenticated = false;
   // Threads running blocking store work. Default: 8.
   int executor_threads = 8;
   // How often idle sessions are checked against their TTL. Default: 10 s.

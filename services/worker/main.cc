@@ -18,6 +18,9 @@ ABSL_FLAG(std::string, store, "", "kvtier-store address host:port. Required.");
 ABSL_FLAG(std::string, store_token, "", "Bearer token for kvtier-store (empty: none).");
 ABSL_FLAG(std::string, store_tls_root_certs, "", "PEM file of the store's CA; empty: plaintext.");
 ABSL_FLAG(std::string, tenants_file, "", "Tenants file; empty turns authentication off.");
+ABSL_FLAG(bool, allow_unauthenticated, false,
+          "Listen on a non-loopback address without --tenants_file (every caller is tenant "
+          "'default'); without it such a start is refused.");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls_key enables TLS.");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key.");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9471",
@@ -65,6 +68,7 @@ int main(int argc, char** argv) {
   o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key = absl::GetFlag(FLAGS_tls_key);
   o.tenants_file = absl::GetFlag(FLAGS_tenants_file);
+  o.allow_unauthenticated = absl::GetFlag(FLAGS_allow_unauthenticated);
   if (absl::GetFlag(FLAGS_store_deadline_ms) < 1) {
     std::fprintf(stderr, "kvtier-worker: --store_deadline_ms must be at least 1\n");
     return 2;

@@ -15,6 +15,8 @@ namespace kvtier {
 
 absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOptions options) {
   std::unique_ptr<WorkerServer> s(new WorkerServer());
+  KVT_RETURN_IF_ERROR(CheckListenAuth(options.listen, !options.tenants_file.empty(),
+                                      options.allow_unauthenticated));
   if (!options.tenants_file.empty()) {
     KVT_ASSIGN_OR_RETURN(s->auth_, Authenticator::FromFile(options.tenants_file));
   } else {
@@ -26,6 +28,9 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
   KVT_ASSIGN_OR_RETURN(auto client, StoreClient::Connect(options.store));
   s->segments_ = std::make_unique<StoreSegments>(std::move(client));
   options.engine.store_deadline = options.service.store_deadline;
+  for (const auto& [tenant, l] : s->auth_.Limits()) {
+    options.engine.tenant_limits[tenant] = {l.max_sessions, l.max_working_set_bytes};
+  }
   s->engine_ = std::make_unique<worker::Engine>(s->segments_.get(), options.engine);
   s->metrics_ = std::make_unique<WorkerMetrics>();
   s->metrics_->Budget(static_cast<double>(options.engine.max_working_set_bytes));

@@ -27,6 +27,9 @@ struct WorkerServerOptions {
   std::string metrics_listen = "127.0.0.1:9471";
   std::string tls_cert, tls_key;  // PEM files; both empty = plaintext.
   std::string tenants_file;       // services/common/auth.h; empty = auth off.
+  // Listen without a tenants file on a non-loopback address (auth is on by
+  // default outside loopback). Default: false.
+  bool allow_unauthenticated = false;
   // kvtier-store to keep rounds in ("host:port"). Required.
   StoreClientOptions store;
   worker::EngineOptions engine;
