@@ -13,12 +13,13 @@ declare -A ALLOW=(
   [kernels]="absl base kernels kvtier google"
   [cachestore]="absl base kernels cachestore kvtier google rocksdb"
   [worker]="absl base kernels worker kvtier google"
+  [controller]="absl base controller"
   [model]="absl base kernels model"
   [traces]="absl base kernels model traces kvtier google"
   [eval]="absl base kernels model traces eval kvtier google"
   [rpc]="absl base kernels rpc kvtier google grpc grpcpp"
   [client]="absl base kernels rpc client kvtier google grpcpp"
-  [services]="absl base kernels cachestore worker rpc client services kvtier google grpcpp prometheus"
+  [services]="absl base kernels cachestore worker controller rpc client services kvtier google grpcpp prometheus"
   [refengine]="absl base kernels model traces rpc client refengine kvtier google grpcpp"
   [tools]="absl base kernels model traces eval rpc client refengine tools kvtier google grpcpp"
   [bench]="absl base kernels rpc client worker services testing kvtier google grpcpp benchmark"
@@ -26,7 +27,7 @@ declare -A ALLOW=(
   [fuzz]="absl base kernels worker rpc services fuzz testing kvtier google grpcpp"
 )
 # Folders whose code must not see gRPC (services are thin; engines are not).
-NO_GRPC="base kernels cachestore worker model traces eval testing"
+NO_GRPC="base kernels cachestore worker controller model traces eval testing"
 
 bad=0
 for dir in "${!ALLOW[@]}"; do

@@ -1,0 +1,238 @@
+#include "controller/controller.h"
+
+#include <map>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "controller/placement.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/util/status_matchers.h"
+
+namespace kvtier::controller {
+namespace {
+
+using ::kvtier::testing::IsOk;
+using ::kvtier::testing::StatusIs;
+using Code = absl::StatusCode;
+
+std::vector<Candidate> Nodes(const std::vector<std::string>& ids) {
+  std::vector<Candidate> c;
+  for (const std::string& id : ids) c.push_back({id, 1.0});
+  return c;
+}
+
+std::string First(const std::string& key, const std::vector<Candidate>& nodes) {
+  return std::string(nodes[Rank(key, nodes)[0]].id);
+}
+
+TEST(PlacementTest, DeterministicAndWeighted) {
+  const std::vector<std::string> ids = {"s1", "s2", "s3"};
+  std::vector<Candidate> c = Nodes(ids);
+  EXPECT_EQ(Rank("acme/chat-7", c), Rank("acme/chat-7", c));
+  EXPECT_EQ(RendezvousHash("a", "b"), RendezvousHash("a", "b"));
+  EXPECT_NE(RendezvousHash("ab", "c"), RendezvousHash("a", "bc"));
+  c[0].weight = 2.0;  // s1 should win about twice as often as s2 or s3.
+  std::map<std::string, int> wins;
+  constexpr int kKeys = 20000;
+  for (int i = 0; i < kKeys; ++i) ++wins[First(absl::StrCat("t/s", i), c)];
+  EXPECT_NEAR(static_cast<double>(wins["s1"]) / kKeys, 0.5, 0.03);
+  EXPECT_NEAR(static_cast<double>(wins["s2"]) / kKeys, 0.25, 0.03);
+}
+
+// One node of N joining or leaving moves about 1/N of the keys, and only
+// to (or from) that node.
+TEST(PlacementTest, OneNodeMovesAboutOneNth) {
+  std::vector<std::string> ids = {"n1", "n2", "n3", "n4"};
+  const std::vector<Candidate> four = Nodes(ids);
+  ids.push_back("n5");
+  const std::vector<Candidate> five = Nodes(ids);
+  constexpr int kKeys = 20000;
+  int moved = 0;
+  for (int i = 0; i < kKeys; ++i) {
+    const std::string key = absl::StrCat("tenant/session-", i);
+    const std::string before = First(key, four), after = First(key, five);
+    if (before != after) {
+      ++moved;
+      EXPECT_EQ(after, "n5");
+    }
+  }
+  EXPECT_NEAR(static_cast<double>(moved) / kKeys, 1.0 / 5, 0.02);
+  // Leaving: only n5's keys move, each to its second choice.
+  for (int i = 0; i < 2000; ++i) {
+    const std::string key = absl::StrCat("tenant/session-", i);
+    if (First(key, five) != "n5") EXPECT_EQ(First(key, five), First(key, four));
+  }
+}
+
+class MembershipTest : public ::testing::Test {
+ protected:
+  MembershipOptions Options() {
+    MembershipOptions o;
+    o.clock = &clock_;
+    o.heartbeat_interval = absl::Seconds(1);
+    o.missed_heartbeats = 3;
+    o.warmup = absl::Seconds(30);
+    return o;
+  }
+  FakeClock clock_;
+};
+
+TEST_F(MembershipTest, LeasesEpochsAndWarmUp) {
+  Membership m(Options());
+  const uint64_t e0 = m.epoch();
+  ASSERT_THAT(m.Register({"w1", NodeKind::kWorker, "10.0.0.1:7071", 1000}), IsOk());
+  ASSERT_THAT(m.Register({"s1", NodeKind::kStore, "10.0.0.2:7070", 0}), IsOk());
+  EXPECT_EQ(m.epoch(), e0 + 2);
+  // Bad input and conflicts.
+  EXPECT_THAT(m.Register({"bad/id", NodeKind::kWorker, "h:1"}), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(m.Register({"w2", NodeKind::kWorker, "nohost"}), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(m.Register({"w2", NodeKind::kWorker, "10.0.0.1:7071"}),
+              StatusIs(Code::kAlreadyExists));
+  EXPECT_THAT(m.Register({"w1", NodeKind::kWorker, "10.0.0.9:7071"}),
+              StatusIs(Code::kAlreadyExists));
+  EXPECT_THAT(m.Heartbeat("nobody", 0, 0), StatusIs(Code::kNotFound));
+  // Warm-up: 10% at first, all after 30 s.
+  EXPECT_NEAR(m.Weight(m.Live(NodeKind::kWorker)[0]), 0.1, 1e-9);
+  for (int i = 0; i < 30; ++i) {
+    clock_.AdvanceMs(1000);
+    ASSERT_THAT(m.Heartbeat("w1", 250, 3), IsOk());
+    ASSERT_THAT(m.Heartbeat("s1", 0, 0), IsOk());
+  }
+  // Full weight times the free fraction (750 of 1000).
+  EXPECT_NEAR(m.Weight(m.Live(NodeKind::kWorker)[0]), 0.75, 1e-9);
+  EXPECT_TRUE(m.Sweep().empty());
+  // w1 stops; s1 goes on. 3 s without a heartbeat is still within the lease.
+  for (int i = 0; i < 3; ++i) {
+    clock_.AdvanceMs(1000);
+    ASSERT_THAT(m.Heartbeat("s1", 0, 0), IsOk());
+  }
+  EXPECT_TRUE(m.Sweep().empty());
+  clock_.AdvanceMs(1);
+  const uint64_t e1 = m.epoch();
+  EXPECT_THAT(m.Sweep(), ::testing::ElementsAre("w1"));
+  EXPECT_EQ(m.epoch(), e1 + 1);
+  EXPECT_TRUE(m.Live(NodeKind::kWorker).empty());
+  EXPECT_THAT(m.Heartbeat("w1", 0, 0), StatusIs(Code::kNotFound));
+  // It comes back (a restart): live again, warming up from the floor.
+  ASSERT_THAT(m.Register({"w1", NodeKind::kWorker, "10.0.0.1:7071", 1000}), IsOk());
+  EXPECT_EQ(m.epoch(), e1 + 2);
+  EXPECT_NEAR(m.Weight(m.Live(NodeKind::kWorker)[0]), 0.1, 1e-9);
+}
+
+class ControllerTest : public ::testing::Test {
+ protected:
+  ControllerOptions Options(int replicas) {
+    ControllerOptions o;
+    o.membership.clock = &clock_;
+    o.membership.warmup = absl::Seconds(30);
+    o.replicas = replicas;
+    return o;
+  }
+  void Beat(Controller& c) {
+    for (const NodeInfo& n : c.membership().All()) {
+      if (n.live) ASSERT_THAT(c.membership().Heartbeat(n.spec.id, n.used_bytes, 0), IsOk());
+    }
+  }
+  void Pass(Controller& c, int seconds) {
+    for (int i = 0; i < seconds; ++i) {
+      clock_.AdvanceMs(1000);
+      Beat(c);
+      c.Tick();
+    }
+  }
+  FakeClock clock_;
+};
+
+TEST_F(ControllerTest, SessionsStayPutAndNewNodesWarmUp) {
+  Controller c(Options(2));
+  EXPECT_THAT(c.Route("acme", "s"), StatusIs(Code::kUnavailable));
+  for (int i = 1; i <= 3; ++i) {
+    ASSERT_THAT(c.membership().Register({absl::StrCat("store", i), NodeKind::kStore,
+                                         absl::StrCat("10.0.1.", i, ":7070")}),
+                IsOk());
+  }
+  EXPECT_THAT(c.Route("acme", "s"), StatusIs(Code::kUnavailable));  // No worker yet.
+  for (int i = 1; i <= 2; ++i) {
+    ASSERT_THAT(c.membership().Register({absl::StrCat("worker", i), NodeKind::kWorker,
+                                         absl::StrCat("10.0.2.", i, ":7071")}),
+                IsOk());
+  }
+  Pass(c, 31);  // Everyone warm.
+  std::map<std::string, Placement> first;
+  for (int i = 0; i < 300; ++i) {
+    const std::string s = absl::StrCat("chat-", i);
+    KVT_ASSERT_OK_AND_ASSIGN(Placement p, c.Route("acme", s));
+    ASSERT_EQ(p.stores.size(), 2u);
+    EXPECT_NE(p.stores[0].spec.id, p.stores[1].spec.id);
+    EXPECT_TRUE(p.placed_now);
+    first[s] = p;
+  }
+  EXPECT_THAT(c.Route("acme", "bad/name"), StatusIs(Code::kInvalidArgument));
+  // A third worker joins: no placed session moves, and while it warms up it
+  // takes far fewer new sessions than its 1/3.
+  ASSERT_THAT(c.membership().Register({"worker3", NodeKind::kWorker, "10.0.2.3:7071"}), IsOk());
+  int on_new = 0;
+  for (int i = 0; i < 300; ++i) {
+    KVT_ASSERT_OK_AND_ASSIGN(Placement p, c.Route("acme", absl::StrCat("chat-", i)));
+    EXPECT_EQ(p.worker.spec.id, first[absl::StrCat("chat-", i)].worker.spec.id);
+    EXPECT_FALSE(p.placed_now);
+    KVT_ASSERT_OK_AND_ASSIGN(Placement q, c.Route("acme", absl::StrCat("new-", i)));
+    on_new += q.worker.spec.id == "worker3" ? 1 : 0;
+  }
+  EXPECT_LT(on_new, 300 / 3 / 2);  // Weight 0.1 against 1 + 1: about 5%.
+  Pass(c, 31);
+  int warm_new = 0;
+  for (int i = 0; i < 600; ++i) {
+    KVT_ASSERT_OK_AND_ASSIGN(Placement q, c.Route("acme", absl::StrCat("later-", i)));
+    warm_new += q.worker.spec.id == "worker3" ? 1 : 0;
+  }
+  EXPECT_NEAR(warm_new / 600.0, 1.0 / 3, 0.07);
+
+  // store2 dies: sessions that had it keep their other replica and get a
+  // new one; the others are untouched.
+  clock_.AdvanceMs(500);
+  for (const char* id : {"store1", "store3", "worker1", "worker2", "worker3"}) {
+    ASSERT_THAT(c.membership().Heartbeat(id, 0, 0), IsOk());
+  }
+  clock_.AdvanceMs(3000);
+  for (const char* id : {"store1", "store3", "worker1", "worker2", "worker3"}) {
+    ASSERT_THAT(c.membership().Heartbeat(id, 0, 0), IsOk());
+  }
+  EXPECT_THAT(c.Tick(), ::testing::ElementsAre("store2"));
+  for (int i = 0; i < 300; ++i) {
+    const std::string s = absl::StrCat("chat-", i);
+    KVT_ASSERT_OK_AND_ASSIGN(Placement p, c.Route("acme", s));
+    ASSERT_EQ(p.stores.size(), 2u);
+    std::set<std::string> now = {p.stores[0].spec.id, p.stores[1].spec.id};
+    EXPECT_EQ(now, (std::set<std::string>{"store1", "store3"}));
+    const auto& was = first[s].stores;
+    const bool had = was[0].spec.id == "store2" || was[1].spec.id == "store2";
+    EXPECT_EQ(p.placed_now, had);
+    if (!had) EXPECT_EQ(p.stores[0].spec.id, was[0].spec.id);
+  }
+  // Records naming the dead store (what repair will work from) go as their
+  // sessions are routed again.
+  EXPECT_GT(c.PlacementsOn("store2"), 0u);
+  for (int i = 0; i < 300; ++i) ASSERT_THAT(c.Route("acme", absl::StrCat("new-", i)), IsOk());
+  for (int i = 0; i < 600; ++i) ASSERT_THAT(c.Route("acme", absl::StrCat("later-", i)), IsOk());
+  EXPECT_EQ(c.PlacementsOn("store2"), 0u);
+}
+
+TEST_F(ControllerTest, RoomOnWorkers) {
+  Controller c(Options(1));
+  ASSERT_THAT(c.membership().Register({"s", NodeKind::kStore, "h:1"}), IsOk());
+  ASSERT_THAT(c.membership().Register({"w", NodeKind::kWorker, "h:2", 1000}), IsOk());
+  ASSERT_THAT(c.membership().Heartbeat("w", 900, 1), IsOk());
+  EXPECT_THAT(c.Route("t", "big", 200), StatusIs(Code::kResourceExhausted));
+  EXPECT_EQ(c.Placements(), 0u);
+  KVT_ASSERT_OK_AND_ASSIGN(Placement p, c.Route("t", "small", 100));
+  EXPECT_EQ(p.worker.spec.id, "w");
+  // Idle placements are forgotten.
+  clock_.AdvanceMs(int64_t{25} * 3600 * 1000);
+  c.Tick();
+  EXPECT_EQ(c.Placements(), 0u);
+}
+
+}  // namespace
+}  // namespace kvtier::controller
