@@ -1,0 +1,78 @@
+#include "services/controller/controller_server.h"
+
+#include "absl/strings/str_cat.h"
+#include "base/log.h"
+#include "base/status_macros.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/server_builder.h"
+#include "services/common/server_credentials.h"
+
+namespace kvtier {
+
+absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
+    ControllerServerOptions options) {
+  std::unique_ptr<ControllerServer> s(new ControllerServer());
+  KVT_RETURN_IF_ERROR(CheckListenAuth(options.listen, !options.tenants_file.empty(),
+                                      options.allow_unauthenticated));
+  if (!options.tenants_file.empty()) {
+    KVT_ASSIGN_OR_RETURN(s->auth_, Authenticator::FromFile(options.tenants_file));
+  } else {
+    LogWarn("no --tenants_file: authentication is off, every caller is tenant 'default'");
+  }
+  const controller::MembershipOptions& m = options.controller.membership;
+  if (m.heartbeat_interval < absl::Milliseconds(10) || m.missed_heartbeats < 1 ||
+      options.controller.replicas < 1 || options.controller.replicas > 3) {
+    return absl::InvalidArgumentError(
+        "need heartbeat interval >= 10 ms, missed heartbeats >= 1, replicas in [1, 3]");
+  }
+  s->controller_ = std::make_unique<controller::Controller>(options.controller);
+  s->metrics_registry_ = std::make_unique<ControllerMetrics>();
+  s->metrics_registry_->Update(*s->controller_);
+  if (!options.metrics_listen.empty()) {
+    KVT_ASSIGN_OR_RETURN(s->metrics_,
+                         ServeMetrics(options.metrics_listen, {s->metrics_registry_->registry()}));
+  }
+  s->service_ = std::make_unique<ControllerService>(s->controller_.get(), &s->auth_,
+                                                    s->metrics_registry_.get());
+  KVT_ASSIGN_OR_RETURN(auto creds, MakeServerCredentials(options.tls_cert, options.tls_key));
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen, creds, &s->port_);
+  builder.RegisterService(s->service_.get());
+  s->server_ = builder.BuildAndStart();
+  if (s->server_ == nullptr || s->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
+  }
+  s->server_->GetHealthCheckService()->SetServingStatus(true);
+  // Leases are checked twice per heartbeat interval.
+  ControllerServer* raw = s.get();
+  const absl::Duration tick = m.heartbeat_interval / 2;
+  s->sweeper_ = std::thread([raw, tick] {
+    while (!raw->stop_.WaitForNotificationWithTimeout(tick)) {
+      const std::vector<std::string> dead = raw->controller_->Tick();
+      if (!dead.empty()) raw->metrics_registry_->DeclaredDead(dead.size());
+      raw->metrics_registry_->Update(*raw->controller_);
+    }
+  });
+  LogInfo("kvtier-controller serving",
+          {{"port", s->port_},
+           {"metrics_port", s->metrics_.port},
+           {"heartbeat_interval_ms", absl::ToInt64Milliseconds(m.heartbeat_interval)},
+           {"missed_heartbeats", m.missed_heartbeats},
+           {"replicas", options.controller.replicas},
+           {"auth", s->auth_.enabled() ? "on" : "off"}});
+  return s;
+}
+
+ControllerServer::~ControllerServer() {
+  if (!stop_.HasBeenNotified()) stop_.Notify();
+  if (sweeper_.joinable()) sweeper_.join();
+  if (server_ != nullptr) {
+    server_->GetHealthCheckService()->SetServingStatus(false);
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  }
+}
+
+}  // namespace kvtier

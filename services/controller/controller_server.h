@@ -1,0 +1,58 @@
+// kvtier-controller as a server: the Controller service on a port, the
+// lease sweeper, health, reflection and metrics.
+#ifndef KVTIER_SERVICES_CONTROLLER_CONTROLLER_SERVER_H_
+#define KVTIER_SERVICES_CONTROLLER_CONTROLLER_SERVER_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
+#include "controller/controller.h"
+#include "grpcpp/server.h"
+#include "services/common/auth.h"
+#include "services/common/metrics_exposer.h"
+#include "services/controller/controller_service.h"
+
+namespace kvtier {
+
+struct ControllerServerOptions {
+  // gRPC listen address; port 0 picks a free port. Default: 127.0.0.1:7072.
+  std::string listen = "127.0.0.1:7072";
+  // Prometheus /metrics; empty disables it. Default: 127.0.0.1:9472.
+  std::string metrics_listen = "127.0.0.1:9472";
+  std::string tenants_file;  // services/common/auth.h; empty = auth off.
+  // Listen without a tenants file on a non-loopback address. Default: false.
+  bool allow_unauthenticated = false;
+  std::string tls_cert, tls_key;
+  controller::ControllerOptions controller;
+};
+
+class ControllerServer {
+ public:
+  // INVALID_ARGUMENT for bad options; UNAVAILABLE when it cannot listen.
+  static absl::StatusOr<std::unique_ptr<ControllerServer>> Start(ControllerServerOptions options);
+  ~ControllerServer();  // Stops the sweeper, then shuts the server down.
+
+  int port() const { return port_; }
+  int metrics_port() const { return metrics_.port; }
+  controller::Controller* controller() { return controller_.get(); }
+
+ private:
+  ControllerServer() = default;
+
+  Authenticator auth_;
+  std::unique_ptr<controller::Controller> controller_;
+  std::unique_ptr<ControllerMetrics> metrics_registry_;
+  std::unique_ptr<ControllerService> service_;
+  MetricsEndpoint metrics_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  absl::Notification stop_;
+  std::thread sweeper_;
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVICES_CONTROLLER_CONTROLLER_SERVER_H_

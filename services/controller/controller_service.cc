@@ -1,0 +1,195 @@
+#include "services/controller/controller_service.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "rpc/grpc_status.h"
+
+namespace kvtier {
+namespace {
+
+using controller::NodeInfo;
+using controller::NodeKind;
+
+v1::NodeKind ToProto(NodeKind k) {
+  return k == NodeKind::kWorker ? v1::NODE_KIND_WORKER : v1::NODE_KIND_STORE;
+}
+
+// Register and Heartbeat come from nodes: a node token (or auth off).
+absl::Status RequireNode(const Authenticator& auth, const grpc::CallbackServerContext& ctx) {
+  KVT_ASSIGN_OR_RETURN(Principal p, auth.Authenticate(ctx));
+  if (auth.enabled() && p.role != Role::kNode) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("tenant '", p.tenant, "' is not a node: Register and Heartbeat need a node "
+                     "token"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+ControllerMetrics::ControllerMetrics()
+    : registry_(std::make_shared<prometheus::Registry>()),
+      nodes_(prometheus::BuildGauge()
+                 .Name("kvtier_controller_nodes")
+                 .Help("Nodes known, by kind and state")
+                 .Register(*registry_)),
+      placements_(prometheus::BuildGauge()
+                      .Name("kvtier_controller_placements")
+                      .Help("Recorded session placements")
+                      .Register(*registry_)
+                      .Add({})),
+      epoch_(prometheus::BuildGauge()
+                 .Name("kvtier_controller_epoch")
+                 .Help("The placement epoch")
+                 .Register(*registry_)
+                 .Add({})),
+      placed_(prometheus::BuildCounter()
+                  .Name("kvtier_controller_placed_total")
+                  .Help("Sessions placed or moved by Route")
+                  .Register(*registry_)
+                  .Add({})),
+      dead_(prometheus::BuildCounter()
+                .Name("kvtier_controller_nodes_declared_dead_total")
+                .Help("Nodes whose lease ran out")
+                .Register(*registry_)
+                .Add({})),
+      requests_(prometheus::BuildCounter()
+                    .Name("kvtier_controller_requests_total")
+                    .Help("RPCs by method and outcome")
+                    .Register(*registry_)) {}
+
+void ControllerMetrics::Update(controller::Controller& c) {
+  double counts[2][2] = {{0, 0}, {0, 0}};
+  for (const NodeInfo& n : c.membership().All()) {
+    counts[n.spec.kind == NodeKind::kWorker ? 0 : 1][n.live ? 0 : 1] += 1;
+  }
+  for (int k = 0; k < 2; ++k) {
+    for (int l = 0; l < 2; ++l) {
+      nodes_.Add({{"kind", k == 0 ? "worker" : "store"}, {"state", l == 0 ? "live" : "dead"}})
+          .Set(counts[k][l]);
+    }
+  }
+  placements_.Set(static_cast<double>(c.Placements()));
+  epoch_.Set(static_cast<double>(c.membership().epoch()));
+}
+
+void ControllerMetrics::Request(const char* method, bool ok) {
+  requests_.Add({{"method", method}, {"outcome", ok ? "ok" : "error"}}).Increment();
+}
+
+ControllerService::ControllerService(controller::Controller* controller,
+                                     const Authenticator* auth, ControllerMetrics* metrics)
+    : controller_(controller), auth_(auth), metrics_(metrics) {}
+
+grpc::ServerUnaryReactor* ControllerService::Finish(grpc::CallbackServerContext* ctx,
+                                                    const char* method, const absl::Status& s) {
+  metrics_->Request(method, s.ok());
+  grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
+  r->Finish(ToGrpc(s));
+  return r;
+}
+
+grpc::ServerUnaryReactor* ControllerService::Register(grpc::CallbackServerContext* ctx,
+                                                      const v1::RegisterRequest* req,
+                                                      v1::RegisterResponse* resp) {
+  absl::Status s = [&]() -> absl::Status {
+    KVT_RETURN_IF_ERROR(RequireNode(*auth_, *ctx));
+    controller::NodeSpec spec;
+    spec.id = req->node_id();
+    switch (req->kind()) {
+      case v1::NODE_KIND_WORKER:
+        spec.kind = NodeKind::kWorker;
+        break;
+      case v1::NODE_KIND_STORE:
+        spec.kind = NodeKind::kStore;
+        break;
+      default:
+        return absl::InvalidArgumentError("kind must be NODE_KIND_WORKER or NODE_KIND_STORE");
+    }
+    spec.address = req->address();
+    spec.capacity_bytes = req->capacity_bytes();
+    spec.has_gpu = req->has_gpu();
+    KVT_RETURN_IF_ERROR(controller_->membership().Register(spec));
+    resp->set_heartbeat_interval_ms(static_cast<uint32_t>(
+        absl::ToInt64Milliseconds(controller_->membership().options().heartbeat_interval)));
+    resp->set_epoch(controller_->membership().epoch());
+    return absl::OkStatus();
+  }();
+  if (s.ok()) metrics_->Update(*controller_);
+  return Finish(ctx, "Register", s);
+}
+
+grpc::ServerUnaryReactor* ControllerService::Heartbeat(grpc::CallbackServerContext* ctx,
+                                                       const v1::HeartbeatRequest* req,
+                                                       v1::HeartbeatResponse* resp) {
+  absl::Status s = [&]() -> absl::Status {
+    KVT_RETURN_IF_ERROR(RequireNode(*auth_, *ctx));
+    KVT_RETURN_IF_ERROR(controller_->membership().Heartbeat(req->node_id(), req->used_bytes(),
+                                                            req->active_sessions()));
+    // Pressure levels are computed in a later step; until then, none.
+    resp->set_pressure(v1::PRESSURE_NONE);
+    resp->set_epoch(controller_->membership().epoch());
+    return absl::OkStatus();
+  }();
+  return Finish(ctx, "Heartbeat", s);
+}
+
+grpc::ServerUnaryReactor* ControllerService::Route(grpc::CallbackServerContext* ctx,
+                                                   const v1::RouteRequest* req,
+                                                   v1::RouteResponse* resp) {
+  absl::Status s = [&]() -> absl::Status {
+    KVT_ASSIGN_OR_RETURN(Principal p, auth_->Authenticate(*ctx));
+    KVT_ASSIGN_OR_RETURN(controller::Placement pl,
+                         controller_->Route(p.tenant, req->session_id(), req->need_bytes()));
+    resp->set_worker_address(pl.worker.spec.address);
+    resp->set_worker_node_id(pl.worker.spec.id);
+    for (const NodeInfo& st : pl.stores) {
+      resp->add_store_addresses(st.spec.address);
+      resp->add_store_node_ids(st.spec.id);
+    }
+    resp->set_store_address(pl.stores.front().spec.address);
+    resp->set_epoch(pl.epoch);
+    resp->set_placed_now(pl.placed_now);
+    if (pl.placed_now) metrics_->Placed();
+    return absl::OkStatus();
+  }();
+  return Finish(ctx, "Route", s);
+}
+
+grpc::ServerUnaryReactor* ControllerService::ListNodes(grpc::CallbackServerContext* ctx,
+                                                       const v1::ListNodesRequest*,
+                                                       v1::ListNodesResponse* resp) {
+  absl::Status s = [&]() -> absl::Status {
+    KVT_RETURN_IF_ERROR(auth_->Authenticate(*ctx).status());
+    controller::Membership& m = controller_->membership();
+    const int64_t now = m.options().clock->NowUnixMs();
+    resp->set_epoch(m.epoch());
+    for (const NodeInfo& n : m.All()) {
+      v1::NodeStatus* o = resp->add_nodes();
+      o->set_node_id(n.spec.id);
+      o->set_kind(ToProto(n.spec.kind));
+      o->set_address(n.spec.address);
+      o->set_live(n.live);
+      o->set_capacity_bytes(n.spec.capacity_bytes);
+      o->set_used_bytes(n.used_bytes);
+      o->set_active_sessions(n.active_sessions);
+      o->set_since_heartbeat_ms(
+          static_cast<uint64_t>(std::max<int64_t>(0, now - n.last_heartbeat_ms)));
+      o->set_placement_weight(n.live ? m.Weight(n) : 0.0);
+    }
+    return absl::OkStatus();
+  }();
+  return Finish(ctx, "ListNodes", s);
+}
+
+grpc::ServerUnaryReactor* ControllerService::GetPolicy(grpc::CallbackServerContext* ctx,
+                                                       const v1::GetPolicyRequest*,
+                                                       v1::GetPolicyResponse*) {
+  return Finish(ctx, "GetPolicy",
+                absl::UnimplementedError("per-model policies are not served yet: open sessions "
+                                         "with an explicit Policy"));
+}
+
+}  // namespace kvtier

@@ -1,0 +1,72 @@
+// The kvtier.v1.Controller service on gRPC's callback API, over
+// controller::Controller. Every call is in-memory work under short locks, so
+// each finishes on the callback thread that received it.
+#ifndef KVTIER_SERVICES_CONTROLLER_CONTROLLER_SERVICE_H_
+#define KVTIER_SERVICES_CONTROLLER_CONTROLLER_SERVICE_H_
+
+#include <memory>
+
+#include "controller/controller.h"
+#include "kvtier/v1/controller.grpc.pb.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/registry.h"
+#include "services/common/auth.h"
+
+namespace kvtier {
+
+// Prometheus metrics of kvtier-controller. Thread-safe.
+class ControllerMetrics {
+ public:
+  ControllerMetrics();
+  // Refreshes the gauges from the controller's state.
+  void Update(controller::Controller& c);
+  void Request(const char* method, bool ok);
+  void Placed() { placed_.Increment(); }
+  void DeclaredDead(size_t n) { dead_.Increment(static_cast<double>(n)); }
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Gauge>& nodes_;
+  prometheus::Gauge& placements_;
+  prometheus::Gauge& epoch_;
+  prometheus::Counter& placed_;
+  prometheus::Counter& dead_;
+  prometheus::Family<prometheus::Counter>& requests_;
+};
+
+// Thread-safe; the pointers are not owned and must outlive the service.
+class ControllerService final : public v1::Controller::CallbackService {
+ public:
+  ControllerService(controller::Controller* controller, const Authenticator* auth,
+                    ControllerMetrics* metrics);
+
+  grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* ctx,
+                                     const v1::RegisterRequest* req,
+                                     v1::RegisterResponse* resp) override;
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
+                                      const v1::HeartbeatRequest* req,
+                                      v1::HeartbeatResponse* resp) override;
+  grpc::ServerUnaryReactor* Route(grpc::CallbackServerContext* ctx, const v1::RouteRequest* req,
+                                  v1::RouteResponse* resp) override;
+  grpc::ServerUnaryReactor* ListNodes(grpc::CallbackServerContext* ctx,
+                                      const v1::ListNodesRequest* req,
+                                      v1::ListNodesResponse* resp) override;
+  grpc::ServerUnaryReactor* GetPolicy(grpc::CallbackServerContext* ctx,
+                                      const v1::GetPolicyRequest* req,
+                                      v1::GetPolicyResponse* resp) override;
+
+ private:
+  grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* ctx, const char* method,
+                                   const absl::Status& s);
+
+  controller::Controller* const controller_;
+  const Authenticator* const auth_;
+  ControllerMetrics* const metrics_;
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVICES_CONTROLLER_CONTROLLER_SERVICE_H_

@@ -1,0 +1,136 @@
+// kvtier-controller over loopback gRPC: node registration and leases with
+// real time, routes for tenants, the statuses of the contract.
+#include "services/controller/controller_server.h"
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "grpcpp/create_channel.h"
+#include "gtest/gtest.h"
+#include "testing/test_util.h"
+
+namespace kvtier {
+namespace {
+
+constexpr char kNodeToken[] = "node-token-00001";
+constexpr char kAcmeToken[] = "acme-token-00001";
+
+class ControllerServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    testing::WriteFile(dir_.path() + "/tenants", absl::StrCat(kNodeToken, " nodes node\n",
+                                                              kAcmeToken, " acme readwrite\n"));
+    ControllerServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.metrics_listen = "";
+    o.tenants_file = dir_.path() + "/tenants";
+    o.controller.membership.heartbeat_interval = absl::Milliseconds(100);
+    o.controller.membership.missed_heartbeats = 3;
+    o.controller.membership.warmup = absl::ZeroDuration();
+    o.controller.replicas = 2;
+    auto s = ControllerServer::Start(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = std::move(*s);
+    stub_ = v1::Controller::NewStub(grpc::CreateChannel(
+        absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials()));
+  }
+
+  std::unique_ptr<grpc::ClientContext> Ctx(const std::string& token) {
+    auto c = std::make_unique<grpc::ClientContext>();
+    c->AddMetadata("authorization", "Bearer " + token);
+    c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    return c;
+  }
+  grpc::Status Register(const std::string& id, v1::NodeKind kind, const std::string& addr,
+                        const std::string& token = kNodeToken) {
+    v1::RegisterRequest r;
+    r.set_node_id(id);
+    r.set_kind(kind);
+    r.set_address(addr);
+    v1::RegisterResponse resp;
+    auto c = Ctx(token);
+    grpc::Status s = stub_->Register(c.get(), r, &resp);
+    if (s.ok()) EXPECT_EQ(resp.heartbeat_interval_ms(), 100u);
+    return s;
+  }
+  grpc::Status Beat(const std::string& id) {
+    v1::HeartbeatRequest r;
+    r.set_node_id(id);
+    v1::HeartbeatResponse resp;
+    auto c = Ctx(kNodeToken);
+    return stub_->Heartbeat(c.get(), r, &resp);
+  }
+  grpc::Status Route(const std::string& session, v1::RouteResponse* resp) {
+    v1::RouteRequest r;
+    r.set_session_id(session);
+    auto c = Ctx(kAcmeToken);
+    return stub_->Route(c.get(), r, resp);
+  }
+  uint64_t Epoch() {
+    v1::ListNodesResponse resp;
+    auto c = Ctx(kAcmeToken);
+    EXPECT_TRUE(stub_->ListNodes(c.get(), {}, &resp).ok());
+    return resp.epoch();
+  }
+
+  testing::TempDir dir_;
+  std::unique_ptr<ControllerServer> server_;
+  std::unique_ptr<v1::Controller::Stub> stub_;
+};
+
+TEST_F(ControllerServiceTest, MembershipAndRoutes) {
+  v1::RouteResponse route;
+  EXPECT_EQ(Route("chat-1", &route).error_code(), grpc::StatusCode::UNAVAILABLE);
+  // Only node tokens register; kinds and addresses are checked.
+  EXPECT_EQ(Register("s1", v1::NODE_KIND_STORE, "10.0.0.1:7070", kAcmeToken).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(Register("s1", v1::NODE_KIND_STORE, "10.0.0.1:7070", "wrong-token-1").error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(Register("s1", v1::NODE_KIND_UNSPECIFIED, "10.0.0.1:7070").error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  ASSERT_TRUE(Register("s1", v1::NODE_KIND_STORE, "10.0.0.1:7070").ok());
+  ASSERT_TRUE(Register("s2", v1::NODE_KIND_STORE, "10.0.0.2:7070").ok());
+  ASSERT_TRUE(Register("s3", v1::NODE_KIND_STORE, "10.0.0.3:7070").ok());
+  ASSERT_TRUE(Register("w1", v1::NODE_KIND_WORKER, "10.0.1.1:7071").ok());
+  EXPECT_EQ(Register("w2", v1::NODE_KIND_WORKER, "10.0.1.1:7071").error_code(),
+            grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(Beat("nobody").error_code(), grpc::StatusCode::NOT_FOUND);
+
+  ASSERT_TRUE(Route("chat-1", &route).ok());
+  EXPECT_EQ(route.worker_address(), "10.0.1.1:7071");
+  ASSERT_EQ(route.store_addresses_size(), 2);
+  EXPECT_NE(route.store_addresses(0), route.store_addresses(1));
+  EXPECT_EQ(route.store_address(), route.store_addresses(0));
+  EXPECT_TRUE(route.placed_now());
+  const std::string gone = route.store_node_ids(0);
+  const uint64_t epoch = Epoch();
+  EXPECT_EQ(route.epoch(), epoch);
+
+  // Every node but `gone` keeps beating; `gone` misses its lease (300 ms).
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  bool dead = false;
+  while (!dead && absl::Now() < until) {
+    for (const char* id : {"s1", "s2", "s3", "w1"}) {
+      if (id != gone) ASSERT_TRUE(Beat(id).ok()) << id;
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+    dead = Epoch() != epoch;
+  }
+  ASSERT_TRUE(dead);
+  EXPECT_EQ(Beat(gone).error_code(), grpc::StatusCode::NOT_FOUND);
+  v1::RouteResponse again;
+  ASSERT_TRUE(Route("chat-1", &again).ok());
+  EXPECT_GT(again.epoch(), epoch);
+  EXPECT_TRUE(again.placed_now());
+  ASSERT_EQ(again.store_node_ids_size(), 2);
+  EXPECT_EQ(again.store_node_ids(0), route.store_node_ids(1));  // The survivor stays first.
+  EXPECT_NE(again.store_node_ids(1), gone);
+  // It comes back and may register again.
+  EXPECT_TRUE(Register(gone, v1::NODE_KIND_STORE, absl::StrCat("10.0.0.", gone.substr(1), ":7070"))
+                  .ok());
+  v1::GetPolicyResponse pol;
+  auto c = Ctx(kAcmeToken);
+  EXPECT_EQ(stub_->GetPolicy(c.get(), {}, &pol).error_code(), grpc::StatusCode::UNIMPLEMENTED);
+}
+
+}  // namespace
+}  // namespace kvtier

@@ -1,0 +1,61 @@
+// kvtier-controller: cluster membership and session placement.
+//
+// Every flag can also come from a config file: --flagfile=FILE holds one
+// "--flag=value" per line.
+#include <cstdio>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "base/log.h"
+#include "services/common/serve_main.h"
+#include "services/controller/controller_server.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:7072", "gRPC listen address (port 0 picks one).");
+ABSL_FLAG(std::string, port_file, "", "If set, the bound gRPC port is written here.");
+ABSL_FLAG(std::string, tenants_file, "",
+          "Bearer tokens (services/common/auth.h); nodes need role 'node'. Empty = auth off.");
+ABSL_FLAG(bool, allow_unauthenticated, false,
+          "Listen on a non-loopback address without --tenants_file.");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls_key enables TLS.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key.");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9472",
+          "Prometheus /metrics address; empty disables it.");
+ABSL_FLAG(std::string, metrics_port_file, "", "If set, the bound metrics port is written here.");
+ABSL_FLAG(int, heartbeat_interval_ms, 1000, "How often nodes must report.");
+ABSL_FLAG(int, missed_heartbeats, 3, "Heartbeats a node may miss before it is declared dead.");
+ABSL_FLAG(int, warmup_seconds, 30,
+          "A (re)joined node's share of new placements grows from 10% to all of it over this.");
+ABSL_FLAG(int, replicas, 1, "Store replicas per session (1 to 3).");
+ABSL_FLAG(int, placement_idle_hours, 24, "Forget placements unused this long.");
+ABSL_FLAG(std::string, log_level, "info", "debug, info, warn or error.");
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "kvtier-controller [--listen=ADDR] [--replicas=R] [--tenants_file=FILE] ...\n"
+      "Serves kvtier.v1.Controller: node membership with leases, and session placement on\n"
+      "workers and store replicas (docs/cluster.md).");
+  absl::ParseCommandLine(argc, argv);
+  kvtier::LogLevel level;
+  if (!kvtier::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {
+    std::fprintf(stderr, "kvtier-controller: --log_level must be debug, info, warn or error\n");
+    return 2;
+  }
+  kvtier::SetLogLevel(level);
+  kvtier::ControllerServerOptions o;
+  o.listen = absl::GetFlag(FLAGS_listen);
+  o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  o.tenants_file = absl::GetFlag(FLAGS_tenants_file);
+  o.allow_unauthenticated = absl::GetFlag(FLAGS_allow_unauthenticated);
+  o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  o.tls_key = absl::GetFlag(FLAGS_tls_key);
+  o.controller.membership.heartbeat_interval =
+      absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_interval_ms));
+  o.controller.membership.missed_heartbeats = absl::GetFlag(FLAGS_missed_heartbeats);
+  o.controller.membership.warmup = absl::Seconds(absl::GetFlag(FLAGS_warmup_seconds));
+  o.controller.replicas = absl::GetFlag(FLAGS_replicas);
+  o.controller.placement_idle = absl::Hours(absl::GetFlag(FLAGS_placement_idle_hours));
+  return kvtier::ServeUntilSignal<kvtier::ControllerServer>(
+      "kvtier-controller", [&o] { return kvtier::ControllerServer::Start(o); },
+      absl::GetFlag(FLAGS_port_file), absl::GetFlag(FLAGS_metrics_port_file));
+}
