@@ -6,6 +6,8 @@
 #include "gmock/gmock.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
+#include "services/worker/worker_server.h"
+#include "testing/store_process.h"
 #include "testing/test_util.h"
 
 namespace kvtier {
@@ -130,6 +132,61 @@ TEST_F(ControllerServiceTest, MembershipAndRoutes) {
   v1::GetPolicyResponse pol;
   auto c = Ctx(kAcmeToken);
   EXPECT_EQ(stub_->GetPolicy(c.get(), {}, &pol).error_code(), grpc::StatusCode::UNIMPLEMENTED);
+}
+
+// Real nodes join by themselves: a kvtier-store process and an in-process
+// kvtier-worker started with --controller register and keep their leases; a
+// killed store is declared dead, and a restarted one registers again.
+TEST_F(ControllerServiceTest, NodesJoinAndLeaveByThemselves) {
+  const std::string controller = absl::StrCat("127.0.0.1:", server_->port());
+  testing::StoreProcess store(dir_.path() + "/db",
+                              {"--controller=" + controller,
+                               std::string("--controller_token=") + kNodeToken,
+                               "--node_id=store-a"});
+  ASSERT_TRUE(store.Start().ok());
+  WorkerServerOptions wo;
+  wo.listen = "127.0.0.1:0";
+  wo.metrics_listen = "";
+  wo.store.target = store.target();
+  wo.cluster.controller = controller;
+  wo.cluster.controller_token = kNodeToken;
+  wo.cluster.node_id = "worker-a";
+  auto worker = WorkerServer::Start(wo);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+
+  auto live = [&](const std::string& id) {
+    v1::ListNodesResponse resp;
+    auto c = Ctx(kAcmeToken);
+    EXPECT_TRUE(stub_->ListNodes(c.get(), {}, &resp).ok());
+    for (const auto& n : resp.nodes()) {
+      if (n.node_id() == id) return n.live();
+    }
+    return false;
+  };
+  auto wait_for = [&](const std::string& id, bool want) {
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    while (live(id) != want && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+    return live(id) == want;
+  };
+  ASSERT_TRUE(wait_for("store-a", true));
+  ASSERT_TRUE(wait_for("worker-a", true));
+  v1::RouteResponse route;
+  ASSERT_TRUE(Route("chat-1", &route).ok());
+  EXPECT_EQ(route.store_address(), store.target());
+  EXPECT_EQ(route.worker_address(), absl::StrCat("127.0.0.1:", (*worker)->port()));
+  // Leases hold over several intervals.
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_TRUE(live("store-a"));
+  store.Kill();
+  ASSERT_TRUE(wait_for("store-a", false));
+  EXPECT_EQ(Route("chat-1", &route).error_code(), grpc::StatusCode::UNAVAILABLE);
+  ASSERT_TRUE(store.Start().ok());
+  ASSERT_TRUE(wait_for("store-a", true));
+  ASSERT_TRUE(Route("chat-1", &route).ok());
+  EXPECT_EQ(route.store_address(), store.target());
+  // A worker that shuts down stops its heartbeats and is declared dead.
+  worker->reset();
+  ASSERT_TRUE(wait_for("worker-a", false));
 }
 
 }  // namespace

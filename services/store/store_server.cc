@@ -53,6 +53,17 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
   }
   s->server_->GetHealthCheckService()->SetServingStatus(true);
+  {
+    cachestore::Store* store = s->store_.get();
+    const uint64_t capacity = options.store.ram_budget_bytes + options.store.disk_budget_bytes;
+    KVT_ASSIGN_OR_RETURN(
+        s->agent_, JoinCluster(options.cluster, v1::NODE_KIND_STORE, options.listen, s->port_,
+                               options.store.disk_budget_bytes == 0 ? 0 : capacity, [store] {
+                                 const cachestore::StoreStats st = store->Stats();
+                                 return NodeUsage{st.disk_bytes,
+                                                  static_cast<uint32_t>(st.sessions)};
+                               }));
+  }
   if (options.ttl_sweep_seconds > 0) {
     StoreServer* raw = s.get();
     s->sweeper_ = std::thread([raw] {
@@ -79,6 +90,7 @@ void StoreServer::Wait() { stop_.WaitForNotification(); }
 
 StoreServer::~StoreServer() {
   Shutdown();
+  agent_.reset();  // Stop heartbeats first: the controller sees the node leave.
   if (sweeper_.joinable()) sweeper_.join();
   if (server_ != nullptr) {
     server_->GetHealthCheckService()->SetServingStatus(false);

@@ -13,6 +13,7 @@
 #include "cachestore/store.h"
 #include "grpcpp/server.h"
 #include "services/common/auth.h"
+#include "services/common/cluster_join.h"
 #include "services/store/store_service.h"
 
 namespace kvtier {
@@ -39,6 +40,8 @@ struct StoreServerOptions {
   int ttl_sweep_seconds = 10;
   cachestore::StoreOptions store;
   StoreServiceOptions service;
+  // Joining a cluster (--controller); empty controller: standalone.
+  ClusterOptions cluster;
 };
 
 // Thread-safe. Shutdown() (or destruction) stops serving, waits for calls in
@@ -67,6 +70,7 @@ class StoreServer {
   std::unique_ptr<StoreMetrics> metrics_;
   std::unique_ptr<StoreService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<NodeAgent> agent_;  // Null outside a cluster.
   int port_ = 0;
   int metrics_port_ = 0;
   absl::Notification stop_;

@@ -56,6 +56,15 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
   }
   s->server_->GetHealthCheckService()->SetServingStatus(true);
+  {
+    worker::Engine* engine = s->engine_.get();
+    KVT_ASSIGN_OR_RETURN(
+        s->agent_, JoinCluster(options.cluster, v1::NODE_KIND_WORKER, options.listen, s->port_,
+                               options.engine.max_working_set_bytes, [engine] {
+                                 return NodeUsage{engine->TotalWorkingSetBytes(),
+                                                  static_cast<uint32_t>(engine->SessionCount())};
+                               }));
+  }
   LogInfo("kvtier-worker serving", {{"port", s->port_},
                                     {"metrics_port", s->metrics_port_},
                                     {"store", options.store.target},
@@ -76,6 +85,7 @@ std::string WorkerServer::RenderMetrics() const { return metrics_->Render(); }
 
 WorkerServer::~WorkerServer() {
   Shutdown();
+  agent_.reset();  // Stop heartbeats first: the controller sees the node leave.
   if (server_ != nullptr) {
     server_->GetHealthCheckService()->SetServingStatus(false);
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));

@@ -13,6 +13,7 @@
 #include "base/executor.h"
 #include "grpcpp/server.h"
 #include "services/common/auth.h"
+#include "services/common/cluster_join.h"
 #include "services/worker/policy_proto.h"
 #include "services/worker/store_segments.h"
 #include "services/worker/worker_service.h"
@@ -42,6 +43,8 @@ struct WorkerServerOptions {
   // Threads that run the calls reaching the store (OpenSession, EndRound,
   // CloseSession). Default: 8.
   int io_threads = 8;
+  // Joining a cluster (--controller); empty controller: standalone.
+  ClusterOptions cluster;
 };
 
 // Thread-safe.
@@ -71,6 +74,7 @@ class WorkerServer {
   std::unique_ptr<Executor> io_, compute_;
   std::unique_ptr<WorkerService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<NodeAgent> agent_;  // Null outside a cluster.
   int port_ = 0, metrics_port_ = 0;
   absl::Notification stop_;
 };

@@ -1,0 +1,38 @@
+// How a kvtier-store or kvtier-worker joins a cluster: with --controller set
+// it runs a NodeAgent (client/controller_client.h) that registers the node
+// and keeps its lease.
+#ifndef KVTIER_SERVICES_COMMON_CLUSTER_JOIN_H_
+#define KVTIER_SERVICES_COMMON_CLUSTER_JOIN_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "client/controller_client.h"
+
+namespace kvtier {
+
+struct ClusterOptions {
+  // kvtier-controller's host:port; empty: not in a cluster.
+  std::string controller;
+  // The node token for the controller; empty sends none.
+  std::string controller_token;
+  // This node's id; empty: its advertised address.
+  std::string node_id;
+  // host:port others reach this node at; empty: the listen address with the
+  // bound port (which must then name a specific host, not 0.0.0.0 or [::]).
+  std::string advertise;
+};
+
+// Starts the agent, or returns null when `cluster.controller` is empty.
+// INVALID_ARGUMENT when the address to advertise cannot be known.
+absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(const ClusterOptions& cluster,
+                                                       v1::NodeKind kind,
+                                                       const std::string& listen, int bound_port,
+                                                       uint64_t capacity_bytes,
+                                                       std::function<NodeUsage()> usage);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVICES_COMMON_CLUSTER_JOIN_H_
