@@ -920,5 +920,91 @@ TEST_F(WorkerServiceTest, MalformedInputIsInvalidArgument) {
   ASSERT_TRUE(EndRound(stub_.get(), "p", &end).ok());
 }
 
+// A session opened with store replicas keeps every round on each of them,
+// byte for byte; when its first replica dies, recalls come from the next;
+// a round that cannot reach every replica is refused (UNAVAILABLE, naming
+// the store) and leaves no half round behind.
+TEST(WorkerReplicationTest, RoundsLandOnEveryReplicaAndRecallsFallBack) {
+  testing::TempDir dir;
+  testing::StoreProcess a(dir.path() + "/a"), b(dir.path() + "/b");
+  ASSERT_TRUE(a.Start().ok());
+  ASSERT_TRUE(b.Start().ok());
+  WorkerServerOptions wo;
+  wo.listen = "127.0.0.1:0";
+  wo.metrics_listen = "";
+  wo.store.target = a.target();
+  wo.service.store_deadline = absl::Seconds(5);
+  auto worker = WorkerServer::Start(wo);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  auto stub = v1::Worker::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", (*worker)->port()), grpc::InsecureChannelCredentials()));
+  v1::OpenSessionRequest open;
+  open.set_session_id("r");
+  open.mutable_model()->set_num_layers(kLayers);
+  open.mutable_model()->set_num_q_heads(kQHeads);
+  open.mutable_model()->set_num_kv_heads(kKvHeads);
+  open.mutable_model()->set_head_dim(kDim);
+  open.mutable_model()->set_dtype(v1::DTYPE_FP16);
+  open.mutable_policy()->set_watershed_layer(1);
+  open.mutable_policy()->set_recall("all");
+  open.add_store_addresses(b.target());  // b first: the primary.
+  open.add_store_addresses(a.target());
+  {
+    v1::OpenSessionRequest bad = open;
+    bad.set_session_id("bad");
+    bad.add_store_addresses(a.target());  // Repeated.
+    grpc::ClientContext c;
+    v1::OpenSessionResponse r;
+    EXPECT_EQ(stub->OpenSession(&c, bad, &r).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  {
+    grpc::ClientContext c;
+    v1::OpenSessionResponse r;
+    ASSERT_TRUE(stub->OpenSession(&c, open, &r).ok());
+  }
+  std::mt19937 rng(11);
+  v1::EndRoundResponse end;
+  for (int round = 0; round < 2; ++round) {
+    ASSERT_TRUE(PrefillStep(stub.get(), "r", 4, &rng).ok());
+    ASSERT_TRUE(EndRound(stub.get(), "r", &end).ok());
+  }
+  auto client = [](const testing::StoreProcess& p) {
+    StoreClientOptions o;
+    o.target = p.target();
+    return std::move(StoreClient::Connect(o)).value();
+  };
+  auto ca = client(a), cb = client(b);
+  std::vector<v1::SegmentRef> refs;
+  for (uint32_t r = 0; r < 2; ++r) {
+    for (uint32_t g = 0; g < 2; ++g) {
+      v1::SegmentRef ref;
+      ref.set_round(r);
+      ref.set_segment(g);
+      refs.push_back(ref);
+    }
+  }
+  auto got_a = ca->GetSegments("r", refs);
+  auto got_b = cb->GetSegments("r", refs);
+  ASSERT_TRUE(got_a.ok()) << got_a.status();
+  ASSERT_TRUE(got_b.ok()) << got_b.status();
+  for (size_t i = 0; i < refs.size(); ++i) {
+    EXPECT_TRUE((*got_a)[i].payload == (*got_b)[i].payload) << "segment " << i;
+  }
+
+  // The primary dies: the next round's recall is served by the other.
+  b.Kill();
+  const uint64_t before = (*worker)->segments()->read_fallbacks();
+  const grpc::Status st = PrefillStep(stub.get(), "r", 4, &rng);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ((*worker)->segments()->read_fallbacks(), before + 1);
+  // The round cannot reach every replica: refused, and a holds no half of it.
+  const grpc::Status ended = EndRound(stub.get(), "r", &end);
+  EXPECT_EQ(ended.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(ended.error_message(), ::testing::HasSubstr(b.target()));
+  auto list = ca->ListRounds("r");
+  ASSERT_TRUE(list.ok());
+  EXPECT_EQ(list->rounds_size(), 2);
+}
+
 }  // namespace
 }  // namespace kvtier

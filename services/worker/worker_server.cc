@@ -26,7 +26,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
     return absl::InvalidArgumentError("kvtier-worker needs a store target (--store)");
   }
   KVT_ASSIGN_OR_RETURN(auto client, StoreClient::Connect(options.store));
-  s->segments_ = std::make_unique<StoreSegments>(std::move(client));
+  s->segments_ = std::make_unique<ReplicatedSegments>(
+      std::make_unique<StoreSegments>(std::move(client)), options.store);
   options.engine.store_deadline = options.service.store_deadline;
   for (const auto& [tenant, l] : s->auth_.Limits()) {
     options.engine.tenant_limits[tenant] = {l.max_sessions, l.max_working_set_bytes};
@@ -43,7 +44,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
   s->compute_ = std::make_unique<Executor>(compute);
   s->io_ = std::make_unique<Executor>(std::max(1, options.io_threads));
   s->service_ = std::make_unique<WorkerService>(s->engine_.get(), &s->auth_, s->metrics_.get(),
-                                                s->compute_.get(), s->io_.get(), options.service);
+                                                s->compute_.get(), s->io_.get(), options.service,
+                                                s->segments_.get());
   KVT_ASSIGN_OR_RETURN(auto creds, MakeServerCredentials(options.tls_cert, options.tls_key));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -15,6 +15,7 @@
 #include "services/common/auth.h"
 #include "services/common/cluster_join.h"
 #include "services/worker/policy_proto.h"
+#include "services/worker/replicated_segments.h"
 #include "services/worker/store_segments.h"
 #include "services/worker/worker_service.h"
 #include "worker/engine.h"
@@ -60,7 +61,7 @@ class WorkerServer {
   void Shutdown();
   void Wait();
   worker::Engine* engine() { return engine_.get(); }
-  StoreSegments* segments() { return segments_.get(); }
+  ReplicatedSegments* segments() { return segments_.get(); }
   std::string RenderMetrics() const;
 
  private:
@@ -68,7 +69,7 @@ class WorkerServer {
   // Destroyed in reverse order: the server first (no more callbacks), then
   // the executors (their queued tasks run), then the engine and the store.
   Authenticator auth_;
-  std::unique_ptr<StoreSegments> segments_;
+  std::unique_ptr<ReplicatedSegments> segments_;
   std::unique_ptr<worker::Engine> engine_;
   std::unique_ptr<WorkerMetrics> metrics_;
   std::unique_ptr<Executor> io_, compute_;

@@ -38,13 +38,14 @@ size_t DtypeBytes(v1::DType t) { return t == v1::DTYPE_FP16 || t == v1::DTYPE_BF
 
 WorkerService::WorkerService(worker::Engine* engine, const Authenticator* auth,
                              WorkerMetrics* metrics, Executor* compute, Executor* io,
-                             WorkerServiceOptions options)
+                             WorkerServiceOptions options, ReplicatedSegments* replicas)
     : engine_(engine),
       auth_(auth),
       metrics_(metrics),
       compute_(compute),
       io_(io),
-      options_(options) {}
+      options_(options),
+      replicas_(replicas) {}
 
 absl::StatusOr<worker::SessionKey> WorkerService::Key(const grpc::CallbackServerContext& ctx,
                                                       const std::string& session) const {
@@ -124,7 +125,24 @@ absl::Status WorkerService::DoOpenSession(grpc::CallbackServerContext& ctx,
   KVT_ASSIGN_OR_RETURN(worker::ModelShape shape, ShapeFromProto(req.model()));
   KVT_ASSIGN_OR_RETURN(worker::SessionPolicy policy,
                        PolicyFromProto(req.policy(), req.model().dtype()));
-  KVT_RETURN_IF_ERROR(engine_->OpenSession(id, shape, policy));
+  if (req.store_addresses_size() > 0) {
+    if (replicas_ == nullptr) {
+      return absl::FailedPreconditionError("this worker cannot use per-session store replicas");
+    }
+    if (engine_->Shape(id).ok()) {
+      return absl::AlreadyExistsError(absl::StrCat("session ", id.ToString(), " already exists"));
+    }
+    // Set before the session exists and undone if it cannot open: a
+    // session's rounds never go anywhere but its replicas.
+    KVT_RETURN_IF_ERROR(replicas_->SetReplicas(
+        id.tenant, id.session, {req.store_addresses().begin(), req.store_addresses().end()}));
+  }
+  if (absl::Status s = engine_->OpenSession(id, shape, policy); !s.ok()) {
+    if (req.store_addresses_size() > 0 && !absl::IsAlreadyExists(s)) {
+      replicas_->Forget(id.tenant, id.session);
+    }
+    return s;
+  }
   KVT_ASSIGN_OR_RETURN(worker::SessionPolicy eff, engine_->Policy(id));
   *resp->mutable_effective_policy() = EffectivePolicy(req.policy(), eff);
   KVT_ASSIGN_OR_RETURN(worker::SessionStats st, engine_->Stats(id));
@@ -154,7 +172,9 @@ absl::Status WorkerService::DoCloseSession(grpc::CallbackServerContext& ctx,
                                            const v1::CloseSessionRequest& req,
                                            v1::CloseSessionResponse*) {
   KVT_ASSIGN_OR_RETURN(worker::SessionKey id, Key(ctx, req.session_id()));
-  return engine_->CloseSession(id, req.delete_from_store(), StoreCall(ctx));
+  absl::Status s = engine_->CloseSession(id, req.delete_from_store(), StoreCall(ctx));
+  if (replicas_ != nullptr && !absl::IsNotFound(s)) replicas_->Forget(id.tenant, id.session);
+  return s;
 }
 
 grpc::ServerReadReactor<v1::TransferChunk>* WorkerService::TransferSession(

@@ -15,6 +15,7 @@
 #include "grpcpp/support/server_callback.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "services/common/auth.h"
+#include "services/worker/replicated_segments.h"
 #include "services/worker/worker_metrics.h"
 #include "worker/engine.h"
 
@@ -43,8 +44,11 @@ class WorkerService final
                   v1::Worker::WithRawCallbackMethod_CloseSession<
                       v1::Worker::WithCallbackMethod_TransferSession<v1::Worker::Service>>>>>> {
  public:
+  // `replicas`, when set, is the engine's store: sessions opened with
+  // store_addresses keep their rounds on those stores.
   WorkerService(worker::Engine* engine, const Authenticator* auth, WorkerMetrics* metrics,
-                Executor* compute, Executor* io, WorkerServiceOptions options = {});
+                Executor* compute, Executor* io, WorkerServiceOptions options = {},
+                ReplicatedSegments* replicas = nullptr);
 
   grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* ctx,
                                         const grpc::ByteBuffer* req,
@@ -94,6 +98,7 @@ class WorkerService final
   Executor* compute_;
   Executor* io_;
   const WorkerServiceOptions options_;
+  ReplicatedSegments* const replicas_;  // May be null.
 };
 
 }  // namespace kvtier

@@ -1,0 +1,130 @@
+#include "services/worker/replicated_segments.h"
+
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "base/log.h"
+
+namespace kvtier {
+namespace {
+
+absl::Status Named(const absl::Status& s, const std::string& address) {
+  return absl::Status(s.code(), absl::StrCat("store ", address, ": ", s.message()));
+}
+
+}  // namespace
+
+ReplicatedSegments::ReplicatedSegments(std::unique_ptr<StoreSegments> primary,
+                                       StoreClientOptions replica_options)
+    : primary_(std::move(primary)), replica_options_(std::move(replica_options)) {}
+
+absl::Status ReplicatedSegments::SetReplicas(const std::string& tenant,
+                                             const std::string& session,
+                                             const std::vector<std::string>& addresses) {
+  if (addresses.size() > 3) {
+    return absl::InvalidArgumentError("at most 3 store replicas per session");
+  }
+  std::set<std::string> seen;
+  for (const std::string& a : addresses) {
+    if (a.empty() || !seen.insert(a).second) {
+      return absl::InvalidArgumentError(absl::StrCat("store replica address '", a,
+                                                     "' is empty or repeated"));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  for (const std::string& a : addresses) {
+    if (pool_.count(a) != 0) continue;
+    StoreClientOptions o = replica_options_;
+    o.target = a;
+    absl::StatusOr<std::unique_ptr<StoreClient>> c = StoreClient::Connect(o);
+    if (!c.ok()) return c.status();
+    pool_[a] = std::make_unique<StoreSegments>(std::move(*c));
+  }
+  if (addresses.empty()) {
+    replicas_.erase({tenant, session});
+  } else {
+    replicas_[{tenant, session}] = addresses;
+  }
+  return absl::OkStatus();
+}
+
+void ReplicatedSegments::Forget(const std::string& tenant, const std::string& session) {
+  absl::MutexLock lock(&mu_);
+  replicas_.erase({tenant, session});
+}
+
+std::vector<std::pair<std::string, StoreSegments*>> ReplicatedSegments::For(
+    const CallOptions& call, const std::string& session) {
+  absl::MutexLock lock(&mu_);
+  auto it = replicas_.find({call.tenant, session});
+  if (it == replicas_.end()) return {{"--store", primary_.get()}};
+  std::vector<std::pair<std::string, StoreSegments*>> out;
+  for (const std::string& a : it->second) out.emplace_back(a, pool_.at(a).get());
+  return out;
+}
+
+absl::Status ReplicatedSegments::Put(const std::string& session, const Segment& s,
+                                     uint32_t layer_begin, uint32_t layer_end,
+                                     std::string_view payload, const CallOptions& call) {
+  // Every replica, in order: the round is stored when all hold it.
+  for (const auto& [address, store] : For(call, session)) {
+    absl::Status st = store->Put(session, s, layer_begin, layer_end, payload, call);
+    if (!st.ok()) return Named(st, address);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::string>> ReplicatedSegments::Get(
+    const std::string& session, const std::vector<Segment>& segments, const CallOptions& call) {
+  const auto stores = For(call, session);
+  absl::Status last;
+  for (size_t i = 0; i < stores.size(); ++i) {
+    absl::StatusOr<std::vector<std::string>> got = stores[i].second->Get(session, segments, call);
+    if (got.ok()) {
+      if (i > 0) {
+        read_fallbacks_.fetch_add(1);
+        LogWarn("recall served by a later replica",
+                {{"session", session}, {"store", stores[i].first}, {"skipped", i}});
+      }
+      return got;
+    }
+    last = Named(got.status(), stores[i].first);
+    const absl::StatusCode c = got.status().code();
+    const bool next = c == absl::StatusCode::kUnavailable || c == absl::StatusCode::kNotFound ||
+                      (c == absl::StatusCode::kDeadlineExceeded && absl::Now() < call.deadline);
+    if (!next) break;
+  }
+  return last;
+}
+
+absl::Status ReplicatedSegments::Delete(const std::string& session, const CallOptions& call) {
+  absl::Status first;
+  for (const auto& [address, store] : For(call, session)) {
+    absl::Status st = store->Delete(session, call);
+    if (!st.ok() && first.ok()) first = Named(st, address);
+  }
+  return first;
+}
+
+absl::Status ReplicatedSegments::DropRound(const std::string& session, uint32_t round,
+                                           const CallOptions& call) {
+  absl::Status first;
+  for (const auto& [address, store] : For(call, session)) {
+    absl::Status st = store->DropRound(session, round, call);
+    if (!st.ok() && first.ok()) first = Named(st, address);
+  }
+  return first;
+}
+
+absl::Status ReplicatedSegments::RecordRecalls(const std::string& session,
+                                               const std::vector<uint32_t>& rounds,
+                                               const CallOptions& call) {
+  absl::Status first;
+  for (const auto& [address, store] : For(call, session)) {
+    absl::Status st = store->RecordRecalls(session, rounds, call);
+    if (!st.ok() && first.ok()) first = Named(st, address);
+  }
+  return first;
+}
+
+}  // namespace kvtier
