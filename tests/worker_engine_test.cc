@@ -508,6 +508,20 @@ TEST_F(WorkerEngineTest, BadValuesAreRefusedWhereTheyArrive) {
 
 // The session cap and the working-set budget: RESOURCE_EXHAUSTED at the
 // edge, with every session left as it was.
+// One whole prefill step of n random tokens for `id`.
+absl::Status PrefillAll(Engine& engine, const worker::SessionKey& id, int64_t n,
+                        std::mt19937* rng) {
+  const int d = kShape.head_dim;
+  for (int l = 0; l < kShape.layers; ++l) {
+    const auto q = Random(n * kShape.q_heads * d, rng), k = Random(n * kShape.kv_heads * d, rng),
+               v = Random(n * kShape.kv_heads * d, rng);
+    std::vector<float> out(q.size());
+    auto r = engine.PrefillLayer(id, l, n, 0, q.data(), k.data(), v.data(), out.data());
+    if (!r.ok()) return r.status();
+  }
+  return absl::OkStatus();
+}
+
 TEST_F(WorkerEngineTest, SessionCapAndWorkingSetBudget) {
   worker::EngineOptions o{KernelLevel::kReference};
   o.max_sessions = 2;
@@ -519,17 +533,7 @@ TEST_F(WorkerEngineTest, SessionCapAndWorkingSetBudget) {
   EXPECT_THAT(engine.OpenSession("c", kShape, {}), StatusIs(absl::StatusCode::kResourceExhausted));
   std::mt19937 rng(7);
   const int d = kShape.head_dim;
-  auto prefill = [&](const std::string& id, int64_t n) -> absl::Status {
-    for (int l = 0; l < kShape.layers; ++l) {
-      const auto q = Random(n * kShape.q_heads * d, &rng),
-                 k = Random(n * kShape.kv_heads * d, &rng),
-                 v = Random(n * kShape.kv_heads * d, &rng);
-      std::vector<float> out(q.size());
-      auto r = engine.PrefillLayer(id, l, n, 0, q.data(), k.data(), v.data(), out.data());
-      if (!r.ok()) return r.status();
-    }
-    return absl::OkStatus();
-  };
+  auto prefill = [&](const std::string& id, int64_t n) { return PrefillAll(engine, id, n, &rng); };
   KVT_ASSERT_OK(prefill("a", 6));
   EXPECT_EQ(engine.TotalWorkingSetBytes(), 6u * 4 * 2 * 16 * 2 * 2);
   EXPECT_THAT(prefill("b", 6), StatusIs(absl::StatusCode::kResourceExhausted));
@@ -566,17 +570,8 @@ TEST_F(WorkerEngineTest, PerTenantLimits) {
               StatusIs(absl::StatusCode::kResourceExhausted, ::testing::HasSubstr("tenant 'acme'")));
   KVT_ASSERT_OK(engine.OpenSession(b1, kShape, {}));
   std::mt19937 rng(9);
-  const int d = kShape.head_dim;
-  auto prefill = [&](const worker::SessionKey& id, int64_t n) -> absl::Status {
-    for (int l = 0; l < kShape.layers; ++l) {
-      const auto q = Random(n * kShape.q_heads * d, &rng),
-                 k = Random(n * kShape.kv_heads * d, &rng),
-                 v = Random(n * kShape.kv_heads * d, &rng);
-      std::vector<float> out(q.size());
-      auto r = engine.PrefillLayer(id, l, n, 0, q.data(), k.data(), v.data(), out.data());
-      if (!r.ok()) return r.status();
-    }
-    return absl::OkStatus();
+  auto prefill = [&](const worker::SessionKey& id, int64_t n) {
+    return PrefillAll(engine, id, n, &rng);
   };
   KVT_ASSERT_OK(prefill(a1, 8));
   EXPECT_THAT(prefill(a2, 4),

@@ -40,6 +40,22 @@ std::vector<float> Floats(const v1::DenseTensor& t) {
   return x;
 }
 
+// The tests' session: the small model above, L_w = 1, recall "all".
+v1::OpenSessionRequest OpenRequest(const std::string& id) {
+  v1::OpenSessionRequest r;
+  r.set_session_id(id);
+  r.mutable_model()->set_num_layers(kLayers);
+  r.mutable_model()->set_num_q_heads(kQHeads);
+  r.mutable_model()->set_num_kv_heads(kKvHeads);
+  r.mutable_model()->set_head_dim(kDim);
+  r.mutable_model()->set_dtype(v1::DTYPE_FP16);
+  r.mutable_model()->set_rope_theta(10000);
+  r.mutable_policy()->set_watershed_layer(1);
+  r.mutable_policy()->set_recall("all");
+  r.mutable_policy()->set_release_after_end_round(true);
+  return r;
+}
+
 class WorkerServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -47,20 +63,7 @@ class WorkerServiceTest : public ::testing::Test {
     stub_ = v1::Worker::NewStub(stack_.channel());
   }
 
-  v1::OpenSessionRequest Open(const std::string& id) {
-    v1::OpenSessionRequest r;
-    r.set_session_id(id);
-    r.mutable_model()->set_num_layers(kLayers);
-    r.mutable_model()->set_num_q_heads(kQHeads);
-    r.mutable_model()->set_num_kv_heads(kKvHeads);
-    r.mutable_model()->set_head_dim(kDim);
-    r.mutable_model()->set_dtype(v1::DTYPE_FP16);
-    r.mutable_model()->set_rope_theta(10000);
-    r.mutable_policy()->set_watershed_layer(1);
-    r.mutable_policy()->set_recall("all");
-    r.mutable_policy()->set_release_after_end_round(true);
-    return r;
-  }
+  v1::OpenSessionRequest Open(const std::string& id) { return OpenRequest(id); }
 
   testing::WorkerStack stack_;
   std::unique_ptr<v1::Worker::Stub> stub_;
@@ -726,16 +729,8 @@ TEST(WorkerTenantTest, TenantsCannotReachEachOther) {
   auto open = [&](const std::string& id, const std::string& token) {
     grpc::ClientContext c;
     c.AddMetadata("authorization", "Bearer " + token);
-    v1::OpenSessionRequest r;
-    r.set_session_id(id);
-    r.mutable_model()->set_num_layers(kLayers);
-    r.mutable_model()->set_num_q_heads(kQHeads);
-    r.mutable_model()->set_num_kv_heads(kKvHeads);
-    r.mutable_model()->set_head_dim(kDim);
-    r.mutable_model()->set_dtype(v1::DTYPE_FP16);
-    r.mutable_policy()->set_watershed_layer(1);
     v1::OpenSessionResponse resp;
-    return stub->OpenSession(&c, r, &resp);
+    return stub->OpenSession(&c, OpenRequest(id), &resp);
   };
   auto close = [&](const std::string& id, const std::string& token) {
     grpc::ClientContext c;
@@ -938,15 +933,7 @@ TEST(WorkerReplicationTest, RoundsLandOnEveryReplicaAndRecallsFallBack) {
   ASSERT_TRUE(worker.ok()) << worker.status();
   auto stub = v1::Worker::NewStub(grpc::CreateChannel(
       absl::StrCat("127.0.0.1:", (*worker)->port()), grpc::InsecureChannelCredentials()));
-  v1::OpenSessionRequest open;
-  open.set_session_id("r");
-  open.mutable_model()->set_num_layers(kLayers);
-  open.mutable_model()->set_num_q_heads(kQHeads);
-  open.mutable_model()->set_num_kv_heads(kKvHeads);
-  open.mutable_model()->set_head_dim(kDim);
-  open.mutable_model()->set_dtype(v1::DTYPE_FP16);
-  open.mutable_policy()->set_watershed_layer(1);
-  open.mutable_policy()->set_recall("all");
+  v1::OpenSessionRequest open = OpenRequest("r");
   open.add_store_addresses(b.target());  // b first: the primary.
   open.add_store_addresses(a.target());
   {

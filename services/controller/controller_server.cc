@@ -3,10 +3,8 @@
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
 #include "base/status_macros.h"
-#include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "grpcpp/server_builder.h"
-#include "services/common/server_credentials.h"
+#include "services/common/grpc_server.h"
 
 namespace kvtier {
 
@@ -35,17 +33,9 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
   }
   s->service_ = std::make_unique<ControllerService>(s->controller_.get(), &s->auth_,
                                                     s->metrics_registry_.get());
-  KVT_ASSIGN_OR_RETURN(auto creds, MakeServerCredentials(options.tls_cert, options.tls_key));
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, creds, &s->port_);
-  builder.RegisterService(s->service_.get());
-  s->server_ = builder.BuildAndStart();
-  if (s->server_ == nullptr || s->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
-  }
-  s->server_->GetHealthCheckService()->SetServingStatus(true);
+  KVT_ASSIGN_OR_RETURN(s->server_,
+                       StartGrpcServer({options.listen, options.tls_cert, options.tls_key, {}},
+                                       s->service_.get(), &s->port_));
   // Leases are checked twice per heartbeat interval.
   ControllerServer* raw = s.get();
   const absl::Duration tick = m.heartbeat_interval / 2;

@@ -12,6 +12,7 @@
 #include "absl/flags/usage.h"
 #include "base/log.h"
 #include "base/memory.h"
+#include "services/common/cluster_flags.h"
 #include "services/common/serve_main.h"
 #include "services/store/store_server.h"
 
@@ -47,12 +48,6 @@ ABSL_FLAG(uint32_t, default_ttl_seconds, 7 * 24 * 3600,
 ABSL_FLAG(int, ttl_sweep_seconds, 10, "Seconds between TTL sweeps; 0 disables them.");
 ABSL_FLAG(std::string, tenants_file, "",
           "Bearer tokens per tenant (token tenant role [quota_bytes]); empty = auth off.");
-ABSL_FLAG(std::string, controller, "",
-          "kvtier-controller host:port to register with and heartbeat; empty: standalone.");
-ABSL_FLAG(std::string, controller_token, "", "Node token for --controller.");
-ABSL_FLAG(std::string, node_id, "", "This node's id in the cluster; empty: its --advertise.");
-ABSL_FLAG(std::string, advertise, "",
-          "host:port the cluster reaches this node at; empty: --listen's host and bound port.");
 ABSL_FLAG(bool, allow_unauthenticated, false,
           "Listen on a non-loopback address without --tenants_file (every caller is tenant "
           "'default'); without it such a start is refused.");
@@ -85,10 +80,7 @@ int main(int argc, char** argv) {
   o.tls_key = absl::GetFlag(FLAGS_tls_key);
   o.tenants_file = absl::GetFlag(FLAGS_tenants_file);
   o.allow_unauthenticated = absl::GetFlag(FLAGS_allow_unauthenticated);
-  o.cluster.controller = absl::GetFlag(FLAGS_controller);
-  o.cluster.controller_token = absl::GetFlag(FLAGS_controller_token);
-  o.cluster.node_id = absl::GetFlag(FLAGS_node_id);
-  o.cluster.advertise = absl::GetFlag(FLAGS_advertise);
+  o.cluster = kvtier::ClusterOptionsFromFlags();
   o.executor_threads = absl::GetFlag(FLAGS_executor_threads);
   o.ttl_sweep_seconds = absl::GetFlag(FLAGS_ttl_sweep_seconds);
   o.store.path = absl::GetFlag(FLAGS_data_dir);

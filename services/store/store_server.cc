@@ -4,11 +4,9 @@
 #include "base/executor.h"
 #include "base/log.h"
 #include "base/status_macros.h"
-#include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "grpcpp/server_builder.h"
 #include "rpc/transport_args.h"
-#include "services/common/server_credentials.h"
+#include "services/common/grpc_server.h"
 #include "services/store/store_metrics.h"
 #include "services/store/store_service.h"
 
@@ -37,22 +35,15 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
   s->service_ =
       std::make_unique<StoreService>(s->store_.get(), s->quotas_.get(), &s->auth_,
                                      s->executor_.get(), s->metrics_.get(), options.service);
-  KVT_ASSIGN_OR_RETURN(auto creds, MakeServerCredentials(options.tls_cert, options.tls_key));
-
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, creds, &s->port_);
-  builder.RegisterService(s->service_.get());
-  // Payloads stream in ~1 MiB chunks; 8 MiB leaves room for framing without
-  // letting one message grow unbounded.
-  builder.SetMaxReceiveMessageSize(8 << 20);
-  ApplyBulkTransportArgs(&builder);
-  s->server_ = builder.BuildAndStart();
-  if (s->server_ == nullptr || s->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
-  }
-  s->server_->GetHealthCheckService()->SetServingStatus(true);
+  GrpcServerSpec spec{options.listen, options.tls_cert, options.tls_key,
+                      [](grpc::ServerBuilder& b) {
+                        // Payloads stream in ~1 MiB chunks; 8 MiB leaves room
+                        // for framing without letting one message grow
+                        // unbounded.
+                        b.SetMaxReceiveMessageSize(8 << 20);
+                        ApplyBulkTransportArgs(&b);
+                      }};
+  KVT_ASSIGN_OR_RETURN(s->server_, StartGrpcServer(spec, s->service_.get(), &s->port_));
   {
     cachestore::Store* store = s->store_.get();
     const uint64_t capacity = options.store.ram_budget_bytes + options.store.disk_budget_bytes;

@@ -8,6 +8,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "base/log.h"
+#include "services/common/cluster_flags.h"
 #include "services/common/serve_main.h"
 #include "services/worker/worker_server.h"
 #include "worker/device_attention.h"
@@ -18,12 +19,6 @@ ABSL_FLAG(std::string, store, "", "kvtier-store address host:port. Required.");
 ABSL_FLAG(std::string, store_token, "", "Bearer token for kvtier-store (empty: none).");
 ABSL_FLAG(std::string, store_tls_root_certs, "", "PEM file of the store's CA; empty: plaintext.");
 ABSL_FLAG(std::string, tenants_file, "", "Tenants file; empty turns authentication off.");
-ABSL_FLAG(std::string, controller, "",
-          "kvtier-controller host:port to register with and heartbeat; empty: standalone.");
-ABSL_FLAG(std::string, controller_token, "", "Node token for --controller.");
-ABSL_FLAG(std::string, node_id, "", "This node's id in the cluster; empty: its --advertise.");
-ABSL_FLAG(std::string, advertise, "",
-          "host:port the cluster reaches this node at; empty: --listen's host and bound port.");
 ABSL_FLAG(bool, allow_unauthenticated, false,
           "Listen on a non-loopback address without --tenants_file (every caller is tenant "
           "'default'); without it such a start is refused.");
@@ -75,10 +70,7 @@ int main(int argc, char** argv) {
   o.tls_key = absl::GetFlag(FLAGS_tls_key);
   o.tenants_file = absl::GetFlag(FLAGS_tenants_file);
   o.allow_unauthenticated = absl::GetFlag(FLAGS_allow_unauthenticated);
-  o.cluster.controller = absl::GetFlag(FLAGS_controller);
-  o.cluster.controller_token = absl::GetFlag(FLAGS_controller_token);
-  o.cluster.node_id = absl::GetFlag(FLAGS_node_id);
-  o.cluster.advertise = absl::GetFlag(FLAGS_advertise);
+  o.cluster = kvtier::ClusterOptionsFromFlags();
   if (absl::GetFlag(FLAGS_store_deadline_ms) < 1) {
     std::fprintf(stderr, "kvtier-worker: --store_deadline_ms must be at least 1\n");
     return 2;
