@@ -43,10 +43,11 @@ TEST(PlacementTest, DeterministicAndWeighted) {
 // One node of N joining or leaving moves about 1/N of the keys, and only
 // to (or from) that node.
 TEST(PlacementTest, OneNodeMovesAboutOneNth) {
-  std::vector<std::string> ids = {"n1", "n2", "n3", "n4"};
-  const std::vector<Candidate> four = Nodes(ids);
-  ids.push_back("n5");
-  const std::vector<Candidate> five = Nodes(ids);
+  // Candidates view their ids: each list keeps its own.
+  const std::vector<std::string> ids4 = {"n1", "n2", "n3", "n4"};
+  const std::vector<std::string> ids5 = {"n1", "n2", "n3", "n4", "n5"};
+  const std::vector<Candidate> four = Nodes(ids4);
+  const std::vector<Candidate> five = Nodes(ids5);
   constexpr int kKeys = 20000;
   int moved = 0;
   for (int i = 0; i < kKeys; ++i) {
