@@ -10,6 +10,7 @@
 #include "gtest/gtest.h"
 #include "kernels/attention.h"
 #include "kernels/half.h"
+#include "services/controller/controller_server.h"
 #include "services/worker/worker_server.h"
 #include "testing/test_util.h"
 #include "tests/util/status_matchers.h"
@@ -991,6 +992,118 @@ TEST(WorkerReplicationTest, RoundsLandOnEveryReplicaAndRecallsFallBack) {
   auto list = ca->ListRounds("r");
   ASSERT_TRUE(list.ok());
   EXPECT_EQ(list->rounds_size(), 2);
+}
+
+// With a controller, a dead replica is replaced: three real stores and a
+// worker join kvtier-controller (R = 2); the session's primary is killed;
+// once the controller has declared it dead, the next round lands on the
+// surviving replica and the store that replaces the dead one.
+TEST(WorkerReplicationTest, ADeadReplicaIsReplacedThroughTheController) {
+  testing::TempDir dir;
+  const std::string tenants = dir.path() + "/tenants";
+  testing::WriteFile(tenants,
+                     "node-token-00001 nodes node\n"
+                     "acme-token-00001 acme  readwrite\n");
+  ControllerServerOptions co;
+  co.listen = "127.0.0.1:0";
+  co.metrics_listen = "";
+  co.tenants_file = tenants;
+  co.controller.replicas = 2;
+  co.controller.membership.heartbeat_interval = absl::Milliseconds(100);
+  co.controller.membership.warmup = absl::ZeroDuration();
+  auto controller = ControllerServer::Start(co);
+  ASSERT_TRUE(controller.ok()) << controller.status();
+  const std::string target = absl::StrCat("127.0.0.1:", (*controller)->port());
+  std::vector<std::unique_ptr<testing::StoreProcess>> stores;
+  for (const char* id : {"s-a", "s-b", "s-c"}) {
+    stores.push_back(std::make_unique<testing::StoreProcess>(
+        dir.path() + "/" + id,
+        std::vector<std::string>{"--controller=" + target, "--controller_token=node-token-00001",
+                                 std::string("--node_id=") + id}));
+    ASSERT_TRUE(stores.back()->Start().ok());
+  }
+  WorkerServerOptions wo;
+  wo.listen = "127.0.0.1:0";
+  wo.metrics_listen = "";
+  wo.tenants_file = tenants;
+  wo.store.target = stores[0]->target();
+  wo.cluster.controller = target;
+  wo.cluster.controller_token = "node-token-00001";
+  wo.cluster.node_id = "w-a";
+  auto worker = WorkerServer::Start(wo);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  controller::Controller* ctl = (*controller)->controller();
+  auto live = [&](controller::NodeKind k) { return ctl->membership().Live(k).size(); };
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while ((live(controller::NodeKind::kStore) < 3 || live(controller::NodeKind::kWorker) < 1) &&
+         absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_EQ(live(controller::NodeKind::kStore), 3u);
+
+  // The engine routes the session as its tenant and opens it on the worker.
+  KVT_ASSERT_OK_AND_ASSIGN(controller::Placement pl, ctl->Route("acme", "chat"));
+  ASSERT_EQ(pl.stores.size(), 2u);
+  auto stub = v1::Worker::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", (*worker)->port()), grpc::InsecureChannelCredentials()));
+  v1::OpenSessionRequest open = OpenRequest("chat");
+  for (const auto& st : pl.stores) open.add_store_addresses(st.spec.address);
+  {
+    grpc::ClientContext c;
+    c.AddMetadata("authorization", "Bearer acme-token-00001");
+    v1::OpenSessionResponse r;
+    ASSERT_TRUE(stub->OpenSession(&c, open, &r).ok());
+  }
+  const std::string token = "acme-token-00001";
+  std::mt19937 rng(5);
+  v1::EndRoundResponse end;
+  ASSERT_TRUE(PrefillStep(stub.get(), "chat", 4, &rng, absl::Seconds(30), token).ok());
+  ASSERT_TRUE(EndRound(stub.get(), "chat", &end, absl::Seconds(30), token).ok());
+
+  // The primary dies, and the controller notices.
+  testing::StoreProcess* primary = nullptr;
+  testing::StoreProcess* survivor = nullptr;
+  testing::StoreProcess* spare = nullptr;
+  for (auto& st : stores) {
+    if (st->target() == pl.stores[0].spec.address) {
+      primary = st.get();
+    } else if (st->target() == pl.stores[1].spec.address) {
+      survivor = st.get();
+    } else {
+      spare = st.get();
+    }
+  }
+  ASSERT_TRUE(primary != nullptr && survivor != nullptr && spare != nullptr);
+  primary->Kill();
+  const absl::Time dead_by = absl::Now() + absl::Seconds(10);
+  while (live(controller::NodeKind::kStore) != 2 && absl::Now() < dead_by) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_EQ(live(controller::NodeKind::kStore), 2u);
+
+  // The next round: its recall falls back to the survivor, and it is
+  // stored on the survivor and the spare.
+  ASSERT_TRUE(PrefillStep(stub.get(), "chat", 4, &rng, absl::Seconds(30), token).ok());
+  const grpc::Status ended = EndRound(stub.get(), "chat", &end, absl::Seconds(30), token);
+  ASSERT_TRUE(ended.ok()) << ended.error_message();
+  EXPECT_EQ(end.round(), 1u);
+  EXPECT_EQ((*worker)->segments()->reroutes(), 1u);
+  auto rounds_on = [&](testing::StoreProcess* p) {
+    StoreClientOptions o;
+    o.target = p->target();
+    auto c = std::move(StoreClient::Connect(o)).value();
+    CallOptions as_acme;
+    as_acme.tenant = "acme";
+    auto list = c->ListRounds("chat", as_acme);
+    std::vector<uint32_t> out;
+    if (list.ok()) {
+      for (const auto& r : list->rounds()) out.push_back(r.round());
+    }
+    return out;
+  };
+  EXPECT_THAT(rounds_on(survivor), ::testing::ElementsAre(0u, 1u));
+  // The spare holds the new round; copying round 0 to it is repair's job.
+  EXPECT_THAT(rounds_on(spare), ::testing::ElementsAre(1u));
 }
 
 }  // namespace

@@ -1,8 +1,10 @@
 #include "services/worker/replicated_segments.h"
 
+#include <algorithm>
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/log.h"
 
 namespace kvtier {
@@ -67,11 +69,46 @@ absl::Status ReplicatedSegments::Put(const std::string& session, const Segment& 
                                      uint32_t layer_begin, uint32_t layer_end,
                                      std::string_view payload, const CallOptions& call) {
   // Every replica, in order: the round is stored when all hold it.
-  for (const auto& [address, store] : For(call, session)) {
-    absl::Status st = store->Put(session, s, layer_begin, layer_end, payload, call);
-    if (!st.ok()) return Named(st, address);
+  std::set<std::string> done;
+  for (int attempt = 0;; ++attempt) {
+    absl::Status failed;
+    std::string failed_at;
+    for (const auto& [address, store] : For(call, session)) {
+      if (done.count(address) != 0) continue;
+      absl::Status st = store->Put(session, s, layer_begin, layer_end, payload, call);
+      if (!st.ok()) {
+        failed = st;
+        failed_at = address;
+        break;
+      }
+      done.insert(address);
+    }
+    if (failed.ok()) return absl::OkStatus();
+    // Only at a round's first segment, so that no replica ends up with half
+    // a round; only once per call.
+    const bool unreachable = failed.code() == absl::StatusCode::kUnavailable ||
+                             failed.code() == absl::StatusCode::kDeadlineExceeded;
+    bool has_replicas = false;
+    {
+      absl::MutexLock lock(&mu_);
+      has_replicas = replicas_.count({call.tenant, session}) != 0;
+    }
+    if (attempt > 0 || !rerouter_ || !unreachable || s.segment != 0 || !has_replicas) {
+      return Named(failed, failed_at);
+    }
+    absl::StatusOr<std::vector<std::string>> now = rerouter_(call.tenant, session, call);
+    if (!now.ok() || now->empty() ||
+        std::find(now->begin(), now->end(), failed_at) != now->end()) {
+      return Named(failed, failed_at);
+    }
+    if (absl::Status set = SetReplicas(call.tenant, session, *now); !set.ok()) {
+      return Named(failed, failed_at);
+    }
+    reroutes_.fetch_add(1);
+    LogWarn("store replica replaced", {{"session", session},
+                                       {"dead", failed_at},
+                                       {"replicas", absl::StrJoin(*now, ",")}});
   }
-  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<std::string>> ReplicatedSegments::Get(

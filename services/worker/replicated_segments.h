@@ -5,13 +5,16 @@
 //
 // Writes go to every replica, and a round counts as stored only when all of
 // them hold it (a failure names the replica; the engine then drops what half
-// landed and keeps the round open). Reads go to the first replica and fall
+// landed and keeps the round open). With a rerouter (the worker's
+// controller), a replica that cannot be reached at a round's first segment
+// is replaced by where the controller now places the session. Reads go to the first replica and fall
 // back to the next on UNAVAILABLE, DEADLINE_EXCEEDED (while the call's
 // deadline lasts) or NOT_FOUND.
 #ifndef KVTIER_SERVICES_WORKER_REPLICATED_SEGMENTS_H_
 #define KVTIER_SERVICES_WORKER_REPLICATED_SEGMENTS_H_
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -41,6 +44,17 @@ class ReplicatedSegments : public worker::SegmentStore {
                            const std::vector<std::string>& addresses);
   void Forget(const std::string& tenant, const std::string& session);
 
+  // Asks where a session's replicas are now (the controller's Route, acting
+  // for `tenant`). When set, a round whose first segment cannot reach a
+  // replica (UNAVAILABLE, DEADLINE_EXCEEDED) is written to the answer
+  // instead, if it no longer names that replica: a dead store is replaced
+  // without failing the round. Set before serving.
+  using Rerouter = std::function<absl::StatusOr<std::vector<std::string>>(
+      const std::string& tenant, const std::string& session, const CallOptions& call)>;
+  void SetRerouter(Rerouter r) { rerouter_ = std::move(r); }
+  // Sessions moved to other replicas by the rerouter.
+  uint64_t reroutes() const { return reroutes_.load(); }
+
   absl::Status Put(const std::string& session, const Segment& s, uint32_t layer_begin,
                    uint32_t layer_end, std::string_view payload, const CallOptions& call) override;
   absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
@@ -69,6 +83,8 @@ class ReplicatedSegments : public worker::SegmentStore {
   // One client per store address, kept for the worker's life.
   std::map<std::string, std::unique_ptr<StoreSegments>> pool_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> read_fallbacks_{0};
+  std::atomic<uint64_t> reroutes_{0};
+  Rerouter rerouter_;
 };
 
 }  // namespace kvtier

@@ -26,6 +26,24 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
   KVT_ASSIGN_OR_RETURN(auto client, StoreClient::Connect(options.store));
   s->segments_ = std::make_unique<ReplicatedSegments>(
       std::make_unique<StoreSegments>(std::move(client)), options.store);
+  if (!options.cluster.controller.empty()) {
+    // Dead replicas are replaced where the controller now places the session.
+    ControllerClientOptions co;
+    co.target = options.cluster.controller;
+    co.token = options.cluster.controller_token;
+    KVT_ASSIGN_OR_RETURN(std::shared_ptr<ControllerClient> controller,
+                         ControllerClient::Connect(co));
+    s->segments_->SetRerouter(
+        [controller](const std::string& tenant, const std::string& session,
+                     const CallOptions& call) -> absl::StatusOr<std::vector<std::string>> {
+          v1::RouteRequest req;
+          req.set_session_id(session);
+          CallOptions c = call;
+          c.tenant = tenant;  // The end tenant's placement (a node token acts for it).
+          KVT_ASSIGN_OR_RETURN(v1::RouteResponse r, controller->Route(req, c));
+          return std::vector<std::string>(r.store_addresses().begin(), r.store_addresses().end());
+        });
+  }
   options.engine.store_deadline = options.service.store_deadline;
   for (const auto& [tenant, l] : s->auth_.Limits()) {
     options.engine.tenant_limits[tenant] = {l.max_sessions, l.max_working_set_bytes};
