@@ -37,6 +37,10 @@ class DownStore : public SegmentStore {
                              const kvtier::CallOptions&) override {
     return Down();
   }
+  absl::StatusOr<std::vector<StoredRound>> List(const std::string&,
+                                                const kvtier::CallOptions&) override {
+    return Down();
+  }
 
  private:
   static absl::Status Down() { return absl::UnavailableError("the store is down"); }

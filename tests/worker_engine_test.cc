@@ -237,6 +237,10 @@ class FlakyStore : public worker::SegmentStore {
     if (fail_counters) return absl::UnavailableError("counters refused by the test");
     return real_->RecordRecalls(session, rounds, call);
   }
+  absl::StatusOr<std::vector<StoredRound>> List(const std::string& session,
+                                                const CallOptions& call) override {
+    return real_->List(session, call);
+  }
   bool fail_counters = false;
   int fail_upper_puts = 0;
   int fail_drops = 0;

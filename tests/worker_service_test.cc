@@ -1106,5 +1106,86 @@ TEST(WorkerReplicationTest, ADeadReplicaIsReplacedThroughTheController) {
   EXPECT_THAT(rounds_on(spare), ::testing::ElementsAre(1u));
 }
 
+// Worker failover: a worker that never held a session resumes it from the
+// store (OpenSession with resume) and answers the next step exactly as the
+// worker that held it does (a lossless policy; same inputs, same outputs).
+TEST(WorkerResumeTest, AnotherWorkerResumesFromTheStore) {
+  testing::TempDir dir;
+  testing::StoreProcess store(dir.path() + "/db");
+  ASSERT_TRUE(store.Start().ok());
+  auto start_worker = [&]() {
+    WorkerServerOptions wo;
+    wo.listen = "127.0.0.1:0";
+    wo.metrics_listen = "";
+    wo.store.target = store.target();
+    return std::move(WorkerServer::Start(wo)).value();
+  };
+  auto a = start_worker();
+  auto b = start_worker();
+  auto stub_for = [](WorkerServer& w) {
+    return v1::Worker::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", w.port()),
+                                                   grpc::InsecureChannelCredentials()));
+  };
+  auto sa = stub_for(*a), sb = stub_for(*b);
+  auto open = [](v1::Worker::Stub* stub, bool resume, v1::OpenSessionResponse* r) {
+    v1::OpenSessionRequest req = OpenRequest("f");
+    req.set_resume(resume);
+    grpc::ClientContext c;
+    return stub->OpenSession(&c, req, r);
+  };
+  v1::OpenSessionResponse ra, rb;
+  EXPECT_EQ(open(sb.get(), true, &rb).error_code(), grpc::StatusCode::NOT_FOUND);
+  ASSERT_TRUE(open(sa.get(), false, &ra).ok());
+  std::mt19937 rng(21);
+  v1::EndRoundResponse end;
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_TRUE(PrefillStep(sa.get(), "f", 5, &rng).ok());
+    ASSERT_TRUE(EndRound(sa.get(), "f", &end).ok());
+  }
+  // b never held "f": it resumes from the store's three rounds.
+  ASSERT_TRUE(open(sb.get(), true, &rb).ok());
+  EXPECT_EQ(rb.next_round(), 3u);
+  // Resuming a session the worker holds is ALREADY_EXISTS.
+  EXPECT_EQ(open(sb.get(), true, &rb).error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  // The same step on both workers: the same outputs.
+  std::vector<std::vector<float>> q(kLayers), k(kLayers), v(kLayers);
+  std::normal_distribution<float> nd;
+  for (int l = 0; l < kLayers; ++l) {
+    for (auto* x : {&q[l], &k[l], &v[l]}) {
+      x->resize((x == &q[l] ? kQHeads : kKvHeads) * kDim * 4);
+      for (float& e : *x) e = nd(rng);
+    }
+  }
+  auto step = [&](v1::Worker::Stub* stub) {
+    std::vector<std::vector<float>> outs;
+    grpc::ClientContext c;
+    auto s = stub->Prefill(&c);
+    for (int l = 0; l < kLayers; ++l) {
+      v1::LayerRequest req;
+      if (l == 0) req.set_session_id("f");
+      req.set_layer(l);
+      *req.mutable_q() = Dense(q[l], 4, kQHeads);
+      *req.mutable_k() = Dense(k[l], 4, kKvHeads);
+      *req.mutable_v() = Dense(v[l], 4, kKvHeads);
+      v1::LayerResponse resp;
+      EXPECT_TRUE(s->Write(req) && s->Read(&resp));
+      outs.push_back(Floats(resp.o()));
+    }
+    s->WritesDone();
+    EXPECT_TRUE(s->Finish().ok());
+    return outs;
+  };
+  const auto out_a = step(sa.get());
+  const auto out_b = step(sb.get());
+  ASSERT_EQ(out_a.size(), out_b.size());
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_EQ(out_a[l].size(), static_cast<size_t>(4 * kQHeads * kDim));
+    EXPECT_EQ(out_a[l], out_b[l]) << "layer " << l;
+  }
+  // b carries on: its round is round 3.
+  ASSERT_TRUE(EndRound(sb.get(), "f", &end).ok());
+  EXPECT_EQ(end.round(), 3u);
+}
+
 }  // namespace
 }  // namespace kvtier

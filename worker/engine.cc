@@ -38,8 +38,8 @@ Engine::~Engine() {
       +[](int* n) { return *n == 0; }, &fetches_in_flight_));
 }
 
-absl::Status Engine::OpenSession(const SessionKey& id, const ModelShape& shape,
-                                 const SessionPolicy& policy) {
+absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(
+    const SessionKey& id, const ModelShape& shape, const SessionPolicy& policy) {
   KVT_RETURN_IF_ERROR(ValidateName("session_id", id.session));
   if (!id.tenant.empty()) KVT_RETURN_IF_ERROR(ValidateName("tenant", id.tenant));
   if (shape.layers < 1 || shape.q_heads < 1 || shape.kv_heads < 1 ||
@@ -91,6 +91,10 @@ absl::Status Engine::OpenSession(const SessionKey& id, const ModelShape& shape,
       }
     }
   }
+  return s;
+}
+
+absl::Status Engine::Insert(const SessionKey& id, std::shared_ptr<Session> s) {
   absl::MutexLock lock(&mu_);
   if (sessions_.count(id) != 0) {
     return absl::AlreadyExistsError(absl::StrCat("session ", id.ToString(), " already exists"));
@@ -116,6 +120,72 @@ absl::Status Engine::OpenSession(const SessionKey& id, const ModelShape& shape,
   sessions_.emplace(id, std::move(s));
   return absl::OkStatus();
 }
+
+absl::Status Engine::OpenSession(const SessionKey& id, const ModelShape& shape,
+                                 const SessionPolicy& policy) {
+  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, CreateSession(id, shape, policy));
+  return Insert(id, std::move(s));
+}
+
+absl::StatusOr<uint32_t> Engine::ResumeSession(const SessionKey& id, const ModelShape& shape,
+                                               const SessionPolicy& policy,
+                                               const CallOptions& call) {
+  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, CreateSession(id, shape, policy));
+  {
+    absl::MutexLock lock(&mu_);
+    if (sessions_.count(id) != 0) {
+      return absl::AlreadyExistsError(absl::StrCat("session ", id.ToString(), " already exists"));
+    }
+  }
+  // Everything is read before the session is visible: nobody can step it
+  // half rebuilt.
+  const CallOptions store_call = s->ForStore({StoreDeadline(call), {}});
+  KVT_ASSIGN_OR_RETURN(std::vector<SegmentStore::StoredRound> stored,
+                       store_->List(id.session, store_call));
+  const int lw = s->lw;
+  std::vector<SegmentStore::Segment> lower;
+  for (const SegmentStore::StoredRound& r : stored) {
+    if (static_cast<int>(r.lower_layers) != lw + 1 ||
+        (lw + 1 < shape.layers && !r.has_upper)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "stored round ", r.round, " does not fit this policy: its lower segment covers ",
+          r.lower_layers, " layers (L_w = ", lw, " needs ", lw + 1, ")",
+          r.has_upper ? "" : " and it has no upper segment"));
+    }
+    lower.push_back({r.round, 0});
+  }
+  std::vector<std::string> payloads;
+  if (!lower.empty()) {
+    KVT_ASSIGN_OR_RETURN(payloads, store_->Get(id.session, lower, store_call));
+  }
+  {
+    absl::MutexLock lock(&s->mu);
+    for (size_t i = 0; i < stored.size(); ++i) {
+      auto payload = std::make_shared<const std::string>(std::move(payloads[i]));
+      const uint64_t bytes = payload->size();
+      KVT_ASSIGN_OR_RETURN(auto layers,
+                           MakeLayers(std::move(payload), lw + 1, shape.kv_heads, shape.head_dim));
+      Session::PastRound pr;
+      pr.round = stored[i].round;
+      for (const HeadKv& h : layers[0]->heads) pr.tokens = std::max(pr.tokens, h.len);
+      pr.stored_bytes = bytes;
+      for (int l = 0; l <= lw; ++l) KVT_RETURN_IF_ERROR(s->Place(*layers[l], l));
+      layers.resize(shape.layers);  // Upper layers stay in the store until recalled.
+      pr.layers = std::move(layers);
+      s->stats.full_cache_bytes += static_cast<uint64_t>(s->TokenBytes(pr.tokens));
+      s->past.push_back(std::move(pr));
+    }
+    s->stats.rounds = stored.empty() ? 0 : stored.back().round + 1;
+    s->NotePeak();
+  }
+  KVT_RETURN_IF_ERROR(Insert(id, s));
+  absl::MutexLock lock(&s->mu);
+  Account(*s);
+  LogInfo("session resumed from the store",
+          {{"session", id.ToString()}, {"rounds", stored.size()}, {"next_round", s->stats.rounds}});
+  return static_cast<uint32_t>(s->stats.rounds);
+}
+
 
 void Engine::Account(Session& s) {
   s.mu.AssertHeld();

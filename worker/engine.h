@@ -191,6 +191,20 @@ class Engine {
   absl::Status OpenSession(const SessionKey& id, const ModelShape& shape,
                            const SessionPolicy& policy);
 
+  // Opens `id` as OpenSession does, on a worker that never held it, from
+  // its rounds in the store: every stored round's lower segment (layers
+  // [0, L_w]) comes back in one Get and becomes resident; upper segments
+  // stay in the store until recall selects them. Returns the next round's
+  // number. OK; the statuses of OpenSession; NOT_FOUND when the store has no
+  // such session; FAILED_PRECONDITION when a stored round's segments do not
+  // fit this policy's L_w; DATA_LOSS for malformed payloads; UNAVAILABLE or
+  // DEADLINE_EXCEEDED from the store (nothing is opened then). The resumed
+  // rounds' full-cache size is counted from their stored token counts (after
+  // eviction, if the policy evicted).
+  absl::StatusOr<uint32_t> ResumeSession(const SessionKey& id, const ModelShape& shape,
+                                         const SessionPolicy& policy,
+                                         const CallOptions& call = {});
+
   // One layer of a prefill of n new tokens: q [n, q_heads, d], k and v
   // [n, kv_heads, d] (post-RoPE), out [n, q_heads, d]. Layers go 0..L-1 in
   // order. q, k and v must be finite, and k and v within fp16 range when the
@@ -255,6 +269,12 @@ class Engine {
   class Session;
   struct Fetch;
   absl::StatusOr<std::shared_ptr<Session>> Find(const SessionKey& id) const;
+  // OpenSession's two halves: a checked, empty session; then its entry in
+  // sessions_ (limits checked there).
+  absl::StatusOr<std::shared_ptr<Session>> CreateSession(const SessionKey& id,
+                                                         const ModelShape& shape,
+                                                         const SessionPolicy& policy);
+  absl::Status Insert(const SessionKey& id, std::shared_ptr<Session> s);
   // Scores the past rounds at L_w and starts the one fetch (recall_fetch.cc).
   // REQUIRES: s.mu held (both; checked with AssertHeld).
   // q and k: the round's first n tokens at L_w, token-major as they arrived.

@@ -49,6 +49,17 @@ class SegmentStore {
   virtual absl::Status RecordRecalls(const std::string& session,
                                      const std::vector<uint32_t>& rounds,
                                      const CallOptions& call) = 0;
+  // A stored round as resume needs it: its number, and the layers its lower
+  // segment (segment 0) covers; `has_upper` when segment 1 is stored too.
+  struct StoredRound {
+    uint32_t round = 0;
+    uint32_t lower_layers = 0;
+    bool has_upper = false;
+  };
+  // The session's stored rounds with a lower segment, ascending. NOT_FOUND
+  // (passed through) when the store has no such session.
+  virtual absl::StatusOr<std::vector<StoredRound>> List(const std::string& session,
+                                                        const CallOptions& call) = 0;
 };
 
 }  // namespace kvtier::worker

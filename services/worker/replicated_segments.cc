@@ -134,6 +134,22 @@ absl::StatusOr<std::vector<std::string>> ReplicatedSegments::Get(
   return last;
 }
 
+absl::StatusOr<std::vector<worker::SegmentStore::StoredRound>> ReplicatedSegments::List(
+    const std::string& session, const CallOptions& call) {
+  absl::Status last;
+  for (const auto& [address, store] : For(call, session)) {
+    absl::StatusOr<std::vector<StoredRound>> got = store->List(session, call);
+    if (got.ok()) return got;
+    last = Named(got.status(), address);
+    const absl::StatusCode c = got.status().code();
+    if (c != absl::StatusCode::kUnavailable && c != absl::StatusCode::kNotFound &&
+        c != absl::StatusCode::kDeadlineExceeded) {
+      break;
+    }
+  }
+  return last;
+}
+
 absl::Status ReplicatedSegments::Delete(const std::string& session, const CallOptions& call) {
   absl::Status first;
   for (const auto& [address, store] : For(call, session)) {

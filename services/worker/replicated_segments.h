@@ -65,6 +65,9 @@ class ReplicatedSegments : public worker::SegmentStore {
                          const CallOptions& call) override;
   absl::Status RecordRecalls(const std::string& session, const std::vector<uint32_t>& rounds,
                              const CallOptions& call) override;
+  // From the first replica that knows the session.
+  absl::StatusOr<std::vector<StoredRound>> List(const std::string& session,
+                                                const CallOptions& call) override;
 
   StoreSegments* primary() { return primary_.get(); }
   // Reads served by a replica other than the session's first.

@@ -80,6 +80,29 @@ absl::Status StoreSegments::RecordRecalls(const std::string& session,
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<worker::SegmentStore::StoredRound>> StoreSegments::List(
+    const std::string& session, const CallOptions& call) {
+  auto r = client_->ListRounds(session, call);
+  if (r.status().code() == absl::StatusCode::kNotFound) return r.status();
+  if (!r.ok()) return AsUnavailable(r.status(), "ListRounds");
+  std::vector<StoredRound> out;
+  for (const v1::RoundInfo& ri : r->rounds()) {
+    StoredRound sr;
+    sr.round = ri.round();
+    bool lower = false;
+    for (const v1::SegmentInfo& si : ri.segments()) {
+      if (si.ref().segment() == 0) {
+        lower = true;
+        sr.lower_layers = si.layer_end();
+      } else if (si.ref().segment() == 1) {
+        sr.has_upper = true;
+      }
+    }
+    if (lower) out.push_back(sr);
+  }
+  return out;
+}
+
 absl::Status StoreSegments::Delete(const std::string& session, const CallOptions& call) {
   auto r = client_->DeleteSession(session, call);
   if (!r.ok() && r.status().code() != absl::StatusCode::kNotFound) {

@@ -27,6 +27,8 @@ class StoreSegments : public worker::SegmentStore {
                          const CallOptions& call) override;
   absl::Status RecordRecalls(const std::string& session, const std::vector<uint32_t>& rounds,
                              const CallOptions& call) override;
+  absl::StatusOr<std::vector<StoredRound>> List(const std::string& session,
+                                                const CallOptions& call) override;
 
   StoreClient* client() { return client_.get(); }
   // GetSegments calls made so far.

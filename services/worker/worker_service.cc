@@ -119,9 +119,6 @@ absl::Status WorkerService::DoOpenSession(grpc::CallbackServerContext& ctx,
                                           const v1::OpenSessionRequest& req,
                                           v1::OpenSessionResponse* resp) {
   KVT_ASSIGN_OR_RETURN(worker::SessionKey id, Key(ctx, req.session_id()));
-  if (req.resume()) {
-    return absl::UnimplementedError("resume from the store is not supported yet");
-  }
   KVT_ASSIGN_OR_RETURN(worker::ModelShape shape, ShapeFromProto(req.model()));
   KVT_ASSIGN_OR_RETURN(worker::SessionPolicy policy,
                        PolicyFromProto(req.policy(), req.model().dtype()));
@@ -137,7 +134,16 @@ absl::Status WorkerService::DoOpenSession(grpc::CallbackServerContext& ctx,
     KVT_RETURN_IF_ERROR(replicas_->SetReplicas(
         id.tenant, id.session, {req.store_addresses().begin(), req.store_addresses().end()}));
   }
-  if (absl::Status s = engine_->OpenSession(id, shape, policy); !s.ok()) {
+  uint32_t next_round = 0;
+  absl::Status s;
+  if (req.resume()) {
+    absl::StatusOr<uint32_t> n = engine_->ResumeSession(id, shape, policy, StoreCall(ctx));
+    s = n.status();
+    if (n.ok()) next_round = *n;
+  } else {
+    s = engine_->OpenSession(id, shape, policy);
+  }
+  if (!s.ok()) {
     if (req.store_addresses_size() > 0 && !absl::IsAlreadyExists(s)) {
       replicas_->Forget(id.tenant, id.session);
     }
@@ -147,7 +153,7 @@ absl::Status WorkerService::DoOpenSession(grpc::CallbackServerContext& ctx,
   *resp->mutable_effective_policy() = EffectivePolicy(req.policy(), eff);
   KVT_ASSIGN_OR_RETURN(worker::SessionStats st, engine_->Stats(id));
   resp->set_on_device(st.on_device);
-  resp->set_next_round(0);
+  resp->set_next_round(next_round);
   return absl::OkStatus();
 }
 
