@@ -51,7 +51,9 @@ class ControllerServiceTest : public ::testing::Test {
     v1::RegisterResponse resp;
     auto c = Ctx(token);
     grpc::Status s = stub_->Register(c.get(), r, &resp);
-    if (s.ok()) EXPECT_EQ(resp.heartbeat_interval_ms(), 100u);
+    if (s.ok()) {
+      EXPECT_EQ(resp.heartbeat_interval_ms(), 100u);
+    }
     return s;
   }
   grpc::Status Beat(const std::string& id) {
@@ -112,7 +114,9 @@ TEST_F(ControllerServiceTest, MembershipAndRoutes) {
   bool dead = false;
   while (!dead && absl::Now() < until) {
     for (const char* id : {"s1", "s2", "s3", "w1"}) {
-      if (id != gone) ASSERT_TRUE(Beat(id).ok()) << id;
+      if (id != gone) {
+        ASSERT_TRUE(Beat(id).ok()) << id;
+      }
     }
     absl::SleepFor(absl::Milliseconds(50));
     dead = Epoch() != epoch;
