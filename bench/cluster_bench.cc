@@ -18,11 +18,11 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "controller/placement.h"
 #include "grpcpp/create_channel.h"
-#include "services/controller/controller_server.h"
-#include "absl/synchronization/notification.h"
 #include "grpcpp/generic/generic_stub.h"
+#include "services/controller/controller_server.h"
 
 namespace kvtier {
 namespace {
@@ -89,8 +89,7 @@ int RouteLatency(int routes) {
   auto time_ms = [](auto&& f) {
     const auto t0 = std::chrono::steady_clock::now();
     f();
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-        .count();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   };
   std::vector<double> noop, fresh, placed;
   for (int i = 0; i < routes; ++i) {

@@ -256,9 +256,8 @@ class Bench {
     const auto t0 = Clock::now();
     for (int h = 0; h < hops; ++h) {
       for (int i = 0; i < sessions; ++i) {
-        absl::Status s =
-            worker_->engine()->DecodeLayer(absl::StrCat(prefix, i), h % kLayers,
-                                           q.data(), k.data(), v.data(), out.data());
+        absl::Status s = worker_->engine()->DecodeLayer(absl::StrCat(prefix, i), h % kLayers,
+                                                        q.data(), k.data(), v.data(), out.data());
         if (!s.ok()) return s;
       }
     }

@@ -584,8 +584,8 @@ TEST_F(StoreTest, ConcurrentOperationsKeepTheIndexConsistent) {
   Open();
   constexpr int kThreads = 6, kOps = 300, kSessions = 4, kRounds = 6;
   auto payload_for = [](int session, int round, int seg) {
-    return MakePayload(2000 + 3000 * ((session + round + seg) % 5),
-                       session * 100 + round * 2 + seg, seg == 0 ? 0 : 3);
+    return MakePayload(2000 + 3000 * ((session + round + seg) % 5), session * 100 + round * 2 + seg,
+                       seg == 0 ? 0 : 3);
   };
   std::vector<std::thread> threads;
   std::atomic<int> unexpected{0};

@@ -53,8 +53,8 @@ absl::StatusOr<v1::RegisterResponse> ControllerClient::Register(const v1::Regist
   return Finish(s, std::move(resp));
 }
 
-absl::StatusOr<v1::HeartbeatResponse> ControllerClient::Heartbeat(
-    const v1::HeartbeatRequest& req, const CallOptions& call) {
+absl::StatusOr<v1::HeartbeatResponse> ControllerClient::Heartbeat(const v1::HeartbeatRequest& req,
+                                                                  const CallOptions& call) {
   auto ctx = NewContext(call);
   v1::HeartbeatResponse resp;
   grpc::Status s = stub_->Heartbeat(ctx.get(), req, &resp);
@@ -124,7 +124,7 @@ void NodeAgent::Run() {
       } else if (absl::IsNotFound(r.status())) {
         LogWarn("the controller no longer knows this node; registering again", {{"node", id}});
         registered_.store(false);  // At the next tick.
-        st = absl::OkStatus();      // Reachable: not an outage.
+        st = absl::OkStatus();     // Reachable: not an outage.
       }
     }
     if (!st.ok() && !reported_outage) {

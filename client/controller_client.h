@@ -32,8 +32,7 @@ struct ControllerClientOptions {
 // Thread-safe.
 class ControllerClient {
  public:
-  static absl::StatusOr<std::unique_ptr<ControllerClient>> Connect(
-      ControllerClientOptions options);
+  static absl::StatusOr<std::unique_ptr<ControllerClient>> Connect(ControllerClientOptions options);
 
   absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& req,
                                                 const CallOptions& call = {});

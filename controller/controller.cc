@@ -22,8 +22,8 @@ const NodeInfo* Find(const std::vector<NodeInfo>& nodes, const std::string& id) 
 Controller::Controller(ControllerOptions options)
     : options_(options), membership_(options.membership) {}
 
-absl::StatusOr<Placement> Controller::Route(const std::string& tenant,
-                                            const std::string& session, uint64_t need_bytes) {
+absl::StatusOr<Placement> Controller::Route(const std::string& tenant, const std::string& session,
+                                            uint64_t need_bytes) {
   KVT_RETURN_IF_ERROR(ValidateName("tenant", tenant));
   KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
   const std::vector<NodeInfo> workers = membership_.Live(NodeKind::kWorker);
@@ -59,9 +59,9 @@ absl::StatusOr<Placement> Controller::Route(const std::string& tenant,
     }
     if (w == nullptr) {
       placements_.erase({tenant, session});
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "no live worker has room for ", need_bytes, " more working-set bytes (",
-          workers.size(), " live)"));
+      return absl::ResourceExhaustedError(absl::StrCat("no live worker has room for ", need_bytes,
+                                                       " more working-set bytes (", workers.size(),
+                                                       " live)"));
     }
     rec.worker = w->spec.id;
     out.placed_now = true;

@@ -62,7 +62,9 @@ TEST(PlacementTest, OneNodeMovesAboutOneNth) {
   // Leaving: only n5's keys move, each to its second choice.
   for (int i = 0; i < 2000; ++i) {
     const std::string key = absl::StrCat("tenant/session-", i);
-    if (First(key, five) != "n5") EXPECT_EQ(First(key, five), First(key, four));
+    if (First(key, five) != "n5") {
+      EXPECT_EQ(First(key, five), First(key, four));
+    }
   }
 }
 
@@ -132,7 +134,9 @@ class ControllerTest : public ::testing::Test {
   }
   void Beat(Controller& c) {
     for (const NodeInfo& n : c.membership().All()) {
-      if (n.live) ASSERT_THAT(c.membership().Heartbeat(n.spec.id, n.used_bytes, 0), IsOk());
+      if (n.live) {
+        ASSERT_THAT(c.membership().Heartbeat(n.spec.id, n.used_bytes, 0), IsOk());
+      }
     }
   }
   void Pass(Controller& c, int seconds) {
@@ -210,7 +214,9 @@ TEST_F(ControllerTest, SessionsStayPutAndNewNodesWarmUp) {
     const auto& was = first[s].stores;
     const bool had = was[0].spec.id == "store2" || was[1].spec.id == "store2";
     EXPECT_EQ(p.placed_now, had);
-    if (!had) EXPECT_EQ(p.stores[0].spec.id, was[0].spec.id);
+    if (!had) {
+      EXPECT_EQ(p.stores[0].spec.id, was[0].spec.id);
+    }
   }
   // Records naming the dead store (what repair will work from) go as their
   // sessions are routed again.

@@ -30,12 +30,12 @@ absl::Status Membership::Register(const NodeSpec& spec) {
   }
   NodeInfo& n = nodes_[spec.id];
   if (n.live && n.spec.address != spec.address) {
-    return absl::AlreadyExistsError(absl::StrCat("node ", spec.id, " is live at ",
-                                                 n.spec.address, ", not ", spec.address));
+    return absl::AlreadyExistsError(
+        absl::StrCat("node ", spec.id, " is live at ", n.spec.address, ", not ", spec.address));
   }
   if (n.live && n.spec.kind != spec.kind) {
-    return absl::AlreadyExistsError(absl::StrCat("node ", spec.id, " is live as a ",
-                                                 NodeKindName(n.spec.kind)));
+    return absl::AlreadyExistsError(
+        absl::StrCat("node ", spec.id, " is live as a ", NodeKindName(n.spec.kind)));
   }
   const bool was_live = n.live;
   n.spec = spec;
@@ -59,9 +59,9 @@ absl::Status Membership::Heartbeat(const std::string& id, uint64_t used_bytes,
   absl::MutexLock lock(&mu_);
   auto it = nodes_.find(id);
   if (it == nodes_.end() || !it->second.live) {
-    return absl::NotFoundError(absl::StrCat(
-        "node ", id, it == nodes_.end() ? " is not registered" : " was declared dead",
-        ": register again"));
+    return absl::NotFoundError(
+        absl::StrCat("node ", id, it == nodes_.end() ? " is not registered" : " was declared dead",
+                     ": register again"));
   }
   it->second.used_bytes = used_bytes;
   it->second.active_sessions = active_sessions;
@@ -122,7 +122,8 @@ double Membership::Weight(const NodeInfo& n) const {
   const int64_t warmup_ms = absl::ToInt64Milliseconds(options_.warmup);
   if (warmup_ms > 0) {
     const int64_t age = options_.clock->NowUnixMs() - n.registered_ms;
-    const double f = std::clamp(static_cast<double>(age) / static_cast<double>(warmup_ms), 0.0, 1.0);
+    const double f =
+        std::clamp(static_cast<double>(age) / static_cast<double>(warmup_ms), 0.0, 1.0);
     warm = options_.warmup_floor + (1.0 - options_.warmup_floor) * f;
   }
   return free * warm;

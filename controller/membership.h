@@ -26,9 +26,9 @@ enum class NodeKind { kWorker, kStore };
 const char* NodeKindName(NodeKind k);
 
 struct NodeSpec {
-  std::string id;       // [A-Za-z0-9._:-]{1,128}
+  std::string id;  // [A-Za-z0-9._:-]{1,128}
   NodeKind kind = NodeKind::kWorker;
-  std::string address;  // host:port it serves on.
+  std::string address;          // host:port it serves on.
   uint64_t capacity_bytes = 0;  // 0: unknown (placement treats it as free).
   bool has_gpu = false;
 };

@@ -74,7 +74,8 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::filesystem::path p(argv[i]);
     if (std::filesystem::is_directory(p)) {
-      for (const auto& e : std::filesystem::directory_iterator(p)) pool.push_back(ReadFile(e.path()));
+      for (const auto& e : std::filesystem::directory_iterator(p))
+        pool.push_back(ReadFile(e.path()));
     } else {
       pool.push_back(ReadFile(p));
     }
@@ -96,7 +97,7 @@ int main(int argc, char** argv) {
     Run(input);
     ++runs;
   }
-  std::printf("%s: %zu seeds and inputs, %ld mutations in %.1f s, no crash\n", argv[0],
-              pool.size(), runs, budget);
+  std::printf("%s: %zu seeds and inputs, %ld mutations in %.1f s, no crash\n", argv[0], pool.size(),
+              runs, budget);
   return 0;
 }

@@ -6,8 +6,8 @@
 
 #include "fuzz/fuzz_target.h"
 #include "kernels/codec.h"
-#include "services/common/auth.h"
 #include "kernels/recall.h"
+#include "services/common/auth.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);

@@ -1,9 +1,9 @@
 // Reference quantization kernels: float64 arithmetic and plain loops. They
 // define what the vectorized and CUDA levels must reproduce.
-#include <algorithm>
-#include <cmath>
 #include <cpuid.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -110,8 +110,8 @@ bool SimdAvailable() {
     const char* env = std::getenv("KVTIER_SIMD");
     if (env != nullptr && std::string(env) == "off") return false;
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           HasF16c() && __builtin_cpu_supports("bmi2");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && HasF16c() &&
+           __builtin_cpu_supports("bmi2");
   }();
   return available;
 }

@@ -26,10 +26,9 @@ absl::StatusOr<int64_t> DenseTokens(const v1::DenseTensor& t, int heads, int d, 
                              static_cast<uint64_t>(heads) * static_cast<uint64_t>(d) * es,
                              &bytes) ||
       t.data().size() != bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " holds ", t.data().size(),
-                                                   " bytes, not what its shape [", t.shape(0), ",",
-                                                   heads, ",", d, "] of ", es,
-                                                   "-byte elements needs"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " holds ", t.data().size(), " bytes, not what its shape [", t.shape(0),
+                     ",", heads, ",", d, "] of ", es, "-byte elements needs"));
   }
   return t.shape(0);
 }

@@ -9,6 +9,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/log.h"
 #include "base/names.h"
 #include "base/status_macros.h"
 
@@ -80,8 +81,8 @@ absl::StatusOr<Authenticator> Authenticator::FromText(const std::string& text) {
       } else if (key == "max_sessions" || key == "max_working_set_mb") {
         return bad(absl::StrCat(key, " is out of range"));
       } else {
-        return bad(absl::StrCat("unknown limit '", key,
-                                "' (max_sessions=N, max_working_set_mb=N)"));
+        return bad(
+            absl::StrCat("unknown limit '", key, "' (max_sessions=N, max_working_set_mb=N)"));
       }
     }
     if (!seen.emplace(e.token, line_no).second) return bad("duplicate token");
@@ -100,9 +101,11 @@ absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContextB
   if (caller.role != Role::kNode && enabled_) {
     return absl::PermissionDeniedError(absl::StrCat("tenant '", caller.tenant,
                                                     "' is not a node: its token may not act for "
-                                                    "tenant '", tenant, "'"));
+                                                    "tenant '",
+                                                    tenant, "'"));
   }
-  KVT_RETURN_IF_ERROR(ValidateName(kTenantMetadata, std::string_view(tenant.data(), tenant.size())));
+  KVT_RETURN_IF_ERROR(
+      ValidateName(kTenantMetadata, std::string_view(tenant.data(), tenant.size())));
   return Principal{std::string(tenant), Role::kReadWrite, caller.caller};
 }
 
@@ -155,8 +158,8 @@ bool IsLoopback(absl::string_view listen) {
   if (absl::StartsWith(listen, "unix:")) return true;
   absl::string_view host = listen;
   if (absl::StartsWith(host, "[")) {
-    host = host.substr(1, host.find(']') == absl::string_view::npos ? host.size() - 1
-                                                                    : host.find(']') - 1);
+    host = host.substr(
+        1, host.find(']') == absl::string_view::npos ? host.size() - 1 : host.find(']') - 1);
   } else if (size_t colon = host.rfind(':'); colon != absl::string_view::npos) {
     host = host.substr(0, colon);
   }
@@ -168,9 +171,19 @@ bool IsLoopback(absl::string_view listen) {
 absl::Status CheckListenAuth(const std::string& listen, bool has_tenants_file,
                              bool allow_unauthenticated) {
   if (has_tenants_file || allow_unauthenticated || IsLoopback(listen)) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat(
-      "refusing to listen on ", listen, " without authentication: give --tenants_file, or "
-      "--allow_unauthenticated to let any caller in as tenant 'default'"));
+  return absl::FailedPreconditionError(
+      absl::StrCat("refusing to listen on ", listen,
+                   " without authentication: give --tenants_file, or "
+                   "--allow_unauthenticated to let any caller in as tenant 'default'"));
+}
+
+absl::StatusOr<Authenticator> ServerAuthenticator(const std::string& listen,
+                                                  const std::string& tenants_file,
+                                                  bool allow_unauthenticated) {
+  KVT_RETURN_IF_ERROR(CheckListenAuth(listen, !tenants_file.empty(), allow_unauthenticated));
+  if (!tenants_file.empty()) return Authenticator::FromFile(tenants_file);
+  LogWarn("no --tenants_file: authentication is off, every caller is tenant 'default'");
+  return Authenticator();
 }
 
 }  // namespace kvtier

@@ -111,6 +111,12 @@ class Authenticator {
 absl::Status CheckListenAuth(const std::string& listen, bool has_tenants_file,
                              bool allow_unauthenticated);
 
+// What a server starts with: CheckListenAuth, then the tenants file's
+// authenticator, or authentication off (logged as a warning) without one.
+absl::StatusOr<Authenticator> ServerAuthenticator(const std::string& listen,
+                                                  const std::string& tenants_file,
+                                                  bool allow_unauthenticated);
+
 }  // namespace kvtier
 
 #endif  // KVTIER_SERVICES_COMMON_AUTH_H_

@@ -11,13 +11,8 @@ namespace kvtier {
 absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
     ControllerServerOptions options) {
   std::unique_ptr<ControllerServer> s(new ControllerServer());
-  KVT_RETURN_IF_ERROR(CheckListenAuth(options.listen, !options.tenants_file.empty(),
-                                      options.allow_unauthenticated));
-  if (!options.tenants_file.empty()) {
-    KVT_ASSIGN_OR_RETURN(s->auth_, Authenticator::FromFile(options.tenants_file));
-  } else {
-    LogWarn("no --tenants_file: authentication is off, every caller is tenant 'default'");
-  }
+  KVT_ASSIGN_OR_RETURN(s->auth_, ServerAuthenticator(options.listen, options.tenants_file,
+                                                     options.allow_unauthenticated));
   const controller::MembershipOptions& m = options.controller.membership;
   if (m.heartbeat_interval < absl::Milliseconds(10) || m.missed_heartbeats < 1 ||
       options.controller.replicas < 1 || options.controller.replicas > 3) {

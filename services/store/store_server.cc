@@ -15,13 +15,8 @@ namespace kvtier {
 absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptions options) {
   std::unique_ptr<StoreServer> s(new StoreServer());
   s->options_ = options;
-  KVT_RETURN_IF_ERROR(CheckListenAuth(options.listen, !options.tenants_file.empty(),
-                                      options.allow_unauthenticated));
-  if (!options.tenants_file.empty()) {
-    KVT_ASSIGN_OR_RETURN(s->auth_, Authenticator::FromFile(options.tenants_file));
-  } else {
-    LogWarn("no --tenants_file: authentication is off, every caller is tenant 'default'");
-  }
+  KVT_ASSIGN_OR_RETURN(s->auth_, ServerAuthenticator(options.listen, options.tenants_file,
+                                                     options.allow_unauthenticated));
   s->quotas_ = std::make_unique<cachestore::QuotaManager>();
   for (const TenantEntry& e : s->auth_.entries()) {
     if (e.quota_bytes != 0) s->quotas_->SetQuota(e.principal.tenant, e.quota_bytes);
@@ -48,12 +43,12 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
     cachestore::Store* store = s->store_.get();
     const uint64_t capacity = options.store.ram_budget_bytes + options.store.disk_budget_bytes;
     KVT_ASSIGN_OR_RETURN(
-        s->agent_, JoinCluster(options.cluster, v1::NODE_KIND_STORE, options.listen, s->port_,
-                               options.store.disk_budget_bytes == 0 ? 0 : capacity, [store] {
-                                 const cachestore::StoreStats st = store->Stats();
-                                 return NodeUsage{st.disk_bytes,
-                                                  static_cast<uint32_t>(st.sessions)};
-                               }));
+        s->agent_,
+        JoinCluster(options.cluster, v1::NODE_KIND_STORE, options.listen, s->port_,
+                    options.store.disk_budget_bytes == 0 ? 0 : capacity, [store] {
+                      const cachestore::StoreStats st = store->Stats();
+                      return NodeUsage{st.disk_bytes, static_cast<uint32_t>(st.sessions)};
+                    }));
   }
   if (options.ttl_sweep_seconds > 0) {
     StoreServer* raw = s.get();

@@ -13,13 +13,8 @@ namespace kvtier {
 
 absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOptions options) {
   std::unique_ptr<WorkerServer> s(new WorkerServer());
-  KVT_RETURN_IF_ERROR(CheckListenAuth(options.listen, !options.tenants_file.empty(),
-                                      options.allow_unauthenticated));
-  if (!options.tenants_file.empty()) {
-    KVT_ASSIGN_OR_RETURN(s->auth_, Authenticator::FromFile(options.tenants_file));
-  } else {
-    LogWarn("no --tenants_file: authentication is off, every caller is tenant 'default'");
-  }
+  KVT_ASSIGN_OR_RETURN(s->auth_, ServerAuthenticator(options.listen, options.tenants_file,
+                                                     options.allow_unauthenticated));
   if (options.store.target.empty()) {
     return absl::InvalidArgumentError("kvtier-worker needs a store target (--store)");
   }
