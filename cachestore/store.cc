@@ -713,7 +713,8 @@ absl::StatusOr<int> Store::ExpireSessions() {
 absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& tenant,
                                                             const std::string& session,
                                                             const std::vector<SegmentId>& ids,
-                                                            uint64_t max_bytes) {
+                                                            uint64_t max_bytes,
+                                                            bool count_recalls) {
   KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
   const std::string key = SessionKey(tenant, session);
   std::vector<SegmentInfo> out;
@@ -749,6 +750,10 @@ absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& t
     for (const SegmentId& id : ids) {
       RoundEntry& r = s->rounds[id.round];
       SegmentEntry& e = r.segments[id.segment];
+      if (!count_recalls) {
+        out.push_back(e.info);
+        continue;
+      }
       ++e.info.recall_count;
       e.last_access_seq = next_seq_++;
       if (std::find(bumped.begin(), bumped.end(), id.round) == bumped.end()) {

@@ -205,13 +205,14 @@ class Store {
                                           std::optional<uint32_t> computed_crc32c = {});
 
   // Checks that every id exists and is readable, bumps each distinct
-  // round's recall counter once, and returns their infos in order. NOT_FOUND
+  // round's recall counter once (unless `count_recalls` is false: a copy
+  // for repair, not a use), and returns their infos in order. NOT_FOUND
   // if the session or any segment is missing; INVALID_ARGUMENT on bad names;
   // OUT_OF_RANGE (nothing counted) when the payloads together pass
   // `max_bytes`.
   absl::StatusOr<std::vector<SegmentInfo>> PrepareRead(
       const std::string& tenant, const std::string& session, const std::vector<SegmentId>& ids,
-      uint64_t max_bytes = std::numeric_limits<uint64_t>::max());
+      uint64_t max_bytes = std::numeric_limits<uint64_t>::max(), bool count_recalls = true);
 
   // Returns one segment's bytes from RAM or RocksDB, promoting it when hot.
   // NOT_FOUND when it is gone; DATA_LOSS when the stored bytes fail their

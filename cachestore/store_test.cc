@@ -447,6 +447,9 @@ TEST_F(StoreTest, RecoveryRebuildsIndexCountersAndQuota) {
   ASSERT_THAT(Put("gone", 0, 0, MakePayload(900, 2)), IsOk());
   ASSERT_THAT(store_->DeleteSession("t1", "gone"), IsOk());
   ASSERT_THAT(store_->PrepareRead("t1", "s", {{0, 0}, {0, 1}}), IsOk());
+  // A repair's copy is not a recall: the counter stays at one.
+  ASSERT_THAT(store_->PrepareRead("t1", "s", {{0, 0}, {0, 1}}, 1 << 30, /*count_recalls=*/false),
+              IsOk());
   ASSERT_THAT(store_->PinSession("t1", "s", true), IsOk());
 
   Open();  // Reopen from disk.

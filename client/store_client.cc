@@ -85,12 +85,13 @@ absl::StatusOr<v1::PutSegmentResponse> StoreClient::PutSegment(const PutSegmentA
 
 absl::StatusOr<std::vector<FetchedSegment>> StoreClient::GetSegments(
     const std::string& session_id, const std::vector<v1::SegmentRef>& refs,
-    const CallOptions& call_options) {
+    const CallOptions& call_options, bool uncounted) {
   auto ctx = NewContext(call_options);
   RawCall call(channel_, ctx.get(), "/kvtier.v1.Store/GetSegments");
   v1::GetSegmentsRequest req;
   req.set_session_id(session_id);
   for (const auto& r : refs) *req.add_refs() = r;
+  req.set_uncounted(uncounted);
   std::vector<FetchedSegment> out;
   std::vector<uint32_t> crcs;  // Running CRC-32C of each segment's payload.
   absl::Status protocol;

@@ -70,9 +70,12 @@ class StoreClient {
 
   // Fetches segments of one session in ONE call. DATA_LOSS if a payload
   // arrives with a wrong checksum; INTERNAL if the stream is malformed.
+  // `uncounted`: a copy (repair), not a recall; the store's recall counters
+  // stay as they are.
   absl::StatusOr<std::vector<FetchedSegment>> GetSegments(const std::string& session_id,
                                                           const std::vector<v1::SegmentRef>& refs,
-                                                          const CallOptions& call = {});
+                                                          const CallOptions& call = {},
+                                                          bool uncounted = false);
 
   absl::StatusOr<v1::ListRoundsResponse> ListRounds(const std::string& session_id,
                                                     const CallOptions& call = {});

@@ -22,34 +22,77 @@ const NodeInfo* Find(const std::vector<NodeInfo>& nodes, const std::string& id) 
 Controller::Controller(ControllerOptions options)
     : options_(options), membership_(options.membership) {}
 
+std::vector<size_t> Controller::RankFor(const Key& key, const std::vector<NodeInfo>& nodes) const {
+  // The rendezvous key: tenant and session with a separator neither holds.
+  const std::string k = absl::StrCat(key.first, "/", key.second);
+  std::vector<Candidate> c;
+  c.reserve(nodes.size());
+  for (const NodeInfo& n : nodes) c.push_back({n.spec.id, membership_.Weight(n)});
+  return Rank(k, c);
+}
+
+bool Controller::FillStoresLocked(const Key& key, Recorded& rec,
+                                  const std::vector<NodeInfo>& stores) {
+  const size_t replicas = static_cast<size_t>(std::clamp(options_.replicas, 1, 3));
+  std::vector<std::string> kept;
+  for (const std::string& id : rec.stores) {
+    if (Find(stores, id) != nullptr) kept.push_back(id);
+  }
+  const size_t survivors = kept.size();
+  if (kept.size() < replicas && kept.size() < stores.size()) {
+    for (size_t i : RankFor(key, stores)) {
+      if (kept.size() == replicas) break;
+      const std::string& id = stores[i].spec.id;
+      if (std::find(kept.begin(), kept.end(), id) == kept.end()) kept.push_back(id);
+    }
+  }
+  const bool changed = kept != rec.stores;
+  // A session that had stores and keeps a survivor: the added ones need
+  // its rounds. (A new session, or one that lost every replica, has nothing
+  // to copy from.)
+  if (!rec.stores.empty() && survivors > 0) {
+    for (size_t i = survivors; i < kept.size(); ++i) {
+      RepairTask t;
+      t.tenant = key.first;
+      t.session = key.second;
+      for (size_t j = 0; j < survivors; ++j) t.sources.push_back(*Find(stores, kept[j]));
+      t.target = *Find(stores, kept[i]);
+      repairs_.push_back(std::move(t));
+    }
+  }
+  rec.stores = std::move(kept);
+  return changed;
+}
+
 absl::StatusOr<Placement> Controller::Route(const std::string& tenant, const std::string& session,
-                                            uint64_t need_bytes) {
+                                            uint64_t need_bytes, const std::string& avoid_worker) {
   KVT_RETURN_IF_ERROR(ValidateName("tenant", tenant));
   KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
-  const std::vector<NodeInfo> workers = membership_.Live(NodeKind::kWorker);
+  std::vector<NodeInfo> workers = membership_.Live(NodeKind::kWorker);
   const std::vector<NodeInfo> stores = membership_.Live(NodeKind::kStore);
-  if (workers.empty()) return absl::UnavailableError("no live worker");
+  if (!avoid_worker.empty()) {
+    workers.erase(std::remove_if(workers.begin(), workers.end(),
+                                 [&](const NodeInfo& n) { return n.spec.id == avoid_worker; }),
+                  workers.end());
+  }
+  if (workers.empty()) {
+    return absl::UnavailableError(avoid_worker.empty()
+                                      ? "no live worker"
+                                      : absl::StrCat("no live worker other than ", avoid_worker));
+  }
   if (stores.empty()) return absl::UnavailableError("no live store");
-  // The rendezvous key: tenant and session with a separator neither holds.
-  const std::string key = absl::StrCat(tenant, "/", session);
-  auto rank = [&](const std::vector<NodeInfo>& nodes) {
-    std::vector<Candidate> c;
-    c.reserve(nodes.size());
-    for (const NodeInfo& n : nodes) c.push_back({n.spec.id, membership_.Weight(n)});
-    return Rank(key, c);
-  };
-  const int replicas = std::clamp(options_.replicas, 1, 3);
+  const Key key{tenant, session};
 
   Placement out;
   out.epoch = membership_.epoch();
   absl::MutexLock lock(&mu_);
-  Recorded& rec = placements_[{tenant, session}];
+  Recorded& rec = placements_[key];
   rec.last_used_ms = options_.membership.clock->NowUnixMs();
 
-  // The worker: the recorded one while it lives.
+  // The worker: the recorded one while it lives (and the caller reaches it).
   const NodeInfo* w = rec.worker.empty() ? nullptr : Find(workers, rec.worker);
   if (w == nullptr) {
-    for (size_t i : rank(workers)) {
+    for (size_t i : RankFor(key, workers)) {
       const NodeInfo& n = workers[i];
       const uint64_t cap = n.spec.capacity_bytes;
       if (cap == 0 || need_bytes == 0 || n.used_bytes + need_bytes <= cap) {
@@ -58,7 +101,7 @@ absl::StatusOr<Placement> Controller::Route(const std::string& tenant, const std
       }
     }
     if (w == nullptr) {
-      placements_.erase({tenant, session});
+      if (rec.stores.empty()) placements_.erase(key);
       return absl::ResourceExhaustedError(absl::StrCat("no live worker has room for ", need_bytes,
                                                        " more working-set bytes (", workers.size(),
                                                        " live)"));
@@ -70,20 +113,8 @@ absl::StatusOr<Placement> Controller::Route(const std::string& tenant, const std
 
   // The stores: recorded replicas that live keep their place; the others are
   // replaced in the session's rendezvous order.
-  std::vector<std::string> kept;
-  for (const std::string& id : rec.stores) {
-    if (Find(stores, id) != nullptr) kept.push_back(id);
-  }
-  if (static_cast<int>(kept.size()) < replicas && kept.size() < stores.size()) {
-    for (size_t i : rank(stores)) {
-      if (static_cast<int>(kept.size()) == replicas) break;
-      const std::string& id = stores[i].spec.id;
-      if (std::find(kept.begin(), kept.end(), id) == kept.end()) kept.push_back(id);
-    }
-    out.placed_now = true;
-  }
-  rec.stores = kept;
-  for (const std::string& id : kept) out.stores.push_back(*Find(stores, id));
+  if (FillStoresLocked(key, rec, stores)) out.placed_now = true;
+  for (const std::string& id : rec.stores) out.stores.push_back(*Find(stores, id));
   return out;
 }
 
@@ -91,15 +122,61 @@ std::vector<std::string> Controller::Tick() {
   std::vector<std::string> dead = membership_.Sweep();
   const int64_t now = options_.membership.clock->NowUnixMs();
   const int64_t idle_ms = absl::ToInt64Milliseconds(options_.placement_idle);
+  const std::vector<NodeInfo> stores = membership_.Live(NodeKind::kStore);
   absl::MutexLock lock(&mu_);
   for (auto it = placements_.begin(); it != placements_.end();) {
     if (now - it->second.last_used_ms > idle_ms) {
       it = placements_.erase(it);
-    } else {
-      ++it;
+      continue;
     }
+    // Replace dead replicas now, not at the session's next Route, so that
+    // repair starts as soon as the store is declared dead.
+    Recorded& rec = it->second;
+    const bool lost_one = std::any_of(rec.stores.begin(), rec.stores.end(), [&](const auto& id) {
+      return std::find(dead.begin(), dead.end(), id) != dead.end();
+    });
+    if (lost_one && !stores.empty()) FillStoresLocked(it->first, rec, stores);
+    ++it;
   }
   return dead;
+}
+
+std::optional<RepairTask> Controller::NextRepair() {
+  absl::MutexLock lock(&mu_);
+  while (!repairs_.empty()) {
+    RepairTask t = std::move(repairs_.front());
+    repairs_.pop_front();
+    // Skip a task whose target is no longer one of the session's replicas
+    // (it died too, or the placement was forgotten): its replacement has a
+    // task of its own.
+    auto it = placements_.find({t.tenant, t.session});
+    if (it == placements_.end()) continue;
+    const auto& ids = it->second.stores;
+    if (std::find(ids.begin(), ids.end(), t.target.spec.id) == ids.end()) continue;
+    ++repairs_running_;
+    return t;
+  }
+  return std::nullopt;
+}
+
+void Controller::RepairFinished(RepairTask task, bool ok, int max_attempts) {
+  absl::MutexLock lock(&mu_);
+  if (repairs_running_ > 0) --repairs_running_;
+  if (ok || ++task.attempt >= max_attempts) return;
+  repairs_.push_back(std::move(task));
+}
+
+size_t Controller::RepairsPending() const {
+  absl::MutexLock lock(&mu_);
+  return repairs_.size() + repairs_running_;
+}
+
+size_t Controller::UnderReplicated() const {
+  absl::MutexLock lock(&mu_);
+  const size_t replicas = static_cast<size_t>(std::clamp(options_.replicas, 1, 3));
+  size_t n = 0;
+  for (const auto& [k, r] : placements_) n += r.stores.size() < replicas ? 1 : 0;
+  return n;
 }
 
 size_t Controller::Placements() const {

@@ -11,11 +11,19 @@
 // Because rendezvous order is per session, when one node of N joins or
 // leaves, only the sessions it wins or held move: about 1/N of new
 // placements, and none of the sessions recorded on live nodes.
+//
+// Repair. A session whose store replica was replaced (its store died) or
+// added (fewer stores were live when it was placed) while another replica
+// still holds its rounds gets a RepairTask: copy what the survivors hold to
+// the new replica. The server runs the tasks (services/controller/
+// repairer.h); this class only records them.
 #ifndef KVTIER_CONTROLLER_CONTROLLER_H_
 #define KVTIER_CONTROLLER_CONTROLLER_H_
 
 #include <cstdint>
+#include <deque>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,6 +53,14 @@ struct Placement {
   bool placed_now = false;  // A new or moved placement, not a recorded one.
 };
 
+// Copy a session's stored rounds from a surviving replica to a new one.
+struct RepairTask {
+  std::string tenant, session;
+  std::vector<NodeInfo> sources;  // Live replicas that held the session, primary first.
+  NodeInfo target;                // The replica that joined the session.
+  int attempt = 0;                // Attempts already made.
+};
+
 // Thread-safe.
 class Controller {
  public:
@@ -55,15 +71,33 @@ class Controller {
 
   // Where (tenant, session) lives, placing it when needed. `need_bytes`: the
   // working set the session is expected to need on its worker (0: any).
-  // UNAVAILABLE when no worker or no store is live; RESOURCE_EXHAUSTED when
-  // live workers have no room for `need_bytes`; INVALID_ARGUMENT for bad
-  // names.
+  // `avoid_worker`: a worker id the caller could not reach; when it is the
+  // session's recorded worker the session moves to the next live worker in
+  // its order (where the caller resumes it), without waiting for the lease to
+  // run out. Only this session moves, so a caller can move nothing but its
+  // own sessions.
+  // UNAVAILABLE when no worker (other than `avoid_worker`) or no store is
+  // live; RESOURCE_EXHAUSTED when live workers have no room for
+  // `need_bytes`; INVALID_ARGUMENT for bad names.
   absl::StatusOr<Placement> Route(const std::string& tenant, const std::string& session,
-                                  uint64_t need_bytes = 0);
+                                  uint64_t need_bytes = 0, const std::string& avoid_worker = "");
 
-  // Declares dead the nodes whose lease ran out and forgets idle
-  // placements. Returns the nodes declared dead.
+  // Declares dead the nodes whose lease ran out, replaces dead store
+  // replicas in every recorded placement (recording repairs), and forgets
+  // idle placements. Returns the nodes declared dead.
   std::vector<std::string> Tick();
+
+  // The next repair to run, if any; the caller reports it with
+  // RepairFinished.
+  std::optional<RepairTask> NextRepair();
+  // `ok`: the target holds every round the sources held. A failed task is
+  // queued again (attempt + 1) while its target is still one of the
+  // session's replicas and fewer than `max_attempts` were made.
+  void RepairFinished(RepairTask task, bool ok, int max_attempts = 5);
+  // Sessions with a repair queued or running, and recorded placements with
+  // fewer than `replicas` stores.
+  size_t RepairsPending() const;
+  size_t UnderReplicated() const;
 
   // Recorded placements, and how many name `node_id`.
   size_t Placements() const;
@@ -77,10 +111,20 @@ class Controller {
   };
   using Key = std::pair<std::string, std::string>;  // (tenant, session)
 
+  // Indices of `nodes`, best first, for the session's key.
+  std::vector<size_t> RankFor(const Key& key, const std::vector<NodeInfo>& nodes) const;
+  // Keeps rec's live stores and fills up to `replicas` in the session's
+  // order; queues a repair for each store added while a survivor remains.
+  // True when the list changed.
+  bool FillStoresLocked(const Key& key, Recorded& rec, const std::vector<NodeInfo>& stores)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   const ControllerOptions options_;
   Membership membership_;
   mutable absl::Mutex mu_;
   std::map<Key, Recorded> placements_ ABSL_GUARDED_BY(mu_);
+  std::deque<RepairTask> repairs_ ABSL_GUARDED_BY(mu_);
+  size_t repairs_running_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvtier::controller

@@ -1,6 +1,7 @@
 #include "controller/controller.h"
 
 #include <map>
+#include <optional>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -204,7 +205,15 @@ TEST_F(ControllerTest, SessionsStayPutAndNewNodesWarmUp) {
   for (const char* id : {"store1", "store3", "worker1", "worker2", "worker3"}) {
     ASSERT_THAT(c.membership().Heartbeat(id, 0, 0), IsOk());
   }
+  const size_t on_store2 = c.PlacementsOn("store2");
+  EXPECT_GT(on_store2, 0u);
+  EXPECT_EQ(c.RepairsPending(), 0u);
   EXPECT_THAT(c.Tick(), ::testing::ElementsAre("store2"));
+  // The sweep replaced store2 in every record at once, and queued one repair
+  // per session that had it: from the survivor to the replacement.
+  EXPECT_EQ(c.PlacementsOn("store2"), 0u);
+  EXPECT_EQ(c.RepairsPending(), on_store2);
+  EXPECT_EQ(c.UnderReplicated(), 0u);
   for (int i = 0; i < 300; ++i) {
     const std::string s = absl::StrCat("chat-", i);
     KVT_ASSERT_OK_AND_ASSIGN(Placement p, c.Route("acme", s));
@@ -213,17 +222,65 @@ TEST_F(ControllerTest, SessionsStayPutAndNewNodesWarmUp) {
     EXPECT_EQ(now, (std::set<std::string>{"store1", "store3"}));
     const auto& was = first[s].stores;
     const bool had = was[0].spec.id == "store2" || was[1].spec.id == "store2";
-    EXPECT_EQ(p.placed_now, had);
+    EXPECT_FALSE(p.placed_now);  // Already replaced by the sweep.
     if (!had) {
       EXPECT_EQ(p.stores[0].spec.id, was[0].spec.id);
+    } else {
+      // The survivor keeps its place first.
+      EXPECT_EQ(p.stores[0].spec.id, was[0].spec.id == "store2" ? was[1].spec.id : was[0].spec.id);
     }
   }
-  // Records naming the dead store (what repair will work from) go as their
-  // sessions are routed again.
-  EXPECT_GT(c.PlacementsOn("store2"), 0u);
-  for (int i = 0; i < 300; ++i) ASSERT_THAT(c.Route("acme", absl::StrCat("new-", i)), IsOk());
-  for (int i = 0; i < 600; ++i) ASSERT_THAT(c.Route("acme", absl::StrCat("later-", i)), IsOk());
-  EXPECT_EQ(c.PlacementsOn("store2"), 0u);
+  size_t tasks = 0;
+  std::optional<RepairTask> first_task;
+  while (std::optional<RepairTask> t = c.NextRepair()) {
+    ++tasks;
+    ASSERT_EQ(t->sources.size(), 1u);
+    EXPECT_NE(t->sources[0].spec.id, "store2");
+    EXPECT_NE(t->target.spec.id, "store2");
+    EXPECT_NE(t->target.spec.id, t->sources[0].spec.id);
+    if (!first_task) {
+      first_task = *t;
+    } else {
+      c.RepairFinished(*t, /*ok=*/true);
+    }
+  }
+  EXPECT_EQ(tasks, on_store2);
+  EXPECT_EQ(c.RepairsPending(), 1u);  // first_task is still running.
+  // A failed repair is queued again, up to max_attempts.
+  c.RepairFinished(*first_task, /*ok=*/false, /*max_attempts=*/2);
+  std::optional<RepairTask> again = c.NextRepair();
+  ASSERT_TRUE(again.has_value());
+  EXPECT_EQ(again->session, first_task->session);
+  EXPECT_EQ(again->attempt, 1);
+  c.RepairFinished(*again, /*ok=*/false, /*max_attempts=*/2);
+  EXPECT_FALSE(c.NextRepair().has_value());
+  EXPECT_EQ(c.RepairsPending(), 0u);
+}
+
+TEST_F(ControllerTest, CallerMovesItsSessionOffAnUnreachableWorker) {
+  Controller c(Options(1));
+  ASSERT_THAT(c.membership().Register({"s", NodeKind::kStore, "h:1"}), IsOk());
+  ASSERT_THAT(c.membership().Register({"w1", NodeKind::kWorker, "h:2"}), IsOk());
+  ASSERT_THAT(c.membership().Register({"w2", NodeKind::kWorker, "h:3"}), IsOk());
+  KVT_ASSERT_OK_AND_ASSIGN(Placement p, c.Route("t", "chat"));
+  const std::string other = p.worker.spec.id == "w1" ? "w2" : "w1";
+  // Naming another worker changes nothing.
+  KVT_ASSERT_OK_AND_ASSIGN(Placement same, c.Route("t", "chat", 0, other));
+  EXPECT_EQ(same.worker.spec.id, p.worker.spec.id);
+  EXPECT_FALSE(same.placed_now);
+  // Naming its own worker moves it, and it stays moved.
+  KVT_ASSERT_OK_AND_ASSIGN(Placement moved, c.Route("t", "chat", 0, p.worker.spec.id));
+  EXPECT_EQ(moved.worker.spec.id, other);
+  EXPECT_TRUE(moved.placed_now);
+  KVT_ASSERT_OK_AND_ASSIGN(Placement after, c.Route("t", "chat"));
+  EXPECT_EQ(after.worker.spec.id, other);
+  // With no other worker: UNAVAILABLE, and the record stays.
+  Controller one(Options(1));
+  ASSERT_THAT(one.membership().Register({"s", NodeKind::kStore, "h:1"}), IsOk());
+  ASSERT_THAT(one.membership().Register({"w1", NodeKind::kWorker, "h:2"}), IsOk());
+  ASSERT_THAT(one.Route("t", "chat"), IsOk());
+  EXPECT_THAT(one.Route("t", "chat", 0, "w1"), StatusIs(Code::kUnavailable));
+  EXPECT_EQ(one.Placements(), 1u);
 }
 
 TEST_F(ControllerTest, RoomOnWorkers) {

@@ -26,6 +26,7 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
     KVT_ASSIGN_OR_RETURN(s->metrics_,
                          ServeMetrics(options.metrics_listen, {s->metrics_registry_->registry()}));
   }
+  KVT_ASSIGN_OR_RETURN(s->repairer_, Repairer::Start(s->controller_.get(), options.repair));
   s->service_ = std::make_unique<ControllerService>(s->controller_.get(), &s->auth_,
                                                     s->metrics_registry_.get());
   KVT_ASSIGN_OR_RETURN(s->server_,
@@ -39,6 +40,7 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
       const std::vector<std::string> dead = raw->controller_->Tick();
       if (!dead.empty()) raw->metrics_registry_->DeclaredDead(dead.size());
       raw->metrics_registry_->Update(*raw->controller_);
+      raw->metrics_registry_->UpdateRepair(raw->repairer_->stats());
     }
   });
   LogInfo("kvtier-controller serving",
@@ -47,6 +49,8 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
            {"heartbeat_interval_ms", absl::ToInt64Milliseconds(m.heartbeat_interval)},
            {"missed_heartbeats", m.missed_heartbeats},
            {"replicas", options.controller.replicas},
+           {"repair_parallelism", options.repair.parallelism},
+           {"repair_mb_per_s", options.repair.max_bytes_per_second >> 20},
            {"auth", s->auth_.enabled() ? "on" : "off"}});
   return s;
 }
@@ -54,6 +58,7 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
 ControllerServer::~ControllerServer() {
   if (!stop_.HasBeenNotified()) stop_.Notify();
   if (sweeper_.joinable()) sweeper_.join();
+  repairer_.reset();
   if (server_ != nullptr) {
     server_->GetHealthCheckService()->SetServingStatus(false);
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));

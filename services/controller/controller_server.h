@@ -1,5 +1,5 @@
 // kvtier-controller as a server: the Controller service on a port, the
-// lease sweeper, health, reflection and metrics.
+// lease sweeper, the repairer, health, reflection and metrics.
 #ifndef KVTIER_SERVICES_CONTROLLER_CONTROLLER_SERVER_H_
 #define KVTIER_SERVICES_CONTROLLER_CONTROLLER_SERVER_H_
 
@@ -14,6 +14,7 @@
 #include "services/common/auth.h"
 #include "services/common/metrics_exposer.h"
 #include "services/controller/controller_service.h"
+#include "services/controller/repairer.h"
 
 namespace kvtier {
 
@@ -27,6 +28,7 @@ struct ControllerServerOptions {
   bool allow_unauthenticated = false;
   std::string tls_cert, tls_key;
   controller::ControllerOptions controller;
+  RepairOptions repair;
 };
 
 class ControllerServer {
@@ -38,6 +40,7 @@ class ControllerServer {
   int port() const { return port_; }
   int metrics_port() const { return metrics_.port; }
   controller::Controller* controller() { return controller_.get(); }
+  Repairer* repairer() { return repairer_.get(); }
 
  private:
   ControllerServer() = default;
@@ -46,6 +49,7 @@ class ControllerServer {
   std::unique_ptr<controller::Controller> controller_;
   std::unique_ptr<ControllerMetrics> metrics_registry_;
   std::unique_ptr<ControllerService> service_;
+  std::unique_ptr<Repairer> repairer_;
   MetricsEndpoint metrics_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

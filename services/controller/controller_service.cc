@@ -21,7 +21,8 @@ absl::Status RequireNode(const Authenticator& auth, const grpc::CallbackServerCo
   KVT_ASSIGN_OR_RETURN(Principal p, auth.Authenticate(ctx));
   if (auth.enabled() && p.role != Role::kNode) {
     return absl::PermissionDeniedError(
-        absl::StrCat("tenant '", p.tenant, "' is not a node: Register and Heartbeat need a node "
+        absl::StrCat("tenant '", p.tenant,
+                     "' is not a node: Register and Heartbeat need a node "
                      "token"));
   }
   return absl::OkStatus();
@@ -58,7 +59,37 @@ ControllerMetrics::ControllerMetrics()
       requests_(prometheus::BuildCounter()
                     .Name("kvtier_controller_requests_total")
                     .Help("RPCs by method and outcome")
-                    .Register(*registry_)) {}
+                    .Register(*registry_)),
+      repairs_pending_(prometheus::BuildGauge()
+                           .Name("kvtier_controller_repairs_pending")
+                           .Help("Sessions whose new replica is waiting for or receiving a copy")
+                           .Register(*registry_)
+                           .Add({})),
+      under_replicated_(prometheus::BuildGauge()
+                            .Name("kvtier_controller_under_replicated_sessions")
+                            .Help("Placed sessions with fewer store replicas than --replicas")
+                            .Register(*registry_)
+                            .Add({})),
+      repair_family_(prometheus::BuildCounter()
+                         .Name("kvtier_controller_repair_total")
+                         .Help("Repair work done: sessions (ok, failed attempts), segments "
+                               "(copied, present), bytes copied")
+                         .Register(*registry_)) {}
+
+void ControllerMetrics::UpdateRepair(const RepairStats& now) {
+  auto add = [&](const char* what, uint64_t now_v, uint64_t was) {
+    if (now_v > was) {
+      repair_family_.Add({{"what", what}}).Increment(static_cast<double>(now_v - was));
+    }
+  };
+  absl::MutexLock lock(&mu_);
+  add("sessions_ok", now.sessions_repaired, last_repair_.sessions_repaired);
+  add("sessions_failed", now.sessions_failed, last_repair_.sessions_failed);
+  add("segments_copied", now.segments_copied, last_repair_.segments_copied);
+  add("segments_present", now.segments_present, last_repair_.segments_present);
+  add("bytes", now.bytes_copied, last_repair_.bytes_copied);
+  last_repair_ = now;
+}
 
 void ControllerMetrics::Update(controller::Controller& c) {
   double counts[2][2] = {{0, 0}, {0, 0}};
@@ -72,6 +103,8 @@ void ControllerMetrics::Update(controller::Controller& c) {
     }
   }
   placements_.Set(static_cast<double>(c.Placements()));
+  repairs_pending_.Set(static_cast<double>(c.RepairsPending()));
+  under_replicated_.Set(static_cast<double>(c.UnderReplicated()));
   epoch_.Set(static_cast<double>(c.membership().epoch()));
 }
 
@@ -79,8 +112,8 @@ void ControllerMetrics::Request(const char* method, bool ok) {
   requests_.Add({{"method", method}, {"outcome", ok ? "ok" : "error"}}).Increment();
 }
 
-ControllerService::ControllerService(controller::Controller* controller,
-                                     const Authenticator* auth, ControllerMetrics* metrics)
+ControllerService::ControllerService(controller::Controller* controller, const Authenticator* auth,
+                                     ControllerMetrics* metrics)
     : controller_(controller), auth_(auth), metrics_(metrics) {}
 
 grpc::ServerUnaryReactor* ControllerService::Finish(grpc::CallbackServerContext* ctx,
@@ -142,7 +175,8 @@ grpc::ServerUnaryReactor* ControllerService::Route(grpc::CallbackServerContext* 
   absl::Status s = [&]() -> absl::Status {
     KVT_ASSIGN_OR_RETURN(Principal p, auth_->Authenticate(*ctx));
     KVT_ASSIGN_OR_RETURN(controller::Placement pl,
-                         controller_->Route(p.tenant, req->session_id(), req->need_bytes()));
+                         controller_->Route(p.tenant, req->session_id(), req->need_bytes(),
+                                            req->avoid_worker_node_id()));
     resp->set_worker_address(pl.worker.spec.address);
     resp->set_worker_node_id(pl.worker.spec.id);
     for (const NodeInfo& st : pl.stores) {

@@ -13,6 +13,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 #include "services/common/auth.h"
+#include "services/controller/repairer.h"
 
 namespace kvtier {
 
@@ -25,6 +26,8 @@ class ControllerMetrics {
   void Request(const char* method, bool ok);
   void Placed() { placed_.Increment(); }
   void DeclaredDead(size_t n) { dead_.Increment(static_cast<double>(n)); }
+  // Adds what the repairer did since the last call.
+  void UpdateRepair(const RepairStats& now);
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
  private:
@@ -35,6 +38,11 @@ class ControllerMetrics {
   prometheus::Counter& placed_;
   prometheus::Counter& dead_;
   prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Gauge& repairs_pending_;
+  prometheus::Gauge& under_replicated_;
+  prometheus::Family<prometheus::Counter>& repair_family_;
+  absl::Mutex mu_;
+  RepairStats last_repair_ ABSL_GUARDED_BY(mu_);
 };
 
 // Thread-safe; the pointers are not owned and must outlive the service.

@@ -1,11 +1,10 @@
 // kvtier-controller over loopback gRPC: node registration and leases with
 // real time, routes for tenants, the statuses of the contract.
-#include "services/controller/controller_server.h"
-
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
+#include "services/controller/controller_server.h"
 #include "services/worker/worker_server.h"
 #include "testing/store_process.h"
 #include "testing/test_util.h"
@@ -19,8 +18,8 @@ constexpr char kAcmeToken[] = "acme-token-00001";
 class ControllerServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    testing::WriteFile(dir_.path() + "/tenants", absl::StrCat(kNodeToken, " nodes node\n",
-                                                              kAcmeToken, " acme readwrite\n"));
+    testing::WriteFile(dir_.path() + "/tenants",
+                       absl::StrCat(kNodeToken, " nodes node\n", kAcmeToken, " acme readwrite\n"));
     ControllerServerOptions o;
     o.listen = "127.0.0.1:0";
     o.metrics_listen = "";
@@ -32,8 +31,8 @@ class ControllerServiceTest : public ::testing::Test {
     auto s = ControllerServer::Start(o);
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = std::move(*s);
-    stub_ = v1::Controller::NewStub(grpc::CreateChannel(
-        absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials()));
+    stub_ = v1::Controller::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
+                                                        grpc::InsecureChannelCredentials()));
   }
 
   std::unique_ptr<grpc::ClientContext> Ctx(const std::string& token) {
@@ -131,8 +130,8 @@ TEST_F(ControllerServiceTest, MembershipAndRoutes) {
   EXPECT_EQ(again.store_node_ids(0), route.store_node_ids(1));  // The survivor stays first.
   EXPECT_NE(again.store_node_ids(1), gone);
   // It comes back and may register again.
-  EXPECT_TRUE(Register(gone, v1::NODE_KIND_STORE, absl::StrCat("10.0.0.", gone.substr(1), ":7070"))
-                  .ok());
+  EXPECT_TRUE(
+      Register(gone, v1::NODE_KIND_STORE, absl::StrCat("10.0.0.", gone.substr(1), ":7070")).ok());
   v1::GetPolicyResponse pol;
   auto c = Ctx(kAcmeToken);
   EXPECT_EQ(stub_->GetPolicy(c.get(), {}, &pol).error_code(), grpc::StatusCode::UNIMPLEMENTED);
@@ -143,10 +142,9 @@ TEST_F(ControllerServiceTest, MembershipAndRoutes) {
 // killed store is declared dead, and a restarted one registers again.
 TEST_F(ControllerServiceTest, NodesJoinAndLeaveByThemselves) {
   const std::string controller = absl::StrCat("127.0.0.1:", server_->port());
-  testing::StoreProcess store(dir_.path() + "/db",
-                              {"--controller=" + controller,
-                               std::string("--controller_token=") + kNodeToken,
-                               "--node_id=store-a"});
+  testing::StoreProcess store(
+      dir_.path() + "/db", {"--controller=" + controller,
+                            std::string("--controller_token=") + kNodeToken, "--node_id=store-a"});
   ASSERT_TRUE(store.Start().ok());
   WorkerServerOptions wo;
   wo.listen = "127.0.0.1:0";

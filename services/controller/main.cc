@@ -2,6 +2,7 @@
 //
 // Every flag can also come from a config file: --flagfile=FILE holds one
 // "--flag=value" per line.
+#include <algorithm>
 #include <cstdio>
 
 #include "absl/flags/flag.h"
@@ -9,6 +10,7 @@
 #include "absl/flags/usage.h"
 #include "base/log.h"
 #include "services/common/serve_main.h"
+#include "services/common/server_credentials.h"
 #include "services/controller/controller_server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7072", "gRPC listen address (port 0 picks one).");
@@ -28,6 +30,11 @@ ABSL_FLAG(int, warmup_seconds, 30,
           "A (re)joined node's share of new placements grows from 10% to all of it over this.");
 ABSL_FLAG(int, replicas, 1, "Store replicas per session (1 to 3).");
 ABSL_FLAG(int, placement_idle_hours, 24, "Forget placements unused this long.");
+ABSL_FLAG(std::string, store_token, "",
+          "A node token for the stores, used by repair to copy rounds between them.");
+ABSL_FLAG(std::string, store_tls_root_certs, "", "PEM file of the stores' CA; empty: plaintext.");
+ABSL_FLAG(int, repair_parallelism, 2, "Sessions repaired at once.");
+ABSL_FLAG(int, repair_mb_per_s, 64, "Bandwidth cap of all repairs together, MiB/s; 0: none.");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warn or error.");
 
 int main(int argc, char** argv) {
@@ -55,6 +62,19 @@ int main(int argc, char** argv) {
   o.controller.membership.warmup = absl::Seconds(absl::GetFlag(FLAGS_warmup_seconds));
   o.controller.replicas = absl::GetFlag(FLAGS_replicas);
   o.controller.placement_idle = absl::Hours(absl::GetFlag(FLAGS_placement_idle_hours));
+  o.repair.store_token = absl::GetFlag(FLAGS_store_token);
+  if (const std::string roots = absl::GetFlag(FLAGS_store_tls_root_certs); !roots.empty()) {
+    absl::StatusOr<std::string> pem = kvtier::ReadFileToString(roots);
+    if (!pem.ok()) {
+      std::fprintf(stderr, "kvtier-controller: --store_tls_root_certs: %s\n",
+                   pem.status().ToString().c_str());
+      return 2;
+    }
+    o.repair.store_tls_root_certs = *pem;
+  }
+  o.repair.parallelism = absl::GetFlag(FLAGS_repair_parallelism);
+  o.repair.max_bytes_per_second =
+      static_cast<uint64_t>(std::max(0, absl::GetFlag(FLAGS_repair_mb_per_s))) << 20;
   return kvtier::ServeUntilSignal<kvtier::ControllerServer>(
       "kvtier-controller", [&o] { return kvtier::ControllerServer::Start(o); },
       absl::GetFlag(FLAGS_port_file), absl::GetFlag(FLAGS_metrics_port_file));

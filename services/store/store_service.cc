@@ -393,7 +393,7 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     for (const auto& r : request_.refs()) ids.push_back({r.round(), r.segment()});
     absl::StatusOr<std::vector<cachestore::SegmentInfo>> infos =
         svc_->store_->PrepareRead(principal_.tenant, request_.session_id(), ids,
-                                  svc_->options_.max_get_bytes);
+                                  svc_->options_.max_get_bytes, !request_.uncounted());
     if (!infos.ok()) {
       Done(infos.status());
       return;

@@ -1,6 +1,7 @@
 #include "services/worker/store_segments.h"
 
 #include "absl/strings/str_cat.h"
+#include "kernels/crc32c.h"
 
 namespace kvtier {
 namespace {
@@ -36,7 +37,23 @@ absl::Status StoreSegments::Put(const std::string& session, const Segment& s, ui
   a.layer_begin = layer_begin;
   a.layer_end = layer_end;
   auto r = client_->PutSegment(a, payload, call);
-  if (r.status().code() == absl::StatusCode::kAlreadyExists) return r.status();
+  if (r.status().code() == absl::StatusCode::kAlreadyExists) {
+    // The same bytes already there (the controller's repair copied this
+    // round to a new replica while we wrote it) count as written; other
+    // bytes are a stale round the caller must replace.
+    auto listed = client_->ListRounds(session, call);
+    if (listed.ok()) {
+      for (const v1::RoundInfo& ri : listed->rounds()) {
+        for (const v1::SegmentInfo& si : ri.segments()) {
+          if (si.ref().round() == s.round && si.ref().segment() == s.segment &&
+              si.payload_bytes() == payload.size() && si.payload_crc32c() == Crc32c(payload)) {
+            return absl::OkStatus();
+          }
+        }
+      }
+    }
+    return r.status();
+  }
   if (!r.ok()) {
     return AsUnavailable(r.status(),
                          absl::StrCat("PutSegment round ", s.round, " segment ", s.segment));

@@ -1,0 +1,227 @@
+#include "services/controller/repairer.h"
+
+#include <map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/log.h"
+#include "base/status_macros.h"
+
+namespace kvtier {
+
+using controller::NodeInfo;
+using controller::RepairTask;
+
+absl::StatusOr<std::unique_ptr<Repairer>> Repairer::Start(controller::Controller* controller,
+                                                          RepairOptions options) {
+  if (options.parallelism < 1 || options.parallelism > 64 || options.max_attempts < 1 ||
+      options.call_deadline <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "repair needs parallelism in [1, 64], max_attempts >= 1 and a positive call deadline");
+  }
+  std::unique_ptr<Repairer> r(new Repairer(controller, std::move(options)));
+  for (int i = 0; i < r->options_.parallelism; ++i) {
+    r->threads_.emplace_back([raw = r.get()] { raw->Loop(); });
+  }
+  return r;
+}
+
+Repairer::~Repairer() {
+  stop_.Notify();
+  for (std::thread& t : threads_) t.join();
+}
+
+RepairStats Repairer::stats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
+
+void Repairer::Loop() {
+  while (!stop_.HasBeenNotified()) {
+    std::optional<RepairTask> task = controller_->NextRepair();
+    if (!task.has_value()) {
+      stop_.WaitForNotificationWithTimeout(absl::Milliseconds(50));
+      continue;
+    }
+    const absl::Time t0 = absl::Now();
+    absl::Status s = Repair(*task);
+    {
+      absl::MutexLock lock(&mu_);
+      stats_.busy += absl::Now() - t0;
+      if (s.ok()) {
+        ++stats_.sessions_repaired;
+      } else {
+        ++stats_.sessions_failed;
+      }
+    }
+    if (!s.ok()) {
+      LogWarn("repair failed", {{"tenant", task->tenant},
+                                {"session", task->session},
+                                {"target", task->target.spec.id},
+                                {"attempt", task->attempt + 1},
+                                {"of", options_.max_attempts},
+                                {"error", s.ToString()}});
+      // Back off a little before the retry, so a store that is down for a
+      // moment is not hammered.
+      stop_.WaitForNotificationWithTimeout(absl::Milliseconds(200) * (task->attempt + 1));
+    }
+    controller_->RepairFinished(std::move(*task), s.ok(), options_.max_attempts);
+  }
+}
+
+void Repairer::Throttle(uint64_t bytes) {
+  if (options_.max_bytes_per_second == 0) return;
+  absl::Time start;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    // No credit is saved up while idle: a burst after a quiet spell still
+    // starts at the cap.
+    start = std::max(now, next_send_);
+    next_send_ = start + absl::Seconds(static_cast<double>(bytes) /
+                                       static_cast<double>(options_.max_bytes_per_second));
+  }
+  const absl::Duration wait = start - absl::Now();
+  if (wait > absl::ZeroDuration()) stop_.WaitForNotificationWithTimeout(wait);
+}
+
+absl::StatusOr<StoreClient*> Repairer::Client(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  std::unique_ptr<StoreClient>& c = clients_[address];
+  if (c == nullptr) {
+    StoreClientOptions o;
+    o.target = address;
+    o.token = options_.store_token;
+    o.tls_root_certs = options_.store_tls_root_certs;
+    o.deadline = options_.call_deadline;
+    absl::StatusOr<std::unique_ptr<StoreClient>> made = StoreClient::Connect(std::move(o));
+    if (!made.ok()) {
+      clients_.erase(address);
+      return made.status();
+    }
+    c = std::move(*made);
+  }
+  return c.get();
+}
+
+absl::Status Repairer::Repair(const RepairTask& task) {
+  auto call = [&] {
+    CallOptions c = CallOptions::Within(options_.call_deadline);
+    c.tenant = task.tenant;
+    return c;
+  };
+  const absl::Time t0 = absl::Now();
+  KVT_ASSIGN_OR_RETURN(StoreClient * target, Client(task.target.spec.address));
+
+  // The first source that answers. NOT_FOUND everywhere: nothing was stored
+  // yet, so there is nothing to copy.
+  StoreClient* source = nullptr;
+  const NodeInfo* source_node = nullptr;
+  v1::ListRoundsResponse have;
+  absl::Status last = absl::NotFoundError("no source");
+  bool all_not_found = true;
+  for (const NodeInfo& n : task.sources) {
+    KVT_ASSIGN_OR_RETURN(StoreClient * c, Client(n.spec.address));
+    absl::StatusOr<v1::ListRoundsResponse> r = c->ListRounds(task.session, call());
+    if (r.ok()) {
+      source = c;
+      source_node = &n;
+      have = std::move(*r);
+      break;
+    }
+    if (!absl::IsNotFound(r.status())) all_not_found = false;
+    last = absl::Status(r.status().code(),
+                        absl::StrCat("ListRounds on ", n.spec.id, ": ", r.status().message()));
+  }
+  if (source == nullptr) return all_not_found ? absl::OkStatus() : last;
+
+  // What the target holds already: (round, segment) -> crc.
+  std::map<std::pair<uint32_t, uint32_t>, uint32_t> present;
+  absl::StatusOr<v1::ListRoundsResponse> there = target->ListRounds(task.session, call());
+  if (there.ok()) {
+    for (const v1::RoundInfo& r : there->rounds()) {
+      for (const v1::SegmentInfo& s : r.segments()) {
+        present[{s.ref().round(), s.ref().segment()}] = s.payload_crc32c();
+      }
+    }
+  } else if (!absl::IsNotFound(there.status())) {
+    return absl::Status(there.status().code(), absl::StrCat("ListRounds on ", task.target.spec.id,
+                                                            ": ", there.status().message()));
+  }
+
+  LogInfo("repair started", {{"tenant", task.tenant},
+                             {"session", task.session},
+                             {"from", source_node->spec.id},
+                             {"to", task.target.spec.id},
+                             {"rounds", have.rounds_size()}});
+  uint64_t bytes = 0, segments = 0, skipped = 0;
+  for (const v1::RoundInfo& round : have.rounds()) {
+    if (stop_.HasBeenNotified()) return absl::CancelledError("the controller is stopping");
+    std::vector<v1::SegmentRef> refs;
+    std::vector<const v1::SegmentInfo*> infos;
+    for (const v1::SegmentInfo& s : round.segments()) {
+      auto it = present.find({s.ref().round(), s.ref().segment()});
+      if (it != present.end()) {
+        if (it->second != s.payload_crc32c()) {
+          LogWarn("repair: replicas differ", {{"session", task.session},
+                                              {"round", s.ref().round()},
+                                              {"segment", s.ref().segment()},
+                                              {"target", task.target.spec.id}});
+        }
+        ++skipped;
+        continue;
+      }
+      refs.push_back(s.ref());
+      infos.push_back(&s);
+    }
+    if (refs.empty()) continue;
+    uint64_t round_bytes = 0;
+    for (const v1::SegmentInfo* s : infos) round_bytes += s->payload_bytes();
+    Throttle(round_bytes);
+    KVT_ASSIGN_OR_RETURN(std::vector<FetchedSegment> got,
+                         source->GetSegments(task.session, refs, call(), /*uncounted=*/true));
+    for (size_t i = 0; i < got.size(); ++i) {
+      const v1::SegmentInfo& info = got[i].info;
+      PutSegmentArgs a;
+      a.session_id = task.session;
+      a.round = info.ref().round();
+      a.segment = info.ref().segment();
+      a.layer_begin = info.layer_begin();
+      a.layer_end = info.layer_end();
+      a.round_summary = &round.summary();
+      a.session_ttl_seconds = have.ttl_seconds();
+      absl::StatusOr<v1::PutSegmentResponse> put = target->PutSegment(a, got[i].payload, call());
+      if (absl::IsAlreadyExists(put.status())) {
+        ++skipped;  // The worker wrote it meanwhile.
+        continue;
+      }
+      if (!put.ok()) {
+        return absl::Status(
+            put.status().code(),
+            absl::StrCat("PutSegment round ", a.round, " segment ", a.segment, " on ",
+                         task.target.spec.id, ": ", put.status().message()));
+      }
+      bytes += got[i].payload.size();
+      ++segments;
+    }
+  }
+  if (have.pinned()) KVT_RETURN_IF_ERROR(target->PinSession(task.session, true, call()));
+  const double secs = absl::ToDoubleSeconds(absl::Now() - t0);
+  {
+    absl::MutexLock lock(&mu_);
+    stats_.bytes_copied += bytes;
+    stats_.segments_copied += segments;
+    stats_.segments_present += skipped;
+  }
+  LogInfo("repair done", {{"tenant", task.tenant},
+                          {"session", task.session},
+                          {"to", task.target.spec.id},
+                          {"segments", segments},
+                          {"skipped", skipped},
+                          {"bytes", bytes},
+                          {"ms", static_cast<int64_t>(secs * 1000)},
+                          {"mb_per_s", secs > 0 ? bytes / secs / 1e6 : 0.0}});
+  return absl::OkStatus();
+}
+
+}  // namespace kvtier
