@@ -1,7 +1,7 @@
 # Two commands for a newcomer: `make demo` and `make test`. Both go through
 # scripts/kvtier.sh, which installs missing Debian packages, configures and
 # builds first.
-.PHONY: demo demo-store test build deps bench asan fuzz clean
+.PHONY: demo demo-store demo-cluster test build deps bench asan fuzz clean
 
 demo:
 	scripts/kvtier.sh demo
@@ -9,6 +9,11 @@ demo:
 # kvtier-store alone: segments, spills, one batched recall, kill -9 and restart.
 demo-store: build
 	scripts/store_demo.sh build
+
+# A controller, 3 stores (R = 2) and 2 workers on this machine; one store and
+# one worker are killed partway through (docs/cluster.md).
+demo-cluster: build
+	scripts/cluster_demo.sh build
 
 test:
 	scripts/kvtier.sh test

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -184,17 +185,41 @@ class Tier : public TierSession {
     return ctx;
   }
 
-  absl::Status Open(const v1::Policy& policy) {
+  // `stores`: the session's store replicas (empty: the worker's own);
+  // `resume`: rebuild it from the store (next_round() says where it goes
+  // on).
+  absl::Status Open(const v1::Policy& policy, const std::vector<std::string>& stores = {},
+                    bool resume = false, std::optional<uint32_t> resume_at = std::nullopt) {
     v1::OpenSessionRequest r;
     r.set_session_id(session_);
     *r.mutable_model() = spec_;
     *r.mutable_policy() = policy;
+    for (const std::string& a : stores) r.add_store_addresses(a);
+    r.set_resume(resume);
+    if (resume_at.has_value()) r.set_resume_at_round(*resume_at);
     v1::OpenSessionResponse resp;
     auto ctx = Context(deadlines_.call);
     KVT_RETURN_IF_ERROR(FromGrpc(stub_->OpenSession(ctx.get(), r, &resp), "OpenSession"));
     effective_ = resp.effective_policy();
     on_device_ = resp.on_device();
+    next_round_ = resp.next_round();
     return absl::OkStatus();
+  }
+  uint32_t next_round() const { return next_round_; }
+  // The reports of rounds stored before this worker took the session over.
+  void set_rounds(std::vector<TierRound> r) { rounds_ = std::move(r); }
+  // Drops the open streams without finishing them (the worker is gone).
+  void Abandon() {
+    if (pstream_ != nullptr) {
+      pctx_->TryCancel();
+      pstream_->Finish().IgnoreError();
+      pstream_.reset();
+    }
+    if (dstream_ != nullptr) {
+      dctx_->TryCancel();
+      dstream_->Finish().IgnoreError();
+      dstream_.reset();
+    }
   }
 
   absl::Status Close(bool delete_from_store) override {
@@ -243,7 +268,7 @@ class Tier : public TierSession {
         WriteDense(v, t, m, kv_heads_, hd, wire_, req.mutable_v());
         req.set_more_chunks(t + m < n);
         if (!pstream_->Write(req)) {
-          return FromGrpc(pstream_->Finish(), absl::StrCat("Prefill layer ", layer));
+          return BrokenPrefill(layer);
         }
       }
       size_t got = 0;  // Output rows so far.
@@ -251,7 +276,7 @@ class Tier : public TierSession {
       v1::LayerResponse resp;
       do {
         if (!pstream_->Read(&resp)) {
-          return FromGrpc(pstream_->Finish(), absl::StrCat("Prefill layer ", layer));
+          return BrokenPrefill(layer);
         }
         const int64_t rows = resp.o().shape_size() == 3 ? resp.o().shape(0) : -1;
         if (rows < 1 || got + rows > static_cast<size_t>(n)) {
@@ -293,8 +318,17 @@ class Tier : public TierSession {
                       absl::StrCat("Decode layer ", layer));
   }
 
+  // The Prefill stream broke: its status, and the stream is gone (a stream
+  // is finished once).
+  absl::Status BrokenPrefill(int layer) {
+    absl::Status s = FromGrpc(pstream_->Finish(), absl::StrCat("Prefill layer ", layer));
+    pstream_.reset();
+    return s;
+  }
+
   absl::Status EndStep() override {
     if (!prefill_) return absl::OkStatus();  // The Decode stream stays open.
+    if (pstream_ == nullptr) return absl::FailedPreconditionError("no Prefill stream");
     pstream_->WritesDone();
     grpc::Status s = pstream_->Finish();
     pstream_.reset();
@@ -356,7 +390,152 @@ class Tier : public TierSession {
   bool has_recall_ = false;
   v1::Policy effective_;
   bool on_device_ = false;
+  uint32_t next_round_ = 0;
   std::vector<TierRound> rounds_;
+};
+
+class Cluster : public ClusterSession {
+ public:
+  Cluster(const v1::ModelSpec& spec, SessionRouter* router, std::string session, v1::Policy policy,
+          std::string token, TierDeadlines deadlines, absl::Duration store_failover)
+      : spec_(spec),
+        router_(router),
+        session_(std::move(session)),
+        policy_(std::move(policy)),
+        token_(std::move(token)),
+        deadlines_(deadlines),
+        store_failover_(store_failover) {}
+
+  // Routes and opens; a worker that cannot be reached at open is avoided.
+  absl::Status Open() {
+    KVT_ASSIGN_OR_RETURN(route_, router_->Route(session_));
+    absl::Status s = OpenOn(/*resume=*/false);
+    for (int i = 0; i < 3 && WorkerFailoverCandidate(s) &&
+                    !router_->Answers(route_.worker_address(), absl::Seconds(1));
+         ++i) {
+      KVT_ASSIGN_OR_RETURN(route_, router_->Failover(session_, route_));
+      s = OpenOn(/*resume=*/false);
+    }
+    return s;
+  }
+
+  const std::vector<TierRound>& rounds() const override { return inner_->rounds(); }
+  const v1::Policy& effective_policy() const override { return inner_->effective_policy(); }
+  bool on_device() const override { return inner_->on_device(); }
+  const std::vector<Failover>& failovers() const override { return failovers_; }
+  std::string worker_node_id() const override { return route_.worker_node_id(); }
+  std::vector<std::string> store_node_ids() const override {
+    return {route_.store_node_ids().begin(), route_.store_node_ids().end()};
+  }
+
+  absl::Status RefreshRoute() override {
+    KVT_ASSIGN_OR_RETURN(route_, router_->Refresh(session_));
+    return absl::OkStatus();
+  }
+
+  absl::Status Close(bool delete_from_store) override {
+    absl::Status s = inner_->Close(delete_from_store);
+    router_->Forget(session_);
+    return s;
+  }
+  absl::Status BeginStep(bool prefill, int n, int question_tokens) override {
+    return inner_->BeginStep(prefill, n, question_tokens);
+  }
+  absl::Status AttendLayer(int layer, int pos0, int n, const float* q, const float* k,
+                           const float* v, float* out) override {
+    return inner_->AttendLayer(layer, pos0, n, q, k, v, out);
+  }
+  absl::Status EndStep() override { return inner_->EndStep(); }
+
+  // A store replica that died makes EndRound fail UNAVAILABLE until the
+  // controller declares it dead and the worker writes to its replacement;
+  // the round is still open on the worker, so EndRound is simply retried
+  // while the worker itself answers.
+  absl::Status EndRound() override {
+    const absl::Time until = absl::Now() + store_failover_;
+    absl::Duration backoff = absl::Milliseconds(200);
+    for (;;) {
+      absl::Status s = inner_->EndRound();
+      if (s.ok() || !WorkerFailoverCandidate(s) || absl::Now() + backoff > until ||
+          !router_->Answers(route_.worker_address(), absl::Seconds(1))) {
+        return s;
+      }
+      absl::SleepFor(backoff);
+      backoff = std::min(backoff * 2, absl::Seconds(2));
+    }
+  }
+
+  absl::StatusOr<uint32_t> Recover(uint32_t round, const absl::Status& failure) override {
+    if (!WorkerFailoverCandidate(failure)) return failure;
+    const absl::Time t0 = absl::Now();
+    Failover f;
+    f.round = round;
+    f.from = route_.worker_node_id();
+    f.failure = failure.ToString();
+    inner_->Abandon();
+    if (router_->Answers(route_.worker_address(), absl::Seconds(1))) {
+      // The worker lives (a stream broke, or a step outlived its deadline):
+      // drop its copy of the session and resume it there.
+      inner_->Close(/*delete_from_store=*/false).IgnoreError();
+    } else {
+      KVT_ASSIGN_OR_RETURN(route_, router_->Failover(session_, route_));
+    }
+    std::vector<TierRound> history = inner_->rounds();
+    // The open round was never acknowledged: whatever of it reached the
+    // store goes, and it is sent again.
+    absl::Status s = OpenOn(/*resume=*/true, round);
+    if (absl::IsAlreadyExists(s)) {
+      // That worker still holds an older copy (it had the session before).
+      inner_->Close(/*delete_from_store=*/false).IgnoreError();
+      s = OpenOn(/*resume=*/true, round);
+    }
+    uint32_t next = 0;
+    if (absl::IsNotFound(s) && round == 0) {
+      s = OpenOn(/*resume=*/false);  // Nothing stored yet: round 0 was open.
+    } else if (s.ok()) {
+      next = inner_->next_round();
+    }
+    if (!s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrCat("failover after ", failure.ToString(), ": ", s.message()));
+    }
+    if (next != round) {
+      return absl::DataLossError(absl::StrCat("the store resumes session ", session_, " at round ",
+                                              next, ", but round ", round, " was open"));
+    }
+    history.resize(std::min<size_t>(history.size(), next));
+    inner_->set_rounds(std::move(history));
+    f.to = route_.worker_node_id();
+    f.recover_ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
+    failovers_.push_back(f);
+    return next;
+  }
+
+ private:
+  absl::Status OpenOn(bool resume, std::optional<uint32_t> at = std::nullopt) {
+    auto t = std::make_unique<Tier>(spec_, router_->Channel(route_.worker_address()), session_,
+                                    token_, deadlines_, nullptr);
+    std::vector<std::string> stores(route_.store_addresses().begin(),
+                                    route_.store_addresses().end());
+    absl::Status s = t->Open(policy_, stores, resume, at);
+    if (!s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrCat(s.message(), " (worker ", route_.worker_node_id(), ")"));
+    }
+    inner_ = std::move(t);
+    return absl::OkStatus();
+  }
+
+  const v1::ModelSpec spec_;
+  SessionRouter* const router_;
+  const std::string session_;
+  const v1::Policy policy_;
+  const std::string token_;
+  const TierDeadlines deadlines_;
+  const absl::Duration store_failover_;
+  v1::RouteResponse route_;
+  std::unique_ptr<Tier> inner_;
+  std::vector<Failover> failovers_;
 };
 
 }  // namespace
@@ -372,6 +551,16 @@ absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(
   auto t = std::make_unique<Tier>(spec, std::move(channel), session, token, deadlines, decode);
   KVT_RETURN_IF_ERROR(t->Open(policy));
   return std::unique_ptr<TierSession>(std::move(t));
+}
+
+absl::StatusOr<std::unique_ptr<ClusterSession>> ClusterBackend(
+    const v1::ModelSpec& spec, SessionRouter* router, const std::string& session,
+    const v1::Policy& policy, const std::string& token, const TierDeadlines& deadlines,
+    absl::Duration store_failover) {
+  auto c =
+      std::make_unique<Cluster>(spec, router, session, policy, token, deadlines, store_failover);
+  KVT_RETURN_IF_ERROR(c->Open());
+  return std::unique_ptr<ClusterSession>(std::move(c));
 }
 
 v1::ModelSpec SpecOf(const model::LlamaConfig& c) {
@@ -412,27 +601,55 @@ absl::StatusOr<Transcript> RunConversation(
   for (int r = 0; r < o.rounds; ++r) {
     std::vector<int> q(source.begin() + r * o.question_tokens,
                        source.begin() + (r + 1) * o.question_tokens);
-    KVT_RETURN_IF_ERROR(b->BeginStep(true, o.question_tokens, o.question_tokens));
-    KVT_RETURN_IF_ERROR(f.Run(q, pos, b, logits.data()));
-    KVT_RETURN_IF_ERROR(b->EndStep());
-    pos += o.question_tokens;
-    std::vector<int> answer;
+    const int round_pos = pos;
+    std::vector<int> answer;  // Kept across a failover: the user has seen them.
     std::vector<float> round_logits;
-    for (int a = 0; a < o.answer_tokens; ++a) {
-      round_logits.insert(round_logits.end(), logits.begin(), logits.end());
-      const int next =
-          teacher != nullptr ? teacher->answers[r][a] : model::Argmax(logits.data(), c.vocab_size);
-      answer.push_back(next);
-      const auto t0 = std::chrono::steady_clock::now();
-      KVT_RETURN_IF_ERROR(b->BeginStep(false, 1, 0));
-      KVT_RETURN_IF_ERROR(f.Run({next}, pos, b, logits.data()));
+    // One attempt at the round: the question as one prefill, then the
+    // answer (tokens already produced are sent again, not chosen again).
+    auto attempt = [&]() -> absl::Status {
+      pos = round_pos;
+      round_logits.clear();
+      KVT_RETURN_IF_ERROR(b->BeginStep(true, o.question_tokens, o.question_tokens));
+      KVT_RETURN_IF_ERROR(f.Run(q, pos, b, logits.data()));
       KVT_RETURN_IF_ERROR(b->EndStep());
-      decode_ms +=
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-      ++decode_steps;
-      ++pos;
+      pos += o.question_tokens;
+      for (int a = 0; a < o.answer_tokens; ++a) {
+        round_logits.insert(round_logits.end(), logits.begin(), logits.end());
+        int next;
+        if (a < static_cast<int>(answer.size())) {
+          next = answer[a];
+        } else {
+          next = teacher != nullptr ? teacher->answers[r][a]
+                                    : model::Argmax(logits.data(), c.vocab_size);
+          answer.push_back(next);
+        }
+        const auto t0 = std::chrono::steady_clock::now();
+        KVT_RETURN_IF_ERROR(b->BeginStep(false, 1, 0));
+        KVT_RETURN_IF_ERROR(f.Run({next}, pos, b, logits.data()));
+        KVT_RETURN_IF_ERROR(b->EndStep());
+        decode_ms +=
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                .count();
+        ++decode_steps;
+        ++pos;
+      }
+      return b->EndRound();
+    };
+    for (int tries = 0;; ++tries) {
+      absl::Status s = attempt();
+      if (s.ok()) break;
+      if (tries == 3) return s;
+      KVT_ASSIGN_OR_RETURN(uint32_t next, b->Recover(static_cast<uint32_t>(r), s));
+      if (progress) {
+        progress(absl::StrCat(
+            "round ", r + 1, "/", o.rounds, ": ", s.message(), "; ",
+            next == static_cast<uint32_t>(r) ? "sending the round again" : "the round was stored"));
+      }
+      if (next == static_cast<uint32_t>(r) + 1) {
+        pos = round_pos + per_round;
+        break;
+      }
     }
-    KVT_RETURN_IF_ERROR(b->EndRound());
     t.questions.push_back(std::move(q));
     t.answers.push_back(std::move(answer));
     t.logits.push_back(std::move(round_logits));

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "client/session_router.h"
 #include "grpcpp/channel.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "model/llama.h"
@@ -43,6 +44,16 @@ class ConversationBackend : public model::LayerAttention {
   virtual absl::Status BeginStep(bool prefill, int n, int question_tokens) = 0;
   virtual absl::Status EndStep() = 0;
   virtual absl::Status EndRound() = 0;
+  // After a step or EndRound of round `round` failed with `failure`: puts
+  // the session where it can go on (its worker again, or another one,
+  // resumed from the store) and returns the round to continue at: `round`
+  // (its steps must be sent again from the round's first token) or
+  // `round + 1` (the failed EndRound had stored it). Returns `failure` when
+  // nothing can be done. Default: nothing can.
+  virtual absl::StatusOr<uint32_t> Recover(uint32_t round, const absl::Status& failure) {
+    (void)round;
+    return failure;
+  }
 };
 
 // Local mode: the full fp32 cache.
@@ -87,6 +98,30 @@ struct TierDeadlines {
   // The Decode stream, which carries every decode step of one round.
   // Default: 300 s.
   absl::Duration round = absl::Seconds(300);
+};
+
+// A failover of a cluster session: its worker failed a call, and the
+// session went on from the store on `to`.
+struct Failover {
+  uint32_t round = 0;     // The round that was open.
+  std::string from, to;   // Worker node ids (equal: resumed on the same one).
+  std::string failure;    // The status that started it.
+  double recover_ms = 0;  // From the failure to the resumed session.
+};
+
+// A tier session in a kvtier cluster (client/session_router.h): routed
+// through kvtier-controller, opened with the route's store replicas, and
+// moved when its worker fails. EndRound failures caused by a store (the
+// worker still answers) are retried for up to `store_failover` so that the
+// controller can replace the store; other failures go to Recover.
+class ClusterSession : public TierSession {
+ public:
+  virtual const std::vector<Failover>& failovers() const = 0;
+  virtual std::string worker_node_id() const = 0;
+  virtual std::vector<std::string> store_node_ids() const = 0;
+  // Asks the controller where the session is now (store replicas change
+  // without the engine noticing).
+  virtual absl::Status RefreshRoute() = 0;
 };
 
 // One long-lived Decode stream shared by all of an engine's tier sessions:
@@ -139,10 +174,20 @@ absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(
     const v1::Policy& policy, const std::string& token = "", const TierDeadlines& deadlines = {},
     DecodeMux* decode = nullptr);
 
+// A session routed through `router` (not owned; it must outlive the
+// session). Decode steps use a stream of the session's own. `store_failover`:
+// how long EndRound retries while the worker answers but a store does not.
+absl::StatusOr<std::unique_ptr<ClusterSession>> ClusterBackend(
+    const v1::ModelSpec& spec, SessionRouter* router, const std::string& session,
+    const v1::Policy& policy, const std::string& token = "", const TierDeadlines& deadlines = {},
+    absl::Duration store_failover = absl::Seconds(15));
+
 // Runs the conversation. With `teacher`, the answers are the teacher's
 // tokens (teacher forcing: the same context as the teacher had), and the
 // logits are this backend's; without, answers are greedy. `progress` gets
-// one line per round when set.
+// one line per round when set. When a round fails and the backend recovers
+// (ConversationBackend::Recover), the round is sent again from its first
+// token, with the answer tokens already produced (up to 3 times a round).
 absl::StatusOr<Transcript> RunConversation(const model::LlamaModel& m, const ConversationOptions& o,
                                            ConversationBackend* b, const Transcript* teacher,
                                            const std::function<void(const std::string&)>& progress);

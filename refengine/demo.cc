@@ -39,9 +39,13 @@ double MsSince(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
 }
 
-absl::Status RunSynthetic(const DemoOptions& o, const v1::Policy& policy,
-                          const std::shared_ptr<grpc::Channel>& channel, DecodeMux* mux, int index,
-                          DemoSession* out, std::unique_ptr<TierSession>* session,
+// Opens a session's tier backend: on the demo's worker, or routed through
+// the cluster's controller.
+using OpenTier =
+    std::function<absl::StatusOr<std::unique_ptr<TierSession>>(const v1::ModelSpec&, DemoSession*)>;
+
+absl::Status RunSynthetic(const DemoOptions& o, const OpenTier& open, int index, DemoSession* out,
+                          std::unique_ptr<TierSession>* session,
                           const std::function<void(const std::string&)>& progress) {
   traces::SyntheticChatOptions co;
   co.rounds = o.rounds;
@@ -64,59 +68,91 @@ absl::Status RunSynthetic(const DemoOptions& o, const v1::Policy& policy,
   spec.set_num_kv_heads(co.kv_heads);
   spec.set_head_dim(d);
   spec.set_dtype(v1::DTYPE_FP16);
-  KVT_ASSIGN_OR_RETURN(*session, TierBackend(spec, channel, out->id, policy, o.token, {}, mux));
+  KVT_ASSIGN_OR_RETURN(*session, open(spec, out));
   TierSession* tier = session->get();
   const size_t qrow = static_cast<size_t>(co.q_heads) * d,
                kvrow = static_cast<size_t>(co.kv_heads) * d;
   std::vector<float> q(co.question_tokens * qrow), k(co.question_tokens * kvrow),
-      v(co.question_tokens * kvrow), o_tier(q.size()), o_local(q.size());
+      v(co.question_tokens * kvrow), o_local(q.size());
   int pos = 0;
+  std::vector<float> o_all(static_cast<size_t>(co.layers) * q.size());
   // One step: n tokens starting at `first` of round r, through every layer
-  // of both backends.
-  auto step = [&](int r, int first, int n, double* tier_ms, double* local_ms) -> absl::Status {
+  // of the tier, then of the local cache (the inputs do not depend on the
+  // outputs, so a tier failure leaves the local cache untouched). A step
+  // sent again after a failover (`replay`) skips the local cache.
+  auto step = [&](int r, int first, int n, bool replay, double* tier_ms,
+                  double* local_ms) -> absl::Status {
     const bool prefill = first == 0;
     auto t0 = Clock::now();
     KVT_RETURN_IF_ERROR(tier->BeginStep(prefill, n, co.question_tokens));
-    double tms = MsSince(t0), lms = 0;
-    KVT_RETURN_IF_ERROR(local->BeginStep(prefill, n, co.question_tokens));
     for (int l = 0; l < co.layers; ++l) {
       for (int i = 0; i < n; ++i) {
         chat.Token(r, first + i, l, &q[i * qrow], &k[i * kvrow], &v[i * kvrow]);
       }
-      t0 = Clock::now();
       KVT_RETURN_IF_ERROR(
-          tier->AttendLayer(l, pos, n, q.data(), k.data(), v.data(), o_tier.data()));
-      tms += MsSince(t0);
-      t0 = Clock::now();
-      KVT_RETURN_IF_ERROR(
-          local->AttendLayer(l, pos, n, q.data(), k.data(), v.data(), o_local.data()));
-      lms += MsSince(t0);
-      for (size_t j = 0; j < n * qrow; ++j) {
-        const double e = static_cast<double>(o_tier[j]) - o_local[j];
-        out->err2 += e * e;
-        out->ref2 += static_cast<double>(o_local[j]) * o_local[j];
-      }
+          tier->AttendLayer(l, pos, n, q.data(), k.data(), v.data(), o_all.data() + l * q.size()));
     }
-    t0 = Clock::now();
     KVT_RETURN_IF_ERROR(tier->EndStep());
-    tms += MsSince(t0);
-    KVT_RETURN_IF_ERROR(local->EndStep());
+    const double tms = MsSince(t0);
+    if (!replay) {
+      double lms = 0;
+      KVT_RETURN_IF_ERROR(local->BeginStep(prefill, n, co.question_tokens));
+      for (int l = 0; l < co.layers; ++l) {
+        for (int i = 0; i < n; ++i) {
+          chat.Token(r, first + i, l, &q[i * qrow], &k[i * kvrow], &v[i * kvrow]);
+        }
+        t0 = Clock::now();
+        KVT_RETURN_IF_ERROR(
+            local->AttendLayer(l, pos, n, q.data(), k.data(), v.data(), o_local.data()));
+        lms += MsSince(t0);
+        const float* o_tier_l = o_all.data() + l * q.size();
+        for (size_t j = 0; j < n * qrow; ++j) {
+          const double e = static_cast<double>(o_tier_l[j]) - o_local[j];
+          out->err2 += e * e;
+          out->ref2 += static_cast<double>(o_local[j]) * o_local[j];
+        }
+      }
+      KVT_RETURN_IF_ERROR(local->EndStep());
+      if (local_ms != nullptr) *local_ms += lms;
+    }
     pos += n;
     if (tier_ms != nullptr) *tier_ms += tms;
-    if (local_ms != nullptr) *local_ms += lms;
     return absl::OkStatus();
   };
+  const int steps_per_round = 1 + co.answer_tokens;
   for (int r = 0; r < co.rounds; ++r) {
-    KVT_RETURN_IF_ERROR(step(r, 0, co.question_tokens, nullptr, nullptr));
-    for (int a = 0; a < co.answer_tokens; ++a) {
-      KVT_RETURN_IF_ERROR(
-          step(r, co.question_tokens + a, 1, &out->tier_decode_ms, &out->local_decode_ms));
-      ++out->decode_tokens;
+    const int round_pos = pos;
+    int done = 0;  // Steps of this round the local cache has taken.
+    for (int tries = 0;; ++tries) {
+      pos = round_pos;
+      absl::Status s = [&]() -> absl::Status {
+        for (int i = 0; i < steps_per_round; ++i) {
+          const bool replay = i < done;
+          if (i == 0) {
+            KVT_RETURN_IF_ERROR(step(r, 0, co.question_tokens, replay, nullptr, nullptr));
+          } else {
+            KVT_RETURN_IF_ERROR(step(r, co.question_tokens + i - 1, 1, replay,
+                                     replay ? nullptr : &out->tier_decode_ms,
+                                     &out->local_decode_ms));
+            if (!replay) ++out->decode_tokens;
+          }
+          if (!replay) ++done;
+        }
+        return tier->EndRound();
+      }();
+      if (s.ok()) break;
+      if (tries == 3) return s;
+      KVT_ASSIGN_OR_RETURN(uint32_t next, tier->Recover(static_cast<uint32_t>(r), s));
+      if (progress) {
+        progress(absl::StrCat(
+            out->id, " round ", r + 1, "/", co.rounds, ": ", s.message(), "; ",
+            next == static_cast<uint32_t>(r) ? "sending the round again" : "the round was stored"));
+      }
+      if (next == static_cast<uint32_t>(r) + 1) break;
     }
-    KVT_RETURN_IF_ERROR(tier->EndRound());
     KVT_RETURN_IF_ERROR(local->EndRound());
     out->references.push_back(chat.References(r));
-    if (progress) {
+    if (progress && !tier->rounds().empty()) {
       const TierRound& tr = tier->rounds().back();
       progress(
           absl::StrCat(out->id, " round ", r + 1, "/", co.rounds, ": refers to [",
@@ -132,9 +168,8 @@ absl::Status RunSynthetic(const DemoOptions& o, const v1::Policy& policy,
   return absl::OkStatus();
 }
 
-absl::Status RunModel(const DemoOptions& o, const model::LlamaModel& m, const v1::Policy& policy,
-                      const std::shared_ptr<grpc::Channel>& channel, DecodeMux* mux, int index,
-                      DemoSession* out, std::unique_ptr<TierSession>* session,
+absl::Status RunModel(const DemoOptions& o, const model::LlamaModel& m, const OpenTier& open,
+                      int index, DemoSession* out, std::unique_ptr<TierSession>* session,
                       const std::function<void(const std::string&)>& progress) {
   ConversationOptions co;
   co.rounds = o.rounds;
@@ -143,8 +178,7 @@ absl::Status RunModel(const DemoOptions& o, const model::LlamaModel& m, const v1
   co.seed = o.seed * 1000 + static_cast<uint64_t>(index);
   auto local = LocalBackend(m.config());
   KVT_ASSIGN_OR_RETURN(Transcript teacher, RunConversation(m, co, local.get(), nullptr, nullptr));
-  KVT_ASSIGN_OR_RETURN(*session,
-                       TierBackend(SpecOf(m.config()), channel, out->id, policy, o.token, {}, mux));
+  KVT_ASSIGN_OR_RETURN(*session, open(SpecOf(m.config()), out));
   TierSession* tier = session->get();
   auto line = [&](const std::string& s) {
     if (progress) progress(absl::StrCat(out->id, " ", s));
@@ -278,7 +312,9 @@ absl::StatusOr<v1::Policy> DemoPolicy(const DemoOptions& o) {
 
 absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
                                    const std::function<void(const std::string&)>& progress) {
-  if (o.worker.empty()) return absl::InvalidArgumentError("the worker address is required");
+  if (o.worker.empty() == o.controller.empty()) {
+    return absl::InvalidArgumentError("give a worker address or a controller address");
+  }
   if (o.sessions < 1 || o.sessions > 256 || o.rounds < 1) {
     return absl::InvalidArgumentError("sessions must be in [1, 256] and rounds >= 1");
   }
@@ -303,10 +339,32 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
       policy.watershed_layer() > 0 ? static_cast<int>(policy.watershed_layer()) : rep.layers / 3;
   rep.policy = absl::StrCat("codec=", o.codec, " recall=", policy.recall(), " evict=", o.evict,
                             " watershed=", rep.watershed);
-  auto channel = grpc::CreateChannel(o.worker, grpc::InsecureChannelCredentials());
-  // Every session's decode layers share one long-lived stream, batched.
-  DecodeMux mux(channel, o.token);
-  DecodeMux* shared = o.shared_decode_stream ? &mux : nullptr;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<DecodeMux> mux;
+  std::unique_ptr<SessionRouter> router;
+  OpenTier open;
+  if (!o.controller.empty()) {
+    // A cluster: each session routed through the controller, on its own
+    // streams (the shared decode stream is per worker, and sessions move).
+    ControllerClientOptions co;
+    co.target = o.controller;
+    co.token = o.token;
+    KVT_ASSIGN_OR_RETURN(router, SessionRouter::Connect(co));
+    open = [&](const v1::ModelSpec& spec,
+               DemoSession* s) -> absl::StatusOr<std::unique_ptr<TierSession>> {
+      KVT_ASSIGN_OR_RETURN(std::unique_ptr<ClusterSession> c,
+                           ClusterBackend(spec, router.get(), s->id, policy, o.token));
+      return std::unique_ptr<TierSession>(std::move(c));
+    };
+  } else {
+    channel = grpc::CreateChannel(o.worker, grpc::InsecureChannelCredentials());
+    // Every session's decode layers share one long-lived stream, batched.
+    mux = std::make_unique<DecodeMux>(channel, o.token);
+    DecodeMux* shared = o.shared_decode_stream ? mux.get() : nullptr;
+    open = [&, shared](const v1::ModelSpec& spec, DemoSession* s) {
+      return TierBackend(spec, channel, s->id, policy, o.token, {}, shared);
+    };
+  }
   rep.sessions.resize(o.sessions);
   std::vector<std::unique_ptr<TierSession>> tiers(o.sessions);
   std::vector<absl::Status> status(o.sessions);
@@ -327,16 +385,22 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
   for (int i = 0; i < o.sessions; ++i) {
     rep.sessions[i].id = absl::StrCat(prefix, i);
     threads.emplace_back([&, i] {
-      status[i] =
-          m != nullptr
-              ? RunModel(o, *m, policy, channel, shared, i, &rep.sessions[i], &tiers[i], line)
-              : RunSynthetic(o, policy, channel, shared, i, &rep.sessions[i], &tiers[i], line);
+      status[i] = m != nullptr ? RunModel(o, *m, open, i, &rep.sessions[i], &tiers[i], line)
+                               : RunSynthetic(o, open, i, &rep.sessions[i], &tiers[i], line);
+      if (auto* c = dynamic_cast<ClusterSession*>(tiers[i].get()); c != nullptr) {
+        c->RefreshRoute().IgnoreError();  // The report says where it is, not where it was.
+        rep.sessions[i].worker = c->worker_node_id();
+        rep.sessions[i].stores = c->store_node_ids();
+        rep.sessions[i].failovers = c->failovers();
+      }
     });
   }
   for (auto& t : threads) t.join();
   rep.seconds = MsSince(t0) / 1000.0;
-  rep.decode_requests = mux.requests();
-  rep.decode_items = mux.items();
+  if (mux != nullptr) {
+    rep.decode_requests = mux->requests();
+    rep.decode_items = mux->items();
+  }
   // Sessions close (and leave the store when asked) whatever happens next.
   auto close_all = [&]() {
     absl::Status first;
@@ -474,6 +538,19 @@ std::string RenderText(const DemoReport& r) {
                           "local greedy answers)\n",
                           t.top1, t.kl);
   }
+  bool cluster = false;
+  for (const DemoSession& d : r.sessions) cluster = cluster || !d.worker.empty();
+  if (cluster) {
+    s += "\ncluster placement (where each session ended) and failovers:\n";
+    for (const DemoSession& d : r.sessions) {
+      absl::StrAppendFormat(&s, "  %-24s worker %-10s stores %s\n", d.id, d.worker,
+                            absl::StrJoin(d.stores, ","));
+      for (const Failover& f : d.failovers) {
+        absl::StrAppendFormat(&s, "    round %u: %s -> %s in %.0f ms (%s)\n", f.round, f.from, f.to,
+                              f.recover_ms, f.failure);
+      }
+    }
+  }
   return s;
 }
 
@@ -542,7 +619,21 @@ std::string RenderJson(const DemoReport& r) {
       absl::StrAppend(&s, ", \"bytes_fetched\": ", tr.bytes_fetched, "}");
       first = false;
     }
-    absl::StrAppend(&s, "]}");
+    absl::StrAppend(&s, "]");
+    if (!d.worker.empty()) {
+      absl::StrAppend(&s, ", \"worker\": \"", d.worker, "\", \"stores\": [");
+      for (size_t j = 0; j < d.stores.size(); ++j) {
+        absl::StrAppend(&s, j ? ", " : "", "\"", d.stores[j], "\"");
+      }
+      absl::StrAppend(&s, "], \"failovers\": [");
+      for (size_t j = 0; j < d.failovers.size(); ++j) {
+        const Failover& f = d.failovers[j];
+        absl::StrAppend(&s, j ? ", " : "", "{\"round\": ", f.round, ", \"from\": \"", f.from,
+                        "\", \"to\": \"", f.to, "\", \"recover_ms\": ", num(f.recover_ms), "}");
+      }
+      absl::StrAppend(&s, "]");
+    }
+    absl::StrAppend(&s, "}");
   }
   absl::StrAppend(&s, "\n  ]\n}\n");
   return s;

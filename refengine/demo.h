@@ -23,10 +23,14 @@
 namespace kvtier::refengine {
 
 struct DemoOptions {
-  std::string worker;  // kvtier-worker "host:port". Required.
-  std::string store;   // kvtier-store "host:port": per-tier bytes; optional.
-  std::string token;   // Bearer token for both; empty: none.
-  std::string model;   // llama2.c checkpoint; empty: the synthetic chat.
+  std::string worker;  // kvtier-worker "host:port". Required without `controller`.
+  // kvtier-controller "host:port": sessions are routed through it, kept on
+  // store replicas, and fail over to another worker when theirs dies
+  // (ClusterSession). Empty: the one `worker`.
+  std::string controller;
+  std::string store;  // kvtier-store "host:port": per-tier bytes; optional.
+  std::string token;  // Bearer token for both; empty: none.
+  std::string model;  // llama2.c checkpoint; empty: the synthetic chat.
   int sessions = 4;
   int rounds = 24;
   // Per round; 0 takes the workload's default (synthetic 16 + 16, model
@@ -65,6 +69,10 @@ struct DemoSession {
   double err2 = 0, ref2 = 0;  // Synthetic: sums of squares of (tier - local) and local.
   Agreement agreement;        // Model.
   bool on_device = false;     // The worker held the working set in GPU memory.
+  // Cluster runs: where the session ended up (node ids) and its failovers.
+  std::string worker;
+  std::vector<std::string> stores;
+  std::vector<Failover> failovers;
 };
 
 struct DemoReport {

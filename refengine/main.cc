@@ -9,7 +9,10 @@
 #include "absl/flags/usage.h"
 #include "refengine/demo.h"
 
-ABSL_FLAG(std::string, worker, "", "kvtier-worker address host:port. Required.");
+ABSL_FLAG(std::string, worker, "", "kvtier-worker address host:port (or --controller).");
+ABSL_FLAG(std::string, controller, "",
+          "kvtier-controller address host:port: route every session through the cluster, with "
+          "failover to another worker (docs/cluster.md).");
 ABSL_FLAG(std::string, store, "",
           "kvtier-store address host:port, for the per-tier bytes of the report (optional).");
 ABSL_FLAG(std::string, token, "", "Bearer token for the worker and the store (empty: none).");
@@ -33,6 +36,8 @@ ABSL_FLAG(int, watershed, -1,
           "Watershed layer L_w; -1: 6 for the synthetic chat (measured by kvtier eval "
           "watershed), the worker's default L/3 for a model.");
 ABSL_FLAG(uint64_t, seed, 1, "Conversation seed.");
+ABSL_FLAG(std::string, session_prefix, "",
+          "Session ids are PREFIX0, PREFIX1, ...; empty: chat-<run id>-.");
 ABSL_FLAG(std::string, report, "", "Also write the report as JSON to this file.");
 ABSL_FLAG(bool, quiet, false, "No per-round progress lines.");
 ABSL_FLAG(bool, shared_decode_stream, true,
@@ -48,6 +53,7 @@ int main(int argc, char** argv) {
   kvtier::refengine::DemoOptions o;
   o.shared_decode_stream = absl::GetFlag(FLAGS_shared_decode_stream);
   o.worker = absl::GetFlag(FLAGS_worker);
+  o.controller = absl::GetFlag(FLAGS_controller);
   o.store = absl::GetFlag(FLAGS_store);
   o.token = absl::GetFlag(FLAGS_token);
   o.model = absl::GetFlag(FLAGS_model);
@@ -60,8 +66,9 @@ int main(int argc, char** argv) {
   o.evict = absl::GetFlag(FLAGS_evict);
   o.watershed = absl::GetFlag(FLAGS_watershed);
   o.seed = absl::GetFlag(FLAGS_seed);
-  if (o.worker.empty()) {
-    std::fprintf(stderr, "kvtier-engine: --worker is required (see --help)\n");
+  o.session_prefix = absl::GetFlag(FLAGS_session_prefix);
+  if (o.worker.empty() == o.controller.empty()) {
+    std::fprintf(stderr, "kvtier-engine: give --worker or --controller (see --help)\n");
     return 2;
   }
   const bool quiet = absl::GetFlag(FLAGS_quiet);

@@ -82,12 +82,13 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(
           s->stats.on_device = true;
         } else {
           why = dev.status();  // kAuto falls back to host memory.
-          LogWarn("device working set unavailable", {{"session", id.ToString()}, {"error", why.ToString()}});
+          LogWarn("device working set unavailable",
+                  {{"session", id.ToString()}, {"error", why.ToString()}});
         }
       }
       if (!why.ok() && options_.placement == Placement::kDevice) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("session ", id.ToString(), " cannot have a device working set: ", why.message()));
+        return absl::FailedPreconditionError(absl::StrCat(
+            "session ", id.ToString(), " cannot have a device working set: ", why.message()));
       }
     }
   }
@@ -128,8 +129,8 @@ absl::Status Engine::OpenSession(const SessionKey& id, const ModelShape& shape,
 }
 
 absl::StatusOr<uint32_t> Engine::ResumeSession(const SessionKey& id, const ModelShape& shape,
-                                               const SessionPolicy& policy,
-                                               const CallOptions& call) {
+                                               const SessionPolicy& policy, const CallOptions& call,
+                                               std::optional<uint32_t> at_round) {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, CreateSession(id, shape, policy));
   {
     absl::MutexLock lock(&mu_);
@@ -143,10 +144,35 @@ absl::StatusOr<uint32_t> Engine::ResumeSession(const SessionKey& id, const Model
   KVT_ASSIGN_OR_RETURN(std::vector<SegmentStore::StoredRound> stored,
                        store_->List(id.session, store_call));
   const int lw = s->lw;
+  if (at_round.has_value()) {
+    // The caller never saw these acknowledged: they go, and it sends the
+    // first again.
+    while (!stored.empty() && stored.back().round >= *at_round) {
+      KVT_RETURN_IF_ERROR(store_->DropRound(id.session, stored.back().round, store_call));
+      LogWarn("unacknowledged round dropped at resume",
+              {{"session", id.ToString()}, {"round", stored.back().round}});
+      stored.pop_back();
+    }
+    if (stored.size() != *at_round || (!stored.empty() && stored.back().round + 1 != *at_round)) {
+      return absl::InvalidArgumentError(absl::StrCat("resume at round ", *at_round,
+                                                     ": the store holds ", stored.size(),
+                                                     " earlier rounds of session ", id.ToString()));
+    }
+  }
+  // A last round with its lower segment and no upper one is a round whose
+  // EndRound never finished (its worker died between the two puts): it was
+  // never acknowledged, so it goes, and the engine sends it again.
+  if (!at_round.has_value() && !stored.empty() && lw + 1 < shape.layers &&
+      !stored.back().has_upper && static_cast<int>(stored.back().lower_layers) == lw + 1) {
+    const uint32_t half = stored.back().round;
+    KVT_RETURN_IF_ERROR(store_->DropRound(id.session, half, store_call));
+    stored.pop_back();
+    LogWarn("half-stored last round dropped at resume",
+            {{"session", id.ToString()}, {"round", half}});
+  }
   std::vector<SegmentStore::Segment> lower;
   for (const SegmentStore::StoredRound& r : stored) {
-    if (static_cast<int>(r.lower_layers) != lw + 1 ||
-        (lw + 1 < shape.layers && !r.has_upper)) {
+    if (static_cast<int>(r.lower_layers) != lw + 1 || (lw + 1 < shape.layers && !r.has_upper)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "stored round ", r.round, " does not fit this policy: its lower segment covers ",
           r.lower_layers, " layers (L_w = ", lw, " needs ", lw + 1, ")",
@@ -186,7 +212,6 @@ absl::StatusOr<uint32_t> Engine::ResumeSession(const SessionKey& id, const Model
   return static_cast<uint32_t>(s->stats.rounds);
 }
 
-
 void Engine::Account(Session& s) {
   s.mu.AssertHeld();
   const int64_t now = s.WorkingSetBytes();
@@ -219,7 +244,8 @@ absl::Status Engine::CheckBudget(const Session& s, uint64_t bytes) const {
 absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::Find(const SessionKey& id) const {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
-  if (it == sessions_.end()) return absl::NotFoundError(absl::StrCat("unknown session ", id.ToString()));
+  if (it == sessions_.end())
+    return absl::NotFoundError(absl::StrCat("unknown session ", id.ToString()));
   return it->second;
 }
 

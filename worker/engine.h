@@ -200,10 +200,13 @@ class Engine {
   // fit this policy's L_w; DATA_LOSS for malformed payloads; UNAVAILABLE or
   // DEADLINE_EXCEEDED from the store (nothing is opened then). The resumed
   // rounds' full-cache size is counted from their stored token counts (after
-  // eviction, if the policy evicted).
+  // eviction, if the policy evicted). `at_round`: rounds stored from it on
+  // were never acknowledged to the caller; they are dropped from the store
+  // and the session resumes at `at_round` (INVALID_ARGUMENT when the store
+  // lacks an earlier round).
   absl::StatusOr<uint32_t> ResumeSession(const SessionKey& id, const ModelShape& shape,
-                                         const SessionPolicy& policy,
-                                         const CallOptions& call = {});
+                                         const SessionPolicy& policy, const CallOptions& call = {},
+                                         std::optional<uint32_t> at_round = std::nullopt);
 
   // One layer of a prefill of n new tokens: q [n, q_heads, d], k and v
   // [n, kv_heads, d] (post-RoPE), out [n, q_heads, d]. Layers go 0..L-1 in
@@ -299,7 +302,7 @@ class Engine {
   // there is one per tenant that ever opened a session.
   struct TenantUse {
     std::atomic<int64_t> bytes{0};
-    int sessions = 0;  // Guarded by mu_.
+    int sessions = 0;                                   // Guarded by mu_.
     const EngineOptions::TenantLimit* limit = nullptr;  // Null: none.
   };
   // Brings the engine's and the tenant's totals up to date with `s`

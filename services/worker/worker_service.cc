@@ -137,7 +137,9 @@ absl::Status WorkerService::DoOpenSession(grpc::CallbackServerContext& ctx,
   uint32_t next_round = 0;
   absl::Status s;
   if (req.resume()) {
-    absl::StatusOr<uint32_t> n = engine_->ResumeSession(id, shape, policy, StoreCall(ctx));
+    std::optional<uint32_t> at;
+    if (req.has_resume_at_round()) at = req.resume_at_round();
+    absl::StatusOr<uint32_t> n = engine_->ResumeSession(id, shape, policy, StoreCall(ctx), at);
     s = n.status();
     if (n.ok()) next_round = *n;
   } else {

@@ -1,0 +1,261 @@
+// kvtier as a cluster on real hosts: a controller, three stores (R = 2) and
+// two workers, each a real process in a network namespace of its own
+// (tests/util/netns_cluster.h), and the engine in this process, routing
+// through the controller. Nodes are killed with SIGKILL mid-conversation;
+// the sessions must finish with what they would have computed without the
+// failure, and every acknowledged round must be on two stores again.
+// Needs root (CI runs as root); skips otherwise, except under CI=true.
+#include <atomic>
+#include <map>
+#include <set>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "client/controller_client.h"
+#include "client/session_router.h"
+#include "client/store_client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "model/llama.h"
+#include "refengine/conversation.h"
+#include "refengine/demo.h"
+#include "testing/store_process.h"
+#include "testing/test_util.h"
+#include "tests/util/netns_cluster.h"
+
+namespace kvtier {
+namespace {
+
+constexpr char kNodeToken[] = "node-token-00001";
+constexpr char kAcmeToken[] = "acme-token-00001";
+
+class ClusterTest : public ::testing::Test {
+ protected:
+  // Host 0: the controller; 1-3: stores; 4-5: workers.
+  void SetUp() override {
+    auto c = testing::NetnsCluster::Create(6, dir_.path());
+    if (!c.ok()) {
+      if (testing::InCi()) FAIL() << "CI=true: " << c.status();
+      GTEST_SKIP() << "skipped: " << c.status().message();
+    }
+    cluster_ = std::move(*c);
+    tenants_ = dir_.path() + "/tenants";
+    testing::WriteFile(tenants_,
+                       absl::StrCat(kNodeToken, " nodes node\n", kAcmeToken, " acme readwrite\n"));
+    ASSERT_TRUE(StartController().ok());
+    for (int i = 1; i <= 3; ++i) {
+      auto p = cluster_->Run(
+          i, absl::StrCat("store-", i), testing::StoreBinary(),
+          {"--data_dir=" + dir_.path() + "/store-" + std::to_string(i),
+           "--listen=" + cluster_->Address(i) + ":0", "--port_file=PORT_FILE",
+           "--metrics_listen=", "--tenants_file=" + tenants_, "--controller=" + controller_,
+           absl::StrCat("--controller_token=", kNodeToken), absl::StrCat("--node_id=store-", i)});
+      ASSERT_TRUE(p.ok()) << p.status();
+      stores_.push_back(*p);
+    }
+    for (int i = 1; i <= 2; ++i) {
+      auto p = cluster_->Run(
+          3 + i, absl::StrCat("worker-", i), WorkerBinary(),
+          {"--store=" + StoreAddress(i), absl::StrCat("--store_token=", kNodeToken),
+           "--listen=" + cluster_->Address(3 + i) + ":0", "--port_file=PORT_FILE",
+           "--metrics_listen=", "--tenants_file=" + tenants_, "--controller=" + controller_,
+           absl::StrCat("--controller_token=", kNodeToken), absl::StrCat("--node_id=worker-", i),
+           "--store_deadline_ms=3000"});
+      ASSERT_TRUE(p.ok()) << p.status();
+      workers_.push_back(*p);
+    }
+    ControllerClientOptions co;
+    co.target = controller_;
+    co.token = kAcmeToken;
+    client_ = std::move(ControllerClient::Connect(co)).value();
+    ASSERT_TRUE(WaitLive(5));
+    // Past the warm-up, so that both workers take sessions.
+    absl::SleepFor(absl::Milliseconds(1200));
+  }
+
+  static std::string WorkerBinary() {
+    if (const char* env = std::getenv("KVTIER_WORKER_BINARY")) return env;
+    return KVTIER_WORKER_BINARY_PATH;
+  }
+  static std::string ControllerBinary() { return KVTIER_CONTROLLER_BINARY_PATH; }
+
+  absl::Status StartController() {
+    if (controller_proc_ != nullptr) return controller_proc_->Start();  // A restart.
+    auto p = cluster_->Run(0, "controller", ControllerBinary(),
+                           {"--listen=" + cluster_->Address(0) + ":0", "--port_file=PORT_FILE",
+                            "--metrics_listen=", "--tenants_file=" + tenants_, "--replicas=2",
+                            "--heartbeat_interval_ms=200", "--warmup_seconds=1",
+                            absl::StrCat("--store_token=", kNodeToken), "--repair_mb_per_s=0"});
+    if (!p.ok()) return p.status();
+    controller_proc_ = *p;
+    controller_ = absl::StrCat(cluster_->Address(0), ":", controller_proc_->port());
+    return absl::OkStatus();
+  }
+  std::string StoreAddress(int i) const {
+    return absl::StrCat(cluster_->Address(i), ":", stores_[i - 1]->port());
+  }
+
+  bool WaitLive(int n) {
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    while (absl::Now() < until) {
+      auto nodes = client_->ListNodes();
+      if (nodes.ok()) {
+        int live = 0;
+        for (const auto& x : nodes->nodes()) live += x.live() ? 1 : 0;
+        if (live == n) return true;
+      }
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return false;
+  }
+
+  refengine::DemoOptions Demo(const std::string& prefix) {
+    refengine::DemoOptions o;
+    o.controller = controller_;
+    o.token = kAcmeToken;
+    o.sessions = 8;
+    o.rounds = 8;
+    o.question_tokens = 8;
+    o.answer_tokens = 4;
+    o.session_prefix = prefix;
+    return o;
+  }
+
+  // Every round 0..rounds-1 of `session` is on each of its replicas now,
+  // byte for byte the same. Waits up to 30 s (repair).
+  void ExpectReplicated(const std::string& session, int rounds) {
+    v1::RouteRequest rq;
+    rq.set_session_id(session);
+    auto route = client_->Route(rq);
+    ASSERT_TRUE(route.ok()) << route.status();
+    ASSERT_EQ(route->store_addresses_size(), 2) << session;
+    std::vector<v1::SegmentRef> refs;
+    for (int r = 0; r < rounds; ++r) {
+      for (uint32_t g = 0; g < 2; ++g) {
+        v1::SegmentRef ref;
+        ref.set_round(r);
+        ref.set_segment(g);
+        refs.push_back(ref);
+      }
+    }
+    std::vector<std::vector<std::string>> payloads;
+    for (const std::string& address : route->store_addresses()) {
+      StoreClientOptions so;
+      so.target = address;
+      so.token = kAcmeToken;
+      auto store = std::move(StoreClient::Connect(so)).value();
+      const absl::Time until = absl::Now() + absl::Seconds(30);
+      absl::StatusOr<v1::ListRoundsResponse> listed;
+      while (absl::Now() < until) {
+        listed = store->ListRounds(session);
+        if (listed.ok() && listed->rounds_size() == rounds) break;
+        absl::SleepFor(absl::Milliseconds(100));
+      }
+      ASSERT_TRUE(listed.ok()) << session << " on " << address << ": " << listed.status();
+      ASSERT_EQ(listed->rounds_size(), rounds) << session << " on " << address;
+      auto got = store->GetSegments(session, refs, {}, /*uncounted=*/true);
+      ASSERT_TRUE(got.ok()) << session << " on " << address << ": " << got.status();
+      payloads.emplace_back();
+      for (FetchedSegment& f : *got) payloads.back().push_back(std::move(f.payload));
+    }
+    EXPECT_TRUE(payloads[0] == payloads[1]) << session << ": the replicas differ";
+  }
+
+  testing::TempDir dir_;
+  std::unique_ptr<testing::NetnsCluster> cluster_;
+  std::string tenants_, controller_;
+  testing::HostProcess* controller_proc_ = nullptr;
+  std::vector<testing::HostProcess*> stores_, workers_;
+  std::unique_ptr<ControllerClient> client_;
+};
+
+// 8 concurrent sessions; store-1 is killed at round 3, worker-1 at round 6.
+// Every session finishes with exactly the attention outputs of a run without
+// failures, and every round ends up on two live stores, byte for byte.
+TEST_F(ClusterTest, StoreAndWorkerKilledMidConversation) {
+  auto base = refengine::RunDemo(Demo("base-"), nullptr);
+  ASSERT_TRUE(base.ok()) << base.status();
+
+  std::atomic<bool> store_killed{false}, worker_killed{false};
+  refengine::DemoOptions o = Demo("fail-");
+  o.delete_at_end = false;
+  auto failed = refengine::RunDemo(o, [&](const std::string& line) {
+    if (absl::StrContains(line, " round 3/") && !store_killed.exchange(true)) stores_[0]->Kill();
+    if (absl::StrContains(line, " round 6/") && !worker_killed.exchange(true)) {
+      workers_[0]->Kill();
+    }
+  });
+  ASSERT_TRUE(failed.ok()) << failed.status();
+  EXPECT_TRUE(store_killed && worker_killed);
+
+  ASSERT_EQ(failed->sessions.size(), base->sessions.size());
+  int failovers = 0;
+  for (size_t i = 0; i < failed->sessions.size(); ++i) {
+    const refengine::DemoSession& f = failed->sessions[i];
+    const refengine::DemoSession& b = base->sessions[i];
+    // Bit for bit: the same sums of squared differences.
+    EXPECT_EQ(f.err2, b.err2) << f.id;
+    EXPECT_EQ(f.ref2, b.ref2) << f.id;
+    EXPECT_EQ(f.worker, "worker-2") << f.id;
+    EXPECT_THAT(f.stores, ::testing::Not(::testing::Contains("store-1"))) << f.id;
+    failovers += static_cast<int>(f.failovers.size());
+    for (const refengine::Failover& x : f.failovers) {
+      EXPECT_EQ(x.from, "worker-1");
+      EXPECT_EQ(x.to, "worker-2");
+    }
+    EXPECT_EQ(f.rounds.size(), 8u) << f.id;
+  }
+  EXPECT_GE(failovers, 1);  // Sessions of worker-1 moved.
+  for (const refengine::DemoSession& f : failed->sessions) ExpectReplicated(f.id, 8);
+}
+
+// With a lossless policy, a conversation whose worker is killed mid-round
+// goes on from the store on the other worker and answers with exactly the
+// greedy tokens of a run without the failure.
+TEST_F(ClusterTest, GreedyTokensSurviveAWorkerKill) {
+  KVT_REQUIRE_SHARED_MODEL(path);
+  auto m = model::LlamaModel::Load(path);
+  ASSERT_TRUE(m.ok()) << m.status();
+  ControllerClientOptions co;
+  co.target = controller_;
+  co.token = kAcmeToken;
+  auto router = std::move(SessionRouter::Connect(co)).value();
+  refengine::ConversationOptions conv;
+  conv.rounds = 6;
+  conv.question_tokens = 10;
+  conv.answer_tokens = 11;
+  v1::Policy policy;
+  policy.set_release_after_end_round(true);
+  auto run = [&](const std::string& id, int kill_at_round,
+                 std::vector<refengine::Failover>* fo) -> absl::StatusOr<refengine::Transcript> {
+    auto s = refengine::ClusterBackend(refengine::SpecOf((*m)->config()), router.get(), id, policy,
+                                       kAcmeToken);
+    if (!s.ok()) return s.status();
+    refengine::ClusterSession* cs = s->get();
+    auto t = refengine::RunConversation(**m, conv, cs, nullptr, [&](const std::string& line) {
+      if (kill_at_round >= 0 &&
+          absl::StartsWith(line, absl::StrCat("round ", kill_at_round, "/"))) {
+        for (testing::HostProcess* w : workers_) {
+          if (w->name() == cs->worker_node_id()) w->Kill();
+        }
+        kill_at_round = -1;
+      }
+    });
+    *fo = cs->failovers();
+    (*s)->Close(true).IgnoreError();
+    return t;
+  };
+  std::vector<refengine::Failover> none, moved;
+  auto plain = run("greedy-plain", -1, &none);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  auto killed = run("greedy-killed", 3, &moved);
+  ASSERT_TRUE(killed.ok()) << killed.status();
+  EXPECT_TRUE(none.empty());
+  ASSERT_EQ(moved.size(), 1u);
+  EXPECT_EQ(moved[0].round, 3u);  // Round 3 (0-based) was open when its worker died.
+  EXPECT_NE(moved[0].from, moved[0].to);
+  EXPECT_EQ(killed->answers, plain->answers);
+}
+
+}  // namespace
+}  // namespace kvtier
