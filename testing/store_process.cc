@@ -38,6 +38,21 @@ std::string StoreBinary() {
   return KVTIER_STORE_BINARY_PATH;
 }
 
+pid_t SpawnLogged(std::vector<std::string> args, const std::string& log_path) {
+  const pid_t pid = ::fork();
+  if (pid != 0) return pid;
+  int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  if (fd >= 0) {
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+  }
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  ::execvp(argv[0], argv.data());
+  ::_exit(127);
+}
+
 StoreProcess::StoreProcess(std::string data_dir, std::vector<std::string> extra_flags)
     : data_dir_(std::move(data_dir)), flags_(std::move(extra_flags)) {
   log_path_ = data_dir_ + ".log";
@@ -57,20 +72,8 @@ absl::Status StoreProcess::Start() {
                                    "--port_file=" + port_file,
                                    "--metrics_port_file=" + metrics_file};
   args.insert(args.end(), flags_.begin(), flags_.end());
-  pid_ = ::fork();
+  pid_ = SpawnLogged(std::move(args), log_path_);
   if (pid_ < 0) return absl::InternalError("fork failed");
-  if (pid_ == 0) {
-    int fd = ::open(log_path_.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-    if (fd >= 0) {
-      ::dup2(fd, 1);
-      ::dup2(fd, 2);
-    }
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    ::execv(argv[0], argv.data());
-    ::_exit(127);
-  }
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   while (std::chrono::steady_clock::now() < deadline) {
     int status;

@@ -16,6 +16,11 @@ namespace kvtier::testing {
 // build time.
 std::string StoreBinary();
 
+// Forks and runs argv[0] (looked up on PATH when it has no '/') with stdout
+// and stderr appended to `log_path`. Returns the child's pid, or -1 when
+// fork fails.
+pid_t SpawnLogged(std::vector<std::string> argv, const std::string& log_path);
+
 class StoreProcess {
  public:
   // `data_dir` is the RocksDB directory; `extra_flags` are passed through.

@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "testing/store_process.h"
 
 namespace kvtier::testing {
 
@@ -39,20 +40,8 @@ class HostProcess {
   // Starts it and waits (up to 30 s) for its port file.
   absl::Status Start() {
     ::unlink(port_file_.c_str());
-    pid_ = ::fork();
+    pid_ = SpawnLogged(argv_, log_path_);
     if (pid_ < 0) return absl::InternalError("fork failed");
-    if (pid_ == 0) {
-      int fd = ::open(log_path_.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-      if (fd >= 0) {
-        ::dup2(fd, 1);
-        ::dup2(fd, 2);
-      }
-      std::vector<char*> argv;
-      for (auto& a : argv_) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      ::execvp(argv[0], argv.data());
-      ::_exit(127);
-    }
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
     while (std::chrono::steady_clock::now() < deadline) {
       int status;
