@@ -362,8 +362,8 @@ TEST_F(StoreIntegrationTest, IdleUploadsCannotStarveOtherTenants) {
   for (int i = 0; i < 8; ++i) {
     stalled[i].ctx = c->NewContext(CallOptions::Within(absl::Seconds(30)));
     stalled[i].w = c->stub()->PutSegment(stalled[i].ctx.get(), &stalled[i].resp);
-    ASSERT_TRUE(stalled[i].w->Write(
-        Header("idle-" + std::to_string(i), 0, MakePayload(1 << 20, i))));
+    ASSERT_TRUE(
+        stalled[i].w->Write(Header("idle-" + std::to_string(i), 0, MakePayload(1 << 20, i))));
     stalled[i].w->WaitForInitialMetadata();
   }
   // While alice's uploads still hold her share, bob and carol put at once.
@@ -399,8 +399,7 @@ TEST_F(StoreIntegrationTest, ReadAmplificationIsRefused) {
   ASSERT_THAT(alice_->PutSegment(Args("s", 1), MakePayload(700'000, 2)), IsOk());
   auto reader = Client(kAliceReader);
   std::vector<v1::SegmentRef> same(4096, Ref(0));
-  EXPECT_THAT(reader->GetSegments("s", same),
-              StatusIs(Code::kInvalidArgument, HasSubstr("twice")));
+  EXPECT_THAT(reader->GetSegments("s", same), StatusIs(Code::kInvalidArgument, HasSubstr("twice")));
   EXPECT_THAT(reader->GetSegments("s", {Ref(0), Ref(1)}),
               StatusIs(Code::kOutOfRange, HasSubstr("split the call")));
   EXPECT_THAT(reader->GetSegments("s", {Ref(1)}), IsOk());
@@ -464,8 +463,9 @@ TEST_F(StoreIntegrationTest, OrphansExpireAndGcRemovesIdleSessions) {
   fresh.session_ttl_seconds = 0;
   ASSERT_THAT(alice_->PutSegment(fresh, MakePayload(2000, 4)), IsOk());
   const char* b = std::getenv("KVTIER_BUILD_DIR");
-  const std::string cli = std::string(b != nullptr ? b : ".") + "/tools/kvtier store gc --target=" +
-                          store_->target() + " --token=" + kAliceToken + " --idle_for=1s";
+  const std::string cli = std::string(b != nullptr ? b : ".") +
+                          "/tools/kvtier store gc --target=" + store_->target() +
+                          " --token=" + kAliceToken + " --idle_for=1s";
   const std::string out = dir_.path() + "/gc.out";
   auto run = [&](const std::string& flags) {
     EXPECT_EQ(std::system((cli + flags + " >" + out + " 2>&1").c_str()), 0);

@@ -570,16 +570,16 @@ TEST_F(WorkerEngineTest, PerTenantLimits) {
   const worker::SessionKey a1("acme", "1"), a2("acme", "2"), a3("acme", "3"), b1("bob", "1");
   KVT_ASSERT_OK(engine.OpenSession(a1, kShape, {}));
   KVT_ASSERT_OK(engine.OpenSession(a2, kShape, {}));
-  EXPECT_THAT(engine.OpenSession(a3, kShape, {}),
-              StatusIs(absl::StatusCode::kResourceExhausted, ::testing::HasSubstr("tenant 'acme'")));
+  EXPECT_THAT(engine.OpenSession(a3, kShape, {}), StatusIs(absl::StatusCode::kResourceExhausted,
+                                                           ::testing::HasSubstr("tenant 'acme'")));
   KVT_ASSERT_OK(engine.OpenSession(b1, kShape, {}));
   std::mt19937 rng(9);
   auto prefill = [&](const worker::SessionKey& id, int64_t n) {
     return PrefillAll(engine, id, n, &rng);
   };
   KVT_ASSERT_OK(prefill(a1, 8));
-  EXPECT_THAT(prefill(a2, 4),
-              StatusIs(absl::StatusCode::kResourceExhausted, ::testing::HasSubstr("max_working_set_mb")));
+  EXPECT_THAT(prefill(a2, 4), StatusIs(absl::StatusCode::kResourceExhausted,
+                                       ::testing::HasSubstr("max_working_set_mb")));
   KVT_ASSERT_OK(prefill(b1, 64));  // bob has no limit.
   KVT_ASSERT_OK(prefill(a2, 2));   // What acme has left.
   // Closing gives the session and its bytes back to the tenant.

@@ -8,8 +8,8 @@
 #include <sstream>
 
 #include "absl/strings/numbers.h"
-#include "absl/time/time.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/time.h"
 #include "client/store_client.h"
 #include "kernels/encoded_tensor.h"
 #include "tools/cli_args.h"
@@ -135,9 +135,9 @@ int StoreCommand(const Args& args) {
   }
   const std::string sub = args.positional()[0];
   std::vector<std::string> unknown = args.Unknown(
-      {"target", "token", "tls_ca", "session", "round", "segment", "layers", "file", "tokens",
-       "kv_heads", "head_dim", "seed", "question_tokens", "ttl", "refs", "out", "rounds", "unpin",
-       "idle_for", "dry_run", "include_pinned"});
+      {"target", "token",    "tls_ca",   "session", "round",           "segment", "layers", "file",
+       "tokens", "kv_heads", "head_dim", "seed",    "question_tokens", "ttl",     "refs",   "out",
+       "rounds", "unpin",    "idle_for", "dry_run", "include_pinned"});
   if (!unknown.empty()) return Usage("unknown flag --" + unknown[0]);
 
   StoreClientOptions o;
@@ -300,8 +300,8 @@ int StoreCommand(const Args& args) {
     req.set_min_idle_seconds(static_cast<uint64_t>(absl::ToInt64Seconds(idle)));
     uint64_t listed = 0, deleted = 0, kept = 0, freed = 0;
     if (sub == "sessions") {
-      std::printf("%-40s %10s %7s %12s %7s %10s\n", "session", "idle", "rounds", "bytes",
-                  "pinned", "ttl");
+      std::printf("%-40s %10s %7s %12s %7s %10s\n", "session", "idle", "rounds", "bytes", "pinned",
+                  "ttl");
     }
     do {
       auto page = client.ListSessions(req);

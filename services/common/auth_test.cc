@@ -71,11 +71,9 @@ TEST(CheckListenAuth, OnByDefaultOutsideLoopback) {
   EXPECT_THAT(CheckListenAuth("localhost:0", false, false), IsOk());
   EXPECT_THAT(CheckListenAuth("[::1]:7070", false, false), IsOk());
   EXPECT_THAT(CheckListenAuth("unix:/run/kvtier.sock", false, false), IsOk());
-  EXPECT_THAT(CheckListenAuth("0.0.0.0:7070", false, false),
-              StatusIs(Code::kFailedPrecondition));
+  EXPECT_THAT(CheckListenAuth("0.0.0.0:7070", false, false), StatusIs(Code::kFailedPrecondition));
   EXPECT_THAT(CheckListenAuth("[::]:7070", false, false), StatusIs(Code::kFailedPrecondition));
-  EXPECT_THAT(CheckListenAuth("10.1.2.3:7070", false, false),
-              StatusIs(Code::kFailedPrecondition));
+  EXPECT_THAT(CheckListenAuth("10.1.2.3:7070", false, false), StatusIs(Code::kFailedPrecondition));
   EXPECT_THAT(CheckListenAuth("0.0.0.0:7070", true, false), IsOk());
   EXPECT_THAT(CheckListenAuth("0.0.0.0:7070", false, true), IsOk());
 }

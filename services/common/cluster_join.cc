@@ -5,9 +5,8 @@
 namespace kvtier {
 
 absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(const ClusterOptions& cluster,
-                                                       v1::NodeKind kind,
-                                                       const std::string& listen, int bound_port,
-                                                       uint64_t capacity_bytes,
+                                                       v1::NodeKind kind, const std::string& listen,
+                                                       int bound_port, uint64_t capacity_bytes,
                                                        std::function<NodeUsage()> usage) {
   if (cluster.controller.empty()) return std::unique_ptr<NodeAgent>();
   std::string advertise = cluster.advertise;
@@ -15,9 +14,10 @@ absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(const ClusterOptions& clu
     const size_t colon = listen.rfind(':');
     const std::string host = colon == std::string::npos ? listen : listen.substr(0, colon);
     if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::") {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "listening on ", listen, ": give --advertise=HOST:PORT, the address the cluster "
-          "reaches this node at"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("listening on ", listen,
+                       ": give --advertise=HOST:PORT, the address the cluster "
+                       "reaches this node at"));
     }
     advertise = absl::StrCat(host, ":", bound_port);
   }

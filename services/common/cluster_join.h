@@ -28,9 +28,8 @@ struct ClusterOptions {
 // Starts the agent, or returns null when `cluster.controller` is empty.
 // INVALID_ARGUMENT when the address to advertise cannot be known.
 absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(const ClusterOptions& cluster,
-                                                       v1::NodeKind kind,
-                                                       const std::string& listen, int bound_port,
-                                                       uint64_t capacity_bytes,
+                                                       v1::NodeKind kind, const std::string& listen,
+                                                       int bound_port, uint64_t capacity_bytes,
                                                        std::function<NodeUsage()> usage);
 
 }  // namespace kvtier

@@ -15,7 +15,7 @@
 namespace kvtier {
 
 struct GrpcServerSpec {
-  std::string listen;  // host:port; port 0 picks one.
+  std::string listen;             // host:port; port 0 picks one.
   std::string tls_cert, tls_key;  // PEM files; both empty = plaintext.
   // Server-specific builder settings (message limits, transport tuning).
   std::function<void(grpc::ServerBuilder&)> tune;

@@ -153,9 +153,9 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   void OnReadDone(bool ok) override {
     waiting_since_ns_.store(0, std::memory_order_relaxed);
     if (!ok && idle_cancelled_.load()) {
-      Done(absl::DeadlineExceededError(absl::StrCat(
-          "upload idle for ", absl::FormatDuration(svc_->options_.upload_idle_timeout),
-          "; cancelled")));
+      Done(absl::DeadlineExceededError(
+          absl::StrCat("upload idle for ", absl::FormatDuration(svc_->options_.upload_idle_timeout),
+                       "; cancelled")));
       return;
     }
     if (!ok) {  // The client half-closed (or the call broke).
@@ -240,8 +240,8 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     // range, not a request that merely does not fit right now.
     const uint64_t max_segment = svc_->store_->options().max_segment_bytes;
     if (spec.payload_bytes == 0 || spec.payload_bytes > max_segment) {
-      Done(absl::OutOfRangeError(absl::StrCat("payload_bytes ", spec.payload_bytes,
-                                              " outside [1, ", max_segment, "]")));
+      Done(absl::OutOfRangeError(
+          absl::StrCat("payload_bytes ", spec.payload_bytes, " outside [1, ", max_segment, "]")));
       return;
     }
     if (absl::Status s = svc_->AdmitUpload(principal_.caller, spec.payload_bytes); !s.ok()) {
@@ -304,10 +304,10 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   Principal principal_;
   grpc::ByteBuffer req_;
   v1::PutSegmentHeader header_;
-  uint64_t inflight_bytes_ = 0;  // Admitted by svc_->AdmitUpload.
+  uint64_t inflight_bytes_ = 0;               // Admitted by svc_->AdmitUpload.
   std::atomic<int64_t> waiting_since_ns_{0};  // 0: not waiting for the client.
   std::atomic<bool> idle_cancelled_{false};
-  uint32_t crc_ = 0;             // CRC-32C of buffer_.
+  uint32_t crc_ = 0;  // CRC-32C of buffer_.
   cachestore::WriteTicket ticket_;
   std::string buffer_;
 };
@@ -570,8 +570,7 @@ grpc::ServerUnaryReactor* StoreService::ListSessions(grpc::CallbackServerContext
     }
     const size_t limit = req->limit() == 0 ? 1000 : req->limit();
     const int64_t min_idle_ms =
-        static_cast<int64_t>(std::min<uint64_t>(req->min_idle_seconds(), uint64_t{1} << 40)) *
-        1000;
+        static_cast<int64_t>(std::min<uint64_t>(req->min_idle_seconds(), uint64_t{1} << 40)) * 1000;
     // One more than asked, to know whether a next page exists.
     std::vector<cachestore::Store::SessionSummary> list =
         store_->ListSessions(p.tenant, min_idle_ms, limit + 1, req->start_after());

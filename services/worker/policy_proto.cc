@@ -100,8 +100,8 @@ absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p, v1::D
   // 0 is proto3's unset: the engine's default, L / 3. The engine checks the
   // layer against the model; here only that it fits an int.
   if (p.watershed_layer() > uint32_t{1024}) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "watershed_layer ", p.watershed_layer(), " is beyond any model (at most 1024 layers)"));
+    return absl::InvalidArgumentError(absl::StrCat("watershed_layer ", p.watershed_layer(),
+                                                   " is beyond any model (at most 1024 layers)"));
   }
   s.watershed_layer = p.watershed_layer() == 0 ? -1 : static_cast<int>(p.watershed_layer());
   if (!p.recall().empty()) {

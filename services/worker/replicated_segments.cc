@@ -20,8 +20,7 @@ ReplicatedSegments::ReplicatedSegments(std::unique_ptr<StoreSegments> primary,
                                        StoreClientOptions replica_options)
     : primary_(std::move(primary)), replica_options_(std::move(replica_options)) {}
 
-absl::Status ReplicatedSegments::SetReplicas(const std::string& tenant,
-                                             const std::string& session,
+absl::Status ReplicatedSegments::SetReplicas(const std::string& tenant, const std::string& session,
                                              const std::vector<std::string>& addresses) {
   if (addresses.size() > 3) {
     return absl::InvalidArgumentError("at most 3 store replicas per session");
@@ -29,8 +28,8 @@ absl::Status ReplicatedSegments::SetReplicas(const std::string& tenant,
   std::set<std::string> seen;
   for (const std::string& a : addresses) {
     if (a.empty() || !seen.insert(a).second) {
-      return absl::InvalidArgumentError(absl::StrCat("store replica address '", a,
-                                                     "' is empty or repeated"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("store replica address '", a, "' is empty or repeated"));
     }
   }
   absl::MutexLock lock(&mu_);
@@ -97,17 +96,15 @@ absl::Status ReplicatedSegments::Put(const std::string& session, const Segment& 
       return Named(failed, failed_at);
     }
     absl::StatusOr<std::vector<std::string>> now = rerouter_(call.tenant, session, call);
-    if (!now.ok() || now->empty() ||
-        std::find(now->begin(), now->end(), failed_at) != now->end()) {
+    if (!now.ok() || now->empty() || std::find(now->begin(), now->end(), failed_at) != now->end()) {
       return Named(failed, failed_at);
     }
     if (absl::Status set = SetReplicas(call.tenant, session, *now); !set.ok()) {
       return Named(failed, failed_at);
     }
     reroutes_.fetch_add(1);
-    LogWarn("store replica replaced", {{"session", session},
-                                       {"dead", failed_at},
-                                       {"replicas", absl::StrJoin(*now, ",")}});
+    LogWarn("store replica replaced",
+            {{"session", session}, {"dead", failed_at}, {"replicas", absl::StrJoin(*now, ",")}});
   }
 }
 

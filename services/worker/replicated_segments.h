@@ -7,9 +7,9 @@
 // them hold it (a failure names the replica; the engine then drops what half
 // landed and keeps the round open). With a rerouter (the worker's
 // controller), a replica that cannot be reached at a round's first segment
-// is replaced by where the controller now places the session. Reads go to the first replica and fall
-// back to the next on UNAVAILABLE, DEADLINE_EXCEEDED (while the call's
-// deadline lasts) or NOT_FOUND.
+// is replaced by where the controller now places the session. Reads go to the first replica and
+// fall back to the next on UNAVAILABLE, DEADLINE_EXCEEDED (while the call's deadline lasts) or
+// NOT_FOUND.
 #ifndef KVTIER_SERVICES_WORKER_REPLICATED_SEGMENTS_H_
 #define KVTIER_SERVICES_WORKER_REPLICATED_SEGMENTS_H_
 

@@ -39,8 +39,8 @@ struct WorkerServiceOptions {
 // INTERNAL or a stream that just ends. The wire format is the proto's.
 class WorkerService final
     : public v1::Worker::WithRawCallbackMethod_OpenSession<
-          v1::Worker::WithRawCallbackMethod_Prefill<v1::Worker::WithRawCallbackMethod_Decode<
-              v1::Worker::WithRawCallbackMethod_EndRound<
+          v1::Worker::WithRawCallbackMethod_Prefill<
+              v1::Worker::WithRawCallbackMethod_Decode<v1::Worker::WithRawCallbackMethod_EndRound<
                   v1::Worker::WithRawCallbackMethod_CloseSession<
                       v1::Worker::WithCallbackMethod_TransferSession<v1::Worker::Service>>>>>> {
  public:
@@ -57,8 +57,8 @@ class WorkerService final
       grpc::CallbackServerContext* ctx) override;
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Decode(
       grpc::CallbackServerContext* ctx) override;
-  grpc::ServerUnaryReactor* EndRound(grpc::CallbackServerContext* ctx,
-                                     const grpc::ByteBuffer* req, grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* EndRound(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                     grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
                                          const grpc::ByteBuffer* req,
                                          grpc::ByteBuffer* resp) override;
@@ -72,21 +72,21 @@ class WorkerService final
   // A unary call on the io executor: parses `raw`, runs `work`, serializes
   // its response into `out`, and finishes.
   template <typename Req, typename Resp>
-  grpc::ServerUnaryReactor* Unary(
-      grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw, grpc::ByteBuffer* out,
-      const char* method,
-      absl::Status (WorkerService::*work)(grpc::CallbackServerContext&, const Req&, Resp*));
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw,
+                                  grpc::ByteBuffer* out, const char* method,
+                                  absl::Status (WorkerService::*work)(grpc::CallbackServerContext&,
+                                                                      const Req&, Resp*));
   absl::Status DoOpenSession(grpc::CallbackServerContext& ctx, const v1::OpenSessionRequest& req,
                              v1::OpenSessionResponse* resp);
   absl::Status DoEndRound(grpc::CallbackServerContext& ctx, const v1::EndRoundRequest& req,
                           v1::EndRoundResponse* resp);
-  absl::Status DoCloseSession(grpc::CallbackServerContext& ctx,
-                              const v1::CloseSessionRequest& req, v1::CloseSessionResponse* resp);
+  absl::Status DoCloseSession(grpc::CallbackServerContext& ctx, const v1::CloseSessionRequest& req,
+                              v1::CloseSessionResponse* resp);
 
   // The engine's key for a caller's session: tenant-scoped. UNAUTHENTICATED,
   // PERMISSION_DENIED, INVALID_ARGUMENT for a malformed id.
   absl::StatusOr<worker::SessionKey> Key(const grpc::CallbackServerContext& ctx,
-                                  const std::string& session) const;
+                                         const std::string& session) const;
   // The store calls' options for an RPC: its caller's deadline, or ours.
   CallOptions StoreCall(const grpc::CallbackServerContext& ctx) const;
   void UpdateWorkingSet();
