@@ -72,10 +72,11 @@ absl::Status RunSynthetic(const DemoOptions& o, const OpenTier& open, int index,
   TierSession* tier = session->get();
   const size_t qrow = static_cast<size_t>(co.q_heads) * d,
                kvrow = static_cast<size_t>(co.kv_heads) * d;
-  std::vector<float> q(co.question_tokens * qrow), k(co.question_tokens * kvrow),
-      v(co.question_tokens * kvrow), o_local(q.size());
+  // Every layer's q/k/v of one step, generated once for both backends.
+  const size_t qn = co.question_tokens * qrow, kvn = co.question_tokens * kvrow;
+  std::vector<float> q(co.layers * qn), k(co.layers * kvn), v(co.layers * kvn), o_local(qn);
   int pos = 0;
-  std::vector<float> o_all(static_cast<size_t>(co.layers) * q.size());
+  std::vector<float> o_all(static_cast<size_t>(co.layers) * qn);
   // One step: n tokens starting at `first` of round r, through every layer
   // of the tier, then of the local cache (the inputs do not depend on the
   // outputs, so a tier failure leaves the local cache untouched). A step
@@ -83,14 +84,17 @@ absl::Status RunSynthetic(const DemoOptions& o, const OpenTier& open, int index,
   auto step = [&](int r, int first, int n, bool replay, double* tier_ms,
                   double* local_ms) -> absl::Status {
     const bool prefill = first == 0;
+    for (int l = 0; l < co.layers; ++l) {
+      for (int i = 0; i < n; ++i) {
+        chat.Token(r, first + i, l, &q[l * qn + i * qrow], &k[l * kvn + i * kvrow],
+                   &v[l * kvn + i * kvrow]);
+      }
+    }
     auto t0 = Clock::now();
     KVT_RETURN_IF_ERROR(tier->BeginStep(prefill, n, co.question_tokens));
     for (int l = 0; l < co.layers; ++l) {
-      for (int i = 0; i < n; ++i) {
-        chat.Token(r, first + i, l, &q[i * qrow], &k[i * kvrow], &v[i * kvrow]);
-      }
-      KVT_RETURN_IF_ERROR(
-          tier->AttendLayer(l, pos, n, q.data(), k.data(), v.data(), o_all.data() + l * q.size()));
+      KVT_RETURN_IF_ERROR(tier->AttendLayer(l, pos, n, &q[l * qn], &k[l * kvn], &v[l * kvn],
+                                            o_all.data() + l * qn));
     }
     KVT_RETURN_IF_ERROR(tier->EndStep());
     const double tms = MsSince(t0);
@@ -98,14 +102,11 @@ absl::Status RunSynthetic(const DemoOptions& o, const OpenTier& open, int index,
       double lms = 0;
       KVT_RETURN_IF_ERROR(local->BeginStep(prefill, n, co.question_tokens));
       for (int l = 0; l < co.layers; ++l) {
-        for (int i = 0; i < n; ++i) {
-          chat.Token(r, first + i, l, &q[i * qrow], &k[i * kvrow], &v[i * kvrow]);
-        }
         t0 = Clock::now();
         KVT_RETURN_IF_ERROR(
-            local->AttendLayer(l, pos, n, q.data(), k.data(), v.data(), o_local.data()));
+            local->AttendLayer(l, pos, n, &q[l * qn], &k[l * kvn], &v[l * kvn], o_local.data()));
         lms += MsSince(t0);
-        const float* o_tier_l = o_all.data() + l * q.size();
+        const float* o_tier_l = o_all.data() + l * qn;
         for (size_t j = 0; j < n * qrow; ++j) {
           const double e = static_cast<double>(o_tier_l[j]) - o_local[j];
           out->err2 += e * e;

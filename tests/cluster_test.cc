@@ -22,6 +22,7 @@
 #include "testing/store_process.h"
 #include "testing/test_util.h"
 #include "tests/util/netns_cluster.h"
+#include "tests/util/segment_refs.h"
 
 namespace kvtier {
 namespace {
@@ -129,15 +130,7 @@ class ClusterTest : public ::testing::Test {
     auto route = client_->Route(rq);
     ASSERT_TRUE(route.ok()) << route.status();
     ASSERT_EQ(route->store_addresses_size(), 2) << session;
-    std::vector<v1::SegmentRef> refs;
-    for (int r = 0; r < rounds; ++r) {
-      for (uint32_t g = 0; g < 2; ++g) {
-        v1::SegmentRef ref;
-        ref.set_round(r);
-        ref.set_segment(g);
-        refs.push_back(ref);
-      }
-    }
+    const std::vector<v1::SegmentRef> refs = testing::BothSegments(rounds);
     std::vector<std::vector<std::string>> payloads;
     for (const std::string& address : route->store_addresses()) {
       StoreClientOptions so;

@@ -13,6 +13,7 @@
 #include "services/controller/controller_server.h"
 #include "services/worker/worker_server.h"
 #include "testing/test_util.h"
+#include "tests/util/segment_refs.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
 
@@ -917,20 +918,6 @@ TEST_F(WorkerServiceTest, MalformedInputIsInvalidArgument) {
   ASSERT_TRUE(EndRound(stub_.get(), "p", &end).ok());
 }
 
-// Segments 0 and 1 of rounds [0, rounds).
-std::vector<v1::SegmentRef> BothSegments(uint32_t rounds) {
-  std::vector<v1::SegmentRef> refs;
-  for (uint32_t r = 0; r < rounds; ++r) {
-    for (uint32_t g = 0; g < 2; ++g) {
-      v1::SegmentRef ref;
-      ref.set_round(r);
-      ref.set_segment(g);
-      refs.push_back(ref);
-    }
-  }
-  return refs;
-}
-
 // A session opened with store replicas keeps every round on each of them,
 // byte for byte; when its first replica dies, recalls come from the next;
 // a round that cannot reach every replica is refused (UNAVAILABLE, naming
@@ -977,7 +964,7 @@ TEST(WorkerReplicationTest, RoundsLandOnEveryReplicaAndRecallsFallBack) {
     return std::move(StoreClient::Connect(o)).value();
   };
   auto ca = client(a), cb = client(b);
-  const std::vector<v1::SegmentRef> refs = BothSegments(2);
+  const std::vector<v1::SegmentRef> refs = testing::BothSegments(2);
   auto got_a = ca->GetSegments("r", refs);
   auto got_b = cb->GetSegments("r", refs);
   ASSERT_TRUE(got_a.ok()) << got_a.status();
@@ -1124,7 +1111,7 @@ TEST(WorkerReplicationTest, ADeadReplicaIsReplacedThroughTheController) {
   const RepairStats rs = (*controller)->repairer()->stats();
   EXPECT_EQ(rs.sessions_repaired, 1u);
   EXPECT_GE(rs.segments_copied + rs.segments_present, 2u);  // Round 0 at least.
-  const std::vector<v1::SegmentRef> refs = BothSegments(2);
+  const std::vector<v1::SegmentRef> refs = testing::BothSegments(2);
   auto from_survivor = client_of(survivor)->GetSegments("chat", refs, as_acme);
   auto from_spare = client_of(spare)->GetSegments("chat", refs, as_acme);
   ASSERT_TRUE(from_survivor.ok()) << from_survivor.status();
