@@ -473,21 +473,33 @@ class Cluster : public ClusterSession {
     f.from = route_.worker_node_id();
     f.failure = failure.ToString();
     inner_->Abandon();
-    if (router_->Answers(route_.worker_address(), absl::Seconds(1))) {
-      // The worker lives (a stream broke, or a step outlived its deadline):
-      // drop its copy of the session and resume it there.
-      inner_->Close(/*delete_from_store=*/false).IgnoreError();
-    } else {
-      KVT_ASSIGN_OR_RETURN(route_, router_->Failover(session_, route_));
-    }
     std::vector<TierRound> history = inner_->rounds();
-    // The open round was never acknowledged: whatever of it reached the
-    // store goes, and it is sent again.
-    absl::Status s = OpenOn(/*resume=*/true, round);
-    if (absl::IsAlreadyExists(s)) {
-      // That worker still holds an older copy (it had the session before).
-      inner_->Close(/*delete_from_store=*/false).IgnoreError();
+    // Until a resume works or store_failover_ is spent: a store that stopped
+    // answering fails the resume until the controller has replaced it.
+    const absl::Time until = t0 + store_failover_;
+    absl::Duration backoff = absl::Milliseconds(200);
+    absl::Status s;
+    for (;;) {
+      if (router_->Answers(route_.worker_address(), absl::Seconds(1))) {
+        // The worker lives (a stream broke, or a step outlived its
+        // deadline): drop its copy of the session and resume it there, with
+        // the replicas the controller names now.
+        CloseOnRouteWorker();
+        KVT_ASSIGN_OR_RETURN(route_, router_->Refresh(session_));
+      } else {
+        KVT_ASSIGN_OR_RETURN(route_, router_->Failover(session_, route_));
+      }
+      // The open round was never acknowledged: whatever of it reached the
+      // store goes, and it is sent again.
       s = OpenOn(/*resume=*/true, round);
+      if (absl::IsAlreadyExists(s)) {
+        // That worker still holds an older copy (it had the session before).
+        CloseOnRouteWorker();
+        s = OpenOn(/*resume=*/true, round);
+      }
+      if (s.ok() || !WorkerFailoverCandidate(s) || absl::Now() + backoff > until) break;
+      absl::SleepFor(backoff);
+      backoff = std::min(backoff * 2, absl::Seconds(2));
     }
     uint32_t next = 0;
     if (absl::IsNotFound(s) && round == 0) {
@@ -512,6 +524,13 @@ class Cluster : public ClusterSession {
   }
 
  private:
+  // Closes the session (keeping its rounds) on the worker route_ names now.
+  void CloseOnRouteWorker() {
+    Tier(spec_, router_->Channel(route_.worker_address()), session_, token_, deadlines_, nullptr)
+        .Close(/*delete_from_store=*/false)
+        .IgnoreError();
+  }
+
   absl::Status OpenOn(bool resume, std::optional<uint32_t> at = std::nullopt) {
     auto t = std::make_unique<Tier>(spec_, router_->Channel(route_.worker_address()), session_,
                                     token_, deadlines_, nullptr);

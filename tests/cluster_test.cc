@@ -202,6 +202,50 @@ TEST_F(ClusterTest, StoreAndWorkerKilledMidConversation) {
   for (const refengine::DemoSession& f : failed->sessions) ExpectReplicated(f.id, 8);
 }
 
+// A store stopped (SIGSTOP) for longer than the worker's store deadline
+// (3 s): its calls time out instead of hanging, reads fall back to the other
+// replica, writes go to the store that replaces it once it is declared dead,
+// and every session finishes with the outputs of an undisturbed run. After
+// SIGCONT the store registers again by itself.
+TEST_F(ClusterTest, StoppedStoreTimesOutAndRejoins) {
+  refengine::DemoOptions o = Demo("calm-");
+  o.rounds = 6;
+  auto base = refengine::RunDemo(o, nullptr);
+  ASSERT_TRUE(base.ok()) << base.status();
+  o.session_prefix = "stop-";
+  o.delete_at_end = false;
+  // Placed now (the demo finds these placements): some must use store-1
+  // (each of 8 does with probability 2/3).
+  int on_store1 = 0;
+  for (int i = 0; i < o.sessions; ++i) {
+    v1::RouteRequest rq;
+    rq.set_session_id(absl::StrCat("stop-", i));
+    auto r = client_->Route(rq);
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (const std::string& id : r->store_node_ids()) on_store1 += id == "store-1" ? 1 : 0;
+  }
+  ASSERT_GT(on_store1, 0);
+  std::atomic<bool> stopped{false};
+  const absl::Time t0 = absl::Now();
+  auto run = refengine::RunDemo(o, [&](const std::string& line) {
+    if (absl::StrContains(line, " round 2/") && !stopped.exchange(true)) stores_[0]->Pause();
+  });
+  const absl::Duration took = absl::Now() - t0;
+  // Still stopped: the controller has declared it dead.
+  EXPECT_TRUE(WaitLive(4));
+  stores_[0]->Resume();
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_TRUE(stopped);
+  EXPECT_LT(took, absl::Seconds(60)) << "no hang";
+  for (size_t i = 0; i < run->sessions.size(); ++i) {
+    EXPECT_EQ(run->sessions[i].err2, base->sessions[i].err2) << run->sessions[i].id;
+    EXPECT_THAT(run->sessions[i].stores, ::testing::Not(::testing::Contains("store-1")));
+  }
+  for (const refengine::DemoSession& f : run->sessions) ExpectReplicated(f.id, 6);
+  // Back after SIGCONT: declared dead meanwhile, it registers again.
+  EXPECT_TRUE(WaitLive(5));
+}
+
 // With a lossless policy, a conversation whose worker is killed mid-round
 // goes on from the store on the other worker and answers with exactly the
 // greedy tokens of a run without the failure.

@@ -14,6 +14,31 @@ absl::Status Named(const absl::Status& s, const std::string& address) {
   return absl::Status(s.code(), absl::StrCat("store ", address, ": ", s.message()));
 }
 
+// A read tried on replica `i` of `n` gets an equal share of what is left of
+// the call's budget, so one that stopped answering leaves time for the next.
+CallOptions ShareOf(const CallOptions& call, size_t i, size_t n) {
+  CallOptions c = call;
+  if (call.has_deadline() && i + 1 < n) {
+    const absl::Duration left = call.deadline - absl::Now();
+    if (left > absl::ZeroDuration()) {
+      c.deadline = absl::Now() + left / static_cast<int64_t>(n - i);
+    }
+  }
+  return c;
+}
+
+// Reads go on to the next replica after these.
+bool NextReplica(const absl::Status& s, const CallOptions& call) {
+  const absl::StatusCode c = s.code();
+  return c == absl::StatusCode::kUnavailable || c == absl::StatusCode::kNotFound ||
+         (c == absl::StatusCode::kDeadlineExceeded && absl::Now() < call.deadline);
+}
+
+// The controller is asked where a session's replicas are with a deadline of
+// its own: the store call that failed may have spent the whole budget on a
+// store that stopped answering.
+constexpr absl::Duration kRerouteDeadline = absl::Seconds(2);
+
 }  // namespace
 
 ReplicatedSegments::ReplicatedSegments(std::unique_ptr<StoreSegments> primary,
@@ -95,7 +120,9 @@ absl::Status ReplicatedSegments::Put(const std::string& session, const Segment& 
     if (attempt > 0 || !rerouter_ || !unreachable || s.segment != 0 || !has_replicas) {
       return Named(failed, failed_at);
     }
-    absl::StatusOr<std::vector<std::string>> now = rerouter_(call.tenant, session, call);
+    CallOptions ask = call;
+    ask.deadline = absl::Now() + kRerouteDeadline;
+    absl::StatusOr<std::vector<std::string>> now = rerouter_(call.tenant, session, ask);
     if (!now.ok() || now->empty() || std::find(now->begin(), now->end(), failed_at) != now->end()) {
       return Named(failed, failed_at);
     }
@@ -113,7 +140,8 @@ absl::StatusOr<std::vector<std::string>> ReplicatedSegments::Get(
   const auto stores = For(call, session);
   absl::Status last;
   for (size_t i = 0; i < stores.size(); ++i) {
-    absl::StatusOr<std::vector<std::string>> got = stores[i].second->Get(session, segments, call);
+    absl::StatusOr<std::vector<std::string>> got =
+        stores[i].second->Get(session, segments, ShareOf(call, i, stores.size()));
     if (got.ok()) {
       if (i > 0) {
         read_fallbacks_.fetch_add(1);
@@ -123,10 +151,7 @@ absl::StatusOr<std::vector<std::string>> ReplicatedSegments::Get(
       return got;
     }
     last = Named(got.status(), stores[i].first);
-    const absl::StatusCode c = got.status().code();
-    const bool next = c == absl::StatusCode::kUnavailable || c == absl::StatusCode::kNotFound ||
-                      (c == absl::StatusCode::kDeadlineExceeded && absl::Now() < call.deadline);
-    if (!next) break;
+    if (!NextReplica(got.status(), call)) break;
   }
   return last;
 }
@@ -134,15 +159,13 @@ absl::StatusOr<std::vector<std::string>> ReplicatedSegments::Get(
 absl::StatusOr<std::vector<worker::SegmentStore::StoredRound>> ReplicatedSegments::List(
     const std::string& session, const CallOptions& call) {
   absl::Status last;
-  for (const auto& [address, store] : For(call, session)) {
-    absl::StatusOr<std::vector<StoredRound>> got = store->List(session, call);
+  const auto stores = For(call, session);
+  for (size_t i = 0; i < stores.size(); ++i) {
+    absl::StatusOr<std::vector<StoredRound>> got =
+        stores[i].second->List(session, ShareOf(call, i, stores.size()));
     if (got.ok()) return got;
-    last = Named(got.status(), address);
-    const absl::StatusCode c = got.status().code();
-    if (c != absl::StatusCode::kUnavailable && c != absl::StatusCode::kNotFound &&
-        c != absl::StatusCode::kDeadlineExceeded) {
-      break;
-    }
+    last = Named(got.status(), stores[i].first);
+    if (!NextReplica(got.status(), call)) break;
   }
   return last;
 }

@@ -7,9 +7,13 @@
 // them hold it (a failure names the replica; the engine then drops what half
 // landed and keeps the round open). With a rerouter (the worker's
 // controller), a replica that cannot be reached at a round's first segment
-// is replaced by where the controller now places the session. Reads go to the first replica and
-// fall back to the next on UNAVAILABLE, DEADLINE_EXCEEDED (while the call's deadline lasts) or
-// NOT_FOUND.
+// is replaced by where the controller now places the session (the
+// controller is asked with a deadline of its own, 2 s, since the failed call
+// may have spent the budget). Reads go to the first replica and fall back to
+// the next on UNAVAILABLE, DEADLINE_EXCEEDED (while the call's deadline
+// lasts) or NOT_FOUND; each replica tried gets an equal share of what is
+// left of the call's deadline, so a store that stopped answering leaves
+// time for the next.
 #ifndef KVTIER_SERVICES_WORKER_REPLICATED_SEGMENTS_H_
 #define KVTIER_SERVICES_WORKER_REPLICATED_SEGMENTS_H_
 
