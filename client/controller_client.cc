@@ -5,6 +5,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "rpc/grpc_status.h"
+#include "rpc/transport_args.h"
 
 namespace kvtier {
 namespace {
@@ -26,7 +27,9 @@ ControllerClient::ControllerClient(ControllerClientOptions options) : options_(s
     ssl.pem_root_certs = options_.tls_root_certs;
     creds = grpc::SslCredentials(ssl);
   }
-  stub_ = v1::Controller::NewStub(grpc::CreateChannel(options_.target, creds));
+  grpc::ChannelArguments args;
+  ApplyReconnectArgs(&args);
+  stub_ = v1::Controller::NewStub(grpc::CreateCustomChannel(options_.target, creds, args));
 }
 
 absl::StatusOr<std::unique_ptr<ControllerClient>> ControllerClient::Connect(
@@ -97,7 +100,11 @@ void NodeAgent::Run() {
   do {
     absl::Status st;
     if (!registered_.load()) {
-      absl::StatusOr<v1::RegisterResponse> r = client_->Register(options_.node);
+      v1::RegisterRequest req = options_.node;
+      if (options_.sessions) {
+        for (v1::HeldSession& h : options_.sessions()) *req.add_sessions() = std::move(h);
+      }
+      absl::StatusOr<v1::RegisterResponse> r = client_->Register(req);
       st = r.status();
       if (r.ok()) {
         registered_.store(true);
@@ -105,8 +112,10 @@ void NodeAgent::Run() {
         if (r->heartbeat_interval_ms() > 0) {
           interval = absl::Milliseconds(r->heartbeat_interval_ms());
         }
-        LogInfo("registered with the controller",
-                {{"node", id}, {"controller", options_.controller.target}, {"epoch", r->epoch()}});
+        LogInfo("registered with the controller", {{"node", id},
+                                                   {"controller", options_.controller.target},
+                                                   {"epoch", r->epoch()},
+                                                   {"sessions", req.sessions_size()}});
       }
     } else {
       v1::HeartbeatRequest hb;

@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
@@ -60,6 +61,9 @@ struct NodeAgentOptions {
   v1::RegisterRequest node;  // id, kind, address to advertise, capacity.
   // Called before each heartbeat; may be empty (reports zeros).
   std::function<NodeUsage()> usage;
+  // Called before each registration: the sessions a worker holds
+  // (RegisterRequest.sessions); may be empty.
+  std::function<std::vector<v1::HeldSession>()> sessions;
 };
 
 // Registers the node and sends its heartbeats from a thread of its own, at

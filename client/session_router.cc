@@ -5,6 +5,7 @@
 #include "client/raw_call.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
+#include "rpc/transport_args.h"
 
 namespace kvtier {
 
@@ -80,7 +81,11 @@ void SessionRouter::Forget(const std::string& session) {
 std::shared_ptr<grpc::Channel> SessionRouter::Channel(const std::string& address) {
   absl::MutexLock lock(&mu_);
   std::shared_ptr<grpc::Channel>& ch = channels_[address];
-  if (ch == nullptr) ch = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  if (ch == nullptr) {
+    grpc::ChannelArguments args;
+    ApplyReconnectArgs(&args);
+    ch = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  }
   return ch;
 }
 

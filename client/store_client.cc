@@ -24,6 +24,7 @@ absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Connect(StoreClientOpt
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(8 << 20);
   ApplyBulkTransportArgs(&args);
+  ApplyReconnectArgs(&args);
   std::shared_ptr<grpc::ChannelCredentials> creds;
   if (options.tls_root_certs.empty()) {
     creds = grpc::InsecureChannelCredentials();

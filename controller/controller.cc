@@ -20,7 +20,42 @@ const NodeInfo* Find(const std::vector<NodeInfo>& nodes, const std::string& id) 
 }  // namespace
 
 Controller::Controller(ControllerOptions options)
-    : options_(options), membership_(options.membership) {}
+    : options_(options),
+      membership_(options.membership),
+      start_ms_(options.membership.clock->NowUnixMs()) {}
+
+void Controller::Adopt(const std::string& worker_id, const std::string& tenant,
+                       const std::string& session, std::vector<std::string> store_addresses) {
+  if (!ValidateName("tenant", tenant).ok() || !ValidateName("session_id", session).ok()) return;
+  absl::MutexLock lock(&mu_);
+  auto [it, added] = placements_.try_emplace({tenant, session});
+  if (!added) return;  // The controller's own record is the newer.
+  it->second.worker = worker_id;
+  it->second.store_addresses = std::move(store_addresses);
+  it->second.last_used_ms = options_.membership.clock->NowUnixMs();
+}
+
+absl::Status Controller::ResolveReportedLocked(Recorded& rec, const std::vector<NodeInfo>& stores) {
+  if (rec.store_addresses.empty()) return absl::OkStatus();
+  std::vector<std::string> ids;
+  for (const std::string& a : rec.store_addresses) {
+    const auto it = std::find_if(stores.begin(), stores.end(),
+                                 [&](const NodeInfo& n) { return n.spec.address == a; });
+    if (it != stores.end()) {
+      ids.push_back(it->spec.id);
+    } else if (options_.membership.clock->NowUnixMs() - start_ms_ <
+               absl::ToInt64Milliseconds(membership_.lease())) {
+      return absl::UnavailableError(
+          absl::StrCat("the controller restarted moments ago and store ", a,
+                       " of this session has not registered again yet; retry"));
+    }
+  }
+  // Unmatched ones after a lease: dead stores, replaced (and repaired from
+  // the matched ones) next.
+  rec.stores = std::move(ids);
+  rec.store_addresses.clear();
+  return absl::OkStatus();
+}
 
 std::vector<size_t> Controller::RankFor(const Key& key, const std::vector<NodeInfo>& nodes) const {
   // The rendezvous key: tenant and session with a separator neither holds.
@@ -113,6 +148,7 @@ absl::StatusOr<Placement> Controller::Route(const std::string& tenant, const std
 
   // The stores: recorded replicas that live keep their place; the others are
   // replaced in the session's rendezvous order.
+  KVT_RETURN_IF_ERROR(ResolveReportedLocked(rec, stores));
   if (FillStoresLocked(key, rec, stores)) out.placed_now = true;
   for (const std::string& id : rec.stores) out.stores.push_back(*Find(stores, id));
   return out;

@@ -82,6 +82,15 @@ class Controller {
   absl::StatusOr<Placement> Route(const std::string& tenant, const std::string& session,
                                   uint64_t need_bytes = 0, const std::string& avoid_worker = "");
 
+  // A worker that (re)registered holds (tenant, session) with these store
+  // replicas (addresses, primary first): recorded when the controller has no
+  // placement of it (after a restart it has none), so the session stays
+  // where it is. The addresses are matched to stores as they register; one
+  // not registered within a lease of the controller's start counts as dead
+  // (replaced, and repaired from the others).
+  void Adopt(const std::string& worker_id, const std::string& tenant, const std::string& session,
+             std::vector<std::string> store_addresses);
+
   // Declares dead the nodes whose lease ran out, replaces dead store
   // replicas in every recorded placement (recording repairs), and forgets
   // idle placements. Returns the nodes declared dead.
@@ -107,10 +116,17 @@ class Controller {
   struct Recorded {
     std::string worker;
     std::vector<std::string> stores;
+    // Reported by the worker (Adopt): store addresses not yet matched to
+    // registered stores.
+    std::vector<std::string> store_addresses;
     int64_t last_used_ms = 0;
   };
   using Key = std::pair<std::string, std::string>;  // (tenant, session)
 
+  // Matches rec's reported store addresses to live stores. UNAVAILABLE
+  // while one is not registered and the controller is younger than a lease.
+  absl::Status ResolveReportedLocked(Recorded& rec, const std::vector<NodeInfo>& stores)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Indices of `nodes`, best first, for the session's key.
   std::vector<size_t> RankFor(const Key& key, const std::vector<NodeInfo>& nodes) const;
   // Keeps rec's live stores and fills up to `replicas` in the session's
@@ -121,6 +137,7 @@ class Controller {
 
   const ControllerOptions options_;
   Membership membership_;
+  const int64_t start_ms_;
   mutable absl::Mutex mu_;
   std::map<Key, Recorded> placements_ ABSL_GUARDED_BY(mu_);
   std::deque<RepairTask> repairs_ ABSL_GUARDED_BY(mu_);

@@ -283,6 +283,43 @@ TEST_F(ControllerTest, CallerMovesItsSessionOffAnUnreachableWorker) {
   EXPECT_EQ(one.Placements(), 1u);
 }
 
+// A restarted controller learns live sessions from the workers that hold
+// them: the reported stores are matched as they register, a session waits
+// (UNAVAILABLE) while one of its stores has not come back within a lease,
+// and one that never comes back is replaced and repaired from the other.
+TEST_F(ControllerTest, AdoptsWhatWorkersReport) {
+  Controller c(Options(2));
+  ASSERT_THAT(c.membership().Register({"w1", NodeKind::kWorker, "h:1"}), IsOk());
+  ASSERT_THAT(c.membership().Register({"w2", NodeKind::kWorker, "h:2"}), IsOk());
+  ASSERT_THAT(c.membership().Register({"s1", NodeKind::kStore, "h:11"}), IsOk());
+  c.Adopt("w2", "t", "chat", {"h:12", "h:11"});
+  c.Adopt("w1", "t", "chat", {"h:13"});  // A later, other report: the first stays.
+  c.Adopt("w2", "t", "gone", {"h:14", "h:11"});
+  EXPECT_THAT(c.Route("t", "chat"), StatusIs(Code::kUnavailable));  // s2 not back yet.
+  ASSERT_THAT(c.membership().Register({"s2", NodeKind::kStore, "h:12"}), IsOk());
+  ASSERT_THAT(c.membership().Register({"s3", NodeKind::kStore, "h:13"}), IsOk());
+  KVT_ASSERT_OK_AND_ASSIGN(Placement p, c.Route("t", "chat"));
+  EXPECT_EQ(p.worker.spec.id, "w2");
+  ASSERT_EQ(p.stores.size(), 2u);
+  EXPECT_EQ(p.stores[0].spec.id, "s2");  // The reported order.
+  EXPECT_EQ(p.stores[1].spec.id, "s1");
+  EXPECT_FALSE(p.placed_now);
+  EXPECT_EQ(c.RepairsPending(), 0u);
+  // h:14 never registers: after a lease it counts as dead.
+  EXPECT_THAT(c.Route("t", "gone"), StatusIs(Code::kUnavailable));
+  clock_.AdvanceMs(3001);
+  KVT_ASSERT_OK_AND_ASSIGN(Placement g, c.Route("t", "gone"));
+  EXPECT_EQ(g.worker.spec.id, "w2");
+  ASSERT_EQ(g.stores.size(), 2u);
+  EXPECT_EQ(g.stores[0].spec.id, "s1");
+  EXPECT_TRUE(g.placed_now);
+  std::optional<RepairTask> t = c.NextRepair();
+  ASSERT_TRUE(t.has_value());
+  EXPECT_EQ(t->session, "gone");
+  EXPECT_EQ(t->sources[0].spec.id, "s1");
+  EXPECT_EQ(t->target.spec.id, g.stores[1].spec.id);
+}
+
 TEST_F(ControllerTest, RoomOnWorkers) {
   Controller c(Options(1));
   ASSERT_THAT(c.membership().Register({"s", NodeKind::kStore, "h:1"}), IsOk());

@@ -23,4 +23,10 @@ void ApplyBulkTransportArgs(grpc::ServerBuilder* builder) {
   for (const auto& [k, v] : kArgs) builder->AddChannelArgument(k, v);
 }
 
+void ApplyReconnectArgs(grpc::ChannelArguments* args) {
+  args->SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args->SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args->SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+}
+
 }  // namespace kvtier

@@ -16,6 +16,12 @@ namespace kvtier {
 void ApplyBulkTransportArgs(grpc::ChannelArguments* args);
 void ApplyBulkTransportArgs(grpc::ServerBuilder* builder);
 
+// Client channels between kvtier nodes: a peer that went away is tried again
+// every 100 ms to 1 s (gRPC's default backoff grows to 120 s), so a
+// restarted store, worker or controller is reached again within about a
+// second, not minutes later (the failure of LMCache #651).
+void ApplyReconnectArgs(grpc::ChannelArguments* args);
+
 }  // namespace kvtier
 
 #endif  // KVTIER_RPC_TRANSPORT_ARGS_H_

@@ -32,9 +32,9 @@ constexpr char kAcmeToken[] = "acme-token-00001";
 
 class ClusterTest : public ::testing::Test {
  protected:
-  // Host 0: the controller; 1-3: stores; 4-5: workers.
+  // Host 0: the controller; 1-3: stores; 4-5: workers; 6: a spare.
   void SetUp() override {
-    auto c = testing::NetnsCluster::Create(6, dir_.path());
+    auto c = testing::NetnsCluster::Create(7, dir_.path());
     if (!c.ok()) {
       if (testing::InCi()) FAIL() << "CI=true: " << c.status();
       GTEST_SKIP() << "skipped: " << c.status().message();
@@ -44,16 +44,7 @@ class ClusterTest : public ::testing::Test {
     testing::WriteFile(tenants_,
                        absl::StrCat(kNodeToken, " nodes node\n", kAcmeToken, " acme readwrite\n"));
     ASSERT_TRUE(StartController().ok());
-    for (int i = 1; i <= 3; ++i) {
-      auto p = cluster_->Run(
-          i, absl::StrCat("store-", i), testing::StoreBinary(),
-          {"--data_dir=" + dir_.path() + "/store-" + std::to_string(i),
-           "--listen=" + cluster_->Address(i) + ":0", "--port_file=PORT_FILE",
-           "--metrics_listen=", "--tenants_file=" + tenants_, "--controller=" + controller_,
-           absl::StrCat("--controller_token=", kNodeToken), absl::StrCat("--node_id=store-", i)});
-      ASSERT_TRUE(p.ok()) << p.status();
-      stores_.push_back(*p);
-    }
+    for (int i = 1; i <= 3; ++i) ASSERT_TRUE(StartStore(i, i).ok());
     for (int i = 1; i <= 2; ++i) {
       auto p = cluster_->Run(
           3 + i, absl::StrCat("worker-", i), WorkerBinary(),
@@ -90,6 +81,18 @@ class ClusterTest : public ::testing::Test {
     if (!p.ok()) return p.status();
     controller_proc_ = *p;
     controller_ = absl::StrCat(cluster_->Address(0), ":", controller_proc_->port());
+    return absl::OkStatus();
+  }
+  // store-`n` on `host`.
+  absl::Status StartStore(int n, int host) {
+    auto p = cluster_->Run(
+        host, absl::StrCat("store-", n), testing::StoreBinary(),
+        {"--data_dir=" + dir_.path() + "/store-" + std::to_string(n),
+         "--listen=" + cluster_->Address(host) + ":0", "--port_file=PORT_FILE",
+         "--metrics_listen=", "--tenants_file=" + tenants_, "--controller=" + controller_,
+         absl::StrCat("--controller_token=", kNodeToken), absl::StrCat("--node_id=store-", n)});
+    if (!p.ok()) return p.status();
+    stores_.push_back(*p);
     return absl::OkStatus();
   }
   std::string StoreAddress(int i) const {
@@ -244,6 +247,82 @@ TEST_F(ClusterTest, StoppedStoreTimesOutAndRejoins) {
   for (const refengine::DemoSession& f : run->sessions) ExpectReplicated(f.id, 6);
   // Back after SIGCONT: declared dead meanwhile, it registers again.
   EXPECT_TRUE(WaitLive(5));
+}
+
+// A store killed and started again on its address (same data directory):
+// the workers reach it again by themselves (their channels retry within a
+// second), it registers again, and every session finishes with the outputs
+// of an undisturbed run, every round on two live replicas.
+TEST_F(ClusterTest, RestartedStoreIsReachedAgain) {
+  refengine::DemoOptions o = Demo("even-");
+  o.rounds = 6;
+  auto base = refengine::RunDemo(o, nullptr);
+  ASSERT_TRUE(base.ok()) << base.status();
+  testing::HostProcess* store = stores_[1];
+  store->SetArg("--listen=", "--listen=" + StoreAddress(2));
+  o.session_prefix = "bounce-";
+  o.delete_at_end = false;
+  std::atomic<bool> bounced{false};
+  absl::Status restarted;
+  auto run = refengine::RunDemo(o, [&](const std::string& line) {
+    if (absl::StrContains(line, " round 2/") && !bounced.exchange(true)) {
+      store->Kill();
+      restarted = store->Start();
+    }
+  });
+  ASSERT_TRUE(bounced);
+  ASSERT_TRUE(restarted.ok()) << restarted;
+  ASSERT_TRUE(run.ok()) << run.status();
+  for (size_t i = 0; i < run->sessions.size(); ++i) {
+    EXPECT_EQ(run->sessions[i].err2, base->sessions[i].err2) << run->sessions[i].id;
+  }
+  EXPECT_TRUE(WaitLive(5));
+  for (const refengine::DemoSession& f : run->sessions) ExpectReplicated(f.id, 6);
+}
+
+// The controller killed and started again on its address mid-conversation,
+// and a fourth store joining as it comes back: no session fails (engines
+// keep their routes; nodes register again), and the restarted controller
+// learns where the live sessions are from the workers' reports: its routes
+// name the stores that hold them, although rendezvous hashing over the new
+// membership would place some elsewhere.
+TEST_F(ClusterTest, RestartedControllerLearnsLiveSessionsFromWorkers) {
+  refengine::DemoOptions o = Demo("steady-");
+  o.rounds = 6;
+  auto base = refengine::RunDemo(o, nullptr);
+  ASSERT_TRUE(base.ok()) << base.status();
+  controller_proc_->SetArg("--listen=", "--listen=" + controller_);
+  o.session_prefix = "ctl-";
+  o.delete_at_end = false;
+  std::atomic<bool> bounced{false};
+  absl::Status restarted;
+  std::map<std::string, std::vector<std::string>> before;  // Session -> its stores.
+  auto run = refengine::RunDemo(o, [&](const std::string& line) {
+    if (absl::StrContains(line, " round 3/") && !bounced.exchange(true)) {
+      for (int i = 0; i < o.sessions; ++i) {
+        v1::RouteRequest rq;
+        rq.set_session_id(absl::StrCat("ctl-", i));
+        auto r = client_->Route(rq);
+        if (r.ok())
+          before[rq.session_id()].assign(r->store_node_ids().begin(), r->store_node_ids().end());
+      }
+      controller_proc_->Kill();
+      restarted = StartController();
+      if (restarted.ok()) restarted = StartStore(4, 6);
+    }
+  });
+  ASSERT_TRUE(bounced);
+  ASSERT_TRUE(restarted.ok()) << restarted;
+  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_EQ(before.size(), 8u);
+  for (size_t i = 0; i < run->sessions.size(); ++i) {
+    EXPECT_EQ(run->sessions[i].err2, base->sessions[i].err2) << run->sessions[i].id;
+    // Asked after the restart (the report refreshes the route): the same
+    // stores as before it.
+    EXPECT_EQ(run->sessions[i].stores, before[run->sessions[i].id]) << run->sessions[i].id;
+  }
+  EXPECT_TRUE(WaitLive(6));
+  for (const refengine::DemoSession& f : run->sessions) ExpectReplicated(f.id, 6);
 }
 
 // With a lossless policy, a conversation whose worker is killed mid-round

@@ -4,10 +4,10 @@
 
 namespace kvtier {
 
-absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(const ClusterOptions& cluster,
-                                                       v1::NodeKind kind, const std::string& listen,
-                                                       int bound_port, uint64_t capacity_bytes,
-                                                       std::function<NodeUsage()> usage) {
+absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(
+    const ClusterOptions& cluster, v1::NodeKind kind, const std::string& listen, int bound_port,
+    uint64_t capacity_bytes, std::function<NodeUsage()> usage,
+    std::function<std::vector<v1::HeldSession>()> sessions) {
   if (cluster.controller.empty()) return std::unique_ptr<NodeAgent>();
   std::string advertise = cluster.advertise;
   if (advertise.empty()) {
@@ -29,6 +29,7 @@ absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(const ClusterOptions& clu
   o.node.set_address(advertise);
   o.node.set_capacity_bytes(capacity_bytes);
   o.usage = std::move(usage);
+  o.sessions = std::move(sessions);
   return NodeAgent::Start(std::move(o));
 }
 

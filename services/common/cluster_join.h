@@ -26,11 +26,12 @@ struct ClusterOptions {
 };
 
 // Starts the agent, or returns null when `cluster.controller` is empty.
+// `sessions` (workers): what the node holds, reported at each registration.
 // INVALID_ARGUMENT when the address to advertise cannot be known.
-absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(const ClusterOptions& cluster,
-                                                       v1::NodeKind kind, const std::string& listen,
-                                                       int bound_port, uint64_t capacity_bytes,
-                                                       std::function<NodeUsage()> usage);
+absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(
+    const ClusterOptions& cluster, v1::NodeKind kind, const std::string& listen, int bound_port,
+    uint64_t capacity_bytes, std::function<NodeUsage()> usage,
+    std::function<std::vector<v1::HeldSession>()> sessions = {});
 
 }  // namespace kvtier
 

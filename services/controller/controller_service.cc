@@ -145,6 +145,12 @@ grpc::ServerUnaryReactor* ControllerService::Register(grpc::CallbackServerContex
     spec.capacity_bytes = req->capacity_bytes();
     spec.has_gpu = req->has_gpu();
     KVT_RETURN_IF_ERROR(controller_->membership().Register(spec));
+    if (spec.kind == NodeKind::kWorker) {
+      for (const v1::HeldSession& h : req->sessions()) {
+        controller_->Adopt(spec.id, h.tenant(), h.session_id(),
+                           {h.store_addresses().begin(), h.store_addresses().end()});
+      }
+    }
     resp->set_heartbeat_interval_ms(static_cast<uint32_t>(
         absl::ToInt64Milliseconds(controller_->membership().options().heartbeat_interval)));
     resp->set_epoch(controller_->membership().epoch());

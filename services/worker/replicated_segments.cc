@@ -79,6 +79,19 @@ void ReplicatedSegments::Forget(const std::string& tenant, const std::string& se
   replicas_.erase({tenant, session});
 }
 
+std::vector<v1::HeldSession> ReplicatedSegments::Held() {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::HeldSession> out;
+  out.reserve(replicas_.size());
+  for (const auto& [key, addresses] : replicas_) {
+    v1::HeldSession& h = out.emplace_back();
+    h.set_tenant(key.first);
+    h.set_session_id(key.second);
+    for (const std::string& a : addresses) h.add_store_addresses(a);
+  }
+  return out;
+}
+
 std::vector<std::pair<std::string, StoreSegments*>> ReplicatedSegments::For(
     const CallOptions& call, const std::string& session) {
   absl::MutexLock lock(&mu_);

@@ -28,6 +28,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "client/store_client.h"
+#include "kvtier/v1/controller.pb.h"
 #include "services/worker/store_segments.h"
 #include "worker/segment_store.h"
 
@@ -47,6 +48,9 @@ class ReplicatedSegments : public worker::SegmentStore {
   absl::Status SetReplicas(const std::string& tenant, const std::string& session,
                            const std::vector<std::string>& addresses);
   void Forget(const std::string& tenant, const std::string& session);
+  // Every session with replicas of its own: what the worker reports when it
+  // registers with the controller.
+  std::vector<v1::HeldSession> Held();
 
   // Asks where a session's replicas are now (the controller's Route, acting
   // for `tenant`). When set, a round whose first segment cannot reach a

@@ -63,12 +63,15 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
                                        s->service_.get(), &s->port_));
   {
     worker::Engine* engine = s->engine_.get();
-    KVT_ASSIGN_OR_RETURN(
-        s->agent_, JoinCluster(options.cluster, v1::NODE_KIND_WORKER, options.listen, s->port_,
-                               options.engine.max_working_set_bytes, [engine] {
-                                 return NodeUsage{engine->TotalWorkingSetBytes(),
-                                                  static_cast<uint32_t>(engine->SessionCount())};
-                               }));
+    KVT_ASSIGN_OR_RETURN(s->agent_,
+                         JoinCluster(
+                             options.cluster, v1::NODE_KIND_WORKER, options.listen, s->port_,
+                             options.engine.max_working_set_bytes,
+                             [engine] {
+                               return NodeUsage{engine->TotalWorkingSetBytes(),
+                                                static_cast<uint32_t>(engine->SessionCount())};
+                             },
+                             [segments = s->segments_.get()] { return segments->Held(); }));
   }
   LogInfo("kvtier-worker serving", {{"port", s->port_},
                                     {"metrics_port", s->metrics_port_},

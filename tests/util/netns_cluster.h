@@ -57,6 +57,13 @@ class HostProcess {
     Kill();
     return absl::InternalError(absl::StrCat(name_, " did not start:\n", Tail()));
   }
+  // Replaces the argument that starts with `prefix` (for a restart on the
+  // port it had: SetArg("--listen=", "--listen=HOST:PORT")).
+  void SetArg(const std::string& prefix, std::string arg) {
+    for (std::string& a : argv_) {
+      if (a.rfind(prefix, 0) == 0) a = std::move(arg);
+    }
+  }
   void Kill() {
     if (pid_ <= 0) return;
     ::kill(pid_, SIGKILL);
