@@ -7,8 +7,13 @@
 //  - Route latency: kvtier-controller in this process on 127.0.0.1, Route
 //    for new and for placed sessions, p50 and p99, against a gRPC no-op on
 //    the same server (the health check).
+//  - Replication and repair: three real kvtier-store processes and a
+//    kvtier-worker in this process. EndRound of sessions with one replica
+//    against the same rounds with two (time and bytes stored); then the
+//    repair of one session to the third store (uncapped) against
+//    PutSegment of the same segments to that store by one client.
 //
-//   kvtier-cluster-bench [--sessions=N] [--routes=N]
+//   kvtier-cluster-bench [--sessions=N] [--routes=N] [--rounds=N]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -19,10 +24,16 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "client/store_client.h"
 #include "controller/placement.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
+#include "rpc/dense_tensor.h"
 #include "services/controller/controller_server.h"
+#include "services/controller/repairer.h"
+#include "services/worker/worker_server.h"
+#include "testing/store_process.h"
+#include "testing/test_util.h"
 
 namespace kvtier {
 namespace {
@@ -127,11 +138,201 @@ int RouteLatency(int routes) {
   return 0;
 }
 
+// A session shaped like a small 8B-class slice: 8 layers, 32 q / 8 kv heads,
+// d = 128, fp16; rounds of 256 tokens, L_w = 2 (two segments a round).
+constexpr int kLayers = 8, kQHeads = 32, kKvHeads = 8, kDim = 128, kRoundTokens = 256;
+
+v1::OpenSessionRequest BenchSession(const std::string& id, const std::vector<std::string>& stores) {
+  v1::OpenSessionRequest r;
+  r.set_session_id(id);
+  r.mutable_model()->set_num_layers(kLayers);
+  r.mutable_model()->set_num_q_heads(kQHeads);
+  r.mutable_model()->set_num_kv_heads(kKvHeads);
+  r.mutable_model()->set_head_dim(kDim);
+  r.mutable_model()->set_dtype(v1::DTYPE_FP16);
+  r.mutable_policy()->set_watershed_layer(2);
+  r.mutable_policy()->set_recall("topk:1");
+  for (const std::string& a : stores) r.add_store_addresses(a);
+  return r;
+}
+
+// One prefill step of a round's tokens (random q/k/v), in 64-token chunks.
+bool Prefill(v1::Worker::Stub* stub, const std::string& id, uint64_t seed) {
+  uint64_t x = seed * 0x9e3779b97f4a7c15ULL + 1;
+  auto rnd = [&](size_t n) {
+    std::vector<float> v(n);
+    for (float& f : v) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      f = static_cast<float>(static_cast<int64_t>(x % 2001) - 1000) / 1000.0f;
+    }
+    return v;
+  };
+  grpc::ClientContext c;
+  auto s = stub->Prefill(&c);
+  constexpr int kChunk = 64;
+  for (int l = 0; l < kLayers; ++l) {
+    const auto q = rnd(size_t{kRoundTokens} * kQHeads * kDim);
+    const auto k = rnd(size_t{kRoundTokens} * kKvHeads * kDim);
+    const auto v = rnd(size_t{kRoundTokens} * kKvHeads * kDim);
+    for (int t = 0; t < kRoundTokens; t += kChunk) {
+      v1::LayerRequest req;
+      if (l == 0 && t == 0) req.set_session_id(id);
+      req.set_layer(l);
+      req.set_question_tokens(kRoundTokens);
+      WriteDense(q.data(), t, kChunk, kQHeads, kDim, v1::DTYPE_FP16, req.mutable_q());
+      WriteDense(k.data(), t, kChunk, kKvHeads, kDim, v1::DTYPE_FP16, req.mutable_k());
+      WriteDense(v.data(), t, kChunk, kKvHeads, kDim, v1::DTYPE_FP16, req.mutable_v());
+      req.set_more_chunks(t + kChunk < kRoundTokens);
+      if (!s->Write(req)) break;
+    }
+    v1::LayerResponse resp;
+    do {
+      if (!s->Read(&resp)) break;
+    } while (resp.more_chunks());
+  }
+  s->WritesDone();
+  const grpc::Status st = s->Finish();
+  if (!st.ok()) std::fprintf(stderr, "Prefill: %s\n", st.error_message().c_str());
+  return st.ok();
+}
+
+int Replication(int rounds) {
+  testing::TempDir dir;
+  std::vector<std::unique_ptr<testing::StoreProcess>> stores;
+  for (int i = 0; i < 3; ++i) {
+    stores.push_back(
+        std::make_unique<testing::StoreProcess>(dir.path() + "/s" + std::to_string(i)));
+    if (absl::Status st = stores.back()->Start(); !st.ok()) {
+      std::fprintf(stderr, "store: %s\n", st.ToString().c_str());
+      return 1;
+    }
+  }
+  WorkerServerOptions wo;
+  wo.listen = "127.0.0.1:0";
+  wo.metrics_listen = "";
+  wo.store.target = stores[0]->target();
+  auto worker = WorkerServer::Start(wo);
+  if (!worker.ok()) {
+    std::fprintf(stderr, "worker: %s\n", worker.status().ToString().c_str());
+    return 1;
+  }
+  auto stub = v1::Worker::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*worker)->port()),
+                                                      grpc::InsecureChannelCredentials()));
+  // Alternate the two shapes round by round, so that load drifts hit both.
+  struct Run {
+    const char* name;
+    std::string id;
+    std::vector<std::string> stores;
+    std::vector<double> ms;
+    uint64_t bytes = 0;
+  };
+  std::vector<Run> runs = {{"R=1", "r1", {stores[0]->target()}, {}, 0},
+                           {"R=2", "r2", {stores[0]->target(), stores[1]->target()}, {}, 0}};
+  for (Run& r : runs) {
+    grpc::ClientContext c;
+    v1::OpenSessionResponse resp;
+    if (!stub->OpenSession(&c, BenchSession(r.id, r.stores), &resp).ok()) return 1;
+  }
+  for (int round = 0; round < rounds; ++round) {
+    for (Run& r : runs) {
+      if (!Prefill(stub.get(), r.id, round)) {
+        std::fprintf(stderr, "prefill failed\n");
+        return 1;
+      }
+      grpc::ClientContext c;
+      v1::EndRoundRequest req;
+      req.set_session_id(r.id);
+      v1::EndRoundResponse resp;
+      const auto t0 = std::chrono::steady_clock::now();
+      const grpc::Status st = stub->EndRound(&c, req, &resp);
+      r.ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      if (!st.ok()) {
+        std::fprintf(stderr, "EndRound: %s\n", st.error_message().c_str());
+        return 1;
+      }
+      r.bytes += resp.stored_bytes() * r.stores.size();
+    }
+  }
+  std::printf(
+      "\n== EndRound with 1 and 2 store replicas, %d rounds of %d tokens each "
+      "(%d layers, %d kv heads, d=%d, fp16, L_w=2), same worker and stores\n",
+      rounds, kRoundTokens, kLayers, kKvHeads, kDim);
+  std::printf("%-6s %10s %10s %16s %10s\n", "", "p50 ms", "p99 ms", "bytes stored", "p50 / R=1");
+  const double base = Percentile(runs[0].ms, 0.5);
+  for (const Run& r : runs) {
+    std::printf("%-6s %10.2f %10.2f %16llu %10.2f\n", r.name, Percentile(r.ms, 0.5),
+                Percentile(r.ms, 0.99), static_cast<unsigned long long>(r.bytes),
+                Percentile(r.ms, 0.5) / base);
+  }
+
+  // Repair of r2 to the third store, against plain PutSegment of the same
+  // segments to that store (another session name) by one client.
+  controller::Controller ctl;
+  RepairOptions ro;
+  ro.max_bytes_per_second = 0;
+  auto repairer = Repairer::Start(&ctl, ro);
+  if (!repairer.ok()) return 1;
+  controller::RepairTask task;
+  task.tenant = "default";
+  task.session = "r2";
+  task.sources.push_back({{"s1", controller::NodeKind::kStore, stores[1]->target()}});
+  task.target = {{"s2", controller::NodeKind::kStore, stores[2]->target()}};
+  auto t0 = std::chrono::steady_clock::now();
+  absl::Status rs = (*repairer)->Repair(task);
+  const double repair_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!rs.ok()) {
+    std::fprintf(stderr, "repair: %s\n", rs.ToString().c_str());
+    return 1;
+  }
+  const uint64_t repaired = (*repairer)->stats().bytes_copied;
+  StoreClientOptions so;
+  so.target = stores[1]->target();
+  auto src = std::move(StoreClient::Connect(so)).value();
+  so.target = stores[2]->target();
+  auto dst = std::move(StoreClient::Connect(so)).value();
+  auto listed = src->ListRounds("r2");
+  if (!listed.ok()) return 1;
+  std::vector<std::pair<v1::SegmentInfo, std::string>> segs;
+  for (const v1::RoundInfo& ri : listed->rounds()) {
+    std::vector<v1::SegmentRef> refs;
+    for (const v1::SegmentInfo& si : ri.segments()) refs.push_back(si.ref());
+    auto got = src->GetSegments("r2", refs, {}, /*uncounted=*/true);
+    if (!got.ok()) return 1;
+    for (FetchedSegment& f : *got) segs.emplace_back(f.info, std::move(f.payload));
+  }
+  uint64_t put_bytes = 0;
+  t0 = std::chrono::steady_clock::now();
+  for (const auto& [info, payload] : segs) {
+    PutSegmentArgs a;
+    a.session_id = "put-baseline";
+    a.round = info.ref().round();
+    a.segment = info.ref().segment();
+    a.layer_begin = info.layer_begin();
+    a.layer_end = info.layer_end();
+    if (!dst->PutSegment(a, payload).ok()) return 1;
+    put_bytes += payload.size();
+  }
+  const double put_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf(
+      "\n== Repair of one session (%zu segments) to a new replica, uncapped, against "
+      "PutSegment of the same segments to the same store\n",
+      segs.size());
+  std::printf("%-34s %12s %10s %10s\n", "", "bytes", "MB/s", "ratio");
+  const double put_mbs = put_bytes / put_s / 1e6, repair_mbs = repaired / repair_s / 1e6;
+  std::printf("%-34s %12llu %10.1f %10.2f\n", "PutSegment, one client (baseline)",
+              static_cast<unsigned long long>(put_bytes), put_mbs, 1.0);
+  std::printf("%-34s %12llu %10.1f %10.2f\n", "repair (read survivor + write)",
+              static_cast<unsigned long long>(repaired), repair_mbs, repair_mbs / put_mbs);
+  return 0;
+}
+
 }  // namespace
 }  // namespace kvtier
 
 int main(int argc, char** argv) {
-  int sessions = 100000, routes = 5000;
+  int sessions = 100000, routes = 5000, rounds = 8;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a.rfind("--sessions=", 0) == 0 && absl::SimpleAtoi(a.substr(11), &sessions) &&
@@ -141,9 +342,13 @@ int main(int argc, char** argv) {
     if (a.rfind("--routes=", 0) == 0 && absl::SimpleAtoi(a.substr(9), &routes) && routes > 0) {
       continue;
     }
-    std::fprintf(stderr, "usage: kvtier-cluster-bench [--sessions=N] [--routes=N]\n");
+    if (a.rfind("--rounds=", 0) == 0 && absl::SimpleAtoi(a.substr(9), &rounds) && rounds > 0) {
+      continue;
+    }
+    std::fprintf(stderr, "usage: kvtier-cluster-bench [--sessions=N] [--routes=N] [--rounds=N]\n");
     return 2;
   }
   kvtier::Movement(sessions);
-  return kvtier::RouteLatency(routes);
+  if (int rc = kvtier::RouteLatency(routes); rc != 0) return rc;
+  return kvtier::Replication(rounds);
 }
