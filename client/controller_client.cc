@@ -108,7 +108,7 @@ void NodeAgent::Run() {
       st = r.status();
       if (r.ok()) {
         registered_.store(true);
-        epoch_.store(r->epoch());
+        NoteEpoch(r->epoch());
         if (r->heartbeat_interval_ms() > 0) {
           interval = absl::Milliseconds(r->heartbeat_interval_ms());
         }
@@ -129,7 +129,7 @@ void NodeAgent::Run() {
           client_->Heartbeat(hb, CallOptions::Within(interval));
       st = r.status();
       if (r.ok()) {
-        epoch_.store(r->epoch());
+        NoteEpoch(r->epoch());
       } else if (absl::IsNotFound(r.status())) {
         LogWarn("the controller no longer knows this node; registering again", {{"node", id}});
         registered_.store(false);  // At the next tick.

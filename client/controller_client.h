@@ -4,6 +4,7 @@
 #ifndef KVTIER_CLIENT_CONTROLLER_CLIENT_H_
 #define KVTIER_CLIENT_CONTROLLER_CLIENT_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -64,6 +65,8 @@ struct NodeAgentOptions {
   // Called before each registration: the sessions a worker holds
   // (RegisterRequest.sessions); may be empty.
   std::function<std::vector<v1::HeldSession>()> sessions;
+  // When set, also receives every placement epoch the agent hears.
+  std::shared_ptr<std::atomic<uint64_t>> epoch_sink;
 };
 
 // Registers the node and sends its heartbeats from a thread of its own, at
@@ -88,6 +91,10 @@ class NodeAgent {
   std::unique_ptr<ControllerClient> client_;
   std::atomic<bool> registered_{false};
   std::atomic<uint64_t> epoch_{0};
+  void NoteEpoch(uint64_t e) {
+    epoch_.store(e);
+    if (options_.epoch_sink != nullptr) options_.epoch_sink->store(e);
+  }
   absl::Notification stop_;
   std::thread thread_;
 };

@@ -466,7 +466,9 @@ class Cluster : public ClusterSession {
   }
 
   absl::StatusOr<uint32_t> Recover(uint32_t round, const absl::Status& failure) override {
-    if (!WorkerFailoverCandidate(failure)) return failure;
+    // NOT_FOUND from the worker of an open session: it restarted and lost
+    // the session (a restart on the same address); resume it there.
+    if (!WorkerFailoverCandidate(failure) && !absl::IsNotFound(failure)) return failure;
     const absl::Time t0 = absl::Now();
     Failover f;
     f.round = round;

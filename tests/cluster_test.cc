@@ -5,8 +5,13 @@
 // the sessions must finish with what they would have computed without the
 // failure, and every acknowledged round must be on two stores again.
 // Needs root (CI runs as root); skips otherwise, except under CI=true.
+#include <algorithm>
 #include <atomic>
+#include <fstream>
+#include <functional>
 #include <map>
+#include <mutex>
+#include <random>
 #include <set>
 
 #include "absl/strings/match.h"
@@ -94,6 +99,15 @@ class ClusterTest : public ::testing::Test {
     if (!p.ok()) return p.status();
     stores_.push_back(*p);
     return absl::OkStatus();
+  }
+  std::vector<testing::HostProcess*> Procs() const {
+    std::vector<testing::HostProcess*> all = {controller_proc_};
+    all.insert(all.end(), stores_.begin(), stores_.end());
+    all.insert(all.end(), workers_.begin(), workers_.end());
+    return all;
+  }
+  std::string WorkerAddress(int i) const {
+    return absl::StrCat(cluster_->Address(3 + i), ":", workers_[i - 1]->port());
   }
   std::string StoreAddress(int i) const {
     return absl::StrCat(cluster_->Address(i), ":", stores_[i - 1]->port());
@@ -323,6 +337,75 @@ TEST_F(ClusterTest, RestartedControllerLearnsLiveSessionsFromWorkers) {
   }
   EXPECT_TRUE(WaitLive(6));
   for (const refengine::DemoSession& f : run->sessions) ExpectReplicated(f.id, 6);
+}
+
+// Chaos: KVTIER_CHAOS_CYCLES cycles (default 1; `ctest -L chaos` runs 20),
+// each a run of 8 sessions in which one random store and one random worker
+// are killed at random rounds and started again on their addresses a round
+// later. Every run must give the undisturbed outputs, and every session must
+// end with all its rounds on two replicas.
+TEST_F(ClusterTest, ChaosRandomKills) {
+  int cycles = 1;
+  if (const char* env = std::getenv("KVTIER_CHAOS_CYCLES")) cycles = std::max(1, std::atoi(env));
+  refengine::DemoOptions o = Demo("quiet-");
+  o.rounds = 8;
+  auto base = refengine::RunDemo(o, nullptr);
+  ASSERT_TRUE(base.ok()) << base.status();
+  std::mt19937 rng(static_cast<uint32_t>(absl::ToUnixMicros(absl::Now())));
+  for (int i = 0; i < 2; ++i) workers_[i]->SetArg("--listen=", "--listen=" + WorkerAddress(i + 1));
+  for (int i = 0; i < 3; ++i) stores_[i]->SetArg("--listen=", "--listen=" + StoreAddress(i + 1));
+  int failovers = 0;
+  absl::Duration slowest;
+  for (int cycle = 0; cycle < cycles; ++cycle) {
+    testing::HostProcess* store = stores_[rng() % 3];
+    testing::HostProcess* worker = workers_[rng() % 2];
+    const int store_at = 1 + static_cast<int>(rng() % 5),
+              worker_at = 1 + static_cast<int>(rng() % 5);
+    std::mutex mu;
+    // Kills at their rounds, restarts on the same address a round later.
+    auto on_round = [&](const std::string& line) {
+      std::lock_guard<std::mutex> lock(mu);
+      auto at = [&](int r) { return absl::StrContains(line, absl::StrCat(" round ", r, "/")); };
+      if (store->running() && at(store_at)) store->Kill();
+      if (worker->running() && at(worker_at)) worker->Kill();
+      if (!store->running() && at(store_at + 1)) (void)store->Start();
+      if (!worker->running() && at(worker_at + 1)) (void)worker->Start();
+    };
+    o.session_prefix = absl::StrCat("chaos", cycle, "-");
+    o.delete_at_end = false;
+    const absl::Time t0 = absl::Now();
+    auto run = refengine::RunDemo(o, on_round);
+    slowest = std::max(slowest, absl::Now() - t0);
+    ASSERT_TRUE(run.ok()) << "cycle " << cycle << " (" << store->name() << " at " << store_at
+                          << ", " << worker->name() << " at " << worker_at << "): " << run.status();
+    for (size_t i = 0; i < run->sessions.size(); ++i) {
+      EXPECT_EQ(run->sessions[i].err2, base->sessions[i].err2) << run->sessions[i].id;
+      failovers += static_cast<int>(run->sessions[i].failovers.size());
+    }
+    if (!store->running()) ASSERT_TRUE(store->Start().ok());
+    if (!worker->running()) ASSERT_TRUE(worker->Start().ok());
+    ASSERT_TRUE(WaitLive(5)) << "cycle " << cycle;
+    for (const refengine::DemoSession& f : run->sessions) {
+      ExpectReplicated(f.id, o.rounds);
+      if (HasFailure()) {
+        // What the nodes said about that session.
+        std::printf("cycle %d: %s at %d, %s at %d\n", cycle, store->name().c_str(), store_at,
+                    worker->name().c_str(), worker_at);
+        for (testing::HostProcess* p : Procs()) {
+          std::ifstream in(p->log_path());
+          for (std::string l; std::getline(in, l);) {
+            if (absl::StrContains(l, f.id) || absl::StrContains(l, "dead") ||
+                absl::StrContains(l, "repair")) {
+              std::printf("%s: %s\n", p->name().c_str(), l.c_str());
+            }
+          }
+        }
+        return;
+      }
+    }
+  }
+  std::printf("chaos: %d cycles, %d failovers, slowest run %.1f s\n", cycles, failovers,
+              absl::ToDoubleSeconds(slowest));
 }
 
 // With a lossless policy, a conversation whose worker is killed mid-round

@@ -7,7 +7,8 @@ namespace kvtier {
 absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(
     const ClusterOptions& cluster, v1::NodeKind kind, const std::string& listen, int bound_port,
     uint64_t capacity_bytes, std::function<NodeUsage()> usage,
-    std::function<std::vector<v1::HeldSession>()> sessions) {
+    std::function<std::vector<v1::HeldSession>()> sessions,
+    std::shared_ptr<std::atomic<uint64_t>> epoch) {
   if (cluster.controller.empty()) return std::unique_ptr<NodeAgent>();
   std::string advertise = cluster.advertise;
   if (advertise.empty()) {
@@ -30,6 +31,7 @@ absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(
   o.node.set_capacity_bytes(capacity_bytes);
   o.usage = std::move(usage);
   o.sessions = std::move(sessions);
+  o.epoch_sink = std::move(epoch);
   return NodeAgent::Start(std::move(o));
 }
 

@@ -4,6 +4,7 @@
 #ifndef KVTIER_SERVICES_COMMON_CLUSTER_JOIN_H_
 #define KVTIER_SERVICES_COMMON_CLUSTER_JOIN_H_
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -27,11 +28,13 @@ struct ClusterOptions {
 
 // Starts the agent, or returns null when `cluster.controller` is empty.
 // `sessions` (workers): what the node holds, reported at each registration.
+// `epoch`, when set, receives the placement epoch the agent hears.
 // INVALID_ARGUMENT when the address to advertise cannot be known.
 absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(
     const ClusterOptions& cluster, v1::NodeKind kind, const std::string& listen, int bound_port,
     uint64_t capacity_bytes, std::function<NodeUsage()> usage,
-    std::function<std::vector<v1::HeldSession>()> sessions = {});
+    std::function<std::vector<v1::HeldSession>()> sessions = {},
+    std::shared_ptr<std::atomic<uint64_t>> epoch = nullptr);
 
 }  // namespace kvtier
 

@@ -68,8 +68,10 @@ absl::Status ReplicatedSegments::SetReplicas(const std::string& tenant, const st
   }
   if (addresses.empty()) {
     replicas_.erase({tenant, session});
+    confirmed_.erase({tenant, session});
   } else {
     replicas_[{tenant, session}] = addresses;
+    confirmed_[{tenant, session}] = epoch_ ? epoch_() : 0;
   }
   return absl::OkStatus();
 }
@@ -77,6 +79,39 @@ absl::Status ReplicatedSegments::SetReplicas(const std::string& tenant, const st
 void ReplicatedSegments::Forget(const std::string& tenant, const std::string& session) {
   absl::MutexLock lock(&mu_);
   replicas_.erase({tenant, session});
+  confirmed_.erase({tenant, session});
+}
+
+void ReplicatedSegments::RefreshIfStale(const std::string& session, const CallOptions& call) {
+  if (!rerouter_ || !epoch_) return;
+  const uint64_t now = epoch_();
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = confirmed_.find({call.tenant, session});
+    if (it == confirmed_.end() || it->second >= now) return;
+  }
+  CallOptions ask = call;
+  ask.deadline = absl::Now() + kRerouteDeadline;
+  absl::StatusOr<std::vector<std::string>> fresh = rerouter_(call.tenant, session, ask);
+  if (!fresh.ok() || fresh->empty()) return;  // Keep the list; writes will tell.
+  std::vector<std::string> was;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = replicas_.find({call.tenant, session});
+    if (it == replicas_.end()) return;
+    was = it->second;
+  }
+  if (was == *fresh) {
+    absl::MutexLock lock(&mu_);
+    confirmed_[{call.tenant, session}] = now;
+    return;
+  }
+  if (SetReplicas(call.tenant, session, *fresh).ok()) {
+    reroutes_.fetch_add(1);
+    LogWarn("store replicas changed by the controller", {{"session", session},
+                                                         {"was", absl::StrJoin(was, ",")},
+                                                         {"now", absl::StrJoin(*fresh, ",")}});
+  }
 }
 
 std::vector<v1::HeldSession> ReplicatedSegments::Held() {
@@ -105,6 +140,7 @@ std::vector<std::pair<std::string, StoreSegments*>> ReplicatedSegments::For(
 absl::Status ReplicatedSegments::Put(const std::string& session, const Segment& s,
                                      uint32_t layer_begin, uint32_t layer_end,
                                      std::string_view payload, const CallOptions& call) {
+  if (s.segment == 0) RefreshIfStale(session, call);
   // Every replica, in order: the round is stored when all hold it.
   std::set<std::string> done;
   for (int attempt = 0;; ++attempt) {

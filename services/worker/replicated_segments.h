@@ -60,6 +60,12 @@ class ReplicatedSegments : public worker::SegmentStore {
   using Rerouter = std::function<absl::StatusOr<std::vector<std::string>>(
       const std::string& tenant, const std::string& session, const CallOptions& call)>;
   void SetRerouter(Rerouter r) { rerouter_ = std::move(r); }
+  // The controller's placement epoch as this worker last heard it (its
+  // heartbeats). With a rerouter, a round's first segment of a session whose
+  // replica list predates the current epoch asks the controller first, so a
+  // store the controller replaced (dead, even if it came back since) gets no
+  // more rounds, and the replacement gets them all. Set before serving.
+  void SetEpochSource(std::function<uint64_t()> epoch) { epoch_ = std::move(epoch); }
   // Sessions moved to other replicas by the rerouter.
   uint64_t reroutes() const { return reroutes_.load(); }
 
@@ -82,6 +88,9 @@ class ReplicatedSegments : public worker::SegmentStore {
   uint64_t read_fallbacks() const { return read_fallbacks_.load(); }
 
  private:
+  // Asks the rerouter for the session's replicas when its list predates the
+  // current epoch, and takes the answer.
+  void RefreshIfStale(const std::string& session, const CallOptions& call);
   // The session's stores, first first (never empty).
   std::vector<std::pair<std::string, StoreSegments*>> For(const CallOptions& call,
                                                           const std::string& session);
@@ -91,11 +100,14 @@ class ReplicatedSegments : public worker::SegmentStore {
   absl::Mutex mu_;
   std::map<std::pair<std::string, std::string>, std::vector<std::string>> replicas_
       ABSL_GUARDED_BY(mu_);
+  // The epoch each session's list was last confirmed at.
+  std::map<std::pair<std::string, std::string>, uint64_t> confirmed_ ABSL_GUARDED_BY(mu_);
   // One client per store address, kept for the worker's life.
   std::map<std::string, std::unique_ptr<StoreSegments>> pool_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> read_fallbacks_{0};
   std::atomic<uint64_t> reroutes_{0};
   Rerouter rerouter_;
+  std::function<uint64_t()> epoch_;
 };
 
 }  // namespace kvtier

@@ -38,6 +38,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
           KVT_ASSIGN_OR_RETURN(v1::RouteResponse r, controller->Route(req, c));
           return std::vector<std::string>(r.store_addresses().begin(), r.store_addresses().end());
         });
+    // The agent starts after the server; until then the epoch reads 0.
+    s->segments_->SetEpochSource([agent = s->agent_epoch_] { return agent->load(); });
   }
   options.engine.store_deadline = options.service.store_deadline;
   for (const auto& [tenant, l] : s->auth_.Limits()) {
@@ -63,15 +65,16 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
                                        s->service_.get(), &s->port_));
   {
     worker::Engine* engine = s->engine_.get();
-    KVT_ASSIGN_OR_RETURN(s->agent_,
-                         JoinCluster(
-                             options.cluster, v1::NODE_KIND_WORKER, options.listen, s->port_,
-                             options.engine.max_working_set_bytes,
-                             [engine] {
-                               return NodeUsage{engine->TotalWorkingSetBytes(),
-                                                static_cast<uint32_t>(engine->SessionCount())};
-                             },
-                             [segments = s->segments_.get()] { return segments->Held(); }));
+    KVT_ASSIGN_OR_RETURN(
+        s->agent_,
+        JoinCluster(
+            options.cluster, v1::NODE_KIND_WORKER, options.listen, s->port_,
+            options.engine.max_working_set_bytes,
+            [engine] {
+              return NodeUsage{engine->TotalWorkingSetBytes(),
+                               static_cast<uint32_t>(engine->SessionCount())};
+            },
+            [segments = s->segments_.get()] { return segments->Held(); }, s->agent_epoch_));
   }
   LogInfo("kvtier-worker serving", {{"port", s->port_},
                                     {"metrics_port", s->metrics_port_},

@@ -5,6 +5,7 @@
 #ifndef KVTIER_SERVICES_WORKER_WORKER_SERVER_H_
 #define KVTIER_SERVICES_WORKER_WORKER_SERVER_H_
 
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -76,6 +77,8 @@ class WorkerServer {
   std::unique_ptr<WorkerService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<NodeAgent> agent_;  // Null outside a cluster.
+  // The controller's placement epoch as the agent last heard it.
+  std::shared_ptr<std::atomic<uint64_t>> agent_epoch_ = std::make_shared<std::atomic<uint64_t>>(0);
   int port_ = 0, metrics_port_ = 0;
   absl::Notification stop_;
 };

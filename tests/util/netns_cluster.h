@@ -80,6 +80,7 @@ class HostProcess {
   bool running() const { return pid_ > 0; }
   int port() const { return port_; }
   const std::string& name() const { return name_; }
+  const std::string& log_path() const { return log_path_; }
   std::string Tail() const {
     std::ifstream in(log_path_);
     std::stringstream ss;
