@@ -63,16 +63,15 @@ RecallReport Engine::StartRecall(Session& s, int64_t n, int64_t question_tokens,
       absl::MutexLock lock(&fetches_mu_);
       ++fetches_in_flight_;
     }
-    fetch_executor_->Schedule(
-        [this, f, sid = s.key.session, segs = std::move(segs),
-         store_call = s.ForStore({StoreDeadline(call), {}})] {
-          const auto t0 = std::chrono::steady_clock::now();
-          f->result = store_->Get(sid, segs, store_call);
-          f->ms = MsSince(t0);
-          f->done.Notify();
-          absl::MutexLock lock(&fetches_mu_);
-          --fetches_in_flight_;
-        });
+    fetch_executor_->Schedule([this, f, sid = s.key.session, segs = std::move(segs),
+                               store_call = s.ForStore({StoreDeadline(call), {}})] {
+      const auto t0 = std::chrono::steady_clock::now();
+      f->result = store_->Get(sid, segs, store_call);
+      f->ms = MsSince(t0);
+      f->done.Notify();
+      absl::MutexLock lock(&fetches_mu_);
+      --fetches_in_flight_;
+    });
   }
   s.stats.recalls.push_back(rep);
   return rep;

@@ -145,9 +145,9 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
         // replaces one anyway).
         absl::Status dropped = store_->DropRound(name, plan.round, store_call);
         if (!dropped.ok()) {
-          LogWarn("half-stored round not dropped",
-                  {{"session", s->key.ToString()}, {"round", plan.round},
-                   {"error", dropped.ToString()}});
+          LogWarn("half-stored round not dropped", {{"session", s->key.ToString()},
+                                                    {"round", plan.round},
+                                                    {"error", dropped.ToString()}});
         }
       }
       return upper;
