@@ -620,6 +620,46 @@ absl::StatusOr<Store::DropResult> Store::DropRounds(const std::string& tenant,
   return result;
 }
 
+absl::StatusOr<Store::ColdDropResult> Store::DropColdRounds(int64_t min_idle_ms) {
+  absl::MutexLock order(&removal_mu_);
+  ColdDropResult result;
+  std::vector<Removal> removals;
+  {
+    absl::MutexLock lock(&mu_);
+    const int64_t now = options_.clock->NowUnixMs();
+    for (auto& [key, s] : sessions_) {
+      if (s.pinned || now - s.last_access_ms < min_idle_ms || s.rounds.size() < 2) continue;
+      const uint32_t newest = s.rounds.rbegin()->first;
+      std::vector<uint32_t> cold;
+      for (const auto& [rn, r] : s.rounds) {
+        if (rn == newest || r.recall_count != 0) continue;
+        bool writing = false;
+        for (const auto& [sn, e] : r.segments) writing |= e.info.state == SegmentState::kWriting;
+        if (!writing) cold.push_back(rn);
+      }
+      if (cold.empty()) continue;
+      Removal rm;
+      rm.session_key = key;
+      rm.tenant = s.tenant;
+      for (uint32_t rn : cold) {
+        result.freed_bytes += RemoveRoundLocked(s, rn, &rm);
+        ++counters_.cold_drops;
+      }
+      result.rounds += static_cast<uint32_t>(cold.size());
+      ++result.sessions;
+      removals.push_back(std::move(rm));
+    }
+  }
+  KVT_RETURN_IF_ERROR(ApplyRemovals(removals));
+  if (result.rounds > 0) {
+    LogInfo("dropped never-recalled rounds of cold sessions under memory pressure",
+            {{"sessions", result.sessions},
+             {"rounds", result.rounds},
+             {"freed_bytes", result.freed_bytes}});
+  }
+  return result;
+}
+
 std::pair<uint64_t, std::vector<uint32_t>> Store::RemoveSessionLocked(const std::string& key,
                                                                       Removal* rm) {
   SessionEntry& s = sessions_.at(key);

@@ -141,8 +141,9 @@ struct StoreStats {
   uint64_t hits_disk = 0;
   uint64_t spills = 0;
   uint64_t promotions = 0;
-  uint64_t drops = 0;  // Rounds dropped (explicit and under pressure).
-  uint64_t pressure_drops = 0;
+  uint64_t drops = 0;           // Rounds dropped (explicit and under pressure).
+  uint64_t pressure_drops = 0;  // For disk room (the disk budget).
+  uint64_t cold_drops = 0;      // Under memory pressure (DropColdRounds).
   uint64_t expired_sessions = 0;
 };
 
@@ -232,6 +233,18 @@ class Store {
   // are dropped once the write finishes (it is aborted).
   absl::StatusOr<DropResult> DropRounds(const std::string& tenant, const std::string& session,
                                         const std::vector<uint32_t>& rounds);
+
+  struct ColdDropResult {
+    uint32_t sessions = 0;  // Sessions that lost rounds.
+    uint32_t rounds = 0;
+    uint64_t freed_bytes = 0;
+  };
+  // Memory pressure (the controller's HIGH level): drops every round never
+  // recalled (recall counter 0) of each unpinned session idle at least
+  // `min_idle_ms`, except the session's newest round, which its next answer
+  // is the likeliest to recall. Rounds with a segment being written stay.
+  // INTERNAL on RocksDB errors.
+  absl::StatusOr<ColdDropResult> DropColdRounds(int64_t min_idle_ms);
 
   struct RecallResult {
     std::vector<uint32_t> counted;

@@ -328,6 +328,40 @@ TEST_F(StoreTest, PinnedSessionsSpillLastAndSurvivePressure) {
   EXPECT_EQ(store_->Stats().disk_segments, 4u);
 }
 
+// Memory pressure (the controller's HIGH): cold sessions lose their
+// never-recalled rounds, except the newest; recalled rounds, active and
+// pinned sessions keep everything; the drop survives a reopen.
+TEST_F(StoreTest, ColdDropKeepsRecalledNewestActiveAndPinned) {
+  Open();
+  for (const char* session : {"cold", "active", "pinned"}) {
+    for (int i = 0; i < 4; ++i) ASSERT_THAT(Put(session, i, 0, MakePayload(100, i)), IsOk());
+  }
+  ASSERT_THAT(store_->PrepareRead("t1", "cold", {{1, 0}}), IsOk());  // Round 1 was recalled.
+  ASSERT_THAT(store_->PinSession("t1", "pinned", true), IsOk());
+  clock_.AdvanceMs(60'000);
+  ASSERT_THAT(Put("active", 4, 0, MakePayload(100, 4)), IsOk());  // Just used.
+  KVT_ASSERT_OK_AND_ASSIGN(Store::ColdDropResult r, store_->DropColdRounds(30'000));
+  EXPECT_EQ(r.sessions, 1u);
+  EXPECT_EQ(r.rounds, 2u);
+  EXPECT_GT(r.freed_bytes, 0u);
+  auto rounds_of = [&](const std::string& session) {
+    std::vector<uint32_t> out;
+    auto info = store_->ListRounds("t1", session);
+    EXPECT_TRUE(info.ok()) << info.status();
+    if (info.ok()) {
+      for (const auto& x : info->rounds) out.push_back(x.round);
+    }
+    return out;
+  };
+  EXPECT_THAT(rounds_of("cold"), ElementsAre(1u, 3u));
+  EXPECT_THAT(rounds_of("active"), ElementsAre(0u, 1u, 2u, 3u, 4u));
+  EXPECT_THAT(rounds_of("pinned"), ElementsAre(0u, 1u, 2u, 3u));
+  EXPECT_EQ(store_->Stats().cold_drops, 2u);
+  EXPECT_EQ(store_->Stats().pressure_drops, 0u);
+  Open();  // As a restarted process.
+  EXPECT_THAT(rounds_of("cold"), ElementsAre(1u, 3u));
+}
+
 TEST_F(StoreTest, DiskPressureDropsNeverRecalledRoundsFirst) {
   options_.disk_budget_bytes = 3 * 1100;
   Open();

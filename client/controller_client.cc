@@ -79,6 +79,22 @@ absl::StatusOr<v1::ListNodesResponse> ControllerClient::ListNodes(const CallOpti
   return Finish(s, std::move(resp));
 }
 
+absl::StatusOr<v1::GetPolicyResponse> ControllerClient::GetPolicy(const v1::GetPolicyRequest& req,
+                                                                  const CallOptions& call) {
+  auto ctx = NewContext(call);
+  v1::GetPolicyResponse resp;
+  grpc::Status s = stub_->GetPolicy(ctx.get(), req, &resp);
+  return Finish(s, std::move(resp));
+}
+
+absl::StatusOr<v1::SetPolicyResponse> ControllerClient::SetPolicy(const v1::SetPolicyRequest& req,
+                                                                  const CallOptions& call) {
+  auto ctx = NewContext(call);
+  v1::SetPolicyResponse resp;
+  grpc::Status s = stub_->SetPolicy(ctx.get(), req, &resp);
+  return Finish(s, std::move(resp));
+}
+
 absl::StatusOr<std::unique_ptr<NodeAgent>> NodeAgent::Start(NodeAgentOptions options) {
   std::unique_ptr<NodeAgent> a(new NodeAgent(std::move(options)));
   auto c = ControllerClient::Connect(a->options_.controller);
@@ -130,6 +146,7 @@ void NodeAgent::Run() {
       st = r.status();
       if (r.ok()) {
         NoteEpoch(r->epoch());
+        if (options_.on_heartbeat) options_.on_heartbeat(*r);
       } else if (absl::IsNotFound(r.status())) {
         LogWarn("the controller no longer knows this node; registering again", {{"node", id}});
         registered_.store(false);  // At the next tick.

@@ -43,6 +43,10 @@ class ControllerClient {
   absl::StatusOr<v1::RouteResponse> Route(const v1::RouteRequest& req,
                                           const CallOptions& call = {});
   absl::StatusOr<v1::ListNodesResponse> ListNodes(const CallOptions& call = {});
+  absl::StatusOr<v1::GetPolicyResponse> GetPolicy(const v1::GetPolicyRequest& req,
+                                                  const CallOptions& call = {});
+  absl::StatusOr<v1::SetPolicyResponse> SetPolicy(const v1::SetPolicyRequest& req,
+                                                  const CallOptions& call = {});
 
  private:
   explicit ControllerClient(ControllerClientOptions options);
@@ -67,6 +71,9 @@ struct NodeAgentOptions {
   std::function<std::vector<v1::HeldSession>()> sessions;
   // When set, also receives every placement epoch the agent hears.
   std::shared_ptr<std::atomic<uint64_t>> epoch_sink;
+  // When set, called with each heartbeat answer on the agent's thread; must
+  // not block.
+  std::function<void(const v1::HeartbeatResponse&)> on_heartbeat;
 };
 
 // Registers the node and sends its heartbeats from a thread of its own, at
@@ -81,6 +88,7 @@ class NodeAgent {
 
   // True once a registration succeeded (and until a heartbeat is refused).
   bool registered() const { return registered_.load(); }
+  const std::string& node_id() const { return options_.node.node_id(); }
   uint64_t epoch() const { return epoch_.load(); }
 
  private:

@@ -99,6 +99,23 @@ bool Controller::FillStoresLocked(const Key& key, Recorded& rec,
   return changed;
 }
 
+std::vector<NodeInfo> Controller::NodesOf(const std::string& tenant,
+                                          const std::string& session) const {
+  std::vector<std::string> ids;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = placements_.find(Key{tenant, session});
+    if (it == placements_.end()) return {};
+    ids.push_back(it->second.worker);
+    ids.insert(ids.end(), it->second.stores.begin(), it->second.stores.end());
+  }
+  std::vector<NodeInfo> out;
+  for (const NodeInfo& n : membership_.All()) {
+    if (n.live && std::find(ids.begin(), ids.end(), n.spec.id) != ids.end()) out.push_back(n);
+  }
+  return out;
+}
+
 absl::StatusOr<Placement> Controller::Route(const std::string& tenant, const std::string& session,
                                             uint64_t need_bytes, const std::string& avoid_worker) {
   KVT_RETURN_IF_ERROR(ValidateName("tenant", tenant));

@@ -110,6 +110,27 @@ uint64_t Membership::epoch() const {
   return epoch_;
 }
 
+const char* PressureName(Pressure p) {
+  switch (p) {
+    case Pressure::kNone:
+      return "none";
+    case Pressure::kModerate:
+      return "moderate";
+    case Pressure::kHigh:
+      return "high";
+  }
+  return "?";
+}
+
+Pressure Membership::PressureOf(const NodeInfo& n) const {
+  if (!n.live || n.spec.capacity_bytes == 0) return Pressure::kNone;
+  const double used =
+      static_cast<double>(n.used_bytes) / static_cast<double>(n.spec.capacity_bytes);
+  if (used >= options_.pressure_high) return Pressure::kHigh;
+  if (used >= options_.pressure_moderate) return Pressure::kModerate;
+  return Pressure::kNone;
+}
+
 double Membership::Weight(const NodeInfo& n) const {
   double free = 1.0;
   if (n.spec.capacity_bytes > 0) {

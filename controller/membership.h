@@ -25,6 +25,11 @@ namespace kvtier::controller {
 enum class NodeKind { kWorker, kStore };
 const char* NodeKindName(NodeKind k);
 
+// Memory pressure of a node: its used bytes over its capacity against
+// MembershipOptions' thresholds. Ordered: a higher level is worse.
+enum class Pressure { kNone = 0, kModerate = 1, kHigh = 2 };
+const char* PressureName(Pressure p);
+
 struct NodeSpec {
   std::string id;  // [A-Za-z0-9._:-]{1,128}
   NodeKind kind = NodeKind::kWorker;
@@ -51,6 +56,10 @@ struct MembershipOptions {
   // full weight to all of it over this long. Zero: no warm-up. Default: 30 s.
   absl::Duration warmup = absl::Seconds(30);
   double warmup_floor = 0.1;
+  // Used over capacity at which a node's pressure is MODERATE, and HIGH.
+  // Default: 0.80 and 0.95.
+  double pressure_moderate = 0.80;
+  double pressure_high = 0.95;
   // Time source; not owned. Default: the real clock.
   Clock* clock = Clock::Real();
 };
@@ -81,6 +90,9 @@ class Membership {
   // The node's placement weight now: its free fraction of capacity (at
   // least 5%; 1 when capacity is unknown) times its warm-up factor.
   double Weight(const NodeInfo& n) const;
+  // The node's pressure now: kNone for a dead node or one of unknown
+  // capacity.
+  Pressure PressureOf(const NodeInfo& n) const;
   absl::Duration lease() const { return options_.heartbeat_interval * options_.missed_heartbeats; }
   const MembershipOptions& options() const { return options_; }
 

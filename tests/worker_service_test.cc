@@ -1210,3 +1210,157 @@ TEST(WorkerResumeTest, AnotherWorkerResumesFromTheStore) {
 
 }  // namespace
 }  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+// Rounds the store dropped (under pressure) while the worker still holds
+// their lower segments: a recall that selects them gets the others, and
+// they are attended up to L_w only, from then on.
+TEST_F(WorkerServiceTest, RoundsTheStoreDroppedAreAttendedUpToTheWatershed) {
+  grpc::ClientContext oc;
+  v1::OpenSessionResponse resp;
+  ASSERT_TRUE(stub_->OpenSession(&oc, Open("g"), &resp).ok());  // recall "all"
+  std::mt19937 rng(5);
+  v1::EndRoundResponse end;
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_TRUE(PrefillStep(stub_.get(), "g", 4, &rng).ok());
+    ASSERT_TRUE(EndRound(stub_.get(), "g", &end).ok());
+  }
+  StoreClientOptions so;
+  so.target = stack_.store()->target();
+  auto store = std::move(StoreClient::Connect(so)).value();
+  ASSERT_TRUE(store->DropRounds("g", {0}).ok());
+
+  const grpc::Status st = PrefillStep(stub_.get(), "g", 4, &rng);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_TRUE(EndRound(stub_.get(), "g", &end).ok());
+  worker::Engine* engine = stack_.server()->engine();
+  auto stats = engine->Stats(worker::SessionKey("", "g"));
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_THAT(stats->recalls.back().selected, ::testing::ElementsAre(1, 2));
+  EXPECT_THAT(stats->recalls.back().gone, ::testing::ElementsAre(0));
+  // Never selected again, and never fetched again.
+  ASSERT_TRUE(PrefillStep(stub_.get(), "g", 4, &rng).ok());
+  stats = engine->Stats(worker::SessionKey("", "g"));
+  ASSERT_TRUE(stats.ok());
+  EXPECT_THAT(stats->recalls.back().selected, ::testing::ElementsAre(1, 2, 3));
+  EXPECT_TRUE(stats->recalls.back().gone.empty());
+}
+
+// Memory pressure end to end, with a real controller, store and worker: a
+// model's policy is registered; a session opens without a Policy and gets
+// it; once the session is cold and its nodes are under pressure (the
+// thresholds here make any use HIGH), the worker runs its next rounds with
+// the tightened policy (raw -> 4-bit KIVI), and the store drops the
+// session's never-recalled rounds but its newest. The session goes on.
+TEST(WorkerPressureTest, ColdSessionsGetTighterPoliciesAndLoseUnrecalledRounds) {
+  testing::TempDir dir;
+  ControllerServerOptions co;
+  co.listen = "127.0.0.1:0";
+  co.metrics_listen = "";
+  co.controller.membership.heartbeat_interval = absl::Milliseconds(100);
+  co.controller.membership.warmup = absl::ZeroDuration();
+  co.controller.membership.pressure_moderate = 1e-9;
+  co.controller.membership.pressure_high = 1e-9;
+  co.policy.cold_after = absl::Milliseconds(300);
+  auto ctl = ControllerServer::Start(co);
+  ASSERT_TRUE(ctl.ok()) << ctl.status();
+  const std::string controller = absl::StrCat("127.0.0.1:", (*ctl)->port());
+  testing::StoreProcess store(dir.path() + "/db", {"--controller=" + controller,
+                                                   "--node_id=store-p", "--disk_budget_mb=64"});
+  ASSERT_TRUE(store.Start().ok());
+  WorkerServerOptions wo;
+  wo.listen = "127.0.0.1:0";
+  wo.metrics_listen = "";
+  wo.store.target = store.target();
+  wo.cluster.controller = controller;
+  wo.cluster.node_id = "worker-p";
+  wo.engine.max_working_set_bytes = uint64_t{64} << 20;
+  auto worker = WorkerServer::Start(wo);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  auto stub = v1::Worker::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*worker)->port()),
+                                                      grpc::InsecureChannelCredentials()));
+  ControllerClientOptions cco;
+  cco.target = controller;
+  auto admin = std::move(ControllerClient::Connect(cco)).value();
+
+  // The model's policy recalls only a round that takes all the attention
+  // mass (round 0, the one past round of round 1), so rounds 1 and 2 are
+  // never recalled.
+  v1::SetPolicyRequest set;
+  set.set_model_name("tiny");
+  set.mutable_policy()->set_watershed_layer(1);
+  set.mutable_policy()->set_recall("threshold:1");
+  set.mutable_policy()->set_keep_recent_round(false);
+  {
+    auto registered = admin->SetPolicy(set);
+    ASSERT_TRUE(registered.ok()) << registered.status();
+  }
+  v1::OpenSessionRequest open = OpenRequest("p");
+  open.clear_policy();
+  open.mutable_model()->set_name("tiny");
+  {
+    grpc::ClientContext c;
+    v1::OpenSessionResponse r;
+    const grpc::Status st = stub->OpenSession(&c, open, &r);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    EXPECT_EQ(r.effective_policy().recall(), "threshold:1");
+    EXPECT_FALSE(r.effective_policy().keep_recent_round());
+  }
+  std::mt19937 rng(9);
+  v1::EndRoundResponse end;
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_TRUE(PrefillStep(stub.get(), "p", 4, &rng).ok());
+    ASSERT_TRUE(EndRound(stub.get(), "p", &end).ok());
+  }
+  worker::Engine* engine = (*worker)->engine();
+  const worker::SessionKey key("", "p");
+  auto policy = engine->Policy(key);
+  ASSERT_TRUE(policy.ok());
+  EXPECT_EQ(policy->codec.codec, v1::CODEC_RAW);
+
+  StoreClientOptions so;
+  so.target = store.target();
+  auto client = std::move(StoreClient::Connect(so)).value();
+  const absl::Time until = absl::Now() + absl::Seconds(15);
+  bool tightened = false, dropped = false;
+  while ((!tightened || !dropped) && absl::Now() < until) {
+    // ListRounds is a use of the session: poll slower than it goes cold.
+    absl::SleepFor(absl::Milliseconds(700));
+    policy = engine->Policy(key);
+    tightened = policy.ok() && policy->codec.codec == v1::CODEC_KIVI && policy->codec.bits == 4;
+    auto listed = client->ListRounds("p");
+    // Round 1 goes; round 2 is the newest.
+    dropped = listed.ok() && listed->rounds_size() >= 1 &&
+              listed->rounds(listed->rounds_size() - 1).round() == 2;
+    if (dropped) {
+      for (const auto& r : listed->rounds()) dropped &= r.round() != 1;
+    }
+  }
+  EXPECT_TRUE(tightened) << "the worker never applied the tightened policy";
+  EXPECT_TRUE(dropped) << "the store never dropped round 1";
+  EXPECT_EQ(policy->watershed_layer, 1);  // Stored rounds stay split where they were.
+
+  // GetPolicy says why, and the metrics count it.
+  v1::GetPolicyRequest q;
+  q.set_session_id("p");
+  q.mutable_model()->set_name("tiny");
+  q.set_idle_ms(1000);
+  q.set_node_id("worker-p");
+  auto answer = admin->GetPolicy(q);
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_TRUE(answer->tightened());
+  EXPECT_EQ(answer->pressure(), v1::PRESSURE_HIGH);
+  EXPECT_THAT(
+      (*ctl)->RenderMetrics(),
+      ::testing::HasSubstr("kvtier_controller_node_pressure{kind=\"store\",node=\"store-p\"} 2"));
+
+  // The session goes on, its new rounds 4-bit.
+  ASSERT_TRUE(PrefillStep(stub.get(), "p", 4, &rng).ok());
+  ASSERT_TRUE(EndRound(stub.get(), "p", &end).ok());
+  EXPECT_EQ(end.round(), 3u);
+}
+
+}  // namespace
+}  // namespace kvtier

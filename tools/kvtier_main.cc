@@ -11,6 +11,7 @@ namespace kvtier::cli {
 int StoreCommand(const Args& args);
 int EvalCommand(const Args& args);
 int BudgetsCommand(const Args& args);
+int PolicyCommand(const Args& args);
 
 Args::Args(int argc, char** argv, int first) {
   for (int i = first; i < argc; ++i) {
@@ -66,6 +67,7 @@ int main(int argc, char** argv) {
   if (cmd == "store") return kvtier::cli::StoreCommand(kvtier::cli::Args(argc, argv, 2));
   if (cmd == "eval") return kvtier::cli::EvalCommand(kvtier::cli::Args(argc, argv, 2));
   if (cmd == "budgets") return kvtier::cli::BudgetsCommand(kvtier::cli::Args(argc, argv, 2));
+  if (cmd == "policy") return kvtier::cli::PolicyCommand(kvtier::cli::Args(argc, argv, 2));
   std::printf(
       "kvtier: the kvtier command-line tool\n\n"
       "  kvtier store SUBCOMMAND [--target=HOST:PORT] [--token=TOKEN] ...\n"
@@ -75,6 +77,8 @@ int main(int argc, char** argv) {
       "  kvtier eval watershed [--model=PATH] [--csv=FILE] ...\n"
       "      codec fidelity / eviction tables         (kvtier eval help)\n"
       "  kvtier budgets search --model=PATH --out=FILE [--budget=C]\n"
-      "      EvolKV layer-budget search               (kvtier budgets help)\n");
+      "      EvolKV layer-budget search               (kvtier budgets help)\n"
+      "  kvtier policy set|get --model=NAME [--controller=HOST:PORT] ...\n"
+      "      per-model policies of kvtier-controller  (kvtier policy help)\n");
   return cmd == "help" || cmd == "--help" ? 0 : 2;
 }

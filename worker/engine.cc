@@ -38,23 +38,11 @@ Engine::~Engine() {
       +[](int* n) { return *n == 0; }, &fetches_in_flight_));
 }
 
-absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(
-    const SessionKey& id, const ModelShape& shape, const SessionPolicy& policy) {
-  KVT_RETURN_IF_ERROR(ValidateName("session_id", id.session));
-  if (!id.tenant.empty()) KVT_RETURN_IF_ERROR(ValidateName("tenant", id.tenant));
-  if (shape.layers < 1 || shape.q_heads < 1 || shape.kv_heads < 1 ||
-      shape.q_heads % shape.kv_heads != 0 || shape.head_dim < 1 || shape.head_dim > 1024 ||
-      shape.dtype_bytes < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "bad model shape: layers ", shape.layers, ", q_heads ", shape.q_heads, ", kv_heads ",
-        shape.kv_heads, " (must divide q_heads), head_dim ", shape.head_dim));
-  }
+namespace {
+
+// What EndRound applies (codec and eviction), checked against the model.
+absl::Status ValidateRoundPolicy(const ModelShape& shape, const SessionPolicy& policy) {
   KVT_RETURN_IF_ERROR(ValidateCodecConfig(policy.codec));
-  const int lw = policy.watershed_layer >= 0 ? policy.watershed_layer : shape.layers / 3;
-  if (lw >= shape.layers || (shape.layers > 1 && lw == shape.layers - 1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "watershed layer ", lw, " must be below the last layer (", shape.layers, " layers)"));
-  }
   if (policy.eviction.method != evict::Method::kNone) {
     KVT_RETURN_IF_ERROR(evict::ValidateBudget(policy.eviction.budget,
                                               policy.eviction.method == evict::Method::kStreaming
@@ -67,6 +55,48 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(
                        " budgets for a ", shape.layers, "-layer model"));
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Engine::UpdatePolicy(const SessionKey& id, SessionPolicy policy) {
+  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
+  KVT_RETURN_IF_ERROR(ValidateRoundPolicy(s->shape, policy));
+  absl::MutexLock lock(&s->mu);
+  if (s->device != nullptr) KVT_RETURN_IF_ERROR(DeviceSupportsCodec(policy.codec));
+  policy.watershed_layer = s->lw;
+  s->policy = std::move(policy);
+  return absl::OkStatus();
+}
+
+std::vector<std::pair<SessionKey, int64_t>> Engine::IdleTimes() const {
+  std::vector<std::pair<SessionKey, int64_t>> out;
+  const int64_t now = Session::SteadyNowMs();
+  absl::MutexLock lock(&mu_);
+  for (const auto& [key, s] : sessions_) {
+    out.emplace_back(key, std::max<int64_t>(0, now - s->last_active_ms.load()));
+  }
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(
+    const SessionKey& id, const ModelShape& shape, const SessionPolicy& policy) {
+  KVT_RETURN_IF_ERROR(ValidateName("session_id", id.session));
+  if (!id.tenant.empty()) KVT_RETURN_IF_ERROR(ValidateName("tenant", id.tenant));
+  if (shape.layers < 1 || shape.q_heads < 1 || shape.kv_heads < 1 ||
+      shape.q_heads % shape.kv_heads != 0 || shape.head_dim < 1 || shape.head_dim > 1024 ||
+      shape.dtype_bytes < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bad model shape: layers ", shape.layers, ", q_heads ", shape.q_heads, ", kv_heads ",
+        shape.kv_heads, " (must divide q_heads), head_dim ", shape.head_dim));
+  }
+  const int lw = policy.watershed_layer >= 0 ? policy.watershed_layer : shape.layers / 3;
+  if (lw >= shape.layers || (shape.layers > 1 && lw == shape.layers - 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "watershed layer ", lw, " must be below the last layer (", shape.layers, " layers)"));
+  }
+  KVT_RETURN_IF_ERROR(ValidateRoundPolicy(shape, policy));
   auto s = std::make_shared<Session>(id, shape, policy, lw);
   {
     absl::MutexLock lock(&s->mu);
@@ -153,7 +183,9 @@ absl::StatusOr<uint32_t> Engine::ResumeSession(const SessionKey& id, const Model
               {{"session", id.ToString()}, {"round", stored.back().round}});
       stored.pop_back();
     }
-    if (stored.size() != *at_round || (!stored.empty() && stored.back().round + 1 != *at_round)) {
+    // Earlier rounds may be missing (dropped by the store under pressure);
+    // the round before at_round may not.
+    if (stored.empty() ? *at_round != 0 : stored.back().round + 1 != *at_round) {
       return absl::InvalidArgumentError(absl::StrCat("resume at round ", *at_round,
                                                      ": the store holds ", stored.size(),
                                                      " earlier rounds of session ", id.ToString()));
@@ -387,6 +419,7 @@ absl::StatusOr<SessionStats> Engine::Stats(const SessionKey& id) const {
 
 absl::StatusOr<SessionPolicy> Engine::Policy(const SessionKey& id) const {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
+  absl::MutexLock lock(&s->mu);
   SessionPolicy p = s->policy;
   p.watershed_layer = s->lw;
   return p;

@@ -87,11 +87,14 @@ struct SessionPolicy {
 struct RecallReport {
   uint32_t round = 0;              // The round that recalled.
   std::vector<uint32_t> selected;  // Past rounds attended above L_w.
-  std::vector<double> scores;      // Normalized qAttention per past round.
-  uint64_t bytes_fetched = 0;      // Payload bytes of the one GetSegments.
-  int fetched_segments = 0;        // 0 when everything was resident.
-  double fetch_ms = 0;             // The call's own duration.
-  double exposed_ms = 0;           // How long layer L_w + 1 waited for it.
+  // Rounds recall picked that the store had dropped (under pressure): they
+  // are attended up to L_w only, and never picked again.
+  std::vector<uint32_t> gone;
+  std::vector<double> scores;  // Normalized qAttention per past round.
+  uint64_t bytes_fetched = 0;  // Payload bytes of the one GetSegments.
+  int fetched_segments = 0;    // 0 when everything was resident.
+  double fetch_ms = 0;         // The call's own duration.
+  double exposed_ms = 0;       // How long layer L_w + 1 waited for it.
 };
 
 struct EndRoundReport {
@@ -263,6 +266,15 @@ class Engine {
   absl::StatusOr<SessionPolicy> Policy(const SessionKey& id) const;
   absl::StatusOr<ModelShape> Shape(const SessionKey& id) const;
   std::vector<SessionKey> Sessions() const;
+  // Each session with the milliseconds since its last step or EndRound.
+  std::vector<std::pair<SessionKey, int64_t>> IdleTimes() const;
+
+  // Replaces what EndRound applies to the session's next rounds (codec,
+  // eviction) and how it recalls; the watershed layer stays (stored rounds
+  // are split at it). Rounds already stored keep their encoding. OK;
+  // NOT_FOUND; INVALID_ARGUMENT as OpenSession; FAILED_PRECONDITION when the
+  // session's working set is on the GPU and the device cannot read the codec.
+  absl::Status UpdatePolicy(const SessionKey& id, SessionPolicy policy);
   // Working-set bytes over all sessions, as last accounted (each session
   // accounts at the end of every step, EndRound, recall and rollback).
   uint64_t TotalWorkingSetBytes() const;

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "base/log.h"
 #include "base/status_macros.h"
 #include "kvtier/v1/store.pb.h"
 #include "worker/session.h"
@@ -31,8 +32,14 @@ RecallReport Engine::StartRecall(Session& s, int64_t n, int64_t question_tokens,
   rep.round = s.stats.rounds;
   rep.scores =
       QAttention(sh.q_heads, sh.kv_heads, d, q, static_cast<int64_t>(sh.q_heads) * d, qt, rk, k);
-  const std::vector<uint32_t> pick =
+  std::vector<uint32_t> pick =
       SelectRounds(rep.scores, s.policy.recall, s.policy.keep_recent_round);
+  pick.erase(std::remove_if(pick.begin(), pick.end(),
+                            [&s](uint32_t i) {
+                              s.mu.AssertHeld();
+                              return s.past[i].upper_gone;
+                            }),
+             pick.end());
   s.selected.assign(pick.begin(), pick.end());
   std::vector<SegmentStore::Segment> segs;
   s.fetch_rounds.clear();
@@ -67,6 +74,29 @@ RecallReport Engine::StartRecall(Session& s, int64_t n, int64_t question_tokens,
                                store_call = s.ForStore({StoreDeadline(call), {}})] {
       const auto t0 = std::chrono::steady_clock::now();
       f->result = store_->Get(sid, segs, store_call);
+      if (absl::IsNotFound(f->result.status())) {
+        // Some rounds were dropped by the store (pressure): fetch the rest
+        // one by one, and note which are gone.
+        std::vector<std::string> got(segs.size());
+        f->gone.assign(segs.size(), false);
+        absl::Status failed;
+        for (size_t i = 0; i < segs.size() && failed.ok(); ++i) {
+          absl::StatusOr<std::vector<std::string>> one = store_->Get(sid, {segs[i]}, store_call);
+          if (one.ok() && one->size() == 1) {
+            got[i] = std::move(one->front());
+          } else if (absl::IsNotFound(one.status())) {
+            f->gone[i] = true;
+          } else {
+            failed =
+                one.ok() ? absl::DataLossError("GetSegments returned another count") : one.status();
+          }
+        }
+        if (failed.ok()) {
+          f->result = std::move(got);
+        } else {
+          f->result = failed;
+        }
+      }
       f->ms = MsSince(t0);
       f->done.Notify();
       absl::MutexLock lock(&fetches_mu_);
@@ -103,7 +133,12 @@ absl::StatusOr<RecallReport> Engine::InstallFetch(Session& s, const std::shared_
   const int upper_layers = sh.layers - s.lw - 1;
   std::vector<std::vector<std::unique_ptr<RoundLayer>>> parsed;
   uint64_t fetched = 0;
-  for (std::string& bytes : f->result.value()) {
+  for (size_t i = 0; i < f->result->size(); ++i) {
+    std::string& bytes = (*f->result)[i];
+    if (!f->gone.empty() && f->gone[i]) {
+      parsed.emplace_back();
+      continue;
+    }
     fetched += bytes.size();
     // The fetched buffer itself becomes the working set's bytes: views, no
     // copy (its crc32c was checked on arrival).
@@ -119,13 +154,27 @@ absl::StatusOr<RecallReport> Engine::InstallFetch(Session& s, const std::shared_
     }
     parsed.push_back(*std::move(layers));
   }
+  RecallReport& rr = s.stats.recalls.back();
   for (size_t i = 0; i < parsed.size(); ++i) {
-    Session::PastRound& r = s.past[s.fetch_rounds[i]];
+    const size_t index = s.fetch_rounds[i];
+    Session::PastRound& r = s.past[index];
+    if (parsed[i].empty()) {
+      // Dropped by the store: attended up to L_w only, from now on.
+      r.upper_gone = true;
+      s.selected.erase(std::remove(s.selected.begin(), s.selected.end(), index), s.selected.end());
+      rr.selected.erase(std::remove(rr.selected.begin(), rr.selected.end(), r.round),
+                        rr.selected.end());
+      rr.gone.push_back(r.round);
+      continue;
+    }
     for (int l = s.lw + 1; l < sh.layers; ++l) r.layers[l] = std::move(parsed[i][l - s.lw - 1]);
+  }
+  if (!rr.gone.empty()) {
+    LogWarn("recalled rounds were dropped by the store; attending them up to L_w only",
+            {{"session", s.key.ToString()}, {"rounds", rr.gone.size()}});
   }
   s.recall = RecallState::kReady;
   s.fetch.reset();
-  RecallReport& rr = s.stats.recalls.back();
   rr.exposed_ms = exposed_ms;
   rr.fetch_ms = f->ms;
   rr.bytes_fetched += fetched;

@@ -36,7 +36,8 @@ class SegmentStore {
                            uint32_t layer_end, std::string_view payload,
                            const CallOptions& call) = 0;
   // Fetches all `segments` in ONE call, in order. OK and one payload per
-  // segment; DEADLINE_EXCEEDED; UNAVAILABLE otherwise.
+  // segment; NOT_FOUND when one of them (or the session) is not stored (a
+  // round dropped under pressure); DEADLINE_EXCEEDED; UNAVAILABLE otherwise.
   virtual absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
                                                        const std::vector<Segment>& segments,
                                                        const CallOptions& call) = 0;

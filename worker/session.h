@@ -4,6 +4,7 @@
 #ifndef KVTIER_WORKER_SESSION_H_
 #define KVTIER_WORKER_SESSION_H_
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -102,6 +103,9 @@ enum class RecallState { kNone, kFetching, kReady };
 struct Engine::Fetch {
   absl::Notification done;
   absl::StatusOr<std::vector<std::string>> result;  // Set before `done`.
+  // Per segment: the store no longer has it (its round was dropped under
+  // pressure); its entry in `result` is empty.
+  std::vector<bool> gone;
   double ms = 0;
 };
 
@@ -114,10 +118,19 @@ class Engine::Session {
     int64_t tokens = 0;
     std::vector<std::unique_ptr<RoundLayer>> layers;  // Null: not resident.
     uint64_t stored_bytes = 0;
+    // The store dropped the round (memory or disk pressure): its upper
+    // layers cannot come back, so recall no longer selects it.
+    bool upper_gone = false;
   };
 
   Session(SessionKey session_key, const ModelShape& model, const SessionPolicy& p, int watershed)
-      : key(std::move(session_key)), shape(model), policy(p), lw(watershed) {}
+      : key(std::move(session_key)), shape(model), lw(watershed), policy(p) {}
+
+  static int64_t SteadyNowMs() {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
 
   // Store calls for this session: `call` acting for the session's tenant.
   CallOptions ForStore(CallOptions call) const {
@@ -131,10 +144,13 @@ class Engine::Session {
   // is shared; the entry outlives it).
   TenantUse* tenant = nullptr;
   const ModelShape shape;
-  const SessionPolicy policy;
   const int lw;  // The resolved watershed layer L_w.
+  // Steady-clock milliseconds of the last step or EndRound (or the open).
+  std::atomic<int64_t> last_active_ms{SteadyNowMs()};
 
   mutable absl::Mutex mu;
+  // Changes only through Engine::UpdatePolicy (the watershed layer never).
+  SessionPolicy policy ABSL_GUARDED_BY(mu);
   SessionState state ABSL_GUARDED_BY(mu) = SessionState::kIdle;
   RecallState recall ABSL_GUARDED_BY(mu) = RecallState::kNone;
   std::vector<PastRound> past ABSL_GUARDED_BY(mu);
@@ -162,7 +178,7 @@ class Engine::Session {
   // OK when q [n, Hq, d], k and v [n, Hkv, d] hold only values this
   // session can store; INVALID_ARGUMENT naming the layer and the element.
   absl::Status CheckValues(int layer, int64_t n, const float* q, const float* k,
-                           const float* v) const;
+                           const float* v) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Bytes of n tokens at every layer in the model's dtype: what the open
   // round counts in the working set, and what the full cache holds.
   int64_t TokenBytes(int64_t n) const {

@@ -4,11 +4,10 @@
 
 namespace kvtier {
 
-absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(
-    const ClusterOptions& cluster, v1::NodeKind kind, const std::string& listen, int bound_port,
-    uint64_t capacity_bytes, std::function<NodeUsage()> usage,
-    std::function<std::vector<v1::HeldSession>()> sessions,
-    std::shared_ptr<std::atomic<uint64_t>> epoch) {
+absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(const ClusterOptions& cluster,
+                                                       v1::NodeKind kind, const std::string& listen,
+                                                       int bound_port, uint64_t capacity_bytes,
+                                                       NodeHooks hooks) {
   if (cluster.controller.empty()) return std::unique_ptr<NodeAgent>();
   std::string advertise = cluster.advertise;
   if (advertise.empty()) {
@@ -29,9 +28,10 @@ absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(
   o.node.set_kind(kind);
   o.node.set_address(advertise);
   o.node.set_capacity_bytes(capacity_bytes);
-  o.usage = std::move(usage);
-  o.sessions = std::move(sessions);
-  o.epoch_sink = std::move(epoch);
+  o.usage = std::move(hooks.usage);
+  o.sessions = std::move(hooks.sessions);
+  o.epoch_sink = std::move(hooks.epoch);
+  o.on_heartbeat = std::move(hooks.on_heartbeat);
   return NodeAgent::Start(std::move(o));
 }
 

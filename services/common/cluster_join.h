@@ -26,15 +26,24 @@ struct ClusterOptions {
   std::string advertise;
 };
 
+// What the node tells the agent, and hears from it (NodeAgentOptions).
+struct NodeHooks {
+  std::function<NodeUsage()> usage;
+  // Workers: the sessions the node holds, reported at each registration.
+  std::function<std::vector<v1::HeldSession>()> sessions;
+  // When set, receives the placement epoch the agent hears.
+  std::shared_ptr<std::atomic<uint64_t>> epoch;
+  // Each heartbeat answer (pressure level, cold threshold), on the agent's
+  // thread: must not block.
+  std::function<void(const v1::HeartbeatResponse&)> on_heartbeat;
+};
+
 // Starts the agent, or returns null when `cluster.controller` is empty.
-// `sessions` (workers): what the node holds, reported at each registration.
-// `epoch`, when set, receives the placement epoch the agent hears.
 // INVALID_ARGUMENT when the address to advertise cannot be known.
-absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(
-    const ClusterOptions& cluster, v1::NodeKind kind, const std::string& listen, int bound_port,
-    uint64_t capacity_bytes, std::function<NodeUsage()> usage,
-    std::function<std::vector<v1::HeldSession>()> sessions = {},
-    std::shared_ptr<std::atomic<uint64_t>> epoch = nullptr);
+absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(const ClusterOptions& cluster,
+                                                       v1::NodeKind kind, const std::string& listen,
+                                                       int bound_port, uint64_t capacity_bytes,
+                                                       NodeHooks hooks);
 
 }  // namespace kvtier
 

@@ -1,9 +1,12 @@
 #include "services/controller/controller_server.h"
 
+#include <filesystem>
+
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
 #include "base/status_macros.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "prometheus/text_serializer.h"
 #include "services/common/grpc_server.h"
 
 namespace kvtier {
@@ -19,6 +22,15 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
     return absl::InvalidArgumentError(
         "need heartbeat interval >= 10 ms, missed heartbeats >= 1, replicas in [1, 3]");
   }
+  if (!(m.pressure_moderate > 0 && m.pressure_moderate <= m.pressure_high &&
+        m.pressure_high <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("need 0 < --pressure_moderate <= --pressure_high <= 1, got ",
+                     m.pressure_moderate, " and ", m.pressure_high));
+  }
+  if (options.policy.cold_after <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--cold_after_seconds must be > 0");
+  }
   s->controller_ = std::make_unique<controller::Controller>(options.controller);
   s->metrics_registry_ = std::make_unique<ControllerMetrics>();
   s->metrics_registry_->Update(*s->controller_);
@@ -27,8 +39,20 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
                          ServeMetrics(options.metrics_listen, {s->metrics_registry_->registry()}));
   }
   KVT_ASSIGN_OR_RETURN(s->repairer_, Repairer::Start(s->controller_.get(), options.repair));
-  s->service_ = std::make_unique<ControllerService>(s->controller_.get(), &s->auth_,
-                                                    s->metrics_registry_.get());
+  std::string policy_file;
+  if (!options.state_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(options.state_dir, ec);
+    if (ec) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot create --state_dir ", options.state_dir, ": ", ec.message()));
+    }
+    policy_file = (std::filesystem::path(options.state_dir) / "policies").string();
+  }
+  KVT_ASSIGN_OR_RETURN(s->policies_, PolicyBook::Open(policy_file));
+  s->service_ =
+      std::make_unique<ControllerService>(s->controller_.get(), s->policies_.get(), &s->auth_,
+                                          s->metrics_registry_.get(), options.policy);
   KVT_ASSIGN_OR_RETURN(s->server_,
                        StartGrpcServer({options.listen, options.tls_cert, options.tls_key, {}},
                                        s->service_.get(), &s->port_));
@@ -49,10 +73,17 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
            {"heartbeat_interval_ms", absl::ToInt64Milliseconds(m.heartbeat_interval)},
            {"missed_heartbeats", m.missed_heartbeats},
            {"replicas", options.controller.replicas},
+           {"policies", s->policies_->size()},
+           {"state_dir", options.state_dir.empty() ? "(memory only)" : options.state_dir},
            {"repair_parallelism", options.repair.parallelism},
            {"repair_mb_per_s", options.repair.max_bytes_per_second >> 20},
            {"auth", s->auth_.enabled() ? "on" : "off"}});
   return s;
+}
+
+std::string ControllerServer::RenderMetrics() const {
+  metrics_registry_->Update(*controller_);
+  return prometheus::TextSerializer().Serialize(metrics_registry_->registry()->Collect());
 }
 
 ControllerServer::~ControllerServer() {

@@ -29,6 +29,10 @@ struct ControllerServerOptions {
   std::string tls_cert, tls_key;
   controller::ControllerOptions controller;
   RepairOptions repair;
+  // Where registered policies are kept (the file `policies`), created if
+  // missing; empty keeps them in memory only (lost at a restart).
+  std::string state_dir;
+  PolicyServing policy;
 };
 
 class ControllerServer {
@@ -41,6 +45,8 @@ class ControllerServer {
   int metrics_port() const { return metrics_.port; }
   controller::Controller* controller() { return controller_.get(); }
   Repairer* repairer() { return repairer_.get(); }
+  // The Prometheus text of its metrics (what /metrics serves).
+  std::string RenderMetrics() const;
 
  private:
   ControllerServer() = default;
@@ -48,6 +54,7 @@ class ControllerServer {
   Authenticator auth_;
   std::unique_ptr<controller::Controller> controller_;
   std::unique_ptr<ControllerMetrics> metrics_registry_;
+  std::unique_ptr<PolicyBook> policies_;
   std::unique_ptr<ControllerService> service_;
   std::unique_ptr<Repairer> repairer_;
   MetricsEndpoint metrics_;

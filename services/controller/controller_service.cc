@@ -3,6 +3,8 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "base/log.h"
+#include "base/names.h"
 #include "base/status_macros.h"
 #include "rpc/grpc_status.h"
 
@@ -14,6 +16,18 @@ using controller::NodeKind;
 
 v1::NodeKind ToProto(NodeKind k) {
   return k == NodeKind::kWorker ? v1::NODE_KIND_WORKER : v1::NODE_KIND_STORE;
+}
+
+v1::PressureLevel ToProto(controller::Pressure p) {
+  switch (p) {
+    case controller::Pressure::kNone:
+      return v1::PRESSURE_NONE;
+    case controller::Pressure::kModerate:
+      return v1::PRESSURE_MODERATE;
+    case controller::Pressure::kHigh:
+      return v1::PRESSURE_HIGH;
+  }
+  return v1::PRESSURE_NONE;
 }
 
 // Register and Heartbeat come from nodes: a node token (or auth off).
@@ -74,7 +88,25 @@ ControllerMetrics::ControllerMetrics()
                          .Name("kvtier_controller_repair_total")
                          .Help("Repair work done: sessions (ok, failed attempts), segments "
                                "(copied, present), bytes copied")
-                         .Register(*registry_)) {}
+                         .Register(*registry_)),
+      pressure_(prometheus::BuildGauge()
+                    .Name("kvtier_controller_node_pressure")
+                    .Help("Memory pressure of each live node: 0 none, 1 moderate, 2 high")
+                    .Register(*registry_)),
+      nodes_by_pressure_(prometheus::BuildGauge()
+                             .Name("kvtier_controller_nodes_by_pressure")
+                             .Help("Live nodes at each pressure level")
+                             .Register(*registry_)),
+      policy_answers_(prometheus::BuildCounter()
+                          .Name("kvtier_controller_policy_answers_total")
+                          .Help("GetPolicy answers: as registered, tightened for a cold session "
+                                "under pressure, or no policy for the model")
+                          .Register(*registry_)),
+      policies_(prometheus::BuildGauge()
+                    .Name("kvtier_controller_policies")
+                    .Help("Models with a registered policy")
+                    .Register(*registry_)
+                    .Add({})) {}
 
 void ControllerMetrics::UpdateRepair(const RepairStats& now) {
   auto add = [&](const char* what, uint64_t now_v, uint64_t was) {
@@ -93,8 +125,18 @@ void ControllerMetrics::UpdateRepair(const RepairStats& now) {
 
 void ControllerMetrics::Update(controller::Controller& c) {
   double counts[2][2] = {{0, 0}, {0, 0}};
+  double by_level[3] = {0, 0, 0};
   for (const NodeInfo& n : c.membership().All()) {
     counts[n.spec.kind == NodeKind::kWorker ? 0 : 1][n.live ? 0 : 1] += 1;
+    const controller::Pressure p = c.membership().PressureOf(n);
+    if (n.live) by_level[static_cast<int>(p)] += 1;
+    pressure_.Add({{"node", n.spec.id}, {"kind", controller::NodeKindName(n.spec.kind)}})
+        .Set(static_cast<double>(static_cast<int>(p)));
+  }
+  for (const controller::Pressure p : {controller::Pressure::kNone, controller::Pressure::kModerate,
+                                       controller::Pressure::kHigh}) {
+    nodes_by_pressure_.Add({{"level", controller::PressureName(p)}})
+        .Set(by_level[static_cast<int>(p)]);
   }
   for (int k = 0; k < 2; ++k) {
     for (int l = 0; l < 2; ++l) {
@@ -112,9 +154,16 @@ void ControllerMetrics::Request(const char* method, bool ok) {
   requests_.Add({{"method", method}, {"outcome", ok ? "ok" : "error"}}).Increment();
 }
 
-ControllerService::ControllerService(controller::Controller* controller, const Authenticator* auth,
-                                     ControllerMetrics* metrics)
-    : controller_(controller), auth_(auth), metrics_(metrics) {}
+ControllerService::ControllerService(controller::Controller* controller, PolicyBook* policies,
+                                     const Authenticator* auth, ControllerMetrics* metrics,
+                                     PolicyServing serving)
+    : controller_(controller),
+      policies_(policies),
+      auth_(auth),
+      metrics_(metrics),
+      serving_(serving) {
+  metrics_->Policies(policies_->size());
+}
 
 grpc::ServerUnaryReactor* ControllerService::Finish(grpc::CallbackServerContext* ctx,
                                                     const char* method, const absl::Status& s) {
@@ -165,11 +214,15 @@ grpc::ServerUnaryReactor* ControllerService::Heartbeat(grpc::CallbackServerConte
                                                        v1::HeartbeatResponse* resp) {
   absl::Status s = [&]() -> absl::Status {
     KVT_RETURN_IF_ERROR(RequireNode(*auth_, *ctx));
-    KVT_RETURN_IF_ERROR(controller_->membership().Heartbeat(req->node_id(), req->used_bytes(),
-                                                            req->active_sessions()));
-    // Pressure levels are computed in a later step; until then, none.
-    resp->set_pressure(v1::PRESSURE_NONE);
-    resp->set_epoch(controller_->membership().epoch());
+    controller::Membership& m = controller_->membership();
+    KVT_RETURN_IF_ERROR(m.Heartbeat(req->node_id(), req->used_bytes(), req->active_sessions()));
+    controller::Pressure level = controller::Pressure::kNone;
+    for (const NodeInfo& n : m.All()) {
+      if (n.spec.id == req->node_id()) level = m.PressureOf(n);
+    }
+    resp->set_pressure(ToProto(level));
+    resp->set_epoch(m.epoch());
+    resp->set_cold_idle_ms(static_cast<uint64_t>(absl::ToInt64Milliseconds(serving_.cold_after)));
     return absl::OkStatus();
   }();
   return Finish(ctx, "Heartbeat", s);
@@ -225,11 +278,63 @@ grpc::ServerUnaryReactor* ControllerService::ListNodes(grpc::CallbackServerConte
 }
 
 grpc::ServerUnaryReactor* ControllerService::GetPolicy(grpc::CallbackServerContext* ctx,
-                                                       const v1::GetPolicyRequest*,
-                                                       v1::GetPolicyResponse*) {
-  return Finish(ctx, "GetPolicy",
-                absl::UnimplementedError("per-model policies are not served yet: open sessions "
-                                         "with an explicit Policy"));
+                                                       const v1::GetPolicyRequest* req,
+                                                       v1::GetPolicyResponse* resp) {
+  absl::Status s = [&]() -> absl::Status {
+    KVT_ASSIGN_OR_RETURN(Principal p, auth_->Authenticate(*ctx));
+    KVT_RETURN_IF_ERROR(ValidateName("session_id", req->session_id()));
+    const std::string& model = req->model().name();
+    std::optional<v1::SetPolicyRequest> reg = policies_->Get(model);
+    if (!reg.has_value()) {
+      metrics_->PolicyAnswer("not_found");
+      return absl::NotFoundError(absl::StrCat(
+          "no policy registered for model '", model,
+          "' (kvtier policy set --model=NAME ...); open the session with an explicit Policy"));
+    }
+    controller::Pressure level = controller::Pressure::kNone;
+    for (const NodeInfo& n : controller_->NodesOf(p.tenant, req->session_id())) {
+      level = std::max(level, controller_->membership().PressureOf(n));
+    }
+    if (!req->node_id().empty()) {
+      for (const NodeInfo& n : controller_->membership().All()) {
+        if (n.spec.id == req->node_id()) {
+          level = std::max(level, controller_->membership().PressureOf(n));
+        }
+      }
+    }
+    const bool cold =
+        req->idle_ms() > 0 && absl::Milliseconds(req->idle_ms()) >= serving_.cold_after;
+    const bool tighten = cold && level != controller::Pressure::kNone;
+    *resp = AnswerPolicy(*reg, tighten);
+    resp->set_pressure(ToProto(level));
+    metrics_->PolicyAnswer(tighten ? "tightened" : "registered");
+    return absl::OkStatus();
+  }();
+  return Finish(ctx, "GetPolicy", s);
+}
+
+grpc::ServerUnaryReactor* ControllerService::SetPolicy(grpc::CallbackServerContext* ctx,
+                                                       const v1::SetPolicyRequest* req,
+                                                       v1::SetPolicyResponse* resp) {
+  absl::Status s = [&]() -> absl::Status {
+    KVT_ASSIGN_OR_RETURN(Principal p, auth_->Authenticate(*ctx));
+    if (auth_->enabled() && p.role != Role::kNode) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("tenant '", p.tenant,
+                       "' may not register policies: SetPolicy needs a "
+                       "node token (the operator's)"));
+    }
+    KVT_ASSIGN_OR_RETURN(bool replaced, policies_->Set(*req));
+    resp->set_replaced(replaced);
+    metrics_->Policies(policies_->size());
+    LogInfo("policy registered", {{"model", req->model_name()},
+                                  {"eviction", req->policy().eviction()},
+                                  {"codec", v1::Codec_Name(req->policy().codec())},
+                                  {"layer_budgets", req->layer_budgets_size()},
+                                  {"replaced", replaced}});
+    return absl::OkStatus();
+  }();
+  return Finish(ctx, "SetPolicy", s);
 }
 
 }  // namespace kvtier

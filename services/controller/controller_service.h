@@ -13,6 +13,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 #include "services/common/auth.h"
+#include "services/controller/policy_book.h"
 #include "services/controller/repairer.h"
 
 namespace kvtier {
@@ -26,6 +27,9 @@ class ControllerMetrics {
   void Request(const char* method, bool ok);
   void Placed() { placed_.Increment(); }
   void DeclaredDead(size_t n) { dead_.Increment(static_cast<double>(n)); }
+  // A GetPolicy answer: "registered", "tightened" or "not_found".
+  void PolicyAnswer(const char* result) { policy_answers_.Add({{"result", result}}).Increment(); }
+  void Policies(size_t n) { policies_.Set(static_cast<double>(n)); }
   // Adds what the repairer did since the last call.
   void UpdateRepair(const RepairStats& now);
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
@@ -41,15 +45,25 @@ class ControllerMetrics {
   prometheus::Gauge& repairs_pending_;
   prometheus::Gauge& under_replicated_;
   prometheus::Family<prometheus::Counter>& repair_family_;
+  prometheus::Family<prometheus::Gauge>& pressure_;
+  prometheus::Family<prometheus::Gauge>& nodes_by_pressure_;
+  prometheus::Family<prometheus::Counter>& policy_answers_;
+  prometheus::Gauge& policies_;
   absl::Mutex mu_;
   RepairStats last_repair_ ABSL_GUARDED_BY(mu_);
 };
 
 // Thread-safe; the pointers are not owned and must outlive the service.
+struct PolicyServing {
+  // Sessions idle at least this long are cold. Default: 60 s.
+  absl::Duration cold_after = absl::Seconds(60);
+};
+
 class ControllerService final : public v1::Controller::CallbackService {
  public:
-  ControllerService(controller::Controller* controller, const Authenticator* auth,
-                    ControllerMetrics* metrics);
+  ControllerService(controller::Controller* controller, PolicyBook* policies,
+                    const Authenticator* auth, ControllerMetrics* metrics,
+                    PolicyServing serving = {});
 
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* ctx,
                                      const v1::RegisterRequest* req,
@@ -65,14 +79,19 @@ class ControllerService final : public v1::Controller::CallbackService {
   grpc::ServerUnaryReactor* GetPolicy(grpc::CallbackServerContext* ctx,
                                       const v1::GetPolicyRequest* req,
                                       v1::GetPolicyResponse* resp) override;
+  grpc::ServerUnaryReactor* SetPolicy(grpc::CallbackServerContext* ctx,
+                                      const v1::SetPolicyRequest* req,
+                                      v1::SetPolicyResponse* resp) override;
 
  private:
   grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* ctx, const char* method,
                                    const absl::Status& s);
 
   controller::Controller* const controller_;
+  PolicyBook* const policies_;
   const Authenticator* const auth_;
   ControllerMetrics* const metrics_;
+  const PolicyServing serving_;
 };
 
 }  // namespace kvtier

@@ -1,6 +1,9 @@
 // kvtier-controller over loopback gRPC: node registration and leases with
 // real time, routes for tenants, the statuses of the contract.
+#include <fstream>
+
 #include "absl/strings/str_cat.h"
+#include "client/controller_client.h"
 #include "gmock/gmock.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
@@ -132,9 +135,156 @@ TEST_F(ControllerServiceTest, MembershipAndRoutes) {
   // It comes back and may register again.
   EXPECT_TRUE(
       Register(gone, v1::NODE_KIND_STORE, absl::StrCat("10.0.0.", gone.substr(1), ":7070")).ok());
+  v1::GetPolicyRequest ask;
+  ask.set_session_id("chat-1");
+  ask.mutable_model()->set_name("no-such-model");
   v1::GetPolicyResponse pol;
   auto c = Ctx(kAcmeToken);
-  EXPECT_EQ(stub_->GetPolicy(c.get(), {}, &pol).error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_EQ(stub_->GetPolicy(c.get(), ask, &pol).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+// Per-model policies: registered by a node token, validated, served as
+// registered, and tightened for cold sessions while a node of theirs is
+// under pressure; levels follow the heartbeats' usage; kept across a
+// restart with --state_dir.
+TEST(ControllerPolicyTest, PoliciesAndPressure) {
+  testing::TempDir dir;
+  testing::WriteFile(dir.path() + "/tenants",
+                     absl::StrCat(kNodeToken, " nodes node\n", kAcmeToken, " acme readwrite\n"));
+  ControllerServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_listen = "";
+  o.tenants_file = dir.path() + "/tenants";
+  o.controller.membership.heartbeat_interval = absl::Milliseconds(100);
+  o.controller.membership.missed_heartbeats = 50;  // Nobody beats here but the test.
+  o.controller.membership.warmup = absl::ZeroDuration();
+  o.state_dir = dir.path() + "/state";
+  o.policy.cold_after = absl::Seconds(60);
+  auto server = ControllerServer::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto connect = [](int port, const char* token) {
+    ControllerClientOptions co;
+    co.target = absl::StrCat("127.0.0.1:", port);
+    co.token = token;
+    return std::move(ControllerClient::Connect(co)).value();
+  };
+  auto node = connect((*server)->port(), kNodeToken);
+  auto acme = connect((*server)->port(), kAcmeToken);
+
+  v1::SetPolicyRequest set;
+  set.set_model_name("llama-8b");
+  set.mutable_policy()->set_codec(v1::CODEC_KIVI);
+  set.mutable_policy()->mutable_codec_params()->set_bits(4);
+  set.mutable_policy()->set_eviction("snapkv");
+  set.mutable_policy()->set_budget_tokens(256);
+  set.mutable_policy()->set_recall("topk:2");
+  EXPECT_EQ(acme->SetPolicy(set).status().code(), absl::StatusCode::kPermissionDenied);
+  v1::SetPolicyRequest bad = set;
+  bad.mutable_policy()->set_budget_tokens(0);  // snapkv needs a budget.
+  EXPECT_EQ(node->SetPolicy(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  bad = set;
+  bad.set_model_name("bad name");
+  EXPECT_EQ(node->SetPolicy(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  auto done = node->SetPolicy(set);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_FALSE(done->replaced());
+  v1::SetPolicyRequest profiled;
+  profiled.set_model_name("tiny");
+  profiled.mutable_policy()->set_window(8);
+  for (uint32_t b : {64u, 40u, 12u}) profiled.add_layer_budgets(b);
+  profiled.set_profile_name("evolkv-tiny");
+  ASSERT_TRUE(node->SetPolicy(profiled).ok());
+
+  // A store and a worker of known capacity; chat-1 lives on them.
+  for (auto [id, kind] : {std::pair{"s1", v1::NODE_KIND_STORE}, {"w1", v1::NODE_KIND_WORKER}}) {
+    v1::RegisterRequest r;
+    r.set_node_id(id);
+    r.set_kind(kind);
+    r.set_address(absl::StrCat("10.0.0.", kind, ":7070"));
+    r.set_capacity_bytes(1000);
+    ASSERT_TRUE(node->Register(r).ok());
+  }
+  v1::RouteRequest route;
+  route.set_session_id("chat-1");
+  ASSERT_TRUE(acme->Route(route).ok());
+  auto beat = [&](const char* id, uint64_t used) {
+    v1::HeartbeatRequest hb;
+    hb.set_node_id(id);
+    hb.set_used_bytes(used);
+    auto r = node->Heartbeat(hb);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->pressure() : v1::PRESSURE_LEVEL_UNSPECIFIED;
+  };
+  auto ask = [&](const std::string& model, uint64_t idle_ms) {
+    v1::GetPolicyRequest q;
+    q.set_session_id("chat-1");
+    q.mutable_model()->set_name(model);
+    q.set_idle_ms(idle_ms);
+    auto r = acme->GetPolicy(q);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : v1::GetPolicyResponse();
+  };
+  EXPECT_EQ(beat("s1", 100), v1::PRESSURE_NONE);
+  EXPECT_EQ(beat("w1", 100), v1::PRESSURE_NONE);
+  v1::GetPolicyResponse a = ask("llama-8b", 3600 * 1000);  // Cold, no pressure.
+  EXPECT_FALSE(a.tightened());
+  EXPECT_EQ(a.pressure(), v1::PRESSURE_NONE);
+  EXPECT_EQ(a.policy().codec_params().bits(), 4u);
+  EXPECT_EQ(a.policy().budget_tokens(), 256u);
+  EXPECT_EQ(a.policy().recall(), "topk:2");
+
+  // The store passes 80%: MODERATE for it, and for chat-1.
+  EXPECT_EQ(beat("s1", 850), v1::PRESSURE_MODERATE);
+  a = ask("llama-8b", 5);  // Active: as registered.
+  EXPECT_FALSE(a.tightened());
+  EXPECT_EQ(a.pressure(), v1::PRESSURE_MODERATE);
+  EXPECT_EQ(a.policy().budget_tokens(), 256u);
+  a = ask("llama-8b", 120 * 1000);  // Cold: fewer bits, half the budget.
+  EXPECT_TRUE(a.tightened());
+  EXPECT_EQ(a.policy().codec(), v1::CODEC_KIVI);
+  EXPECT_EQ(a.policy().codec_params().bits(), 2u);
+  EXPECT_EQ(a.policy().budget_tokens(), 128u);
+  EXPECT_EQ(a.policy().recall(), "topk:2");
+  a = ask("tiny", 120 * 1000);  // Layer budgets halve, never to the window.
+  EXPECT_TRUE(a.tightened());
+  EXPECT_EQ(a.policy().eviction(), "profile");
+  EXPECT_THAT(std::vector<uint32_t>(a.layer_budgets().begin(), a.layer_budgets().end()),
+              ::testing::ElementsAre(32, 20, 9));
+  EXPECT_EQ(a.policy().codec(), v1::CODEC_KIVI);  // Raw becomes 4-bit KIVI.
+  EXPECT_EQ(a.policy().codec_params().bits(), 4u);
+  EXPECT_EQ(beat("w1", 960), v1::PRESSURE_HIGH);
+  EXPECT_EQ(ask("llama-8b", 120 * 1000).pressure(), v1::PRESSURE_HIGH);
+  const std::string metrics = (*server)->RenderMetrics();
+  EXPECT_THAT(metrics, ::testing::HasSubstr(
+                           "kvtier_controller_node_pressure{kind=\"worker\",node=\"w1\"} 2"));
+  EXPECT_THAT(metrics, ::testing::HasSubstr(
+                           "kvtier_controller_policy_answers_total{result=\"tightened\"} 3"));
+  EXPECT_THAT(metrics, ::testing::HasSubstr("kvtier_controller_policies 2"));
+  // Back under the thresholds: as registered again.
+  EXPECT_EQ(beat("w1", 10), v1::PRESSURE_NONE);
+  EXPECT_EQ(beat("s1", 10), v1::PRESSURE_NONE);
+  EXPECT_FALSE(ask("llama-8b", 120 * 1000).tightened());
+
+  // A restarted controller serves the registered policies again.
+  server->reset();
+  server = ControllerServer::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  acme = connect((*server)->port(), kAcmeToken);
+  v1::GetPolicyRequest q;
+  q.set_session_id("chat-2");
+  q.mutable_model()->set_name("llama-8b");
+  auto again = acme->GetPolicy(q);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->policy().budget_tokens(), 256u);
+  // A damaged policy file is refused, not served half.
+  server->reset();
+  {
+    std::fstream f(o.state_dir + "/policies", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(30);
+    f.put('\x7f');
+  }
+  auto broken = ControllerServer::Start(o);
+  EXPECT_EQ(broken.status().code(), absl::StatusCode::kDataLoss);
 }
 
 // Real nodes join by themselves: a kvtier-store process and an in-process

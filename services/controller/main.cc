@@ -35,6 +35,15 @@ ABSL_FLAG(std::string, store_token, "",
 ABSL_FLAG(std::string, store_tls_root_certs, "", "PEM file of the stores' CA; empty: plaintext.");
 ABSL_FLAG(int, repair_parallelism, 2, "Sessions repaired at once.");
 ABSL_FLAG(int, repair_mb_per_s, 64, "Bandwidth cap of all repairs together, MiB/s; 0: none.");
+ABSL_FLAG(std::string, state_dir, "",
+          "Directory for registered model policies (kept across restarts); empty: memory only.");
+ABSL_FLAG(double, pressure_moderate, 0.80,
+          "Used/capacity at which a node's pressure is MODERATE (cold sessions get tighter "
+          "policies).");
+ABSL_FLAG(double, pressure_high, 0.95,
+          "Used/capacity at which a node's pressure is HIGH (stores also drop never-recalled "
+          "rounds of cold sessions).");
+ABSL_FLAG(int, cold_after_seconds, 60, "A session idle this long is cold.");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warn or error.");
 
 int main(int argc, char** argv) {
@@ -61,6 +70,10 @@ int main(int argc, char** argv) {
   o.controller.membership.missed_heartbeats = absl::GetFlag(FLAGS_missed_heartbeats);
   o.controller.membership.warmup = absl::Seconds(absl::GetFlag(FLAGS_warmup_seconds));
   o.controller.replicas = absl::GetFlag(FLAGS_replicas);
+  o.controller.membership.pressure_moderate = absl::GetFlag(FLAGS_pressure_moderate);
+  o.controller.membership.pressure_high = absl::GetFlag(FLAGS_pressure_high);
+  o.state_dir = absl::GetFlag(FLAGS_state_dir);
+  o.policy.cold_after = absl::Seconds(absl::GetFlag(FLAGS_cold_after_seconds));
   o.controller.placement_idle = absl::Hours(absl::GetFlag(FLAGS_placement_idle_hours));
   o.repair.store_token = absl::GetFlag(FLAGS_store_token);
   if (const std::string roots = absl::GetFlag(FLAGS_store_tls_root_certs); !roots.empty()) {

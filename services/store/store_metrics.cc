@@ -56,8 +56,9 @@ class StoreMetrics::TierCollector : public prometheus::Collectable {
         s.promotions);
     auto* drops =
         family("kvtier_store_round_drops_total", "Rounds dropped, by reason.", MetricType::Counter);
-    add(drops, s.drops - s.pressure_drops, {{"reason", "explicit"}});
+    add(drops, s.drops - s.pressure_drops - s.cold_drops, {{"reason", "explicit"}});
     add(drops, s.pressure_drops, {{"reason", "disk_pressure"}});
+    add(drops, s.cold_drops, {{"reason", "memory_pressure"}});
     add(family("kvtier_store_expired_sessions_total", "Sessions expired by TTL.",
                MetricType::Counter),
         s.expired_sessions);

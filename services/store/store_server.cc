@@ -41,14 +41,31 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
   KVT_ASSIGN_OR_RETURN(s->server_, StartGrpcServer(spec, s->service_.get(), &s->port_));
   {
     cachestore::Store* store = s->store_.get();
-    const uint64_t capacity = options.store.ram_budget_bytes + options.store.disk_budget_bytes;
-    KVT_ASSIGN_OR_RETURN(
-        s->agent_,
-        JoinCluster(options.cluster, v1::NODE_KIND_STORE, options.listen, s->port_,
-                    options.store.disk_budget_bytes == 0 ? 0 : capacity, [store] {
-                      const cachestore::StoreStats st = store->Stats();
-                      return NodeUsage{st.disk_bytes, static_cast<uint32_t>(st.sessions)};
-                    }));
+    // Every stored byte counts against the disk budget (RAM caches a
+    // part of them): that budget is the store's capacity, its use the usage.
+    const uint64_t capacity = options.store.disk_budget_bytes;
+    NodeHooks hooks;
+    hooks.usage = [store] {
+      const cachestore::StoreStats st = store->Stats();
+      return NodeUsage{st.disk_bytes, static_cast<uint32_t>(st.sessions)};
+    };
+    // At HIGH pressure, never-recalled rounds of cold sessions go (one drop
+    // at a time, off the agent's thread).
+    hooks.on_heartbeat = [raw = s.get()](const v1::HeartbeatResponse& hb) {
+      if (hb.pressure() != v1::PRESSURE_HIGH || raw->cold_drop_running_.exchange(true)) return;
+      const int64_t idle = static_cast<int64_t>(hb.cold_idle_ms());
+      raw->executor_->Schedule([raw, idle] {
+        absl::StatusOr<cachestore::Store::ColdDropResult> r = raw->store_->DropColdRounds(idle);
+        if (!r.ok()) {
+          LogError("dropping cold rounds under memory pressure failed",
+                   {{"error", r.status().ToString()}});
+        }
+        raw->cold_drop_running_.store(false);
+      });
+    };
+    KVT_ASSIGN_OR_RETURN(s->agent_,
+                         JoinCluster(options.cluster, v1::NODE_KIND_STORE, options.listen, s->port_,
+                                     capacity, std::move(hooks)));
   }
   if (options.ttl_sweep_seconds > 0) {
     StoreServer* raw = s.get();

@@ -75,6 +75,8 @@ class StoreServer {
   int metrics_port_ = 0;
   absl::Notification stop_;
   std::thread sweeper_;
+  // A memory-pressure drop (DropColdRounds) is queued or running.
+  std::atomic<bool> cold_drop_running_{false};
 };
 
 }  // namespace kvtier

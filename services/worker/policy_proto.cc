@@ -1,5 +1,7 @@
 #include "services/worker/policy_proto.h"
 
+#include <algorithm>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -110,6 +112,24 @@ absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p, v1::D
   // Presence-aware: unset keeps the documented default (true).
   if (p.has_keep_recent_round()) s.keep_recent_round = p.keep_recent_round();
   if (p.has_release_after_end_round()) s.release_after_end_round = p.release_after_end_round();
+  return s;
+}
+
+absl::StatusOr<worker::SessionPolicy> PolicyFromAnswer(const v1::GetPolicyResponse& a,
+                                                       v1::DType model_dtype) {
+  if (a.layer_budgets().empty()) return PolicyFromProto(a.policy(), model_dtype);
+  v1::Policy p = a.policy();
+  p.clear_eviction();
+  KVT_ASSIGN_OR_RETURN(worker::SessionPolicy s, PolicyFromProto(p, model_dtype));
+  evict::Policy e;
+  e.method = evict::Method::kProfile;
+  if (p.window() != 0) e.score.window = static_cast<int>(p.window());
+  if (p.pool_kernel() != 0) e.score.kernel = static_cast<int>(p.pool_kernel());
+  e.layer_budgets.assign(a.layer_budgets().begin(), a.layer_budgets().end());
+  for (int64_t b : e.layer_budgets) KVT_RETURN_IF_ERROR(evict::ValidateBudget(b, e.score.window));
+  e.budget = *std::max_element(e.layer_budgets.begin(), e.layer_budgets.end());
+  e.profile_name = a.profile_name().empty() ? "controller" : a.profile_name();
+  s.eviction = std::move(e);
   return s;
 }
 

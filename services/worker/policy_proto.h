@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kvtier/v1/controller.pb.h"
 #include "kvtier/v1/worker.pb.h"
 #include "rpc/dense_tensor.h"
 #include "worker/engine.h"
@@ -26,6 +27,14 @@ absl::StatusOr<worker::ModelShape> ShapeFromProto(const v1::ModelSpec& m);
 // unspecified): lossless.
 absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p,
                                                       v1::DType model_dtype = v1::DTYPE_FP32);
+
+// The policy of a GetPolicy answer (kvtier-controller's per-model policy):
+// PolicyFromProto of its policy, except that non-empty layer_budgets make
+// the eviction a layer profile (SnapKV selection with those per-head budgets
+// per layer, the policy's window and kernel). INVALID_ARGUMENT as
+// PolicyFromProto, or for a layer budget not above the window.
+absl::StatusOr<worker::SessionPolicy> PolicyFromAnswer(const v1::GetPolicyResponse& a,
+                                                       v1::DType model_dtype = v1::DTYPE_FP32);
 
 // The policy a session runs with, every default filled in (L_w resolved).
 v1::Policy EffectivePolicy(const v1::Policy& requested, const worker::SessionPolicy& eff);

@@ -73,6 +73,11 @@ absl::StatusOr<std::vector<std::string>> StoreSegments::Get(const std::string& s
   }
   get_calls_.fetch_add(1);
   auto got = client_->GetSegments(session, refs, call);
+  if (absl::IsNotFound(got.status())) {
+    // A round the store dropped (pressure, or a drop at resume): the caller
+    // tells it from an outage.
+    return absl::NotFoundError(absl::StrCat("GetSegments: ", got.status().message()));
+  }
   if (!got.ok()) return AsUnavailable(got.status(), "GetSegments");
   std::vector<std::string> out;
   for (FetchedSegment& f : *got) out.push_back(std::move(f.payload));

@@ -19,6 +19,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
     return absl::InvalidArgumentError("kvtier-worker needs a store target (--store)");
   }
   KVT_ASSIGN_OR_RETURN(auto client, StoreClient::Connect(options.store));
+  std::shared_ptr<ControllerClient> controller;
   s->segments_ = std::make_unique<ReplicatedSegments>(
       std::make_unique<StoreSegments>(std::move(client)), options.store);
   if (!options.cluster.controller.empty()) {
@@ -26,8 +27,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
     ControllerClientOptions co;
     co.target = options.cluster.controller;
     co.token = options.cluster.controller_token;
-    KVT_ASSIGN_OR_RETURN(std::shared_ptr<ControllerClient> controller,
-                         ControllerClient::Connect(co));
+    KVT_ASSIGN_OR_RETURN(controller, ControllerClient::Connect(co));
     s->segments_->SetRerouter(
         [controller](const std::string& tenant, const std::string& session,
                      const CallOptions& call) -> absl::StatusOr<std::vector<std::string>> {
@@ -56,9 +56,12 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
                           : std::max(2, static_cast<int>(std::thread::hardware_concurrency()));
   s->compute_ = std::make_unique<Executor>(compute);
   s->io_ = std::make_unique<Executor>(std::max(1, options.io_threads));
+  if (controller != nullptr) {
+    s->policies_ = std::make_unique<ControllerPolicies>(controller, s->engine_.get(), s->io_.get());
+  }
   s->service_ = std::make_unique<WorkerService>(s->engine_.get(), &s->auth_, s->metrics_.get(),
                                                 s->compute_.get(), s->io_.get(), options.service,
-                                                s->segments_.get());
+                                                s->segments_.get(), s->policies_.get());
   // gRPC's default 4 MiB receive limit stays: layers travel in chunks.
   KVT_ASSIGN_OR_RETURN(s->server_,
                        StartGrpcServer({options.listen, options.tls_cert, options.tls_key, {}},
@@ -67,15 +70,22 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
     worker::Engine* engine = s->engine_.get();
     KVT_ASSIGN_OR_RETURN(
         s->agent_,
-        JoinCluster(
-            options.cluster, v1::NODE_KIND_WORKER, options.listen, s->port_,
-            options.engine.max_working_set_bytes,
-            [engine] {
-              return NodeUsage{engine->TotalWorkingSetBytes(),
-                               static_cast<uint32_t>(engine->SessionCount())};
-            },
-            [segments = s->segments_.get()] { return segments->Held(); }, s->agent_epoch_));
+        JoinCluster(options.cluster, v1::NODE_KIND_WORKER, options.listen, s->port_,
+                    options.engine.max_working_set_bytes,
+                    {.usage =
+                         [engine] {
+                           return NodeUsage{engine->TotalWorkingSetBytes(),
+                                            static_cast<uint32_t>(engine->SessionCount())};
+                         },
+                     .sessions = [segments = s->segments_.get()] { return segments->Held(); },
+                     .epoch = s->agent_epoch_,
+                     .on_heartbeat =
+                         [policies = s->policies_.get()](const v1::HeartbeatResponse& hb) {
+                           if (policies != nullptr) policies->OnHeartbeat(hb);
+                         }}));
   }
+  if (s->policies_ != nullptr && s->agent_ != nullptr)
+    s->policies_->SetNodeId(s->agent_->node_id());
   LogInfo("kvtier-worker serving", {{"port", s->port_},
                                     {"metrics_port", s->metrics_port_},
                                     {"store", options.store.target},

@@ -73,6 +73,7 @@ class WorkerServer {
   std::unique_ptr<ReplicatedSegments> segments_;
   std::unique_ptr<worker::Engine> engine_;
   std::unique_ptr<WorkerMetrics> metrics_;
+  std::unique_ptr<ControllerPolicies> policies_;  // Null outside a cluster.
   std::unique_ptr<Executor> io_, compute_;
   std::unique_ptr<WorkerService> service_;
   std::unique_ptr<grpc::Server> server_;

@@ -38,14 +38,16 @@ size_t DtypeBytes(v1::DType t) { return t == v1::DTYPE_FP16 || t == v1::DTYPE_BF
 
 WorkerService::WorkerService(worker::Engine* engine, const Authenticator* auth,
                              WorkerMetrics* metrics, Executor* compute, Executor* io,
-                             WorkerServiceOptions options, ReplicatedSegments* replicas)
+                             WorkerServiceOptions options, ReplicatedSegments* replicas,
+                             ControllerPolicies* policies)
     : engine_(engine),
       auth_(auth),
       metrics_(metrics),
       compute_(compute),
       io_(io),
       options_(options),
-      replicas_(replicas) {}
+      replicas_(replicas),
+      policies_(policies) {}
 
 absl::StatusOr<worker::SessionKey> WorkerService::Key(const grpc::CallbackServerContext& ctx,
                                                       const std::string& session) const {
@@ -122,6 +124,17 @@ absl::Status WorkerService::DoOpenSession(grpc::CallbackServerContext& ctx,
   KVT_ASSIGN_OR_RETURN(worker::ModelShape shape, ShapeFromProto(req.model()));
   KVT_ASSIGN_OR_RETURN(worker::SessionPolicy policy,
                        PolicyFromProto(req.policy(), req.model().dtype()));
+  // No Policy at all (not a default one): the model's, from the controller.
+  const bool follow = !req.has_policy() && policies_ != nullptr;
+  v1::Policy requested = req.policy();
+  if (follow) {
+    KVT_ASSIGN_OR_RETURN(std::optional<v1::GetPolicyResponse> a,
+                         policies_->ForOpen(id, req.model(), StoreCall(ctx)));
+    if (a.has_value()) {
+      KVT_ASSIGN_OR_RETURN(policy, PolicyFromAnswer(*a, req.model().dtype()));
+      requested = a->policy();
+    }
+  }
   if (req.store_addresses_size() > 0) {
     if (replicas_ == nullptr) {
       return absl::FailedPreconditionError("this worker cannot use per-session store replicas");
@@ -151,8 +164,9 @@ absl::Status WorkerService::DoOpenSession(grpc::CallbackServerContext& ctx,
     }
     return s;
   }
+  if (follow) policies_->Follow(id, req.model());
   KVT_ASSIGN_OR_RETURN(worker::SessionPolicy eff, engine_->Policy(id));
-  *resp->mutable_effective_policy() = EffectivePolicy(req.policy(), eff);
+  *resp->mutable_effective_policy() = EffectivePolicy(requested, eff);
   KVT_ASSIGN_OR_RETURN(worker::SessionStats st, engine_->Stats(id));
   resp->set_on_device(st.on_device);
   resp->set_next_round(next_round);
@@ -181,6 +195,7 @@ absl::Status WorkerService::DoCloseSession(grpc::CallbackServerContext& ctx,
                                            v1::CloseSessionResponse*) {
   KVT_ASSIGN_OR_RETURN(worker::SessionKey id, Key(ctx, req.session_id()));
   absl::Status s = engine_->CloseSession(id, req.delete_from_store(), StoreCall(ctx));
+  if (policies_ != nullptr) policies_->Forget(id);
   if (replicas_ != nullptr && !absl::IsNotFound(s)) replicas_->Forget(id.tenant, id.session);
   return s;
 }

@@ -15,6 +15,7 @@
 #include "grpcpp/support/server_callback.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "services/common/auth.h"
+#include "services/worker/controller_policies.h"
 #include "services/worker/replicated_segments.h"
 #include "services/worker/worker_metrics.h"
 #include "worker/engine.h"
@@ -48,7 +49,7 @@ class WorkerService final
   // store_addresses keep their rounds on those stores.
   WorkerService(worker::Engine* engine, const Authenticator* auth, WorkerMetrics* metrics,
                 Executor* compute, Executor* io, WorkerServiceOptions options = {},
-                ReplicatedSegments* replicas = nullptr);
+                ReplicatedSegments* replicas = nullptr, ControllerPolicies* policies = nullptr);
 
   grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* ctx,
                                         const grpc::ByteBuffer* req,
@@ -99,6 +100,9 @@ class WorkerService final
   Executor* io_;
   const WorkerServiceOptions options_;
   ReplicatedSegments* const replicas_;  // May be null.
+  // Null outside a cluster: a session opened without a Policy then runs
+  // the defaults.
+  ControllerPolicies* const policies_;
 };
 
 }  // namespace kvtier

@@ -1,0 +1,160 @@
+// `kvtier policy ...`: register and read kvtier-controller's per-model
+// policies from the shell.
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "client/controller_client.h"
+#include "google/protobuf/text_format.h"
+#include "kernels/eviction.h"
+#include "tools/cli_args.h"
+
+namespace kvtier::cli {
+namespace {
+
+constexpr char kHelp[] =
+    "kvtier policy SUBCOMMAND [flags]\n"
+    "\n"
+    "Common flags:\n"
+    "  --controller=HOST:PORT  kvtier-controller (default $KVTIER_CONTROLLER or 127.0.0.1:7072)\n"
+    "  --token=TOKEN           bearer token (default $KVTIER_TOKEN); set needs a node token\n"
+    "  --tls_ca=FILE           PEM roots: use TLS and verify the controller with them\n"
+    "\n"
+    "Subcommands:\n"
+    "  set --model=NAME [policy flags]\n"
+    "      Registers what sessions of model NAME (ModelSpec.name) get when they open\n"
+    "      without a Policy. Replaces the model's earlier policy. Policy flags:\n"
+    "        --codec=raw|kivi|kcvt|gear|gear-l  --bits=N  --group_size=N  --residual_tokens=N\n"
+    "        --eviction=none|snapkv|pyramidkv|ada-snapkv|ada-pyramid|h2o|streamingllm\n"
+    "        --budget_tokens=B  --window=W  --recall=all|topk:K|adaptive:L|threshold:T\n"
+    "        --watershed_layer=L  --keep_recent_round=true|false\n"
+    "        --release_after_end_round=true|false\n"
+    "        --profile=FILE   an EvolKV layer profile (kvtier budgets search --out=FILE)\n"
+    "  get --model=NAME [--session=S] [--idle_ms=N]\n"
+    "      What GetPolicy answers for a session of that model idle N ms: the registered\n"
+    "      policy, or the tightened one for a cold session under memory pressure.\n";
+
+int Usage(const std::string& why) {
+  std::fprintf(stderr, "kvtier policy: %s\n\n%s", why.c_str(), kHelp);
+  return 2;
+}
+
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "kvtier policy: %s\n", s.ToString().c_str());
+  return 1;
+}
+
+bool ParseCodec(const std::string& name, v1::Codec* out) {
+  static const std::pair<const char*, v1::Codec> kCodecs[] = {{"raw", v1::CODEC_RAW},
+                                                              {"kivi", v1::CODEC_KIVI},
+                                                              {"kcvt", v1::CODEC_KCVT},
+                                                              {"gear", v1::CODEC_GEAR},
+                                                              {"gear-l", v1::CODEC_GEAR_L}};
+  for (const auto& [n, c] : kCodecs) {
+    if (absl::AsciiStrToLower(name) == n) {
+      *out = c;
+      return true;
+    }
+  }
+  return false;
+}
+
+bool ParseBool(const std::string& v, bool* out) {
+  if (v != "true" && v != "false") return false;
+  *out = v == "true";
+  return true;
+}
+
+std::string Env(const char* name, const std::string& def) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : def;
+}
+
+}  // namespace
+
+int PolicyCommand(const Args& args) {
+  const std::string sub = args.positional().empty() ? "help" : args.positional()[0];
+  if (sub == "help" || args.Has("help")) {
+    std::printf("%s", kHelp);
+    return 0;
+  }
+  const std::vector<std::string> unknown = args.Unknown(
+      {"controller", "token", "tls_ca", "model", "codec", "bits", "group_size", "residual_tokens",
+       "eviction", "budget_tokens", "window", "recall", "watershed_layer", "keep_recent_round",
+       "release_after_end_round", "profile", "session", "idle_ms"});
+  if (!unknown.empty()) return Usage("unknown flag --" + unknown.front());
+  if (!args.Has("model")) return Usage("--model=NAME is required");
+  ControllerClientOptions o;
+  o.target = args.Get("controller", Env("KVTIER_CONTROLLER", "127.0.0.1:7072"));
+  o.token = args.Get("token", Env("KVTIER_TOKEN", ""));
+  if (args.Has("tls_ca")) {
+    std::FILE* f = std::fopen(args.Get("tls_ca").c_str(), "rb");
+    if (f == nullptr) return Usage("cannot read --tls_ca " + args.Get("tls_ca"));
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) o.tls_root_certs.append(buf, n);
+    std::fclose(f);
+  }
+  absl::StatusOr<std::unique_ptr<ControllerClient>> c = ControllerClient::Connect(o);
+  if (!c.ok()) return Fail(c.status());
+
+  if (sub == "get") {
+    v1::GetPolicyRequest req;
+    req.set_session_id(args.Get("session", "kvtier-policy-get"));
+    req.mutable_model()->set_name(args.Get("model"));
+    req.set_idle_ms(args.GetU64("idle_ms", 0));
+    absl::StatusOr<v1::GetPolicyResponse> r = (*c)->GetPolicy(req);
+    if (!r.ok()) return Fail(r.status());
+    std::string text;
+    google::protobuf::TextFormat::PrintToString(*r, &text);
+    std::printf("%s", text.c_str());
+    return 0;
+  }
+  if (sub != "set") return Usage("unknown subcommand '" + sub + "'");
+
+  v1::SetPolicyRequest req;
+  req.set_model_name(args.Get("model"));
+  v1::Policy& p = *req.mutable_policy();
+  if (args.Has("codec")) {
+    v1::Codec codec;
+    if (!ParseCodec(args.Get("codec"), &codec)) {
+      return Usage("unknown --codec " + args.Get("codec"));
+    }
+    p.set_codec(codec);
+  }
+  v1::CodecParams& cp = *p.mutable_codec_params();
+  cp.set_bits(static_cast<uint32_t>(args.GetU64("bits", 0)));
+  cp.set_group_size(static_cast<uint32_t>(args.GetU64("group_size", 0)));
+  cp.set_residual_tokens(static_cast<uint32_t>(args.GetU64("residual_tokens", 0)));
+  if (args.Has("eviction")) p.set_eviction(args.Get("eviction"));
+  p.set_budget_tokens(static_cast<uint32_t>(args.GetU64("budget_tokens", 0)));
+  p.set_window(static_cast<uint32_t>(args.GetU64("window", 0)));
+  if (args.Has("recall")) p.set_recall(args.Get("recall"));
+  p.set_watershed_layer(static_cast<uint32_t>(args.GetU64("watershed_layer", 0)));
+  for (const char* flag : {"keep_recent_round", "release_after_end_round"}) {
+    if (!args.Has(flag)) continue;
+    bool v;
+    if (!ParseBool(args.Get(flag), &v)) return Usage(std::string("--") + flag + " is true|false");
+    if (std::string(flag) == "keep_recent_round") {
+      p.set_keep_recent_round(v);
+    } else {
+      p.set_release_after_end_round(v);
+    }
+  }
+  if (args.Has("profile")) {
+    absl::StatusOr<evict::Policy> prof = evict::LoadLayerProfile(args.Get("profile"));
+    if (!prof.ok()) return Fail(prof.status());
+    for (int64_t b : prof->layer_budgets) req.add_layer_budgets(static_cast<uint32_t>(b));
+    req.set_profile_name(prof->profile_name);
+  }
+  absl::StatusOr<v1::SetPolicyResponse> r = (*c)->SetPolicy(req);
+  if (!r.ok()) return Fail(r.status());
+  std::printf("%s the policy of model '%s'\n", r->replaced() ? "replaced" : "registered",
+              req.model_name().c_str());
+  return 0;
+}
+
+}  // namespace kvtier::cli
