@@ -1,6 +1,8 @@
 #include "client/controller_client.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "base/log.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -8,16 +10,6 @@
 #include "rpc/transport_args.h"
 
 namespace kvtier {
-namespace {
-
-template <typename T>
-absl::StatusOr<T> Finish(const grpc::Status& s, T resp) {
-  if (!s.ok()) return FromGrpc(s);
-  return resp;
-}
-
-}  // namespace
-
 ControllerClient::ControllerClient(ControllerClientOptions options) : options_(std::move(options)) {
   std::shared_ptr<grpc::ChannelCredentials> creds;
   if (options_.tls_root_certs.empty()) {
@@ -29,12 +21,15 @@ ControllerClient::ControllerClient(ControllerClientOptions options) : options_(s
   }
   grpc::ChannelArguments args;
   ApplyReconnectArgs(&args);
-  stub_ = v1::Controller::NewStub(grpc::CreateCustomChannel(options_.target, creds, args));
+  for (absl::string_view t : absl::StrSplit(options_.target, ',', absl::SkipEmpty())) {
+    stubs_.push_back(
+        v1::Controller::NewStub(grpc::CreateCustomChannel(std::string(t), creds, args)));
+  }
 }
 
 absl::StatusOr<std::unique_ptr<ControllerClient>> ControllerClient::Connect(
     ControllerClientOptions options) {
-  if (options.target.empty()) {
+  if (absl::StrReplaceAll(options.target, {{",", ""}}).empty()) {
     return absl::InvalidArgumentError("ControllerClient needs a target");
   }
   return std::unique_ptr<ControllerClient>(new ControllerClient(std::move(options)));
@@ -48,51 +43,70 @@ std::unique_ptr<grpc::ClientContext> ControllerClient::NewContext(const CallOpti
   return ctx;
 }
 
+template <typename Resp, typename Fn>
+absl::StatusOr<Resp> ControllerClient::Call(const CallOptions& call, Fn fn) {
+  const size_t n = stubs_.size();
+  const size_t first = current_.load();
+  const absl::Time deadline = call.DeadlineOr(options_.deadline);
+  absl::Status last;
+  for (size_t k = 0; k < n; ++k) {
+    const size_t i = (first + k) % n;
+    CallOptions c = call;
+    // Each replica gets a share of what is left, so that one that does not
+    // answer leaves time for the others.
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration() && k > 0) break;
+    c.deadline = absl::Now() + left / static_cast<int64_t>(n - k);
+    auto ctx = NewContext(c);
+    Resp resp;
+    const grpc::Status s = fn(stubs_[i].get(), ctx.get(), &resp);
+    if (s.ok()) {
+      current_.store(i);
+      return resp;
+    }
+    last = FromGrpc(s);
+    if (s.error_code() != grpc::StatusCode::UNAVAILABLE &&
+        s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+      current_.store(i);
+      return last;
+    }
+  }
+  return last;
+}
+
 absl::StatusOr<v1::RegisterResponse> ControllerClient::Register(const v1::RegisterRequest& req,
                                                                 const CallOptions& call) {
-  auto ctx = NewContext(call);
-  v1::RegisterResponse resp;
-  grpc::Status s = stub_->Register(ctx.get(), req, &resp);
-  return Finish(s, std::move(resp));
+  return Call<v1::RegisterResponse>(
+      call, [&](auto* stub, auto* ctx, auto* resp) { return stub->Register(ctx, req, resp); });
 }
 
 absl::StatusOr<v1::HeartbeatResponse> ControllerClient::Heartbeat(const v1::HeartbeatRequest& req,
                                                                   const CallOptions& call) {
-  auto ctx = NewContext(call);
-  v1::HeartbeatResponse resp;
-  grpc::Status s = stub_->Heartbeat(ctx.get(), req, &resp);
-  return Finish(s, std::move(resp));
+  return Call<v1::HeartbeatResponse>(
+      call, [&](auto* stub, auto* ctx, auto* resp) { return stub->Heartbeat(ctx, req, resp); });
 }
 
 absl::StatusOr<v1::RouteResponse> ControllerClient::Route(const v1::RouteRequest& req,
                                                           const CallOptions& call) {
-  auto ctx = NewContext(call);
-  v1::RouteResponse resp;
-  grpc::Status s = stub_->Route(ctx.get(), req, &resp);
-  return Finish(s, std::move(resp));
+  return Call<v1::RouteResponse>(
+      call, [&](auto* stub, auto* ctx, auto* resp) { return stub->Route(ctx, req, resp); });
 }
 
 absl::StatusOr<v1::ListNodesResponse> ControllerClient::ListNodes(const CallOptions& call) {
-  auto ctx = NewContext(call);
-  v1::ListNodesResponse resp;
-  grpc::Status s = stub_->ListNodes(ctx.get(), {}, &resp);
-  return Finish(s, std::move(resp));
+  return Call<v1::ListNodesResponse>(
+      call, [&](auto* stub, auto* ctx, auto* resp) { return stub->ListNodes(ctx, {}, resp); });
 }
 
 absl::StatusOr<v1::GetPolicyResponse> ControllerClient::GetPolicy(const v1::GetPolicyRequest& req,
                                                                   const CallOptions& call) {
-  auto ctx = NewContext(call);
-  v1::GetPolicyResponse resp;
-  grpc::Status s = stub_->GetPolicy(ctx.get(), req, &resp);
-  return Finish(s, std::move(resp));
+  return Call<v1::GetPolicyResponse>(
+      call, [&](auto* stub, auto* ctx, auto* resp) { return stub->GetPolicy(ctx, req, resp); });
 }
 
 absl::StatusOr<v1::SetPolicyResponse> ControllerClient::SetPolicy(const v1::SetPolicyRequest& req,
                                                                   const CallOptions& call) {
-  auto ctx = NewContext(call);
-  v1::SetPolicyResponse resp;
-  grpc::Status s = stub_->SetPolicy(ctx.get(), req, &resp);
-  return Finish(s, std::move(resp));
+  return Call<v1::SetPolicyResponse>(
+      call, [&](auto* stub, auto* ctx, auto* resp) { return stub->SetPolicy(ctx, req, resp); });
 }
 
 absl::StatusOr<std::unique_ptr<NodeAgent>> NodeAgent::Start(NodeAgentOptions options) {

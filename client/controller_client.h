@@ -21,7 +21,10 @@
 namespace kvtier {
 
 struct ControllerClientOptions {
-  // "host:port" of kvtier-controller. Required.
+  // "host:port" of kvtier-controller, or several replicas' (etcd back end)
+  // separated by commas: a call that finds one UNAVAILABLE or past its
+  // share of the deadline goes on to the next, and the one that answered is
+  // tried first next time. Required.
   std::string target;
   // Bearer token (a node token for Register/Heartbeat); empty sends none.
   std::string token;
@@ -51,9 +54,13 @@ class ControllerClient {
  private:
   explicit ControllerClient(ControllerClientOptions options);
   std::unique_ptr<grpc::ClientContext> NewContext(const CallOptions& call) const;
+  // Runs fn(stub, context, response) on the replicas in turn (see target).
+  template <typename Resp, typename Fn>
+  absl::StatusOr<Resp> Call(const CallOptions& call, Fn fn);
 
   const ControllerClientOptions options_;
-  std::unique_ptr<v1::Controller::Stub> stub_;
+  std::vector<std::unique_ptr<v1::Controller::Stub>> stubs_;
+  std::atomic<size_t> current_{0};
 };
 
 struct NodeUsage {

@@ -120,6 +120,61 @@ absl::StatusOr<Placement> Controller::Route(const std::string& tenant, const std
                                             uint64_t need_bytes, const std::string& avoid_worker) {
   KVT_RETURN_IF_ERROR(ValidateName("tenant", tenant));
   KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
+  if (share_ == nullptr) return RouteLocal(tenant, session, need_bytes, avoid_worker, {}, nullptr);
+  // Shared: decide on the shared entry, and write the decision when it
+  // changed it; a replica that wrote first wins and we decide again on its.
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    KVT_ASSIGN_OR_RETURN(std::optional<PlacementShare::Entry> shared,
+                         share_->Load(tenant, session));
+    PlacementShare::Entry decided;
+    KVT_ASSIGN_OR_RETURN(Placement p,
+                         RouteLocal(tenant, session, need_bytes, avoid_worker, shared, &decided));
+    if (shared.has_value() && shared->worker == decided.worker &&
+        shared->stores == decided.stores) {
+      return p;
+    }
+    KVT_ASSIGN_OR_RETURN(bool saved, share_->Save(tenant, session, decided,
+                                                  shared.has_value() ? shared->version : 0));
+    if (saved) return p;
+  }
+  return absl::AbortedError(
+      absl::StrCat("placement of ", session, " kept changing under other controller replicas"));
+}
+
+absl::StatusOr<int> Controller::ReplaceDeadStores() {
+  if (share_ == nullptr) return 0;
+  const std::vector<NodeInfo> stores = membership_.Live(NodeKind::kStore);
+  if (stores.empty()) return 0;
+  KVT_ASSIGN_OR_RETURN(auto all, share_->LoadAll());
+  int changed = 0;
+  for (auto& [key, entry] : all) {
+    const bool lost_one = std::any_of(entry.stores.begin(), entry.stores.end(),
+                                      [&](const auto& id) { return Find(stores, id) == nullptr; });
+    const size_t want = static_cast<size_t>(std::clamp(options_.replicas, 1, 3));
+    if (!lost_one && entry.stores.size() >= std::min(want, stores.size())) continue;
+    PlacementShare::Entry next;
+    {
+      absl::MutexLock lock(&mu_);
+      Recorded& rec = placements_[key];
+      rec.worker = entry.worker;
+      rec.stores = entry.stores;
+      rec.store_addresses.clear();
+      rec.last_used_ms = options_.membership.clock->NowUnixMs();
+      FillStoresLocked(key, rec, stores);
+      next.worker = rec.worker;
+      next.stores = rec.stores;
+    }
+    KVT_ASSIGN_OR_RETURN(bool saved, share_->Save(key.first, key.second, next, entry.version));
+    if (saved) ++changed;  // Else another replica moved it; the next sweep looks again.
+  }
+  return changed;
+}
+
+absl::StatusOr<Placement> Controller::RouteLocal(const std::string& tenant,
+                                                 const std::string& session, uint64_t need_bytes,
+                                                 const std::string& avoid_worker,
+                                                 const std::optional<PlacementShare::Entry>& shared,
+                                                 PlacementShare::Entry* decided) {
   std::vector<NodeInfo> workers = membership_.Live(NodeKind::kWorker);
   const std::vector<NodeInfo> stores = membership_.Live(NodeKind::kStore);
   if (!avoid_worker.empty()) {
@@ -140,6 +195,12 @@ absl::StatusOr<Placement> Controller::Route(const std::string& tenant, const std
   absl::MutexLock lock(&mu_);
   Recorded& rec = placements_[key];
   rec.last_used_ms = options_.membership.clock->NowUnixMs();
+  if (decided != nullptr) {
+    // The shared entry is the truth; this replica's record only caches it.
+    rec.worker = shared.has_value() ? shared->worker : "";
+    rec.stores = shared.has_value() ? shared->stores : std::vector<std::string>();
+    rec.store_addresses.clear();
+  }
 
   // The worker: the recorded one while it lives (and the caller reaches it).
   const NodeInfo* w = rec.worker.empty() ? nullptr : Find(workers, rec.worker);
@@ -168,6 +229,10 @@ absl::StatusOr<Placement> Controller::Route(const std::string& tenant, const std
   KVT_RETURN_IF_ERROR(ResolveReportedLocked(rec, stores));
   if (FillStoresLocked(key, rec, stores)) out.placed_now = true;
   for (const std::string& id : rec.stores) out.stores.push_back(*Find(stores, id));
+  if (decided != nullptr) {
+    decided->worker = rec.worker;
+    decided->stores = rec.stores;
+  }
   return out;
 }
 
@@ -188,7 +253,8 @@ std::vector<std::string> Controller::Tick() {
     const bool lost_one = std::any_of(rec.stores.begin(), rec.stores.end(), [&](const auto& id) {
       return std::find(dead.begin(), dead.end(), id) != dead.end();
     });
-    if (lost_one && !stores.empty()) FillStoresLocked(it->first, rec, stores);
+    // (Shared placements are replaced by the leader's ReplaceDeadStores.)
+    if (lost_one && !stores.empty() && share_ == nullptr) FillStoresLocked(it->first, rec, stores);
     ++it;
   }
   return dead;

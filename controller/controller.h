@@ -61,10 +61,45 @@ struct RepairTask {
   int attempt = 0;                // Attempts already made.
 };
 
+// Where recorded placements are shared between controller replicas (the
+// etcd back end). Each entry has a version (0: absent) that a write must
+// name, so two replicas that place one session at once agree on one
+// placement. Implementations are thread-safe and may block (I/O); the
+// controller never calls them under its lock.
+class PlacementShare {
+ public:
+  struct Entry {
+    std::string worker;
+    std::vector<std::string> stores;
+    int64_t version = 0;
+  };
+  virtual ~PlacementShare() = default;
+  // nullopt when the session has no shared placement.
+  virtual absl::StatusOr<std::optional<Entry>> Load(const std::string& tenant,
+                                                    const std::string& session) = 0;
+  // Writes when the shared version is still `expected_version`; false when
+  // another replica wrote first.
+  virtual absl::StatusOr<bool> Save(const std::string& tenant, const std::string& session,
+                                    const Entry& entry, int64_t expected_version) = 0;
+  // Every shared placement, as (tenant, session) and entry.
+  virtual absl::StatusOr<std::vector<std::pair<std::pair<std::string, std::string>, Entry>>>
+  LoadAll() = 0;
+};
+
 // Thread-safe.
 class Controller {
  public:
   explicit Controller(ControllerOptions options = {});
+
+  // Shares placements through `share` (not owned; it must outlive the
+  // controller): Route reads the session's shared placement before deciding
+  // and writes what it decided, and ReplaceDeadStores works on every shared
+  // placement. Call before serving.
+  void SetPlacementShare(PlacementShare* share) { share_ = share; }
+  // With a share: replaces store replicas that are not live in every shared
+  // placement (the etcd leader's sweep), recording repairs. Returns how many
+  // placements changed.
+  absl::StatusOr<int> ReplaceDeadStores();
 
   Membership& membership() { return membership_; }
   const ControllerOptions& options() const { return options_; }
@@ -139,7 +174,14 @@ class Controller {
   bool FillStoresLocked(const Key& key, Recorded& rec, const std::vector<NodeInfo>& stores)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // Route without a share, or on the entry loaded from it.
+  absl::StatusOr<Placement> RouteLocal(const std::string& tenant, const std::string& session,
+                                       uint64_t need_bytes, const std::string& avoid_worker,
+                                       const std::optional<PlacementShare::Entry>& shared,
+                                       PlacementShare::Entry* decided);
+
   const ControllerOptions options_;
+  PlacementShare* share_ = nullptr;
   Membership membership_;
   const int64_t start_ms_;
   mutable absl::Mutex mu_;

@@ -14,7 +14,8 @@ BUILD_DIR=${BUILD_DIR:-build}
 JOBS=${JOBS:-$(nproc)}
 PACKAGES=(g++ cmake make pkg-config libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev
   protobuf-compiler librocksdb-dev prometheus-cpp-dev libabsl-dev libgtest-dev libgmock-dev
-  libbenchmark-dev libssl-dev openssl clang libclang-rt-14-dev python3 iproute2 curl)
+  libbenchmark-dev libssl-dev openssl clang libclang-rt-14-dev python3 iproute2 curl
+  libcurl4-openssl-dev etcd-server)
 
 deps() {
   local missing=()

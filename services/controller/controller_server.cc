@@ -40,7 +40,7 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
   }
   KVT_ASSIGN_OR_RETURN(s->repairer_, Repairer::Start(s->controller_.get(), options.repair));
   std::string policy_file;
-  if (!options.state_dir.empty()) {
+  if (!options.state_dir.empty() && options.etcd_endpoints.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(options.state_dir, ec);
     if (ec) {
@@ -49,10 +49,28 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
     }
     policy_file = (std::filesystem::path(options.state_dir) / "policies").string();
   }
-  KVT_ASSIGN_OR_RETURN(s->policies_, PolicyBook::Open(policy_file));
+  if (!options.etcd_endpoints.empty()) {
+    EtcdOptions eo;
+    eo.endpoints = options.etcd_endpoints;
+    KVT_ASSIGN_OR_RETURN(std::unique_ptr<EtcdClient> etcd, EtcdClient::Connect(eo));
+    EtcdBackendOptions bo;
+    bo.prefix = options.etcd_prefix;
+    bo.replica_id = options.replica_id.empty() ? options.listen : options.replica_id;
+    s->etcd_ = std::make_unique<EtcdBackend>(std::move(etcd), bo, s->controller_.get());
+    s->controller_->SetPlacementShare(s->etcd_.get());
+    EtcdBackend* b = s->etcd_.get();
+    s->policies_ = PolicyBook::OpenShared(
+        {[b](const std::string& m, const std::string& v) { return b->PutPolicy(m, v); },
+         [b](const std::string& m) { return b->GetPolicy(m); }});
+    KVT_RETURN_IF_ERROR(b->Reconcile());
+    b->Campaign();
+  } else {
+    KVT_ASSIGN_OR_RETURN(s->policies_, PolicyBook::Open(policy_file));
+  }
   s->service_ =
       std::make_unique<ControllerService>(s->controller_.get(), s->policies_.get(), &s->auth_,
                                           s->metrics_registry_.get(), options.policy);
+  s->service_->SetEtcd(s->etcd_.get());
   KVT_ASSIGN_OR_RETURN(s->server_,
                        StartGrpcServer({options.listen, options.tls_cert, options.tls_key, {}},
                                        s->service_.get(), &s->port_));
@@ -61,7 +79,24 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
   const absl::Duration tick = m.heartbeat_interval / 2;
   s->sweeper_ = std::thread([raw, tick] {
     while (!raw->stop_.WaitForNotificationWithTimeout(tick)) {
+      bool leading = true;
+      if (raw->etcd_ != nullptr) {
+        absl::Status pulled = raw->etcd_->Reconcile();
+        if (!pulled.ok()) {
+          LogWarn("cannot read node records from etcd", {{"error", pulled.ToString()}});
+        }
+        leading = raw->etcd_->Campaign();
+        raw->metrics_registry_->Leader(leading);
+      }
       const std::vector<std::string> dead = raw->controller_->Tick();
+      if (raw->etcd_ != nullptr && leading) {
+        absl::StatusOr<int> moved = raw->controller_->ReplaceDeadStores();
+        if (!moved.ok()) {
+          LogWarn("replacing dead replicas failed", {{"error", moved.status().ToString()}});
+        } else if (*moved > 0) {
+          LogInfo("dead store replicas replaced", {{"placements", *moved}});
+        }
+      }
       if (!dead.empty()) raw->metrics_registry_->DeclaredDead(dead.size());
       raw->metrics_registry_->Update(*raw->controller_);
       raw->metrics_registry_->UpdateRepair(raw->repairer_->stats());
@@ -75,6 +110,7 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
            {"replicas", options.controller.replicas},
            {"policies", s->policies_->size()},
            {"state_dir", options.state_dir.empty() ? "(memory only)" : options.state_dir},
+           {"backend", s->etcd_ == nullptr ? "embedded" : "etcd"},
            {"repair_parallelism", options.repair.parallelism},
            {"repair_mb_per_s", options.repair.max_bytes_per_second >> 20},
            {"auth", s->auth_.enabled() ? "on" : "off"}});

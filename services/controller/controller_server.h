@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
@@ -33,6 +34,13 @@ struct ControllerServerOptions {
   // missing; empty keeps them in memory only (lost at a restart).
   std::string state_dir;
   PolicyServing policy;
+  // The etcd back end (docs/cluster.md): etcd's client URLs; empty: the
+  // embedded back end (this process only).
+  std::vector<std::string> etcd_endpoints;
+  std::string etcd_prefix = "/kvtier";
+  // This replica's name in the leader election; empty: its listen address
+  // with the bound port.
+  std::string replica_id;
 };
 
 class ControllerServer {
@@ -45,6 +53,9 @@ class ControllerServer {
   int metrics_port() const { return metrics_.port; }
   controller::Controller* controller() { return controller_.get(); }
   Repairer* repairer() { return repairer_.get(); }
+  // True while this replica runs the background sweep (always when
+  // embedded).
+  bool leader() const { return etcd_ == nullptr || etcd_->leader(); }
   // The Prometheus text of its metrics (what /metrics serves).
   std::string RenderMetrics() const;
 
@@ -55,6 +66,7 @@ class ControllerServer {
   std::unique_ptr<controller::Controller> controller_;
   std::unique_ptr<ControllerMetrics> metrics_registry_;
   std::unique_ptr<PolicyBook> policies_;
+  std::unique_ptr<EtcdBackend> etcd_;  // Null: embedded.
   std::unique_ptr<ControllerService> service_;
   std::unique_ptr<Repairer> repairer_;
   MetricsEndpoint metrics_;

@@ -106,7 +106,14 @@ ControllerMetrics::ControllerMetrics()
                     .Name("kvtier_controller_policies")
                     .Help("Models with a registered policy")
                     .Register(*registry_)
-                    .Add({})) {}
+                    .Add({})),
+      leader_(prometheus::BuildGauge()
+                  .Name("kvtier_controller_leader")
+                  .Help("1 while this replica runs the background sweep (always, without etcd)")
+                  .Register(*registry_)
+                  .Add({})) {
+  leader_.Set(1);
+}
 
 void ControllerMetrics::UpdateRepair(const RepairStats& now) {
   auto add = [&](const char* what, uint64_t now_v, uint64_t was) {
@@ -194,7 +201,11 @@ grpc::ServerUnaryReactor* ControllerService::Register(grpc::CallbackServerContex
     spec.capacity_bytes = req->capacity_bytes();
     spec.has_gpu = req->has_gpu();
     KVT_RETURN_IF_ERROR(controller_->membership().Register(spec));
-    if (spec.kind == NodeKind::kWorker) {
+    if (etcd_ != nullptr) {
+      // Shared with the other replicas; placements are in etcd already, so
+      // the worker's held sessions need no adoption.
+      KVT_RETURN_IF_ERROR(etcd_->NodeRegistered(spec));
+    } else if (spec.kind == NodeKind::kWorker) {
       for (const v1::HeldSession& h : req->sessions()) {
         controller_->Adopt(spec.id, h.tenant(), h.session_id(),
                            {h.store_addresses().begin(), h.store_addresses().end()});
@@ -215,6 +226,16 @@ grpc::ServerUnaryReactor* ControllerService::Heartbeat(grpc::CallbackServerConte
   absl::Status s = [&]() -> absl::Status {
     KVT_RETURN_IF_ERROR(RequireNode(*auth_, *ctx));
     controller::Membership& m = controller_->membership();
+    if (etcd_ != nullptr) {
+      KVT_ASSIGN_OR_RETURN(
+          controller::NodeSpec spec,
+          etcd_->NodeHeartbeat(req->node_id(), req->used_bytes(), req->active_sessions()));
+      // A node that registered at another replica, not pulled here yet.
+      if (absl::IsNotFound(
+              m.Heartbeat(req->node_id(), req->used_bytes(), req->active_sessions()))) {
+        KVT_RETURN_IF_ERROR(m.Register(spec));
+      }
+    }
     KVT_RETURN_IF_ERROR(m.Heartbeat(req->node_id(), req->used_bytes(), req->active_sessions()));
     controller::Pressure level = controller::Pressure::kNone;
     for (const NodeInfo& n : m.All()) {

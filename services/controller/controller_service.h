@@ -13,6 +13,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 #include "services/common/auth.h"
+#include "services/controller/etcd_backend.h"
 #include "services/controller/policy_book.h"
 #include "services/controller/repairer.h"
 
@@ -30,6 +31,7 @@ class ControllerMetrics {
   // A GetPolicy answer: "registered", "tightened" or "not_found".
   void PolicyAnswer(const char* result) { policy_answers_.Add({{"result", result}}).Increment(); }
   void Policies(size_t n) { policies_.Set(static_cast<double>(n)); }
+  void Leader(bool leading) { leader_.Set(leading ? 1 : 0); }
   // Adds what the repairer did since the last call.
   void UpdateRepair(const RepairStats& now);
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
@@ -49,6 +51,7 @@ class ControllerMetrics {
   prometheus::Family<prometheus::Gauge>& nodes_by_pressure_;
   prometheus::Family<prometheus::Counter>& policy_answers_;
   prometheus::Gauge& policies_;
+  prometheus::Gauge& leader_;
   absl::Mutex mu_;
   RepairStats last_repair_ ABSL_GUARDED_BY(mu_);
 };
@@ -64,6 +67,8 @@ class ControllerService final : public v1::Controller::CallbackService {
   ControllerService(controller::Controller* controller, PolicyBook* policies,
                     const Authenticator* auth, ControllerMetrics* metrics,
                     PolicyServing serving = {});
+  // With the etcd back end: node records go to etcd too. Call before serving.
+  void SetEtcd(EtcdBackend* etcd) { etcd_ = etcd; }
 
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* ctx,
                                      const v1::RegisterRequest* req,
@@ -89,6 +94,7 @@ class ControllerService final : public v1::Controller::CallbackService {
 
   controller::Controller* const controller_;
   PolicyBook* const policies_;
+  EtcdBackend* etcd_ = nullptr;
   const Authenticator* const auth_;
   ControllerMetrics* const metrics_;
   const PolicyServing serving_;

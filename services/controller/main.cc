@@ -8,6 +8,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_split.h"
 #include "base/log.h"
 #include "services/common/serve_main.h"
 #include "services/common/server_credentials.h"
@@ -44,6 +45,12 @@ ABSL_FLAG(double, pressure_high, 0.95,
           "Used/capacity at which a node's pressure is HIGH (stores also drop never-recalled "
           "rounds of cold sessions).");
 ABSL_FLAG(int, cold_after_seconds, 60, "A session idle this long is cold.");
+ABSL_FLAG(std::string, etcd, "",
+          "etcd client URLs (http://host:2379,...): the etcd back end, for several controller "
+          "replicas. Empty: the embedded back end.");
+ABSL_FLAG(std::string, etcd_prefix, "/kvtier", "Key prefix of this cluster in etcd.");
+ABSL_FLAG(std::string, replica_id, "",
+          "This replica's name in the leader election; empty: its listen address.");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warn or error.");
 
 int main(int argc, char** argv) {
@@ -73,6 +80,9 @@ int main(int argc, char** argv) {
   o.controller.membership.pressure_moderate = absl::GetFlag(FLAGS_pressure_moderate);
   o.controller.membership.pressure_high = absl::GetFlag(FLAGS_pressure_high);
   o.state_dir = absl::GetFlag(FLAGS_state_dir);
+  o.etcd_endpoints = absl::StrSplit(absl::GetFlag(FLAGS_etcd), ',', absl::SkipEmpty());
+  o.etcd_prefix = absl::GetFlag(FLAGS_etcd_prefix);
+  o.replica_id = absl::GetFlag(FLAGS_replica_id);
   o.policy.cold_after = absl::Seconds(absl::GetFlag(FLAGS_cold_after_seconds));
   o.controller.placement_idle = absl::Hours(absl::GetFlag(FLAGS_placement_idle_hours));
   o.repair.store_token = absl::GetFlag(FLAGS_store_token);

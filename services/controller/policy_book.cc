@@ -118,8 +118,19 @@ absl::Status PolicyBook::WriteLocked(const std::map<std::string, v1::SetPolicyRe
   return SyncedWrite(path_, out);
 }
 
+std::unique_ptr<PolicyBook> PolicyBook::OpenShared(PolicyRemote remote) {
+  return std::unique_ptr<PolicyBook>(new PolicyBook(std::move(remote)));
+}
+
 absl::StatusOr<bool> PolicyBook::Set(const v1::SetPolicyRequest& req) {
   KVT_RETURN_IF_ERROR(Validate(req));
+  if (remote_.put) {
+    KVT_ASSIGN_OR_RETURN(std::optional<std::string> was, remote_.get(req.model_name()));
+    KVT_RETURN_IF_ERROR(remote_.put(req.model_name(), req.SerializeAsString()));
+    absl::MutexLock lock(&mu_);
+    policies_[req.model_name()] = req;
+    return was.has_value();
+  }
   absl::MutexLock lock(&mu_);
   std::map<std::string, v1::SetPolicyRequest> next = policies_;
   const bool replaced = next.count(req.model_name()) > 0;
@@ -130,6 +141,20 @@ absl::StatusOr<bool> PolicyBook::Set(const v1::SetPolicyRequest& req) {
 }
 
 std::optional<v1::SetPolicyRequest> PolicyBook::Get(const std::string& model_name) const {
+  if (remote_.get) {
+    absl::StatusOr<std::optional<std::string>> got = remote_.get(model_name);
+    v1::SetPolicyRequest req;
+    absl::MutexLock lock(&mu_);
+    if (got.ok()) {
+      if (!got->has_value() || !req.ParseFromString(**got)) {
+        policies_.erase(model_name);
+        return std::nullopt;
+      }
+      policies_[model_name] = req;
+      return req;
+    }
+    // The remote cannot be reached: the last answer.
+  }
   absl::MutexLock lock(&mu_);
   auto it = policies_.find(model_name);
   if (it == policies_.end()) return std::nullopt;

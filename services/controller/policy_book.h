@@ -11,6 +11,7 @@
 #ifndef KVTIER_SERVICES_CONTROLLER_POLICY_BOOK_H_
 #define KVTIER_SERVICES_CONTROLLER_POLICY_BOOK_H_
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -23,12 +24,22 @@
 
 namespace kvtier {
 
+// Where policies live when controller replicas share them (the etcd back
+// end): serialized SetPolicyRequests by model name.
+struct PolicyRemote {
+  std::function<absl::Status(const std::string& model, const std::string& bytes)> put;
+  std::function<absl::StatusOr<std::optional<std::string>>(const std::string& model)> get;
+};
+
 // Thread-safe.
 class PolicyBook {
  public:
   // Reads `path` when it exists; an empty path keeps policies in memory only.
   // DATA_LOSS for a file that fails its checksum or does not parse.
   static absl::StatusOr<std::unique_ptr<PolicyBook>> Open(std::string path);
+  // Policies kept in `remote` (every replica sees every Set); the last
+  // answer per model is cached for when the remote cannot be reached.
+  static std::unique_ptr<PolicyBook> OpenShared(PolicyRemote remote);
 
   // Validates and records req (replacing the model's earlier policy), then
   // rewrites the file. Returns whether it replaced one; INVALID_ARGUMENT for
@@ -40,12 +51,14 @@ class PolicyBook {
 
  private:
   explicit PolicyBook(std::string path) : path_(std::move(path)) {}
+  explicit PolicyBook(PolicyRemote remote) : remote_(std::move(remote)) {}
   absl::Status WriteLocked(const std::map<std::string, v1::SetPolicyRequest>& all) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string path_;
+  const PolicyRemote remote_;  // Unset: the file (or memory).
   mutable absl::Mutex mu_;
-  std::map<std::string, v1::SetPolicyRequest> policies_ ABSL_GUARDED_BY(mu_);
+  mutable std::map<std::string, v1::SetPolicyRequest> policies_ ABSL_GUARDED_BY(mu_);
 };
 
 // What GetPolicy answers for a registered policy: as registered, or, when
