@@ -26,6 +26,7 @@
 #include "refengine/demo.h"
 #include "testing/store_process.h"
 #include "testing/test_util.h"
+#include "tests/util/etcd_process.h"
 #include "tests/util/netns_cluster.h"
 #include "tests/util/segment_refs.h"
 
@@ -45,6 +46,18 @@ class ClusterTest : public ::testing::Test {
       GTEST_SKIP() << "skipped: " << c.status().message();
     }
     cluster_ = std::move(*c);
+    if (etcd_mode_) {
+      if (testing::EtcdProcess::Binary().empty()) {
+        if (testing::InCi()) FAIL() << "CI=true but etcd (Debian's etcd-server) is not installed";
+        GTEST_SKIP() << "needs etcd (Debian's etcd-server; scripts/kvtier.sh deps installs it)";
+      }
+      // etcd on host 0, beside controller replica A.
+      etcd_ = std::make_unique<testing::EtcdProcess>(
+          dir_.path(), cluster_->Address(0),
+          std::vector<std::string>{"ip", "netns", "exec", cluster_->Namespace(0)}, 2379, 2380);
+      absl::Status st = etcd_->Start();
+      ASSERT_TRUE(st.ok()) << st;
+    }
     tenants_ = dir_.path() + "/tenants";
     testing::WriteFile(tenants_,
                        absl::StrCat(kNodeToken, " nodes node\n", kAcmeToken, " acme readwrite\n"));
@@ -78,14 +91,32 @@ class ClusterTest : public ::testing::Test {
 
   absl::Status StartController() {
     if (controller_proc_ != nullptr) return controller_proc_->Start();  // A restart.
-    auto p = cluster_->Run(0, "controller", ControllerBinary(),
-                           {"--listen=" + cluster_->Address(0) + ":0", "--port_file=PORT_FILE",
-                            "--metrics_listen=", "--tenants_file=" + tenants_, "--replicas=2",
-                            "--heartbeat_interval_ms=200", "--warmup_seconds=1",
-                            absl::StrCat("--store_token=", kNodeToken), "--repair_mb_per_s=0"});
+    std::vector<std::string> args = {"--listen=" + cluster_->Address(0) + ":0",
+                                     "--port_file=PORT_FILE",
+                                     "--metrics_listen=",
+                                     "--tenants_file=" + tenants_,
+                                     "--replicas=2",
+                                     "--heartbeat_interval_ms=200",
+                                     "--warmup_seconds=1",
+                                     absl::StrCat("--store_token=", kNodeToken),
+                                     "--repair_mb_per_s=0"};
+    if (etcd_mode_) {
+      args.push_back("--etcd=" + etcd_->endpoint());
+      args.push_back("--replica_id=controller-a");
+    }
+    auto p = cluster_->Run(0, "controller", ControllerBinary(), args);
     if (!p.ok()) return p.status();
     controller_proc_ = *p;
     controller_ = absl::StrCat(cluster_->Address(0), ":", controller_proc_->port());
+    if (etcd_mode_) {
+      // Replica B on the spare host; nodes and engines are given both.
+      args[0] = "--listen=" + cluster_->Address(6) + ":0";
+      args.back() = "--replica_id=controller-b";
+      auto b = cluster_->Run(6, "controller-b", ControllerBinary(), args);
+      if (!b.ok()) return b.status();
+      controller_b_ = *b;
+      controller_ += absl::StrCat(",", cluster_->Address(6), ":", controller_b_->port());
+    }
     return absl::OkStatus();
   }
   // store-`n` on `host`.
@@ -173,6 +204,10 @@ class ClusterTest : public ::testing::Test {
 
   testing::TempDir dir_;
   std::unique_ptr<testing::NetnsCluster> cluster_;
+  // The etcd back end: etcd and replica A on host 0, replica B on host 6.
+  bool etcd_mode_ = false;
+  std::unique_ptr<testing::EtcdProcess> etcd_;
+  testing::HostProcess* controller_b_ = nullptr;
   std::string tenants_, controller_;
   testing::HostProcess* controller_proc_ = nullptr;
   std::vector<testing::HostProcess*> stores_, workers_;
@@ -454,6 +489,53 @@ TEST_F(ClusterTest, GreedyTokensSurviveAWorkerKill) {
   EXPECT_EQ(moved[0].round, 3u);  // Round 3 (0-based) was open when its worker died.
   EXPECT_NE(moved[0].from, moved[0].to);
   EXPECT_EQ(killed->answers, plain->answers);
+}
+
+// The etcd back end: two controller replicas share membership, placements
+// and policies through a real etcd on host 0; nodes and the engine know
+// both. The leader replica is killed with SIGKILL at round 3, and worker-1
+// at round 5, so that its sessions fail over through the surviving replica
+// (which must still see the nodes live: their heartbeats moved to it). No
+// session fails, every one gives exactly the outputs of an undisturbed run,
+// the other replica takes the lead, and every round ends up on two replicas.
+class EtcdClusterTest : public ClusterTest {
+ protected:
+  EtcdClusterTest() { etcd_mode_ = true; }
+};
+
+TEST_F(EtcdClusterTest, LossOfTheLeaderControllerFailsNoSession) {
+  refengine::DemoOptions o = Demo("etcd-base-");
+  o.rounds = 6;
+  auto base = refengine::RunDemo(o, nullptr);
+  ASSERT_TRUE(base.ok()) << base.status();
+  ASSERT_THAT(controller_proc_->Tail(), ::testing::HasSubstr("elected leader controller"));
+  o.session_prefix = "etcd-";
+  o.delete_at_end = false;
+  std::atomic<bool> killed{false}, worker_killed{false};
+  auto run = refengine::RunDemo(o, [&](const std::string& line) {
+    if (absl::StrContains(line, " round 3/") && !killed.exchange(true)) controller_proc_->Kill();
+    if (absl::StrContains(line, " round 5/") && !worker_killed.exchange(true)) {
+      workers_[0]->Kill();
+    }
+  });
+  ASSERT_TRUE(killed && worker_killed);
+  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_EQ(run->sessions.size(), base->sessions.size());
+  int failovers = 0;
+  for (size_t i = 0; i < run->sessions.size(); ++i) {
+    EXPECT_EQ(run->sessions[i].err2, base->sessions[i].err2) << run->sessions[i].id;
+    EXPECT_EQ(run->sessions[i].rounds.size(), 6u) << run->sessions[i].id;
+    EXPECT_EQ(run->sessions[i].worker, "worker-2") << run->sessions[i].id;
+    failovers += static_cast<int>(run->sessions[i].failovers.size());
+  }
+  EXPECT_GE(failovers, 1);
+  const absl::Time by = absl::Now() + absl::Seconds(20);
+  while (!absl::StrContains(controller_b_->Tail(), "elected leader controller") &&
+         absl::Now() < by) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_THAT(controller_b_->Tail(), ::testing::HasSubstr("elected leader controller"));
+  for (const refengine::DemoSession& f : run->sessions) ExpectReplicated(f.id, 6);
 }
 
 }  // namespace
