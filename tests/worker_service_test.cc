@@ -3,6 +3,7 @@
 #include <cmath>
 #include <random>
 
+#include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "grpcpp/create_channel.h"
@@ -1360,6 +1361,105 @@ TEST(WorkerPressureTest, ColdSessionsGetTighterPoliciesAndLoseUnrecalledRounds) 
   ASSERT_TRUE(PrefillStep(stub.get(), "p", 4, &rng).ok());
   ASSERT_TRUE(EndRound(stub.get(), "p", &end).ok());
   EXPECT_EQ(end.round(), 3u);
+}
+
+// A workload that writes past the cluster's budget: one store with a 1 MiB
+// disk budget (its capacity in the cluster), two sessions that go cold, and
+// a pinned session that keeps writing. The store frees what it can (the
+// cold sessions' rounds, never-recalled ones first) and answers
+// RESOURCE_EXHAUSTED, as backpressure, only when nothing unpinned is left to
+// drop; the controller saw the store at HIGH; no process dies, and the
+// pinned session's acknowledged rounds are all there.
+TEST(WorkerPressureTest, WritesPastTheBudgetAreRefusedOnlyWhenNothingCanBeFreed) {
+  testing::TempDir dir;
+  ControllerServerOptions co;
+  co.listen = "127.0.0.1:0";
+  co.metrics_listen = "";
+  co.controller.membership.heartbeat_interval = absl::Milliseconds(100);
+  co.controller.membership.warmup = absl::ZeroDuration();
+  co.policy.cold_after = absl::Milliseconds(300);
+  auto ctl = ControllerServer::Start(co);
+  ASSERT_TRUE(ctl.ok()) << ctl.status();
+  const std::string controller = absl::StrCat("127.0.0.1:", (*ctl)->port());
+  testing::StoreProcess store(dir.path() + "/db", {"--controller=" + controller,
+                                                   "--node_id=store-b", "--disk_budget_mb=1"});
+  ASSERT_TRUE(store.Start().ok());
+  WorkerServerOptions wo;
+  wo.listen = "127.0.0.1:0";
+  wo.metrics_listen = "";
+  wo.store.target = store.target();
+  wo.cluster.controller = controller;
+  wo.cluster.node_id = "worker-b";
+  auto worker = WorkerServer::Start(wo);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  auto stub = v1::Worker::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*worker)->port()),
+                                                      grpc::InsecureChannelCredentials()));
+  StoreClientOptions so;
+  so.target = store.target();
+  auto client = std::move(StoreClient::Connect(so)).value();
+  auto open = [&](const std::string& id) {
+    grpc::ClientContext c;
+    v1::OpenSessionResponse r;
+    return stub->OpenSession(&c, OpenRequest(id), &r);
+  };
+  std::mt19937 rng(13);
+  v1::EndRoundResponse end;
+  // Two sessions write 4 rounds each (about 25 KB a round) and go cold.
+  for (const char* id : {"cold-0", "cold-1"}) {
+    ASSERT_TRUE(open(id).ok());
+    for (int round = 0; round < 4; ++round) {
+      ASSERT_TRUE(PrefillStep(stub.get(), id, 256, &rng).ok());
+      ASSERT_TRUE(EndRound(stub.get(), id, &end).ok());
+    }
+  }
+  // The pinned one writes until the store refuses.
+  ASSERT_TRUE(open("pinned").ok());
+  ASSERT_TRUE(PrefillStep(stub.get(), "pinned", 256, &rng).ok());
+  ASSERT_TRUE(EndRound(stub.get(), "pinned", &end).ok());
+  ASSERT_TRUE(client->PinSession("pinned", true).ok());
+  int acknowledged = 1;
+  uint64_t pinned_bytes = end.stored_bytes();
+  const uint64_t round_bytes = end.stored_bytes();
+  grpc::Status refused;
+  for (int round = 1; round < 200 && refused.ok(); ++round) {
+    ASSERT_TRUE(PrefillStep(stub.get(), "pinned", 256, &rng).ok()) << "round " << round;
+    refused = EndRound(stub.get(), "pinned", &end);
+    if (refused.ok()) {
+      ++acknowledged;
+      pinned_bytes += end.stored_bytes();
+    }
+  }
+  ASSERT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_THAT(refused.error_message(), ::testing::HasSubstr("disk budget"));
+  // Refused only when the pinned rounds alone leave no room for one more.
+  EXPECT_LE(pinned_bytes, uint64_t{1} << 20);
+  EXPECT_GT(pinned_bytes + round_bytes, uint64_t{1} << 20);
+  // Nothing unpinned was left to drop, and the pinned rounds are all there.
+  for (const char* id : {"cold-0", "cold-1"}) {
+    auto listed = client->ListRounds(id);
+    EXPECT_TRUE(!listed.ok() || listed->rounds_size() == 0) << id << " still holds rounds";
+  }
+  auto pinned = client->ListRounds("pinned");
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  EXPECT_EQ(pinned->rounds_size(), acknowledged);
+  auto stats = client->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_GE(stats->drops(), 8u);
+  // The controller saw the store at HIGH (every stored byte counts against
+  // its budget).
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  const std::string high = "kvtier_controller_node_pressure{kind=\"store\",node=\"store-b\"} 2";
+  while (!absl::StrContains((*ctl)->RenderMetrics(), high) && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_THAT((*ctl)->RenderMetrics(), ::testing::HasSubstr(high));
+  // Both processes are alive and serve: the open round can still be closed.
+  grpc::ClientContext c;
+  v1::CloseSessionRequest close;
+  close.set_session_id("pinned");
+  v1::CloseSessionResponse closed;
+  EXPECT_TRUE(stub->CloseSession(&c, close, &closed).ok());
+  EXPECT_TRUE(client->ListRounds("pinned").ok());
 }
 
 }  // namespace

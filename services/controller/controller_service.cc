@@ -97,6 +97,10 @@ ControllerMetrics::ControllerMetrics()
                              .Name("kvtier_controller_nodes_by_pressure")
                              .Help("Live nodes at each pressure level")
                              .Register(*registry_)),
+      node_sessions_(prometheus::BuildGauge()
+                         .Name("kvtier_controller_node_sessions")
+                         .Help("Sessions each live node reports holding (its last heartbeat)")
+                         .Register(*registry_)),
       policy_answers_(prometheus::BuildCounter()
                           .Name("kvtier_controller_policy_answers_total")
                           .Help("GetPolicy answers: as registered, tightened for a cold session "
@@ -139,6 +143,8 @@ void ControllerMetrics::Update(controller::Controller& c) {
     if (n.live) by_level[static_cast<int>(p)] += 1;
     pressure_.Add({{"node", n.spec.id}, {"kind", controller::NodeKindName(n.spec.kind)}})
         .Set(static_cast<double>(static_cast<int>(p)));
+    node_sessions_.Add({{"node", n.spec.id}, {"kind", controller::NodeKindName(n.spec.kind)}})
+        .Set(n.live ? static_cast<double>(n.active_sessions) : 0.0);
   }
   for (const controller::Pressure p : {controller::Pressure::kNone, controller::Pressure::kModerate,
                                        controller::Pressure::kHigh}) {

@@ -49,6 +49,7 @@ class ControllerMetrics {
   prometheus::Family<prometheus::Counter>& repair_family_;
   prometheus::Family<prometheus::Gauge>& pressure_;
   prometheus::Family<prometheus::Gauge>& nodes_by_pressure_;
+  prometheus::Family<prometheus::Gauge>& node_sessions_;
   prometheus::Family<prometheus::Counter>& policy_answers_;
   prometheus::Gauge& policies_;
   prometheus::Gauge& leader_;
