@@ -14,6 +14,8 @@
 //    PutSegment of the same segments to that store by one client.
 //
 //   kvtier-cluster-bench [--sessions=N] [--routes=N] [--rounds=N]
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -24,6 +26,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "base/status_macros.h"
 #include "client/store_client.h"
 #include "controller/placement.h"
 #include "grpcpp/create_channel.h"
@@ -73,28 +76,52 @@ double Percentile(std::vector<double> v, double p) {
   return v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
 }
 
-int RouteLatency(int routes) {
+// A controller in this process with 8 workers and 8 stores, on the embedded
+// back end, or on etcd at `etcd` (its placements then live there).
+absl::StatusOr<std::unique_ptr<ControllerServer>> BenchController(const std::string& etcd) {
   ControllerServerOptions o;
   o.listen = "127.0.0.1:0";
   o.metrics_listen = "";
   o.controller.replicas = 2;
   o.controller.membership.warmup = absl::ZeroDuration();
   o.controller.membership.heartbeat_interval = absl::Seconds(60);  // No sweeps mid-run.
-  auto server = ControllerServer::Start(o);
-  if (!server.ok()) {
-    std::fprintf(stderr, "controller: %s\n", server.status().ToString().c_str());
-    return 1;
+  if (!etcd.empty()) {
+    o.etcd_endpoints = {etcd};
+    o.etcd_prefix = absl::StrCat("/kvtier-bench-", ::getpid());
   }
-  controller::Membership& m = (*server)->controller()->membership();
+  KVT_ASSIGN_OR_RETURN(std::unique_ptr<ControllerServer> server, ControllerServer::Start(o));
+  controller::Membership& m = server->controller()->membership();
   for (int i = 0; i < 8; ++i) {
     (void)m.Register({absl::StrCat("store-", i), controller::NodeKind::kStore,
                       absl::StrCat("10.0.0.", i + 1, ":7070")});
     (void)m.Register({absl::StrCat("worker-", i), controller::NodeKind::kWorker,
                       absl::StrCat("10.0.1.", i + 1, ":7071")});
   }
+  return server;
+}
+
+int RouteLatency(int routes, const std::string& etcd) {
+  auto server = BenchController("");
+  if (!server.ok()) {
+    std::fprintf(stderr, "controller: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
   auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*server)->port()),
                                      grpc::InsecureChannelCredentials());
   auto stub = v1::Controller::NewStub(channel);
+  std::unique_ptr<ControllerServer> on_etcd;
+  std::unique_ptr<v1::Controller::Stub> etcd_stub;
+  if (!etcd.empty()) {
+    auto e = BenchController(etcd);
+    if (!e.ok()) {
+      std::fprintf(stderr, "controller on etcd %s: %s\n", etcd.c_str(),
+                   e.status().ToString().c_str());
+      return 1;
+    }
+    on_etcd = std::move(*e);
+    etcd_stub = v1::Controller::NewStub(grpc::CreateChannel(
+        absl::StrCat("127.0.0.1:", on_etcd->port()), grpc::InsecureChannelCredentials()));
+  }
   grpc::GenericStub generic(channel);
   grpc::Slice empty_slice(std::string{});
   auto time_ms = [](auto&& f) {
@@ -102,7 +129,7 @@ int RouteLatency(int routes) {
     f();
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   };
-  std::vector<double> noop, fresh, placed;
+  std::vector<double> noop, fresh, placed, etcd_fresh, etcd_placed;
   for (int i = 0; i < routes; ++i) {
     noop.push_back(time_ms([&] {
       grpc::ClientContext c;
@@ -124,6 +151,15 @@ int RouteLatency(int routes) {
       v1::RouteResponse r;
       (void)stub->Route(&c, req, &r);
     }));
+    if (etcd_stub != nullptr) {
+      for (std::vector<double>* v : {&etcd_fresh, &etcd_placed}) {
+        v->push_back(time_ms([&] {
+          grpc::ClientContext c;
+          v1::RouteResponse r;
+          (void)etcd_stub->Route(&c, req, &r);
+        }));
+      }
+    }
   }
   std::printf("\n== Route latency, %d calls each, 8 workers + 8 stores, R=2, loopback\n", routes);
   std::printf("%-28s %10s %10s %12s\n", "call", "p50 ms", "p99 ms", "p50 / no-op");
@@ -131,10 +167,14 @@ int RouteLatency(int routes) {
   for (const auto& [name, v] : std::vector<std::pair<const char*, std::vector<double>*>>{
            {"gRPC no-op (health check)", &noop},
            {"Route, new session", &fresh},
-           {"Route, placed session", &placed}}) {
+           {"Route, placed session", &placed},
+           {"Route on etcd, new session", &etcd_fresh},
+           {"Route on etcd, placed", &etcd_placed}}) {
+    if (v->empty()) continue;
     std::printf("%-28s %10.3f %10.3f %12.2f\n", name, Percentile(*v, 0.5), Percentile(*v, 0.99),
                 Percentile(*v, 0.5) / base);
   }
+  if (etcd.empty()) std::printf("(the etcd back end's rows: --etcd=http://HOST:2379)\n");
   return 0;
 }
 
@@ -333,6 +373,7 @@ int Replication(int rounds) {
 
 int main(int argc, char** argv) {
   int sessions = 100000, routes = 5000, rounds = 8;
+  std::string etcd;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a.rfind("--sessions=", 0) == 0 && absl::SimpleAtoi(a.substr(11), &sessions) &&
@@ -345,10 +386,16 @@ int main(int argc, char** argv) {
     if (a.rfind("--rounds=", 0) == 0 && absl::SimpleAtoi(a.substr(9), &rounds) && rounds > 0) {
       continue;
     }
-    std::fprintf(stderr, "usage: kvtier-cluster-bench [--sessions=N] [--routes=N] [--rounds=N]\n");
+    if (a.rfind("--etcd=", 0) == 0) {
+      etcd = a.substr(7);
+      continue;
+    }
+    std::fprintf(stderr,
+                 "usage: kvtier-cluster-bench [--sessions=N] [--routes=N] [--rounds=N] "
+                 "[--etcd=http://HOST:2379]\n");
     return 2;
   }
   kvtier::Movement(sessions);
-  if (int rc = kvtier::RouteLatency(routes); rc != 0) return rc;
+  if (int rc = kvtier::RouteLatency(routes, etcd); rc != 0) return rc;
   return kvtier::Replication(rounds);
 }
