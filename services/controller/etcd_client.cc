@@ -17,6 +17,15 @@ namespace {
 using google::protobuf::Struct;
 using google::protobuf::Value;
 
+// One curl handle per thread, reused across calls so that its connections
+// to etcd stay open (curl_easy_reset keeps them).
+struct ThreadHandle {
+  CURL* h = curl_easy_init();
+  ~ThreadHandle() {
+    if (h != nullptr) curl_easy_cleanup(h);
+  }
+};
+
 size_t Collect(char* data, size_t size, size_t n, void* out) {
   static_cast<std::string*>(out)->append(data, size * n);
   return size * n;
@@ -111,8 +120,10 @@ absl::StatusOr<std::string> EtcdClient::Post(const std::string& path, const std:
     const size_t i = (first + k) % n;
     const std::string url = options_.endpoints[i] + path;
     std::string body;
-    CURL* h = curl_easy_init();
+    thread_local ThreadHandle handle;
+    CURL* h = handle.h;
     if (h == nullptr) return absl::InternalError("curl_easy_init failed");
+    curl_easy_reset(h);
     curl_slist* headers = curl_slist_append(nullptr, "Content-Type: application/json");
     curl_easy_setopt(h, CURLOPT_URL, url.c_str());
     curl_easy_setopt(h, CURLOPT_HTTPHEADER, headers);
@@ -127,7 +138,6 @@ absl::StatusOr<std::string> EtcdClient::Post(const std::string& path, const std:
     long http = 0;
     curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &http);
     curl_slist_free_all(headers);
-    curl_easy_cleanup(h);
     if (rc != CURLE_OK) {
       last_error = absl::StrCat(url, ": ", curl_easy_strerror(rc));
       continue;
