@@ -493,11 +493,13 @@ TEST_F(ClusterTest, GreedyTokensSurviveAWorkerKill) {
 
 // The etcd back end: two controller replicas share membership, placements
 // and policies through a real etcd on host 0; nodes and the engine know
-// both. The leader replica is killed with SIGKILL at round 3, and worker-1
-// at round 5, so that its sessions fail over through the surviving replica
-// (which must still see the nodes live: their heartbeats moved to it). No
-// session fails, every one gives exactly the outputs of an undisturbed run,
-// the other replica takes the lead, and every round ends up on two replicas.
+// both. The leader replica is killed with SIGKILL at round 3, store-1 at
+// round 4 (the new leader must replace it in the shared placements and
+// repair), and worker-1 at round 5, so that its sessions fail over through
+// the surviving replica (which must still see the nodes live: their
+// heartbeats moved to it). No session fails, every one gives exactly the
+// outputs of an undisturbed run, the other replica takes the lead, and every
+// round ends up on two live replicas.
 class EtcdClusterTest : public ClusterTest {
  protected:
   EtcdClusterTest() { etcd_mode_ = true; }
@@ -511,14 +513,15 @@ TEST_F(EtcdClusterTest, LossOfTheLeaderControllerFailsNoSession) {
   ASSERT_THAT(controller_proc_->Tail(), ::testing::HasSubstr("elected leader controller"));
   o.session_prefix = "etcd-";
   o.delete_at_end = false;
-  std::atomic<bool> killed{false}, worker_killed{false};
+  std::atomic<bool> killed{false}, store_killed{false}, worker_killed{false};
   auto run = refengine::RunDemo(o, [&](const std::string& line) {
     if (absl::StrContains(line, " round 3/") && !killed.exchange(true)) controller_proc_->Kill();
+    if (absl::StrContains(line, " round 4/") && !store_killed.exchange(true)) stores_[0]->Kill();
     if (absl::StrContains(line, " round 5/") && !worker_killed.exchange(true)) {
       workers_[0]->Kill();
     }
   });
-  ASSERT_TRUE(killed && worker_killed);
+  ASSERT_TRUE(killed && store_killed && worker_killed);
   ASSERT_TRUE(run.ok()) << run.status();
   ASSERT_EQ(run->sessions.size(), base->sessions.size());
   int failovers = 0;
@@ -526,6 +529,8 @@ TEST_F(EtcdClusterTest, LossOfTheLeaderControllerFailsNoSession) {
     EXPECT_EQ(run->sessions[i].err2, base->sessions[i].err2) << run->sessions[i].id;
     EXPECT_EQ(run->sessions[i].rounds.size(), 6u) << run->sessions[i].id;
     EXPECT_EQ(run->sessions[i].worker, "worker-2") << run->sessions[i].id;
+    EXPECT_THAT(run->sessions[i].stores, ::testing::Not(::testing::Contains("store-1")))
+        << run->sessions[i].id;
     failovers += static_cast<int>(run->sessions[i].failovers.size());
   }
   EXPECT_GE(failovers, 1);

@@ -78,8 +78,11 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
   ControllerServer* raw = s.get();
   const absl::Duration tick = m.heartbeat_interval / 2;
   s->sweeper_ = std::thread([raw, tick] {
+    bool led = false;
+    int64_t ticks = 0;
     while (!raw->stop_.WaitForNotificationWithTimeout(tick)) {
       bool leading = true;
+      ++ticks;
       if (raw->etcd_ != nullptr) {
         absl::Status pulled = raw->etcd_->Reconcile();
         if (!pulled.ok()) {
@@ -89,7 +92,12 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
         raw->metrics_registry_->Leader(leading);
       }
       const std::vector<std::string> dead = raw->controller_->Tick();
-      if (raw->etcd_ != nullptr && leading) {
+      // The shared placements are scanned when a node died, when this
+      // replica just took the lead, and every 20 ticks (a death another
+      // leader saw but did not finish with).
+      const bool scan = !dead.empty() || !led || ticks % 20 == 0;
+      led = leading;
+      if (raw->etcd_ != nullptr && leading && scan) {
         absl::StatusOr<int> moved = raw->controller_->ReplaceDeadStores();
         if (!moved.ok()) {
           LogWarn("replacing dead replicas failed", {{"error", moved.status().ToString()}});

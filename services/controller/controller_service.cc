@@ -233,16 +233,11 @@ grpc::ServerUnaryReactor* ControllerService::Heartbeat(grpc::CallbackServerConte
     KVT_RETURN_IF_ERROR(RequireNode(*auth_, *ctx));
     controller::Membership& m = controller_->membership();
     if (etcd_ != nullptr) {
-      KVT_ASSIGN_OR_RETURN(
-          controller::NodeSpec spec,
+      KVT_RETURN_IF_ERROR(
           etcd_->NodeHeartbeat(req->node_id(), req->used_bytes(), req->active_sessions()));
-      // A node that registered at another replica, not pulled here yet.
-      if (absl::IsNotFound(
-              m.Heartbeat(req->node_id(), req->used_bytes(), req->active_sessions()))) {
-        KVT_RETURN_IF_ERROR(m.Register(spec));
-      }
+    } else {
+      KVT_RETURN_IF_ERROR(m.Heartbeat(req->node_id(), req->used_bytes(), req->active_sessions()));
     }
-    KVT_RETURN_IF_ERROR(m.Heartbeat(req->node_id(), req->used_bytes(), req->active_sessions()));
     controller::Pressure level = controller::Pressure::kNone;
     for (const NodeInfo& n : m.All()) {
       if (n.spec.id == req->node_id()) level = m.PressureOf(n);

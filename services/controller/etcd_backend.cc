@@ -59,8 +59,8 @@ absl::Status EtcdBackend::NodeRegistered(const NodeSpec& spec) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<NodeSpec> EtcdBackend::NodeHeartbeat(const std::string& id, uint64_t used_bytes,
-                                                    uint32_t active_sessions) {
+absl::Status EtcdBackend::NodeHeartbeat(const std::string& id, uint64_t used_bytes,
+                                        uint32_t active_sessions) {
   KVT_ASSIGN_OR_RETURN(std::optional<EtcdKeyValue> kv, etcd_->Get(NodeKey(id)));
   std::optional<Record> r = kv.has_value() ? Decode(id, kv->value) : std::nullopt;
   if (!r.has_value()) {
@@ -77,7 +77,14 @@ absl::StatusOr<NodeSpec> EtcdBackend::NodeHeartbeat(const std::string& id, uint6
   r->sessions = active_sessions;
   r->heartbeat_ms = controller_->membership().options().clock->NowUnixMs();
   KVT_RETURN_IF_ERROR(etcd_->Put(NodeKey(id), Encode(*r), r->lease).status());
-  return r->spec;
+  controller::Membership& m = controller_->membership();
+  if (absl::IsNotFound(m.Heartbeat(id, used_bytes, active_sessions))) {
+    KVT_RETURN_IF_ERROR(m.Register(r->spec));
+    KVT_RETURN_IF_ERROR(m.Heartbeat(id, used_bytes, active_sessions));
+    absl::MutexLock lock(&mu_);
+    seen_[id] = r->registered_ms;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status EtcdBackend::Reconcile() {

@@ -52,10 +52,10 @@ class EtcdBackend final : public controller::PlacementShare {
   // and its record.
   absl::Status NodeRegistered(const controller::NodeSpec& spec);
   // A heartbeat at this replica: renews the node's lease and records its
-  // usage; the node's spec. NOT_FOUND when etcd has no live record of it
-  // (it must register again).
-  absl::StatusOr<controller::NodeSpec> NodeHeartbeat(const std::string& id, uint64_t used_bytes,
-                                                     uint32_t active_sessions);
+  // usage in etcd, and in this replica's membership (registering it here
+  // when it registered at another replica and was not pulled yet).
+  // NOT_FOUND when etcd has no live record of it (it must register again).
+  absl::Status NodeHeartbeat(const std::string& id, uint64_t used_bytes, uint32_t active_sessions);
   // Pulls every node record into the local membership: new nodes and new
   // incarnations register, fresh records count as heartbeats. Records whose
   // heartbeat is older than the membership lease are left to expire.
