@@ -56,21 +56,22 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
     EtcdBackendOptions bo;
     bo.prefix = options.etcd_prefix;
     bo.replica_id = options.replica_id.empty() ? options.listen : options.replica_id;
-    s->etcd_ = std::make_unique<EtcdBackend>(std::move(etcd), bo, s->controller_.get());
-    s->controller_->SetPlacementShare(s->etcd_.get());
-    EtcdBackend* b = s->etcd_.get();
+    auto backend = std::make_unique<EtcdBackend>(std::move(etcd), bo, s->controller_.get());
+    EtcdBackend* b = backend.get();
+    s->coordination_ = std::move(backend);
+    s->controller_->SetPlacementShare(b);
     s->policies_ = PolicyBook::OpenShared(
         {[b](const std::string& m, const std::string& v) { return b->PutPolicy(m, v); },
          [b](const std::string& m) { return b->GetPolicy(m); }});
     KVT_RETURN_IF_ERROR(b->Reconcile());
     b->Campaign();
   } else {
+    s->coordination_ = std::make_unique<EmbeddedCoordination>(&s->controller_->membership());
     KVT_ASSIGN_OR_RETURN(s->policies_, PolicyBook::Open(policy_file));
   }
-  s->service_ =
-      std::make_unique<ControllerService>(s->controller_.get(), s->policies_.get(), &s->auth_,
-                                          s->metrics_registry_.get(), options.policy);
-  s->service_->SetEtcd(s->etcd_.get());
+  s->service_ = std::make_unique<ControllerService>(s->controller_.get(), s->coordination_.get(),
+                                                    s->policies_.get(), &s->auth_,
+                                                    s->metrics_registry_.get(), options.policy);
   KVT_ASSIGN_OR_RETURN(s->server_,
                        StartGrpcServer({options.listen, options.tls_cert, options.tls_key, {}},
                                        s->service_.get(), &s->port_));
@@ -81,23 +82,16 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
     bool led = false;
     int64_t ticks = 0;
     while (!raw->stop_.WaitForNotificationWithTimeout(tick)) {
-      bool leading = true;
+      const bool leading = raw->coordination_->Sync();
+      raw->metrics_registry_->Leader(leading);
       ++ticks;
-      if (raw->etcd_ != nullptr) {
-        absl::Status pulled = raw->etcd_->Reconcile();
-        if (!pulled.ok()) {
-          LogWarn("cannot read node records from etcd", {{"error", pulled.ToString()}});
-        }
-        leading = raw->etcd_->Campaign();
-        raw->metrics_registry_->Leader(leading);
-      }
       const std::vector<std::string> dead = raw->controller_->Tick();
       // The shared placements are scanned when a node died, when this
       // replica just took the lead, and every 20 ticks (a death another
       // leader saw but did not finish with).
       const bool scan = !dead.empty() || !led || ticks % 20 == 0;
       led = leading;
-      if (raw->etcd_ != nullptr && leading && scan) {
+      if (leading && scan) {
         absl::StatusOr<int> moved = raw->controller_->ReplaceDeadStores();
         if (!moved.ok()) {
           LogWarn("replacing dead replicas failed", {{"error", moved.status().ToString()}});
@@ -118,7 +112,7 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
            {"replicas", options.controller.replicas},
            {"policies", s->policies_->size()},
            {"state_dir", options.state_dir.empty() ? "(memory only)" : options.state_dir},
-           {"backend", s->etcd_ == nullptr ? "embedded" : "etcd"},
+           {"backend", options.etcd_endpoints.empty() ? "embedded" : "etcd"},
            {"repair_parallelism", options.repair.parallelism},
            {"repair_mb_per_s", options.repair.max_bytes_per_second >> 20},
            {"auth", s->auth_.enabled() ? "on" : "off"}});

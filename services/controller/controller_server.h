@@ -15,6 +15,7 @@
 #include "services/common/auth.h"
 #include "services/common/metrics_exposer.h"
 #include "services/controller/controller_service.h"
+#include "services/controller/etcd_backend.h"
 #include "services/controller/repairer.h"
 
 namespace kvtier {
@@ -55,7 +56,7 @@ class ControllerServer {
   Repairer* repairer() { return repairer_.get(); }
   // True while this replica runs the background sweep (always when
   // embedded).
-  bool leader() const { return etcd_ == nullptr || etcd_->leader(); }
+  bool leader() const { return coordination_->leader(); }
   // The Prometheus text of its metrics (what /metrics serves).
   std::string RenderMetrics() const;
 
@@ -66,7 +67,7 @@ class ControllerServer {
   std::unique_ptr<controller::Controller> controller_;
   std::unique_ptr<ControllerMetrics> metrics_registry_;
   std::unique_ptr<PolicyBook> policies_;
-  std::unique_ptr<EtcdBackend> etcd_;  // Null: embedded.
+  std::unique_ptr<Coordination> coordination_;  // Embedded or EtcdBackend.
   std::unique_ptr<ControllerService> service_;
   std::unique_ptr<Repairer> repairer_;
   MetricsEndpoint metrics_;

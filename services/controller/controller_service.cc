@@ -167,10 +167,11 @@ void ControllerMetrics::Request(const char* method, bool ok) {
   requests_.Add({{"method", method}, {"outcome", ok ? "ok" : "error"}}).Increment();
 }
 
-ControllerService::ControllerService(controller::Controller* controller, PolicyBook* policies,
-                                     const Authenticator* auth, ControllerMetrics* metrics,
-                                     PolicyServing serving)
+ControllerService::ControllerService(controller::Controller* controller, Coordination* coordination,
+                                     PolicyBook* policies, const Authenticator* auth,
+                                     ControllerMetrics* metrics, PolicyServing serving)
     : controller_(controller),
+      coordination_(coordination),
       policies_(policies),
       auth_(auth),
       metrics_(metrics),
@@ -207,11 +208,8 @@ grpc::ServerUnaryReactor* ControllerService::Register(grpc::CallbackServerContex
     spec.capacity_bytes = req->capacity_bytes();
     spec.has_gpu = req->has_gpu();
     KVT_RETURN_IF_ERROR(controller_->membership().Register(spec));
-    if (etcd_ != nullptr) {
-      // Shared with the other replicas; placements are in etcd already, so
-      // the worker's held sessions need no adoption.
-      KVT_RETURN_IF_ERROR(etcd_->NodeRegistered(spec));
-    } else if (spec.kind == NodeKind::kWorker) {
+    KVT_RETURN_IF_ERROR(coordination_->NodeRegistered(spec));
+    if (spec.kind == NodeKind::kWorker && coordination_->AdoptsReports()) {
       for (const v1::HeldSession& h : req->sessions()) {
         controller_->Adopt(spec.id, h.tenant(), h.session_id(),
                            {h.store_addresses().begin(), h.store_addresses().end()});
@@ -232,12 +230,8 @@ grpc::ServerUnaryReactor* ControllerService::Heartbeat(grpc::CallbackServerConte
   absl::Status s = [&]() -> absl::Status {
     KVT_RETURN_IF_ERROR(RequireNode(*auth_, *ctx));
     controller::Membership& m = controller_->membership();
-    if (etcd_ != nullptr) {
-      KVT_RETURN_IF_ERROR(
-          etcd_->NodeHeartbeat(req->node_id(), req->used_bytes(), req->active_sessions()));
-    } else {
-      KVT_RETURN_IF_ERROR(m.Heartbeat(req->node_id(), req->used_bytes(), req->active_sessions()));
-    }
+    KVT_RETURN_IF_ERROR(
+        coordination_->NodeHeartbeat(req->node_id(), req->used_bytes(), req->active_sessions()));
     controller::Pressure level = controller::Pressure::kNone;
     for (const NodeInfo& n : m.All()) {
       if (n.spec.id == req->node_id()) level = m.PressureOf(n);

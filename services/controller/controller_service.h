@@ -13,7 +13,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 #include "services/common/auth.h"
-#include "services/controller/etcd_backend.h"
+#include "services/controller/coordination.h"
 #include "services/controller/policy_book.h"
 #include "services/controller/repairer.h"
 
@@ -65,11 +65,9 @@ struct PolicyServing {
 
 class ControllerService final : public v1::Controller::CallbackService {
  public:
-  ControllerService(controller::Controller* controller, PolicyBook* policies,
-                    const Authenticator* auth, ControllerMetrics* metrics,
+  ControllerService(controller::Controller* controller, Coordination* coordination,
+                    PolicyBook* policies, const Authenticator* auth, ControllerMetrics* metrics,
                     PolicyServing serving = {});
-  // With the etcd back end: node records go to etcd too. Call before serving.
-  void SetEtcd(EtcdBackend* etcd) { etcd_ = etcd; }
 
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* ctx,
                                      const v1::RegisterRequest* req,
@@ -94,8 +92,8 @@ class ControllerService final : public v1::Controller::CallbackService {
                                    const absl::Status& s);
 
   controller::Controller* const controller_;
+  Coordination* const coordination_;
   PolicyBook* const policies_;
-  EtcdBackend* etcd_ = nullptr;
   const Authenticator* const auth_;
   ControllerMetrics* const metrics_;
   const PolicyServing serving_;

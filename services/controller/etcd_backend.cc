@@ -120,6 +120,12 @@ absl::Status EtcdBackend::Reconcile() {
   return absl::OkStatus();
 }
 
+bool EtcdBackend::Sync() {
+  absl::Status pulled = Reconcile();
+  if (!pulled.ok()) LogWarn("cannot read node records from etcd", {{"error", pulled.ToString()}});
+  return Campaign();
+}
+
 bool EtcdBackend::Campaign() {
   absl::MutexLock lock(&mu_);
   const bool was = leader_.load();

@@ -29,6 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "controller/controller.h"
+#include "services/controller/coordination.h"
 #include "services/controller/etcd_client.h"
 
 namespace kvtier {
@@ -43,26 +44,30 @@ struct EtcdBackendOptions {
 };
 
 // Thread-safe. `controller` is not owned and must outlive it.
-class EtcdBackend final : public controller::PlacementShare {
+class EtcdBackend final : public controller::PlacementShare, public Coordination {
  public:
   EtcdBackend(std::unique_ptr<EtcdClient> etcd, EtcdBackendOptions options,
               controller::Controller* controller);
 
   // A node registered at this replica: a new lease (its membership lease)
   // and its record.
-  absl::Status NodeRegistered(const controller::NodeSpec& spec);
+  absl::Status NodeRegistered(const controller::NodeSpec& spec) override;
   // A heartbeat at this replica: renews the node's lease and records its
   // usage in etcd, and in this replica's membership (registering it here
   // when it registered at another replica and was not pulled yet).
   // NOT_FOUND when etcd has no live record of it (it must register again).
-  absl::Status NodeHeartbeat(const std::string& id, uint64_t used_bytes, uint32_t active_sessions);
+  absl::Status NodeHeartbeat(const std::string& id, uint64_t used_bytes,
+                             uint32_t active_sessions) override;
+  // Reconcile, then Campaign; failures to read etcd are logged.
+  bool Sync() override;
+  bool AdoptsReports() const override { return false; }  // Placements live in etcd.
   // Pulls every node record into the local membership: new nodes and new
   // incarnations register, fresh records count as heartbeats. Records whose
   // heartbeat is older than the membership lease are left to expire.
   absl::Status Reconcile();
   // Keeps or takes the leadership; true while this replica leads.
   bool Campaign();
-  bool leader() const { return leader_.load(); }
+  bool leader() const override { return leader_.load(); }
 
   // Model policies (PolicyBook's shared store).
   absl::Status PutPolicy(const std::string& model, const std::string& bytes);
