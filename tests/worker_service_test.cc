@@ -1249,6 +1249,48 @@ TEST_F(WorkerServiceTest, RoundsTheStoreDroppedAreAttendedUpToTheWatershed) {
   EXPECT_TRUE(stats->recalls.back().gone.empty());
 }
 
+// A controller (heartbeats every 100 ms, sessions cold after 300 ms), a
+// kvtier-store process and an in-process worker, both joined to it.
+struct PressureCluster {
+  absl::Status Start(double pressure_moderate, double pressure_high, const std::string& store_id,
+                     const std::string& disk_budget_mb, const std::string& worker_id,
+                     uint64_t max_working_set_bytes) {
+    ControllerServerOptions co;
+    co.listen = "127.0.0.1:0";
+    co.metrics_listen = "";
+    co.controller.membership.heartbeat_interval = absl::Milliseconds(100);
+    co.controller.membership.warmup = absl::ZeroDuration();
+    co.controller.membership.pressure_moderate = pressure_moderate;
+    co.controller.membership.pressure_high = pressure_high;
+    co.policy.cold_after = absl::Milliseconds(300);
+    KVT_ASSIGN_OR_RETURN(controller, ControllerServer::Start(co));
+    target = absl::StrCat("127.0.0.1:", controller->port());
+    store = std::make_unique<testing::StoreProcess>(
+        dir.path() + "/db",
+        std::vector<std::string>{"--controller=" + target, "--node_id=" + store_id,
+                                 "--disk_budget_mb=" + disk_budget_mb});
+    KVT_RETURN_IF_ERROR(store->Start());
+    WorkerServerOptions wo;
+    wo.listen = "127.0.0.1:0";
+    wo.metrics_listen = "";
+    wo.store.target = store->target();
+    wo.cluster.controller = target;
+    wo.cluster.node_id = worker_id;
+    wo.engine.max_working_set_bytes = max_working_set_bytes;
+    KVT_ASSIGN_OR_RETURN(worker, WorkerServer::Start(wo));
+    stub = v1::Worker::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", worker->port()),
+                                                   grpc::InsecureChannelCredentials()));
+    return absl::OkStatus();
+  }
+
+  testing::TempDir dir;
+  std::unique_ptr<ControllerServer> controller;
+  std::string target;  // The controller's address.
+  std::unique_ptr<testing::StoreProcess> store;
+  std::unique_ptr<WorkerServer> worker;
+  std::unique_ptr<v1::Worker::Stub> stub;
+};
+
 // Memory pressure end to end, with a real controller, store and worker: a
 // model's policy is registered; a session opens without a Policy and gets
 // it; once the session is cold and its nodes are under pressure (the
@@ -1256,34 +1298,12 @@ TEST_F(WorkerServiceTest, RoundsTheStoreDroppedAreAttendedUpToTheWatershed) {
 // the tightened policy (raw -> 4-bit KIVI), and the store drops the
 // session's never-recalled rounds but its newest. The session goes on.
 TEST(WorkerPressureTest, ColdSessionsGetTighterPoliciesAndLoseUnrecalledRounds) {
-  testing::TempDir dir;
-  ControllerServerOptions co;
-  co.listen = "127.0.0.1:0";
-  co.metrics_listen = "";
-  co.controller.membership.heartbeat_interval = absl::Milliseconds(100);
-  co.controller.membership.warmup = absl::ZeroDuration();
-  co.controller.membership.pressure_moderate = 1e-9;
-  co.controller.membership.pressure_high = 1e-9;
-  co.policy.cold_after = absl::Milliseconds(300);
-  auto ctl = ControllerServer::Start(co);
-  ASSERT_TRUE(ctl.ok()) << ctl.status();
-  const std::string controller = absl::StrCat("127.0.0.1:", (*ctl)->port());
-  testing::StoreProcess store(dir.path() + "/db", {"--controller=" + controller,
-                                                   "--node_id=store-p", "--disk_budget_mb=64"});
-  ASSERT_TRUE(store.Start().ok());
-  WorkerServerOptions wo;
-  wo.listen = "127.0.0.1:0";
-  wo.metrics_listen = "";
-  wo.store.target = store.target();
-  wo.cluster.controller = controller;
-  wo.cluster.node_id = "worker-p";
-  wo.engine.max_working_set_bytes = uint64_t{64} << 20;
-  auto worker = WorkerServer::Start(wo);
-  ASSERT_TRUE(worker.ok()) << worker.status();
-  auto stub = v1::Worker::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*worker)->port()),
-                                                      grpc::InsecureChannelCredentials()));
+  PressureCluster pc;
+  const absl::Status started =
+      pc.Start(1e-9, 1e-9, "store-p", "64", "worker-p", uint64_t{64} << 20);
+  ASSERT_TRUE(started.ok()) << started;
   ControllerClientOptions cco;
-  cco.target = controller;
+  cco.target = pc.target;
   auto admin = std::move(ControllerClient::Connect(cco)).value();
 
   // The model's policy recalls only a round that takes all the attention
@@ -1304,7 +1324,7 @@ TEST(WorkerPressureTest, ColdSessionsGetTighterPoliciesAndLoseUnrecalledRounds) 
   {
     grpc::ClientContext c;
     v1::OpenSessionResponse r;
-    const grpc::Status st = stub->OpenSession(&c, open, &r);
+    const grpc::Status st = pc.stub->OpenSession(&c, open, &r);
     ASSERT_TRUE(st.ok()) << st.error_message();
     EXPECT_EQ(r.effective_policy().recall(), "threshold:1");
     EXPECT_FALSE(r.effective_policy().keep_recent_round());
@@ -1312,17 +1332,17 @@ TEST(WorkerPressureTest, ColdSessionsGetTighterPoliciesAndLoseUnrecalledRounds) 
   std::mt19937 rng(9);
   v1::EndRoundResponse end;
   for (int round = 0; round < 3; ++round) {
-    ASSERT_TRUE(PrefillStep(stub.get(), "p", 4, &rng).ok());
-    ASSERT_TRUE(EndRound(stub.get(), "p", &end).ok());
+    ASSERT_TRUE(PrefillStep(pc.stub.get(), "p", 4, &rng).ok());
+    ASSERT_TRUE(EndRound(pc.stub.get(), "p", &end).ok());
   }
-  worker::Engine* engine = (*worker)->engine();
+  worker::Engine* engine = pc.worker->engine();
   const worker::SessionKey key("", "p");
   auto policy = engine->Policy(key);
   ASSERT_TRUE(policy.ok());
   EXPECT_EQ(policy->codec.codec, v1::CODEC_RAW);
 
   StoreClientOptions so;
-  so.target = store.target();
+  so.target = pc.store->target();
   auto client = std::move(StoreClient::Connect(so)).value();
   const absl::Time until = absl::Now() + absl::Seconds(15);
   bool tightened = false, dropped = false;
@@ -1354,12 +1374,12 @@ TEST(WorkerPressureTest, ColdSessionsGetTighterPoliciesAndLoseUnrecalledRounds) 
   EXPECT_TRUE(answer->tightened());
   EXPECT_EQ(answer->pressure(), v1::PRESSURE_HIGH);
   EXPECT_THAT(
-      (*ctl)->RenderMetrics(),
+      pc.controller->RenderMetrics(),
       ::testing::HasSubstr("kvtier_controller_node_pressure{kind=\"store\",node=\"store-p\"} 2"));
 
   // The session goes on, its new rounds 4-bit.
-  ASSERT_TRUE(PrefillStep(stub.get(), "p", 4, &rng).ok());
-  ASSERT_TRUE(EndRound(stub.get(), "p", &end).ok());
+  ASSERT_TRUE(PrefillStep(pc.stub.get(), "p", 4, &rng).ok());
+  ASSERT_TRUE(EndRound(pc.stub.get(), "p", &end).ok());
   EXPECT_EQ(end.round(), 3u);
 }
 
@@ -1371,36 +1391,16 @@ TEST(WorkerPressureTest, ColdSessionsGetTighterPoliciesAndLoseUnrecalledRounds) 
 // drop; the controller saw the store at HIGH; no process dies, and the
 // pinned session's acknowledged rounds are all there.
 TEST(WorkerPressureTest, WritesPastTheBudgetAreRefusedOnlyWhenNothingCanBeFreed) {
-  testing::TempDir dir;
-  ControllerServerOptions co;
-  co.listen = "127.0.0.1:0";
-  co.metrics_listen = "";
-  co.controller.membership.heartbeat_interval = absl::Milliseconds(100);
-  co.controller.membership.warmup = absl::ZeroDuration();
-  co.policy.cold_after = absl::Milliseconds(300);
-  auto ctl = ControllerServer::Start(co);
-  ASSERT_TRUE(ctl.ok()) << ctl.status();
-  const std::string controller = absl::StrCat("127.0.0.1:", (*ctl)->port());
-  testing::StoreProcess store(dir.path() + "/db", {"--controller=" + controller,
-                                                   "--node_id=store-b", "--disk_budget_mb=1"});
-  ASSERT_TRUE(store.Start().ok());
-  WorkerServerOptions wo;
-  wo.listen = "127.0.0.1:0";
-  wo.metrics_listen = "";
-  wo.store.target = store.target();
-  wo.cluster.controller = controller;
-  wo.cluster.node_id = "worker-b";
-  auto worker = WorkerServer::Start(wo);
-  ASSERT_TRUE(worker.ok()) << worker.status();
-  auto stub = v1::Worker::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*worker)->port()),
-                                                      grpc::InsecureChannelCredentials()));
+  PressureCluster pc;
+  const absl::Status started = pc.Start(0.80, 0.95, "store-b", "1", "worker-b", 0);
+  ASSERT_TRUE(started.ok()) << started;
   StoreClientOptions so;
-  so.target = store.target();
+  so.target = pc.store->target();
   auto client = std::move(StoreClient::Connect(so)).value();
   auto open = [&](const std::string& id) {
     grpc::ClientContext c;
     v1::OpenSessionResponse r;
-    return stub->OpenSession(&c, OpenRequest(id), &r);
+    return pc.stub->OpenSession(&c, OpenRequest(id), &r);
   };
   std::mt19937 rng(13);
   v1::EndRoundResponse end;
@@ -1408,22 +1408,22 @@ TEST(WorkerPressureTest, WritesPastTheBudgetAreRefusedOnlyWhenNothingCanBeFreed)
   for (const char* id : {"cold-0", "cold-1"}) {
     ASSERT_TRUE(open(id).ok());
     for (int round = 0; round < 4; ++round) {
-      ASSERT_TRUE(PrefillStep(stub.get(), id, 256, &rng).ok());
-      ASSERT_TRUE(EndRound(stub.get(), id, &end).ok());
+      ASSERT_TRUE(PrefillStep(pc.stub.get(), id, 256, &rng).ok());
+      ASSERT_TRUE(EndRound(pc.stub.get(), id, &end).ok());
     }
   }
   // The pinned one writes until the store refuses.
   ASSERT_TRUE(open("pinned").ok());
-  ASSERT_TRUE(PrefillStep(stub.get(), "pinned", 256, &rng).ok());
-  ASSERT_TRUE(EndRound(stub.get(), "pinned", &end).ok());
+  ASSERT_TRUE(PrefillStep(pc.stub.get(), "pinned", 256, &rng).ok());
+  ASSERT_TRUE(EndRound(pc.stub.get(), "pinned", &end).ok());
   ASSERT_TRUE(client->PinSession("pinned", true).ok());
   int acknowledged = 1;
   uint64_t pinned_bytes = end.stored_bytes();
   const uint64_t round_bytes = end.stored_bytes();
   grpc::Status refused;
   for (int round = 1; round < 200 && refused.ok(); ++round) {
-    ASSERT_TRUE(PrefillStep(stub.get(), "pinned", 256, &rng).ok()) << "round " << round;
-    refused = EndRound(stub.get(), "pinned", &end);
+    ASSERT_TRUE(PrefillStep(pc.stub.get(), "pinned", 256, &rng).ok()) << "round " << round;
+    refused = EndRound(pc.stub.get(), "pinned", &end);
     if (refused.ok()) {
       ++acknowledged;
       pinned_bytes += end.stored_bytes();
@@ -1449,16 +1449,16 @@ TEST(WorkerPressureTest, WritesPastTheBudgetAreRefusedOnlyWhenNothingCanBeFreed)
   // its budget).
   const absl::Time until = absl::Now() + absl::Seconds(5);
   const std::string high = "kvtier_controller_node_pressure{kind=\"store\",node=\"store-b\"} 2";
-  while (!absl::StrContains((*ctl)->RenderMetrics(), high) && absl::Now() < until) {
+  while (!absl::StrContains(pc.controller->RenderMetrics(), high) && absl::Now() < until) {
     absl::SleepFor(absl::Milliseconds(50));
   }
-  EXPECT_THAT((*ctl)->RenderMetrics(), ::testing::HasSubstr(high));
+  EXPECT_THAT(pc.controller->RenderMetrics(), ::testing::HasSubstr(high));
   // Both processes are alive and serve: the open round can still be closed.
   grpc::ClientContext c;
   v1::CloseSessionRequest close;
   close.set_session_id("pinned");
   v1::CloseSessionResponse closed;
-  EXPECT_TRUE(stub->CloseSession(&c, close, &closed).ok());
+  EXPECT_TRUE(pc.stub->CloseSession(&c, close, &closed).ok());
   EXPECT_TRUE(client->ListRounds("pinned").ok());
 }
 
