@@ -417,8 +417,12 @@ TEST_F(ClusterTest, ChaosRandomKills) {
       EXPECT_EQ(run->sessions[i].err2, base->sessions[i].err2) << run->sessions[i].id;
       failovers += static_cast<int>(run->sessions[i].failovers.size());
     }
-    if (!store->running()) ASSERT_TRUE(store->Start().ok());
-    if (!worker->running()) ASSERT_TRUE(worker->Start().ok());
+    if (!store->running()) {
+      ASSERT_TRUE(store->Start().ok());
+    }
+    if (!worker->running()) {
+      ASSERT_TRUE(worker->Start().ok());
+    }
     ASSERT_TRUE(WaitLive(5)) << "cycle " << cycle;
     for (const refengine::DemoSession& f : run->sessions) {
       ExpectReplicated(f.id, o.rounds);
