@@ -65,13 +65,14 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
          [b](const std::string& m) { return b->GetPolicy(m); }});
     KVT_RETURN_IF_ERROR(b->Reconcile());
     b->Campaign();
+    s->blocking_ = std::make_unique<Executor>(8);
   } else {
     s->coordination_ = std::make_unique<EmbeddedCoordination>(&s->controller_->membership());
     KVT_ASSIGN_OR_RETURN(s->policies_, PolicyBook::Open(policy_file));
   }
-  s->service_ = std::make_unique<ControllerService>(s->controller_.get(), s->coordination_.get(),
-                                                    s->policies_.get(), &s->auth_,
-                                                    s->metrics_registry_.get(), options.policy);
+  s->service_ = std::make_unique<ControllerService>(
+      s->controller_.get(), s->coordination_.get(), s->policies_.get(), &s->auth_,
+      s->metrics_registry_.get(), options.policy, s->blocking_.get());
   KVT_ASSIGN_OR_RETURN(s->server_,
                        StartGrpcServer({options.listen, options.tls_cert, options.tls_key, {}},
                                        s->service_.get(), &s->port_));
@@ -132,6 +133,9 @@ ControllerServer::~ControllerServer() {
     server_->GetHealthCheckService()->SetServingStatus(false);
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   }
+  // Calls still queued run and finish while the server object exists.
+  blocking_.reset();
+  server_.reset();
 }
 
 }  // namespace kvtier

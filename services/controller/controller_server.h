@@ -71,6 +71,8 @@ class ControllerServer {
   std::unique_ptr<ControllerService> service_;
   std::unique_ptr<Repairer> repairer_;
   MetricsEndpoint metrics_;
+  // Runs the calls when the back end does I/O (etcd); null: embedded.
+  std::unique_ptr<Executor> blocking_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   absl::Notification stop_;

@@ -169,28 +169,39 @@ void ControllerMetrics::Request(const char* method, bool ok) {
 
 ControllerService::ControllerService(controller::Controller* controller, Coordination* coordination,
                                      PolicyBook* policies, const Authenticator* auth,
-                                     ControllerMetrics* metrics, PolicyServing serving)
+                                     ControllerMetrics* metrics, PolicyServing serving,
+                                     Executor* blocking)
     : controller_(controller),
       coordination_(coordination),
       policies_(policies),
       auth_(auth),
       metrics_(metrics),
-      serving_(serving) {
+      serving_(serving),
+      blocking_(blocking) {
   metrics_->Policies(policies_->size());
 }
 
-grpc::ServerUnaryReactor* ControllerService::Finish(grpc::CallbackServerContext* ctx,
-                                                    const char* method, const absl::Status& s) {
-  metrics_->Request(method, s.ok());
+grpc::ServerUnaryReactor* ControllerService::Run(grpc::CallbackServerContext* ctx,
+                                                 const char* method,
+                                                 std::function<absl::Status()> body) {
   grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
-  r->Finish(ToGrpc(s));
+  auto finish = [this, r, method, body = std::move(body)] {
+    const absl::Status s = body();
+    metrics_->Request(method, s.ok());
+    r->Finish(ToGrpc(s));
+  };
+  if (blocking_ == nullptr) {
+    finish();
+  } else {
+    blocking_->Schedule(std::move(finish));
+  }
   return r;
 }
 
 grpc::ServerUnaryReactor* ControllerService::Register(grpc::CallbackServerContext* ctx,
                                                       const v1::RegisterRequest* req,
                                                       v1::RegisterResponse* resp) {
-  absl::Status s = [&]() -> absl::Status {
+  return Run(ctx, "Register", [this, ctx, req, resp]() -> absl::Status {
     KVT_RETURN_IF_ERROR(RequireNode(*auth_, *ctx));
     controller::NodeSpec spec;
     spec.id = req->node_id();
@@ -218,16 +229,15 @@ grpc::ServerUnaryReactor* ControllerService::Register(grpc::CallbackServerContex
     resp->set_heartbeat_interval_ms(static_cast<uint32_t>(
         absl::ToInt64Milliseconds(controller_->membership().options().heartbeat_interval)));
     resp->set_epoch(controller_->membership().epoch());
+    metrics_->Update(*controller_);
     return absl::OkStatus();
-  }();
-  if (s.ok()) metrics_->Update(*controller_);
-  return Finish(ctx, "Register", s);
+  });
 }
 
 grpc::ServerUnaryReactor* ControllerService::Heartbeat(grpc::CallbackServerContext* ctx,
                                                        const v1::HeartbeatRequest* req,
                                                        v1::HeartbeatResponse* resp) {
-  absl::Status s = [&]() -> absl::Status {
+  return Run(ctx, "Heartbeat", [this, ctx, req, resp]() -> absl::Status {
     KVT_RETURN_IF_ERROR(RequireNode(*auth_, *ctx));
     controller::Membership& m = controller_->membership();
     KVT_RETURN_IF_ERROR(
@@ -240,14 +250,13 @@ grpc::ServerUnaryReactor* ControllerService::Heartbeat(grpc::CallbackServerConte
     resp->set_epoch(m.epoch());
     resp->set_cold_idle_ms(static_cast<uint64_t>(absl::ToInt64Milliseconds(serving_.cold_after)));
     return absl::OkStatus();
-  }();
-  return Finish(ctx, "Heartbeat", s);
+  });
 }
 
 grpc::ServerUnaryReactor* ControllerService::Route(grpc::CallbackServerContext* ctx,
                                                    const v1::RouteRequest* req,
                                                    v1::RouteResponse* resp) {
-  absl::Status s = [&]() -> absl::Status {
+  return Run(ctx, "Route", [this, ctx, req, resp]() -> absl::Status {
     KVT_ASSIGN_OR_RETURN(Principal p, auth_->Authenticate(*ctx));
     KVT_ASSIGN_OR_RETURN(controller::Placement pl,
                          controller_->Route(p.tenant, req->session_id(), req->need_bytes(),
@@ -263,14 +272,13 @@ grpc::ServerUnaryReactor* ControllerService::Route(grpc::CallbackServerContext* 
     resp->set_placed_now(pl.placed_now);
     if (pl.placed_now) metrics_->Placed();
     return absl::OkStatus();
-  }();
-  return Finish(ctx, "Route", s);
+  });
 }
 
 grpc::ServerUnaryReactor* ControllerService::ListNodes(grpc::CallbackServerContext* ctx,
                                                        const v1::ListNodesRequest*,
                                                        v1::ListNodesResponse* resp) {
-  absl::Status s = [&]() -> absl::Status {
+  return Run(ctx, "ListNodes", [this, ctx, resp]() -> absl::Status {
     KVT_RETURN_IF_ERROR(auth_->Authenticate(*ctx).status());
     controller::Membership& m = controller_->membership();
     const int64_t now = m.options().clock->NowUnixMs();
@@ -289,14 +297,13 @@ grpc::ServerUnaryReactor* ControllerService::ListNodes(grpc::CallbackServerConte
       o->set_placement_weight(n.live ? m.Weight(n) : 0.0);
     }
     return absl::OkStatus();
-  }();
-  return Finish(ctx, "ListNodes", s);
+  });
 }
 
 grpc::ServerUnaryReactor* ControllerService::GetPolicy(grpc::CallbackServerContext* ctx,
                                                        const v1::GetPolicyRequest* req,
                                                        v1::GetPolicyResponse* resp) {
-  absl::Status s = [&]() -> absl::Status {
+  return Run(ctx, "GetPolicy", [this, ctx, req, resp]() -> absl::Status {
     KVT_ASSIGN_OR_RETURN(Principal p, auth_->Authenticate(*ctx));
     KVT_RETURN_IF_ERROR(ValidateName("session_id", req->session_id()));
     const std::string& model = req->model().name();
@@ -325,14 +332,13 @@ grpc::ServerUnaryReactor* ControllerService::GetPolicy(grpc::CallbackServerConte
     resp->set_pressure(ToProto(level));
     metrics_->PolicyAnswer(tighten ? "tightened" : "registered");
     return absl::OkStatus();
-  }();
-  return Finish(ctx, "GetPolicy", s);
+  });
 }
 
 grpc::ServerUnaryReactor* ControllerService::SetPolicy(grpc::CallbackServerContext* ctx,
                                                        const v1::SetPolicyRequest* req,
                                                        v1::SetPolicyResponse* resp) {
-  absl::Status s = [&]() -> absl::Status {
+  return Run(ctx, "SetPolicy", [this, ctx, req, resp]() -> absl::Status {
     KVT_ASSIGN_OR_RETURN(Principal p, auth_->Authenticate(*ctx));
     if (auth_->enabled() && p.role != Role::kNode) {
       return absl::PermissionDeniedError(
@@ -349,8 +355,7 @@ grpc::ServerUnaryReactor* ControllerService::SetPolicy(grpc::CallbackServerConte
                                   {"layer_budgets", req->layer_budgets_size()},
                                   {"replaced", replaced}});
     return absl::OkStatus();
-  }();
-  return Finish(ctx, "SetPolicy", s);
+  });
 }
 
 }  // namespace kvtier

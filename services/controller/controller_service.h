@@ -1,11 +1,14 @@
 // The kvtier.v1.Controller service on gRPC's callback API, over
-// controller::Controller. Every call is in-memory work under short locks, so
-// each finishes on the callback thread that received it.
+// controller::Controller. With the embedded back end every call is in-memory
+// work under short locks and finishes on the callback thread that received
+// it; with etcd, calls run on an executor of their own (they wait on etcd).
 #ifndef KVTIER_SERVICES_CONTROLLER_CONTROLLER_SERVICE_H_
 #define KVTIER_SERVICES_CONTROLLER_CONTROLLER_SERVICE_H_
 
+#include <functional>
 #include <memory>
 
+#include "base/executor.h"
 #include "controller/controller.h"
 #include "kvtier/v1/controller.grpc.pb.h"
 #include "prometheus/counter.h"
@@ -67,7 +70,7 @@ class ControllerService final : public v1::Controller::CallbackService {
  public:
   ControllerService(controller::Controller* controller, Coordination* coordination,
                     PolicyBook* policies, const Authenticator* auth, ControllerMetrics* metrics,
-                    PolicyServing serving = {});
+                    PolicyServing serving = {}, Executor* blocking = nullptr);
 
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* ctx,
                                      const v1::RegisterRequest* req,
@@ -88,8 +91,10 @@ class ControllerService final : public v1::Controller::CallbackService {
                                       v1::SetPolicyResponse* resp) override;
 
  private:
-  grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* ctx, const char* method,
-                                   const absl::Status& s);
+  // Runs `body` (on the callback thread, or on the blocking executor when
+  // there is one) and finishes the call with its status.
+  grpc::ServerUnaryReactor* Run(grpc::CallbackServerContext* ctx, const char* method,
+                                std::function<absl::Status()> body);
 
   controller::Controller* const controller_;
   Coordination* const coordination_;
@@ -97,6 +102,9 @@ class ControllerService final : public v1::Controller::CallbackService {
   const Authenticator* const auth_;
   ControllerMetrics* const metrics_;
   const PolicyServing serving_;
+  // Where calls run when the coordination back end does I/O (etcd): off
+  // gRPC's callback threads. Null: on them (in-memory work only).
+  Executor* const blocking_;
 };
 
 }  // namespace kvtier
