@@ -119,7 +119,8 @@ for _ in $(seq 100); do
 done
 metric "$MPORT" '^kvtier_controller_(repair_total|repairs_pending|under_replicated|nodes_declared_dead)'
 grep -h '"repair done"' "$WORK/controller.log" | head -3 | sed 's/^/  /'
-echo "  ($(grep -c '"repair done"' "$WORK/controller.log") sessions repaired in all)"
+echo "  ($(grep -c '"repair done"' "$WORK/controller.log") sessions copied in all;" \
+  "$(grep -c '"repair skipped' "$WORK/controller.log") more had no round stored yet)"
 stored=0
 for i in 1 2; do
   if [ -s "$WORK/worker-$i.mport" ]; then

@@ -133,7 +133,12 @@ absl::Status Repairer::Repair(const RepairTask& task) {
     last = absl::Status(r.status().code(),
                         absl::StrCat("ListRounds on ", n.spec.id, ": ", r.status().message()));
   }
-  if (source == nullptr) return all_not_found ? absl::OkStatus() : last;
+  if (source == nullptr) {
+    if (!all_not_found) return last;
+    LogInfo("repair skipped: no replica holds the session yet",
+            {{"tenant", task.tenant}, {"session", task.session}, {"to", task.target.spec.id}});
+    return absl::OkStatus();
+  }
 
   // What the target holds already: (round, segment) -> crc.
   std::map<std::pair<uint32_t, uint32_t>, uint32_t> present;
