@@ -1,7 +1,6 @@
 #include "client/controller_client.h"
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "base/log.h"
 #include "grpcpp/create_channel.h"
@@ -29,10 +28,9 @@ ControllerClient::ControllerClient(ControllerClientOptions options) : options_(s
 
 absl::StatusOr<std::unique_ptr<ControllerClient>> ControllerClient::Connect(
     ControllerClientOptions options) {
-  if (absl::StrReplaceAll(options.target, {{",", ""}}).empty()) {
-    return absl::InvalidArgumentError("ControllerClient needs a target");
-  }
-  return std::unique_ptr<ControllerClient>(new ControllerClient(std::move(options)));
+  std::unique_ptr<ControllerClient> c(new ControllerClient(std::move(options)));
+  if (c->stubs_.empty()) return absl::InvalidArgumentError("ControllerClient needs a target");
+  return c;
 }
 
 std::unique_ptr<grpc::ClientContext> ControllerClient::NewContext(const CallOptions& call) const {

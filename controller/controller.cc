@@ -110,8 +110,9 @@ std::vector<NodeInfo> Controller::NodesOf(const std::string& tenant,
     ids.insert(ids.end(), it->second.stores.begin(), it->second.stores.end());
   }
   std::vector<NodeInfo> out;
-  for (const NodeInfo& n : membership_.All()) {
-    if (n.live && std::find(ids.begin(), ids.end(), n.spec.id) != ids.end()) out.push_back(n);
+  for (const std::string& id : ids) {
+    std::optional<NodeInfo> n = membership_.Get(id);
+    if (n.has_value() && n->live) out.push_back(*std::move(n));
   }
   return out;
 }

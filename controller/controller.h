@@ -143,8 +143,8 @@ class Controller {
   size_t RepairsPending() const;
   size_t UnderReplicated() const;
 
-  // The live nodes of (tenant, session)'s recorded placement (its worker
-  // and store replicas, by id), without placing it; empty when it has none.
+  // The live nodes of (tenant, session)'s recorded placement (its worker,
+  // then its store replicas), without placing it; empty when it has none.
   std::vector<NodeInfo> NodesOf(const std::string& tenant, const std::string& session) const;
 
   // Recorded placements, and how many name `node_id`.

@@ -105,6 +105,13 @@ std::vector<NodeInfo> Membership::All() const {
   return out;
 }
 
+std::optional<NodeInfo> Membership::Get(const std::string& id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = nodes_.find(id);
+  if (it == nodes_.end()) return std::nullopt;
+  return it->second;
+}
+
 uint64_t Membership::epoch() const {
   absl::MutexLock lock(&mu_);
   return epoch_;

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -85,6 +86,8 @@ class Membership {
   std::vector<NodeInfo> Live(NodeKind kind) const;
   // Every node ever registered (dead ones too), by id.
   std::vector<NodeInfo> All() const;
+  // One of them; nullopt for an id never registered.
+  std::optional<NodeInfo> Get(const std::string& id) const;
   // Changes whenever the live set or a live node's address changes.
   uint64_t epoch() const;
   // The node's placement weight now: its free fraction of capacity (at

@@ -242,11 +242,9 @@ grpc::ServerUnaryReactor* ControllerService::Heartbeat(grpc::CallbackServerConte
     controller::Membership& m = controller_->membership();
     KVT_RETURN_IF_ERROR(
         coordination_->NodeHeartbeat(req->node_id(), req->used_bytes(), req->active_sessions()));
-    controller::Pressure level = controller::Pressure::kNone;
-    for (const NodeInfo& n : m.All()) {
-      if (n.spec.id == req->node_id()) level = m.PressureOf(n);
-    }
-    resp->set_pressure(ToProto(level));
+    const std::optional<NodeInfo> node = m.Get(req->node_id());
+    resp->set_pressure(
+        ToProto(node.has_value() ? m.PressureOf(*node) : controller::Pressure::kNone));
     resp->set_epoch(m.epoch());
     resp->set_cold_idle_ms(static_cast<uint64_t>(absl::ToInt64Milliseconds(serving_.cold_after)));
     return absl::OkStatus();
@@ -318,12 +316,9 @@ grpc::ServerUnaryReactor* ControllerService::GetPolicy(grpc::CallbackServerConte
     for (const NodeInfo& n : controller_->NodesOf(p.tenant, req->session_id())) {
       level = std::max(level, controller_->membership().PressureOf(n));
     }
-    if (!req->node_id().empty()) {
-      for (const NodeInfo& n : controller_->membership().All()) {
-        if (n.spec.id == req->node_id()) {
-          level = std::max(level, controller_->membership().PressureOf(n));
-        }
-      }
+    if (const std::optional<NodeInfo> asker = controller_->membership().Get(req->node_id());
+        asker.has_value()) {
+      level = std::max(level, controller_->membership().PressureOf(*asker));
     }
     const bool cold =
         req->idle_ms() > 0 && absl::Milliseconds(req->idle_ms()) >= serving_.cold_after;

@@ -48,12 +48,25 @@ absl::StatusOr<std::optional<v1::GetPolicyResponse>> ControllerPolicies::ForOpen
 
 void ControllerPolicies::Follow(const worker::SessionKey& id, const v1::ModelSpec& model) {
   absl::MutexLock lock(&mu_);
+  SetTightenedLocked(id, false);
   followed_[id] = Followed{model, false};
 }
 
 void ControllerPolicies::Forget(const worker::SessionKey& id) {
   absl::MutexLock lock(&mu_);
+  SetTightenedLocked(id, false);
   followed_.erase(id);
+}
+
+void ControllerPolicies::SetTightenedLocked(const worker::SessionKey& id, bool tightened) {
+  auto f = followed_.find(id);
+  if (f == followed_.end() || f->second.tightened == tightened) return;
+  f->second.tightened = tightened;
+  if (tightened) {
+    ++tightened_now_;
+  } else {
+    --tightened_now_;
+  }
 }
 
 void ControllerPolicies::OnHeartbeat(const v1::HeartbeatResponse& hb) {
@@ -63,9 +76,7 @@ void ControllerPolicies::OnHeartbeat(const v1::HeartbeatResponse& hb) {
     absl::MutexLock lock(&mu_);
     if (pass_running_ || followed_.empty()) return;
     const bool pressed = level == v1::PRESSURE_MODERATE || level == v1::PRESSURE_HIGH;
-    bool any_tightened = false;
-    for (const auto& [id, f] : followed_) any_tightened |= f.tightened;
-    if (!pressed && !any_tightened) return;
+    if (!pressed && tightened_now_ == 0) return;
     pass_running_ = true;
   }
   io_->Schedule([this, level, cold] { Pass(level, cold); });
@@ -116,8 +127,7 @@ void ControllerPolicies::Pass(v1::PressureLevel level, int64_t cold_idle_ms) {
     }
     {
       absl::MutexLock lock(&mu_);
-      auto f = followed_.find(id);
-      if (f != followed_.end()) f->second.tightened = r->tightened();
+      SetTightenedLocked(id, r->tightened());
     }
     (r->tightened() ? tightened_ : restored_).fetch_add(1);
     LogInfo(r->tightened() ? "cold session's policy tightened under memory pressure"

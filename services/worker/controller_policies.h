@@ -70,6 +70,11 @@ class ControllerPolicies {
   absl::Mutex mu_;
   std::map<worker::SessionKey, Followed> followed_ ABSL_GUARDED_BY(mu_);
   bool pass_running_ ABSL_GUARDED_BY(mu_) = false;
+  // Followed sessions running a tightened policy now.
+  size_t tightened_now_ ABSL_GUARDED_BY(mu_) = 0;
+  // Records that `id`'s entry (if any) runs a tightened policy or not.
+  void SetTightenedLocked(const worker::SessionKey& id, bool tightened)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string node_id_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> tightened_{0}, restored_{0};
 };
