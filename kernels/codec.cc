@@ -10,7 +10,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "base/status_macros.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/wire_format_lite.h"
 #include "kernels/codec_internal.h"
+#include "kernels/crc32c.h"
 #include "kernels/encoded_tensor.h"
 #include "kernels/half.h"
 
@@ -393,14 +396,81 @@ absl::StatusOr<int64_t> EncodedBufferBytes(const CodecConfig& c, v1::TensorRole 
   return total;
 }
 
-absl::StatusOr<v1::EncodedTensor> Encode(const CodecConfig& c, v1::TensorRole role,
-                                         absl::Span<const int64_t> shape, const float* data,
-                                         KernelLevel level) {
-  KVT_RETURN_IF_ERROR(ValidateCodecConfig(c));
-  if (IsQuantized(c.codec) && role != v1::TENSOR_ROLE_KEY && role != v1::TENSOR_ROLE_VALUE) {
-    return absl::InvalidArgumentError("a quantized tensor must be a KEY or a VALUE");
+namespace {
+
+// Where each of a tensor's buffers is written (null: the codec has none).
+struct BufferPtrs {
+  uint8_t* raw = nullptr;
+  uint8_t* codes = nullptr;
+  uint16_t* scales = nullptr;
+  uint16_t* zeros = nullptr;
+  uint8_t* residual = nullptr;
+  uint16_t* a = nullptr;
+  uint16_t* b = nullptr;
+  uint8_t* sparse_index = nullptr;
+  uint8_t* sparse_value = nullptr;
+};
+
+// The buffers a tensor of this layout has, in the format's order, with their
+// sizes in bytes.
+std::vector<std::pair<v1::BufferKind, int64_t>> BufferList(const CodecConfig& c, const Layout& l) {
+  std::vector<std::pair<v1::BufferKind, int64_t>> out;
+  if (c.codec == v1::CODEC_RAW) {
+    out.emplace_back(v1::BUFFER_RAW, l.slabs * l.tokens * l.d * l.dsize);
+    return out;
   }
-  KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(c, role, shape));
+  out.emplace_back(v1::BUFFER_CODES, l.code_bytes());
+  out.emplace_back(v1::BUFFER_SCALES, l.scale_bytes());
+  out.emplace_back(v1::BUFFER_ZEROS, l.scale_bytes());
+  if (l.res > 0) out.emplace_back(v1::BUFFER_RESIDUAL, l.residual_bytes());
+  if (IsGear(c.codec) && l.rank > 0) {
+    out.emplace_back(v1::BUFFER_LOWRANK_A, l.a_bytes());
+    out.emplace_back(v1::BUFFER_LOWRANK_B, l.b_bytes());
+  }
+  if (c.codec == v1::CODEC_GEAR) {
+    out.emplace_back(v1::BUFFER_SPARSE_INDEX, l.sparse_count() * l.index_bytes);
+    out.emplace_back(v1::BUFFER_SPARSE_VALUE, l.sparse_count() * l.dsize);
+  }
+  return out;
+}
+
+// Points `out`'s member for `kind` at p.
+void SetBuffer(v1::BufferKind kind, uint8_t* p, BufferPtrs* out) {
+  switch (kind) {
+    case v1::BUFFER_RAW:
+      out->raw = p;
+      break;
+    case v1::BUFFER_CODES:
+      out->codes = p;
+      break;
+    case v1::BUFFER_SCALES:
+      out->scales = reinterpret_cast<uint16_t*>(p);
+      break;
+    case v1::BUFFER_ZEROS:
+      out->zeros = reinterpret_cast<uint16_t*>(p);
+      break;
+    case v1::BUFFER_RESIDUAL:
+      out->residual = p;
+      break;
+    case v1::BUFFER_LOWRANK_A:
+      out->a = reinterpret_cast<uint16_t*>(p);
+      break;
+    case v1::BUFFER_LOWRANK_B:
+      out->b = reinterpret_cast<uint16_t*>(p);
+      break;
+    case v1::BUFFER_SPARSE_INDEX:
+      out->sparse_index = p;
+      break;
+    case v1::BUFFER_SPARSE_VALUE:
+      out->sparse_value = p;
+      break;
+    default:
+      break;
+  }
+}
+
+// INVALID_ARGUMENT unless every input element can be stored.
+absl::Status CheckInput(const CodecConfig& c, const Layout& l, const float* data) {
   const int64_t n = l.slabs * l.tokens * l.d;
   const float limit = (IsQuantized(c.codec) || c.dtype == v1::DTYPE_FP16)
                           ? kHalfMax
@@ -412,7 +482,14 @@ absl::StatusOr<v1::EncodedTensor> Encode(const CodecConfig& c, v1::TensorRole ro
                        limit == kHalfMax ? " and within fp16 range" : ""));
     }
   }
+  return absl::OkStatus();
+}
+
+// Every field of the tensor but its buffers and checksum.
+v1::EncodedTensor TensorMeta(const CodecConfig& c, const Layout& l, v1::TensorRole role,
+                             absl::Span<const int64_t> shape) {
   v1::EncodedTensor t;
+  t.set_format_version(kEncodedTensorFormatVersion);
   t.set_codec(c.codec);
   CodecConfig eff = c;
   eff.residual_tokens = static_cast<int>(l.res);
@@ -420,46 +497,42 @@ absl::StatusOr<v1::EncodedTensor> Encode(const CodecConfig& c, v1::TensorRole ro
   t.set_role(role);
   t.set_dtype(c.dtype);
   for (int64_t s : shape) t.add_shape(s);
+  return t;
+}
+
+// Encodes checked `data` into the buffers at `out`, which hold whatever was
+// there before (every byte is written).
+void EncodeBuffers(const CodecConfig& c, const Layout& l, const float* data, const BufferPtrs& out,
+                   KernelLevel level) {
+  const int64_t n = l.slabs * l.tokens * l.d;
   if (c.codec == v1::CODEC_RAW) {
-    uint8_t* out = AddBuffer(&t, v1::BUFFER_RAW, n * l.dsize);
-    for (int64_t i = 0; i < n; ++i) StoreElement(c.dtype, data[i], out, i);
-    SealTensor(&t);
-    return t;
+    for (int64_t i = 0; i < n; ++i) StoreElement(c.dtype, data[i], out.raw, i);
+    return;
   }
   const int64_t slab_elems = l.tokens * l.d;
   const int64_t words = internal::CodeWords(l.q);
   const int64_t scount = internal::ScaleCount(l.q);
-  uint8_t* codes = AddBuffer(&t, v1::BUFFER_CODES, l.code_bytes());
-  auto* scales = reinterpret_cast<uint16_t*>(AddBuffer(&t, v1::BUFFER_SCALES, l.scale_bytes()));
-  auto* zeros = reinterpret_cast<uint16_t*>(AddBuffer(&t, v1::BUFFER_ZEROS, l.scale_bytes()));
+  // The reference quantizer ORs codes into their words.
+  std::memset(out.codes, 0, static_cast<size_t>(l.code_bytes()));
   if (l.res > 0) {
-    uint8_t* res = AddBuffer(&t, v1::BUFFER_RESIDUAL, l.residual_bytes());
     for (int64_t s = 0; s < l.slabs; ++s) {
       const float* src = data + s * slab_elems + l.tq * l.d;
       for (int64_t i = 0; i < l.res * l.d; ++i)
-        StoreElement(c.dtype, src[i], res, s * l.res * l.d + i);
+        StoreElement(c.dtype, src[i], out.residual, s * l.res * l.d + i);
     }
   }
-  uint16_t* a16 = nullptr;
-  uint16_t* b16 = nullptr;
-  if (IsGear(c.codec) && l.rank > 0) {
-    a16 = reinterpret_cast<uint16_t*>(AddBuffer(&t, v1::BUFFER_LOWRANK_A, l.a_bytes()));
-    b16 = reinterpret_cast<uint16_t*>(AddBuffer(&t, v1::BUFFER_LOWRANK_B, l.b_bytes()));
-  }
-  uint8_t* sidx = nullptr;
-  uint8_t* sval = nullptr;
-  if (c.codec == v1::CODEC_GEAR) {
-    sidx = AddBuffer(&t, v1::BUFFER_SPARSE_INDEX, l.sparse_count() * l.index_bytes);
-    sval = AddBuffer(&t, v1::BUFFER_SPARSE_VALUE, l.sparse_count() * l.dsize);
-  }
+  uint16_t* a16 = out.a;
+  uint16_t* b16 = out.b;
+  uint8_t* sidx = out.sparse_index;
+  uint8_t* sval = out.sparse_value;
   std::vector<float> work, deq, a, b;
   std::vector<int64_t> order;
   std::vector<uint8_t> is_outlier;
   for (int64_t s = 0; s < l.slabs; ++s) {
     const float* x = data + s * slab_elems;
-    uint8_t* sc = codes + s * words * 4;
-    uint16_t* ss = scales + s * scount;
-    uint16_t* sz = zeros + s * scount;
+    uint8_t* sc = out.codes + s * words * 4;
+    uint16_t* ss = out.scales + s * scount;
+    uint16_t* sz = out.zeros + s * scount;
     if (!IsGear(c.codec)) {
       Quantize(l.q, x, sc, ss, sz, level);
       continue;
@@ -520,8 +593,97 @@ absl::StatusOr<v1::EncodedTensor> Encode(const CodecConfig& c, v1::TensorRole ro
       for (size_t i = 0; i < b.size(); ++i) b16[s * l.rank * l.d + i] = FloatToHalf(b[i]);
     }
   }
+}
+
+}  // namespace
+
+absl::StatusOr<v1::EncodedTensor> Encode(const CodecConfig& c, v1::TensorRole role,
+                                         absl::Span<const int64_t> shape, const float* data,
+                                         KernelLevel level) {
+  KVT_RETURN_IF_ERROR(ValidateCodecConfig(c));
+  if (IsQuantized(c.codec) && role != v1::TENSOR_ROLE_KEY && role != v1::TENSOR_ROLE_VALUE) {
+    return absl::InvalidArgumentError("a quantized tensor must be a KEY or a VALUE");
+  }
+  KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(c, role, shape));
+  KVT_RETURN_IF_ERROR(CheckInput(c, l, data));
+  v1::EncodedTensor t = TensorMeta(c, l, role, shape);
+  BufferPtrs out;
+  for (const auto& [kind, bytes] : BufferList(c, l))
+    SetBuffer(kind, AddBuffer(&t, kind, bytes), &out);
+  EncodeBuffers(c, l, data, out, level);
   SealTensor(&t);
   return t;
+}
+
+namespace {
+
+using google::protobuf::internal::WireFormatLite;
+using google::protobuf::io::CodedOutputStream;
+
+constexpr uint32_t kBuffersTag = (8 << 3) | 2;  // EncodedTensor.buffers
+constexpr uint32_t kKindTag = (1 << 3) | 0;     // Buffer.kind
+constexpr uint32_t kDataTag = (2 << 3) | 2;     // Buffer.data
+constexpr uint32_t kCrcTag = (9 << 3) | 5;      // EncodedTensor.crc32c
+
+// Serialized size of a Buffer message holding `bytes` bytes of `kind`.
+size_t BufferMessageSize(v1::BufferKind kind, int64_t bytes) {
+  size_t n = 1 + CodedOutputStream::VarintSize32SignExtended(kind);
+  if (bytes > 0) n += 1 + CodedOutputStream::VarintSize64(bytes) + static_cast<size_t>(bytes);
+  return n;
+}
+
+}  // namespace
+
+absl::StatusOr<TensorEncoder> TensorEncoder::Make(const CodecConfig& c, v1::TensorRole role,
+                                                  absl::Span<const int64_t> shape,
+                                                  uint32_t layer_begin) {
+  KVT_RETURN_IF_ERROR(ValidateCodecConfig(c));
+  if (IsQuantized(c.codec) && role != v1::TENSOR_ROLE_KEY && role != v1::TENSOR_ROLE_VALUE) {
+    return absl::InvalidArgumentError("a quantized tensor must be a KEY or a VALUE");
+  }
+  KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(c, role, shape));
+  TensorEncoder e;
+  e.config_ = c;
+  e.role_ = role;
+  e.shape_.assign(shape.begin(), shape.end());
+  v1::EncodedTensor meta = TensorMeta(c, l, role, shape);
+  meta.set_layer_begin(layer_begin);
+  e.meta_ = meta.SerializeAsString();
+  e.size_ = e.meta_.size();
+  for (const auto& [kind, bytes] : BufferList(c, l)) {
+    const size_t m = BufferMessageSize(kind, bytes);
+    e.size_ += 1 + CodedOutputStream::VarintSize64(m) + m;
+  }
+  e.size_ += 1 + 4;  // The checksum, always written.
+  return e;
+}
+
+absl::StatusOr<uint8_t*> TensorEncoder::EncodeTo(const float* data, uint8_t* out,
+                                                 KernelLevel level) const {
+  KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(config_, role_, shape_));
+  KVT_RETURN_IF_ERROR(CheckInput(config_, l, data));
+  uint8_t* p = std::copy(meta_.begin(), meta_.end(), out);
+  BufferPtrs bufs;
+  std::vector<std::pair<const uint8_t*, size_t>> regions;
+  for (const auto& [kind, bytes] : BufferList(config_, l)) {
+    p = CodedOutputStream::WriteVarint32ToArray(kBuffersTag, p);
+    p = CodedOutputStream::WriteVarint64ToArray(BufferMessageSize(kind, bytes), p);
+    p = CodedOutputStream::WriteVarint32ToArray(kKindTag, p);
+    p = CodedOutputStream::WriteVarint32SignExtendedToArray(kind, p);
+    if (bytes > 0) {
+      p = CodedOutputStream::WriteVarint32ToArray(kDataTag, p);
+      p = CodedOutputStream::WriteVarint64ToArray(static_cast<uint64_t>(bytes), p);
+    }
+    SetBuffer(kind, p, &bufs);
+    regions.emplace_back(p, static_cast<size_t>(bytes));
+    p += bytes;
+  }
+  EncodeBuffers(config_, l, data, bufs, level);
+  uint32_t crc = 0;
+  for (const auto& [at, n] : regions) crc = Crc32cExtend(crc, at, n);
+  p = CodedOutputStream::WriteVarint32ToArray(kCrcTag, p);
+  p = WireFormatLite::WriteFixed32NoTagToArray(crc, p);
+  return p;
 }
 
 EncodedView EncodedView::Raw(v1::DType dtype, const void* data, int64_t slabs, int64_t tokens,

@@ -98,6 +98,32 @@ absl::StatusOr<v1::EncodedTensor> Encode(const CodecConfig& c, v1::TensorRole ro
                                          absl::Span<const int64_t> shape, const float* data,
                                          KernelLevel level = KernelLevel::kBest);
 
+// Encoding straight into a serialized EncodedTensor, for a caller that lays
+// out many tensors in one buffer (a segment payload) and wants each tensor's
+// bytes written once. Make() checks the config and shape as Encode does;
+// SerializedSize() is exact; EncodeTo(data, out) checks `data` as Encode does
+// and writes the tensor at out[0, SerializedSize()), byte for byte what
+// Encode, then set_layer_begin(layer_begin), then serialization produce
+// (except that a checksum of 0 is written out rather than left implicit), and
+// returns the end. Encoders are immutable: EncodeTo may run concurrently.
+class TensorEncoder {
+ public:
+  static absl::StatusOr<TensorEncoder> Make(const CodecConfig& c, v1::TensorRole role,
+                                            absl::Span<const int64_t> shape,
+                                            uint32_t layer_begin = 0);
+  size_t SerializedSize() const { return size_; }
+  absl::StatusOr<uint8_t*> EncodeTo(const float* data, uint8_t* out,
+                                    KernelLevel level = KernelLevel::kBest) const;
+
+ private:
+  TensorEncoder() = default;
+  CodecConfig config_;
+  v1::TensorRole role_ = v1::TENSOR_ROLE_UNSPECIFIED;
+  std::vector<int64_t> shape_;
+  std::string meta_;  // Fields 1 to 7, serialized.
+  size_t size_ = 0;
+};
+
 // Sum of the buffer bytes Encode produces for this config and shape.
 absl::StatusOr<int64_t> EncodedBufferBytes(const CodecConfig& c, v1::TensorRole role,
                                            absl::Span<const int64_t> shape);

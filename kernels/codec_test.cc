@@ -1,7 +1,9 @@
 #include "kernels/codec.h"
 
 #include <cmath>
+#include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -285,6 +287,49 @@ TEST(GearTest, LevelsDecodeTheSameBytesAlike) {
     KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> b, Decode(t, KernelLevel::kVectorized));
     for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-5 * (1 + std::fabs(a[i])));
   }
+}
+
+// TensorEncoder writes, in place and in one pass, the bytes that Encode's
+// tensor serializes to, for every codec, dtype and a residual-only tensor.
+TEST(TensorEncoderTest, WritesWhatEncodeSerializes) {
+  std::vector<std::string> settings = {
+      "raw",        "fp32",  "raw:dt=bf16", "kivi2:g=16", "kivi4:R=8",
+      "kivi8:R=64", "kcvt4", "gear2:r=2",   "gearl4:r=1", "gear4:bb=kcvt:s=0.1"};
+  const int64_t shape[3] = {2, 40, 16};
+  std::vector<float> x = Random(2 * 40 * 16, 11);
+  AddOutlierChannels(&x, 16);
+  for (const std::string& setting : settings) {
+    SCOPED_TRACE(setting);
+    auto c = ParseCodecSetting(setting);
+    KVT_ASSERT_OK(c.status());
+    for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+      auto want = Encode(*c, role, shape, x.data());
+      KVT_ASSERT_OK(want.status());
+      want->set_layer_begin(7);
+      if (want->crc32c() == 0) continue;  // Written out explicitly by EncodeTo.
+      const std::string bytes = want->SerializeAsString();
+      auto enc = TensorEncoder::Make(*c, role, shape, 7);
+      KVT_ASSERT_OK(enc.status());
+      ASSERT_EQ(enc->SerializedSize(), bytes.size());
+      // Stale bytes in the destination must not leak into the codes.
+      std::string out(bytes.size() + 3, '\xff');
+      auto end = enc->EncodeTo(x.data(), reinterpret_cast<uint8_t*>(out.data()));
+      KVT_ASSERT_OK(end.status());
+      EXPECT_EQ(*end, reinterpret_cast<uint8_t*>(out.data()) + bytes.size());
+      EXPECT_EQ(out.substr(0, bytes.size()), bytes);
+      EXPECT_EQ(out.substr(bytes.size()), "\xff\xff\xff");
+    }
+  }
+  // EncodeTo checks its input as Encode does.
+  auto enc = TensorEncoder::Make(Kivi(4, 32, 0), v1::TENSOR_ROLE_KEY, shape);
+  KVT_ASSERT_OK(enc.status());
+  std::vector<float> bad = x;
+  bad[5] = std::numeric_limits<float>::infinity();
+  std::string out(enc->SerializedSize(), '\0');
+  EXPECT_THAT(enc->EncodeTo(bad.data(), reinterpret_cast<uint8_t*>(out.data())).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("finite")));
+  EXPECT_THAT(TensorEncoder::Make(Kivi(3, 32, 0), v1::TENSOR_ROLE_KEY, shape).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 TEST(CodecFormatTest, CorruptionIsDetected) {

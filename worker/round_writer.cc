@@ -9,26 +9,6 @@
 #include "worker/session.h"
 
 namespace kvtier::worker {
-namespace {
-
-// Serializes SegmentPayload{tensors = layers [l0, l1) of `enc`} straight
-// into one buffer, tensor by tensor, so the encoded bytes are copied once
-// (here) on their way to the store, which receives this buffer as is.
-std::string SerializeSegment(const std::vector<std::vector<v1::EncodedTensor>>& enc, int l0,
-                             int l1) {
-  std::vector<const v1::EncodedTensor*> tensors;
-  std::vector<size_t> sizes;
-  for (int l = l0; l < l1; ++l) {
-    for (const auto& e : enc[l]) {
-      tensors.push_back(&e);
-      sizes.push_back(e.ByteSizeLong());  // Also caches the size for the write.
-    }
-  }
-  return SerializePayload(
-      sizes, [&](size_t i, uint8_t* p) { return tensors[i]->SerializeWithCachedSizesToArray(p); });
-}
-
-}  // namespace
 
 // What EndRound sends and then commits.
 struct RoundPlan {
@@ -69,61 +49,85 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
     plan.round = s->stats.rounds;
     plan.tokens = t;
     plan.round_working_set = static_cast<uint64_t>(s->WorkingSetBytes());
-    std::vector<std::vector<v1::EncodedTensor>> enc(sh.layers);
-    std::vector<float> hk, hv;
+    // Eviction per layer first, so that every tensor's size is known; then
+    // each segment is laid out once and every tensor is encoded straight into
+    // its place in it (TensorEncoder): the buffer that goes to the store as
+    // is, and that the round's working-set form views.
     const bool evicting = s->policy.eviction.method != evict::Method::kNone;
-    for (int l = 0; l < sh.layers; ++l) {
-      // The open round is head-major already: eviction scores it in place,
-      // and each head's kept rows are encoded straight from it when eviction
-      // keeps them all.
-      const OpenLayer& o = s->open[l];
-      evict::LayerQK x{sh.q_heads, sh.kv_heads, d, t, o.q.data(), o.k.data()};
-      x.head_stride = o.cap * d;
-      std::vector<std::vector<int64_t>> keep;
-      if (evicting) {
-        KVT_ASSIGN_OR_RETURN(keep, evict::SelectTokens(s->policy.eviction, l, sh.layers, x));
-      }
-      for (int h = 0; h < sh.kv_heads; ++h) {
-        const float* kp = o.k_head(h, d);
-        const float* vp = o.v_head(h, d);
-        int64_t len = t;
-        if (evicting && static_cast<int64_t>(keep[h].size()) != t) {
-          // Attention does not depend on key order, so all t kept = as is.
-          len = static_cast<int64_t>(keep[h].size());
-          hk.resize(len * d);
-          hv.resize(len * d);
-          for (int64_t i = 0; i < len; ++i) {
-            std::copy_n(kp + keep[h][i] * d, d, &hk[i * d]);
-            std::copy_n(vp + keep[h][i] * d, d, &hv[i * d]);
-          }
-          kp = hk.data();
-          vp = hv.data();
-        }
-        const int64_t shape[3] = {1, len, d};
-        KVT_ASSIGN_OR_RETURN(v1::EncodedTensor ek, Encode(s->policy.codec, v1::TENSOR_ROLE_KEY,
-                                                          shape, kp, options_.level));
-        KVT_ASSIGN_OR_RETURN(v1::EncodedTensor ev, Encode(s->policy.codec, v1::TENSOR_ROLE_VALUE,
-                                                          shape, vp, options_.level));
-        // Self-locating, as the format wants (the store checks it).
-        ek.set_layer_begin(static_cast<uint32_t>(l));
-        ev.set_layer_begin(static_cast<uint32_t>(l));
-        enc[l].push_back(std::move(ek));
-        enc[l].push_back(std::move(ev));
+    std::vector<std::vector<std::vector<int64_t>>> keep(sh.layers);
+    if (evicting) {
+      for (int l = 0; l < sh.layers; ++l) {
+        // The open round is head-major already: eviction scores it in place.
+        const OpenLayer& o = s->open[l];
+        evict::LayerQK x{sh.q_heads, sh.kv_heads, d, t, o.q.data(), o.k.data()};
+        x.head_stride = o.cap * d;
+        KVT_ASSIGN_OR_RETURN(keep[l], evict::SelectTokens(s->policy.eviction, l, sh.layers, x));
       }
     }
-    // Each segment is serialized once, into the buffer that goes to the store
-    // as is; the round's working-set form is views into the same buffers.
+    // Rows of head h of layer l that the round keeps; all t when eviction
+    // keeps them all (attention does not depend on key order).
+    auto kept = [&](int l, int h) -> const std::vector<int64_t>* {
+      if (!evicting || static_cast<int64_t>(keep[l][h].size()) == t) return nullptr;
+      return &keep[l][h];
+    };
+    std::vector<float> gathered;
+    // The lambdas below run under this lock; they see the session's state
+    // through these.
+    const std::vector<OpenLayer>* open = &s->open;
+    const CodecConfig& codec = s->policy.codec;
+    auto segment = [&](int l0, int l1) -> absl::StatusOr<std::string> {
+      std::vector<TensorEncoder> encs;
+      std::vector<size_t> sizes;
+      for (int l = l0; l < l1; ++l) {
+        for (int h = 0; h < sh.kv_heads; ++h) {
+          const std::vector<int64_t>* rows = kept(l, h);
+          const int64_t shape[3] = {1, rows != nullptr ? static_cast<int64_t>(rows->size()) : t, d};
+          for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+            // Self-locating, as the format wants (the store checks it).
+            KVT_ASSIGN_OR_RETURN(TensorEncoder e,
+                                 TensorEncoder::Make(codec, role, shape, static_cast<uint32_t>(l)));
+            sizes.push_back(e.SerializedSize());
+            encs.push_back(std::move(e));
+          }
+        }
+      }
+      absl::Status encoded;
+      std::string out = SerializePayload(sizes, [&](size_t i, uint8_t* p) {
+        const int l = l0 + static_cast<int>(i / (2 * sh.kv_heads));
+        const int h = static_cast<int>(i / 2 % sh.kv_heads);
+        const bool value = i % 2 == 1;
+        const OpenLayer& o = (*open)[l];
+        const float* src = value ? o.v_head(h, d) : o.k_head(h, d);
+        if (const std::vector<int64_t>* rows = kept(l, h); rows != nullptr) {
+          // Eviction dropped rows of this head: its kept rows are gathered
+          // into a scratch of one head's size first.
+          gathered.resize(rows->size() * d);
+          for (size_t j = 0; j < rows->size(); ++j) {
+            std::copy_n(src + (*rows)[j] * d, d, &gathered[j * d]);
+          }
+          src = gathered.data();
+        }
+        absl::StatusOr<uint8_t*> end = encs[i].EncodeTo(src, p, options_.level);
+        if (!end.ok()) {
+          if (encoded.ok()) encoded = end.status();
+          return p + sizes[i];
+        }
+        return *end;
+      });
+      KVT_RETURN_IF_ERROR(encoded);
+      return out;
+    };
     // Built (and on a GPU uploaded) before the puts, so that a failure of
     // either leaves the round open.
-    plan.lower = std::make_shared<const std::string>(SerializeSegment(enc, 0, lw + 1));
-    enc.erase(enc.begin(), enc.begin() + lw + 1);
+    KVT_ASSIGN_OR_RETURN(std::string lower, segment(0, lw + 1));
+    plan.lower = std::make_shared<const std::string>(std::move(lower));
     KVT_ASSIGN_OR_RETURN(plan.layers, MakeLayers(plan.lower, lw + 1, sh.kv_heads, d));
     if (lw + 1 < sh.layers) {
-      plan.upper =
-          std::make_shared<const std::string>(SerializeSegment(enc, 0, sh.layers - lw - 1));
-      enc.clear();
-      KVT_ASSIGN_OR_RETURN(auto upper, MakeLayers(plan.upper, sh.layers - lw - 1, sh.kv_heads, d));
-      for (auto& rl : upper) plan.layers.push_back(std::move(rl));
+      KVT_ASSIGN_OR_RETURN(std::string upper, segment(lw + 1, sh.layers));
+      plan.upper = std::make_shared<const std::string>(std::move(upper));
+      KVT_ASSIGN_OR_RETURN(auto upper_layers,
+                           MakeLayers(plan.upper, sh.layers - lw - 1, sh.kv_heads, d));
+      for (auto& rl : upper_layers) plan.layers.push_back(std::move(rl));
     }
     for (int l = 0; l < sh.layers; ++l) KVT_RETURN_IF_ERROR(s->Place(*plan.layers[l], l));
     plan.recalls = s->unreported_recalls;
