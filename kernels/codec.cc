@@ -658,14 +658,18 @@ absl::StatusOr<TensorEncoder> TensorEncoder::Make(const CodecConfig& c, v1::Tens
   return e;
 }
 
-absl::StatusOr<uint8_t*> TensorEncoder::EncodeTo(const float* data, uint8_t* out,
-                                                 KernelLevel level) const {
-  KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(config_, role_, shape_));
-  KVT_RETURN_IF_ERROR(CheckInput(config_, l, data));
-  uint8_t* p = std::copy(meta_.begin(), meta_.end(), out);
-  BufferPtrs bufs;
-  std::vector<std::pair<const uint8_t*, size_t>> regions;
-  for (const auto& [kind, bytes] : BufferList(config_, l)) {
+namespace {
+
+using Regions = std::vector<std::pair<const uint8_t*, size_t>>;
+
+// Writes a tensor's serialized fields up to its checksum at `out`: `meta`,
+// then each buffer's framing with room for its bytes (recorded in `bufs`
+// and `regions`). Returns where the checksum goes.
+uint8_t* LayOut(const std::string& meta,
+                const std::vector<std::pair<v1::BufferKind, int64_t>>& list, uint8_t* out,
+                BufferPtrs* bufs, Regions* regions) {
+  uint8_t* p = std::copy(meta.begin(), meta.end(), out);
+  for (const auto& [kind, bytes] : list) {
     p = CodedOutputStream::WriteVarint32ToArray(kBuffersTag, p);
     p = CodedOutputStream::WriteVarint64ToArray(BufferMessageSize(kind, bytes), p);
     p = CodedOutputStream::WriteVarint32ToArray(kKindTag, p);
@@ -674,16 +678,68 @@ absl::StatusOr<uint8_t*> TensorEncoder::EncodeTo(const float* data, uint8_t* out
       p = CodedOutputStream::WriteVarint32ToArray(kDataTag, p);
       p = CodedOutputStream::WriteVarint64ToArray(static_cast<uint64_t>(bytes), p);
     }
-    SetBuffer(kind, p, &bufs);
-    regions.emplace_back(p, static_cast<size_t>(bytes));
+    SetBuffer(kind, p, bufs);
+    regions->emplace_back(p, static_cast<size_t>(bytes));
     p += bytes;
   }
-  EncodeBuffers(config_, l, data, bufs, level);
+  return p;
+}
+
+// Writes the checksum of the filled `regions` at p; returns the tensor's end.
+uint8_t* Seal(const Regions& regions, uint8_t* p) {
   uint32_t crc = 0;
   for (const auto& [at, n] : regions) crc = Crc32cExtend(crc, at, n);
   p = CodedOutputStream::WriteVarint32ToArray(kCrcTag, p);
-  p = WireFormatLite::WriteFixed32NoTagToArray(crc, p);
-  return p;
+  return WireFormatLite::WriteFixed32NoTagToArray(crc, p);
+}
+
+}  // namespace
+
+absl::StatusOr<uint8_t*> TensorEncoder::EncodeTo(const float* data, uint8_t* out,
+                                                 KernelLevel level) const {
+  KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(config_, role_, shape_));
+  KVT_RETURN_IF_ERROR(CheckInput(config_, l, data));
+  BufferPtrs bufs;
+  Regions regions;
+  uint8_t* p = LayOut(meta_, BufferList(config_, l), out, &bufs, &regions);
+  EncodeBuffers(config_, l, data, bufs, level);
+  return Seal(regions, p);
+}
+
+absl::StatusOr<uint8_t*> TensorEncoder::EncodeTo(const void* data, v1::DType dtype, uint8_t* out,
+                                                 std::vector<float>* scratch,
+                                                 KernelLevel level) const {
+  if (dtype == v1::DTYPE_FP32) return EncodeTo(static_cast<const float*>(data), out, level);
+  if (dtype != v1::DTYPE_FP16 && dtype != v1::DTYPE_BF16) {
+    return absl::InvalidArgumentError("input dtype must be fp16, bf16 or fp32");
+  }
+  KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(config_, role_, shape_));
+  const int64_t n = l.slabs * l.tokens * l.d;
+  if (config_.codec == v1::CODEC_RAW && config_.dtype == dtype) {
+    // Stored as it is held. fp16 input holds no value beyond fp16 range;
+    // non-finite elements are refused as Encode refuses them.
+    const auto* x = static_cast<const uint16_t*>(data);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t exp_all = dtype == v1::DTYPE_FP16 ? 0x7c00 : 0x7f80;
+      if ((x[i] & exp_all) == exp_all) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("element ", i, " is not finite: inputs must be finite"));
+      }
+    }
+    BufferPtrs bufs;
+    Regions regions;
+    uint8_t* p = LayOut(meta_, BufferList(config_, l), out, &bufs, &regions);
+    std::memcpy(bufs.raw, data, static_cast<size_t>(n) * 2);
+    return Seal(regions, p);
+  }
+  scratch->resize(static_cast<size_t>(n));
+  const auto* x = static_cast<const uint16_t*>(data);
+  if (dtype == v1::DTYPE_FP16) {
+    for (int64_t i = 0; i < n; ++i) (*scratch)[i] = HalfToFloat(x[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) (*scratch)[i] = Bf16ToFloat(x[i]);
+  }
+  return EncodeTo(scratch->data(), out, level);
 }
 
 EncodedView EncodedView::Raw(v1::DType dtype, const void* data, int64_t slabs, int64_t tokens,

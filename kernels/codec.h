@@ -114,6 +114,12 @@ class TensorEncoder {
   size_t SerializedSize() const { return size_; }
   absl::StatusOr<uint8_t*> EncodeTo(const float* data, uint8_t* out,
                                     KernelLevel level = KernelLevel::kBest) const;
+  // The same from `data` in `dtype` (fp16, bf16 or fp32). A raw codec whose
+  // dtype is the input's stores the elements as they are; any other widens
+  // them into `scratch` first (reused across calls by the caller).
+  absl::StatusOr<uint8_t*> EncodeTo(const void* data, v1::DType dtype, uint8_t* out,
+                                    std::vector<float>* scratch,
+                                    KernelLevel level = KernelLevel::kBest) const;
 
  private:
   TensorEncoder() = default;

@@ -32,7 +32,8 @@ void AddAttention(const LayerQK& x, int hq, int64_t i, int64_t limit, double wei
                   std::vector<double>* acc, std::vector<double>* s, const float* q = nullptr) {
   const int rep = x.q_heads / x.kv_heads;
   const int64_t hs = x.head_stride > 0 ? x.head_stride : x.tokens * x.d;
-  if (q == nullptr) q = x.q + static_cast<int64_t>(hq) * hs + i * x.d;
+  const int64_t qs = x.q_head_stride > 0 ? x.q_head_stride : hs;
+  if (q == nullptr) q = x.q + static_cast<int64_t>(hq) * qs + (i - x.q_first) * x.d;
   const float* k = x.k + static_cast<int64_t>(hq / rep) * hs;
   const double scale = 1.0 / std::sqrt(static_cast<double>(x.d));
   s->resize(static_cast<size_t>(i + 1));
@@ -77,6 +78,11 @@ absl::StatusOr<std::vector<float>> ObservationScores(const ScoreOptions& o, cons
   const int64_t w = std::min<int64_t>(o.window, x.tokens);
   const int64_t n = x.tokens - w;
   if (n == 0) return std::vector<float>();
+  if (x.future_q == nullptr && (x.q_first < 0 || x.q_first > n)) {
+    return absl::InvalidArgumentError(absl::StrCat("observation window of ", w,
+                                                   " queries, but q holds rows from ", x.q_first,
+                                                   " of ", x.tokens));
+  }
   std::vector<std::vector<double>> per_q(x.q_heads, std::vector<double>(n, 0.0));
   std::vector<double> s;
   for (int hq = 0; hq < x.q_heads; ++hq) {
@@ -109,12 +115,27 @@ absl::StatusOr<std::vector<float>> ObservationScores(const ScoreOptions& o, cons
 
 absl::StatusOr<std::vector<float>> H2oScores(const LayerQK& x, GqaReduce gqa) {
   if (auto s = CheckShape(x); !s.ok()) return s;
+  if (x.q_first != 0) {
+    return absl::InvalidArgumentError("H2O scores every query, but q holds only the last rows");
+  }
   std::vector<std::vector<double>> per_q(x.q_heads, std::vector<double>(x.tokens, 0.0));
   std::vector<double> s;
   for (int hq = 0; hq < x.q_heads; ++hq) {
     for (int64_t i = 0; i < x.tokens; ++i) AddAttention(x, hq, i, x.tokens, 1.0, &per_q[hq], &s);
   }
   return Reduce(per_q, x.kv_heads, x.tokens, gqa);
+}
+
+int64_t QueriesRead(const Policy& p) {
+  switch (p.method) {
+    case Method::kNone:
+    case Method::kStreaming:
+      return 0;
+    case Method::kH2o:
+      return -1;
+    default:
+      return p.score.window;
+  }
 }
 
 absl::Status ValidateBudget(int64_t budget, int window) {

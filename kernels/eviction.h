@@ -37,6 +37,12 @@ struct LayerQK {
   // Default: 0, meaning tokens * d (heads packed). The worker's open round
   // leaves room between heads to grow.
   int64_t head_stride = 0;
+  // The rows of q held, when not all are: [q_first, tokens), row r of q head
+  // h at q + h * q_head_stride + (r - q_first) * d. SnapKV-family scoring
+  // reads only the last w rows (q_first <= tokens - w, or 0 when tokens <=
+  // w); H2O reads every row (q_first = 0). Defaults: 0 and head_stride.
+  int64_t q_first = 0;
+  int64_t q_head_stride = 0;
   // Oracle window, for analysis only: when set, SnapKV-family scores come
   // from these queries [q_heads, future_queries, d], each seeing all T keys,
   // instead of the last w rows of q. Real eviction cannot know them; the
@@ -130,6 +136,11 @@ std::string PolicyName(const Policy& p);
 // SnapKV-family the last w). Returns ascending indices per KV head.
 absl::StatusOr<std::vector<std::vector<int64_t>>> SelectTokens(const Policy& p, int layer,
                                                                int layers, const LayerQK& x);
+
+// How many of a round's last queries SelectTokens reads under `p`: 0 (none,
+// streaming), -1 for every one (H2O), else the observation window w. A
+// holder of a round's queries needs to keep only these.
+int64_t QueriesRead(const Policy& p);
 
 // Layer-profile files (EvolKV output): text lines
 //   kvtier-layer-profile 1

@@ -8,6 +8,7 @@
 #include <random>
 
 #include "gtest/gtest.h"
+#include "kernels/half.h"
 #include "services/worker/store_segments.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
@@ -26,7 +27,7 @@ using worker::SessionPolicy;
 using Placement = worker::EngineOptions::Placement;
 #define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), IsOk())
 
-constexpr ModelShape kShape{6, 8, 2, 64, 2};
+constexpr ModelShape kShape{6, 8, 2, 64, v1::DTYPE_FP16};
 
 #define SKIP_WITHOUT_GPU()                                                         \
   if (absl::Status st_ = worker::DeviceStatus(); !st_.ok()) {                      \
@@ -61,6 +62,10 @@ class WorkerDeviceTest : public ::testing::Test {
       for (size_t i = 0; i < q.size(); ++i) q[i] = nd(rng) + (int(i % d) == topic ? 3.f : 0.f);
       for (size_t i = 0; i < k.size(); ++i) k[i] = nd(rng) + (int(i % d) == topic ? 3.f : 0.f);
       for (float& x : v) x = nd(rng);
+      // Values of the model's dtype (fp16): the host's open round holds
+      // them exactly, as the device's (fp32) does.
+      for (float& x : k) x = HalfToFloat(FloatToHalf(x));
+      for (float& x : v) x = HalfToFloat(FloatToHalf(x));
       std::vector<float> ho(q.size()), dout(q.size());
       if (prefill) {
         auto a = host_->PrefillLayer(hs, l, n, n / 2, q.data(), k.data(), v.data(), ho.data());

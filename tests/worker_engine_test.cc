@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "kernels/attention.h"
 #include "kernels/codec.h"
+#include "kernels/half.h"
 #include "services/worker/store_segments.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
@@ -26,13 +27,14 @@ using worker::ModelShape;
 using worker::SessionPolicy;
 #define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), IsOk())
 
-constexpr ModelShape kShape{4, 4, 2, 16, 2};
+constexpr ModelShape kShape{4, 4, 2, 16, v1::DTYPE_FP16};
 
 std::vector<float> Random(size_t n, std::mt19937* rng, float bias_dim = -1) {
   std::normal_distribution<float> nd;
   std::vector<float> x(n);
+  // Values of the model's dtype (fp16), which the open round holds exactly.
   for (size_t i = 0; i < n; ++i)
-    x[i] = nd(*rng) + (static_cast<int>(i % 16) == bias_dim ? 2.f : 0.f);
+    x[i] = HalfToFloat(FloatToHalf(nd(*rng) + (static_cast<int>(i % 16) == bias_dim ? 2.f : 0.f)));
   return x;
 }
 
@@ -418,7 +420,7 @@ TEST_F(WorkerEngineTest, EndRoundWithTheStoreDownKeepsTheRoundOpen) {
 }
 
 TEST_F(WorkerEngineTest, RejectsBadShapesPoliciesAndOrder) {
-  EXPECT_THAT(engine_->OpenSession("x", ModelShape{4, 6, 4, 16, 2}, {}),
+  EXPECT_THAT(engine_->OpenSession("x", ModelShape{4, 6, 4, 16, v1::DTYPE_FP16}, {}),
               StatusIs(absl::StatusCode::kInvalidArgument));
   SessionPolicy p;
   p.watershed_layer = 3;
@@ -503,11 +505,18 @@ TEST_F(WorkerEngineTest, BadValuesAreRefusedWhereTheyArrive) {
   KVT_ASSERT_OK_AND_ASSIGN(auto end, engine_->EndRound("s"));
   EXPECT_EQ(end.full_bytes, static_cast<uint64_t>(n) * kShape.layers * kShape.kv_heads * d * 2 * 2);
 
-  // A raw fp32 session stores 1e6 as it is.
-  KVT_ASSERT_OK(engine_->OpenSession("raw", kShape, SessionPolicy{}));
+  // A raw fp32 session of an fp32 model stores 1e6 as it is; of an fp16
+  // model it cannot (the open round holds fp16).
+  ModelShape fp32 = kShape;
+  fp32.dtype = v1::DTYPE_FP32;
+  KVT_ASSERT_OK(engine_->OpenSession("raw", fp32, SessionPolicy{}));
   bad = v;
   bad[0] = 1e6f;
   KVT_ASSERT_OK(engine_->PrefillLayer("raw", 0, n, 0, q.data(), k.data(), bad.data(), out.data()));
+  KVT_ASSERT_OK(engine_->OpenSession("raw16", kShape, SessionPolicy{}));
+  EXPECT_THAT(
+      engine_->PrefillLayer("raw16", 0, n, 0, q.data(), k.data(), bad.data(), out.data()).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 // The session cap and the working-set budget: RESOURCE_EXHAUSTED at the
@@ -586,6 +595,103 @@ TEST_F(WorkerEngineTest, PerTenantLimits) {
   KVT_ASSERT_OK(engine.CloseSession(a1, false));
   KVT_ASSERT_OK(engine.OpenSession(a3, kShape, {}));
   KVT_ASSERT_OK(prefill(a3, 8));
+}
+
+}  // namespace
+}  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+// The open round keeps K/V in the model's dtype and only the queries its
+// eviction reads. After many steps, a rolled-back decode and a rolled-back
+// prefill longer than the window, EndRound keeps exactly the rows SnapKV
+// selects from the whole round's queries and keys, and stores them exactly.
+TEST_F(WorkerEngineTest, OpenRoundKeepsTheModelDtypeAndOnlyTheWindowsQueries) {
+  const ModelShape s = kShape;  // fp16
+  const int d = s.head_dim;
+  SessionPolicy p;
+  KVT_ASSERT_OK_AND_ASSIGN(p.codec, ParseCodecSetting("raw"));  // fp16, exact
+  KVT_ASSERT_OK_AND_ASSIGN(p.eviction, evict::ParsePolicy("snapkv:24:w=8"));
+  KVT_ASSERT_OK(engine_->OpenSession("w", s, p));
+  std::mt19937 rng(21);
+  // The whole round, token-major per layer, as the test's reference.
+  std::vector<std::vector<float>> all_q(s.layers), all_k(s.layers);
+  int64_t tokens = 0;
+  auto step = [&](int64_t n, bool prefill, int layers_to_run) {
+    for (int l = 0; l < layers_to_run; ++l) {
+      const auto q = Random(n * s.q_heads * d, &rng, 3), k = Random(n * s.kv_heads * d, &rng, 3),
+                 v = Random(n * s.kv_heads * d, &rng);
+      std::vector<float> out(q.size());
+      if (prefill) {
+        ASSERT_THAT(
+            engine_->PrefillLayer("w", l, n, 0, q.data(), k.data(), v.data(), out.data()).status(),
+            IsOk());
+      } else {
+        ASSERT_THAT(engine_->DecodeLayer("w", l, q.data(), k.data(), v.data(), out.data()), IsOk());
+      }
+      if (layers_to_run == s.layers) {
+        all_q[l].insert(all_q[l].end(), q.begin(), q.end());
+        all_k[l].insert(all_k[l].end(), k.begin(), k.end());
+      }
+    }
+    if (layers_to_run == s.layers) tokens += n;
+  };
+  step(40, true, s.layers);
+  KVT_ASSERT_OK_AND_ASSIGN(auto st, engine_->Stats("w"));
+  // K and V at 2 bytes (not 4), and 40 of the round's queries at most (the
+  // first step's own, until the next one commits).
+  const uint64_t kv = static_cast<uint64_t>(40) * s.layers * s.kv_heads * d * 2 * 2;
+  EXPECT_GE(st.open_round_bytes, kv);
+  EXPECT_LE(st.open_round_bytes, kv + uint64_t{40} * s.layers * s.q_heads * d * 4);
+  for (int i = 0; i < 30; ++i) {
+    step(1, false, s.layers);
+    if (i == 10) {
+      step(1, false, 2);  // A decode step rolled back after two layers.
+      KVT_ASSERT_OK(engine_->AbortStep("w"));
+    }
+  }
+  step(20, true, 3);  // A prefill longer than the window, rolled back.
+  KVT_ASSERT_OK(engine_->AbortStep("w"));
+  for (int i = 0; i < 5; ++i) step(1, false, s.layers);
+  KVT_ASSERT_OK_AND_ASSIGN(st, engine_->Stats("w"));
+  // Queries: at most 2w + a step per head and layer, not the round's 75.
+  const uint64_t kv75 = static_cast<uint64_t>(tokens) * s.layers * s.kv_heads * d * 2 * 2;
+  EXPECT_LE(st.open_round_bytes,
+            2 * kv75 + static_cast<uint64_t>(2 * 8 + 16) * s.layers * s.q_heads * d * 4);
+  KVT_ASSERT_OK(engine_->EndRound("w").status());
+
+  KVT_ASSERT_OK_AND_ASSIGN(auto payloads, segments_->Get("w", {{0, 0}, {0, 1}}, {}));
+  std::vector<TensorParts> tensors;
+  for (const std::string& payload : payloads) {
+    KVT_ASSERT_OK_AND_ASSIGN(auto parts, SplitPayload(payload));
+    for (auto& t : parts) tensors.push_back(std::move(t));
+  }
+  ASSERT_EQ(tensors.size(), static_cast<size_t>(s.layers * s.kv_heads * 2));
+  for (int l = 0; l < s.layers; ++l) {
+    // The reference: SnapKV over the whole round, head-major.
+    std::vector<float> qh(all_q[l].size()), kh(all_k[l].size());
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int h = 0; h < s.q_heads; ++h)
+        std::copy_n(&all_q[l][(t * s.q_heads + h) * d], d, &qh[(h * tokens + t) * d]);
+      for (int h = 0; h < s.kv_heads; ++h)
+        std::copy_n(&all_k[l][(t * s.kv_heads + h) * d], d, &kh[(h * tokens + t) * d]);
+    }
+    evict::LayerQK x{s.q_heads, s.kv_heads, d, tokens, qh.data(), kh.data()};
+    KVT_ASSERT_OK_AND_ASSIGN(auto keep, evict::SelectTokens(p.eviction, l, s.layers, x));
+    for (int h = 0; h < s.kv_heads; ++h) {
+      SCOPED_TRACE(::testing::Message() << "layer " << l << " head " << h);
+      KVT_ASSERT_OK_AND_ASSIGN(EncodedView view, ParseEncoded(tensors[(l * s.kv_heads + h) * 2]));
+      ASSERT_EQ(view.tokens, static_cast<int64_t>(keep[h].size()));
+      std::vector<float> got(view.tokens * d);
+      DecodeRows(view, 0, 0, view.tokens, got.data());
+      for (size_t j = 0; j < keep[h].size(); ++j) {
+        for (int c = 0; c < d; ++c) {
+          ASSERT_EQ(got[j * d + c], kh[(h * tokens + keep[h][j]) * d + c]) << "row " << j;
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

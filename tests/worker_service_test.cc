@@ -383,9 +383,11 @@ TEST_F(WorkerServiceTest, LargeLayersTravelInChunks) {
   constexpr int64_t kTokens = 320;  // q: 320 * 64 * 64 * 4 = 5 MiB per layer.
   std::mt19937 rng(9);
   std::normal_distribution<float> nd;
+  // fp16 values (the model's dtype) on an fp32 wire: the worker holds them
+  // exactly.
   auto rnd = [&](size_t len) {
     std::vector<float> x(len);
-    for (float& v : x) v = nd(rng);
+    for (float& v : x) v = HalfToFloat(FloatToHalf(nd(rng)));
     return x;
   };
   auto dense = [](const std::vector<float>& x, int64_t t0, int64_t n, int heads) {

@@ -86,7 +86,7 @@ TEST_P(EndRoundCopiesTest, AllocatesTheStoredBytesOnce) {
 #endif
   // One big head per layer, so that a second copy of the round would be
   // megabytes while bookkeeping stays kilobytes.
-  const ModelShape shape{8, 4, 2, 128, 2};
+  const ModelShape shape{8, 4, 2, 128, v1::DTYPE_FP16};
   const int64_t tokens = 1024;
   SizeOnlyStore store;
   EngineOptions options;

@@ -86,10 +86,11 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(
   if (!id.tenant.empty()) KVT_RETURN_IF_ERROR(ValidateName("tenant", id.tenant));
   if (shape.layers < 1 || shape.q_heads < 1 || shape.kv_heads < 1 ||
       shape.q_heads % shape.kv_heads != 0 || shape.head_dim < 1 || shape.head_dim > 1024 ||
-      shape.dtype_bytes < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "bad model shape: layers ", shape.layers, ", q_heads ", shape.q_heads, ", kv_heads ",
-        shape.kv_heads, " (must divide q_heads), head_dim ", shape.head_dim));
+      shape.dtype_bytes() == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad model shape: layers ", shape.layers, ", q_heads ", shape.q_heads,
+                     ", kv_heads ", shape.kv_heads, " (must divide q_heads), head_dim ",
+                     shape.head_dim, ", dtype fp16, bf16 or fp32"));
   }
   const int lw = policy.watershed_layer >= 0 ? policy.watershed_layer : shape.layers / 3;
   if (lw >= shape.layers || (shape.layers > 1 && lw == shape.layers - 1)) {

@@ -55,9 +55,12 @@ struct ModelShape {
   int q_heads = 0;
   int kv_heads = 0;
   int head_dim = 0;
-  // Bytes per K/V element in the engine's own cache (fp16: 2): the "full
-  // cache" that working-set sizes are compared with.
-  int dtype_bytes = 2;
+  // The model's K/V dtype (fp16, bf16 or fp32): the open round is held in
+  // it, and the "full cache" that working-set sizes are compared with is
+  // counted in it. Default: fp16.
+  v1::DType dtype = v1::DTYPE_FP16;
+  // Bytes per K/V element; 0 for a dtype that is not one of the three.
+  int dtype_bytes() const { return DTypeSize(dtype); }
 };
 
 struct SessionPolicy {
@@ -118,6 +121,11 @@ struct SessionStats {
   uint64_t working_set_bytes = 0;  // Now.
   uint64_t peak_working_set_bytes = 0;
   uint64_t full_cache_bytes = 0;  // Every token at every layer, model dtype.
+  // Host bytes the open round holds now (capacity): K/V in the model's dtype
+  // plus the queries the round's eviction reads (fp32; none without
+  // eviction, the last w for SnapKV-family methods, all for H2O). The
+  // working set counts the open round at the model's dtype only.
+  uint64_t open_round_bytes = 0;
   std::vector<RecallReport> recalls;
   // Resident recalls not yet counted by the store (after a failed report).
   uint64_t pending_recall_counts = 0;

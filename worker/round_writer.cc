@@ -53,15 +53,33 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
     // each segment is laid out once and every tensor is encoded straight into
     // its place in it (TensorEncoder): the buffer that goes to the store as
     // is, and that the round's working-set form views.
-    const bool evicting = s->policy.eviction.method != evict::Method::kNone;
+    // The round's own eviction (the policy's when it opened), whose queries
+    // the open round kept.
+    const evict::Policy* eviction = &s->round_eviction;
+    const bool evicting = eviction->method != evict::Method::kNone;
+    const int es = sh.dtype_bytes();
     std::vector<std::vector<std::vector<int64_t>>> keep(sh.layers);
     if (evicting) {
+      std::vector<float> keys;
       for (int l = 0; l < sh.layers; ++l) {
-        // The open round is head-major already: eviction scores it in place.
+        // The open round is head-major already; scoring reads fp32 keys, so
+        // a 16-bit layer's are widened (one layer at a time).
         const OpenLayer& o = s->open[l];
-        evict::LayerQK x{sh.q_heads, sh.kv_heads, d, t, o.q.data(), o.k.data()};
-        x.head_stride = o.cap * d;
-        KVT_ASSIGN_OR_RETURN(keep[l], evict::SelectTokens(s->policy.eviction, l, sh.layers, x));
+        const float* k = reinterpret_cast<const float*>(o.k.data());
+        int64_t k_stride = o.cap * d;
+        if (sh.dtype != v1::DTYPE_FP32) {
+          keys.resize(static_cast<size_t>(sh.kv_heads) * t * d);
+          for (int h = 0; h < sh.kv_heads; ++h) {
+            WidenRows(sh.dtype, o.k_head(h, d, es), t * d, keys.data() + h * t * d);
+          }
+          k = keys.data();
+          k_stride = t * d;
+        }
+        evict::LayerQK x{sh.q_heads, sh.kv_heads, d, t, o.q.data(), k};
+        x.head_stride = k_stride;
+        x.q_first = o.q_first;
+        x.q_head_stride = o.q_cap * d;
+        KVT_ASSIGN_OR_RETURN(keep[l], evict::SelectTokens(*eviction, l, sh.layers, x));
       }
     }
     // Rows of head h of layer l that the round keeps; all t when eviction
@@ -70,7 +88,8 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
       if (!evicting || static_cast<int64_t>(keep[l][h].size()) == t) return nullptr;
       return &keep[l][h];
     };
-    std::vector<float> gathered;
+    std::vector<uint8_t> gathered;
+    std::vector<float> widened;
     // The lambdas below run under this lock; they see the session's state
     // through these.
     const std::vector<OpenLayer>* open = &s->open;
@@ -97,17 +116,20 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
         const int h = static_cast<int>(i / 2 % sh.kv_heads);
         const bool value = i % 2 == 1;
         const OpenLayer& o = (*open)[l];
-        const float* src = value ? o.v_head(h, d) : o.k_head(h, d);
+        const uint8_t* src = value ? o.v_head(h, d, es) : o.k_head(h, d, es);
         if (const std::vector<int64_t>* rows = kept(l, h); rows != nullptr) {
           // Eviction dropped rows of this head: its kept rows are gathered
           // into a scratch of one head's size first.
-          gathered.resize(rows->size() * d);
+          const size_t row = static_cast<size_t>(d) * es;
+          gathered.resize(rows->size() * row);
           for (size_t j = 0; j < rows->size(); ++j) {
-            std::copy_n(src + (*rows)[j] * d, d, &gathered[j * d]);
+            std::copy_n(src + (*rows)[j] * row, row, &gathered[j * row]);
           }
           src = gathered.data();
         }
-        absl::StatusOr<uint8_t*> end = encs[i].EncodeTo(src, p, options_.level);
+        // A 16-bit open round is widened a head at a time into `widened`
+        // unless the codec stores it as it is (raw in the model's dtype).
+        absl::StatusOr<uint8_t*> end = encs[i].EncodeTo(src, sh.dtype, p, &widened, options_.level);
         if (!end.ok()) {
           if (encoded.ok()) encoded = end.status();
           return p + sizes[i];

@@ -99,9 +99,11 @@ std::string SerializePayload(const std::vector<std::string_view>& tensors) {
 
 absl::Status Engine::Session::CheckValues(int layer, int64_t n, const float* qs, const float* ks,
                                           const float* vs) const {
-  // What EndRound's codec will accept: fp16 storage and the quantizing codecs
-  // hold fp16 scales and values.
-  const bool half = policy.codec.codec != v1::CODEC_RAW || policy.codec.dtype == v1::DTYPE_FP16;
+  // What the open round (in the model's dtype) and EndRound's codec will
+  // accept: fp16 storage and the quantizing codecs hold fp16 scales and
+  // values.
+  const bool half = shape.dtype == v1::DTYPE_FP16 || policy.codec.codec != v1::CODEC_RAW ||
+                    policy.codec.dtype == v1::DTYPE_FP16;
   const float limit = half ? kHalfMax : std::numeric_limits<float>::max();
   const int d = shape.head_dim;
   auto check = [&](const char* what, const float* x, int heads, float lim) -> absl::Status {
@@ -113,7 +115,7 @@ absl::Status Engine::Session::CheckValues(int layer, int64_t n, const float* qs,
         return absl::InvalidArgumentError(absl::StrCat(
             "layer ", layer, ": ", what, "[", token, ", ", head, ", ", i % d, "] is ", x[i],
             lim == kHalfMax ? "; K/V must be finite and within fp16 range (|x| <= 65504) for "
-                              "this session's codec"
+                              "this session's model dtype and codec"
                             : "; values must be finite"));
       }
     }
@@ -160,6 +162,7 @@ void Engine::Session::BeginStep(int64_t n, bool prefill) {
   if (prefill && state == SessionState::kIdle) {
     recall = RecallState::kNone;
     selected.clear();
+    round_eviction = policy.eviction;
   }
   state = prefill ? SessionState::kPrefill : SessionState::kDecode;
   step_n = n;
@@ -214,6 +217,8 @@ int64_t Engine::Session::WorkingSetBytes() const {
 
 void Engine::Session::NotePeak() {
   stats.device_bytes = DeviceBytes();
+  stats.open_round_bytes = 0;
+  for (const OpenLayer& o : open) stats.open_round_bytes += o.HeldBytes();
   stats.working_set_bytes = static_cast<uint64_t>(WorkingSetBytes());
   stats.peak_working_set_bytes = std::max(stats.peak_working_set_bytes, stats.working_set_bytes);
 }
@@ -232,42 +237,104 @@ std::vector<const RoundLayer*> Engine::Session::Visible(int layer) const {
 
 namespace {
 
-// Grows `x` ([heads][cap][d], `rows` valid per head) to `cap2` rows per head.
-void Regrow(std::vector<float>& x, int heads, int64_t cap, int64_t cap2, int64_t rows, int d) {
-  std::vector<float> y(static_cast<size_t>(heads) * cap2 * d);
+// Grows `x` ([heads][cap][d] elements of `es` bytes, `rows` valid per head)
+// to `cap2` rows per head.
+template <typename T>
+void Regrow(std::vector<T>& x, int heads, int64_t cap, int64_t cap2, int64_t rows, int64_t row) {
+  std::vector<T> y(static_cast<size_t>(heads * cap2 * row));
   for (int h = 0; h < heads; ++h) {
-    std::copy_n(x.data() + h * cap * d, rows * d, y.data() + h * cap2 * d);
+    std::copy_n(x.data() + h * cap * row, rows * row, y.data() + h * cap2 * row);
   }
   x.swap(y);
 }
 
-// Scatters n token-major rows [n, heads, d] to rows [at, at + n) of each
-// head of `x` ([heads][cap][d]).
-void Scatter(const float* src, int64_t n, int heads, int d, int64_t cap, int64_t at, float* x) {
+// Scatters n token-major fp32 rows [n, heads, d] to rows [at, at + n) of
+// each head of `x` ([heads][cap][d] in `dtype`), converting as it goes.
+void Scatter(const float* src, int64_t n, int heads, int d, int64_t cap, int64_t at,
+             v1::DType dtype, uint8_t* x) {
   for (int64_t i = 0; i < n; ++i) {
     for (int h = 0; h < heads; ++h) {
-      std::copy_n(src + (i * heads + h) * d, d, x + (h * cap + at + i) * d);
+      const float* from = src + (i * heads + h) * d;
+      const int64_t to = (h * cap + at + i) * d;
+      switch (dtype) {
+        case v1::DTYPE_FP16: {
+          auto* y = reinterpret_cast<uint16_t*>(x) + to;
+          for (int c = 0; c < d; ++c) y[c] = FloatToHalf(from[c]);
+          break;
+        }
+        case v1::DTYPE_BF16: {
+          auto* y = reinterpret_cast<uint16_t*>(x) + to;
+          for (int c = 0; c < d; ++c) y[c] = FloatToBf16(from[c]);
+          break;
+        }
+        default:
+          std::memcpy(x + to * 4, from, static_cast<size_t>(d) * 4);
+      }
     }
   }
 }
 
 }  // namespace
 
+void WidenRows(v1::DType dtype, const uint8_t* src, int64_t count, float* out) {
+  switch (dtype) {
+    case v1::DTYPE_FP16: {
+      const auto* x = reinterpret_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < count; ++i) out[i] = HalfToFloat(x[i]);
+      break;
+    }
+    case v1::DTYPE_BF16: {
+      const auto* x = reinterpret_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < count; ++i) out[i] = Bf16ToFloat(x[i]);
+      break;
+    }
+    default:
+      std::memcpy(out, src, static_cast<size_t>(count) * 4);
+  }
+}
+
 void Engine::Session::Append(int layer, int64_t n, const float* qs, const float* ks,
                              const float* vs) {
   OpenLayer& o = open[layer];
   const int d = shape.head_dim;
+  const int es = shape.dtype_bytes();
   o.rows = tokens;  // A rolled-back step's rows are overwritten.
   if (o.rows + n > o.cap) {
     const int64_t cap2 = std::max({o.rows + n, 2 * o.cap, int64_t{16}});
-    Regrow(o.q, shape.q_heads, o.cap, cap2, o.rows, d);
-    Regrow(o.k, shape.kv_heads, o.cap, cap2, o.rows, d);
-    Regrow(o.v, shape.kv_heads, o.cap, cap2, o.rows, d);
+    Regrow(o.k, shape.kv_heads, o.cap, cap2, o.rows, int64_t{d} * es);
+    Regrow(o.v, shape.kv_heads, o.cap, cap2, o.rows, int64_t{d} * es);
     o.cap = cap2;
   }
-  Scatter(qs, n, shape.q_heads, d, o.cap, o.rows, o.q.data());
-  Scatter(ks, n, shape.kv_heads, d, o.cap, o.rows, o.k.data());
-  Scatter(vs, n, shape.kv_heads, d, o.cap, o.rows, o.v.data());
+  Scatter(ks, n, shape.kv_heads, d, o.cap, o.rows, shape.dtype, o.k.data());
+  Scatter(vs, n, shape.kv_heads, d, o.cap, o.rows, shape.dtype, o.v.data());
+  // Queries: only those eviction will read at EndRound. Committed rows
+  // before the last w go (rows of the step in flight stay until it commits,
+  // so that a rolled-back step finds the committed window intact).
+  const int64_t need = evict::QueriesRead(round_eviction);
+  if (need != 0) {
+    int64_t keep_from = need < 0 ? 0 : std::max<int64_t>(o.q_first, tokens - need);
+    if (o.rows + n - o.q_first > o.q_cap && keep_from > o.q_first) {
+      // Full: drop the rows no longer needed, and shrink a buffer that a
+      // long prefill step had grown far past the window.
+      const int64_t kept = o.rows - keep_from;
+      const int64_t cap2 = std::max({kept + n, 2 * need, int64_t{16}});
+      std::vector<float> y(static_cast<size_t>(shape.q_heads * cap2 * d));
+      for (int h = 0; h < shape.q_heads; ++h) {
+        std::copy_n(o.q.data() + (h * o.q_cap + keep_from - o.q_first) * d, kept * d,
+                    y.data() + h * cap2 * d);
+      }
+      o.q.swap(y);
+      o.q_cap = cap2;
+      o.q_first = keep_from;
+    }
+    if (o.rows + n - o.q_first > o.q_cap) {
+      const int64_t cap2 = std::max({o.rows + n - o.q_first, 2 * o.q_cap, int64_t{16}});
+      Regrow(o.q, shape.q_heads, o.q_cap, cap2, o.rows - o.q_first, int64_t{d});
+      o.q_cap = cap2;
+    }
+    Scatter(qs, n, shape.q_heads, d, o.q_cap, o.rows - o.q_first, v1::DTYPE_FP32,
+            reinterpret_cast<uint8_t*>(o.q.data()));
+  }
   o.rows += n;
 }
 
@@ -288,8 +355,9 @@ absl::Status AttendLayer(const ModelShape& sh, const std::vector<const RoundLaye
         if (hk.len > 0) blocks.push_back({hk.kview, hk.vview});
       }
       const int64_t visible = base + i + 1;
-      blocks.push_back({EncodedView::Raw(v1::DTYPE_FP32, cur.k_head(h, d), 1, visible, d, 0, d),
-                        EncodedView::Raw(v1::DTYPE_FP32, cur.v_head(h, d), 1, visible, d, 0, d)});
+      const int es = sh.dtype_bytes();
+      blocks.push_back({EncodedView::Raw(sh.dtype, cur.k_head(h, d, es), 1, visible, d, 0, d),
+                        EncodedView::Raw(sh.dtype, cur.v_head(h, d, es), 1, visible, d, 0, d)});
       const int64_t row = i * sh.q_heads * d + static_cast<int64_t>(h) * rep * d;
       KVT_RETURN_IF_ERROR(DecodeAttention({rep, 1, d}, q + row, blocks, out + row, level));
     }

@@ -65,17 +65,28 @@ std::string SerializePayload(const std::vector<std::string_view>& tensors);
 
 double MsSince(std::chrono::steady_clock::time_point t);
 
-// One layer of the open round in fp32, head-major: head h's rows are
-// [h * cap * d, h * cap * d + rows * d) of q (q_heads heads) and of k and v
-// (kv_heads heads). Capacity grows by doubling, so appends are amortized.
+// Widens `count` elements of `dtype` (fp16, bf16 or fp32) at src to fp32.
+void WidenRows(v1::DType dtype, const uint8_t* src, int64_t count, float* out);
+
+// One layer of the open round, head-major, so that attention, eviction
+// scoring and EndRound read each head's rows in place.
+//   k, v: the model's dtype (ModelShape::dtype, `es` bytes per element):
+//         head h's row r at element (h * cap + r) * d, rows [0, rows).
+//   q:    fp32, only the rows eviction will read (evict::QueriesRead of the
+//         round's policy): rows [q_first, rows) of each q head, row r of
+//         head h at (h * q_cap + r - q_first) * d. None without eviction.
+// Capacities grow by doubling, so appends are amortized.
 struct OpenLayer {
-  std::vector<float> q, k, v;
-  int64_t cap = 0;   // Rows of room per head.
+  std::vector<uint8_t> k, v;
+  std::vector<float> q;
+  int64_t cap = 0;   // K/V rows of room per head.
   int64_t rows = 0;  // Rows held: committed tokens plus the step's, if this
                      // layer has seen the step in flight.
-  const float* q_head(int h, int d) const { return q.data() + h * cap * d; }
-  const float* k_head(int h, int d) const { return k.data() + h * cap * d; }
-  const float* v_head(int h, int d) const { return v.data() + h * cap * d; }
+  int64_t q_cap = 0, q_first = 0;
+  const uint8_t* k_head(int h, int d, int es) const { return k.data() + h * cap * d * es; }
+  const uint8_t* v_head(int h, int d, int es) const { return v.data() + h * cap * d * es; }
+  // Bytes held (capacity), for tests and accounting.
+  size_t HeldBytes() const { return k.capacity() + v.capacity() + q.capacity() * sizeof(float); }
 };
 
 // Where a session is in its round. Transitions (one place each):
@@ -124,7 +135,11 @@ class Engine::Session {
   };
 
   Session(SessionKey session_key, const ModelShape& model, const SessionPolicy& p, int watershed)
-      : key(std::move(session_key)), shape(model), lw(watershed), policy(p) {}
+      : key(std::move(session_key)),
+        shape(model),
+        lw(watershed),
+        policy(p),
+        round_eviction(p.eviction) {}
 
   static int64_t SteadyNowMs() {
     return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -157,6 +172,9 @@ class Engine::Session {
   // The open round, per layer, head-major: what attention reads per head,
   // what eviction scores and what EndRound encodes, without a transpose.
   std::vector<OpenLayer> open ABSL_GUARDED_BY(mu);
+  // The open round's eviction: the policy's when the round opened (a policy
+  // change applies from the next round), which says which queries to keep.
+  evict::Policy round_eviction ABSL_GUARDED_BY(mu);
   int64_t tokens ABSL_GUARDED_BY(mu) = 0;  // Committed tokens of the open round.
   // The step in flight (kPrefill, kDecode): layers done so far, token count.
   int next_layer ABSL_GUARDED_BY(mu) = 0;
@@ -182,7 +200,7 @@ class Engine::Session {
   // Bytes of n tokens at every layer in the model's dtype: what the open
   // round counts in the working set, and what the full cache holds.
   int64_t TokenBytes(int64_t n) const {
-    return n * shape.layers * shape.kv_heads * shape.head_dim * 2 * shape.dtype_bytes;
+    return n * shape.layers * shape.kv_heads * shape.head_dim * 2 * shape.dtype_bytes();
   }
 
   // OK when `layer` of a step of n tokens (prefill or decode) may run now;

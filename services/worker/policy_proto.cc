@@ -16,11 +16,9 @@ absl::StatusOr<worker::ModelShape> ShapeFromProto(const v1::ModelSpec& m) {
   s.head_dim = static_cast<int>(m.head_dim());
   switch (m.dtype()) {
     case v1::DTYPE_FP32:
-      s.dtype_bytes = 4;
-      break;
     case v1::DTYPE_FP16:
     case v1::DTYPE_BF16:
-      s.dtype_bytes = 2;
+      s.dtype = m.dtype();
       break;
     default:
       return absl::InvalidArgumentError("ModelSpec.dtype must be fp16, bf16 or fp32");
