@@ -5,8 +5,7 @@
 #include <string>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
+#include "base/command_line.h"
 #include "refengine/demo.h"
 
 ABSL_FLAG(std::string, worker, "", "kvtier-worker address host:port (or --controller).");
@@ -45,11 +44,11 @@ ABSL_FLAG(bool, shared_decode_stream, true,
           "stream per session and round.");
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  kvtier::ParseKvtierCommandLine(
+      argc, argv,
       "Serves multi-round conversations through kvtier-worker and compares them with an "
       "in-process full cache.\n  kvtier-engine --worker=HOST:PORT [--store=HOST:PORT] "
       "[--model=PATH] [--codec=..] [--recall=..] [--evict=..] [--report=FILE]");
-  absl::ParseCommandLine(argc, argv);
   kvtier::refengine::DemoOptions o;
   o.shared_decode_stream = absl::GetFlag(FLAGS_shared_decode_stream);
   o.worker = absl::GetFlag(FLAGS_worker);

@@ -6,9 +6,8 @@
 #include <cstdio>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/str_split.h"
+#include "base/command_line.h"
 #include "base/log.h"
 #include "services/common/serve_main.h"
 #include "services/common/server_credentials.h"
@@ -54,11 +53,11 @@ ABSL_FLAG(std::string, replica_id, "",
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warn or error.");
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  kvtier::ParseKvtierCommandLine(
+      argc, argv,
       "kvtier-controller [--listen=ADDR] [--replicas=R] [--tenants_file=FILE] ...\n"
       "Serves kvtier.v1.Controller: node membership with leases, and session placement on\n"
       "workers and store replicas (docs/cluster.md).");
-  absl::ParseCommandLine(argc, argv);
   kvtier::LogLevel level;
   if (!kvtier::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {
     std::fprintf(stderr, "kvtier-controller: --log_level must be debug, info, warn or error\n");

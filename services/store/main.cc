@@ -8,8 +8,7 @@
 #include <fstream>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
+#include "base/command_line.h"
 #include "base/log.h"
 #include "base/memory.h"
 #include "services/common/cluster_flags.h"
@@ -61,10 +60,10 @@ ABSL_FLAG(std::string, log_level, "info", "debug, info, warn or error.");
 
 int main(int argc, char** argv) {
   kvtier::TuneAllocatorForLargeBuffers();
-  absl::SetProgramUsageMessage(
+  kvtier::ParseKvtierCommandLine(
+      argc, argv,
       "kvtier-store --data_dir=DIR [--listen=ADDR] [--flagfile=FILE] ...\n"
       "Serves the kvtier.v1.Store gRPC API over a RAM tier backed by RocksDB.");
-  absl::ParseCommandLine(argc, argv);
 
   kvtier::LogLevel level;
   if (!kvtier::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {

@@ -5,8 +5,7 @@
 #include <string>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
+#include "base/command_line.h"
 #include "base/log.h"
 #include "services/common/cluster_flags.h"
 #include "services/common/serve_main.h"
@@ -53,10 +52,10 @@ std::string ReadFile(const std::string& path) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  kvtier::ParseKvtierCommandLine(
+      argc, argv,
       "kvtier-worker --store=HOST:PORT [--listen=ADDR] ...\n"
       "Serves the kvtier.v1.Worker gRPC API: attention over compressed, recalled working sets.");
-  absl::ParseCommandLine(argc, argv);
   kvtier::LogLevel level;
   if (!kvtier::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {
     std::fprintf(stderr, "kvtier-worker: --log_level must be debug, info, warn or error\n");

@@ -1,0 +1,51 @@
+#include "base/command_line.h"
+
+#include <string>
+
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/string_view.h"
+
+namespace kvtier {
+namespace {
+
+// The project's root as this file was compiled: "<root>/base/command_line.cc"
+// (CMake compiles every source by its absolute path).
+absl::string_view ProjectRoot() {
+  const absl::string_view kSelf = "base/command_line.cc";
+  absl::string_view file = __FILE__;
+  if (absl::EndsWith(file, kSelf)) file.remove_suffix(kSelf.size());
+  return file;
+}
+
+bool IsOwnSource(absl::string_view filename) {
+  const absl::string_view root = ProjectRoot();
+  return !root.empty() && absl::StartsWith(filename, root);
+}
+
+// absl passes the normalized name: a project path is relative by then.
+bool IsOwnFlag(absl::string_view filename) {
+  return IsOwnSource(filename) ||
+         (!absl::StartsWith(filename, "/") && !absl::StrContains(filename, "absl/"));
+}
+
+std::string Normalize(absl::string_view filename) {
+  if (IsOwnSource(filename)) filename.remove_prefix(ProjectRoot().size());
+  return std::string(filename);
+}
+
+}  // namespace
+
+std::vector<char*> ParseKvtierCommandLine(int argc, char** argv, const char* usage) {
+  absl::FlagsUsageConfig config;
+  config.contains_help_flags = IsOwnFlag;
+  config.contains_helpshort_flags = IsOwnFlag;
+  config.normalize_filename = Normalize;
+  absl::SetFlagsUsageConfig(config);
+  absl::SetProgramUsageMessage(usage);
+  return absl::ParseCommandLine(argc, argv);
+}
+
+}  // namespace kvtier
