@@ -126,6 +126,10 @@ absl::StatusOr<std::vector<float>> H2oScores(const LayerQK& x, GqaReduce gqa) {
   return Reduce(per_q, x.kv_heads, x.tokens, gqa);
 }
 
+int DefaultWindow(int64_t budget) {
+  return static_cast<int>(std::clamp<int64_t>(budget / 4, 1, 32));
+}
+
 int64_t QueriesRead(const Policy& p) {
   switch (p.method) {
     case Method::kNone:
@@ -300,12 +304,14 @@ absl::StatusOr<Policy> ParsePolicy(const std::string& text) {
   } else if (!absl::SimpleAtoi(parts[1], &p.budget)) {
     return absl::InvalidArgumentError(absl::StrCat("budget '", parts[1], "' is not an integer"));
   }
+  bool window_given = false;
   for (size_t i = 2; i < parts.size(); ++i) {
     std::pair<std::string, std::string> kv = absl::StrSplit(parts[i], absl::MaxSplits('=', 1));
     double dv = 0;
     int iv = 0;
     if (kv.first == "w" && absl::SimpleAtoi(kv.second, &iv)) {
       p.score.window = iv;
+      window_given = true;
     } else if (kv.first == "k" && absl::SimpleAtoi(kv.second, &iv)) {
       p.score.kernel = iv;
     } else if (kv.first == "pool" &&
@@ -329,10 +335,20 @@ absl::StatusOr<Policy> ParsePolicy(const std::string& text) {
   }
   if (!(p.beta > 0)) return absl::InvalidArgumentError("beta must be > 0");
   const bool windowed = p.method != Method::kStreaming && p.method != Method::kH2o;
+  const int64_t smallest = p.method == Method::kProfile
+                               ? *std::min_element(p.layer_budgets.begin(), p.layer_budgets.end())
+                               : p.budget;
+  if (windowed && !window_given) p.score.window = DefaultWindow(smallest);
   if (p.method == Method::kProfile) {
     for (int64_t b : p.layer_budgets) KVT_RETURN_IF_ERROR(ValidateBudget(b, p.score.window));
   } else {
-    KVT_RETURN_IF_ERROR(ValidateBudget(p.budget, windowed ? p.score.window : 0));
+    absl::Status valid = ValidateBudget(p.budget, windowed ? p.score.window : 0);
+    if (!valid.ok() && windowed && p.budget > 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(valid.message(), ": pass a smaller observation window, e.g. '", name, ":",
+                       p.budget, ":w=", DefaultWindow(p.budget), "'"));
+    }
+    KVT_RETURN_IF_ERROR(valid);
   }
   if (p.method == Method::kStreaming && p.budget <= p.sinks) {
     return absl::InvalidArgumentError(

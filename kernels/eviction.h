@@ -105,7 +105,8 @@ absl::StatusOr<EvictionError> EvictionLoss(int q_heads, int kv_heads, int d, int
 //   "ada-pyramid:B", "profile:FILE" (per-layer budgets from a layer-profile
 //   file, SnapKV selection), with options ":w=", ":k=", ":pool=max|avg|none",
 //   ":gqa=mean|max", ":alpha=", ":beta=". B is the per-head budget in tokens,
-//   the observation window included.
+//   the observation window included; without ":w=" the window is
+//   DefaultWindow(B). "ada-pyramidkv" is accepted for "ada-pyramid".
 enum class Method {
   kNone,
   kStreaming,
@@ -136,6 +137,12 @@ std::string PolicyName(const Policy& p);
 // SnapKV-family the last w). Returns ascending indices per KV head.
 absl::StatusOr<std::vector<std::vector<int64_t>>> SelectTokens(const Policy& p, int layer,
                                                                int layers, const LayerQK& x);
+
+// The observation window a policy gets when its text names none:
+// min(32, B / 4), at least 1 (32 is SnapKV's published window; a quarter of
+// smaller budgets keeps every budget above 1 valid). For a layer profile B
+// is its smallest layer budget.
+int DefaultWindow(int64_t budget);
 
 // How many of a round's last queries SelectTokens reads under `p`: 0 (none,
 // streaming), -1 for every one (H2O), else the observation window w. A

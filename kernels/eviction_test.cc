@@ -5,6 +5,9 @@
 #include <fstream>
 #include <numeric>
 #include <random>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -171,6 +174,7 @@ TEST(EvictionLossTest, ZeroWhenEverythingIsKeptAndGrowsAsBudgetsShrink) {
 }
 
 TEST(PolicyTest, ParsesSelectsAndRejects) {
+  using ::testing::HasSubstr;
   KVT_ASSERT_OK_AND_ASSIGN(Policy p, ParsePolicy("ada-snapkv:64:w=8:alpha=0.5:pool=avg"));
   EXPECT_EQ(p.method, Method::kAdaSnapKv);
   EXPECT_EQ(p.budget, 64);
@@ -179,8 +183,20 @@ TEST(PolicyTest, ParsesSelectsAndRejects) {
   EXPECT_EQ(PolicyName(p), "ada-snapkv:64");
   EXPECT_THAT(ParsePolicy("snapkv:0"), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(ParsePolicy("snapkv:-3"), StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(ParsePolicy("snapkv:16"),
-              StatusIs(absl::StatusCode::kInvalidArgument));  // w = 32 > 16
+  // Without :w= the window is min(32, B/4); a window given that does not
+  // fit is refused with a suggestion.
+  for (const auto& [text, window] :
+       std::vector<std::pair<std::string, int>>{{"snapkv:16", 4},
+                                                {"snapkv:256", 32},
+                                                {"ada-snapkv:32", 8},
+                                                {"pyramidkv:2", 1},
+                                                {"ada-pyramidkv:64", 16}}) {
+    KVT_ASSERT_OK_AND_ASSIGN(Policy dp, ParsePolicy(text));
+    EXPECT_EQ(dp.score.window, window) << text;
+  }
+  EXPECT_THAT(ParsePolicy("snapkv:16:w=32"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'snapkv:16:w=4'")));
+  EXPECT_THAT(ParsePolicy("snapkv:1"), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(ParsePolicy("ada-snapkv:64:alpha=2"), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(ParsePolicy("lru:64"), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(ParsePolicy("snapkv"), StatusIs(absl::StatusCode::kInvalidArgument));
