@@ -1,6 +1,8 @@
 #include "cachestore/store.h"
 
 #include <algorithm>
+#include <filesystem>
+#include <system_error>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -84,6 +86,15 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(StoreOptions options, QuotaMa
   if (options.clock == nullptr) return absl::InvalidArgumentError("StoreOptions.clock is null");
   if (options.max_segment_bytes == 0 || options.max_segment_bytes > (uint64_t{1} << 31)) {
     return absl::InvalidArgumentError("max_segment_bytes must be in [1, 2 GiB]");
+  }
+  if (options.env == nullptr) {
+    // RocksDB creates the directory but not its parents.
+    std::error_code ec;
+    std::filesystem::create_directories(options.path, ec);
+    if (ec) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot create the data directory ", options.path, ": ", ec.message()));
+    }
   }
   rocksdb::Options ro;
   ro.create_if_missing = true;

@@ -71,7 +71,7 @@ start_store
 "$KV" store get --session=chat-0 --refs=1:1,3:1,5:1
 
 step "Done"
-cat <<MSG
+cat <<'MSG'
 What ran: a real kvtier-store (gRPC on loopback, RocksDB on disk) driven by the kvtier CLI
 with synthetic segments. `make demo` runs the whole tier: kvtier-worker serving multi-round
 chats with round recall, in front of this store.

@@ -1,11 +1,14 @@
 // `kvtier store ...`: talk to a kvtier-store from the shell.
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <sstream>
+#include <system_error>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
@@ -220,6 +223,17 @@ int StoreCommand(const Args& args) {
       refs.push_back(ref);
     }
     if (refs.empty()) return Usage("get needs --refs");
+    if (args.Has("out")) {
+      // Created (with its parents) up front, so that a bad --out fails
+      // before the fetch rather than after it, silently.
+      std::error_code ec;
+      std::filesystem::create_directories(args.Get("out"), ec);
+      if (ec || !std::filesystem::is_directory(args.Get("out"))) {
+        std::fprintf(stderr, "kvtier store get: --out=%s is not a directory we can create: %s\n",
+                     args.Get("out").c_str(), ec ? ec.message().c_str() : "a file is in the way");
+        return 1;
+      }
+    }
     auto t0 = std::chrono::steady_clock::now();
     auto got = client.GetSegments(session, refs);
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -238,7 +252,15 @@ int StoreCommand(const Args& args) {
         std::string path = args.Get("out") + "/" + session + "-r" +
                            std::to_string(f.info.ref().round()) + "-s" +
                            std::to_string(f.info.ref().segment()) + ".segment";
-        std::ofstream(path, std::ios::binary) << f.payload;
+        std::ofstream file(path, std::ios::binary);
+        file << f.payload;
+        file.close();
+        if (!file) {
+          std::fprintf(stderr, "kvtier store get: writing %s failed: %s\n", path.c_str(),
+                       std::strerror(errno));
+          return 1;
+        }
+        std::printf("     wrote %s\n", path.c_str());
       }
     }
     std::printf("one GetSegments call: %zu segments, %s in %.1f ms (%.2f GB/s)\n", got->size(),

@@ -13,8 +13,12 @@ absl::StatusOr<MetricsEndpoint> ServeMetrics(
   try {
     e.exposer = std::make_unique<prometheus::Exposer>(address);
   } catch (const std::exception& ex) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve metrics on ", address, ": ", ex.what()));
+    // CivetServer says only "null context when constructing CivetServer"
+    // when the port is taken (a second kvtier process on this host).
+    return absl::UnavailableError(absl::StrCat(
+        "cannot serve metrics on ", address, " (", ex.what(),
+        "); is another process listening there? Pick a free port with --metrics_listen=HOST:PORT "
+        "(port 0: any free one) or turn metrics off with --metrics_listen="));
   }
   for (const auto& c : collectables) e.exposer->RegisterCollectable(c);
   const std::vector<int> ports = e.exposer->GetListeningPorts();
