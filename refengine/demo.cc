@@ -146,7 +146,7 @@ absl::Status RunSynthetic(const DemoOptions& o, const OpenTier& open, int index,
       KVT_ASSIGN_OR_RETURN(uint32_t next, tier->Recover(static_cast<uint32_t>(r), s));
       if (progress) {
         progress(absl::StrCat(
-            out->id, " round ", r + 1, "/", co.rounds, ": ", s.message(), "; ",
+            out->id, " round ", r, " (", r + 1, " of ", co.rounds, "): ", s.message(), "; ",
             next == static_cast<uint32_t>(r) ? "sending the round again" : "the round was stored"));
       }
       if (next == static_cast<uint32_t>(r) + 1) break;
@@ -156,7 +156,7 @@ absl::Status RunSynthetic(const DemoOptions& o, const OpenTier& open, int index,
     if (progress && !tier->rounds().empty()) {
       const TierRound& tr = tier->rounds().back();
       progress(
-          absl::StrCat(out->id, " round ", r + 1, "/", co.rounds, ": refers to [",
+          absl::StrCat(out->id, " round ", r, " (", r + 1, " of ", co.rounds, "): refers to [",
                        absl::StrJoin(chat.References(r), " "), "], recalled [",
                        absl::StrJoin(tr.selected, " "), "], working set ",
                        absl::StrFormat("%.2f", static_cast<double>(tr.round_working_set_bytes) /

@@ -7,7 +7,7 @@
 # the repair, and the fidelity of both runs (docs/cluster.md).
 #   scripts/cluster_demo.sh [BUILD_DIR]
 # Environment: SESSIONS (4), ROUNDS (24), CODEC (raw), MODEL (empty: the
-# synthetic chat), KILL_STORE_AT (round 8), KILL_WORKER_AT (round 16).
+# synthetic chat), KILL_STORE_AT (after 8 rounds), KILL_WORKER_AT (after 16 rounds).
 set -euo pipefail
 BUILD_DIR=${1:-build}
 BIN_CONTROLLER="$BUILD_DIR/services/controller/kvtier-controller"
@@ -87,18 +87,18 @@ step "Run 1: $SESSIONS conversations x $ROUNDS rounds, no failures (the baseline
   { cat "$WORK/run1.txt" "$WORK/run1.err"; exit 1; }
 grep -E '^fidelity|^decode' "$WORK/run1.txt"
 
-step "Run 2: the same conversations; store-1 is killed at round $KILL_STORE_AT, worker-1 at round $KILL_WORKER_AT"
+step "Run 2: the same conversations; store-1 is killed after $KILL_STORE_AT rounds, worker-1 after $KILL_WORKER_AT"
 "$BIN_ENGINE" "${ARGS[@]}" --session_prefix=fail- >"$WORK/run2.txt" 2>"$WORK/run2.err" &
 ENGINE=$!
 killed_store=0
 killed_worker=0
 while kill -0 "$ENGINE" 2>/dev/null; do
-  if [ $killed_store = 0 ] && grep -q " round $KILL_STORE_AT/" "$WORK/run2.txt"; then
+  if [ $killed_store = 0 ] && grep -q " ($KILL_STORE_AT of " "$WORK/run2.txt"; then
     { kill -9 "${PID[store-1]}" && wait "${PID[store-1]}"; } 2>/dev/null || true
     echo "$(date +%T.%3N) kill -9 store-1"
     killed_store=1
   fi
-  if [ $killed_worker = 0 ] && grep -q " round $KILL_WORKER_AT/" "$WORK/run2.txt"; then
+  if [ $killed_worker = 0 ] && grep -q " ($KILL_WORKER_AT of " "$WORK/run2.txt"; then
     { kill -9 "${PID[worker-1]}" && wait "${PID[worker-1]}"; } 2>/dev/null || true
     echo "$(date +%T.%3N) kill -9 worker-1"
     killed_worker=1

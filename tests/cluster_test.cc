@@ -225,8 +225,8 @@ TEST_F(ClusterTest, StoreAndWorkerKilledMidConversation) {
   refengine::DemoOptions o = Demo("fail-");
   o.delete_at_end = false;
   auto failed = refengine::RunDemo(o, [&](const std::string& line) {
-    if (absl::StrContains(line, " round 3/") && !store_killed.exchange(true)) stores_[0]->Kill();
-    if (absl::StrContains(line, " round 6/") && !worker_killed.exchange(true)) {
+    if (absl::StrContains(line, " (3 of ") && !store_killed.exchange(true)) stores_[0]->Kill();
+    if (absl::StrContains(line, " (6 of ") && !worker_killed.exchange(true)) {
       workers_[0]->Kill();
     }
   });
@@ -280,7 +280,7 @@ TEST_F(ClusterTest, StoppedStoreTimesOutAndRejoins) {
   std::atomic<bool> stopped{false};
   const absl::Time t0 = absl::Now();
   auto run = refengine::RunDemo(o, [&](const std::string& line) {
-    if (absl::StrContains(line, " round 2/") && !stopped.exchange(true)) stores_[0]->Pause();
+    if (absl::StrContains(line, " (2 of ") && !stopped.exchange(true)) stores_[0]->Pause();
   });
   const absl::Duration took = absl::Now() - t0;
   // Still stopped: the controller has declared it dead.
@@ -314,7 +314,7 @@ TEST_F(ClusterTest, RestartedStoreIsReachedAgain) {
   std::atomic<bool> bounced{false};
   absl::Status restarted;
   auto run = refengine::RunDemo(o, [&](const std::string& line) {
-    if (absl::StrContains(line, " round 2/") && !bounced.exchange(true)) {
+    if (absl::StrContains(line, " (2 of ") && !bounced.exchange(true)) {
       store->Kill();
       restarted = store->Start();
     }
@@ -347,7 +347,7 @@ TEST_F(ClusterTest, RestartedControllerLearnsLiveSessionsFromWorkers) {
   absl::Status restarted;
   std::map<std::string, std::vector<std::string>> before;  // Session -> its stores.
   auto run = refengine::RunDemo(o, [&](const std::string& line) {
-    if (absl::StrContains(line, " round 3/") && !bounced.exchange(true)) {
+    if (absl::StrContains(line, " (3 of ") && !bounced.exchange(true)) {
       for (int i = 0; i < o.sessions; ++i) {
         v1::RouteRequest rq;
         rq.set_session_id(absl::StrCat("ctl-", i));
@@ -519,9 +519,9 @@ TEST_F(EtcdClusterTest, LossOfTheLeaderControllerFailsNoSession) {
   o.delete_at_end = false;
   std::atomic<bool> killed{false}, store_killed{false}, worker_killed{false};
   auto run = refengine::RunDemo(o, [&](const std::string& line) {
-    if (absl::StrContains(line, " round 3/") && !killed.exchange(true)) controller_proc_->Kill();
-    if (absl::StrContains(line, " round 4/") && !store_killed.exchange(true)) stores_[0]->Kill();
-    if (absl::StrContains(line, " round 5/") && !worker_killed.exchange(true)) {
+    if (absl::StrContains(line, " (3 of ") && !killed.exchange(true)) controller_proc_->Kill();
+    if (absl::StrContains(line, " (4 of ") && !store_killed.exchange(true)) stores_[0]->Kill();
+    if (absl::StrContains(line, " (5 of ") && !worker_killed.exchange(true)) {
       workers_[0]->Kill();
     }
   });
