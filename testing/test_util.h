@@ -39,6 +39,10 @@ std::string SharedModelPath();
 // True when CI=true: a missing shared model is then a failure, not a skip.
 bool InCi();
 
+// The whole HTTP/1.0 response (status line, headers, body) to GET `path` on
+// 127.0.0.1:`port`, or "" when nothing listens there.
+std::string HttpGet(int port, const std::string& path);
+
 }  // namespace kvtier::testing
 
 // Sets `var` to the shared model's path, or skips the test (fails under

@@ -535,31 +535,11 @@ TEST_F(StoreIntegrationTest, DropRecordPinDeleteAndRestart) {
   EXPECT_THAT(alice_->ListRounds("gone"), StatusIs(Code::kNotFound));
 }
 
-std::string HttpGet(int port, const std::string& path) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return "";
-  }
-  std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
-  (void)!::write(fd, req.data(), req.size());
-  std::string out;
-  char buf[4096];
-  ssize_t n;
-  while ((n = ::read(fd, buf, sizeof(buf))) > 0) out.append(buf, n);
-  ::close(fd);
-  return out;
-}
-
 TEST_F(StoreIntegrationTest, MetricsHealthAndReflection) {
   StartStore();
   ASSERT_THAT(alice_->PutSegment(Args("s", 0), MakePayload(4096, 1)), IsOk());
   ASSERT_THAT(alice_->GetSegments("s", {Ref(0)}), IsOk());
-  std::string metrics = HttpGet(store_->metrics_port(), "/metrics");
+  std::string metrics = testing::HttpGet(store_->metrics_port(), "/metrics");
   EXPECT_THAT(metrics, HasSubstr("kvtier_store_bytes{tier=\"ram\"}"));
   EXPECT_THAT(metrics, HasSubstr("kvtier_store_hits_total{tier=\"ram\"} 1"));
   EXPECT_THAT(metrics, HasSubstr("kvtier_store_request_seconds_count{method=\"PutSegment\"} 1"));

@@ -1,7 +1,10 @@
 // kvtier-worker over gRPC (in process, loopback, port 0) with a real
 // kvtier-store process: the RPCs, their status codes, health and metrics.
+#include <chrono>
 #include <cmath>
+#include <functional>
 #include <random>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
@@ -1462,6 +1465,85 @@ TEST(WorkerPressureTest, WritesPastTheBudgetAreRefusedOnlyWhenNothingCanBeFreed)
   v1::CloseSessionResponse closed;
   EXPECT_TRUE(pc.stub->CloseSession(&c, close, &closed).ok());
   EXPECT_TRUE(client->ListRounds("pinned").ok());
+}
+
+}  // namespace
+}  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+// grpc.health.v1.Health/Check for `service` over `channel`: 1 SERVING,
+// 2 NOT_SERVING, -1 when the call failed (e.g. an unknown service name).
+int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::string& service) {
+  grpc::GenericStub generic(channel);
+  grpc::ClientContext ctx;
+  std::string req_bytes;
+  if (!service.empty()) {
+    req_bytes = std::string("\x0a", 1) + static_cast<char>(service.size()) + service;
+  }
+  grpc::Slice slice(req_bytes);
+  grpc::ByteBuffer req(&slice, 1), resp;
+  absl::Notification done;
+  grpc::Status status;
+  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &req, &resp,
+                    [&](grpc::Status s) {
+                      status = s;
+                      done.Notify();
+                    });
+  done.WaitForNotification();
+  if (!status.ok()) return -1;
+  std::vector<grpc::Slice> slices;
+  if (!resp.Dump(&slices).ok()) return -1;
+  std::string bytes;
+  for (auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  return bytes.size() == 2 && bytes[0] == '\x08' ? bytes[1] : 0;
+}
+
+// Polls `pred` for up to 15 s.
+bool Eventually(const std::function<bool()>& pred) {
+  for (int i = 0; i < 150; ++i) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return pred();
+}
+
+// A worker is live while it runs and ready while its store answers: its gRPC
+// health ("" and "kvtier.v1.Worker") and /readyz follow a SIGSTOPped store
+// and its return; /healthz stays 200. The store serves its own name too.
+TEST(WorkerHealthTest, ReadinessFollowsTheStore) {
+  using ::testing::HasSubstr;
+  testing::WorkerStackOptions o;
+  o.metrics_listen = "127.0.0.1:0";
+  o.store_probe_interval = absl::Milliseconds(300);
+  testing::WorkerStack stack;
+  ASSERT_THAT(stack.Start(o), IsOk());
+  const int http = stack.server()->metrics_port();
+  ASSERT_GT(http, 0);
+  auto ready = [&] { return absl::StrContains(testing::HttpGet(http, "/readyz"), " 200 OK"); };
+  ASSERT_TRUE(Eventually(ready)) << testing::HttpGet(http, "/readyz");
+  EXPECT_EQ(HealthStatus(stack.channel(), ""), 1);
+  EXPECT_EQ(HealthStatus(stack.channel(), "kvtier.v1.Worker"), 1);
+  EXPECT_THAT(testing::HttpGet(http, "/healthz"), HasSubstr("\r\n\r\nok\n"));
+  EXPECT_THAT(testing::HttpGet(http, "/metrics"), HasSubstr("kvtier_worker_"));
+  auto store_channel =
+      grpc::CreateChannel(stack.store()->target(), grpc::InsecureChannelCredentials());
+  EXPECT_EQ(HealthStatus(store_channel, "kvtier.v1.Store"), 1);
+
+  stack.store()->Pause();
+  ASSERT_TRUE(Eventually([&] { return !ready(); }));
+  const std::string body = testing::HttpGet(http, "/readyz");
+  EXPECT_THAT(body, HasSubstr(" 503 "));
+  EXPECT_THAT(body, HasSubstr("does not answer"));
+  EXPECT_THAT(body, HasSubstr(stack.store()->target()));
+  EXPECT_EQ(HealthStatus(stack.channel(), ""), 2);
+  EXPECT_EQ(HealthStatus(stack.channel(), "kvtier.v1.Worker"), 2);
+  EXPECT_THAT(testing::HttpGet(http, "/healthz"), HasSubstr(" 200 OK"));
+
+  stack.store()->Resume();
+  ASSERT_TRUE(Eventually(ready));
+  EXPECT_EQ(HealthStatus(stack.channel(), "kvtier.v1.Worker"), 1);
 }
 
 }  // namespace

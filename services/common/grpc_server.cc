@@ -22,6 +22,11 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(const GrpcServerSp
     return absl::UnavailableError(absl::StrCat("cannot listen on ", spec.listen));
   }
   server->GetHealthCheckService()->SetServingStatus(true);
+  // Probes that name the service (a kubelet's grpc probe with `service:`,
+  // a mesh's health check) get its own status, not NOT_FOUND.
+  if (!spec.health_name.empty()) {
+    server->GetHealthCheckService()->SetServingStatus(spec.health_name, true);
+  }
   return server;
 }
 

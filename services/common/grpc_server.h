@@ -19,10 +19,13 @@ struct GrpcServerSpec {
   std::string tls_cert, tls_key;  // PEM files; both empty = plaintext.
   // Server-specific builder settings (message limits, transport tuning).
   std::function<void(grpc::ServerBuilder&)> tune;
+  // The service's full name for health checks, e.g. "kvtier.v1.Store".
+  std::string health_name;
 };
 
-// Builds and starts the server with `service` registered, sets its health to
-// SERVING and writes the bound port to *port. UNAVAILABLE when it cannot
+// Builds and starts the server with `service` registered, sets its health
+// (the overall "" and the service's own full name, e.g. "kvtier.v1.Store")
+// to SERVING and writes the bound port to *port. UNAVAILABLE when it cannot
 // listen; INVALID_ARGUMENT for unreadable TLS files.
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(const GrpcServerSpec& spec,
                                                               grpc::Service* service, int* port);

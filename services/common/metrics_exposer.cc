@@ -1,17 +1,95 @@
 #include "services/common/metrics_exposer.h"
 
+#include <cstring>
 #include <exception>
+#include <map>
+#include <mutex>
+#include <utility>
 
+#include "CivetServer.h"
 #include "absl/strings/str_cat.h"
+#include "civetweb.h"
 
 namespace kvtier {
 
+// The health functions of this process's metrics ports. civetweb's request
+// callback has no user pointer of ours (CivetServer keeps its own), so the
+// port the request arrived on selects the function.
+class HealthRegistration {
+ public:
+  HealthRegistration(int port, HealthFn fn) : port_(port) {
+    std::lock_guard<std::mutex> lock(Mu());
+    Ports()[port_] = std::move(fn);
+  }
+  ~HealthRegistration() {
+    std::lock_guard<std::mutex> lock(Mu());
+    Ports().erase(port_);
+  }
+  HealthRegistration(const HealthRegistration&) = delete;
+  HealthRegistration& operator=(const HealthRegistration&) = delete;
+
+  // The report for a request on `port`; not ready while the port is not
+  // registered yet (the server is still starting).
+  static HealthReport Report(int port) {
+    HealthFn fn;
+    {
+      std::lock_guard<std::mutex> lock(Mu());
+      auto it = Ports().find(port);
+      if (it == Ports().end()) return {true, false, "starting"};
+      fn = it->second;
+    }
+    return fn ? fn() : HealthReport{};
+  }
+
+ private:
+  static std::mutex& Mu() {
+    static std::mutex mu;
+    return mu;
+  }
+  static std::map<int, HealthFn>& Ports() {
+    static auto* ports = new std::map<int, HealthFn>();
+    return *ports;
+  }
+  const int port_;
+};
+
+namespace {
+
+// civetweb's begin_request: answers /healthz and /readyz itself (returning
+// the status code it sent) and leaves every other path to the exposer (0).
+int AnswerHealth(mg_connection* conn) {
+  const mg_request_info* ri = mg_get_request_info(conn);
+  if (ri == nullptr || ri->local_uri == nullptr) return 0;
+  const bool live = std::strcmp(ri->local_uri, "/healthz") == 0;
+  const bool ready = std::strcmp(ri->local_uri, "/readyz") == 0;
+  if (!live && !ready) return 0;
+  const HealthReport r = HealthRegistration::Report(ri->server_port);
+  const bool ok = live ? r.live : r.ready;
+  const std::string body =
+      ok ? "ok\n" : absl::StrCat(r.reason.empty() ? "not ready" : r.reason, "\n");
+  const int code = ok ? 200 : 503;
+  mg_printf(conn,
+            "HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %zu\r\n"
+            "Cache-Control: no-store\r\nConnection: close\r\n\r\n",
+            code, ok ? "OK" : "Service Unavailable", body.size());
+  if (std::strcmp(ri->request_method, "HEAD") != 0) mg_write(conn, body.data(), body.size());
+  return code;
+}
+
+}  // namespace
+
 absl::StatusOr<MetricsEndpoint> ServeMetrics(
     const std::string& address,
-    const std::vector<std::shared_ptr<prometheus::Collectable>>& collectables) {
+    const std::vector<std::shared_ptr<prometheus::Collectable>>& collectables, HealthFn health) {
+  static const CivetCallbacks kCallbacks = [] {
+    CivetCallbacks c;
+    std::memset(&c, 0, sizeof(c));
+    c.begin_request = AnswerHealth;
+    return c;
+  }();
   MetricsEndpoint e;
   try {
-    e.exposer = std::make_unique<prometheus::Exposer>(address);
+    e.exposer = std::make_unique<prometheus::Exposer>(address, 2, &kCallbacks);
   } catch (const std::exception& ex) {
     // CivetServer says only "null context when constructing CivetServer"
     // when the port is taken (a second kvtier process on this host).
@@ -23,6 +101,7 @@ absl::StatusOr<MetricsEndpoint> ServeMetrics(
   for (const auto& c : collectables) e.exposer->RegisterCollectable(c);
   const std::vector<int> ports = e.exposer->GetListeningPorts();
   e.port = ports.empty() ? 0 : ports[0];
+  e.health = std::make_shared<HealthRegistration>(e.port, std::move(health));
   return e;
 }
 

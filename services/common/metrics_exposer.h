@@ -1,7 +1,13 @@
-// Prometheus /metrics over HTTP for the kvtier servers.
+// Prometheus /metrics over HTTP for the kvtier servers, with the health
+// endpoints a load balancer or a kubelet probes beside it:
+//   GET /healthz  200 "ok" while the process serves (liveness);
+//   GET /readyz   200 "ok" when it can do its work, else 503 and the reason
+//                 (readiness: a worker whose store does not answer is live
+//                 but not ready).
 #ifndef KVTIER_SERVICES_COMMON_METRICS_EXPOSER_H_
 #define KVTIER_SERVICES_COMMON_METRICS_EXPOSER_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -12,16 +18,31 @@
 
 namespace kvtier {
 
+// What /healthz and /readyz answer.
+struct HealthReport {
+  bool live = true;
+  bool ready = true;
+  std::string reason;  // Why not, when not.
+};
+using HealthFn = std::function<HealthReport()>;
+
+class HealthRegistration;
+
 struct MetricsEndpoint {
   std::unique_ptr<prometheus::Exposer> exposer;
   int port = 0;  // The bound port (address "host:0" picks one).
+  // Routes this port's /healthz and /readyz to its HealthFn; goes first.
+  std::shared_ptr<HealthRegistration> health;
 };
 
-// Serves `collectables` at `address` ("host:port"). UNAVAILABLE when the
-// address cannot be bound.
+// Serves `collectables` at `address` ("host:port") under /metrics, and
+// /healthz and /readyz from `health` (null: always live and ready; it runs
+// on the HTTP server's threads and must be cheap and thread-safe).
+// UNAVAILABLE when the address cannot be bound, naming --metrics_listen.
 absl::StatusOr<MetricsEndpoint> ServeMetrics(
     const std::string& address,
-    const std::vector<std::shared_ptr<prometheus::Collectable>>& collectables);
+    const std::vector<std::shared_ptr<prometheus::Collectable>>& collectables,
+    HealthFn health = nullptr);
 
 }  // namespace kvtier
 

@@ -73,9 +73,12 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
   s->service_ = std::make_unique<ControllerService>(
       s->controller_.get(), s->coordination_.get(), s->policies_.get(), &s->auth_,
       s->metrics_registry_.get(), options.policy, s->blocking_.get());
-  KVT_ASSIGN_OR_RETURN(s->server_,
-                       StartGrpcServer({options.listen, options.tls_cert, options.tls_key, {}},
-                                       s->service_.get(), &s->port_));
+  KVT_ASSIGN_OR_RETURN(s->server_, StartGrpcServer({options.listen,
+                                                    options.tls_cert,
+                                                    options.tls_key,
+                                                    {},
+                                                    v1::Controller::service_full_name()},
+                                                   s->service_.get(), &s->port_));
   // Leases are checked twice per heartbeat interval.
   ControllerServer* raw = s.get();
   const absl::Duration tick = m.heartbeat_interval / 2;

@@ -37,7 +37,8 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
                         // unbounded.
                         b.SetMaxReceiveMessageSize(8 << 20);
                         ApplyBulkTransportArgs(&b);
-                      }};
+                      },
+                      v1::Store::service_full_name()};
   KVT_ASSIGN_OR_RETURN(s->server_, StartGrpcServer(spec, s->service_.get(), &s->port_));
   {
     cachestore::Store* store = s->store_.get();

@@ -27,6 +27,9 @@ ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9471",
           "Prometheus /metrics address; empty disables it.");
 ABSL_FLAG(std::string, metrics_port_file, "", "If set, the bound metrics port is written here.");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warn or error.");
+ABSL_FLAG(int64_t, store_probe_ms, 2000,
+          "How often (and with what deadline) the worker asks --store whether it answers; "
+          "while it does not, gRPC health and /readyz say not ready. 0: no probe.");
 ABSL_FLAG(int64_t, store_deadline_ms, 10000,
           "Deadline (ms) of the store calls an RPC makes when its caller sent no deadline; a "
           "caller's own deadline is passed on to the store as is.");
@@ -75,6 +78,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   o.service.store_deadline = absl::Milliseconds(absl::GetFlag(FLAGS_store_deadline_ms));
+  if (absl::GetFlag(FLAGS_store_probe_ms) < 0) {
+    std::fprintf(stderr, "kvtier-worker: --store_probe_ms must be 0 (off) or more\n");
+    return 2;
+  }
+  o.store_probe_interval = absl::Milliseconds(absl::GetFlag(FLAGS_store_probe_ms));
   o.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   if (absl::GetFlag(FLAGS_max_sessions) < 0 || absl::GetFlag(FLAGS_max_working_set_mb) < 0) {
     std::fprintf(stderr, "kvtier-worker: --max_sessions and --max_working_set_mb must be >= 0\n");

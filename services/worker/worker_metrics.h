@@ -72,8 +72,9 @@ class WorkerMetrics {
                        .Help("RPCs by method and outcome")
                        .Register(*registry_)) {}
 
-  absl::StatusOr<int> Serve(const std::string& address) {
-    KVT_ASSIGN_OR_RETURN(endpoint_, ServeMetrics(address, {registry_}));
+  // /metrics, and /healthz and /readyz from `health`.
+  absl::StatusOr<int> Serve(const std::string& address, HealthFn health = nullptr) {
+    KVT_ASSIGN_OR_RETURN(endpoint_, ServeMetrics(address, {registry_}, std::move(health)));
     return endpoint_.port;
   }
   void Layer(const char* kind, double seconds) {

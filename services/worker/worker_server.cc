@@ -11,6 +11,12 @@
 
 namespace kvtier {
 
+struct WorkerServer::StoreHealth {
+  absl::Mutex mu;
+  HealthReport report ABSL_GUARDED_BY(mu) = {true, false,
+                                             "starting: the store has not answered yet"};
+};
+
 absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOptions options) {
   std::unique_ptr<WorkerServer> s(new WorkerServer());
   KVT_ASSIGN_OR_RETURN(s->auth_, ServerAuthenticator(options.listen, options.tenants_file,
@@ -48,8 +54,17 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
   s->engine_ = std::make_unique<worker::Engine>(s->segments_.get(), options.engine);
   s->metrics_ = std::make_unique<WorkerMetrics>();
   s->metrics_->Budget(static_cast<double>(options.engine.max_working_set_bytes));
+  s->store_health_ = std::make_shared<StoreHealth>();
+  if (options.store_probe_interval <= absl::ZeroDuration()) {
+    absl::MutexLock lock(&s->store_health_->mu);
+    s->store_health_->report = {};
+  }
   if (!options.metrics_listen.empty()) {
-    KVT_ASSIGN_OR_RETURN(s->metrics_port_, s->metrics_->Serve(options.metrics_listen));
+    KVT_ASSIGN_OR_RETURN(s->metrics_port_,
+                         s->metrics_->Serve(options.metrics_listen, [h = s->store_health_] {
+                           absl::MutexLock lock(&h->mu);
+                           return h->report;
+                         }));
   }
   const int compute = options.compute_threads > 0
                           ? options.compute_threads
@@ -63,9 +78,11 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
                                                 s->compute_.get(), s->io_.get(), options.service,
                                                 s->segments_.get(), s->policies_.get());
   // gRPC's default 4 MiB receive limit stays: layers travel in chunks.
-  KVT_ASSIGN_OR_RETURN(s->server_,
-                       StartGrpcServer({options.listen, options.tls_cert, options.tls_key, {}},
-                                       s->service_.get(), &s->port_));
+  KVT_ASSIGN_OR_RETURN(
+      s->server_,
+      StartGrpcServer(
+          {options.listen, options.tls_cert, options.tls_key, {}, v1::Worker::service_full_name()},
+          s->service_.get(), &s->port_));
   {
     worker::Engine* engine = s->engine_.get();
     KVT_ASSIGN_OR_RETURN(
@@ -86,6 +103,15 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
   }
   if (s->policies_ != nullptr && s->agent_ != nullptr)
     s->policies_->SetNodeId(s->agent_->node_id());
+  if (options.store_probe_interval > absl::ZeroDuration()) {
+    // A channel of its own, so that probes never queue behind payloads.
+    KVT_ASSIGN_OR_RETURN(s->probe_client_, StoreClient::Connect(options.store));
+    s->server_->GetHealthCheckService()->SetServingStatus("", false);
+    s->server_->GetHealthCheckService()->SetServingStatus(v1::Worker::service_full_name(), false);
+    s->prober_ =
+        std::thread([raw = s.get(), interval = options.store_probe_interval,
+                     target = options.store.target] { raw->ProbeStore(interval, target); });
+  }
   LogInfo("kvtier-worker serving", {{"port", s->port_},
                                     {"metrics_port", s->metrics_port_},
                                     {"store", options.store.target},
@@ -94,6 +120,38 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
                                     {"max_working_set_bytes", options.engine.max_working_set_bytes},
                                     {"auth", s->auth_.enabled() ? "on" : "off"}});
   return s;
+}
+
+void WorkerServer::ProbeStore(absl::Duration interval, const std::string& target) {
+  bool was_ready = false, first = true;
+  do {
+    // Any answer counts, an error included (the store is there); only
+    // silence does not.
+    absl::Status st = probe_client_->Stats(CallOptions::Within(interval)).status();
+    const bool ready = st.ok() || (st.code() != absl::StatusCode::kUnavailable &&
+                                   st.code() != absl::StatusCode::kDeadlineExceeded);
+    if (ready != was_ready || first) {
+      HealthReport r;
+      if (!ready) {
+        r.ready = false;
+        r.reason = absl::StrCat("kvtier-store ", target, " does not answer: ", st.ToString());
+      }
+      {
+        absl::MutexLock lock(&store_health_->mu);
+        store_health_->report = r;
+      }
+      server_->GetHealthCheckService()->SetServingStatus("", ready);
+      server_->GetHealthCheckService()->SetServingStatus(v1::Worker::service_full_name(), ready);
+      if (ready) {
+        LogInfo("store answers: worker ready", {{"store", target}});
+      } else {
+        LogWarn("store does not answer: worker NOT_SERVING until it does",
+                {{"store", target}, {"error", st.ToString()}});
+      }
+      was_ready = ready;
+      first = false;
+    }
+  } while (!stop_.WaitForNotificationWithTimeout(interval));
 }
 
 void WorkerServer::Shutdown() {
@@ -106,6 +164,7 @@ std::string WorkerServer::RenderMetrics() const { return metrics_->Render(); }
 
 WorkerServer::~WorkerServer() {
   Shutdown();
+  if (prober_.joinable()) prober_.join();
   agent_.reset();  // Stop heartbeats first: the controller sees the node leave.
   if (server_ != nullptr) {
     server_->GetHealthCheckService()->SetServingStatus(false);

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
@@ -47,6 +48,12 @@ struct WorkerServerOptions {
   int io_threads = 8;
   // Joining a cluster (--controller); empty controller: standalone.
   ClusterOptions cluster;
+  // How often the worker asks its store (--store) whether it answers: while
+  // it does not (UNAVAILABLE or DEADLINE_EXCEEDED within the interval), the
+  // worker's gRPC health ("" and "kvtier.v1.Worker") is NOT_SERVING and
+  // /readyz answers 503 naming the store. The worker starts not ready until
+  // the first answer. Zero: no probe (always ready). Default: 2 s.
+  absl::Duration store_probe_interval = absl::Seconds(2);
 };
 
 // Thread-safe.
@@ -82,6 +89,12 @@ class WorkerServer {
   std::shared_ptr<std::atomic<uint64_t>> agent_epoch_ = std::make_shared<std::atomic<uint64_t>>(0);
   int port_ = 0, metrics_port_ = 0;
   absl::Notification stop_;
+  // Readiness: whether the store answers (ProbeStore), read by /readyz.
+  struct StoreHealth;
+  std::shared_ptr<StoreHealth> store_health_;
+  std::unique_ptr<StoreClient> probe_client_;
+  std::thread prober_;  // Joined first in the destructor.
+  void ProbeStore(absl::Duration interval, const std::string& target);
 };
 
 }  // namespace kvtier

@@ -57,6 +57,9 @@ struct WorkerStackOptions {
   // The worker's tenants file (empty: auth off) and its store token.
   std::string worker_tenants_file;
   std::string store_token;
+  // The worker's metrics/health address ("" = none) and store probe.
+  std::string metrics_listen;
+  absl::Duration store_probe_interval = absl::Seconds(2);
 };
 
 class WorkerStack {
@@ -72,7 +75,8 @@ class WorkerStack {
     }
     WorkerServerOptions o;
     o.listen = "127.0.0.1:0";
-    o.metrics_listen = "";
+    o.metrics_listen = options.metrics_listen;
+    o.store_probe_interval = options.store_probe_interval;
     o.tenants_file = options.worker_tenants_file;
     o.store.target = stack_.store()->target();
     o.store.token = options.store_token;
