@@ -20,6 +20,7 @@
 #include "kernels/encoded_tensor.h"
 #include "testing/store_process.h"
 #include "testing/test_util.h"
+#include "tests/util/grpc_health.h"
 #include "tests/util/status_matchers.h"
 
 namespace kvtier {
@@ -544,25 +545,13 @@ TEST_F(StoreIntegrationTest, MetricsHealthAndReflection) {
   EXPECT_THAT(metrics, HasSubstr("kvtier_store_hits_total{tier=\"ram\"} 1"));
   EXPECT_THAT(metrics, HasSubstr("kvtier_store_request_seconds_count{method=\"PutSegment\"} 1"));
 
-  // grpc.health.v1.Health/Check with an empty request: SERVING is field 1 = 1.
+  EXPECT_EQ(testing::GrpcHealthStatus(alice_->channel()), 1);  // SERVING
+  EXPECT_EQ(testing::GrpcHealthStatus(alice_->channel(), "kvtier.v1.Store"), 1);
+  EXPECT_EQ(testing::GrpcHealthStatus(alice_->channel(), "kvtier.v1.Nope"), -1);  // NOT_FOUND
+  EXPECT_THAT(testing::HttpGet(store_->metrics_port(), "/healthz"), HasSubstr(" 200 OK"));
+  EXPECT_THAT(testing::HttpGet(store_->metrics_port(), "/readyz"), HasSubstr("\r\n\r\nok\n"));
+
   grpc::GenericStub generic(alice_->channel());
-  grpc::ClientContext ctx;
-  grpc::Slice empty_slice(std::string{});
-  grpc::ByteBuffer req(&empty_slice, 1), resp;
-  absl::Notification done;
-  grpc::Status status;
-  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &req, &resp,
-                    [&](grpc::Status s) {
-                      status = s;
-                      done.Notify();
-                    });
-  done.WaitForNotification();
-  ASSERT_TRUE(status.ok()) << status.error_message();
-  std::vector<grpc::Slice> slices;
-  ASSERT_TRUE(resp.Dump(&slices).ok());
-  std::string bytes;
-  for (auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  EXPECT_EQ(bytes, std::string("\x08\x01", 2));
 
   // Reflection: ServerReflectionRequest{list_services: ""} is field 7, empty.
   grpc::CompletionQueue cq;

@@ -17,6 +17,7 @@
 #include "services/controller/controller_server.h"
 #include "services/worker/worker_server.h"
 #include "testing/test_util.h"
+#include "tests/util/grpc_health.h"
 #include "tests/util/segment_refs.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
@@ -180,25 +181,7 @@ TEST_F(WorkerServiceTest, RoundsOverGrpcMatchFullAttention) {
   EXPECT_EQ(recalls, 2);
   EXPECT_THAT(stack_.server()->RenderMetrics(),
               ::testing::HasSubstr("kvtier_worker_recalls_total 2"));
-  // grpc.health.v1.Health/Check with an empty request: SERVING is field 1 = 1.
-  grpc::GenericStub generic(stack_.channel());
-  grpc::ClientContext hc;
-  grpc::Slice empty_slice(std::string{});
-  grpc::ByteBuffer hreq(&empty_slice, 1), hresp;
-  absl::Notification done;
-  grpc::Status hstatus;
-  generic.UnaryCall(&hc, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &hreq, &hresp,
-                    [&](grpc::Status s) {
-                      hstatus = s;
-                      done.Notify();
-                    });
-  done.WaitForNotification();
-  ASSERT_TRUE(hstatus.ok()) << hstatus.error_message();
-  std::vector<grpc::Slice> slices;
-  ASSERT_TRUE(hresp.Dump(&slices).ok());
-  std::string bytes;
-  for (auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
-  EXPECT_EQ(bytes, std::string("\x08\x01", 2));
+  EXPECT_EQ(testing::GrpcHealthStatus(stack_.channel()), 1);  // SERVING
 }
 
 TEST_F(WorkerServiceTest, BadInputGetsPreciseStatus) {
@@ -1473,33 +1456,6 @@ TEST(WorkerPressureTest, WritesPastTheBudgetAreRefusedOnlyWhenNothingCanBeFreed)
 namespace kvtier {
 namespace {
 
-// grpc.health.v1.Health/Check for `service` over `channel`: 1 SERVING,
-// 2 NOT_SERVING, -1 when the call failed (e.g. an unknown service name).
-int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::string& service) {
-  grpc::GenericStub generic(channel);
-  grpc::ClientContext ctx;
-  std::string req_bytes;
-  if (!service.empty()) {
-    req_bytes = std::string("\x0a", 1) + static_cast<char>(service.size()) + service;
-  }
-  grpc::Slice slice(req_bytes);
-  grpc::ByteBuffer req(&slice, 1), resp;
-  absl::Notification done;
-  grpc::Status status;
-  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &req, &resp,
-                    [&](grpc::Status s) {
-                      status = s;
-                      done.Notify();
-                    });
-  done.WaitForNotification();
-  if (!status.ok()) return -1;
-  std::vector<grpc::Slice> slices;
-  if (!resp.Dump(&slices).ok()) return -1;
-  std::string bytes;
-  for (auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
-  return bytes.size() == 2 && bytes[0] == '\x08' ? bytes[1] : 0;
-}
-
 // Polls `pred` for up to 15 s.
 bool Eventually(const std::function<bool()>& pred) {
   for (int i = 0; i < 150; ++i) {
@@ -1523,13 +1479,13 @@ TEST(WorkerHealthTest, ReadinessFollowsTheStore) {
   ASSERT_GT(http, 0);
   auto ready = [&] { return absl::StrContains(testing::HttpGet(http, "/readyz"), " 200 OK"); };
   ASSERT_TRUE(Eventually(ready)) << testing::HttpGet(http, "/readyz");
-  EXPECT_EQ(HealthStatus(stack.channel(), ""), 1);
-  EXPECT_EQ(HealthStatus(stack.channel(), "kvtier.v1.Worker"), 1);
+  EXPECT_EQ(testing::GrpcHealthStatus(stack.channel(), ""), 1);
+  EXPECT_EQ(testing::GrpcHealthStatus(stack.channel(), "kvtier.v1.Worker"), 1);
   EXPECT_THAT(testing::HttpGet(http, "/healthz"), HasSubstr("\r\n\r\nok\n"));
   EXPECT_THAT(testing::HttpGet(http, "/metrics"), HasSubstr("kvtier_worker_"));
   auto store_channel =
       grpc::CreateChannel(stack.store()->target(), grpc::InsecureChannelCredentials());
-  EXPECT_EQ(HealthStatus(store_channel, "kvtier.v1.Store"), 1);
+  EXPECT_EQ(testing::GrpcHealthStatus(store_channel, "kvtier.v1.Store"), 1);
 
   stack.store()->Pause();
   ASSERT_TRUE(Eventually([&] { return !ready(); }));
@@ -1537,13 +1493,13 @@ TEST(WorkerHealthTest, ReadinessFollowsTheStore) {
   EXPECT_THAT(body, HasSubstr(" 503 "));
   EXPECT_THAT(body, HasSubstr("does not answer"));
   EXPECT_THAT(body, HasSubstr(stack.store()->target()));
-  EXPECT_EQ(HealthStatus(stack.channel(), ""), 2);
-  EXPECT_EQ(HealthStatus(stack.channel(), "kvtier.v1.Worker"), 2);
+  EXPECT_EQ(testing::GrpcHealthStatus(stack.channel(), ""), 2);
+  EXPECT_EQ(testing::GrpcHealthStatus(stack.channel(), "kvtier.v1.Worker"), 2);
   EXPECT_THAT(testing::HttpGet(http, "/healthz"), HasSubstr(" 200 OK"));
 
   stack.store()->Resume();
   ASSERT_TRUE(Eventually(ready));
-  EXPECT_EQ(HealthStatus(stack.channel(), "kvtier.v1.Worker"), 1);
+  EXPECT_EQ(testing::GrpcHealthStatus(stack.channel(), "kvtier.v1.Worker"), 1);
 }
 
 }  // namespace
