@@ -589,8 +589,12 @@ void EncodeBuffers(const CodecConfig& c, const Layout& l, const float* data, con
       } else {
         LowRank<float>(work.data(), l.tq, l.d, l.rank, seed, &a, &b);
       }
-      for (size_t i = 0; i < a.size(); ++i) a16[s * l.tq * l.rank + i] = FloatToHalf(a[i]);
-      for (size_t i = 0; i < b.size(); ++i) b16[s * l.rank * l.d + i] = FloatToHalf(b[i]);
+      for (size_t i = 0; i < a.size(); ++i) {
+        internal::StoreU16(a16, s * l.tq * l.rank + static_cast<int64_t>(i), FloatToHalf(a[i]));
+      }
+      for (size_t i = 0; i < b.size(); ++i) {
+        internal::StoreU16(b16, s * l.rank * l.d + static_cast<int64_t>(i), FloatToHalf(b[i]));
+      }
     }
   }
 }

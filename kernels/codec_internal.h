@@ -63,6 +63,10 @@ inline uint16_t LoadU16(const uint16_t* p, int64_t i) {
   return h;
 }
 
+// Stores element i of a 16-bit array that may be unaligned (buffers encoded
+// in place inside a serialized segment sit at any address).
+inline void StoreU16(uint16_t* p, int64_t i, uint16_t v) { std::memcpy(p + i, &v, 2); }
+
 }  // namespace kvtier::internal
 
 #endif  // KVTIER_KERNELS_CODEC_INTERNAL_H_

@@ -41,8 +41,8 @@ void QuantizeGroup(int bits, const float* x, int n, Index idx, uint8_t* codes, u
   const double qmax = static_cast<double>((1 << bits) - 1);
   const uint16_t scale16 = FloatToHalf(static_cast<float>((mx - mn) / qmax));
   const uint16_t zero16 = FloatToHalf(static_cast<float>(mn));
-  *scale_out = scale16;
-  *zero_out = zero16;
+  StoreU16(scale_out, 0, scale16);
+  StoreU16(zero_out, 0, zero16);
   const double scale = HalfToFloat(scale16);
   const double zero = HalfToFloat(zero16);
   for (int j = 0; j < n; ++j) {

@@ -185,8 +185,8 @@ bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint1
       const float lo = HMin(mn), hi = HMax(mx);
       const uint16_t s16 = _cvtss_sh((hi - lo) / qmaxf, 0);
       const uint16_t z16 = _cvtss_sh(lo, 0);
-      scales[t * groups + g] = s16;
-      zeros[t * groups + g] = z16;
+      StoreU16(scales, t * groups + g, s16);
+      StoreU16(zeros, t * groups + g, z16);
       const float sf = _cvtsh_ss(s16);
       const __m256 inv = _mm256_set1_ps(sf > 0.0f ? 1.0f / sf : 0.0f);
       const __m256 zv = _mm256_set1_ps(_cvtsh_ss(z16));
