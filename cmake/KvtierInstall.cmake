@@ -1,0 +1,18 @@
+# `cmake --install`: the binaries, the systemd units (their paths filled in
+# for this prefix) and example flag files. The units run as user kvtier; see
+# deploy/README.md for the steps around them.
+include(GNUInstallDirs)
+install(TARGETS kvtier-store kvtier-worker kvtier-controller kvtier-engine kvtier
+  RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+set(KVTIER_BINDIR ${CMAKE_INSTALL_FULL_BINDIR})
+set(KVTIER_CONFDIR ${CMAKE_INSTALL_FULL_SYSCONFDIR}/kvtier)
+foreach(unit kvtier-store kvtier-worker kvtier-controller)
+  configure_file(${PROJECT_SOURCE_DIR}/deploy/systemd/${unit}.service.in
+    ${PROJECT_BINARY_DIR}/deploy/${unit}.service @ONLY)
+  install(FILES ${PROJECT_BINARY_DIR}/deploy/${unit}.service
+    DESTINATION ${CMAKE_INSTALL_PREFIX}/lib/systemd/system)
+  install(FILES ${PROJECT_SOURCE_DIR}/deploy/${unit}.conf
+    DESTINATION ${CMAKE_INSTALL_FULL_SYSCONFDIR}/kvtier)
+endforeach()
+install(FILES ${PROJECT_SOURCE_DIR}/deploy/tenants.example
+  DESTINATION ${CMAKE_INSTALL_FULL_SYSCONFDIR}/kvtier)
