@@ -27,6 +27,14 @@ using worker::ModelShape;
 using worker::SessionPolicy;
 #define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), IsOk())
 
+// Engine options with the reference (float64) kernels, everything else at
+// its default.
+worker::EngineOptions ReferenceKernels() {
+  worker::EngineOptions o;
+  o.level = KernelLevel::kReference;
+  return o;
+}
+
 constexpr ModelShape kShape{4, 4, 2, 16, v1::DTYPE_FP16};
 
 std::vector<float> Random(size_t n, std::mt19937* rng, float bias_dim = -1) {
@@ -70,7 +78,7 @@ class WorkerEngineTest : public ::testing::Test {
     KVT_ASSERT_OK(stack_.Start());
     store_ = stack_.store();
     segments_ = stack_.segments();
-    engine_ = std::make_unique<Engine>(segments_, worker::EngineOptions{KernelLevel::kReference});
+    engine_ = std::make_unique<Engine>(segments_, ReferenceKernels());
   }
 
   // One round: prefill of n tokens (question_tokens of them the question),
@@ -253,7 +261,7 @@ class FlakyStore : public worker::SegmentStore {
 
 TEST_F(WorkerEngineTest, ResidentRecallsAreCountedInTheStore) {
   FlakyStore store(segments_);
-  Engine engine(&store, worker::EngineOptions{KernelLevel::kReference});
+  Engine engine(&store, ReferenceKernels());
   engine_.reset();
   SessionPolicy p;
   KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("topk:1"));
@@ -310,7 +318,7 @@ TEST_F(WorkerEngineTest, ResidentRecallsAreCountedInTheStore) {
 
 TEST_F(WorkerEngineTest, EndRoundAfterAPartialPutReplacesTheStoredPart) {
   FlakyStore store(segments_);
-  Engine engine(&store, worker::EngineOptions{KernelLevel::kReference});
+  Engine engine(&store, ReferenceKernels());
   engine_.reset();
   SessionPolicy p;
   p.watershed_layer = 1;
@@ -536,7 +544,7 @@ absl::Status PrefillAll(Engine& engine, const worker::SessionKey& id, int64_t n,
 }
 
 TEST_F(WorkerEngineTest, SessionCapAndWorkingSetBudget) {
-  worker::EngineOptions o{KernelLevel::kReference};
+  worker::EngineOptions o = ReferenceKernels();
   o.max_sessions = 2;
   // Room for 10 tokens of kShape (10 * 4 layers * 2 heads * 16 * 2 * 2 bytes).
   o.max_working_set_bytes = 10 * 4 * 2 * 16 * 2 * 2;
@@ -572,7 +580,7 @@ TEST_F(WorkerEngineTest, SessionCapAndWorkingSetBudget) {
 // Issue 14 #2, per tenant: the tenants file's max_sessions and
 // max_working_set_mb bound one tenant without touching another.
 TEST_F(WorkerEngineTest, PerTenantLimits) {
-  worker::EngineOptions o{KernelLevel::kReference};
+  worker::EngineOptions o = ReferenceKernels();
   // acme: 2 sessions, room for 10 tokens of kShape.
   o.tenant_limits["acme"] = {2, 10 * 4 * 2 * 16 * 2 * 2};
   Engine engine(segments_, o);
