@@ -385,17 +385,6 @@ v1::CodecParams ToParams(const CodecConfig& c) {
   return p;
 }
 
-absl::StatusOr<int64_t> EncodedBufferBytes(const CodecConfig& c, v1::TensorRole role,
-                                           absl::Span<const int64_t> shape) {
-  KVT_RETURN_IF_ERROR(ValidateCodecConfig(c));
-  KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(c, role, shape));
-  if (c.codec == v1::CODEC_RAW) return l.slabs * l.tokens * l.d * l.dsize;
-  int64_t total = l.code_bytes() + 2 * l.scale_bytes() + l.residual_bytes();
-  if (IsGear(c.codec) && l.rank > 0) total += l.a_bytes() + l.b_bytes();
-  if (c.codec == v1::CODEC_GEAR) total += l.sparse_count() * (l.index_bytes + l.dsize);
-  return total;
-}
-
 namespace {
 
 // Where each of a tensor's buffers is written (null: the codec has none).
@@ -467,6 +456,17 @@ void SetBuffer(v1::BufferKind kind, uint8_t* p, BufferPtrs* out) {
     default:
       break;
   }
+}
+
+// The layout of a tensor Encode accepts: a valid config, a role for a
+// quantized tensor, a valid shape.
+absl::StatusOr<Layout> EncodableLayout(const CodecConfig& c, v1::TensorRole role,
+                                       absl::Span<const int64_t> shape) {
+  KVT_RETURN_IF_ERROR(ValidateCodecConfig(c));
+  if (IsQuantized(c.codec) && role != v1::TENSOR_ROLE_KEY && role != v1::TENSOR_ROLE_VALUE) {
+    return absl::InvalidArgumentError("a quantized tensor must be a KEY or a VALUE");
+  }
+  return LayoutFor(c, role, shape);
 }
 
 // INVALID_ARGUMENT unless every input element can be stored.
@@ -601,14 +601,19 @@ void EncodeBuffers(const CodecConfig& c, const Layout& l, const float* data, con
 
 }  // namespace
 
+absl::StatusOr<int64_t> EncodedBufferBytes(const CodecConfig& c, v1::TensorRole role,
+                                           absl::Span<const int64_t> shape) {
+  KVT_RETURN_IF_ERROR(ValidateCodecConfig(c));
+  KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(c, role, shape));
+  int64_t total = 0;
+  for (const auto& [kind, bytes] : BufferList(c, l)) total += bytes;
+  return total;
+}
+
 absl::StatusOr<v1::EncodedTensor> Encode(const CodecConfig& c, v1::TensorRole role,
                                          absl::Span<const int64_t> shape, const float* data,
                                          KernelLevel level) {
-  KVT_RETURN_IF_ERROR(ValidateCodecConfig(c));
-  if (IsQuantized(c.codec) && role != v1::TENSOR_ROLE_KEY && role != v1::TENSOR_ROLE_VALUE) {
-    return absl::InvalidArgumentError("a quantized tensor must be a KEY or a VALUE");
-  }
-  KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(c, role, shape));
+  KVT_ASSIGN_OR_RETURN(Layout l, EncodableLayout(c, role, shape));
   KVT_RETURN_IF_ERROR(CheckInput(c, l, data));
   v1::EncodedTensor t = TensorMeta(c, l, role, shape);
   BufferPtrs out;
@@ -641,11 +646,7 @@ size_t BufferMessageSize(v1::BufferKind kind, int64_t bytes) {
 absl::StatusOr<TensorEncoder> TensorEncoder::Make(const CodecConfig& c, v1::TensorRole role,
                                                   absl::Span<const int64_t> shape,
                                                   uint32_t layer_begin) {
-  KVT_RETURN_IF_ERROR(ValidateCodecConfig(c));
-  if (IsQuantized(c.codec) && role != v1::TENSOR_ROLE_KEY && role != v1::TENSOR_ROLE_VALUE) {
-    return absl::InvalidArgumentError("a quantized tensor must be a KEY or a VALUE");
-  }
-  KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(c, role, shape));
+  KVT_ASSIGN_OR_RETURN(Layout l, EncodableLayout(c, role, shape));
   TensorEncoder e;
   e.config_ = c;
   e.role_ = role;
