@@ -322,10 +322,18 @@ int StoreBench(int argc, char** argv) {
 
 }  // namespace kvtier::bench
 
+namespace kvtier::bench {
+int StoreScaleBench(int argc, char** argv);  // store_scale_bench.cc
+}  // namespace kvtier::bench
+
 int main(int argc, char** argv) {
   kvtier::TuneAllocatorForLargeBuffers();
   std::string what = argc > 1 ? argv[1] : "";
   if (what == "store") return kvtier::bench::StoreBench(argc - 2, argv + 2);
-  std::fprintf(stderr, "usage: kvtier-bench store [--csv=FILE] ...  (kvtier-bench store --help)\n");
+  if (what == "store-scale") return kvtier::bench::StoreScaleBench(argc - 2, argv + 2);
+  std::fprintf(stderr,
+               "usage: kvtier-bench store [--csv=FILE] ...        (kvtier-bench store --help)\n"
+               "       kvtier-bench store-scale [--counts=...] ...  (kvtier-bench store-scale "
+               "--help)\n");
   return 2;
 }

@@ -988,6 +988,16 @@ StoreStats Store::Stats() const {
   return s;
 }
 
+uint64_t Store::DbMemoryBytes() const {
+  uint64_t total = 0;
+  for (const char* property : {"rocksdb.cur-size-all-mem-tables",
+                               "rocksdb.estimate-table-readers-mem", "rocksdb.block-cache-usage"}) {
+    uint64_t v = 0;
+    if (db_->GetIntProperty(property, &v)) total += v;
+  }
+  return total;
+}
+
 std::vector<Store::SessionSummary> Store::ListSessions(const std::string& tenant,
                                                        int64_t min_idle_ms, size_t limit,
                                                        const std::string& start_after) const {

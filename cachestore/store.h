@@ -285,6 +285,10 @@ class Store {
   absl::StatusOr<int> ExpireSessions();
 
   StoreStats Stats() const;
+  // Bytes RocksDB holds in memory: memtables, table readers (index and
+  // filter blocks) and block cache. What the store's own index costs is the
+  // process heap less this and the RAM tier.
+  uint64_t DbMemoryBytes() const;
   // Sessions of one tenant.
   uint64_t TenantSessions(const std::string& tenant) const;
   const StoreOptions& options() const { return options_; }
