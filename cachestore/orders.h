@@ -58,18 +58,19 @@ class SpillOrder {
     return policy_ == SpillPolicy::kLru ? lru_.size() : old_.by_seq.size() + young_.by_seq.size();
   }
 
-  // Calls fn(item) in spill order until it returns false.
+  // Calls fn(item, key) in spill order until it returns false. The key
+  // holds the fields this policy orders by, enough to Erase the item.
   template <typename Fn>
   void Walk(Fn fn) const {
     if (policy_ == SpillPolicy::kLru) {
       for (const auto& [access, insert, item] : lru_) {
-        if (!fn(item)) return;
+        if (!fn(item, SpillKey{insert, access, 0})) return;
       }
       return;
     }
     for (const Half* h : {&old_, &young_}) {
       for (const auto& [count, insert, item] : h->by_count) {
-        if (!fn(item)) return;
+        if (!fn(item, SpillKey{insert, 0, count})) return;
       }
     }
   }

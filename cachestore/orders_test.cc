@@ -41,7 +41,7 @@ std::vector<int> PlannedSpill(const std::map<int, Item>& items, SpillPolicy poli
 
 std::vector<int> Walked(const SpillOrder<Item>& order) {
   std::vector<int> out;
-  order.Walk([&](Item* it) {
+  order.Walk([&](Item* it, const SpillKey&) {
     out.push_back(it->id);
     return true;
   });
@@ -80,6 +80,21 @@ TEST_P(SpillOrderTest, EqualsThePlannerOnRandomWorkloads) {
         order.Insert(it.get(), it->key);
         live[it->id] = *it;
         storage[it->id] = std::move(it);
+      } else if (op == 9) {
+        // A spill, as the store does it: the first few in order, erased
+        // under the keys the walk hands out.
+        std::vector<std::pair<Item*, SpillKey>> front;
+        order.Walk([&](Item* it, const SpillKey& k) {
+          front.push_back({it, k});
+          return front.size() < 1 + rng() % 3;
+        });
+        for (auto& [it, k] : front) {
+          order.Erase(it, k);
+          const int id = it->id;
+          live.erase(id);
+          spilled.push_back(std::move(storage[id]));
+          storage.erase(id);
+        }
       } else {
         auto pick = live.begin();
         std::advance(pick, static_cast<long>(rng() % live.size()));
@@ -115,7 +130,7 @@ TEST(SpillOrder, WalkStopsWhenAsked) {
   Item a{1, {1, 1, 0}, 10}, b{2, {2, 2, 0}, 10}, c{3, {3, 3, 0}, 10};
   for (Item* it : {&a, &b, &c}) order.Insert(it, it->key);
   std::vector<int> seen;
-  order.Walk([&](Item* it) {
+  order.Walk([&](Item* it, const SpillKey&) {
     seen.push_back(it->id);
     return seen.size() < 2;
   });

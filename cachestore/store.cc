@@ -76,7 +76,12 @@ WriteTicket::~WriteTicket() {
 
 Store::Store(StoreOptions options, QuotaManager* quotas, std::unique_ptr<rocksdb::DB> db,
              std::unique_ptr<PayloadFiles> files)
-    : options_(std::move(options)), quotas_(quotas), db_(std::move(db)), files_(std::move(files)) {}
+    : options_(std::move(options)),
+      quotas_(quotas),
+      db_(std::move(db)),
+      files_(std::move(files)),
+      spill_order_{SpillOrder<SegmentEntry>(options_.spill_policy),
+                   SpillOrder<SegmentEntry>(options_.spill_policy)} {}
 
 Store::~Store() = default;
 
@@ -128,6 +133,8 @@ absl::Status Store::Recover() {
   absl::MutexLock lock(&mu_);
   absl::flat_hash_set<uint64_t> referenced_files;
   const int64_t now = options_.clock->NowUnixMs();
+  // Entries are indexed once the scan is done (below): records found later
+  // change their pinned, ttl and counters.
   auto session_for = [&](const ParsedKey& k) -> SessionEntry& {
     mu_.AssertHeld();  // Runs under the lock above; tells clang's analysis.
     SessionEntry& s = sessions_[SessionKey(k.tenant, k.session)];
@@ -205,6 +212,15 @@ absl::Status Store::Recover() {
     }
   }
   KVT_RETURN_IF_ERROR(FromRocks(it->status(), "recovery scan"));
+  for (auto& [key, s] : sessions_) {
+    ++tenant_sessions_[s.tenant];
+    IndexSessionTimesLocked(s);
+    for (auto& [rn, r] : s.rounds) {
+      r.session = &s;
+      r.number = rn;
+      IndexRoundLocked(s, r);
+    }
+  }
   // Payload files that no index record names were written by uploads that
   // never committed (a crash between the file and the record): delete them.
   KVT_ASSIGN_OR_RETURN(std::vector<uint64_t> present, files_->List());
@@ -267,15 +283,20 @@ absl::StatusOr<WriteTicket> Store::BeginWrite(const WriteSpec& spec) {
           disk_bytes_ + disk_reserved_ + spec.payload_bytes - options_.disk_budget_bytes, key,
           &removals));
     }
+    const int64_t now = options_.clock->NowUnixMs();
     if (s == nullptr) {
-      s = &sessions_[key];
-      s->tenant = spec.tenant;
-      s->session = spec.session;
-      s->ttl_seconds = spec.session_ttl_seconds.value_or(options_.default_ttl_seconds);
+      s = &AddSessionLocked(key, spec.tenant, spec.session,
+                            spec.session_ttl_seconds.value_or(options_.default_ttl_seconds), now);
     }
-    s->last_access_ms = options_.clock->NowUnixMs();
+    TouchSessionLocked(*s, now);
     RoundEntry& r = s->rounds[spec.id.round];
-    if (r.insert_seq == 0) r.insert_seq = next_seq_++;
+    if (r.insert_seq == 0) {
+      r.insert_seq = next_seq_++;
+      r.session = s;
+      r.number = spec.id.round;
+    }
+    UnindexRoundLocked(*s, r);
+    ++r.writing;
     SegmentEntry& e = r.segments[spec.id.segment];
     e.info.id = spec.id;
     e.info.layer_begin = spec.layer_begin;
@@ -284,6 +305,7 @@ absl::StatusOr<WriteTicket> Store::BeginWrite(const WriteSpec& spec) {
     e.info.payload_crc32c = spec.payload_crc32c;
     e.info.state = SegmentState::kWriting;
     e.write_id = next_seq_++;
+    IndexRoundLocked(*s, r);
     disk_reserved_ += spec.payload_bytes;
     ticket.store_ = this;
     ticket.spec_ = spec;
@@ -306,9 +328,15 @@ void Store::AbortWrite(const WriteSpec& spec, uint64_t write_id) {
   auto e = r->second.segments.find(spec.id.segment);
   if (e == r->second.segments.end() || e->second.write_id != write_id) return;
   disk_reserved_ -= e->second.info.payload_bytes;
+  UnindexRoundLocked(*s, r->second);
+  --r->second.writing;
   r->second.segments.erase(e);
-  if (r->second.segments.empty()) s->rounds.erase(r);
-  if (s->rounds.empty() && !s->persisted && !s->pinned) sessions_.erase(key);
+  if (r->second.segments.empty()) {
+    s->rounds.erase(r);
+  } else {
+    IndexRoundLocked(*s, r->second);
+  }
+  if (s->rounds.empty() && !s->persisted && !s->pinned) EraseSessionLocked(key);
 }
 
 absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string payload,
@@ -401,6 +429,7 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
 
   Removal undo;
   SegmentInfo info;
+  std::vector<std::shared_ptr<const std::string>> released;  // Freed after mu_.
   {
     absl::MutexLock lock(&mu_);
     SessionEntry* s = FindSessionLocked(key);
@@ -429,12 +458,15 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
       disk_reserved_ -= spec.payload_bytes;
       disk_bytes_ += spec.payload_bytes;
       ++disk_segments_;
+      // Still kWriting, so in no order: these fields are free to change.
       e->write_id = 0;
       e->file_id = file_id;
       e->insert_seq = next_seq_++;
       e->last_access_seq = e->insert_seq;
       const bool fits = spec.payload_bytes <= options_.ram_budget_bytes;
-      if (fits) SpillForRoomLocked(spec.payload_bytes);
+      if (fits) SpillForRoomLocked(spec.payload_bytes, &released);
+      UnindexRoundLocked(*s, *r);
+      --r->writing;
       if (fits && ram_bytes_ + spec.payload_bytes <= options_.ram_budget_bytes) {
         e->ram = std::make_shared<const std::string>(std::move(payload));
         e->info.state = SegmentState::kSealed;
@@ -443,6 +475,7 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
       } else {
         e->info.state = SegmentState::kSpilled;
       }
+      IndexRoundLocked(*s, *r);
       ticket.grant_.Commit();
       ticket.store_ = nullptr;  // Finished: the ticket must not abort.
       info = e->info;
@@ -458,33 +491,101 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
   return info;
 }
 
-void Store::SpillForRoomLocked(uint64_t bytes_needed) {
+void Store::SpillForRoomLocked(uint64_t bytes_needed,
+                               std::vector<std::shared_ptr<const std::string>>* released) {
   // Unpinned segments first; pinned ones only when those are not enough.
   for (bool pinned : {false, true}) {
     if (ram_bytes_ + bytes_needed <= options_.ram_budget_bytes) return;
-    std::vector<SpillCandidate> cands;
-    std::vector<SegmentEntry*> entries;
-    for (auto& [k, s] : sessions_) {
-      if (s.pinned != pinned) continue;
-      for (auto& [rn, r] : s.rounds) {
-        for (auto& [sn, e] : r.segments) {
-          if (e.info.state != SegmentState::kSealed) continue;
-          cands.push_back({e.info.payload_bytes, e.insert_seq, e.last_access_seq, r.recall_count});
-          entries.push_back(&e);
-        }
-      }
-    }
     const uint64_t excess = ram_bytes_ + bytes_needed - options_.ram_budget_bytes;
-    for (size_t i : PlanSpill(cands, excess, options_.spill_policy)) {
-      SegmentEntry& e = *entries[i];
-      e.ram.reset();
-      e.info.state = SegmentState::kSpilled;
-      e.disk_reads = 0;
-      ram_bytes_ -= e.info.payload_bytes;
+    SpillOrder<SegmentEntry>& order = spill_order_[pinned ? 1 : 0];
+    std::vector<std::pair<SegmentEntry*, SpillKey>> chosen;
+    uint64_t freed = 0;
+    order.Walk([&](SegmentEntry* e, const SpillKey& k) {
+      if (freed >= excess) return false;
+      chosen.push_back({e, k});
+      freed += e->info.payload_bytes;
+      return true;
+    });
+    for (auto& [e, k] : chosen) {
+      order.Erase(e, k);
+      released->push_back(std::move(e->ram));
+      e->ram.reset();
+      e->info.state = SegmentState::kSpilled;
+      e->disk_reads = 0;
+      ram_bytes_ -= e->info.payload_bytes;
       --ram_segments_;
       ++counters_.spills;
     }
   }
+}
+
+void Store::UnindexRoundLocked(SessionEntry& s, RoundEntry& r) {
+  if (r.in_drop_order) {
+    drop_order_.Erase(&r, r.recall_count, r.insert_seq, r.drop_bytes);
+    r.in_drop_order = false;
+  }
+  SpillOrder<SegmentEntry>& order = spill_order_[s.pinned ? 1 : 0];
+  for (auto& [sn, e] : r.segments) {
+    if (e.info.state == SegmentState::kSealed) order.Erase(&e, SpillKeyOf(e, r));
+  }
+}
+
+void Store::IndexRoundLocked(SessionEntry& s, RoundEntry& r) {
+  SpillOrder<SegmentEntry>& order = spill_order_[s.pinned ? 1 : 0];
+  uint64_t bytes = 0;
+  for (auto& [sn, e] : r.segments) {
+    bytes += e.info.payload_bytes;
+    if (e.info.state == SegmentState::kSealed) order.Insert(&e, SpillKeyOf(e, r));
+  }
+  if (!s.pinned && r.writing == 0 && bytes != 0) {
+    r.drop_bytes = bytes;
+    r.in_drop_order = true;
+    drop_order_.Insert(&r, r.recall_count, r.insert_seq, bytes);
+  }
+}
+
+Store::SessionEntry& Store::AddSessionLocked(const std::string& key, const std::string& tenant,
+                                             const std::string& session, uint32_t ttl_seconds,
+                                             int64_t now_ms) {
+  SessionEntry& s = sessions_[key];
+  s.tenant = tenant;
+  s.session = session;
+  s.ttl_seconds = ttl_seconds;
+  s.last_access_ms = now_ms;
+  ++tenant_sessions_[tenant];
+  IndexSessionTimesLocked(s);
+  return s;
+}
+
+void Store::EraseSessionLocked(const std::string& key) {
+  auto it = sessions_.find(key);
+  if (it == sessions_.end()) return;
+  SessionEntry& s = it->second;
+  for (auto& [rn, r] : s.rounds) UnindexRoundLocked(s, r);
+  UnindexSessionTimesLocked(s);
+  auto t = tenant_sessions_.find(s.tenant);
+  if (t != tenant_sessions_.end() && --t->second == 0) tenant_sessions_.erase(t);
+  sessions_.erase(it);
+}
+
+void Store::UnindexSessionTimesLocked(SessionEntry& s) {
+  by_idle_.erase({s.last_access_ms, &s});
+  if (s.indexed_deadline_ms >= 0) by_deadline_.erase({s.indexed_deadline_ms, &s});
+  s.indexed_deadline_ms = -1;
+}
+
+void Store::IndexSessionTimesLocked(SessionEntry& s) {
+  by_idle_.insert({s.last_access_ms, &s});
+  if (!s.pinned && s.ttl_seconds != 0) {
+    s.indexed_deadline_ms = s.last_access_ms + int64_t{s.ttl_seconds} * 1000;
+    by_deadline_.insert({s.indexed_deadline_ms, &s});
+  }
+}
+
+void Store::TouchSessionLocked(SessionEntry& s, int64_t now_ms) {
+  UnindexSessionTimesLocked(s);
+  s.last_access_ms = now_ms;
+  IndexSessionTimesLocked(s);
 }
 
 // ---- Removal ----
@@ -493,6 +594,7 @@ uint64_t Store::RemoveRoundLocked(SessionEntry& s, uint32_t round, Removal* remo
   auto ri = s.rounds.find(round);
   if (ri == s.rounds.end()) return 0;
   RoundEntry& r = ri->second;
+  UnindexRoundLocked(s, r);
   uint64_t freed = 0;
   std::vector<Removal::Segment> segs;
   for (auto it = r.segments.begin(); it != r.segments.end();) {
@@ -513,7 +615,11 @@ uint64_t Store::RemoveRoundLocked(SessionEntry& s, uint32_t round, Removal* remo
     it = r.segments.erase(it);
   }
   removal->rounds.push_back({round, std::move(segs), /*round_keys=*/true});
-  if (r.segments.empty()) s.rounds.erase(ri);
+  if (r.segments.empty()) {
+    s.rounds.erase(ri);
+  } else {
+    IndexRoundLocked(s, r);  // Only uploads left: in no order.
+  }
   quotas_->Release(s.tenant, freed);
   ++counters_.drops;
   return freed;
@@ -521,39 +627,26 @@ uint64_t Store::RemoveRoundLocked(SessionEntry& s, uint32_t round, Removal* remo
 
 absl::Status Store::MakeDiskRoomLocked(uint64_t bytes, const std::string& skip_session_key,
                                        std::vector<Removal>* removals) {
-  struct Ref {
-    SessionEntry* s;
-    uint32_t round;
-  };
-  std::vector<DropCandidate> cands;
-  std::vector<Ref> refs;
-  for (auto& [k, s] : sessions_) {
-    if (s.pinned) continue;
-    for (auto& [rn, r] : s.rounds) {
-      uint64_t total = 0;
-      bool writing = false;
-      for (auto& [sn, e] : r.segments) {
-        writing |= e.info.state == SegmentState::kWriting;
-        total += e.info.payload_bytes;
-      }
-      if (writing || total == 0) continue;
-      cands.push_back({total, r.insert_seq, r.recall_count});
-      refs.push_back({&s, rn});
-    }
-  }
-  std::optional<std::vector<size_t>> plan = PlanDrop(cands, bytes);
-  if (!plan.has_value()) {
+  if (drop_order_.bytes() < bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("disk budget of ", options_.disk_budget_bytes,
                                                      " bytes is full and dropping every "
                                                      "unpinned round would not free ",
                                                      bytes, " bytes"));
   }
+  std::vector<std::pair<SessionEntry*, uint32_t>> chosen;
+  uint64_t freed = 0;
+  drop_order_.Walk([&](RoundEntry* r) {
+    if (freed >= bytes) return false;
+    chosen.push_back({r->session, r->number});
+    freed += r->drop_bytes;
+    return true;
+  });
   std::map<SessionEntry*, Removal> by_session;
-  for (size_t i : *plan) {
-    Removal& rm = by_session[refs[i].s];
-    rm.session_key = SessionKey(refs[i].s->tenant, refs[i].s->session);
-    rm.tenant = refs[i].s->tenant;
-    RemoveRoundLocked(*refs[i].s, refs[i].round, &rm);
+  for (auto [s, round] : chosen) {
+    Removal& rm = by_session[s];
+    rm.session_key = SessionKey(s->tenant, s->session);
+    rm.tenant = s->tenant;
+    RemoveRoundLocked(*s, round, &rm);
     ++counters_.pressure_drops;
   }
   for (auto& [s, rm] : by_session) {
@@ -638,19 +731,20 @@ absl::StatusOr<Store::ColdDropResult> Store::DropColdRounds(int64_t min_idle_ms)
   {
     absl::MutexLock lock(&mu_);
     const int64_t now = options_.clock->NowUnixMs();
-    for (auto& [key, s] : sessions_) {
-      if (s.pinned || now - s.last_access_ms < min_idle_ms || s.rounds.size() < 2) continue;
+    // Least recently used first: only sessions idle long enough are visited.
+    for (const auto& [last_access, sp] : by_idle_) {
+      if (now - last_access < min_idle_ms) break;
+      SessionEntry& s = *sp;
+      if (s.pinned || s.rounds.size() < 2) continue;
       const uint32_t newest = s.rounds.rbegin()->first;
       std::vector<uint32_t> cold;
       for (const auto& [rn, r] : s.rounds) {
         if (rn == newest || r.recall_count != 0) continue;
-        bool writing = false;
-        for (const auto& [sn, e] : r.segments) writing |= e.info.state == SegmentState::kWriting;
-        if (!writing) cold.push_back(rn);
+        if (r.writing == 0) cold.push_back(rn);
       }
       if (cold.empty()) continue;
       Removal rm;
-      rm.session_key = key;
+      rm.session_key = SessionKey(s.tenant, s.session);
       rm.tenant = s.tenant;
       for (uint32_t rn : cold) {
         result.freed_bytes += RemoveRoundLocked(s, rn, &rm);
@@ -682,11 +776,15 @@ std::pair<uint64_t, std::vector<uint32_t>> Store::RemoveSessionLocked(const std:
   uint64_t freed = 0;
   for (uint32_t round : all) freed += RemoveRoundLocked(s, round, rm);
   if (s.rounds.empty()) {
-    sessions_.erase(key);
+    EraseSessionLocked(key);
   } else {
     // Uploads still running keep the entry until they abort.
+    for (auto& [rn, r] : s.rounds) UnindexRoundLocked(s, r);
+    UnindexSessionTimesLocked(s);
     s.pinned = false;
     s.persisted = false;
+    IndexSessionTimesLocked(s);
+    for (auto& [rn, r] : s.rounds) IndexRoundLocked(s, r);
   }
   return {freed, std::move(all)};
 }
@@ -728,9 +826,15 @@ absl::Status Store::PinSession(const std::string& tenant, const std::string& ses
     SessionEntry* found = FindSessionLocked(key);
     if (found == nullptr) return NoSession(session);
     SessionEntry& s = *found;
+    // Pinning moves the session's segments to the other spill order, its
+    // rounds out of (or into) the drop order, and it out of expiry.
+    for (auto& [rn, r] : s.rounds) UnindexRoundLocked(s, r);
+    UnindexSessionTimesLocked(s);
     s.pinned = pinned;
     s.persisted = true;
     s.last_access_ms = options_.clock->NowUnixMs();
+    IndexSessionTimesLocked(s);
+    for (auto& [rn, r] : s.rounds) IndexRoundLocked(s, r);
     ttl = s.ttl_seconds;
   }
   return WriteSessionRecord(key, pinned, ttl);
@@ -743,11 +847,11 @@ absl::StatusOr<int> Store::ExpireSessions() {
     absl::MutexLock lock(&mu_);
     const int64_t now = options_.clock->NowUnixMs();
     std::vector<std::string> expired;
-    for (const auto& [key, s] : sessions_) {
-      if (s.pinned || s.ttl_seconds == 0) continue;
-      if (now - s.last_access_ms <= int64_t{s.ttl_seconds} * 1000) continue;
-      LogInfo("session expired", {{"tenant", s.tenant}, {"session", s.session}});
-      expired.push_back(key);
+    // Unpinned sessions with a TTL, earliest deadline first.
+    for (const auto& [deadline, s] : by_deadline_) {
+      if (now <= deadline) break;
+      LogInfo("session expired", {{"tenant", s->tenant}, {"session", s->session}});
+      expired.push_back(SessionKey(s->tenant, s->session));
     }
     for (const std::string& key : expired) {
       removals.emplace_back();
@@ -796,8 +900,19 @@ absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& t
                                                 " (split the call)"));
     }
     const int64_t now = options_.clock->NowUnixMs();
-    s->last_access_ms = now;
+    TouchSessionLocked(*s, now);
     std::vector<uint32_t> bumped;
+    // Counting moves the rounds' segments in the spill order (access and
+    // recall count) and the rounds in the drop order.
+    std::vector<RoundEntry*> rekeyed;
+    if (count_recalls) {
+      for (const SegmentId& id : ids) {
+        RoundEntry* r = &s->rounds[id.round];
+        if (std::find(rekeyed.begin(), rekeyed.end(), r) != rekeyed.end()) continue;
+        UnindexRoundLocked(*s, *r);
+        rekeyed.push_back(r);
+      }
+    }
     for (const SegmentId& id : ids) {
       RoundEntry& r = s->rounds[id.round];
       SegmentEntry& e = r.segments[id.segment];
@@ -813,6 +928,7 @@ absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& t
       }
       out.push_back(e.info);
     }
+    for (RoundEntry* r : rekeyed) IndexRoundLocked(*s, *r);
   }
   WriteRecallCounters(&counters);
   return out;
@@ -847,7 +963,7 @@ absl::StatusOr<Store::RecallResult> Store::RecordRecalls(const std::string& tena
     SessionEntry* s = FindSessionLocked(key);
     if (s == nullptr) return NoSession(session);
     const int64_t now = options_.clock->NowUnixMs();
-    s->last_access_ms = now;
+    TouchSessionLocked(*s, now);
     for (uint32_t round : rounds) {
       auto r = s->rounds.find(round);
       // Only rounds with a readable segment count, as in ListRounds.
@@ -859,7 +975,9 @@ absl::StatusOr<Store::RecallResult> Store::RecordRecalls(const std::string& tena
         result.not_found.push_back(round);
         continue;
       }
+      UnindexRoundLocked(*s, r->second);
       CountRecallLocked(key, round, r->second, now, &counters);
+      IndexRoundLocked(*s, r->second);
       result.counted.push_back(round);
     }
   }
@@ -872,7 +990,8 @@ absl::StatusOr<ReadResult> Store::ReadSegment(const std::string& tenant, const s
   const std::string key = SessionKey(tenant, session);
   ReadResult result;
   uint64_t file_id = 0;
-  auto find = [&]() -> SegmentEntry* {
+  // The segment, with its round in *round_out when asked.
+  auto find = [&](RoundEntry** round_out = nullptr) -> SegmentEntry* {
     mu_.AssertHeld();  // Called only under the lock.
     SessionEntry* s = FindSessionLocked(key);
     if (s == nullptr) return nullptr;
@@ -882,6 +1001,7 @@ absl::StatusOr<ReadResult> Store::ReadSegment(const std::string& tenant, const s
     if (e == r->second.segments.end() || e->second.info.state == SegmentState::kWriting) {
       return nullptr;
     }
+    if (round_out != nullptr) *round_out = &r->second;
     return &e->second;
   };
   auto gone = [&] {
@@ -922,9 +1042,11 @@ absl::StatusOr<ReadResult> Store::ReadSegment(const std::string& tenant, const s
   }
   result.served_from = Tier::kDisk;
   result.payload = bytes;
+  std::vector<std::shared_ptr<const std::string>> released;  // Freed after mu_.
   {
     absl::MutexLock lock(&mu_);
-    SegmentEntry* e = find();
+    RoundEntry* r = nullptr;
+    SegmentEntry* e = find(&r);
     SessionEntry* s = FindSessionLocked(key);
     if (e != nullptr && e->info.state == SegmentState::kSpilled) {
       ++e->disk_reads;
@@ -932,10 +1054,11 @@ absl::StatusOr<ReadResult> Store::ReadSegment(const std::string& tenant, const s
                                      e->disk_reads >= options_.promote_after_disk_reads);
       const uint64_t n = e->info.payload_bytes;
       if (hot && n <= options_.ram_budget_bytes) {
-        SpillForRoomLocked(n);
+        SpillForRoomLocked(n, &released);
         if (ram_bytes_ + n <= options_.ram_budget_bytes) {
           e->ram = result.payload;
           e->info.state = SegmentState::kSealed;
+          spill_order_[s->pinned ? 1 : 0].Insert(e, SpillKeyOf(*e, *r));
           ram_bytes_ += n;
           ++ram_segments_;
           ++counters_.promotions;
@@ -952,7 +1075,7 @@ absl::StatusOr<SessionInfo> Store::ListRounds(const std::string& tenant,
   absl::MutexLock lock(&mu_);
   SessionEntry* s = FindSessionLocked(SessionKey(tenant, session));
   if (s == nullptr) return NoSession(session);
-  s->last_access_ms = options_.clock->NowUnixMs();
+  TouchSessionLocked(*s, options_.clock->NowUnixMs());
   SessionInfo info;
   info.pinned = s->pinned;
   info.ttl_seconds = s->ttl_seconds;
@@ -986,6 +1109,101 @@ StoreStats Store::Stats() const {
   s.disk_budget_bytes = options_.disk_budget_bytes;
   s.sessions = sessions_.size();
   return s;
+}
+
+absl::Status Store::CheckIndex() const {
+  absl::MutexLock lock(&mu_);
+  absl::flat_hash_map<std::string, uint64_t> tenants;
+  size_t deadlines = 0;
+  for (bool pinned : {false, true}) {
+    // What the old planner read: every sealed segment of the class.
+    std::vector<SpillCandidate> cands;
+    std::vector<const SegmentEntry*> entries;
+    uint64_t total = 0;
+    for (const auto& [k, s] : sessions_) {
+      if (s.pinned != pinned) continue;
+      for (const auto& [rn, r] : s.rounds) {
+        for (const auto& [sn, e] : r.segments) {
+          if (e.info.state != SegmentState::kSealed) continue;
+          cands.push_back({e.info.payload_bytes, e.insert_seq, e.last_access_seq, r.recall_count});
+          entries.push_back(&e);
+          total += e.info.payload_bytes;
+        }
+      }
+    }
+    std::vector<const SegmentEntry*> planned;
+    for (size_t i : PlanSpill(cands, total, options_.spill_policy)) planned.push_back(entries[i]);
+    std::vector<const SegmentEntry*> walked;
+    spill_order_[pinned ? 1 : 0].Walk([&](SegmentEntry* e, const SpillKey&) {
+      walked.push_back(e);
+      return true;
+    });
+    if (walked != planned) {
+      return absl::InternalError(absl::StrCat("spill order (", pinned ? "pinned" : "unpinned",
+                                              ") lists ", walked.size(), " segments, the planner ",
+                                              planned.size(), ", or their order differs"));
+    }
+  }
+  std::vector<DropCandidate> drops;
+  std::vector<const RoundEntry*> rounds;
+  uint64_t droppable = 0;
+  for (const auto& [k, s] : sessions_) {
+    ++tenants[s.tenant];
+    if (by_idle_.count({s.last_access_ms, const_cast<SessionEntry*>(&s)}) == 0) {
+      return absl::InternalError(absl::StrCat("session ", s.session, " is not in by_idle"));
+    }
+    const bool expires = !s.pinned && s.ttl_seconds != 0;
+    const int64_t deadline = s.last_access_ms + int64_t{s.ttl_seconds} * 1000;
+    if (expires != (s.indexed_deadline_ms >= 0) || (expires && s.indexed_deadline_ms != deadline) ||
+        (expires && by_deadline_.count({deadline, const_cast<SessionEntry*>(&s)}) == 0)) {
+      return absl::InternalError(absl::StrCat("session ", s.session, " has a stale TTL deadline"));
+    }
+    deadlines += expires ? 1 : 0;
+    for (const auto& [rn, r] : s.rounds) {
+      if (r.session != &s || r.number != rn) {
+        return absl::InternalError(
+            absl::StrCat("round ", rn, " of ", s.session, " does not point back at its session"));
+      }
+      uint64_t bytes = 0;
+      uint32_t writing = 0;
+      for (const auto& [sn, e] : r.segments) {
+        bytes += e.info.payload_bytes;
+        writing += e.info.state == SegmentState::kWriting ? 1 : 0;
+      }
+      if (writing != r.writing) {
+        return absl::InternalError(absl::StrCat("round ", rn, " of ", s.session, " counts ",
+                                                r.writing, " uploads, holds ", writing));
+      }
+      if (s.pinned || writing != 0 || bytes == 0) continue;
+      drops.push_back({bytes, r.insert_seq, r.recall_count});
+      rounds.push_back(&r);
+      droppable += bytes;
+    }
+  }
+  if (by_idle_.size() != sessions_.size() || by_deadline_.size() != deadlines) {
+    return absl::InternalError("session time indexes hold entries of no session");
+  }
+  if (tenants != tenant_sessions_) return absl::InternalError("tenant session counts differ");
+  if (drop_order_.bytes() != droppable) {
+    return absl::InternalError(
+        absl::StrCat("drop order holds ", drop_order_.bytes(), " bytes, the rounds ", droppable));
+  }
+  std::vector<const RoundEntry*> planned;
+  if (!drops.empty()) {
+    const std::optional<std::vector<size_t>> plan = PlanDrop(drops, droppable);
+    for (size_t i : plan.value()) planned.push_back(rounds[i]);
+  }
+  std::vector<const RoundEntry*> walked;
+  drop_order_.Walk([&](RoundEntry* r) {
+    walked.push_back(r);
+    return true;
+  });
+  if (walked != planned) {
+    return absl::InternalError(absl::StrCat("drop order lists ", walked.size(),
+                                            " rounds, the planner ", planned.size(),
+                                            ", or their order differs"));
+  }
+  return absl::OkStatus();
 }
 
 uint64_t Store::DbMemoryBytes() const {
@@ -1031,9 +1249,8 @@ std::vector<Store::SessionSummary> Store::ListSessions(const std::string& tenant
 
 uint64_t Store::TenantSessions(const std::string& tenant) const {
   absl::MutexLock lock(&mu_);
-  uint64_t n = 0;
-  for (const auto& [k, s] : sessions_) n += s.tenant == tenant ? 1 : 0;
-  return n;
+  auto it = tenant_sessions_.find(tenant);
+  return it == tenant_sessions_.end() ? 0 : it->second;
 }
 
 }  // namespace kvtier::cachestore

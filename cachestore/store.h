@@ -26,10 +26,13 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/node_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "base/clock.h"
+#include "cachestore/orders.h"
 #include "cachestore/planner.h"
 #include "cachestore/quota.h"
 #include "kvtier/v1/tensor.pb.h"
@@ -171,9 +174,16 @@ class WriteTicket {
 };
 
 // Thread-safe. All methods may be called concurrently. RocksDB I/O runs
-// outside mu_; mu_ guards the index only. Calls that remove or recreate keys
-// are ordered by removal_mu_ (see below), so a delete applied late can never
-// hit a newer write of the same key.
+// outside mu_; mu_ guards the index only.
+//
+// Cost: a put, a read, a spill, a promotion and a drop for disk room take
+// O(log n) in the n stored segments (plus O(k log n) for k segments spilled
+// or rounds dropped): RAM-resident segments are kept in spill order and
+// droppable rounds in drop order as they change (cachestore/orders.h), and
+// sessions by last access and by TTL deadline, so expiry and cold drops
+// visit only the sessions they act on. ListSessions walks every session. Calls that remove or
+// recreate keys are ordered by removal_mu_ (see below), so a delete applied late can never hit a
+// newer write of the same key.
 class Store {
  public:
   // Opens (or creates) the store at options.path and rebuilds the index from
@@ -285,6 +295,11 @@ class Store {
   absl::StatusOr<int> ExpireSessions();
 
   StoreStats Stats() const;
+  // Checks the ordered indexes against a walk of every entry: the spill and
+  // drop orders list exactly the candidates PlanSpill and PlanDrop would
+  // choose from, in their order, and the session time indexes and tenant
+  // counts match. O(n log n); for tests. INTERNAL names the first mismatch.
+  absl::Status CheckIndex() const;
   // Bytes RocksDB holds in memory: memtables, table readers (index and
   // filter blocks) and block cache. What the store's own index costs is the
   // process heap less this and the RAM tier.
@@ -294,6 +309,10 @@ class Store {
   const StoreOptions& options() const { return options_; }
 
  private:
+  struct SessionEntry;
+  // In spill_order_[pinned] iff info.state is kSealed, under the key
+  // SpillKeyOf gives; changes to that key's fields are bracketed by
+  // UnindexRoundLocked / IndexRoundLocked.
   struct SegmentEntry {
     SegmentInfo info;
     uint64_t write_id = 0;                   // Nonzero while kWriting.
@@ -304,7 +323,15 @@ class Store {
     uint64_t last_access_seq = 0;
     uint32_t disk_reads = 0;
   };
+  // In drop_order_ iff its session is unpinned, it has segments and none
+  // is being written (in_drop_order), under (recall_count, insert_seq)
+  // with drop_bytes.
   struct RoundEntry {
+    SessionEntry* session = nullptr;  // Owner.
+    uint32_t number = 0;
+    uint32_t writing = 0;  // Segments in kWriting.
+    bool in_drop_order = false;
+    uint64_t drop_bytes = 0;
     std::map<uint32_t, SegmentEntry> segments;
     v1::RoundSummary summary;
     bool has_summary = false;
@@ -318,8 +345,10 @@ class Store {
     std::map<uint32_t, RoundEntry> rounds;
     bool pinned = false;
     uint32_t ttl_seconds = 0;
-    int64_t last_access_ms = 0;
-    bool persisted = false;  // Its SessionRecord is in RocksDB.
+    int64_t last_access_ms = 0;  // Change through TouchSessionLocked.
+    bool persisted = false;      // Its SessionRecord is in RocksDB.
+    // Its key in by_deadline_, or -1 when it never expires.
+    int64_t indexed_deadline_ms = -1;
   };
   // A planned removal of stored rounds, applied to RocksDB outside mu_.
   struct Removal {
@@ -352,7 +381,28 @@ class Store {
   void WriteRecallCounters(rocksdb::WriteBatch* counters);
 
   // Index mutations. REQUIRES: mu_ held.
-  void SpillForRoomLocked(uint64_t bytes_needed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Spills RAM copies in spill order until `bytes_needed` more fit in the
+  // budget; the released copies go to `released`, to be freed after mu_.
+  void SpillForRoomLocked(uint64_t bytes_needed,
+                          std::vector<std::shared_ptr<const std::string>>* released)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static SpillKey SpillKeyOf(const SegmentEntry& e, const RoundEntry& r) {
+    return {e.insert_seq, e.last_access_seq, r.recall_count};
+  }
+  // Take a round (its sealed segments and itself) out of the orders before
+  // changing what their keys or membership read, and put it back after.
+  void UnindexRoundLocked(SessionEntry& s, RoundEntry& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void IndexRoundLocked(SessionEntry& s, RoundEntry& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Creates a session entry and indexes it.
+  SessionEntry& AddSessionLocked(const std::string& key, const std::string& tenant,
+                                 const std::string& session, uint32_t ttl_seconds, int64_t now_ms)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EraseSessionLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets last_access_ms, or re-reads pinned and ttl_seconds when called
+  // around their change (UnindexSessionTimesLocked first).
+  void TouchSessionLocked(SessionEntry& s, int64_t now_ms) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnindexSessionTimesLocked(SessionEntry& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void IndexSessionTimesLocked(SessionEntry& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t RemoveRoundLocked(SessionEntry& s, uint32_t round, Removal* removal)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes every round and marks the removal whole-session; erases the
@@ -380,7 +430,16 @@ class Store {
   // until their RocksDB batch is applied. Lock order: removal_mu_, then mu_.
   absl::Mutex removal_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<std::string, SessionEntry> sessions_ ABSL_GUARDED_BY(mu_);
+  // Node-based: the orders below hold pointers to entries.
+  absl::node_hash_map<std::string, SessionEntry> sessions_ ABSL_GUARDED_BY(mu_);
+  // [pinned]: unpinned segments spill before any pinned one.
+  SpillOrder<SegmentEntry> spill_order_[2] ABSL_GUARDED_BY(mu_);
+  DropOrder<RoundEntry> drop_order_ ABSL_GUARDED_BY(mu_);
+  // Sessions by (last_access_ms) and, for those that can expire, by
+  // (last_access_ms + ttl).
+  absl::btree_set<std::pair<int64_t, SessionEntry*>> by_idle_ ABSL_GUARDED_BY(mu_);
+  absl::btree_set<std::pair<int64_t, SessionEntry*>> by_deadline_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, uint64_t> tenant_sessions_ ABSL_GUARDED_BY(mu_);
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_file_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t ram_bytes_ ABSL_GUARDED_BY(mu_) = 0;

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -710,6 +711,115 @@ TEST_F(StoreTest, ConcurrentOperationsKeepTheIndexConsistent) {
   EXPECT_EQ(store_->Stats().disk_bytes, listed_bytes);
   EXPECT_EQ(store_->Stats().disk_segments, listed_segments);
 }
+
+// Issue 18: the spill and drop orders are kept as entries change instead of
+// being rebuilt per decision. On random workloads of every call that moves
+// an entry (puts, uploads left open across other calls, abandoned uploads,
+// reads and promotions, recalls, pins, drops, deletes, cold drops, expiry,
+// disk pressure, reopening), after every call the orders must list exactly
+// what the old planner would have chosen from, in its order.
+class StoreOrderTest : public StoreTest, public ::testing::WithParamInterface<SpillPolicy> {};
+
+TEST_P(StoreOrderTest, OrdersEqualThePlannerOnRandomWorkloads) {
+  options_.spill_policy = GetParam();
+  options_.ram_budget_bytes = 6 * 1000;
+  options_.disk_budget_bytes = 16 * 1000;
+  options_.promote_after_disk_reads = 1;
+  options_.default_ttl_seconds = 100;
+  Open();
+  std::mt19937_64 rng(GetParam() == SpillPolicy::kLru ? 11 : 12);
+  std::optional<WriteTicket> open_upload;
+  std::string open_payload;
+  uint64_t spills = 0, promotions = 0, pressure_drops = 0, expired = 0, cold = 0;
+  auto session_name = [&] { return "s" + std::to_string(rng() % 8); };
+  // A stored (round, segment) of `session`, if it has one.
+  auto pick = [&](const std::string& session) -> std::optional<SegmentId> {
+    auto info = store_->ListRounds("t1", session);
+    if (!info.ok() || info->rounds.empty()) return std::nullopt;
+    const RoundInfo& r = info->rounds[rng() % info->rounds.size()];
+    return r.segments[rng() % r.segments.size()].id;
+  };
+  for (int step = 0; step < 1500; ++step) {
+    const int op = static_cast<int>(rng() % 100);
+    const std::string session = session_name();
+    if (op < 35) {
+      const std::string payload = MakePayload(200 + rng() % 1800, step);
+      WriteSpec spec = Spec(session, static_cast<uint32_t>(rng() % 12),
+                            static_cast<uint32_t>(rng() % 2), payload);
+      const uint32_t ttl_choice = static_cast<uint32_t>(rng() % 3);
+      if (ttl_choice != 2) spec.session_ttl_seconds = ttl_choice == 0 ? 0u : 10u;
+      auto ticket = store_->BeginWrite(spec);
+      if (ticket.ok()) {
+        if (op < 5 && !open_upload.has_value()) {
+          // Left open across the next calls; committed or abandoned later.
+          open_upload.emplace(*std::move(ticket));
+          open_payload = payload;
+        } else {
+          (void)store_->CommitWrite(*std::move(ticket), payload);
+        }
+      }
+    } else if (op < 40 && open_upload.has_value()) {
+      if (rng() % 2 == 0) {
+        (void)store_->CommitWrite(std::move(*open_upload), open_payload);
+      }
+      open_upload.reset();  // Abandoned when not committed.
+    } else if (op < 60) {
+      if (auto id = pick(session)) {
+        ASSERT_THAT(store_->PrepareRead("t1", session, {*id}), IsOk());
+        ASSERT_THAT(store_->ReadSegment("t1", session, *id), IsOk());
+      }
+    } else if (op < 66) {
+      if (auto id = pick(session)) {
+        ASSERT_THAT(store_->RecordRecalls("t1", session, {id->round}), IsOk());
+      }
+    } else if (op < 72) {
+      auto info = store_->ListRounds("t1", session);
+      if (info.ok()) {
+        ASSERT_THAT(store_->PinSession("t1", session, !info->pinned), IsOk());
+      }
+    } else if (op < 78) {
+      if (auto id = pick(session)) {
+        ASSERT_THAT(store_->DropRounds("t1", session, {id->round}), IsOk());
+      }
+    } else if (op < 81) {
+      (void)store_->DeleteSession("t1", session);
+    } else if (op < 85) {
+      clock_.AdvanceMs(static_cast<int64_t>(rng() % 4000));
+      KVT_ASSERT_OK_AND_ASSIGN(Store::ColdDropResult r, store_->DropColdRounds(2000));
+      cold += r.rounds;
+    } else if (op < 89) {
+      clock_.AdvanceMs(static_cast<int64_t>(rng() % 8000));
+      KVT_ASSERT_OK_AND_ASSIGN(int n, store_->ExpireSessions());
+      expired += static_cast<uint64_t>(n);
+    } else if (op < 90 && !open_upload.has_value()) {
+      StoreStats st = store_->Stats();
+      spills += st.spills;
+      promotions += st.promotions;
+      pressure_drops += st.pressure_drops;
+      Open();  // Every segment comes back spilled.
+    } else {
+      (void)store_->ListRounds("t1", session);
+    }
+    ASSERT_THAT(store_->CheckIndex(), IsOk()) << "step " << step << ", op " << op;
+    ASSERT_LE(store_->Stats().ram_bytes, options_.ram_budget_bytes) << "step " << step;
+  }
+  StoreStats st = store_->Stats();
+  spills += st.spills;
+  promotions += st.promotions;
+  pressure_drops += st.pressure_drops;
+  // The workload reached every path it is meant to check.
+  EXPECT_GT(spills, 50u);
+  EXPECT_GT(promotions, 10u);
+  EXPECT_GT(pressure_drops, 10u);
+  EXPECT_GT(expired, 0u);
+  EXPECT_GT(cold, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, StoreOrderTest,
+                         ::testing::Values(SpillPolicy::kCounter, SpillPolicy::kLru),
+                         [](const auto& info) {
+                           return info.param == SpillPolicy::kLru ? "Lru" : "Counter";
+                         });
 
 }  // namespace
 }  // namespace kvtier::cachestore
