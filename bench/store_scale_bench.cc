@@ -32,6 +32,7 @@ struct ScaleOptions {
   std::vector<uint64_t> counts = {1000, 10000, 100000};
   uint64_t segment_bytes = 4096;
   uint32_t rounds_per_session = 8;
+  uint32_t segments_per_round = 2;  // kvtier-worker writes two.
   uint64_t samples = 2000;
   double ram_fraction = 0.25;
   bool sync = false;
@@ -48,7 +49,8 @@ void ScaleUsage() {
                "  --counts=A,B,...     stored segments per point (default 1000,10000,100000;\n"
                "                       add 1000000 for the 1M point, about 4 GiB of disk)\n"
                "  --segment_kib=N      segment size (default 4)\n"
-               "  --rounds_per_session=N  rounds per session, one segment each (default 8)\n"
+               "  --rounds_per_session=N  rounds per session (default 8)\n"
+               "  --segments_per_round=N  segments per round (default 2, as kvtier-worker writes)\n"
                "  --samples=N          timed operations per measurement (default 2000)\n"
                "  --ram_fraction=F     share of the segments the RAM tier holds (default 0.25)\n"
                "  --sync=true|false    fsync each put's WAL write (default false: the disk's\n"
@@ -76,12 +78,15 @@ Percentiles Summarize(std::vector<double> us) {
   return {at(0.50), at(0.99)};
 }
 
-// One store filled with `count` segments: segment i is session i / R,
-// round i % R, segment 0, of tenant "bench".
+// One store filled with `count` segments: segment i is segment i % S of
+// round (i / S) % R of session i / (R S), of tenant "bench".
 class ScaleStore {
  public:
-  ScaleStore(const ScaleOptions& o, const std::string& path, uint64_t ram_budget)
-      : o_(o), payload_(testing::MakePayload(o.segment_bytes, 7)), crc_(Crc32c(payload_)) {
+  ScaleStore(const ScaleOptions& o, const std::string& path, uint64_t ram_budget) : o_(o) {
+    for (uint32_t seg = 0; seg < o.segments_per_round; ++seg) {
+      payloads_.push_back(testing::MakePayload(o.segment_bytes, 7 + seg, seg));
+      crcs_.push_back(Crc32c(payloads_.back()));
+    }
     cachestore::StoreOptions so;
     so.path = path;
     so.ram_budget_bytes = ram_budget;
@@ -98,10 +103,11 @@ class ScaleStore {
   }
 
   std::string SessionOf(uint64_t i) const {
-    return "s" + std::to_string(i / o_.rounds_per_session);
+    return "s" + std::to_string(i / (uint64_t{o_.rounds_per_session} * o_.segments_per_round));
   }
   cachestore::SegmentId IdOf(uint64_t i) const {
-    return {static_cast<uint32_t>(i % o_.rounds_per_session), 0};
+    return {static_cast<uint32_t>((i / o_.segments_per_round) % o_.rounds_per_session),
+            static_cast<uint32_t>(i % o_.segments_per_round)};
   }
 
   // Puts segment number `next_` and returns its latency in µs.
@@ -110,14 +116,15 @@ class ScaleStore {
     spec.tenant = "bench";
     spec.session = SessionOf(next_);
     spec.id = IdOf(next_);
-    spec.layer_begin = 0;
-    spec.layer_end = 1;
-    spec.payload_bytes = payload_.size();
-    spec.payload_crc32c = crc_;
+    const uint32_t seg = spec.id.segment;
+    spec.layer_begin = seg;
+    spec.layer_end = seg + 1;
+    spec.payload_bytes = payloads_[seg].size();
+    spec.payload_crc32c = crcs_[seg];
     auto t0 = SteadyClock::now();
     auto ticket = store_->BeginWrite(spec);
     absl::Status st = ticket.status();
-    if (st.ok()) st = store_->CommitWrite(*std::move(ticket), payload_, crc_).status();
+    if (st.ok()) st = store_->CommitWrite(*std::move(ticket), payloads_[seg], crcs_[seg]).status();
     const double us = std::chrono::duration<double, std::micro>(SteadyClock::now() - t0).count();
     if (!st.ok()) Fail("put", st);
     ++next_;
@@ -193,8 +200,8 @@ class ScaleStore {
   uint64_t ram_budget_ = 0;
   cachestore::QuotaManager quotas_;
   std::unique_ptr<cachestore::Store> store_;
-  const std::string payload_;
-  const uint32_t crc_;
+  std::vector<std::string> payloads_;  // One per segment number.
+  std::vector<uint32_t> crcs_;
   uint64_t next_ = 0;
   uint64_t ram_hits_ = 0;
   uint64_t gets_ = 0;
@@ -269,6 +276,9 @@ int StoreScaleBench(int argc, char** argv) {
       } else if (name == "--rounds_per_session") {
         o.rounds_per_session = static_cast<uint32_t>(std::stoul(value));
         ok = o.rounds_per_session > 0;
+      } else if (name == "--segments_per_round") {
+        o.segments_per_round = static_cast<uint32_t>(std::stoul(value));
+        ok = o.segments_per_round > 0 && o.segments_per_round <= 64;
       } else if (name == "--samples") {
         o.samples = std::stoull(value);
         ok = o.samples > 0;
@@ -335,11 +345,12 @@ int StoreScaleBench(int argc, char** argv) {
   }
 
   std::printf(
-      "\nkvtier-store engine at scale: %lu KiB segments, %u rounds per session, RAM tier = "
+      "\nkvtier-store engine at scale: %lu KiB segments, %u per round, %u rounds per session, "
+      "RAM tier = "
       "%.0f%% of the data (control: all of it), sync_writes=%s; latency in µs over %lu "
       "operations per cell, wall clock\n\n",
-      static_cast<unsigned long>(o.segment_bytes >> 10), o.rounds_per_session, 100 * o.ram_fraction,
-      o.sync ? "true" : "false", static_cast<unsigned long>(o.samples));
+      static_cast<unsigned long>(o.segment_bytes >> 10), o.segments_per_round, o.rounds_per_session,
+      100 * o.ram_fraction, o.sync ? "true" : "false", static_cast<unsigned long>(o.samples));
   std::printf(
       "| segments | op | p50 | p99 | control p50 | control p99 | p99 / control p99 | p99 / "
       "p99 at %lu |\n",

@@ -16,7 +16,9 @@
 #include "kvtier/internal/records.pb.h"
 #include "rocksdb/db.h"
 #include "rocksdb/env.h"
+#include "rocksdb/filter_policy.h"
 #include "rocksdb/options.h"
+#include "rocksdb/table.h"
 #include "rocksdb/write_batch.h"
 
 // Lock order: Store::mu_, then QuotaManager's mutex. RocksDB is never called
@@ -112,6 +114,12 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(StoreOptions options, QuotaMa
   ro.write_buffer_size = uint64_t{64} << 20;
   ro.max_total_wal_size = uint64_t{512} << 20;
   ro.IncreaseParallelism(2);
+  // A read of a spilled segment looks up one key: bloom filters spare it
+  // the SST files that do not hold it, so a get does not slow down as the
+  // store grows levels (kvtier-bench store-scale).
+  rocksdb::BlockBasedTableOptions table;
+  table.filter_policy.reset(rocksdb::NewBloomFilterPolicy(10));
+  ro.table_factory.reset(rocksdb::NewBlockBasedTableFactory(table));
   if (options.env != nullptr) ro.env = options.env;
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(ro, options.path, &raw);
@@ -198,8 +206,7 @@ absl::Status Store::Recover() {
         if (kind == 'r') {
           internal::RoundRecord rec;
           if (rec.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) {
-            r->second.summary = rec.summary();
-            r->second.has_summary = true;
+            r->second.summary = std::make_unique<v1::RoundSummary>(rec.summary());
           }
         } else {
           internal::RecallRecord rec;
@@ -385,10 +392,10 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
     if (payload.size() > options_.inline_payload_max_bytes) file_id = next_file_id_++;
     ttl = s->ttl_seconds;
     pinned = s->pinned;
-    if (spec.has_round_summary && !r.has_summary) {
+    if (spec.has_round_summary && r.summary == nullptr) {
       write_round_record = true;
-      r.has_summary = true;  // Claimed; reverted below on failure.
-      r.summary = spec.round_summary;
+      // Claimed; reverted below on failure.
+      r.summary = std::make_unique<v1::RoundSummary>(spec.round_summary);
     }
   }
 
@@ -444,7 +451,7 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
       }
     }
     if (!written.ok() || e == nullptr || e->cancelled) {
-      if (r != nullptr && write_round_record) r->has_summary = false;
+      if (r != nullptr && write_round_record) r->summary.reset();
       if (written.ok()) {
         // Deleted while we wrote: take our bytes back out of RocksDB.
         undo.session_key = key;
@@ -1082,7 +1089,7 @@ absl::StatusOr<SessionInfo> Store::ListRounds(const std::string& tenant,
   for (const auto& [rn, r] : s->rounds) {
     RoundInfo ri;
     ri.round = rn;
-    if (r.has_summary) ri.summary = r.summary;
+    if (r.summary != nullptr) ri.summary = *r.summary;
     uint64_t bytes = 0;
     for (const auto& [sn, e] : r.segments) {
       if (e.info.state == SegmentState::kWriting) continue;

@@ -317,11 +317,11 @@ class Store {
     SegmentInfo info;
     uint64_t write_id = 0;                   // Nonzero while kWriting.
     uint64_t file_id = 0;                    // Payload file, or 0 when the payload is inline.
-    bool cancelled = false;                  // Set when deleted while kWriting.
     std::shared_ptr<const std::string> ram;  // Non-null iff kSealed.
     uint64_t insert_seq = 0;
     uint64_t last_access_seq = 0;
     uint32_t disk_reads = 0;
+    bool cancelled = false;  // Set when deleted while kWriting.
   };
   // In drop_order_ iff its session is unpinned, it has segments and none
   // is being written (in_drop_order), under (recall_count, insert_seq)
@@ -333,8 +333,9 @@ class Store {
     bool in_drop_order = false;
     uint64_t drop_bytes = 0;
     std::map<uint32_t, SegmentEntry> segments;
-    v1::RoundSummary summary;
-    bool has_summary = false;
+    // Null until a write brings one: most of the index's rounds are
+    // recovered or summary-less, and the message is 72 bytes.
+    std::unique_ptr<v1::RoundSummary> summary;
     uint64_t recall_count = 0;
     int64_t last_recall_ms = 0;
     uint64_t insert_seq = 0;
