@@ -7,6 +7,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/status_macros.h"
 #include "rocksdb/file_system.h"
 
 namespace kvtier::cachestore {
@@ -48,34 +49,69 @@ std::string PayloadFiles::Path(uint64_t id) const {
   return absl::StrFormat("%s/%016x%s", SubDir(id), id, kSuffix);
 }
 
-absl::Status PayloadFiles::Write(uint64_t id, std::string_view bytes, bool sync) {
+absl::StatusOr<std::unique_ptr<PayloadFiles::Writer>> PayloadFiles::NewWriter(uint64_t id,
+                                                                              bool sync) {
   const std::string path = Path(id);
   rocksdb::IOOptions io;
-  std::unique_ptr<rocksdb::FSWritableFile> file;
-  rocksdb::FileOptions fo;
-  absl::Status s = FromIo(fs_->NewWritableFile(path, fo, &file, nullptr), "create " + path);
-  // With sync, write in pieces and start each piece's writeback at once
-  // (sync_file_range), so the disk works while later pieces are copied in
-  // and the final fdatasync waits only for the tail.
-  constexpr size_t kPiece = size_t{2} << 20;
-  for (size_t at = 0; s.ok() && at < bytes.size(); at += kPiece) {
-    const size_t n = std::min(kPiece, bytes.size() - at);
-    s = FromIo(file->Append(rocksdb::Slice(bytes.data() + at, n), io, nullptr), "write " + path);
-    if (s.ok() && sync) s = FromIo(file->RangeSync(at, n, io, nullptr), "writeback " + path);
-  }
-  if (s.ok() && sync) s = FromIo(file->Sync(io, nullptr), "sync " + path);
-  if (file != nullptr) {
-    absl::Status c = FromIo(file->Close(io, nullptr), "close " + path);
-    if (s.ok()) s = c;
-  }
+  std::unique_ptr<Writer> w(new Writer(this, id, sync));
+  absl::Status s = FromIo(fs_->NewWritableFile(path, rocksdb::FileOptions(), &w->file_, nullptr),
+                          "create " + path);
   if (s.ok() && sync) {
-    // The new directory entry must be durable before the index names it.
+    // The new directory entry must be durable before the index names it;
+    // syncing it now overlaps that with the payload's arrival.
     std::unique_ptr<rocksdb::FSDirectory> d;
     s = FromIo(fs_->NewDirectory(SubDir(id), io, &d, nullptr), "open dir");
     if (s.ok()) s = FromIo(d->Fsync(io, nullptr), "sync dir");
   }
-  if (!s.ok()) (void)fs_->DeleteFile(path, io, nullptr);  // Best effort; recovery sweeps too.
-  return s;
+  if (!s.ok()) return s;  // ~Writer removes the file.
+  return w;
+}
+
+PayloadFiles::Writer::Writer(PayloadFiles* files, uint64_t id, bool sync)
+    : files_(files), id_(id), sync_(sync) {}
+
+PayloadFiles::Writer::~Writer() {
+  if (finished_) return;
+  rocksdb::IOOptions io;
+  if (file_ != nullptr) (void)file_->Close(io, nullptr);
+  (void)files_->Remove(id_);  // Best effort; recovery sweeps orphans too.
+}
+
+absl::Status PayloadFiles::Writer::Append(std::string_view bytes) {
+  if (!status_.ok()) return status_;
+  rocksdb::IOOptions io;
+  // In pieces, each one's writeback started at once.
+  constexpr size_t kPiece = size_t{2} << 20;
+  for (size_t at = 0; at < bytes.size() && status_.ok(); at += kPiece) {
+    const size_t n = std::min(kPiece, bytes.size() - at);
+    status_ = FromIo(file_->Append(rocksdb::Slice(bytes.data() + at, n), io, nullptr),
+                     absl::StrCat("write payload file ", id_));
+    if (status_.ok() && sync_) {
+      status_ = FromIo(file_->RangeSync(written_, n, io, nullptr),
+                       absl::StrCat("write back payload file ", id_));
+    }
+    if (status_.ok()) written_ += n;
+  }
+  return status_;
+}
+
+absl::Status PayloadFiles::Writer::Finish() {
+  if (!status_.ok()) return status_;
+  rocksdb::IOOptions io;
+  if (sync_) status_ = FromIo(file_->Sync(io, nullptr), absl::StrCat("sync payload file ", id_));
+  if (status_.ok()) {
+    status_ = FromIo(file_->Close(io, nullptr), absl::StrCat("close payload file ", id_));
+  }
+  if (!status_.ok()) return status_;
+  file_.reset();
+  finished_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status PayloadFiles::Write(uint64_t id, std::string_view bytes, bool sync) {
+  KVT_ASSIGN_OR_RETURN(std::unique_ptr<Writer> w, NewWriter(id, sync));
+  KVT_RETURN_IF_ERROR(w->Append(bytes));
+  return w->Finish();  // On any error ~Writer removes the file.
 }
 
 absl::StatusOr<std::string> PayloadFiles::Read(uint64_t id, uint64_t size) const {

@@ -22,6 +22,7 @@
 
 namespace rocksdb {
 class FileSystem;
+class FSWritableFile;
 }  // namespace rocksdb
 
 namespace kvtier::cachestore {
@@ -34,8 +35,42 @@ class PayloadFiles {
   static absl::StatusOr<std::unique_ptr<PayloadFiles>> Open(rocksdb::FileSystem* fs,
                                                             std::string dir);
 
-  // Writes file `id` (which must not exist). With `sync`, the data and the
-  // directory entry are durable on return. INTERNAL on I/O errors, after
+  // A payload file being written as its bytes arrive. With `sync`, each
+  // append starts the writeback of what it wrote (sync_file_range), so the
+  // disk works while the rest arrives and Finish waits only for the tail;
+  // the directory entry is made durable when the file is created, also
+  // ahead of Finish. Destroyed unfinished, it removes the file.
+  // Not thread-safe: one caller at a time.
+  class Writer {
+   public:
+    Writer(const Writer&) = delete;
+    Writer& operator=(const Writer&) = delete;
+    ~Writer();
+    // INTERNAL on I/O errors; after one, every call fails with it.
+    absl::Status Append(std::string_view bytes);
+    // Flushes (fdatasync with `sync`) and closes. The file is complete and,
+    // with `sync`, durable on success. INTERNAL on I/O errors.
+    absl::Status Finish();
+    uint64_t written() const { return written_; }
+
+   private:
+    friend class PayloadFiles;
+    Writer(PayloadFiles* files, uint64_t id, bool sync);
+    PayloadFiles* const files_;
+    const uint64_t id_;
+    const bool sync_;
+    std::unique_ptr<rocksdb::FSWritableFile> file_;
+    uint64_t written_ = 0;
+    bool finished_ = false;
+    absl::Status status_;  // The first error, returned by every later call.
+  };
+
+  // Creates file `id` (which must not exist) for writing. With `sync`, its
+  // directory entry is durable on return. INTERNAL on I/O errors.
+  absl::StatusOr<std::unique_ptr<Writer>> NewWriter(uint64_t id, bool sync);
+
+  // Writes file `id` (which must not exist) whole. With `sync`, the data and
+  // the directory entry are durable on return. INTERNAL on I/O errors, after
   // removing what was written.
   absl::Status Write(uint64_t id, std::string_view bytes, bool sync);
 

@@ -65,6 +65,8 @@ WriteTicket& WriteTicket::operator=(WriteTicket&& o) noexcept {
     spec_ = std::move(o.spec_);
     write_id_ = o.write_id_;
     grant_ = std::move(o.grant_);
+    file_id_ = o.file_id_;
+    writer_ = std::move(o.writer_);
     o.store_ = nullptr;
   }
   return *this;
@@ -317,12 +319,26 @@ absl::StatusOr<WriteTicket> Store::BeginWrite(const WriteSpec& spec) {
     ticket.store_ = this;
     ticket.spec_ = spec;
     ticket.write_id_ = e.write_id;
+    if (spec.payload_bytes > options_.inline_payload_max_bytes) ticket.file_id_ = next_file_id_++;
     ticket.grant_ = std::move(grant);
   }
   if (absl::Status st = ApplyRemovals(removals); !st.ok()) {
     LogError("dropping rounds under disk pressure failed", {{"error", st.ToString()}});
   }
   return ticket;
+}
+
+absl::Status Store::WriteChunk(WriteTicket& ticket, std::string_view bytes) {
+  if (!ticket.valid()) return absl::FailedPreconditionError("empty write ticket");
+  if (ticket.file_id_ == 0) return absl::OkStatus();  // Inline: RocksDB takes it at commit.
+  if (ticket.writer_ == nullptr) {
+    KVT_ASSIGN_OR_RETURN(ticket.writer_, files_->NewWriter(ticket.file_id_, options_.sync_writes));
+  }
+  if (ticket.writer_->written() + bytes.size() > ticket.spec_.payload_bytes) {
+    return absl::OutOfRangeError(
+        absl::StrCat("chunks pass the declared ", ticket.spec_.payload_bytes, " payload bytes"));
+  }
+  return ticket.writer_->Append(bytes);
 }
 
 void Store::AbortWrite(const WriteSpec& spec, uint64_t write_id) {
@@ -389,7 +405,7 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
       return absl::AbortedError("session or round deleted during upload");
     }
     write_session_record = !s->persisted;
-    if (payload.size() > options_.inline_payload_max_bytes) file_id = next_file_id_++;
+    file_id = ticket.file_id_;
     ttl = s->ttl_seconds;
     pinned = s->pinned;
     if (spec.has_round_summary && r.summary == nullptr) {
@@ -409,8 +425,19 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
   rec.set_file_id(file_id);
   absl::Status written;
   if (file_id != 0) {
-    // The file first: the index record below is the commit point.
-    written = files_->Write(file_id, payload, options_.sync_writes);
+    // The file first (what WriteChunk did not write yet): the index record
+    // below is the commit point.
+    if (ticket.writer_ == nullptr) {
+      absl::StatusOr<std::unique_ptr<PayloadFiles::Writer>> w =
+          files_->NewWriter(file_id, options_.sync_writes);
+      written = w.status();
+      if (w.ok()) ticket.writer_ = *std::move(w);
+    }
+    const uint64_t streamed = ticket.writer_ != nullptr ? ticket.writer_->written() : 0;
+    if (written.ok() && streamed < payload.size()) {
+      written = ticket.writer_->Append(std::string_view(payload).substr(streamed));
+    }
+    if (written.ok()) written = ticket.writer_->Finish();
   } else {
     batch.Put(SegmentDbKey(KeyKind::kPayload, key, spec.id.round, spec.id.segment), payload);
   }

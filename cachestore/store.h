@@ -33,6 +33,7 @@
 #include "absl/synchronization/mutex.h"
 #include "base/clock.h"
 #include "cachestore/orders.h"
+#include "cachestore/payload_files.h"
 #include "cachestore/planner.h"
 #include "cachestore/quota.h"
 #include "kvtier/v1/tensor.pb.h"
@@ -151,7 +152,6 @@ struct StoreStats {
 };
 
 class Store;
-class PayloadFiles;
 
 // An upload in progress: reserved quota and disk room, and the index entry in
 // kWriting state. Move-only; destroyed without Commit it aborts the write and
@@ -171,6 +171,9 @@ class WriteTicket {
   WriteSpec spec_;
   uint64_t write_id_ = 0;
   QuotaGrant grant_;
+  uint64_t file_id_ = 0;  // Nonzero when the payload goes to a file of its own.
+  // The file, once WriteChunk has started it; removed unless committed.
+  std::unique_ptr<PayloadFiles::Writer> writer_;
 };
 
 // Thread-safe. All methods may be called concurrently. RocksDB I/O runs
@@ -181,7 +184,9 @@ class WriteTicket {
 // or rounds dropped): RAM-resident segments are kept in spill order and
 // droppable rounds in drop order as they change (cachestore/orders.h), and
 // sessions by last access and by TTL deadline, so expiry and cold drops
-// visit only the sessions they act on. ListSessions walks every session. Calls that remove or
+// visit only the sessions they act on. ListSessions walks every session.
+//
+// Calls that remove or
 // recreate keys are ordered by removal_mu_ (see below), so a delete applied late can never hit a
 // newer write of the same key.
 class Store {
@@ -201,6 +206,16 @@ class Store {
   //   RESOURCE_EXHAUSTED  over the tenant quota, or the disk budget cannot
   //                       make room even by dropping every droppable round.
   absl::StatusOr<WriteTicket> BeginWrite(const WriteSpec& spec);
+
+  // Optional, between BeginWrite and CommitWrite: the payload's next bytes,
+  // as they arrive. A payload stored in a file of its own (over
+  // inline_payload_max_bytes) is written as it comes, with its writeback
+  // started, so that CommitWrite waits only for the tail; an inline one is
+  // left to CommitWrite. The chunks must be a prefix of the payload later
+  // given to CommitWrite (which writes whatever was not streamed). One
+  // caller per ticket at a time. OUT_OF_RANGE past payload_bytes; INTERNAL
+  // on I/O errors (the upload should then be abandoned).
+  absl::Status WriteChunk(WriteTicket& ticket, std::string_view bytes);
 
   // Phase two: checks the bytes, makes them durable, seals the segment.
   // Returns its info, or:

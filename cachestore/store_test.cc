@@ -588,6 +588,74 @@ TEST_F(StoreTest, RecoveryRemovesOrphanPayloadFiles) {
   EXPECT_EQ(CountPayloadFiles(options_.path), 2);
 }
 
+// Issue 18: a payload in a file of its own is written as its chunks arrive
+// (WriteChunk); CommitWrite writes only what was not streamed.
+TEST_F(StoreTest, StreamedPayloadFilesCommitAbandonAndFinishTheRest) {
+  options_.inline_payload_max_bytes = 1000;
+  options_.sync_writes = true;  // The writeback path too.
+  Open();
+  const std::string big = MakePayload(50'000, 2);
+  // Streamed whole, in uneven chunks.
+  {
+    KVT_ASSERT_OK_AND_ASSIGN(WriteTicket t, store_->BeginWrite(Spec("s", 0, 0, big)));
+    for (size_t at = 0; at < big.size(); at += 7'001) {
+      ASSERT_THAT(store_->WriteChunk(t, std::string_view(big).substr(at, 7'001)), IsOk());
+    }
+    EXPECT_EQ(CountPayloadFiles(options_.path), 1);  // Written before the commit.
+    EXPECT_THAT(store_->WriteChunk(t, "x"), StatusIs(Code::kOutOfRange));
+    ASSERT_THAT(store_->CommitWrite(std::move(t), big), IsOk());
+  }
+  // Streamed in part: the commit writes the rest.
+  const std::string big2 = MakePayload(30'000, 3);
+  {
+    KVT_ASSERT_OK_AND_ASSIGN(WriteTicket t, store_->BeginWrite(Spec("s", 1, 0, big2)));
+    ASSERT_THAT(store_->WriteChunk(t, std::string_view(big2).substr(0, 12'345)), IsOk());
+    ASSERT_THAT(store_->CommitWrite(std::move(t), big2), IsOk());
+  }
+  // Streamed, then abandoned: its file goes with the ticket.
+  {
+    KVT_ASSERT_OK_AND_ASSIGN(WriteTicket t,
+                             store_->BeginWrite(Spec("s", 2, 0, MakePayload(20'000, 4))));
+    ASSERT_THAT(store_->WriteChunk(t, std::string(10'000, 'a')), IsOk());
+    EXPECT_EQ(CountPayloadFiles(options_.path), 3);
+  }
+  EXPECT_EQ(CountPayloadFiles(options_.path), 2);
+  // An inline payload is left to the commit.
+  const std::string small = MakePayload(800, 5);
+  {
+    KVT_ASSERT_OK_AND_ASSIGN(WriteTicket t, store_->BeginWrite(Spec("s", 3, 0, small)));
+    ASSERT_THAT(store_->WriteChunk(t, small), IsOk());
+    ASSERT_THAT(store_->CommitWrite(std::move(t), small), IsOk());
+  }
+  EXPECT_EQ(CountPayloadFiles(options_.path), 2);
+  Open();  // Durable, and read back from the files.
+  EXPECT_EQ(Get("s", 0, 0), big);
+  EXPECT_EQ(Get("s", 1, 0), big2);
+  EXPECT_EQ(Get("s", 3, 0), small);
+  EXPECT_THAT(store_->ListRounds("t1", "s"), IsOk());
+  EXPECT_EQ(store_->Stats().disk_segments, 3u);
+}
+
+TEST_F(StoreTest, FailingDiskWhileStreamingFailsTheCommitAndLeavesNoFile) {
+  auto fs = std::make_shared<FailingFs>();
+  env_ = rocksdb::NewCompositeEnv(fs);
+  options_.env = env_.get();
+  options_.inline_payload_max_bytes = 1000;
+  Open();
+  const std::string big = MakePayload(50'000, 2);
+  KVT_ASSERT_OK_AND_ASSIGN(WriteTicket t, store_->BeginWrite(Spec("s", 0, 0, big)));
+  ASSERT_THAT(store_->WriteChunk(t, std::string_view(big).substr(0, 10'000)), IsOk());
+  fs->fail = true;
+  EXPECT_THAT(store_->WriteChunk(t, std::string_view(big).substr(10'000, 10'000)),
+              StatusIs(Code::kInternal));
+  fs->fail = false;
+  // The error sticks: the commit fails even though the disk is back.
+  EXPECT_THAT(store_->CommitWrite(std::move(t), big), StatusIs(Code::kInternal));
+  EXPECT_EQ(CountPayloadFiles(options_.path), 0);
+  EXPECT_THAT(store_->ListRounds("t1", "s"), StatusIs(Code::kNotFound));
+  EXPECT_EQ(quota_manager_->Usage("t1").reserved_bytes, 0u);
+}
+
 TEST_F(StoreTest, FailingDiskUnderPayloadFilesLeavesNoFile) {
   auto fs = std::make_shared<FailingFs>();
   env_ = rocksdb::NewCompositeEnv(fs);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <optional>
 #include <utility>
 
@@ -118,8 +119,12 @@ uint64_t StoreService::InflightUploadBytes(const std::string& tenant) const {
 
 // Reads the header, reserves room on the executor, then accumulates chunks on
 // the callback thread (a memcpy, never blocking) and commits on the executor.
-// Exactly one Finish() is called on every path; nothing touches `this` after
-// it, since OnDone() may delete the reactor at once.
+// A payload that goes to a file of its own is also written to that file as it
+// arrives, by one writer task at a time on the executor (WriteChunks), so the
+// disk works while the rest is received; the commit, and any failure after
+// the header, wait for that task (RunAfterWrites). Exactly one Finish() is
+// called on every path; nothing touches `this` after it, since OnDone() may
+// delete the reactor at once.
 class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   PutReactor(StoreService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
@@ -153,7 +158,7 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   void OnReadDone(bool ok) override {
     waiting_since_ns_.store(0, std::memory_order_relaxed);
     if (!ok && idle_cancelled_.load()) {
-      Done(absl::DeadlineExceededError(
+      Fail(absl::DeadlineExceededError(
           absl::StrCat("upload idle for ", absl::FormatDuration(svc_->options_.upload_idle_timeout),
                        "; cancelled")));
       return;
@@ -162,10 +167,10 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
       if (!ticket_.valid()) {
         Done(absl::InvalidArgumentError("PutSegment stream ended without a header"));
       } else if (buffer_.size() != ticket_.spec().payload_bytes) {
-        Done(absl::OutOfRangeError(absl::StrCat("truncated stream: got ", buffer_.size(), " of ",
+        Fail(absl::OutOfRangeError(absl::StrCat("truncated stream: got ", buffer_.size(), " of ",
                                                 ticket_.spec().payload_bytes, " payload bytes")));
       } else {
-        svc_->executor_->Schedule([this] { Commit(); });
+        RunAfterWrites([this] { Commit(); });
       }
       return;
     }
@@ -175,7 +180,7 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     v1::PutSegmentRequest parsed;
     if (!field.ok()) {
       if (absl::Status s = wire::Parse(req_, &parsed); !s.ok()) {
-        Done(s);
+        Fail(s);
         return;
       }
     }
@@ -195,17 +200,17 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
       return;
     }
     if (!is_chunk) {
-      Done(absl::InvalidArgumentError("only one header is allowed per PutSegment stream"));
+      Fail(absl::InvalidArgumentError("only one header is allowed per PutSegment stream"));
       return;
     }
     const size_t size = field.ok() ? field->size : parsed.chunk().size();
     if (size > svc_->options_.max_chunk_bytes) {
-      Done(absl::InvalidArgumentError(
+      Fail(absl::InvalidArgumentError(
           absl::StrCat("chunk of ", size, " bytes exceeds ", svc_->options_.max_chunk_bytes)));
       return;
     }
     if (buffer_.size() + size > ticket_.spec().payload_bytes) {
-      Done(absl::OutOfRangeError(absl::StrCat("oversize stream: more than the declared ",
+      Fail(absl::OutOfRangeError(absl::StrCat("oversize stream: more than the declared ",
                                               ticket_.spec().payload_bytes, " payload bytes")));
       return;
     }
@@ -217,6 +222,10 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
       buffer_.append(parsed.chunk());
     }
     crc_ = Crc32cExtend(crc_, buffer_.data() + at, buffer_.size() - at);
+    if (streaming_) {
+      received_.store(buffer_.size(), std::memory_order_release);
+      KickWriter();
+    }
     Read();
   }
 
@@ -256,6 +265,12 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     }
     ticket_ = *std::move(t);
     buffer_.reserve(spec.payload_bytes);
+    // buffer_ never reallocates from here on (appends stay within the
+    // declared size), so the writer task reads the received bytes through
+    // base_ while the callback thread appends after them.
+    base_ = buffer_.data();
+    payload_bytes_ = spec.payload_bytes;
+    streaming_ = spec.payload_bytes > svc_->store_->options().inline_payload_max_bytes;
     // Initial metadata tells the client the header was accepted (quota and
     // room reserved) before it streams the payload.
     StartSendInitialMetadata();
@@ -267,7 +282,75 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     StartRead(&req_);
   }
 
+  // Starts the writer task when enough has arrived and none runs.
+  void KickWriter() {
+    {
+      absl::MutexLock lock(&write_mu_);
+      if (writer_running_) return;
+      const size_t received = received_.load(std::memory_order_acquire);
+      if (received - streamed_ < kWriteBatch && received != payload_bytes_) return;
+      writer_running_ = true;
+    }
+    svc_->executor_->Schedule([this] { WriteChunks(); });
+  }
+
+  // The writer task: writes what has arrived until it has caught up, then
+  // runs what waited for it.
+  void WriteChunks() {
+    std::function<void()> then;
+    for (;;) {
+      size_t from, to;
+      {
+        absl::MutexLock lock(&write_mu_);
+        from = streamed_;
+        to = received_.load(std::memory_order_acquire);
+        if (from == to || !write_status_.ok()) {
+          writer_running_ = false;
+          then = std::move(after_writes_);
+          after_writes_ = nullptr;
+          break;
+        }
+      }
+      absl::Status s = svc_->store_->WriteChunk(ticket_, std::string_view(base_ + from, to - from));
+      absl::MutexLock lock(&write_mu_);
+      streamed_ = to;
+      if (!s.ok()) write_status_ = s;
+    }
+    if (then) then();
+  }
+
+  // Runs `fn` on the executor once no writer task runs: at the writer's
+  // end, or scheduled now when none runs.
+  void RunAfterWrites(std::function<void()> fn) {
+    {
+      absl::MutexLock lock(&write_mu_);
+      if (writer_running_) {
+        after_writes_ = std::move(fn);
+        return;
+      }
+    }
+    svc_->executor_->Schedule(std::move(fn));
+  }
+
+  // A failure after the header: the writer task may be using the ticket.
+  void Fail(const absl::Status& s) {
+    if (!ticket_.valid()) {
+      Done(s);
+      return;
+    }
+    RunAfterWrites([this, s] { Done(s); });
+  }
+
   void Commit() {
+    absl::Status streamed;
+    {
+      absl::MutexLock lock(&write_mu_);
+      streamed = write_status_;
+    }
+    if (!streamed.ok()) {
+      Done(streamed);
+      return;
+    }
     const uint64_t bytes = ticket_.spec().payload_bytes;
     absl::StatusOr<cachestore::SegmentInfo> info =
         svc_->store_->CommitWrite(std::move(ticket_), std::move(buffer_), crc_);
@@ -310,6 +393,17 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   uint32_t crc_ = 0;  // CRC-32C of buffer_.
   cachestore::WriteTicket ticket_;
   std::string buffer_;
+  // Streaming to the payload file (set in Begin).
+  static constexpr size_t kWriteBatch = size_t{1} << 20;
+  bool streaming_ = false;
+  const char* base_ = nullptr;  // buffer_.data(), stable once reserved.
+  uint64_t payload_bytes_ = 0;
+  std::atomic<size_t> received_{0};  // Bytes of buffer_ the writer may read.
+  absl::Mutex write_mu_;
+  bool writer_running_ ABSL_GUARDED_BY(write_mu_) = false;
+  size_t streamed_ ABSL_GUARDED_BY(write_mu_) = 0;
+  absl::Status write_status_ ABSL_GUARDED_BY(write_mu_);
+  std::function<void()> after_writes_ ABSL_GUARDED_BY(write_mu_);
 };
 
 void StoreService::Register(PutReactor* r) {
