@@ -475,12 +475,16 @@ absl::Status CheckInput(const CodecConfig& c, const Layout& l, const float* data
   const float limit = (IsQuantized(c.codec) || c.dtype == v1::DTYPE_FP16)
                           ? kHalfMax
                           : std::numeric_limits<float>::max();
-  for (int64_t i = 0; i < n; ++i) {
-    if (!(std::fabs(data[i]) <= limit)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("element ", i, " is ", data[i], ": inputs must be finite",
-                       limit == kHalfMax ? " and within fp16 range" : ""));
+  int64_t bad = -1;
+  if (!internal::FirstOutOfRangeSimd(data, n, limit, &bad)) {
+    for (int64_t i = 0; i < n && bad < 0; ++i) {
+      if (!(std::fabs(data[i]) <= limit)) bad = i;
     }
+  }
+  if (bad >= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("element ", bad, " is ", data[bad], ": inputs must be finite",
+                     limit == kHalfMax ? " and within fp16 range" : ""));
   }
   return absl::OkStatus();
 }
@@ -739,7 +743,9 @@ absl::StatusOr<uint8_t*> TensorEncoder::EncodeTo(const void* data, v1::DType dty
   }
   scratch->resize(static_cast<size_t>(n));
   const auto* x = static_cast<const uint16_t*>(data);
-  if (dtype == v1::DTYPE_FP16) {
+  if (UseSimd(level) && internal::WidenSimd(x, dtype == v1::DTYPE_BF16, n, scratch->data())) {
+    // Widened.
+  } else if (dtype == v1::DTYPE_FP16) {
     for (int64_t i = 0; i < n; ++i) (*scratch)[i] = HalfToFloat(x[i]);
   } else {
     for (int64_t i = 0; i < n; ++i) (*scratch)[i] = Bf16ToFloat(x[i]);

@@ -48,6 +48,14 @@ bool ScoreBlockSimd(const EncodedView& k, int64_t s, const float* const* q, int 
 bool AccumulateBlockSimd(const EncodedView& v, int64_t s, const float* const* p, int n_rep,
                          float* const* out);
 
+// The index of the first element of x[0, n) that is not finite or whose
+// magnitude passes `limit` (itself finite), or -1 when there is none. False
+// without SIMD.
+bool FirstOutOfRangeSimd(const float* x, int64_t n, float limit, int64_t* first);
+
+// out[i] = x[i] widened from fp16 (or bf16 when `bf16`). False without SIMD.
+bool WidenSimd(const uint16_t* x, bool bf16, int64_t n, float* out);
+
 // Softmax in place over n scores (vectorized exp). False without SIMD.
 bool SoftmaxSimd(float* x, int64_t n);
 

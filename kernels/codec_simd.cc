@@ -52,6 +52,20 @@ inline void StoreCodes8(uint8_t* codes, int bits, int64_t i, __m256i q) {
   }
 }
 
+// Stores 32 consecutive 4-bit codes (elements i..i+31, i even; each qK holds
+// 8 of them as int32 in [0, 15]) without PEXT: pack to bytes in order, then
+// join byte pairs as lo + 16 * hi with one multiply-add.
+inline void StoreCodes32x4(uint8_t* codes, int64_t i, __m256i q0, __m256i q1, __m256i q2,
+                           __m256i q3) {
+  // Per 128-bit lane: bytes of q0[0-3] q1[0-3] q2[0-3] q3[0-3] | q0[4-7] ...
+  const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(q0, q1), _mm256_packus_epi32(q2, q3));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const __m256i pairs = _mm256_maddubs_epi16(ordered, _mm256_set1_epi16(0x1001));
+  const __m128i packed =
+      _mm_packus_epi16(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i / 2), packed);
+}
+
 inline __m256 LoadHalf8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -160,10 +174,22 @@ bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint1
         _mm256_storeu_ps(zf.data() + c, _mm256_cvtph_ps(z16));
       }
       for (int64_t t = t0; t < t0 + n; ++t) {
-        for (int c = 0; c < d; c += 8) {
-          const __m256i qi =
-              QuantizeChunk(_mm256_loadu_ps(x + t * d + c), _mm256_loadu_ps(zf.data() + c),
-                            _mm256_loadu_ps(inv.data() + c), qmax);
+        const float* row = x + t * d;
+        int c = 0;
+        if (q.bits == 4) {
+          for (; c + 32 <= d; c += 32) {
+            __m256i qi[4];
+            for (int k = 0; k < 4; ++k) {
+              const int ck = c + 8 * k;
+              qi[k] = QuantizeChunk(_mm256_loadu_ps(row + ck), _mm256_loadu_ps(zf.data() + ck),
+                                    _mm256_loadu_ps(inv.data() + ck), qmax);
+            }
+            StoreCodes32x4(codes, t * d + c, qi[0], qi[1], qi[2], qi[3]);
+          }
+        }
+        for (; c < d; c += 8) {
+          const __m256i qi = QuantizeChunk(_mm256_loadu_ps(row + c), _mm256_loadu_ps(zf.data() + c),
+                                           _mm256_loadu_ps(inv.data() + c), qmax);
           StoreCodes8(codes, q.bits, t * d + c, qi);
         }
       }
@@ -190,12 +216,72 @@ bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint1
       const float sf = _cvtsh_ss(s16);
       const __m256 inv = _mm256_set1_ps(sf > 0.0f ? 1.0f / sf : 0.0f);
       const __m256 zv = _mm256_set1_ps(_cvtsh_ss(z16));
-      for (int c = c0; c < c1; c += 8) {
+      int c = c0;
+      // 32 codes at a time when they start on a byte (t * d + c even).
+      if (q.bits == 4 && ((t * d + c) & 1) == 0) {
+        for (; c + 32 <= c1; c += 32) {
+          StoreCodes32x4(codes, t * d + c, QuantizeChunk(_mm256_loadu_ps(row + c), zv, inv, qmax),
+                         QuantizeChunk(_mm256_loadu_ps(row + c + 8), zv, inv, qmax),
+                         QuantizeChunk(_mm256_loadu_ps(row + c + 16), zv, inv, qmax),
+                         QuantizeChunk(_mm256_loadu_ps(row + c + 24), zv, inv, qmax));
+        }
+      }
+      for (; c < c1; c += 8) {
         StoreCodes8(codes, q.bits, t * d + c,
                     QuantizeChunk(_mm256_loadu_ps(row + c), zv, inv, qmax));
       }
     }
   }
+  return true;
+}
+
+bool FirstOutOfRangeSimd(const float* x, int64_t n, float limit, int64_t* first) {
+  if (!SimdAvailable()) return false;
+  // |x| as integer bits orders like |x|, with Inf and NaN above every finite
+  // value: one unsigned max per block, and a scan only of a block that fails.
+  uint32_t limit_bits;
+  std::memcpy(&limit_bits, &limit, 4);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  constexpr int64_t kBlock = 256;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t e = std::min(n, b + kBlock);
+    int64_t i = b;
+    __m256i m = _mm256_setzero_si256();
+    for (; i + 8 <= e; i += 8) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+      m = _mm256_max_epu32(m, _mm256_and_si256(v, abs_mask));
+    }
+    alignas(32) uint32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), m);
+    uint32_t mx = 0;
+    for (uint32_t l : lanes) mx = std::max(mx, l);
+    for (; i < e; ++i) {
+      uint32_t u;
+      std::memcpy(&u, x + i, 4);
+      mx = std::max(mx, u & 0x7fffffffu);
+    }
+    if (mx <= limit_bits) continue;
+    for (int64_t j = b; j < e; ++j) {
+      if (!(std::fabs(x[j]) <= limit)) {
+        *first = j;
+        return true;
+      }
+    }
+  }
+  *first = -1;
+  return true;
+}
+
+bool WidenSimd(const uint16_t* x, bool bf16, int64_t n, float* out) {
+  if (!SimdAvailable()) return false;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
+    const __m256 f = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                          : _mm256_cvtph_ps(h);
+    _mm256_storeu_ps(out + i, f);
+  }
+  for (; i < n; ++i) out[i] = bf16 ? Bf16ToFloat(LoadU16(x, i)) : HalfToFloat(LoadU16(x, i));
   return true;
 }
 

@@ -113,6 +113,30 @@ TEST(CodecTest, BadInputsAreRejected) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rank")));
 }
 
+// Encode's input check: the vectorized scan finds the same first bad
+// element as a plain loop, wherever it sits in a block or tail.
+TEST(CodecTest, VectorizedInputCheckFindsTheFirstBadElement) {
+  if (!internal::SimdAvailable()) GTEST_SKIP() << "no AVX2 on this CPU";
+  const float bads[] = {std::numeric_limits<float>::quiet_NaN(),
+                        std::numeric_limits<float>::infinity(), -70000.0f, 65505.0f};
+  for (int64_t n : {1, 7, 8, 9, 255, 256, 257, 1000}) {
+    std::vector<float> x(static_cast<size_t>(n), -65504.0f);
+    for (int64_t i = 0; i < n; ++i) x[i] = (i % 3 == 0) ? -0.0f : 65504.0f * ((i % 7) - 3) / 3;
+    int64_t first = 0;
+    ASSERT_TRUE(internal::FirstOutOfRangeSimd(x.data(), n, kHalfMax, &first));
+    EXPECT_EQ(first, -1) << "n " << n;
+    for (int64_t at : {int64_t{0}, n / 2, n - 1}) {
+      for (float bad : bads) {
+        std::vector<float> y = x;
+        y[at] = bad;
+        if (at + 1 < n) y[n - 1] = bad;  // A later bad element must not win.
+        ASSERT_TRUE(internal::FirstOutOfRangeSimd(y.data(), n, kHalfMax, &first));
+        EXPECT_EQ(first, at) << "n " << n << " bad " << bad;
+      }
+    }
+  }
+}
+
 TEST(CodecTest, RawRoundTrips) {
   const int64_t shape[] = {3, 17, 8};
   const std::vector<float> x = Random(3 * 17 * 8, 2);
