@@ -366,7 +366,8 @@ TEST_F(StoreIntegrationTest, StreamedUploadsFailCleanlyAndCommitWhole) {
   }
   // The store tears a cancelled upload down after the client hears of it.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (files() != 0 && std::chrono::steady_clock::now() < deadline) {
+  while ((files() != 0 || alice_->ListRounds("s").ok()) &&
+         std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_EQ(files(), 0);
