@@ -83,6 +83,14 @@ class StoreTest : public ::testing::Test {
     store_ = std::move(s).value();
   }
 
+  // Puts a disk that fails on demand under the store Open() opens next.
+  std::shared_ptr<FailingFs> UseFailingDisk() {
+    auto fs = std::make_shared<FailingFs>();
+    env_ = rocksdb::NewCompositeEnv(fs);
+    options_.env = env_.get();
+    return fs;
+  }
+
   WriteSpec Spec(const std::string& session, uint32_t round, uint32_t seg,
                  const std::string& payload, const std::string& tenant = "t1") {
     WriteSpec w;
@@ -528,9 +536,7 @@ TEST_F(StoreTest, PrepareReadChecksEveryRefFirst) {
 }
 
 TEST_F(StoreTest, FailingDiskRejectsTheWriteAndChangesNothing) {
-  auto fs = std::make_shared<FailingFs>();
-  env_ = rocksdb::NewCompositeEnv(fs);
-  options_.env = env_.get();
+  std::shared_ptr<FailingFs> fs = UseFailingDisk();
   Open();
   quota_manager_->SetQuota("t1", 1 << 20);
   std::string p = MakePayload(2000, 1);
@@ -637,9 +643,7 @@ TEST_F(StoreTest, StreamedPayloadFilesCommitAbandonAndFinishTheRest) {
 }
 
 TEST_F(StoreTest, FailingDiskWhileStreamingFailsTheCommitAndLeavesNoFile) {
-  auto fs = std::make_shared<FailingFs>();
-  env_ = rocksdb::NewCompositeEnv(fs);
-  options_.env = env_.get();
+  std::shared_ptr<FailingFs> fs = UseFailingDisk();
   options_.inline_payload_max_bytes = 1000;
   Open();
   const std::string big = MakePayload(50'000, 2);
@@ -657,9 +661,7 @@ TEST_F(StoreTest, FailingDiskWhileStreamingFailsTheCommitAndLeavesNoFile) {
 }
 
 TEST_F(StoreTest, FailingDiskUnderPayloadFilesLeavesNoFile) {
-  auto fs = std::make_shared<FailingFs>();
-  env_ = rocksdb::NewCompositeEnv(fs);
-  options_.env = env_.get();
+  std::shared_ptr<FailingFs> fs = UseFailingDisk();
   options_.inline_payload_max_bytes = 1000;
   Open();
   fs->fail = true;
