@@ -27,6 +27,7 @@ deps:
 # The store benchmark; writes docs-ready CSV to build/bench-store.csv.
 bench: build
 	build/bench/kvtier-bench store --csv build/bench-store.csv
+	build/bench/kvtier-bench store-scale
 
 # The test suite under AddressSanitizer + UBSan, in its own build tree.
 asan:
