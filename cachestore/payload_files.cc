@@ -108,12 +108,6 @@ absl::Status PayloadFiles::Writer::Finish() {
   return absl::OkStatus();
 }
 
-absl::Status PayloadFiles::Write(uint64_t id, std::string_view bytes, bool sync) {
-  KVT_ASSIGN_OR_RETURN(std::unique_ptr<Writer> w, NewWriter(id, sync));
-  KVT_RETURN_IF_ERROR(w->Append(bytes));
-  return w->Finish();  // On any error ~Writer removes the file.
-}
-
 absl::StatusOr<std::string> PayloadFiles::Read(uint64_t id, uint64_t size) const {
   const std::string path = Path(id);
   std::unique_ptr<rocksdb::FSRandomAccessFile> file;

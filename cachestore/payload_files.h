@@ -69,11 +69,6 @@ class PayloadFiles {
   // directory entry is durable on return. INTERNAL on I/O errors.
   absl::StatusOr<std::unique_ptr<Writer>> NewWriter(uint64_t id, bool sync);
 
-  // Writes file `id` (which must not exist) whole. With `sync`, the data and
-  // the directory entry are durable on return. INTERNAL on I/O errors, after
-  // removing what was written.
-  absl::Status Write(uint64_t id, std::string_view bytes, bool sync);
-
   // Reads file `id`, expected to hold `size` bytes. NOT_FOUND if missing,
   // DATA_LOSS if shorter, INTERNAL on I/O errors.
   absl::StatusOr<std::string> Read(uint64_t id, uint64_t size) const;

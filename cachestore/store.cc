@@ -331,14 +331,18 @@ absl::StatusOr<WriteTicket> Store::BeginWrite(const WriteSpec& spec) {
 absl::Status Store::WriteChunk(WriteTicket& ticket, std::string_view bytes) {
   if (!ticket.valid()) return absl::FailedPreconditionError("empty write ticket");
   if (ticket.file_id_ == 0) return absl::OkStatus();  // Inline: RocksDB takes it at commit.
-  if (ticket.writer_ == nullptr) {
-    KVT_ASSIGN_OR_RETURN(ticket.writer_, files_->NewWriter(ticket.file_id_, options_.sync_writes));
-  }
+  KVT_RETURN_IF_ERROR(StartPayloadFile(ticket));
   if (ticket.writer_->written() + bytes.size() > ticket.spec_.payload_bytes) {
     return absl::OutOfRangeError(
         absl::StrCat("chunks pass the declared ", ticket.spec_.payload_bytes, " payload bytes"));
   }
   return ticket.writer_->Append(bytes);
+}
+
+absl::Status Store::StartPayloadFile(WriteTicket& ticket) {
+  if (ticket.writer_ != nullptr) return absl::OkStatus();
+  KVT_ASSIGN_OR_RETURN(ticket.writer_, files_->NewWriter(ticket.file_id_, options_.sync_writes));
+  return absl::OkStatus();
 }
 
 void Store::AbortWrite(const WriteSpec& spec, uint64_t write_id) {
@@ -427,15 +431,9 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
   if (file_id != 0) {
     // The file first (what WriteChunk did not write yet): the index record
     // below is the commit point.
-    if (ticket.writer_ == nullptr) {
-      absl::StatusOr<std::unique_ptr<PayloadFiles::Writer>> w =
-          files_->NewWriter(file_id, options_.sync_writes);
-      written = w.status();
-      if (w.ok()) ticket.writer_ = *std::move(w);
-    }
-    const uint64_t streamed = ticket.writer_ != nullptr ? ticket.writer_->written() : 0;
-    if (written.ok() && streamed < payload.size()) {
-      written = ticket.writer_->Append(std::string_view(payload).substr(streamed));
+    written = StartPayloadFile(ticket);
+    if (written.ok() && ticket.writer_->written() < payload.size()) {
+      written = ticket.writer_->Append(std::string_view(payload).substr(ticket.writer_->written()));
     }
     if (written.ok()) written = ticket.writer_->Finish();
   } else {

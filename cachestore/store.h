@@ -388,6 +388,8 @@ class Store {
         std::unique_ptr<PayloadFiles> files);
   absl::Status Recover();
   void AbortWrite(const WriteSpec& spec, uint64_t write_id);
+  // Creates the ticket's payload file unless WriteChunk already did.
+  absl::Status StartPayloadFile(WriteTicket& ticket);
 
   // Bumps round `round`'s recall counter and queues its record.
   void CountRecallLocked(const std::string& session_key, uint32_t round, RoundEntry& r,
