@@ -87,19 +87,9 @@ class ScaleStore {
       payloads_.push_back(testing::MakePayload(o.segment_bytes, 7 + seg, seg));
       crcs_.push_back(Crc32c(payloads_.back()));
     }
-    cachestore::StoreOptions so;
-    so.path = path;
-    so.ram_budget_bytes = ram_budget;
-    so.sync_writes = o.sync;
-    so.default_ttl_seconds = 0;
     path_ = path;
     ram_budget_ = ram_budget;
-    auto s = cachestore::Store::Open(so, &quotas_);
-    if (!s.ok()) {
-      std::fprintf(stderr, "kvtier-bench: %s\n", s.status().ToString().c_str());
-      std::exit(1);
-    }
-    store_ = *std::move(s);
+    OpenStore("open");
   }
 
   std::string SessionOf(uint64_t i) const {
@@ -178,18 +168,22 @@ class ScaleStore {
     malloc_trim(0);
     const uint64_t before = HeapInUse();
     quotas_.Release("bench", quotas_.Usage("bench").used_bytes);
+    OpenStore("reopen");
+    return HeapInUse() - before;
+  }
+
+ private:
+  void OpenStore(const char* what) {
     cachestore::StoreOptions so;
     so.path = path_;
     so.ram_budget_bytes = ram_budget_;
     so.sync_writes = o_.sync;
     so.default_ttl_seconds = 0;
     auto s = cachestore::Store::Open(so, &quotas_);
-    if (!s.ok()) Fail("reopen", s.status());
+    if (!s.ok()) Fail(what, s.status());
     store_ = *std::move(s);
-    return HeapInUse() - before;
   }
 
- private:
   [[noreturn]] static void Fail(const char* what, const absl::Status& st) {
     std::fprintf(stderr, "kvtier-bench: %s failed: %s\n", what, st.ToString().c_str());
     std::exit(1);
