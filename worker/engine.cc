@@ -82,6 +82,13 @@ std::vector<std::pair<SessionKey, int64_t>> Engine::IdleTimes() const {
 
 absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(
     const SessionKey& id, const ModelShape& shape, const SessionPolicy& policy) {
+  return CreateSession(id, shape, policy, /*allow_device=*/true);
+}
+
+absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(const SessionKey& id,
+                                                                       const ModelShape& shape,
+                                                                       const SessionPolicy& policy,
+                                                                       bool allow_device) {
   KVT_RETURN_IF_ERROR(ValidateName("session_id", id.session));
   if (!id.tenant.empty()) KVT_RETURN_IF_ERROR(ValidateName("tenant", id.tenant));
   if (shape.layers < 1 || shape.q_heads < 1 || shape.kv_heads < 1 ||
@@ -103,7 +110,7 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(
     absl::MutexLock lock(&s->mu);
     s->open.resize(shape.layers);
     using Placement = EngineOptions::Placement;
-    if (options_.placement != Placement::kHost) {
+    if (options_.placement != Placement::kHost && allow_device) {
       absl::Status why = DeviceStatus();
       if (why.ok()) why = DeviceSupportsCodec(policy.codec);
       if (why.ok()) {
@@ -126,8 +133,7 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(
   return s;
 }
 
-absl::Status Engine::Insert(const SessionKey& id, std::shared_ptr<Session> s) {
-  absl::MutexLock lock(&mu_);
+absl::Status Engine::CheckRoomLocked(const SessionKey& id) const {
   if (sessions_.count(id) != 0) {
     return absl::AlreadyExistsError(absl::StrCat("session ", id.ToString(), " already exists"));
   }
@@ -136,16 +142,25 @@ absl::Status Engine::Insert(const SessionKey& id, std::shared_ptr<Session> s) {
         absl::StrCat("the worker holds its maximum of ", options_.max_sessions,
                      " sessions (--max_sessions); close one first"));
   }
+  auto l = options_.tenant_limits.find(id.tenant);
+  if (l != options_.tenant_limits.end() && l->second.max_sessions > 0) {
+    auto use = tenants_.find(id.tenant);
+    if (use != tenants_.end() && use->second.sessions >= l->second.max_sessions) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("tenant '", id.tenant, "' holds its maximum of ", l->second.max_sessions,
+                       " sessions (tenants file max_sessions); close one first"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Insert(const SessionKey& id, std::shared_ptr<Session> s) {
+  absl::MutexLock lock(&mu_);
+  KVT_RETURN_IF_ERROR(CheckRoomLocked(id));
   TenantUse& use = tenants_[id.tenant];
   if (use.limit == nullptr) {
     auto l = options_.tenant_limits.find(id.tenant);
     if (l != options_.tenant_limits.end()) use.limit = &l->second;
-  }
-  if (use.limit != nullptr && use.limit->max_sessions > 0 &&
-      use.sessions >= use.limit->max_sessions) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("tenant '", id.tenant, "' holds its maximum of ", use.limit->max_sessions,
-                     " sessions (tenants file max_sessions); close one first"));
   }
   ++use.sessions;
   s->tenant = &use;
@@ -254,6 +269,12 @@ void Engine::Account(Session& s) {
 }
 
 absl::Status Engine::CheckBudget(const Session& s, uint64_t bytes) const {
+  return CheckBudgetFor(s.key.tenant, s.tenant->limit, s.tenant->bytes.load(), bytes);
+}
+
+absl::Status Engine::CheckBudgetFor(const std::string& tenant,
+                                    const EngineOptions::TenantLimit* limit, int64_t tenant_bytes,
+                                    uint64_t bytes) const {
   if (options_.max_working_set_bytes != 0) {
     const uint64_t total = static_cast<uint64_t>(std::max<int64_t>(0, working_set_total_.load()));
     if (total + bytes > options_.max_working_set_bytes) {
@@ -262,12 +283,11 @@ absl::Status Engine::CheckBudget(const Session& s, uint64_t bytes) const {
                        " of its ", options_.max_working_set_bytes, " (--max_working_set_mb)"));
     }
   }
-  const EngineOptions::TenantLimit* limit = s.tenant->limit;
   if (limit != nullptr && limit->max_working_set_bytes != 0) {
-    const uint64_t mine = static_cast<uint64_t>(std::max<int64_t>(0, s.tenant->bytes.load()));
+    const uint64_t mine = static_cast<uint64_t>(std::max<int64_t>(0, tenant_bytes));
     if (mine + bytes > limit->max_working_set_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "the step needs ", bytes, " working-set bytes; tenant '", s.key.tenant, "' holds ", mine,
+          "the step needs ", bytes, " working-set bytes; tenant '", tenant, "' holds ", mine,
           " of its ", limit->max_working_set_bytes, " (tenants file max_working_set_mb)"));
     }
   }
@@ -369,8 +389,7 @@ absl::Status Engine::AbortStep(const SessionKey& id) {
   return absl::OkStatus();
 }
 
-absl::Status Engine::CloseSession(const SessionKey& id, bool delete_from_store,
-                                  const CallOptions& call) {
+absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::Remove(const SessionKey& id) {
   std::shared_ptr<Session> s;
   {
     absl::MutexLock lock(&mu_);
@@ -382,13 +401,17 @@ absl::Status Engine::CloseSession(const SessionKey& id, bool delete_from_store,
     sessions_.erase(it);
     --s->tenant->sessions;
   }
-  {
-    // The session leaves the totals now, whatever the store says below.
-    absl::MutexLock lock(&s->mu);
-    working_set_total_.fetch_sub(s->accounted);
-    s->tenant->bytes.fetch_sub(s->accounted);
-    s->accounted = 0;
-  }
+  absl::MutexLock lock(&s->mu);
+  working_set_total_.fetch_sub(s->accounted);
+  s->tenant->bytes.fetch_sub(s->accounted);
+  s->accounted = 0;
+  return s;
+}
+
+absl::Status Engine::CloseSession(const SessionKey& id, bool delete_from_store,
+                                  const CallOptions& call) {
+  // The session leaves the totals now, whatever the store says below.
+  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Remove(id));
   const CallOptions store_call = s->ForStore({StoreDeadline(call), {}});
   if (delete_from_store) return store_->Delete(id.session, store_call);
   // The session's rounds stay in the store: their counters should be right.

@@ -136,6 +136,52 @@ struct SessionStats {
   uint64_t device_bytes = 0;
 };
 
+// A session as a transfer carries it from one worker to another (the
+// prefill -> decode hand-off, docs/transfer.md): everything but its K/V,
+// which travels layer by layer as LayerImages. ExportSession fills the part
+// known when a step starts, ExportTail the open round's state once the step
+// is done.
+struct SessionImage {
+  ModelShape shape;
+  SessionPolicy policy;          // watershed_layer resolved.
+  evict::Policy round_eviction;  // What the open round's EndRound applies.
+  struct Round {
+    uint32_t round = 0;
+    int64_t tokens = 0;
+    uint64_t stored_bytes = 0;
+  };
+  std::vector<Round> past;
+  // The tail.
+  int64_t open_tokens = 0;           // Committed tokens of the open round; 0: idle.
+  bool recall_ready = false;         // The open round's recall is done.
+  std::vector<uint32_t> selected;    // Past rounds attended above L_w.
+  std::vector<uint32_t> upper_gone;  // Past rounds the store dropped.
+  std::vector<uint32_t> round_resident, unreported_recalls;
+  uint32_t rounds = 0;  // SessionStats: completed rounds, tokens, peak, full cache.
+  uint64_t tokens = 0;
+  uint64_t peak_working_set_bytes = 0;
+  uint64_t full_cache_bytes = 0;  // Of the past rounds (the open round is added).
+};
+
+// One layer of a session's K/V as a transfer carries it.
+struct LayerImage {
+  int layer = 0;
+  // The past rounds resident at this layer, in the session's order, and their
+  // tensors exactly as stored: a serialized SegmentPayload of 2 * kv_heads
+  // EncodedTensors per round (K, V per head), nothing decoded or re-encoded.
+  std::vector<uint32_t> rounds;
+  std::shared_ptr<const std::string> past;
+  // The open round's rows at this layer in the model's dtype: K
+  // [kv_heads][open_rows][d], then V, then the queries eviction will read,
+  // fp32 [q_heads][q_rows][d] (rows [q_first, q_first + q_rows) of the round).
+  int64_t open_rows = 0, q_first = 0, q_rows = 0;
+  std::string open;
+  // Bytes of the past rounds' tensors if they were raw in the model's dtype
+  // (what a transfer of an engine's own blocks would send).
+  uint64_t past_raw_bytes = 0;
+  uint64_t bytes() const { return (past ? past->size() : 0) + open.size(); }
+};
+
 struct EngineOptions {
   // Kernels for host attention and the codecs. Default: kBest (AVX2 when the
   // CPU has it).
@@ -269,6 +315,36 @@ class Engine {
   absl::Status CloseSession(const SessionKey& id, bool delete_from_store,
                             const CallOptions& call = {});
 
+  // ---- Transfer (worker/transfer.cc) ----
+  // Export: the session's image, then each layer once the current step has
+  // passed it (or at once between steps), then the tail once the step is
+  // done. The session stays here; ForgetSession drops it once the receiver
+  // has it. The caller must not step the session while it exports.
+  // OK; NOT_FOUND; FAILED_PRECONDITION while EndRound runs, for a layer the
+  // step has not reached, for the tail in the middle of a step, or for a
+  // working set on the GPU (not transferable yet).
+  absl::StatusOr<SessionImage> ExportSession(const SessionKey& id) const;
+  absl::StatusOr<LayerImage> ExportLayer(const SessionKey& id, int layer) const;
+  absl::Status ExportTail(const SessionKey& id, SessionImage* image) const;
+  // What a receiver checks before and while it takes `bytes` of a session:
+  // ALREADY_EXISTS when it holds the session, RESOURCE_EXHAUSTED past its
+  // session or working-set limits (engine and tenant).
+  absl::Status CheckImport(const SessionKey& id, uint64_t bytes) const;
+  // Opens `id` from a transfer: `layers` holds every layer in order. The
+  // session is as the sender had it: same past rounds, residency, recall
+  // selection and open round. Host placement. OK; INVALID_ARGUMENT for an
+  // image that does not fit itself or the policy; DATA_LOSS for malformed
+  // tensors; the statuses of CheckImport.
+  absl::Status ImportSession(const SessionKey& id, const SessionImage& image,
+                             std::vector<LayerImage> layers);
+  // Drops a session that moved to another worker: no store call (its rounds
+  // and recall counters are the receiver's now). OK; NOT_FOUND.
+  absl::Status ForgetSession(const SessionKey& id);
+  // Undoes the last step, a prefill of n tokens that committed (its
+  // transfer failed): the session is as before the step. OK; NOT_FOUND;
+  // FAILED_PRECONDITION when the open round has fewer than n tokens.
+  absl::Status RevertPrefill(const SessionKey& id, int64_t n);
+
   // NOT_FOUND for an unknown session.
   absl::StatusOr<SessionStats> Stats(const SessionKey& id) const;
   absl::StatusOr<SessionPolicy> Policy(const SessionKey& id) const;
@@ -297,7 +373,17 @@ class Engine {
   absl::StatusOr<std::shared_ptr<Session>> CreateSession(const SessionKey& id,
                                                          const ModelShape& shape,
                                                          const SessionPolicy& policy);
+  // `allow_device` false keeps the session in host memory whatever the
+  // placement (an imported open round has no device mirror).
+  absl::StatusOr<std::shared_ptr<Session>> CreateSession(const SessionKey& id,
+                                                         const ModelShape& shape,
+                                                         const SessionPolicy& policy,
+                                                         bool allow_device);
   absl::Status Insert(const SessionKey& id, std::shared_ptr<Session> s);
+  // ALREADY_EXISTS, or RESOURCE_EXHAUSTED at the session limits (REQUIRES mu_).
+  absl::Status CheckRoomLocked(const SessionKey& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes the session out of the engine and its totals.
+  absl::StatusOr<std::shared_ptr<Session>> Remove(const SessionKey& id);
   // Scores the past rounds at L_w and starts the one fetch (recall_fetch.cc).
   // REQUIRES: s.mu held (both; checked with AssertHeld).
   // q and k: the round's first n tokens at L_w, token-major as they arrived.
@@ -331,6 +417,9 @@ class Engine {
   // RESOURCE_EXHAUSTED when `bytes` more would pass max_working_set_bytes or
   // the session's tenant's limit.
   absl::Status CheckBudget(const Session& s, uint64_t bytes) const;
+  // The same for a tenant holding `tenant_bytes` under `limit` (null: none).
+  absl::Status CheckBudgetFor(const std::string& tenant, const EngineOptions::TenantLimit* limit,
+                              int64_t tenant_bytes, uint64_t bytes) const;
 
   SegmentStore* store_;
   EngineOptions options_;

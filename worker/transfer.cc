@@ -1,0 +1,285 @@
+// Engine::ExportSession .. RevertPrefill: a session moving to another worker
+// (the prefill -> decode hand-off). The past rounds' tensors travel as the
+// codec left them; the open round travels in the model's dtype, as held.
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "base/log.h"
+#include "base/status_macros.h"
+#include "worker/engine.h"
+#include "worker/session.h"
+
+namespace kvtier::worker {
+
+namespace {
+
+// FAILED_PRECONDITION when `s` cannot be exported now (REQUIRES s.mu).
+absl::Status CheckExportable(const SessionKey& id, SessionState state, bool on_device) {
+  if (on_device) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", id.ToString(),
+                     " has its working set on the GPU; transferring a device working set is not "
+                     "implemented yet (open it with --placement=host to transfer it)"));
+  }
+  if (state == SessionState::kEnding) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("EndRound of session ", id.ToString(), " is running"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<SessionImage> Engine::ExportSession(const SessionKey& id) const {
+  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
+  absl::MutexLock lock(&s->mu);
+  KVT_RETURN_IF_ERROR(CheckExportable(id, s->state, s->device != nullptr));
+  SessionImage im;
+  im.shape = s->shape;
+  im.policy = s->policy;
+  im.policy.watershed_layer = s->lw;
+  im.round_eviction = s->round_eviction;
+  for (const Session::PastRound& r : s->past)
+    im.past.push_back({r.round, r.tokens, r.stored_bytes});
+  return im;
+}
+
+absl::StatusOr<LayerImage> Engine::ExportLayer(const SessionKey& id, int layer) const {
+  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
+  absl::MutexLock lock(&s->mu);
+  KVT_RETURN_IF_ERROR(CheckExportable(id, s->state, s->device != nullptr));
+  const ModelShape& sh = s->shape;
+  if (layer < 0 || layer >= sh.layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " outside the model's ", sh.layers));
+  }
+  const bool in_step = s->state == SessionState::kPrefill || s->state == SessionState::kDecode;
+  if (in_step && layer >= s->next_layer) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", layer, " of session ", id.ToString(), " is not done yet"));
+  }
+  LayerImage im;
+  im.layer = layer;
+  const int d = sh.head_dim, es = sh.dtype_bytes();
+  std::vector<std::string_view> tensors;
+  for (const Session::PastRound& r : s->past) {
+    const RoundLayer* rl = r.layers[layer].get();
+    if (rl == nullptr) continue;
+    im.rounds.push_back(r.round);
+    tensors.insert(tensors.end(), rl->tensors.begin(), rl->tensors.end());
+    for (const HeadKv& hk : rl->heads) im.past_raw_bytes += 2 * hk.len * d * es;
+  }
+  im.past = std::make_shared<const std::string>(SerializePayload(tensors));
+  const OpenLayer& o = s->open[layer];
+  im.open_rows = in_step ? o.rows : s->tokens;
+  if (!o.q.empty() && im.open_rows > o.q_first) {
+    im.q_first = o.q_first;
+    im.q_rows = im.open_rows - o.q_first;
+  }
+  const size_t head_bytes = static_cast<size_t>(im.open_rows) * d * es;
+  const size_t q_bytes = static_cast<size_t>(im.q_rows) * d * sizeof(float);
+  im.open.resize(2 * sh.kv_heads * head_bytes + sh.q_heads * q_bytes);
+  char* p = im.open.data();
+  for (int h = 0; h < sh.kv_heads && head_bytes > 0; ++h, p += head_bytes) {
+    std::memcpy(p, o.k_head(h, d, es), head_bytes);
+  }
+  for (int h = 0; h < sh.kv_heads && head_bytes > 0; ++h, p += head_bytes) {
+    std::memcpy(p, o.v_head(h, d, es), head_bytes);
+  }
+  for (int h = 0; h < sh.q_heads && q_bytes > 0; ++h, p += q_bytes) {
+    std::memcpy(p, o.q.data() + h * o.q_cap * d, q_bytes);
+  }
+  return im;
+}
+
+absl::Status Engine::ExportTail(const SessionKey& id, SessionImage* im) const {
+  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
+  absl::MutexLock lock(&s->mu);
+  KVT_RETURN_IF_ERROR(CheckExportable(id, s->state, s->device != nullptr));
+  if (s->state == SessionState::kPrefill || s->state == SessionState::kDecode ||
+      s->recall == RecallState::kFetching) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session ", id.ToString(), " is in the middle of a step (", StateName(s->state), ")"));
+  }
+  im->open_tokens = s->tokens;
+  im->recall_ready = s->recall == RecallState::kReady;
+  im->selected.clear();
+  for (size_t i : s->selected) im->selected.push_back(s->past[i].round);
+  im->upper_gone.clear();
+  for (const Session::PastRound& r : s->past) {
+    if (r.upper_gone) im->upper_gone.push_back(r.round);
+  }
+  im->round_resident = s->round_resident;
+  im->unreported_recalls = s->unreported_recalls;
+  im->rounds = s->stats.rounds;
+  im->tokens = s->stats.tokens;
+  im->peak_working_set_bytes = s->stats.peak_working_set_bytes;
+  im->full_cache_bytes = s->stats.full_cache_bytes;
+  return absl::OkStatus();
+}
+
+absl::Status Engine::CheckImport(const SessionKey& id, uint64_t bytes) const {
+  const EngineOptions::TenantLimit* limit = nullptr;
+  int64_t tenant_bytes = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    KVT_RETURN_IF_ERROR(CheckRoomLocked(id));
+    auto use = tenants_.find(id.tenant);
+    if (use != tenants_.end()) tenant_bytes = use->second.bytes.load();
+  }
+  auto l = options_.tenant_limits.find(id.tenant);
+  if (l != options_.tenant_limits.end()) limit = &l->second;
+  absl::Status st = CheckBudgetFor(id.tenant, limit, tenant_bytes, bytes);
+  if (!st.ok()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot take session ", id.ToString(), ": ", st.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
+                                   std::vector<LayerImage> layers) {
+  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
+                       CreateSession(id, im.shape, im.policy, /*allow_device=*/false));
+  const ModelShape& sh = s->shape;
+  const int d = sh.head_dim, es = sh.dtype_bytes(), lw = s->lw;
+  if (static_cast<int>(layers.size()) != sh.layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the transfer holds ", layers.size(), " layers; the model has ", sh.layers));
+  }
+  std::map<uint32_t, size_t> index;  // Round number -> position in `past`.
+  uint64_t bytes = 0;
+  int64_t working_set = 0;
+  {
+    absl::MutexLock lock(&s->mu);
+    s->round_eviction = im.round_eviction;
+    for (const SessionImage::Round& r : im.past) {
+      if (!s->past.empty() && r.round <= s->past.back().round) {
+        return absl::InvalidArgumentError("the transfer's past rounds are not in order");
+      }
+      index[r.round] = s->past.size();
+      Session::PastRound pr;
+      pr.round = r.round;
+      pr.tokens = r.tokens;
+      pr.stored_bytes = r.stored_bytes;
+      pr.layers.resize(sh.layers);
+      s->past.push_back(std::move(pr));
+    }
+    for (int l = 0; l < sh.layers; ++l) {
+      LayerImage& li = layers[l];
+      bytes += li.bytes();
+      if (li.layer != l) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("transfer layer ", li.layer, " arrived where layer ", l, " belongs"));
+      }
+      if (l <= lw && li.rounds.size() != s->past.size()) {
+        return absl::InvalidArgumentError(absl::StrCat("layer ", l, " carries ", li.rounds.size(),
+                                                       " past rounds; every one of the ",
+                                                       s->past.size(), " must be resident"));
+      }
+      if (li.past == nullptr) li.past = std::make_shared<const std::string>();
+      KVT_ASSIGN_OR_RETURN(auto made,
+                           MakeLayers(li.past, static_cast<int>(li.rounds.size()), sh.kv_heads, d));
+      size_t prev = 0;
+      for (size_t j = 0; j < li.rounds.size(); ++j) {
+        auto it = index.find(li.rounds[j]);
+        if (it == index.end() || (j > 0 && it->second <= prev)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "layer ", l, " carries round ", li.rounds[j], " out of order or not in the session"));
+        }
+        prev = it->second;
+        s->past[it->second].layers[l] = std::move(made[j]);
+      }
+      // The open round.
+      if (li.open_rows != im.open_tokens || li.q_rows < 0 || li.q_rows > li.open_rows ||
+          (li.q_rows > 0 && li.q_first + li.q_rows != li.open_rows)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("layer ", l, " carries ", li.open_rows, " open rows (", li.q_rows,
+                         " queries from ", li.q_first, "); the round has ", im.open_tokens));
+      }
+      const size_t head_bytes = static_cast<size_t>(li.open_rows) * d * es;
+      const size_t q_bytes = static_cast<size_t>(li.q_rows) * d * sizeof(float);
+      if (li.open.size() != 2 * sh.kv_heads * head_bytes + sh.q_heads * q_bytes) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "layer ", l, "'s open round holds ", li.open.size(), " bytes; its rows need ",
+            2 * sh.kv_heads * head_bytes + sh.q_heads * q_bytes));
+      }
+      OpenLayer& o = s->open[l];
+      o.cap = o.rows = li.open_rows;
+      o.k.assign(li.open.begin(), li.open.begin() + sh.kv_heads * head_bytes);
+      o.v.assign(li.open.begin() + sh.kv_heads * head_bytes,
+                 li.open.begin() + 2 * sh.kv_heads * head_bytes);
+      o.q_first = li.q_first;
+      o.q_cap = li.q_rows;
+      o.q.resize(static_cast<size_t>(sh.q_heads) * li.q_rows * d);
+      if (q_bytes > 0) {
+        std::memcpy(o.q.data(), li.open.data() + 2 * sh.kv_heads * head_bytes,
+                    sh.q_heads * q_bytes);
+      }
+      li.open = std::string();  // Copied; the past payload stays shared.
+    }
+    s->tokens = im.open_tokens;
+    s->state = im.open_tokens > 0 ? SessionState::kOpen : SessionState::kIdle;
+    s->recall = im.recall_ready ? RecallState::kReady : RecallState::kNone;
+    for (uint32_t r : im.selected) {
+      auto it = index.find(r);
+      if (it == index.end()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("selected round ", r, " is not in the transfer"));
+      }
+      for (int l = lw + 1; l < sh.layers; ++l) {
+        if (s->past[it->second].layers[l] == nullptr) {
+          return absl::InvalidArgumentError(absl::StrCat("selected round ", r, " lacks layer ", l));
+        }
+      }
+      s->selected.push_back(it->second);
+    }
+    for (uint32_t r : im.upper_gone) {
+      auto it = index.find(r);
+      if (it != index.end()) s->past[it->second].upper_gone = true;
+    }
+    s->round_resident = im.round_resident;
+    s->unreported_recalls = im.unreported_recalls;
+    s->stats.rounds = im.rounds;
+    s->stats.tokens = im.tokens;
+    s->stats.peak_working_set_bytes = im.peak_working_set_bytes;
+    s->stats.full_cache_bytes = im.full_cache_bytes;
+    s->stats.pending_recall_counts = im.unreported_recalls.size();
+    s->NotePeak();
+    working_set = s->WorkingSetBytes();
+  }
+  KVT_RETURN_IF_ERROR(CheckImport(id, static_cast<uint64_t>(working_set)));
+  KVT_RETURN_IF_ERROR(Insert(id, s));
+  absl::MutexLock lock(&s->mu);
+  Account(*s);
+  LogInfo("session imported", {{"session", id.ToString()},
+                               {"past_rounds", s->past.size()},
+                               {"open_tokens", s->tokens},
+                               {"bytes", bytes}});
+  return absl::OkStatus();
+}
+
+absl::Status Engine::ForgetSession(const SessionKey& id) { return Remove(id).status(); }
+
+absl::Status Engine::RevertPrefill(const SessionKey& id, int64_t n) {
+  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
+  absl::MutexLock lock(&s->mu);
+  if (s->state != SessionState::kOpen || s->tokens < n || n < 1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", id.ToString(), " has no completed step of ", n,
+                     " tokens to undo (", StateName(s->state), ", ", s->tokens, " tokens)"));
+  }
+  // Back into the step, then the usual rollback.
+  s->tokens -= n;
+  s->stats.tokens -= static_cast<uint64_t>(n);
+  s->state = SessionState::kPrefill;
+  s->step_n = n;
+  s->RollBackStep();
+  s->NotePeak();
+  Account(*s);
+  return absl::OkStatus();
+}
+
+}  // namespace kvtier::worker
