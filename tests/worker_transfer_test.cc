@@ -2,13 +2,24 @@
 // a real kvtier-store process: the engine's export and import, layer by
 // layer during a prefill, give outputs bit-identical to one worker doing
 // everything, round after round; and each refusal has its status.
+#include <signal.h>
+#include <sys/wait.h>
+
 #include <cstring>
+#include <fstream>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
+#include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
+#include "kernels/crc32c.h"
 #include "kernels/half.h"
 #include "kernels/recall.h"
+#include "services/worker/transfer_proto.h"
+#include "services/worker/worker_server.h"
+#include "testing/store_process.h"
+#include "testing/test_util.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
 #include "worker/engine.h"
@@ -273,6 +284,429 @@ TEST_F(WorkerTransferTest, ImportRefusals) {
           .status());
   EXPECT_THAT(prefill_->ExportTail("s", &image), StatusIs(absl::StatusCode::kFailedPrecondition));
   KVT_ASSERT_OK(prefill_->AbortStep("s"));
+}
+
+// ---- Over gRPC: two kvtier-workers on one kvtier-store ----
+
+v1::DenseTensor Dense(const std::vector<float>& x, int64_t tokens, int heads) {
+  v1::DenseTensor t;
+  t.set_dtype(v1::DTYPE_FP32);
+  t.add_shape(tokens);
+  t.add_shape(heads);
+  t.add_shape(kShape.head_dim);
+  t.set_data(reinterpret_cast<const char*>(x.data()), x.size() * 4);
+  return t;
+}
+
+void AppendFloats(const v1::DenseTensor& t, std::vector<float>* out) {
+  const size_t at = out->size();
+  out->resize(at + t.data().size() / 4);
+  std::memcpy(out->data() + at, t.data().data(), t.data().size());
+}
+
+struct PrefillResult {
+  grpc::Status status;
+  std::vector<float> out;
+  std::optional<v1::TransferReport> transfer;
+};
+
+// One prefill step over gRPC, handed to `transfer_to` when set.
+PrefillResult Prefill(v1::Worker::Stub* stub, const std::string& id, const Step& step,
+                      const std::string& transfer_to = "") {
+  PrefillResult r;
+  grpc::ClientContext c;
+  c.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+  auto s = stub->Prefill(&c);
+  for (int l = 0; l < kShape.layers; ++l) {
+    v1::LayerRequest req;
+    if (l == 0) {
+      req.set_session_id(id);
+      req.set_transfer_to(transfer_to);
+    }
+    req.set_layer(l);
+    *req.mutable_q() = Dense(step.q[l], step.n, kShape.q_heads);
+    *req.mutable_k() = Dense(step.k[l], step.n, kShape.kv_heads);
+    *req.mutable_v() = Dense(step.v[l], step.n, kShape.kv_heads);
+    if (!s->Write(req)) break;
+    v1::LayerResponse resp;
+    bool broke = false;
+    do {
+      if (!s->Read(&resp)) {
+        broke = true;
+        break;
+      }
+      AppendFloats(resp.o(), &r.out);
+      if (resp.has_transfer()) r.transfer = resp.transfer();
+    } while (resp.more_chunks());
+    if (broke) break;
+  }
+  s->WritesDone();
+  r.status = s->Finish();
+  return r;
+}
+
+std::vector<float> Decode(v1::Worker::Stub* stub, const std::string& id, const Step& step) {
+  std::vector<float> out;
+  grpc::ClientContext c;
+  c.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+  auto s = stub->Decode(&c);
+  for (int l = 0; l < kShape.layers; ++l) {
+    v1::DecodeRequest req;
+    v1::DecodeItem* it = req.add_items();
+    it->set_session_id(id);
+    it->set_layer(l);
+    *it->mutable_q() = Dense(step.q[l], 1, kShape.q_heads);
+    *it->mutable_k() = Dense(step.k[l], 1, kShape.kv_heads);
+    *it->mutable_v() = Dense(step.v[l], 1, kShape.kv_heads);
+    v1::DecodeResponse resp;
+    EXPECT_TRUE(s->Write(req) && s->Read(&resp));
+    if (resp.o_size() == 1) AppendFloats(resp.o(0), &out);
+  }
+  s->WritesDone();
+  EXPECT_TRUE(s->Finish().ok());
+  return out;
+}
+
+class TransferServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override { KVT_ASSERT_OK(stack_.Start()); }
+
+  // A kvtier-worker on 127.0.0.1 over the test's store.
+  std::unique_ptr<WorkerServer> StartWorker(uint64_t max_working_set_bytes = 0) {
+    WorkerServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.metrics_listen = "";
+    o.store.target = stack_.store()->target();
+    o.store.deadline = absl::Seconds(10);
+    o.engine.placement = worker::EngineOptions::Placement::kHost;
+    o.engine.max_working_set_bytes = max_working_set_bytes;
+    // Small chunks (and output slices), so that layers travel in several.
+    o.service.max_response_bytes = 8192;
+    auto server = WorkerServer::Start(o);
+    EXPECT_TRUE(server.ok()) << server.status();
+    return server.ok() ? std::move(*server) : nullptr;
+  }
+  static std::string Target(const WorkerServer& w) { return absl::StrCat("127.0.0.1:", w.port()); }
+  static std::unique_ptr<v1::Worker::Stub> Stub(const WorkerServer& w) {
+    return v1::Worker::NewStub(grpc::CreateChannel(Target(w), grpc::InsecureChannelCredentials()));
+  }
+  static grpc::Status Open(v1::Worker::Stub* stub, const std::string& id,
+                           v1::Codec codec = v1::CODEC_RAW) {
+    v1::OpenSessionRequest r;
+    r.set_session_id(id);
+    v1::ModelSpec* m = r.mutable_model();
+    m->set_num_layers(kShape.layers);
+    m->set_num_q_heads(kShape.q_heads);
+    m->set_num_kv_heads(kShape.kv_heads);
+    m->set_head_dim(kShape.head_dim);
+    m->set_dtype(kShape.dtype);
+    m->set_rope_theta(10000);
+    r.mutable_policy()->set_codec(codec);
+    r.mutable_policy()->set_eviction("snapkv");
+    r.mutable_policy()->set_budget_tokens(24);
+    r.mutable_policy()->set_window(8);
+    r.mutable_policy()->set_recall("topk:1");
+    r.mutable_policy()->set_keep_recent_round(false);
+    grpc::ClientContext c;
+    v1::OpenSessionResponse resp;
+    return stub->OpenSession(&c, r, &resp);
+  }
+  static grpc::Status EndRound(v1::Worker::Stub* stub, const std::string& id) {
+    grpc::ClientContext c;
+    v1::EndRoundRequest r;
+    r.set_session_id(id);
+    v1::EndRoundResponse resp;
+    return stub->EndRound(&c, r, &resp);
+  }
+  static grpc::Status SendSession(v1::Worker::Stub* stub, const std::string& id,
+                                  const std::string& target, v1::SendSessionResponse* resp) {
+    grpc::ClientContext c;
+    v1::SendSessionRequest r;
+    r.set_session_id(id);
+    r.set_target(target);
+    return stub->SendSession(&c, r, resp);
+  }
+
+  testing::StoreStack stack_;
+};
+
+// The done-when case: a conversation prefilled on one worker and decoded on
+// another, round after round, has every output equal to one worker doing it
+// all (lossless: the model's own fp16), and the sessions end in the same
+// state. Each prefill streams to the decode worker as it runs; between
+// rounds SendSession hands the session back.
+TEST_F(TransferServiceTest, PrefillOnOneWorkerDecodeOnAnotherMatchesOneWorker) {
+  auto p = StartWorker(), d = StartWorker();
+  auto ps = Stub(*p), ds = Stub(*d);
+  ASSERT_TRUE(Open(ps.get(), "pd").ok());
+  ASSERT_TRUE(Open(ps.get(), "one").ok());
+  std::mt19937 rng(11);
+  for (int round = 0; round < 4; ++round) {
+    SCOPED_TRACE(round);
+    const Step prompt = MakeStep(300 + 40 * round, &rng);  // Layers of several chunks.
+    PrefillResult moved = Prefill(ps.get(), "pd", prompt, Target(*d));
+    ASSERT_TRUE(moved.status.ok()) << moved.status.error_message();
+    PrefillResult alone = Prefill(ps.get(), "one", prompt);
+    ASSERT_TRUE(alone.status.ok());
+    EXPECT_TRUE(Same(moved.out, alone.out));
+    ASSERT_TRUE(moved.transfer.has_value());
+    const v1::TransferReport& t = *moved.transfer;
+    EXPECT_EQ(t.path(), "grpc");
+    EXPECT_EQ(t.target(), Target(*d));
+    EXPECT_EQ(t.wire_bytes(), t.past_bytes() + t.open_bytes());
+    EXPECT_GT(t.chunks(), static_cast<uint32_t>(kShape.layers));
+    EXPECT_GE(t.transfer_ms(), t.exposed_ms());
+    EXPECT_EQ(p->engine()->Stats("pd").status().code(), absl::StatusCode::kNotFound);
+    EXPECT_TRUE(d->engine()->Stats("pd").ok());
+    for (int i = 0; i < 4; ++i) {
+      const Step tok = MakeStep(1, &rng);
+      EXPECT_TRUE(Same(Decode(ds.get(), "pd", tok), Decode(ps.get(), "one", tok))) << "token " << i;
+    }
+    ASSERT_TRUE(EndRound(ds.get(), "pd").ok());
+    ASSERT_TRUE(EndRound(ps.get(), "one").ok());
+    auto a = d->engine()->Stats("pd");
+    auto b = p->engine()->Stats("one");
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(a->working_set_bytes, b->working_set_bytes);
+    EXPECT_EQ(a->full_cache_bytes, b->full_cache_bytes);
+    EXPECT_EQ(a->rounds, b->rounds);
+    v1::SendSessionResponse back;
+    ASSERT_TRUE(SendSession(ds.get(), "pd", Target(*p), &back).ok());
+    EXPECT_EQ(back.report().open_bytes(), 0u);
+    EXPECT_GT(back.report().past_bytes(), 0u);
+    EXPECT_EQ(d->engine()->SessionCount(), 0);
+  }
+  EXPECT_THAT(p->RenderMetrics(),
+              ::testing::HasSubstr(
+                  R"(kvtier_worker_transfers_total{direction="sent",outcome="ok",path="grpc"} 4)"));
+  EXPECT_THAT(
+      d->RenderMetrics(),
+      ::testing::HasSubstr(
+          R"(kvtier_worker_transfers_total{direction="received",outcome="ok",path="grpc"} 4)"));
+}
+
+// Each way a hand-off fails has its status; the sender's step is undone,
+// the receiver keeps nothing, and sending the step again works.
+TEST_F(TransferServiceTest, FailedHandOffsUndoTheStep) {
+  auto p = StartWorker(), d = StartWorker(), small = StartWorker(/*max_working_set_bytes=*/4096);
+  auto ps = Stub(*p), ds = Stub(*d);
+  ASSERT_TRUE(Open(ps.get(), "s").ok());
+  ASSERT_TRUE(Open(ps.get(), "one").ok());
+  std::mt19937 rng(13);
+  const Step prompt = MakeStep(60, &rng);
+  auto expect_undone = [&](const PrefillResult& r, grpc::StatusCode code) {
+    EXPECT_EQ(r.status.error_code(), code) << r.status.error_message();
+    EXPECT_THAT(r.status.error_message(), ::testing::HasSubstr("undone"));
+    auto st = p->engine()->Stats("s");
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_EQ(st->tokens, 0u);
+  };
+  // Nobody listens there.
+  expect_undone(Prefill(ps.get(), "s", prompt, "127.0.0.1:1"), grpc::StatusCode::UNAVAILABLE);
+  // Out of budget at the receiver.
+  expect_undone(Prefill(ps.get(), "s", prompt, Target(*small)),
+                grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(small->engine()->SessionCount(), 0);
+  EXPECT_EQ(small->engine()->TotalWorkingSetBytes(), 0u);
+  // The receiver holds a session of that name already.
+  ASSERT_TRUE(Open(ds.get(), "s").ok());
+  expect_undone(Prefill(ps.get(), "s", prompt, Target(*d)), grpc::StatusCode::ALREADY_EXISTS);
+  {
+    grpc::ClientContext c;
+    v1::CloseSessionRequest r;
+    r.set_session_id("s");
+    v1::CloseSessionResponse resp;
+    ASSERT_TRUE(ds->CloseSession(&c, r, &resp).ok());
+  }
+  // transfer_to on another layer than 0.
+  {
+    grpc::ClientContext c;
+    auto s = ps->Prefill(&c);
+    v1::LayerRequest req;
+    req.set_session_id("s");
+    req.set_layer(0);
+    *req.mutable_q() = Dense(prompt.q[0], prompt.n, kShape.q_heads);
+    *req.mutable_k() = Dense(prompt.k[0], prompt.n, kShape.kv_heads);
+    *req.mutable_v() = Dense(prompt.v[0], prompt.n, kShape.kv_heads);
+    v1::LayerResponse resp;
+    ASSERT_TRUE(s->Write(req));
+    do {
+      ASSERT_TRUE(s->Read(&resp));
+    } while (resp.more_chunks());
+    req.set_layer(1);
+    req.set_transfer_to(Target(*d));
+    s->Write(req);
+    s->WritesDone();
+    EXPECT_EQ(s->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  // Prefill streams that stop half way: the engine cancels its call (the
+  // sender's death looks the same to the receiver), or the receiver goes
+  // away. Either way the receiver holds nothing and the step is rolled back.
+  auto half_step = [&](const std::string& target, const std::function<void()>& midway,
+                       bool cancel) {
+    grpc::ClientContext c;
+    auto s = ps->Prefill(&c);
+    for (int l = 0; l < kShape.layers; ++l) {
+      if (l == 2) {
+        midway();
+        if (cancel) {
+          c.TryCancel();
+          break;
+        }
+      }
+      v1::LayerRequest req;
+      if (l == 0) {
+        req.set_session_id("s");
+        req.set_transfer_to(target);
+      }
+      req.set_layer(l);
+      *req.mutable_q() = Dense(prompt.q[l], prompt.n, kShape.q_heads);
+      *req.mutable_k() = Dense(prompt.k[l], prompt.n, kShape.kv_heads);
+      *req.mutable_v() = Dense(prompt.v[l], prompt.n, kShape.kv_heads);
+      if (!s->Write(req)) break;
+      v1::LayerResponse resp;
+      bool broke = false;
+      do {
+        broke = !s->Read(&resp);
+      } while (!broke && resp.more_chunks());
+      if (broke) break;
+    }
+    s->WritesDone();
+    return s->Finish();
+  };
+  grpc::Status cancelled = half_step(
+      Target(*d), [] {}, /*cancel=*/true);
+  EXPECT_EQ(cancelled.error_code(), grpc::StatusCode::CANCELLED);
+  for (int i = 0; i < 100 && p->engine()->Stats("s")->tokens != 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(p->engine()->Stats("s")->tokens, 0u);
+  for (int i = 0; i < 100 && d->engine()->SessionCount() != 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(d->engine()->SessionCount(), 0);
+  {
+    // A real kvtier-worker process, killed (-9) half way through the step.
+    testing::TempDir dir;
+    const std::string port_file = dir.path() + "/port";
+    const pid_t pid = testing::SpawnLogged(
+        {KVTIER_WORKER_BINARY_PATH, "--listen=127.0.0.1:0", "--port_file=" + port_file,
+         "--metrics_listen=", "--placement=host", "--store=" + stack_.store()->target()},
+        dir.path() + "/worker.log");
+    ASSERT_GT(pid, 0);
+    std::string port;
+    for (int i = 0; i < 300 && port.empty(); ++i) {
+      absl::SleepFor(absl::Milliseconds(20));
+      std::ifstream in(port_file);
+      std::getline(in, port);
+    }
+    ASSERT_FALSE(port.empty()) << "kvtier-worker did not start; see " << dir.path();
+    grpc::Status st = half_step(
+        "127.0.0.1:" + port,
+        [&] {
+          kill(pid, SIGKILL);
+          waitpid(pid, nullptr, 0);
+        },
+        /*cancel=*/false);
+    EXPECT_TRUE(st.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                st.error_code() == grpc::StatusCode::CANCELLED)
+        << st.error_code() << " " << st.error_message();
+    EXPECT_THAT(st.error_message(), ::testing::HasSubstr("undone"));
+    EXPECT_EQ(p->engine()->Stats("s")->tokens, 0u);
+  }
+  // Sent again after all that: the same outputs as one worker, and the
+  // session lives on the receiver.
+  PrefillResult ok = Prefill(ps.get(), "s", prompt, Target(*d));
+  ASSERT_TRUE(ok.status.ok()) << ok.status.error_message();
+  EXPECT_TRUE(Same(ok.out, Prefill(ps.get(), "one", prompt).out));
+  EXPECT_TRUE(d->engine()->Stats("s").ok());
+  // SendSession: unknown session, mid-step.
+  v1::SendSessionResponse resp;
+  EXPECT_EQ(SendSession(ps.get(), "nope", Target(*d), &resp).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(SendSession(ds.get(), "s", "", &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+// The receiving side against a hand-made stream: a corrupt layer is
+// DATA_LOSS, a stream that stops before its tail keeps nothing, garbage in
+// place of the header is INVALID_ARGUMENT.
+TEST_F(TransferServiceTest, ReceiverRefusesCorruptAndUnfinishedStreams) {
+  auto d = StartWorker();
+  auto ds = Stub(*d);
+  // The session to send, from an engine of the test's own.
+  worker::EngineOptions eo;
+  eo.placement = worker::EngineOptions::Placement::kHost;
+  Engine src(stack_.segments(), eo);
+  SessionPolicy pol;
+  pol.codec = *ParseCodecSetting("kivi4");
+  ASSERT_THAT(src.OpenSession("c", kShape, pol), IsOk());
+  std::mt19937 rng(17);
+  RunStep(src, "c", MakeStep(30, &rng), true);
+  ASSERT_THAT(src.EndRound("c").status(), IsOk());
+  RunStep(src, "c", MakeStep(30, &rng), true);
+  KVT_ASSERT_OK_AND_ASSIGN(auto image, src.ExportSession("c"));
+  KVT_ASSERT_OK(src.ExportTail("c", &image));
+
+  // Writes header, layers (the `corrupt` one with a byte flipped after its
+  // crc) and, when `tail`, the tail; returns the call's status.
+  auto send = [&](int corrupt, int layers, bool tail) {
+    grpc::ClientContext c;
+    v1::TransferSessionResponse resp;
+    auto w = ds->TransferSession(&c, &resp);
+    v1::TransferChunk h;
+    *h.mutable_header() = HeaderToProto("c", image);
+    w->Write(h);
+    for (int l = 0; l < layers; ++l) {
+      auto li = src.ExportLayer("c", l);
+      EXPECT_TRUE(li.ok());
+      v1::TransferChunk ch;
+      ch.set_layer(l);
+      v1::TransferLayer* info = ch.mutable_layer_info();
+      for (uint32_t r : li->rounds) info->add_rounds(r);
+      info->set_past_bytes(li->past->size());
+      info->set_open_rows(li->open_rows);
+      info->set_q_first(li->q_first);
+      info->set_q_rows(li->q_rows);
+      info->set_open_bytes(li->open.size());
+      std::string data = *li->past + li->open;
+      ch.set_layer_crc32c(Crc32c(data));
+      if (l == corrupt) data[data.size() / 3] ^= 1;
+      ch.set_data(data);
+      ch.set_layer_end(true);
+      if (!w->Write(ch)) break;
+    }
+    if (tail) {
+      v1::TransferChunk t;
+      *t.mutable_tail() = TailToProto(image);
+      w->Write(t);
+    }
+    w->WritesDone();
+    return w->Finish();
+  };
+  grpc::Status st = send(/*corrupt=*/1, kShape.layers, true);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::DATA_LOSS) << st.error_message();
+  EXPECT_THAT(st.error_message(), ::testing::HasSubstr("layer 1"));
+  st = send(-1, 2, false);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::ABORTED) << st.error_message();
+  st = send(-1, 2, true);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_EQ(d->engine()->SessionCount(), 0);
+  EXPECT_EQ(d->engine()->TotalWorkingSetBytes(), 0u);
+  {
+    grpc::ClientContext c;
+    v1::TransferSessionResponse resp;
+    auto w = ds->TransferSession(&c, &resp);
+    v1::TransferChunk ch;
+    ch.set_layer(0);
+    w->Write(ch);
+    w->WritesDone();
+    EXPECT_EQ(w->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  // The same stream whole is taken, and the session decodes as the source.
+  st = send(-1, kShape.layers, true);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  const Step tok = MakeStep(1, &rng);
+  EXPECT_TRUE(Same(Decode(ds.get(), "c", tok), RunStep(src, "c", tok, false)));
 }
 
 }  // namespace

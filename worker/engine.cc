@@ -38,9 +38,6 @@ Engine::~Engine() {
       +[](int* n) { return *n == 0; }, &fetches_in_flight_));
 }
 
-namespace {
-
-// What EndRound applies (codec and eviction), checked against the model.
 absl::Status ValidateRoundPolicy(const ModelShape& shape, const SessionPolicy& policy) {
   KVT_RETURN_IF_ERROR(ValidateCodecConfig(policy.codec));
   if (policy.eviction.method != evict::Method::kNone) {
@@ -58,7 +55,6 @@ absl::Status ValidateRoundPolicy(const ModelShape& shape, const SessionPolicy& p
   return absl::OkStatus();
 }
 
-}  // namespace
 
 absl::Status Engine::UpdatePolicy(const SessionKey& id, SessionPolicy policy) {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));

@@ -63,6 +63,9 @@ std::string SerializePayload(const std::vector<size_t>& sizes,
 // The same of already serialized tensors, in order.
 std::string SerializePayload(const std::vector<std::string_view>& tensors);
 
+// What EndRound applies (codec and eviction), checked against the model.
+absl::Status ValidateRoundPolicy(const ModelShape& shape, const SessionPolicy& policy);
+
 double MsSince(std::chrono::steady_clock::time_point t);
 
 // Widens `count` elements of `dtype` (fp16, bf16 or fp32) at src to fp32.

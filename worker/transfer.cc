@@ -145,6 +145,11 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
                        CreateSession(id, im.shape, im.policy, /*allow_device=*/false));
   const ModelShape& sh = s->shape;
   const int d = sh.head_dim, es = sh.dtype_bytes(), lw = s->lw;
+  {
+    SessionPolicy round = im.policy;
+    round.eviction = im.round_eviction;
+    KVT_RETURN_IF_ERROR(ValidateRoundPolicy(sh, round));
+  }
   if (static_cast<int>(layers.size()) != sh.layers) {
     return absl::InvalidArgumentError(
         absl::StrCat("the transfer holds ", layers.size(), " layers; the model has ", sh.layers));
@@ -193,8 +198,8 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
         s->past[it->second].layers[l] = std::move(made[j]);
       }
       // The open round.
-      if (li.open_rows != im.open_tokens || li.q_rows < 0 || li.q_rows > li.open_rows ||
-          (li.q_rows > 0 && li.q_first + li.q_rows != li.open_rows)) {
+      if (li.open_rows != im.open_tokens || li.open_rows < 0 || li.q_first < 0 || li.q_rows < 0 ||
+          li.q_rows > li.open_rows || (li.q_rows > 0 && li.q_first + li.q_rows != li.open_rows)) {
         return absl::InvalidArgumentError(
             absl::StrCat("layer ", l, " carries ", li.open_rows, " open rows (", li.q_rows,
                          " queries from ", li.q_first, "); the round has ", im.open_tokens));

@@ -114,6 +114,13 @@ void ReplicatedSegments::RefreshIfStale(const std::string& session, const CallOp
   }
 }
 
+std::vector<std::string> ReplicatedSegments::Replicas(const std::string& tenant,
+                                                      const std::string& session) {
+  absl::MutexLock lock(&mu_);
+  auto it = replicas_.find({tenant, session});
+  return it == replicas_.end() ? std::vector<std::string>() : it->second;
+}
+
 std::vector<v1::HeldSession> ReplicatedSegments::Held() {
   absl::MutexLock lock(&mu_);
   std::vector<v1::HeldSession> out;

@@ -48,6 +48,8 @@ class ReplicatedSegments : public worker::SegmentStore {
   absl::Status SetReplicas(const std::string& tenant, const std::string& session,
                            const std::vector<std::string>& addresses);
   void Forget(const std::string& tenant, const std::string& session);
+  // The stores SetReplicas named for (tenant, session); empty when none.
+  std::vector<std::string> Replicas(const std::string& tenant, const std::string& session);
   // Every session with replicas of its own: what the worker reports when it
   // registers with the controller.
   std::vector<v1::HeldSession> Held();

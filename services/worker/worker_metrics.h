@@ -70,7 +70,16 @@ class WorkerMetrics {
         requests_(&prometheus::BuildCounter()
                        .Name("kvtier_worker_requests_total")
                        .Help("RPCs by method and outcome")
-                       .Register(*registry_)) {}
+                       .Register(*registry_)),
+        transfers_(&prometheus::BuildCounter()
+                        .Name("kvtier_worker_transfers_total")
+                        .Help("Session hand-offs by direction (sent, received), path and outcome")
+                        .Register(*registry_)),
+        transfer_bytes_(&prometheus::BuildCounter()
+                             .Name("kvtier_worker_transfer_bytes_total")
+                             .Help("Payload bytes of completed session hand-offs by direction "
+                                   "and path")
+                             .Register(*registry_)) {}
 
   // /metrics, and /healthz and /readyz from `health`.
   absl::StatusOr<int> Serve(const std::string& address, HealthFn health = nullptr) {
@@ -94,6 +103,15 @@ class WorkerMetrics {
     selected_.Increment(static_cast<double>(r.selected.size()));
     candidates_.Increment(static_cast<double>(r.scores.size()));
   }
+  // A hand-off ended: `direction` "sent" or "received", path "grpc".
+  void Transfer(const char* direction, const char* path, bool ok, uint64_t bytes) {
+    transfers_->Add({{"direction", direction}, {"path", path}, {"outcome", ok ? "ok" : "error"}})
+        .Increment();
+    if (ok) {
+      transfer_bytes_->Add({{"direction", direction}, {"path", path}})
+          .Increment(static_cast<double>(bytes));
+    }
+  }
   void Stored(uint64_t bytes) { stored_.Increment(static_cast<double>(bytes)); }
   void WorkingSet(double bytes) { working_set_.Set(bytes); }
   void Sessions(double n) { sessions_.Set(n); }
@@ -108,6 +126,7 @@ class WorkerMetrics {
   prometheus::Counter &recalls_, &selected_, &candidates_, &fetched_, &stored_;
   prometheus::Family<prometheus::Histogram>* layer_latency_;
   prometheus::Family<prometheus::Counter>* requests_;
+  prometheus::Family<prometheus::Counter>*transfers_, *transfer_bytes_;
   MetricsEndpoint endpoint_;
 };
 

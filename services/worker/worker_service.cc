@@ -117,6 +117,12 @@ grpc::ServerUnaryReactor* WorkerService::CloseSession(grpc::CallbackServerContex
   return Unary(ctx, req, resp, "CloseSession", &WorkerService::DoCloseSession);
 }
 
+grpc::ServerUnaryReactor* WorkerService::SendSession(grpc::CallbackServerContext* ctx,
+                                                     const grpc::ByteBuffer* req,
+                                                     grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, "SendSession", &WorkerService::DoSendSession);
+}
+
 absl::Status WorkerService::DoOpenSession(grpc::CallbackServerContext& ctx,
                                           const v1::OpenSessionRequest& req,
                                           v1::OpenSessionResponse* resp) {
@@ -200,18 +206,6 @@ absl::Status WorkerService::DoCloseSession(grpc::CallbackServerContext& ctx,
   return s;
 }
 
-grpc::ServerReadReactor<v1::TransferChunk>* WorkerService::TransferSession(
-    grpc::CallbackServerContext*, v1::TransferSessionResponse*) {
-  class Refuse : public grpc::ServerReadReactor<v1::TransferChunk> {
-   public:
-    explicit Refuse(grpc::Status s) { Finish(std::move(s)); }
-    void OnDone() override { delete this; }
-  };
-  return new Refuse(Done("TransferSession",
-                         absl::UnimplementedError("TransferSession (prefill -> decode hand-off) is "
-                                                  "not implemented yet")));
-}
-
 // ---- Prefill ----
 
 // One layer at a time: its chunks are read and converted on the compute
@@ -281,6 +275,11 @@ class WorkerService::PrefillReactor
       return absl::InvalidArgumentError("a Prefill stream carries one session");
     }
     if (!gathering_) {
+      if (!req_.transfer_to().empty() && req_.layer() != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("transfer_to is set on layer 0 of a step, not on layer ", req_.layer()));
+      }
+      if (req_.layer() == 0) transfer_to_ = req_.transfer_to();
       layer_ = static_cast<int>(req_.layer());
       question_ = req_.question_tokens();
       dtype_ = req_.q().dtype();
@@ -336,6 +335,15 @@ class WorkerService::PrefillReactor
     const float* k = direct_ ? floats(req_.k()) : k_.data();
     const float* v = direct_ ? floats(req_.v()) : v_.data();
     out_.resize(static_cast<size_t>(n) * shape_.q_heads * d);
+    if (layer_ == 0) {
+      sender_.reset();
+      if (!transfer_to_.empty()) {
+        // The hand-off's stream opens before the step runs: a session that
+        // cannot be exported is refused with nothing done.
+        sender_ = svc_->NewSender(*ctx_, *id_, transfer_to_);
+        KVT_RETURN_IF_ERROR(sender_->Begin());
+      }
+    }
     const auto t0 = std::chrono::steady_clock::now();
     auto recall =
         svc_->engine_->PrefillLayer(*id_, layer_, n, question_, q, k, v, out_.data(), call_);
@@ -346,6 +354,31 @@ class WorkerService::PrefillReactor
     }
     svc_->metrics_->Layer("prefill", SecondsSince(t0));
     in_step_ = layer_ + 1 < shape_.layers;
+    std::optional<v1::TransferReport> transfer;
+    if (sender_ != nullptr) {
+      // This layer goes out now, while the next ones compute.
+      absl::Status sent = sender_->SendLayer(layer_);
+      if (!sent.ok() && in_step_) return sent;
+      if (!in_step_) {
+        absl::StatusOr<v1::TransferReport> report =
+            sent.ok() ? sender_->Finish() : absl::StatusOr<v1::TransferReport>(sent);
+        sender_.reset();
+        svc_->metrics_->Transfer("sent", "grpc", report.ok(),
+                                 report.ok() ? report->wire_bytes() : 0);
+        if (!report.ok()) {
+          // The step committed here; undone, so that it can be sent again.
+          absl::Status undo = svc_->engine_->RevertPrefill(*id_, n);
+          return absl::Status(
+              report.status().code(),
+              absl::StrCat(report.status().message(),
+                           undo.ok()
+                               ? "; the prefill step was undone on this worker: send it again"
+                               : absl::StrCat("; undoing the step failed: ", undo.ToString())));
+        }
+        svc_->ForgetMoved(*id_);
+        transfer = std::move(*report);
+      }
+    }
     // The output in slices of at most max_response_bytes.
     const size_t row = static_cast<size_t>(shape_.q_heads) * d * DtypeBytes(dtype_);
     const int64_t per = std::max<int64_t>(
@@ -361,6 +394,7 @@ class WorkerService::PrefillReactor
         FillRecall(rr, r.mutable_recall());
         svc_->metrics_->Recall(rr, rr.fetched_segments > 0 && rr.bytes_fetched > 0);
       }
+      if (!r.more_chunks() && transfer.has_value()) *r.mutable_transfer() = *transfer;
       out_msgs_.push_back(wire::Serialize(r));
     }
     StartWrite(&out_msgs_.front());
@@ -380,6 +414,7 @@ class WorkerService::PrefillReactor
   }
 
   void Fail(const absl::Status& s) {
+    sender_.reset();  // A hand-off in flight is cancelled: the receiver keeps nothing.
     if (in_step_ && id_.has_value()) {
       // Deliberately ignored: NOT_FOUND when the session was closed meanwhile.
       svc_->engine_->AbortStep(*id_).IgnoreError();
@@ -407,6 +442,9 @@ class WorkerService::PrefillReactor
   int64_t direct_tokens_ = 0;
   // This stream has layers of an unfinished step in the engine.
   bool in_step_ = false;
+  // The step's hand-off (transfer_to on its layer 0), while it runs.
+  std::string transfer_to_;
+  std::unique_ptr<SessionSender> sender_;
   std::deque<grpc::ByteBuffer> out_msgs_;
 };
 

@@ -7,9 +7,12 @@
 #ifndef KVTIER_SERVICES_WORKER_WORKER_SERVICE_H_
 #define KVTIER_SERVICES_WORKER_WORKER_SERVICE_H_
 
+#include <map>
+#include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "base/executor.h"
 #include "grpcpp/support/server_callback.h"
@@ -17,6 +20,7 @@
 #include "services/common/auth.h"
 #include "services/worker/controller_policies.h"
 #include "services/worker/replicated_segments.h"
+#include "services/worker/session_sender.h"
 #include "services/worker/worker_metrics.h"
 #include "worker/engine.h"
 
@@ -43,7 +47,8 @@ class WorkerService final
           v1::Worker::WithRawCallbackMethod_Prefill<
               v1::Worker::WithRawCallbackMethod_Decode<v1::Worker::WithRawCallbackMethod_EndRound<
                   v1::Worker::WithRawCallbackMethod_CloseSession<
-                      v1::Worker::WithCallbackMethod_TransferSession<v1::Worker::Service>>>>>> {
+                      v1::Worker::WithCallbackMethod_TransferSession<
+                          v1::Worker::WithRawCallbackMethod_SendSession<v1::Worker::Service>>>>>>> {
  public:
   // `replicas`, when set, is the engine's store: sessions opened with
   // store_addresses keep their rounds on those stores.
@@ -65,10 +70,25 @@ class WorkerService final
                                          grpc::ByteBuffer* resp) override;
   grpc::ServerReadReactor<v1::TransferChunk>* TransferSession(
       grpc::CallbackServerContext* ctx, v1::TransferSessionResponse* resp) override;
+  grpc::ServerUnaryReactor* SendSession(grpc::CallbackServerContext* ctx,
+                                        const grpc::ByteBuffer* req,
+                                        grpc::ByteBuffer* resp) override;
 
  private:
   class PrefillReactor;
   class DecodeReactor;
+  class TransferReactor;
+
+  // A sender of session `id` to the worker at `target` (transfer_service.cc),
+  // authenticated with the caller's own credentials, bounded by its deadline
+  // (or the store deadline when it set none).
+  std::unique_ptr<SessionSender> NewSender(const grpc::CallbackServerContext& ctx,
+                                           const worker::SessionKey& id, const std::string& target);
+  std::shared_ptr<grpc::Channel> PeerChannel(const std::string& target);
+  // Drops a session that now lives on another worker (no store calls).
+  void ForgetMoved(const worker::SessionKey& id);
+  absl::Status DoSendSession(grpc::CallbackServerContext& ctx, const v1::SendSessionRequest& req,
+                             v1::SendSessionResponse* resp);
 
   // A unary call on the io executor: parses `raw`, runs `work`, serializes
   // its response into `out`, and finishes.
@@ -103,6 +123,9 @@ class WorkerService final
   // Null outside a cluster: a session opened without a Policy then runs
   // the defaults.
   ControllerPolicies* const policies_;
+  // One channel per peer worker that sessions are handed to.
+  absl::Mutex peers_mu_;
+  std::map<std::string, std::shared_ptr<grpc::Channel>> peers_ ABSL_GUARDED_BY(peers_mu_);
 };
 
 }  // namespace kvtier

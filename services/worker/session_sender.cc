@@ -1,0 +1,184 @@
+#include "services/worker/session_sender.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "kernels/crc32c.h"
+#include "rpc/grpc_status.h"
+#include "services/worker/transfer_proto.h"
+#include "worker/session.h"
+
+namespace kvtier {
+
+SessionSender::SessionSender(worker::Engine* engine, worker::SessionKey id,
+                             std::shared_ptr<grpc::Channel> channel, std::string target,
+                             std::string authorization, absl::Time deadline, size_t chunk_bytes)
+    : engine_(engine),
+      id_(std::move(id)),
+      target_(std::move(target)),
+      chunk_bytes_(std::max<size_t>(chunk_bytes, 4096)),
+      stub_(v1::Worker::NewStub(std::move(channel))) {
+  if (!authorization.empty()) ctx_.AddMetadata("authorization", authorization);
+  ctx_.set_deadline(absl::ToChronoTime(deadline));
+}
+
+SessionSender::~SessionSender() {
+  if (!thread_.joinable()) return;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!done_) {
+      // Unfinished: the receiver sees a cancelled stream and keeps nothing.
+      ctx_.TryCancel();
+      queue_.emplace_back(v1::TransferTail());
+      finished_ = true;
+    }
+  }
+  thread_.join();
+}
+
+absl::Status SessionSender::Begin() {
+  KVT_ASSIGN_OR_RETURN(image_, engine_->ExportSession(id_));
+  writer_ = stub_->TransferSession(&ctx_, &response_);
+  {
+    absl::MutexLock lock(&mu_);
+    v1::TransferHeader h = HeaderToProto(id_.session, image_);
+    for (const std::string& a : stores_) h.add_store_addresses(a);
+    queue_.emplace_back(std::move(h));
+    report_.set_target(target_);
+    report_.set_path("grpc");
+  }
+  thread_ = std::thread([this] { Run(); });
+  return absl::OkStatus();
+}
+
+absl::Status SessionSender::SendLayer(int layer) {
+  KVT_ASSIGN_OR_RETURN(worker::LayerImage li, engine_->ExportLayer(id_, layer));
+  absl::MutexLock lock(&mu_);
+  if (!sent_layer_) {
+    first_layer_ = std::chrono::steady_clock::now();
+    sent_layer_ = true;
+  }
+  queue_.emplace_back(std::move(li));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::TransferReport> SessionSender::Finish() {
+  const auto wait_start = std::chrono::steady_clock::now();
+  absl::Status tail = engine_->ExportTail(id_, &image_);
+  absl::MutexLock lock(&mu_);
+  if (!tail.ok()) {
+    // The receiver must not take a session whose state we cannot send.
+    ctx_.TryCancel();
+    queue_.emplace_back(v1::TransferTail());
+    finished_ = true;
+    mu_.Await(absl::Condition(&done_));
+    return tail;
+  }
+  queue_.emplace_back(TailToProto(image_));
+  finished_ = true;
+  mu_.Await(absl::Condition(&done_));
+  if (!status_.ok()) {
+    absl::Status s = FromGrpc(status_);
+    return absl::Status(s.code(), absl::StrCat("transfer of session ", id_.ToString(), " to ",
+                                               target_, " failed: ", s.message()));
+  }
+  report_.set_transfer_ms(worker::MsSince(first_layer_));
+  report_.set_exposed_ms(worker::MsSince(wait_start));
+  return report_;
+}
+
+bool SessionSender::WriteLayer(const worker::LayerImage& li) {
+  const std::string_view past = li.past ? std::string_view(*li.past) : std::string_view();
+  const std::string_view open = li.open;
+  const uint64_t total = past.size() + open.size();
+  uint32_t crc = Crc32cExtend(0, past.data(), past.size());
+  crc = Crc32cExtend(crc, open.data(), open.size());
+  v1::TransferChunk chunk;
+  uint64_t at = 0;
+  bool first = true;
+  uint32_t chunks = 0;
+  do {
+    chunk.Clear();
+    chunk.set_layer(static_cast<uint32_t>(li.layer));
+    if (first) {
+      v1::TransferLayer* info = chunk.mutable_layer_info();
+      for (uint32_t r : li.rounds) info->add_rounds(r);
+      info->set_past_bytes(past.size());
+      info->set_past_raw_bytes(li.past_raw_bytes);
+      info->set_open_rows(li.open_rows);
+      info->set_q_first(li.q_first);
+      info->set_q_rows(li.q_rows);
+      info->set_open_bytes(open.size());
+      first = false;
+    }
+    const uint64_t n = std::min<uint64_t>(chunk_bytes_, total - at);
+    std::string* data = chunk.mutable_data();
+    data->reserve(n);
+    if (at < past.size()) data->append(past.substr(at, std::min<uint64_t>(n, past.size() - at)));
+    if (data->size() < n) {
+      const uint64_t from = at + data->size() - past.size();
+      data->append(open.substr(from, n - data->size()));
+    }
+    at += n;
+    if (at == total) {
+      chunk.set_layer_end(true);
+      chunk.set_layer_crc32c(crc);
+    }
+    if (!writer_->Write(chunk)) return false;
+    ++chunks;
+  } while (at < total);
+  absl::MutexLock lock(&mu_);
+  report_.set_past_bytes(report_.past_bytes() + past.size());
+  report_.set_past_raw_bytes(report_.past_raw_bytes() + li.past_raw_bytes);
+  report_.set_open_bytes(report_.open_bytes() + open.size());
+  report_.set_wire_bytes(report_.wire_bytes() + total);
+  report_.set_chunks(report_.chunks() + chunks);
+  return true;
+}
+
+void SessionSender::Run() {
+  bool broken = false;
+  for (;;) {
+    Item item;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](std::deque<Item>* q) { return !q->empty(); }, &queue_));
+      item = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    const bool last = std::holds_alternative<v1::TransferTail>(item);
+    if (!broken) {
+      if (auto* h = std::get_if<v1::TransferHeader>(&item)) {
+        v1::TransferChunk c;
+        *c.mutable_header() = std::move(*h);
+        broken = !writer_->Write(c);
+      } else if (auto* li = std::get_if<worker::LayerImage>(&item)) {
+        broken = !WriteLayer(*li);
+      } else {
+        v1::TransferChunk c;
+        *c.mutable_tail() = std::move(std::get<v1::TransferTail>(item));
+        broken = !writer_->Write(c);
+        if (!broken) writer_->WritesDone();
+      }
+    }
+    if (last || broken) {
+      // The call's status: the receiver's answer, or why the stream broke.
+      grpc::Status st = writer_->Finish();
+      absl::MutexLock lock(&mu_);
+      status_ = std::move(st);
+      if (last || finished_) {
+        done_ = true;
+        return;
+      }
+      // Broken before the tail: the caller still queues the rest; drop it
+      // until its Finish.
+      mu_.Await(absl::Condition(&finished_));
+      done_ = true;
+      return;
+    }
+  }
+}
+
+}  // namespace kvtier

@@ -1,0 +1,88 @@
+// The sending side of a hand-off: streams one session of this worker's
+// engine to another kvtier-worker's TransferSession, layer by layer, on a
+// thread of its own, so that the stream overlaps the layers still being
+// computed (docs/transfer.md).
+#ifndef KVTIER_SERVICES_WORKER_SESSION_SENDER_H_
+#define KVTIER_SERVICES_WORKER_SESSION_SENDER_H_
+
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <variant>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
+#include "kvtier/v1/worker.grpc.pb.h"
+#include "worker/engine.h"
+
+namespace kvtier {
+
+// Not thread-safe: one caller drives Begin, SendLayer (in layer order) and
+// Finish. Destroying it before Finish cancels the transfer (the receiver
+// then keeps nothing) and waits for its thread.
+class SessionSender {
+ public:
+  // `channel` leads to the receiving worker; `authorization` (may be empty)
+  // is the metadata the receiver authenticates the tenant by: the caller's
+  // own, passed on.
+  SessionSender(worker::Engine* engine, worker::SessionKey id,
+                std::shared_ptr<grpc::Channel> channel, std::string target,
+                std::string authorization, absl::Time deadline,
+                size_t chunk_bytes = size_t{1} << 20);
+  ~SessionSender();
+  SessionSender(const SessionSender&) = delete;
+  SessionSender& operator=(const SessionSender&) = delete;
+
+  // The stores that keep the session's rounds, for the receiver (before
+  // Begin; empty: the receiver's own --store).
+  void SetStores(std::vector<std::string> stores) { stores_ = std::move(stores); }
+  // Exports the session's image and opens the stream. The engine's
+  // statuses (NOT_FOUND, FAILED_PRECONDITION).
+  absl::Status Begin();
+  // Exports `layer` (done in the current step, or any layer between steps)
+  // and queues it.
+  absl::Status SendLayer(int layer);
+  // After the last layer: exports the tail, sends it and waits for the
+  // receiver. OK and the report once the receiver holds the session (the
+  // caller then forgets it); otherwise the transfer's status, annotated.
+  absl::StatusOr<v1::TransferReport> Finish();
+
+ private:
+  using Item = std::variant<v1::TransferHeader, worker::LayerImage, v1::TransferTail>;
+  void Run();
+  // Writes one layer in chunks; false when the stream broke.
+  bool WriteLayer(const worker::LayerImage& li);
+
+  worker::Engine* const engine_;
+  const worker::SessionKey id_;
+  const std::string target_;
+  const size_t chunk_bytes_;
+  grpc::ClientContext ctx_;
+  std::unique_ptr<v1::Worker::Stub> stub_;
+  v1::TransferSessionResponse response_;
+  std::unique_ptr<grpc::ClientWriter<v1::TransferChunk>> writer_;
+  worker::SessionImage image_;
+  std::vector<std::string> stores_;
+  std::thread thread_;
+
+  absl::Mutex mu_;
+  std::chrono::steady_clock::time_point first_layer_ ABSL_GUARDED_BY(mu_);
+  bool sent_layer_ ABSL_GUARDED_BY(mu_) = false;
+  // The tail (or a cancel) is queued: nothing more comes.
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
+  bool done_ ABSL_GUARDED_BY(mu_) = false;  // The thread has finished the call.
+  grpc::Status status_ ABSL_GUARDED_BY(mu_);
+  v1::TransferReport report_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVICES_WORKER_SESSION_SENDER_H_

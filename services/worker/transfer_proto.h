@@ -1,0 +1,24 @@
+// A session image (worker::SessionImage) on the wire: TransferSession's
+// header and tail, converted field by field at the service edge.
+#ifndef KVTIER_SERVICES_WORKER_TRANSFER_PROTO_H_
+#define KVTIER_SERVICES_WORKER_TRANSFER_PROTO_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "kvtier/v1/worker.pb.h"
+#include "worker/engine.h"
+
+namespace kvtier {
+
+v1::TransferHeader HeaderToProto(const std::string& session_id, const worker::SessionImage& im);
+// The image's header part. INVALID_ARGUMENT for a shape, method, mode or
+// codec out of range (the engine checks the rest when it imports).
+absl::StatusOr<worker::SessionImage> HeaderFromProto(const v1::TransferHeader& h);
+
+v1::TransferTail TailToProto(const worker::SessionImage& im);
+void TailFromProto(const v1::TransferTail& t, worker::SessionImage* im);
+
+}  // namespace kvtier
+
+#endif  // KVTIER_SERVICES_WORKER_TRANSFER_PROTO_H_

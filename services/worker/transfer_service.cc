@@ -1,0 +1,235 @@
+// WorkerService's hand-off methods: TransferSession (receiving), SendSession
+// (sending a session between steps), and the senders the Prefill stream
+// uses for transfer_to (docs/transfer.md).
+#include <algorithm>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "base/log.h"
+#include "base/status_macros.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "kernels/crc32c.h"
+#include "rpc/grpc_status.h"
+#include "rpc/transport_args.h"
+#include "services/worker/transfer_proto.h"
+#include "services/worker/worker_service.h"
+
+namespace kvtier {
+
+std::shared_ptr<grpc::Channel> WorkerService::PeerChannel(const std::string& target) {
+  absl::MutexLock lock(&peers_mu_);
+  auto it = peers_.find(target);
+  if (it != peers_.end()) return it->second;
+  grpc::ChannelArguments args;
+  ApplyBulkTransportArgs(&args);
+  ApplyReconnectArgs(&args);
+  auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  peers_.emplace(target, channel);
+  return channel;
+}
+
+std::unique_ptr<SessionSender> WorkerService::NewSender(const grpc::CallbackServerContext& ctx,
+                                                        const worker::SessionKey& id,
+                                                        const std::string& target) {
+  std::string authorization;
+  auto it = ctx.client_metadata().find("authorization");
+  if (it != ctx.client_metadata().end()) authorization.assign(it->second.data(), it->second.size());
+  auto sender = std::make_unique<SessionSender>(engine_, id, PeerChannel(target), target,
+                                                std::move(authorization), StoreCall(ctx).deadline,
+                                                options_.max_response_bytes);
+  if (replicas_ != nullptr) sender->SetStores(replicas_->Replicas(id.tenant, id.session));
+  return sender;
+}
+
+absl::Status WorkerService::DoSendSession(grpc::CallbackServerContext& ctx,
+                                          const v1::SendSessionRequest& req,
+                                          v1::SendSessionResponse* resp) {
+  KVT_ASSIGN_OR_RETURN(worker::SessionKey id, Key(ctx, req.session_id()));
+  if (req.target().empty()) return absl::InvalidArgumentError("SendSession needs a target");
+  KVT_ASSIGN_OR_RETURN(worker::ModelShape shape, engine_->Shape(id));
+  std::unique_ptr<SessionSender> sender = NewSender(ctx, id, req.target());
+  absl::Status sent = sender->Begin();
+  for (int l = 0; sent.ok() && l < shape.layers; ++l) sent = sender->SendLayer(l);
+  absl::StatusOr<v1::TransferReport> report =
+      sent.ok() ? sender->Finish() : absl::StatusOr<v1::TransferReport>(sent);
+  sender.reset();  // Unfinished, it cancels: the receiver keeps nothing.
+  metrics_->Transfer("sent", "grpc", report.ok(), report.ok() ? report->wire_bytes() : 0);
+  KVT_RETURN_IF_ERROR(report.status());
+  ForgetMoved(id);
+  *resp->mutable_report() = std::move(*report);
+  return absl::OkStatus();
+}
+
+void WorkerService::ForgetMoved(const worker::SessionKey& id) {
+  // Deliberately ignored: NOT_FOUND only if it was closed meanwhile.
+  engine_->ForgetSession(id).IgnoreError();
+  if (policies_ != nullptr) policies_->Forget(id);
+  if (replicas_ != nullptr) replicas_->Forget(id.tenant, id.session);
+  LogInfo("session handed off", {{"session", id.ToString()}});
+}
+
+// ---- TransferSession ----
+
+// One chunk at a time, each handled on the compute executor; the session is
+// imported when the tail arrives, and nothing stays on any other path.
+// Exactly one Finish(), from the executor.
+class WorkerService::TransferReactor : public grpc::ServerReadReactor<v1::TransferChunk> {
+ public:
+  TransferReactor(WorkerService* svc, grpc::CallbackServerContext* ctx,
+                  v1::TransferSessionResponse* resp)
+      : svc_(svc), ctx_(ctx), resp_(resp) {
+    StartRead(&chunk_);
+  }
+
+  void OnReadDone(bool ok) override {
+    svc_->compute_->Schedule([this, ok] {
+      if (!ok) {
+        End(absl::AbortedError(absl::StrCat("the transfer stream ended before its tail (after ",
+                                            layers_.size(), " layers); nothing was kept")));
+        return;
+      }
+      absl::Status s = Take();
+      if (!s.ok() || imported_) {
+        End(s);
+        return;
+      }
+      StartRead(&chunk_);
+    });
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status Take() {
+    if (!image_.has_value()) {
+      if (!chunk_.has_header()) {
+        return absl::InvalidArgumentError("the first TransferChunk must carry the header");
+      }
+      KVT_ASSIGN_OR_RETURN(id_, svc_->Key(*ctx_, chunk_.header().session_id()));
+      KVT_ASSIGN_OR_RETURN(image_, HeaderFromProto(chunk_.header()));
+      stores_.assign(chunk_.header().store_addresses().begin(),
+                     chunk_.header().store_addresses().end());
+      if (!stores_.empty() && svc_->replicas_ == nullptr) {
+        return absl::FailedPreconditionError("this worker cannot use per-session store replicas");
+      }
+      return svc_->engine_->CheckImport(*id_, 0);
+    }
+    if (chunk_.has_header()) return absl::InvalidArgumentError("a second transfer header");
+    const int layers = image_->shape.layers;
+    if (chunk_.has_tail()) {
+      if (static_cast<int>(layers_.size()) != layers || gathering_) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("the tail arrived after ", layers_.size(), " of ", layers, " layers"));
+      }
+      TailFromProto(chunk_.tail(), &*image_);
+      if (!stores_.empty()) {
+        KVT_RETURN_IF_ERROR(svc_->replicas_->SetReplicas(id_->tenant, id_->session, stores_));
+      }
+      absl::Status s = svc_->engine_->ImportSession(*id_, *image_, std::move(layers_));
+      if (!s.ok()) {
+        if (!stores_.empty() && !absl::IsAlreadyExists(s)) {
+          svc_->replicas_->Forget(id_->tenant, id_->session);
+        }
+        return s;
+      }
+      resp_->set_bytes_received(received_);
+      imported_ = true;
+      return absl::OkStatus();
+    }
+    if (!gathering_) {
+      if (static_cast<int>(chunk_.layer()) != static_cast<int>(layers_.size()) ||
+          !chunk_.has_layer_info()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "transfer chunk of layer ", chunk_.layer(), " where the first chunk of ",
+            layers_.size() < static_cast<size_t>(layers) ? absl::StrCat("layer ", layers_.size())
+                                                         : std::string("the tail"),
+            " belongs"));
+      }
+      const v1::TransferLayer& info = chunk_.layer_info();
+      // Refused before anything is allocated for it.
+      KVT_RETURN_IF_ERROR(
+          svc_->engine_->CheckImport(*id_, received_ + info.past_bytes() + info.open_bytes()));
+      layer_ = worker::LayerImage();
+      layer_.layer = static_cast<int>(layers_.size());
+      layer_.rounds.assign(info.rounds().begin(), info.rounds().end());
+      layer_.past_raw_bytes = info.past_raw_bytes();
+      layer_.open_rows = info.open_rows();
+      layer_.q_first = info.q_first();
+      layer_.q_rows = info.q_rows();
+      past_bytes_ = info.past_bytes();
+      open_bytes_ = info.open_bytes();
+      past_.clear();
+      constexpr uint64_t kReserveCap = uint64_t{64} << 20;
+      past_.reserve(std::min(past_bytes_, kReserveCap));
+      layer_.open.reserve(std::min(open_bytes_, kReserveCap));
+      crc_ = 0;
+      gathering_ = true;
+    } else if (static_cast<int>(chunk_.layer()) != layer_.layer || chunk_.has_layer_info()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("transfer chunk of layer ", chunk_.layer(), " inside layer ", layer_.layer));
+    }
+    const std::string& data = chunk_.data();
+    if (past_.size() + layer_.open.size() + data.size() > past_bytes_ + open_bytes_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", layer_.layer, " carries more than the ", past_bytes_ + open_bytes_,
+                       " bytes its first chunk announced"));
+    }
+    crc_ = Crc32cExtend(crc_, data.data(), data.size());
+    const size_t to_past = std::min<size_t>(data.size(), past_bytes_ - past_.size());
+    past_.append(data, 0, to_past);
+    layer_.open.append(data, to_past, std::string::npos);
+    received_ += data.size();
+    if (!chunk_.layer_end()) return absl::OkStatus();
+    if (past_.size() != past_bytes_ || layer_.open.size() != open_bytes_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", layer_.layer, " ended after ", past_.size() + layer_.open.size(),
+                       " of the ", past_bytes_ + open_bytes_, " bytes it announced"));
+    }
+    if (crc_ != chunk_.layer_crc32c()) {
+      return absl::DataLossError(absl::StrCat("layer ", layer_.layer,
+                                              " of the transfer is corrupt: crc32c ", crc_,
+                                              ", the sender's ", chunk_.layer_crc32c()));
+    }
+    layer_.past = std::make_shared<const std::string>(std::move(past_));
+    past_ = std::string();
+    layers_.push_back(std::move(layer_));
+    gathering_ = false;
+    return absl::OkStatus();
+  }
+
+  void End(const absl::Status& s) {
+    if (!s.ok()) {
+      LogWarn("session transfer refused",
+              {{"session", id_.has_value() ? id_->ToString() : std::string("?")},
+               {"error", s.ToString()}});
+    }
+    svc_->metrics_->Transfer("received", "grpc", s.ok(), received_);
+    svc_->UpdateWorkingSet();
+    Finish(svc_->Done("TransferSession", s));
+  }
+
+  WorkerService* const svc_;
+  grpc::CallbackServerContext* const ctx_;
+  v1::TransferSessionResponse* const resp_;
+  v1::TransferChunk chunk_;
+  std::optional<worker::SessionKey> id_;
+  std::optional<worker::SessionImage> image_;
+  std::vector<std::string> stores_;
+  std::vector<worker::LayerImage> layers_;
+  // The layer being gathered.
+  bool gathering_ = false;
+  worker::LayerImage layer_;
+  std::string past_;
+  uint64_t past_bytes_ = 0, open_bytes_ = 0;
+  uint32_t crc_ = 0;
+  uint64_t received_ = 0;
+  bool imported_ = false;
+};
+
+grpc::ServerReadReactor<v1::TransferChunk>* WorkerService::TransferSession(
+    grpc::CallbackServerContext* ctx, v1::TransferSessionResponse* resp) {
+  return new TransferReactor(this, ctx, resp);
+}
+
+}  // namespace kvtier
