@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "base/memory.h"
+#include "bench/benches.h"
 #include "client/store_client.h"
 #include "testing/store_process.h"
 #include "testing/test_util.h"
@@ -33,8 +34,8 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-// Sends `bytes_per_stream` over each of `streams` loopback TCP connections
-// to a forked child that discards them; returns GB/s (1e9 bytes/s).
+}  // namespace
+
 double TcpLoopbackGbps(int streams, uint64_t bytes_per_stream) {
   int listener = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
@@ -97,6 +98,8 @@ double TcpLoopbackGbps(int streams, uint64_t bytes_per_stream) {
   ::waitpid(child, &status, 0);
   return streams * bytes_per_stream / s / 1e9;
 }
+
+namespace {
 
 // Writes `bytes_per_stream` in `block`-sized O_DSYNC writes to one file per
 // stream under `dir`: what a synchronous durable write can cost at best on
@@ -322,18 +325,17 @@ int StoreBench(int argc, char** argv) {
 
 }  // namespace kvtier::bench
 
-namespace kvtier::bench {
-int StoreScaleBench(int argc, char** argv);  // store_scale_bench.cc
-}  // namespace kvtier::bench
-
 int main(int argc, char** argv) {
   kvtier::TuneAllocatorForLargeBuffers();
   std::string what = argc > 1 ? argv[1] : "";
   if (what == "store") return kvtier::bench::StoreBench(argc - 2, argv + 2);
   if (what == "store-scale") return kvtier::bench::StoreScaleBench(argc - 2, argv + 2);
-  std::fprintf(stderr,
-               "usage: kvtier-bench store [--csv=FILE] ...        (kvtier-bench store --help)\n"
-               "       kvtier-bench store-scale [--counts=...] ...  (kvtier-bench store-scale "
-               "--help)\n");
+  if (what == "transfer") return kvtier::bench::TransferBench(argc - 2, argv + 2);
+  std::fprintf(
+      stderr,
+      "usage: kvtier-bench store [--csv=FILE] ...        (kvtier-bench store --help)\n"
+      "       kvtier-bench store-scale [--counts=...] ...  (kvtier-bench store-scale "
+      "--help)\n"
+      "       kvtier-bench transfer [--tokens=N] ...       (kvtier-bench transfer --help)\n");
   return 2;
 }

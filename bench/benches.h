@@ -1,0 +1,19 @@
+// The kvtier-bench subcommands and the baselines they share.
+#ifndef KVTIER_BENCH_BENCHES_H_
+#define KVTIER_BENCH_BENCHES_H_
+
+#include <cstdint>
+
+namespace kvtier::bench {
+
+int StoreBench(int argc, char** argv);       // store_bench.cc
+int StoreScaleBench(int argc, char** argv);  // store_scale_bench.cc
+int TransferBench(int argc, char** argv);    // transfer_bench.cc
+
+// Sends `bytes_per_stream` over each of `streams` loopback TCP connections
+// to a forked child that discards them; returns GB/s (1e9 bytes/s).
+double TcpLoopbackGbps(int streams, uint64_t bytes_per_stream);
+
+}  // namespace kvtier::bench
+
+#endif  // KVTIER_BENCH_BENCHES_H_

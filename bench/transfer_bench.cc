@@ -1,0 +1,356 @@
+// kvtier-bench transfer: the prefill -> decode hand-off between two
+// kvtier-workers (in this process, 127.0.0.1:0) over one kvtier-store
+// process, with baselines measured in the same run:
+//  - throughput of SendSession against raw loopback TCP carrying the same
+//    number of bytes;
+//  - bytes on the wire per round for each codec against the same rounds in
+//    the model's fp16 (the codec's own ratio, from EndRound);
+//  - a prefill handed off layer by layer (transfer_to) against the same
+//    prefill kept local: how much of the transfer hides behind the prefill.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "bench/benches.h"
+#include "grpcpp/create_channel.h"
+#include "kernels/half.h"
+#include "services/worker/worker_server.h"
+#include "testing/store_process.h"
+#include "testing/test_util.h"
+
+namespace kvtier::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Ms(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+struct Model {
+  int layers = 32, q_heads = 8, kv_heads = 8, head_dim = 128;
+};
+
+v1::DenseTensor Dense(const std::vector<float>& x, int64_t tokens, int heads, int d) {
+  v1::DenseTensor t;
+  t.set_dtype(v1::DTYPE_FP32);
+  t.add_shape(tokens);
+  t.add_shape(heads);
+  t.add_shape(d);
+  t.set_data(reinterpret_cast<const char*>(x.data()), x.size() * 4);
+  return t;
+}
+
+// One prefill step's q/k/v for every layer (fp16-representable values).
+struct Step {
+  int64_t n = 0;
+  std::vector<v1::DenseTensor> q, k, v;
+};
+
+Step MakeStep(const Model& m, int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  auto draw = [&](int heads) {
+    std::vector<float> x(static_cast<size_t>(n * heads * m.head_dim));
+    for (float& e : x) e = HalfToFloat(FloatToHalf(nd(rng)));
+    return Dense(x, n, heads, m.head_dim);
+  };
+  Step s;
+  s.n = n;
+  for (int l = 0; l < m.layers; ++l) {
+    s.q.push_back(draw(m.q_heads));
+    s.k.push_back(draw(m.kv_heads));
+    s.v.push_back(draw(m.kv_heads));
+  }
+  return s;
+}
+
+struct PrefillResult {
+  grpc::Status status;
+  double ms = 0;  // From the first layer sent to the last response.
+  v1::TransferReport transfer;
+};
+
+PrefillResult Prefill(v1::Worker::Stub* stub, const std::string& id, const Step& step,
+                      const std::string& transfer_to) {
+  PrefillResult r;
+  grpc::ClientContext c;
+  auto s = stub->Prefill(&c);
+  const auto t0 = Clock::now();
+  for (size_t l = 0; l < step.q.size(); ++l) {
+    v1::LayerRequest req;
+    if (l == 0) {
+      req.set_session_id(id);
+      req.set_transfer_to(transfer_to);
+    }
+    req.set_layer(static_cast<uint32_t>(l));
+    *req.mutable_q() = step.q[l];
+    *req.mutable_k() = step.k[l];
+    *req.mutable_v() = step.v[l];
+    if (!s->Write(req)) break;
+    v1::LayerResponse resp;
+    bool broke = false;
+    do {
+      broke = !s->Read(&resp);
+      if (!broke && resp.has_transfer()) r.transfer = resp.transfer();
+    } while (!broke && resp.more_chunks());
+    if (broke) break;
+  }
+  r.ms = Ms(t0, Clock::now());
+  s->WritesDone();
+  r.status = s->Finish();
+  return r;
+}
+
+grpc::Status Open(v1::Worker::Stub* stub, const Model& m, const std::string& id,
+                  const std::string& codec, bool keep_all) {
+  v1::OpenSessionRequest r;
+  r.set_session_id(id);
+  v1::ModelSpec* spec = r.mutable_model();
+  spec->set_num_layers(m.layers);
+  spec->set_num_q_heads(m.q_heads);
+  spec->set_num_kv_heads(m.kv_heads);
+  spec->set_head_dim(m.head_dim);
+  spec->set_dtype(v1::DTYPE_FP16);
+  spec->set_rope_theta(10000);
+  v1::Policy* p = r.mutable_policy();
+  if (codec == "fp16") {
+    p->set_codec(v1::CODEC_RAW);
+  } else if (codec.rfind("kivi", 0) == 0) {
+    p->set_codec(v1::CODEC_KIVI);
+    p->mutable_codec_params()->set_bits(std::stoi(codec.substr(4)));
+  } else if (codec.rfind("gear", 0) == 0) {
+    p->set_codec(v1::CODEC_GEAR);
+    p->mutable_codec_params()->set_bits(std::stoi(codec.substr(4)));
+  } else {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "codec " + codec);
+  }
+  p->set_recall("all");
+  p->set_release_after_end_round(!keep_all);
+  grpc::ClientContext c;
+  v1::OpenSessionResponse resp;
+  return stub->OpenSession(&c, r, &resp);
+}
+
+grpc::Status EndRound(v1::Worker::Stub* stub, const std::string& id, v1::EndRoundResponse* resp) {
+  grpc::ClientContext c;
+  v1::EndRoundRequest r;
+  r.set_session_id(id);
+  return stub->EndRound(&c, r, resp);
+}
+
+grpc::Status Close(v1::Worker::Stub* stub, const std::string& id) {
+  grpc::ClientContext c;
+  v1::CloseSessionRequest r;
+  r.set_session_id(id);
+  r.set_delete_from_store(true);
+  v1::CloseSessionResponse resp;
+  return stub->CloseSession(&c, r, &resp);
+}
+
+grpc::Status Send(v1::Worker::Stub* stub, const std::string& id, const std::string& target,
+                  v1::SendSessionResponse* resp) {
+  grpc::ClientContext c;
+  v1::SendSessionRequest r;
+  r.set_session_id(id);
+  r.set_target(target);
+  return stub->SendSession(&c, r, resp);
+}
+
+bool Check(const grpc::Status& s, const char* what) {
+  if (s.ok()) return true;
+  std::fprintf(stderr, "kvtier-bench transfer: %s: %s\n", what, s.error_message().c_str());
+  return false;
+}
+
+void Usage() {
+  std::fprintf(stderr,
+               "kvtier-bench transfer [--layers=32] [--tokens=512] [--rounds=4]\n"
+               "                      [--codecs=fp16,kivi4,kivi2,gear2] [--repeat=3] [--csv=FILE]\n"
+               "  Two kvtier-workers in this process and a kvtier-store it starts, all on\n"
+               "  127.0.0.1:0. Model: --layers layers, 8 q / 8 kv heads, head_dim 128, fp16.\n"
+               "  1. Per codec, --rounds rounds of --tokens tokens stay resident; SendSession\n"
+               "     moves them to the other worker and back, --repeat times (best kept),\n"
+               "     beside raw loopback TCP carrying the same bytes (best of 3).\n"
+               "  2. A prefill of --tokens tokens handed off layer by layer (transfer_to)\n"
+               "     against the same prefill kept local.\n");
+}
+
+}  // namespace
+
+int TransferBench(int argc, char** argv) {
+  Model m;
+  int64_t tokens = 512;
+  int rounds = 4, repeat = 3;
+  std::vector<std::string> codecs = {"fp16", "kivi4", "kivi2", "gear2"};
+  std::string csv;
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&](const char* flag) -> const char* {
+      const size_t n = std::strlen(flag);
+      return a.compare(0, n, flag) == 0 ? a.c_str() + n : nullptr;
+    };
+    if (const char* v = value("--layers=")) {
+      m.layers = std::atoi(v);
+    } else if (const char* v = value("--tokens=")) {
+      tokens = std::atoll(v);
+    } else if (const char* v = value("--rounds=")) {
+      rounds = std::atoi(v);
+    } else if (const char* v = value("--repeat=")) {
+      repeat = std::max(1, std::atoi(v));
+    } else if (const char* v = value("--codecs=")) {
+      codecs = absl::StrSplit(v, ',');
+    } else if (const char* v = value("--csv=")) {
+      csv = v;
+    } else {
+      Usage();
+      return 2;
+    }
+  }
+  if (m.layers < 2 || tokens < 1 || rounds < 1) {
+    Usage();
+    return 2;
+  }
+  testing::TempDir tmp;
+  testing::StoreProcess store(tmp.path() + "/db",
+                              {"--ram_budget_mb=8192", "--max_segment_mb=256", "--log_level=warn"});
+  if (absl::Status s = store.Start(); !s.ok()) {
+    std::fprintf(stderr, "kvtier-bench transfer: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  std::vector<std::unique_ptr<WorkerServer>> workers;
+  std::vector<std::unique_ptr<v1::Worker::Stub>> stubs;
+  std::vector<std::string> targets;
+  for (int i = 0; i < 2; ++i) {
+    WorkerServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.metrics_listen = "";
+    o.store.target = store.target();
+    o.store.deadline = absl::Seconds(60);
+    o.service.store_deadline = absl::Seconds(60);
+    o.engine.placement = worker::EngineOptions::Placement::kHost;
+    auto w = WorkerServer::Start(o);
+    if (!w.ok()) {
+      std::fprintf(stderr, "kvtier-bench transfer: %s\n", w.status().ToString().c_str());
+      return 1;
+    }
+    targets.push_back(absl::StrCat("127.0.0.1:", (*w)->port()));
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    stubs.push_back(v1::Worker::NewStub(
+        grpc::CreateCustomChannel(targets.back(), grpc::InsecureChannelCredentials(), args)));
+    workers.push_back(std::move(*w));
+  }
+  v1::Worker::Stub *p = stubs[0].get(), *d = stubs[1].get();
+
+  // ---- 1. Bytes per round and throughput, per codec ----
+  struct Row {
+    std::string codec;
+    uint64_t stored = 0, wire = 0, past = 0, raw = 0;
+    double codec_ratio = 0, gbps = 0, tcp_gbps = 0;
+  };
+  std::vector<Row> rows;
+  for (const std::string& codec : codecs) {
+    const std::string id = "bytes-" + codec;
+    if (!Check(Open(p, m, id, codec, /*keep_all=*/true), "OpenSession")) return 1;
+    Row row;
+    row.codec = codec;
+    double full = 0;
+    for (int r = 0; r < rounds; ++r) {
+      std::fprintf(stderr, "%s: round %d of %d\n", codec.c_str(), r + 1, rounds);
+      PrefillResult pr = Prefill(p, id, MakeStep(m, tokens, 100 + r), "");
+      if (!Check(pr.status, "Prefill")) return 1;
+      v1::EndRoundResponse end;
+      if (!Check(EndRound(p, id, &end), "EndRound")) return 1;
+      row.stored += end.stored_bytes();
+      full += static_cast<double>(end.stored_bytes()) * end.compression_ratio();
+    }
+    row.codec_ratio = full / static_cast<double>(row.stored);
+    double best_ms = 1e300;
+    for (int i = 0; i < repeat; ++i) {
+      for (int dir = 0; dir < 2; ++dir) {
+        v1::SendSessionResponse resp;
+        const auto t0 = Clock::now();
+        if (!Check(Send(dir == 0 ? p : d, id, targets[dir == 0 ? 1 : 0], &resp), "SendSession")) {
+          return 1;
+        }
+        best_ms = std::min(best_ms, Ms(t0, Clock::now()));
+        row.wire = resp.report().wire_bytes();
+        row.past = resp.report().past_bytes();
+        row.raw = resp.report().past_raw_bytes();
+      }
+    }
+    row.gbps = static_cast<double>(row.wire) / (best_ms / 1e3) / 1e9;
+    for (int i = 0; i < 3; ++i) row.tcp_gbps = std::max(row.tcp_gbps, TcpLoopbackGbps(1, row.wire));
+    Close(p, id);
+    rows.push_back(row);
+  }
+
+  // ---- 2. A prefill handed off layer by layer, against it kept local ----
+  struct Exposed {
+    double local_ms = 1e300, handoff_ms = 1e300, transfer_ms = 0, exposed_ms = 0;
+    uint64_t open_bytes = 0;
+  } ex;
+  for (int i = 0; i < repeat; ++i) {
+    const Step step = MakeStep(m, tokens, 7 + i);
+    const std::string local = absl::StrCat("local-", i), moved = absl::StrCat("moved-", i);
+    if (!Check(Open(p, m, local, "kivi4", false), "OpenSession") ||
+        !Check(Open(p, m, moved, "kivi4", false), "OpenSession")) {
+      return 1;
+    }
+    std::fprintf(stderr, "hand-off: run %d of %d\n", i + 1, repeat);
+    PrefillResult a = Prefill(p, local, step, "");
+    PrefillResult b = Prefill(p, moved, step, targets[1]);
+    if (!Check(a.status, "Prefill") || !Check(b.status, "Prefill with transfer_to")) return 1;
+    if (b.ms < ex.handoff_ms) {
+      ex.handoff_ms = b.ms;
+      ex.transfer_ms = b.transfer.transfer_ms();
+      ex.exposed_ms = b.transfer.exposed_ms();
+      ex.open_bytes = b.transfer.open_bytes();
+    }
+    ex.local_ms = std::min(ex.local_ms, a.ms);
+    Close(p, local);
+    Close(d, moved);
+  }
+
+  std::printf(
+      "\nkvtier-bench transfer: %d layers, 8 q / 8 kv heads, head_dim 128, fp16; %d rounds of "
+      "%lld tokens resident\n"
+      "SendSession (best of %d) against raw loopback TCP on the same bytes (best of 3)\n\n",
+      m.layers, rounds, static_cast<long long>(tokens), repeat * 2);
+  std::printf(
+      "| codec | stored bytes | on the wire | fp16 bytes | fp16 / wire | codec ratio | GB/s | "
+      "TCP GB/s | ratio |\n|---|---|---|---|---|---|---|---|---|\n");
+  for (const Row& r : rows) {
+    std::printf("| %s | %llu | %llu | %llu | %.2fx | %.2fx | %.2f | %.2f | %.2f |\n",
+                r.codec.c_str(), static_cast<unsigned long long>(r.stored),
+                static_cast<unsigned long long>(r.wire), static_cast<unsigned long long>(r.raw),
+                static_cast<double>(r.raw) / static_cast<double>(r.wire), r.codec_ratio, r.gbps,
+                r.tcp_gbps, r.gbps / r.tcp_gbps);
+  }
+  std::printf(
+      "\nPrefill of %lld tokens (kivi4 session, no past rounds), best of %d:\n"
+      "| local prefill ms | prefill + hand-off ms | transfer ms | exposed ms | hidden | open "
+      "bytes |\n|---|---|---|---|---|---|\n| %.1f | %.1f | %.1f | %.1f | %.0f%% | %llu |\n",
+      static_cast<long long>(tokens), repeat, ex.local_ms, ex.handoff_ms, ex.transfer_ms,
+      ex.exposed_ms, ex.transfer_ms > 0 ? 100.0 * (1 - ex.exposed_ms / ex.transfer_ms) : 0.0,
+      static_cast<unsigned long long>(ex.open_bytes));
+  if (!csv.empty()) {
+    std::ofstream out(csv);
+    out << "codec,stored_bytes,wire_bytes,fp16_bytes,codec_ratio,gbps,tcp_gbps\n";
+    for (const Row& r : rows) {
+      out << r.codec << "," << r.stored << "," << r.wire << "," << r.raw << "," << r.codec_ratio
+          << "," << r.gbps << "," << r.tcp_gbps << "\n";
+    }
+  }
+  return 0;
+}
+
+}  // namespace kvtier::bench
