@@ -1,10 +1,15 @@
 # Two commands for a newcomer: `make demo` and `make test`. Both go through
 # scripts/kvtier.sh, which installs missing Debian packages, configures and
 # builds first.
-.PHONY: demo demo-store demo-cluster test build deps bench asan fuzz clean
+.PHONY: demo demo-pd demo-store demo-cluster test build deps bench asan fuzz clean
 
 demo:
 	scripts/kvtier.sh demo
+
+# Prefill on one worker, decode on another: each round handed off layer by
+# layer (docs/transfer.md), then the same run on one worker for comparison.
+demo-pd:
+	PD=1 scripts/kvtier.sh demo
 
 # kvtier-store alone: segments, spills, one batched recall, kill -9 and restart.
 demo-store: build

@@ -48,10 +48,11 @@ v1::DenseTensor Dense(const std::vector<float>& x, int64_t tokens, int heads, in
   return t;
 }
 
-// One prefill step's q/k/v for every layer (fp16-representable values).
+// One prefill step's q/k/v for every layer (fp16-representable values),
+// token-major.
 struct Step {
   int64_t n = 0;
-  std::vector<v1::DenseTensor> q, k, v;
+  std::vector<std::vector<float>> q, k, v;
 };
 
 Step MakeStep(const Model& m, int64_t n, uint32_t seed) {
@@ -60,7 +61,7 @@ Step MakeStep(const Model& m, int64_t n, uint32_t seed) {
   auto draw = [&](int heads) {
     std::vector<float> x(static_cast<size_t>(n * heads * m.head_dim));
     for (float& e : x) e = HalfToFloat(FloatToHalf(nd(rng)));
-    return Dense(x, n, heads, m.head_dim);
+    return x;
   };
   Step s;
   s.n = n;
@@ -72,31 +73,45 @@ Step MakeStep(const Model& m, int64_t n, uint32_t seed) {
   return s;
 }
 
+// Tokens [t, t + n) of a token-major [tokens, heads, d] tensor.
+v1::DenseTensor Slice(const std::vector<float>& x, int64_t t, int64_t n, int heads, int d) {
+  const size_t row = static_cast<size_t>(heads) * d;
+  return Dense(std::vector<float>(x.begin() + t * row, x.begin() + (t + n) * row), n, heads, d);
+}
+
 struct PrefillResult {
   grpc::Status status;
   double ms = 0;  // From the first layer sent to the last response.
   v1::TransferReport transfer;
 };
 
-PrefillResult Prefill(v1::Worker::Stub* stub, const std::string& id, const Step& step,
-                      const std::string& transfer_to) {
+PrefillResult Prefill(v1::Worker::Stub* stub, const Model& m, const std::string& id,
+                      const Step& step, const std::string& transfer_to) {
   PrefillResult r;
   grpc::ClientContext c;
   auto s = stub->Prefill(&c);
+  // Messages of about 1 MiB: a layer in token slices.
+  const int64_t per = std::max<int64_t>(
+      1, (int64_t{1} << 20) / ((m.q_heads + 2 * m.kv_heads) * m.head_dim * 4));
   const auto t0 = Clock::now();
   for (size_t l = 0; l < step.q.size(); ++l) {
-    v1::LayerRequest req;
-    if (l == 0) {
-      req.set_session_id(id);
-      req.set_transfer_to(transfer_to);
-    }
-    req.set_layer(static_cast<uint32_t>(l));
-    *req.mutable_q() = step.q[l];
-    *req.mutable_k() = step.k[l];
-    *req.mutable_v() = step.v[l];
-    if (!s->Write(req)) break;
-    v1::LayerResponse resp;
     bool broke = false;
+    for (int64_t t = 0; t < step.n && !broke; t += per) {
+      const int64_t n = std::min(per, step.n - t);
+      v1::LayerRequest req;
+      if (l == 0 && t == 0) {
+        req.set_session_id(id);
+        req.set_transfer_to(transfer_to);
+      }
+      req.set_layer(static_cast<uint32_t>(l));
+      *req.mutable_q() = Slice(step.q[l], t, n, m.q_heads, m.head_dim);
+      *req.mutable_k() = Slice(step.k[l], t, n, m.kv_heads, m.head_dim);
+      *req.mutable_v() = Slice(step.v[l], t, n, m.kv_heads, m.head_dim);
+      req.set_more_chunks(t + n < step.n);
+      broke = !s->Write(req);
+    }
+    if (broke) break;
+    v1::LayerResponse resp;
     do {
       broke = !s->Read(&resp);
       if (!broke && resp.has_transfer()) r.transfer = resp.transfer();
@@ -265,7 +280,7 @@ int TransferBench(int argc, char** argv) {
     double full = 0;
     for (int r = 0; r < rounds; ++r) {
       std::fprintf(stderr, "%s: round %d of %d\n", codec.c_str(), r + 1, rounds);
-      PrefillResult pr = Prefill(p, id, MakeStep(m, tokens, 100 + r), "");
+      PrefillResult pr = Prefill(p, m, id, MakeStep(m, tokens, 100 + r), "");
       if (!Check(pr.status, "Prefill")) return 1;
       v1::EndRoundResponse end;
       if (!Check(EndRound(p, id, &end), "EndRound")) return 1;
@@ -306,8 +321,8 @@ int TransferBench(int argc, char** argv) {
       return 1;
     }
     std::fprintf(stderr, "hand-off: run %d of %d\n", i + 1, repeat);
-    PrefillResult a = Prefill(p, local, step, "");
-    PrefillResult b = Prefill(p, moved, step, targets[1]);
+    PrefillResult a = Prefill(p, m, local, step, "");
+    PrefillResult b = Prefill(p, m, moved, step, targets[1]);
     if (!Check(a.status, "Prefill") || !Check(b.status, "Prefill with transfer_to")) return 1;
     if (b.ms < ex.handoff_ms) {
       ex.handoff_ms = b.ms;

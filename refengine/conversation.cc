@@ -172,6 +172,14 @@ class Tier : public TierSession {
     }
   }
 
+  void Disaggregate(const Disaggregation& pd) {
+    dstub_ = v1::Worker::NewStub(pd.decode_channel);
+    prefill_target_ = pd.prefill_target;
+    decode_target_ = pd.decode_target;
+  }
+  // The worker that holds the session now.
+  v1::Worker::Stub* Holder() const { return on_decode_ ? dstub_.get() : stub_.get(); }
+
   const std::vector<TierRound>& rounds() const override { return rounds_; }
   const v1::Policy& effective_policy() const override { return effective_; }
   bool on_device() const override { return on_device_; }
@@ -229,7 +237,7 @@ class Tier : public TierSession {
     v1::CloseSessionResponse resp;
     KVT_RETURN_IF_ERROR(CloseDecodeStream());
     auto ctx = Context(deadlines_.call);
-    return FromGrpc(stub_->CloseSession(ctx.get(), r, &resp), "CloseSession");
+    return FromGrpc(Holder()->CloseSession(ctx.get(), r, &resp), "CloseSession");
   }
 
   absl::Status BeginStep(bool prefill, int n, int question_tokens) override {
@@ -237,11 +245,14 @@ class Tier : public TierSession {
     question_ = question_tokens;
     if (prefill) {
       pctx_ = Context(deadlines_.step);
-      pstream_ = stub_->Prefill(pctx_.get());
+      pstream_ = Holder()->Prefill(pctx_.get());
+      step_start_ = std::chrono::steady_clock::now();
+      // A first prefill of the round on the prefill worker is handed off.
+      hand_off_ = dstub_ != nullptr && !on_decode_;
     } else if (mux_ == nullptr && dstream_ == nullptr) {
       // One Decode stream for the round's steps, not one per token.
       dctx_ = Context(deadlines_.round);
-      dstream_ = stub_->Decode(dctx_.get());
+      dstream_ = Holder()->Decode(dctx_.get());
     }
     (void)n;
     return absl::OkStatus();
@@ -260,7 +271,10 @@ class Tier : public TierSession {
       for (int t = 0; t < n; t += per) {
         const int m = std::min(per, n - t);
         v1::LayerRequest req;
-        if (layer == 0 && t == 0) req.set_session_id(session_);
+        if (layer == 0 && t == 0) {
+          req.set_session_id(session_);
+          if (hand_off_) req.set_transfer_to(decode_target_);
+        }
         req.set_layer(layer);
         req.set_question_tokens(question_);
         WriteDense(q, t, m, q_heads_, hd, wire_, req.mutable_q());
@@ -289,6 +303,7 @@ class Tier : public TierSession {
           last_recall_ = resp.recall();
           has_recall_ = true;
         }
+        if (resp.has_transfer()) transfer_ = resp.transfer();
       } while (resp.more_chunks());
       if (got != static_cast<size_t>(n)) {
         return absl::InternalError(absl::StrCat("Prefill layer ", layer, ": short output"));
@@ -332,6 +347,13 @@ class Tier : public TierSession {
     pstream_->WritesDone();
     grpc::Status s = pstream_->Finish();
     pstream_.reset();
+    if (s.ok() && !has_prefill_ms_) {
+      prefill_ms_ =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - step_start_)
+              .count();
+      has_prefill_ms_ = true;
+    }
+    if (s.ok() && hand_off_) on_decode_ = true;  // The session lives there now.
     return FromGrpc(s, "Prefill");
   }
 
@@ -349,7 +371,7 @@ class Tier : public TierSession {
     v1::EndRoundResponse resp;
     KVT_RETURN_IF_ERROR(CloseDecodeStream());
     auto ctx = Context(deadlines_.call);
-    KVT_RETURN_IF_ERROR(FromGrpc(stub_->EndRound(ctx.get(), r, &resp), "EndRound"));
+    KVT_RETURN_IF_ERROR(FromGrpc(Holder()->EndRound(ctx.get(), r, &resp), "EndRound"));
     TierRound t;
     t.round = resp.round();
     t.recalled = has_recall_;
@@ -363,6 +385,29 @@ class Tier : public TierSession {
     t.round_working_set_bytes = resp.round_working_set_bytes();
     t.full_cache_bytes = resp.full_cache_bytes();
     t.working_set_after = resp.working_set_bytes();
+    t.prefill_ms = prefill_ms_;
+    has_prefill_ms_ = false;
+    if (transfer_.has_value()) {
+      t.handed_off = true;
+      t.transfer_path = transfer_->path();
+      t.transfer_wire_bytes = transfer_->wire_bytes();
+      t.transfer_raw_bytes = transfer_->past_raw_bytes() + transfer_->open_bytes();
+      t.transfer_ms = transfer_->transfer_ms();
+      t.transfer_exposed_ms = transfer_->exposed_ms();
+      transfer_.reset();
+    }
+    if (on_decode_) {
+      // Back to the prefill worker for the next round.
+      v1::SendSessionRequest back;
+      back.set_session_id(session_);
+      back.set_target(prefill_target_);
+      v1::SendSessionResponse sent;
+      auto bctx = Context(deadlines_.call);
+      KVT_RETURN_IF_ERROR(FromGrpc(dstub_->SendSession(bctx.get(), back, &sent), "SendSession"));
+      on_decode_ = false;
+      t.return_wire_bytes = sent.report().wire_bytes();
+      t.return_ms = sent.report().transfer_ms();
+    }
     rounds_.push_back(std::move(t));
     last_recall_.Clear();
     has_recall_ = false;
@@ -376,6 +421,14 @@ class Tier : public TierSession {
   std::string session_, token_;
   bool prefill_ = false;
   int question_ = 0;
+  // Disaggregation: the decode worker (null: none) and where the session is.
+  std::unique_ptr<v1::Worker::Stub> dstub_;
+  std::string prefill_target_, decode_target_;
+  bool on_decode_ = false, hand_off_ = false;
+  std::optional<v1::TransferReport> transfer_;
+  std::chrono::steady_clock::time_point step_start_;
+  double prefill_ms_ = 0;
+  bool has_prefill_ms_ = false;
   static constexpr int64_t kChunkBytes = int64_t{1} << 20;
   DecodeMux* const mux_;
   // The model's dtype: what q/k/v travel in (half the bytes for fp16).
@@ -568,8 +621,9 @@ std::unique_ptr<ConversationBackend> LocalBackend(const model::LlamaConfig& c) {
 absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(
     const v1::ModelSpec& spec, std::shared_ptr<grpc::Channel> channel, const std::string& session,
     const v1::Policy& policy, const std::string& token, const TierDeadlines& deadlines,
-    DecodeMux* decode) {
+    DecodeMux* decode, const Disaggregation* pd) {
   auto t = std::make_unique<Tier>(spec, std::move(channel), session, token, deadlines, decode);
+  if (pd != nullptr) t->Disaggregate(*pd);
   KVT_RETURN_IF_ERROR(t->Open(policy));
   return std::unique_ptr<TierSession>(std::move(t));
 }

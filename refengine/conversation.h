@@ -72,6 +72,20 @@ struct TierRound {
   uint64_t round_working_set_bytes = 0;  // Before EndRound.
   uint64_t full_cache_bytes = 0;         // The session's, this round included.
   uint64_t working_set_after = 0;        // After EndRound's release.
+  // The round's first prefill step, from its first layer sent to its last
+  // output (with a hand-off, the receiver's answer included): the time to
+  // first token without the decode step.
+  double prefill_ms = 0;
+  // Prefill/decode disaggregation (TierBackend with a Disaggregation): the
+  // hand-off after the prefill (LayerResponse.transfer) and the hand-back
+  // after EndRound (SendSession).
+  bool handed_off = false;
+  std::string transfer_path;
+  uint64_t transfer_wire_bytes = 0;
+  uint64_t transfer_raw_bytes = 0;  // The same state in the model's dtype.
+  double transfer_ms = 0, transfer_exposed_ms = 0;
+  uint64_t return_wire_bytes = 0;
+  double return_ms = 0;
 };
 
 // Tier mode: every layer's attention in kvtier-worker over Prefill/Decode
@@ -169,10 +183,20 @@ v1::ModelSpec SpecOf(const model::LlamaConfig& c);
 // `decode` (not owned; it must outlive the session), decode steps go through
 // that shared stream; without, the session keeps a Decode stream of its own
 // per round.
+//
+// With `pd`, prefill and decode run on two workers: each round's prefill on
+// `channel`'s worker hands the session to `pd->decode_target` layer by layer
+// (LayerRequest.transfer_to), decode steps and EndRound run there, and
+// SendSession hands the session back for the next round's prefill. `decode`
+// must then be a mux on the decode worker.
+struct Disaggregation {
+  std::shared_ptr<grpc::Channel> decode_channel;
+  std::string prefill_target, decode_target;  // host:port, as the workers reach each other.
+};
 absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(
     const v1::ModelSpec& spec, std::shared_ptr<grpc::Channel> channel, const std::string& session,
     const v1::Policy& policy, const std::string& token = "", const TierDeadlines& deadlines = {},
-    DecodeMux* decode = nullptr);
+    DecodeMux* decode = nullptr, const Disaggregation* pd = nullptr);
 
 // A session routed through `router` (not owned; it must outlive the
 // session). Decode steps use a stream of the session's own. `store_failover`:

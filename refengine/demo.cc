@@ -313,6 +313,10 @@ absl::StatusOr<v1::Policy> DemoPolicy(const DemoOptions& o) {
 
 absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
                                    const std::function<void(const std::string&)>& progress) {
+  if (!o.decode_worker.empty() && !o.controller.empty()) {
+    return absl::InvalidArgumentError(
+        "a decode worker is for a standalone prefill worker, not for a controller's cluster");
+  }
   if (o.worker.empty() == o.controller.empty()) {
     return absl::InvalidArgumentError("give a worker address or a controller address");
   }
@@ -343,6 +347,7 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<DecodeMux> mux;
   std::unique_ptr<SessionRouter> router;
+  Disaggregation pd;
   OpenTier open;
   if (!o.controller.empty()) {
     // A cluster: each session routed through the controller, on its own
@@ -359,11 +364,19 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     };
   } else {
     channel = grpc::CreateChannel(o.worker, grpc::InsecureChannelCredentials());
-    // Every session's decode layers share one long-lived stream, batched.
-    mux = std::make_unique<DecodeMux>(channel, o.token);
+    if (!o.decode_worker.empty()) {
+      pd.decode_channel = grpc::CreateChannel(o.decode_worker, grpc::InsecureChannelCredentials());
+      pd.prefill_target = o.worker;
+      pd.decode_target = o.decode_worker;
+    }
+    // Every session's decode layers share one long-lived stream, batched (on
+    // the decode worker when there is one).
+    mux =
+        std::make_unique<DecodeMux>(o.decode_worker.empty() ? channel : pd.decode_channel, o.token);
     DecodeMux* shared = o.shared_decode_stream ? mux.get() : nullptr;
     open = [&, shared](const v1::ModelSpec& spec, DemoSession* s) {
-      return TierBackend(spec, channel, s->id, policy, o.token, {}, shared);
+      return TierBackend(spec, channel, s->id, policy, o.token, {}, shared,
+                         o.decode_worker.empty() ? nullptr : &pd);
     };
   }
   rep.sessions.resize(o.sessions);
@@ -522,6 +535,43 @@ std::string RenderText(const DemoReport& r) {
       }
       absl::StrAppendFormat(&s, "    round %2u: %srecalled [%s] of %zu\n", tr.round, refs,
                             absl::StrJoin(tr.selected, " "), tr.scores.size());
+    }
+  }
+  {
+    // Time to first token (the round's prefill step) and, disaggregated,
+    // what each hand-off moved and cost.
+    double prefill_ms = 0, xfer_ms = 0, exposed_ms = 0, back_ms = 0;
+    uint64_t wire = 0, raw = 0, back = 0;
+    int64_t n = 0, handed = 0;
+    std::string path;
+    for (const DemoSession& d : r.sessions) {
+      for (const TierRound& tr : d.rounds) {
+        ++n;
+        prefill_ms += tr.prefill_ms;
+        if (!tr.handed_off) continue;
+        ++handed;
+        path = tr.transfer_path;
+        wire += tr.transfer_wire_bytes;
+        raw += tr.transfer_raw_bytes;
+        xfer_ms += tr.transfer_ms;
+        exposed_ms += tr.transfer_exposed_ms;
+        back += tr.return_wire_bytes;
+        back_ms += tr.return_ms;
+      }
+    }
+    absl::StrAppendFormat(&s,
+                          "prefill (time to first token, less the first decode step): %.2f ms "
+                          "per round (mean)\n",
+                          Ratio(prefill_ms, n));
+    if (handed > 0) {
+      absl::StrAppendFormat(
+          &s,
+          "prefill -> decode hand-off (path %s), per round (mean): %s sent (%s in the model's "
+          "dtype, %.2fx), %.2f ms, %.2f ms of it exposed (%.0f%% hidden behind the prefill); "
+          "hand-back after EndRound: %s, %.2f ms\n",
+          path, Kib(Ratio(wire, handed)), Kib(Ratio(raw, handed)), Ratio(raw, wire),
+          xfer_ms / handed, exposed_ms / handed, 100.0 * (1.0 - Ratio(exposed_ms, xfer_ms)),
+          Kib(Ratio(back, handed)), back_ms / handed);
     }
   }
   absl::StrAppendFormat(&s,

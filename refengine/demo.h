@@ -28,6 +28,10 @@ struct DemoOptions {
   // store replicas, and fail over to another worker when theirs dies
   // (ClusterSession). Empty: the one `worker`.
   std::string controller;
+  // A second kvtier-worker "host:port" that decodes: each round's prefill
+  // on `worker` is handed off to it layer by layer, and handed back after
+  // EndRound (docs/transfer.md). Empty: one worker does both.
+  std::string decode_worker;
   std::string store;  // kvtier-store "host:port": per-tier bytes; optional.
   std::string token;  // Bearer token for both; empty: none.
   std::string model;  // llama2.c checkpoint; empty: the synthetic chat.

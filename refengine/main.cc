@@ -9,6 +9,9 @@
 #include "refengine/demo.h"
 
 ABSL_FLAG(std::string, worker, "", "kvtier-worker address host:port (or --controller).");
+ABSL_FLAG(std::string, decode_worker, "",
+          "A second kvtier-worker host:port that decodes: each round's prefill on --worker is "
+          "handed off to it layer by layer and handed back after EndRound (docs/transfer.md).");
 ABSL_FLAG(std::string, controller, "",
           "kvtier-controller address host:port: route every session through the cluster, with "
           "failover to another worker (docs/cluster.md).");
@@ -52,6 +55,7 @@ int main(int argc, char** argv) {
   kvtier::refengine::DemoOptions o;
   o.shared_decode_stream = absl::GetFlag(FLAGS_shared_decode_stream);
   o.worker = absl::GetFlag(FLAGS_worker);
+  o.decode_worker = absl::GetFlag(FLAGS_decode_worker);
   o.controller = absl::GetFlag(FLAGS_controller);
   o.store = absl::GetFlag(FLAGS_store);
   o.token = absl::GetFlag(FLAGS_token);

@@ -68,6 +68,18 @@ wait_port "$WORK/worker.port" "$WORK/worker.log" kvtier-worker
 WORKER=127.0.0.1:$(cat "$WORK/worker.port")
 echo "kvtier-worker on $WORKER, metrics on 127.0.0.1:$(cat "$WORK/worker.mport")/metrics"
 
+DECODE=""
+if [ "${PD:-0}" = 1 ]; then
+  step "Starting a second kvtier-worker that decodes (PD=1: prefill/decode disaggregation)"
+  "$WORKER_BIN" --store="$STORE" --listen=127.0.0.1:0 --port_file="$WORK/decode.port" \
+    --metrics_listen=127.0.0.1:0 --metrics_port_file="$WORK/decode.mport" 2>>"$WORK/decode.log" &
+  PIDS+=($!)
+  wait_port "$WORK/decode.port" "$WORK/decode.log" kvtier-worker
+  DECODE=127.0.0.1:$(cat "$WORK/decode.port")
+  echo "decode kvtier-worker on $DECODE: each round is prefilled on $WORKER, handed off layer"
+  echo "by layer while the prefill runs, decoded and ended on $DECODE, and handed back"
+fi
+
 if [ -n "$MODEL" ]; then
   WHAT="the reference engine on $MODEL (local full cache vs kvtier, teacher-forced)"
 else
@@ -80,13 +92,22 @@ ARGS=(--worker="$WORKER" --store="$STORE" --sessions="$SESSIONS" --rounds="$ROUN
 [ -n "$MODEL" ] && ARGS+=(--model="$MODEL")
 [ -n "$REPORT" ] && ARGS+=(--report="$REPORT")
 [ -n "${SHARED_DECODE_STREAM:-}" ] && ARGS+=(--shared_decode_stream="$SHARED_DECODE_STREAM")
-"$ENGINE_BIN" "${ARGS[@]}"
+if [ -n "$DECODE" ]; then
+  "$ENGINE_BIN" "${ARGS[@]}" --decode_worker="$DECODE" | tee "$WORK/pd.txt"
+  step "The same conversations on one worker, no hand-off (the baseline for time to first token)"
+  "$ENGINE_BIN" "${ARGS[@]}" --report= >"$WORK/single.txt"
+  echo "time to first token, disaggregated: $(grep -o 'prefill (time to first token[^:]*: [0-9.]* ms' "$WORK/pd.txt" | grep -o '[0-9.]* ms$')"
+  echo "time to first token, one worker:    $(grep -o 'prefill (time to first token[^:]*: [0-9.]* ms' "$WORK/single.txt" | grep -o '[0-9.]* ms$')"
+else
+  "$ENGINE_BIN" "${ARGS[@]}"
+fi
 
 if command -v curl >/dev/null 2>&1; then
   step "kvtier-worker's Prometheus counters"
   curl -s "127.0.0.1:$(cat "$WORK/worker.mport")/metrics" |
-    grep -E '^kvtier_worker_(recalls|recall_rounds|bytes_fetched|bytes_stored)' || true
+    grep -E '^kvtier_worker_(recalls|recall_rounds|bytes_fetched|bytes_stored|transfer)' || true
 fi
 echo
 echo "Try: CODEC=kivi4 make demo, RECALL=all make demo, EVICT=snapkv:24:w=8 make demo,"
-echo "     MODEL=../shared/models/stories260K.bin make demo, REPORT=report.json make demo"
+echo "     MODEL=../shared/models/stories260K.bin make demo, REPORT=report.json make demo,"
+echo "     PD=1 make demo (prefill and decode on two workers)"
