@@ -20,6 +20,7 @@
 #include "client/session_router.h"
 #include "client/store_client.h"
 #include "gmock/gmock.h"
+#include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "model/llama.h"
 #include "refengine/conversation.h"
@@ -493,6 +494,63 @@ TEST_F(ClusterTest, GreedyTokensSurviveAWorkerKill) {
   EXPECT_EQ(moved[0].round, 3u);  // Round 3 (0-based) was open when its worker died.
   EXPECT_NE(moved[0].from, moved[0].to);
   EXPECT_EQ(killed->answers, plain->answers);
+}
+
+// Prefill/decode disaggregation across hosts: a standalone worker on host 4
+// prefills each round and hands it to one on host 5 layer by layer over the
+// namespaces' network, which decodes, ends the round and hands the session
+// back. A lossless conversation answers with exactly the greedy tokens of the
+// host-4 worker doing everything.
+TEST_F(ClusterTest, PrefillOnOneHostDecodeOnAnother) {
+  KVT_REQUIRE_SHARED_MODEL(path);
+  auto m = model::LlamaModel::Load(path);
+  ASSERT_TRUE(m.ok()) << m.status();
+  std::vector<std::string> pd;
+  for (int i = 0; i < 2; ++i) {
+    auto p =
+        cluster_->Run(4 + i, absl::StrCat("pd-worker-", i), WorkerBinary(),
+                      {"--store=" + StoreAddress(1), absl::StrCat("--store_token=", kNodeToken),
+                       "--listen=" + cluster_->Address(4 + i) + ":0", "--port_file=PORT_FILE",
+                       "--metrics_listen=", "--tenants_file=" + tenants_, "--placement=host"});
+    ASSERT_TRUE(p.ok()) << p.status();
+    pd.push_back(absl::StrCat(cluster_->Address(4 + i), ":", (*p)->port()));
+  }
+  refengine::ConversationOptions conv;
+  conv.rounds = 6;
+  conv.question_tokens = 10;
+  conv.answer_tokens = 11;
+  v1::Policy policy;
+  policy.set_release_after_end_round(true);
+  refengine::Disaggregation dis;
+  dis.decode_channel = grpc::CreateChannel(pd[1], grpc::InsecureChannelCredentials());
+  dis.prefill_target = pd[0];
+  dis.decode_target = pd[1];
+  auto run =
+      [&](const std::string& id, bool disaggregated,
+          std::vector<refengine::TierRound>* rounds) -> absl::StatusOr<refengine::Transcript> {
+    auto s =
+        refengine::TierBackend(refengine::SpecOf((*m)->config()),
+                               grpc::CreateChannel(pd[0], grpc::InsecureChannelCredentials()), id,
+                               policy, kAcmeToken, {}, nullptr, disaggregated ? &dis : nullptr);
+    if (!s.ok()) return s.status();
+    auto t = refengine::RunConversation(**m, conv, s->get(), nullptr, {});
+    *rounds = (*s)->rounds();
+    (*s)->Close(true).IgnoreError();
+    return t;
+  };
+  std::vector<refengine::TierRound> one_rounds, pd_rounds;
+  auto one = run("pd-one", false, &one_rounds);
+  ASSERT_TRUE(one.ok()) << one.status();
+  auto split = run("pd-split", true, &pd_rounds);
+  ASSERT_TRUE(split.ok()) << split.status();
+  EXPECT_EQ(split->answers, one->answers);
+  ASSERT_EQ(pd_rounds.size(), one_rounds.size());
+  for (size_t r = 0; r < pd_rounds.size(); ++r) {
+    EXPECT_TRUE(pd_rounds[r].handed_off) << "round " << r;
+    EXPECT_EQ(pd_rounds[r].transfer_path, "grpc");
+    EXPECT_GT(pd_rounds[r].transfer_wire_bytes, 0u);
+    EXPECT_EQ(pd_rounds[r].stored_bytes, one_rounds[r].stored_bytes) << "round " << r;
+  }
 }
 
 // The etcd back end: two controller replicas share membership, placements

@@ -6,6 +6,7 @@
 #include "base/status_macros.h"
 #include "kernels/crc32c.h"
 #include "rpc/grpc_status.h"
+#include "rpc/wire_format.h"
 #include "services/worker/transfer_proto.h"
 #include "worker/session.h"
 
@@ -18,7 +19,7 @@ SessionSender::SessionSender(worker::Engine* engine, worker::SessionKey id,
       id_(std::move(id)),
       target_(std::move(target)),
       chunk_bytes_(std::max<size_t>(chunk_bytes, 4096)),
-      stub_(v1::Worker::NewStub(std::move(channel))) {
+      channel_(std::move(channel)) {
   if (!authorization.empty()) ctx_.AddMetadata("authorization", authorization);
   ctx_.set_deadline(absl::ToChronoTime(deadline));
 }
@@ -39,7 +40,7 @@ SessionSender::~SessionSender() {
 
 absl::Status SessionSender::Begin() {
   KVT_ASSIGN_OR_RETURN(image_, engine_->ExportSession(id_));
-  writer_ = stub_->TransferSession(&ctx_, &response_);
+  call_ = std::make_unique<RawCall>(channel_, &ctx_, "/kvtier.v1.Worker/TransferSession");
   {
     absl::MutexLock lock(&mu_);
     v1::TransferHeader h = HeaderToProto(id_.session, image_);
@@ -88,51 +89,46 @@ absl::StatusOr<v1::TransferReport> SessionSender::Finish() {
   return report_;
 }
 
-bool SessionSender::WriteLayer(const worker::LayerImage& li) {
-  const std::string_view past = li.past ? std::string_view(*li.past) : std::string_view();
-  const std::string_view open = li.open;
-  const uint64_t total = past.size() + open.size();
-  uint32_t crc = Crc32cExtend(0, past.data(), past.size());
-  crc = Crc32cExtend(crc, open.data(), open.size());
-  v1::TransferChunk chunk;
-  uint64_t at = 0;
-  bool first = true;
-  uint32_t chunks = 0;
-  do {
-    chunk.Clear();
-    chunk.set_layer(static_cast<uint32_t>(li.layer));
-    if (first) {
-      v1::TransferLayer* info = chunk.mutable_layer_info();
-      for (uint32_t r : li.rounds) info->add_rounds(r);
-      info->set_past_bytes(past.size());
-      info->set_past_raw_bytes(li.past_raw_bytes);
-      info->set_open_rows(li.open_rows);
-      info->set_q_first(li.q_first);
-      info->set_q_rows(li.q_rows);
-      info->set_open_bytes(open.size());
-      first = false;
+bool SessionSender::WriteLayer(worker::LayerImage li) {
+  // The bytes stay where the export put them; gRPC's slices reference them
+  // and keep them alive.
+  std::shared_ptr<const std::string> past =
+      li.past ? li.past : std::make_shared<const std::string>();
+  auto open = std::make_shared<const std::string>(std::move(li.open));
+  uint32_t crc = Crc32cExtend(0, past->data(), past->size());
+  crc = Crc32cExtend(crc, open->data(), open->size());
+  v1::TransferChunk start;
+  start.set_layer(static_cast<uint32_t>(li.layer));
+  v1::TransferLayer* info = start.mutable_layer_info();
+  for (uint32_t r : li.rounds) info->add_rounds(r);
+  info->set_past_bytes(past->size());
+  info->set_past_raw_bytes(li.past_raw_bytes);
+  info->set_open_rows(li.open_rows);
+  info->set_q_first(li.q_first);
+  info->set_q_rows(li.q_rows);
+  info->set_open_bytes(open->size());
+  if (!call_->Write(wire::Serialize(start))) return false;
+  uint32_t chunks = 2;
+  constexpr int kDataField = 8;  // TransferChunk.data
+  for (const auto& part : {past, open}) {
+    for (size_t at = 0; at < part->size(); at += chunk_bytes_) {
+      const size_t n = std::min(chunk_bytes_, part->size() - at);
+      if (!call_->Write(wire::BytesFieldMessage(kDataField, part->data() + at, n, part))) {
+        return false;
+      }
+      ++chunks;
     }
-    const uint64_t n = std::min<uint64_t>(chunk_bytes_, total - at);
-    std::string* data = chunk.mutable_data();
-    data->reserve(n);
-    if (at < past.size()) data->append(past.substr(at, std::min<uint64_t>(n, past.size() - at)));
-    if (data->size() < n) {
-      const uint64_t from = at + data->size() - past.size();
-      data->append(open.substr(from, n - data->size()));
-    }
-    at += n;
-    if (at == total) {
-      chunk.set_layer_end(true);
-      chunk.set_layer_crc32c(crc);
-    }
-    if (!writer_->Write(chunk)) return false;
-    ++chunks;
-  } while (at < total);
+  }
+  v1::TransferChunk end;
+  end.set_layer(static_cast<uint32_t>(li.layer));
+  end.set_layer_end(true);
+  end.set_layer_crc32c(crc);
+  if (!call_->Write(wire::Serialize(end))) return false;
   absl::MutexLock lock(&mu_);
-  report_.set_past_bytes(report_.past_bytes() + past.size());
+  report_.set_past_bytes(report_.past_bytes() + past->size());
   report_.set_past_raw_bytes(report_.past_raw_bytes() + li.past_raw_bytes);
-  report_.set_open_bytes(report_.open_bytes() + open.size());
-  report_.set_wire_bytes(report_.wire_bytes() + total);
+  report_.set_open_bytes(report_.open_bytes() + open->size());
+  report_.set_wire_bytes(report_.wire_bytes() + past->size() + open->size());
   report_.set_chunks(report_.chunks() + chunks);
   return true;
 }
@@ -153,19 +149,21 @@ void SessionSender::Run() {
       if (auto* h = std::get_if<v1::TransferHeader>(&item)) {
         v1::TransferChunk c;
         *c.mutable_header() = std::move(*h);
-        broken = !writer_->Write(c);
+        broken = !call_->Write(wire::Serialize(c));
       } else if (auto* li = std::get_if<worker::LayerImage>(&item)) {
-        broken = !WriteLayer(*li);
+        broken = !WriteLayer(std::move(*li));
       } else {
         v1::TransferChunk c;
         *c.mutable_tail() = std::move(std::get<v1::TransferTail>(item));
-        broken = !writer_->Write(c);
-        if (!broken) writer_->WritesDone();
+        broken = !call_->Write(wire::Serialize(c));
+        if (!broken) broken = !call_->WritesDone();
+        grpc::ByteBuffer reply;
+        if (!broken) call_->Read(&reply);
       }
     }
     if (last || broken) {
       // The call's status: the receiver's answer, or why the stream broke.
-      grpc::Status st = writer_->Finish();
+      grpc::Status st = call_->Finish();
       absl::MutexLock lock(&mu_);
       status_ = std::move(st);
       if (last || finished_) {

@@ -17,9 +17,10 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "client/raw_call.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
-#include "kvtier/v1/worker.grpc.pb.h"
+#include "kvtier/v1/worker.pb.h"
 #include "worker/engine.h"
 
 namespace kvtier {
@@ -57,17 +58,18 @@ class SessionSender {
  private:
   using Item = std::variant<v1::TransferHeader, worker::LayerImage, v1::TransferTail>;
   void Run();
-  // Writes one layer in chunks; false when the stream broke.
-  bool WriteLayer(const worker::LayerImage& li);
+  // Writes one layer: its start, its bytes in data-only messages that
+  // reference the image's buffers (no copy), its end; false when the stream
+  // broke.
+  bool WriteLayer(worker::LayerImage li);
 
   worker::Engine* const engine_;
   const worker::SessionKey id_;
   const std::string target_;
   const size_t chunk_bytes_;
   grpc::ClientContext ctx_;
-  std::unique_ptr<v1::Worker::Stub> stub_;
-  v1::TransferSessionResponse response_;
-  std::unique_ptr<grpc::ClientWriter<v1::TransferChunk>> writer_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<RawCall> call_;
   worker::SessionImage image_;
   std::vector<std::string> stores_;
   std::thread thread_;

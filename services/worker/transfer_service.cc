@@ -12,6 +12,7 @@
 #include "kernels/crc32c.h"
 #include "rpc/grpc_status.h"
 #include "rpc/transport_args.h"
+#include "rpc/wire_format.h"
 #include "services/worker/transfer_proto.h"
 #include "services/worker/worker_service.h"
 
@@ -74,12 +75,11 @@ void WorkerService::ForgetMoved(const worker::SessionKey& id) {
 // One chunk at a time, each handled on the compute executor; the session is
 // imported when the tail arrives, and nothing stays on any other path.
 // Exactly one Finish(), from the executor.
-class WorkerService::TransferReactor : public grpc::ServerReadReactor<v1::TransferChunk> {
+class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
-  TransferReactor(WorkerService* svc, grpc::CallbackServerContext* ctx,
-                  v1::TransferSessionResponse* resp)
+  TransferReactor(WorkerService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
       : svc_(svc), ctx_(ctx), resp_(resp) {
-    StartRead(&chunk_);
+    StartRead(&msg_);
   }
 
   void OnReadDone(bool ok) override {
@@ -94,93 +94,102 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<v1::Transf
         End(s);
         return;
       }
-      StartRead(&chunk_);
+      StartRead(&msg_);
     });
   }
 
   void OnDone() override { delete this; }
 
  private:
+  // One message: a data-only chunk straight from gRPC's slices, anything
+  // else parsed and taken field by field (header, layer start, data, layer
+  // end, tail; one message may carry several).
   absl::Status Take() {
-    if (!image_.has_value()) {
-      if (!chunk_.has_header()) {
-        return absl::InvalidArgumentError("the first TransferChunk must carry the header");
-      }
-      KVT_ASSIGN_OR_RETURN(id_, svc_->Key(*ctx_, chunk_.header().session_id()));
-      KVT_ASSIGN_OR_RETURN(image_, HeaderFromProto(chunk_.header()));
-      stores_.assign(chunk_.header().store_addresses().begin(),
-                     chunk_.header().store_addresses().end());
-      if (!stores_.empty() && svc_->replicas_ == nullptr) {
-        return absl::FailedPreconditionError("this worker cannot use per-session store replicas");
-      }
-      return svc_->engine_->CheckImport(*id_, 0);
-    }
-    if (chunk_.has_header()) return absl::InvalidArgumentError("a second transfer header");
-    const int layers = image_->shape.layers;
-    if (chunk_.has_tail()) {
-      if (static_cast<int>(layers_.size()) != layers || gathering_) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("the tail arrived after ", layers_.size(), " of ", layers, " layers"));
-      }
-      TailFromProto(chunk_.tail(), &*image_);
-      if (!stores_.empty()) {
-        KVT_RETURN_IF_ERROR(svc_->replicas_->SetReplicas(id_->tenant, id_->session, stores_));
-      }
-      absl::Status s = svc_->engine_->ImportSession(*id_, *image_, std::move(layers_));
-      if (!s.ok()) {
-        if (!stores_.empty() && !absl::IsAlreadyExists(s)) {
-          svc_->replicas_->Forget(id_->tenant, id_->session);
-        }
-        return s;
-      }
-      resp_->set_bytes_received(received_);
-      imported_ = true;
+    constexpr int kDataField = 8;  // TransferChunk.data
+    if (absl::StatusOr<wire::Field> f = wire::SingleField(msg_);
+        f.ok() && f->number == kDataField) {
+      for (const auto& [p, n] : f->spans) KVT_RETURN_IF_ERROR(TakeData(p, n));
       return absl::OkStatus();
     }
-    if (!gathering_) {
-      if (static_cast<int>(chunk_.layer()) != static_cast<int>(layers_.size()) ||
-          !chunk_.has_layer_info()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "transfer chunk of layer ", chunk_.layer(), " where the first chunk of ",
-            layers_.size() < static_cast<size_t>(layers) ? absl::StrCat("layer ", layers_.size())
-                                                         : std::string("the tail"),
-            " belongs"));
-      }
-      const v1::TransferLayer& info = chunk_.layer_info();
-      // Refused before anything is allocated for it.
-      KVT_RETURN_IF_ERROR(
-          svc_->engine_->CheckImport(*id_, received_ + info.past_bytes() + info.open_bytes()));
-      layer_ = worker::LayerImage();
-      layer_.layer = static_cast<int>(layers_.size());
-      layer_.rounds.assign(info.rounds().begin(), info.rounds().end());
-      layer_.past_raw_bytes = info.past_raw_bytes();
-      layer_.open_rows = info.open_rows();
-      layer_.q_first = info.q_first();
-      layer_.q_rows = info.q_rows();
-      past_bytes_ = info.past_bytes();
-      open_bytes_ = info.open_bytes();
-      past_.clear();
-      constexpr uint64_t kReserveCap = uint64_t{64} << 20;
-      past_.reserve(std::min(past_bytes_, kReserveCap));
-      layer_.open.reserve(std::min(open_bytes_, kReserveCap));
-      crc_ = 0;
-      gathering_ = true;
-    } else if (static_cast<int>(chunk_.layer()) != layer_.layer || chunk_.has_layer_info()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("transfer chunk of layer ", chunk_.layer(), " inside layer ", layer_.layer));
+    chunk_.Clear();
+    KVT_RETURN_IF_ERROR(wire::Parse(msg_, &chunk_));
+    if (chunk_.has_header() || !image_.has_value()) KVT_RETURN_IF_ERROR(TakeHeader());
+    if (chunk_.has_layer_info()) KVT_RETURN_IF_ERROR(StartLayer());
+    if (!chunk_.data().empty()) {
+      KVT_RETURN_IF_ERROR(TakeData(chunk_.data().data(), chunk_.data().size()));
     }
-    const std::string& data = chunk_.data();
-    if (past_.size() + layer_.open.size() + data.size() > past_bytes_ + open_bytes_) {
+    if (chunk_.layer_end()) KVT_RETURN_IF_ERROR(EndLayer());
+    if (chunk_.has_tail()) return TakeTail();
+    return absl::OkStatus();
+  }
+
+  absl::Status TakeHeader() {
+    if (image_.has_value()) return absl::InvalidArgumentError("a second transfer header");
+    if (!chunk_.has_header()) {
+      return absl::InvalidArgumentError("the first TransferChunk must carry the header");
+    }
+    KVT_ASSIGN_OR_RETURN(id_, svc_->Key(*ctx_, chunk_.header().session_id()));
+    KVT_ASSIGN_OR_RETURN(image_, HeaderFromProto(chunk_.header()));
+    stores_.assign(chunk_.header().store_addresses().begin(),
+                   chunk_.header().store_addresses().end());
+    if (!stores_.empty() && svc_->replicas_ == nullptr) {
+      return absl::FailedPreconditionError("this worker cannot use per-session store replicas");
+    }
+    return svc_->engine_->CheckImport(*id_, 0);
+  }
+
+  absl::Status StartLayer() {
+    const int layers = image_->shape.layers;
+    if (gathering_ || static_cast<int>(chunk_.layer()) != static_cast<int>(layers_.size())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("transfer layer ", chunk_.layer(), " starts where ",
+                       gathering_ ? absl::StrCat("layer ", layer_.layer, " has not ended")
+                       : layers_.size() < static_cast<size_t>(layers)
+                           ? absl::StrCat("layer ", layers_.size(), " belongs")
+                           : std::string("the tail belongs")));
+    }
+    const v1::TransferLayer& info = chunk_.layer_info();
+    // Refused before anything is allocated for it.
+    KVT_RETURN_IF_ERROR(
+        svc_->engine_->CheckImport(*id_, received_ + info.past_bytes() + info.open_bytes()));
+    layer_ = worker::LayerImage();
+    layer_.layer = static_cast<int>(layers_.size());
+    layer_.rounds.assign(info.rounds().begin(), info.rounds().end());
+    layer_.past_raw_bytes = info.past_raw_bytes();
+    layer_.open_rows = info.open_rows();
+    layer_.q_first = info.q_first();
+    layer_.q_rows = info.q_rows();
+    past_bytes_ = info.past_bytes();
+    open_bytes_ = info.open_bytes();
+    past_.clear();
+    constexpr uint64_t kReserveCap = uint64_t{64} << 20;
+    past_.reserve(std::min(past_bytes_, kReserveCap));
+    layer_.open.reserve(std::min(open_bytes_, kReserveCap));
+    crc_ = 0;
+    gathering_ = true;
+    return absl::OkStatus();
+  }
+
+  absl::Status TakeData(const char* p, size_t n) {
+    if (!gathering_) return absl::InvalidArgumentError("transfer data outside a layer");
+    if (past_.size() + layer_.open.size() + n > past_bytes_ + open_bytes_) {
       return absl::InvalidArgumentError(
           absl::StrCat("layer ", layer_.layer, " carries more than the ", past_bytes_ + open_bytes_,
-                       " bytes its first chunk announced"));
+                       " bytes its start announced"));
     }
-    crc_ = Crc32cExtend(crc_, data.data(), data.size());
-    const size_t to_past = std::min<size_t>(data.size(), past_bytes_ - past_.size());
-    past_.append(data, 0, to_past);
-    layer_.open.append(data, to_past, std::string::npos);
-    received_ += data.size();
-    if (!chunk_.layer_end()) return absl::OkStatus();
+    crc_ = Crc32cExtend(crc_, p, n);
+    const size_t to_past = std::min<size_t>(n, past_bytes_ - past_.size());
+    past_.append(p, to_past);
+    layer_.open.append(p + to_past, n - to_past);
+    received_ += n;
+    return absl::OkStatus();
+  }
+
+  absl::Status EndLayer() {
+    if (!gathering_ || static_cast<int>(chunk_.layer()) != layer_.layer) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("transfer layer ", chunk_.layer(), " ends where it did not start"));
+    }
     if (past_.size() != past_bytes_ || layer_.open.size() != open_bytes_) {
       return absl::InvalidArgumentError(
           absl::StrCat("layer ", layer_.layer, " ended after ", past_.size() + layer_.open.size(),
@@ -198,6 +207,30 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<v1::Transf
     return absl::OkStatus();
   }
 
+  absl::Status TakeTail() {
+    const int layers = image_->shape.layers;
+    if (static_cast<int>(layers_.size()) != layers || gathering_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the tail arrived after ", layers_.size(), " of ", layers, " layers"));
+    }
+    TailFromProto(chunk_.tail(), &*image_);
+    if (!stores_.empty()) {
+      KVT_RETURN_IF_ERROR(svc_->replicas_->SetReplicas(id_->tenant, id_->session, stores_));
+    }
+    absl::Status s = svc_->engine_->ImportSession(*id_, *image_, std::move(layers_));
+    if (!s.ok()) {
+      if (!stores_.empty() && !absl::IsAlreadyExists(s)) {
+        svc_->replicas_->Forget(id_->tenant, id_->session);
+      }
+      return s;
+    }
+    v1::TransferSessionResponse resp;
+    resp.set_bytes_received(received_);
+    *resp_ = wire::Serialize(resp);
+    imported_ = true;
+    return absl::OkStatus();
+  }
+
   void End(const absl::Status& s) {
     if (!s.ok()) {
       LogWarn("session transfer refused",
@@ -211,7 +244,8 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<v1::Transf
 
   WorkerService* const svc_;
   grpc::CallbackServerContext* const ctx_;
-  v1::TransferSessionResponse* const resp_;
+  grpc::ByteBuffer* const resp_;
+  grpc::ByteBuffer msg_;
   v1::TransferChunk chunk_;
   std::optional<worker::SessionKey> id_;
   std::optional<worker::SessionImage> image_;
@@ -227,8 +261,8 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<v1::Transf
   bool imported_ = false;
 };
 
-grpc::ServerReadReactor<v1::TransferChunk>* WorkerService::TransferSession(
-    grpc::CallbackServerContext* ctx, v1::TransferSessionResponse* resp) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* WorkerService::TransferSession(
+    grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp) {
   return new TransferReactor(this, ctx, resp);
 }
 

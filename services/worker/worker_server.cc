@@ -7,6 +7,7 @@
 #include "base/log.h"
 #include "base/status_macros.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "rpc/transport_args.h"
 #include "services/common/grpc_server.h"
 
 namespace kvtier {
@@ -77,12 +78,14 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
   s->service_ = std::make_unique<WorkerService>(s->engine_.get(), &s->auth_, s->metrics_.get(),
                                                 s->compute_.get(), s->io_.get(), options.service,
                                                 s->segments_.get(), s->policies_.get());
-  // gRPC's default 4 MiB receive limit stays: layers travel in chunks.
-  KVT_ASSIGN_OR_RETURN(
-      s->server_,
-      StartGrpcServer(
-          {options.listen, options.tls_cert, options.tls_key, {}, v1::Worker::service_full_name()},
-          s->service_.get(), &s->port_));
+  // gRPC's default 4 MiB receive limit stays: layers travel in chunks. The
+  // store's flow-control settings: a session handed here (TransferSession)
+  // streams like a segment put.
+  KVT_ASSIGN_OR_RETURN(s->server_,
+                       StartGrpcServer({options.listen, options.tls_cert, options.tls_key,
+                                        [](grpc::ServerBuilder& b) { ApplyBulkTransportArgs(&b); },
+                                        v1::Worker::service_full_name()},
+                                       s->service_.get(), &s->port_));
   {
     worker::Engine* engine = s->engine_.get();
     KVT_ASSIGN_OR_RETURN(

@@ -38,16 +38,17 @@ struct WorkerServiceOptions {
 // Thread-safe; the pointers are not owned and must outlive the service (and
 // the server it is registered with).
 //
-// Every method but TransferSession is "raw": the service parses its requests
-// itself (rpc/wire_format.h), so a message that does not parse is
-// INVALID_ARGUMENT with a reason, on streams too, instead of gRPC's bare
-// INTERNAL or a stream that just ends. The wire format is the proto's.
+// Every method is "raw": the service parses its requests itself
+// (rpc/wire_format.h), so a message that does not parse is INVALID_ARGUMENT
+// with a reason, on streams too, instead of gRPC's bare INTERNAL or a stream
+// that just ends, and TransferSession's data chunks are read out of gRPC's
+// slices without a protobuf copy. The wire format is the proto's.
 class WorkerService final
     : public v1::Worker::WithRawCallbackMethod_OpenSession<
           v1::Worker::WithRawCallbackMethod_Prefill<
               v1::Worker::WithRawCallbackMethod_Decode<v1::Worker::WithRawCallbackMethod_EndRound<
                   v1::Worker::WithRawCallbackMethod_CloseSession<
-                      v1::Worker::WithCallbackMethod_TransferSession<
+                      v1::Worker::WithRawCallbackMethod_TransferSession<
                           v1::Worker::WithRawCallbackMethod_SendSession<v1::Worker::Service>>>>>>> {
  public:
   // `replicas`, when set, is the engine's store: sessions opened with
@@ -68,8 +69,8 @@ class WorkerService final
   grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
                                          const grpc::ByteBuffer* req,
                                          grpc::ByteBuffer* resp) override;
-  grpc::ServerReadReactor<v1::TransferChunk>* TransferSession(
-      grpc::CallbackServerContext* ctx, v1::TransferSessionResponse* resp) override;
+  grpc::ServerReadReactor<grpc::ByteBuffer>* TransferSession(grpc::CallbackServerContext* ctx,
+                                                             grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* SendSession(grpc::CallbackServerContext* ctx,
                                         const grpc::ByteBuffer* req,
                                         grpc::ByteBuffer* resp) override;
