@@ -34,6 +34,9 @@ bool ParseLogLevel(std::string_view name, LogLevel* level);
 // Writes one line atomically. Thread-safe.
 void Log(LogLevel level, std::string_view msg, std::initializer_list<LogField> fields = {});
 
+inline void LogDebug(std::string_view msg, std::initializer_list<LogField> f = {}) {
+  Log(LogLevel::kDebug, msg, f);
+}
 inline void LogInfo(std::string_view msg, std::initializer_list<LogField> f = {}) {
   Log(LogLevel::kInfo, msg, f);
 }

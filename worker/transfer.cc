@@ -259,10 +259,10 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
   KVT_RETURN_IF_ERROR(Insert(id, s));
   absl::MutexLock lock(&s->mu);
   Account(*s);
-  LogInfo("session imported", {{"session", id.ToString()},
-                               {"past_rounds", s->past.size()},
-                               {"open_tokens", s->tokens},
-                               {"bytes", bytes}});
+  LogDebug("session imported", {{"session", id.ToString()},
+                                {"past_rounds", s->past.size()},
+                                {"open_tokens", s->tokens},
+                                {"bytes", bytes}});
   return absl::OkStatus();
 }
 

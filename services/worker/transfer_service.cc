@@ -67,7 +67,7 @@ void WorkerService::ForgetMoved(const worker::SessionKey& id) {
   engine_->ForgetSession(id).IgnoreError();
   if (policies_ != nullptr) policies_->Forget(id);
   if (replicas_ != nullptr) replicas_->Forget(id.tenant, id.session);
-  LogInfo("session handed off", {{"session", id.ToString()}});
+  LogDebug("session handed off", {{"session", id.ToString()}});
 }
 
 // ---- TransferSession ----
