@@ -22,7 +22,7 @@ declare -A ALLOW=(
   [services]="absl base kernels cachestore worker controller rpc client services kvtier google grpcpp prometheus CivetServer.h civetweb.h"
   [refengine]="absl base kernels model traces rpc client refengine kvtier google grpcpp"
   [tools]="absl base kernels model traces eval rpc client refengine tools kvtier google grpcpp"
-  [bench]="absl base kernels cachestore rpc client worker controller services testing kvtier google grpcpp benchmark"
+  [bench]="bench absl base kernels cachestore rpc client worker controller services testing kvtier google grpcpp benchmark"
   [testing]="absl base kernels testing kvtier google"
   [fuzz]="absl base kernels worker rpc services fuzz testing kvtier google grpcpp"
 )

@@ -372,7 +372,9 @@ class TransferServiceTest : public ::testing::Test {
   void SetUp() override { KVT_ASSERT_OK(stack_.Start()); }
 
   // A kvtier-worker on 127.0.0.1 over the test's store.
-  std::unique_ptr<WorkerServer> StartWorker(uint64_t max_working_set_bytes = 0) {
+  std::unique_ptr<WorkerServer> StartWorker(
+      uint64_t max_working_set_bytes = 0,
+      WorkerServiceOptions::Role role = WorkerServiceOptions::Role::kBoth) {
     WorkerServerOptions o;
     o.listen = "127.0.0.1:0";
     o.metrics_listen = "";
@@ -382,6 +384,7 @@ class TransferServiceTest : public ::testing::Test {
     o.engine.max_working_set_bytes = max_working_set_bytes;
     // Small chunks (and output slices), so that layers travel in several.
     o.service.max_response_bytes = 8192;
+    o.service.role = role;
     auto server = WorkerServer::Start(o);
     EXPECT_TRUE(server.ok()) << server.status();
     return server.ok() ? std::move(*server) : nullptr;
@@ -436,17 +439,38 @@ class TransferServiceTest : public ::testing::Test {
 // state. Each prefill streams to the decode worker as it runs; between
 // rounds SendSession hands the session back.
 TEST_F(TransferServiceTest, PrefillOnOneWorkerDecodeOnAnotherMatchesOneWorker) {
-  auto p = StartWorker(), d = StartWorker();
+  auto p = StartWorker(0, WorkerServiceOptions::Role::kPrefill),
+       d = StartWorker(0, WorkerServiceOptions::Role::kDecode);
   auto ps = Stub(*p), ds = Stub(*d);
   ASSERT_TRUE(Open(ps.get(), "pd").ok());
-  ASSERT_TRUE(Open(ps.get(), "one").ok());
+  // The roles: no prefill on the decode worker, no decode on the prefill one.
+  // ("one", the single-worker baseline, runs on a worker of its own.)
+  auto both = StartWorker();
+  auto bs = Stub(*both);
+  ASSERT_TRUE(Open(bs.get(), "one").ok());
   std::mt19937 rng(11);
+  {
+    ASSERT_TRUE(Open(ds.get(), "x").ok());
+    const Step s = MakeStep(3, &rng);
+    PrefillResult refused = Prefill(ds.get(), "x", s);
+    EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(refused.status.error_message(), ::testing::HasSubstr("--role=decode"));
+    grpc::ClientContext c;
+    auto st = ps->Decode(&c);
+    v1::DecodeRequest req;
+    req.add_items()->set_session_id("pd");
+    st->Write(req);
+    st->WritesDone();
+    grpc::Status g = st->Finish();
+    EXPECT_EQ(g.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(g.error_message(), ::testing::HasSubstr("--role=prefill"));
+  }
   for (int round = 0; round < 4; ++round) {
     SCOPED_TRACE(round);
     const Step prompt = MakeStep(300 + 40 * round, &rng);  // Layers of several chunks.
     PrefillResult moved = Prefill(ps.get(), "pd", prompt, Target(*d));
     ASSERT_TRUE(moved.status.ok()) << moved.status.error_message();
-    PrefillResult alone = Prefill(ps.get(), "one", prompt);
+    PrefillResult alone = Prefill(bs.get(), "one", prompt);
     ASSERT_TRUE(alone.status.ok());
     EXPECT_TRUE(Same(moved.out, alone.out));
     ASSERT_TRUE(moved.transfer.has_value());
@@ -460,12 +484,12 @@ TEST_F(TransferServiceTest, PrefillOnOneWorkerDecodeOnAnotherMatchesOneWorker) {
     EXPECT_TRUE(d->engine()->Stats("pd").ok());
     for (int i = 0; i < 4; ++i) {
       const Step tok = MakeStep(1, &rng);
-      EXPECT_TRUE(Same(Decode(ds.get(), "pd", tok), Decode(ps.get(), "one", tok))) << "token " << i;
+      EXPECT_TRUE(Same(Decode(ds.get(), "pd", tok), Decode(bs.get(), "one", tok))) << "token " << i;
     }
     ASSERT_TRUE(EndRound(ds.get(), "pd").ok());
-    ASSERT_TRUE(EndRound(ps.get(), "one").ok());
+    ASSERT_TRUE(EndRound(bs.get(), "one").ok());
     auto a = d->engine()->Stats("pd");
-    auto b = p->engine()->Stats("one");
+    auto b = both->engine()->Stats("one");
     ASSERT_TRUE(a.ok() && b.ok());
     EXPECT_EQ(a->working_set_bytes, b->working_set_bytes);
     EXPECT_EQ(a->full_cache_bytes, b->full_cache_bytes);
@@ -474,7 +498,7 @@ TEST_F(TransferServiceTest, PrefillOnOneWorkerDecodeOnAnotherMatchesOneWorker) {
     ASSERT_TRUE(SendSession(ds.get(), "pd", Target(*p), &back).ok());
     EXPECT_EQ(back.report().open_bytes(), 0u);
     EXPECT_GT(back.report().past_bytes(), 0u);
-    EXPECT_EQ(d->engine()->SessionCount(), 0);
+    EXPECT_EQ(d->engine()->Stats("pd").status().code(), absl::StatusCode::kNotFound);
   }
   EXPECT_THAT(p->RenderMetrics(),
               ::testing::HasSubstr(

@@ -40,6 +40,9 @@ ABSL_FLAG(int64_t, max_working_set_mb, 0,
           "Working-set MiB over all sessions (encoded past rounds plus open rounds at the "
           "model's dtype); a step that would pass it is RESOURCE_EXHAUSTED. 0: no limit.");
 ABSL_FLAG(int, io_threads, 8, "Threads running the RPCs that reach the store.");
+ABSL_FLAG(std::string, role, "both",
+          "both, prefill or decode: a prefill worker refuses Decode, a decode worker refuses "
+          "Prefill; sessions move between them by hand-off (docs/transfer.md).");
 ABSL_FLAG(std::string, placement, "auto",
           "Where working sets live: auto (the GPU when this build has CUDA and a device is "
           "visible, for raw/KIVI/KCVT sessions; host memory otherwise), host, or device "
@@ -96,6 +99,18 @@ int main(int argc, char** argv) {
   o.store.token = absl::GetFlag(FLAGS_store_token);
   if (!absl::GetFlag(FLAGS_store_tls_root_certs).empty()) {
     o.store.tls_root_certs = ReadFile(absl::GetFlag(FLAGS_store_tls_root_certs));
+  }
+  const std::string role = absl::GetFlag(FLAGS_role);
+  using Role = kvtier::WorkerServiceOptions::Role;
+  if (role == "both") {
+    o.service.role = Role::kBoth;
+  } else if (role == "prefill") {
+    o.service.role = Role::kPrefill;
+  } else if (role == "decode") {
+    o.service.role = Role::kDecode;
+  } else {
+    std::fprintf(stderr, "kvtier-worker: --role must be both, prefill or decode\n");
+    return 2;
   }
   const std::string placement = absl::GetFlag(FLAGS_placement);
   using Placement = kvtier::worker::EngineOptions::Placement;

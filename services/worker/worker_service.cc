@@ -265,6 +265,11 @@ class WorkerService::PrefillReactor
   // Adds one message's token slice to the layer being gathered.
   absl::Status Accumulate() {
     if (!id_.has_value()) {
+      if (svc_->options_.role == WorkerServiceOptions::Role::kDecode) {
+        return absl::FailedPreconditionError(
+            "this worker only decodes (--role=decode): prefill on a prefill worker with "
+            "LayerRequest.transfer_to naming this one");
+      }
       if (req_.session_id().empty()) {
         return absl::InvalidArgumentError("the first LayerRequest must name the session");
       }
@@ -491,6 +496,12 @@ class WorkerService::DecodeReactor
   };
 
   void OnRequest() {
+    if (svc_->options_.role == WorkerServiceOptions::Role::kPrefill) {
+      Fail(absl::FailedPreconditionError(
+          "this worker only prefills (--role=prefill): decode on the worker the prefill handed "
+          "the session to (LayerRequest.transfer_to)"));
+      return;
+    }
     if (absl::Status s = wire::Parse(in_, &req_); !s.ok()) {
       Fail(s);
       return;

@@ -33,6 +33,12 @@ struct WorkerServiceOptions {
   // Largest output slice per LayerResponse (o is split by tokens above it).
   // Default: 1 MiB.
   size_t max_response_bytes = size_t{1} << 20;
+  // Prefill/decode disaggregation (docs/transfer.md): a prefill worker
+  // refuses Decode, a decode worker refuses Prefill (FAILED_PRECONDITION
+  // saying where to send it); sessions reach a decode worker by hand-off.
+  // Default: both.
+  enum class Role { kBoth, kPrefill, kDecode };
+  Role role = Role::kBoth;
 };
 
 // Thread-safe; the pointers are not owned and must outlive the service (and
