@@ -430,6 +430,22 @@ class TransferServiceTest : public ::testing::Test {
     return stub->SendSession(&c, r, resp);
   }
 
+  // A kvtier-worker process over the test's store, logging into `dir`;
+  // `port` is empty when it did not start.
+  pid_t SpawnWorker(const std::string& dir, std::string* port) {
+    const std::string port_file = dir + "/port";
+    const pid_t pid = testing::SpawnLogged(
+        {KVTIER_WORKER_BINARY_PATH, "--listen=127.0.0.1:0", "--port_file=" + port_file,
+         "--metrics_listen=", "--placement=host", "--store=" + stack_.store()->target()},
+        dir + "/worker.log");
+    for (int i = 0; pid > 0 && i < 300 && port->empty(); ++i) {
+      absl::SleepFor(absl::Milliseconds(20));
+      std::ifstream in(port_file);
+      std::getline(in, *port);
+    }
+    return pid;
+  }
+
   testing::StoreStack stack_;
 };
 
@@ -612,18 +628,9 @@ TEST_F(TransferServiceTest, FailedHandOffsUndoTheStep) {
   {
     // A real kvtier-worker process, killed (-9) half way through the step.
     testing::TempDir dir;
-    const std::string port_file = dir.path() + "/port";
-    const pid_t pid = testing::SpawnLogged(
-        {KVTIER_WORKER_BINARY_PATH, "--listen=127.0.0.1:0", "--port_file=" + port_file,
-         "--metrics_listen=", "--placement=host", "--store=" + stack_.store()->target()},
-        dir.path() + "/worker.log");
-    ASSERT_GT(pid, 0);
     std::string port;
-    for (int i = 0; i < 300 && port.empty(); ++i) {
-      absl::SleepFor(absl::Milliseconds(20));
-      std::ifstream in(port_file);
-      std::getline(in, port);
-    }
+    const pid_t pid = SpawnWorker(dir.path(), &port);
+    ASSERT_GT(pid, 0);
     ASSERT_FALSE(port.empty()) << "kvtier-worker did not start; see " << dir.path();
     grpc::Status st = half_step(
         "127.0.0.1:" + port,
@@ -649,6 +656,48 @@ TEST_F(TransferServiceTest, FailedHandOffsUndoTheStep) {
   EXPECT_EQ(SendSession(ps.get(), "nope", Target(*d), &resp).error_code(),
             grpc::StatusCode::NOT_FOUND);
   EXPECT_EQ(SendSession(ds.get(), "s", "", &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+// A receiver that accepts connections and never answers (SIGSTOP). Before
+// any connection, gRPC gives up on the handshake: UNAVAILABLE. On a
+// connection already up, the hand-off runs out of its deadline (the prefill
+// worker's store deadline when the Prefill call has none): DEADLINE_EXCEEDED.
+// Either way the step is undone.
+TEST_F(TransferServiceTest, StalledReceiver) {
+  WorkerServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_listen = "";
+  o.store.target = stack_.store()->target();
+  o.engine.placement = worker::EngineOptions::Placement::kHost;
+  o.service.store_deadline = absl::Milliseconds(500);
+  auto p = WorkerServer::Start(o);
+  ASSERT_TRUE(p.ok()) << p.status();
+  auto ps = Stub(**p);
+  ASSERT_TRUE(Open(ps.get(), "s").ok());
+  ASSERT_TRUE(Open(ps.get(), "warm").ok());
+  std::mt19937 rng(19);
+  const Step step = MakeStep(20, &rng);
+  for (bool connected : {false, true}) {
+    SCOPED_TRACE(connected ? "connected" : "not connected");
+    testing::TempDir dir;
+    std::string port;
+    const pid_t pid = SpawnWorker(dir.path(), &port);
+    ASSERT_GT(pid, 0);
+    ASSERT_FALSE(port.empty()) << "kvtier-worker did not start; see " << dir.path();
+    const std::string target = "127.0.0.1:" + port;
+    if (connected) ASSERT_TRUE(Prefill(ps.get(), "warm", step, target).status.ok());
+    kill(pid, SIGSTOP);
+    PrefillResult r = Prefill(ps.get(), "s", step, target);
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+    EXPECT_EQ(r.status.error_code(),
+              connected ? grpc::StatusCode::DEADLINE_EXCEEDED : grpc::StatusCode::UNAVAILABLE)
+        << r.status.error_message();
+    EXPECT_THAT(r.status.error_message(), ::testing::HasSubstr("undone"));
+    auto st = (*p)->engine()->Stats("s");
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_EQ(st->tokens, 0u);
+  }
 }
 
 // The receiving side against a hand-made stream: a corrupt layer is
