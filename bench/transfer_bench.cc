@@ -91,8 +91,8 @@ PrefillResult Prefill(v1::Worker::Stub* stub, const Model& m, const std::string&
   grpc::ClientContext c;
   auto s = stub->Prefill(&c);
   // Messages of about 1 MiB: a layer in token slices.
-  const int64_t per = std::max<int64_t>(
-      1, (int64_t{1} << 20) / ((m.q_heads + 2 * m.kv_heads) * m.head_dim * 4));
+  const int64_t per =
+      std::max<int64_t>(1, (int64_t{1} << 20) / ((m.q_heads + 2 * m.kv_heads) * m.head_dim * 4));
   const auto t0 = Clock::now();
   for (size_t l = 0; l < step.q.size(); ++l) {
     bool broke = false;

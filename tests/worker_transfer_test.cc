@@ -685,7 +685,9 @@ TEST_F(TransferServiceTest, StalledReceiver) {
     ASSERT_GT(pid, 0);
     ASSERT_FALSE(port.empty()) << "kvtier-worker did not start; see " << dir.path();
     const std::string target = "127.0.0.1:" + port;
-    if (connected) ASSERT_TRUE(Prefill(ps.get(), "warm", step, target).status.ok());
+    if (connected) {
+      ASSERT_TRUE(Prefill(ps.get(), "warm", step, target).status.ok());
+    }
     kill(pid, SIGSTOP);
     PrefillResult r = Prefill(ps.get(), "s", step, target);
     kill(pid, SIGKILL);

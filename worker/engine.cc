@@ -55,7 +55,6 @@ absl::Status ValidateRoundPolicy(const ModelShape& shape, const SessionPolicy& p
   return absl::OkStatus();
 }
 
-
 absl::Status Engine::UpdatePolicy(const SessionKey& id, SessionPolicy policy) {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   KVT_RETURN_IF_ERROR(ValidateRoundPolicy(s->shape, policy));

@@ -28,14 +28,17 @@ SessionSender::~SessionSender() {
   if (!thread_.joinable()) return;
   {
     absl::MutexLock lock(&mu_);
-    if (!done_) {
-      // Unfinished: the receiver sees a cancelled stream and keeps nothing.
-      ctx_.TryCancel();
-      queue_.emplace_back(v1::TransferTail());
-      finished_ = true;
-    }
+    // Unfinished: the receiver sees a cancelled stream and keeps nothing.
+    if (!done_) CancelLocked();
   }
   thread_.join();
+}
+
+void SessionSender::CancelLocked() {
+  ctx_.TryCancel();
+  // The thread writes nothing more (the call is cancelled) and finishes.
+  queue_.emplace_back(v1::TransferTail());
+  finished_ = true;
 }
 
 absl::Status SessionSender::Begin() {
@@ -70,9 +73,7 @@ absl::StatusOr<v1::TransferReport> SessionSender::Finish() {
   absl::MutexLock lock(&mu_);
   if (!tail.ok()) {
     // The receiver must not take a session whose state we cannot send.
-    ctx_.TryCancel();
-    queue_.emplace_back(v1::TransferTail());
-    finished_ = true;
+    CancelLocked();
     mu_.Await(absl::Condition(&done_));
     return tail;
   }

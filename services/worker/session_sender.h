@@ -58,6 +58,8 @@ class SessionSender {
  private:
   using Item = std::variant<v1::TransferHeader, worker::LayerImage, v1::TransferTail>;
   void Run();
+  // Cancels the call and lets the thread finish (REQUIRES mu_).
+  void CancelLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes one layer: its start, its bytes in data-only messages that
   // reference the image's buffers (no copy), its end; false when the stream
   // broke.
