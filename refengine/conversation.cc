@@ -649,33 +649,36 @@ v1::ModelSpec SpecOf(const model::LlamaConfig& c) {
   return spec;
 }
 
-absl::StatusOr<Transcript> RunConversation(
-    const model::LlamaModel& m, const ConversationOptions& o, ConversationBackend* b,
-    const Transcript* teacher, const std::function<void(const std::string&)>& progress) {
+namespace {
+
+// The rounds of a conversation: each round's user tokens, and either its
+// assistant tokens (`forced`) or, where `forced` is null, how many the
+// model picks greedily (`greedy`) or takes from `teacher`.
+struct Rounds {
+  std::vector<std::vector<int>> user;
+  const std::vector<std::vector<int>>* forced = nullptr;
+  int greedy = 0;
+  const Transcript* teacher = nullptr;
+};
+
+absl::StatusOr<Transcript> RunRounds(const model::LlamaModel& m, const Rounds& in,
+                                     ConversationBackend* b,
+                                     const std::function<void(const std::string&)>& progress) {
   const model::LlamaConfig& c = m.config();
-  const int per_round = o.question_tokens + o.answer_tokens;
-  if (o.rounds < 1 || o.question_tokens < 1 || o.answer_tokens < 1) {
-    return absl::InvalidArgumentError("rounds, question and answer tokens must be >= 1");
-  }
-  if (o.rounds * per_round > c.seq_len) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        o.rounds, " rounds of ", per_round, " tokens exceed the model's context of ", c.seq_len));
-  }
-  if (teacher != nullptr && static_cast<int>(teacher->answers.size()) != o.rounds) {
-    return absl::InvalidArgumentError("the teacher transcript has a different round count");
-  }
-  // Question text: slices of one sequence the model wrote itself.
-  KVT_ASSIGN_OR_RETURN(std::vector<int> source,
-                       model::SampleTokens(m, o.rounds * o.question_tokens, o.seed));
+  const int rounds = static_cast<int>(in.user.size());
+  auto answer_len = [&](int r) {
+    return in.forced != nullptr ? static_cast<int>((*in.forced)[r].size()) : in.greedy;
+  };
   Transcript t;
   model::Forward f(m);
   std::vector<float> logits(c.vocab_size);
   int pos = 0;
   double decode_ms = 0;
   int64_t decode_steps = 0;
-  for (int r = 0; r < o.rounds; ++r) {
-    std::vector<int> q(source.begin() + r * o.question_tokens,
-                       source.begin() + (r + 1) * o.question_tokens);
+  for (int r = 0; r < rounds; ++r) {
+    const std::vector<int>& q = in.user[r];
+    const int question_tokens = static_cast<int>(q.size());
+    const int answer_tokens = answer_len(r);
     const int round_pos = pos;
     std::vector<int> answer;  // Kept across a failover: the user has seen them.
     std::vector<float> round_logits;
@@ -684,18 +687,19 @@ absl::StatusOr<Transcript> RunConversation(
     auto attempt = [&]() -> absl::Status {
       pos = round_pos;
       round_logits.clear();
-      KVT_RETURN_IF_ERROR(b->BeginStep(true, o.question_tokens, o.question_tokens));
+      KVT_RETURN_IF_ERROR(b->BeginStep(true, question_tokens, question_tokens));
       KVT_RETURN_IF_ERROR(f.Run(q, pos, b, logits.data()));
       KVT_RETURN_IF_ERROR(b->EndStep());
-      pos += o.question_tokens;
-      for (int a = 0; a < o.answer_tokens; ++a) {
+      pos += question_tokens;
+      for (int a = 0; a < answer_tokens; ++a) {
         round_logits.insert(round_logits.end(), logits.begin(), logits.end());
         int next;
         if (a < static_cast<int>(answer.size())) {
           next = answer[a];
         } else {
-          next = teacher != nullptr ? teacher->answers[r][a]
-                                    : model::Argmax(logits.data(), c.vocab_size);
+          next = in.forced != nullptr    ? (*in.forced)[r][a]
+                 : in.teacher != nullptr ? in.teacher->answers[r][a]
+                                         : model::Argmax(logits.data(), c.vocab_size);
           answer.push_back(next);
         }
         const auto t0 = std::chrono::steady_clock::now();
@@ -717,23 +721,89 @@ absl::StatusOr<Transcript> RunConversation(
       KVT_ASSIGN_OR_RETURN(uint32_t next, b->Recover(static_cast<uint32_t>(r), s));
       if (progress) {
         progress(absl::StrCat(
-            "round ", r + 1, "/", o.rounds, ": ", s.message(), "; ",
+            "round ", r, " (", r + 1, " of ", rounds, "): ", s.message(), "; ",
             next == static_cast<uint32_t>(r) ? "sending the round again" : "the round was stored"));
       }
       if (next == static_cast<uint32_t>(r) + 1) {
-        pos = round_pos + per_round;
+        pos = round_pos + question_tokens + answer_tokens;
         break;
       }
     }
-    t.questions.push_back(std::move(q));
+    t.questions.push_back(q);
     t.answers.push_back(std::move(answer));
     t.logits.push_back(std::move(round_logits));
     if (progress) {
-      progress(absl::StrCat("round ", r + 1, "/", o.rounds, ": ", pos, " tokens"));
+      progress(absl::StrCat("round ", r, " (", r + 1, " of ", rounds, "): ", pos, " tokens"));
     }
   }
   t.decode_ms_per_token = decode_steps > 0 ? decode_ms / decode_steps : 0;
   return t;
+}
+
+}  // namespace
+
+absl::StatusOr<Transcript> RunConversation(
+    const model::LlamaModel& m, const ConversationOptions& o, ConversationBackend* b,
+    const Transcript* teacher, const std::function<void(const std::string&)>& progress) {
+  const model::LlamaConfig& c = m.config();
+  const int per_round = o.question_tokens + o.answer_tokens;
+  if (o.rounds < 1 || o.question_tokens < 1 || o.answer_tokens < 1) {
+    return absl::InvalidArgumentError("rounds, question and answer tokens must be >= 1");
+  }
+  if (o.rounds * per_round > c.seq_len) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        o.rounds, " rounds of ", per_round, " tokens exceed the model's context of ", c.seq_len));
+  }
+  if (teacher != nullptr && static_cast<int>(teacher->answers.size()) != o.rounds) {
+    return absl::InvalidArgumentError("the teacher transcript has a different round count");
+  }
+  // Question text: slices of one sequence the model wrote itself.
+  KVT_ASSIGN_OR_RETURN(std::vector<int> source,
+                       model::SampleTokens(m, o.rounds * o.question_tokens, o.seed));
+  Rounds in;
+  for (int r = 0; r < o.rounds; ++r) {
+    in.user.emplace_back(source.begin() + r * o.question_tokens,
+                         source.begin() + (r + 1) * o.question_tokens);
+  }
+  in.greedy = o.answer_tokens;
+  in.teacher = teacher;
+  return RunRounds(m, in, b, progress);
+}
+
+absl::StatusOr<Transcript> RunScript(const model::LlamaModel& m,
+                                     const std::vector<ScriptRound>& rounds, ConversationBackend* b,
+                                     const std::function<void(const std::string&)>& progress) {
+  const model::LlamaConfig& c = m.config();
+  if (rounds.empty()) return absl::InvalidArgumentError("a conversation needs a round");
+  int64_t tokens = 0;
+  Rounds in;
+  std::vector<std::vector<int>> forced;
+  for (size_t r = 0; r < rounds.size(); ++r) {
+    const ScriptRound& sr = rounds[r];
+    if (sr.user.empty() || sr.assistant.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("round ", r, ": user and assistant need at least one token each"));
+    }
+    for (const std::vector<int>* part : {&sr.user, &sr.assistant}) {
+      for (int id : *part) {
+        if (id < 0 || id >= c.vocab_size) {
+          return absl::InvalidArgumentError(absl::StrCat("round ", r, ": token ", id,
+                                                         " is outside the model's vocabulary [0, ",
+                                                         c.vocab_size, ")"));
+        }
+      }
+    }
+    tokens += static_cast<int64_t>(sr.user.size() + sr.assistant.size());
+    in.user.push_back(sr.user);
+    forced.push_back(sr.assistant);
+  }
+  if (tokens > c.seq_len) {
+    return absl::InvalidArgumentError(absl::StrCat("the conversation holds ", tokens,
+                                                   " tokens, more than the model's context of ",
+                                                   c.seq_len));
+  }
+  in.forced = &forced;
+  return RunRounds(m, in, b, progress);
 }
 
 Agreement Compare(const Transcript& teacher, const Transcript& t, int vocab) {

@@ -216,6 +216,24 @@ absl::StatusOr<Transcript> RunConversation(const model::LlamaModel& m, const Con
                                            ConversationBackend* b, const Transcript* teacher,
                                            const std::function<void(const std::string&)>& progress);
 
+// One round of a conversation given token by token: the user's tokens as
+// one prefill step, then the assistant's tokens, each a decode step
+// (teacher forcing: the logits before each are recorded, and the given
+// token is fed whatever the backend predicted).
+struct ScriptRound {
+  std::vector<int> user;       // >= 1 token.
+  std::vector<int> assistant;  // >= 1 token.
+};
+
+// Runs a scripted conversation (kvtier-engine --conversations, refengine/
+// replay.h). Transcript.questions/answers are the script's tokens and
+// logits[r] holds [assistant tokens, vocab]. INVALID_ARGUMENT when a round
+// is empty, a token is outside the vocabulary or the conversation does not
+// fit the model's context. Failures are recovered as in RunConversation.
+absl::StatusOr<Transcript> RunScript(const model::LlamaModel& m,
+                                     const std::vector<ScriptRound>& rounds, ConversationBackend* b,
+                                     const std::function<void(const std::string&)>& progress);
+
 struct Agreement {
   double top1 = 0;  // Fraction of answer positions whose argmax matches.
   double kl = 0;    // Mean KL(teacher || this) in nats.

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <mutex>
@@ -194,6 +195,35 @@ absl::Status RunModel(const DemoOptions& o, const model::LlamaModel& m, const Op
   return absl::OkStatus();
 }
 
+// A conversation from the user's file: teacher-forced on its assistant
+// tokens through the full cache, then through the tier.
+absl::Status RunReplayed(const model::LlamaModel& m, const ReplayConversation& c,
+                         const OpenTier& open, DemoSession* out,
+                         std::unique_ptr<TierSession>* session,
+                         const std::function<void(const std::string&)>& progress) {
+  out->conversation = c.id;
+  out->where = c.where;
+  const std::vector<ScriptRound> script = c.Script();
+  auto local = LocalBackend(m.config());
+  KVT_ASSIGN_OR_RETURN(Transcript teacher, RunScript(m, script, local.get(), nullptr));
+  KVT_ASSIGN_OR_RETURN(*session, open(SpecOf(m.config()), out));
+  TierSession* tier = session->get();
+  auto line = [&](const std::string& s) {
+    if (progress) progress(absl::StrCat(out->id, " (", c.id, ") ", s));
+  };
+  KVT_ASSIGN_OR_RETURN(Transcript t, RunScript(m, script, tier, line));
+  const int vocab = m.config().vocab_size;
+  out->agreement = Compare(teacher, t, vocab);
+  out->replay = ScoreReplay(c, teacher, t, vocab);
+  for (const ReplayRound& r : c.rounds)
+    out->decode_tokens += static_cast<int64_t>(r.assistant.size());
+  out->tier_decode_ms = t.decode_ms_per_token * out->decode_tokens;
+  out->local_decode_ms = teacher.decode_ms_per_token * out->decode_tokens;
+  out->rounds = tier->rounds();
+  out->on_device = tier->on_device();
+  return absl::OkStatus();
+}
+
 std::string Mib(uint64_t b) { return absl::StrFormat("%.2f MiB", b / 1048576.0); }
 std::string Kib(double b) { return absl::StrFormat("%.1f KiB", b / 1024.0); }
 
@@ -259,7 +289,94 @@ Totals Sum(const DemoReport& r) {
 
 bool Synthetic(const DemoReport& r) { return r.workload == "synthetic-chat"; }
 
+// A replay's sums over rounds (one session's, or every session's).
+struct ReplayTotals {
+  int64_t rounds = 0, user = 0, assistant = 0, agree = 0, scored = 0, tier = 0, local = 0;
+  double kl = 0;
+  void Add(const ReplayRoundScore& x) {
+    ++rounds;
+    user += x.user_tokens;
+    assistant += x.assistant_tokens;
+    agree += x.top1_agree;
+    kl += x.kl_sum;
+    scored += x.scored;
+    tier += x.tier_correct;
+    local += x.local_correct;
+  }
+};
+
+ReplayTotals SumReplay(const DemoReport& r) {
+  ReplayTotals t;
+  for (const DemoSession& d : r.sessions) {
+    for (const ReplayRoundScore& x : d.replay) t.Add(x);
+  }
+  return t;
+}
+
+// Per-round lines of the text report for this many conversations (the JSON
+// report has every one).
+constexpr size_t kReplayRoundsShown = 8;
+
 double Ratio(double a, double b) { return b > 0 ? a / b : 0; }
+
+std::string Acc(int64_t correct, int64_t n) {
+  return n > 0 ? absl::StrFormat("%.3f", static_cast<double>(correct) / n) : std::string("-");
+}
+
+// The replay's part of the text report: agreement with the full cache on
+// every assistant token, accuracy on the scored spans for both, then per
+// round what the tier kept and moved.
+std::string RenderReplay(const DemoReport& r) {
+  const ReplayTotals t = SumReplay(r);
+  std::string s;
+  absl::StrAppendFormat(&s,
+                        "fidelity against the full cache, every assistant token (teacher-forced "
+                        "on the file's): top-1 agreement %s, KL %.4f nats\n",
+                        Acc(t.agree, t.assistant), Ratio(t.kl, t.assistant));
+  if (t.scored > 0) {
+    absl::StrAppendFormat(&s,
+                          "accuracy on the scored spans (%lld tokens): kvtier %s, full cache %s "
+                          "(the tier's cost: %+.3f)\n",
+                          static_cast<long long>(t.scored), Acc(t.tier, t.scored),
+                          Acc(t.local, t.scored),
+                          static_cast<double>(t.tier - t.local) / static_cast<double>(t.scored));
+  } else {
+    s += "accuracy on the scored spans: the file scores no span\n";
+  }
+  absl::StrAppendFormat(&s, "\n%-26s %5s %9s %6s %7s %13s %7s %9s  %s\n", "conversation", "round",
+                        "tokens", "top-1", "KL", "scored k/full", "ws/full", "fetched", "recalled");
+  for (size_t i = 0; i < r.sessions.size(); ++i) {
+    const DemoSession& d = r.sessions[i];
+    if (i == kReplayRoundsShown) {
+      absl::StrAppendFormat(&s, "  ... %zu more conversations in the JSON report (--report)\n",
+                            r.sessions.size() - i);
+      break;
+    }
+    ReplayTotals c;
+    for (size_t j = 0; j < d.replay.size(); ++j) {
+      const ReplayRoundScore& x = d.replay[j];
+      c.Add(x);
+      const TierRound* tr = j < d.rounds.size() ? &d.rounds[j] : nullptr;
+      absl::StrAppendFormat(
+          &s, "%-26s %5zu %4d+%-4d %6s %7.4f %13s %7s %9s  %s\n",
+          j == 0 ? d.conversation.substr(0, 26) : "", j, x.user_tokens, x.assistant_tokens,
+          Acc(x.top1_agree, x.assistant_tokens), Ratio(x.kl_sum, x.assistant_tokens),
+          x.scored > 0 ? absl::StrCat(x.tier_correct, "/", x.local_correct, " of ", x.scored)
+                       : std::string("-"),
+          tr != nullptr
+              ? absl::StrFormat("%.2f", Ratio(tr->round_working_set_bytes, tr->full_cache_bytes))
+              : std::string("-"),
+          tr != nullptr ? Kib(static_cast<double>(tr->bytes_fetched)) : std::string("-"),
+          tr != nullptr && tr->recalled ? absl::StrCat("[", absl::StrJoin(tr->selected, " "), "]")
+                                        : std::string("-"));
+    }
+    absl::StrAppendFormat(
+        &s, "%-26s %5s %4lld+%-4lld %6s %7.4f %13s\n", "", "all", static_cast<long long>(c.user),
+        static_cast<long long>(c.assistant), Acc(c.agree, c.assistant), Ratio(c.kl, c.assistant),
+        c.scored > 0 ? absl::StrCat(c.tier, "/", c.local, " of ", c.scored) : std::string("-"));
+  }
+  return s;
+}
 
 }  // namespace
 
@@ -327,12 +444,32 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
   std::unique_ptr<model::LlamaModel> m;
   DemoReport rep;
   rep.rounds = o.rounds;
+  std::vector<ReplayConversation> replay;
+  if (!o.conversations.empty()) {
+    if (o.model.empty()) {
+      return absl::InvalidArgumentError(
+          "replaying conversations needs the model their token ids belong to (--model)");
+    }
+    KVT_ASSIGN_OR_RETURN(replay, LoadConversations(o.conversations));
+    rep.conversations = o.conversations;
+  }
   if (!o.model.empty()) {
     KVT_ASSIGN_OR_RETURN(m, model::LlamaModel::Load(o.model));
     rep.workload = o.model;
     rep.layers = m->config().n_layers;
     rep.tokens_per_round = (o.question_tokens > 0 ? o.question_tokens : kModelQuestionTokens) +
                            (o.answer_tokens > 0 ? o.answer_tokens : kModelAnswerTokens);
+    if (!replay.empty()) {
+      // Nothing runs unless every conversation fits the model.
+      KVT_RETURN_IF_ERROR(CheckConversations(replay, m->config()));
+      int64_t rounds = 0, tokens = 0;
+      for (const ReplayConversation& c : replay) {
+        rounds += static_cast<int64_t>(c.rounds.size());
+        tokens += c.tokens();
+      }
+      rep.rounds = static_cast<int>(rounds);
+      rep.tokens_per_round = static_cast<int>(tokens / std::max<int64_t>(1, rounds));
+    }
   } else {
     traces::SyntheticChatOptions co;
     rep.workload = "synthetic-chat";
@@ -379,9 +516,12 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
                          o.decode_worker.empty() ? nullptr : &pd);
     };
   }
-  rep.sessions.resize(o.sessions);
-  std::vector<std::unique_ptr<TierSession>> tiers(o.sessions);
-  std::vector<absl::Status> status(o.sessions);
+  // Replay: one session per conversation, `o.sessions` at a time.
+  const int count = replay.empty() ? o.sessions : static_cast<int>(replay.size());
+  const int parallel = std::min(count, o.sessions);
+  rep.sessions.resize(count);
+  std::vector<std::unique_ptr<TierSession>> tiers(count);
+  std::vector<absl::Status> status(count);
   std::string prefix = o.session_prefix;
   if (prefix.empty()) {
     const uint64_t run = static_cast<uint64_t>(Clock::now().time_since_epoch().count()) ^
@@ -396,16 +536,23 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
   };
   const auto t0 = Clock::now();
   std::vector<std::thread> threads;
-  for (int i = 0; i < o.sessions; ++i) {
-    rep.sessions[i].id = absl::StrCat(prefix, i);
-    threads.emplace_back([&, i] {
-      status[i] = m != nullptr ? RunModel(o, *m, open, i, &rep.sessions[i], &tiers[i], line)
-                               : RunSynthetic(o, open, i, &rep.sessions[i], &tiers[i], line);
-      if (auto* c = dynamic_cast<ClusterSession*>(tiers[i].get()); c != nullptr) {
-        c->RefreshRoute().IgnoreError();  // The report says where it is, not where it was.
-        rep.sessions[i].worker = c->worker_node_id();
-        rep.sessions[i].stores = c->store_node_ids();
-        rep.sessions[i].failovers = c->failovers();
+  std::atomic<int> next{0};
+  std::atomic<bool> failed{false};
+  for (int i = 0; i < count; ++i) rep.sessions[i].id = absl::StrCat(prefix, i);
+  for (int p = 0; p < parallel; ++p) {
+    threads.emplace_back([&] {
+      for (int i = next++; i < count && !failed; i = next++) {
+        status[i] = !replay.empty()
+                        ? RunReplayed(*m, replay[i], open, &rep.sessions[i], &tiers[i], line)
+                    : m != nullptr ? RunModel(o, *m, open, i, &rep.sessions[i], &tiers[i], line)
+                                   : RunSynthetic(o, open, i, &rep.sessions[i], &tiers[i], line);
+        if (auto* c = dynamic_cast<ClusterSession*>(tiers[i].get()); c != nullptr) {
+          c->RefreshRoute().IgnoreError();  // The report says where it is, not where it was.
+          rep.sessions[i].worker = c->worker_node_id();
+          rep.sessions[i].stores = c->store_node_ids();
+          rep.sessions[i].failovers = c->failovers();
+        }
+        if (!status[i].ok()) failed = true;
       }
     });
   }
@@ -424,11 +571,14 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     }
     return first;
   };
-  for (int i = 0; i < o.sessions; ++i) {
+  for (int i = 0; i < count; ++i) {
     if (!status[i].ok()) {
       close_all().IgnoreError();
+      const DemoSession& d = rep.sessions[i];
+      const std::string what =
+          d.where.empty() ? d.id : absl::StrCat(d.id, " (conversation at ", d.where, ")");
       return absl::Status(status[i].code(),
-                          absl::StrCat("session ", rep.sessions[i].id, ": ", status[i].message()));
+                          absl::StrCat("session ", what, ": ", status[i].message()));
     }
   }
   if (!o.store.empty()) {
@@ -458,9 +608,19 @@ std::string RenderText(const DemoReport& r) {
   const Totals t = Sum(r);
   std::string s;
   absl::StrAppendFormat(&s, "\n== kvtier demo report: %s\n", r.workload);
-  absl::StrAppendFormat(&s, "%zu sessions x %d rounds x %d tokens; %d layers; %s; %.1f s\n\n",
-                        r.sessions.size(), r.rounds, r.tokens_per_round, r.layers, r.policy,
-                        r.seconds);
+  if (!r.conversations.empty()) {
+    const ReplayTotals rt = SumReplay(r);
+    absl::StrAppendFormat(&s,
+                          "%zu conversations replayed from %s: %lld rounds, %lld user + %lld "
+                          "assistant tokens; %d layers; %s; %.1f s\n\n",
+                          r.sessions.size(), r.conversations, static_cast<long long>(rt.rounds),
+                          static_cast<long long>(rt.user), static_cast<long long>(rt.assistant),
+                          r.layers, r.policy, r.seconds);
+  } else {
+    absl::StrAppendFormat(&s, "%zu sessions x %d rounds x %d tokens; %d layers; %s; %.1f s\n\n",
+                          r.sessions.size(), r.rounds, r.tokens_per_round, r.layers, r.policy,
+                          r.seconds);
+  }
   int on_gpu = 0;
   for (const DemoSession& d : r.sessions) on_gpu += d.on_device ? 1 : 0;
   absl::StrAppendFormat(
@@ -583,11 +743,13 @@ std::string RenderText(const DemoReport& r) {
                           "fidelity: attention-output relative error %.5f (every layer, every "
                           "token, against the full fp32 cache)\n",
                           std::sqrt(Ratio(t.err2, t.ref2)));
-  } else {
+  } else if (r.conversations.empty()) {
     absl::StrAppendFormat(&s,
                           "fidelity: top-1 agreement %.3f, KL %.4f nats (teacher-forced on the "
                           "local greedy answers)\n",
                           t.top1, t.kl);
+  } else {
+    s += RenderReplay(r);
   }
   bool cluster = false;
   for (const DemoSession& d : r.sessions) cluster = cluster || !d.worker.empty();
@@ -612,7 +774,7 @@ std::string RenderJson(const DemoReport& r) {
     return x.has_value() ? absl::StrCat(*x) : std::string("null");
   };
   std::string s = "{\n";
-  absl::StrAppend(&s, "  \"workload\": \"", r.workload, "\",\n");
+  absl::StrAppend(&s, "  \"workload\": ", JsonQuote(r.workload), ",\n");
   absl::StrAppend(&s, "  \"policy\": \"", r.policy, "\",\n");
   absl::StrAppend(&s, "  \"sessions\": ", r.sessions.size(), ",\n");
   absl::StrAppend(&s, "  \"rounds\": ", r.rounds, ",\n");
@@ -650,6 +812,22 @@ std::string RenderJson(const DemoReport& r) {
                   Synthetic(r) ? num(std::sqrt(Ratio(t.err2, t.ref2))) : "null", ",\n");
   absl::StrAppend(&s, "  \"top1_agreement\": ", Synthetic(r) ? "null" : num(t.top1), ",\n");
   absl::StrAppend(&s, "  \"kl_nats\": ", Synthetic(r) ? "null" : num(t.kl), ",\n");
+  if (r.conversations.empty()) {
+    absl::StrAppend(&s, "  \"replay\": null,\n");
+  } else {
+    // Over every replayed round: agreement on every assistant token, and
+    // accuracy on the scored spans for the tier and the full cache.
+    const ReplayTotals rt = SumReplay(r);
+    auto frac = [&](int64_t a, int64_t n) { return n > 0 ? num(Ratio(a, n)) : "null"; };
+    absl::StrAppend(&s, "  \"replay\": {\"file\": ", JsonQuote(r.conversations),
+                    ", \"conversations\": ", r.sessions.size(), ", \"rounds\": ", rt.rounds,
+                    ", \"user_tokens\": ", rt.user, ", \"assistant_tokens\": ", rt.assistant,
+                    ", \"top1_agreement\": ", frac(rt.agree, rt.assistant),
+                    ", \"kl_nats\": ", num(Ratio(rt.kl, rt.assistant)),
+                    ", \"scored_tokens\": ", rt.scored,
+                    ", \"scored_accuracy_tier\": ", frac(rt.tier, rt.scored),
+                    ", \"scored_accuracy_full_cache\": ", frac(rt.local, rt.scored), "},\n");
+  }
   absl::StrAppend(&s, "  \"per_session\": [");
   for (size_t i = 0; i < r.sessions.size(); ++i) {
     const DemoSession& d = r.sessions[i];
@@ -671,6 +849,29 @@ std::string RenderJson(const DemoReport& r) {
       first = false;
     }
     absl::StrAppend(&s, "]");
+    if (!d.replay.empty()) {
+      absl::StrAppend(&s, ", \"conversation\": ", JsonQuote(d.conversation),
+                      ", \"line\": ", JsonQuote(d.where), ", \"replay_rounds\": [");
+      for (size_t j = 0; j < d.replay.size(); ++j) {
+        const ReplayRoundScore& x = d.replay[j];
+        const TierRound* tr = j < d.rounds.size() ? &d.rounds[j] : nullptr;
+        absl::StrAppend(
+            &s, j ? ", " : "", "{\"round\": ", j, ", \"user_tokens\": ", x.user_tokens,
+            ", \"assistant_tokens\": ", x.assistant_tokens, ", \"top1_agree\": ", x.top1_agree,
+            ", \"kl_nats\": ", num(Ratio(x.kl_sum, x.assistant_tokens)), ", \"scored\": ", x.scored,
+            ", \"tier_correct\": ", x.tier_correct, ", \"full_cache_correct\": ", x.local_correct);
+        if (tr != nullptr) {
+          absl::StrAppend(&s, ", \"working_set_bytes\": ", tr->round_working_set_bytes,
+                          ", \"full_cache_bytes\": ", tr->full_cache_bytes,
+                          ", \"bytes_stored\": ", tr->stored_bytes,
+                          ", \"bytes_fetched\": ", tr->bytes_fetched, ", \"recalled\": ",
+                          tr->recalled ? absl::StrCat("[", absl::StrJoin(tr->selected, ", "), "]")
+                                       : std::string("null"));
+        }
+        absl::StrAppend(&s, "}");
+      }
+      absl::StrAppend(&s, "]");
+    }
     if (!d.worker.empty()) {
       absl::StrAppend(&s, ", \"worker\": \"", d.worker, "\", \"stores\": [");
       for (size_t j = 0; j < d.stores.size(); ++j) {

@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "kvtier/v1/worker.pb.h"
 #include "refengine/conversation.h"
+#include "refengine/replay.h"
 
 namespace kvtier::refengine {
 
@@ -35,6 +36,11 @@ struct DemoOptions {
   std::string store;  // kvtier-store "host:port": per-tier bytes; optional.
   std::string token;  // Bearer token for both; empty: none.
   std::string model;  // llama2.c checkpoint; empty: the synthetic chat.
+  // A JSON Lines file of conversations in token ids (refengine/replay.h)
+  // to replay instead of generated ones; needs `model`. Each conversation
+  // is a session; `sessions` of them run at a time; `rounds`, the token
+  // counts and `seed` do not apply.
+  std::string conversations;
   int sessions = 4;
   int rounds = 24;
   // Per round; 0 takes the workload's default (synthetic 16 + 16, model
@@ -77,11 +83,15 @@ struct DemoSession {
   std::string worker;
   std::vector<std::string> stores;
   std::vector<Failover> failovers;
+  // Replay: the conversation's id and line, and each round's scores.
+  std::string conversation, where;
+  std::vector<ReplayRoundScore> replay;
 };
 
 struct DemoReport {
-  std::string workload;  // "synthetic-chat" or the checkpoint path.
-  std::string policy;    // Human-readable effective policy.
+  std::string workload;       // "synthetic-chat" or the checkpoint path.
+  std::string conversations;  // Replay: the file.
+  std::string policy;         // Human-readable effective policy.
   int layers = 0, watershed = 0, tokens_per_round = 0, rounds = 0;
   std::vector<DemoSession> sessions;
   std::optional<uint64_t> store_bytes_ram, store_bytes_disk;

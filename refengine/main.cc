@@ -21,7 +21,16 @@ ABSL_FLAG(std::string, token, "", "Bearer token for the worker and the store (em
 ABSL_FLAG(std::string, model, "",
           "llama2.c checkpoint (e.g. ../shared/models/stories260K.bin); empty runs the embedded "
           "synthetic multi-round chat.");
-ABSL_FLAG(int, sessions, 4, "Concurrent conversations.");
+ABSL_FLAG(std::string, conversations, "",
+          "Replay your own conversations: a JSON Lines file, one conversation a line, rounds of "
+          "token ids of --model ({\"rounds\": [{\"user\": [...], \"assistant\": [...], "
+          "\"score\": [[0, 4]]}]}; docs/replay.md). Each round's user tokens are one prefill, its "
+          "assistant tokens are teacher-forced; the report scores the tier against the full cache "
+          "and both against the given tokens. --rounds, --question_tokens, --answer_tokens and "
+          "--seed do not apply.");
+ABSL_FLAG(int, sessions, 4,
+          "Concurrent conversations (with --conversations: how many of the file's run at a "
+          "time).");
 ABSL_FLAG(int, rounds, 24, "Rounds per conversation.");
 ABSL_FLAG(int, question_tokens, 0, "Tokens per question (0: 16 synthetic, 10 model).");
 ABSL_FLAG(int, answer_tokens, 0, "Tokens per answer (0: 16 synthetic, 11 model).");
@@ -51,7 +60,8 @@ int main(int argc, char** argv) {
       argc, argv,
       "Serves multi-round conversations through kvtier-worker and compares them with an "
       "in-process full cache.\n  kvtier-engine --worker=HOST:PORT [--store=HOST:PORT] "
-      "[--model=PATH] [--codec=..] [--recall=..] [--evict=..] [--report=FILE]");
+      "[--model=PATH [--conversations=FILE]] [--codec=..] [--recall=..] [--evict=..] "
+      "[--report=FILE]");
   kvtier::refengine::DemoOptions o;
   o.shared_decode_stream = absl::GetFlag(FLAGS_shared_decode_stream);
   o.worker = absl::GetFlag(FLAGS_worker);
@@ -60,6 +70,7 @@ int main(int argc, char** argv) {
   o.store = absl::GetFlag(FLAGS_store);
   o.token = absl::GetFlag(FLAGS_token);
   o.model = absl::GetFlag(FLAGS_model);
+  o.conversations = absl::GetFlag(FLAGS_conversations);
   o.sessions = absl::GetFlag(FLAGS_sessions);
   o.rounds = absl::GetFlag(FLAGS_rounds);
   o.question_tokens = absl::GetFlag(FLAGS_question_tokens);

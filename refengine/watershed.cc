@@ -15,7 +15,7 @@ struct Capture {
   int layers = 0, q_heads = 0, kv_heads = 0, d = 0;
   std::vector<std::vector<float>> q, k;  // Per layer [T, Hq, d] and [T, Hkv, d].
   std::vector<int64_t> round_begin;      // Plus one end entry.
-  int question_tokens = 0;
+  std::vector<int> question_tokens;      // Per round.
 };
 
 RoundDistributions Distributions(const Capture& c, int min_past) {
@@ -49,7 +49,7 @@ RoundDistributions Distributions(const Capture& c, int min_past) {
       const int64_t b = c.round_begin[r];
       out.dist[p][l] =
           QAttention(c.q_heads, c.kv_heads, c.d, &c.q[l][b * qrow], static_cast<int64_t>(qrow),
-                     c.question_tokens, past, &c.k[l][b * kvrow]);
+                     c.question_tokens[r], past, &c.k[l][b * kvrow]);
     }
   }
   return out;
@@ -87,7 +87,7 @@ RoundDistributions SyntheticChatDistributions(const traces::SyntheticChat& chat,
   c.q_heads = o.q_heads;
   c.kv_heads = o.kv_heads;
   c.d = o.head_dim;
-  c.question_tokens = o.question_tokens;
+  c.question_tokens.assign(o.rounds, o.question_tokens);
   const int per = chat.tokens_per_round();
   const size_t qrow = static_cast<size_t>(o.q_heads) * o.head_dim;
   const size_t kvrow = static_cast<size_t>(o.kv_heads) * o.head_dim;
@@ -115,7 +115,7 @@ absl::StatusOr<RoundDistributions> ModelDistributions(const model::LlamaModel& m
   c.q_heads = mc.n_heads;
   c.kv_heads = mc.n_kv_heads;
   c.d = mc.head_dim();
-  c.question_tokens = o.question_tokens;
+  c.question_tokens.assign(o.rounds, o.question_tokens);
   c.q.resize(c.layers);
   c.k.resize(c.layers);
   Recorder rec(mc, &c);
@@ -123,6 +123,41 @@ absl::StatusOr<RoundDistributions> ModelDistributions(const model::LlamaModel& m
   const int per = o.question_tokens + o.answer_tokens;
   for (int r = 0; r <= o.rounds; ++r) c.round_begin.push_back(static_cast<int64_t>(r) * per);
   return Distributions(c, min_past);
+}
+
+absl::StatusOr<RoundDistributions> ReplayDistributions(
+    const model::LlamaModel& m, const std::vector<ReplayConversation>& conversations,
+    int min_past) {
+  const model::LlamaConfig& mc = m.config();
+  KVT_RETURN_IF_ERROR(CheckConversations(conversations, mc));
+  RoundDistributions out;
+  out.layers = mc.n_layers;
+  for (const ReplayConversation& conv : conversations) {
+    Capture c;
+    c.layers = mc.n_layers;
+    c.q_heads = mc.n_heads;
+    c.kv_heads = mc.n_kv_heads;
+    c.d = mc.head_dim();
+    c.q.resize(c.layers);
+    c.k.resize(c.layers);
+    c.round_begin.push_back(0);
+    for (const ReplayRound& r : conv.rounds) {
+      c.question_tokens.push_back(static_cast<int>(r.user.size()));
+      c.round_begin.push_back(c.round_begin.back() +
+                              static_cast<int64_t>(r.user.size() + r.assistant.size()));
+    }
+    Recorder rec(mc, &c);
+    absl::StatusOr<Transcript> t = RunScript(m, conv.Script(), &rec, nullptr);
+    if (!t.ok()) {
+      return absl::Status(t.status().code(), absl::StrCat(conv.where, ": ", t.status().message()));
+    }
+    RoundDistributions d = Distributions(c, min_past);
+    for (size_t p = 0; p < d.dist.size(); ++p) {
+      out.dist.push_back(std::move(d.dist[p]));
+      out.probe_round.push_back(d.probe_round[p]);
+    }
+  }
+  return out;
 }
 
 WatershedReport AnalyzeWatershed(const RoundDistributions& d, double mass, double kl_threshold) {

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "model/llama.h"
 #include "refengine/conversation.h"
+#include "refengine/replay.h"
 #include "traces/synthetic_chat.h"
 
 namespace kvtier::refengine {
@@ -31,6 +32,13 @@ RoundDistributions SyntheticChatDistributions(const traces::SyntheticChat& chat,
 absl::StatusOr<RoundDistributions> ModelDistributions(const model::LlamaModel& m,
                                                       const ConversationOptions& o,
                                                       int min_past = 2);
+
+// From a llama2.c model replaying conversations (refengine/replay.h),
+// teacher-forced on their assistant tokens; the probes of every
+// conversation together.
+absl::StatusOr<RoundDistributions> ReplayDistributions(
+    const model::LlamaModel& m, const std::vector<ReplayConversation>& conversations,
+    int min_past = 2);
 
 struct WatershedReport {
   // Per layer l < L - 1: mean over probes and later layers l' of

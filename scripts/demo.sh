@@ -11,6 +11,9 @@
 #   EVICT     none, or METHOD:BUDGET, e.g. snapkv:64, ada-snapkv:32 [none]
 #   MODEL     a llama2.c checkpoint (e.g. ../shared/models/stories260K.bin); unset runs
 #             the embedded synthetic multi-round chat [unset]
+#   CONVERSATIONS  replay your own conversations instead: a JSON Lines file of token ids
+#             of MODEL (docs/replay.md; defaults MODEL to ../shared/models/stories260K.bin),
+#             e.g. traces/stories260k_chats.jsonl [unset]
 #   SESSIONS  concurrent conversations [4]
 #   ROUNDS    rounds per conversation [24]
 #   WATERSHED the watershed layer L_w [-1: 6 for the synthetic chat, L/3 for a model]
@@ -27,6 +30,15 @@ CODEC=${CODEC:-raw}
 RECALL=${RECALL:-mass:0.95}
 EVICT=${EVICT:-none}
 MODEL=${MODEL:-}
+CONVERSATIONS=${CONVERSATIONS:-}
+if [ -n "$CONVERSATIONS" ]; then
+  if [ ! -f "$CONVERSATIONS" ]; then
+    echo "CONVERSATIONS=$CONVERSATIONS: no such file (JSON Lines of token ids, docs/replay.md)"
+    exit 2
+  fi
+  CONVERSATIONS=$(realpath "$CONVERSATIONS")
+  MODEL=${MODEL:-../shared/models/stories260K.bin}
+fi
 SESSIONS=${SESSIONS:-4}
 ROUNDS=${ROUNDS:-24}
 WATERSHED=${WATERSHED:--1}
@@ -80,16 +92,22 @@ if [ "${PD:-0}" = 1 ]; then
   echo "by layer while the prefill runs, decoded and ended on $DECODE, and handed back"
 fi
 
-if [ -n "$MODEL" ]; then
+if [ -n "$CONVERSATIONS" ]; then
+  WHAT="the conversations of $CONVERSATIONS on $MODEL (local full cache vs kvtier, teacher-forced)"
+  step "Replaying $(grep -c . "$CONVERSATIONS") conversations, $SESSIONS at a time: $WHAT"
+elif [ -n "$MODEL" ]; then
   WHAT="the reference engine on $MODEL (local full cache vs kvtier, teacher-forced)"
 else
   WHAT="the embedded synthetic multi-round chat (docs/demo.md)"
 fi
-step "Serving $SESSIONS conversations x $ROUNDS rounds: $WHAT"
+if [ -z "$CONVERSATIONS" ]; then
+  step "Serving $SESSIONS conversations x $ROUNDS rounds: $WHAT"
+fi
 echo "policy: CODEC=$CODEC RECALL=$RECALL EVICT=$EVICT"
 ARGS=(--worker="$WORKER" --store="$STORE" --sessions="$SESSIONS" --rounds="$ROUNDS"
   --codec="$CODEC" --recall="$RECALL" --evict="$EVICT" --watershed="$WATERSHED")
 [ -n "$MODEL" ] && ARGS+=(--model="$MODEL")
+[ -n "$CONVERSATIONS" ] && ARGS+=(--conversations="$CONVERSATIONS")
 [ -n "$REPORT" ] && ARGS+=(--report="$REPORT")
 [ -n "${SHARED_DECODE_STREAM:-}" ] && ARGS+=(--shared_decode_stream="$SHARED_DECODE_STREAM")
 if [ -n "$DECODE" ]; then
@@ -110,4 +128,5 @@ fi
 echo
 echo "Try: CODEC=kivi4 make demo, RECALL=all make demo, EVICT=snapkv:24:w=8 make demo,"
 echo "     MODEL=../shared/models/stories260K.bin make demo, REPORT=report.json make demo,"
-echo "     PD=1 make demo (prefill and decode on two workers)"
+echo "     PD=1 make demo (prefill and decode on two workers),"
+echo "     CONVERSATIONS=traces/stories260k_chats.jsonl make demo (replay conversations)"

@@ -74,6 +74,12 @@ std::string SharedModelPath() {
   return std::filesystem::exists(p) ? p.lexically_normal().string() : std::string();
 }
 
+std::string SourcePath(const std::string& relative) {
+  const char* src = std::getenv("KVTIER_SOURCE_DIR");
+  const std::filesystem::path root = src != nullptr ? src : KVTIER_SOURCE_DIR_DEFAULT;
+  return (root / relative).lexically_normal().string();
+}
+
 bool InCi() {
   const char* ci = std::getenv("CI");
   return ci != nullptr && std::string(ci) == "true";

@@ -36,6 +36,10 @@ void WriteFile(const std::string& path, const std::string& text);
 // source tree, or $KVTIER_MODEL), or "" when it is not there.
 std::string SharedModelPath();
 
+// A file of the source tree (KVTIER_SOURCE_DIR, set by ctest), e.g.
+// SourcePath("traces/stories260k_chats.jsonl").
+std::string SourcePath(const std::string& relative);
+
 // True when CI=true: a missing shared model is then a failure, not a skip.
 bool InCi();
 

@@ -473,7 +473,7 @@ TEST_F(ClusterTest, GreedyTokensSurviveAWorkerKill) {
     refengine::ClusterSession* cs = s->get();
     auto t = refengine::RunConversation(**m, conv, cs, nullptr, [&](const std::string& line) {
       if (kill_at_round >= 0 &&
-          absl::StartsWith(line, absl::StrCat("round ", kill_at_round, "/"))) {
+          absl::StartsWith(line, absl::StrCat("round ", kill_at_round - 1, " ("))) {
         for (testing::HostProcess* w : workers_) {
           if (w->name() == cs->worker_node_id()) w->Kill();
         }

@@ -22,4 +22,23 @@ grep -q '"sessions": 2,' "$OUT/report.json"
 grep -q '"rounds": 20,' "$OUT/report.json"
 grep -q '"recall_calls": 38,' "$OUT/report.json"
 grep -q '"top1_agreement": null,' "$OUT/report.json"
+
+# CONVERSATIONS=file: the sample conversations replayed on stories260K.
+MODEL_PATH="$SRC_DIR/../shared/models/stories260K.bin"
+if [ -f "$MODEL_PATH" ]; then
+  SESSIONS=2 CONVERSATIONS="$SRC_DIR/traces/stories260k_chats.jsonl" MODEL="$MODEL_PATH" \
+    REPORT="$OUT/replay.json" "$SRC_DIR/scripts/demo.sh" "$BUILD_DIR" >"$OUT/replay" 2>&1 || {
+    cat "$OUT/replay"
+    exit 1
+  }
+  grep -q "4 conversations replayed from .*stories260k_chats.jsonl" "$OUT/replay" ||
+    { cat "$OUT/replay"; exit 1; }
+  grep -q "accuracy on the scored spans" "$OUT/replay"
+  grep -q '"replay": {"file": ' "$OUT/replay.json"
+elif [ "${CI:-}" = true ]; then
+  echo "CI=true but $MODEL_PATH is missing"
+  exit 1
+else
+  echo "skipping the CONVERSATIONS run: needs ../shared/models/stories260K.bin beside the checkout"
+fi
 echo "demo script OK"

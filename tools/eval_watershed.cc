@@ -22,6 +22,9 @@ constexpr char kWatershedHelp[] =
     "  KL stays at or below --kl_threshold at every later layer.\n\n"
     "  --model=PATH        llama2.c checkpoint (e.g. ../shared/models/stories260K.bin);\n"
     "                      without it, the embedded synthetic chat (traces/synthetic_chat.h)\n"
+    "  --conversations=FILE  with --model: your own conversations instead of a generated one\n"
+    "                      (JSON Lines of token ids, docs/replay.md; every conversation's\n"
+    "                      questions with 2 or more past rounds are probes)\n"
     "  --rounds=N          rounds (default: 24 synthetic, 24 model)\n"
     "  --question_tokens=N, --answer_tokens=N  per round (default 16/16 synthetic, 10/11 model)\n"
     "  --mass=P            attention mass to cover (default 0.95)\n"
@@ -32,8 +35,9 @@ constexpr char kWatershedHelp[] =
 }  // namespace
 
 int EvalWatershed(const Args& args) {
-  const auto unknown = args.Unknown({"model", "rounds", "question_tokens", "answer_tokens", "mass",
-                                     "kl_threshold", "seed", "csv", "help"});
+  const auto unknown =
+      args.Unknown({"model", "conversations", "rounds", "question_tokens", "answer_tokens", "mass",
+                    "kl_threshold", "seed", "csv", "help"});
   if (!unknown.empty() || args.Has("help")) {
     if (!unknown.empty())
       std::fprintf(stderr, "kvtier eval: unknown flag --%s\n\n", unknown[0].c_str());
@@ -54,7 +58,36 @@ int EvalWatershed(const Args& args) {
   const uint64_t seed = args.GetU64("seed", 1);
   refengine::RoundDistributions dist;
   std::string what;
-  if (args.Has("model")) {
+  if (args.Has("conversations") && !args.Has("model")) {
+    std::fprintf(stderr,
+                 "kvtier eval watershed: --conversations needs --model (the model whose token ids "
+                 "they hold)\n");
+    return 2;
+  }
+  if (args.Has("conversations")) {
+    auto m = model::LlamaModel::Load(args.Get("model"));
+    if (!m.ok()) {
+      std::fprintf(stderr, "kvtier eval watershed: %s\n",
+                   std::string(m.status().message()).c_str());
+      return 1;
+    }
+    auto convs = refengine::LoadConversations(args.Get("conversations"));
+    if (!convs.ok()) {
+      std::fprintf(stderr, "kvtier eval watershed: %s\n",
+                   std::string(convs.status().message()).c_str());
+      return 2;
+    }
+    what = absl::StrCat(args.Get("conversations"), " (", convs->size(), " conversations) on ",
+                        args.Get("model"));
+    std::fprintf(stderr, "replaying %s...\n", what.c_str());
+    auto d = refengine::ReplayDistributions(**m, *convs);
+    if (!d.ok()) {
+      std::fprintf(stderr, "kvtier eval watershed: %s\n",
+                   std::string(d.status().message()).c_str());
+      return absl::IsInvalidArgument(d.status()) ? 2 : 1;
+    }
+    dist = std::move(*d);
+  } else if (args.Has("model")) {
     auto m = model::LlamaModel::Load(args.Get("model"));
     if (!m.ok()) {
       std::fprintf(stderr, "kvtier eval watershed: %s\n",

@@ -12,6 +12,7 @@ int StoreCommand(const Args& args);
 int EvalCommand(const Args& args);
 int BudgetsCommand(const Args& args);
 int PolicyCommand(const Args& args);
+int ConversationsCommand(const Args& args);
 
 Args::Args(int argc, char** argv, int first) {
   for (int i = first; i < argc; ++i) {
@@ -68,6 +69,9 @@ int main(int argc, char** argv) {
   if (cmd == "eval") return kvtier::cli::EvalCommand(kvtier::cli::Args(argc, argv, 2));
   if (cmd == "budgets") return kvtier::cli::BudgetsCommand(kvtier::cli::Args(argc, argv, 2));
   if (cmd == "policy") return kvtier::cli::PolicyCommand(kvtier::cli::Args(argc, argv, 2));
+  if (cmd == "conversations") {
+    return kvtier::cli::ConversationsCommand(kvtier::cli::Args(argc, argv, 2));
+  }
   std::printf(
       "kvtier: the kvtier command-line tool\n\n"
       "  kvtier store SUBCOMMAND [--target=HOST:PORT] [--token=TOKEN] ...\n"
@@ -79,6 +83,8 @@ int main(int argc, char** argv) {
       "  kvtier budgets search --model=PATH --out=FILE [--budget=C]\n"
       "      EvolKV layer-budget search               (kvtier budgets help)\n"
       "  kvtier policy set|get --model=NAME [--controller=HOST:PORT] ...\n"
-      "      per-model policies of kvtier-controller  (kvtier policy help)\n");
+      "      per-model policies of kvtier-controller  (kvtier policy help)\n"
+      "  kvtier conversations check FILE [--model=PATH] | sample --model=PATH\n"
+      "      conversation files for replay            (kvtier conversations help)\n");
   return cmd == "help" || cmd == "--help" ? 0 : 2;
 }
