@@ -209,6 +209,25 @@ absl::Status Forward::Run(const std::vector<int>& tokens, int pos0, LayerAttenti
     }
     std::memcpy(&x[i * d], m_.embed_ + static_cast<int64_t>(tokens[i]) * d, d * sizeof(float));
   }
+  // RoPE at position `pos` on q (d wide) and, when not null, k (kv wide).
+  auto rope = [&](int pos, float* qi, float* ki) {
+    for (int j = 0; j < d; j += 2) {
+      const int hi = j % hd;
+      const double freq =
+          1.0 / std::pow(static_cast<double>(c.rope_theta), static_cast<double>(hi) / hd);
+      const double angle = pos * freq;
+      const float fc = static_cast<float>(std::cos(angle)),
+                  fs = static_cast<float>(std::sin(angle));
+      for (int which = 0; which < (j < kv && ki != nullptr ? 2 : 1); ++which) {
+        float* vec = which == 0 ? qi : ki;
+        const float a = vec[j], b = vec[j + 1];
+        vec[j] = a * fc - b * fs;
+        vec[j + 1] = a * fs + b * fc;
+      }
+    }
+  };
+  const bool speculate = attn->WantsNextLayerQuery();
+  std::vector<float> q_next(speculate ? x.size() : 0);
   for (int l = 0; l < c.n_layers; ++l) {
     for (int i = 0; i < n; ++i) {
       RmsNorm(xb_.data(), &x[i * d], m_.rms_att_ + l * d, d);
@@ -216,20 +235,15 @@ absl::Status Forward::Run(const std::vector<int>& tokens, int pos0, LayerAttenti
       MatVec(qi, xb_.data(), m_.wq_ + static_cast<int64_t>(l) * d * d, d, d);
       MatVec(ki, xb_.data(), m_.wk_ + static_cast<int64_t>(l) * kv * d, kv, d);
       MatVec(vi, xb_.data(), m_.wv_ + static_cast<int64_t>(l) * kv * d, kv, d);
-      for (int j = 0; j < d; j += 2) {
-        const int hi = j % hd;
-        const double freq =
-            1.0 / std::pow(static_cast<double>(c.rope_theta), static_cast<double>(hi) / hd);
-        const double angle = (pos0 + i) * freq;
-        const float fc = static_cast<float>(std::cos(angle)),
-                    fs = static_cast<float>(std::sin(angle));
-        for (int which = 0; which < (j < kv ? 2 : 1); ++which) {
-          float* vec = which == 0 ? qi : ki;
-          const float a = vec[j], b = vec[j + 1];
-          vec[j] = a * fc - b * fs;
-          vec[j + 1] = a * fs + b * fc;
-        }
+      rope(pos0 + i, qi, ki);
+    }
+    if (speculate && l + 1 < c.n_layers) {
+      for (int i = 0; i < n; ++i) {
+        RmsNorm(xb_.data(), &x[i * d], m_.rms_att_ + (l + 1) * d, d);
+        MatVec(&q_next[i * d], xb_.data(), m_.wq_ + static_cast<int64_t>(l + 1) * d * d, d, d);
+        rope(pos0 + i, &q_next[i * d], nullptr);
       }
+      KVT_RETURN_IF_ERROR(attn->NextLayerQuery(l, pos0, n, q_next.data()));
     }
     KVT_RETURN_IF_ERROR(attn->AttendLayer(l, pos0, n, q.data(), k.data(), v.data(), att.data()));
     for (int i = 0; i < n; ++i) {

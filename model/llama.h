@@ -92,6 +92,16 @@ class LayerAttention {
   virtual ~LayerAttention() = default;
   virtual absl::Status AttendLayer(int layer, int pos0, int n, const float* q, const float* k,
                                    const float* v, float* out) = 0;
+  // Speculation (kernels/speculation.h): when true, Forward::Run calls
+  // NextLayerQuery(layer, ...) before AttendLayer(layer, ...) for every
+  // layer but the last, with the approximate query of layer + 1 for the
+  // same tokens: layer's attention input (the residual stream) through
+  // layer + 1's attention norm, W_q and RoPE, [n, n_heads * head_dim].
+  virtual bool WantsNextLayerQuery() const { return false; }
+  virtual absl::Status NextLayerQuery(int layer, int pos0, int n, const float* q_next) {
+    (void)layer, (void)pos0, (void)n, (void)q_next;
+    return absl::OkStatus();
+  }
 };
 
 // A LayerAttention over any per-token AttentionBackend (token by token).
