@@ -11,8 +11,8 @@ namespace kvtier::cli {
 
 class Args {
  public:
-  // Parses argv[first..]: "--k=v", "--k v", and the boolean flags "--unpin"
-  // and "--help" (value "true"). Anything else is a positional argument.
+  // Parses argv[first..]: "--k=v", "--k v", and the boolean flags "--unpin",
+  // "--oracle" and "--help" (value "true"). Anything else is a positional argument.
   Args(int argc, char** argv, int first);
 
   bool Has(const std::string& k) const { return kv_.count(k) != 0; }

@@ -378,17 +378,23 @@ int BudgetsCommand(const Args& args) {
   return args.positional().empty() || args.positional()[0] != "help" ? 2 : 0;
 }
 
-int EvalWatershed(const Args& args);  // tools/eval_watershed.cc
+int EvalWatershed(const Args& args);    // tools/eval_watershed.cc
+int EvalSpeculation(const Args& args);  // tools/speculation_commands.cc
 
 int EvalCommand(const Args& args) {
   if (args.positional().empty() || args.positional()[0] == "help") {
-    std::printf("%s\nAlso: kvtier eval eviction --help, kvtier eval watershed --help\n", kHelp);
+    std::printf(
+        "%s\nAlso: kvtier eval eviction --help, kvtier eval watershed --help, kvtier eval "
+        "speculation --help\n",
+        kHelp);
     return args.positional().empty() ? 2 : 0;
   }
   if (args.positional()[0] == "codecs") return EvalCodecs(args);
   if (args.positional()[0] == "eviction") return EvalEviction(args);
   if (args.positional()[0] == "watershed") return EvalWatershed(args);
-  return Usage("unknown eval '" + args.positional()[0] + "' (codecs, eviction, watershed)");
+  if (args.positional()[0] == "speculation") return EvalSpeculation(args);
+  return Usage("unknown eval '" + args.positional()[0] +
+               "' (codecs, eviction, watershed, speculation)");
 }
 
 }  // namespace kvtier::cli

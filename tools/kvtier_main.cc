@@ -13,13 +13,14 @@ int EvalCommand(const Args& args);
 int BudgetsCommand(const Args& args);
 int PolicyCommand(const Args& args);
 int ConversationsCommand(const Args& args);
+int CalibrateCommand(const Args& args);
 
 Args::Args(int argc, char** argv, int first) {
   for (int i = first; i < argc; ++i) {
     std::string a = argv[i];
     if (a.rfind("--", 0) == 0) {
       size_t eq = a.find('=');
-      const bool boolean = a == "--unpin" || a == "--help";
+      const bool boolean = a == "--unpin" || a == "--help" || a == "--oracle";
       if (eq == std::string::npos && !boolean && i + 1 < argc &&
           std::string(argv[i + 1]).rfind("--", 0) != 0) {
         kv_[a.substr(2)] = argv[++i];  // "--flag value"
@@ -69,6 +70,7 @@ int main(int argc, char** argv) {
   if (cmd == "eval") return kvtier::cli::EvalCommand(kvtier::cli::Args(argc, argv, 2));
   if (cmd == "budgets") return kvtier::cli::BudgetsCommand(kvtier::cli::Args(argc, argv, 2));
   if (cmd == "policy") return kvtier::cli::PolicyCommand(kvtier::cli::Args(argc, argv, 2));
+  if (cmd == "calibrate") return kvtier::cli::CalibrateCommand(kvtier::cli::Args(argc, argv, 2));
   if (cmd == "conversations") {
     return kvtier::cli::ConversationsCommand(kvtier::cli::Args(argc, argv, 2));
   }
@@ -79,11 +81,14 @@ int main(int argc, char** argv) {
       "  kvtier eval codecs [--model=PATH] [--csv=FILE] ...\n"
       "  kvtier eval eviction [--model=PATH] [--csv=FILE] ...\n"
       "  kvtier eval watershed [--model=PATH] [--csv=FILE] ...\n"
+      "  kvtier eval speculation --model=PATH [--alpha=2,4,6] ...\n"
       "      codec fidelity / eviction tables         (kvtier eval help)\n"
       "  kvtier budgets search --model=PATH --out=FILE [--budget=C]\n"
       "      EvolKV layer-budget search               (kvtier budgets help)\n"
       "  kvtier policy set|get --model=NAME [--controller=HOST:PORT] ...\n"
       "      per-model policies of kvtier-controller  (kvtier policy help)\n"
+      "  kvtier calibrate infinigen --model=PATH --out=FILE [--partial_ratio=0.2]\n"
+      "      InfiniGen skew and partial columns       (kvtier calibrate help)\n"
       "  kvtier conversations check FILE [--model=PATH] | sample --model=PATH\n"
       "      conversation files for replay            (kvtier conversations help)\n");
   return cmd == "help" || cmd == "--help" ? 0 : 2;
