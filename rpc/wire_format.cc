@@ -91,6 +91,41 @@ grpc::ByteBuffer BytesFieldMessage(int field, const char* data, size_t len,
   return grpc::ByteBuffer(slices, len > 0 ? 2 : 1);
 }
 
+grpc::ByteBuffer BytesFieldMessage(int field, const std::vector<BytesPiece>& pieces) {
+  constexpr size_t kCopyBelow = 256;
+  size_t len = 0;
+  for (const BytesPiece& p : pieces) len += p.len;
+  std::string small;  // The field's head, then small pieces up to the next large one.
+  small.resize(20);
+  small.resize(PutVarint((static_cast<uint64_t>(field) << 3) | 2, small.data()));
+  {
+    char head[10];
+    small.append(head, PutVarint(len, head));
+  }
+  std::vector<grpc::Slice> slices;
+  auto flush = [&] {
+    if (small.empty()) return;
+    slices.emplace_back(small.data(), small.size());
+    small.clear();
+  };
+  for (const BytesPiece& p : pieces) {
+    if (p.len == 0) continue;
+    if (p.len < kCopyBelow) {
+      small.append(p.data, p.len);
+      continue;
+    }
+    flush();
+    if (p.owner != nullptr) {
+      slices.emplace_back(const_cast<char*>(p.data), p.len, ReleaseOwner,
+                          new std::shared_ptr<const std::string>(p.owner));
+    } else {
+      slices.emplace_back(const_cast<char*>(p.data), p.len, NoRelease, nullptr);
+    }
+  }
+  flush();
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
 grpc::ByteBuffer Serialize(const google::protobuf::MessageLite& m) {
   std::string s = m.SerializeAsString();
   grpc::Slice slice(s.data(), s.size());

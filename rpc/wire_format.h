@@ -27,6 +27,16 @@ namespace kvtier::wire {
 grpc::ByteBuffer BytesFieldMessage(int field, const char* data, size_t len,
                                    std::shared_ptr<const std::string> owner);
 
+// The same over several pieces, in order (one field holding their
+// concatenation): pieces of at least 256 bytes are referenced, smaller ones
+// copied into the message.
+struct BytesPiece {
+  const char* data = nullptr;
+  size_t len = 0;
+  std::shared_ptr<const std::string> owner;
+};
+grpc::ByteBuffer BytesFieldMessage(int field, const std::vector<BytesPiece>& pieces);
+
 // Serializes a protobuf message into a ByteBuffer (one copy, for small
 // messages).
 grpc::ByteBuffer Serialize(const google::protobuf::MessageLite& m);

@@ -27,6 +27,14 @@
 namespace kvtier {
 namespace {
 
+// An exported layer's past rounds in one buffer (ExportLayer gives pieces).
+std::string PastBytes(const worker::LayerImage& li) {
+  if (li.past != nullptr) return *li.past;
+  std::string out;
+  for (const worker::LayerImage::Piece& p : li.past_pieces) out.append(p.bytes);
+  return out;
+}
+
 using ::kvtier::testing::IsOk;
 using ::kvtier::testing::StatusIs;
 using worker::Engine;
@@ -233,10 +241,12 @@ TEST_F(WorkerTransferTest, ImportRefusals) {
 
   // Corrupt tensors.
   auto layers = export_all();
-  std::string bad = *layers[0].past;
+  std::string bad = PastBytes(layers[0]);  // Damaged below.
+  ASSERT_GT(bad.size(), 100u);
   bad[bad.size() / 2] ^= 0x5a;
   bad.resize(bad.size() - 3);
   layers[0].past = std::make_shared<const std::string>(bad);
+  layers[0].past_pieces.clear();
   EXPECT_THAT(decode_->ImportSession("s", image, std::move(layers)),
               StatusIs(absl::StatusCode::kDataLoss));
 
@@ -738,12 +748,13 @@ TEST_F(TransferServiceTest, ReceiverRefusesCorruptAndUnfinishedStreams) {
       ch.set_layer(l);
       v1::TransferLayer* info = ch.mutable_layer_info();
       for (uint32_t r : li->rounds) info->add_rounds(r);
-      info->set_past_bytes(li->past->size());
+      const std::string past = PastBytes(*li);
+      info->set_past_bytes(past.size());
       info->set_open_rows(li->open_rows);
       info->set_q_first(li->q_first);
       info->set_q_rows(li->q_rows);
       info->set_open_bytes(li->open.size());
-      std::string data = *li->past + li->open;
+      std::string data = past + li->open;
       ch.set_layer_crc32c(Crc32c(data));
       if (l == corrupt) data[data.size() / 3] ^= 1;
       ch.set_data(data);

@@ -170,6 +170,17 @@ struct LayerImage {
   // tensors exactly as stored: a serialized SegmentPayload of 2 * kv_heads
   // EncodedTensors per round (K, V per head), nothing decoded or re-encoded.
   std::vector<uint32_t> rounds;
+  // Export (ExportLayer) gives the payload as pieces, in order, without
+  // copying a tensor: each tensor's protobuf framing (small, in a buffer of
+  // the export's own) and the tensor's bytes where the working set holds
+  // them, each piece with the buffer that keeps it alive. Import
+  // (ImportSession) takes either the pieces or `past`, the payload in one
+  // buffer (what a receiver assembles from the wire).
+  struct Piece {
+    std::shared_ptr<const std::string> owner;
+    std::string_view bytes;
+  };
+  std::vector<Piece> past_pieces;
   std::shared_ptr<const std::string> past;
   // The open round's rows at this layer in the model's dtype: K
   // [kv_heads][open_rows][d], then V, then the queries eviction will read,
@@ -179,7 +190,8 @@ struct LayerImage {
   // Bytes of the past rounds' tensors if they were raw in the model's dtype
   // (what a transfer of an engine's own blocks would send).
   uint64_t past_raw_bytes = 0;
-  uint64_t bytes() const { return (past ? past->size() : 0) + open.size(); }
+  uint64_t past_size() const;
+  uint64_t bytes() const { return past_size() + open.size(); }
 };
 
 struct EngineOptions {

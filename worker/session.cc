@@ -89,6 +89,15 @@ std::string SerializePayload(const std::vector<size_t>& sizes,
   return out;
 }
 
+void AppendPayloadFraming(size_t n, std::string* out) {
+  using google::protobuf::io::CodedOutputStream;
+  constexpr uint32_t kTensorsTag = (1 << 3) | 2;  // Field 1, length-delimited.
+  uint8_t buf[16];
+  uint8_t* p = CodedOutputStream::WriteVarint32ToArray(kTensorsTag, buf);
+  p = CodedOutputStream::WriteVarint64ToArray(n, p);
+  out->append(reinterpret_cast<const char*>(buf), static_cast<size_t>(p - buf));
+}
+
 std::string SerializePayload(const std::vector<std::string_view>& tensors) {
   std::vector<size_t> sizes;
   for (std::string_view t : tensors) sizes.push_back(t.size());

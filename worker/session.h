@@ -62,6 +62,10 @@ std::string SerializePayload(const std::vector<size_t>& sizes,
                              const std::function<uint8_t*(size_t, uint8_t*)>& write);
 // The same of already serialized tensors, in order.
 std::string SerializePayload(const std::vector<std::string_view>& tensors);
+// Appends what precedes a tensor of `n` bytes in a serialized
+// SegmentPayload (its field tag and length): framing + tensor, for every
+// tensor in order, is SerializePayload's output.
+void AppendPayloadFraming(size_t n, std::string* out);
 
 // What EndRound applies (codec and eviction), checked against the model.
 absl::Status ValidateRoundPolicy(const ModelShape& shape, const SessionPolicy& policy);

@@ -63,15 +63,35 @@ absl::StatusOr<LayerImage> Engine::ExportLayer(const SessionKey& id, int layer) 
   LayerImage im;
   im.layer = layer;
   const int d = sh.head_dim, es = sh.dtype_bytes();
-  std::vector<std::string_view> tensors;
+  // The payload SerializePayload would make of these tensors, as pieces:
+  // the framing of every tensor in one small buffer, the tensors in place.
+  std::vector<std::pair<const RoundLayer*, std::string_view>> tensors;
   for (const Session::PastRound& r : s->past) {
     const RoundLayer* rl = r.layers[layer].get();
     if (rl == nullptr) continue;
     im.rounds.push_back(r.round);
-    tensors.insert(tensors.end(), rl->tensors.begin(), rl->tensors.end());
+    for (std::string_view t : rl->tensors) tensors.emplace_back(rl, t);
     for (const HeadKv& hk : rl->heads) im.past_raw_bytes += 2 * hk.len * d * es;
   }
-  im.past = std::make_shared<const std::string>(SerializePayload(tensors));
+  auto framing = std::make_shared<std::string>();
+  std::vector<std::pair<size_t, size_t>> heads;  // (offset, size) in `framing`.
+  for (const auto& t : tensors) {
+    const size_t at = framing->size();
+    AppendPayloadFraming(t.second.size(), framing.get());
+    heads.emplace_back(at, framing->size() - at);
+  }
+  std::shared_ptr<const std::string> frame = framing;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    im.past_pieces.push_back(
+        {frame, std::string_view(frame->data() + heads[i].first, heads[i].second)});
+    std::shared_ptr<const std::string> owner = tensors[i].first->payload;
+    std::string_view bytes = tensors[i].second;
+    if (owner == nullptr) {  // Views without a shared buffer: a copy of their own.
+      owner = std::make_shared<const std::string>(bytes);
+      bytes = *owner;
+    }
+    im.past_pieces.push_back({std::move(owner), bytes});
+  }
   const OpenLayer& o = s->open[layer];
   im.open_rows = in_step ? o.rows : s->tokens;
   if (!o.q.empty() && im.open_rows > o.q_first) {
@@ -92,6 +112,13 @@ absl::StatusOr<LayerImage> Engine::ExportLayer(const SessionKey& id, int layer) 
     std::memcpy(p, o.q.data() + h * o.q_cap * d, q_bytes);
   }
   return im;
+}
+
+uint64_t LayerImage::past_size() const {
+  if (past != nullptr) return past->size();
+  uint64_t n = 0;
+  for (const Piece& p : past_pieces) n += p.bytes.size();
+  return n;
 }
 
 absl::Status Engine::ExportTail(const SessionKey& id, SessionImage* im) const {
@@ -184,7 +211,13 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
                                                        " past rounds; every one of the ",
                                                        s->past.size(), " must be resident"));
       }
-      if (li.past == nullptr) li.past = std::make_shared<const std::string>();
+      if (li.past == nullptr) {
+        // Pieces (an export handed over in process): one buffer of them.
+        std::string whole;
+        whole.reserve(li.past_size());
+        for (const LayerImage::Piece& piece : li.past_pieces) whole.append(piece.bytes);
+        li.past = std::make_shared<const std::string>(std::move(whole));
+      }
       KVT_ASSIGN_OR_RETURN(auto made,
                            MakeLayers(li.past, static_cast<int>(li.rounds.size()), sh.kv_heads, d));
       size_t prev = 0;

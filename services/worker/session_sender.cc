@@ -91,18 +91,24 @@ absl::StatusOr<v1::TransferReport> SessionSender::Finish() {
 }
 
 bool SessionSender::WriteLayer(worker::LayerImage li) {
-  // The bytes stay where the export put them; gRPC's slices reference them
-  // and keep them alive.
-  std::shared_ptr<const std::string> past =
-      li.past ? li.past : std::make_shared<const std::string>();
+  // The bytes stay where the working set holds them (past rounds) or where
+  // the export put them (the open round); gRPC's slices reference them and
+  // keep them alive.
+  std::vector<wire::BytesPiece> parts;
+  for (const worker::LayerImage::Piece& p : li.past_pieces) {
+    parts.push_back({p.bytes.data(), p.bytes.size(), p.owner});
+  }
+  if (li.past != nullptr) parts.push_back({li.past->data(), li.past->size(), li.past});
+  const uint64_t past_bytes = li.past_size();
   auto open = std::make_shared<const std::string>(std::move(li.open));
-  uint32_t crc = Crc32cExtend(0, past->data(), past->size());
-  crc = Crc32cExtend(crc, open->data(), open->size());
+  parts.push_back({open->data(), open->size(), open});
+  uint32_t crc = 0;
+  for (const wire::BytesPiece& p : parts) crc = Crc32cExtend(crc, p.data, p.len);
   v1::TransferChunk start;
   start.set_layer(static_cast<uint32_t>(li.layer));
   v1::TransferLayer* info = start.mutable_layer_info();
   for (uint32_t r : li.rounds) info->add_rounds(r);
-  info->set_past_bytes(past->size());
+  info->set_past_bytes(past_bytes);
   info->set_past_raw_bytes(li.past_raw_bytes);
   info->set_open_rows(li.open_rows);
   info->set_q_first(li.q_first);
@@ -111,25 +117,38 @@ bool SessionSender::WriteLayer(worker::LayerImage li) {
   if (!call_->Write(wire::Serialize(start))) return false;
   uint32_t chunks = 2;
   constexpr int kDataField = 8;  // TransferChunk.data
-  for (const auto& part : {past, open}) {
-    for (size_t at = 0; at < part->size(); at += chunk_bytes_) {
-      const size_t n = std::min(chunk_bytes_, part->size() - at);
-      if (!call_->Write(wire::BytesFieldMessage(kDataField, part->data() + at, n, part))) {
-        return false;
-      }
-      ++chunks;
+  // Data chunks of chunk_bytes_, each gathering as many pieces (or parts of
+  // one) as fit.
+  std::vector<wire::BytesPiece> chunk;
+  size_t in_chunk = 0;
+  auto flush = [&]() {
+    if (in_chunk == 0) return true;
+    ++chunks;
+    const bool ok = call_->Write(wire::BytesFieldMessage(kDataField, chunk));
+    chunk.clear();
+    in_chunk = 0;
+    return ok;
+  };
+  for (const wire::BytesPiece& p : parts) {
+    for (size_t at = 0; at < p.len;) {
+      const size_t n = std::min(chunk_bytes_ - in_chunk, p.len - at);
+      chunk.push_back({p.data + at, n, p.owner});
+      in_chunk += n;
+      at += n;
+      if (in_chunk == chunk_bytes_ && !flush()) return false;
     }
   }
+  if (!flush()) return false;
   v1::TransferChunk end;
   end.set_layer(static_cast<uint32_t>(li.layer));
   end.set_layer_end(true);
   end.set_layer_crc32c(crc);
   if (!call_->Write(wire::Serialize(end))) return false;
   absl::MutexLock lock(&mu_);
-  report_.set_past_bytes(report_.past_bytes() + past->size());
+  report_.set_past_bytes(report_.past_bytes() + past_bytes);
   report_.set_past_raw_bytes(report_.past_raw_bytes() + li.past_raw_bytes);
   report_.set_open_bytes(report_.open_bytes() + open->size());
-  report_.set_wire_bytes(report_.wire_bytes() + past->size() + open->size());
+  report_.set_wire_bytes(report_.wire_bytes() + past_bytes + open->size());
   report_.set_chunks(report_.chunks() + chunks);
   return true;
 }
