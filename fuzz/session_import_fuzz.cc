@@ -138,13 +138,14 @@ std::vector<std::string> Seeds() {
       if (!li.ok()) break;
       v1::TransferLayer info;
       for (uint32_t r : li->rounds) info.add_rounds(r);
-      info.set_past_bytes(li->past->size());
+      const std::string past = li->PastBytes();
+      info.set_past_bytes(past.size());
       info.set_open_rows(li->open_rows);
       info.set_q_first(li->q_first);
       info.set_q_rows(li->q_rows);
       info.set_open_bytes(li->open.size());
       parts.push_back(info.SerializeAsString());
-      parts.push_back(*li->past + li->open);
+      parts.push_back(past + li->open);
     }
     seeds.push_back(JoinParts(parts));
   }

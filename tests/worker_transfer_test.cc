@@ -27,14 +27,6 @@
 namespace kvtier {
 namespace {
 
-// An exported layer's past rounds in one buffer (ExportLayer gives pieces).
-std::string PastBytes(const worker::LayerImage& li) {
-  if (li.past != nullptr) return *li.past;
-  std::string out;
-  for (const worker::LayerImage::Piece& p : li.past_pieces) out.append(p.bytes);
-  return out;
-}
-
 using ::kvtier::testing::IsOk;
 using ::kvtier::testing::StatusIs;
 using worker::Engine;
@@ -241,7 +233,7 @@ TEST_F(WorkerTransferTest, ImportRefusals) {
 
   // Corrupt tensors.
   auto layers = export_all();
-  std::string bad = PastBytes(layers[0]);  // Damaged below.
+  std::string bad = layers[0].PastBytes();  // Damaged below.
   ASSERT_GT(bad.size(), 100u);
   bad[bad.size() / 2] ^= 0x5a;
   bad.resize(bad.size() - 3);
@@ -748,7 +740,7 @@ TEST_F(TransferServiceTest, ReceiverRefusesCorruptAndUnfinishedStreams) {
       ch.set_layer(l);
       v1::TransferLayer* info = ch.mutable_layer_info();
       for (uint32_t r : li->rounds) info->add_rounds(r);
-      const std::string past = PastBytes(*li);
+      const std::string past = li->PastBytes();
       info->set_past_bytes(past.size());
       info->set_open_rows(li->open_rows);
       info->set_q_first(li->q_first);

@@ -191,6 +191,8 @@ struct LayerImage {
   // (what a transfer of an engine's own blocks would send).
   uint64_t past_raw_bytes = 0;
   uint64_t past_size() const;
+  // The past rounds' payload in one buffer (a copy of the pieces, or `past`).
+  std::string PastBytes() const;
   uint64_t bytes() const { return past_size() + open.size(); }
 };
 

@@ -121,6 +121,14 @@ uint64_t LayerImage::past_size() const {
   return n;
 }
 
+std::string LayerImage::PastBytes() const {
+  if (past != nullptr) return *past;
+  std::string out;
+  out.reserve(past_size());
+  for (const Piece& p : past_pieces) out.append(p.bytes);
+  return out;
+}
+
 absl::Status Engine::ExportTail(const SessionKey& id, SessionImage* im) const {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   absl::MutexLock lock(&s->mu);
@@ -211,13 +219,8 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
                                                        " past rounds; every one of the ",
                                                        s->past.size(), " must be resident"));
       }
-      if (li.past == nullptr) {
-        // Pieces (an export handed over in process): one buffer of them.
-        std::string whole;
-        whole.reserve(li.past_size());
-        for (const LayerImage::Piece& piece : li.past_pieces) whole.append(piece.bytes);
-        li.past = std::make_shared<const std::string>(std::move(whole));
-      }
+      // Pieces (an export handed over in process): one buffer of them.
+      if (li.past == nullptr) li.past = std::make_shared<const std::string>(li.PastBytes());
       KVT_ASSIGN_OR_RETURN(auto made,
                            MakeLayers(li.past, static_cast<int>(li.rounds.size()), sh.kv_heads, d));
       size_t prev = 0;
