@@ -30,6 +30,25 @@ void MatVec(float* out, const float* x, const float* w, int rows, int cols) {
   }
 }
 
+// RoPE at position `pos`, in place, on q ([dim]) and, when not null, on k
+// ([kv_dim]): each pair of a head's dimensions turned by pos * theta^(-i/hd).
+void Rope(const LlamaConfig& c, int pos, float* q, float* k) {
+  const int d = c.dim, hd = c.head_dim(), kv = c.kv_dim();
+  for (int i = 0; i < d; i += 2) {
+    const int hi = i % hd;
+    const double freq =
+        1.0 / std::pow(static_cast<double>(c.rope_theta), static_cast<double>(hi) / hd);
+    const double angle = pos * freq;
+    const float fc = static_cast<float>(std::cos(angle)), fs = static_cast<float>(std::sin(angle));
+    for (int which = 0; which < (i < kv && k != nullptr ? 2 : 1); ++which) {
+      float* vec = which == 0 ? q : k;
+      const float a = vec[i], b = vec[i + 1];
+      vec[i] = a * fc - b * fs;
+      vec[i + 1] = a * fs + b * fc;
+    }
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& path) {
@@ -139,27 +158,14 @@ absl::Status Forward::Step(int token, int pos, AttentionBackend* attn, float* lo
     return absl::OutOfRangeError(
         absl::StrCat("position ", pos, " outside the model's ", c.seq_len));
   }
-  const int d = c.dim, hd = c.head_dim(), kv = c.kv_dim(), hid = c.hidden_dim;
+  const int d = c.dim, kv = c.kv_dim(), hid = c.hidden_dim;
   std::memcpy(x_.data(), m_.embed_ + static_cast<int64_t>(token) * d, d * sizeof(float));
   for (int l = 0; l < c.n_layers; ++l) {
     RmsNorm(xb_.data(), x_.data(), m_.rms_att_ + l * d, d);
     MatVec(q_.data(), xb_.data(), m_.wq_ + static_cast<int64_t>(l) * d * d, d, d);
     MatVec(k_.data(), xb_.data(), m_.wk_ + static_cast<int64_t>(l) * kv * d, kv, d);
     MatVec(v_.data(), xb_.data(), m_.wv_ + static_cast<int64_t>(l) * kv * d, kv, d);
-    for (int i = 0; i < d; i += 2) {
-      const int hi = i % hd;
-      const double freq =
-          1.0 / std::pow(static_cast<double>(c.rope_theta), static_cast<double>(hi) / hd);
-      const double angle = pos * freq;
-      const float fc = static_cast<float>(std::cos(angle)),
-                  fs = static_cast<float>(std::sin(angle));
-      for (int which = 0; which < (i < kv ? 2 : 1); ++which) {
-        float* vec = which == 0 ? q_.data() : k_.data();
-        const float a = vec[i], b = vec[i + 1];
-        vec[i] = a * fc - b * fs;
-        vec[i + 1] = a * fs + b * fc;
-      }
-    }
+    Rope(c, pos, q_.data(), k_.data());
     KVT_RETURN_IF_ERROR(attn->Attend(l, pos, q_.data(), k_.data(), v_.data(), att_.data()));
     MatVec(xb_.data(), att_.data(), m_.wo_ + static_cast<int64_t>(l) * d * d, d, d);
     for (int i = 0; i < d; ++i) x_[i] += xb_[i];
@@ -199,7 +205,7 @@ absl::Status Forward::Run(const std::vector<int>& tokens, int pos0, LayerAttenti
     return absl::OutOfRangeError(
         absl::StrCat("positions ", pos0, "..", pos0 + n - 1, " outside the model's ", c.seq_len));
   }
-  const int d = c.dim, hd = c.head_dim(), kv = c.kv_dim(), hid = c.hidden_dim;
+  const int d = c.dim, kv = c.kv_dim(), hid = c.hidden_dim;
   std::vector<float> x(static_cast<size_t>(n) * d), q(x.size()), att(x.size()),
       k(static_cast<size_t>(n) * kv), v(k.size());
   for (int i = 0; i < n; ++i) {
@@ -209,23 +215,6 @@ absl::Status Forward::Run(const std::vector<int>& tokens, int pos0, LayerAttenti
     }
     std::memcpy(&x[i * d], m_.embed_ + static_cast<int64_t>(tokens[i]) * d, d * sizeof(float));
   }
-  // RoPE at position `pos` on q (d wide) and, when not null, k (kv wide).
-  auto rope = [&](int pos, float* qi, float* ki) {
-    for (int j = 0; j < d; j += 2) {
-      const int hi = j % hd;
-      const double freq =
-          1.0 / std::pow(static_cast<double>(c.rope_theta), static_cast<double>(hi) / hd);
-      const double angle = pos * freq;
-      const float fc = static_cast<float>(std::cos(angle)),
-                  fs = static_cast<float>(std::sin(angle));
-      for (int which = 0; which < (j < kv && ki != nullptr ? 2 : 1); ++which) {
-        float* vec = which == 0 ? qi : ki;
-        const float a = vec[j], b = vec[j + 1];
-        vec[j] = a * fc - b * fs;
-        vec[j + 1] = a * fs + b * fc;
-      }
-    }
-  };
   const bool speculate = attn->WantsNextLayerQuery();
   std::vector<float> q_next(speculate ? x.size() : 0);
   for (int l = 0; l < c.n_layers; ++l) {
@@ -235,13 +224,13 @@ absl::Status Forward::Run(const std::vector<int>& tokens, int pos0, LayerAttenti
       MatVec(qi, xb_.data(), m_.wq_ + static_cast<int64_t>(l) * d * d, d, d);
       MatVec(ki, xb_.data(), m_.wk_ + static_cast<int64_t>(l) * kv * d, kv, d);
       MatVec(vi, xb_.data(), m_.wv_ + static_cast<int64_t>(l) * kv * d, kv, d);
-      rope(pos0 + i, qi, ki);
+      Rope(c, pos0 + i, qi, ki);
     }
     if (speculate && l + 1 < c.n_layers) {
       for (int i = 0; i < n; ++i) {
         RmsNorm(xb_.data(), &x[i * d], m_.rms_att_ + (l + 1) * d, d);
         MatVec(&q_next[i * d], xb_.data(), m_.wq_ + static_cast<int64_t>(l + 1) * d * d, d, d);
-        rope(pos0 + i, &q_next[i * d], nullptr);
+        Rope(c, pos0 + i, &q_next[i * d], nullptr);
       }
       KVT_RETURN_IF_ERROR(attn->NextLayerQuery(l, pos0, n, q_next.data()));
     }

@@ -14,9 +14,12 @@ declare -A BIN=([kvtier-store]=services/store/kvtier-store
   [kvtier-controller]=services/controller/kvtier-controller
   [kvtier-engine]=refengine/kvtier-engine)
 for b in "${!BIN[@]}"; do "$BUILD_DIR/${BIN[$b]}" --help >"$TMP/$b.help" 2>&1 || true; done
-for sub in store eval budgets policy; do
+for sub in store eval budgets policy calibrate conversations; do
   "$BUILD_DIR/tools/kvtier" "$sub" --help >"$TMP/tool-$sub.help" 2>&1 || true
   "$BUILD_DIR/tools/kvtier" "$sub" help >>"$TMP/tool-$sub.help" 2>&1 || true
+done
+for ev in eviction watershed speculation; do
+  "$BUILD_DIR/tools/kvtier" eval "$ev" --help >>"$TMP/tool-eval.help" 2>&1 || true
 done
 "$BUILD_DIR/tools/kvtier" --help >"$TMP/kvtier.help" 2>&1 || true
 bad=0 checked=0
@@ -44,7 +47,7 @@ for doc in "${docs[@]}"; do
     cont=""
     [[ ${#helps[@]} -eq 1 ]] && cont=${helps[0]}
     if [[ ${#helps[@]} -eq 0 ]]; then
-      sub=$(grep -oE '(^|[ `/])kvtier (store|eval|budgets|policy)( |$)' <<<"$line" | head -1 |
+      sub=$(grep -oE '(^|[ `/])kvtier (store|eval|budgets|policy|calibrate|conversations)( |$)' <<<"$line" | head -1 |
         sed -E 's/.*kvtier ([a-z]+).*/\1/' || true)
       [[ -n $sub ]] && helps+=("$TMP/tool-$sub.help" "$TMP/kvtier.help")
     fi
