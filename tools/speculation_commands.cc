@@ -41,7 +41,7 @@ constexpr char kEvalHelp[] =
     "  per layer (the share of the true top-n attention mass the speculated n tokens cover),\n"
     "  the tokens kept, top-1 agreement and KL against the dense run, the attention-output\n"
     "  error, and the K/V bytes read per decode token against dense, all in the same run.\n\n"
-    "  --conversations=FILE  default: traces/stories260k_chats.jsonl beside the build\n"
+    "  --conversations=FILE  default: traces/stories260k_chats.jsonl (from the checkout root)\n"
     "  --skew=FILE           a calibrated skew (kvtier calibrate infinigen); default:\n"
     "                        calibrate here on sampled text at each --partial_ratio\n"
     "  --partial_ratio=LIST  default 0.1,0.2,0.3\n"
