@@ -157,12 +157,24 @@ void SkewPartial(const SkewHead& h, int d, const float* v, float* out) {
 Speculated Speculate(const std::vector<SkewHead>& layer, const float* qhat,
                      const std::vector<const float*>& partial_keys, int64_t tokens, int q_heads,
                      int kv_heads, int d, const SpeculationParams& p) {
+  return Speculate(layer, qhat, partial_keys, std::vector<int64_t>(kv_heads, tokens), q_heads,
+                   kv_heads, d, p);
+}
+
+Speculated Speculate(const std::vector<SkewHead>& layer, const float* qhat,
+                     const std::vector<const float*>& partial_keys,
+                     const std::vector<int64_t>& head_tokens, int q_heads, int kv_heads, int d,
+                     const SpeculationParams& p) {
   Speculated out;
   const int group = q_heads / kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  std::vector<std::vector<float>> scores(q_heads, std::vector<float>(tokens));
+  std::vector<std::vector<float>> scores(q_heads);
   out.counts.assign(q_heads, 0);
+  int64_t most = 0;
   for (int h = 0; h < q_heads; ++h) {
+    const int64_t tokens = head_tokens[h / group];
+    most = std::max(most, tokens);
+    scores[h].resize(tokens);
     const SkewHead& s = layer[h / group];
     const int r = static_cast<int>(s.partial.size());
     std::vector<float> qp(r);
@@ -182,17 +194,19 @@ Speculated Speculate(const std::vector<SkewHead>& layer, const float* qhat,
   mean /= std::max(1, q_heads);
   int64_t n = std::llround(mean);
   if (p.budget > 0) n = std::min<int64_t>(n, p.budget);
-  n = std::clamp<int64_t>(n, 1, tokens);
+  n = std::clamp<int64_t>(n, 1, std::max<int64_t>(1, most));
   out.n = static_cast<int>(n);
   out.tokens.resize(q_heads);
-  std::vector<int32_t> idx(tokens);
+  std::vector<int32_t> idx;
   for (int h = 0; h < q_heads; ++h) {
-    std::iota(idx.begin(), idx.end(), 0);
     const std::vector<float>& sc = scores[h];
-    std::partial_sort(idx.begin(), idx.begin() + n, idx.end(), [&](int32_t x, int32_t y) {
+    idx.resize(sc.size());
+    std::iota(idx.begin(), idx.end(), 0);
+    const auto take = static_cast<ptrdiff_t>(std::min<int64_t>(n, static_cast<int64_t>(sc.size())));
+    std::partial_sort(idx.begin(), idx.begin() + take, idx.end(), [&](int32_t x, int32_t y) {
       return sc[x] > sc[y] || (sc[x] == sc[y] && x < y);
     });
-    out.tokens[h].assign(idx.begin(), idx.begin() + n);
+    out.tokens[h].assign(idx.begin(), idx.begin() + take);
     std::sort(out.tokens[h].begin(), out.tokens[h].end());
   }
   return out;
@@ -200,11 +214,18 @@ Speculated Speculate(const std::vector<SkewHead>& layer, const float* qhat,
 
 HitRate Score(const Speculated& s, const float* q, const std::vector<const float*>& keys,
               int64_t tokens, int q_heads, int kv_heads, int d) {
+  return Score(s, q, keys, std::vector<int64_t>(kv_heads, tokens), q_heads, kv_heads, d);
+}
+
+HitRate Score(const Speculated& s, const float* q, const std::vector<const float*>& keys,
+              const std::vector<int64_t>& head_tokens, int q_heads, int kv_heads, int d) {
   HitRate r;
   const int group = q_heads / kv_heads;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  std::vector<double> p(tokens);
+  std::vector<double> p;
   for (int h = 0; h < q_heads; ++h) {
+    const int64_t tokens = head_tokens[h / group];
+    p.assign(static_cast<size_t>(tokens), 0.0);
     const float* qh = q + static_cast<size_t>(h) * d;
     const float* kh = keys[h / group];
     double best = -INFINITY;
@@ -374,15 +395,22 @@ absl::Status SaveSkew(const std::string& path, const SkewModel& m) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<SkewModel> LoadSkew(const std::string& path) {
+absl::StatusOr<std::string> ReadSkewFile(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   if (!f) return absl::NotFoundError(absl::StrCat("cannot read skew file ", path));
   std::stringstream ss;
   ss << f.rdbuf();
-  absl::StatusOr<SkewModel> m = ParseSkew(ss.str());
+  std::string bytes = ss.str();
+  absl::StatusOr<SkewModel> m = ParseSkew(bytes);
   if (!m.ok())
     return absl::Status(m.status().code(), absl::StrCat(path, ": ", m.status().message()));
-  return m;
+  return bytes;
+}
+
+absl::StatusOr<SkewModel> LoadSkew(const std::string& path) {
+  absl::StatusOr<std::string> bytes = ReadSkewFile(path);
+  if (!bytes.ok()) return bytes.status();
+  return ParseSkew(*bytes);
 }
 
 }  // namespace kvtier::spec

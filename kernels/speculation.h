@@ -91,6 +91,13 @@ struct Speculated {
 Speculated Speculate(const std::vector<SkewHead>& layer, const float* qhat,
                      const std::vector<const float*>& partial_keys, int64_t tokens, int q_heads,
                      int kv_heads, int d, const SpeculationParams& p);
+// The same when KV heads hold different token counts (eviction keeps a
+// different number per head): head_tokens[kv_head] tokens in
+// partial_keys[kv_head]; a head takes min(n, its count) tokens.
+Speculated Speculate(const std::vector<SkewHead>& layer, const float* qhat,
+                     const std::vector<const float*>& partial_keys,
+                     const std::vector<int64_t>& head_tokens, int q_heads, int kv_heads, int d,
+                     const SpeculationParams& p);
 
 // How well a speculated set matches the true attention of query q
 // [q_heads, d] over keys[kv_head] [T, d] (post-RoPE), mean over query heads:
@@ -102,6 +109,8 @@ struct HitRate {
 };
 HitRate Score(const Speculated& s, const float* q, const std::vector<const float*>& keys,
               int64_t tokens, int q_heads, int kv_heads, int d);
+HitRate Score(const Speculated& s, const float* q, const std::vector<const float*>& keys,
+              const std::vector<int64_t>& head_tokens, int q_heads, int kv_heads, int d);
 
 // The skew file: magic "KVTSKEW\0", a format version, the shapes, the
 // partial ratio, the model name, every head's A and partial columns, and a
@@ -112,6 +121,9 @@ std::string SerializeSkew(const SkewModel& m);
 absl::StatusOr<SkewModel> ParseSkew(absl::string_view bytes);
 absl::Status SaveSkew(const std::string& path, const SkewModel& m);
 absl::StatusOr<SkewModel> LoadSkew(const std::string& path);
+// The file's bytes, checked as LoadSkew checks them (what a worker upload
+// sends).
+absl::StatusOr<std::string> ReadSkewFile(const std::string& path);
 
 }  // namespace kvtier::spec
 

@@ -184,6 +184,17 @@ class Tier : public TierSession {
   const v1::Policy& effective_policy() const override { return effective_; }
   bool on_device() const override { return on_device_; }
 
+  // A speculating session sends each decode layer's next-layer query.
+  bool WantsNextLayerQuery() const override { return !effective_.speculation_skew().empty(); }
+  absl::Status NextLayerQuery(int layer, int pos0, int n, const float* q_next) override {
+    (void)pos0;
+    if (n == 1) {
+      q_next_.assign(q_next, q_next + static_cast<size_t>(q_heads_) * head_dim_);
+      q_next_layer_ = layer;
+    }
+    return absl::OkStatus();
+  }
+
   // Every call carries a deadline: a worker (or a store behind it) that
   // stops costs the conversation this long, then a precise error.
   std::unique_ptr<grpc::ClientContext> Context(absl::Duration deadline) const {
@@ -317,6 +328,10 @@ class Tier : public TierSession {
     WriteDense(q, 0, 1, q_heads_, hd, wire_, item->mutable_q());
     WriteDense(k, 0, 1, kv_heads_, hd, wire_, item->mutable_k());
     WriteDense(v, 0, 1, kv_heads_, hd, wire_, item->mutable_v());
+    if (q_next_layer_ == layer) {
+      WriteDense(q_next_.data(), 0, 1, q_heads_, hd, wire_, item->mutable_q_next());
+      q_next_layer_ = -1;
+    }
     if (mux_ != nullptr) {
       return mux_->Attend(std::move(*item), out, static_cast<size_t>(q_heads_) * hd);
     }
@@ -385,6 +400,7 @@ class Tier : public TierSession {
     t.round_working_set_bytes = resp.round_working_set_bytes();
     t.full_cache_bytes = resp.full_cache_bytes();
     t.working_set_after = resp.working_set_bytes();
+    t.speculation.assign(resp.speculation().begin(), resp.speculation().end());
     t.prefill_ms = prefill_ms_;
     has_prefill_ms_ = false;
     if (transfer_.has_value()) {
@@ -445,6 +461,9 @@ class Tier : public TierSession {
   bool on_device_ = false;
   uint32_t next_round_ = 0;
   std::vector<TierRound> rounds_;
+  // The next layer's approximate query of the decode step in flight.
+  std::vector<float> q_next_;
+  int q_next_layer_ = -1;
 };
 
 class Cluster : public ClusterSession {
@@ -626,6 +645,26 @@ absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(
   if (pd != nullptr) t->Disaggregate(*pd);
   KVT_RETURN_IF_ERROR(t->Open(policy));
   return std::unique_ptr<TierSession>(std::move(t));
+}
+
+absl::StatusOr<v1::PutSkewResponse> UploadSkew(std::shared_ptr<grpc::Channel> channel,
+                                               const std::string& bytes, const std::string& token,
+                                               absl::Duration deadline) {
+  auto stub = v1::Worker::NewStub(std::move(channel));
+  grpc::ClientContext ctx;
+  if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  v1::PutSkewResponse resp;
+  auto w = stub->PutSkew(&ctx, &resp);
+  constexpr size_t kSlice = size_t{1} << 20;
+  for (size_t at = 0; at < bytes.size(); at += kSlice) {
+    v1::PutSkewRequest r;
+    r.set_data(bytes.substr(at, kSlice));
+    if (!w->Write(r)) break;  // Finish says why.
+  }
+  w->WritesDone();
+  KVT_RETURN_IF_ERROR(FromGrpc(w->Finish(), "PutSkew"));
+  return resp;
 }
 
 absl::StatusOr<std::unique_ptr<ClusterSession>> ClusterBackend(

@@ -86,6 +86,9 @@ struct TierRound {
   double transfer_ms = 0, transfer_exposed_ms = 0;
   uint64_t return_wire_bytes = 0;
   double return_ms = 0;
+  // Per layer, what speculation did in the round (EndRoundResponse);
+  // empty when the session does not speculate.
+  std::vector<v1::SpeculationLayer> speculation;
 };
 
 // Tier mode: every layer's attention in kvtier-worker over Prefill/Decode
@@ -193,6 +196,15 @@ struct Disaggregation {
   std::shared_ptr<grpc::Channel> decode_channel;
   std::string prefill_target, decode_target;  // host:port, as the workers reach each other.
 };
+// Uploads a skew file (kvtier calibrate infinigen) to the worker behind
+// `channel` in 1 MiB slices (Worker.PutSkew); its answer's skew_id goes in
+// Policy.speculation_skew. A session whose effective policy names a skew
+// sends each decode layer's next-layer query (DecodeItem.q_next).
+absl::StatusOr<v1::PutSkewResponse> UploadSkew(std::shared_ptr<grpc::Channel> channel,
+                                               const std::string& bytes,
+                                               const std::string& token = "",
+                                               absl::Duration deadline = absl::Seconds(30));
+
 absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(
     const v1::ModelSpec& spec, std::shared_ptr<grpc::Channel> channel, const std::string& session,
     const v1::Policy& policy, const std::string& token = "", const TierDeadlines& deadlines = {},

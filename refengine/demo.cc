@@ -21,6 +21,7 @@
 #include "kernels/codec.h"
 #include "kernels/eviction.h"
 #include "kernels/recall.h"
+#include "kernels/speculation.h"
 #include "traces/synthetic_chat.h"
 
 namespace kvtier::refengine {
@@ -378,6 +379,64 @@ std::string RenderReplay(const DemoReport& r) {
   return s;
 }
 
+// Speculation's figures per layer, summed over every session and round.
+std::vector<v1::SpeculationLayer> SumSpeculation(const DemoReport& r) {
+  std::vector<v1::SpeculationLayer> out(static_cast<size_t>(std::max(0, r.layers)));
+  for (const DemoSession& d : r.sessions) {
+    for (const TierRound& tr : d.rounds) {
+      for (size_t l = 0; l < tr.speculation.size() && l < out.size(); ++l) {
+        const v1::SpeculationLayer& x = tr.speculation[l];
+        v1::SpeculationLayer& o = out[l];
+        o.set_steps(o.steps() + x.steps());
+        o.set_past_tokens(o.past_tokens() + x.past_tokens());
+        o.set_kept(o.kept() + x.kept());
+        o.set_gathered(o.gathered() + x.gathered());
+        o.set_bytes_speculative(o.bytes_speculative() + x.bytes_speculative());
+        o.set_bytes_dense(o.bytes_dense() + x.bytes_dense());
+        o.set_sampled(o.sampled() + x.sampled());
+        o.set_hit_sum(o.hit_sum() + x.hit_sum());
+        o.set_mass_sum(o.mass_sum() + x.mass_sum());
+      }
+    }
+  }
+  return out;
+}
+
+std::string RenderSpeculation(const DemoReport& r) {
+  const std::vector<v1::SpeculationLayer> layers = SumSpeculation(r);
+  std::string s = absl::StrFormat(
+      "\nspeculation (%s), per decode step at each layer, over the past rounds (the open round "
+      "is attended in full): past tokens, tokens kept per query head, tokens gathered per KV "
+      "head (the union of its group's), hit rate, attention mass kept, K/V bytes read against "
+      "dense:\n%-6s %7s %11s %11s %13s %9s %8s %10s\n",
+      r.speculation, "layer", "steps", "past toks", "kept/head", "gathered/kvh", "hit rate", "mass",
+      "K/V bytes");
+  uint64_t spec = 0, dense = 0;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const v1::SpeculationLayer& x = layers[l];
+    if (x.steps() == 0) {
+      absl::StrAppendFormat(&s, "%-6zu %7s %11s %11s %13s %9s %8s %10s\n", l, "-", "-", "-", "-",
+                            "-", "-", l == 0 ? "dense" : "-");
+      continue;
+    }
+    spec += x.bytes_speculative();
+    dense += x.bytes_dense();
+    absl::StrAppendFormat(
+        &s, "%-6zu %7llu %11.1f %11.1f %13.1f %9s %8s %9.3fx\n", l,
+        static_cast<unsigned long long>(x.steps()), Ratio(x.past_tokens(), x.steps()),
+        Ratio(x.kept(), x.steps()), Ratio(x.gathered(), x.steps() * std::max(1, r.kv_heads)),
+        x.sampled() > 0 ? absl::StrFormat("%.3f", x.hit_sum() / x.sampled()) : std::string("-"),
+        x.sampled() > 0 ? absl::StrFormat("%.3f", x.mass_sum() / x.sampled()) : std::string("-"),
+        Ratio(x.bytes_speculative(), x.bytes_dense()));
+  }
+  absl::StrAppendFormat(&s,
+                        "past-round K/V bytes read at speculating layers: %s against %s dense "
+                        "(%.3fx); hit rate and mass on every 16th step\n",
+                        Kib(static_cast<double>(spec)), Kib(static_cast<double>(dense)),
+                        Ratio(spec, dense));
+  return s;
+}
+
 }  // namespace
 
 absl::StatusOr<v1::Policy> DemoPolicy(const DemoOptions& o) {
@@ -423,6 +482,20 @@ absl::StatusOr<v1::Policy> DemoPolicy(const DemoOptions& o) {
     return absl::InvalidArgumentError("watershed 0 is not supported on the wire (0 means default)");
   }
   if (lw > 0) p.set_watershed_layer(static_cast<uint32_t>(lw));
+  if (!o.speculation.empty()) {
+    const std::vector<std::string> parts = absl::StrSplit(o.speculation, ':');
+    double alpha = 0;
+    uint32_t budget = 0;
+    if (parts.size() > 2 || !absl::SimpleAtod(parts[0], &alpha) || !(alpha > 0) ||
+        !std::isfinite(alpha) || (parts.size() == 2 && !absl::SimpleAtoi(parts[1], &budget))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "speculation '", o.speculation,
+          "': expected ALPHA[:BUDGET], ALPHA > 0 in softmax-logit units (4 is the paper's), "
+          "BUDGET the most tokens per head (0: none)"));
+    }
+    p.set_speculation_alpha(static_cast<float>(alpha));
+    p.set_speculation_budget(budget);
+  }
   p.set_keep_recent_round(true);
   p.set_release_after_end_round(true);
   return p;
@@ -441,6 +514,24 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     return absl::InvalidArgumentError("sessions must be in [1, 256] and rounds >= 1");
   }
   KVT_ASSIGN_OR_RETURN(v1::Policy policy, DemoPolicy(o));
+  std::string skew_bytes;
+  if (!o.speculation.empty()) {
+    if (o.model.empty()) {
+      return absl::InvalidArgumentError(
+          "speculation needs a model (--model): the engine computes each layer's next-layer "
+          "query from its weights, and the synthetic chat has none");
+    }
+    if (!o.controller.empty()) {
+      return absl::InvalidArgumentError(
+          "speculation runs against a standalone worker (--worker), not a controller's cluster");
+    }
+    if (o.skew.empty()) {
+      return absl::InvalidArgumentError(
+          "speculation needs the model's skew file (--skew; make one with kvtier calibrate "
+          "infinigen)");
+    }
+    KVT_ASSIGN_OR_RETURN(skew_bytes, spec::ReadSkewFile(o.skew));
+  }
   std::unique_ptr<model::LlamaModel> m;
   DemoReport rep;
   rep.rounds = o.rounds;
@@ -457,6 +548,7 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     KVT_ASSIGN_OR_RETURN(m, model::LlamaModel::Load(o.model));
     rep.workload = o.model;
     rep.layers = m->config().n_layers;
+    rep.kv_heads = m->config().n_kv_heads;
     rep.tokens_per_round = (o.question_tokens > 0 ? o.question_tokens : kModelQuestionTokens) +
                            (o.answer_tokens > 0 ? o.answer_tokens : kModelAnswerTokens);
     if (!replay.empty()) {
@@ -481,6 +573,10 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
       policy.watershed_layer() > 0 ? static_cast<int>(policy.watershed_layer()) : rep.layers / 3;
   rep.policy = absl::StrCat("codec=", o.codec, " recall=", policy.recall(), " evict=", o.evict,
                             " watershed=", rep.watershed);
+  if (!o.speculation.empty()) {
+    absl::StrAppend(&rep.policy, " speculation=", o.speculation);
+    rep.speculation = o.speculation;
+  }
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<DecodeMux> mux;
   std::unique_ptr<SessionRouter> router;
@@ -510,6 +606,19 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     // the decode worker when there is one).
     mux =
         std::make_unique<DecodeMux>(o.decode_worker.empty() ? channel : pd.decode_channel, o.token);
+    if (!skew_bytes.empty()) {
+      // Each worker that runs a step needs the skew (the decode worker too).
+      for (const auto& ch : {channel, pd.decode_channel}) {
+        if (ch == nullptr) continue;
+        KVT_ASSIGN_OR_RETURN(v1::PutSkewResponse up, UploadSkew(ch, skew_bytes, o.token));
+        if (static_cast<int>(up.layers()) != rep.layers) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "skew ", o.skew, " is for ", up.layers(), " layers; ", o.model, " has ", rep.layers));
+        }
+        policy.set_speculation_skew(up.skew_id());
+      }
+      progress(absl::StrCat("skew ", o.skew, " uploaded as ", policy.speculation_skew()));
+    }
     DecodeMux* shared = o.shared_decode_stream ? mux.get() : nullptr;
     open = [&, shared](const v1::ModelSpec& spec, DemoSession* s) {
       return TierBackend(spec, channel, s->id, policy, o.token, {}, shared,
@@ -751,6 +860,7 @@ std::string RenderText(const DemoReport& r) {
   } else {
     s += RenderReplay(r);
   }
+  if (!r.speculation.empty()) s += RenderSpeculation(r);
   bool cluster = false;
   for (const DemoSession& d : r.sessions) cluster = cluster || !d.worker.empty();
   if (cluster) {
@@ -812,6 +922,26 @@ std::string RenderJson(const DemoReport& r) {
                   Synthetic(r) ? num(std::sqrt(Ratio(t.err2, t.ref2))) : "null", ",\n");
   absl::StrAppend(&s, "  \"top1_agreement\": ", Synthetic(r) ? "null" : num(t.top1), ",\n");
   absl::StrAppend(&s, "  \"kl_nats\": ", Synthetic(r) ? "null" : num(t.kl), ",\n");
+  if (r.speculation.empty()) {
+    absl::StrAppend(&s, "  \"speculation\": null,\n");
+  } else {
+    absl::StrAppend(&s, "  \"speculation\": {\"setting\": ", JsonQuote(r.speculation),
+                    ", \"layers\": [");
+    const std::vector<v1::SpeculationLayer> layers = SumSpeculation(r);
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const v1::SpeculationLayer& x = layers[l];
+      absl::StrAppend(&s, l ? ", " : "", "{\"layer\": ", l, ", \"steps\": ", x.steps(),
+                      ", \"past_tokens_mean\": ", num(Ratio(x.past_tokens(), x.steps())),
+                      ", \"kept_per_head_mean\": ", num(Ratio(x.kept(), x.steps())),
+                      ", \"gathered_per_kv_head_mean\": ",
+                      num(Ratio(x.gathered(), x.steps() * std::max(1, r.kv_heads))),
+                      ", \"hit_rate\": ", x.sampled() > 0 ? num(x.hit_sum() / x.sampled()) : "null",
+                      ", \"mass\": ", x.sampled() > 0 ? num(x.mass_sum() / x.sampled()) : "null",
+                      ", \"bytes_speculative\": ", x.bytes_speculative(),
+                      ", \"bytes_dense\": ", x.bytes_dense(), "}");
+    }
+    absl::StrAppend(&s, "]},\n");
+  }
   if (r.conversations.empty()) {
     absl::StrAppend(&s, "  \"replay\": null,\n");
   } else {

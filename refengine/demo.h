@@ -64,6 +64,13 @@ struct DemoOptions {
   // Delete the sessions' rounds from the store at the end (after the
   // report's store figures are read).
   bool delete_at_end = true;
+  // Speculative token selection (docs/speculation.md): "ALPHA[:BUDGET]"
+  // turns it on, with `skew` the skew file of `model` (kvtier calibrate
+  // infinigen), uploaded to the worker(s) at the start. Needs `model` (the
+  // engine computes the next layer's query from the weights) and a
+  // standalone worker. Empty: off.
+  std::string speculation;
+  std::string skew;
 };
 
 // The wire policy for codec/recall/evict/watershed texts. INVALID_ARGUMENT
@@ -93,12 +100,14 @@ struct DemoReport {
   std::string conversations;  // Replay: the file.
   std::string policy;         // Human-readable effective policy.
   int layers = 0, watershed = 0, tokens_per_round = 0, rounds = 0;
+  int kv_heads = 0;  // The model's (0 for the synthetic chat).
   std::vector<DemoSession> sessions;
   std::optional<uint64_t> store_bytes_ram, store_bytes_disk;
   double seconds = 0;
   // Decode traffic on the shared stream: requests sent and the session-layer
   // items they carried (items / requests = the mean batch).
   uint64_t decode_requests = 0, decode_items = 0;
+  std::string speculation;  // DemoOptions::speculation, when on.
 };
 
 // Runs the sessions concurrently. `progress` gets one line per round.

@@ -46,6 +46,13 @@ ABSL_FLAG(std::string, evict, "none",
 ABSL_FLAG(int, watershed, -1,
           "Watershed layer L_w; -1: 6 for the synthetic chat (measured by kvtier eval "
           "watershed), the worker's default L/3 for a model.");
+ABSL_FLAG(std::string, speculation, "",
+          "Speculative token selection (InfiniGen): ALPHA[:BUDGET], e.g. 4 or 4:64. Decode "
+          "steps attend, from layer 1 on, only the past-round tokens speculated from the "
+          "previous layer; needs --model, --skew and a standalone worker. Empty: off.");
+ABSL_FLAG(std::string, skew, "",
+          "The model's skew file for --speculation (kvtier calibrate infinigen), uploaded to "
+          "the worker(s).");
 ABSL_FLAG(uint64_t, seed, 1, "Conversation seed.");
 ABSL_FLAG(std::string, session_prefix, "",
           "Session ids are PREFIX0, PREFIX1, ...; empty: chat-<run id>-.");
@@ -61,7 +68,7 @@ int main(int argc, char** argv) {
       "Serves multi-round conversations through kvtier-worker and compares them with an "
       "in-process full cache.\n  kvtier-engine --worker=HOST:PORT [--store=HOST:PORT] "
       "[--model=PATH [--conversations=FILE]] [--codec=..] [--recall=..] [--evict=..] "
-      "[--report=FILE]");
+      "[--speculation=ALPHA[:BUDGET] --skew=FILE] [--report=FILE]");
   kvtier::refengine::DemoOptions o;
   o.shared_decode_stream = absl::GetFlag(FLAGS_shared_decode_stream);
   o.worker = absl::GetFlag(FLAGS_worker);
@@ -80,6 +87,8 @@ int main(int argc, char** argv) {
   o.evict = absl::GetFlag(FLAGS_evict);
   o.watershed = absl::GetFlag(FLAGS_watershed);
   o.seed = absl::GetFlag(FLAGS_seed);
+  o.speculation = absl::GetFlag(FLAGS_speculation);
+  o.skew = absl::GetFlag(FLAGS_skew);
   o.session_prefix = absl::GetFlag(FLAGS_session_prefix);
   if (o.worker.empty() == o.controller.empty()) {
     std::fprintf(stderr, "kvtier-engine: give --worker or --controller (see --help)\n");

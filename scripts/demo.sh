@@ -14,6 +14,10 @@
 #   CONVERSATIONS  replay your own conversations instead: a JSON Lines file of token ids
 #             of MODEL (docs/replay.md; defaults MODEL to ../shared/models/stories260K.bin),
 #             e.g. traces/stories260k_chats.jsonl [unset]
+#   SPEC      speculative token selection (InfiniGen, docs/speculation.md): ALPHA[:BUDGET],
+#             e.g. 4 or 4:64; defaults MODEL to ../shared/models/stories260K.bin [unset]
+#   SPEC_SKEW the model's skew file for SPEC; unset calibrates one first
+#             (kvtier calibrate infinigen) [unset]
 #   SESSIONS  concurrent conversations [4]
 #   ROUNDS    rounds per conversation [24]
 #   WATERSHED the watershed layer L_w [-1: 6 for the synthetic chat, L/3 for a model]
@@ -39,6 +43,15 @@ if [ -n "$CONVERSATIONS" ]; then
   CONVERSATIONS=$(realpath "$CONVERSATIONS")
   MODEL=${MODEL:-../shared/models/stories260K.bin}
 fi
+SPEC=${SPEC:-}
+SPEC_SKEW=${SPEC_SKEW:-}
+if [ -n "$SPEC" ]; then
+  MODEL=${MODEL:-../shared/models/stories260K.bin}
+  if [ -n "$SPEC_SKEW" ] && [ ! -f "$SPEC_SKEW" ]; then
+    echo "SPEC_SKEW=$SPEC_SKEW: no such file (kvtier calibrate infinigen writes one)"
+    exit 2
+  fi
+fi
 SESSIONS=${SESSIONS:-4}
 ROUNDS=${ROUNDS:-24}
 WATERSHED=${WATERSHED:--1}
@@ -63,6 +76,12 @@ if [ -n "$MODEL" ] && [ ! -f "$MODEL" ]; then
   exit 2
 fi
 if [ -n "$REPORT" ]; then REPORT=$(realpath -m "$REPORT"); fi
+
+if [ -n "$SPEC" ] && [ -z "$SPEC_SKEW" ]; then
+  step "Calibrating the InfiniGen skew of $MODEL (SPEC=$SPEC; SPEC_SKEW=file skips this)"
+  "$BUILD_DIR/tools/kvtier" calibrate infinigen --model="$MODEL" --out="$WORK/model.skew"
+  SPEC_SKEW="$WORK/model.skew"
+fi
 
 step "Starting kvtier-store (RocksDB in $WORK/db, RAM tier ${RAM_MB} MiB)"
 "$STORE_BIN" --data_dir="$WORK/db" --listen=127.0.0.1:0 --port_file="$WORK/store.port" \
@@ -103,12 +122,13 @@ fi
 if [ -z "$CONVERSATIONS" ]; then
   step "Serving $SESSIONS conversations x $ROUNDS rounds: $WHAT"
 fi
-echo "policy: CODEC=$CODEC RECALL=$RECALL EVICT=$EVICT"
+echo "policy: CODEC=$CODEC RECALL=$RECALL EVICT=$EVICT${SPEC:+ SPEC=$SPEC}"
 ARGS=(--worker="$WORKER" --store="$STORE" --sessions="$SESSIONS" --rounds="$ROUNDS"
   --codec="$CODEC" --recall="$RECALL" --evict="$EVICT" --watershed="$WATERSHED")
 [ -n "$MODEL" ] && ARGS+=(--model="$MODEL")
 [ -n "$CONVERSATIONS" ] && ARGS+=(--conversations="$CONVERSATIONS")
 [ -n "$REPORT" ] && ARGS+=(--report="$REPORT")
+[ -n "$SPEC" ] && ARGS+=(--speculation="$SPEC" --skew="$SPEC_SKEW")
 [ -n "${SHARED_DECODE_STREAM:-}" ] && ARGS+=(--shared_decode_stream="$SHARED_DECODE_STREAM")
 if [ -n "$DECODE" ]; then
   "$ENGINE_BIN" "${ARGS[@]}" --decode_worker="$DECODE" | tee "$WORK/pd.txt"
@@ -123,10 +143,11 @@ fi
 if command -v curl >/dev/null 2>&1; then
   step "kvtier-worker's Prometheus counters"
   curl -s "127.0.0.1:$(cat "$WORK/worker.mport")/metrics" |
-    grep -E '^kvtier_worker_(recalls|recall_rounds|bytes_fetched|bytes_stored|transfer)' || true
+    grep -E '^kvtier_worker_(recalls|recall_rounds|bytes_fetched|bytes_stored|transfer|speculation)' || true
 fi
 echo
 echo "Try: CODEC=kivi4 make demo, RECALL=all make demo, EVICT=snapkv:24:w=8 make demo,"
 echo "     MODEL=../shared/models/stories260K.bin make demo, REPORT=report.json make demo,"
 echo "     PD=1 make demo (prefill and decode on two workers),"
-echo "     CONVERSATIONS=traces/stories260k_chats.jsonl make demo (replay conversations)"
+echo "     CONVERSATIONS=traces/stories260k_chats.jsonl make demo (replay conversations),"
+echo "     SPEC=4 make demo (InfiniGen speculation on stories260K)"

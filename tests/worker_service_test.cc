@@ -14,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "kernels/attention.h"
 #include "kernels/half.h"
+#include "kernels/speculation.h"
 #include "services/controller/controller_server.h"
 #include "services/worker/worker_server.h"
 #include "testing/test_util.h"
@@ -182,6 +183,172 @@ TEST_F(WorkerServiceTest, RoundsOverGrpcMatchFullAttention) {
   EXPECT_THAT(stack_.server()->RenderMetrics(),
               ::testing::HasSubstr("kvtier_worker_recalls_total 2"));
   EXPECT_EQ(testing::GrpcHealthStatus(stack_.channel()), 1);  // SERVING
+}
+
+// An identity skew (A = I, the first r columns) for a model of this shape.
+std::string IdentitySkew(int layers, int q_heads, int kv_heads, int d, int r) {
+  spec::SkewModel m;
+  m.model = "identity";
+  m.layers = layers;
+  m.q_heads = q_heads;
+  m.kv_heads = kv_heads;
+  m.head_dim = d;
+  m.partial_ratio = static_cast<double>(r) / d;
+  m.calibration_tokens = 1;
+  spec::SkewHead h;
+  h.a.assign(static_cast<size_t>(d) * d, 0.0f);
+  for (int i = 0; i < d; ++i) h.a[static_cast<size_t>(i) * d + i] = 1.0f;
+  for (int i = 0; i < r; ++i) h.partial.push_back(i);
+  m.heads.assign(layers, std::vector<spec::SkewHead>(kv_heads, h));
+  return spec::SerializeSkew(m);
+}
+
+// PutSkew in slices: OK and the id; a slice past 1 MiB, a file that is not
+// a skew, and a skew for another model get precise statuses.
+absl::StatusOr<v1::PutSkewResponse> PutSkew(v1::Worker::Stub* stub, const std::string& bytes,
+                                            size_t slice) {
+  grpc::ClientContext c;
+  v1::PutSkewResponse resp;
+  auto w = stub->PutSkew(&c, &resp);
+  for (size_t at = 0; at < bytes.size(); at += slice) {
+    v1::PutSkewRequest r;
+    r.set_data(bytes.substr(at, slice));
+    if (!w->Write(r)) break;
+  }
+  w->WritesDone();
+  grpc::Status st = w->Finish();
+  if (!st.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(st.error_code()), st.error_message());
+  }
+  return resp;
+}
+
+TEST_F(WorkerServiceTest, SpeculationOverGrpc) {
+  // 6 heads of 512 x 512 floats: a 6 MiB file, sent in 1 MiB slices.
+  const std::string big = IdentitySkew(kLayers, kQHeads, kKvHeads, 512, 100);
+  ASSERT_GT(big.size(), size_t{5} << 20);
+  auto up = PutSkew(stub_.get(), big, size_t{1} << 20);
+  ASSERT_TRUE(up.ok()) << up.status();
+  EXPECT_EQ(up->layers(), static_cast<uint32_t>(kLayers));
+  EXPECT_EQ(up->model(), "identity");
+  EXPECT_THAT(PutSkew(stub_.get(), big, (size_t{1} << 20) + 1).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("at most")));
+  EXPECT_THAT(PutSkew(stub_.get(), "not a skew file at all", 100).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("skew file")));
+  {
+    grpc::ClientContext c;
+    v1::OpenSessionResponse r;
+    v1::OpenSessionRequest o = Open("spec");
+    o.mutable_policy()->set_speculation_skew(up->skew_id());
+    grpc::Status st = stub_->OpenSession(&c, o, &r);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_THAT(st.error_message(), ::testing::HasSubstr("head_dim 512"));
+  }
+  auto small = PutSkew(stub_.get(), IdentitySkew(kLayers, kQHeads, kKvHeads, kDim, 2), 1000);
+  ASSERT_TRUE(small.ok()) << small.status();
+  {
+    grpc::ClientContext c;
+    v1::OpenSessionResponse r;
+    v1::OpenSessionRequest o = Open("spec");
+    o.mutable_policy()->set_speculation_skew(small->skew_id());
+    o.mutable_policy()->set_speculation_budget(2);
+    ASSERT_TRUE(stub_->OpenSession(&c, o, &r).ok());
+    EXPECT_EQ(r.effective_policy().speculation_skew(), small->skew_id());
+    EXPECT_EQ(r.effective_policy().speculation_alpha(), 4.0f);  // The default, filled in.
+  }
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd;
+  auto rnd = [&](size_t n) {
+    std::vector<float> x(n);
+    for (float& v : x) v = nd(rng);
+    return x;
+  };
+  for (int round = 0; round < 2; ++round) {
+    grpc::ClientContext pc;
+    auto prefill = stub_->Prefill(&pc);
+    for (int l = 0; l < kLayers; ++l) {
+      v1::LayerRequest req;
+      if (l == 0) req.set_session_id("spec");
+      req.set_layer(l);
+      *req.mutable_q() = Dense(rnd(8 * kQHeads * kDim), 8, kQHeads);
+      *req.mutable_k() = Dense(rnd(8 * kKvHeads * kDim), 8, kKvHeads);
+      *req.mutable_v() = Dense(rnd(8 * kKvHeads * kDim), 8, kKvHeads);
+      ASSERT_TRUE(prefill->Write(req));
+      v1::LayerResponse resp;
+      ASSERT_TRUE(prefill->Read(&resp));
+    }
+    prefill->WritesDone();
+    ASSERT_TRUE(prefill->Finish().ok());
+    grpc::ClientContext dc;
+    auto decode = stub_->Decode(&dc);
+    for (int step = 0; step < 3; ++step) {
+      for (int l = 0; l < kLayers; ++l) {
+        v1::DecodeRequest req;
+        auto* item = req.add_items();
+        item->set_session_id("spec");
+        item->set_layer(l);
+        *item->mutable_q() = Dense(rnd(kQHeads * kDim), 1, kQHeads);
+        *item->mutable_k() = Dense(rnd(kKvHeads * kDim), 1, kKvHeads);
+        *item->mutable_v() = Dense(rnd(kKvHeads * kDim), 1, kKvHeads);
+        *item->mutable_q_next() = Dense(rnd(kQHeads * kDim), 1, kQHeads);
+        ASSERT_TRUE(decode->Write(req));
+        v1::DecodeResponse resp;
+        ASSERT_TRUE(decode->Read(&resp));
+      }
+    }
+    decode->WritesDone();
+    ASSERT_TRUE(decode->Finish().ok());
+    grpc::ClientContext ec;
+    v1::EndRoundRequest er;
+    er.set_session_id("spec");
+    v1::EndRoundResponse end;
+    ASSERT_TRUE(stub_->EndRound(&ec, er, &end).ok());
+    if (round == 0) {
+      EXPECT_EQ(end.speculation_size(), 0);  // Nothing in the past to speculate over.
+      continue;
+    }
+    ASSERT_EQ(end.speculation_size(), kLayers);
+    EXPECT_EQ(end.speculation(0).steps(), 0u);
+    for (int l = 1; l < kLayers; ++l) {
+      EXPECT_EQ(end.speculation(l).steps(), 3u);
+      EXPECT_EQ(end.speculation(l).kept(), 3u * 2u);  // The budget.
+      EXPECT_EQ(end.speculation(l).sampled(), 1u);
+    }
+  }
+  EXPECT_THAT(stack_.server()->RenderMetrics(),
+              ::testing::HasSubstr("kvtier_worker_speculation_steps_total{layer=\"1\"} 3"));
+  // A q_next of the wrong shape.
+  grpc::ClientContext pc;
+  auto prefill = stub_->Prefill(&pc);
+  for (int l = 0; l < kLayers; ++l) {
+    v1::LayerRequest req;
+    if (l == 0) req.set_session_id("spec");
+    req.set_layer(l);
+    *req.mutable_q() = Dense(rnd(kQHeads * kDim), 1, kQHeads);
+    *req.mutable_k() = Dense(rnd(kKvHeads * kDim), 1, kKvHeads);
+    *req.mutable_v() = Dense(rnd(kKvHeads * kDim), 1, kKvHeads);
+    ASSERT_TRUE(prefill->Write(req));
+    v1::LayerResponse resp;
+    ASSERT_TRUE(prefill->Read(&resp));
+  }
+  prefill->WritesDone();
+  ASSERT_TRUE(prefill->Finish().ok());
+  grpc::ClientContext dc;
+  auto decode = stub_->Decode(&dc);
+  v1::DecodeRequest req;
+  auto* item = req.add_items();
+  item->set_session_id("spec");
+  item->set_layer(0);
+  *item->mutable_q() = Dense(rnd(kQHeads * kDim), 1, kQHeads);
+  *item->mutable_k() = Dense(rnd(kKvHeads * kDim), 1, kKvHeads);
+  *item->mutable_v() = Dense(rnd(kKvHeads * kDim), 1, kKvHeads);
+  *item->mutable_q_next() = Dense(rnd(kKvHeads * kDim), 1, kKvHeads);
+  ASSERT_TRUE(decode->Write(req));
+  v1::DecodeResponse resp;
+  EXPECT_FALSE(decode->Read(&resp));
+  grpc::Status st = decode->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), ::testing::HasSubstr("q_next"));
 }
 
 TEST_F(WorkerServiceTest, BadInputGetsPreciseStatus) {

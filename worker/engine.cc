@@ -1,11 +1,14 @@
 #include "worker/engine.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/log.h"
 #include "base/names.h"
 #include "base/status_macros.h"
+#include "kernels/crc32c.h"
 #include "worker/device_attention.h"
 #include "worker/session.h"
 
@@ -55,13 +58,81 @@ absl::Status ValidateRoundPolicy(const ModelShape& shape, const SessionPolicy& p
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::string> Engine::PutSkew(std::string_view bytes) {
+  // The id: the CRC-32C of the content (not of the whole file, whose own
+  // trailing CRC makes that a constant) and the size.
+  if (bytes.size() < 4) return absl::InvalidArgumentError("skew file: too short");
+  const std::string id =
+      absl::StrFormat("%08x-%d", Crc32c(bytes.substr(0, bytes.size() - 4)), bytes.size());
+  {
+    absl::MutexLock lock(&skews_mu_);
+    if (skews_.count(id) != 0) return id;
+  }
+  auto parsed = spec::ParseSkew(absl::string_view(bytes.data(), bytes.size()));
+  if (!parsed.ok()) {
+    return absl::Status(parsed.status().code(),
+                        absl::StrCat("skew file: ", parsed.status().message()));
+  }
+  auto skew = std::make_shared<const spec::SkewModel>(std::move(*parsed));
+  absl::MutexLock lock(&skews_mu_);
+  if (skews_.count(id) == 0 && static_cast<int>(skews_.size()) >= kMaxSkews) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the worker holds its maximum of ", kMaxSkews, " skews"));
+  }
+  skews_.emplace(id, std::move(skew));
+  LogInfo("skew loaded", {{"skew", id}, {"model", skews_[id]->model}});
+  return id;
+}
+
+absl::Status Engine::ResolveSpeculation(const ModelShape& shape, const SessionPolicy& policy,
+                                        bool on_device,
+                                        std::shared_ptr<const spec::SkewModel>* skew) const {
+  skew->reset();
+  const SessionPolicy::Speculation& sp = policy.speculation;
+  if (sp.skew.empty()) return absl::OkStatus();
+  if (!(sp.alpha > 0) || !std::isfinite(sp.alpha)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("speculation alpha ", sp.alpha, " must be a finite number above 0"));
+  }
+  if (sp.budget < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("speculation budget ", sp.budget, " must be 0 (none) or more"));
+  }
+  if (on_device) {
+    return absl::FailedPreconditionError(
+        "speculation runs on host working sets only; start the worker with --placement=host");
+  }
+  {
+    absl::MutexLock lock(&skews_mu_);
+    auto it = skews_.find(sp.skew);
+    if (it == skews_.end()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "unknown skew ", sp.skew, ": upload the skew file to this worker first (PutSkew)"));
+    }
+    *skew = it->second;
+  }
+  const spec::SkewModel& m = **skew;
+  if (m.layers != shape.layers || m.q_heads != shape.q_heads || m.kv_heads != shape.kv_heads ||
+      m.head_dim != shape.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "skew ", sp.skew, " (", m.model, ") is for ", m.layers, " layers, ", m.q_heads,
+        " q heads, ", m.kv_heads, " kv heads, head_dim ", m.head_dim, "; the session's model has ",
+        shape.layers, ", ", shape.q_heads, ", ", shape.kv_heads, ", ", shape.head_dim));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Engine::UpdatePolicy(const SessionKey& id, SessionPolicy policy) {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   KVT_RETURN_IF_ERROR(ValidateRoundPolicy(s->shape, policy));
   absl::MutexLock lock(&s->mu);
   if (s->device != nullptr) KVT_RETURN_IF_ERROR(DeviceSupportsCodec(policy.codec));
+  std::shared_ptr<const spec::SkewModel> skew;
+  KVT_RETURN_IF_ERROR(ResolveSpeculation(s->shape, policy, s->device != nullptr, &skew));
   policy.watershed_layer = s->lw;
   s->policy = std::move(policy);
+  s->skew = std::move(skew);
+  s->gather = Session::Gather();
   return absl::OkStatus();
 }
 
@@ -105,7 +176,11 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(const Ses
     absl::MutexLock lock(&s->mu);
     s->open.resize(shape.layers);
     using Placement = EngineOptions::Placement;
-    if (options_.placement != Placement::kHost && allow_device) {
+    // Speculation reads host working sets only: under kAuto a speculating
+    // session stays on the host.
+    const bool speculates = !policy.speculation.skew.empty();
+    if (options_.placement != Placement::kHost && allow_device &&
+        !(speculates && options_.placement == Placement::kAuto)) {
       absl::Status why = DeviceStatus();
       if (why.ok()) why = DeviceSupportsCodec(policy.codec);
       if (why.ok()) {
@@ -124,6 +199,7 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(const Ses
             "session ", id.ToString(), " cannot have a device working set: ", why.message()));
       }
     }
+    KVT_RETURN_IF_ERROR(ResolveSpeculation(shape, policy, s->device != nullptr, &s->skew));
   }
   return s;
 }
@@ -360,17 +436,32 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLocked(
 }
 
 absl::Status Engine::DecodeLayer(const SessionKey& id, int layer, const float* q, const float* k,
-                                 const float* v, float* out) {
+                                 const float* v, float* out, const float* q_next) {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   absl::MutexLock lock(&s->mu);
   KVT_RETURN_IF_ERROR(s->CheckStep(layer, 1, /*prefill=*/false));
   KVT_RETURN_IF_ERROR(s->CheckValues(layer, 1, q, k, v));
+  const bool speculate = q_next != nullptr && s->skew != nullptr && layer + 1 < s->shape.layers;
+  if (speculate) {
+    const int64_t count = int64_t{s->shape.q_heads} * s->shape.head_dim;
+    for (int64_t i = 0; i < count; ++i) {
+      if (!std::isfinite(q_next[i])) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("layer ", layer, ": q_next[0, ", i / s->shape.head_dim, ", ",
+                         i % s->shape.head_dim, "] is ", q_next[i], "; values must be finite"));
+      }
+    }
+  }
   if (layer == 0) {
     KVT_RETURN_IF_ERROR(CheckBudget(*s, static_cast<uint64_t>(s->TokenBytes(1))));
     s->BeginStep(1, /*prefill=*/false);
   }
   s->Append(layer, 1, q, k, v);
   absl::Status st = s->Attend(layer, 1, q, k, v, out, options_.level);
+  // Layer + 1's tokens are picked now, from its approximate query; its
+  // attention reads what this gathers (on a GPU working set this would
+  // overlap this layer's attention on a second stream).
+  if (st.ok() && speculate) s->Speculate(layer + 1, q_next, options_.level);
   if (st.ok()) s->EndLayer(1);
   if (!st.ok() || layer + 1 == s->shape.layers) Account(*s);
   return st;

@@ -33,6 +33,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -45,6 +46,7 @@
 #include "kernels/codec.h"
 #include "kernels/eviction.h"
 #include "kernels/recall.h"
+#include "kernels/speculation.h"
 #include "worker/segment_store.h"
 #include "worker/session_key.h"
 
@@ -82,6 +84,18 @@ struct SessionPolicy {
   // Default: true. Off, every round stays resident and the working set
   // grows like the full cache.
   bool release_after_end_round = true;
+  // Speculative token selection (InfiniGen, docs/speculation.md) at decode
+  // steps that carry the next layer's approximate query: layer l + 1 attends
+  // only the past rounds' tokens speculated from it, plus the open round in
+  // full. `skew` names a skew uploaded with Engine::PutSkew; empty: off
+  // (the default). alpha > 0 (default 4, softmax-logit units); budget caps
+  // the tokens per head (0: none). Host working sets only.
+  struct Speculation {
+    std::string skew;
+    float alpha = 4.0f;
+    int budget = 0;
+  };
+  Speculation speculation;
 
   static CodecConfig RawFp32Codec();
   static evict::Policy NoEviction();
@@ -100,6 +114,22 @@ struct RecallReport {
   double exposed_ms = 0;       // How long layer L_w + 1 waited for it.
 };
 
+// What speculation did at one layer during a round (decode steps that
+// carried an approximate query for it).
+struct SpeculationLayerStats {
+  uint64_t steps = 0;        // Decode steps that speculated this layer.
+  uint64_t past_tokens = 0;  // Past-round tokens visible, summed over steps.
+  uint64_t kept = 0;         // Tokens per query head (n), summed over steps.
+  uint64_t gathered = 0;     // Tokens gathered (the union per KV head, summed over KV heads).
+  // Bytes read: the partial keys scored plus the gathered tokens' encoded
+  // K/V; and what dense attention over the same rounds reads (their
+  // encoded K/V).
+  uint64_t bytes_speculative = 0, bytes_dense = 0;
+  // Hit rate and mass (spec::Score), on every 16th step.
+  uint64_t sampled = 0;
+  double hit_sum = 0, mass_sum = 0;
+};
+
 struct EndRoundReport {
   uint32_t round = 0;
   uint64_t stored_bytes = 0;       // Both segments' payloads.
@@ -113,6 +143,8 @@ struct EndRoundReport {
   // call keeps them for the next EndRound: the counters are advisory and
   // EndRound does not fail for them.
   std::vector<uint32_t> recalls_recorded;
+  // Per layer, when the round's decode steps speculated; empty otherwise.
+  std::vector<SpeculationLayerStats> speculation;
 };
 
 struct SessionStats {
@@ -306,8 +338,20 @@ class Engine {
   // INVALID_ARGUMENT; RESOURCE_EXHAUSTED as above; FAILED_PRECONDITION
   // before the round's first prefill,
   // for a layer out of order, or while EndRound runs.
+  // q_next (optional, [q_heads, d]): layer + 1's approximate post-RoPE
+  // query, for speculation (SessionPolicy::speculation); ignored when the
+  // session does not speculate or at the last layer. It must be finite
+  // (INVALID_ARGUMENT).
   absl::Status DecodeLayer(const SessionKey& id, int layer, const float* q, const float* k,
-                           const float* v, float* out);
+                           const float* v, float* out, const float* q_next = nullptr);
+
+  // Takes a skew file's bytes (kvtier calibrate infinigen; spec::ParseSkew)
+  // and returns its id, which SessionPolicy::speculation.skew names. The
+  // same bytes give the same id (the CRC-32C and size) and are held once.
+  // INVALID_ARGUMENT or DATA_LOSS from parsing; RESOURCE_EXHAUSTED past
+  // kMaxSkews distinct skews.
+  static constexpr int kMaxSkews = 16;
+  absl::StatusOr<std::string> PutSkew(std::string_view bytes);
 
   // Abandons the step in flight (layers sent, not all of them): the open
   // round goes back to where it was before the step; a round whose first
@@ -435,8 +479,18 @@ class Engine {
   absl::Status CheckBudgetFor(const std::string& tenant, const EngineOptions::TenantLimit* limit,
                               int64_t tenant_bytes, uint64_t bytes) const;
 
+  // OK when `policy` can speculate on a session of `shape` (its skew is
+  // here and fits the model, its alpha and budget are in range, the
+  // session is not on the device); INVALID_ARGUMENT or FAILED_PRECONDITION
+  // saying why. Sets *skew (null when speculation is off).
+  absl::Status ResolveSpeculation(const ModelShape& shape, const SessionPolicy& policy,
+                                  bool on_device,
+                                  std::shared_ptr<const spec::SkewModel>* skew) const;
+
   SegmentStore* store_;
   EngineOptions options_;
+  mutable absl::Mutex skews_mu_;
+  std::map<std::string, std::shared_ptr<const spec::SkewModel>> skews_ ABSL_GUARDED_BY(skews_mu_);
   std::unique_ptr<Executor> own_fetch_executor_;
   Executor* fetch_executor_;
   mutable absl::Mutex mu_;

@@ -233,6 +233,7 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
   s->stats.pending_recall_counts = s->unreported_recalls.size();
   rep.full_bytes = static_cast<uint64_t>(s->TokenBytes(plan.tokens));
   s->stats.full_cache_bytes += rep.full_bytes;
+  rep.speculation = std::move(s->spec_stats);
   s->CloseRound();
   s->stats.rounds += 1;
   s->NotePeak();

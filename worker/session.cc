@@ -4,6 +4,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -174,6 +175,8 @@ void Engine::Session::BeginStep(int64_t n, bool prefill) {
     round_eviction = policy.eviction;
   }
   state = prefill ? SessionState::kPrefill : SessionState::kDecode;
+  if (!prefill) ++decode_steps;
+  gather.layer = -1;
   step_n = n;
   next_layer = 0;
 }
@@ -374,7 +377,128 @@ absl::Status AttendLayer(const ModelShape& sh, const std::vector<const RoundLaye
   return absl::OkStatus();
 }
 
+// Attention of one decode token at one layer over gathered past tokens
+// (fp32 [u, d] per KV head) plus the open round.
+absl::Status AttendGathered(const ModelShape& sh, const std::vector<std::vector<float>>& gk,
+                            const std::vector<std::vector<float>>& gv, const OpenLayer& cur,
+                            int64_t base, const float* q, float* out, KernelLevel level) {
+  const int d = sh.head_dim, rep = sh.q_heads / sh.kv_heads, es = sh.dtype_bytes();
+  std::vector<KvBlock> blocks;
+  for (int h = 0; h < sh.kv_heads; ++h) {
+    blocks.clear();
+    const auto u = static_cast<int64_t>(gk[h].size()) / d;
+    if (u > 0) {
+      blocks.push_back({EncodedView::Raw(v1::DTYPE_FP32, gk[h].data(), 1, u, d, 0, d),
+                        EncodedView::Raw(v1::DTYPE_FP32, gv[h].data(), 1, u, d, 0, d)});
+    }
+    blocks.push_back({EncodedView::Raw(sh.dtype, cur.k_head(h, d, es), 1, base + 1, d, 0, d),
+                      EncodedView::Raw(sh.dtype, cur.v_head(h, d, es), 1, base + 1, d, 0, d)});
+    const int64_t row = static_cast<int64_t>(h) * rep * d;
+    KVT_RETURN_IF_ERROR(DecodeAttention({rep, 1, d}, q + row, blocks, out + row, level));
+  }
+  return absl::OkStatus();
+}
+
+// The partial skewed keys of one past round's layer (cached in it).
+void EnsurePartial(const RoundLayer& rl, const spec::SkewModel& skew, int layer, int d,
+                   KernelLevel level) {
+  if (rl.partial_skew == &skew) return;
+  const int r = skew.partial_columns();
+  rl.partial.assign(rl.heads.size(), {});
+  std::vector<float> rows;
+  for (size_t h = 0; h < rl.heads.size(); ++h) {
+    const HeadKv& hk = rl.heads[h];
+    rows.resize(static_cast<size_t>(hk.len) * d);
+    if (hk.len > 0) DecodeRows(hk.kview, 0, 0, hk.len, rows.data(), level);
+    std::vector<float>& pk = rl.partial[h];
+    pk.resize(static_cast<size_t>(hk.len) * r);
+    for (int64_t t = 0; t < hk.len; ++t) {
+      spec::SkewPartial(skew.heads[layer][h], d, rows.data() + t * d, pk.data() + t * r);
+    }
+  }
+  rl.partial_skew = &skew;
+}
+
 }  // namespace
+
+void Engine::Session::Speculate(int layer, const float* q_next, KernelLevel level) {
+  gather.layer = -1;
+  const std::vector<const RoundLayer*> vis = Visible(layer);
+  const int d = shape.head_dim, hkv = shape.kv_heads, group = shape.q_heads / hkv;
+  const int r = skew->partial_columns();
+  // Past tokens per KV head (eviction keeps a different count per head), and
+  // their partial keys, concatenated in the rounds' order.
+  std::vector<std::vector<float>> pk(hkv);
+  std::vector<int64_t> total(hkv, 0);
+  uint64_t dense = 0;
+  for (const RoundLayer* rl : vis) {
+    EnsurePartial(*rl, *skew, layer, d, level);
+    dense += static_cast<uint64_t>(rl->bytes);
+    for (int h = 0; h < hkv; ++h) {
+      pk[h].insert(pk[h].end(), rl->partial[h].begin(), rl->partial[h].end());
+      total[h] += rl->heads[h].len;
+    }
+  }
+  const int64_t t_max = *std::max_element(total.begin(), total.end());
+  if (t_max == 0) return;
+  std::vector<const float*> pks(hkv);
+  for (int h = 0; h < hkv; ++h) pks[h] = pk[h].data();
+  spec::SpeculationParams params;
+  params.alpha = policy.speculation.alpha;
+  params.budget = policy.speculation.budget;
+  spec::Speculated picked =
+      spec::Speculate(skew->heads[layer], q_next, pks, total, shape.q_heads, hkv, d, params);
+  if (spec_stats.size() != static_cast<size_t>(shape.layers)) spec_stats.resize(shape.layers);
+  SpeculationLayerStats& st = spec_stats[layer];
+  ++st.steps;
+  st.past_tokens +=
+      static_cast<uint64_t>(std::accumulate(total.begin(), total.end(), int64_t{0}) / hkv);
+  st.kept += static_cast<uint64_t>(picked.n);
+  st.bytes_dense += dense;
+  uint64_t bytes = 0;
+  for (int h = 0; h < hkv; ++h) bytes += static_cast<uint64_t>(total[h]) * r * sizeof(float);
+  gather.k.assign(hkv, {});
+  gather.v.assign(hkv, {});
+  for (int h = 0; h < hkv; ++h) {
+    std::vector<int32_t> u;
+    for (int g = 0; g < group; ++g) {
+      const auto& t = picked.tokens[h * group + g];
+      u.insert(u.end(), t.begin(), t.end());
+    }
+    std::sort(u.begin(), u.end());
+    u.erase(std::unique(u.begin(), u.end()), u.end());
+    st.gathered += u.size();
+    gather.k[h].resize(u.size() * d);
+    gather.v[h].resize(u.size() * d);
+    // Walk the rounds once; runs of consecutive tokens decode together.
+    size_t i = 0;
+    int64_t first = 0;
+    for (const RoundLayer* rl : vis) {
+      const HeadKv& hk = rl->heads[h];
+      const int64_t end = first + hk.len;
+      const double per_token =
+          hk.len > 0
+              ? static_cast<double>(rl->tensors[2 * h].size() + rl->tensors[2 * h + 1].size()) /
+                    static_cast<double>(hk.len)
+              : 0;
+      size_t from = i;
+      while (i < u.size() && u[i] < end) {
+        size_t j = i + 1;
+        while (j < u.size() && u[j] == u[j - 1] + 1 && u[j] < end) ++j;
+        const int64_t t0 = u[i] - first, t1 = u[j - 1] - first + 1;
+        DecodeRows(hk.kview, 0, t0, t1, gather.k[h].data() + i * d, level);
+        DecodeRows(hk.vview, 0, t0, t1, gather.v[h].data() + i * d, level);
+        i = j;
+      }
+      bytes += static_cast<uint64_t>(per_token * static_cast<double>(i - from) + 0.5);
+      first = end;
+    }
+  }
+  st.bytes_speculative += bytes;
+  gather.sample = (decode_steps - 1) % kHitSampleEvery == 0;
+  if (gather.sample) gather.picked = std::move(picked);
+  gather.layer = layer;
+}
 
 absl::Status Engine::Session::Attend(int layer, int64_t n, const float* qs, const float* ks,
                                      const float* vs, float* out, KernelLevel level) {
@@ -383,6 +507,10 @@ absl::Status Engine::Session::Attend(int layer, int64_t n, const float* qs, cons
     std::vector<const DeviceLayer*> rounds;
     for (const RoundLayer* r : Visible(layer)) rounds.push_back(r->device.get());
     st = device->Attend(layer, rounds, ks, vs, tokens, n, qs, out);
+  } else if (gather.layer == layer && n == 1) {
+    st = AttendGathered(shape, gather.k, gather.v, open[layer], tokens, qs, out, level);
+    if (st.ok() && gather.sample) SampleHitRate(layer, qs, level);
+    gather.layer = -1;
   } else {
     st = AttendLayer(shape, Visible(layer), open[layer], tokens, n, qs, out, level);
   }
@@ -399,7 +527,33 @@ void Engine::Session::EndLayer(int64_t n) {
   NotePeak();
 }
 
+void Engine::Session::SampleHitRate(int layer, const float* q, KernelLevel level) {
+  // The true scores of this step's query over every visible past token:
+  // a dense pass, which is why it runs on every kHitSampleEvery-th step only.
+  const std::vector<const RoundLayer*> vis = Visible(layer);
+  const int d = shape.head_dim, hkv = shape.kv_heads;
+  std::vector<std::vector<float>> keys(hkv);
+  std::vector<int64_t> total(hkv, 0);
+  std::vector<const float*> ptrs(hkv);
+  for (int h = 0; h < hkv; ++h) {
+    for (const RoundLayer* rl : vis) {
+      const HeadKv& hk = rl->heads[h];
+      const size_t at = keys[h].size();
+      keys[h].resize(at + static_cast<size_t>(hk.len) * d);
+      if (hk.len > 0) DecodeRows(hk.kview, 0, 0, hk.len, keys[h].data() + at, level);
+      total[h] += hk.len;
+    }
+    ptrs[h] = keys[h].data();
+  }
+  const spec::HitRate hr = spec::Score(gather.picked, q, ptrs, total, shape.q_heads, hkv, d);
+  SpeculationLayerStats& st = spec_stats[layer];
+  ++st.sampled;
+  st.hit_sum += hr.hit;
+  st.mass_sum += hr.mass;
+}
+
 void Engine::Session::RollBackStep() {
+  gather.layer = -1;
   for (OpenLayer& o : open) o.rows = tokens;
   if (state == SessionState::kPrefill && tokens == 0) {
     // The round's first prefill: the round was never open, and its recall
@@ -418,6 +572,9 @@ void Engine::Session::RollBackStep() {
 }
 
 void Engine::Session::CloseRound() {
+  spec_stats.clear();
+  decode_steps = 0;
+  gather = Gather();
   // The buffers go: an idle session holds no open-round memory.
   for (OpenLayer& o : open) o = OpenLayer();
   tokens = 0;

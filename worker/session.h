@@ -19,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "kernels/codec.h"
+#include "kernels/speculation.h"
 #include "worker/device_attention.h"
 #include "worker/engine.h"
 
@@ -43,6 +44,12 @@ struct RoundLayer {
   // payload are then dropped, except at layer L_w (recall scores its keys),
   // which keeps a copy of its own tensors only.
   std::unique_ptr<DeviceLayer> device;
+  // Speculation's partial keys, per KV head [len, r] (the decoded keys,
+  // skewed and cut to `partial_skew`'s partial columns), computed the first
+  // time a speculating session scores this layer. Guarded by the owning
+  // session's lock, like the rest of the working set.
+  mutable std::vector<std::vector<float>> partial;
+  mutable const spec::SkewModel* partial_skew = nullptr;
 };
 
 // The working-set form of a segment of `layers` layers from its serialized
@@ -197,6 +204,20 @@ class Engine::Session {
   // report to the store failed (one entry per recall).
   std::vector<uint32_t> round_resident ABSL_GUARDED_BY(mu), unreported_recalls ABSL_GUARDED_BY(mu);
   SessionStats stats ABSL_GUARDED_BY(mu);
+  // Speculation (policy.speculation): the skew it names, the gathered K/V
+  // of the next layer's speculated tokens, and the round's figures.
+  std::shared_ptr<const spec::SkewModel> skew ABSL_GUARDED_BY(mu);
+  struct Gather {
+    int layer = -1;  // The layer it is for; -1: none.
+    // Per KV head, the union of the group's speculated tokens, fp32 [u, d].
+    std::vector<std::vector<float>> k, v;
+    spec::Speculated picked;  // Kept on a sampled step, for the hit rate.
+    bool sample = false;
+  };
+  Gather gather ABSL_GUARDED_BY(mu);
+  std::vector<SpeculationLayerStats> spec_stats ABSL_GUARDED_BY(mu);
+  uint64_t decode_steps ABSL_GUARDED_BY(mu) = 0;  // Of the open round.
+  static constexpr uint64_t kHitSampleEvery = 16;
   // Working-set bytes this session has added to the engine's total.
   int64_t accounted ABSL_GUARDED_BY(mu) = 0;
 
@@ -238,6 +259,17 @@ class Engine::Session {
   // (positions tokens..tokens+n-1, causally); rolls the step back on failure.
   absl::Status Attend(int layer, int64_t n, const float* q, const float* k, const float* v,
                       float* out, KernelLevel level) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // Speculation for `layer` from its approximate query q_next [q_heads, d]
+  // (a decode step at layer - 1): scores the visible past rounds' partial
+  // keys, picks the tokens and gathers their K/V into `gather`, which the
+  // step's Attend at `layer` then reads instead of the past rounds.
+  void Speculate(int layer, const float* q_next, KernelLevel level)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // On a sampled step, scores `gather.picked` against this step's true
+  // query q at `layer` (spec::Score) into spec_stats.
+  void SampleHitRate(int layer, const float* q, KernelLevel level)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
   // Marks `layer` done; after the last layer the step's n tokens commit.
   void EndLayer(int64_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);

@@ -110,6 +110,14 @@ absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p, v1::D
   // Presence-aware: unset keeps the documented default (true).
   if (p.has_keep_recent_round()) s.keep_recent_round = p.keep_recent_round();
   if (p.has_release_after_end_round()) s.release_after_end_round = p.release_after_end_round();
+  // Speculation: the engine checks the skew against the model, and alpha.
+  s.speculation.skew = p.speculation_skew();
+  if (p.speculation_alpha() != 0) s.speculation.alpha = p.speculation_alpha();
+  if (p.speculation_budget() > uint32_t{1} << 30) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("speculation_budget ", p.speculation_budget(), " is beyond any context"));
+  }
+  s.speculation.budget = static_cast<int>(p.speculation_budget());
   return s;
 }
 
@@ -137,6 +145,7 @@ v1::Policy EffectivePolicy(const v1::Policy& requested, const worker::SessionPol
   p.set_recall(RecallName(eff.recall));
   p.set_keep_recent_round(eff.keep_recent_round);
   p.set_release_after_end_round(eff.release_after_end_round);
+  if (!eff.speculation.skew.empty()) p.set_speculation_alpha(eff.speculation.alpha);
   return p;
 }
 

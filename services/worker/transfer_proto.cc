@@ -83,6 +83,9 @@ v1::TransferHeader HeaderToProto(const std::string& session_id, const worker::Se
   p->set_recall_param(im.policy.recall.param);
   p->set_keep_recent_round(im.policy.keep_recent_round);
   p->set_release_after_end_round(im.policy.release_after_end_round);
+  p->set_speculation_skew(im.policy.speculation.skew);
+  p->set_speculation_alpha(im.policy.speculation.alpha);
+  p->set_speculation_budget(im.policy.speculation.budget);
   EvictionToProto(im.round_eviction, h.mutable_round_eviction());
   for (const worker::SessionImage::Round& r : im.past) {
     v1::TransferRound* tr = h.add_rounds();
@@ -120,6 +123,9 @@ absl::StatusOr<worker::SessionImage> HeaderFromProto(const v1::TransferHeader& h
   im.policy.recall.param = p.recall_param();
   im.policy.keep_recent_round = p.keep_recent_round();
   im.policy.release_after_end_round = p.release_after_end_round();
+  im.policy.speculation.skew = p.speculation_skew();
+  im.policy.speculation.alpha = p.speculation_alpha();
+  im.policy.speculation.budget = p.speculation_budget();
   for (const v1::TransferRound& r : h.rounds()) {
     im.past.push_back({r.round(), r.tokens(), r.stored_bytes()});
   }

@@ -261,6 +261,78 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
   bool imported_ = false;
 };
 
+// PutSkew: the slices gathered in order, parsed once at the end.
+class WorkerService::SkewReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+ public:
+  SkewReactor(WorkerService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
+      : svc_(svc), ctx_(ctx), resp_(resp) {
+    absl::Status s = [&]() -> absl::Status {
+      KVT_ASSIGN_OR_RETURN(Principal p, svc_->auth_->Authenticate(*ctx_));
+      return Authenticator::RequireWrite(p);
+    }();
+    if (!s.ok()) {
+      Finish(svc_->Done("PutSkew", s));
+      return;
+    }
+    StartRead(&msg_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      svc_->io_->Schedule([this] { End(); });
+      return;
+    }
+    req_.Clear();
+    absl::Status s = wire::Parse(msg_, &req_);
+    if (s.ok() && req_.data().size() > kChunkLimit) {
+      s = absl::InvalidArgumentError(
+          absl::StrCat("a PutSkew slice of ", req_.data().size(), " bytes; at most ", kChunkLimit));
+    }
+    if (s.ok() && bytes_.size() + req_.data().size() > kFileLimit) {
+      s = absl::InvalidArgumentError(absl::StrCat("skew file past ", kFileLimit >> 20, " MiB"));
+    }
+    if (!s.ok()) {
+      Finish(svc_->Done("PutSkew", s));
+      return;
+    }
+    bytes_ += req_.data();
+    StartRead(&msg_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  static constexpr size_t kChunkLimit = size_t{1} << 20;
+  static constexpr size_t kFileLimit = size_t{256} << 20;
+
+  void End() {
+    absl::Status s = [&]() -> absl::Status {
+      if (bytes_.empty()) return absl::InvalidArgumentError("PutSkew carried no bytes");
+      KVT_ASSIGN_OR_RETURN(std::string id, svc_->engine_->PutSkew(bytes_));
+      KVT_ASSIGN_OR_RETURN(spec::SkewModel m, spec::ParseSkew(bytes_));
+      v1::PutSkewResponse resp;
+      resp.set_skew_id(id);
+      resp.set_layers(static_cast<uint32_t>(m.layers));
+      resp.set_model(m.model);
+      *resp_ = wire::Serialize(resp);
+      return absl::OkStatus();
+    }();
+    Finish(svc_->Done("PutSkew", s));
+  }
+
+  WorkerService* const svc_;
+  grpc::CallbackServerContext* const ctx_;
+  grpc::ByteBuffer* const resp_;
+  grpc::ByteBuffer msg_;
+  v1::PutSkewRequest req_;
+  std::string bytes_;
+};
+
+grpc::ServerReadReactor<grpc::ByteBuffer>* WorkerService::PutSkew(grpc::CallbackServerContext* ctx,
+                                                                  grpc::ByteBuffer* resp) {
+  return new SkewReactor(this, ctx, resp);
+}
+
 grpc::ServerReadReactor<grpc::ByteBuffer>* WorkerService::TransferSession(
     grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp) {
   return new TransferReactor(this, ctx, resp);

@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "base/status_macros.h"
@@ -79,7 +80,29 @@ class WorkerMetrics {
                              .Name("kvtier_worker_transfer_bytes_total")
                              .Help("Payload bytes of completed session hand-offs by direction "
                                    "and path")
-                             .Register(*registry_)) {}
+                             .Register(*registry_)),
+        spec_steps_(&prometheus::BuildCounter()
+                         .Name("kvtier_worker_speculation_steps_total")
+                         .Help("Decode steps that speculated a layer, by layer")
+                         .Register(*registry_)),
+        spec_kept_(&prometheus::BuildCounter()
+                        .Name("kvtier_worker_speculation_tokens_kept_total")
+                        .Help("Tokens kept per query head by speculation, summed over steps, by "
+                              "layer")
+                        .Register(*registry_)),
+        spec_bytes_(&prometheus::BuildCounter()
+                         .Name("kvtier_worker_speculation_bytes_total")
+                         .Help("K/V bytes read by speculating layers (kind=speculative) and what "
+                               "dense attention would have read (kind=dense)")
+                         .Register(*registry_)),
+        spec_sampled_(&prometheus::BuildCounter()
+                           .Name("kvtier_worker_speculation_hit_samples_total")
+                           .Help("Decode steps whose speculation hit rate was measured, by layer")
+                           .Register(*registry_)),
+        spec_hit_(&prometheus::BuildCounter()
+                       .Name("kvtier_worker_speculation_hit_rate_sum")
+                       .Help("Sum of measured hit rates (divide by the samples), by layer")
+                       .Register(*registry_)) {}
 
   // /metrics, and /healthz and /readyz from `health`.
   absl::StatusOr<int> Serve(const std::string& address, HealthFn health = nullptr) {
@@ -113,6 +136,23 @@ class WorkerMetrics {
     }
   }
   void Stored(uint64_t bytes) { stored_.Increment(static_cast<double>(bytes)); }
+  // A round's speculation figures (EndRound), per layer.
+  void Speculation(const std::vector<worker::SpeculationLayerStats>& layers) {
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const worker::SpeculationLayerStats& x = layers[l];
+      if (x.steps == 0) continue;
+      const std::string layer = std::to_string(l);
+      spec_steps_->Add({{"layer", layer}}).Increment(static_cast<double>(x.steps));
+      spec_kept_->Add({{"layer", layer}}).Increment(static_cast<double>(x.kept));
+      spec_bytes_->Add({{"kind", "speculative"}})
+          .Increment(static_cast<double>(x.bytes_speculative));
+      spec_bytes_->Add({{"kind", "dense"}}).Increment(static_cast<double>(x.bytes_dense));
+      if (x.sampled > 0) {
+        spec_sampled_->Add({{"layer", layer}}).Increment(static_cast<double>(x.sampled));
+        spec_hit_->Add({{"layer", layer}}).Increment(x.hit_sum);
+      }
+    }
+  }
   void WorkingSet(double bytes) { working_set_.Set(bytes); }
   void Sessions(double n) { sessions_.Set(n); }
   void Budget(double bytes) { budget_.Set(bytes); }
@@ -127,6 +167,8 @@ class WorkerMetrics {
   prometheus::Family<prometheus::Histogram>* layer_latency_;
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Counter>*transfers_, *transfer_bytes_;
+  prometheus::Family<prometheus::Counter>*spec_steps_, *spec_kept_, *spec_bytes_, *spec_sampled_,
+      *spec_hit_;
   MetricsEndpoint endpoint_;
 };
 

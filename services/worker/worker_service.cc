@@ -189,6 +189,19 @@ absl::Status WorkerService::DoEndRound(grpc::CallbackServerContext& ctx,
   resp->set_round_working_set_bytes(r.round_working_set_bytes);
   resp->set_full_cache_bytes(r.full_cache_bytes);
   for (uint32_t x : r.recalls_recorded) resp->add_recalls_counted(x);
+  for (const worker::SpeculationLayerStats& l : r.speculation) {
+    v1::SpeculationLayer* o = resp->add_speculation();
+    o->set_steps(l.steps);
+    o->set_past_tokens(l.past_tokens);
+    o->set_kept(l.kept);
+    o->set_gathered(l.gathered);
+    o->set_bytes_speculative(l.bytes_speculative);
+    o->set_bytes_dense(l.bytes_dense);
+    o->set_sampled(l.sampled);
+    o->set_hit_sum(l.hit_sum);
+    o->set_mass_sum(l.mass_sum);
+  }
+  metrics_->Speculation(r.speculation);
   resp->set_compression_ratio(r.stored_bytes > 0 ? static_cast<float>(r.full_bytes) /
                                                        static_cast<float>(r.stored_bytes)
                                                  : 0.0f);
@@ -550,7 +563,7 @@ class WorkerService::DecodeReactor
   }
 
   void RunGroup(const std::vector<int>& group) {
-    std::vector<float> q, k, v, out;
+    std::vector<float> q, k, v, q_next, out;
     for (int i : group) {
       const v1::DecodeItem& it = req_.items(i);
       const Item& item = items_[i];
@@ -571,10 +584,14 @@ class WorkerService::DecodeReactor
         KVT_ASSIGN_OR_RETURN(const float* qp, rows(it.q(), item.shape.q_heads, "q", &q));
         KVT_ASSIGN_OR_RETURN(const float* kp, rows(it.k(), item.shape.kv_heads, "k", &k));
         KVT_ASSIGN_OR_RETURN(const float* vp, rows(it.v(), item.shape.kv_heads, "v", &v));
+        const float* qn = nullptr;
+        if (it.has_q_next()) {
+          KVT_ASSIGN_OR_RETURN(qn, rows(it.q_next(), item.shape.q_heads, "q_next", &q_next));
+        }
         out.resize(static_cast<size_t>(item.shape.q_heads) * d);
         const auto t0 = std::chrono::steady_clock::now();
         KVT_RETURN_IF_ERROR(svc_->engine_->DecodeLayer(item.key, static_cast<int>(it.layer()), qp,
-                                                       kp, vp, out.data()));
+                                                       kp, vp, out.data(), qn));
         svc_->metrics_->Layer("decode", SecondsSince(t0));
         WriteDense(out.data(), 0, 1, item.shape.q_heads, d, it.q().dtype(), resp_.mutable_o(i));
         return absl::OkStatus();

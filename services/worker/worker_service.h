@@ -55,7 +55,9 @@ class WorkerService final
               v1::Worker::WithRawCallbackMethod_Decode<v1::Worker::WithRawCallbackMethod_EndRound<
                   v1::Worker::WithRawCallbackMethod_CloseSession<
                       v1::Worker::WithRawCallbackMethod_TransferSession<
-                          v1::Worker::WithRawCallbackMethod_SendSession<v1::Worker::Service>>>>>>> {
+                          v1::Worker::WithRawCallbackMethod_SendSession<
+                              v1::Worker::WithRawCallbackMethod_PutSkew<
+                                  v1::Worker::Service>>>>>>>> {
  public:
   // `replicas`, when set, is the engine's store: sessions opened with
   // store_addresses keep their rounds on those stores.
@@ -80,11 +82,14 @@ class WorkerService final
   grpc::ServerUnaryReactor* SendSession(grpc::CallbackServerContext* ctx,
                                         const grpc::ByteBuffer* req,
                                         grpc::ByteBuffer* resp) override;
+  grpc::ServerReadReactor<grpc::ByteBuffer>* PutSkew(grpc::CallbackServerContext* ctx,
+                                                     grpc::ByteBuffer* resp) override;
 
  private:
   class PrefillReactor;
   class DecodeReactor;
   class TransferReactor;
+  class SkewReactor;
 
   // A sender of session `id` to the worker at `target` (transfer_service.cc),
   // authenticated with the caller's own credentials, bounded by its deadline
