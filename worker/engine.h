@@ -9,7 +9,9 @@
 //  - the upper segments (layers (L_w, L)) of the rounds recalled for the
 //    current round (and, with release_after_end_round off, of every round);
 //  - the current round's K/V in fp32, head-major (its queries too, for
-//    eviction scoring).
+//    eviction scoring);
+//  - with speculation, the partial skewed keys of the rounds it scored
+//    (r floats per token and KV head, beside each round's layer).
 // With a GPU (EngineOptions::placement) the past rounds' encoded K/V live in
 // device memory instead and attention runs there (worker/device_attention.h);
 // the open round is mirrored to the device layer by layer.

@@ -219,7 +219,12 @@ int64_t Engine::Session::WorkingSetBytes() const {
   int64_t b = 0;
   for (const PastRound& r : past) {
     for (const auto& l : r.layers) {
-      if (l != nullptr) b += l->bytes;
+      if (l == nullptr) continue;
+      b += l->bytes;
+      // Speculation's partial keys, held beside the round's layer.
+      for (const std::vector<float>& pk : l->partial) {
+        b += static_cast<int64_t>(pk.size() * sizeof(float));
+      }
     }
   }
   // The open round counts at the model's dtype, as an engine holds it.
