@@ -35,6 +35,29 @@ if [ -f "$MODEL_PATH" ]; then
     { cat "$OUT/replay"; exit 1; }
   grep -q "accuracy on the scored spans" "$OUT/replay"
   grep -q '"replay": {"file": ' "$OUT/replay.json"
+  # SPEC=4: the skew calibrated first, uploaded, and every speculating layer
+  # reported, with a budget of 8 tokens per head.
+  SESSIONS=2 SPEC=4:8 CONVERSATIONS="$SRC_DIR/traces/stories260k_chats.jsonl" MODEL="$MODEL_PATH" \
+    REPORT="$OUT/spec.json" "$SRC_DIR/scripts/demo.sh" "$BUILD_DIR" >"$OUT/spec" 2>&1 || {
+    cat "$OUT/spec"
+    exit 1
+  }
+  grep -q "Calibrating the InfiniGen skew" "$OUT/spec" || { cat "$OUT/spec"; exit 1; }
+  grep -q "^speculation (4:8), per decode step" "$OUT/spec" || { cat "$OUT/spec"; exit 1; }
+  grep -qE '^4 +912 ' "$OUT/spec" || { cat "$OUT/spec"; exit 1; }
+  grep -q 'kvtier_worker_speculation_steps_total{layer="1"} 912' "$OUT/spec"
+  grep -q '"speculation": {"setting": "4:8", "layers": \[{"layer": 0, "steps": 0' "$OUT/spec.json"
+  # kept per head is capped by the budget of 8.
+  python3 - "$OUT/spec.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+layers = r["speculation"]["layers"]
+assert all(l["kept_per_head_mean"] <= 8 for l in layers[1:]), layers
+assert all(0 < l["hit_rate"] <= 1 for l in layers[1:]), layers
+PY
+  SPEC=0 MODEL="$MODEL_PATH" "$SRC_DIR/scripts/demo.sh" "$BUILD_DIR" >"$OUT/spec0" 2>&1 &&
+    { echo "SPEC=0 was accepted"; cat "$OUT/spec0"; exit 1; }
+  grep -q "speculation '0': expected ALPHA\[:BUDGET\]" "$OUT/spec0" || { cat "$OUT/spec0"; exit 1; }
 elif [ "${CI:-}" = true ]; then
   echo "CI=true but $MODEL_PATH is missing"
   exit 1

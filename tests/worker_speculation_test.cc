@@ -84,7 +84,9 @@ std::vector<std::vector<int64_t>> Longhand(const spec::SkewModel& skew, int laye
     for (int64_t t = 0; t < past; ++t) {
       spec::Skew(sh, d, &h.k[layer][(t * hkv + qh / g) * d], ka.data());
       double acc = 0;
-      for (int32_t c : sh.partial) acc += static_cast<double>(qa[c]) * ka[c];
+      // The worker holds partial keys in fp16.
+      for (int32_t c : sh.partial)
+        acc += static_cast<double>(qa[c]) * HalfToFloat(FloatToHalf(ka[c]));
       scores[qh][t] = acc / std::sqrt(static_cast<double>(d));
       best = std::max(best, scores[qh][t]);
     }

@@ -222,8 +222,8 @@ int64_t Engine::Session::WorkingSetBytes() const {
       if (l == nullptr) continue;
       b += l->bytes;
       // Speculation's partial keys, held beside the round's layer.
-      for (const std::vector<float>& pk : l->partial) {
-        b += static_cast<int64_t>(pk.size() * sizeof(float));
+      for (const std::vector<uint16_t>& pk : l->partial) {
+        b += static_cast<int64_t>(pk.size() * sizeof(uint16_t));
       }
     }
   }
@@ -415,10 +415,14 @@ void EnsurePartial(const RoundLayer& rl, const spec::SkewModel& skew, int layer,
     const HeadKv& hk = rl.heads[h];
     rows.resize(static_cast<size_t>(hk.len) * d);
     if (hk.len > 0) DecodeRows(hk.kview, 0, 0, hk.len, rows.data(), level);
-    std::vector<float>& pk = rl.partial[h];
+    std::vector<uint16_t>& pk = rl.partial[h];
     pk.resize(static_cast<size_t>(hk.len) * r);
+    std::vector<float> row(r);
     for (int64_t t = 0; t < hk.len; ++t) {
-      spec::SkewPartial(skew.heads[layer][h], d, rows.data() + t * d, pk.data() + t * r);
+      spec::SkewPartial(skew.heads[layer][h], d, rows.data() + t * d, row.data());
+      for (int c = 0; c < r; ++c) {
+        pk[t * r + c] = FloatToHalf(std::clamp(row[c], -kHalfMax, kHalfMax));
+      }
     }
   }
   rl.partial_skew = &skew;
@@ -440,7 +444,7 @@ void Engine::Session::Speculate(int layer, const float* q_next, KernelLevel leve
     EnsurePartial(*rl, *skew, layer, d, level);
     dense += static_cast<uint64_t>(rl->bytes);
     for (int h = 0; h < hkv; ++h) {
-      pk[h].insert(pk[h].end(), rl->partial[h].begin(), rl->partial[h].end());
+      for (uint16_t x : rl->partial[h]) pk[h].push_back(HalfToFloat(x));
       total[h] += rl->heads[h].len;
     }
   }
@@ -461,7 +465,7 @@ void Engine::Session::Speculate(int layer, const float* q_next, KernelLevel leve
   st.kept += static_cast<uint64_t>(picked.n);
   st.bytes_dense += dense;
   uint64_t bytes = 0;
-  for (int h = 0; h < hkv; ++h) bytes += static_cast<uint64_t>(total[h]) * r * sizeof(float);
+  for (int h = 0; h < hkv; ++h) bytes += static_cast<uint64_t>(total[h]) * r * sizeof(uint16_t);
   gather.k.assign(hkv, {});
   gather.v.assign(hkv, {});
   for (int h = 0; h < hkv; ++h) {

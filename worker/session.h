@@ -44,11 +44,11 @@ struct RoundLayer {
   // payload are then dropped, except at layer L_w (recall scores its keys),
   // which keeps a copy of its own tensors only.
   std::unique_ptr<DeviceLayer> device;
-  // Speculation's partial keys, per KV head [len, r] (the decoded keys,
-  // skewed and cut to `partial_skew`'s partial columns), computed the first
-  // time a speculating session scores this layer. Guarded by the owning
-  // session's lock, like the rest of the working set.
-  mutable std::vector<std::vector<float>> partial;
+  // Speculation's partial keys, per KV head [len, r] in fp16 (the decoded
+  // keys, skewed and cut to `partial_skew`'s partial columns), computed the
+  // first time a speculating session scores this layer. Guarded by the
+  // owning session's lock, like the rest of the working set.
+  mutable std::vector<std::vector<uint16_t>> partial;
   mutable const spec::SkewModel* partial_skew = nullptr;
 };
 
