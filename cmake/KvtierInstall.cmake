@@ -16,3 +16,16 @@ foreach(unit kvtier-store kvtier-worker kvtier-controller)
 endforeach()
 install(FILES ${PROJECT_SOURCE_DIR}/deploy/tenants.example
   DESTINATION ${CMAKE_INSTALL_FULL_SYSCONFDIR}/kvtier)
+# The Python package (docs/python.md), stubs included, where Debian's python3
+# looks: /usr/lib/python3/dist-packages for the /usr prefix, else
+# <prefix>/lib/python3.X/dist-packages.
+execute_process(COMMAND /usr/bin/python3 -c
+  "import sys; print(f'python{sys.version_info[0]}.{sys.version_info[1]}')"
+  OUTPUT_VARIABLE _kvt_pyver OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+if(CMAKE_INSTALL_PREFIX STREQUAL "/usr" OR _kvt_pyver STREQUAL "")
+  set(KVTIER_PYTHON_DIR lib/python3/dist-packages)
+else()
+  set(KVTIER_PYTHON_DIR lib/${_kvt_pyver}/dist-packages)
+endif()
+install(DIRECTORY ${PROJECT_BINARY_DIR}/python/kvtier DESTINATION ${KVTIER_PYTHON_DIR}
+  FILES_MATCHING PATTERN "*.py")

@@ -34,4 +34,13 @@ for unit in $units; do
   grep -q '^User=kvtier' "$unit" || fail "$name: does not run as user kvtier"
   grep -q '^NoNewPrivileges=yes' "$unit" || fail "$name: no hardening"
 done
-echo "install_test: 3 units verified, binaries and flag files installed"
+# The Python package, stubs included, imports from where it was installed.
+pkg=$(find "$ROOT" -path '*/dist-packages/kvtier/__init__.py' | head -1)
+[[ -n $pkg ]] || fail "the Python package is not installed"
+[[ -f $(dirname "$pkg")/v1/worker_pb2_grpc.py ]] || fail "the Python stubs are not installed"
+if /usr/bin/python3 -c "import grpc, numpy" 2>/dev/null; then
+  PYTHONPATH=$(dirname "$(dirname "$pkg")") /usr/bin/python3 -c \
+    "import kvtier; from kvtier.v1 import worker_pb2; print(kvtier.WorkerClient)" >/dev/null ||
+    fail "the installed Python package does not import"
+fi
+echo "install_test: 3 units verified, binaries, flag files and the Python package installed"

@@ -1,0 +1,125 @@
+"""KvtierConnector driving kvtier-worker from the numpy llama2.c model on the
+sample conversations (traces/stories260k_chats.jsonl): the tier's logits match
+an in-process full cache, and its greedy answers on the scored spans match the
+ones the C++ reference engine recorded in the file."""
+
+import json
+import os
+import subprocess
+import tempfile
+
+import numpy as np
+import pytest
+
+from conftest import BUILD, SOURCE, require_model
+from kvtier import KvtierConnector, ModelSpec, Policy
+from kvtier.llama import FullCacheAttention, Llama
+
+CONVERSATIONS = os.path.join(SOURCE, "traces", "stories260k_chats.jsonl")
+
+
+def load_conversations():
+    with open(CONVERSATIONS) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Through:
+    """The model's attention through the connector, one step at a time."""
+
+    def __init__(self, conn, request_id, speculate=False):
+        self.conn, self.id, self.speculate = conn, request_id, speculate
+
+    def __call__(self, layer, pos, q, k, v):
+        self.conn.save_kv_layer(self.id, layer, q, k, v)
+        return self.conn.wait_for_layer_load(self.id, layer)
+
+    def next_layer_query(self, layer, pos, q_next):
+        if q_next.shape[0] == 1:
+            self.conn.save_next_layer_query(self.id, q_next)
+
+
+def replay(m, conn, conv, request_id, speculate=False):
+    """Teacher-forced replay of one conversation, as kvtier-engine does it:
+    each round's user tokens as one prefill, then one decode step per
+    assistant token. Returns per round the tier's and the full cache's logits
+    before each assistant token."""
+    local = FullCacheAttention(m.config)
+    tier = Through(conn, request_id)
+    nlq = tier.next_layer_query if speculate else None
+    pos, rounds = 0, []
+    for r in conv["rounds"]:
+        user, answer = r["user"], r["assistant"]
+        conn.start_load_kv(request_id, len(user), prefill=True, question_tokens=len(user))
+        got = m.forward(user, pos, tier, nlq)[-1]
+        conn.wait_for_save(request_id)
+        want = m.forward(user, pos, local)[-1]
+        pos += len(user)
+        tl, ll = [], []
+        for t in answer:
+            tl.append(got)
+            ll.append(want)
+            conn.start_load_kv(request_id, 1, prefill=False)
+            got = m.forward([t], pos, tier, nlq)[-1]
+            conn.wait_for_save(request_id)
+            want = m.forward([t], pos, local)[-1]
+            pos += 1
+        conn.request_finished(request_id)
+        rounds.append((np.array(tl), np.array(ll)))
+    return rounds
+
+
+def test_replay_matches_full_cache_and_reference_engine(stack):
+    m = Llama.load(require_model())
+    _, worker = stack
+    c = m.config
+    spec = ModelSpec(c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, dtype="float32")
+    conn = KvtierConnector(worker.address, spec, Policy(recall="all"))
+    worst, flips, scored, positions = 0.0, 0, 0, 0
+    for i, conv in enumerate(load_conversations()):
+        rounds = replay(m, conn, conv, f"conv-{i}")
+        reports = conn.rounds(f"conv-{i}")
+        assert [x.round for x in reports] == list(range(len(conv["rounds"])))
+        for (tier, local), r in zip(rounds, conv["rounds"]):
+            if len(tier) == 0:
+                continue
+            positions += len(tier)
+            worst = max(worst, float(np.abs(tier - local).max()))
+            for b, e in r.get("score", []):
+                for j in range(b, e):
+                    scored += 1
+                    flips += int(np.argmax(tier[j])) != r["assistant"][j]
+        conn.close(f"conv-{i}", delete_from_store=True)
+    # recall=all and raw rounds are lossless: the tier is the full cache up to
+    # float rounding, and its greedy answers are the C++ reference engine's.
+    assert positions == 971
+    assert worst < 1e-3, worst
+    assert scored == 308
+    assert flips <= 3, flips
+
+
+def test_speculation_through_the_connector(stack):
+    model = require_model()
+    m = Llama.load(model)
+    _, worker = stack
+    skew = os.path.join(tempfile.mkdtemp(prefix="kvtier-skew-"), "s.skew")
+    subprocess.run([os.path.join(BUILD, "tools/kvtier"), "calibrate", "infinigen",
+                    f"--model={model}", f"--out={skew}"], check=True, capture_output=True)
+    c = m.config
+    spec = ModelSpec(c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, dtype="float32")
+    with open(skew, "rb") as f:
+        conn = KvtierConnector(worker.address, spec, Policy(recall="all", speculation_alpha=4,
+                                                            speculation_budget=16),
+                               skew=f.read())
+    conv = load_conversations()[0]
+    replay(m, conn, conv, "spec-0", speculate=True)
+    reports = conn.rounds("spec-0")
+    assert len(reports[0].speculation) == 0  # Nothing in the past yet.
+    for rep, r in zip(reports[1:], conv["rounds"][1:]):
+        layers = rep.speculation
+        assert len(layers) == c.n_layers
+        assert layers[0].steps == 0
+        for x in layers[1:]:
+            assert x.steps == len(r["assistant"])
+            assert x.kept <= 16 * x.steps
+            assert x.bytes_speculative < x.bytes_dense
+    conn.close("spec-0", delete_from_store=True)
