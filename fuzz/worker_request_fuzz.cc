@@ -12,8 +12,8 @@
 #include "fuzz/fuzz_target.h"
 #include "kvtier/v1/worker.pb.h"
 #include "rpc/dense_tensor.h"
-#include "services/worker/policy_proto.h"
 #include "worker/engine.h"
+#include "worker/policy_proto.h"
 
 namespace {
 

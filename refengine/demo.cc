@@ -16,13 +16,16 @@
 #include "absl/strings/str_split.h"
 #include "base/status_macros.h"
 #include "client/store_client.h"
+#include "client/store_segments.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "kernels/codec.h"
 #include "kernels/eviction.h"
 #include "kernels/recall.h"
 #include "kernels/speculation.h"
+#include "refengine/inproc.h"
 #include "traces/synthetic_chat.h"
+#include "worker/engine.h"
 
 namespace kvtier::refengine {
 namespace {
@@ -507,7 +510,17 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     return absl::InvalidArgumentError(
         "a decode worker is for a standalone prefill worker, not for a controller's cluster");
   }
-  if (o.worker.empty() == o.controller.empty()) {
+  if (o.inproc) {
+    if (!o.worker.empty() || !o.controller.empty() || !o.decode_worker.empty()) {
+      return absl::InvalidArgumentError(
+          "in-process mode runs the worker engine here: give a store (--store), not a worker, "
+          "a decode worker or a controller");
+    }
+    if (o.store.empty()) {
+      return absl::InvalidArgumentError(
+          "in-process mode keeps its rounds in a kvtier-store: give its address (--store)");
+    }
+  } else if (o.worker.empty() == o.controller.empty()) {
     return absl::InvalidArgumentError("give a worker address or a controller address");
   }
   if (o.sessions < 1 || o.sessions > 256 || o.rounds < 1) {
@@ -523,7 +536,8 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     }
     if (!o.controller.empty()) {
       return absl::InvalidArgumentError(
-          "speculation runs against a standalone worker (--worker), not a controller's cluster");
+          "speculation runs against a standalone worker (--worker) or in process, not a "
+          "controller's cluster");
     }
     if (o.skew.empty()) {
       return absl::InvalidArgumentError(
@@ -577,12 +591,31 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     absl::StrAppend(&rep.policy, " speculation=", o.speculation);
     rep.speculation = o.speculation;
   }
+  rep.inproc = o.inproc;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<DecodeMux> mux;
   std::unique_ptr<SessionRouter> router;
   Disaggregation pd;
   OpenTier open;
-  if (!o.controller.empty()) {
+  std::unique_ptr<StoreSegments> inproc_store;
+  std::unique_ptr<worker::Engine> inproc;
+  if (o.inproc) {
+    // The worker engine in this process, its rounds in the store.
+    StoreClientOptions so;
+    so.target = o.store;
+    so.token = o.token;
+    KVT_ASSIGN_OR_RETURN(auto client, StoreClient::Connect(so));
+    inproc_store = std::make_unique<StoreSegments>(std::move(client));
+    inproc = std::make_unique<worker::Engine>(inproc_store.get());
+    if (!skew_bytes.empty()) {
+      KVT_ASSIGN_OR_RETURN(std::string id, inproc->PutSkew(skew_bytes));
+      policy.set_speculation_skew(id);
+    }
+    open = [&](const v1::ModelSpec& spec,
+               DemoSession* s) -> absl::StatusOr<std::unique_ptr<TierSession>> {
+      return InProcessBackend(inproc.get(), spec, s->id, policy);
+    };
+  } else if (!o.controller.empty()) {
     // A cluster: each session routed through the controller, on its own
     // streams (the shared decode stream is per worker, and sessions move).
     ControllerClientOptions co;
@@ -843,10 +876,11 @@ std::string RenderText(const DemoReport& r) {
           Kib(Ratio(back, handed)), back_ms / handed);
     }
   }
-  absl::StrAppendFormat(&s,
-                        "decode: %.3f ms per token through kvtier-worker (every layer over gRPC), "
-                        "%.3f ms in-process full cache\n",
-                        Ratio(t.tier_ms, t.decode_tokens), Ratio(t.local_ms, t.decode_tokens));
+  absl::StrAppendFormat(&s, "decode: %.3f ms per token %s, %.3f ms in-process full cache\n",
+                        Ratio(t.tier_ms, t.decode_tokens),
+                        r.inproc ? "with the worker engine in this process (the store remote)"
+                                 : "through kvtier-worker (every layer over gRPC)",
+                        Ratio(t.local_ms, t.decode_tokens));
   if (Synthetic(r)) {
     absl::StrAppendFormat(&s,
                           "fidelity: attention-output relative error %.5f (every layer, every "
@@ -886,6 +920,7 @@ std::string RenderJson(const DemoReport& r) {
   std::string s = "{\n";
   absl::StrAppend(&s, "  \"workload\": ", JsonQuote(r.workload), ",\n");
   absl::StrAppend(&s, "  \"policy\": \"", r.policy, "\",\n");
+  absl::StrAppend(&s, "  \"mode\": \"", r.inproc ? "inproc" : "remote", "\",\n");
   absl::StrAppend(&s, "  \"sessions\": ", r.sessions.size(), ",\n");
   absl::StrAppend(&s, "  \"rounds\": ", r.rounds, ",\n");
   absl::StrAppend(&s, "  \"tokens_per_round\": ", r.tokens_per_round, ",\n");

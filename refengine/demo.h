@@ -71,6 +71,10 @@ struct DemoOptions {
   // standalone worker. Empty: off.
   std::string speculation;
   std::string skew;
+  // In-process mode (refengine/inproc.h): the worker engine runs in this
+  // process over `store`, and no kvtier-worker is used (`worker` must be
+  // empty). Attention costs no hop per layer.
+  bool inproc = false;
 };
 
 // The wire policy for codec/recall/evict/watershed texts. INVALID_ARGUMENT
@@ -108,6 +112,7 @@ struct DemoReport {
   // items they carried (items / requests = the mean batch).
   uint64_t decode_requests = 0, decode_items = 0;
   std::string speculation;  // DemoOptions::speculation, when on.
+  bool inproc = false;      // The worker engine ran in this process.
 };
 
 // Runs the sessions concurrently. `progress` gets one line per round.

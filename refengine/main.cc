@@ -53,6 +53,9 @@ ABSL_FLAG(std::string, speculation, "",
 ABSL_FLAG(std::string, skew, "",
           "The model's skew file for --speculation (kvtier calibrate infinigen), uploaded to "
           "the worker(s).");
+ABSL_FLAG(bool, inproc, false,
+          "Run the worker engine in this process over --store (no kvtier-worker, no hop per "
+          "layer): the shape of an engine that keeps attention on its own GPU.");
 ABSL_FLAG(uint64_t, seed, 1, "Conversation seed.");
 ABSL_FLAG(std::string, session_prefix, "",
           "Session ids are PREFIX0, PREFIX1, ...; empty: chat-<run id>-.");
@@ -66,7 +69,7 @@ int main(int argc, char** argv) {
   kvtier::ParseKvtierCommandLine(
       argc, argv,
       "Serves multi-round conversations through kvtier-worker and compares them with an "
-      "in-process full cache.\n  kvtier-engine --worker=HOST:PORT [--store=HOST:PORT] "
+      "in-process full cache.\n  kvtier-engine --worker=HOST:PORT | --inproc [--store=HOST:PORT] "
       "[--model=PATH [--conversations=FILE]] [--codec=..] [--recall=..] [--evict=..] "
       "[--speculation=ALPHA[:BUDGET] --skew=FILE] [--report=FILE]");
   kvtier::refengine::DemoOptions o;
@@ -89,9 +92,12 @@ int main(int argc, char** argv) {
   o.seed = absl::GetFlag(FLAGS_seed);
   o.speculation = absl::GetFlag(FLAGS_speculation);
   o.skew = absl::GetFlag(FLAGS_skew);
+  o.inproc = absl::GetFlag(FLAGS_inproc);
   o.session_prefix = absl::GetFlag(FLAGS_session_prefix);
-  if (o.worker.empty() == o.controller.empty()) {
-    std::fprintf(stderr, "kvtier-engine: give --worker or --controller (see --help)\n");
+  if (!o.inproc && o.worker.empty() == o.controller.empty()) {
+    std::fprintf(stderr,
+                 "kvtier-engine: give --worker or --controller, or --inproc with --store (see "
+                 "--help)\n");
     return 2;
   }
   const bool quiet = absl::GetFlag(FLAGS_quiet);

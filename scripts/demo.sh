@@ -14,6 +14,9 @@
 #   CONVERSATIONS  replay your own conversations instead: a JSON Lines file of token ids
 #             of MODEL (docs/replay.md; defaults MODEL to ../shared/models/stories260K.bin),
 #             e.g. traces/stories260k_chats.jsonl [unset]
+#   MODE      remote: every layer's attention in kvtier-worker over gRPC; inproc: the
+#             worker engine in kvtier-engine's own process, only the store remote (then
+#             the same conversations run remote too, for the per-token cost) [remote]
 #   SPEC      speculative token selection (InfiniGen, docs/speculation.md): ALPHA[:BUDGET],
 #             e.g. 4 or 4:64; defaults MODEL to ../shared/models/stories260K.bin [unset]
 #   SPEC_SKEW the model's skew file for SPEC; unset calibrates one first
@@ -130,7 +133,22 @@ ARGS=(--worker="$WORKER" --store="$STORE" --sessions="$SESSIONS" --rounds="$ROUN
 [ -n "$REPORT" ] && ARGS+=(--report="$REPORT")
 [ -n "$SPEC" ] && ARGS+=(--speculation="$SPEC" --skew="$SPEC_SKEW")
 [ -n "${SHARED_DECODE_STREAM:-}" ] && ARGS+=(--shared_decode_stream="$SHARED_DECODE_STREAM")
-if [ -n "$DECODE" ]; then
+MODE=${MODE:-remote}
+if [ "$MODE" != remote ] && [ "$MODE" != inproc ]; then
+  echo "MODE=$MODE: expected remote or inproc"
+  exit 2
+fi
+if [ "$MODE" = inproc ]; then
+  if [ -n "$DECODE" ]; then echo "MODE=inproc runs no worker: it cannot hand off (PD=1)"; exit 2; fi
+  step "MODE=inproc: the worker engine inside kvtier-engine, its rounds in kvtier-store"
+  INPROC_ARGS=()
+  for a in "${ARGS[@]}"; do [[ $a == --worker=* ]] || INPROC_ARGS+=("$a"); done
+  "$ENGINE_BIN" "${INPROC_ARGS[@]}" --inproc | tee "$WORK/inproc.txt"
+  step "The same conversations through kvtier-worker (MODE=remote, the baseline)"
+  "$ENGINE_BIN" "${ARGS[@]}" --report= --quiet >"$WORK/remote.txt"
+  echo "decode, worker engine in process: $(grep -o '^decode: [0-9.]* ms per token' "$WORK/inproc.txt" | grep -o '[0-9.]* ms')"
+  echo "decode, through kvtier-worker:     $(grep -o '^decode: [0-9.]* ms per token' "$WORK/remote.txt" | grep -o '[0-9.]* ms')"
+elif [ -n "$DECODE" ]; then
   "$ENGINE_BIN" "${ARGS[@]}" --decode_worker="$DECODE" | tee "$WORK/pd.txt"
   step "The same conversations on one worker, no hand-off (the baseline for time to first token)"
   "$ENGINE_BIN" "${ARGS[@]}" --report= >"$WORK/single.txt"
@@ -150,4 +168,5 @@ echo "Try: CODEC=kivi4 make demo, RECALL=all make demo, EVICT=snapkv:24:w=8 make
 echo "     MODEL=../shared/models/stories260K.bin make demo, REPORT=report.json make demo,"
 echo "     PD=1 make demo (prefill and decode on two workers),"
 echo "     CONVERSATIONS=traces/stories260k_chats.jsonl make demo (replay conversations),"
-echo "     SPEC=4 make demo (InfiniGen speculation on stories260K)"
+echo "     SPEC=4 make demo (InfiniGen speculation on stories260K),"
+echo "     MODE=inproc make demo (the worker engine in the engine's process)"

@@ -55,6 +55,12 @@ layers = r["speculation"]["layers"]
 assert all(l["kept_per_head_mean"] <= 8 for l in layers[1:]), layers
 assert all(0 < l["hit_rate"] <= 1 for l in layers[1:]), layers
 PY
+  # MODE=inproc: the worker engine in kvtier-engine, then the same run remote.
+  MODE=inproc ROUNDS=4 SESSIONS=2 MODEL="$MODEL_PATH" "$SRC_DIR/scripts/demo.sh" "$BUILD_DIR" \
+    >"$OUT/inproc" 2>&1 || { cat "$OUT/inproc"; exit 1; }
+  grep -q "with the worker engine in this process (the store remote)" "$OUT/inproc" ||
+    { cat "$OUT/inproc"; exit 1; }
+  grep -qE "^decode, through kvtier-worker: +[0-9.]+ ms" "$OUT/inproc" || { cat "$OUT/inproc"; exit 1; }
   SPEC=0 MODEL="$MODEL_PATH" "$SRC_DIR/scripts/demo.sh" "$BUILD_DIR" >"$OUT/spec0" 2>&1 &&
     { echo "SPEC=0 was accepted"; cat "$OUT/spec0"; exit 1; }
   grep -q "speculation '0': expected ALPHA\[:BUDGET\]" "$OUT/spec0" || { cat "$OUT/spec0"; exit 1; }

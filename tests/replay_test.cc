@@ -302,6 +302,43 @@ TEST_F(ReplayDemoTest, SampleFileThroughTheWorker) {
   EXPECT_EQ(StoreSessions(), 0u);  // The demo deletes its sessions at the end.
 }
 
+// In-process mode (the worker engine inside the engine, the store remote):
+// the same answers and the same stored rounds as through kvtier-worker, and
+// kivi2 with mass recall reports the same scored accuracy, bit for bit the
+// same encoded rounds.
+TEST_F(ReplayDemoTest, SampleFileInProcess) {
+  KVT_REQUIRE_SHARED_MODEL(path);
+  refengine::DemoOptions o = Options(path);
+  o.codec = "kivi2";
+  o.recall = "mass:0.95";
+  KVT_ASSERT_OK_AND_ASSIGN(refengine::DemoReport remote, refengine::RunDemo(o, {}));
+  o.worker.clear();
+  o.inproc = true;
+  KVT_ASSERT_OK_AND_ASSIGN(refengine::DemoReport inproc, refengine::RunDemo(o, {}));
+  ASSERT_EQ(inproc.sessions.size(), remote.sessions.size());
+  int scored = 0;
+  for (size_t i = 0; i < remote.sessions.size(); ++i) {
+    const refengine::DemoSession& a = remote.sessions[i];
+    const refengine::DemoSession& b = inproc.sessions[i];
+    ASSERT_EQ(a.rounds.size(), b.rounds.size());
+    for (size_t r = 0; r < a.rounds.size(); ++r) {
+      EXPECT_EQ(a.rounds[r].selected, b.rounds[r].selected) << i << " round " << r;
+      EXPECT_EQ(a.rounds[r].stored_bytes, b.rounds[r].stored_bytes) << i << " round " << r;
+      EXPECT_EQ(a.rounds[r].round_working_set_bytes, b.rounds[r].round_working_set_bytes);
+      EXPECT_EQ(a.replay[r].tier_correct, b.replay[r].tier_correct) << i << " round " << r;
+      scored += b.replay[r].scored;
+    }
+  }
+  EXPECT_EQ(scored, 308);
+  EXPECT_THAT(refengine::RenderText(inproc),
+              HasSubstr("with the worker engine in this process (the store remote)"));
+  EXPECT_THAT(refengine::RenderJson(inproc), HasSubstr("\"mode\": \"inproc\""));
+  EXPECT_EQ(StoreSessions(), 0u);
+  o.store.clear();
+  EXPECT_THAT(refengine::RunDemo(o, {}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--store")));
+}
+
 // A bad file runs nothing: the error names its line, and no session reached
 // the worker or the store.
 TEST_F(ReplayDemoTest, BadFilesRunNothing) {

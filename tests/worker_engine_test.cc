@@ -12,7 +12,7 @@
 #include "kernels/attention.h"
 #include "kernels/codec.h"
 #include "kernels/half.h"
-#include "services/worker/store_segments.h"
+#include "client/store_segments.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
 #include "worker/engine.h"

@@ -12,7 +12,7 @@
 #include "gtest/gtest.h"
 #include "kernels/half.h"
 #include "kernels/speculation.h"
-#include "services/worker/store_segments.h"
+#include "client/store_segments.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
 #include "worker/engine.h"

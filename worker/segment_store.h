@@ -1,5 +1,5 @@
 // Where the worker engine keeps rounds: kvtier-store in production
-// (services/worker/store_segments.h), any implementation in tests of the
+// (client/store_segments.h), any implementation in tests of the
 // layers above it. No gRPC here.
 #ifndef KVTIER_WORKER_SEGMENT_STORE_H_
 #define KVTIER_WORKER_SEGMENT_STORE_H_

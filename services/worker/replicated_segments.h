@@ -28,8 +28,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "client/store_client.h"
+#include "client/store_segments.h"
 #include "kvtier/v1/controller.pb.h"
-#include "services/worker/store_segments.h"
 #include "worker/segment_store.h"
 
 namespace kvtier {

@@ -13,14 +13,14 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
 #include "base/executor.h"
+#include "client/store_segments.h"
 #include "grpcpp/server.h"
 #include "services/common/auth.h"
 #include "services/common/cluster_join.h"
-#include "services/worker/policy_proto.h"
 #include "services/worker/replicated_segments.h"
-#include "services/worker/store_segments.h"
 #include "services/worker/worker_service.h"
 #include "worker/engine.h"
+#include "worker/policy_proto.h"
 
 namespace kvtier {
 

@@ -12,9 +12,10 @@
 #include "absl/synchronization/mutex.h"
 #include "base/names.h"
 #include "base/status_macros.h"
+#include "rpc/dense_tensor.h"
 #include "rpc/grpc_status.h"
 #include "rpc/wire_format.h"
-#include "services/worker/policy_proto.h"
+#include "worker/policy_proto.h"
 
 namespace kvtier {
 namespace {

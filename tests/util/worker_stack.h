@@ -12,7 +12,7 @@
 
 #include "absl/status/status.h"
 #include "grpcpp/create_channel.h"
-#include "services/worker/store_segments.h"
+#include "client/store_segments.h"
 #include "services/worker/worker_server.h"
 #include "testing/store_process.h"
 #include "testing/test_util.h"

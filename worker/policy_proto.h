@@ -1,8 +1,9 @@
 // The Worker wire types and the engine's own, converted once at the service
 // edge: ModelSpec -> ModelShape, Policy -> SessionPolicy (a struct, never
-// text). DenseTensor conversion is in rpc/dense_tensor.h.
-#ifndef KVTIER_SERVICES_WORKER_POLICY_PROTO_H_
-#define KVTIER_SERVICES_WORKER_POLICY_PROTO_H_
+// text). Used by the worker service and by engines that host the worker
+// engine in process (refengine/inproc.h).
+#ifndef KVTIER_WORKER_POLICY_PROTO_H_
+#define KVTIER_WORKER_POLICY_PROTO_H_
 
 #include <cstdint>
 #include <string>
@@ -11,7 +12,6 @@
 #include "absl/status/statusor.h"
 #include "kvtier/v1/controller.pb.h"
 #include "kvtier/v1/worker.pb.h"
-#include "rpc/dense_tensor.h"
 #include "worker/engine.h"
 
 namespace kvtier {
@@ -41,4 +41,4 @@ v1::Policy EffectivePolicy(const v1::Policy& requested, const worker::SessionPol
 
 }  // namespace kvtier
 
-#endif  // KVTIER_SERVICES_WORKER_POLICY_PROTO_H_
+#endif  // KVTIER_WORKER_POLICY_PROTO_H_

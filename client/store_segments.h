@@ -1,7 +1,7 @@
 // worker::SegmentStore over kvtier-store's gRPC client: the worker's rounds
 // go to a real store.
-#ifndef KVTIER_SERVICES_WORKER_STORE_SEGMENTS_H_
-#define KVTIER_SERVICES_WORKER_STORE_SEGMENTS_H_
+#ifndef KVTIER_CLIENT_STORE_SEGMENTS_H_
+#define KVTIER_CLIENT_STORE_SEGMENTS_H_
 
 #include <atomic>
 #include <memory>
@@ -44,4 +44,4 @@ class StoreSegments : public worker::SegmentStore {
 
 }  // namespace kvtier
 
-#endif  // KVTIER_SERVICES_WORKER_STORE_SEGMENTS_H_
+#endif  // KVTIER_CLIENT_STORE_SEGMENTS_H_

@@ -1,4 +1,4 @@
-#include "services/worker/policy_proto.h"
+#include "worker/policy_proto.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "services/worker/store_segments.h"
+#include "client/store_segments.h"
 
 #include "absl/strings/str_cat.h"
 #include "kernels/crc32c.h"
