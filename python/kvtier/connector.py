@@ -41,7 +41,6 @@ class _Request:
     step: Optional[PrefillStep] = None
     prefill: bool = False
     num_tokens: int = 0
-    pending: Dict[int, tuple] = dataclasses.field(default_factory=dict)
     outputs: Dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
     q_next: Optional[np.ndarray] = None
     rounds: list = dataclasses.field(default_factory=list)
@@ -66,17 +65,17 @@ class KvtierConnector:
     def start_load_kv(self, request_id: str, num_tokens: int, prefill: bool,
                       question_tokens: int = 0) -> None:
         """Begins a step of `num_tokens` new tokens: a prefill (a turn's
-        prompt) or one decode token. Opens the session on first use."""
+        prompt) or one decode token. Opens the session on first use, and ends
+        the previous step (wait_for_save) if the engine did not."""
         r = self._requests.get(request_id)
         if r is None:
             s = self.worker.open_session(request_id, self.model, self.policy)
             r = self._requests[request_id] = _Request(s)
-        if r.step is not None:
-            r.step.abandon()
         if not prefill and num_tokens != 1:
             raise ValueError(f"a decode step carries one token, not {num_tokens}")
+        # The previous step ends here if the engine did not end it.
+        self.wait_for_save(request_id)
         r.prefill, r.num_tokens = prefill, num_tokens
-        r.pending.clear()
         r.outputs.clear()
         r.step = r.session.prefill(question_tokens) if prefill else None
 
