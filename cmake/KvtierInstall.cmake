@@ -29,3 +29,6 @@ else()
 endif()
 install(DIRECTORY ${PROJECT_BINARY_DIR}/python/kvtier DESTINATION ${KVTIER_PYTHON_DIR}
   FILES_MATCHING PATTERN "*.py")
+if(TARGET kvtier_inproc_module)
+  install(TARGETS kvtier_inproc_module LIBRARY DESTINATION ${KVTIER_PYTHON_DIR}/kvtier)
+endif()

@@ -82,18 +82,8 @@ class InProcess : public TierSession {
     t.full_cache_bytes = r.full_cache_bytes;
     t.working_set_after = r.working_set_bytes;
     t.prefill_ms = prefill_ms_;
-    for (const worker::SpeculationLayerStats& l : r.speculation) {
-      v1::SpeculationLayer& o = t.speculation.emplace_back();
-      o.set_steps(l.steps);
-      o.set_past_tokens(l.past_tokens);
-      o.set_kept(l.kept);
-      o.set_gathered(l.gathered);
-      o.set_bytes_speculative(l.bytes_speculative);
-      o.set_bytes_dense(l.bytes_dense);
-      o.set_sampled(l.sampled);
-      o.set_hit_sum(l.hit_sum);
-      o.set_mass_sum(l.mass_sum);
-    }
+    const v1::EndRoundResponse wire = EndRoundToProto(r);
+    t.speculation.assign(wire.speculation().begin(), wire.speculation().end());
     has_prefill_ms_ = false;
     recall_.reset();
     rounds_.push_back(std::move(t));

@@ -149,4 +149,30 @@ v1::Policy EffectivePolicy(const v1::Policy& requested, const worker::SessionPol
   return p;
 }
 
+v1::EndRoundResponse EndRoundToProto(const worker::EndRoundReport& r) {
+  v1::EndRoundResponse resp;
+  resp.set_round(r.round);
+  resp.set_stored_bytes(r.stored_bytes);
+  resp.set_working_set_bytes(r.working_set_bytes);
+  resp.set_round_working_set_bytes(r.round_working_set_bytes);
+  resp.set_full_cache_bytes(r.full_cache_bytes);
+  for (uint32_t x : r.recalls_recorded) resp.add_recalls_counted(x);
+  resp.set_compression_ratio(r.stored_bytes > 0 ? static_cast<float>(r.full_bytes) /
+                                                      static_cast<float>(r.stored_bytes)
+                                                : 0.0f);
+  for (const worker::SpeculationLayerStats& l : r.speculation) {
+    v1::SpeculationLayer* o = resp.add_speculation();
+    o->set_steps(l.steps);
+    o->set_past_tokens(l.past_tokens);
+    o->set_kept(l.kept);
+    o->set_gathered(l.gathered);
+    o->set_bytes_speculative(l.bytes_speculative);
+    o->set_bytes_dense(l.bytes_dense);
+    o->set_sampled(l.sampled);
+    o->set_hit_sum(l.hit_sum);
+    o->set_mass_sum(l.mass_sum);
+  }
+  return resp;
+}
+
 }  // namespace kvtier

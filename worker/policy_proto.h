@@ -39,6 +39,9 @@ absl::StatusOr<worker::SessionPolicy> PolicyFromAnswer(const v1::GetPolicyRespon
 // The policy a session runs with, every default filled in (L_w resolved).
 v1::Policy EffectivePolicy(const v1::Policy& requested, const worker::SessionPolicy& eff);
 
+// EndRound's report as kvtier-worker answers it (speculation figures included).
+v1::EndRoundResponse EndRoundToProto(const worker::EndRoundReport& r);
+
 }  // namespace kvtier
 
 #endif  // KVTIER_WORKER_POLICY_PROTO_H_

@@ -47,13 +47,14 @@ class _Request:
 
 
 class KvtierConnector:
-    def __init__(self, worker: "str | WorkerClient", model: ModelSpec,
+    def __init__(self, worker: "str | WorkerClient | InProcessWorker", model: ModelSpec,
                  policy: Optional[Policy] = None, token: Optional[str] = None,
                  skew: Optional[bytes] = None):
-        """worker: an address or a WorkerClient. skew: a skew file's bytes to
-        speculate with (docs/speculation.md); it is uploaded once and named in
-        every session's policy."""
-        self.worker = worker if isinstance(worker, WorkerClient) else WorkerClient(worker, token)
+        """worker: a kvtier-worker's address, a WorkerClient, or an
+        InProcessWorker (kvtier.inproc: the worker engine in this process).
+        skew: a skew file's bytes to speculate with (docs/speculation.md); it
+        is uploaded once and named in every session's policy."""
+        self.worker = WorkerClient(worker, token) if isinstance(worker, str) else worker
         self.model = model
         self.policy = dataclasses.replace(policy) if policy is not None else Policy()
         if skew is not None:

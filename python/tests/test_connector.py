@@ -68,16 +68,31 @@ def replay(m, conn, conv, request_id, speculate=False):
     return rounds
 
 
-def test_replay_matches_full_cache_and_reference_engine(stack):
+def in_process(store_address):
+    """An InProcessWorker over the store, or a skip (a failure under CI=true)
+    when this build has no kvtier._inproc."""
+    try:
+        from kvtier.inproc import InProcessWorker
+        import kvtier._inproc  # noqa: F401
+    except ImportError as e:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but kvtier._inproc is not built: {e}")
+        pytest.skip(f"kvtier._inproc is not built (pybind11-dev, python3-dev): {e}")
+    return InProcessWorker(store_address)
+
+
+@pytest.mark.parametrize("mode", ["remote", "inproc"])
+def test_replay_matches_full_cache_and_reference_engine(stack, mode):
     m = Llama.load(require_model())
-    _, worker = stack
+    store, worker = stack
     c = m.config
     spec = ModelSpec(c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, dtype="float32")
-    conn = KvtierConnector(worker.address, spec, Policy(recall="all"))
+    target = worker.address if mode == "remote" else in_process(store.address)
+    conn = KvtierConnector(target, spec, Policy(recall="all"))
     worst, flips, scored, positions = 0.0, 0, 0, 0
     for i, conv in enumerate(load_conversations()):
-        rounds = replay(m, conn, conv, f"conv-{i}")
-        reports = conn.rounds(f"conv-{i}")
+        rounds = replay(m, conn, conv, f"{mode}-{i}")
+        reports = conn.rounds(f"{mode}-{i}")
         assert [x.round for x in reports] == list(range(len(conv["rounds"])))
         for (tier, local), r in zip(rounds, conv["rounds"]):
             if len(tier) == 0:
@@ -88,7 +103,7 @@ def test_replay_matches_full_cache_and_reference_engine(stack):
                 for j in range(b, e):
                     scored += 1
                     flips += int(np.argmax(tier[j])) != r["assistant"][j]
-        conn.close(f"conv-{i}", delete_from_store=True)
+        conn.close(f"{mode}-{i}", delete_from_store=True)
     # recall=all and raw rounds are lossless: the tier is the full cache up to
     # float rounding, and its greedy answers are the C++ reference engine's.
     assert positions == 971
@@ -97,22 +112,24 @@ def test_replay_matches_full_cache_and_reference_engine(stack):
     assert flips <= 3, flips
 
 
-def test_speculation_through_the_connector(stack):
+@pytest.mark.parametrize("mode", ["remote", "inproc"])
+def test_speculation_through_the_connector(stack, mode):
     model = require_model()
     m = Llama.load(model)
-    _, worker = stack
+    store, worker = stack
     skew = os.path.join(tempfile.mkdtemp(prefix="kvtier-skew-"), "s.skew")
     subprocess.run([os.path.join(BUILD, "tools/kvtier"), "calibrate", "infinigen",
                     f"--model={model}", f"--out={skew}"], check=True, capture_output=True)
     c = m.config
     spec = ModelSpec(c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, dtype="float32")
     with open(skew, "rb") as f:
-        conn = KvtierConnector(worker.address, spec, Policy(recall="all", speculation_alpha=4,
-                                                            speculation_budget=16),
+        target = worker.address if mode == "remote" else in_process(store.address)
+        conn = KvtierConnector(target, spec,
+                               Policy(recall="all", speculation_alpha=4, speculation_budget=16),
                                skew=f.read())
     conv = load_conversations()[0]
-    replay(m, conn, conv, "spec-0", speculate=True)
-    reports = conn.rounds("spec-0")
+    replay(m, conn, conv, f"spec-{mode}", speculate=True)
+    reports = conn.rounds(f"spec-{mode}")
     assert len(reports[0].speculation) == 0  # Nothing in the past yet.
     for rep, r in zip(reports[1:], conv["rounds"][1:]):
         layers = rep.speculation
@@ -122,4 +139,4 @@ def test_speculation_through_the_connector(stack):
             assert x.steps == len(r["assistant"])
             assert x.kept <= 16 * x.steps
             assert x.bytes_speculative < x.bytes_dense
-    conn.close("spec-0", delete_from_store=True)
+    conn.close(f"spec-{mode}", delete_from_store=True)

@@ -184,28 +184,8 @@ absl::Status WorkerService::DoEndRound(grpc::CallbackServerContext& ctx,
                                        const v1::EndRoundRequest& req, v1::EndRoundResponse* resp) {
   KVT_ASSIGN_OR_RETURN(worker::SessionKey id, Key(ctx, req.session_id()));
   KVT_ASSIGN_OR_RETURN(worker::EndRoundReport r, engine_->EndRound(id, StoreCall(ctx)));
-  resp->set_round(r.round);
-  resp->set_stored_bytes(r.stored_bytes);
-  resp->set_working_set_bytes(r.working_set_bytes);
-  resp->set_round_working_set_bytes(r.round_working_set_bytes);
-  resp->set_full_cache_bytes(r.full_cache_bytes);
-  for (uint32_t x : r.recalls_recorded) resp->add_recalls_counted(x);
-  for (const worker::SpeculationLayerStats& l : r.speculation) {
-    v1::SpeculationLayer* o = resp->add_speculation();
-    o->set_steps(l.steps);
-    o->set_past_tokens(l.past_tokens);
-    o->set_kept(l.kept);
-    o->set_gathered(l.gathered);
-    o->set_bytes_speculative(l.bytes_speculative);
-    o->set_bytes_dense(l.bytes_dense);
-    o->set_sampled(l.sampled);
-    o->set_hit_sum(l.hit_sum);
-    o->set_mass_sum(l.mass_sum);
-  }
+  *resp = EndRoundToProto(r);
   metrics_->Speculation(r.speculation);
-  resp->set_compression_ratio(r.stored_bytes > 0 ? static_cast<float>(r.full_bytes) /
-                                                       static_cast<float>(r.stored_bytes)
-                                                 : 0.0f);
   metrics_->Stored(r.stored_bytes);
   return absl::OkStatus();
 }
