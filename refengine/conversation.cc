@@ -200,6 +200,9 @@ class Tier : public TierSession {
   std::unique_ptr<grpc::ClientContext> Context(absl::Duration deadline) const {
     auto ctx = std::make_unique<grpc::ClientContext>();
     if (!token_.empty()) ctx->AddMetadata("authorization", "Bearer " + token_);
+    // A service mesh keeps a conversation on its worker by this header
+    // (deploy/k8s/overlays/mesh: consistent hashing on it).
+    ctx->AddMetadata("x-kvtier-session", session_);
     ctx->set_deadline(absl::ToChronoTime(absl::Now() + deadline));
     return ctx;
   }

@@ -16,13 +16,17 @@ PACKAGES=(g++ cmake make pkg-config libgrpc++-dev protobuf-compiler-grpc libprot
   protobuf-compiler librocksdb-dev prometheus-cpp-dev libcivetweb-dev libabsl-dev libgtest-dev libgmock-dev
   libbenchmark-dev libssl-dev openssl clang libclang-rt-14-dev python3 iproute2 curl
   libcurl4-openssl-dev etcd-server systemd python3-grpcio python3-protobuf python3-numpy
-  python3-pytest python3-dev pybind11-dev)
+  python3-pytest python3-dev pybind11-dev python3-yaml)
 
 deps() {
   local missing=()
   for p in "${PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
+  # kubectl renders deploy/k8s offline (tests/k8s_test.sh): Debian's
+  # kubernetes-client, unless a kubectl is installed already.
+  command -v kubectl >/dev/null 2>&1 || dpkg-query -W -f='${Status}' kubernetes-client 2>/dev/null |
+    grep -q "install ok installed" || missing+=(kubernetes-client)
   if ((${#missing[@]} == 0)); then
     echo "kvtier: all ${#PACKAGES[@]} Debian packages present"
     return

@@ -73,14 +73,24 @@ class CallSettings:
         self.retries = retries
         self.backoff = backoff
 
-    def metadata(self):
-        return (("authorization", f"Bearer {self.token}"),) if self.token else None
+    def metadata(self, session: Optional[str] = None):
+        """The call's metadata: the bearer token, and the session's id as
+        x-kvtier-session, which a service mesh hashes on to keep a
+        conversation on its worker (deploy/k8s/overlays/mesh)."""
+        md = []
+        if self.token:
+            md.append(("authorization", f"Bearer {self.token}"))
+        if session:
+            md.append(("x-kvtier-session", session))
+        return tuple(md) or None
 
-    def unary(self, method: str, fn: Callable[..., T], request, timeout: Optional[float] = None) -> T:
+    def unary(self, method: str, fn: Callable[..., T], request, timeout: Optional[float] = None,
+              session: Optional[str] = None) -> T:
         attempt = 0
         while True:
             try:
-                return fn(request, timeout=timeout or self.timeout, metadata=self.metadata())
+                return fn(request, timeout=timeout or self.timeout,
+                          metadata=self.metadata(session))
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self.retries:
                     raise _error(method, e) from None

@@ -103,10 +103,12 @@ class _Stream:
     """A bidirectional stream driven synchronously: send() queues a request,
     recv() waits for the next response."""
 
-    def __init__(self, method: str, fn, settings: CallSettings, timeout: float):
+    def __init__(self, method: str, fn, settings: CallSettings, timeout: float,
+                 session: Optional[str] = None):
         self._method = method
         self._q: "queue.Queue" = queue.Queue()
-        self._call = fn(iter(self._q.get, _END), timeout=timeout, metadata=settings.metadata())
+        self._call = fn(iter(self._q.get, _END), timeout=timeout,
+                        metadata=settings.metadata(session))
         self.closed = False
 
     def send(self, req) -> None:
@@ -157,7 +159,7 @@ class PrefillStep:
         self._question = question_tokens
         self._transfer_to = transfer_to
         self._stream = _Stream("Prefill", session._client._stub.Prefill, session._client.settings,
-                               session._client.settings.timeout)
+                               session._client.settings.timeout, session.id)
         self._first = True
         self.recall: Optional[worker_pb2.RecallDecision] = None
         self.transfer: Optional[worker_pb2.TransferReport] = None
@@ -225,9 +227,9 @@ class DecodeStream:
     """A long-lived Decode stream: each call sends one request with the
     layer's items of any number of sessions, and returns their outputs."""
 
-    def __init__(self, client: "WorkerClient", timeout: float):
+    def __init__(self, client: "WorkerClient", timeout: float, session: Optional[str] = None):
         self._client = client
-        self._stream = _Stream("Decode", client._stub.Decode, client.settings, timeout)
+        self._stream = _Stream("Decode", client._stub.Decode, client.settings, timeout, session)
 
     def batch(self, items: Iterable[Tuple]) -> List[np.ndarray]:
         """items: (session, layer, q, k, v[, q_next]) with q [1, q_heads, d],
@@ -284,7 +286,7 @@ class Session:
         """One decode token at `layer` on this session's own Decode stream
         (opened on first use, closed by end_round or close)."""
         if self._decode is None or self._decode.closed:
-            self._decode = DecodeStream(self._client, self._client.round_timeout)
+            self._decode = DecodeStream(self._client, self._client.round_timeout, self.id)
         try:
             return self._decode.batch([(self, layer, q, k, v, q_next)])[0]
         except KvtierError:
@@ -302,14 +304,15 @@ class Session:
         self._close_decode()
         c = self._client
         return c.settings.unary("EndRound", c._stub.EndRound,
-                                worker_pb2.EndRoundRequest(session_id=self.id))
+                                worker_pb2.EndRoundRequest(session_id=self.id), session=self.id)
 
     def close(self, delete_from_store: bool = False) -> None:
         self._close_decode()
         c = self._client
         c.settings.unary("CloseSession", c._stub.CloseSession,
                          worker_pb2.CloseSessionRequest(session_id=self.id,
-                                                        delete_from_store=delete_from_store))
+                                                        delete_from_store=delete_from_store),
+                         session=self.id)
 
 
 def _check(x, n: int, heads: int, d: int, what: str) -> None:
@@ -338,11 +341,13 @@ class WorkerClient:
                                             resume=resume, store_addresses=list(store_addresses))
         if policy is not None:
             req.policy.CopyFrom(policy.proto())
-        resp = self.settings.unary("OpenSession", self._stub.OpenSession, req)
+        resp = self.settings.unary("OpenSession", self._stub.OpenSession, req, session=session_id)
         return Session(self, session_id, model, resp)
 
     def decode_stream(self) -> DecodeStream:
-        """A Decode stream for batching several sessions' layers per request."""
+        """A Decode stream for batching several sessions' layers per request.
+        It carries no x-kvtier-session header: in a mesh that routes by the
+        header, use each session's own stream (Session.decode_layer)."""
         return DecodeStream(self, self.round_timeout)
 
     def put_skew(self, data: bytes) -> worker_pb2.PutSkewResponse:

@@ -181,3 +181,35 @@ def test_store_client_sees_the_rounds(stack):
         with pytest.raises(KvtierError) as e:
             st.list_rounds("st")
         assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_session_calls_carry_the_mesh_header():
+    """Each call of a session names it in x-kvtier-session, the header a mesh
+    hashes on (deploy/k8s/overlays/mesh). A recording server stands in for
+    the worker: only the metadata is under test."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvtier.v1 import worker_pb2, worker_pb2_grpc
+
+    seen = []
+
+    class Recorder(worker_pb2_grpc.WorkerServicer):
+        def OpenSession(self, request, context):
+            seen.append(("OpenSession", dict(context.invocation_metadata()).get("x-kvtier-session")))
+            return worker_pb2.OpenSessionResponse()
+
+        def EndRound(self, request, context):
+            seen.append(("EndRound", dict(context.invocation_metadata()).get("x-kvtier-session")))
+            return worker_pb2.EndRoundResponse()
+
+    server = grpc.server(ThreadPoolExecutor(2))
+    worker_pb2_grpc.add_WorkerServicer_to_server(Recorder(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with WorkerClient(f"127.0.0.1:{port}", token="t") as w:
+            s = w.open_session("chat-9", SPEC)
+            s.end_round()
+    finally:
+        server.stop(None)
+    assert seen == [("OpenSession", "chat-9"), ("EndRound", "chat-9")]
