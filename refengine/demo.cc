@@ -998,9 +998,16 @@ std::string RenderJson(const DemoReport& r) {
     const DemoSession& d = r.sessions[i];
     const uint64_t full = d.rounds.empty() ? 0 : d.rounds.back().full_cache_bytes;
     const uint64_t ws = d.rounds.empty() ? 0 : d.rounds.back().round_working_set_bytes;
+    std::vector<uint64_t> ws_rounds, full_rounds;
+    for (const TierRound& tr : d.rounds) {
+      ws_rounds.push_back(tr.round_working_set_bytes);
+      full_rounds.push_back(tr.full_cache_bytes);
+    }
     absl::StrAppend(&s, i ? ",\n" : "\n", "    {\"id\": \"", d.id,
                     "\", \"full_cache_bytes\": ", full, ", \"working_set_bytes\": ", ws,
-                    ", \"recalls\": [");
+                    ", \"working_set_per_round\": [", absl::StrJoin(ws_rounds, ", "),
+                    "], \"full_cache_per_round\": [", absl::StrJoin(full_rounds, ", "),
+                    "], \"recalls\": [");
     bool first = true;
     for (size_t j = 0; j < d.rounds.size(); ++j) {
       const TierRound& tr = d.rounds[j];

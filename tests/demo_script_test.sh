@@ -22,6 +22,10 @@ grep -q '"sessions": 2,' "$OUT/report.json"
 grep -q '"rounds": 20,' "$OUT/report.json"
 grep -q '"recall_calls": 38,' "$OUT/report.json"
 grep -q '"top1_agreement": null,' "$OUT/report.json"
+if command -v gnuplot >/dev/null 2>&1; then
+  "$BUILD_DIR/tools/kvtier" plot demo "$OUT/report.json" --out="$OUT/ws.svg" >/dev/null
+  grep -q "working set against the full cache, per round" "$OUT/ws.svg"
+fi
 
 # CONVERSATIONS=file: the sample conversations replayed on stories260K.
 MODEL_PATH="$SRC_DIR/../shared/models/stories260K.bin"

@@ -14,6 +14,7 @@ int BudgetsCommand(const Args& args);
 int PolicyCommand(const Args& args);
 int ConversationsCommand(const Args& args);
 int CalibrateCommand(const Args& args);
+int PlotCommand(const Args& args);
 
 Args::Args(int argc, char** argv, int first) {
   for (int i = first; i < argc; ++i) {
@@ -71,6 +72,7 @@ int main(int argc, char** argv) {
   if (cmd == "budgets") return kvtier::cli::BudgetsCommand(kvtier::cli::Args(argc, argv, 2));
   if (cmd == "policy") return kvtier::cli::PolicyCommand(kvtier::cli::Args(argc, argv, 2));
   if (cmd == "calibrate") return kvtier::cli::CalibrateCommand(kvtier::cli::Args(argc, argv, 2));
+  if (cmd == "plot") return kvtier::cli::PlotCommand(kvtier::cli::Args(argc, argv, 2));
   if (cmd == "conversations") {
     return kvtier::cli::ConversationsCommand(kvtier::cli::Args(argc, argv, 2));
   }
@@ -90,6 +92,8 @@ int main(int argc, char** argv) {
       "  kvtier calibrate infinigen --model=PATH --out=FILE [--partial_ratio=0.2]\n"
       "      InfiniGen skew and partial columns       (kvtier calibrate help)\n"
       "  kvtier conversations check FILE [--model=PATH] | sample --model=PATH\n"
-      "      conversation files for replay            (kvtier conversations help)\n");
+      "      conversation files for replay            (kvtier conversations help)\n"
+      "  kvtier plot codecs|eviction|demo FILE --out=FILE.svg|png\n"
+      "      pictures of the tables (gnuplot)         (kvtier plot help)\n");
   return cmd == "help" || cmd == "--help" ? 0 : 2;
 }
