@@ -24,7 +24,7 @@ import numpy as np
 
 from kvtier._common import KvtierError
 from kvtier.v1 import worker_pb2
-from kvtier.worker import ModelSpec, Policy, _check
+from kvtier.worker import ModelSpec, Policy, _check, _StepScope
 
 __all__ = ["InProcessWorker", "InProcessSession"]
 
@@ -39,7 +39,7 @@ def _call(method, fn, *args):
                           details) from None
 
 
-class _Step:
+class _Step(_StepScope):
     def __init__(self, s: "InProcessSession", question_tokens: int):
         self._s = s
         self._question = question_tokens
@@ -76,15 +76,6 @@ class _Step:
         if not self._done:
             self._done = True
             _call("Prefill", self._s._engine.abort_step, self._s.id)
-
-    def __enter__(self) -> "_Step":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.finish()
-        else:
-            self.abandon()
 
 
 class InProcessSession:

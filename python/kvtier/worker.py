@@ -148,7 +148,27 @@ class _Stream:
             self._q.put(_END)
 
 
-class PrefillStep:
+class _StepScope:
+    """A step as a context manager: finish() on a clean exit, abandon()
+    (the step rolls back) when the block raises."""
+
+    def finish(self) -> None:
+        raise NotImplementedError
+
+    def abandon(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.abandon()
+
+
+class PrefillStep(_StepScope):
     """One prefill step of a session: every layer in order, then exit (or
     finish()). `recall` holds the recall decision once layer L_w answered
     (completed at L_w + 1 when a fetch was needed); `transfer` the hand-off
@@ -212,15 +232,6 @@ class PrefillStep:
     def abandon(self) -> None:
         """Cancels the step: the worker rolls it back."""
         self._stream.cancel()
-
-    def __enter__(self) -> "PrefillStep":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.finish()
-        else:
-            self.abandon()
 
 
 class DecodeStream:
