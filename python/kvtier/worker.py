@@ -35,18 +35,21 @@ __all__ = ["ModelSpec", "Policy", "WorkerClient", "Session", "PrefillStep", "Dec
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """A model's attention geometry. dtype: what q/k/v travel in and what the
-    working set holds the open round in ("float32", "float16", "bfloat16")."""
+    working set holds the open round in ("float32", "float16", "bfloat16");
+    name: what kvtier-controller's per-model policies are registered under."""
     layers: int
     q_heads: int
     kv_heads: int
     head_dim: int
     dtype: str = "float16"
     rope_theta: float = 10000.0
+    name: str = ""  # The model's name: kvtier-controller's per-model policies key on it.
 
     def proto(self) -> tensor_pb2.ModelSpec:
         return tensor_pb2.ModelSpec(num_layers=self.layers, num_q_heads=self.q_heads,
                                     num_kv_heads=self.kv_heads, head_dim=self.head_dim,
-                                    dtype=dtype_enum(self.dtype), rope_theta=self.rope_theta)
+                                    dtype=dtype_enum(self.dtype), rope_theta=self.rope_theta,
+                                    name=self.name)
 
 
 _CODECS = {"raw": (tensor_pb2.CODEC_RAW, 0)}

@@ -1,0 +1,78 @@
+"""ControllerClient against a real kvtier-controller, with a store and a
+worker that join it: routing, node listing, per-model policies, and a round
+on the routed worker with the routed store replicas."""
+
+import os
+import shutil
+import tempfile
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import BUILD, Server
+from kvtier import ControllerClient, KvtierError, ModelSpec, Policy, WorkerClient
+
+SPEC = ModelSpec(layers=3, q_heads=4, kv_heads=2, head_dim=8, dtype="float32", name="tiny")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    work = tempfile.mkdtemp(prefix="kvtier-py-ctl-")
+    servers = []
+    try:
+        ctl = Server(os.path.join(BUILD, "services/controller/kvtier-controller"),
+                     ["--listen=127.0.0.1:0", "--metrics_listen=", f"--state_dir={work}/ctl",
+                      "--heartbeat_interval_ms=200", "--warmup_seconds=0"], work, "controller")
+        servers.append(ctl)
+        store = Server(os.path.join(BUILD, "services/store/kvtier-store"),
+                       [f"--data_dir={work}/db", "--listen=127.0.0.1:0", "--metrics_listen=",
+                        f"--controller={ctl.address}"], work, "store")
+        servers.append(store)
+        worker = Server(os.path.join(BUILD, "services/worker/kvtier-worker"),
+                        [f"--store={store.address}", "--listen=127.0.0.1:0", "--metrics_listen=",
+                         f"--controller={ctl.address}"], work, "worker")
+        servers.append(worker)
+        yield ctl, store, worker
+    finally:
+        for s in reversed(servers):
+            s.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_route_nodes_policies_and_a_round(cluster):
+    ctl, store, worker = cluster
+    # An unreachable first replica: the client goes on to the next.
+    with ControllerClient(f"127.0.0.1:1,{ctl.address}", timeout=5, retries=0) as c:
+        deadline = time.time() + 20
+        while True:
+            nodes = c.list_nodes().nodes
+            if sum(n.live for n in nodes) == 2:
+                break
+            assert time.time() < deadline, nodes
+            time.sleep(0.1)
+        assert sorted(n.address for n in nodes) == sorted([store.address, worker.address])
+        r = c.route("py-routed", SPEC)
+        assert r.worker_address == worker.address
+        assert list(r.store_addresses) == [store.address]
+        assert c.route("py-routed", SPEC).worker_node_id == r.worker_node_id  # Sticky.
+
+        assert c.set_policy("tiny", Policy(codec="kivi4", recall="all")) is False
+        assert c.set_policy("tiny", Policy(codec="kivi8", recall="all")) is True
+        got = c.get_policy("tiny", "py-routed")
+        assert got.policy.codec_params.bits == 8
+        with pytest.raises(KvtierError) as e:
+            c.get_policy("no-such-model", "py-routed")
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+        rng = np.random.default_rng(7)
+        with WorkerClient(r.worker_address) as w:
+            s = w.open_session("py-routed", SPEC, Policy(recall="all"),
+                               store_addresses=list(r.store_addresses))
+            with s.prefill() as p:
+                for l in range(SPEC.layers):
+                    p.layer(l, rng.standard_normal((4, 4, 8)), rng.standard_normal((4, 2, 8)),
+                            rng.standard_normal((4, 2, 8)))
+            assert s.end_round().round == 0
+            s.close(delete_from_store=True)
