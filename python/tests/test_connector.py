@@ -110,6 +110,7 @@ def test_replay_matches_full_cache_and_reference_engine(stack, mode):
     assert worst < 1e-3, worst
     assert scored == 308
     assert flips <= 3, flips
+    print(f"{mode}: {positions} positions, logits within {worst:.2e}, {flips} of {scored} scored flipped")
 
 
 @pytest.mark.parametrize("mode", ["remote", "inproc"])
