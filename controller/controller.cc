@@ -183,10 +183,20 @@ absl::StatusOr<Placement> Controller::RouteLocal(const std::string& tenant,
                                  [&](const NodeInfo& n) { return n.spec.id == avoid_worker; }),
                   workers.end());
   }
+  // Decode-role workers take no placements; they take the decode steps.
+  std::vector<NodeInfo> decoders;
+  for (auto it = workers.begin(); it != workers.end();) {
+    if (it->spec.role == WorkerRole::kDecode) {
+      decoders.push_back(*it);
+      it = workers.erase(it);
+    } else {
+      ++it;
+    }
+  }
   if (workers.empty()) {
-    return absl::UnavailableError(avoid_worker.empty()
-                                      ? "no live worker"
-                                      : absl::StrCat("no live worker other than ", avoid_worker));
+    return absl::UnavailableError(absl::StrCat(
+        "no live worker that prefills", avoid_worker.empty() ? "" : " other than ", avoid_worker,
+        decoders.empty() ? "" : absl::StrCat(" (", decoders.size(), " decode-only workers live)")));
   }
   if (stores.empty()) return absl::UnavailableError("no live store");
   const Key key{tenant, session};
@@ -224,6 +234,7 @@ absl::StatusOr<Placement> Controller::RouteLocal(const std::string& tenant,
     out.placed_now = true;
   }
   out.worker = *w;
+  if (!decoders.empty()) out.decode_worker = decoders[RankFor(key, decoders)[0]];
 
   // The stores: recorded replicas that live keep their place; the others are
   // replaced in the session's rendezvous order.

@@ -51,6 +51,9 @@ struct Placement {
   std::vector<NodeInfo> stores;
   uint64_t epoch = 0;
   bool placed_now = false;  // A new or moved placement, not a recorded one.
+  // The worker its decode steps go to, when decode-role workers are live
+  // (first in the session's rendezvous order among them; not recorded).
+  std::optional<NodeInfo> decode_worker;
 };
 
 // Copy a session's stored rounds from a surviving replica to a new one.

@@ -16,6 +16,7 @@ namespace {
 using ::kvtier::testing::IsOk;
 using ::kvtier::testing::StatusIs;
 using Code = absl::StatusCode;
+using ::testing::HasSubstr;
 
 std::vector<Candidate> Nodes(const std::vector<std::string>& ids) {
   std::vector<Candidate> c;
@@ -281,6 +282,45 @@ TEST_F(ControllerTest, CallerMovesItsSessionOffAnUnreachableWorker) {
   ASSERT_THAT(one.Route("t", "chat"), IsOk());
   EXPECT_THAT(one.Route("t", "chat", 0, "w1"), StatusIs(Code::kUnavailable));
   EXPECT_EQ(one.Placements(), 1u);
+}
+
+// Worker roles (prefill/decode disaggregation): sessions are placed on
+// prefill-capable workers only; when decode workers are live, Route names one
+// per session (stable in the session's rendezvous order, spread over the
+// pool); without prefill-capable workers there is no placement.
+TEST_F(ControllerTest, RolesSplitPlacementFromDecode) {
+  Controller c(Options(1));
+  ASSERT_THAT(c.membership().Register({"s", NodeKind::kStore, "h:1"}), IsOk());
+  NodeSpec d1{"d1", NodeKind::kWorker, "h:5"}, d2{"d2", NodeKind::kWorker, "h:6"};
+  d1.role = d2.role = WorkerRole::kDecode;
+  ASSERT_THAT(c.membership().Register(d1), IsOk());
+  EXPECT_THAT(c.Route("t", "chat-0"),
+              StatusIs(Code::kUnavailable, HasSubstr("no live worker that prefills (1 decode")));
+  NodeSpec p1{"p1", NodeKind::kWorker, "h:2"};
+  p1.role = WorkerRole::kPrefill;
+  ASSERT_THAT(c.membership().Register(p1), IsOk());
+  ASSERT_THAT(c.membership().Register({"b1", NodeKind::kWorker, "h:3"}), IsOk());  // Both.
+  ASSERT_THAT(c.membership().Register(d2), IsOk());
+  std::map<std::string, int> decoders;
+  for (int i = 0; i < 64; ++i) {
+    const std::string session = absl::StrCat("chat-", i);
+    KVT_ASSERT_OK_AND_ASSIGN(Placement p, c.Route("t", session));
+    EXPECT_NE(p.worker.spec.role, WorkerRole::kDecode) << session;
+    ASSERT_TRUE(p.decode_worker.has_value()) << session;
+    EXPECT_EQ(p.decode_worker->spec.role, WorkerRole::kDecode);
+    ++decoders[p.decode_worker->spec.id];
+    KVT_ASSERT_OK_AND_ASSIGN(Placement again, c.Route("t", session));
+    EXPECT_EQ(again.decode_worker->spec.id, p.decode_worker->spec.id);
+  }
+  EXPECT_EQ(decoders.size(), 2u);
+  EXPECT_GT(decoders["d1"], 10);
+  EXPECT_GT(decoders["d2"], 10);
+  // Without decode workers, the session's worker does both.
+  Controller plain(Options(1));
+  ASSERT_THAT(plain.membership().Register({"s", NodeKind::kStore, "h:1"}), IsOk());
+  ASSERT_THAT(plain.membership().Register({"b1", NodeKind::kWorker, "h:3"}), IsOk());
+  KVT_ASSERT_OK_AND_ASSIGN(Placement p, plain.Route("t", "chat"));
+  EXPECT_FALSE(p.decode_worker.has_value());
 }
 
 // A restarted controller learns live sessions from the workers that hold

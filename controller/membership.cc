@@ -11,6 +11,18 @@ namespace kvtier::controller {
 
 const char* NodeKindName(NodeKind k) { return k == NodeKind::kWorker ? "worker" : "store"; }
 
+const char* WorkerRoleName(WorkerRole r) {
+  switch (r) {
+    case WorkerRole::kPrefill:
+      return "prefill";
+    case WorkerRole::kDecode:
+      return "decode";
+    case WorkerRole::kBoth:
+      break;
+  }
+  return "both";
+}
+
 Membership::Membership(MembershipOptions options) : options_(options) {}
 
 absl::Status Membership::Register(const NodeSpec& spec) {

@@ -24,6 +24,8 @@
 namespace kvtier::controller {
 
 enum class NodeKind { kWorker, kStore };
+enum class WorkerRole { kBoth, kPrefill, kDecode };
+const char* WorkerRoleName(WorkerRole r);
 const char* NodeKindName(NodeKind k);
 
 // Memory pressure of a node: its used bytes over its capacity against
@@ -37,6 +39,9 @@ struct NodeSpec {
   std::string address;          // host:port it serves on.
   uint64_t capacity_bytes = 0;  // 0: unknown (placement treats it as free).
   bool has_gpu = false;
+  // Workers: which steps it serves (--role). Sessions are placed on kBoth and
+  // kPrefill workers; kDecode workers take decode steps after a hand-off.
+  WorkerRole role = WorkerRole::kBoth;
 };
 
 struct NodeInfo {

@@ -611,6 +611,15 @@ class Cluster : public ClusterSession {
   absl::Status OpenOn(bool resume, std::optional<uint32_t> at = std::nullopt) {
     auto t = std::make_unique<Tier>(spec_, router_->Channel(route_.worker_address()), session_,
                                     token_, deadlines_, nullptr);
+    if (!route_.decode_worker_address().empty()) {
+      // Decode-role workers are live: each round's prefill hands the session
+      // to the one the controller names, which decodes and hands it back.
+      Disaggregation pd;
+      pd.decode_channel = router_->Channel(route_.decode_worker_address());
+      pd.prefill_target = route_.worker_address();
+      pd.decode_target = route_.decode_worker_address();
+      t->Disaggregate(pd);
+    }
     std::vector<std::string> stores(route_.store_addresses().begin(),
                                     route_.store_addresses().end());
     absl::Status s = t->Open(policy_, stores, resume, at);

@@ -4,6 +4,7 @@ on the routed worker with the routed store replicas."""
 
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 
@@ -76,3 +77,53 @@ def test_route_nodes_policies_and_a_round(cluster):
                             rng.standard_normal((4, 2, 8)))
             assert s.end_round().round == 0
             s.close(delete_from_store=True)
+
+
+def test_prefill_and_decode_pools_through_the_controller():
+    """Workers registered with --role=prefill and --role=decode: Route places
+    sessions on the prefill worker and names the decode worker, and
+    kvtier-engine's cluster sessions hand each round off to it."""
+    from conftest import require_model
+
+    model = require_model()
+    work = tempfile.mkdtemp(prefix="kvtier-py-pd-")
+    servers = []
+    try:
+        ctl = Server(os.path.join(BUILD, "services/controller/kvtier-controller"),
+                     ["--listen=127.0.0.1:0", "--metrics_listen=", f"--state_dir={work}/ctl",
+                      "--heartbeat_interval_ms=200", "--warmup_seconds=0"], work, "controller")
+        servers.append(ctl)
+        store = Server(os.path.join(BUILD, "services/store/kvtier-store"),
+                       [f"--data_dir={work}/db", "--listen=127.0.0.1:0", "--metrics_listen=",
+                        f"--controller={ctl.address}"], work, "store")
+        servers.append(store)
+        roles = {}
+        for role in ("prefill", "decode"):
+            w = Server(os.path.join(BUILD, "services/worker/kvtier-worker"),
+                       [f"--store={store.address}", "--listen=127.0.0.1:0", "--metrics_listen=",
+                        f"--controller={ctl.address}", f"--role={role}"], work, role)
+            servers.append(w)
+            roles[role] = w
+        with ControllerClient(ctl.address) as c:
+            deadline = time.time() + 20
+            while sum(n.live for n in c.list_nodes().nodes) < 3:
+                assert time.time() < deadline
+                time.sleep(0.1)
+            by_address = {n.address: n.role for n in c.list_nodes().nodes}
+            from kvtier.v1 import controller_pb2
+            assert by_address[roles["prefill"].address] == controller_pb2.WORKER_ROLE_PREFILL
+            assert by_address[roles["decode"].address] == controller_pb2.WORKER_ROLE_DECODE
+            r = c.route("pd-0", SPEC)
+            assert r.worker_address == roles["prefill"].address
+            assert r.decode_worker_address == roles["decode"].address
+        out = subprocess.run(
+            [os.path.join(BUILD, "refengine/kvtier-engine"), f"--controller={ctl.address}",
+             f"--model={model}", "--sessions=2", "--rounds=4", "--quiet"],
+            capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr + out.stdout
+        assert "prefill -> decode hand-off (path grpc)" in out.stdout, out.stdout
+        print(out.stdout[out.stdout.index("prefill (time"):][:600])
+    finally:
+        for s in reversed(servers):
+            s.stop()
+        shutil.rmtree(work, ignore_errors=True)

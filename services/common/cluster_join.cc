@@ -28,6 +28,7 @@ absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(const ClusterOptions& clu
   o.node.set_kind(kind);
   o.node.set_address(advertise);
   o.node.set_capacity_bytes(capacity_bytes);
+  o.node.set_role(hooks.role);
   o.usage = std::move(hooks.usage);
   o.sessions = std::move(hooks.sessions);
   o.epoch_sink = std::move(hooks.epoch);

@@ -36,6 +36,8 @@ struct NodeHooks {
   // Each heartbeat answer (pressure level, cold threshold), on the agent's
   // thread: must not block.
   std::function<void(const v1::HeartbeatResponse&)> on_heartbeat;
+  // Workers: the role registered (kvtier-worker --role).
+  v1::WorkerRole role = v1::WORKER_ROLE_BOTH;
 };
 
 // Starts the agent, or returns null when `cluster.controller` is empty.

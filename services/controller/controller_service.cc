@@ -218,6 +218,21 @@ grpc::ServerUnaryReactor* ControllerService::Register(grpc::CallbackServerContex
     spec.address = req->address();
     spec.capacity_bytes = req->capacity_bytes();
     spec.has_gpu = req->has_gpu();
+    switch (req->role()) {
+      case v1::WORKER_ROLE_BOTH:
+        break;
+      case v1::WORKER_ROLE_PREFILL:
+        spec.role = controller::WorkerRole::kPrefill;
+        break;
+      case v1::WORKER_ROLE_DECODE:
+        spec.role = controller::WorkerRole::kDecode;
+        break;
+      default:
+        return absl::InvalidArgumentError(absl::StrCat("unknown worker role ", req->role()));
+    }
+    if (spec.kind == NodeKind::kStore && spec.role != controller::WorkerRole::kBoth) {
+      return absl::InvalidArgumentError("a store has no worker role");
+    }
     KVT_RETURN_IF_ERROR(controller_->membership().Register(spec));
     KVT_RETURN_IF_ERROR(coordination_->NodeRegistered(spec));
     if (spec.kind == NodeKind::kWorker && coordination_->AdoptsReports()) {
@@ -268,6 +283,10 @@ grpc::ServerUnaryReactor* ControllerService::Route(grpc::CallbackServerContext* 
     resp->set_store_address(pl.stores.front().spec.address);
     resp->set_epoch(pl.epoch);
     resp->set_placed_now(pl.placed_now);
+    if (pl.decode_worker.has_value()) {
+      resp->set_decode_worker_address(pl.decode_worker->spec.address);
+      resp->set_decode_worker_node_id(pl.decode_worker->spec.id);
+    }
     if (pl.placed_now) metrics_->Placed();
     return absl::OkStatus();
   });
@@ -288,6 +307,9 @@ grpc::ServerUnaryReactor* ControllerService::ListNodes(grpc::CallbackServerConte
       o->set_address(n.spec.address);
       o->set_live(n.live);
       o->set_capacity_bytes(n.spec.capacity_bytes);
+      o->set_role(n.spec.role == controller::WorkerRole::kPrefill  ? v1::WORKER_ROLE_PREFILL
+                  : n.spec.role == controller::WorkerRole::kDecode ? v1::WORKER_ROLE_DECODE
+                                                                   : v1::WORKER_ROLE_BOTH);
       o->set_used_bytes(n.used_bytes);
       o->set_active_sessions(n.active_sessions);
       o->set_since_heartbeat_ms(

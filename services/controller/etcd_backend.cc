@@ -23,13 +23,17 @@ std::string EtcdBackend::Encode(const Record& r) {
   return absl::StrCat(r.spec.kind == NodeKind::kWorker ? "worker" : "store", " ", r.spec.address,
                       " ", r.spec.capacity_bytes, " ", r.used, " ", r.sessions, " ",
                       r.spec.has_gpu ? 1 : 0, " ", r.lease, " ", r.heartbeat_ms, " ",
-                      r.registered_ms);
+                      r.registered_ms, " ", controller::WorkerRoleName(r.spec.role));
 }
 
 std::optional<EtcdBackend::Record> EtcdBackend::Decode(const std::string& id,
                                                        const std::string& value) {
   std::vector<std::string> f = absl::StrSplit(value, ' ');
-  if (f.size() != 9 || (f[0] != "worker" && f[0] != "store")) return std::nullopt;
+  // Nine fields, and the worker role tenth (records written before roles
+  // have none: both).
+  if ((f.size() != 9 && f.size() != 10) || (f[0] != "worker" && f[0] != "store")) {
+    return std::nullopt;
+  }
   Record r;
   r.spec.id = id;
   r.spec.kind = f[0] == "worker" ? NodeKind::kWorker : NodeKind::kStore;
@@ -42,6 +46,15 @@ std::optional<EtcdBackend::Record> EtcdBackend::Decode(const std::string& id,
     return std::nullopt;
   }
   r.spec.has_gpu = gpu != 0;
+  if (f.size() == 10) {
+    if (f[9] == "prefill") {
+      r.spec.role = controller::WorkerRole::kPrefill;
+    } else if (f[9] == "decode") {
+      r.spec.role = controller::WorkerRole::kDecode;
+    } else if (f[9] != "both") {
+      return std::nullopt;
+    }
+  }
   return r;
 }
 

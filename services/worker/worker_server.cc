@@ -102,7 +102,12 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
                      .on_heartbeat =
                          [policies = s->policies_.get()](const v1::HeartbeatResponse& hb) {
                            if (policies != nullptr) policies->OnHeartbeat(hb);
-                         }}));
+                         },
+                     .role = options.service.role == WorkerServiceOptions::Role::kPrefill
+                                 ? v1::WORKER_ROLE_PREFILL
+                             : options.service.role == WorkerServiceOptions::Role::kDecode
+                                 ? v1::WORKER_ROLE_DECODE
+                                 : v1::WORKER_ROLE_BOTH}));
   }
   if (s->policies_ != nullptr && s->agent_ != nullptr)
     s->policies_->SetNodeId(s->agent_->node_id());
