@@ -18,24 +18,32 @@ from kvtier import ControllerClient, KvtierError, ModelSpec, Policy, WorkerClien
 SPEC = ModelSpec(layers=3, q_heads=4, kv_heads=2, head_dim=8, dtype="float32", name="tiny")
 
 
+def start_cluster(work, roles, servers):
+    """A controller, a store and one worker per entry of `roles` (its
+    --role, or None), every node joined to the controller, appended to
+    `servers` as each starts (the caller stops them, also after a failure)."""
+    ctl = Server(os.path.join(BUILD, "services/controller/kvtier-controller"),
+                 ["--listen=127.0.0.1:0", "--metrics_listen=", f"--state_dir={work}/ctl",
+                  "--heartbeat_interval_ms=200", "--warmup_seconds=0"], work, "controller")
+    servers.append(ctl)
+    store = Server(os.path.join(BUILD, "services/store/kvtier-store"),
+                   [f"--data_dir={work}/db", "--listen=127.0.0.1:0", "--metrics_listen=",
+                    f"--controller={ctl.address}"], work, "store")
+    servers.append(store)
+    for i, role in enumerate(roles):
+        args = [f"--store={store.address}", "--listen=127.0.0.1:0", "--metrics_listen=",
+                f"--controller={ctl.address}"] + ([f"--role={role}"] if role else [])
+        servers.append(Server(os.path.join(BUILD, "services/worker/kvtier-worker"), args, work,
+                              f"worker{i}"))
+
+
 @pytest.fixture(scope="module")
 def cluster():
     work = tempfile.mkdtemp(prefix="kvtier-py-ctl-")
     servers = []
     try:
-        ctl = Server(os.path.join(BUILD, "services/controller/kvtier-controller"),
-                     ["--listen=127.0.0.1:0", "--metrics_listen=", f"--state_dir={work}/ctl",
-                      "--heartbeat_interval_ms=200", "--warmup_seconds=0"], work, "controller")
-        servers.append(ctl)
-        store = Server(os.path.join(BUILD, "services/store/kvtier-store"),
-                       [f"--data_dir={work}/db", "--listen=127.0.0.1:0", "--metrics_listen=",
-                        f"--controller={ctl.address}"], work, "store")
-        servers.append(store)
-        worker = Server(os.path.join(BUILD, "services/worker/kvtier-worker"),
-                        [f"--store={store.address}", "--listen=127.0.0.1:0", "--metrics_listen=",
-                         f"--controller={ctl.address}"], work, "worker")
-        servers.append(worker)
-        yield ctl, store, worker
+        start_cluster(work, [None], servers)
+        yield servers
     finally:
         for s in reversed(servers):
             s.stop()
@@ -89,21 +97,8 @@ def test_prefill_and_decode_pools_through_the_controller():
     work = tempfile.mkdtemp(prefix="kvtier-py-pd-")
     servers = []
     try:
-        ctl = Server(os.path.join(BUILD, "services/controller/kvtier-controller"),
-                     ["--listen=127.0.0.1:0", "--metrics_listen=", f"--state_dir={work}/ctl",
-                      "--heartbeat_interval_ms=200", "--warmup_seconds=0"], work, "controller")
-        servers.append(ctl)
-        store = Server(os.path.join(BUILD, "services/store/kvtier-store"),
-                       [f"--data_dir={work}/db", "--listen=127.0.0.1:0", "--metrics_listen=",
-                        f"--controller={ctl.address}"], work, "store")
-        servers.append(store)
-        roles = {}
-        for role in ("prefill", "decode"):
-            w = Server(os.path.join(BUILD, "services/worker/kvtier-worker"),
-                       [f"--store={store.address}", "--listen=127.0.0.1:0", "--metrics_listen=",
-                        f"--controller={ctl.address}", f"--role={role}"], work, role)
-            servers.append(w)
-            roles[role] = w
+        start_cluster(work, ["prefill", "decode"], servers)
+        ctl, roles = servers[0], {"prefill": servers[2], "decode": servers[3]}
         with ControllerClient(ctl.address) as c:
             deadline = time.time() + 20
             while sum(n.live for n in c.list_nodes().nodes) < 3:
