@@ -32,3 +32,23 @@ install(DIRECTORY ${PROJECT_BINARY_DIR}/python/kvtier DESTINATION ${KVTIER_PYTHO
 if(TARGET kvtier_inproc_module)
   install(TARGETS kvtier_inproc_module LIBRARY DESTINATION ${KVTIER_PYTHON_DIR}/kvtier)
 endif()
+
+# The C++ client SDK: libkvtier_client.so, the headers its API needs, and a
+# CMake package (find_package(kvtier) gives kvtier::client).
+install(TARGETS kvtier_client_sdk LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
+install(FILES ${PROJECT_SOURCE_DIR}/client/store_client.h
+  ${PROJECT_SOURCE_DIR}/client/controller_client.h ${PROJECT_SOURCE_DIR}/client/session_router.h
+  DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/kvtier/client)
+install(FILES ${PROJECT_SOURCE_DIR}/base/call_options.h
+  DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/kvtier/base)
+foreach(_p tensor store worker controller)
+  install(FILES ${PROJECT_BINARY_DIR}/proto/kvtier/v1/${_p}.pb.h
+    ${PROJECT_BINARY_DIR}/proto/kvtier/v1/${_p}.grpc.pb.h
+    DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/kvtier/kvtier/v1)
+endforeach()
+file(RELATIVE_PATH KVTIER_CONFIG_TO_PREFIX "${CMAKE_INSTALL_FULL_LIBDIR}/cmake/kvtier"
+  "${CMAKE_INSTALL_PREFIX}")
+configure_file(${PROJECT_SOURCE_DIR}/cmake/kvtierConfig.cmake.in
+  ${PROJECT_BINARY_DIR}/kvtierConfig.cmake @ONLY)
+install(FILES ${PROJECT_BINARY_DIR}/kvtierConfig.cmake
+  DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/kvtier)

@@ -43,4 +43,24 @@ if /usr/bin/python3 -c "import grpc, numpy" 2>/dev/null; then
     "import kvtier; from kvtier.v1 import worker_pb2; print(kvtier.WorkerClient)" >/dev/null ||
     fail "the installed Python package does not import"
 fi
-echo "install_test: 3 units verified, binaries, flag files and the Python package installed"
+# The C++ client SDK: a program outside the tree finds it with
+# find_package(kvtier), builds, and talks to an installed kvtier-store.
+config=$(find "$ROOT" -name kvtierConfig.cmake | head -1)
+[[ -n $config ]] || fail "kvtierConfig.cmake is not installed"
+prefix=$(cd "$(dirname "$config")/../../.." && pwd)
+[[ -f $prefix/include/kvtier/client/store_client.h ]] || prefix=$(cd "$prefix/.." && pwd)
+SRC_DIR=$(cd "$(dirname "$0")/.." && pwd)
+cmake -S "$SRC_DIR/tests/sdk" -B "$ROOT/sdk-build" -DCMAKE_PREFIX_PATH="$prefix" \
+  >"$ROOT/sdk.log" 2>&1 || { cat "$ROOT/sdk.log"; fail "find_package(kvtier) failed"; }
+cmake --build "$ROOT/sdk-build" >>"$ROOT/sdk.log" 2>&1 ||
+  { tail -30 "$ROOT/sdk.log"; fail "a program against the installed SDK does not build"; }
+store_bin=$(find "$ROOT" -path '*/bin/kvtier-store' | head -1)
+"$store_bin" --data_dir="$ROOT/db" --listen=127.0.0.1:0 --port_file="$ROOT/store.port" \
+  --metrics_listen= 2>"$ROOT/store.log" &
+store_pid=$!
+trap 'kill $store_pid 2>/dev/null; wait $store_pid 2>/dev/null; rm -rf "$ROOT"' EXIT
+for _ in $(seq 200); do [ -s "$ROOT/store.port" ] && break; sleep 0.05; done
+"$ROOT/sdk-build/store_stats" "127.0.0.1:$(cat "$ROOT/store.port")" >"$ROOT/stats.txt" 2>&1 ||
+  { cat "$ROOT/stats.txt"; fail "the SDK program cannot talk to the store"; }
+grep -q "^sessions 0 tenant " "$ROOT/stats.txt" || { cat "$ROOT/stats.txt"; fail "unexpected answer"; }
+echo "install_test: 3 units verified; binaries, flag files, the Python package and the C++ client SDK installed and used"
