@@ -1,9 +1,17 @@
 #include "services/common/metrics_exposer.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <exception>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <utility>
 
 #include "CivetServer.h"
@@ -102,7 +110,41 @@ absl::StatusOr<MetricsEndpoint> ServeMetrics(
   const std::vector<int> ports = e.exposer->GetListeningPorts();
   e.port = ports.empty() ? 0 : ports[0];
   e.health = std::make_shared<HealthRegistration>(e.port, std::move(health));
+  const std::string host = address.substr(0, address.rfind(':'));
+  in_addr probe{};
+  if (host.empty() || host == "0.0.0.0") {
+    e.wake_host = "127.0.0.1";
+  } else if (inet_pton(AF_INET, host.c_str(), &probe) == 1) {
+    e.wake_host = host;
+  }
   return e;
+}
+
+MetricsEndpoint::~MetricsEndpoint() { Stop(); }
+
+void MetricsEndpoint::Stop() {
+  health.reset();
+  if (exposer == nullptr) return;
+  std::atomic<bool> stopped{false};
+  std::thread waker;
+  if (!wake_host.empty() && port > 0) {
+    waker = std::thread([this, &stopped] {
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_port = htons(static_cast<uint16_t>(port));
+      if (inet_pton(AF_INET, wake_host.c_str(), &a.sin_addr) != 1) return;
+      while (!stopped.load()) {
+        const int fd = socket(AF_INET, SOCK_STREAM, 0);
+        if (fd < 0) return;
+        (void)connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof(a));
+        close(fd);
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    });
+  }
+  exposer.reset();
+  stopped.store(true);
+  if (waker.joinable()) waker.join();
 }
 
 }  // namespace kvtier

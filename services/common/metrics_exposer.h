@@ -29,8 +29,21 @@ using HealthFn = std::function<HealthReport()>;
 class HealthRegistration;
 
 struct MetricsEndpoint {
+  MetricsEndpoint() = default;
+  MetricsEndpoint(MetricsEndpoint&&) = default;
+  MetricsEndpoint& operator=(MetricsEndpoint&&) = default;
+  // Stop().
+  ~MetricsEndpoint();
+  // Stops serving. civetweb's stop waits for its listening thread, which
+  // wakes only on a connection or after a 2 s poll; this connects to the
+  // port while it waits, so a server exits in milliseconds.
+  void Stop();
+
   std::unique_ptr<prometheus::Exposer> exposer;
   int port = 0;  // The bound port (address "host:0" picks one).
+  // The IPv4 address to reach the port at (the bound one, 127.0.0.1 for a
+  // wildcard); empty: none (Stop then waits for civetweb's poll).
+  std::string wake_host;
   // Routes this port's /healthz and /readyz to its HealthFn; goes first.
   std::shared_ptr<HealthRegistration> health;
 };
