@@ -472,14 +472,16 @@ class Tier : public TierSession {
 class Cluster : public ClusterSession {
  public:
   Cluster(const v1::ModelSpec& spec, SessionRouter* router, std::string session, v1::Policy policy,
-          std::string token, TierDeadlines deadlines, absl::Duration store_failover)
+          std::string token, TierDeadlines deadlines, absl::Duration store_failover,
+          std::string skew)
       : spec_(spec),
         router_(router),
         session_(std::move(session)),
         policy_(std::move(policy)),
         token_(std::move(token)),
         deadlines_(deadlines),
-        store_failover_(store_failover) {}
+        store_failover_(store_failover),
+        skew_(std::move(skew)) {}
 
   // Routes and opens; a worker that cannot be reached at open is avoided.
   absl::Status Open() {
@@ -519,6 +521,10 @@ class Cluster : public ClusterSession {
   absl::Status AttendLayer(int layer, int pos0, int n, const float* q, const float* k,
                            const float* v, float* out) override {
     return inner_->AttendLayer(layer, pos0, n, q, k, v, out);
+  }
+  bool WantsNextLayerQuery() const override { return inner_->WantsNextLayerQuery(); }
+  absl::Status NextLayerQuery(int layer, int pos0, int n, const float* q_next) override {
+    return inner_->NextLayerQuery(layer, pos0, n, q_next);
   }
   absl::Status EndStep() override { return inner_->EndStep(); }
 
@@ -622,7 +628,21 @@ class Cluster : public ClusterSession {
     }
     std::vector<std::string> stores(route_.store_addresses().begin(),
                                     route_.store_addresses().end());
-    absl::Status s = t->Open(policy_, stores, resume, at);
+    v1::Policy policy = policy_;
+    if (!skew_.empty()) {
+      // Every worker that runs a step of the session holds the skew (an
+      // upload of bytes it holds already is a no-op there).
+      for (const std::string& w : {route_.worker_address(), route_.decode_worker_address()}) {
+        if (w.empty()) continue;
+        auto up = UploadSkew(router_->Channel(w), skew_, token_, deadlines_.call);
+        if (!up.ok()) {
+          return absl::Status(up.status().code(),
+                              absl::StrCat(up.status().message(), " (worker ", w, ")"));
+        }
+        policy.set_speculation_skew(up->skew_id());
+      }
+    }
+    absl::Status s = t->Open(policy, stores, resume, at);
     if (!s.ok()) {
       return absl::Status(s.code(),
                           absl::StrCat(s.message(), " (worker ", route_.worker_node_id(), ")"));
@@ -640,6 +660,7 @@ class Cluster : public ClusterSession {
   const absl::Duration store_failover_;
   v1::RouteResponse route_;
   std::unique_ptr<Tier> inner_;
+  const std::string skew_;  // Skew file bytes; empty: no upload.
   std::vector<Failover> failovers_;
 };
 
@@ -682,9 +703,9 @@ absl::StatusOr<v1::PutSkewResponse> UploadSkew(std::shared_ptr<grpc::Channel> ch
 absl::StatusOr<std::unique_ptr<ClusterSession>> ClusterBackend(
     const v1::ModelSpec& spec, SessionRouter* router, const std::string& session,
     const v1::Policy& policy, const std::string& token, const TierDeadlines& deadlines,
-    absl::Duration store_failover) {
-  auto c =
-      std::make_unique<Cluster>(spec, router, session, policy, token, deadlines, store_failover);
+    absl::Duration store_failover, const std::string& skew) {
+  auto c = std::make_unique<Cluster>(spec, router, session, policy, token, deadlines,
+                                     store_failover, skew);
   KVT_RETURN_IF_ERROR(c->Open());
   return std::unique_ptr<ClusterSession>(std::move(c));
 }

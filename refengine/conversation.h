@@ -213,10 +213,13 @@ absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(
 // A session routed through `router` (not owned; it must outlive the
 // session). Decode steps use a stream of the session's own. `store_failover`:
 // how long EndRound retries while the worker answers but a store does not.
+// `skew`: a skew file's bytes to speculate with (docs/speculation.md); it is
+// uploaded to every worker the session opens on (its decode worker too) and
+// named in the policy. Empty: the policy as given.
 absl::StatusOr<std::unique_ptr<ClusterSession>> ClusterBackend(
     const v1::ModelSpec& spec, SessionRouter* router, const std::string& session,
     const v1::Policy& policy, const std::string& token = "", const TierDeadlines& deadlines = {},
-    absl::Duration store_failover = absl::Seconds(15));
+    absl::Duration store_failover = absl::Seconds(15), const std::string& skew = "");
 
 // Runs the conversation. With `teacher`, the answers are the teacher's
 // tokens (teacher forcing: the same context as the teacher had), and the

@@ -534,11 +534,6 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
           "speculation needs a model (--model): the engine computes each layer's next-layer "
           "query from its weights, and the synthetic chat has none");
     }
-    if (!o.controller.empty()) {
-      return absl::InvalidArgumentError(
-          "speculation runs against a standalone worker (--worker) or in process, not a "
-          "controller's cluster");
-    }
     if (o.skew.empty()) {
       return absl::InvalidArgumentError(
           "speculation needs the model's skew file (--skew; make one with kvtier calibrate "
@@ -625,7 +620,8 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     open = [&](const v1::ModelSpec& spec,
                DemoSession* s) -> absl::StatusOr<std::unique_ptr<TierSession>> {
       KVT_ASSIGN_OR_RETURN(std::unique_ptr<ClusterSession> c,
-                           ClusterBackend(spec, router.get(), s->id, policy, o.token));
+                           ClusterBackend(spec, router.get(), s->id, policy, o.token, {},
+                                          absl::Seconds(15), skew_bytes));
       return std::unique_ptr<TierSession>(std::move(c));
     };
   } else {

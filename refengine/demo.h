@@ -66,9 +66,9 @@ struct DemoOptions {
   bool delete_at_end = true;
   // Speculative token selection (docs/speculation.md): "ALPHA[:BUDGET]"
   // turns it on, with `skew` the skew file of `model` (kvtier calibrate
-  // infinigen), uploaded to the worker(s) at the start. Needs `model` (the
-  // engine computes the next layer's query from the weights) and a
-  // standalone worker. Empty: off.
+  // infinigen), uploaded to the worker(s) at the start (in a cluster, to
+  // each worker a session opens on). Needs `model` (the engine computes the
+  // next layer's query from the weights). Empty: off.
   std::string speculation;
   std::string skew;
   // In-process mode (refengine/inproc.h): the worker engine runs in this

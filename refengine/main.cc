@@ -49,7 +49,8 @@ ABSL_FLAG(int, watershed, -1,
 ABSL_FLAG(std::string, speculation, "",
           "Speculative token selection (InfiniGen): ALPHA[:BUDGET], e.g. 4 or 4:64. Decode "
           "steps attend, from layer 1 on, only the past-round tokens speculated from the "
-          "previous layer; needs --model, --skew and a standalone worker. Empty: off.");
+          "previous layer; needs --model and --skew (uploaded to every worker a session "
+          "runs on). Empty: off.");
 ABSL_FLAG(std::string, skew, "",
           "The model's skew file for --speculation (kvtier calibrate infinigen), uploaded to "
           "the worker(s).");
