@@ -7,9 +7,9 @@
 #include <cmath>
 #include <random>
 
+#include "client/store_segments.h"
 #include "gtest/gtest.h"
 #include "kernels/half.h"
-#include "client/store_segments.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
 #include "worker/device_attention.h"

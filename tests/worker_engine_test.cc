@@ -7,12 +7,12 @@
 #include <random>
 #include <thread>
 
+#include "client/store_segments.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/attention.h"
 #include "kernels/codec.h"
 #include "kernels/half.h"
-#include "client/store_segments.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
 #include "worker/engine.h"

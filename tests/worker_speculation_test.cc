@@ -8,11 +8,11 @@
 #include <numeric>
 #include <random>
 
+#include "client/store_segments.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/half.h"
 #include "kernels/speculation.h"
-#include "client/store_segments.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
 #include "worker/engine.h"

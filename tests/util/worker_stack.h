@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "grpcpp/create_channel.h"
 #include "client/store_segments.h"
+#include "grpcpp/create_channel.h"
 #include "services/worker/worker_server.h"
 #include "testing/store_process.h"
 #include "testing/test_util.h"
