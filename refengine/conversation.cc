@@ -390,21 +390,7 @@ class Tier : public TierSession {
     KVT_RETURN_IF_ERROR(CloseDecodeStream());
     auto ctx = Context(deadlines_.call);
     KVT_RETURN_IF_ERROR(FromGrpc(Holder()->EndRound(ctx.get(), r, &resp), "EndRound"));
-    TierRound t;
-    t.round = resp.round();
-    t.recalled = has_recall_;
-    t.selected.assign(last_recall_.selected_rounds().begin(), last_recall_.selected_rounds().end());
-    t.scores.assign(last_recall_.round_scores().begin(), last_recall_.round_scores().end());
-    t.bytes_fetched = last_recall_.bytes_fetched();
-    t.fetched_segments = last_recall_.fetched_segments();
-    t.fetch_ms = last_recall_.fetch_ms();
-    t.exposed_ms = last_recall_.exposed_ms();
-    t.stored_bytes = resp.stored_bytes();
-    t.round_working_set_bytes = resp.round_working_set_bytes();
-    t.full_cache_bytes = resp.full_cache_bytes();
-    t.working_set_after = resp.working_set_bytes();
-    t.speculation.assign(resp.speculation().begin(), resp.speculation().end());
-    t.prefill_ms = prefill_ms_;
+    TierRound t = RoundReport(resp, has_recall_ ? &last_recall_ : nullptr, prefill_ms_);
     has_prefill_ms_ = false;
     if (transfer_.has_value()) {
       t.handed_off = true;
@@ -678,6 +664,28 @@ absl::StatusOr<std::unique_ptr<TierSession>> TierBackend(
   if (pd != nullptr) t->Disaggregate(*pd);
   KVT_RETURN_IF_ERROR(t->Open(policy));
   return std::unique_ptr<TierSession>(std::move(t));
+}
+
+TierRound RoundReport(const v1::EndRoundResponse& end, const v1::RecallDecision* recall,
+                      double prefill_ms) {
+  TierRound t;
+  t.round = end.round();
+  if (recall != nullptr) {
+    t.recalled = true;
+    t.selected.assign(recall->selected_rounds().begin(), recall->selected_rounds().end());
+    t.scores.assign(recall->round_scores().begin(), recall->round_scores().end());
+    t.bytes_fetched = recall->bytes_fetched();
+    t.fetched_segments = recall->fetched_segments();
+    t.fetch_ms = recall->fetch_ms();
+    t.exposed_ms = recall->exposed_ms();
+  }
+  t.stored_bytes = end.stored_bytes();
+  t.round_working_set_bytes = end.round_working_set_bytes();
+  t.full_cache_bytes = end.full_cache_bytes();
+  t.working_set_after = end.working_set_bytes();
+  t.speculation.assign(end.speculation().begin(), end.speculation().end());
+  t.prefill_ms = prefill_ms;
+  return t;
 }
 
 absl::StatusOr<v1::PutSkewResponse> UploadSkew(std::shared_ptr<grpc::Channel> channel,

@@ -91,6 +91,12 @@ struct TierRound {
   std::vector<v1::SpeculationLayer> speculation;
 };
 
+// A round's report from the worker's EndRound answer and, when the round
+// recalled, the recall decision its prefill returned (both session kinds,
+// remote and in process, build their TierRounds here).
+TierRound RoundReport(const v1::EndRoundResponse& end, const v1::RecallDecision* recall,
+                      double prefill_ms);
+
 // Tier mode: every layer's attention in kvtier-worker over Prefill/Decode
 // streams, and the worker's per-round reports.
 class TierSession : public ConversationBackend {

@@ -46,7 +46,7 @@ class InProcess : public TierSession {
     if (prefill_) {
       KVT_ASSIGN_OR_RETURN(std::optional<worker::RecallReport> r,
                            engine_->PrefillLayer(key_, layer, n, question_, q, k, v, out));
-      if (r.has_value()) recall_ = std::move(*r);
+      if (r.has_value()) recall_ = RecallToProto(*r);
       return absl::OkStatus();
     }
     const float* qn = q_next_layer_ == layer ? q_next_.data() : nullptr;
@@ -66,24 +66,8 @@ class InProcess : public TierSession {
 
   absl::Status EndRound() override {
     KVT_ASSIGN_OR_RETURN(worker::EndRoundReport r, engine_->EndRound(key_));
-    TierRound t;
-    t.round = r.round;
-    if (recall_.has_value()) {
-      t.recalled = true;
-      t.selected = recall_->selected;
-      t.scores.assign(recall_->scores.begin(), recall_->scores.end());
-      t.bytes_fetched = recall_->bytes_fetched;
-      t.fetched_segments = static_cast<uint32_t>(recall_->fetched_segments);
-      t.fetch_ms = recall_->fetch_ms;
-      t.exposed_ms = recall_->exposed_ms;
-    }
-    t.stored_bytes = r.stored_bytes;
-    t.round_working_set_bytes = r.round_working_set_bytes;
-    t.full_cache_bytes = r.full_cache_bytes;
-    t.working_set_after = r.working_set_bytes;
-    t.prefill_ms = prefill_ms_;
-    const v1::EndRoundResponse wire = EndRoundToProto(r);
-    t.speculation.assign(wire.speculation().begin(), wire.speculation().end());
+    TierRound t =
+        RoundReport(EndRoundToProto(r), recall_.has_value() ? &*recall_ : nullptr, prefill_ms_);
     has_prefill_ms_ = false;
     recall_.reset();
     rounds_.push_back(std::move(t));
@@ -102,7 +86,7 @@ class InProcess : public TierSession {
   bool on_device_ = false;
   bool prefill_ = false;
   int question_ = 0;
-  std::optional<worker::RecallReport> recall_;
+  std::optional<v1::RecallDecision> recall_;  // Of the round's first prefill.
   std::chrono::steady_clock::time_point step_start_;
   double prefill_ms_ = 0;
   bool has_prefill_ms_ = false;

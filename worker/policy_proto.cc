@@ -149,6 +149,17 @@ v1::Policy EffectivePolicy(const v1::Policy& requested, const worker::SessionPol
   return p;
 }
 
+v1::RecallDecision RecallToProto(const worker::RecallReport& r) {
+  v1::RecallDecision d;
+  for (uint32_t s : r.selected) d.add_selected_rounds(s);
+  for (double s : r.scores) d.add_round_scores(static_cast<float>(s));
+  d.set_bytes_fetched(r.bytes_fetched);
+  d.set_fetched_segments(static_cast<uint32_t>(r.fetched_segments));
+  d.set_fetch_ms(r.fetch_ms);
+  d.set_exposed_ms(r.exposed_ms);
+  return d;
+}
+
 v1::EndRoundResponse EndRoundToProto(const worker::EndRoundReport& r) {
   v1::EndRoundResponse resp;
   resp.set_round(r.round);

@@ -42,6 +42,9 @@ v1::Policy EffectivePolicy(const v1::Policy& requested, const worker::SessionPol
 // EndRound's report as kvtier-worker answers it (speculation figures included).
 v1::EndRoundResponse EndRoundToProto(const worker::EndRoundReport& r);
 
+// A recall decision as a prefill response carries it.
+v1::RecallDecision RecallToProto(const worker::RecallReport& r);
+
 }  // namespace kvtier
 
 #endif  // KVTIER_WORKER_POLICY_PROTO_H_

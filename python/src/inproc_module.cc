@@ -111,14 +111,7 @@ class InProcessEngine {
           engine_->PrefillLayer(worker::SessionKey(id), layer, n, question_tokens, qp, kp, vp, op));
     }
     if (!r.has_value()) return py::make_tuple(out, py::none());
-    v1::RecallDecision d;
-    for (uint32_t x : r->selected) d.add_selected_rounds(x);
-    for (double x : r->scores) d.add_round_scores(static_cast<float>(x));
-    d.set_bytes_fetched(r->bytes_fetched);
-    d.set_fetched_segments(static_cast<uint32_t>(r->fetched_segments));
-    d.set_fetch_ms(r->fetch_ms);
-    d.set_exposed_ms(r->exposed_ms);
-    return py::make_tuple(out, py::bytes(d.SerializeAsString()));
+    return py::make_tuple(out, py::bytes(RecallToProto(*r).SerializeAsString()));
   }
 
   Array Decode(const std::string& id, int layer, const Array& q, const Array& k, const Array& v,

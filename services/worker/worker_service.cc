@@ -24,15 +24,6 @@ double SecondsSince(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
-void FillRecall(const worker::RecallReport& r, v1::RecallDecision* d) {
-  for (uint32_t s : r.selected) d->add_selected_rounds(s);
-  for (double s : r.scores) d->add_round_scores(static_cast<float>(s));
-  d->set_bytes_fetched(r.bytes_fetched);
-  d->set_fetched_segments(static_cast<uint32_t>(r.fetched_segments));
-  d->set_fetch_ms(r.fetch_ms);
-  d->set_exposed_ms(r.exposed_ms);
-}
-
 size_t DtypeBytes(v1::DType t) { return t == v1::DTYPE_FP16 || t == v1::DTYPE_BF16 ? 2 : 4; }
 
 }  // namespace
@@ -390,7 +381,7 @@ class WorkerService::PrefillReactor
       r.set_more_chunks(t + per < n);
       if (!r.more_chunks() && recall->has_value()) {
         const worker::RecallReport& rr = **recall;
-        FillRecall(rr, r.mutable_recall());
+        *r.mutable_recall() = RecallToProto(rr);
         svc_->metrics_->Recall(rr, rr.fetched_segments > 0 && rr.bytes_fetched > 0);
       }
       if (!r.more_chunks() && transfer.has_value()) *r.mutable_transfer() = *transfer;
