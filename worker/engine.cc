@@ -84,6 +84,12 @@ absl::StatusOr<std::string> Engine::PutSkew(std::string_view bytes) {
   return id;
 }
 
+std::shared_ptr<const spec::SkewModel> Engine::Skew(const std::string& id) const {
+  absl::MutexLock lock(&skews_mu_);
+  auto it = skews_.find(id);
+  return it == skews_.end() ? nullptr : it->second;
+}
+
 absl::Status Engine::ResolveSpeculation(const ModelShape& shape, const SessionPolicy& policy,
                                         bool on_device,
                                         std::shared_ptr<const spec::SkewModel>* skew) const {
@@ -102,14 +108,10 @@ absl::Status Engine::ResolveSpeculation(const ModelShape& shape, const SessionPo
     return absl::FailedPreconditionError(
         "speculation runs on host working sets only; start the worker with --placement=host");
   }
-  {
-    absl::MutexLock lock(&skews_mu_);
-    auto it = skews_.find(sp.skew);
-    if (it == skews_.end()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "unknown skew ", sp.skew, ": upload the skew file to this worker first (PutSkew)"));
-    }
-    *skew = it->second;
+  *skew = Skew(sp.skew);
+  if (*skew == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "unknown skew ", sp.skew, ": upload the skew file to this worker first (PutSkew)"));
   }
   const spec::SkewModel& m = **skew;
   if (m.layers != shape.layers || m.q_heads != shape.q_heads || m.kv_heads != shape.kv_heads ||

@@ -354,6 +354,8 @@ class Engine {
   // kMaxSkews distinct skews.
   static constexpr int kMaxSkews = 16;
   absl::StatusOr<std::string> PutSkew(std::string_view bytes);
+  // The skew PutSkew returned `id` for; null when the engine holds none.
+  std::shared_ptr<const spec::SkewModel> Skew(const std::string& id) const;
 
   // Abandons the step in flight (layers sent, not all of them): the open
   // round goes back to where it was before the step; a round whose first

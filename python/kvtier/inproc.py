@@ -29,8 +29,14 @@ from kvtier.worker import ModelSpec, Policy, _check, _StepScope
 __all__ = ["InProcessWorker", "InProcessSession"]
 
 
-def _call(method, fn, *args):
+try:
     from kvtier import _inproc
+except ImportError as e:  # A build without pybind11: InProcessWorker says so.
+    _inproc = None
+    _missing = e
+
+
+def _call(method, fn, *args):
     try:
         return fn(*args)
     except _inproc.Error as e:
@@ -114,7 +120,9 @@ class InProcessWorker:
     `store` ("host:port"). Working sets live in host memory."""
 
     def __init__(self, store: str, token: Optional[str] = None):
-        from kvtier import _inproc
+        if _inproc is None:
+            raise ImportError(f"kvtier._inproc is not built (pybind11-dev, python3-dev): "
+                              f"{_missing}")
         self._engine = _call("Connect", _inproc.Engine, store, token or "", True)
 
     def open_session(self, session_id: str, model: ModelSpec,

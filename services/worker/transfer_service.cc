@@ -309,11 +309,11 @@ class WorkerService::SkewReactor : public grpc::ServerReadReactor<grpc::ByteBuff
     absl::Status s = [&]() -> absl::Status {
       if (bytes_.empty()) return absl::InvalidArgumentError("PutSkew carried no bytes");
       KVT_ASSIGN_OR_RETURN(std::string id, svc_->engine_->PutSkew(bytes_));
-      KVT_ASSIGN_OR_RETURN(spec::SkewModel m, spec::ParseSkew(bytes_));
+      const std::shared_ptr<const spec::SkewModel> m = svc_->engine_->Skew(id);
       v1::PutSkewResponse resp;
       resp.set_skew_id(id);
-      resp.set_layers(static_cast<uint32_t>(m.layers));
-      resp.set_model(m.model);
+      resp.set_layers(static_cast<uint32_t>(m->layers));
+      resp.set_model(m->model);
       *resp_ = wire::Serialize(resp);
       return absl::OkStatus();
     }();
