@@ -202,20 +202,27 @@ void BM_DecodeAttention(benchmark::State& state) {
   AttnData* d = GetAttnData(setting, tokens);
   const std::vector<float> q = Random(kQHeads * kDim, 9);
   std::vector<float> out(q.size());
+  // Arg 2: 1 runs the fp32-product kernels (kVectorized) instead of kBest's
+  // integer dot products, for the same-run comparison.
+  const bool fp32 = state.range(2) == 1;
+  const auto level = fp32 ? kvtier::KernelLevel::kVectorized : kvtier::KernelLevel::kBest;
   for (auto _ : state) {
-    if (!kvtier::DecodeAttention({kQHeads, kHeads, kDim}, q.data(), d->blocks, out.data()).ok()) {
+    if (!kvtier::DecodeAttention({kQHeads, kHeads, kDim}, q.data(), d->blocks, out.data(), level)
+             .ok()) {
       state.SkipWithError("attention failed");
       break;
     }
     benchmark::DoNotOptimize(out.data());
   }
   SetRatio(state, d->bytes);
-  state.SetLabel(setting + " T=" + std::to_string(tokens));
+  state.SetLabel(setting + " T=" + std::to_string(tokens) + (fp32 ? " fp32" : ""));
 }
 
 void AttnArgs(benchmark::internal::Benchmark* b) {
   for (int64_t t : {4096, 32768, 131072}) {
-    for (int s = 0; s < 4; ++s) b->Args({s, t});
+    for (int s = 0; s < 4; ++s) b->Args({s, t, 0});
+    b->Args({1, t, 1});
+    b->Args({2, t, 1});
   }
 }
 
@@ -307,16 +314,20 @@ int main(int argc, char** argv) {
   Recorder rec;
   benchmark::RunSpecifiedBenchmarks(&rec);
   if (!rec.times.empty()) {
-    std::printf("\nfused decode attention vs fp16 K/V (same run; >1 = faster than fp16):\n");
-    std::printf("%-8s %10s %10s %10s %10s\n", "tokens", "fp16 ms", "kivi4 x", "kivi2 x", "kivi8 x");
+    std::printf(
+        "\nfused decode attention vs fp16 K/V (same run, wall time; >1 = faster than fp16).\n"
+        "kivi4/kivi2: integer dot products (kBest); 'fp32': the same codes with fp32 products\n");
+    std::printf("%-8s %9s %8s %12s %8s %12s %8s\n", "tokens", "fp16 ms", "kivi4 x", "kivi4 fp32 x",
+                "kivi2 x", "kivi2 fp32 x", "kivi8 x");
     for (int64_t t : {4096, 32768, 131072}) {
-      auto get = [&](const char* s) {
-        auto it = rec.times.find(std::string(s) + " T=" + std::to_string(t));
+      auto get = [&](const std::string& s, const char* suffix = "") {
+        auto it = rec.times.find(s + " T=" + std::to_string(t) + suffix);
         return it == rec.times.end() ? NAN : it->second;
       };
       const double base = get("fp16");
-      std::printf("%-8lld %10.3f %10.2f %10.2f %10.2f\n", static_cast<long long>(t), base,
-                  base / get("kivi4"), base / get("kivi2"), base / get("kivi8"));
+      std::printf("%-8lld %9.3f %8.2f %12.2f %8.2f %12.2f %8.2f\n", static_cast<long long>(t), base,
+                  base / get("kivi4"), base / get("kivi4", " fp32"), base / get("kivi2"),
+                  base / get("kivi2", " fp32"), base / get("kivi8"));
     }
   }
   benchmark::Shutdown();

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -114,7 +116,7 @@ void TiledAccumulate(const EncodedView& v, int64_t s, const float* const* p, int
 }
 
 void Vectorized(const AttentionShape& shape, const float* q, absl::Span<const KvBlock> blocks,
-                int64_t total, float* out) {
+                int64_t total, float* out, bool integer) {
   const int d = shape.head_dim;
   const int rep = shape.q_heads / shape.kv_heads;
   std::vector<float> scores(static_cast<size_t>(rep) * total), tile;
@@ -129,7 +131,7 @@ void Vectorized(const AttentionShape& shape, const float* q, absl::Span<const Kv
     int64_t pos = 0;
     for (const KvBlock& b : blocks) {
       for (int r = 0; r < rep; ++r) sc[r] = scores.data() + r * total + pos;
-      if (!internal::ScoreBlockSimd(b.k, h, qr.data(), rep, shape.scale, sc.data())) {
+      if (!internal::ScoreBlockSimd(b.k, h, qr.data(), rep, shape.scale, sc.data(), integer)) {
         TiledScore(b.k, h, qr.data(), rep, shape.scale, sc.data(), &tile);
       }
       pos += b.k.tokens;
@@ -146,7 +148,7 @@ void Vectorized(const AttentionShape& shape, const float* q, absl::Span<const Kv
     pos = 0;
     for (const KvBlock& b : blocks) {
       for (int r = 0; r < rep; ++r) pr[r] = scores.data() + r * total + pos;
-      if (!internal::AccumulateBlockSimd(b.v, h, pr.data(), rep, o.data())) {
+      if (!internal::AccumulateBlockSimd(b.v, h, pr.data(), rep, o.data(), integer)) {
         TiledAccumulate(b.v, h, pr.data(), rep, o.data(), &tile);
       }
       pos += b.v.tokens;
@@ -155,6 +157,14 @@ void Vectorized(const AttentionShape& shape, const float* q, absl::Span<const Kv
 }
 
 }  // namespace
+
+bool Int8AttentionEnabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("KVTIER_INT8_ATTENTION");
+    return env == nullptr || std::string(env) != "off";
+  }();
+  return enabled && internal::SimdAvailable();
+}
 
 absl::Status DecodeAttention(const AttentionShape& shape_in, const float* q,
                              absl::Span<const KvBlock> blocks, float* out, KernelLevel level) {
@@ -175,7 +185,7 @@ absl::Status DecodeAttention(const AttentionShape& shape_in, const float* q,
   if (level == KernelLevel::kReference || !internal::SimdAvailable()) {
     Reference(shape, q, blocks, total, out);
   } else {
-    Vectorized(shape, q, blocks, total, out);
+    Vectorized(shape, q, blocks, total, out, level == KernelLevel::kBest && Int8AttentionEnabled());
   }
   return absl::OkStatus();
 }

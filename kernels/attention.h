@@ -31,9 +31,21 @@ struct KvBlock {
 // order. q and out are [q_heads, head_dim] fp32. INVALID_ARGUMENT when a
 // block does not match the shape (slabs, head_dim, K/V token counts or roles)
 // or there are no tokens at all.
+//
+// Levels: kReference computes in float64; kVectorized in fp32 with AVX2;
+// kBest is kVectorized except over 2- and 4-bit KIVI/KCVT codes (head_dim a
+// multiple of 32), where it multiplies the codes as integers: per K group
+// and query head, scale * q * s_k is rounded to int8, and per 16 tokens, V
+// group and query head, p * s_v is (llama.cpp's approach for 4-bit weights).
+// That rounding adds an error well below the 4-bit codes' own
+// (docs/codecs.md); KVTIER_INT8_ATTENTION=off turns it off.
 absl::Status DecodeAttention(const AttentionShape& shape, const float* q,
                              absl::Span<const KvBlock> blocks, float* out,
                              KernelLevel level = KernelLevel::kBest);
+
+// Whether kBest multiplies 2- and 4-bit codes as integers (AVX2 present and
+// KVTIER_INT8_ATTENTION is not "off").
+bool Int8AttentionEnabled();
 
 // Restricts a view to `count` slabs starting at `first` (e.g. one layer of a
 // [layers, kv_heads, tokens, head_dim] tensor).

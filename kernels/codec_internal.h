@@ -42,11 +42,14 @@ bool DequantRowsSimd(const QuantShape& q, const uint8_t* codes, const uint16_t* 
 
 // Attention pieces for one KV head (slab `s` of a block) and its `n_rep`
 // query heads. Scores: scores[r][t] = scale * q[r] . k_t for the block's
-// tokens. Accumulate: out[r][:] += sum_t p[r][t] * v_t.
+// tokens. Accumulate: out[r][:] += sum_t p[r][t] * v_t. `integer`: 2- and
+// 4-bit KIVI/KCVT codes (head_dim a multiple of 32) are multiplied as
+// integers against q and p rounded to int8 per group (kernels/attention.h);
+// otherwise every product is fp32.
 bool ScoreBlockSimd(const EncodedView& k, int64_t s, const float* const* q, int n_rep, float scale,
-                    float* const* scores);
+                    float* const* scores, bool integer = false);
 bool AccumulateBlockSimd(const EncodedView& v, int64_t s, const float* const* p, int n_rep,
-                         float* const* out);
+                         float* const* out, bool integer = false);
 
 // The index of the first element of x[0, n) that is not finite or whose
 // magnitude passes `limit` (itself finite), or -1 when there is none. False

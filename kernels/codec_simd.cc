@@ -476,6 +476,352 @@ void AccumKivi(const EncodedView& v, int64_t s, const float* const* p, float* co
   }
 }
 
+// --- Integer dot products for 2- and 4-bit codes ---
+//
+// 32 consecutive codes (elements i..i+31, i a multiple of 32) unpack to one
+// vector of bytes in "lane order": with e = 8 / bits codes per byte and
+// nb = 32 / e bytes per chunk, byte k * nb + j holds element e * j + k. That
+// order costs one broadcast, one variable shift and one mask; the int8
+// operand on the other side of a vpmaddubsw is put in the same order once per
+// group, and P.V's outputs are put back in element order once per block.
+
+inline int LaneElem(int bits, int pos) {
+  const int e = 8 / bits, nb = 32 / e;
+  return e * (pos % nb) + pos / nb;
+}
+
+inline __m256i Unpack32(const uint8_t* codes, int bits, int64_t i) {
+  const uint8_t* p = codes + (i * bits) / 8;
+  if (bits == 4) {
+    const __m256i x =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_and_si256(_mm256_srlv_epi64(x, _mm256_setr_epi64x(0, 0, 4, 4)),
+                            _mm256_set1_epi8(0x0f));
+  }
+  int64_t u;
+  std::memcpy(&u, p, 8);
+  return _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(u), _mm256_setr_epi64x(0, 2, 4, 6)),
+                          _mm256_set1_epi8(0x03));
+}
+
+// 32 floats (element order) times `mul`, rounded to int8 in lane order.
+inline __m256i QuantizeInt8x32(const float* x, __m256 mul, int bits) {
+  __m256i v[4];
+  for (int j = 0; j < 4; ++j)
+    v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), mul));
+  // packs work per 128-bit lane; the dword permute restores element order.
+  const __m256i b =
+      _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if (bits == 4) {
+    // Per lane: even bytes, then odd bytes; then the lanes' halves joined.
+    const __m256i s = _mm256_shuffle_epi8(
+        ordered, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6,
+                                  8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    return _mm256_permute4x64_epi64(s, 0xd8);  // qwords 0, 2, 1, 3
+  }
+  const __m256i s = _mm256_shuffle_epi8(
+      ordered, _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0, 4, 8, 12,
+                                1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+  return _mm256_permutevar8x32_epi32(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// Lane i of the result = the sum of v[i]'s eight int32 lanes.
+inline __m256i Reduce8(const __m256i* v) {
+  const __m256i g0 =
+      _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i g1 =
+      _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20),
+                          _mm256_permute2x128_si256(g0, g1, 0x31));
+}
+
+// Whether the integer kernels take the quantized part of `b`.
+bool IntPath(const EncodedView& b) {
+  if (b.codec != v1::CODEC_KIVI && b.codec != v1::CODEC_KCVT) return false;
+  if (b.bits != 2 && b.bits != 4) return false;
+  if (b.head_dim % 32 != 0 || b.head_dim > 1024) return false;
+  if (b.role == v1::TENSOR_ROLE_VALUE) {
+    if (b.group % 32 != 0 || b.head_dim % b.group != 0) return false;
+    const int groups = b.head_dim / b.group;
+    return 8 % groups == 0;
+  }
+  return b.group >= 1;
+}
+
+// Scores over the quantized part of a KIVI/KCVT key slab with int8 x code
+// products. Per K group and query head, w_c = scale * q_c * s_gc is rounded
+// to int8 against its largest magnitude (a = max|w| / 127), so
+// q.k_t = a * sum_c w8_c * code_tc + sum_c scale * q_c * z_gc. Sums stay
+// exact in int16 for 8 chunks of 32 channels (8 * 2 * 15 * 127 < 2^15).
+template <int R>
+void ScoreKiviInt(const EncodedView& k, int64_t s, const float* const* q, float scale,
+                  float* const* scores) {
+  const int d = k.head_dim, chunks = d / 32, bits = k.bits;
+  const uint8_t* codes = k.codes + s * k.words_per_slab * 4;
+  const uint16_t* sc = k.scales + s * k.groups_per_slab;
+  const uint16_t* zc = k.zeros + s * k.groups_per_slab;
+  constexpr float kLoSteps = 254.0f;  // Low byte units per high byte step.
+  alignas(32) int8_t w8[R][1024], w8lo[R][1024];
+  alignas(32) float w[1024], wlo[1024], qs[R][1024];
+  float a[R], bias[R];
+  const __m256 sv = _mm256_set1_ps(scale);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i lo_steps16 = _mm256_set1_epi16(static_cast<int16_t>(kLoSteps));
+  const float mid = static_cast<float>((1 << bits) - 1) / 2;
+  const int64_t groups = (k.quantized + k.group - 1) / k.group;
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < d; c += 8)
+      _mm256_store_ps(qs[r] + c, _mm256_mul_ps(_mm256_loadu_ps(q[r] + c), sv));
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int r = 0; r < R; ++r) {
+      __m256 b = _mm256_setzero_ps(), mx = _mm256_setzero_ps();
+      for (int c = 0; c < d; c += 8) {
+        const __m256 qv = _mm256_load_ps(qs[r] + c);
+        const __m256 wv = _mm256_mul_ps(qv, LoadHalf8(sc + g * d + c));
+        _mm256_store_ps(w + c, wv);
+        mx = _mm256_max_ps(mx, _mm256_and_ps(wv, abs_mask));
+        b = _mm256_fmadd_ps(qv, LoadHalf8(zc + g * d + c), b);
+      }
+      const float amax = HMax(mx);
+      a[r] = amax / (127.0f * kLoSteps);
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      // The high byte takes w rounded to 1/127 of max |w|; what it leaves, in
+      // [-0.5, 0.5] steps, goes to the low byte at 1/254 of a step. The low
+      // byte's own rounding error times the mid code is the same for every
+      // token of the group: that part is added back exactly.
+      const __m256 lo_steps = _mm256_set1_ps(kLoSteps), one = _mm256_set1_ps(1.0f);
+      __m256 e = _mm256_setzero_ps();
+      for (int c = 0; c < d; c += 8) {
+        const __m256 x = _mm256_mul_ps(_mm256_load_ps(w + c), inv);
+        const __m256 hi = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 lo = _mm256_mul_ps(_mm256_sub_ps(x, hi), lo_steps);
+        _mm256_store_ps(w + c, hi);
+        _mm256_store_ps(wlo + c, lo);
+        e = _mm256_add_ps(e, _mm256_sub_ps(lo, _mm256_round_ps(lo, _MM_FROUND_TO_NEAREST_INT |
+                                                                       _MM_FROUND_NO_EXC)));
+      }
+      for (int ch = 0; ch < chunks; ++ch) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(w8[r] + ch * 32),
+                           QuantizeInt8x32(w + ch * 32, one, bits));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(w8lo[r] + ch * 32),
+                           QuantizeInt8x32(wlo + ch * 32, one, bits));
+      }
+      bias[r] = HSum(b) + mid * a[r] * HSum(e);
+    }
+    const int64_t t0 = g * k.group;
+    const int64_t t1 = std::min(k.quantized, t0 + k.group);
+    for (int64_t t = t0; t < t1; t += 8) {
+      const int n = static_cast<int>(std::min<int64_t>(8, t1 - t));
+      __m256i tok[R][8];
+      for (int u = 0; u < 8; ++u) {
+        __m256i acc32[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc32[r] = _mm256_setzero_si256();
+        if (u < n) {
+          for (int c0 = 0; c0 < chunks; c0 += 8) {
+            __m256i hi16[R], lo16[R];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) hi16[r] = lo16[r] = _mm256_setzero_si256();
+            const int c1 = std::min(chunks, c0 + 8);
+            for (int ch = c0; ch < c1; ++ch) {
+              const __m256i x = Unpack32(codes, bits, (t + u) * d + ch * 32);
+#pragma GCC unroll 4
+              for (int r = 0; r < R; ++r) {
+                hi16[r] = _mm256_add_epi16(
+                    hi16[r],
+                    _mm256_maddubs_epi16(
+                        x, _mm256_load_si256(reinterpret_cast<const __m256i*>(w8[r] + ch * 32))));
+                lo16[r] = _mm256_add_epi16(
+                    lo16[r],
+                    _mm256_maddubs_epi16(
+                        x, _mm256_load_si256(reinterpret_cast<const __m256i*>(w8lo[r] + ch * 32))));
+              }
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+              acc32[r] = _mm256_add_epi32(acc32[r],
+                                          _mm256_add_epi32(_mm256_madd_epi16(hi16[r], lo_steps16),
+                                                           _mm256_madd_epi16(lo16[r], ones)));
+            }
+          }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) tok[r][u] = acc32[r];
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Reduce8(tok[r])), _mm256_set1_ps(a[r]),
+                                         _mm256_set1_ps(bias[r]));
+        if (n == 8) {
+          _mm256_storeu_ps(scores[r] + t, f);
+        } else {
+          alignas(32) float tmp[8];
+          _mm256_store_ps(tmp, f);
+          std::memcpy(scores[r] + t, tmp, sizeof(float) * n);
+        }
+      }
+    }
+  }
+}
+
+// AccumKiviInt (below) for G = head_dim / group V groups per token.
+template <int R, int G>
+void AccumKiviIntG(const EncodedView& v, int64_t s, const float* const* p, float* const* out) {
+  constexpr int kSub = 16;        // Tokens per int16 accumulation.
+  constexpr int kPerVec = 8 / G;  // Tokens per 8 (token, group) lanes.
+  constexpr int kVecs = kSub / kPerVec;
+  const int d = v.head_dim, chunks = d / 32, bits = v.bits;
+  const uint8_t* codes = v.codes + s * v.words_per_slab * 4;
+  const uint16_t* sc = v.scales + s * v.groups_per_slab;
+  const uint16_t* zc = v.zeros + s * v.groups_per_slab;
+  alignas(32) float acc[R][1024];  // Lane order within each chunk.
+  __m256 zacc[R];
+  for (int r = 0; r < R; ++r) {
+    std::fill(acc[r], acc[r] + d, 0.0f);
+    zacc[r] = _mm256_setzero_ps();
+  }
+  const __m256 midv = _mm256_set1_ps(static_cast<float>((1 << bits) - 1) / 2);
+  alignas(32) float sf[kSub * G], zf[kSub * G], pl[R][kSub + 8];
+  // wp[r][pair][g]: the low 16 bits are u8 of the pair's first token and u8 of
+  // its second, as vpmaddubsw takes them.
+  alignas(32) int32_t wp[R][kSub / 2][G];
+  alignas(32) float bsc[R][8];
+  alignas(32) int32_t idx[8];
+  for (int i = 0; i < 8; ++i) idx[i] = i / G;
+  const __m256i tok_idx = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
+  for (int64_t t0 = 0; t0 < v.quantized; t0 += kSub) {
+    const int n = static_cast<int>(std::min<int64_t>(kSub, v.quantized - t0));
+    if (n == kSub) {
+      for (int j = 0; j < kVecs; ++j) {
+        _mm256_store_ps(sf + 8 * j, LoadHalf8(sc + t0 * G + 8 * j));
+        _mm256_store_ps(zf + 8 * j, LoadHalf8(zc + t0 * G + 8 * j));
+      }
+    } else {
+      for (int i = 0; i < kSub * G; ++i) {
+        sf[i] = i < n * G ? _cvtsh_ss(LoadU16(sc, t0 * G + i)) : 0.0f;
+        zf[i] = i < n * G ? _cvtsh_ss(LoadU16(zc, t0 * G + i)) : 0.0f;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(pl[r], p[r] + t0, sizeof(float) * n);
+      std::fill(pl[r] + n, pl[r] + kSub + 8, 0.0f);
+      __m256 uv[kVecs];
+      __m256 mx = _mm256_setzero_ps();
+      for (int j = 0; j < kVecs; ++j) {
+        const __m256 pv = _mm256_permutevar8x32_ps(_mm256_loadu_ps(pl[r] + j * kPerVec), tok_idx);
+        uv[j] = _mm256_mul_ps(pv, _mm256_load_ps(sf + 8 * j));
+        mx = _mm256_max_ps(mx, uv[j]);
+        zacc[r] = _mm256_fmadd_ps(pv, _mm256_load_ps(zf + 8 * j), zacc[r]);
+      }
+      // Every lane gets the max of its group (lanes l and l' with l = l' mod G).
+      if constexpr (G <= 4) mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
+      if constexpr (G <= 2) mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0x4e));
+      if constexpr (G == 1) mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0xb1));
+      const __m256 bv = _mm256_mul_ps(mx, _mm256_set1_ps(1.0f / 127.0f));
+      const __m256 inv = InvScale(bv);
+      _mm256_store_ps(bsc[r], bv);
+      __m256i iv[kVecs];
+      for (int j = 0; j < kVecs; ++j) {
+        iv[j] = _mm256_cvtps_epi32(_mm256_mul_ps(uv[j], inv));
+        // The rounding error times the mid code, exactly, per group (as for K).
+        zacc[r] =
+            _mm256_fmadd_ps(midv, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(iv[j]), bv, uv[j]), zacc[r]);
+      }
+      // Join each pair's two tokens into one 16-bit word per group.
+      int32_t* w = &wp[r][0][0];
+      for (int j = 0; j < kVecs; ++j) {
+        if constexpr (G == 8) {
+          if (j % 2 == 0) {
+            _mm256_store_si256(reinterpret_cast<__m256i*>(w + 4 * j),
+                               _mm256_or_si256(iv[j], _mm256_slli_epi32(iv[j + 1], 8)));
+          }
+        } else if constexpr (G == 4) {
+          const __m256i next = _mm256_permute2x128_si256(iv[j], iv[j], 1);
+          _mm_store_si128(
+              reinterpret_cast<__m128i*>(w + 4 * j),
+              _mm256_castsi256_si128(_mm256_or_si256(iv[j], _mm256_slli_epi32(next, 8))));
+        } else {
+          // G = 2: lanes (t, g0) (t, g1) (t+1, g0) (t+1, g1) per half; G = 1: t .. t+3.
+          const __m256i next = G == 2 ? _mm256_srli_si256(iv[j], 8) : _mm256_srli_epi64(iv[j], 32);
+          const __m256i words = _mm256_or_si256(iv[j], _mm256_slli_epi32(next, 8));
+          const __m256i keep = G == 2 ? _mm256_setr_epi32(0, 1, 4, 5, 0, 0, 0, 0)
+                                      : _mm256_setr_epi32(0, 2, 4, 6, 0, 0, 0, 0);
+          _mm_store_si128(reinterpret_cast<__m128i*>(w + 4 * j),
+                          _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(words, keep)));
+        }
+      }
+    }
+    const int pairs = (n + 1) / 2;
+    for (int ch = 0; ch < chunks; ++ch) {
+      const int g = ch * 32 / v.group;
+      __m256i lo[R], hi[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+      for (int pr = 0; pr < pairs; ++pr) {
+        const int64_t t = t0 + 2 * pr;
+        const __m256i x0 = Unpack32(codes, bits, t * d + ch * 32);
+        const __m256i x1 =
+            2 * pr + 1 < n ? Unpack32(codes, bits, (t + 1) * d + ch * 32) : _mm256_setzero_si256();
+        const __m256i il = _mm256_unpacklo_epi8(x0, x1), ih = _mm256_unpackhi_epi8(x0, x1);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m256i wv = _mm256_set1_epi16(static_cast<int16_t>(wp[r][pr][g]));
+          lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(il, wv));
+          hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(ih, wv));
+        }
+      }
+      // lo holds lane-order positions 0-7 and 16-23, hi 8-15 and 24-31.
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 bv = _mm256_set1_ps(bsc[r][g]);
+        float* a = acc[r] + ch * 32;
+        const __m256i parts[4] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo[r])),
+                                  _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi[r])),
+                                  _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo[r], 1)),
+                                  _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi[r], 1))};
+        for (int j = 0; j < 4; ++j) {
+          _mm256_store_ps(a + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(parts[j]), bv,
+                                                     _mm256_load_ps(a + 8 * j)));
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float z8[8];
+    _mm256_store_ps(z8, zacc[r]);
+    float zg[8] = {};
+    for (int l = 0; l < 8; ++l) zg[l % G] += z8[l];
+    for (int ch = 0; ch < chunks; ++ch) {
+      for (int pos = 0; pos < 32; ++pos) {
+        const int c = ch * 32 + LaneElem(bits, pos);
+        out[r][c] += acc[r][ch * 32 + pos] + zg[c / v.group];
+      }
+    }
+  }
+}
+
+// P.V over the quantized part of a KIVI/KCVT value slab with int8 x code
+// products. Per 16 tokens, query head and V group, u_t = p_t * s_tg is
+// rounded to int8 against its largest value (b = max u / 127); token pairs
+// are interleaved byte by byte so that one vpmaddubsw adds two tokens'
+// products per channel: out_c += b * sum_t u8_t * code_tc + sum_t p_t * z_tg.
+// 8 pairs stay exact in int16 (8 * 2 * 15 * 127 < 2^15). p must be >= 0.
+template <int R>
+void AccumKiviInt(const EncodedView& v, int64_t s, const float* const* p, float* const* out) {
+  switch (v.head_dim / v.group) {
+    case 1:
+      return AccumKiviIntG<R, 1>(v, s, p, out);
+    case 2:
+      return AccumKiviIntG<R, 2>(v, s, p, out);
+    case 4:
+      return AccumKiviIntG<R, 4>(v, s, p, out);
+    default:
+      return AccumKiviIntG<R, 8>(v, s, p, out);
+  }
+}
+
 bool FastPath(const EncodedView& b) {
   if (b.head_dim % 8 != 0) return false;
   if (b.codec == v1::CODEC_RAW) return true;
@@ -490,13 +836,19 @@ bool FastPath(const EncodedView& b) {
 
 template <int R>
 void ScoreBlock(const EncodedView& k, int64_t s, const float* const* q, float scale,
-                float* const* scores) {
+                float* const* scores, bool integer) {
   if (k.codec == v1::CODEC_RAW) {
     ScoreRaw<R>(k.dtype, k.raw, s * k.slab_stride, k.token_stride, k.tokens, k.head_dim, q, scale,
                 scores);
     return;
   }
-  if (k.quantized > 0) ScoreKivi<R>(k, s, q, scale, scores);
+  if (k.quantized > 0) {
+    if (integer && IntPath(k)) {
+      ScoreKiviInt<R>(k, s, q, scale, scores);
+    } else {
+      ScoreKivi<R>(k, s, q, scale, scores);
+    }
+  }
   if (k.residual > 0) {
     float* shifted[R];
     for (int r = 0; r < R; ++r) shifted[r] = scores[r] + k.quantized;
@@ -506,12 +858,19 @@ void ScoreBlock(const EncodedView& k, int64_t s, const float* const* q, float sc
 }
 
 template <int R>
-void AccumBlock(const EncodedView& v, int64_t s, const float* const* p, float* const* out) {
+void AccumBlock(const EncodedView& v, int64_t s, const float* const* p, float* const* out,
+                bool integer) {
   if (v.codec == v1::CODEC_RAW) {
     AccumRaw<R>(v.dtype, v.raw, s * v.slab_stride, v.token_stride, v.tokens, v.head_dim, p, out);
     return;
   }
-  if (v.quantized > 0) AccumKivi<R>(v, s, p, out);
+  if (v.quantized > 0) {
+    if (integer && IntPath(v)) {
+      AccumKiviInt<R>(v, s, p, out);
+    } else {
+      AccumKivi<R>(v, s, p, out);
+    }
+  }
   if (v.residual > 0) {
     const float* shifted[R];
     for (int r = 0; r < R; ++r) shifted[r] = p[r] + v.quantized;
@@ -523,43 +882,43 @@ void AccumBlock(const EncodedView& v, int64_t s, const float* const* p, float* c
 }  // namespace
 
 bool ScoreBlockSimd(const EncodedView& k, int64_t s, const float* const* q, int n_rep, float scale,
-                    float* const* scores) {
+                    float* const* scores, bool integer) {
   if (!SimdAvailable() || !FastPath(k)) return false;
   // Query heads go four at a time so their accumulators stay in registers.
   for (int r0 = 0; r0 < n_rep; r0 += 4) {
     switch (std::min(4, n_rep - r0)) {
       case 1:
-        ScoreBlock<1>(k, s, q + r0, scale, scores + r0);
+        ScoreBlock<1>(k, s, q + r0, scale, scores + r0, integer);
         break;
       case 2:
-        ScoreBlock<2>(k, s, q + r0, scale, scores + r0);
+        ScoreBlock<2>(k, s, q + r0, scale, scores + r0, integer);
         break;
       case 3:
-        ScoreBlock<3>(k, s, q + r0, scale, scores + r0);
+        ScoreBlock<3>(k, s, q + r0, scale, scores + r0, integer);
         break;
       default:
-        ScoreBlock<4>(k, s, q + r0, scale, scores + r0);
+        ScoreBlock<4>(k, s, q + r0, scale, scores + r0, integer);
     }
   }
   return true;
 }
 
 bool AccumulateBlockSimd(const EncodedView& v, int64_t s, const float* const* p, int n_rep,
-                         float* const* out) {
+                         float* const* out, bool integer) {
   if (!SimdAvailable() || !FastPath(v)) return false;
   for (int r0 = 0; r0 < n_rep; r0 += 4) {
     switch (std::min(4, n_rep - r0)) {
       case 1:
-        AccumBlock<1>(v, s, p + r0, out + r0);
+        AccumBlock<1>(v, s, p + r0, out + r0, integer);
         break;
       case 2:
-        AccumBlock<2>(v, s, p + r0, out + r0);
+        AccumBlock<2>(v, s, p + r0, out + r0, integer);
         break;
       case 3:
-        AccumBlock<3>(v, s, p + r0, out + r0);
+        AccumBlock<3>(v, s, p + r0, out + r0, integer);
         break;
       default:
-        AccumBlock<4>(v, s, p + r0, out + r0);
+        AccumBlock<4>(v, s, p + r0, out + r0, integer);
     }
   }
   return true;

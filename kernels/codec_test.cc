@@ -533,6 +533,87 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTest,
                                            AttnCase{32, 8, 128, 70}, AttnCase{12, 3, 64, 17},
                                            AttnCase{6, 6, 128, 1}, AttnCase{10, 2, 64, 129}));
 
+// kBest multiplies 2- and 4-bit codes as integers against int8-rounded q and
+// p. Its output is checked against the float64 reference over the same codes:
+// the error the rounding adds must stay a small fraction of what the codec
+// itself costs (the reference over the codes against the original fp32).
+struct IntCase {
+  const char* setting;
+  int q_heads, kv_heads, d;
+  int64_t tokens;
+  float q_scale;
+};
+
+class IntegerAttentionTest : public ::testing::TestWithParam<IntCase> {};
+
+TEST_P(IntegerAttentionTest, ErrorIsSmallAgainstTheCodecs) {
+  const IntCase& ic = GetParam();
+  if (!Int8AttentionEnabled()) GTEST_SKIP() << "no AVX2 here (or KVTIER_INT8_ATTENTION=off)";
+  const AttentionShape shape{ic.q_heads, ic.kv_heads, ic.d};
+  KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting(ic.setting));
+  std::vector<v1::EncodedTensor> keep;
+  std::vector<std::vector<float>> raw;
+  std::vector<KvBlock> blocks, exact_blocks;
+  // Two blocks, the second with an odd token count, and K with outlier channels.
+  for (int64_t n : {ic.tokens, ic.tokens / 2 + 7}) {
+    const int64_t shp[] = {ic.kv_heads, n, ic.d};
+    std::vector<float> k = Random(ic.kv_heads * n * ic.d, 40 + static_cast<uint32_t>(n));
+    AddOutlierChannels(&k, ic.d);
+    raw.push_back(std::move(k));
+    raw.push_back(Random(ic.kv_heads * n * ic.d, 41 + static_cast<uint32_t>(n)));
+    KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor kt,
+                             Encode(c, v1::TENSOR_ROLE_KEY, shp, raw[raw.size() - 2].data()));
+    KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor vt,
+                             Encode(c, v1::TENSOR_ROLE_VALUE, shp, raw.back().data()));
+    keep.push_back(std::move(kt));
+    keep.push_back(std::move(vt));
+    exact_blocks.push_back({EncodedView::Raw(v1::DTYPE_FP32, raw[raw.size() - 2].data(),
+                                             ic.kv_heads, n, ic.d, n * ic.d, ic.d),
+                            EncodedView::Raw(v1::DTYPE_FP32, raw.back().data(), ic.kv_heads, n,
+                                             ic.d, n * ic.d, ic.d)});
+  }
+  for (size_t i = 0; i < keep.size(); i += 2) {
+    KVT_ASSERT_OK_AND_ASSIGN(EncodedView kv, ParseEncoded(keep[i]));
+    KVT_ASSERT_OK_AND_ASSIGN(EncodedView vv, ParseEncoded(keep[i + 1]));
+    blocks.push_back({kv, vv});
+  }
+  const std::vector<float> q = Random(ic.q_heads * ic.d, 5, ic.q_scale);
+  const size_t n = q.size();
+  std::vector<float> exact(n), ref(n), vec(n), best(n);
+  KVT_ASSERT_OK(
+      DecodeAttention(shape, q.data(), exact_blocks, exact.data(), KernelLevel::kReference));
+  KVT_ASSERT_OK(DecodeAttention(shape, q.data(), blocks, ref.data(), KernelLevel::kReference));
+  KVT_ASSERT_OK(DecodeAttention(shape, q.data(), blocks, vec.data(), KernelLevel::kVectorized));
+  KVT_ASSERT_OK(DecodeAttention(shape, q.data(), blocks, best.data(), KernelLevel::kBest));
+  double codec_err = 0, int_err = 0, worst = 0, codec_worst = 0;
+  bool differs = false;
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_TRUE(std::isfinite(best[i])) << i;
+    codec_err += (ref[i] - exact[i]) * (ref[i] - exact[i]);
+    int_err += (best[i] - ref[i]) * (best[i] - ref[i]);
+    worst = std::max(worst, static_cast<double>(std::fabs(best[i] - ref[i])));
+    codec_worst = std::max(codec_worst, static_cast<double>(std::fabs(ref[i] - exact[i])));
+    differs |= best[i] != vec[i];
+  }
+  codec_err = std::sqrt(codec_err / n);
+  int_err = std::sqrt(int_err / n);
+  EXPECT_TRUE(differs) << "kBest took the fp32 path";
+  // The rounding must cost under a tenth of what the codec itself costs.
+  EXPECT_LT(int_err, 0.1 * codec_err) << "rms error: int8 " << int_err << ", codec " << codec_err;
+  EXPECT_LT(worst, 0.1 * codec_worst)
+      << "largest element error: int8 " << worst << ", codec " << codec_worst;
+  std::printf("%s: rms error int8 %.4f, codec %.4f; largest int8 %.4f, codec %.4f\n", ic.setting,
+              int_err, codec_err, worst, codec_worst);
+}
+
+INSTANTIATE_TEST_SUITE_P(Codecs, IntegerAttentionTest,
+                         ::testing::Values(IntCase{"kivi4", 32, 8, 128, 300, 2.0f},
+                                           IntCase{"kivi2", 32, 8, 128, 300, 2.0f},
+                                           IntCase{"kivi4:g=64", 8, 4, 128, 129, 4.0f},
+                                           IntCase{"kcvt4", 6, 2, 64, 97, 1.0f},
+                                           IntCase{"kivi2:g=32:R=8", 5, 5, 32, 77, 2.0f},
+                                           IntCase{"kivi4:g=128", 12, 4, 256, 64, 2.0f}));
+
 TEST(AttentionTest, RejectsMismatchedBlocks) {
   const std::vector<float> k(2 * 4 * 8, 1.0f), q(4 * 8, 1.0f);
   std::vector<float> out(4 * 8);
@@ -566,7 +647,7 @@ TEST(KvStreamTest, EncodesWholeBlocksAndNeverReencodes) {
   const std::vector<float> q = Random(4 * 64, 3);
   std::vector<float> a(4 * 64), b(4 * 64);
   const std::vector<KvBlock> blocks = s.Blocks();
-  KVT_ASSERT_OK(DecodeAttention({4, 2, 64}, q.data(), blocks, a.data()));
+  KVT_ASSERT_OK(DecodeAttention({4, 2, 64}, q.data(), blocks, a.data(), KernelLevel::kVectorized));
   KVT_ASSERT_OK(DecodeAttention({4, 2, 64}, q.data(), blocks, b.data(), KernelLevel::kReference));
   for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-4);
   KVT_ASSERT_OK(s.Flush());
