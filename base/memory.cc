@@ -2,6 +2,9 @@
 
 #include <malloc.h>
 
+#include <cstdio>
+#include <cstring>
+
 namespace kvtier {
 
 void TuneAllocatorForLargeBuffers() {
@@ -16,6 +19,26 @@ void TuneAllocatorForLargeBuffers() {
   // price; it did not show at 8 streams.
   mallopt(M_ARENA_MAX, 1);
 #endif
+}
+
+ProcessMemory ReadProcessMemory() {
+  ProcessMemory m;
+  if (FILE* f = std::fopen("/proc/self/status", "r")) {
+    char line[256];
+    while (std::fgets(line, sizeof(line), f) != nullptr) {
+      unsigned long long kb = 0;
+      if (std::sscanf(line, "VmRSS: %llu kB", &kb) == 1) m.resident_bytes = kb * 1024;
+      if (std::sscanf(line, "VmHWM: %llu kB", &kb) == 1) m.peak_resident_bytes = kb * 1024;
+    }
+    std::fclose(f);
+  }
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
+  const struct mallinfo2 mi = mallinfo2();
+  // uordblks: in use from the arenas; hblkhd: in use from mmap()ed blocks.
+  m.heap_in_use_bytes = mi.uordblks + mi.hblkhd;
+  m.heap_free_bytes = mi.fordblks;
+#endif
+  return m;
 }
 
 }  // namespace kvtier

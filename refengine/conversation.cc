@@ -683,6 +683,7 @@ TierRound RoundReport(const v1::EndRoundResponse& end, const v1::RecallDecision*
   t.round_working_set_bytes = end.round_working_set_bytes();
   t.full_cache_bytes = end.full_cache_bytes();
   t.working_set_after = end.working_set_bytes();
+  t.worker_memory = end.worker_memory();
   t.speculation.assign(end.speculation().begin(), end.speculation().end());
   t.prefill_ms = prefill_ms;
   return t;

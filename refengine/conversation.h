@@ -72,6 +72,8 @@ struct TierRound {
   uint64_t round_working_set_bytes = 0;  // Before EndRound.
   uint64_t full_cache_bytes = 0;         // The session's, this round included.
   uint64_t working_set_after = 0;        // After EndRound's release.
+  // The worker process's memory after EndRound (all of its sessions).
+  v1::ProcessMemory worker_memory;
   // The round's first prefill step, from its first layer sent to its last
   // output (with a hand-off, the receiver's answer included): the time to
   // first token without the decode step.

@@ -242,6 +242,11 @@ struct Totals {
   int64_t decode_tokens = 0;
   double err2 = 0, ref2 = 0;
   double top1 = 0, kl = 0;
+  // The largest peak RSS any worker reported, with that report; and each
+  // session's largest working set, summed (what the sessions held at most
+  // together).
+  v1::ProcessMemory worker_memory;
+  uint64_t ws_peak_sum = 0;
 };
 
 Totals Sum(const DemoReport& r) {
@@ -251,6 +256,14 @@ Totals Sum(const DemoReport& r) {
       t.full += s.rounds.back().full_cache_bytes;
       t.ws += s.rounds.back().round_working_set_bytes;
     }
+    uint64_t ws_peak = 0;
+    for (const TierRound& tr : s.rounds) {
+      ws_peak = std::max(ws_peak, tr.round_working_set_bytes);
+      if (tr.worker_memory.peak_resident_bytes() >= t.worker_memory.peak_resident_bytes()) {
+        t.worker_memory = tr.worker_memory;
+      }
+    }
+    t.ws_peak_sum += ws_peak;
     for (size_t i = 0; i < s.rounds.size(); ++i) {
       const TierRound& tr = s.rounds[i];
       t.full_all += tr.full_cache_bytes;
@@ -731,6 +744,7 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
                           absl::StrCat("kvtier-store Stats: ", stats.status().message()));
     }
     const v1::StatsResponse& st = *stats;
+    rep.store_memory = st.memory();
     rep.store_bytes_ram = 0;
     rep.store_bytes_disk = 0;
     for (const v1::TierStats& t : st.tiers()) {
@@ -740,6 +754,33 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
   }
   KVT_RETURN_IF_ERROR(close_all());
   return rep;
+}
+
+// Process memory beside what the processes hold (docs/worker.md#memory).
+std::string RenderMemory(const DemoReport& r, const Totals& t) {
+  std::string s;
+  const v1::ProcessMemory& w = t.worker_memory;
+  if (w.peak_resident_bytes() > 0) {
+    absl::StrAppendFormat(
+        &s,
+        "%s: peak RSS %s, %s at the last EndRound (heap %s in use, %s freed and kept); "
+        "the sessions' working sets at their largest sum to %s (peak RSS %.1fx that)\n",
+        r.inproc ? "this process (engine, its full-cache reference, in-process worker)"
+                 : "kvtier-worker memory (largest worker)",
+        Mib(w.peak_resident_bytes()), Mib(w.resident_bytes()), Mib(w.heap_in_use_bytes()),
+        Mib(w.heap_free_bytes()), Mib(t.ws_peak_sum),
+        Ratio(w.peak_resident_bytes(), t.ws_peak_sum));
+  }
+  if (r.store_memory.has_value() && r.store_memory->peak_resident_bytes() > 0) {
+    const v1::ProcessMemory& m = *r.store_memory;
+    absl::StrAppendFormat(&s,
+                          "kvtier-store memory: RSS %s (peak %s; heap %s in use, %s freed and "
+                          "kept) for %s in its RAM tier\n",
+                          Mib(m.resident_bytes()), Mib(m.peak_resident_bytes()),
+                          Mib(m.heap_in_use_bytes()), Mib(m.heap_free_bytes()),
+                          Mib(r.store_bytes_ram.value_or(0)));
+  }
+  return s;
 }
 
 std::string RenderText(const DemoReport& r) {
@@ -795,6 +836,7 @@ std::string RenderText(const DemoReport& r) {
                           "(every acknowledged round)\n",
                           Mib(*r.store_bytes_ram), Mib(*r.store_bytes_disk));
   }
+  s += RenderMemory(r, t);
   absl::StrAppendFormat(&s,
                         "bytes moved per round (mean): %s stored (2 PutSegment), %s recalled "
                         "(%lld of %lld rounds fetched, ONE GetSegments each)\n",
@@ -934,6 +976,18 @@ std::string RenderJson(const DemoReport& r) {
       &s, "  \"working_set_ratio_mean_over_rounds\": ", num(Ratio(t.ws_all, t.full_all)), ",\n");
   absl::StrAppend(&s, "  \"store_bytes_ram\": ", opt(r.store_bytes_ram), ",\n");
   absl::StrAppend(&s, "  \"store_bytes_disk\": ", opt(r.store_bytes_disk), ",\n");
+  auto memory = [](const v1::ProcessMemory& m) {
+    return absl::StrCat("{\"resident_bytes\": ", m.resident_bytes(),
+                        ", \"peak_resident_bytes\": ", m.peak_resident_bytes(),
+                        ", \"heap_in_use_bytes\": ", m.heap_in_use_bytes(),
+                        ", \"heap_free_bytes\": ", m.heap_free_bytes(), "}");
+  };
+  absl::StrAppend(&s, "  \"worker_memory\": ",
+                  t.worker_memory.peak_resident_bytes() > 0 ? memory(t.worker_memory) : "null",
+                  ",\n");
+  absl::StrAppend(&s, "  \"working_set_peak_sum_bytes\": ", t.ws_peak_sum, ",\n");
+  absl::StrAppend(&s, "  \"store_memory\": ",
+                  r.store_memory.has_value() ? memory(*r.store_memory) : "null", ",\n");
   absl::StrAppend(&s, "  \"bytes_stored_per_round\": ", num(Ratio(t.stored, t.round_count)), ",\n");
   absl::StrAppend(&s, "  \"bytes_fetched_per_round\": ", num(Ratio(t.fetched, t.round_count)),
                   ",\n");

@@ -107,6 +107,7 @@ struct DemoReport {
   int kv_heads = 0;  // The model's (0 for the synthetic chat).
   std::vector<DemoSession> sessions;
   std::optional<uint64_t> store_bytes_ram, store_bytes_disk;
+  std::optional<v1::ProcessMemory> store_memory;  // From Store.Stats at the end.
   double seconds = 0;
   // Decode traffic on the shared stream: requests sent and the session-layer
   // items they carried (items / requests = the mean batch).

@@ -13,9 +13,11 @@ SESSIONS=2 ROUNDS=20 CODEC=kivi8 REPORT="$OUT/report.json" \
 }
 grep -q "== kvtier demo report: synthetic-chat" "$OUT/stdout" || { cat "$OUT/stdout"; exit 1; }
 grep -q "attention-output relative error" "$OUT/stdout"
+grep -q "kvtier-worker memory (largest worker): peak RSS" "$OUT/stdout"
+grep -q "kvtier-store memory: RSS" "$OUT/stdout"
 for key in sessions rounds full_cache_bytes working_set_bytes working_set_ratio store_bytes_ram \
   store_bytes_disk recall_calls recall_rounds_selected decode_ms_per_token attn_rel_err \
-  top1_agreement; do
+  top1_agreement worker_memory store_memory working_set_peak_sum_bytes; do
   grep -q "\"$key\": " "$OUT/report.json" || { echo "missing key $key"; cat "$OUT/report.json"; exit 1; }
 done
 grep -q '"sessions": 2,' "$OUT/report.json"

@@ -96,6 +96,24 @@ TEST_F(EngineDemoTest, RecallAllIsLosslessUpToFp16AndReportHasEveryKey) {
     EXPECT_NE(json.find(key), std::string::npos) << key << " missing in\n" << json;
   }
   EXPECT_NE(refengine::RenderText(r).find("attention-output relative error"), std::string::npos);
+  // Process memory beside the working sets: every EndRound reports the
+  // worker's, Stats the store's; both are real figures of a live process.
+  for (const refengine::DemoSession& s : r.sessions) {
+    for (const refengine::TierRound& tr : s.rounds) {
+      EXPECT_GT(tr.worker_memory.resident_bytes(), 1u << 20);
+      EXPECT_GE(tr.worker_memory.peak_resident_bytes(), tr.worker_memory.resident_bytes());
+      EXPECT_GT(tr.worker_memory.heap_in_use_bytes(), 0u);
+    }
+  }
+  ASSERT_TRUE(r.store_memory.has_value());
+  EXPECT_GT(r.store_memory->resident_bytes(), 1u << 20);
+  EXPECT_NE(refengine::RenderText(r).find("kvtier-worker memory (largest worker): peak RSS"),
+            std::string::npos);
+  for (const char* key :
+       {"\"worker_memory\": {\"resident_bytes\": ", "\"store_memory\": {\"resident_bytes\": ",
+        "\"working_set_peak_sum_bytes\": "}) {
+    EXPECT_NE(json.find(key), std::string::npos) << key << " missing in\n" << json;
+  }
 }
 
 TEST_F(EngineDemoTest, BadPolicyTextsAreInvalidArgument) {

@@ -609,6 +609,15 @@ TEST_F(StoreIntegrationTest, MetricsHealthAndReflection) {
   EXPECT_THAT(metrics, HasSubstr("kvtier_store_bytes{tier=\"ram\"}"));
   EXPECT_THAT(metrics, HasSubstr("kvtier_store_hits_total{tier=\"ram\"} 1"));
   EXPECT_THAT(metrics, HasSubstr("kvtier_store_request_seconds_count{method=\"PutSegment\"} 1"));
+  // Every server's process memory, read at the scrape, and the same in Stats.
+  EXPECT_THAT(metrics, HasSubstr("\nprocess_resident_memory_bytes "));
+  EXPECT_THAT(metrics, HasSubstr("\nkvtier_process_peak_resident_memory_bytes "));
+  EXPECT_THAT(metrics, HasSubstr("\nkvtier_process_heap_in_use_bytes "));
+  auto stats = alice_->Stats();
+  ASSERT_THAT(stats, IsOk());
+  EXPECT_GT(stats->memory().resident_bytes(), 1u << 20);
+  EXPECT_GE(stats->memory().peak_resident_bytes(), stats->memory().resident_bytes());
+  EXPECT_GT(stats->memory().heap_in_use_bytes(), 4096u);  // The RAM tier holds the segment.
 
   EXPECT_EQ(testing::GrpcHealthStatus(alice_->channel()), 1);  // SERVING
   EXPECT_EQ(testing::GrpcHealthStatus(alice_->channel(), "kvtier.v1.Store"), 1);

@@ -45,6 +45,7 @@
 #include "absl/time/time.h"
 #include "base/call_options.h"
 #include "base/executor.h"
+#include "base/memory.h"
 #include "kernels/codec.h"
 #include "kernels/eviction.h"
 #include "kernels/recall.h"
@@ -147,6 +148,8 @@ struct EndRoundReport {
   std::vector<uint32_t> recalls_recorded;
   // Per layer, when the round's decode steps speculated; empty otherwise.
   std::vector<SpeculationLayerStats> speculation;
+  // The whole process's memory once the round is written.
+  ProcessMemory process_memory;
 };
 
 struct SessionStats {

@@ -183,7 +183,17 @@ v1::EndRoundResponse EndRoundToProto(const worker::EndRoundReport& r) {
     o->set_hit_sum(l.hit_sum);
     o->set_mass_sum(l.mass_sum);
   }
+  *resp.mutable_worker_memory() = ProcessMemoryToProto(r.process_memory);
   return resp;
+}
+
+v1::ProcessMemory ProcessMemoryToProto(const ProcessMemory& m) {
+  v1::ProcessMemory p;
+  p.set_resident_bytes(m.resident_bytes);
+  p.set_peak_resident_bytes(m.peak_resident_bytes);
+  p.set_heap_in_use_bytes(m.heap_in_use_bytes);
+  p.set_heap_free_bytes(m.heap_free_bytes);
+  return p;
 }
 
 }  // namespace kvtier

@@ -39,8 +39,11 @@ absl::StatusOr<worker::SessionPolicy> PolicyFromAnswer(const v1::GetPolicyRespon
 // The policy a session runs with, every default filled in (L_w resolved).
 v1::Policy EffectivePolicy(const v1::Policy& requested, const worker::SessionPolicy& eff);
 
-// EndRound's report as kvtier-worker answers it (speculation figures included).
+// EndRound's report as kvtier-worker answers it (speculation figures and the
+// process's memory included).
 v1::EndRoundResponse EndRoundToProto(const worker::EndRoundReport& r);
+
+v1::ProcessMemory ProcessMemoryToProto(const ProcessMemory& m);
 
 // A recall decision as a prefill response carries it.
 v1::RecallDecision RecallToProto(const worker::RecallReport& r);

@@ -241,6 +241,7 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
   rep.working_set_bytes = s->stats.working_set_bytes;
   rep.round_working_set_bytes = plan.round_working_set;
   rep.full_cache_bytes = s->stats.full_cache_bytes;
+  rep.process_memory = ReadProcessMemory();
   return rep;
 }
 

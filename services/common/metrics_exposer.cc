@@ -16,7 +16,11 @@
 
 #include "CivetServer.h"
 #include "absl/strings/str_cat.h"
+#include "base/memory.h"
 #include "civetweb.h"
+#include "prometheus/client_metric.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/metric_type.h"
 
 namespace kvtier {
 
@@ -84,6 +88,32 @@ int AnswerHealth(mg_connection* conn) {
   return code;
 }
 
+// The process's memory, read at each scrape: RSS under the name Prometheus'
+// client libraries use, its peak, and the heap's split (base/memory.h).
+class ProcessMemoryCollectable : public prometheus::Collectable {
+ public:
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    const ProcessMemory m = ReadProcessMemory();
+    auto gauge = [](const char* name, const char* help, uint64_t v) {
+      prometheus::MetricFamily f;
+      f.name = name;
+      f.help = help;
+      f.type = prometheus::MetricType::Gauge;
+      prometheus::ClientMetric c;
+      c.gauge.value = static_cast<double>(v);
+      f.metric.push_back(c);
+      return f;
+    };
+    return {gauge("process_resident_memory_bytes", "Resident set size (VmRSS).", m.resident_bytes),
+            gauge("kvtier_process_peak_resident_memory_bytes",
+                  "Largest resident set size so far (VmHWM).", m.peak_resident_bytes),
+            gauge("kvtier_process_heap_in_use_bytes", "Heap allocated and not freed (mallinfo2).",
+                  m.heap_in_use_bytes),
+            gauge("kvtier_process_heap_free_bytes",
+                  "Freed heap the allocator keeps for reuse (mallinfo2).", m.heap_free_bytes)};
+  }
+};
+
 }  // namespace
 
 absl::StatusOr<MetricsEndpoint> ServeMetrics(
@@ -107,6 +137,8 @@ absl::StatusOr<MetricsEndpoint> ServeMetrics(
         "(port 0: any free one) or turn metrics off with --metrics_listen="));
   }
   for (const auto& c : collectables) e.exposer->RegisterCollectable(c);
+  e.process_memory = std::make_shared<ProcessMemoryCollectable>();
+  e.exposer->RegisterCollectable(e.process_memory);
   const std::vector<int> ports = e.exposer->GetListeningPorts();
   e.port = ports.empty() ? 0 : ports[0];
   e.health = std::make_shared<HealthRegistration>(e.port, std::move(health));

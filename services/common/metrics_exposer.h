@@ -46,11 +46,14 @@ struct MetricsEndpoint {
   std::string wake_host;
   // Routes this port's /healthz and /readyz to its HealthFn; goes first.
   std::shared_ptr<HealthRegistration> health;
+  // process_resident_memory_bytes and kvtier_process_* (every server has them).
+  std::shared_ptr<prometheus::Collectable> process_memory;
 };
 
-// Serves `collectables` at `address` ("host:port") under /metrics, and
-// /healthz and /readyz from `health` (null: always live and ready; it runs
-// on the HTTP server's threads and must be cheap and thread-safe).
+// Serves `collectables` and the process's memory at `address` ("host:port")
+// under /metrics, and /healthz and /readyz from `health` (null: always live
+// and ready; it runs on the HTTP server's threads and must be cheap and
+// thread-safe).
 // UNAVAILABLE when the address cannot be bound, naming --metrics_listen.
 absl::StatusOr<MetricsEndpoint> ServeMetrics(
     const std::string& address,

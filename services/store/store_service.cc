@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/log.h"
+#include "base/memory.h"
 #include "base/status_macros.h"
 #include "cachestore/names.h"
 #include "kernels/crc32c.h"
@@ -709,6 +710,12 @@ grpc::ServerUnaryReactor* StoreService::Stats(grpc::CallbackServerContext* ctx,
     resp->set_tenant_bytes(u.used_bytes);
     resp->set_tenant_quota_bytes(u.quota_bytes);
     resp->set_tenant_sessions(store_->TenantSessions(p.tenant));
+    const ProcessMemory m = ReadProcessMemory();
+    v1::ProcessMemory* pm = resp->mutable_memory();
+    pm->set_resident_bytes(m.resident_bytes);
+    pm->set_peak_resident_bytes(m.peak_resident_bytes);
+    pm->set_heap_in_use_bytes(m.heap_in_use_bytes);
+    pm->set_heap_free_bytes(m.heap_free_bytes);
     return absl::OkStatus();
   });
 }
