@@ -15,7 +15,8 @@ void TuneAllocatorForLargeBuffers();
 
 // The process's memory now. RSS and its peak come from /proc/self/status
 // (VmRSS, VmHWM); the heap split from glibc's mallinfo2 (every arena).
-// Fields the platform does not give stay 0. Cheap enough for each EndRound
+// Fields the platform does not give stay 0 (the heap split under ASan,
+// whose allocator is not glibc's). Cheap enough for each EndRound
 // or scrape: one small file read and one walk of the allocator's bins.
 struct ProcessMemory {
   uint64_t resident_bytes = 0;

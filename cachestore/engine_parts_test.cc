@@ -1,14 +1,76 @@
-// Tests of the store's small parts: key layout, names, planner, quotas.
+// Tests of the store's small parts: key layout, names, planner, quotas, the
+// index's map.
+#include <iterator>
+#include <map>
+#include <random>
+
 #include "cachestore/keys.h"
 #include "cachestore/names.h"
 #include "cachestore/planner.h"
 #include "cachestore/quota.h"
+#include "cachestore/stable_map.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/util/status_matchers.h"
 
 namespace kvtier::cachestore {
 namespace {
+
+// StableMap against std::map on random inserts, lookups and erases: the same
+// contents in the same order, and every value stays at its address until it
+// is erased (the store's orders hold pointers to them).
+template <size_t N>
+void CheckStableMapAgainstStdMap(uint32_t seed) {
+  StableMap<uint64_t, N> m;
+  std::map<uint32_t, uint64_t> ref;
+  std::map<uint32_t, const uint64_t*> addr;
+  std::mt19937 rng(seed);
+  for (int step = 0; step < 4000; ++step) {
+    const uint32_t k = rng() % 64;
+    switch (rng() % 4) {
+      case 0:
+      case 1: {
+        uint64_t& v = m[k];
+        if (ref.count(k) == 0) {
+          EXPECT_EQ(v, 0u);  // Value-initialized, as std::map's.
+          addr[k] = &v;
+        }
+        EXPECT_EQ(&v, addr[k]);
+        v = ref[k] = rng();
+        break;
+      }
+      case 2:
+        EXPECT_EQ(m.erase(k), ref.erase(k));
+        addr.erase(k);
+        break;
+      default: {
+        auto it = m.find(k);
+        ASSERT_EQ(it == m.end(), ref.count(k) == 0);
+        if (it != m.end()) {
+          EXPECT_EQ(it->second, ref[k]);
+          EXPECT_EQ(&it->second, addr[k]);
+        }
+      }
+    }
+    ASSERT_EQ(m.size(), ref.size());
+    auto r = ref.begin();
+    for (const auto& [key, value] : m) {
+      ASSERT_EQ(key, r->first);
+      ASSERT_EQ(value, r->second);
+      ASSERT_EQ(&value, addr[key]);
+      ++r;
+    }
+    if (!ref.empty()) EXPECT_EQ(m.rbegin()->first, ref.rbegin()->first);
+  }
+  // Erasing while walking, as RemoveRoundLocked does.
+  for (auto it = m.begin(); it != m.end();) it = it->first % 2 == 0 ? m.erase(it) : std::next(it);
+  for (const auto& [key, value] : m) EXPECT_EQ(key % 2, 1u);
+}
+
+TEST(StableMapTest, MatchesStdMapAndNeverMovesValues) {
+  CheckStableMapAgainstStdMap<0>(1);
+  CheckStableMapAgainstStdMap<2>(2);
+}
 
 using ::kvtier::testing::IsOk;
 using ::kvtier::testing::StatusIs;

@@ -36,6 +36,7 @@
 #include "cachestore/payload_files.h"
 #include "cachestore/planner.h"
 #include "cachestore/quota.h"
+#include "cachestore/stable_map.h"
 #include "kvtier/v1/tensor.pb.h"
 
 namespace rocksdb {
@@ -344,10 +345,13 @@ class Store {
   struct RoundEntry {
     SessionEntry* session = nullptr;  // Owner.
     uint32_t number = 0;
-    uint32_t writing = 0;  // Segments in kWriting.
+    // Segments in kWriting (at most kMaxSegmentsPerRound). 16 bits so that
+    // the flag shares its word: the entry stays 80 bytes, one 96-byte
+    // allocation with its key.
+    uint16_t writing = 0;
     bool in_drop_order = false;
     uint64_t drop_bytes = 0;
-    std::map<uint32_t, SegmentEntry> segments;
+    StableMap<SegmentEntry, 2> segments;  // A round has two (lower, upper).
     // Null until a write brings one: most of the index's rounds are
     // recovered or summary-less, and the message is 72 bytes.
     std::unique_ptr<v1::RoundSummary> summary;
@@ -355,10 +359,11 @@ class Store {
     int64_t last_recall_ms = 0;
     uint64_t insert_seq = 0;
   };
+  static_assert(sizeof(RoundEntry) <= 80 || sizeof(void*) != 8);
   struct SessionEntry {
     std::string tenant;
     std::string session;
-    std::map<uint32_t, RoundEntry> rounds;
+    StableMap<RoundEntry, 0> rounds;
     bool pinned = false;
     uint32_t ttl_seconds = 0;
     int64_t last_access_ms = 0;  // Change through TouchSessionLocked.

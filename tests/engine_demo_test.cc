@@ -102,7 +102,9 @@ TEST_F(EngineDemoTest, RecallAllIsLosslessUpToFp16AndReportHasEveryKey) {
     for (const refengine::TierRound& tr : s.rounds) {
       EXPECT_GT(tr.worker_memory.resident_bytes(), 1u << 20);
       EXPECT_GE(tr.worker_memory.peak_resident_bytes(), tr.worker_memory.resident_bytes());
+#ifndef KVTIER_SANITIZED  // The sanitizers' allocator answers mallinfo2 with zeros.
       EXPECT_GT(tr.worker_memory.heap_in_use_bytes(), 0u);
+#endif
     }
   }
   ASSERT_TRUE(r.store_memory.has_value());
