@@ -67,6 +67,29 @@ absl::StatusOr<v1::RouteResponse> SessionRouter::Failover(const std::string& ses
   return r;
 }
 
+absl::StatusOr<v1::RouteResponse> SessionRouter::FailoverDecode(const std::string& session,
+                                                                const v1::RouteResponse& failed,
+                                                                const CallOptions& call) {
+  v1::RouteRequest req;
+  req.set_session_id(session);
+  req.set_avoid_worker_node_id(failed.decode_worker_node_id());
+  absl::StatusOr<v1::RouteResponse> r = client_->Route(req, call);
+  if (!r.ok()) {
+    return absl::Status(r.status().code(),
+                        absl::StrCat("Route ", session, " avoiding decode worker ",
+                                     failed.decode_worker_node_id(), ": ", r.status().message()));
+  }
+  LogWarn("session's decode steps moved off a decode worker that does not answer",
+          {{"session", session},
+           {"from", failed.decode_worker_node_id()},
+           {"to", r->decode_worker_node_id().empty() ? r->worker_node_id()
+                                                     : r->decode_worker_node_id()}});
+  absl::MutexLock lock(&mu_);
+  routes_[session] = *r;
+  ++failovers_;
+  return r;
+}
+
 absl::StatusOr<v1::RouteResponse> SessionRouter::Refresh(const std::string& session,
                                                          const CallOptions& call) {
   Forget(session);

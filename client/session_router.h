@@ -43,6 +43,14 @@ class SessionRouter {
   absl::StatusOr<v1::RouteResponse> Failover(const std::string& session,
                                              const v1::RouteResponse& failed,
                                              const CallOptions& call = {});
+  // The session's decode worker (`failed.decode_worker_node_id()`, a route
+  // this router gave) could not be reached: asks again avoiding it, so that
+  // another decode-role worker takes the decode steps, or none (the session's
+  // own worker decodes). The session's worker and stores stay. Caches the
+  // answer.
+  absl::StatusOr<v1::RouteResponse> FailoverDecode(const std::string& session,
+                                                   const v1::RouteResponse& failed,
+                                                   const CallOptions& call = {});
   // Asks the controller again (its replicas may have changed since: a dead
   // store is replaced without the engine noticing) and caches the answer.
   absl::StatusOr<v1::RouteResponse> Refresh(const std::string& session,

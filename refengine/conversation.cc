@@ -539,8 +539,14 @@ class Cluster : public ClusterSession {
     const absl::Time t0 = absl::Now();
     Failover f;
     f.round = round;
-    f.from = route_.worker_node_id();
     f.failure = failure.ToString();
+    // With disaggregation the session may have been on its decode worker:
+    // when that one is gone, the decode steps move (to another decode-role
+    // worker, or to the session's own worker) and the session resumes on its
+    // worker from the store.
+    const bool decode_gone = !route_.decode_worker_address().empty() &&
+                             !router_->Answers(route_.decode_worker_address(), absl::Seconds(1));
+    f.from = decode_gone ? route_.decode_worker_node_id() : route_.worker_node_id();
     inner_->Abandon();
     std::vector<TierRound> history = inner_->rounds();
     // Until a resume works or store_failover_ is spent: a store that stopped
@@ -554,7 +560,8 @@ class Cluster : public ClusterSession {
         // deadline): drop its copy of the session and resume it there, with
         // the replicas the controller names now.
         CloseOnRouteWorker();
-        KVT_ASSIGN_OR_RETURN(route_, router_->Refresh(session_));
+        KVT_ASSIGN_OR_RETURN(route_, decode_gone ? router_->FailoverDecode(session_, route_)
+                                                 : router_->Refresh(session_));
       } else {
         KVT_ASSIGN_OR_RETURN(route_, router_->Failover(session_, route_));
       }
@@ -586,18 +593,26 @@ class Cluster : public ClusterSession {
     }
     history.resize(std::min<size_t>(history.size(), next));
     inner_->set_rounds(std::move(history));
-    f.to = route_.worker_node_id();
+    f.to = decode_gone && !route_.decode_worker_node_id().empty() ? route_.decode_worker_node_id()
+                                                                  : route_.worker_node_id();
     f.recover_ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
     failovers_.push_back(f);
     return next;
   }
 
  private:
-  // Closes the session (keeping its rounds) on the worker route_ names now.
+  // Closes the session (keeping its rounds) on the worker route_ names now,
+  // and on its decode worker, which holds it between a hand-off and the
+  // hand-back (NOT_FOUND where it is not).
   void CloseOnRouteWorker() {
-    Tier(spec_, router_->Channel(route_.worker_address()), session_, token_, deadlines_, nullptr)
-        .Close(/*delete_from_store=*/false)
-        .IgnoreError();
+    for (const std::string& w : {route_.worker_address(), route_.decode_worker_address()}) {
+      if (w.empty() || (w != route_.worker_address() && !router_->Answers(w, absl::Seconds(1)))) {
+        continue;
+      }
+      Tier(spec_, router_->Channel(w), session_, token_, deadlines_, nullptr)
+          .Close(/*delete_from_store=*/false)
+          .IgnoreError();
+    }
   }
 
   absl::Status OpenOn(bool resume, std::optional<uint32_t> at = std::nullopt) {

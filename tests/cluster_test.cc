@@ -13,6 +13,7 @@
 #include <mutex>
 #include <random>
 #include <set>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -494,6 +495,112 @@ TEST_F(ClusterTest, GreedyTokensSurviveAWorkerKill) {
   EXPECT_EQ(moved[0].round, 3u);  // Round 3 (0-based) was open when its worker died.
   EXPECT_NE(moved[0].from, moved[0].to);
   EXPECT_EQ(killed->answers, plain->answers);
+}
+
+// Forwards to a session and calls `at_decode` once, before the first decode
+// step of round `round` (counting rounds that ended).
+class DecodeHook : public refengine::ConversationBackend {
+ public:
+  DecodeHook(refengine::ConversationBackend* inner, int round, std::function<void()> at_decode)
+      : inner_(inner), round_(round), at_decode_(std::move(at_decode)) {}
+  absl::Status BeginStep(bool prefill, int n, int question_tokens) override {
+    if (!prefill && ended_ == round_ && at_decode_) std::exchange(at_decode_, nullptr)();
+    return inner_->BeginStep(prefill, n, question_tokens);
+  }
+  absl::Status EndStep() override { return inner_->EndStep(); }
+  absl::Status EndRound() override {
+    absl::Status s = inner_->EndRound();
+    if (s.ok()) ++ended_;
+    return s;
+  }
+  absl::StatusOr<uint32_t> Recover(uint32_t round, const absl::Status& failure) override {
+    absl::StatusOr<uint32_t> next = inner_->Recover(round, failure);
+    if (next.ok()) ended_ = static_cast<int>(*next);
+    return next;
+  }
+  absl::Status AttendLayer(int layer, int pos0, int n, const float* q, const float* k,
+                           const float* v, float* out) override {
+    return inner_->AttendLayer(layer, pos0, n, q, k, v, out);
+  }
+  bool WantsNextLayerQuery() const override { return inner_->WantsNextLayerQuery(); }
+  absl::Status NextLayerQuery(int layer, int pos0, int n, const float* q_next) override {
+    return inner_->NextLayerQuery(layer, pos0, n, q_next);
+  }
+
+ private:
+  refengine::ConversationBackend* const inner_;
+  const int round_;
+  std::function<void()> at_decode_;
+  int ended_ = 0;
+};
+
+// Disaggregation through the controller, and the loss of the decode worker
+// while a session is on it: a decode-role worker on host 6 takes every
+// session's decode steps; it is killed with SIGKILL at the first decode step
+// of round 3, when the session was handed to it. The session resumes on its
+// own worker from the store, which then decodes too, and a lossless
+// conversation answers with exactly the greedy tokens of a run where nothing
+// failed.
+TEST_F(ClusterTest, DecodeWorkerKilledWhileItHoldsTheSession) {
+  KVT_REQUIRE_SHARED_MODEL(path);
+  auto m = model::LlamaModel::Load(path);
+  ASSERT_TRUE(m.ok()) << m.status();
+  auto decoder = cluster_->Run(
+      6, "decode-1", WorkerBinary(),
+      {"--store=" + StoreAddress(1), absl::StrCat("--store_token=", kNodeToken),
+       "--listen=" + cluster_->Address(6) + ":0", "--port_file=PORT_FILE",
+       "--metrics_listen=", "--tenants_file=" + tenants_, "--controller=" + controller_,
+       absl::StrCat("--controller_token=", kNodeToken), "--node_id=decode-1", "--role=decode",
+       "--placement=host", "--store_deadline_ms=3000"});
+  ASSERT_TRUE(decoder.ok()) << decoder.status();
+  ASSERT_TRUE(WaitLive(6));
+  ControllerClientOptions co;
+  co.target = controller_;
+  co.token = kAcmeToken;
+  auto router = std::move(SessionRouter::Connect(co)).value();
+  refengine::ConversationOptions conv;
+  conv.rounds = 6;
+  conv.question_tokens = 10;
+  conv.answer_tokens = 11;
+  v1::Policy policy;
+  policy.set_release_after_end_round(true);
+  struct Run {
+    refengine::Transcript transcript;
+    std::vector<refengine::TierRound> rounds;
+    std::vector<refengine::Failover> failovers;
+  };
+  auto run = [&](const std::string& id, int kill_at_round) -> absl::StatusOr<Run> {
+    auto s = refengine::ClusterBackend(refengine::SpecOf((*m)->config()), router.get(), id, policy,
+                                       kAcmeToken);
+    if (!s.ok()) return s.status();
+    DecodeHook hook(s->get(), kill_at_round, [&] { (*decoder)->Kill(); });
+    auto t = refengine::RunConversation(**m, conv, &hook, nullptr, {});
+    if (!t.ok()) return t.status();
+    Run r{*std::move(t), (*s)->rounds(), (*s)->failovers()};
+    (*s)->Close(true).IgnoreError();
+    return r;
+  };
+  auto plain = run("pd-plain", -1);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  for (size_t r = 0; r < plain->rounds.size(); ++r) {
+    EXPECT_TRUE(plain->rounds[r].handed_off) << "round " << r;
+  }
+  auto killed = run("pd-killed", 3);
+  ASSERT_TRUE(killed.ok()) << killed.status();
+  EXPECT_FALSE((*decoder)->running());
+  EXPECT_TRUE(plain->failovers.empty());
+  ASSERT_EQ(killed->failovers.size(), 1u);
+  EXPECT_EQ(killed->failovers[0].round, 3u);
+  EXPECT_EQ(killed->failovers[0].from, "decode-1");
+  EXPECT_NE(killed->failovers[0].to, "decode-1");
+  EXPECT_EQ(killed->transcript.answers, plain->transcript.answers);
+  ASSERT_EQ(killed->rounds.size(), 6u);
+  for (size_t r = 0; r < 6; ++r) {
+    // Rounds 0-2 went to the decode worker; from round 3 the session's own
+    // worker decodes.
+    EXPECT_EQ(killed->rounds[r].handed_off, r < 3) << "round " << r;
+    EXPECT_EQ(killed->rounds[r].stored_bytes, plain->rounds[r].stored_bytes) << "round " << r;
+  }
 }
 
 // Prefill/decode disaggregation across hosts: a standalone worker on host 4
