@@ -661,7 +661,8 @@ TEST_F(TransferServiceTest, FailedHandOffsUndoTheStep) {
 }
 
 // A receiver that accepts connections and never answers (SIGSTOP). Before
-// any connection, gRPC gives up on the handshake: UNAVAILABLE. On a
+// any connection, gRPC gives up on the handshake: UNAVAILABLE (or, under
+// load, the deadline comes first). On a
 // connection already up, the hand-off runs out of its deadline (the prefill
 // worker's store deadline when the Prefill call has none): DEADLINE_EXCEEDED.
 // Either way the step is undone.
@@ -694,9 +695,16 @@ TEST_F(TransferServiceTest, StalledReceiver) {
     PrefillResult r = Prefill(ps.get(), "s", step, target);
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);
-    EXPECT_EQ(r.status.error_code(),
-              connected ? grpc::StatusCode::DEADLINE_EXCEEDED : grpc::StatusCode::UNAVAILABLE)
-        << r.status.error_message();
+    if (connected) {
+      EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+          << r.status.error_message();
+    } else {
+      // The handshake's own failure and the deadline race: on a loaded
+      // machine the deadline can come first. Both tell the engine to retry.
+      EXPECT_THAT(r.status.error_code(), ::testing::AnyOf(grpc::StatusCode::UNAVAILABLE,
+                                                          grpc::StatusCode::DEADLINE_EXCEEDED))
+          << r.status.error_message();
+    }
     EXPECT_THAT(r.status.error_message(), ::testing::HasSubstr("undone"));
     auto st = (*p)->engine()->Stats("s");
     ASSERT_TRUE(st.ok()) << st.status();

@@ -10,7 +10,9 @@
 #include "client/controller_client.h"
 #include "google/protobuf/text_format.h"
 #include "kernels/eviction.h"
+#include "kernels/speculation.h"
 #include "tools/cli_args.h"
+#include "worker/engine.h"
 
 namespace kvtier::cli {
 namespace {
@@ -33,6 +35,11 @@ constexpr char kHelp[] =
     "        --watershed_layer=L  --keep_recent_round=true|false\n"
     "        --release_after_end_round=true|false\n"
     "        --profile=FILE   an EvolKV layer profile (kvtier budgets search --out=FILE)\n"
+    "        --speculation_skew=FILE|ID  InfiniGen speculation with this skew (kvtier\n"
+    "                         calibrate infinigen; a file gives its id). Workers load it\n"
+    "                         with --skew_dir, or an engine uploads it (PutSkew)\n"
+    "        --speculation_alpha=A  keep tokens within A of the max score [4]\n"
+    "        --speculation_budget=N  at most N tokens per head, 0 = no cap [0]\n"
     "  get --model=NAME [--session=S] [--idle_ms=N]\n"
     "      What GetPolicy answers for a session of that model idle N ms: the registered\n"
     "      policy, or the tightened one for a cold session under memory pressure.\n";
@@ -81,10 +88,27 @@ int PolicyCommand(const Args& args) {
     std::printf("%s", kHelp);
     return 0;
   }
-  const std::vector<std::string> unknown = args.Unknown(
-      {"controller", "token", "tls_ca", "model", "codec", "bits", "group_size", "residual_tokens",
-       "eviction", "budget_tokens", "window", "recall", "watershed_layer", "keep_recent_round",
-       "release_after_end_round", "profile", "session", "idle_ms"});
+  const std::vector<std::string> unknown = args.Unknown({"controller",
+                                                         "token",
+                                                         "tls_ca",
+                                                         "model",
+                                                         "codec",
+                                                         "bits",
+                                                         "group_size",
+                                                         "residual_tokens",
+                                                         "eviction",
+                                                         "budget_tokens",
+                                                         "window",
+                                                         "recall",
+                                                         "watershed_layer",
+                                                         "keep_recent_round",
+                                                         "release_after_end_round",
+                                                         "profile",
+                                                         "session",
+                                                         "idle_ms",
+                                                         "speculation_skew",
+                                                         "speculation_alpha",
+                                                         "speculation_budget"});
   if (!unknown.empty()) return Usage("unknown flag --" + unknown.front());
   if (!args.Has("model")) return Usage("--model=NAME is required");
   ControllerClientOptions o;
@@ -143,6 +167,36 @@ int PolicyCommand(const Args& args) {
     } else {
       p.set_release_after_end_round(v);
     }
+  }
+  if (args.Has("speculation_skew")) {
+    const std::string v = args.Get("speculation_skew");
+    std::string id = v;
+    if (std::FILE* f = std::fopen(v.c_str(), "rb")) {
+      std::string bytes;
+      char buf[1 << 16];
+      size_t n;
+      while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) bytes.append(buf, n);
+      std::fclose(f);
+      // The skew must parse here as the workers will parse it.
+      if (absl::StatusOr<spec::SkewModel> m = spec::ParseSkew(bytes); !m.ok()) {
+        return Fail(absl::Status(m.status().code(), v + ": " + std::string(m.status().message())));
+      }
+      id = worker::Engine::SkewId(bytes);
+      std::printf("skew %s is %s\n", v.c_str(), id.c_str());
+    }
+    p.set_speculation_skew(id);
+  }
+  if (args.Has("speculation_alpha")) {
+    float alpha = 0;
+    if (!absl::SimpleAtof(args.Get("speculation_alpha"), &alpha) || !(alpha > 0)) {
+      return Usage("--speculation_alpha must be a number above 0");
+    }
+    p.set_speculation_alpha(alpha);
+  }
+  p.set_speculation_budget(static_cast<uint32_t>(args.GetU64("speculation_budget", 0)));
+  if ((args.Has("speculation_alpha") || args.Has("speculation_budget")) &&
+      !args.Has("speculation_skew")) {
+    return Usage("--speculation_alpha and --speculation_budget need --speculation_skew");
   }
   if (args.Has("profile")) {
     absl::StatusOr<evict::Policy> prof = evict::LoadLayerProfile(args.Get("profile"));

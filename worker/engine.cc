@@ -58,12 +58,16 @@ absl::Status ValidateRoundPolicy(const ModelShape& shape, const SessionPolicy& p
   return absl::OkStatus();
 }
 
+std::string Engine::SkewId(std::string_view bytes) {
+  // The CRC-32C of the content (not of the whole file, whose own trailing
+  // CRC makes that a constant) and the size.
+  if (bytes.size() < 4) return "";
+  return absl::StrFormat("%08x-%d", Crc32c(bytes.substr(0, bytes.size() - 4)), bytes.size());
+}
+
 absl::StatusOr<std::string> Engine::PutSkew(std::string_view bytes) {
-  // The id: the CRC-32C of the content (not of the whole file, whose own
-  // trailing CRC makes that a constant) and the size.
   if (bytes.size() < 4) return absl::InvalidArgumentError("skew file: too short");
-  const std::string id =
-      absl::StrFormat("%08x-%d", Crc32c(bytes.substr(0, bytes.size() - 4)), bytes.size());
+  const std::string id = SkewId(bytes);
   {
     absl::MutexLock lock(&skews_mu_);
     if (skews_.count(id) != 0) return id;

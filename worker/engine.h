@@ -357,6 +357,9 @@ class Engine {
   // kMaxSkews distinct skews.
   static constexpr int kMaxSkews = 16;
   absl::StatusOr<std::string> PutSkew(std::string_view bytes);
+  // The id PutSkew gives these bytes, without parsing them (empty for fewer
+  // than 4 bytes): what `kvtier policy set --speculation_skew=FILE` names.
+  static std::string SkewId(std::string_view bytes);
   // The skew PutSkew returned `id` for; null when the engine holds none.
   std::shared_ptr<const spec::SkewModel> Skew(const std::string& id) const;
 

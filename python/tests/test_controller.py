@@ -18,10 +18,11 @@ from kvtier import ControllerClient, KvtierError, ModelSpec, Policy, WorkerClien
 SPEC = ModelSpec(layers=3, q_heads=4, kv_heads=2, head_dim=8, dtype="float32", name="tiny")
 
 
-def start_cluster(work, roles, servers):
+def start_cluster(work, roles, servers, worker_args=()):
     """A controller, a store and one worker per entry of `roles` (its
     --role, or None), every node joined to the controller, appended to
-    `servers` as each starts (the caller stops them, also after a failure)."""
+    `servers` as each starts (the caller stops them, also after a failure).
+    worker_args[i], where given, are more flags for worker i."""
     ctl = Server(os.path.join(BUILD, "services/controller/kvtier-controller"),
                  ["--listen=127.0.0.1:0", "--metrics_listen=", f"--state_dir={work}/ctl",
                   "--heartbeat_interval_ms=200", "--warmup_seconds=0"], work, "controller")
@@ -33,6 +34,7 @@ def start_cluster(work, roles, servers):
     for i, role in enumerate(roles):
         args = [f"--store={store.address}", "--listen=127.0.0.1:0", "--metrics_listen=",
                 f"--controller={ctl.address}"] + ([f"--role={role}"] if role else [])
+        args += list(worker_args[i]) if i < len(worker_args) else []
         servers.append(Server(os.path.join(BUILD, "services/worker/kvtier-worker"), args, work,
                               f"worker{i}"))
 
@@ -132,6 +134,57 @@ def test_prefill_and_decode_pools_through_the_controller():
         layer1 = [l for l in table.splitlines() if l.startswith("1 ")][0].split()
         assert int(layer1[1]) > 0, table  # Steps that speculated layer 1.
         print(out.stdout[out.stdout.index("prefill (time"):][:600])
+    finally:
+        for s in reversed(servers):
+            s.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_speculation_from_a_controller_policy():
+    """A per-model policy that speculates, set with `kvtier policy set
+    --speculation_skew=FILE`: a worker that loaded the skew at start
+    (--skew_dir) opens sessions of that model speculating without an upload;
+    one that did not refuses them with FAILED_PRECONDITION naming the skew."""
+    from conftest import require_model
+
+    model = require_model()
+    work = tempfile.mkdtemp(prefix="kvtier-py-spec-")
+    servers = []
+    try:
+        skews = os.path.join(work, "skews")
+        os.makedirs(skews)
+        skew = os.path.join(skews, "stories.skew")
+        kvtier_cli = os.path.join(BUILD, "tools/kvtier")
+        subprocess.run([kvtier_cli, "calibrate", "infinigen", f"--model={model}", f"--out={skew}"],
+                       check=True, capture_output=True)
+        start_cluster(work, [None, None], servers, [[f"--skew_dir={skews}"], []])
+        ctl, loaded, bare = servers[0], servers[2], servers[3]
+        assert "skew ready" in open(os.path.join(work, "worker0.log")).read()
+        out = subprocess.run(
+            [kvtier_cli, "policy", "set", f"--controller={ctl.address}", "--model=stories",
+             "--recall=all", f"--speculation_skew={skew}", "--speculation_alpha=3",
+             "--speculation_budget=6"], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        skew_id = out.stdout.splitlines()[0].rsplit(" ", 1)[1]  # "skew FILE is ID"
+        assert "registered the policy of model 'stories'" in out.stdout
+        bad = subprocess.run(
+            [kvtier_cli, "policy", "set", f"--controller={ctl.address}", "--model=stories",
+             "--speculation_alpha=3"], capture_output=True, text=True, timeout=30)
+        assert bad.returncode == 2 and "need --speculation_skew" in bad.stderr
+        # stories260K: 5 layers, 8 query heads over 4 KV heads of 8.
+        spec = ModelSpec(layers=5, q_heads=8, kv_heads=4, head_dim=8, dtype="float32",
+                         name="stories")
+        with WorkerClient(loaded.address) as w:
+            s = w.open_session("spec-0", spec)
+            p = s.effective_policy
+            assert (p.speculation_skew, p.speculation_alpha, p.speculation_budget) == (
+                skew_id, 3.0, 6)
+            s.close(delete_from_store=True)
+        with WorkerClient(bare.address) as w:
+            with pytest.raises(KvtierError) as e:
+                w.open_session("spec-1", spec)
+            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"unknown skew {skew_id}" in str(e.value)
     finally:
         for s in reversed(servers):
             s.stop()

@@ -1,8 +1,11 @@
 // kvtier-worker: attention over each session's compressed, recalled working
 // set; rounds go to kvtier-store.
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
+#include <system_error>
 
 #include "absl/flags/flag.h"
 #include "base/command_line.h"
@@ -43,6 +46,9 @@ ABSL_FLAG(int, io_threads, 8, "Threads running the RPCs that reach the store.");
 ABSL_FLAG(std::string, role, "both",
           "both, prefill or decode: a prefill worker refuses Decode, a decode worker refuses "
           "Prefill; sessions move between them by hand-off (docs/transfer.md).");
+ABSL_FLAG(std::string, skew_dir, "",
+          "Directory of skew files (kvtier calibrate infinigen) to load at start, every "
+          "regular file in it; sessions whose policy names one speculate without an upload.");
 ABSL_FLAG(std::string, placement, "auto",
           "Where working sets live: auto (the GPU when this build has CUDA and a device is "
           "visible, for raw/KIVI/KCVT sessions; host memory otherwise), host, or device "
@@ -134,6 +140,17 @@ int main(int argc, char** argv) {
   if (o.store.target.empty()) {
     std::fprintf(stderr, "kvtier-worker: --store is required\n");
     return 2;
+  }
+  if (const std::string dir = absl::GetFlag(FLAGS_skew_dir); !dir.empty()) {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+      if (e.is_regular_file()) o.skew_files.push_back(e.path().string());
+    }
+    if (ec) {
+      std::fprintf(stderr, "kvtier-worker: --skew_dir %s: %s\n", dir.c_str(), ec.message().c_str());
+      return 2;
+    }
+    std::sort(o.skew_files.begin(), o.skew_files.end());
   }
   return kvtier::ServeUntilSignal<kvtier::WorkerServer>(
       "kvtier-worker", [&o] { return kvtier::WorkerServer::Start(o); },

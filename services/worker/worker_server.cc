@@ -1,6 +1,8 @@
 #include "services/worker/worker_server.h"
 
 #include <chrono>
+#include <fstream>
+#include <iterator>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -53,6 +55,16 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
     options.engine.tenant_limits[tenant] = {l.max_sessions, l.max_working_set_bytes};
   }
   s->engine_ = std::make_unique<worker::Engine>(s->segments_.get(), options.engine);
+  for (const std::string& path : options.skew_files) {
+    std::ifstream f(path, std::ios::binary);
+    if (!f) return absl::NotFoundError(absl::StrCat("cannot read skew file ", path));
+    const std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    absl::StatusOr<std::string> id = s->engine_->PutSkew(bytes);
+    if (!id.ok()) {
+      return absl::Status(id.status().code(), absl::StrCat(path, ": ", id.status().message()));
+    }
+    LogInfo("skew ready", {{"file", path}, {"skew", *id}});
+  }
   s->metrics_ = std::make_unique<WorkerMetrics>();
   s->metrics_->Budget(static_cast<double>(options.engine.max_working_set_bytes));
   s->store_health_ = std::make_shared<StoreHealth>();

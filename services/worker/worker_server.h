@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
@@ -48,6 +49,12 @@ struct WorkerServerOptions {
   int io_threads = 8;
   // Joining a cluster (--controller); empty controller: standalone.
   ClusterOptions cluster;
+  // Skew files (kvtier calibrate infinigen) loaded before the worker serves,
+  // as PutSkew would take them (--skew_dir): sessions whose policy names one
+  // (a controller's per-model policy, say) speculate without an upload, and
+  // a restarted worker has them again. Start fails INVALID_ARGUMENT or
+  // DATA_LOSS naming the file that is not a skew file.
+  std::vector<std::string> skew_files;
   // How often the worker asks its store (--store) whether it answers: while
   // it does not (UNAVAILABLE or DEADLINE_EXCEEDED within the interval), the
   // worker's gRPC health ("" and "kvtier.v1.Worker") is NOT_SERVING and
