@@ -146,6 +146,22 @@ class ClusterTest : public ::testing::Test {
     return absl::StrCat(cluster_->Address(i), ":", stores_[i - 1]->port());
   }
 
+  // The engine's router, as tenant acme.
+  std::unique_ptr<SessionRouter> AcmeRouter() {
+    ControllerClientOptions co;
+    co.target = controller_;
+    co.token = kAcmeToken;
+    return std::move(SessionRouter::Connect(co)).value();
+  }
+  // Six short greedy rounds: the failover tests' conversation.
+  static refengine::ConversationOptions GreedyConversation() {
+    refengine::ConversationOptions conv;
+    conv.rounds = 6;
+    conv.question_tokens = 10;
+    conv.answer_tokens = 11;
+    return conv;
+  }
+
   bool WaitLive(int n) {
     const absl::Time until = absl::Now() + absl::Seconds(20);
     while (absl::Now() < until) {
@@ -456,14 +472,8 @@ TEST_F(ClusterTest, GreedyTokensSurviveAWorkerKill) {
   KVT_REQUIRE_SHARED_MODEL(path);
   auto m = model::LlamaModel::Load(path);
   ASSERT_TRUE(m.ok()) << m.status();
-  ControllerClientOptions co;
-  co.target = controller_;
-  co.token = kAcmeToken;
-  auto router = std::move(SessionRouter::Connect(co)).value();
-  refengine::ConversationOptions conv;
-  conv.rounds = 6;
-  conv.question_tokens = 10;
-  conv.answer_tokens = 11;
+  auto router = AcmeRouter();
+  const refengine::ConversationOptions conv = GreedyConversation();
   v1::Policy policy;
   policy.set_release_after_end_round(true);
   auto run = [&](const std::string& id, int kill_at_round,
@@ -554,14 +564,8 @@ TEST_F(ClusterTest, DecodeWorkerKilledWhileItHoldsTheSession) {
        "--placement=host", "--store_deadline_ms=3000"});
   ASSERT_TRUE(decoder.ok()) << decoder.status();
   ASSERT_TRUE(WaitLive(6));
-  ControllerClientOptions co;
-  co.target = controller_;
-  co.token = kAcmeToken;
-  auto router = std::move(SessionRouter::Connect(co)).value();
-  refengine::ConversationOptions conv;
-  conv.rounds = 6;
-  conv.question_tokens = 10;
-  conv.answer_tokens = 11;
+  auto router = AcmeRouter();
+  const refengine::ConversationOptions conv = GreedyConversation();
   v1::Policy policy;
   policy.set_release_after_end_round(true);
   struct Run {
