@@ -8,7 +8,10 @@ session lives (Route), the cluster's nodes, and per-model policies.
 
 A worker that does not answer: route(..., avoid_worker_node_id=r.worker_node_id)
 moves the session to the next live worker, where it resumes from the store
-(open_session(..., resume=True)); docs/cluster.md.
+(open_session(..., resume=True)); docs/cluster.md. A decode worker that does not
+answer while it holds the session: route(..., avoid_worker_node_id=
+r.decode_worker_node_id) keeps the session's worker and names another decode
+worker (or none); resume the session on r.worker_address.
 """
 
 from __future__ import annotations
