@@ -203,9 +203,14 @@ Speculated Speculate(const std::vector<SkewHead>& layer, const float* qhat,
     idx.resize(sc.size());
     std::iota(idx.begin(), idx.end(), 0);
     const auto take = static_cast<ptrdiff_t>(std::min<int64_t>(n, static_cast<int64_t>(sc.size())));
-    std::partial_sort(idx.begin(), idx.begin() + take, idx.end(), [&](int32_t x, int32_t y) {
-      return sc[x] > sc[y] || (sc[x] == sc[y] && x < y);
-    });
+    // The top `take` under a strict order (score, then earlier token) is one
+    // set: nth_element finds it in linear time (partial_sort's heap was a
+    // tenth of a speculating decode step); the set is sorted by token below.
+    if (take < static_cast<ptrdiff_t>(idx.size())) {
+      std::nth_element(idx.begin(), idx.begin() + take, idx.end(), [&](int32_t x, int32_t y) {
+        return sc[x] > sc[y] || (sc[x] == sc[y] && x < y);
+      });
+    }
     out.tokens[h].assign(idx.begin(), idx.begin() + take);
     std::sort(out.tokens[h].begin(), out.tokens[h].end());
   }
