@@ -6,7 +6,10 @@
 //  - bytes on the wire per round for each codec against the same rounds in
 //    the model's fp16 (the codec's own ratio, from EndRound);
 //  - a prefill handed off layer by layer (transfer_to) against the same
-//    prefill kept local: how much of the transfer hides behind the prefill.
+//    prefill kept local: how much of the transfer hides behind the prefill;
+//  - a conversation handed to the decode worker and back every round, with
+//    the workers' hand-off caches on against off: the bytes each hand-off
+//    moves as the conversation grows.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -187,7 +190,7 @@ bool Check(const grpc::Status& s, const char* what) {
 
 void Usage() {
   std::fprintf(stderr,
-               "kvtier-bench transfer [--layers=32] [--tokens=512] [--rounds=4]\n"
+               "kvtier-bench transfer [--layers=32] [--tokens=512] [--rounds=4] [--pd_rounds=8]\n"
                "                      [--codecs=fp16,kivi4,kivi2,gear2] [--repeat=3] [--csv=FILE]\n"
                "  Two kvtier-workers in this process and a kvtier-store it starts, all on\n"
                "  127.0.0.1:0. Model: --layers layers, 8 q / 8 kv heads, head_dim 128, fp16.\n"
@@ -195,7 +198,10 @@ void Usage() {
                "     moves them to the other worker and back, --repeat times (best kept),\n"
                "     beside raw loopback TCP carrying the same bytes (best of 3).\n"
                "  2. A prefill of --tokens tokens handed off layer by layer (transfer_to)\n"
-               "     against the same prefill kept local.\n");
+               "     against the same prefill kept local.\n"
+               "  3. A kivi4 conversation of --pd_rounds rounds of --tokens tokens, each\n"
+               "     prefilled on one worker, handed to the other, ended there and sent\n"
+               "     back, on workers with their hand-off caches off and on.\n");
 }
 
 }  // namespace
@@ -203,7 +209,7 @@ void Usage() {
 int TransferBench(int argc, char** argv) {
   Model m;
   int64_t tokens = 512;
-  int rounds = 4, repeat = 3;
+  int rounds = 4, repeat = 3, pd_rounds = 8;
   std::vector<std::string> codecs = {"fp16", "kivi4", "kivi2", "gear2"};
   std::string csv;
   for (int i = 0; i < argc; ++i) {
@@ -218,6 +224,8 @@ int TransferBench(int argc, char** argv) {
       tokens = std::atoll(v);
     } else if (const char* v = value("--rounds=")) {
       rounds = std::atoi(v);
+    } else if (const char* v = value("--pd_rounds=")) {
+      pd_rounds = std::max(1, std::atoi(v));
     } else if (const char* v = value("--repeat=")) {
       repeat = std::max(1, std::atoi(v));
     } else if (const char* v = value("--codecs=")) {
@@ -243,7 +251,10 @@ int TransferBench(int argc, char** argv) {
   std::vector<std::unique_ptr<WorkerServer>> workers;
   std::vector<std::unique_ptr<v1::Worker::Stub>> stubs;
   std::vector<std::string> targets;
-  for (int i = 0; i < 2; ++i) {
+  // Workers 0 and 1 keep nothing of the sessions they hand off (parts 1 and
+  // 2 move the same session back and forth, and part 3's baseline); 2 and 3
+  // have the default hand-off cache.
+  for (int i = 0; i < 4; ++i) {
     WorkerServerOptions o;
     o.listen = "127.0.0.1:0";
     o.metrics_listen = "";
@@ -251,6 +262,7 @@ int TransferBench(int argc, char** argv) {
     o.store.deadline = absl::Seconds(60);
     o.service.store_deadline = absl::Seconds(60);
     o.engine.placement = worker::EngineOptions::Placement::kHost;
+    if (i < 2) o.engine.handoff_cache_bytes = 0;
     auto w = WorkerServer::Start(o);
     if (!w.ok()) {
       std::fprintf(stderr, "kvtier-bench transfer: %s\n", w.status().ToString().c_str());
@@ -335,6 +347,40 @@ int TransferBench(int argc, char** argv) {
     Close(d, moved);
   }
 
+  // ---- 3. A conversation handed off and back every round ----
+  struct Conversation {
+    uint64_t forth = 0, back = 0, forth_reused = 0, back_reused = 0;
+    uint64_t last_forth = 0, last_back = 0;
+  };
+  // [release after EndRound, keep every layer][cache off, on]
+  Conversation conv[2][2];
+  for (int keep = 0; keep < 2; ++keep) {
+    for (int on = 0; on < 2; ++on) {
+      v1::Worker::Stub *cp = stubs[2 * on].get(), *cd = stubs[2 * on + 1].get();
+      const std::string id = absl::StrCat("pd-", keep, "-", on), to = targets[2 * on + 1];
+      if (!Check(Open(cp, m, id, "kivi4", keep == 1), "OpenSession")) return 1;
+      Conversation& c = conv[keep][on];
+      for (int r = 0; r < pd_rounds; ++r) {
+        std::fprintf(stderr, "conversation (%s, cache %s): round %d of %d\n",
+                     keep ? "all layers resident" : "released after EndRound", on ? "on" : "off",
+                     r + 1, pd_rounds);
+        PrefillResult pr = Prefill(cp, m, id, MakeStep(m, tokens, 300 + r), to);
+        if (!Check(pr.status, "Prefill with transfer_to")) return 1;
+        v1::EndRoundResponse end;
+        if (!Check(EndRound(cd, id, &end), "EndRound")) return 1;
+        v1::SendSessionResponse back;
+        if (!Check(Send(cd, id, targets[2 * on], &back), "SendSession")) return 1;
+        c.forth += pr.transfer.wire_bytes();
+        c.forth_reused += pr.transfer.reused_bytes();
+        c.back += back.report().wire_bytes();
+        c.back_reused += back.report().reused_bytes();
+        c.last_forth = pr.transfer.wire_bytes();
+        c.last_back = back.report().wire_bytes();
+      }
+      Close(cp, id);
+    }
+  }
+
   std::printf(
       "\nkvtier-bench transfer: %d layers, 8 q / 8 kv heads, head_dim 128, fp16; %d rounds of "
       "%lld tokens resident\n"
@@ -357,6 +403,29 @@ int TransferBench(int argc, char** argv) {
       static_cast<long long>(tokens), repeat, ex.local_ms, ex.handoff_ms, ex.transfer_ms,
       ex.exposed_ms, ex.transfer_ms > 0 ? 100.0 * (1 - ex.exposed_ms / ex.transfer_ms) : 0.0,
       static_cast<unsigned long long>(ex.open_bytes));
+  std::printf(
+      "\nA kivi4 conversation of %d rounds of %lld tokens (recall all), each prefilled on one "
+      "worker and handed to the other layer by layer, ended there and sent back; the same run "
+      "on workers whose hand-off caches are off (what every hand-off sent before) and on. "
+      "Bytes on the wire over the conversation, and in its last round:\n"
+      "| working set after EndRound | cache | hand-off bytes | hand-back bytes | total | "
+      "last hand-off | last hand-back | left out (held by the receiver) | total / cache off "
+      "|\n|---|---|---|---|---|---|---|---|---|\n",
+      pd_rounds, static_cast<long long>(tokens));
+  for (int keep = 0; keep < 2; ++keep) {
+    for (int on = 0; on < 2; ++on) {
+      const Conversation& c = conv[keep][on];
+      const double base = static_cast<double>(conv[keep][0].forth + conv[keep][0].back);
+      std::printf("| %s | %s | %llu | %llu | %llu | %llu | %llu | %llu | %.3f |\n",
+                  keep ? "every layer" : "upper layers released", on ? "on" : "off",
+                  static_cast<unsigned long long>(c.forth), static_cast<unsigned long long>(c.back),
+                  static_cast<unsigned long long>(c.forth + c.back),
+                  static_cast<unsigned long long>(c.last_forth),
+                  static_cast<unsigned long long>(c.last_back),
+                  static_cast<unsigned long long>(c.forth_reused + c.back_reused),
+                  static_cast<double>(c.forth + c.back) / base);
+    }
+  }
   if (!csv.empty()) {
     std::ofstream out(csv);
     out << "codec,stored_bytes,wire_bytes,fp16_bytes,codec_ratio,gbps,tcp_gbps\n";

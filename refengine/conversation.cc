@@ -396,6 +396,7 @@ class Tier : public TierSession {
       t.handed_off = true;
       t.transfer_path = transfer_->path();
       t.transfer_wire_bytes = transfer_->wire_bytes();
+      t.transfer_reused_bytes = transfer_->reused_bytes();
       t.transfer_raw_bytes = transfer_->past_raw_bytes() + transfer_->open_bytes();
       t.transfer_ms = transfer_->transfer_ms();
       t.transfer_exposed_ms = transfer_->exposed_ms();
@@ -411,6 +412,7 @@ class Tier : public TierSession {
       KVT_RETURN_IF_ERROR(FromGrpc(dstub_->SendSession(bctx.get(), back, &sent), "SendSession"));
       on_decode_ = false;
       t.return_wire_bytes = sent.report().wire_bytes();
+      t.return_reused_bytes = sent.report().reused_bytes();
       t.return_ms = sent.report().transfer_ms();
     }
     rounds_.push_back(std::move(t));

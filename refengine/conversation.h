@@ -87,6 +87,9 @@ struct TierRound {
   uint64_t transfer_raw_bytes = 0;  // The same state in the model's dtype.
   double transfer_ms = 0, transfer_exposed_ms = 0;
   uint64_t return_wire_bytes = 0;
+  // Past rounds' bytes the receiving worker still held from an earlier
+  // hand-off, so they did not travel (TransferReport.reused_bytes).
+  uint64_t transfer_reused_bytes = 0, return_reused_bytes = 0;
   double return_ms = 0;
   // Per layer, what speculation did in the round (EndRoundResponse);
   // empty when the session does not speculate.

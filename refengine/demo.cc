@@ -881,7 +881,7 @@ std::string RenderText(const DemoReport& r) {
     // Time to first token (the round's prefill step) and, disaggregated,
     // what each hand-off moved and cost.
     double prefill_ms = 0, xfer_ms = 0, exposed_ms = 0, back_ms = 0;
-    uint64_t wire = 0, raw = 0, back = 0;
+    uint64_t wire = 0, raw = 0, back = 0, reused = 0, back_reused = 0;
     int64_t n = 0, handed = 0;
     std::string path;
     for (const DemoSession& d : r.sessions) {
@@ -896,6 +896,8 @@ std::string RenderText(const DemoReport& r) {
         xfer_ms += tr.transfer_ms;
         exposed_ms += tr.transfer_exposed_ms;
         back += tr.return_wire_bytes;
+        reused += tr.transfer_reused_bytes;
+        back_reused += tr.return_reused_bytes;
         back_ms += tr.return_ms;
       }
     }
@@ -906,12 +908,15 @@ std::string RenderText(const DemoReport& r) {
     if (handed > 0) {
       absl::StrAppendFormat(
           &s,
-          "prefill -> decode hand-off (path %s), per round (mean): %s sent (%s in the model's "
-          "dtype, %.2fx), %.2f ms, %.2f ms of it exposed (%.0f%% hidden behind the prefill); "
-          "hand-back after EndRound: %s, %.2f ms\n",
-          path, Kib(Ratio(wire, handed)), Kib(Ratio(raw, handed)), Ratio(raw, wire),
+          "prefill -> decode hand-off (path %s), per round (mean): %s sent of a %s state (%s "
+          "of it still held by the decode worker; the state is %s in the model's dtype, "
+          "%.2fx), %.2f ms, %.2f ms of it exposed (%.0f%% hidden behind the prefill); "
+          "hand-back after EndRound: %s sent (%s more still held by the prefill worker), "
+          "%.2f ms\n",
+          path, Kib(Ratio(wire, handed)), Kib(Ratio(wire + reused, handed)),
+          Kib(Ratio(reused, handed)), Kib(Ratio(raw, handed)), Ratio(raw, wire + reused),
           xfer_ms / handed, exposed_ms / handed, 100.0 * (1.0 - Ratio(exposed_ms, xfer_ms)),
-          Kib(Ratio(back, handed)), back_ms / handed);
+          Kib(Ratio(back, handed)), Kib(Ratio(back_reused, handed)), back_ms / handed);
     }
   }
   absl::StrAppendFormat(&s, "decode: %.3f ms per token %s, %.3f ms in-process full cache\n",

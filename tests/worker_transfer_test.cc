@@ -85,19 +85,41 @@ bool Same(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
 }
 
-// Moves `id` from `from` to `to` between steps.
-absl::Status Move(Engine& from, Engine& to, const std::string& id) {
+// Moves `id` from `from` to `to` between steps. With `reuse`, as a sending
+// worker does: it leaves out what `to` kept of it (HeldRounds), and `from`
+// keeps what it had. `left_out`: the past bytes not moved; `sent`: the past
+// bytes moved.
+absl::Status MoveReusing(Engine& from, Engine& to, const std::string& id, uint64_t* left_out,
+                         uint64_t* sent, bool reuse = true) {
+  *left_out = *sent = 0;
   auto image = from.ExportSession(id);
   if (!image.ok()) return image.status();
+  const std::vector<worker::HandoffCache::Held> held =
+      reuse ? to.HeldRounds(id, image->incarnation, absl::Now() + absl::Minutes(1))
+            : std::vector<worker::HandoffCache::Held>();
   std::vector<worker::LayerImage> layers;
   for (int l = 0; l < kShape.layers; ++l) {
     auto li = from.ExportLayer(id, l);
     if (!li.ok()) return li.status();
+    *left_out += li->LeaveOut(held);
+    *sent += li->past_size();
     layers.push_back(std::move(*li));
   }
   if (absl::Status st = from.ExportTail(id, &*image); !st.ok()) return st;
-  if (absl::Status st = to.ImportSession(id, *image, std::move(layers)); !st.ok()) return st;
-  return from.ForgetSession(id);
+  uint64_t reused = 0;
+  if (absl::Status st = to.ImportSession(id, *image, std::move(layers), &reused); !st.ok()) {
+    return st;
+  }
+  if (*left_out != reused) {
+    return absl::InternalError(absl::StrCat(*left_out, " bytes left out, ", reused,
+                                            " bytes taken from the receiver's cache"));
+  }
+  return from.ForgetSession(id, /*keep_rounds=*/reuse);
+}
+
+absl::Status Move(Engine& from, Engine& to, const std::string& id) {
+  uint64_t left_out = 0, sent = 0;
+  return MoveReusing(from, to, id, &left_out, &sent, /*reuse=*/false);
 }
 
 class WorkerTransferTest : public ::testing::Test {
@@ -185,6 +207,115 @@ TEST_F(WorkerTransferTest, HandOffEveryRoundMatchesOneWorker) {
     KVT_ASSERT_OK(prefill_->CloseSession(moved, true));
     KVT_ASSERT_OK(single_->CloseSession(alone, true));
   }
+}
+
+// Incremental hand-off: each worker keeps the rounds of a session it hands
+// off, so from the second round on only what the other worker gained
+// travels: the prefill worker sends the open round (and the rounds recall
+// brought), the decode worker sends back only the round it ended. Every
+// output still equals one worker's, bit for bit, lossless and lossy.
+TEST_F(WorkerTransferTest, HandBackReusesTheRoundsEachWorkerKept) {
+  for (const std::string codec : {"fp16", "kivi4"}) {
+    SCOPED_TRACE(codec);
+    const std::string moved = "kept-" + codec, alone = "kept-alone-" + codec;
+    KVT_ASSERT_OK(prefill_->OpenSession(moved, kShape, Policy(codec)));
+    KVT_ASSERT_OK(single_->OpenSession(alone, kShape, Policy(codec)));
+    std::mt19937 rng(17);
+    uint64_t first_back = 0;
+    for (int round = 0; round < 5; ++round) {
+      SCOPED_TRACE(round);
+      const Step prompt = MakeStep(40 + round * 9, &rng);
+      EXPECT_TRUE(
+          Same(RunStep(*prefill_, moved, prompt, true), RunStep(*single_, alone, prompt, true)));
+      uint64_t left_out = 0, sent = 0;
+      KVT_ASSERT_OK(MoveReusing(*prefill_, *decode_, moved, &left_out, &sent));
+      // The decode worker kept every earlier round's lower layers.
+      if (round > 0) EXPECT_GT(left_out, 0u);
+      if (round == 0) EXPECT_EQ(left_out, 0u);
+      EXPECT_EQ(prefill_->TotalWorkingSetBytes(), 0u);
+      for (int t = 0; t < 3; ++t) {
+        const Step tok = MakeStep(1, &rng);
+        EXPECT_TRUE(
+            Same(RunStep(*decode_, moved, tok, false), RunStep(*single_, alone, tok, false)));
+      }
+      KVT_ASSERT_OK_AND_ASSIGN(auto a, decode_->EndRound(moved));
+      KVT_ASSERT_OK_AND_ASSIGN(auto b, single_->EndRound(alone));
+      EXPECT_EQ(a.stored_bytes, b.stored_bytes);
+      EXPECT_EQ(a.working_set_bytes, b.working_set_bytes);
+      KVT_ASSERT_OK(MoveReusing(*decode_, *prefill_, moved, &left_out, &sent));
+      // Back: the round just ended, alone. Eviction keeps 24 tokens of every
+      // round, so each round's lower layers are the same size (raw codec).
+      if (round == 0) {
+        EXPECT_EQ(left_out, 0u);
+        first_back = sent;
+      } else {
+        EXPECT_GT(left_out, 0u);
+        if (codec == "fp16") EXPECT_EQ(sent, first_back);
+        EXPECT_LT(sent, left_out + sent);
+      }
+      EXPECT_GT(decode_->HandoffTotals().bytes, 0u);
+      KVT_ASSERT_OK_AND_ASSIGN(auto sa, prefill_->Stats(moved));
+      KVT_ASSERT_OK_AND_ASSIGN(auto sb, single_->Stats(alone));
+      EXPECT_EQ(sa.working_set_bytes, sb.working_set_bytes);
+      EXPECT_EQ(sa.rounds, sb.rounds);
+    }
+    // Closing drops what the worker kept; the other worker's copy goes with
+    // its cache's LRU.
+    KVT_ASSERT_OK(prefill_->CloseSession(moved, true));
+    KVT_ASSERT_OK(single_->CloseSession(alone, true));
+  }
+}
+
+// A round the receiver was said to hold but dropped before the import
+// (another life of the session name, or cache room) refuses the import,
+// FAILED_PRECONDITION, and nothing stays; a second try without reuse moves it.
+// A cache of 0 bytes keeps nothing and is never asked for anything.
+TEST_F(WorkerTransferTest, ReuseOfARoundNoLongerHeldIsRefused) {
+  const SessionPolicy p = Policy("fp16");
+  KVT_ASSERT_OK(prefill_->OpenSession("r", kShape, p));
+  std::mt19937 rng(23);
+  uint64_t left_out = 0, sent = 0;
+  RunStep(*prefill_, "r", MakeStep(30, &rng), true);
+  KVT_ASSERT_OK(MoveReusing(*prefill_, *decode_, "r", &left_out, &sent));
+  KVT_ASSERT_OK(decode_->EndRound("r").status());
+  KVT_ASSERT_OK(MoveReusing(*decode_, *prefill_, "r", &left_out, &sent));
+  RunStep(*prefill_, "r", MakeStep(30, &rng), true);
+  // What decode_ kept, asked for; then the cache loses it (a new life of
+  // the name opens and closes there) before the import.
+  KVT_ASSERT_OK_AND_ASSIGN(auto image, prefill_->ExportSession("r"));
+  const auto held = decode_->HeldRounds("r", image.incarnation, absl::Now() + absl::Minutes(1));
+  ASSERT_EQ(held.size(), 1u);
+  EXPECT_EQ(held[0].round, 0u);
+  EXPECT_TRUE(decode_->HeldRounds("r", image.incarnation + 1, absl::Now()).empty());
+  KVT_ASSERT_OK(decode_->OpenSession("r", kShape, p));
+  KVT_ASSERT_OK(decode_->CloseSession("r", false));
+  std::vector<worker::LayerImage> layers;
+  for (int l = 0; l < kShape.layers; ++l) {
+    KVT_ASSERT_OK_AND_ASSIGN(auto li, prefill_->ExportLayer("r", l));
+    li.LeaveOut(held);
+    layers.push_back(std::move(li));
+  }
+  EXPECT_FALSE(layers[0].reused.empty());
+  KVT_ASSERT_OK(prefill_->ExportTail("r", &image));
+  absl::Status refused = decode_->ImportSession("r", image, std::move(layers));
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(refused.message(), ::testing::HasSubstr("no longer holds"));
+  EXPECT_EQ(decode_->SessionCount(), 0);
+  EXPECT_EQ(decode_->TotalWorkingSetBytes(), 0u);
+  KVT_ASSERT_OK(MoveReusing(*prefill_, *decode_, "r", &left_out, &sent));
+  EXPECT_EQ(left_out, 0u);
+  EXPECT_GT(sent, 0u);
+
+  // A worker without a cache.
+  worker::EngineOptions o;
+  o.placement = worker::EngineOptions::Placement::kHost;
+  o.handoff_cache_bytes = 0;
+  Engine none(stack_.segments(), o);
+  KVT_ASSERT_OK(MoveReusing(*decode_, none, "r", &left_out, &sent));
+  KVT_ASSERT_OK(MoveReusing(none, *decode_, "r", &left_out, &sent));
+  EXPECT_EQ(none.HandoffTotals().bytes, 0u);
+  EXPECT_GT(left_out, 0u);  // decode_ kept its own.
+  KVT_ASSERT_OK(decode_->CloseSession("r", true));
 }
 
 // A prefill whose transfer failed is undone, and sending it again gives the
@@ -455,7 +586,9 @@ class TransferServiceTest : public ::testing::Test {
 // another, round after round, has every output equal to one worker doing it
 // all (lossless: the model's own fp16), and the sessions end in the same
 // state. Each prefill streams to the decode worker as it runs; between
-// rounds SendSession hands the session back.
+// rounds SendSession hands the session back. From the second round on each
+// worker still holds the rounds it handed off, and they do not travel again:
+// the hand-back carries the ended round alone.
 TEST_F(TransferServiceTest, PrefillOnOneWorkerDecodeOnAnotherMatchesOneWorker) {
   auto p = StartWorker(0, WorkerServiceOptions::Role::kPrefill),
        d = StartWorker(0, WorkerServiceOptions::Role::kDecode);
@@ -483,6 +616,7 @@ TEST_F(TransferServiceTest, PrefillOnOneWorkerDecodeOnAnotherMatchesOneWorker) {
     EXPECT_EQ(g.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
     EXPECT_THAT(g.error_message(), ::testing::HasSubstr("--role=prefill"));
   }
+  uint64_t first_back = 0, reused_back = 0, reused_forth = 0;
   for (int round = 0; round < 4; ++round) {
     SCOPED_TRACE(round);
     const Step prompt = MakeStep(300 + 40 * round, &rng);  // Layers of several chunks.
@@ -497,6 +631,8 @@ TEST_F(TransferServiceTest, PrefillOnOneWorkerDecodeOnAnotherMatchesOneWorker) {
     EXPECT_EQ(t.target(), Target(*d));
     EXPECT_EQ(t.wire_bytes(), t.past_bytes() + t.open_bytes());
     EXPECT_GT(t.chunks(), static_cast<uint32_t>(kShape.layers));
+    EXPECT_EQ(t.reused_bytes() > 0, round > 0);
+    reused_forth += t.reused_bytes();
     EXPECT_GE(t.transfer_ms(), t.exposed_ms());
     EXPECT_EQ(p->engine()->Stats("pd").status().code(), absl::StatusCode::kNotFound);
     EXPECT_TRUE(d->engine()->Stats("pd").ok());
@@ -516,6 +652,12 @@ TEST_F(TransferServiceTest, PrefillOnOneWorkerDecodeOnAnotherMatchesOneWorker) {
     ASSERT_TRUE(SendSession(ds.get(), "pd", Target(*p), &back).ok());
     EXPECT_EQ(back.report().open_bytes(), 0u);
     EXPECT_GT(back.report().past_bytes(), 0u);
+    // Every round keeps 24 tokens (raw codec): the ended round is the same
+    // size each time, and it is all that travels back.
+    if (round == 0) first_back = back.report().past_bytes();
+    EXPECT_EQ(back.report().past_bytes(), first_back);
+    EXPECT_EQ(back.report().reused_bytes() > 0, round > 0);
+    reused_back += back.report().reused_bytes();
     EXPECT_EQ(d->engine()->Stats("pd").status().code(), absl::StatusCode::kNotFound);
   }
   EXPECT_THAT(p->RenderMetrics(),
@@ -525,6 +667,18 @@ TEST_F(TransferServiceTest, PrefillOnOneWorkerDecodeOnAnotherMatchesOneWorker) {
       d->RenderMetrics(),
       ::testing::HasSubstr(
           R"(kvtier_worker_transfers_total{direction="received",outcome="ok",path="grpc"} 4)"));
+  EXPECT_THAT(
+      p->RenderMetrics(),
+      ::testing::HasSubstr(absl::StrCat(
+          R"(kvtier_worker_transfer_reused_bytes_total{direction="sent"} )", reused_forth)));
+  EXPECT_THAT(d->RenderMetrics(),
+              ::testing::HasSubstr(absl::StrCat(
+                  R"(kvtier_worker_transfer_reused_bytes_total{direction="sent"} )", reused_back)));
+  EXPECT_THAT(
+      d->RenderMetrics(),
+      ::testing::HasSubstr(absl::StrCat(
+          R"(kvtier_worker_transfer_reused_bytes_total{direction="received"} )", reused_forth)));
+  EXPECT_THAT(d->RenderMetrics(), ::testing::HasSubstr("kvtier_worker_handoff_cache_bytes "));
 }
 
 // Each way a hand-off fails has its status; the sender's step is undone,

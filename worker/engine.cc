@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -28,7 +29,10 @@ evict::Policy SessionPolicy::NoEviction() {
 }
 
 Engine::Engine(SegmentStore* store, EngineOptions options)
-    : store_(store), options_(options), fetch_executor_(options.fetch_executor) {
+    : store_(store),
+      options_(options),
+      handoff_(std::make_unique<HandoffCache>(options.handoff_cache_bytes)),
+      fetch_executor_(options.fetch_executor) {
   if (fetch_executor_ == nullptr) {
     own_fetch_executor_ = std::make_unique<Executor>(std::max(1, options_.fetch_threads));
     fetch_executor_ = own_fetch_executor_.get();
@@ -180,6 +184,10 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(const Ses
   auto s = std::make_shared<Session>(id, shape, policy, lw);
   {
     absl::MutexLock lock(&s->mu);
+    std::random_device rd;
+    do {
+      s->incarnation = (uint64_t{rd()} << 32) | rd();
+    } while (s->incarnation == 0);
     s->open.resize(shape.layers);
     using Placement = EngineOptions::Placement;
     // Speculation reads host working sets only: under kAuto a speculating
@@ -248,7 +256,9 @@ absl::Status Engine::Insert(const SessionKey& id, std::shared_ptr<Session> s) {
 absl::Status Engine::OpenSession(const SessionKey& id, const ModelShape& shape,
                                  const SessionPolicy& policy) {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, CreateSession(id, shape, policy));
-  return Insert(id, std::move(s));
+  KVT_RETURN_IF_ERROR(Insert(id, std::move(s)));
+  handoff_->Erase(id);  // Rounds of an earlier life of the name.
+  return absl::OkStatus();
 }
 
 absl::StatusOr<uint32_t> Engine::ResumeSession(const SessionKey& id, const ModelShape& shape,
@@ -330,6 +340,7 @@ absl::StatusOr<uint32_t> Engine::ResumeSession(const SessionKey& id, const Model
     s->NotePeak();
   }
   KVT_RETURN_IF_ERROR(Insert(id, s));
+  handoff_->Erase(id);  // Rounds of an earlier life of the session.
   absl::MutexLock lock(&s->mu);
   Account(*s);
   LogInfo("session resumed from the store",
@@ -504,6 +515,7 @@ absl::Status Engine::CloseSession(const SessionKey& id, bool delete_from_store,
                                   const CallOptions& call) {
   // The session leaves the totals now, whatever the store says below.
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Remove(id));
+  handoff_->Erase(id);
   const CallOptions store_call = s->ForStore({StoreDeadline(call), {}});
   if (delete_from_store) return store_->Delete(id.session, store_call);
   // The session's rounds stay in the store: their counters should be right.

@@ -50,6 +50,7 @@
 #include "kernels/eviction.h"
 #include "kernels/recall.h"
 #include "kernels/speculation.h"
+#include "worker/handoff_cache.h"
 #include "worker/segment_store.h"
 #include "worker/session_key.h"
 
@@ -188,6 +189,9 @@ struct SessionImage {
     uint64_t stored_bytes = 0;
   };
   std::vector<Round> past;
+  // The session's incarnation (HandoffCache): the receiver may hold rounds
+  // of it already, which then do not travel.
+  uint64_t incarnation = 0;
   // The tail.
   int64_t open_tokens = 0;           // Committed tokens of the open round; 0: idle.
   bool recall_ready = false;         // The open round's recall is done.
@@ -207,6 +211,14 @@ struct LayerImage {
   // tensors exactly as stored: a serialized SegmentPayload of 2 * kv_heads
   // EncodedTensors per round (K, V per head), nothing decoded or re-encoded.
   std::vector<uint32_t> rounds;
+  // Of `rounds`, those the receiver already holds (its HandoffCache, same
+  // incarnation): they are not in the payload, which holds the others in
+  // order. Set by the sender from what the receiver answered, read by
+  // ImportSession.
+  std::vector<uint32_t> reused;
+  // Export: where each round's pieces start in past_pieces (one entry per
+  // round, then past_pieces.size()), so a sender can leave rounds out.
+  std::vector<size_t> round_first_piece;
   // Export (ExportLayer) gives the payload as pieces, in order, without
   // copying a tensor: each tensor's protobuf framing (small, in a buffer of
   // the export's own) and the tensor's bytes where the working set holds
@@ -231,6 +243,11 @@ struct LayerImage {
   // The past rounds' payload in one buffer (a copy of the pieces, or `past`).
   std::string PastBytes() const;
   uint64_t bytes() const { return past_size() + open.size(); }
+  // Leaves out of the export's pieces the rounds that `held` (the
+  // receiver's HeldRounds) has at this layer, naming them in `reused`.
+  // Returns the tensors' bytes left out (their framing not counted, as in
+  // RoundLayer::bytes).
+  uint64_t LeaveOut(const std::vector<HandoffCache::Held>& held);
 };
 
 struct EngineOptions {
@@ -274,6 +291,12 @@ struct EngineOptions {
     uint64_t max_working_set_bytes = 0;
   };
   std::map<std::string, TenantLimit> tenant_limits;
+  // The hand-off cache (docs/transfer.md#incremental-hand-off): a session
+  // that leaves by hand-off leaves its past rounds here, so that when it
+  // comes back only the rounds it gained elsewhere travel. Not part of the
+  // working set; whole sessions are dropped past the cap, the least
+  // recently used first. 0: off. Default: 512 MiB.
+  uint64_t handoff_cache_bytes = uint64_t{512} << 20;
 };
 
 // Thread-safe: any method may be called from any thread. Calls on one
@@ -400,14 +423,25 @@ class Engine {
   absl::Status CheckImport(const SessionKey& id, uint64_t bytes) const;
   // Opens `id` from a transfer: `layers` holds every layer in order. The
   // session is as the sender had it: same past rounds, residency, recall
-  // selection and open round. Host placement. OK; INVALID_ARGUMENT for an
-  // image that does not fit itself or the policy; DATA_LOSS for malformed
-  // tensors; the statuses of CheckImport.
+  // selection and open round. Host placement. The rounds a layer reuses come
+  // out of the hand-off cache, which must still hold them. OK;
+  // INVALID_ARGUMENT for an image that does not fit itself or the policy;
+  // DATA_LOSS for malformed tensors; FAILED_PRECONDITION when a reused round
+  // is no longer held here (the sender sends the step again, in full); the
+  // statuses of CheckImport.
+  // `reused_bytes`, when set, gets the encoded bytes taken from the cache.
   absl::Status ImportSession(const SessionKey& id, const SessionImage& image,
-                             std::vector<LayerImage> layers);
+                             std::vector<LayerImage> layers, uint64_t* reused_bytes = nullptr);
   // Drops a session that moved to another worker: no store call (its rounds
-  // and recall counters are the receiver's now). OK; NOT_FOUND.
-  absl::Status ForgetSession(const SessionKey& id);
+  // and recall counters are the receiver's now). With `keep_rounds` its past
+  // rounds go to the hand-off cache. OK; NOT_FOUND.
+  absl::Status ForgetSession(const SessionKey& id, bool keep_rounds = false);
+  // What the hand-off cache holds of `id` at `incarnation`, per round its
+  // resident layers, leased until `lease_until` (a sender asks before it
+  // streams, and leaves these rounds out).
+  std::vector<HandoffCache::Held> HeldRounds(const SessionKey& id, uint64_t incarnation,
+                                             absl::Time lease_until);
+  HandoffCache::Totals HandoffTotals() const { return handoff_->totals(); }
   // Undoes the last step, a prefill of n tokens that committed (its
   // transfer failed): the session is as before the step. OK; NOT_FOUND;
   // FAILED_PRECONDITION when the open round has fewer than n tokens.
@@ -501,6 +535,7 @@ class Engine {
   EngineOptions options_;
   mutable absl::Mutex skews_mu_;
   std::map<std::string, std::shared_ptr<const spec::SkewModel>> skews_ ABSL_GUARDED_BY(skews_mu_);
+  std::unique_ptr<HandoffCache> handoff_;
   std::unique_ptr<Executor> own_fetch_executor_;
   Executor* fetch_executor_;
   mutable absl::Mutex mu_;

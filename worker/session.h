@@ -183,6 +183,10 @@ class Engine::Session {
   SessionState state ABSL_GUARDED_BY(mu) = SessionState::kIdle;
   RecallState recall ABSL_GUARDED_BY(mu) = RecallState::kNone;
   std::vector<PastRound> past ABSL_GUARDED_BY(mu);
+  // Names this life of the session (random, drawn when it opens; a hand-off
+  // carries it): with a round number it names the round's bytes, which a
+  // worker that kept them need not receive again (HandoffCache).
+  uint64_t incarnation ABSL_GUARDED_BY(mu) = 0;
   // The open round, per layer, head-major: what attention reads per head,
   // what eviction scores and what EndRound encodes, without a transpose.
   std::vector<OpenLayer> open ABSL_GUARDED_BY(mu);

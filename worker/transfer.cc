@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
@@ -41,6 +42,7 @@ absl::StatusOr<SessionImage> Engine::ExportSession(const SessionKey& id) const {
   im.policy = s->policy;
   im.policy.watershed_layer = s->lw;
   im.round_eviction = s->round_eviction;
+  im.incarnation = s->incarnation;
   for (const Session::PastRound& r : s->past)
     im.past.push_back({r.round, r.tokens, r.stored_bytes});
   return im;
@@ -70,6 +72,7 @@ absl::StatusOr<LayerImage> Engine::ExportLayer(const SessionKey& id, int layer) 
     const RoundLayer* rl = r.layers[layer].get();
     if (rl == nullptr) continue;
     im.rounds.push_back(r.round);
+    im.round_first_piece.push_back(2 * tensors.size());  // Framing and bytes per tensor.
     for (std::string_view t : rl->tensors) tensors.emplace_back(rl, t);
     for (const HeadKv& hk : rl->heads) im.past_raw_bytes += 2 * hk.len * d * es;
   }
@@ -92,6 +95,7 @@ absl::StatusOr<LayerImage> Engine::ExportLayer(const SessionKey& id, int layer) 
     }
     im.past_pieces.push_back({std::move(owner), bytes});
   }
+  im.round_first_piece.push_back(im.past_pieces.size());
   const OpenLayer& o = s->open[layer];
   im.open_rows = in_step ? o.rows : s->tokens;
   if (!o.q.empty() && im.open_rows > o.q_first) {
@@ -119,6 +123,34 @@ uint64_t LayerImage::past_size() const {
   uint64_t n = 0;
   for (const Piece& p : past_pieces) n += p.bytes.size();
   return n;
+}
+
+uint64_t LayerImage::LeaveOut(const std::vector<HandoffCache::Held>& held) {
+  if (held.empty() || round_first_piece.size() != rounds.size() + 1) return 0;
+  std::vector<Piece> kept;
+  std::vector<size_t> first;
+  uint64_t left_out = 0;
+  for (size_t j = 0; j < rounds.size(); ++j) {
+    auto h = std::find_if(held.begin(), held.end(),
+                          [&](const HandoffCache::Held& x) { return x.round == rounds[j]; });
+    const bool leave = h != held.end() && std::binary_search(h->layers.begin(), h->layers.end(),
+                                                             static_cast<uint32_t>(layer));
+    if (leave) reused.push_back(rounds[j]);
+    first.push_back(kept.size());
+    for (size_t i = round_first_piece[j]; i < round_first_piece[j + 1]; ++i) {
+      if (leave) {
+        // A round's pieces alternate framing and tensor (ExportLayer); the
+        // tensors' bytes are what the receiver's RoundLayer::bytes counts.
+        if ((i - round_first_piece[j]) % 2 == 1) left_out += past_pieces[i].bytes.size();
+      } else {
+        kept.push_back(std::move(past_pieces[i]));
+      }
+    }
+  }
+  first.push_back(kept.size());
+  past_pieces = std::move(kept);
+  round_first_piece = std::move(first);
+  return left_out;
 }
 
 std::string LayerImage::PastBytes() const {
@@ -175,7 +207,7 @@ absl::Status Engine::CheckImport(const SessionKey& id, uint64_t bytes) const {
 }
 
 absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
-                                   std::vector<LayerImage> layers) {
+                                   std::vector<LayerImage> layers, uint64_t* reused_out) {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
                        CreateSession(id, im.shape, im.policy, /*allow_device=*/false));
   const ModelShape& sh = s->shape;
@@ -190,10 +222,14 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
         absl::StrCat("the transfer holds ", layers.size(), " layers; the model has ", sh.layers));
   }
   std::map<uint32_t, size_t> index;  // Round number -> position in `past`.
-  uint64_t bytes = 0;
+  uint64_t bytes = 0, reused_bytes = 0;
   int64_t working_set = 0;
+  // What this worker kept of the session when it last handed it off: the
+  // layers reuse from it; the rest is dropped (the session lives here now).
+  std::optional<KeptRounds> kept = handoff_->Take(id, im.incarnation);
   {
     absl::MutexLock lock(&s->mu);
+    s->incarnation = im.incarnation != 0 ? im.incarnation : s->incarnation;
     s->round_eviction = im.round_eviction;
     for (const SessionImage::Round& r : im.past) {
       if (!s->past.empty() && r.round <= s->past.back().round) {
@@ -219,11 +255,19 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
                                                        " past rounds; every one of the ",
                                                        s->past.size(), " must be resident"));
       }
+      for (uint32_t r : li.reused) {
+        if (std::count(li.reused.begin(), li.reused.end(), r) != 1 ||
+            std::find(li.rounds.begin(), li.rounds.end(), r) == li.rounds.end()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "layer ", l, " reuses round ", r, " twice or without carrying it as resident"));
+        }
+      }
       // Pieces (an export handed over in process): one buffer of them.
       if (li.past == nullptr) li.past = std::make_shared<const std::string>(li.PastBytes());
-      KVT_ASSIGN_OR_RETURN(auto made,
-                           MakeLayers(li.past, static_cast<int>(li.rounds.size()), sh.kv_heads, d));
-      size_t prev = 0;
+      KVT_ASSIGN_OR_RETURN(
+          auto made, MakeLayers(li.past, static_cast<int>(li.rounds.size() - li.reused.size()),
+                                sh.kv_heads, d));
+      size_t prev = 0, next = 0;
       for (size_t j = 0; j < li.rounds.size(); ++j) {
         auto it = index.find(li.rounds[j]);
         if (it == index.end() || (j > 0 && it->second <= prev)) {
@@ -231,7 +275,26 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
               "layer ", l, " carries round ", li.rounds[j], " out of order or not in the session"));
         }
         prev = it->second;
-        s->past[it->second].layers[l] = std::move(made[j]);
+        std::unique_ptr<RoundLayer>& slot = s->past[it->second].layers[l];
+        if (std::find(li.reused.begin(), li.reused.end(), li.rounds[j]) == li.reused.end()) {
+          slot = std::move(made[next++]);
+          continue;
+        }
+        std::unique_ptr<RoundLayer>* held = nullptr;
+        if (kept.has_value()) {
+          auto k = kept->rounds.find(li.rounds[j]);
+          if (k != kept->rounds.end() && static_cast<size_t>(l) < k->second.size()) {
+            held = &k->second[l];
+          }
+        }
+        if (held == nullptr || *held == nullptr) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "layer ", l, " reuses round ", li.rounds[j], " of session ", id.ToString(),
+              ", which this worker no longer holds (its hand-off cache dropped it); send the "
+              "step again, in full"));
+        }
+        reused_bytes += static_cast<uint64_t>((*held)->bytes);
+        slot = std::move(*held);
       }
       // The open round.
       if (li.open_rows != im.open_tokens || li.open_rows < 0 || li.q_first < 0 || li.q_rows < 0 ||
@@ -293,16 +356,40 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
   }
   KVT_RETURN_IF_ERROR(CheckImport(id, static_cast<uint64_t>(working_set)));
   KVT_RETURN_IF_ERROR(Insert(id, s));
+  if (reused_out != nullptr) *reused_out = reused_bytes;
   absl::MutexLock lock(&s->mu);
   Account(*s);
   LogDebug("session imported", {{"session", id.ToString()},
                                 {"past_rounds", s->past.size()},
                                 {"open_tokens", s->tokens},
-                                {"bytes", bytes}});
+                                {"bytes", bytes},
+                                {"reused_bytes", reused_bytes}});
   return absl::OkStatus();
 }
 
-absl::Status Engine::ForgetSession(const SessionKey& id) { return Remove(id).status(); }
+absl::Status Engine::ForgetSession(const SessionKey& id, bool keep_rounds) {
+  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Remove(id));
+  if (!keep_rounds) return absl::OkStatus();
+  KeptRounds kept;
+  {
+    absl::MutexLock lock(&s->mu);
+    if (s->device != nullptr) return absl::OkStatus();  // Host tensors only.
+    kept.incarnation = s->incarnation;
+    for (Session::PastRound& r : s->past) {
+      for (const std::unique_ptr<RoundLayer>& rl : r.layers) {
+        if (rl != nullptr) kept.bytes += static_cast<uint64_t>(rl->bytes);
+      }
+      kept.rounds.emplace(r.round, std::move(r.layers));
+    }
+  }
+  handoff_->Keep(id, std::move(kept));
+  return absl::OkStatus();
+}
+
+std::vector<HandoffCache::Held> Engine::HeldRounds(const SessionKey& id, uint64_t incarnation,
+                                                   absl::Time lease_until) {
+  return handoff_->Lookup(id, incarnation, lease_until);
+}
 
 absl::Status Engine::RevertPrefill(const SessionKey& id, int64_t n) {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));

@@ -42,6 +42,10 @@ ABSL_FLAG(int, max_sessions, 1024,
 ABSL_FLAG(int64_t, max_working_set_mb, 0,
           "Working-set MiB over all sessions (encoded past rounds plus open rounds at the "
           "model's dtype); a step that would pass it is RESOURCE_EXHAUSTED. 0: no limit.");
+ABSL_FLAG(int64_t, handoff_cache_mb, 512,
+          "MiB of past rounds kept for sessions handed off to another worker, so that when one "
+          "comes back only its new rounds travel (docs/transfer.md#incremental-hand-off); not "
+          "part of the working set. 0: off.");
 ABSL_FLAG(int, io_threads, 8, "Threads running the RPCs that reach the store.");
 ABSL_FLAG(std::string, role, "both",
           "both, prefill or decode: a prefill worker refuses Decode, a decode worker refuses "
@@ -93,13 +97,17 @@ int main(int argc, char** argv) {
   }
   o.store_probe_interval = absl::Milliseconds(absl::GetFlag(FLAGS_store_probe_ms));
   o.compute_threads = absl::GetFlag(FLAGS_compute_threads);
-  if (absl::GetFlag(FLAGS_max_sessions) < 0 || absl::GetFlag(FLAGS_max_working_set_mb) < 0) {
-    std::fprintf(stderr, "kvtier-worker: --max_sessions and --max_working_set_mb must be >= 0\n");
+  if (absl::GetFlag(FLAGS_max_sessions) < 0 || absl::GetFlag(FLAGS_max_working_set_mb) < 0 ||
+      absl::GetFlag(FLAGS_handoff_cache_mb) < 0) {
+    std::fprintf(stderr,
+                 "kvtier-worker: --max_sessions, --max_working_set_mb and --handoff_cache_mb must "
+                 "be >= 0\n");
     return 2;
   }
   o.engine.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   o.engine.max_working_set_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_max_working_set_mb))
                                    << 20;
+  o.engine.handoff_cache_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_handoff_cache_mb)) << 20;
   o.io_threads = absl::GetFlag(FLAGS_io_threads);
   o.store.target = absl::GetFlag(FLAGS_store);
   o.store.token = absl::GetFlag(FLAGS_store_token);

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "base/log.h"
 #include "base/status_macros.h"
 #include "kernels/crc32c.h"
 #include "rpc/grpc_status.h"
@@ -18,9 +19,11 @@ SessionSender::SessionSender(worker::Engine* engine, worker::SessionKey id,
     : engine_(engine),
       id_(std::move(id)),
       target_(std::move(target)),
+      authorization_(std::move(authorization)),
+      deadline_(deadline),
       chunk_bytes_(std::max<size_t>(chunk_bytes, 4096)),
       channel_(std::move(channel)) {
-  if (!authorization.empty()) ctx_.AddMetadata("authorization", authorization);
+  if (!authorization_.empty()) ctx_.AddMetadata("authorization", authorization_);
   ctx_.set_deadline(absl::ToChronoTime(deadline));
 }
 
@@ -43,6 +46,8 @@ void SessionSender::CancelLocked() {
 
 absl::Status SessionSender::Begin() {
   KVT_ASSIGN_OR_RETURN(image_, engine_->ExportSession(id_));
+  incarnation_ = image_.incarnation;
+  has_past_ = !image_.past.empty();
   call_ = std::make_unique<RawCall>(channel_, &ctx_, "/kvtier.v1.Worker/TransferSession");
   {
     absl::MutexLock lock(&mu_);
@@ -90,10 +95,31 @@ absl::StatusOr<v1::TransferReport> SessionSender::Finish() {
   return report_;
 }
 
+void SessionSender::AskHeld() {
+  if (!has_past_ || incarnation_ == 0) return;
+  grpc::ClientContext ctx;
+  if (!authorization_.empty()) ctx.AddMetadata("authorization", authorization_);
+  ctx.set_deadline(absl::ToChronoTime(deadline_));
+  v1::HeldRoundsRequest req;
+  req.set_session_id(id_.session);
+  req.set_incarnation(incarnation_);
+  v1::HeldRoundsResponse resp;
+  const grpc::Status st = v1::Worker::NewStub(channel_)->HeldRounds(&ctx, req, &resp);
+  if (!st.ok()) {
+    LogDebug("hand-off without reuse: HeldRounds failed",
+             {{"session", id_.ToString()}, {"target", target_}, {"error", st.error_message()}});
+    return;
+  }
+  for (const v1::HeldRoundsResponse::Round& r : resp.rounds()) {
+    held_.push_back({r.round(), {r.layers().begin(), r.layers().end()}});
+  }
+}
+
 bool SessionSender::WriteLayer(worker::LayerImage li) {
   // The bytes stay where the working set holds them (past rounds) or where
   // the export put them (the open round); gRPC's slices reference them and
-  // keep them alive.
+  // keep them alive. Rounds the receiver holds at this layer stay here.
+  const uint64_t reused_bytes = li.LeaveOut(held_);
   std::vector<wire::BytesPiece> parts;
   for (const worker::LayerImage::Piece& p : li.past_pieces) {
     parts.push_back({p.bytes.data(), p.bytes.size(), p.owner});
@@ -108,6 +134,7 @@ bool SessionSender::WriteLayer(worker::LayerImage li) {
   start.set_layer(static_cast<uint32_t>(li.layer));
   v1::TransferLayer* info = start.mutable_layer_info();
   for (uint32_t r : li.rounds) info->add_rounds(r);
+  for (uint32_t r : li.reused) info->add_reused_rounds(r);
   info->set_past_bytes(past_bytes);
   info->set_past_raw_bytes(li.past_raw_bytes);
   info->set_open_rows(li.open_rows);
@@ -149,6 +176,7 @@ bool SessionSender::WriteLayer(worker::LayerImage li) {
   report_.set_past_raw_bytes(report_.past_raw_bytes() + li.past_raw_bytes);
   report_.set_open_bytes(report_.open_bytes() + open->size());
   report_.set_wire_bytes(report_.wire_bytes() + past_bytes + open->size());
+  report_.set_reused_bytes(report_.reused_bytes() + reused_bytes);
   report_.set_chunks(report_.chunks() + chunks);
   return true;
 }
@@ -167,6 +195,7 @@ void SessionSender::Run() {
     const bool last = std::holds_alternative<v1::TransferTail>(item);
     if (!broken) {
       if (auto* h = std::get_if<v1::TransferHeader>(&item)) {
+        AskHeld();  // While the caller computes the first layer.
         v1::TransferChunk c;
         *c.mutable_header() = std::move(*h);
         broken = !call_->Write(wire::Serialize(c));

@@ -20,7 +20,7 @@
 #include "client/raw_call.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
-#include "kvtier/v1/worker.pb.h"
+#include "kvtier/v1/worker.grpc.pb.h"
 #include "worker/engine.h"
 
 namespace kvtier {
@@ -60,20 +60,32 @@ class SessionSender {
   void Run();
   // Cancels the call and lets the thread finish (REQUIRES mu_).
   void CancelLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Asks the receiver which past rounds it still holds (HeldRounds), so
+  // that WriteLayer leaves them out. Any failure (an older receiver:
+  // UNIMPLEMENTED) leaves nothing out.
+  void AskHeld();
   // Writes one layer: its start, its bytes in data-only messages that
   // reference the image's buffers (no copy), its end; false when the stream
-  // broke.
+  // broke. Rounds the receiver holds at this layer are named, not sent.
   bool WriteLayer(worker::LayerImage li);
 
   worker::Engine* const engine_;
   const worker::SessionKey id_;
   const std::string target_;
+  const std::string authorization_;
+  const absl::Time deadline_;
   const size_t chunk_bytes_;
   grpc::ClientContext ctx_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<RawCall> call_;
   worker::SessionImage image_;
   std::vector<std::string> stores_;
+  // Set by Begin, read by the thread: the session's incarnation and whether
+  // it has past rounds; then, written by the thread only, the receiver's
+  // held rounds (round -> its layers there).
+  uint64_t incarnation_ = 0;
+  bool has_past_ = false;
+  std::vector<worker::HandoffCache::Held> held_;
   std::thread thread_;
 
   absl::Mutex mu_;

@@ -55,7 +55,8 @@ absl::Status WorkerService::DoSendSession(grpc::CallbackServerContext& ctx,
   absl::StatusOr<v1::TransferReport> report =
       sent.ok() ? sender->Finish() : absl::StatusOr<v1::TransferReport>(sent);
   sender.reset();  // Unfinished, it cancels: the receiver keeps nothing.
-  metrics_->Transfer("sent", "grpc", report.ok(), report.ok() ? report->wire_bytes() : 0);
+  metrics_->Transfer("sent", "grpc", report.ok(), report.ok() ? report->wire_bytes() : 0,
+                     report.ok() ? report->reused_bytes() : 0);
   KVT_RETURN_IF_ERROR(report.status());
   ForgetMoved(id);
   *resp->mutable_report() = std::move(*report);
@@ -63,11 +64,27 @@ absl::Status WorkerService::DoSendSession(grpc::CallbackServerContext& ctx,
 }
 
 void WorkerService::ForgetMoved(const worker::SessionKey& id) {
-  // Deliberately ignored: NOT_FOUND only if it was closed meanwhile.
-  engine_->ForgetSession(id).IgnoreError();
+  // Deliberately ignored: NOT_FOUND only if it was closed meanwhile. Its
+  // past rounds stay in the hand-off cache for when it comes back.
+  engine_->ForgetSession(id, /*keep_rounds=*/true).IgnoreError();
   if (policies_ != nullptr) policies_->Forget(id);
   if (replicas_ != nullptr) replicas_->Forget(id.tenant, id.session);
   LogDebug("session handed off", {{"session", id.ToString()}});
+}
+
+absl::Status WorkerService::DoHeldRounds(grpc::CallbackServerContext& ctx,
+                                         const v1::HeldRoundsRequest& req,
+                                         v1::HeldRoundsResponse* resp) {
+  KVT_ASSIGN_OR_RETURN(worker::SessionKey id, Key(ctx, req.session_id()));
+  // Kept for the hand-off that asks: until its deadline, at most 10 minutes.
+  const absl::Time lease =
+      std::min(absl::FromChrono(ctx.deadline()), absl::Now() + absl::Minutes(10));
+  for (const worker::HandoffCache::Held& h : engine_->HeldRounds(id, req.incarnation(), lease)) {
+    v1::HeldRoundsResponse::Round* r = resp->add_rounds();
+    r->set_round(h.round);
+    for (uint32_t l : h.layers) r->add_layers(l);
+  }
+  return absl::OkStatus();
 }
 
 // ---- TransferSession ----
@@ -155,6 +172,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     layer_ = worker::LayerImage();
     layer_.layer = static_cast<int>(layers_.size());
     layer_.rounds.assign(info.rounds().begin(), info.rounds().end());
+    layer_.reused.assign(info.reused_rounds().begin(), info.reused_rounds().end());
     layer_.past_raw_bytes = info.past_raw_bytes();
     layer_.open_rows = info.open_rows();
     layer_.q_first = info.q_first();
@@ -217,7 +235,8 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     if (!stores_.empty()) {
       KVT_RETURN_IF_ERROR(svc_->replicas_->SetReplicas(id_->tenant, id_->session, stores_));
     }
-    absl::Status s = svc_->engine_->ImportSession(*id_, *image_, std::move(layers_));
+    absl::Status s =
+        svc_->engine_->ImportSession(*id_, *image_, std::move(layers_), &reused_bytes_);
     if (!s.ok()) {
       if (!stores_.empty() && !absl::IsAlreadyExists(s)) {
         svc_->replicas_->Forget(id_->tenant, id_->session);
@@ -237,7 +256,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
               {{"session", id_.has_value() ? id_->ToString() : std::string("?")},
                {"error", s.ToString()}});
     }
-    svc_->metrics_->Transfer("received", "grpc", s.ok(), received_);
+    svc_->metrics_->Transfer("received", "grpc", s.ok(), received_, reused_bytes_);
     svc_->UpdateWorkingSet();
     Finish(svc_->Done("TransferSession", s));
   }
@@ -258,6 +277,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
   uint64_t past_bytes_ = 0, open_bytes_ = 0;
   uint32_t crc_ = 0;
   uint64_t received_ = 0;
+  uint64_t reused_bytes_ = 0;  // Taken from this worker's hand-off cache.
   bool imported_ = false;
 };
 

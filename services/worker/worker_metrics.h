@@ -34,6 +34,12 @@ class WorkerMetrics {
                       .Help("Sessions held")
                       .Register(*registry_)
                       .Add({})),
+        handoff_cache_(prometheus::BuildGauge()
+                           .Name("kvtier_worker_handoff_cache_bytes")
+                           .Help("Encoded bytes of past rounds kept for sessions handed off "
+                                 "(the hand-off cache; not in the working set)")
+                           .Register(*registry_)
+                           .Add({})),
         budget_(prometheus::BuildGauge()
                     .Name("kvtier_worker_working_set_budget_bytes")
                     .Help("The working-set byte budget (0: none)")
@@ -81,6 +87,11 @@ class WorkerMetrics {
                              .Help("Payload bytes of completed session hand-offs by direction "
                                    "and path")
                              .Register(*registry_)),
+        transfer_reused_(&prometheus::BuildCounter()
+                              .Name("kvtier_worker_transfer_reused_bytes_total")
+                              .Help("Past rounds' bytes a completed hand-off did not move because "
+                                    "the receiver still held them, by direction")
+                              .Register(*registry_)),
         spec_steps_(&prometheus::BuildCounter()
                          .Name("kvtier_worker_speculation_steps_total")
                          .Help("Decode steps that speculated a layer, by layer")
@@ -127,14 +138,18 @@ class WorkerMetrics {
     candidates_.Increment(static_cast<double>(r.scores.size()));
   }
   // A hand-off ended: `direction` "sent" or "received", path "grpc".
-  void Transfer(const char* direction, const char* path, bool ok, uint64_t bytes) {
+  // `reused`: past bytes left out because the receiver held them.
+  void Transfer(const char* direction, const char* path, bool ok, uint64_t bytes,
+                uint64_t reused = 0) {
     transfers_->Add({{"direction", direction}, {"path", path}, {"outcome", ok ? "ok" : "error"}})
         .Increment();
     if (ok) {
       transfer_bytes_->Add({{"direction", direction}, {"path", path}})
           .Increment(static_cast<double>(bytes));
+      transfer_reused_->Add({{"direction", direction}}).Increment(static_cast<double>(reused));
     }
   }
+  void HandoffCache(double bytes) { handoff_cache_.Set(bytes); }
   void Stored(uint64_t bytes) { stored_.Increment(static_cast<double>(bytes)); }
   // A round's speculation figures (EndRound), per layer.
   void Speculation(const std::vector<worker::SpeculationLayerStats>& layers) {
@@ -162,11 +177,12 @@ class WorkerMetrics {
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Gauge& working_set_;
   prometheus::Gauge& sessions_;
+  prometheus::Gauge& handoff_cache_;
   prometheus::Gauge& budget_;
   prometheus::Counter &recalls_, &selected_, &candidates_, &fetched_, &stored_;
   prometheus::Family<prometheus::Histogram>* layer_latency_;
   prometheus::Family<prometheus::Counter>* requests_;
-  prometheus::Family<prometheus::Counter>*transfers_, *transfer_bytes_;
+  prometheus::Family<prometheus::Counter>*transfers_, *transfer_bytes_, *transfer_reused_;
   prometheus::Family<prometheus::Counter>*spec_steps_, *spec_kept_, *spec_bytes_, *spec_sampled_,
       *spec_hit_;
   MetricsEndpoint endpoint_;

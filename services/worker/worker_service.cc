@@ -64,6 +64,7 @@ CallOptions WorkerService::StoreCall(const grpc::CallbackServerContext& ctx) con
 void WorkerService::UpdateWorkingSet() {
   metrics_->WorkingSet(static_cast<double>(engine_->TotalWorkingSetBytes()));
   metrics_->Sessions(static_cast<double>(engine_->SessionCount()));
+  metrics_->HandoffCache(static_cast<double>(engine_->HandoffTotals().bytes));
 }
 
 grpc::Status WorkerService::Done(const char* method, const absl::Status& s) {
@@ -113,6 +114,11 @@ grpc::ServerUnaryReactor* WorkerService::SendSession(grpc::CallbackServerContext
                                                      const grpc::ByteBuffer* req,
                                                      grpc::ByteBuffer* resp) {
   return Unary(ctx, req, resp, "SendSession", &WorkerService::DoSendSession);
+}
+grpc::ServerUnaryReactor* WorkerService::HeldRounds(grpc::CallbackServerContext* ctx,
+                                                    const grpc::ByteBuffer* req,
+                                                    grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, "HeldRounds", &WorkerService::DoHeldRounds);
 }
 
 absl::Status WorkerService::DoOpenSession(grpc::CallbackServerContext& ctx,
@@ -354,7 +360,8 @@ class WorkerService::PrefillReactor
             sent.ok() ? sender_->Finish() : absl::StatusOr<v1::TransferReport>(sent);
         sender_.reset();
         svc_->metrics_->Transfer("sent", "grpc", report.ok(),
-                                 report.ok() ? report->wire_bytes() : 0);
+                                 report.ok() ? report->wire_bytes() : 0,
+                                 report.ok() ? report->reused_bytes() : 0);
         if (!report.ok()) {
           // The step committed here; undone, so that it can be sent again.
           absl::Status undo = svc_->engine_->RevertPrefill(*id_, n);

@@ -57,7 +57,8 @@ class WorkerService final
                       v1::Worker::WithRawCallbackMethod_TransferSession<
                           v1::Worker::WithRawCallbackMethod_SendSession<
                               v1::Worker::WithRawCallbackMethod_PutSkew<
-                                  v1::Worker::Service>>>>>>>> {
+                                  v1::Worker::WithRawCallbackMethod_HeldRounds<
+                                      v1::Worker::Service>>>>>>>>> {
  public:
   // `replicas`, when set, is the engine's store: sessions opened with
   // store_addresses keep their rounds on those stores.
@@ -84,6 +85,9 @@ class WorkerService final
                                         grpc::ByteBuffer* resp) override;
   grpc::ServerReadReactor<grpc::ByteBuffer>* PutSkew(grpc::CallbackServerContext* ctx,
                                                      grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* HeldRounds(grpc::CallbackServerContext* ctx,
+                                       const grpc::ByteBuffer* req,
+                                       grpc::ByteBuffer* resp) override;
 
  private:
   class PrefillReactor;
@@ -101,6 +105,8 @@ class WorkerService final
   void ForgetMoved(const worker::SessionKey& id);
   absl::Status DoSendSession(grpc::CallbackServerContext& ctx, const v1::SendSessionRequest& req,
                              v1::SendSessionResponse* resp);
+  absl::Status DoHeldRounds(grpc::CallbackServerContext& ctx, const v1::HeldRoundsRequest& req,
+                            v1::HeldRoundsResponse* resp);
 
   // A unary call on the io executor: parses `raw`, runs `work`, serializes
   // its response into `out`, and finishes.
