@@ -153,6 +153,8 @@ void Usage() {
                "  --sizes_kib=A,B    segment sizes in KiB (default 64,1024,16384,65536)\n"
                "  --streams=N        only N concurrent streams (default: 1 and 8)\n"
                "  --repeat=N         runs per point; the median is reported (default 3)\n"
+               "  --store_arg=FLAG   passed to kvtier-store (repeatable), e.g.\n"
+               "                     --store_arg=--spare_payload_files=0\n"
                "  Raw TCP is the best of 3 runs, so the ratio is conservative.\n");
 }
 
@@ -166,6 +168,7 @@ int StoreBench(int argc, char** argv) {
   std::vector<uint64_t> sizes = {64ull << 10, 1ull << 20, 16ull << 20, 64ull << 20};
   std::vector<int> stream_counts = {1, 8};
   int repeat = 3;
+  std::vector<std::string> store_args;
   for (int i = 0; i < argc; ++i) {
     std::string a = argv[i];
     // "--flag value" is accepted as well as "--flag=value".
@@ -191,6 +194,8 @@ int StoreBench(int argc, char** argv) {
       }
     } else if (a.rfind("--repeat=", 0) == 0) {
       repeat = std::max(1, std::stoi(a.substr(9)));
+    } else if (a.rfind("--store_arg=", 0) == 0) {
+      store_args.push_back(a.substr(12));
     } else if (a.rfind("--streams=", 0) == 0) {
       stream_counts = {std::stoi(a.substr(10))};
     } else {
@@ -200,8 +205,10 @@ int StoreBench(int argc, char** argv) {
   }
   testing::TempDir tmp;
   if (data_dir.empty()) data_dir = tmp.path();
-  testing::StoreProcess store(data_dir + "/db", {"--sync_writes=" + sync, "--ram_budget_mb=8192",
-                                                 "--max_segment_mb=256", "--log_level=warn"});
+  std::vector<std::string> args = {"--sync_writes=" + sync, "--ram_budget_mb=8192",
+                                   "--max_segment_mb=256", "--log_level=warn"};
+  args.insert(args.end(), store_args.begin(), store_args.end());
+  testing::StoreProcess store(data_dir + "/db", args);
   if (absl::Status s = store.Start(); !s.ok()) {
     std::fprintf(stderr, "kvtier-bench: %s\n", s.ToString().c_str());
     return 1;

@@ -7,6 +7,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/log.h"
 #include "base/status_macros.h"
 #include "rocksdb/file_system.h"
 
@@ -26,12 +27,15 @@ constexpr char kSuffix[] = ".seg";
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PayloadFiles>> PayloadFiles::Open(rocksdb::FileSystem* fs,
-                                                                 std::string dir) {
+                                                                 std::string dir,
+                                                                 uint32_t spare_files, bool sync,
+                                                                 uint64_t recycle_bytes) {
   rocksdb::IOOptions io;
   if (auto s = FromIo(fs->CreateDirIfMissing(dir, io, nullptr), "create " + dir); !s.ok()) {
     return s;
   }
-  std::unique_ptr<PayloadFiles> files(new PayloadFiles(fs, std::move(dir)));
+  std::unique_ptr<PayloadFiles> files(
+      new PayloadFiles(fs, std::move(dir), spare_files, sync, recycle_bytes));
   for (uint64_t i = 0; i < 256; ++i) {
     const std::string sub = files->SubDir(i);
     if (auto s = FromIo(fs->CreateDirIfMissing(sub, io, nullptr), "create " + sub); !s.ok()) {
@@ -39,6 +43,182 @@ absl::StatusOr<std::unique_ptr<PayloadFiles>> PayloadFiles::Open(rocksdb::FileSy
     }
   }
   return files;
+}
+
+PayloadFiles::~PayloadFiles() {
+  std::deque<uint64_t> left;
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (spare_thread_.joinable()) spare_thread_.join();
+  {
+    absl::MutexLock lock(&mu_);
+    left.swap(spare_);
+  }
+  for (uint64_t id : left) (void)Remove(id);
+}
+
+absl::StatusOr<int> PayloadFiles::Recover(const absl::flat_hash_set<uint64_t>& referenced) {
+  KVT_ASSIGN_OR_RETURN(std::vector<uint64_t> present, List());
+  {
+    absl::MutexLock lock(&mu_);
+    for (uint64_t id : present) next_seq_ = std::max(next_seq_, (id >> 8) + 1);
+    for (uint64_t id : referenced) next_seq_ = std::max(next_seq_, (id >> 8) + 1);
+  }
+  int removed = 0;
+  for (uint64_t id : present) {
+    if (referenced.contains(id)) continue;
+    // A file nobody names can be reused: its directory entry is durable, or
+    // it would not have survived to be listed after a crash, and no record
+    // names it (the index scan is complete and every deletion before it).
+    uint64_t size = 0;
+    if (fs_->GetFileSize(Path(id), rocksdb::IOOptions(), &size, nullptr).ok()) {
+      absl::MutexLock lock(&mu_);
+      if (RecycleLocked(id, size)) continue;
+    }
+    KVT_RETURN_IF_ERROR(Remove(id));
+    ++removed;
+  }
+  if (spare_target_ > 0) spare_thread_ = std::thread([this] { SpareLoop(); });
+  return removed;
+}
+
+bool PayloadFiles::RecycleLocked(uint64_t id, uint64_t size) {
+  if (size == 0) {
+    if (spare_.size() >= spare_target_) return false;
+    spare_.push_back(id);
+    return true;
+  }
+  if (size > kMaxRecycledBytes || recycled_bytes_ + size > recycle_cap_) return false;
+  recycled_.emplace(size, id);
+  recycled_bytes_ += size;
+  return true;
+}
+
+PayloadFiles::ReadPin PayloadFiles::PinForRead(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  ++readers_[id];
+  return ReadPin(this, id);
+}
+
+PayloadFiles::ReadPin& PayloadFiles::ReadPin::operator=(ReadPin&& o) noexcept {
+  if (this != &o) {
+    if (files_ != nullptr) files_->Unpin(id_);
+    files_ = o.files_;
+    id_ = o.id_;
+    o.files_ = nullptr;
+  }
+  return *this;
+}
+
+PayloadFiles::ReadPin::~ReadPin() {
+  if (files_ != nullptr) files_->Unpin(id_);
+}
+
+void PayloadFiles::Unpin(uint64_t id) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = readers_.find(id);
+    if (it == readers_.end() || --it->second > 0) return;
+    readers_.erase(it);
+    if (released_while_read_.erase(id) == 0) return;
+  }
+  if (absl::Status s = Release(id); !s.ok()) {
+    LogWarn("cannot release a payload file", {{"error", s.ToString()}});
+  }
+}
+
+absl::Status PayloadFiles::Release(uint64_t id) {
+  uint64_t size = 0;
+  const bool sized = fs_->GetFileSize(Path(id), rocksdb::IOOptions(), &size, nullptr).ok();
+  {
+    absl::MutexLock lock(&mu_);
+    if (readers_.contains(id)) {
+      released_while_read_.insert(id);
+      return absl::OkStatus();
+    }
+    // Only non-empty files: an empty one may be a spare's directory entry
+    // that was never synced (a writer that failed before writing).
+    if (sized && size > 0 && RecycleLocked(id, size)) return absl::OkStatus();
+  }
+  return Remove(id);
+}
+
+size_t PayloadFiles::recycled() const {
+  absl::MutexLock lock(&mu_);
+  return recycled_.size();
+}
+
+uint64_t PayloadFiles::recycled_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return recycled_bytes_;
+}
+
+uint64_t PayloadFiles::recycle_hits() const {
+  absl::MutexLock lock(&mu_);
+  return recycle_hits_;
+}
+
+uint64_t PayloadFiles::NewIdLocked(uint32_t sub) { return (next_seq_++ << 8) | (sub & 0xff); }
+
+absl::Status PayloadFiles::CreateEmpty(uint64_t id) {
+  const std::string path = Path(id);
+  rocksdb::IOOptions io;
+  std::unique_ptr<rocksdb::FSWritableFile> file;
+  KVT_RETURN_IF_ERROR(
+      FromIo(fs_->NewWritableFile(path, rocksdb::FileOptions(), &file, nullptr), "create " + path));
+  return FromIo(file->Close(io, nullptr), "close " + path);
+}
+
+absl::Status PayloadFiles::SyncDir(uint64_t id) {
+  rocksdb::IOOptions io;
+  std::unique_ptr<rocksdb::FSDirectory> d;
+  KVT_RETURN_IF_ERROR(FromIo(fs_->NewDirectory(SubDir(id), io, &d, nullptr), "open dir"));
+  return FromIo(d->Fsync(io, nullptr), "sync dir");
+}
+
+void PayloadFiles::SpareLoop() {
+  absl::MutexLock lock(&mu_);
+  auto low_or_stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stopping_ || spare_.size() <= spare_target_ / 2;
+  };
+  auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
+  while (true) {
+    mu_.Await(absl::Condition(&low_or_stopping));
+    if (stopping_) return;
+    // One batch in one subdirectory: one directory fsync for all of it.
+    const uint32_t sub = next_sub_++ & 0xff;
+    std::vector<uint64_t> batch;
+    while (spare_.size() + batch.size() < spare_target_) batch.push_back(NewIdLocked(sub));
+    mu_.Unlock();
+    absl::Status s;
+    size_t made = 0;
+    for (; made < batch.size() && s.ok(); ++made) s = CreateEmpty(batch[made]);
+    if (s.ok() && sync_) s = SyncDir(batch.front());
+    if (!s.ok()) {
+      for (size_t i = 0; i < made; ++i) (void)Remove(batch[i]);
+      LogWarn("cannot create spare payload files; writers create their own",
+              {{"error", s.ToString()}});
+    }
+    mu_.Lock();
+    if (s.ok()) {
+      spare_.insert(spare_.end(), batch.begin(), batch.end());
+    } else {
+      // Retry later, without spinning on a failing disk.
+      mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Seconds(1));
+    }
+  }
+}
+
+size_t PayloadFiles::spares() const {
+  absl::MutexLock lock(&mu_);
+  return spare_.size();
+}
+
+uint64_t PayloadFiles::spare_misses() const {
+  absl::MutexLock lock(&mu_);
+  return spare_misses_;
 }
 
 std::string PayloadFiles::SubDir(uint64_t id) const {
@@ -49,19 +229,46 @@ std::string PayloadFiles::Path(uint64_t id) const {
   return absl::StrFormat("%s/%016x%s", SubDir(id), id, kSuffix);
 }
 
-absl::StatusOr<std::unique_ptr<PayloadFiles::Writer>> PayloadFiles::NewWriter(uint64_t id,
-                                                                              bool sync) {
+absl::StatusOr<std::unique_ptr<PayloadFiles::Writer>> PayloadFiles::NewWriter(bool sync,
+                                                                              uint64_t size) {
+  uint64_t id = 0;
+  bool spare = false;
+  bool recycled = false;
+  {
+    absl::MutexLock lock(&mu_);
+    // The smallest recycled file that holds `size` bytes.
+    auto fit = sync && size <= kMaxRecycledBytes
+                   ? recycled_.lower_bound(std::max<uint64_t>(size, 1))
+                   : recycled_.end();
+    if (fit != recycled_.end()) {
+      id = fit->second;
+      recycled_bytes_ -= fit->first;
+      recycled_.erase(fit);
+      recycled = true;
+      ++recycle_hits_;
+    } else if (!spare_.empty() && (sync_ || !sync)) {
+      id = spare_.front();
+      spare_.pop_front();
+      spare = true;
+    } else {
+      id = NewIdLocked(next_sub_++);
+      if (spare_target_ > 0) ++spare_misses_;
+    }
+  }
   const std::string path = Path(id);
-  rocksdb::IOOptions io;
   std::unique_ptr<Writer> w(new Writer(this, id, sync));
-  absl::Status s = FromIo(fs_->NewWritableFile(path, rocksdb::FileOptions(), &w->file_, nullptr),
-                          "create " + path);
-  if (s.ok() && sync) {
+  // A spare exists already (empty): opening it truncates nothing and adds no
+  // directory entry. A recycled file is opened without truncation and
+  // overwritten from its start; what lies past the payload is never read.
+  absl::Status s =
+      recycled ? FromIo(fs_->NewRandomRWFile(path, rocksdb::FileOptions(), &w->rw_, nullptr),
+                        "reopen " + path)
+               : FromIo(fs_->NewWritableFile(path, rocksdb::FileOptions(), &w->file_, nullptr),
+                        "create " + path);
+  if (s.ok() && sync && !spare && !recycled) {
     // The new directory entry must be durable before the index names it;
     // syncing it now overlaps that with the payload's arrival.
-    std::unique_ptr<rocksdb::FSDirectory> d;
-    s = FromIo(fs_->NewDirectory(SubDir(id), io, &d, nullptr), "open dir");
-    if (s.ok()) s = FromIo(d->Fsync(io, nullptr), "sync dir");
+    s = SyncDir(id);
   }
   if (!s.ok()) return s;  // ~Writer removes the file.
   return w;
@@ -74,6 +281,7 @@ PayloadFiles::Writer::~Writer() {
   if (finished_) return;
   rocksdb::IOOptions io;
   if (file_ != nullptr) (void)file_->Close(io, nullptr);
+  if (rw_ != nullptr) (void)rw_->Close(io, nullptr);
   (void)files_->Remove(id_);  // Best effort; recovery sweeps orphans too.
 }
 
@@ -84,9 +292,11 @@ absl::Status PayloadFiles::Writer::Append(std::string_view bytes) {
   constexpr size_t kPiece = size_t{2} << 20;
   for (size_t at = 0; at < bytes.size() && status_.ok(); at += kPiece) {
     const size_t n = std::min(kPiece, bytes.size() - at);
-    status_ = FromIo(file_->Append(rocksdb::Slice(bytes.data() + at, n), io, nullptr),
+    const rocksdb::Slice piece(bytes.data() + at, n);
+    status_ = FromIo(rw_ != nullptr ? rw_->Write(written_, piece, io, nullptr)
+                                    : file_->Append(piece, io, nullptr),
                      absl::StrCat("write payload file ", id_));
-    if (status_.ok() && sync_) {
+    if (status_.ok() && sync_ && rw_ == nullptr) {
       status_ = FromIo(file_->RangeSync(written_, n, io, nullptr),
                        absl::StrCat("write back payload file ", id_));
     }
@@ -98,12 +308,17 @@ absl::Status PayloadFiles::Writer::Append(std::string_view bytes) {
 absl::Status PayloadFiles::Writer::Finish() {
   if (!status_.ok()) return status_;
   rocksdb::IOOptions io;
-  if (sync_) status_ = FromIo(file_->Sync(io, nullptr), absl::StrCat("sync payload file ", id_));
+  if (sync_) {
+    status_ = FromIo(rw_ != nullptr ? rw_->Sync(io, nullptr) : file_->Sync(io, nullptr),
+                     absl::StrCat("sync payload file ", id_));
+  }
   if (status_.ok()) {
-    status_ = FromIo(file_->Close(io, nullptr), absl::StrCat("close payload file ", id_));
+    status_ = FromIo(rw_ != nullptr ? rw_->Close(io, nullptr) : file_->Close(io, nullptr),
+                     absl::StrCat("close payload file ", id_));
   }
   if (!status_.ok()) return status_;
   file_.reset();
+  rw_.reset();
   finished_ = true;
   return absl::OkStatus();
 }

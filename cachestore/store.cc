@@ -65,6 +65,7 @@ WriteTicket& WriteTicket::operator=(WriteTicket&& o) noexcept {
     spec_ = std::move(o.spec_);
     write_id_ = o.write_id_;
     grant_ = std::move(o.grant_);
+    to_file_ = o.to_file_;
     file_id_ = o.file_id_;
     writer_ = std::move(o.writer_);
     o.store_ = nullptr;
@@ -132,7 +133,9 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(StoreOptions options, QuotaMa
   std::unique_ptr<rocksdb::DB> db(raw);
   rocksdb::Env* env = options.env != nullptr ? options.env : rocksdb::Env::Default();
   KVT_ASSIGN_OR_RETURN(std::unique_ptr<PayloadFiles> files,
-                       PayloadFiles::Open(env->GetFileSystem().get(), options.path + "/payloads"));
+                       PayloadFiles::Open(env->GetFileSystem().get(), options.path + "/payloads",
+                                          options.spare_payload_files, options.sync_writes,
+                                          options.recycle_payload_bytes));
   std::unique_ptr<Store> store(
       new Store(std::move(options), quotas, std::move(db), std::move(files)));
   KVT_RETURN_IF_ERROR(store->Recover());
@@ -180,10 +183,7 @@ absl::Status Store::Recover() {
         e.info.payload_crc32c = rec.payload_crc32c();
         e.info.state = SegmentState::kSpilled;
         e.file_id = rec.file_id();
-        if (rec.file_id() != 0) {
-          referenced_files.insert(rec.file_id());
-          next_file_id_ = std::max(next_file_id_, rec.file_id() + 1);
-        }
+        if (rec.file_id() != 0) referenced_files.insert(rec.file_id());
         e.insert_seq = next_seq_++;
         e.last_access_seq = e.insert_seq;
         if (r.insert_seq == 0) r.insert_seq = e.insert_seq;
@@ -231,15 +231,9 @@ absl::Status Store::Recover() {
     }
   }
   // Payload files that no index record names were written by uploads that
-  // never committed (a crash between the file and the record): delete them.
-  KVT_ASSIGN_OR_RETURN(std::vector<uint64_t> present, files_->List());
-  int orphans = 0;
-  for (uint64_t id : present) {
-    next_file_id_ = std::max(next_file_id_, id + 1);
-    if (referenced_files.contains(id)) continue;
-    KVT_RETURN_IF_ERROR(files_->Remove(id));
-    ++orphans;
-  }
+  // never committed (a crash between the file and the record): deleted, or
+  // kept as spares when empty.
+  KVT_ASSIGN_OR_RETURN(const int orphans, files_->Recover(referenced_files));
   LogInfo("store recovered", {{"path", options_.path},
                               {"orphan_payload_files_removed", orphans},
                               {"sessions", sessions_.size()},
@@ -319,7 +313,7 @@ absl::StatusOr<WriteTicket> Store::BeginWrite(const WriteSpec& spec) {
     ticket.store_ = this;
     ticket.spec_ = spec;
     ticket.write_id_ = e.write_id;
-    if (spec.payload_bytes > options_.inline_payload_max_bytes) ticket.file_id_ = next_file_id_++;
+    ticket.to_file_ = spec.payload_bytes > options_.inline_payload_max_bytes;
     ticket.grant_ = std::move(grant);
   }
   if (absl::Status st = ApplyRemovals(removals); !st.ok()) {
@@ -330,7 +324,7 @@ absl::StatusOr<WriteTicket> Store::BeginWrite(const WriteSpec& spec) {
 
 absl::Status Store::WriteChunk(WriteTicket& ticket, std::string_view bytes) {
   if (!ticket.valid()) return absl::FailedPreconditionError("empty write ticket");
-  if (ticket.file_id_ == 0) return absl::OkStatus();  // Inline: RocksDB takes it at commit.
+  if (!ticket.to_file_) return absl::OkStatus();  // Inline: RocksDB takes it at commit.
   KVT_RETURN_IF_ERROR(StartPayloadFile(ticket));
   if (ticket.writer_->written() + bytes.size() > ticket.spec_.payload_bytes) {
     return absl::OutOfRangeError(
@@ -341,7 +335,9 @@ absl::Status Store::WriteChunk(WriteTicket& ticket, std::string_view bytes) {
 
 absl::Status Store::StartPayloadFile(WriteTicket& ticket) {
   if (ticket.writer_ != nullptr) return absl::OkStatus();
-  KVT_ASSIGN_OR_RETURN(ticket.writer_, files_->NewWriter(ticket.file_id_, options_.sync_writes));
+  KVT_ASSIGN_OR_RETURN(ticket.writer_,
+                       files_->NewWriter(options_.sync_writes, ticket.spec_.payload_bytes));
+  ticket.file_id_ = ticket.writer_->id();
   return absl::OkStatus();
 }
 
@@ -394,7 +390,6 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
   const std::string key = SessionKey(spec.tenant, spec.session);
   bool write_session_record = false;
   bool write_round_record = false;
-  uint64_t file_id = 0;
   uint32_t ttl = 0;
   bool pinned = false;
   {
@@ -409,7 +404,6 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
       return absl::AbortedError("session or round deleted during upload");
     }
     write_session_record = !s->persisted;
-    file_id = ticket.file_id_;
     ttl = s->ttl_seconds;
     pinned = s->pinned;
     if (spec.has_round_summary && r.summary == nullptr) {
@@ -426,9 +420,8 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
   rec.set_payload_bytes(spec.payload_bytes);
   rec.set_payload_crc32c(spec.payload_crc32c);
   rec.set_written_unix_ms(options_.clock->NowUnixMs());
-  rec.set_file_id(file_id);
   absl::Status written;
-  if (file_id != 0) {
+  if (ticket.to_file_) {
     // The file first (what WriteChunk did not write yet): the index record
     // below is the commit point.
     written = StartPayloadFile(ticket);
@@ -439,6 +432,8 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
   } else {
     batch.Put(SegmentDbKey(KeyKind::kPayload, key, spec.id.round, spec.id.segment), payload);
   }
+  const uint64_t file_id = ticket.file_id_;  // 0 when inline (or the file failed).
+  rec.set_file_id(file_id);
   batch.Put(SegmentDbKey(KeyKind::kSegment, key, spec.id.round, spec.id.segment),
             rec.SerializeAsString());
   if (write_round_record) {
@@ -456,7 +451,7 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
   wo.sync = options_.sync_writes;
   if (written.ok()) {
     written = FromRocks(db_->Write(wo, &batch), "segment write");
-    if (!written.ok() && file_id != 0) (void)files_->Remove(file_id);  // Never committed.
+    if (!written.ok() && file_id != 0) (void)files_->Release(file_id);  // Never committed.
   }
 
   Removal undo;
@@ -710,14 +705,15 @@ absl::Status Store::ApplyRemovals(const std::vector<Removal>& removals) {
   rocksdb::WriteOptions wo;
   wo.sync = options_.sync_writes;
   KVT_RETURN_IF_ERROR(FromRocks(db_->Write(wo, &batch), "delete"));
-  // Files go only after their records: a crash in between leaves orphans,
-  // which recovery deletes.
+  // Files go only after their records (durably so with sync_writes, which
+  // recycling requires): a crash in between leaves orphans, which recovery
+  // reuses or deletes.
   absl::Status first_error;
   for (const Removal& rm : removals) {
     for (const Removal::Round& r : rm.rounds) {
       for (const Removal::Segment& seg : r.segments) {
         if (seg.file_id == 0) continue;
-        absl::Status s = files_->Remove(seg.file_id);
+        absl::Status s = files_->Release(seg.file_id);
         if (!s.ok() && first_error.ok()) first_error = s;
       }
     }
@@ -1022,6 +1018,7 @@ absl::StatusOr<ReadResult> Store::ReadSegment(const std::string& tenant, const s
   const std::string key = SessionKey(tenant, session);
   ReadResult result;
   uint64_t file_id = 0;
+  PayloadFiles::ReadPin pin;  // Holds the file against reuse while it is read.
   // The segment, with its round in *round_out when asked.
   auto find = [&](RoundEntry** round_out = nullptr) -> SegmentEntry* {
     mu_.AssertHeld();  // Called only under the lock.
@@ -1053,6 +1050,7 @@ absl::StatusOr<ReadResult> Store::ReadSegment(const std::string& tenant, const s
       return result;
     }
     ++counters_.hits_disk;
+    if (file_id != 0) pin = files_->PinForRead(file_id);
   }
   auto bytes = std::make_shared<std::string>();
   if (file_id != 0) {
@@ -1140,6 +1138,11 @@ StoreStats Store::Stats() const {
   s.ram_budget_bytes = options_.ram_budget_bytes;
   s.disk_budget_bytes = options_.disk_budget_bytes;
   s.sessions = sessions_.size();
+  s.spare_payload_files = files_->spares();
+  s.spare_misses = files_->spare_misses();
+  s.recycled_payload_files = files_->recycled();
+  s.recycled_payload_bytes = files_->recycled_bytes();
+  s.recycle_hits = files_->recycle_hits();
   return s;
 }
 

@@ -71,6 +71,15 @@ struct StoreOptions {
   // Payloads up to this size are stored inside RocksDB; larger ones go to
   // payload files beside it (cachestore/payload_files.h). Default: 256 KiB.
   uint64_t inline_payload_max_bytes = uint64_t{256} << 10;
+  // Empty payload files kept ready, so that a put does not wait for a new
+  // file's directory entry to become durable (cachestore/payload_files.h).
+  // 0 = none. Default: 32.
+  uint32_t spare_payload_files = 32;
+  // Bytes of dropped segments' payload files kept to be overwritten in place
+  // by later puts (faster than a new file: no inode, no allocation, data-only
+  // fdatasync). Beyond disk_budget_bytes. Needs sync_writes. 0 = none.
+  // Default: 1 GiB.
+  uint64_t recycle_payload_bytes = uint64_t{1} << 30;
   // Largest accepted segment payload. Default: 256 MiB.
   uint64_t max_segment_bytes = uint64_t{256} << 20;
   // TTL of a session without its own (after its last access); 0 = such
@@ -150,6 +159,11 @@ struct StoreStats {
   uint64_t pressure_drops = 0;  // For disk room (the disk budget).
   uint64_t cold_drops = 0;      // Under memory pressure (DropColdRounds).
   uint64_t expired_sessions = 0;
+  uint64_t spare_payload_files = 0;     // Empty payload files ready now.
+  uint64_t spare_misses = 0;            // Payload files created on a put (none ready).
+  uint64_t recycled_payload_files = 0;  // Dropped segments' files kept for reuse.
+  uint64_t recycled_payload_bytes = 0;
+  uint64_t recycle_hits = 0;  // Puts that overwrote a recycled file.
 };
 
 class Store;
@@ -172,7 +186,8 @@ class WriteTicket {
   WriteSpec spec_;
   uint64_t write_id_ = 0;
   QuotaGrant grant_;
-  uint64_t file_id_ = 0;  // Nonzero when the payload goes to a file of its own.
+  bool to_file_ = false;  // The payload goes to a file of its own.
+  uint64_t file_id_ = 0;  // That file's id, once started.
   // The file, once WriteChunk has started it; removed unless committed.
   std::unique_ptr<PayloadFiles::Writer> writer_;
 };
@@ -464,7 +479,6 @@ class Store {
   absl::btree_set<std::pair<int64_t, SessionEntry*>> by_deadline_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, uint64_t> tenant_sessions_ ABSL_GUARDED_BY(mu_);
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
-  uint64_t next_file_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t ram_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t ram_segments_ ABSL_GUARDED_BY(mu_) = 0;
   // Sealed + spilled segments, plus the disk room reserved by writes.

@@ -10,6 +10,7 @@
 #include <thread>
 #include <tuple>
 
+#include "cachestore/payload_files.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/crc32c.h"
@@ -36,6 +37,15 @@ class FailingFs : public rocksdb::FileSystemWrapper {
   const char* Name() const override { return "FailingFs"; }
   std::atomic<bool> fail{false};
 
+  rocksdb::IOStatus NewRandomRWFile(const std::string& f, const rocksdb::FileOptions& o,
+                                    std::unique_ptr<rocksdb::FSRandomRWFile>* r,
+                                    rocksdb::IODebugContext* dbg) override {
+    std::unique_ptr<rocksdb::FSRandomRWFile> file;
+    rocksdb::IOStatus s = target()->NewRandomRWFile(f, o, &file, dbg);
+    if (s.ok()) *r = std::make_unique<RwFile>(std::move(file), &fail);
+    return s;
+  }
+
   rocksdb::IOStatus NewWritableFile(const std::string& f, const rocksdb::FileOptions& o,
                                     std::unique_ptr<rocksdb::FSWritableFile>* r,
                                     rocksdb::IODebugContext* dbg) override {
@@ -58,6 +68,23 @@ class FailingFs : public rocksdb::FileSystemWrapper {
     rocksdb::IOStatus Sync(const rocksdb::IOOptions& o, rocksdb::IODebugContext* dbg) override {
       if (fail_->load()) return rocksdb::IOStatus::IOError("injected disk failure");
       return FSWritableFileOwnerWrapper::Sync(o, dbg);
+    }
+
+   private:
+    std::atomic<bool>* fail_;
+  };
+  class RwFile : public rocksdb::FSRandomRWFileOwnerWrapper {
+   public:
+    RwFile(std::unique_ptr<rocksdb::FSRandomRWFile> f, std::atomic<bool>* fail)
+        : FSRandomRWFileOwnerWrapper(std::move(f)), fail_(fail) {}
+    rocksdb::IOStatus Write(uint64_t offset, const rocksdb::Slice& d, const rocksdb::IOOptions& o,
+                            rocksdb::IODebugContext* dbg) override {
+      if (fail_->load()) return rocksdb::IOStatus::IOError("injected disk failure");
+      return FSRandomRWFileOwnerWrapper::Write(offset, d, o, dbg);
+    }
+    rocksdb::IOStatus Sync(const rocksdb::IOOptions& o, rocksdb::IODebugContext* dbg) override {
+      if (fail_->load()) return rocksdb::IOStatus::IOError("injected disk failure");
+      return FSRandomRWFileOwnerWrapper::Sync(o, dbg);
     }
 
    private:
@@ -554,12 +581,176 @@ TEST_F(StoreTest, FailingDiskRejectsTheWriteAndChangesNothing) {
   EXPECT_EQ(Get("s", 0, 0), p);  // What was stored is still served.
 }
 
-int CountPayloadFiles(const std::string& db) {
+// Payload files that hold bytes (spares are empty).
+int CountPayloadFiles(const std::string& db, bool spares_too = false) {
   int n = 0;
   for (const auto& e : std::filesystem::recursive_directory_iterator(db + "/payloads")) {
-    n += e.is_regular_file() ? 1 : 0;
+    n += e.is_regular_file() && (spares_too || e.file_size() > 0) ? 1 : 0;
   }
   return n;
+}
+
+// A dropped segment's file is kept and overwritten in place by a later put
+// that fits; the overwritten file serves the new segment after a restart;
+// crash leftovers are kept for reuse up to the cap.
+TEST_F(StoreTest, DroppedPayloadFilesAreRecycled) {
+  options_.inline_payload_max_bytes = 1000;
+  options_.sync_writes = true;
+  options_.spare_payload_files = 0;
+  options_.recycle_payload_bytes = 12'000;
+  Open();
+  const std::string first = MakePayload(5000, 1);
+  ASSERT_THAT(Put("s", 0, 0, first), IsOk());
+  ASSERT_THAT(Put("s", 1, 0, MakePayload(9000, 2)), IsOk());
+  ASSERT_THAT(store_->DropRounds("t1", "s", {0, 1}), IsOk());
+  // The first fits under the cap, then the second does not: deleted.
+  EXPECT_EQ(store_->Stats().recycled_payload_files, 1u);
+  EXPECT_EQ(store_->Stats().recycled_payload_bytes, first.size());
+  EXPECT_EQ(CountPayloadFiles(options_.path, true), 1);
+  const std::string smaller = MakePayload(4000, 3);
+  ASSERT_THAT(Put("s", 2, 0, smaller), IsOk());
+  EXPECT_EQ(store_->Stats().recycle_hits, 1u);
+  EXPECT_EQ(store_->Stats().recycled_payload_files, 0u);
+  EXPECT_EQ(CountPayloadFiles(options_.path, true), 1);  // The same file, overwritten.
+  for (const auto& e : std::filesystem::recursive_directory_iterator(options_.path + "/payloads")) {
+    if (e.is_regular_file()) {
+      EXPECT_EQ(e.file_size(), first.size());  // Its tail is never read.
+    }
+  }
+  const std::string larger = MakePayload(6000, 4);
+  ASSERT_THAT(Put("s", 3, 0, larger), IsOk());  // Nothing fits: a new file.
+  EXPECT_EQ(store_->Stats().recycle_hits, 1u);
+  Open();
+  EXPECT_EQ(Get("s", 2, 0), smaller);
+  EXPECT_EQ(Get("s", 3, 0), larger);
+  // A crash leftover (an upload that never committed) is kept for reuse.
+  store_.reset();
+  std::ofstream(options_.path + "/payloads/77/0000000000000777.seg") << std::string(3000, 'x');
+  Open();
+  EXPECT_EQ(store_->Stats().recycled_payload_files, 1u);
+  ASSERT_THAT(Put("s", 4, 0, MakePayload(2000, 5)), IsOk());
+  EXPECT_EQ(store_->Stats().recycle_hits, 1u);
+  Open();
+  EXPECT_EQ(Get("s", 4, 0), MakePayload(2000, 5));
+  EXPECT_EQ(Get("s", 2, 0), smaller);
+  // Without synchronous writes nothing is recycled.
+  options_.sync_writes = false;
+  Open();
+  ASSERT_THAT(store_->DropRounds("t1", "s", {2}), IsOk());
+  EXPECT_EQ(store_->Stats().recycled_payload_files, 0u);
+}
+
+TEST_F(StoreTest, FailingDiskUnderARecycledFileFailsThePut) {
+  std::shared_ptr<FailingFs> fs = UseFailingDisk();
+  options_.inline_payload_max_bytes = 1000;
+  options_.sync_writes = true;
+  options_.spare_payload_files = 0;
+  Open();
+  ASSERT_THAT(Put("s", 0, 0, MakePayload(5000, 1)), IsOk());
+  ASSERT_THAT(store_->DropRounds("t1", "s", {0}), IsOk());
+  ASSERT_EQ(store_->Stats().recycled_payload_files, 1u);
+  fs->fail = true;
+  EXPECT_THAT(Put("s", 1, 0, MakePayload(4000, 2)), StatusIs(Code::kInternal));
+  fs->fail = false;
+  EXPECT_EQ(store_->Stats().recycle_hits, 1u);
+  EXPECT_EQ(store_->Stats().recycled_payload_files, 0u);  // A file that failed is not reused.
+  EXPECT_EQ(CountPayloadFiles(options_.path, true), 0);
+  KVT_ASSERT_OK_AND_ASSIGN(SessionInfo info, store_->ListRounds("t1", "s"));
+  EXPECT_TRUE(info.rounds.empty());
+  ASSERT_THAT(Put("s", 1, 0, MakePayload(4000, 2)), IsOk());
+  EXPECT_EQ(Get("s", 1, 0), MakePayload(4000, 2));
+}
+
+// A file released while a read holds it is recycled only when the read ends.
+TEST(PayloadFilesTest, ReadPinDefersRecycling) {
+  TempDir dir;
+  KVT_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<PayloadFiles> files,
+      PayloadFiles::Open(rocksdb::FileSystem::Default().get(), dir.path(), 0, true, 1 << 20));
+  ASSERT_THAT(files->Recover({}), IsOk());
+  auto read = [&](uint64_t id, uint64_t n) {
+    absl::StatusOr<std::string> r = files->Read(id, n);
+    return r.ok() ? *r : r.status().ToString();
+  };
+  KVT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<PayloadFiles::Writer> w, files->NewWriter(true, 10));
+  const uint64_t id = w->id();
+  ASSERT_THAT(w->Append("0123456789"), IsOk());
+  ASSERT_THAT(w->Finish(), IsOk());
+  {
+    PayloadFiles::ReadPin pin = files->PinForRead(id);
+    ASSERT_THAT(files->Release(id), IsOk());
+    EXPECT_EQ(files->recycled(), 0u);
+    KVT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<PayloadFiles::Writer> other,
+                             files->NewWriter(true, 4));
+    EXPECT_NE(other->id(), id);  // Not handed out while read.
+    EXPECT_EQ(read(id, 10), "0123456789");
+  }
+  EXPECT_EQ(files->recycled(), 1u);
+  KVT_ASSERT_OK_AND_ASSIGN(w, files->NewWriter(true, 4));
+  EXPECT_EQ(w->id(), id);
+  ASSERT_THAT(w->Append("abcd"), IsOk());
+  ASSERT_THAT(w->Finish(), IsOk());
+  EXPECT_EQ(read(id, 4), "abcd");
+  EXPECT_EQ(read(id, 10), "abcd456789");  // Overwritten in place, not truncated.
+}
+
+// Waits (up to 10 s) until the store's spare thread has `n` files ready.
+bool WaitForSpares(const Store& store, uint64_t n) {
+  for (int i = 0; i < 1000 && store.Stats().spare_payload_files != n; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return store.Stats().spare_payload_files == n;
+}
+
+// A put takes an empty spare file instead of creating one (no directory
+// entry to sync on its path); the spare thread refills the pool in batches;
+// recovery keeps empty orphans as spares and deletes the rest.
+TEST_F(StoreTest, SparePayloadFilesAreTakenRefilledAndAdopted) {
+  options_.inline_payload_max_bytes = 1000;
+  options_.sync_writes = true;
+  options_.spare_payload_files = 4;
+  Open();
+  ASSERT_TRUE(WaitForSpares(*store_, 4));
+  EXPECT_EQ(CountPayloadFiles(options_.path, true), 4);
+  const std::string big = MakePayload(5000, 2);
+  ASSERT_THAT(Put("s", 0, 0, big), IsOk());
+  // One spare became the payload file; 3 left is above the refill mark (2).
+  EXPECT_EQ(store_->Stats().spare_payload_files, 3u);
+  EXPECT_EQ(store_->Stats().spare_misses, 0u);
+  EXPECT_EQ(CountPayloadFiles(options_.path), 1);
+  EXPECT_EQ(CountPayloadFiles(options_.path, true), 4);
+  ASSERT_THAT(Put("s", 1, 0, MakePayload(5000, 3)), IsOk());  // 2 left: refilled to 4.
+  ASSERT_TRUE(WaitForSpares(*store_, 4));
+  EXPECT_EQ(CountPayloadFiles(options_.path, true), 6);
+
+  // A clean close removes the spares; what a crash leaves is sorted out at
+  // recovery: an empty orphan is kept as a spare, a partial one deleted.
+  store_.reset();
+  EXPECT_EQ(CountPayloadFiles(options_.path, true), 2);
+  const std::string empty = options_.path + "/payloads/77/0000000000000777.seg";
+  const std::string partial = options_.path + "/payloads/78/0000000000000778.seg";
+  std::ofstream(empty).flush();
+  std::ofstream(partial) << "partial";
+  options_.spare_payload_files = 2;
+  options_.recycle_payload_bytes = 0;
+  Open();
+  EXPECT_TRUE(std::filesystem::exists(empty));
+  EXPECT_FALSE(std::filesystem::exists(partial));
+  ASSERT_TRUE(WaitForSpares(*store_, 2));
+  EXPECT_EQ(CountPayloadFiles(options_.path, true), 4);  // The adopted one and one new.
+  EXPECT_EQ(Get("s", 0, 0), big);
+  // Without a pool, empty orphans are deleted too, and puts create files.
+  store_.reset();
+  std::ofstream(empty).flush();
+  options_.spare_payload_files = 0;
+  Open();
+  EXPECT_FALSE(std::filesystem::exists(empty));
+  ASSERT_THAT(Put("s", 2, 0, MakePayload(5000, 4)), IsOk());
+  EXPECT_EQ(store_->Stats().spare_misses, 0u);
+  EXPECT_EQ(CountPayloadFiles(options_.path, true), 3);
+  Open();
+  EXPECT_EQ(Get("s", 2, 0), MakePayload(5000, 4));
+  EXPECT_EQ(Get("s", 1, 0), MakePayload(5000, 3));
 }
 
 TEST_F(StoreTest, LargePayloadsLiveInFilesAndSurviveRecovery) {

@@ -230,8 +230,11 @@ TEST_F(WorkerTransferTest, HandBackReusesTheRoundsEachWorkerKept) {
       uint64_t left_out = 0, sent = 0;
       KVT_ASSERT_OK(MoveReusing(*prefill_, *decode_, moved, &left_out, &sent));
       // The decode worker kept every earlier round's lower layers.
-      if (round > 0) EXPECT_GT(left_out, 0u);
-      if (round == 0) EXPECT_EQ(left_out, 0u);
+      if (round > 0) {
+        EXPECT_GT(left_out, 0u);
+      } else {
+        EXPECT_EQ(left_out, 0u);
+      }
       EXPECT_EQ(prefill_->TotalWorkingSetBytes(), 0u);
       for (int t = 0; t < 3; ++t) {
         const Step tok = MakeStep(1, &rng);
@@ -250,7 +253,9 @@ TEST_F(WorkerTransferTest, HandBackReusesTheRoundsEachWorkerKept) {
         first_back = sent;
       } else {
         EXPECT_GT(left_out, 0u);
-        if (codec == "fp16") EXPECT_EQ(sent, first_back);
+        if (codec == "fp16") {
+          EXPECT_EQ(sent, first_back);
+        }
         EXPECT_LT(sent, left_out + sent);
       }
       EXPECT_GT(decode_->HandoffTotals().bytes, 0u);

@@ -26,6 +26,12 @@ ABSL_FLAG(std::string, spill_policy, "counter",
           "Which RAM segments spill first: 'counter' (fewest recalls among the older half) "
           "or 'lru'.");
 ABSL_FLAG(bool, sync_writes, true, "fsync the WAL before acknowledging a PutSegment.");
+ABSL_FLAG(uint32_t, spare_payload_files, 32,
+          "Empty payload files kept ready for large puts (0 = none): a put then does not wait "
+          "for a new file's directory entry to become durable.");
+ABSL_FLAG(uint64_t, recycle_payload_mb, 1024,
+          "MiB of dropped segments' payload files kept to be overwritten in place by later "
+          "puts (needs --sync_writes; 0 = none). Beyond --disk_budget_mb.");
 ABSL_FLAG(uint32_t, promote_after_reads, 2,
           "Promote a spilled segment into RAM after this many disk reads; 0 = never.");
 ABSL_FLAG(uint64_t, max_segment_mb, 256, "Largest accepted segment payload in MiB.");
@@ -86,6 +92,8 @@ int main(int argc, char** argv) {
   o.store.ram_budget_bytes = absl::GetFlag(FLAGS_ram_budget_mb) << 20;
   o.store.disk_budget_bytes = absl::GetFlag(FLAGS_disk_budget_mb) << 20;
   o.store.sync_writes = absl::GetFlag(FLAGS_sync_writes);
+  o.store.spare_payload_files = absl::GetFlag(FLAGS_spare_payload_files);
+  o.store.recycle_payload_bytes = absl::GetFlag(FLAGS_recycle_payload_mb) << 20;
   o.store.promote_after_disk_reads = absl::GetFlag(FLAGS_promote_after_reads);
   o.store.max_segment_bytes = absl::GetFlag(FLAGS_max_segment_mb) << 20;
   o.store.default_ttl_seconds = absl::GetFlag(FLAGS_default_ttl_seconds);

@@ -62,6 +62,20 @@ class StoreMetrics::TierCollector : public prometheus::Collectable {
     add(family("kvtier_store_expired_sessions_total", "Sessions expired by TTL.",
                MetricType::Counter),
         s.expired_sessions);
+    add(family("kvtier_store_spare_payload_files",
+               "Empty payload files ready for the next large puts.", MetricType::Gauge),
+        s.spare_payload_files);
+    add(family("kvtier_store_spare_misses_total",
+               "Large puts that found no spare payload file and created their own.",
+               MetricType::Counter),
+        s.spare_misses);
+    add(family("kvtier_store_recycled_payload_bytes",
+               "Bytes of dropped segments' payload files kept to be overwritten by later puts.",
+               MetricType::Gauge),
+        s.recycled_payload_bytes);
+    add(family("kvtier_store_recycle_hits_total",
+               "Large puts that overwrote a recycled payload file.", MetricType::Counter),
+        s.recycle_hits);
     return out;
   }
 
