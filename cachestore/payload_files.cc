@@ -26,16 +26,15 @@ constexpr char kSuffix[] = ".seg";
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<PayloadFiles>> PayloadFiles::Open(rocksdb::FileSystem* fs,
-                                                                 std::string dir,
-                                                                 uint32_t spare_files, bool sync,
-                                                                 uint64_t recycle_bytes) {
+absl::StatusOr<std::unique_ptr<PayloadFiles>> PayloadFiles::Open(
+    rocksdb::FileSystem* fs, std::string dir, uint32_t spare_files, bool sync,
+    uint64_t recycle_bytes, std::function<absl::Status()> sync_deletions) {
   rocksdb::IOOptions io;
   if (auto s = FromIo(fs->CreateDirIfMissing(dir, io, nullptr), "create " + dir); !s.ok()) {
     return s;
   }
-  std::unique_ptr<PayloadFiles> files(
-      new PayloadFiles(fs, std::move(dir), spare_files, sync, recycle_bytes));
+  std::unique_ptr<PayloadFiles> files(new PayloadFiles(fs, std::move(dir), spare_files, sync,
+                                                       recycle_bytes, std::move(sync_deletions)));
   for (uint64_t i = 0; i < 256; ++i) {
     const std::string sub = files->SubDir(i);
     if (auto s = FromIo(fs->CreateDirIfMissing(sub, io, nullptr), "create " + sub); !s.ok()) {
@@ -75,7 +74,7 @@ absl::StatusOr<int> PayloadFiles::Recover(const absl::flat_hash_set<uint64_t>& r
     uint64_t size = 0;
     if (fs_->GetFileSize(Path(id), rocksdb::IOOptions(), &size, nullptr).ok()) {
       absl::MutexLock lock(&mu_);
-      if (RecycleLocked(id, size)) continue;
+      if (RecycleLocked(id, size, true)) continue;
     }
     KVT_RETURN_IF_ERROR(Remove(id));
     ++removed;
@@ -84,15 +83,35 @@ absl::StatusOr<int> PayloadFiles::Recover(const absl::flat_hash_set<uint64_t>& r
   return removed;
 }
 
-bool PayloadFiles::RecycleLocked(uint64_t id, uint64_t size) {
+bool PayloadFiles::RecycleLocked(uint64_t id, uint64_t size, bool durable) {
   if (size == 0) {
     if (spare_.size() >= spare_target_) return false;
     spare_.push_back(id);
     return true;
   }
   if (size > kMaxRecycledBytes || recycled_bytes_ + size > recycle_cap_) return false;
-  recycled_.emplace(size, id);
+  if (!durable && sync_deletions_ == nullptr) return false;
+  (durable ? recycled_ : pending_).emplace(size, id);
   recycled_bytes_ += size;
+  return true;
+}
+
+bool PayloadFiles::ConfirmPending() {
+  std::multimap<uint64_t, uint64_t> batch;
+  {
+    absl::MutexLock lock(&mu_);
+    batch.swap(pending_);
+  }
+  if (batch.empty()) return false;
+  // Every deletion written before these files were released becomes durable.
+  absl::Status s = sync_deletions_();
+  absl::MutexLock lock(&mu_);
+  if (!s.ok()) {
+    LogWarn("cannot sync deletions; released payload files wait", {{"error", s.ToString()}});
+    pending_.merge(batch);
+    return false;
+  }
+  recycled_.merge(batch);
   return true;
 }
 
@@ -117,37 +136,41 @@ PayloadFiles::ReadPin::~ReadPin() {
 }
 
 void PayloadFiles::Unpin(uint64_t id) {
+  bool durable = true;
   {
     absl::MutexLock lock(&mu_);
     auto it = readers_.find(id);
     if (it == readers_.end() || --it->second > 0) return;
     readers_.erase(it);
-    if (released_while_read_.erase(id) == 0) return;
+    auto released = released_while_read_.find(id);
+    if (released == released_while_read_.end()) return;
+    durable = released->second;
+    released_while_read_.erase(released);
   }
-  if (absl::Status s = Release(id); !s.ok()) {
+  if (absl::Status s = Release(id, durable); !s.ok()) {
     LogWarn("cannot release a payload file", {{"error", s.ToString()}});
   }
 }
 
-absl::Status PayloadFiles::Release(uint64_t id) {
+absl::Status PayloadFiles::Release(uint64_t id, bool durable) {
   uint64_t size = 0;
   const bool sized = fs_->GetFileSize(Path(id), rocksdb::IOOptions(), &size, nullptr).ok();
   {
     absl::MutexLock lock(&mu_);
     if (readers_.contains(id)) {
-      released_while_read_.insert(id);
+      released_while_read_[id] = durable;
       return absl::OkStatus();
     }
     // Only non-empty files: an empty one may be a spare's directory entry
     // that was never synced (a writer that failed before writing).
-    if (sized && size > 0 && RecycleLocked(id, size)) return absl::OkStatus();
+    if (sized && size > 0 && RecycleLocked(id, size, durable)) return absl::OkStatus();
   }
   return Remove(id);
 }
 
 size_t PayloadFiles::recycled() const {
   absl::MutexLock lock(&mu_);
-  return recycled_.size();
+  return recycled_.size() + pending_.size();
 }
 
 uint64_t PayloadFiles::recycled_bytes() const {
@@ -234,12 +257,18 @@ absl::StatusOr<std::unique_ptr<PayloadFiles::Writer>> PayloadFiles::NewWriter(bo
   uint64_t id = 0;
   bool spare = false;
   bool recycled = false;
+  const bool fits = size <= kMaxRecycledBytes;
+  bool confirm = false;
+  {
+    absl::MutexLock lock(&mu_);
+    confirm = fits && recycled_.lower_bound(std::max<uint64_t>(size, 1)) == recycled_.end() &&
+              pending_.lower_bound(std::max<uint64_t>(size, 1)) != pending_.end();
+  }
+  if (confirm) ConfirmPending();
   {
     absl::MutexLock lock(&mu_);
     // The smallest recycled file that holds `size` bytes.
-    auto fit = sync && size <= kMaxRecycledBytes
-                   ? recycled_.lower_bound(std::max<uint64_t>(size, 1))
-                   : recycled_.end();
+    auto fit = fits ? recycled_.lower_bound(std::max<uint64_t>(size, 1)) : recycled_.end();
     if (fit != recycled_.end()) {
       id = fit->second;
       recycled_bytes_ -= fit->first;

@@ -12,15 +12,15 @@
 // subdirectory and one directory fsync; a writer takes one and only its data
 // (and size) remain to sync.
 //
-// Recycled files: with synchronous writes, the file of a dropped segment is
-// kept (up to a byte cap) and overwritten in place by a later put of at most
-// its size: no inode to create, no blocks to allocate, and fdatasync has only
-// data to flush (about twice as fast as a new file for 1 MiB on ext4 here).
-// Only files up to kMaxRecycledBytes: they are overwritten with positional
-// writes, without the early writeback that large payloads need.
-// A file is recycled only once the deletion of the record that named it is
-// durable, and only when no read holds it (ReadPin), so a reader never sees
-// another segment's bytes.
+// Recycled files: the file of a dropped segment is kept (up to a byte cap)
+// and overwritten in place by a later put of at most its size: no inode to create, no blocks to
+// allocate, and fdatasync has only data to flush (about twice as fast as a new file for 1 MiB on
+// ext4 here). Only files up to kMaxRecycledBytes: they are overwritten with positional writes,
+// without the early writeback that large payloads need. A file is reused only once the deletion of
+// the record that named it is durable (with synchronous writes it is at once; otherwise the first
+// reuse after a release syncs the WAL, once for every file released before it), and only when no
+// read holds it (ReadPin), so a reader never sees another segment's bytes and a crash cannot bring
+// back a record naming a reused file.
 //
 // Recovery keeps unreferenced files for reuse (empty: spares, others:
 // recycled, each within its cap) and deletes the rest.
@@ -33,6 +33,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -63,13 +64,12 @@ class PayloadFiles {
   // entries are made durable before use (the store's sync_writes). INTERNAL
   // on I/O errors.
   // `recycle_bytes`: the most bytes of dropped segments' files kept for
-  // reuse (0: none; ignored without `sync`, where a record's deletion is not
-  // known to be durable).
-  static absl::StatusOr<std::unique_ptr<PayloadFiles>> Open(rocksdb::FileSystem* fs,
-                                                            std::string dir,
-                                                            uint32_t spare_files = 0,
-                                                            bool sync = true,
-                                                            uint64_t recycle_bytes = 0);
+  // reuse (0: none). `sync_deletions` makes every deletion written so far
+  // durable (the store's WAL sync); needed to reuse files whose release was
+  // not durable, else those are deleted.
+  static absl::StatusOr<std::unique_ptr<PayloadFiles>> Open(
+      rocksdb::FileSystem* fs, std::string dir, uint32_t spare_files = 0, bool sync = true,
+      uint64_t recycle_bytes = 0, std::function<absl::Status()> sync_deletions = nullptr);
   // Stops the spare thread and deletes the unused spares (best effort).
   ~PayloadFiles();
 
@@ -134,9 +134,9 @@ class PayloadFiles {
   };
   ReadPin PinForRead(uint64_t id);
 
-  // File `id` is no longer named by any record, durably when writes are
-  // synchronous: recycled (once no read holds it) or deleted.
-  absl::Status Release(uint64_t id);
+  // File `id` is no longer named by any record (`durable`: and that deletion
+  // is durable): recycled (once no read holds it) or deleted.
+  absl::Status Release(uint64_t id, bool durable = true);
 
   // Reads file `id`, expected to hold `size` bytes. NOT_FOUND if missing,
   // DATA_LOSS if shorter, INTERNAL on I/O errors.
@@ -158,12 +158,13 @@ class PayloadFiles {
 
  private:
   PayloadFiles(rocksdb::FileSystem* fs, std::string dir, uint32_t spare_files, bool sync,
-               uint64_t recycle_bytes)
+               uint64_t recycle_bytes, std::function<absl::Status()> sync_deletions)
       : fs_(fs),
         dir_(std::move(dir)),
         spare_target_(spare_files),
         sync_(sync),
-        recycle_cap_(sync ? recycle_bytes : 0) {}
+        recycle_cap_(recycle_bytes),
+        sync_deletions_(std::move(sync_deletions)) {}
   std::string SubDir(uint64_t id) const;
   std::string Path(uint64_t id) const;
   // A fresh id whose file lands in subdirectory `sub`. Ids are
@@ -173,7 +174,10 @@ class PayloadFiles {
   absl::Status SyncDir(uint64_t id);
   void SpareLoop();
   // Keeps `id` (`size` bytes on disk) for reuse if the cap allows.
-  bool RecycleLocked(uint64_t id, uint64_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `durable`: its record's deletion is durable; else it waits in pending_.
+  bool RecycleLocked(uint64_t id, uint64_t size, bool durable) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Makes pending_ reusable (one WAL sync). False when nothing changed.
+  bool ConfirmPending() ABSL_LOCKS_EXCLUDED(mu_);
   void Unpin(uint64_t id);
 
   rocksdb::FileSystem* const fs_;
@@ -181,6 +185,7 @@ class PayloadFiles {
   const uint32_t spare_target_;
   const bool sync_;
   const uint64_t recycle_cap_;
+  const std::function<absl::Status()> sync_deletions_;
 
   mutable absl::Mutex mu_;
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
@@ -189,11 +194,12 @@ class PayloadFiles {
   uint64_t spare_misses_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::multimap<uint64_t, uint64_t> recycled_ ABSL_GUARDED_BY(mu_);  // Size on disk -> id.
+  std::multimap<uint64_t, uint64_t> pending_ ABSL_GUARDED_BY(mu_);   // Deletion not yet durable.
   uint64_t recycled_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t recycle_hits_ ABSL_GUARDED_BY(mu_) = 0;
   // Files being read, and those released while read (recycled at the last unpin).
   absl::flat_hash_map<uint64_t, int> readers_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<uint64_t> released_while_read_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, bool> released_while_read_ ABSL_GUARDED_BY(mu_);  // -> durable
   std::thread spare_thread_;
 };
 

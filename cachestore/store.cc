@@ -132,10 +132,13 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(StoreOptions options, QuotaMa
   }
   std::unique_ptr<rocksdb::DB> db(raw);
   rocksdb::Env* env = options.env != nullptr ? options.env : rocksdb::Env::Default();
-  KVT_ASSIGN_OR_RETURN(std::unique_ptr<PayloadFiles> files,
-                       PayloadFiles::Open(env->GetFileSystem().get(), options.path + "/payloads",
-                                          options.spare_payload_files, options.sync_writes,
-                                          options.recycle_payload_bytes));
+  KVT_ASSIGN_OR_RETURN(
+      std::unique_ptr<PayloadFiles> files,
+      PayloadFiles::Open(env->GetFileSystem().get(), options.path + "/payloads",
+                         options.spare_payload_files, options.sync_writes,
+                         options.recycle_payload_bytes,
+                         // files_ goes before db_ (member order).
+                         [db = db.get()] { return FromRocks(db->SyncWAL(), "sync deletions"); }));
   std::unique_ptr<Store> store(
       new Store(std::move(options), quotas, std::move(db), std::move(files)));
   KVT_RETURN_IF_ERROR(store->Recover());
@@ -705,15 +708,15 @@ absl::Status Store::ApplyRemovals(const std::vector<Removal>& removals) {
   rocksdb::WriteOptions wo;
   wo.sync = options_.sync_writes;
   KVT_RETURN_IF_ERROR(FromRocks(db_->Write(wo, &batch), "delete"));
-  // Files go only after their records (durably so with sync_writes, which
-  // recycling requires): a crash in between leaves orphans, which recovery
-  // reuses or deletes.
+  // Files go only after their records (durably so with sync_writes; else a
+  // file is reused only after a WAL sync): a crash in between leaves orphans,
+  // which recovery reuses or deletes.
   absl::Status first_error;
   for (const Removal& rm : removals) {
     for (const Removal::Round& r : rm.rounds) {
       for (const Removal::Segment& seg : r.segments) {
         if (seg.file_id == 0) continue;
-        absl::Status s = files_->Release(seg.file_id);
+        absl::Status s = files_->Release(seg.file_id, options_.sync_writes);
         if (!s.ok() && first_error.ok()) first_error = s;
       }
     }

@@ -77,7 +77,8 @@ struct StoreOptions {
   uint32_t spare_payload_files = 32;
   // Bytes of dropped segments' payload files kept to be overwritten in place
   // by later puts (faster than a new file: no inode, no allocation, data-only
-  // fdatasync). Beyond disk_budget_bytes. Needs sync_writes. 0 = none.
+  // fdatasync). Beyond disk_budget_bytes. Without sync_writes, a reuse first
+  // syncs the WAL once for the files released before it. 0 = none.
   // Default: 1 GiB.
   uint64_t recycle_payload_bytes = uint64_t{1} << 30;
   // Largest accepted segment payload. Default: 256 MiB.

@@ -633,11 +633,19 @@ TEST_F(StoreTest, DroppedPayloadFilesAreRecycled) {
   Open();
   EXPECT_EQ(Get("s", 4, 0), MakePayload(2000, 5));
   EXPECT_EQ(Get("s", 2, 0), smaller);
-  // Without synchronous writes nothing is recycled.
+  // Without synchronous writes a released file waits for a WAL sync, which
+  // the first put that could reuse it does.
   options_.sync_writes = false;
   Open();
   ASSERT_THAT(store_->DropRounds("t1", "s", {2}), IsOk());
+  EXPECT_EQ(store_->Stats().recycled_payload_files, 1u);
+  const std::string unsynced = MakePayload(3000, 6);
+  ASSERT_THAT(Put("s", 5, 0, unsynced), IsOk());
+  EXPECT_EQ(store_->Stats().recycle_hits, 1u);
   EXPECT_EQ(store_->Stats().recycled_payload_files, 0u);
+  Open();
+  EXPECT_EQ(Get("s", 5, 0), unsynced);
+  EXPECT_THAT(store_->ReadSegment("t1", "s", {2, 0}), StatusIs(Code::kNotFound));
 }
 
 TEST_F(StoreTest, FailingDiskUnderARecycledFileFailsThePut) {
@@ -755,6 +763,7 @@ TEST_F(StoreTest, SparePayloadFilesAreTakenRefilledAndAdopted) {
 
 TEST_F(StoreTest, LargePayloadsLiveInFilesAndSurviveRecovery) {
   options_.inline_payload_max_bytes = 1000;
+  options_.recycle_payload_bytes = 0;  // Files deleted, not kept (see below).
   Open();
   std::string small = MakePayload(800, 1), big = MakePayload(50'000, 2, 3);
   ASSERT_THAT(Put("s", 0, 0, small), IsOk());
@@ -771,6 +780,7 @@ TEST_F(StoreTest, LargePayloadsLiveInFilesAndSurviveRecovery) {
 
 TEST_F(StoreTest, RecoveryRemovesOrphanPayloadFiles) {
   options_.inline_payload_max_bytes = 1000;
+  options_.recycle_payload_bytes = 0;  // Files deleted, not kept (see below).
   Open();
   std::string big = MakePayload(5000, 2);
   ASSERT_THAT(Put("s", 0, 0, big), IsOk());
