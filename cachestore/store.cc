@@ -454,7 +454,8 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
   wo.sync = options_.sync_writes;
   if (written.ok()) {
     written = FromRocks(db_->Write(wo, &batch), "segment write");
-    if (!written.ok() && file_id != 0) (void)files_->Release(file_id);  // Never committed.
+    // Never committed, but the record may have reached the WAL: not reused.
+    if (!written.ok() && file_id != 0) (void)files_->Remove(file_id);
   }
 
   Removal undo;
