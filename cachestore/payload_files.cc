@@ -66,18 +66,27 @@ absl::StatusOr<int> PayloadFiles::Recover(const absl::flat_hash_set<uint64_t>& r
     for (uint64_t id : referenced) next_seq_ = std::max(next_seq_, (id >> 8) + 1);
   }
   int removed = 0;
+  absl::flat_hash_set<uint64_t> adopted_dirs;  // Subdirectory numbers.
   for (uint64_t id : present) {
     if (referenced.contains(id)) continue;
-    // A file nobody names can be reused: its directory entry is durable, or
-    // it would not have survived to be listed after a crash, and no record
-    // names it (the index scan is complete and every deletion before it).
+    // A file nobody names can be reused: no record names it (the index scan
+    // is complete, and so is every deletion before it).
     uint64_t size = 0;
     if (fs_->GetFileSize(Path(id), rocksdb::IOOptions(), &size, nullptr).ok()) {
       absl::MutexLock lock(&mu_);
-      if (RecycleLocked(id, size, true)) continue;
+      if (RecycleLocked(id, size, true)) {
+        adopted_dirs.insert(id & 0xff);
+        continue;
+      }
     }
     KVT_RETURN_IF_ERROR(Remove(id));
     ++removed;
+  }
+  // A process killed between creating spares and syncing their directory
+  // leaves entries that are not durable yet: a put would commit into them
+  // without a directory sync of its own.
+  if (sync_) {
+    for (uint64_t sub : adopted_dirs) KVT_RETURN_IF_ERROR(SyncDir(sub));
   }
   if (spare_target_ > 0) spare_thread_ = std::thread([this] { SpareLoop(); });
   return removed;
