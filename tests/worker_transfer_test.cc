@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -512,7 +513,8 @@ class TransferServiceTest : public ::testing::Test {
   // A kvtier-worker on 127.0.0.1 over the test's store.
   std::unique_ptr<WorkerServer> StartWorker(
       uint64_t max_working_set_bytes = 0,
-      WorkerServiceOptions::Role role = WorkerServiceOptions::Role::kBoth) {
+      WorkerServiceOptions::Role role = WorkerServiceOptions::Role::kBoth,
+      const std::function<void(WorkerServerOptions&)>& tweak = nullptr) {
     WorkerServerOptions o;
     o.listen = "127.0.0.1:0";
     o.metrics_listen = "";
@@ -523,6 +525,7 @@ class TransferServiceTest : public ::testing::Test {
     // Small chunks (and output slices), so that layers travel in several.
     o.service.max_response_bytes = 8192;
     o.service.role = role;
+    if (tweak) tweak(o);
     auto server = WorkerServer::Start(o);
     EXPECT_TRUE(server.ok()) << server.status();
     return server.ok() ? std::move(*server) : nullptr;
@@ -825,6 +828,49 @@ TEST_F(TransferServiceTest, FailedHandOffsUndoTheStep) {
 // connection already up, the hand-off runs out of its deadline (the prefill
 // worker's store deadline when the Prefill call has none): DEADLINE_EXCEEDED.
 // Either way the step is undone.
+// A decode worker that serves TLS is reached over TLS by a prefill worker
+// that holds the CA (--peer_tls_root_certs), and not at all by one without.
+TEST_F(TransferServiceTest, HandOffToAWorkerServingTls) {
+  if (std::system("command -v openssl >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "openssl CLI not installed; `make deps` installs it";
+  }
+  testing::TempDir dir;
+  const std::string cert = dir.path() + "/cert.pem", key = dir.path() + "/key.pem";
+  const std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -keyout " + key + " -out " +
+                          cert +
+                          " -days 1 -subj /CN=localhost -addext subjectAltName=DNS:localhost "
+                          ">/dev/null 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  std::ifstream in(cert);
+  const std::string pem((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  using Role = WorkerServiceOptions::Role;
+  auto d = StartWorker(0, Role::kDecode, [&](WorkerServerOptions& o) {
+    o.tls_cert = cert;
+    o.tls_key = key;
+  });
+  auto plain = StartWorker(0, Role::kPrefill);
+  auto tls = StartWorker(0, Role::kPrefill, [&](WorkerServerOptions& o) {
+    o.service.peer_tls_root_certs = pem;
+    o.service.peer_tls_server_name = "localhost";
+  });
+  ASSERT_TRUE(d != nullptr && plain != nullptr && tls != nullptr);
+  auto plain_stub = Stub(*plain), tls_stub = Stub(*tls);
+  ASSERT_TRUE(Open(plain_stub.get(), "s").ok());
+  ASSERT_TRUE(Open(tls_stub.get(), "s").ok());
+  std::mt19937 rng(5);
+  const Step prompt = MakeStep(30, &rng);
+  const PrefillResult refused = Prefill(plain_stub.get(), "s", prompt, Target(*d));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << refused.status.error_message();
+  EXPECT_EQ(d->engine()->SessionCount(), 0);
+  const PrefillResult sent = Prefill(tls_stub.get(), "s", prompt, Target(*d));
+  ASSERT_TRUE(sent.status.ok()) << sent.status.error_message();
+  ASSERT_TRUE(sent.transfer.has_value());
+  auto st = d->engine()->Stats("s");
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->tokens, 30u);
+}
+
 TEST_F(TransferServiceTest, StalledReceiver) {
   WorkerServerOptions o;
   o.listen = "127.0.0.1:0";

@@ -20,6 +20,11 @@ ABSL_FLAG(std::string, port_file, "", "If set, the bound gRPC port is written he
 ABSL_FLAG(std::string, store, "", "kvtier-store address host:port. Required.");
 ABSL_FLAG(std::string, store_token, "", "Bearer token for kvtier-store (empty: none).");
 ABSL_FLAG(std::string, store_tls_root_certs, "", "PEM file of the store's CA; empty: plaintext.");
+ABSL_FLAG(std::string, peer_tls_root_certs, "",
+          "PEM file of the CA of the other workers' certificates, for hand-offs to them "
+          "(SendSession, Prefill with transfer_to); empty: plaintext.");
+ABSL_FLAG(std::string, peer_tls_server_name, "",
+          "Name expected in the other workers' certificates instead of the target's host.");
 ABSL_FLAG(std::string, tenants_file, "", "Tenants file; empty turns authentication off.");
 ABSL_FLAG(bool, allow_unauthenticated, false,
           "Listen on a non-loopback address without --tenants_file (every caller is tenant "
@@ -114,6 +119,15 @@ int main(int argc, char** argv) {
   if (!absl::GetFlag(FLAGS_store_tls_root_certs).empty()) {
     o.store.tls_root_certs = ReadFile(absl::GetFlag(FLAGS_store_tls_root_certs));
   }
+  if (const std::string f = absl::GetFlag(FLAGS_peer_tls_root_certs); !f.empty()) {
+    o.service.peer_tls_root_certs = ReadFile(f);
+    if (o.service.peer_tls_root_certs.empty()) {
+      std::fprintf(stderr, "kvtier-worker: --peer_tls_root_certs=%s is missing or empty\n",
+                   f.c_str());
+      return 2;
+    }
+  }
+  o.service.peer_tls_server_name = absl::GetFlag(FLAGS_peer_tls_server_name);
   const std::string role = absl::GetFlag(FLAGS_role);
   using Role = kvtier::WorkerServiceOptions::Role;
   if (role == "both") {

@@ -39,6 +39,12 @@ struct WorkerServiceOptions {
   // Default: both.
   enum class Role { kBoth, kPrefill, kDecode };
   Role role = Role::kBoth;
+  // TLS on the channels this worker opens to other workers (hand-offs): the
+  // PEM of the CA that signed their certificates; empty = plaintext. A peer
+  // that serves TLS (--tls_cert) is reachable only this way.
+  std::string peer_tls_root_certs;
+  // The name expected in peers' certificates, instead of the target's host.
+  std::string peer_tls_server_name;
 };
 
 // Thread-safe; the pointers are not owned and must outlive the service (and
