@@ -22,10 +22,10 @@ bool WorkerFailoverCandidate(const absl::Status& s) {
 }
 
 absl::StatusOr<std::unique_ptr<SessionRouter>> SessionRouter::Connect(
-    ControllerClientOptions controller) {
+    ControllerClientOptions controller, WorkerChannelOptions workers) {
   auto client = ControllerClient::Connect(std::move(controller));
   if (!client.ok()) return client.status();
-  return std::unique_ptr<SessionRouter>(new SessionRouter(std::move(*client)));
+  return std::unique_ptr<SessionRouter>(new SessionRouter(std::move(*client), std::move(workers)));
 }
 
 absl::StatusOr<v1::RouteResponse> SessionRouter::Route(const std::string& session,
@@ -107,7 +107,16 @@ std::shared_ptr<grpc::Channel> SessionRouter::Channel(const std::string& address
   if (ch == nullptr) {
     grpc::ChannelArguments args;
     ApplyReconnectArgs(&args);
-    ch = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+    if (!workers_.tls_root_certs.empty()) {
+      grpc::SslCredentialsOptions ssl;
+      ssl.pem_root_certs = workers_.tls_root_certs;
+      creds = grpc::SslCredentials(ssl);
+      if (!workers_.tls_server_name.empty()) {
+        args.SetSslTargetNameOverride(workers_.tls_server_name);
+      }
+    }
+    ch = grpc::CreateCustomChannel(address, creds, args);
   }
   return ch;
 }

@@ -28,12 +28,21 @@ namespace kvtier {
 // stream broke under it (CANCELLED, ABORTED, INTERNAL from a reset stream).
 bool WorkerFailoverCandidate(const absl::Status& s);
 
+// How the router's channels reach workers.
+struct WorkerChannelOptions {
+  // PEM of the CA that signed the workers' certificates; empty = plaintext.
+  std::string tls_root_certs;
+  // The name expected in their certificates, instead of the address's host.
+  std::string tls_server_name;
+};
+
 // Thread-safe: one router serves every session of an engine.
 class SessionRouter {
  public:
   // `controller.token` is the engine's tenant token. INVALID_ARGUMENT
   // without a target.
-  static absl::StatusOr<std::unique_ptr<SessionRouter>> Connect(ControllerClientOptions controller);
+  static absl::StatusOr<std::unique_ptr<SessionRouter>> Connect(ControllerClientOptions controller,
+                                                                WorkerChannelOptions workers = {});
 
   // Where `session` lives: the cached route, or the controller's answer.
   absl::StatusOr<v1::RouteResponse> Route(const std::string& session, const CallOptions& call = {});
@@ -68,9 +77,11 @@ class SessionRouter {
   bool Answers(const std::string& address, absl::Duration timeout);
 
  private:
-  explicit SessionRouter(std::unique_ptr<ControllerClient> client) : client_(std::move(client)) {}
+  SessionRouter(std::unique_ptr<ControllerClient> client, WorkerChannelOptions workers)
+      : client_(std::move(client)), workers_(std::move(workers)) {}
 
   std::unique_ptr<ControllerClient> client_;
+  const WorkerChannelOptions workers_;
   mutable absl::Mutex mu_;
   std::map<std::string, v1::RouteResponse> routes_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);

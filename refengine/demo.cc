@@ -629,7 +629,9 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     ControllerClientOptions co;
     co.target = o.controller;
     co.token = o.token;
-    KVT_ASSIGN_OR_RETURN(router, SessionRouter::Connect(co));
+    KVT_ASSIGN_OR_RETURN(router,
+                         SessionRouter::Connect(co, {.tls_root_certs = o.worker_tls_root_certs,
+                                                     .tls_server_name = o.worker_tls_server_name}));
     open = [&](const v1::ModelSpec& spec,
                DemoSession* s) -> absl::StatusOr<std::unique_ptr<TierSession>> {
       KVT_ASSIGN_OR_RETURN(std::unique_ptr<ClusterSession> c,
@@ -638,9 +640,19 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
       return std::unique_ptr<TierSession>(std::move(c));
     };
   } else {
-    channel = grpc::CreateChannel(o.worker, grpc::InsecureChannelCredentials());
+    std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+    grpc::ChannelArguments args;
+    if (!o.worker_tls_root_certs.empty()) {
+      grpc::SslCredentialsOptions ssl;
+      ssl.pem_root_certs = o.worker_tls_root_certs;
+      creds = grpc::SslCredentials(ssl);
+      if (!o.worker_tls_server_name.empty()) {
+        args.SetSslTargetNameOverride(o.worker_tls_server_name);
+      }
+    }
+    channel = grpc::CreateCustomChannel(o.worker, creds, args);
     if (!o.decode_worker.empty()) {
-      pd.decode_channel = grpc::CreateChannel(o.decode_worker, grpc::InsecureChannelCredentials());
+      pd.decode_channel = grpc::CreateCustomChannel(o.decode_worker, creds, args);
       pd.prefill_target = o.worker;
       pd.decode_target = o.decode_worker;
     }

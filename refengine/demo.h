@@ -33,6 +33,11 @@ struct DemoOptions {
   // on `worker` is handed off to it layer by layer, and handed back after
   // EndRound (docs/transfer.md). Empty: one worker does both.
   std::string decode_worker;
+  // PEM of the CA of the workers' certificates: every channel to a worker
+  // is TLS (the name expected in them: `worker_tls_server_name`, else the
+  // address's host). Empty: plaintext.
+  std::string worker_tls_root_certs;
+  std::string worker_tls_server_name;
   std::string store;  // kvtier-store "host:port": per-tier bytes; optional.
   std::string token;  // Bearer token for both; empty: none.
   std::string model;  // llama2.c checkpoint; empty: the synthetic chat.

@@ -18,6 +18,11 @@ ABSL_FLAG(std::string, controller, "",
 ABSL_FLAG(std::string, store, "",
           "kvtier-store address host:port, for the per-tier bytes of the report (optional).");
 ABSL_FLAG(std::string, token, "", "Bearer token for the worker and the store (empty: none).");
+ABSL_FLAG(std::string, worker_tls_root_certs, "",
+          "PEM file of the CA of the workers' certificates: talk to workers over TLS (empty: "
+          "plaintext).");
+ABSL_FLAG(std::string, worker_tls_server_name, "",
+          "Name expected in the workers' certificates instead of the address's host.");
 ABSL_FLAG(std::string, model, "",
           "llama2.c checkpoint (e.g. ../shared/models/stories260K.bin); empty runs the embedded "
           "synthetic multi-round chat.");
@@ -80,6 +85,16 @@ int main(int argc, char** argv) {
   o.controller = absl::GetFlag(FLAGS_controller);
   o.store = absl::GetFlag(FLAGS_store);
   o.token = absl::GetFlag(FLAGS_token);
+  if (const std::string f = absl::GetFlag(FLAGS_worker_tls_root_certs); !f.empty()) {
+    std::ifstream in(f);
+    o.worker_tls_root_certs.assign(std::istreambuf_iterator<char>(in), {});
+    if (o.worker_tls_root_certs.empty()) {
+      std::fprintf(stderr, "kvtier-engine: --worker_tls_root_certs=%s is missing or empty\n",
+                   f.c_str());
+      return 2;
+    }
+  }
+  o.worker_tls_server_name = absl::GetFlag(FLAGS_worker_tls_server_name);
   o.model = absl::GetFlag(FLAGS_model);
   o.conversations = absl::GetFlag(FLAGS_conversations);
   o.sessions = absl::GetFlag(FLAGS_sessions);

@@ -4,6 +4,9 @@
 // question refers to, the JSON report's keys, and the stories260K path.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 #include "gtest/gtest.h"
@@ -158,6 +161,40 @@ TEST_F(EngineDemoTest, Stories260KThroughTheDemo) {
 // kvtier eval watershed on the synthetic chat finds the layer the demo uses
 // (its queries turn topical at layer 7; layer 6 is already within 0.01
 // nats), and above it 95% of the mass sits in a few rounds.
+// The engine against a worker that serves TLS: with the workers' CA
+// (kvtier-engine --worker_tls_root_certs) the demo runs; without it, it fails.
+TEST(EngineDemoTlsTest, TheDemoReachesAWorkerServingTls) {
+  if (std::system("command -v openssl >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "openssl CLI not installed; `make deps` installs it";
+  }
+  testing::TempDir dir;
+  const std::string cert = dir.path() + "/cert.pem", key = dir.path() + "/key.pem";
+  const std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -keyout " + key + " -out " +
+                          cert +
+                          " -days 1 -subj /CN=localhost -addext subjectAltName=DNS:localhost "
+                          ">/dev/null 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  std::ifstream in(cert);
+  const std::string pem((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  testing::WorkerStack stack;
+  testing::WorkerStackOptions so;
+  so.worker_tls_cert = cert;
+  so.worker_tls_key = key;
+  KVT_ASSERT_OK(stack.Start(so));
+  refengine::DemoOptions o;
+  o.worker = stack.worker_target();
+  o.store = stack.store()->target();
+  o.sessions = 1;
+  o.rounds = 2;
+  o.worker_tls_root_certs = pem;
+  o.worker_tls_server_name = "localhost";
+  auto report = refengine::RunDemo(o, {});
+  ASSERT_THAT(report, IsOk());
+  EXPECT_EQ(report->sessions.size(), 1u);
+  o.worker_tls_root_certs.clear();
+  EXPECT_FALSE(refengine::RunDemo(o, {}).ok());
+}
+
 TEST(WatershedTest, SyntheticChatWatershedIsSix) {
   traces::SyntheticChatOptions o;
   const refengine::RoundDistributions d =

@@ -11,6 +11,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "client/session_router.h"
 #include "gmock/gmock.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
@@ -869,6 +870,15 @@ TEST_F(TransferServiceTest, HandOffToAWorkerServingTls) {
   auto st = d->engine()->Stats("s");
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_EQ(st->tokens, 30u);
+  // The engine side: a SessionRouter reaches the TLS worker with the CA.
+  ControllerClientOptions co;
+  co.target = "127.0.0.1:1";  // Not called here.
+  KVT_ASSERT_OK_AND_ASSIGN(auto plain_router, SessionRouter::Connect(co));
+  EXPECT_FALSE(plain_router->Answers(Target(*d), absl::Seconds(2)));
+  KVT_ASSERT_OK_AND_ASSIGN(
+      auto tls_router,
+      SessionRouter::Connect(co, {.tls_root_certs = pem, .tls_server_name = "localhost"}));
+  EXPECT_TRUE(tls_router->Answers(Target(*d), absl::Seconds(5)));
 }
 
 TEST_F(TransferServiceTest, StalledReceiver) {

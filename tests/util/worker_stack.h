@@ -60,6 +60,8 @@ struct WorkerStackOptions {
   // The worker's metrics/health address ("" = none) and store probe.
   std::string metrics_listen;
   absl::Duration store_probe_interval = absl::Seconds(2);
+  // PEM files: the worker serves TLS (channel() then does not reach it).
+  std::string worker_tls_cert, worker_tls_key;
 };
 
 class WorkerStack {
@@ -78,6 +80,8 @@ class WorkerStack {
     o.metrics_listen = options.metrics_listen;
     o.store_probe_interval = options.store_probe_interval;
     o.tenants_file = options.worker_tenants_file;
+    o.tls_cert = options.worker_tls_cert;
+    o.tls_key = options.worker_tls_key;
     o.store.target = stack_.store()->target();
     o.store.token = options.store_token;
     o.store.deadline = absl::Seconds(10);
