@@ -107,16 +107,9 @@ std::shared_ptr<grpc::Channel> SessionRouter::Channel(const std::string& address
   if (ch == nullptr) {
     grpc::ChannelArguments args;
     ApplyReconnectArgs(&args);
-    std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
-    if (!workers_.tls_root_certs.empty()) {
-      grpc::SslCredentialsOptions ssl;
-      ssl.pem_root_certs = workers_.tls_root_certs;
-      creds = grpc::SslCredentials(ssl);
-      if (!workers_.tls_server_name.empty()) {
-        args.SetSslTargetNameOverride(workers_.tls_server_name);
-      }
-    }
-    ch = grpc::CreateCustomChannel(address, creds, args);
+    ch = grpc::CreateCustomChannel(
+        address, ClientChannelCredentials(workers_.tls_root_certs, workers_.tls_server_name, &args),
+        args);
   }
   return ch;
 }

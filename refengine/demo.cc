@@ -24,6 +24,7 @@
 #include "kernels/recall.h"
 #include "kernels/speculation.h"
 #include "refengine/inproc.h"
+#include "rpc/transport_args.h"
 #include "traces/synthetic_chat.h"
 #include "worker/engine.h"
 
@@ -640,16 +641,9 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
       return std::unique_ptr<TierSession>(std::move(c));
     };
   } else {
-    std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
     grpc::ChannelArguments args;
-    if (!o.worker_tls_root_certs.empty()) {
-      grpc::SslCredentialsOptions ssl;
-      ssl.pem_root_certs = o.worker_tls_root_certs;
-      creds = grpc::SslCredentials(ssl);
-      if (!o.worker_tls_server_name.empty()) {
-        args.SetSslTargetNameOverride(o.worker_tls_server_name);
-      }
-    }
+    const std::shared_ptr<grpc::ChannelCredentials> creds =
+        ClientChannelCredentials(o.worker_tls_root_certs, o.worker_tls_server_name, &args);
     channel = grpc::CreateCustomChannel(o.worker, creds, args);
     if (!o.decode_worker.empty()) {
       pd.decode_channel = grpc::CreateCustomChannel(o.decode_worker, creds, args);

@@ -29,4 +29,14 @@ void ApplyReconnectArgs(grpc::ChannelArguments* args) {
   args->SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
 }
 
+std::shared_ptr<grpc::ChannelCredentials> ClientChannelCredentials(const std::string& root_certs,
+                                                                   const std::string& server_name,
+                                                                   grpc::ChannelArguments* args) {
+  if (root_certs.empty()) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = root_certs;
+  if (!server_name.empty()) args->SetSslTargetNameOverride(server_name);
+  return grpc::SslCredentials(ssl);
+}
+
 }  // namespace kvtier

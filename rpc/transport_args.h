@@ -8,6 +8,10 @@
 #ifndef KVTIER_RPC_TRANSPORT_ARGS_H_
 #define KVTIER_RPC_TRANSPORT_ARGS_H_
 
+#include <memory>
+#include <string>
+
+#include "grpcpp/security/credentials.h"
 #include "grpcpp/server_builder.h"
 #include "grpcpp/support/channel_arguments.h"
 
@@ -21,6 +25,14 @@ void ApplyBulkTransportArgs(grpc::ServerBuilder* builder);
 // restarted store, worker or controller is reached again within about a
 // second, not minutes later (the failure of LMCache #651).
 void ApplyReconnectArgs(grpc::ChannelArguments* args);
+
+// Credentials of a client channel to a kvtier node: TLS when `root_certs`
+// (PEM of the CA) is set, with `server_name` expected in the certificate
+// instead of the target's host when set (written into `args`); plaintext
+// otherwise.
+std::shared_ptr<grpc::ChannelCredentials> ClientChannelCredentials(const std::string& root_certs,
+                                                                   const std::string& server_name,
+                                                                   grpc::ChannelArguments* args);
 
 }  // namespace kvtier
 

@@ -25,16 +25,10 @@ std::shared_ptr<grpc::Channel> WorkerService::PeerChannel(const std::string& tar
   grpc::ChannelArguments args;
   ApplyBulkTransportArgs(&args);
   ApplyReconnectArgs(&args);
-  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
-  if (!options_.peer_tls_root_certs.empty()) {
-    grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = options_.peer_tls_root_certs;
-    creds = grpc::SslCredentials(ssl);
-    if (!options_.peer_tls_server_name.empty()) {
-      args.SetSslTargetNameOverride(options_.peer_tls_server_name);
-    }
-  }
-  auto channel = grpc::CreateCustomChannel(target, creds, args);
+  auto channel = grpc::CreateCustomChannel(
+      target,
+      ClientChannelCredentials(options_.peer_tls_root_certs, options_.peer_tls_server_name, &args),
+      args);
   peers_.emplace(target, channel);
   return channel;
 }
