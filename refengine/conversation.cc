@@ -702,6 +702,7 @@ TierRound RoundReport(const v1::EndRoundResponse& end, const v1::RecallDecision*
   t.working_set_after = end.working_set_bytes();
   t.worker_memory = end.worker_memory();
   t.speculation.assign(end.speculation().begin(), end.speculation().end());
+  t.pool = end.speculation_pool();
   t.prefill_ms = prefill_ms;
   return t;
 }

@@ -94,6 +94,8 @@ struct TierRound {
   // Per layer, what speculation did in the round (EndRoundResponse);
   // empty when the session does not speculate.
   std::vector<v1::SpeculationLayer> speculation;
+  // The host pool's trim at the round's EndRound (unset: no pool cap).
+  v1::SpeculationPool pool;
 };
 
 // A round's report from the worker's EndRound answer and, when the round

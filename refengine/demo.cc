@@ -419,6 +419,31 @@ std::vector<v1::SpeculationLayer> SumSpeculation(const DemoReport& r) {
   return out;
 }
 
+// The host pool's trims, over every session and round.
+struct PoolSum {
+  uint64_t cap = 0, rounds = 0, trims = 0, evicted = 0, reencoded = 0;
+  uint64_t max_before = 0, max_after = 0;
+  double ms = 0;  // Summed over the trims.
+};
+
+PoolSum SumPool(const DemoReport& r) {
+  PoolSum p;
+  for (const DemoSession& d : r.sessions) {
+    for (const TierRound& tr : d.rounds) {
+      if (tr.pool.cap_bytes() == 0) continue;
+      p.cap = tr.pool.cap_bytes();
+      ++p.rounds;
+      p.trims += tr.pool.evicted_tokens() > 0;
+      p.evicted += tr.pool.evicted_tokens();
+      p.reencoded += tr.pool.reencoded_layers();
+      p.max_before = std::max(p.max_before, tr.pool.bytes_before());
+      p.max_after = std::max(p.max_after, tr.pool.bytes_after());
+      if (tr.pool.evicted_tokens() > 0) p.ms += tr.pool.ms();
+    }
+  }
+  return p;
+}
+
 std::string RenderSpeculation(const DemoReport& r) {
   const std::vector<v1::SpeculationLayer> layers = SumSpeculation(r);
   std::string s = absl::StrFormat(
@@ -451,6 +476,19 @@ std::string RenderSpeculation(const DemoReport& r) {
                         "(%.3fx); hit rate and mass on every 16th step\n",
                         Kib(static_cast<double>(spec)), Kib(static_cast<double>(dense)),
                         Ratio(spec, dense));
+  const PoolSum pool = SumPool(r);
+  if (pool.cap > 0) {
+    absl::StrAppendFormat(
+        &s,
+        "host pool (cap %s per session, layers 1..%d): %llu of %llu EndRounds trimmed, %llu "
+        "tokens evicted (summed over layers and KV heads), %llu round layers re-encoded, "
+        "%.3f ms per trim; the largest pool before a trim %s, after %s\n",
+        Kib(static_cast<double>(pool.cap)), r.layers - 1,
+        static_cast<unsigned long long>(pool.trims), static_cast<unsigned long long>(pool.rounds),
+        static_cast<unsigned long long>(pool.evicted),
+        static_cast<unsigned long long>(pool.reencoded), Ratio(pool.ms, pool.trims),
+        Kib(static_cast<double>(pool.max_before)), Kib(static_cast<double>(pool.max_after)));
+  }
   return s;
 }
 
@@ -503,15 +541,19 @@ absl::StatusOr<v1::Policy> DemoPolicy(const DemoOptions& o) {
     const std::vector<std::string> parts = absl::StrSplit(o.speculation, ':');
     double alpha = 0;
     uint32_t budget = 0;
-    if (parts.size() > 2 || !absl::SimpleAtod(parts[0], &alpha) || !(alpha > 0) ||
-        !std::isfinite(alpha) || (parts.size() == 2 && !absl::SimpleAtoi(parts[1], &budget))) {
+    uint64_t pool = 0;
+    if (parts.size() > 3 || !absl::SimpleAtod(parts[0], &alpha) || !(alpha > 0) ||
+        !std::isfinite(alpha) || (parts.size() >= 2 && !absl::SimpleAtoi(parts[1], &budget)) ||
+        (parts.size() == 3 && !absl::SimpleAtoi(parts[2], &pool))) {
       return absl::InvalidArgumentError(absl::StrCat(
           "speculation '", o.speculation,
-          "': expected ALPHA[:BUDGET], ALPHA > 0 in softmax-logit units (4 is the paper's), "
-          "BUDGET the most tokens per head (0: none)"));
+          "': expected ALPHA[:BUDGET[:POOL_BYTES]], ALPHA > 0 in softmax-logit units (4 is the "
+          "paper's), BUDGET the most tokens per head (0: none), POOL_BYTES the cap on each "
+          "session's host pool (0: none)"));
     }
     p.set_speculation_alpha(static_cast<float>(alpha));
     p.set_speculation_budget(budget);
+    p.set_speculation_pool_bytes(pool);
   }
   p.set_keep_recent_round(true);
   p.set_release_after_end_round(true);
@@ -1036,7 +1078,17 @@ std::string RenderJson(const DemoReport& r) {
                       ", \"bytes_speculative\": ", x.bytes_speculative(),
                       ", \"bytes_dense\": ", x.bytes_dense(), "}");
     }
-    absl::StrAppend(&s, "]},\n");
+    absl::StrAppend(&s, "]");
+    const PoolSum pool = SumPool(r);
+    if (pool.cap > 0) {
+      absl::StrAppend(&s, ", \"pool\": {\"cap_bytes\": ", pool.cap, ", \"rounds\": ", pool.rounds,
+                      ", \"trims\": ", pool.trims, ", \"evicted_tokens\": ", pool.evicted,
+                      ", \"reencoded_layers\": ", pool.reencoded,
+                      ", \"max_bytes_before\": ", pool.max_before,
+                      ", \"max_bytes_after\": ", pool.max_after,
+                      ", \"ms_per_trim\": ", num(Ratio(pool.ms, pool.trims)), "}");
+    }
+    absl::StrAppend(&s, "},\n");
   }
   if (r.conversations.empty()) {
     absl::StrAppend(&s, "  \"replay\": null,\n");

@@ -69,8 +69,9 @@ struct DemoOptions {
   // Delete the sessions' rounds from the store at the end (after the
   // report's store figures are read).
   bool delete_at_end = true;
-  // Speculative token selection (docs/speculation.md): "ALPHA[:BUDGET]"
-  // turns it on, with `skew` the skew file of `model` (kvtier calibrate
+  // Speculative token selection (docs/speculation.md):
+  // "ALPHA[:BUDGET[:POOL_BYTES]]" turns it on (POOL_BYTES: the host pool's
+  // cap per session), with `skew` the skew file of `model` (kvtier calibrate
   // infinigen), uploaded to the worker(s) at the start (in a cluster, to
   // each worker a session opens on). Needs `model` (the engine computes the
   // next layer's query from the weights). Empty: off.

@@ -42,17 +42,19 @@ if [ -f "$MODEL_PATH" ]; then
   grep -q "accuracy on the scored spans" "$OUT/replay"
   grep -q '"replay": {"file": ' "$OUT/replay.json"
   # SPEC=4: the skew calibrated first, uploaded, and every speculating layer
-  # reported, with a budget of 8 tokens per head.
-  SESSIONS=2 SPEC=4:8 CONVERSATIONS="$SRC_DIR/traces/stories260k_chats.jsonl" MODEL="$MODEL_PATH" \
+  # reported, with a budget of 8 tokens per head and a host pool of 16 KiB.
+  SESSIONS=2 SPEC=4:8:16384 CONVERSATIONS="$SRC_DIR/traces/stories260k_chats.jsonl" MODEL="$MODEL_PATH" \
     REPORT="$OUT/spec.json" "$SRC_DIR/scripts/demo.sh" "$BUILD_DIR" >"$OUT/spec" 2>&1 || {
     cat "$OUT/spec"
     exit 1
   }
   grep -q "Calibrating the InfiniGen skew" "$OUT/spec" || { cat "$OUT/spec"; exit 1; }
-  grep -q "^speculation (4:8), per decode step" "$OUT/spec" || { cat "$OUT/spec"; exit 1; }
+  grep -q "^speculation (4:8:16384), per decode step" "$OUT/spec" || { cat "$OUT/spec"; exit 1; }
+  grep -q "^host pool (cap 16.0 KiB per session, layers 1..4): " "$OUT/spec" ||
+    { cat "$OUT/spec"; exit 1; }
   grep -qE '^4 +912 ' "$OUT/spec" || { cat "$OUT/spec"; exit 1; }
   grep -q 'kvtier_worker_speculation_steps_total{layer="1"} 912' "$OUT/spec"
-  grep -q '"speculation": {"setting": "4:8", "layers": \[{"layer": 0, "steps": 0' "$OUT/spec.json"
+  grep -q '"speculation": {"setting": "4:8:16384", "layers": \[{"layer": 0, "steps": 0' "$OUT/spec.json"
   # kept per head is capped by the budget of 8.
   python3 - "$OUT/spec.json" <<'PY'
 import json, sys
@@ -60,6 +62,9 @@ r = json.load(open(sys.argv[1]))
 layers = r["speculation"]["layers"]
 assert all(l["kept_per_head_mean"] <= 8 for l in layers[1:]), layers
 assert all(0 < l["hit_rate"] <= 1 for l in layers[1:]), layers
+pool = r["speculation"]["pool"]
+assert pool["cap_bytes"] == 16384 and pool["evicted_tokens"] > 0, pool
+assert pool["trims"] > 0 and pool["max_bytes_after"] < pool["max_bytes_before"], pool
 PY
   # MODE=inproc: the worker engine in kvtier-engine, then the same run remote.
   MODE=inproc ROUNDS=4 SESSIONS=2 MODEL="$MODEL_PATH" "$SRC_DIR/scripts/demo.sh" "$BUILD_DIR" \
@@ -69,7 +74,7 @@ PY
   grep -qE "^decode, through kvtier-worker: +[0-9.]+ ms" "$OUT/inproc" || { cat "$OUT/inproc"; exit 1; }
   SPEC=0 MODEL="$MODEL_PATH" "$SRC_DIR/scripts/demo.sh" "$BUILD_DIR" >"$OUT/spec0" 2>&1 &&
     { echo "SPEC=0 was accepted"; cat "$OUT/spec0"; exit 1; }
-  grep -q "speculation '0': expected ALPHA\[:BUDGET\]" "$OUT/spec0" || { cat "$OUT/spec0"; exit 1; }
+  grep -q "speculation '0': expected ALPHA\[:BUDGET\[:POOL_BYTES\]\]" "$OUT/spec0" || { cat "$OUT/spec0"; exit 1; }
 elif [ "${CI:-}" = true ]; then
   echo "CI=true but $MODEL_PATH is missing"
   exit 1

@@ -5,8 +5,11 @@
 // the mean n, each head's top n, the union per KV head).
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
 #include <random>
+#include <set>
+#include <tuple>
 
 #include "client/store_segments.h"
 #include "gmock/gmock.h"
@@ -70,44 +73,61 @@ struct History {
 };
 
 // Longhand: the union per KV head of the tokens speculation keeps among
-// the first `past` tokens, for approximate query qn [q_heads, d].
-std::vector<std::vector<int64_t>> Longhand(const spec::SkewModel& skew, int layer, const History& h,
-                                           int64_t past, const float* qn, float alpha, int budget) {
+// `cand` (per KV head, history indices in order), for approximate query qn
+// [q_heads, d].
+std::vector<std::vector<int64_t>> LonghandOver(const spec::SkewModel& skew, int layer,
+                                               const History& h,
+                                               const std::vector<std::vector<int64_t>>& cand,
+                                               const float* qn, float alpha, int budget) {
   const int d = kShape.head_dim, hq = kShape.q_heads, hkv = kShape.kv_heads, g = hq / hkv;
-  std::vector<std::vector<double>> scores(hq, std::vector<double>(past));
+  std::vector<std::vector<double>> scores(hq);
   std::vector<int> counts(hq, 0);
+  int64_t most = 0;
   for (int qh = 0; qh < hq; ++qh) {
     const spec::SkewHead& sh = skew.heads[layer][qh / g];
+    const std::vector<int64_t>& c = cand[qh / g];
+    most = std::max<int64_t>(most, static_cast<int64_t>(c.size()));
     std::vector<float> qa(d), ka(d);
     spec::Skew(sh, d, qn + qh * d, qa.data());
     double best = -INFINITY;
-    for (int64_t t = 0; t < past; ++t) {
+    for (int64_t t : c) {
       spec::Skew(sh, d, &h.k[layer][(t * hkv + qh / g) * d], ka.data());
       double acc = 0;
       // The worker holds partial keys in fp16.
-      for (int32_t c : sh.partial)
-        acc += static_cast<double>(qa[c]) * HalfToFloat(FloatToHalf(ka[c]));
-      scores[qh][t] = acc / std::sqrt(static_cast<double>(d));
-      best = std::max(best, scores[qh][t]);
+      for (int32_t col : sh.partial)
+        acc += static_cast<double>(qa[col]) * HalfToFloat(FloatToHalf(ka[col]));
+      scores[qh].push_back(acc / std::sqrt(static_cast<double>(d)));
+      best = std::max(best, scores[qh].back());
     }
-    for (int64_t t = 0; t < past; ++t) counts[qh] += scores[qh][t] >= best - alpha;
+    for (double x : scores[qh]) counts[qh] += x >= best - alpha;
   }
   int64_t n = std::llround(std::accumulate(counts.begin(), counts.end(), 0.0) / hq);
   if (budget > 0) n = std::min<int64_t>(n, budget);
-  n = std::clamp<int64_t>(n, 1, past);
+  n = std::clamp<int64_t>(n, 1, std::max<int64_t>(1, most));
   std::vector<std::vector<int64_t>> out(hkv);
   for (int qh = 0; qh < hq; ++qh) {
-    std::vector<int64_t> idx(past);
+    const std::vector<int64_t>& c = cand[qh / g];
+    std::vector<int64_t> idx(c.size());
     std::iota(idx.begin(), idx.end(), 0);
     std::stable_sort(idx.begin(), idx.end(),
                      [&](int64_t a, int64_t b) { return scores[qh][a] > scores[qh][b]; });
-    out[qh / g].insert(out[qh / g].end(), idx.begin(), idx.begin() + n);
+    const int64_t take = std::min<int64_t>(n, static_cast<int64_t>(c.size()));
+    for (int64_t i = 0; i < take; ++i) out[qh / g].push_back(c[idx[i]]);
   }
   for (auto& u : out) {
     std::sort(u.begin(), u.end());
     u.erase(std::unique(u.begin(), u.end()), u.end());
   }
   return out;
+}
+
+// The same over the first `past` tokens, at every KV head.
+std::vector<std::vector<int64_t>> Longhand(const spec::SkewModel& skew, int layer, const History& h,
+                                           int64_t past, const float* qn, float alpha, int budget) {
+  std::vector<int64_t> all(past);
+  std::iota(all.begin(), all.end(), 0);
+  return LonghandOver(skew, layer, h, std::vector<std::vector<int64_t>>(kShape.kv_heads, all), qn,
+                      alpha, budget);
 }
 
 // Attention of q [q_heads, d] over `keep` (per KV head, indices into the
@@ -198,6 +218,15 @@ TEST_F(WorkerSpeculationTest, UploadAndPolicyChecks) {
   ASSERT_TRUE(other.ok());
   EXPECT_THAT(engine_->OpenSession(worker::SessionKey("a"), kShape, Policy(*other, 4)),
               StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("3 layers")));
+  SessionPolicy pooled = Policy(*id, 4);
+  pooled.speculation.pool_bytes = -1;
+  EXPECT_THAT(engine_->OpenSession(worker::SessionKey("a"), kShape, pooled),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("pool cap")));
+  pooled = Policy("", 4);
+  pooled.speculation.pool_bytes = 1 << 20;
+  EXPECT_THAT(
+      engine_->OpenSession(worker::SessionKey("a"), kShape, pooled),
+      StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("needs speculation")));
   KVT_ASSERT_OK(engine_->OpenSession(worker::SessionKey("a"), kShape, Policy(*id, 4)));
   EXPECT_THAT(engine_->UpdatePolicy(worker::SessionKey("a"), Policy(*other, 4)),
               StatusIs(absl::StatusCode::kInvalidArgument));
@@ -334,6 +363,252 @@ TEST_F(WorkerSpeculationTest, BadNextQueryIsRefused) {
   EXPECT_THAT(
       engine_->DecodeLayer(s, 0, q.data(), k.data(), v.data(), out.data(), qn.data()),
       StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("q_next[0, 0, 5]")));
+}
+
+// The host pool, longhand: per layer >= 1 and KV head, the past tokens it
+// holds (history indices, in order) and how often speculation gathered each.
+struct LonghandPool {
+  std::vector<std::vector<std::vector<int64_t>>> alive;  // [layer][head]
+  std::vector<std::map<int64_t, uint32_t>> fetches;      // [layer * kv_heads + head]
+  std::vector<int64_t> round_end;                        // History index past each round.
+  CodecConfig codec;
+
+  int RoundOf(int64_t t) const {
+    return static_cast<int>(std::upper_bound(round_end.begin(), round_end.end(), t) -
+                            round_end.begin());
+  }
+  // The serialized K plus V of `n` tokens of one head at `layer`.
+  size_t HeadBytes(int layer, int64_t n) const {
+    size_t b = 0;
+    for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+      const int64_t shape[3] = {1, n, kShape.head_dim};
+      auto e = TensorEncoder::Make(codec, role, shape, static_cast<uint32_t>(layer));
+      EXPECT_TRUE(e.ok()) << e.status();
+      b += e->SerializedSize();
+    }
+    return b;
+  }
+  // Tokens of round r at (layer, head).
+  int64_t Count(int l, int h, int r) const {
+    int64_t n = 0;
+    for (int64_t t : alive[l][h]) n += RoundOf(t) == r;
+    return n;
+  }
+  uint64_t Bytes() const {
+    uint64_t b = 0;
+    for (size_t r = 0; r < round_end.size(); ++r) {
+      for (int l = 1; l < kShape.layers; ++l) {
+        for (int h = 0; h < kShape.kv_heads; ++h) b += HeadBytes(l, Count(l, h, r));
+      }
+    }
+    return b;
+  }
+  // EndRound's trim: returns the tokens evicted.
+  uint64_t Trim(uint64_t cap) {
+    uint64_t evicted = 0;
+    uint64_t bytes = Bytes();
+    for (int attempt = 0; attempt < 4 && bytes > cap; ++attempt) {
+      // Row costs of this attempt: what each round layer head's rows add to
+      // one row's bytes, per row; and each token's row at the attempt's start.
+      std::map<std::tuple<int, int, int>, double> row_bytes;
+      std::map<std::tuple<int, int, int64_t>, int64_t> row_of;
+      for (size_t r = 0; r < round_end.size(); ++r) {
+        for (int l = 1; l < kShape.layers; ++l) {
+          for (int h = 0; h < kShape.kv_heads; ++h) {
+            const int64_t n = Count(l, h, static_cast<int>(r));
+            if (n > 1) {
+              row_bytes[{static_cast<int>(r), l, h}] =
+                  double(HeadBytes(l, n) - HeadBytes(l, 1)) / double(n - 1);
+            }
+          }
+        }
+      }
+      for (int l = 1; l < kShape.layers; ++l) {
+        for (int h = 0; h < kShape.kv_heads; ++h) {
+          std::map<int, int64_t> rows;
+          for (int64_t t : alive[l][h]) row_of[{l, h, t}] = rows[RoundOf(t)]++;
+        }
+      }
+      double excess = static_cast<double>(bytes - cap);
+      uint64_t n = 0;
+      while (excess > 0) {
+        // (fetches, round, row in its round layer head, layer, head, token)
+        std::vector<std::tuple<uint32_t, int, int64_t, int, int, int64_t>> cand;
+        for (int l = 1; l < kShape.layers; ++l) {
+          for (int h = 0; h < kShape.kv_heads; ++h) {
+            const auto& a = alive[l][h];
+            // The older half, less each round's newest remaining token.
+            std::map<int, int64_t> newest;
+            for (int64_t t : a) newest[RoundOf(t)] = t;
+            for (size_t i = 0; i < a.size() / 2; ++i) {
+              const int r = RoundOf(a[i]);
+              if (newest[r] == a[i]) continue;
+              const int64_t row = row_of[{l, h, a[i]}];
+              auto f = fetches[l * kShape.kv_heads + h].find(a[i]);
+              cand.emplace_back(f == fetches[l * kShape.kv_heads + h].end() ? 0 : f->second, r, row,
+                                l, h, a[i]);
+            }
+          }
+        }
+        if (cand.empty()) break;
+        std::sort(cand.begin(), cand.end());
+        std::set<std::tuple<int, int, int64_t>> gone;
+        for (const auto& [f, r, row, l, h, t] : cand) {
+          if (excess <= 0) break;
+          gone.insert({l, h, t});
+          excess -= row_bytes[{r, l, h}];
+          ++n;
+        }
+        for (int l = 1; l < kShape.layers; ++l) {
+          for (int h = 0; h < kShape.kv_heads; ++h) {
+            auto& a = alive[l][h];
+            a.erase(std::remove_if(a.begin(), a.end(),
+                                   [&](int64_t t) {
+                                     return gone.count({l, h, t}) > 0;
+                                   }),
+                    a.end());
+          }
+        }
+      }
+      if (n == 0) break;
+      evicted += n;
+      bytes = Bytes();
+    }
+    return evicted;
+  }
+};
+
+// A speculating session with a pool cap: after every EndRound the pool's
+// bytes and evictions equal the longhand trim's, and every later decode
+// step attends exactly what the longhand pool holds (the speculation over
+// its tokens, dense attention at layer 0 and over the open round).
+TEST_F(WorkerSpeculationTest, PoolCapEvictsTheLeastFetchedOfTheOlderHalf) {
+  const spec::SkewModel skew = MakeSkew(0.25);
+  auto id = engine_->PutSkew(spec::SerializeSkew(skew));
+  ASSERT_TRUE(id.ok());
+  SessionPolicy policy = Policy(*id, 1.0f);
+  constexpr uint64_t kCap = 20000;
+  policy.speculation.pool_bytes = kCap;
+  const worker::SessionKey sid("s");
+  KVT_ASSERT_OK(engine_->OpenSession(sid, kShape, policy));
+  LonghandPool pool;
+  pool.codec = policy.codec;
+  pool.alive.assign(kShape.layers, std::vector<std::vector<int64_t>>(kShape.kv_heads));
+  pool.fetches.resize(kShape.layers * kShape.kv_heads);
+  std::mt19937 rng(13);
+  const int d = kShape.head_dim, hq = kShape.q_heads, hkv = kShape.kv_heads;
+  History h;
+  h.k.resize(kShape.layers);
+  h.v.resize(kShape.layers);
+  double worst = 0;
+  uint64_t evicted = 0;
+  int multipass = 0;
+  for (int r = 0; r < 6; ++r) {
+    const int64_t round_start = h.tokens(0);
+    const int64_t prefill = 8 + 4 * r;
+    for (int l = 0; l < kShape.layers; ++l) {
+      const auto q = Random(prefill * hq * d, &rng), k = Random(prefill * hkv * d, &rng),
+                 v = Random(prefill * hkv * d, &rng);
+      std::vector<float> out(q.size());
+      KVT_ASSERT_OK(
+          engine_->PrefillLayer(sid, l, prefill, 0, q.data(), k.data(), v.data(), out.data()));
+      h.k[l].insert(h.k[l].end(), k.begin(), k.end());
+      h.v[l].insert(h.v[l].end(), v.begin(), v.end());
+    }
+    std::vector<float> q_next;
+    for (int step = 0; step < 10; ++step) {
+      for (int l = 0; l < kShape.layers; ++l) {
+        const auto q = Random(hq * d, &rng), k = Random(hkv * d, &rng), v = Random(hkv * d, &rng);
+        const std::vector<float> qn = Random(hq * d, &rng);
+        std::vector<float> out(q.size());
+        h.k[l].insert(h.k[l].end(), k.begin(), k.end());
+        h.v[l].insert(h.v[l].end(), v.begin(), v.end());
+        KVT_ASSERT_OK(engine_->DecodeLayer(sid, l, q.data(), k.data(), v.data(), out.data(),
+                                           l + 1 < kShape.layers ? qn.data() : nullptr));
+        std::vector<float> ref;
+        if (l >= 1 && round_start > 0) {
+          const auto keep =
+              LonghandOver(skew, l, h, pool.alive[l], q_next.data(), policy.speculation.alpha, 0);
+          for (int kh = 0; kh < hkv; ++kh) {
+            for (int64_t t : keep[kh]) ++pool.fetches[l * hkv + kh][t];
+          }
+          ref = Attend(h, l, q.data(), keep, round_start, h.tokens(l));
+        } else {
+          ref = Attend(h, l, q.data(), std::vector<std::vector<int64_t>>(hkv), 0, h.tokens(l));
+        }
+        for (size_t i = 0; i < out.size(); ++i) {
+          worst = std::max(worst, std::fabs(double(out[i]) - ref[i]));
+        }
+        q_next = qn;
+      }
+    }
+    auto rep = engine_->EndRound(sid);
+    ASSERT_TRUE(rep.ok()) << rep.status();
+    pool.round_end.push_back(h.tokens(0));
+    for (int l = 1; l < kShape.layers; ++l) {
+      for (int kh = 0; kh < hkv; ++kh) {
+        for (int64_t t = round_start; t < h.tokens(l); ++t) pool.alive[l][kh].push_back(t);
+      }
+    }
+    const uint64_t before = pool.Bytes();
+    const uint64_t older = before / 2;
+    const uint64_t n = pool.Trim(kCap);
+    EXPECT_EQ(rep->pool.cap_bytes, kCap);
+    EXPECT_EQ(rep->pool.bytes_before, before) << "round " << r;
+    EXPECT_EQ(rep->pool.bytes_after, pool.Bytes()) << "round " << r;
+    EXPECT_EQ(rep->pool.evicted_tokens, n) << "round " << r;
+    EXPECT_LE(rep->pool.bytes_after, kCap);
+    evicted += n;
+    multipass += before > kCap + older;
+  }
+  EXPECT_LT(worst, 1e-4);
+  EXPECT_GT(evicted, 0u);
+  EXPECT_GT(multipass, 0);  // Some trim took more than one older half.
+}
+
+// A quantizing codec: the pool is re-encoded under its cap, and the session
+// goes on decoding over it.
+TEST_F(WorkerSpeculationTest, PoolCapWithKivi) {
+  auto id = engine_->PutSkew(spec::SerializeSkew(MakeSkew(0.25)));
+  ASSERT_TRUE(id.ok());
+  SessionPolicy policy = Policy(*id, 4.0f);
+  auto kivi = ParseCodecSetting("kivi4:g=8");
+  ASSERT_TRUE(kivi.ok());
+  policy.codec = *kivi;
+  constexpr uint64_t kCap = 9000;
+  policy.speculation.pool_bytes = kCap;
+  const worker::SessionKey sid("k");
+  KVT_ASSERT_OK(engine_->OpenSession(sid, kShape, policy));
+  std::mt19937 rng(17);
+  const int d = kShape.head_dim, hq = kShape.q_heads, hkv = kShape.kv_heads;
+  uint64_t evicted = 0;
+  for (int r = 0; r < 5; ++r) {
+    for (int l = 0; l < kShape.layers; ++l) {
+      const auto q = Random(24 * hq * d, &rng), k = Random(24 * hkv * d, &rng),
+                 v = Random(24 * hkv * d, &rng);
+      std::vector<float> out(q.size());
+      KVT_ASSERT_OK(engine_->PrefillLayer(sid, l, 24, 0, q.data(), k.data(), v.data(), out.data()));
+    }
+    for (int step = 0; step < 4; ++step) {
+      for (int l = 0; l < kShape.layers; ++l) {
+        const auto q = Random(hq * d, &rng), k = Random(hkv * d, &rng), v = Random(hkv * d, &rng),
+                   qn = Random(hq * d, &rng);
+        std::vector<float> out(q.size());
+        KVT_ASSERT_OK(engine_->DecodeLayer(sid, l, q.data(), k.data(), v.data(), out.data(),
+                                           l + 1 < kShape.layers ? qn.data() : nullptr));
+        for (float x : out) ASSERT_TRUE(std::isfinite(x));
+      }
+    }
+    auto rep = engine_->EndRound(sid);
+    ASSERT_TRUE(rep.ok()) << rep.status();
+    EXPECT_LE(rep->pool.bytes_after, kCap);
+    EXPECT_LE(rep->pool.bytes_after, rep->pool.bytes_before);
+    evicted += rep->pool.evicted_tokens;
+    auto st = engine_->Stats(sid);
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(st->working_set_bytes, rep->working_set_bytes);
+  }
+  EXPECT_GT(evicted, 0u);
 }
 
 }  // namespace

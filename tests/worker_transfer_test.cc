@@ -18,6 +18,7 @@
 #include "kernels/crc32c.h"
 #include "kernels/half.h"
 #include "kernels/recall.h"
+#include "kernels/speculation.h"
 #include "services/worker/transfer_proto.h"
 #include "services/worker/worker_server.h"
 #include "testing/store_process.h"
@@ -271,6 +272,66 @@ TEST_F(WorkerTransferTest, HandBackReusesTheRoundsEachWorkerKept) {
     KVT_ASSERT_OK(prefill_->CloseSession(moved, true));
     KVT_ASSERT_OK(single_->CloseSession(alone, true));
   }
+}
+
+// A speculating session with a host-pool cap: the decode worker's EndRound
+// trims rounds the prefill worker still holds (untrimmed) in its hand-off
+// cache. The hand-back must send the trimmed layers in full; with the cache
+// standing in for them the prefill worker would attend tokens the pool
+// evicted, and its outputs would part from one worker's.
+TEST_F(WorkerTransferTest, HandBackSendsTrimmedLayersInFull) {
+  spec::SkewModel skew;
+  skew.model = "test";
+  skew.layers = kShape.layers;
+  skew.q_heads = kShape.q_heads;
+  skew.kv_heads = kShape.kv_heads;
+  skew.head_dim = kShape.head_dim;
+  skew.partial_ratio = 0.25;
+  skew.calibration_tokens = 32;
+  std::mt19937 rng(29);
+  for (int l = 0; l < kShape.layers; ++l) {
+    const Step cal = MakeStep(32, &rng);
+    auto heads = spec::CalibrateLayer(cal.q[l].data(), cal.k[l].data(), 32, kShape.q_heads,
+                                      kShape.kv_heads, kShape.head_dim, 0.25);
+    ASSERT_TRUE(heads.ok()) << heads.status();
+    skew.heads.push_back(*heads);
+  }
+  const std::string bytes = spec::SerializeSkew(skew);
+  std::string id;
+  for (auto* e : {&prefill_, &decode_, &single_}) {
+    KVT_ASSERT_OK_AND_ASSIGN(id, (*e)->PutSkew(bytes));
+  }
+  SessionPolicy p;
+  p.codec = *ParseCodecSetting("fp16");
+  p.recall = *ParseRecall("all");
+  p.release_after_end_round = false;
+  p.speculation.skew = id;
+  p.speculation.pool_bytes = 24 << 10;
+  KVT_ASSERT_OK(prefill_->OpenSession("t", kShape, p));
+  KVT_ASSERT_OK(single_->OpenSession("t1", kShape, p));
+  uint64_t trimmed = 0, left_out = 0, sent = 0;
+  for (int round = 0; round < 5; ++round) {
+    SCOPED_TRACE(round);
+    const Step prompt = MakeStep(30, &rng);
+    EXPECT_TRUE(Same(RunStep(*prefill_, "t", prompt, true), RunStep(*single_, "t1", prompt, true)));
+    KVT_ASSERT_OK(MoveReusing(*prefill_, *decode_, "t", &left_out, &sent));
+    for (int t = 0; t < 3; ++t) {
+      const Step tok = MakeStep(1, &rng);
+      EXPECT_TRUE(Same(RunStep(*decode_, "t", tok, false), RunStep(*single_, "t1", tok, false)));
+    }
+    KVT_ASSERT_OK_AND_ASSIGN(auto a, decode_->EndRound("t"));
+    KVT_ASSERT_OK_AND_ASSIGN(auto b, single_->EndRound("t1"));
+    EXPECT_EQ(a.pool.evicted_tokens, b.pool.evicted_tokens);
+    EXPECT_EQ(a.pool.bytes_after, b.pool.bytes_after);
+    trimmed += a.pool.evicted_tokens;
+    KVT_ASSERT_OK(MoveReusing(*decode_, *prefill_, "t", &left_out, &sent));
+    KVT_ASSERT_OK_AND_ASSIGN(auto sa, prefill_->Stats("t"));
+    KVT_ASSERT_OK_AND_ASSIGN(auto sb, single_->Stats("t1"));
+    EXPECT_EQ(sa.working_set_bytes, sb.working_set_bytes);
+  }
+  EXPECT_GT(trimmed, 0u);
+  KVT_ASSERT_OK(prefill_->CloseSession("t", true));
+  KVT_ASSERT_OK(single_->CloseSession("t1", true));
 }
 
 // A round the receiver was said to hold but dropped before the import

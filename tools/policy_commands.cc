@@ -40,6 +40,9 @@ constexpr char kHelp[] =
     "                         with --skew_dir, or an engine uploads it (PutSkew)\n"
     "        --speculation_alpha=A  keep tokens within A of the max score [4]\n"
     "        --speculation_budget=N  at most N tokens per head, 0 = no cap [0]\n"
+    "        --speculation_pool_bytes=N  cap on a session's host pool (past rounds'\n"
+    "                         K/V at layers 1..L-1); EndRound evicts the least fetched\n"
+    "                         tokens of the older half above it, 0 = no cap [0]\n"
     "  get --model=NAME [--session=S] [--idle_ms=N]\n"
     "      What GetPolicy answers for a session of that model idle N ms: the registered\n"
     "      policy, or the tightened one for a cold session under memory pressure.\n";
@@ -108,7 +111,8 @@ int PolicyCommand(const Args& args) {
                                                          "idle_ms",
                                                          "speculation_skew",
                                                          "speculation_alpha",
-                                                         "speculation_budget"});
+                                                         "speculation_budget",
+                                                         "speculation_pool_bytes"});
   if (!unknown.empty()) return Usage("unknown flag --" + unknown.front());
   if (!args.Has("model")) return Usage("--model=NAME is required");
   ControllerClientOptions o;
@@ -194,9 +198,13 @@ int PolicyCommand(const Args& args) {
     p.set_speculation_alpha(alpha);
   }
   p.set_speculation_budget(static_cast<uint32_t>(args.GetU64("speculation_budget", 0)));
-  if ((args.Has("speculation_alpha") || args.Has("speculation_budget")) &&
+  p.set_speculation_pool_bytes(args.GetU64("speculation_pool_bytes", 0));
+  if ((args.Has("speculation_alpha") || args.Has("speculation_budget") ||
+       args.Has("speculation_pool_bytes")) &&
       !args.Has("speculation_skew")) {
-    return Usage("--speculation_alpha and --speculation_budget need --speculation_skew");
+    return Usage(
+        "--speculation_alpha, --speculation_budget and --speculation_pool_bytes need "
+        "--speculation_skew");
   }
   if (args.Has("profile")) {
     absl::StatusOr<evict::Policy> prof = evict::LoadLayerProfile(args.Get("profile"));

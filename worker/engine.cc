@@ -103,7 +103,18 @@ absl::Status Engine::ResolveSpeculation(const ModelShape& shape, const SessionPo
                                         std::shared_ptr<const spec::SkewModel>* skew) const {
   skew->reset();
   const SessionPolicy::Speculation& sp = policy.speculation;
-  if (sp.skew.empty()) return absl::OkStatus();
+  if (sp.pool_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("speculation pool cap ", sp.pool_bytes, " must be 0 (none) or more bytes"));
+  }
+  if (sp.skew.empty()) {
+    if (sp.pool_bytes > 0) {
+      return absl::InvalidArgumentError(
+          "a speculation pool cap needs speculation (a skew): the pool evicts by speculation's "
+          "fetch counts");
+    }
+    return absl::OkStatus();
+  }
   if (!(sp.alpha > 0) || !std::isfinite(sp.alpha)) {
     return absl::InvalidArgumentError(
         absl::StrCat("speculation alpha ", sp.alpha, " must be a finite number above 0"));

@@ -94,10 +94,17 @@ struct SessionPolicy {
   // full. `skew` names a skew uploaded with Engine::PutSkew; empty: off
   // (the default). alpha > 0 (default 4, softmax-logit units); budget caps
   // the tokens per head (0: none). Host working sets only.
+  //   pool_bytes caps the host pool: the past rounds' resident K/V at the
+  //   layers speculation serves (1 to L - 1), in encoded bytes. At EndRound
+  //   a pool above it loses tokens, fewest fetches (gathers) first among
+  //   each layer and KV head's older half, until it fits; the layers that
+  //   lost tokens are re-encoded with the session's codec. 0: no cap (the
+  //   default).
   struct Speculation {
     std::string skew;
     float alpha = 4.0f;
     int budget = 0;
+    int64_t pool_bytes = 0;
   };
   Speculation speculation;
 
@@ -134,6 +141,18 @@ struct SpeculationLayerStats {
   double hit_sum = 0, mass_sum = 0;
 };
 
+// What the host pool (SessionPolicy::Speculation::pool_bytes) did at an
+// EndRound.
+struct PoolTrim {
+  uint64_t cap_bytes = 0;  // 0: no cap.
+  // The pool (resident past rounds at layers 1 to L - 1, encoded bytes)
+  // before and after the trim, this round included.
+  uint64_t bytes_before = 0, bytes_after = 0;
+  uint64_t evicted_tokens = 0;    // Summed over layers and KV heads.
+  uint64_t reencoded_layers = 0;  // Round layers re-encoded without them.
+  double ms = 0;                  // The trim's time, under the session's lock.
+};
+
 struct EndRoundReport {
   uint32_t round = 0;
   uint64_t stored_bytes = 0;       // Both segments' payloads.
@@ -149,6 +168,8 @@ struct EndRoundReport {
   std::vector<uint32_t> recalls_recorded;
   // Per layer, when the round's decode steps speculated; empty otherwise.
   std::vector<SpeculationLayerStats> speculation;
+  // The host pool's trim (a speculating session with a pool cap).
+  PoolTrim pool;
   // The whole process's memory once the round is written.
   ProcessMemory process_memory;
 };
@@ -219,6 +240,10 @@ struct LayerImage {
   // Export: where each round's pieces start in past_pieces (one entry per
   // round, then past_pieces.size()), so a sender can leave rounds out.
   std::vector<size_t> round_first_piece;
+  // Export: rounds whose layer the host pool trimmed here (RoundLayer::
+  // trimmed): what a receiver holds of them may have more tokens, so they
+  // are never left out.
+  std::vector<uint32_t> trimmed;
   // Export (ExportLayer) gives the payload as pieces, in order, without
   // copying a tensor: each tensor's protobuf framing (small, in a buffer of
   // the export's own) and the tensor's bytes where the working set holds

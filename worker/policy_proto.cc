@@ -118,6 +118,16 @@ absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p, v1::D
         absl::StrCat("speculation_budget ", p.speculation_budget(), " is beyond any context"));
   }
   s.speculation.budget = static_cast<int>(p.speculation_budget());
+  if (p.speculation_pool_bytes() > uint64_t{1} << 56) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "speculation_pool_bytes ", p.speculation_pool_bytes(), " is beyond any host memory"));
+  }
+  s.speculation.pool_bytes = static_cast<int64_t>(p.speculation_pool_bytes());
+  if (s.speculation.pool_bytes > 0 && s.speculation.skew.empty()) {
+    return absl::InvalidArgumentError(
+        "speculation_pool_bytes needs speculation_skew: the pool evicts by speculation's fetch "
+        "counts");
+  }
   return s;
 }
 
@@ -182,6 +192,15 @@ v1::EndRoundResponse EndRoundToProto(const worker::EndRoundReport& r) {
     o->set_sampled(l.sampled);
     o->set_hit_sum(l.hit_sum);
     o->set_mass_sum(l.mass_sum);
+  }
+  if (r.pool.cap_bytes > 0) {
+    v1::SpeculationPool* p = resp.mutable_speculation_pool();
+    p->set_cap_bytes(r.pool.cap_bytes);
+    p->set_bytes_before(r.pool.bytes_before);
+    p->set_bytes_after(r.pool.bytes_after);
+    p->set_evicted_tokens(r.pool.evicted_tokens);
+    p->set_reencoded_layers(r.pool.reencoded_layers);
+    p->set_ms(r.pool.ms);
   }
   *resp.mutable_worker_memory() = ProcessMemoryToProto(r.process_memory);
   return resp;

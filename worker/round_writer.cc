@@ -223,6 +223,18 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
       for (int l = lw + 1; l < sh.layers; ++l) r.layers[l].reset();
     }
   }
+  if (s->policy.speculation.pool_bytes > 0) {
+    // The round is stored whatever happens here: a failed trim (the
+    // re-encoding) leaves the pool as it was, above its cap until the next.
+    absl::StatusOr<PoolTrim> trim = s->TrimPool(s->policy.codec, options_.level);
+    if (trim.ok()) {
+      rep.pool = *trim;
+    } else {
+      LogWarn("host pool not trimmed", {{"session", s->key.ToString()},
+                                        {"round", plan.round},
+                                        {"error", trim.status().ToString()}});
+    }
+  }
   s->round_resident.clear();
   if (recorded.ok()) {
     s->unreported_recalls.clear();

@@ -497,6 +497,8 @@ void Engine::Session::Speculate(int layer, const float* q_next, KernelLevel leve
         const int64_t t0 = u[i] - first, t1 = u[j - 1] - first + 1;
         DecodeRows(hk.kview, 0, t0, t1, gather.k[h].data() + i * d, level);
         DecodeRows(hk.vview, 0, t0, t1, gather.v[h].data() + i * d, level);
+        std::vector<uint32_t>& fetched = rl->FetchCounts(h);
+        for (int64_t t = t0; t < t1; ++t) ++fetched[t];
         i = j;
       }
       bytes += static_cast<uint64_t>(per_token * static_cast<double>(i - from) + 0.5);

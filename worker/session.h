@@ -50,6 +50,22 @@ struct RoundLayer {
   // owning session's lock, like the rest of the working set.
   mutable std::vector<std::vector<uint16_t>> partial;
   mutable const spec::SkewModel* partial_skew = nullptr;
+  // Speculation's fetch counters, per KV head and token: how many decode
+  // steps gathered the token. The host pool evicts the least fetched first.
+  // Empty until the first gather (all zero). Guarded like `partial`.
+  mutable std::vector<std::vector<uint32_t>> fetches;
+  // The host pool evicted tokens from this layer: it no longer equals the
+  // round's stored segment (or what another worker may hold of the round),
+  // so a hand-off sends it in full.
+  bool trimmed = false;
+
+  // Head h's fetch counters, sized to its tokens.
+  std::vector<uint32_t>& FetchCounts(int h) const {
+    if (fetches.size() != heads.size()) fetches.resize(heads.size());
+    std::vector<uint32_t>& f = fetches[h];
+    if (f.size() != static_cast<size_t>(heads[h].len)) f.resize(heads[h].len, 0);
+    return f;
+  }
 };
 
 // The working-set form of a segment of `layers` layers from its serialized
@@ -273,6 +289,16 @@ class Engine::Session {
   // On a sampled step, scores `gather.picked` against this step's true
   // query q at `layer` (spec::Score) into spec_stats.
   void SampleHitRate(int layer, const float* q, KernelLevel level)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // The host pool (policy.speculation.pool_bytes, docs/speculation.md):
+  // with the pool above its cap, evicts tokens of the resident past rounds
+  // at layers 1 to L - 1, fewest fetches first among each layer and KV
+  // head's older half (then the older half of what is left, until the pool
+  // fits or one token per layer and head is left), and re-encodes the round
+  // layers that lost tokens with `codec`. Host sessions only; nothing to do
+  // without a cap. An error leaves the working set as it was.
+  absl::StatusOr<PoolTrim> TrimPool(const CodecConfig& codec, KernelLevel level)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
   // Marks `layer` done; after the last layer the step's n tokens commit.

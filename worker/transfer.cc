@@ -72,6 +72,7 @@ absl::StatusOr<LayerImage> Engine::ExportLayer(const SessionKey& id, int layer) 
     const RoundLayer* rl = r.layers[layer].get();
     if (rl == nullptr) continue;
     im.rounds.push_back(r.round);
+    if (rl->trimmed) im.trimmed.push_back(r.round);
     im.round_first_piece.push_back(2 * tensors.size());  // Framing and bytes per tensor.
     for (std::string_view t : rl->tensors) tensors.emplace_back(rl, t);
     for (const HeadKv& hk : rl->heads) im.past_raw_bytes += 2 * hk.len * d * es;
@@ -133,8 +134,10 @@ uint64_t LayerImage::LeaveOut(const std::vector<HandoffCache::Held>& held) {
   for (size_t j = 0; j < rounds.size(); ++j) {
     auto h = std::find_if(held.begin(), held.end(),
                           [&](const HandoffCache::Held& x) { return x.round == rounds[j]; });
-    const bool leave = h != held.end() && std::binary_search(h->layers.begin(), h->layers.end(),
-                                                             static_cast<uint32_t>(layer));
+    const bool leave =
+        h != held.end() &&
+        std::binary_search(h->layers.begin(), h->layers.end(), static_cast<uint32_t>(layer)) &&
+        std::find(trimmed.begin(), trimmed.end(), rounds[j]) == trimmed.end();
     if (leave) reused.push_back(rounds[j]);
     first.push_back(kept.size());
     for (size_t i = round_first_piece[j]; i < round_first_piece[j + 1]; ++i) {

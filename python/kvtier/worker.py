@@ -67,7 +67,8 @@ class Policy:
     eviction: "none", "snapkv", "pyramidkv", "ada-snapkv", "ada-pyramid", "h2o",
     "streamingllm" with budget_tokens; recall: "all", "topk:K",
     "adaptive:LAMBDA", "threshold:THETA", "mass:P"; speculation_skew: an id from
-    WorkerClient.put_skew (docs/speculation.md)."""
+    WorkerClient.put_skew (docs/speculation.md); speculation_pool_bytes caps
+    the host pool of a speculating session (0: none)."""
     codec: str = "raw"
     eviction: str = "none"
     budget_tokens: int = 0
@@ -79,6 +80,7 @@ class Policy:
     speculation_skew: str = ""
     speculation_alpha: float = 0.0
     speculation_budget: int = 0
+    speculation_pool_bytes: int = 0
 
     def proto(self) -> worker_pb2.Policy:
         if self.codec not in _CODECS:
@@ -89,7 +91,8 @@ class Policy:
                               recall=self.recall, watershed_layer=self.watershed_layer,
                               speculation_skew=self.speculation_skew,
                               speculation_alpha=self.speculation_alpha,
-                              speculation_budget=self.speculation_budget)
+                              speculation_budget=self.speculation_budget,
+                              speculation_pool_bytes=self.speculation_pool_bytes)
         if bits:
             p.codec_params.bits = bits
         if self.keep_recent_round is not None:

@@ -140,3 +140,32 @@ def test_speculation_through_the_connector(stack, mode):
             assert x.kept <= 16 * x.steps
             assert x.bytes_speculative < x.bytes_dense
     conn.close(f"spec-{mode}", delete_from_store=True)
+
+
+def test_speculation_pool_through_the_connector(stack):
+    """A host-pool cap (Policy.speculation_pool_bytes): EndRound trims the
+    pool under the cap and reports it."""
+    model = require_model()
+    m = Llama.load(model)
+    store, worker = stack
+    skew = os.path.join(tempfile.mkdtemp(prefix="kvtier-skew-"), "s.skew")
+    subprocess.run([os.path.join(BUILD, "tools/kvtier"), "calibrate", "infinigen",
+                    f"--model={model}", f"--out={skew}"], check=True, capture_output=True)
+    c = m.config
+    spec = ModelSpec(c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, dtype="float32")
+    cap = 32768
+    with open(skew, "rb") as f:
+        conn = KvtierConnector(worker.address, spec,
+                               Policy(recall="all", speculation_alpha=4,
+                                      speculation_pool_bytes=cap),
+                               skew=f.read())
+    conv = load_conversations()[0]
+    replay(m, conn, conv, "pool", speculate=True)
+    pools = [rep.speculation_pool for rep in conn.rounds("pool")]
+    assert all(p.cap_bytes == cap for p in pools), pools
+    trimmed = [p for p in pools if p.evicted_tokens > 0]
+    assert trimmed, pools
+    for p in trimmed:
+        assert p.bytes_after <= cap < p.bytes_before, p
+        assert p.reencoded_layers > 0
+    conn.close("pool", delete_from_store=True)

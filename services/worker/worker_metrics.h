@@ -70,6 +70,17 @@ class WorkerMetrics {
                     .Help("Payload bytes written to kvtier-store at EndRound")
                     .Register(*registry_)
                     .Add({})),
+        pool_evicted_(prometheus::BuildCounter()
+                          .Name("kvtier_worker_speculation_pool_evicted_tokens_total")
+                          .Help("Tokens the host pool evicted at EndRound (speculating sessions "
+                                "with a pool cap), summed over layers and KV heads")
+                          .Register(*registry_)
+                          .Add({})),
+        pool_reencoded_(prometheus::BuildCounter()
+                            .Name("kvtier_worker_speculation_pool_reencoded_layers_total")
+                            .Help("Round layers the host pool re-encoded without evicted tokens")
+                            .Register(*registry_)
+                            .Add({})),
         layer_latency_(&prometheus::BuildHistogram()
                             .Name("kvtier_worker_layer_seconds")
                             .Help("Per-layer attention latency")
@@ -168,6 +179,11 @@ class WorkerMetrics {
       }
     }
   }
+  // A round's host-pool trim (EndRound).
+  void Pool(const worker::PoolTrim& t) {
+    pool_evicted_.Increment(static_cast<double>(t.evicted_tokens));
+    pool_reencoded_.Increment(static_cast<double>(t.reencoded_layers));
+  }
   void WorkingSet(double bytes) { working_set_.Set(bytes); }
   void Sessions(double n) { sessions_.Set(n); }
   void Budget(double bytes) { budget_.Set(bytes); }
@@ -179,7 +195,8 @@ class WorkerMetrics {
   prometheus::Gauge& sessions_;
   prometheus::Gauge& handoff_cache_;
   prometheus::Gauge& budget_;
-  prometheus::Counter &recalls_, &selected_, &candidates_, &fetched_, &stored_;
+  prometheus::Counter &recalls_, &selected_, &candidates_, &fetched_, &stored_, &pool_evicted_,
+      &pool_reencoded_;
   prometheus::Family<prometheus::Histogram>* layer_latency_;
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Counter>*transfers_, *transfer_bytes_, *transfer_reused_;

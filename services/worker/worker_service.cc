@@ -183,6 +183,7 @@ absl::Status WorkerService::DoEndRound(grpc::CallbackServerContext& ctx,
   KVT_ASSIGN_OR_RETURN(worker::EndRoundReport r, engine_->EndRound(id, StoreCall(ctx)));
   *resp = EndRoundToProto(r);
   metrics_->Speculation(r.speculation);
+  metrics_->Pool(r.pool);
   metrics_->Stored(r.stored_bytes);
   return absl::OkStatus();
 }
