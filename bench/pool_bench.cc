@@ -1,0 +1,239 @@
+// kvtier-bench pool: the host pool of a speculating session (docs/
+// speculation.md#the-host-pool) at a model's size. Two sessions of the same
+// worker engine (in this process, over one kvtier-store process) get the same
+// prefills and speculating decode steps, round after round, every round
+// resident (release_after_end_round off, so the pool is every layer from 1
+// on): one with a pool cap, one without (the same-run baseline). Per round:
+// the pool's bytes, what the trim evicted and re-encoded, its time, and
+// EndRound's time with the cap against without.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/benches.h"
+#include "client/store_segments.h"
+#include "kernels/half.h"
+#include "kernels/speculation.h"
+#include "testing/store_process.h"
+#include "testing/test_util.h"
+#include "worker/engine.h"
+
+namespace kvtier::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Ms(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+void Usage() {
+  std::fprintf(stderr,
+               "kvtier-bench pool [--layers=32] [--heads=8] [--head_dim=128] [--tokens=128]\n"
+               "                  [--rounds=8] [--decode=4] [--codec=kivi4] [--cap=0.5]\n"
+               "  Two speculating sessions, every round resident: one whose host pool is capped\n"
+               "  at --cap of one round's pool times --rounds, one without a cap (the baseline,\n"
+               "  same inputs, same run). Prints the pool, the trims and EndRound's time.\n");
+}
+
+std::vector<float> Draw(size_t n, std::mt19937* rng) {
+  std::normal_distribution<float> nd;
+  std::vector<float> x(n);
+  for (float& e : x) e = HalfToFloat(FloatToHalf(nd(*rng)));
+  return x;
+}
+
+}  // namespace
+
+int PoolBench(int argc, char** argv) {
+  worker::ModelShape shape{32, 8, 8, 128, v1::DTYPE_FP16};
+  int64_t tokens = 128;
+  int rounds = 8, decode = 4;
+  std::string codec = "kivi4";
+  double cap_fraction = 0.5;
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&](const char* flag) -> const char* {
+      const size_t n = std::strlen(flag);
+      return a.compare(0, n, flag) == 0 ? a.c_str() + n : nullptr;
+    };
+    if (const char* v = value("--layers=")) {
+      shape.layers = std::atoi(v);
+    } else if (const char* v = value("--heads=")) {
+      shape.q_heads = shape.kv_heads = std::atoi(v);
+    } else if (const char* v = value("--head_dim=")) {
+      shape.head_dim = std::atoi(v);
+    } else if (const char* v = value("--tokens=")) {
+      tokens = std::atoll(v);
+    } else if (const char* v = value("--rounds=")) {
+      rounds = std::atoi(v);
+    } else if (const char* v = value("--decode=")) {
+      decode = std::atoi(v);
+    } else if (const char* v = value("--codec=")) {
+      codec = v;
+    } else if (const char* v = value("--cap=")) {
+      cap_fraction = std::atof(v);
+    } else {
+      Usage();
+      return 2;
+    }
+  }
+  auto config = ParseCodecSetting(codec);
+  if (shape.layers < 2 || shape.q_heads < 1 || shape.head_dim < 8 || tokens < 2 || rounds < 2 ||
+      decode < 1 || !(cap_fraction > 0 && cap_fraction < 1) || !config.ok()) {
+    Usage();
+    return 2;
+  }
+  testing::TempDir tmp;
+  testing::StoreProcess store(tmp.path() + "/db", {"--ram_budget_mb=8192", "--max_segment_mb=512",
+                                                   "--log_level=warn", "--sync_writes=false"});
+  if (absl::Status s = store.Start(); !s.ok()) {
+    std::fprintf(stderr, "kvtier-bench pool: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  StoreClientOptions so;
+  so.target = store.target();
+  so.deadline = absl::Seconds(120);
+  auto client = StoreClient::Connect(so);
+  if (!client.ok()) {
+    std::fprintf(stderr, "kvtier-bench pool: %s\n", client.status().ToString().c_str());
+    return 1;
+  }
+  StoreSegments segments(std::move(*client));
+  worker::EngineOptions eo;
+  eo.placement = worker::EngineOptions::Placement::kHost;
+  worker::Engine engine(&segments, eo);
+
+  // A skew calibrated on random queries and keys (the trim's cost does not
+  // depend on which tokens speculation picks, only on how many rows move).
+  std::mt19937 rng(5);
+  const int d = shape.head_dim, hq = shape.q_heads, hkv = shape.kv_heads;
+  spec::SkewModel skew;
+  skew.model = "bench";
+  skew.layers = shape.layers;
+  skew.q_heads = hq;
+  skew.kv_heads = hkv;
+  skew.head_dim = d;
+  skew.partial_ratio = 0.2;
+  skew.calibration_tokens = 64;
+  for (int l = 0; l < shape.layers; ++l) {
+    const auto q = Draw(size_t{64} * hq * d, &rng), k = Draw(size_t{64} * hkv * d, &rng);
+    auto heads = spec::CalibrateLayer(q.data(), k.data(), 64, hq, hkv, d, 0.2);
+    if (!heads.ok()) {
+      std::fprintf(stderr, "kvtier-bench pool: %s\n", heads.status().ToString().c_str());
+      return 1;
+    }
+    skew.heads.push_back(*heads);
+  }
+  auto skew_id = engine.PutSkew(spec::SerializeSkew(skew));
+  if (!skew_id.ok()) {
+    std::fprintf(stderr, "kvtier-bench pool: %s\n", skew_id.status().ToString().c_str());
+    return 1;
+  }
+  worker::SessionPolicy policy;
+  policy.codec = *config;
+  policy.recall.mode = RecallMode::kAll;
+  policy.release_after_end_round = false;
+  policy.speculation.skew = *skew_id;
+  // The baseline's cap is beyond reach: it reports its pool and never trims.
+  policy.speculation.pool_bytes = int64_t{1} << 56;
+  const worker::SessionKey free_id("free"), capped_id("capped");
+  if (absl::Status s = engine.OpenSession(free_id, shape, policy); !s.ok()) {
+    std::fprintf(stderr, "kvtier-bench pool: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  std::printf(
+      "kvtier-bench pool: %d layers, %d heads of %d, %s, %d rounds of %lld tokens + %d "
+      "speculating decode steps\n",
+      shape.layers, hq, d, CodecSettingName(*config).c_str(), rounds,
+      static_cast<long long>(tokens), decode);
+  std::printf("%-5s %12s %12s %12s %9s %9s %9s %14s %14s %7s\n", "round", "pool free MiB",
+              "capped MiB", "after MiB", "evicted", "re-enc", "trim ms", "EndRound free",
+              "EndRound cap", "ratio");
+  double end_free = 0, end_capped = 0, trim_total = 0;
+  for (int r = 0; r < rounds; ++r) {
+    // One round's inputs, run through both sessions.
+    std::vector<std::vector<float>> pq, pk, pv;
+    for (int l = 0; l < shape.layers; ++l) {
+      pq.push_back(Draw(static_cast<size_t>(tokens) * hq * d, &rng));
+      pk.push_back(Draw(static_cast<size_t>(tokens) * hkv * d, &rng));
+      pv.push_back(Draw(static_cast<size_t>(tokens) * hkv * d, &rng));
+    }
+    std::vector<std::vector<std::vector<float>>> dq(decode), dk(decode), dv(decode), dn(decode);
+    for (int s = 0; s < decode; ++s) {
+      for (int l = 0; l < shape.layers; ++l) {
+        dq[s].push_back(Draw(static_cast<size_t>(hq) * d, &rng));
+        dk[s].push_back(Draw(static_cast<size_t>(hkv) * d, &rng));
+        dv[s].push_back(Draw(static_cast<size_t>(hkv) * d, &rng));
+        dn[s].push_back(Draw(static_cast<size_t>(hq) * d, &rng));
+      }
+    }
+    worker::EndRoundReport reps[2];
+    double ms[2] = {0, 0};
+    for (int which = 0; which < 2; ++which) {
+      const worker::SessionKey& id = which == 0 ? free_id : capped_id;
+      if (which == 1 && r == 0) {
+        // The cap: a fraction of what every round would hold, from the
+        // baseline's first round.
+        worker::SessionPolicy p = policy;
+        p.speculation.pool_bytes = static_cast<int64_t>(
+            cap_fraction * rounds * static_cast<double>(reps[0].pool.bytes_before));
+        if (absl::Status s = engine.OpenSession(capped_id, shape, p); !s.ok()) {
+          std::fprintf(stderr, "kvtier-bench pool: %s\n", s.ToString().c_str());
+          return 1;
+        }
+      }
+      std::vector<float> out(static_cast<size_t>(tokens) * hq * d);
+      for (int l = 0; l < shape.layers; ++l) {
+        auto st = engine.PrefillLayer(id, l, tokens, 0, pq[l].data(), pk[l].data(), pv[l].data(),
+                                      out.data());
+        if (!st.ok()) {
+          std::fprintf(stderr, "kvtier-bench pool: %s\n", st.status().ToString().c_str());
+          return 1;
+        }
+      }
+      for (int s = 0; s < decode; ++s) {
+        for (int l = 0; l < shape.layers; ++l) {
+          absl::Status st =
+              engine.DecodeLayer(id, l, dq[s][l].data(), dk[s][l].data(), dv[s][l].data(),
+                                 out.data(), l + 1 < shape.layers ? dn[s][l].data() : nullptr);
+          if (!st.ok()) {
+            std::fprintf(stderr, "kvtier-bench pool: %s\n", st.ToString().c_str());
+            return 1;
+          }
+        }
+      }
+      const auto t0 = Clock::now();
+      auto rep = engine.EndRound(id);
+      ms[which] = Ms(t0, Clock::now());
+      if (!rep.ok()) {
+        std::fprintf(stderr, "kvtier-bench pool: %s\n", rep.status().ToString().c_str());
+        return 1;
+      }
+      reps[which] = *rep;
+    }
+    end_free += ms[0];
+    end_capped += ms[1];
+    trim_total += reps[1].pool.ms;
+    const double mib = 1 << 20;
+    std::printf("%-5d %12.1f %12.1f %12.1f %9llu %9llu %9.1f %14.1f %14.1f %6.2fx\n", r,
+                static_cast<double>(reps[0].pool.bytes_before) / mib,
+                static_cast<double>(reps[1].pool.bytes_before) / mib,
+                static_cast<double>(reps[1].pool.bytes_after) / mib,
+                static_cast<unsigned long long>(reps[1].pool.evicted_tokens),
+                static_cast<unsigned long long>(reps[1].pool.reencoded_layers), reps[1].pool.ms,
+                ms[0], ms[1], ms[0] > 0 ? ms[1] / ms[0] : 0.0);
+    std::fflush(stdout);
+  }
+  std::printf(
+      "EndRound, all rounds: %.1f ms with the cap against %.1f ms without (%.2fx, same run); "
+      "the trims took %.1f ms of it (wall time)\n",
+      end_capped, end_free, end_free > 0 ? end_capped / end_free : 0.0, trim_total);
+  return 0;
+}
+
+}  // namespace kvtier::bench
