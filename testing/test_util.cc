@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <stdexcept>
 
@@ -24,6 +25,26 @@ void WriteFile(const std::string& path, const std::string& text) {
     std::fprintf(stderr, "cannot write %s\n", path.c_str());
     std::abort();
   }
+}
+
+absl::StatusOr<SelfSignedCert> MakeSelfSignedCert(const std::string& dir) {
+  if (std::system("command -v openssl >/dev/null 2>&1") != 0) {
+    return absl::UnavailableError("openssl CLI not installed; `make deps` installs it");
+  }
+  SelfSignedCert c;
+  c.cert = dir + "/cert.pem";
+  c.key = dir + "/key.pem";
+  const std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -keyout " + c.key + " -out " +
+                          c.cert +
+                          " -days 1 -subj /CN=localhost -addext subjectAltName=DNS:localhost "
+                          ">/dev/null 2>&1";
+  if (std::system(cmd.c_str()) != 0) {
+    return absl::InternalError("openssl could not make a self-signed certificate in " + dir);
+  }
+  std::ifstream in(c.cert);
+  c.pem.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  if (c.pem.empty()) return absl::InternalError("openssl wrote no certificate to " + c.cert);
+  return c;
 }
 
 std::string MakePayload(uint64_t target_bytes, uint64_t seed, uint32_t layer_begin) {

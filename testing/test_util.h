@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <string>
 
+#include "absl/status/statusor.h"
+
 namespace kvtier::testing {
 
 // A serialized SegmentPayload of one raw fp16 tensor whose serialized size is
@@ -42,6 +44,17 @@ std::string SourcePath(const std::string& relative);
 
 // True when CI=true: a missing shared model is then a failure, not a skip.
 bool InCi();
+
+// A self-signed certificate for localhost (CN and subjectAltName
+// DNS:localhost, valid a day) and its key, as PEM files in a directory.
+struct SelfSignedCert {
+  std::string cert, key;  // The files' paths.
+  std::string pem;        // The certificate, for a client's root certificates.
+};
+// Made by the openssl CLI in `dir`. UNAVAILABLE when openssl is not
+// installed (a test then skips: `make deps` installs it); INTERNAL when it
+// fails.
+absl::StatusOr<SelfSignedCert> MakeSelfSignedCert(const std::string& dir);
 
 // The whole HTTP/1.0 response (status line, headers, body) to GET `path` on
 // 127.0.0.1:`port`, or "" when nothing listens there.

@@ -164,18 +164,11 @@ TEST_F(EngineDemoTest, Stories260KThroughTheDemo) {
 // The engine against a worker that serves TLS: with the workers' CA
 // (kvtier-engine --worker_tls_root_certs) the demo runs; without it, it fails.
 TEST(EngineDemoTlsTest, TheDemoReachesAWorkerServingTls) {
-  if (std::system("command -v openssl >/dev/null 2>&1") != 0) {
-    GTEST_SKIP() << "openssl CLI not installed; `make deps` installs it";
-  }
   testing::TempDir dir;
-  const std::string cert = dir.path() + "/cert.pem", key = dir.path() + "/key.pem";
-  const std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -keyout " + key + " -out " +
-                          cert +
-                          " -days 1 -subj /CN=localhost -addext subjectAltName=DNS:localhost "
-                          ">/dev/null 2>&1";
-  ASSERT_EQ(std::system(cmd.c_str()), 0);
-  std::ifstream in(cert);
-  const std::string pem((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto certs = testing::MakeSelfSignedCert(dir.path());
+  if (absl::IsUnavailable(certs.status())) GTEST_SKIP() << certs.status().message();
+  ASSERT_TRUE(certs.ok()) << certs.status();
+  const std::string &cert = certs->cert, &key = certs->key, &pem = certs->pem;
   testing::WorkerStack stack;
   testing::WorkerStackOptions so;
   so.worker_tls_cert = cert;

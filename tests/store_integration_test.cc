@@ -670,17 +670,11 @@ TEST_F(StoreIntegrationTest, MetricsHealthAndReflection) {
 }
 
 TEST_F(StoreIntegrationTest, TlsRoundTrip) {
-  if (std::system("command -v openssl >/dev/null 2>&1") != 0) {
-    GTEST_SKIP() << "openssl CLI not installed; `make deps` installs it";
-  }
-  const std::string cert = dir_.path() + "/cert.pem", key = dir_.path() + "/key.pem";
-  std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -keyout " + key + " -out " + cert +
-                    " -days 1 -subj /CN=localhost -addext subjectAltName=DNS:localhost "
-                    ">/dev/null 2>&1";
-  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  auto certs = testing::MakeSelfSignedCert(dir_.path());
+  if (absl::IsUnavailable(certs.status())) GTEST_SKIP() << certs.status().message();
+  ASSERT_TRUE(certs.ok()) << certs.status();
+  const std::string &cert = certs->cert, &key = certs->key, &pem = certs->pem;
   StartStore({"--tls_cert=" + cert, "--tls_key=" + key});
-  std::ifstream in(cert);
-  std::string pem((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   StoreClientOptions o;
   o.target = store_->target();
   o.token = kAliceToken;

@@ -893,18 +893,11 @@ TEST_F(TransferServiceTest, FailedHandOffsUndoTheStep) {
 // A decode worker that serves TLS is reached over TLS by a prefill worker
 // that holds the CA (--peer_tls_root_certs), and not at all by one without.
 TEST_F(TransferServiceTest, HandOffToAWorkerServingTls) {
-  if (std::system("command -v openssl >/dev/null 2>&1") != 0) {
-    GTEST_SKIP() << "openssl CLI not installed; `make deps` installs it";
-  }
   testing::TempDir dir;
-  const std::string cert = dir.path() + "/cert.pem", key = dir.path() + "/key.pem";
-  const std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -keyout " + key + " -out " +
-                          cert +
-                          " -days 1 -subj /CN=localhost -addext subjectAltName=DNS:localhost "
-                          ">/dev/null 2>&1";
-  ASSERT_EQ(std::system(cmd.c_str()), 0);
-  std::ifstream in(cert);
-  const std::string pem((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto certs = testing::MakeSelfSignedCert(dir.path());
+  if (absl::IsUnavailable(certs.status())) GTEST_SKIP() << certs.status().message();
+  ASSERT_TRUE(certs.ok()) << certs.status();
+  const std::string &cert = certs->cert, &key = certs->key, &pem = certs->pem;
   using Role = WorkerServiceOptions::Role;
   auto d = StartWorker(0, Role::kDecode, [&](WorkerServerOptions& o) {
     o.tls_cert = cert;
