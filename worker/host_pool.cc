@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -157,21 +159,40 @@ absl::StatusOr<std::unique_ptr<RoundLayer>> Reencode(const RoundLayer& rl,
       encs.push_back(std::move(e));
     }
   }
-  std::vector<float> rows;
+  std::vector<float> rows, scratch;
+  std::vector<uint8_t> raw;
   absl::Status encoded;
   std::string payload = SerializePayload(sizes, [&](size_t i, uint8_t* p) {
     const int h = static_cast<int>(i / 2);
     const EncodedView& view = i % 2 == 0 ? rl.heads[h].kview : rl.heads[h].vview;
     const std::vector<int64_t>& k = kept[h];
-    rows.resize(k.size() * d);
-    // Runs of consecutive rows decode together.
-    for (size_t j = 0; j < k.size();) {
-      size_t e = j + 1;
-      while (e < k.size() && k[e] == k[e - 1] + 1) ++e;
-      DecodeRows(view, 0, k[j], k[e - 1] + 1, rows.data() + j * d, level);
-      j = e;
+    // Runs of consecutive rows move together.
+    auto runs = [&](const std::function<void(int64_t, int64_t, size_t)>& move) {
+      for (size_t j = 0; j < k.size();) {
+        size_t e = j + 1;
+        while (e < k.size() && k[e] == k[e - 1] + 1) ++e;
+        move(k[j], k[e - 1] + 1, j);
+        j = e;
+      }
+    };
+    absl::StatusOr<uint8_t*> end;
+    if (view.codec == v1::CODEC_RAW && codec.codec == v1::CODEC_RAW && view.dtype == codec.dtype &&
+        view.token_stride == d) {
+      // Raw rows stay in their dtype: copied, not widened and narrowed.
+      const size_t row = static_cast<size_t>(d) * DTypeSize(view.dtype);
+      raw.resize(k.size() * row);
+      runs([&](int64_t t0, int64_t t1, size_t at) {
+        std::memcpy(raw.data() + at * row, static_cast<const uint8_t*>(view.raw) + t0 * row,
+                    static_cast<size_t>(t1 - t0) * row);
+      });
+      end = encs[i].EncodeTo(raw.data(), view.dtype, p, &scratch, level);
+    } else {
+      rows.resize(k.size() * d);
+      runs([&](int64_t t0, int64_t t1, size_t at) {
+        DecodeRows(view, 0, t0, t1, rows.data() + at * d, level);
+      });
+      end = encs[i].EncodeTo(rows.data(), p, level);
     }
-    absl::StatusOr<uint8_t*> end = encs[i].EncodeTo(rows.data(), p, level);
     if (!end.ok()) {
       if (encoded.ok()) encoded = end.status();
       return p + sizes[i];
