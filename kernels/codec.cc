@@ -221,10 +221,21 @@ void LowRank(const float* r_mat, int64_t n, int d, int rank, uint64_t seed, std:
   }
 }
 
-void Quantize(const QuantShape& q, const float* x, uint8_t* codes, uint16_t* scales,
-              uint16_t* zeros, KernelLevel level) {
-  if (UseSimd(level) && internal::QuantizeSlabSimd(q, x, codes, scales, zeros)) return;
+// Quantizes one slab into `codes` (every byte written, whatever it held).
+// Returns true when the vectorized kernel ran, which then raised
+// *max_abs_bits (when not null) to the largest |x| it read.
+bool Quantize(const QuantShape& q, const float* x, uint8_t* codes, uint16_t* scales,
+              uint16_t* zeros, KernelLevel level, uint32_t* max_abs_bits = nullptr) {
+  if (UseSimd(level) && internal::QuantizeSlabSimd(q, x, codes, scales, zeros, max_abs_bits)) {
+    // The kernel writes every code; the last word's padding is zeroed here.
+    const int64_t bytes = internal::CodeWords(q) * 4, used = (q.tq * q.d * q.bits + 7) / 8;
+    std::memset(codes + used, 0, static_cast<size_t>(bytes - used));
+    return true;
+  }
+  // The reference ORs codes into their words.
+  std::memset(codes, 0, static_cast<size_t>(internal::CodeWords(q) * 4));
   internal::QuantizeSlabRef(q, x, codes, scales, zeros);
+  return false;
 }
 
 void Dequant(const QuantShape& q, const uint8_t* codes, const uint16_t* scales,
@@ -504,10 +515,15 @@ v1::EncodedTensor TensorMeta(const CodecConfig& c, const Layout& l, v1::TensorRo
   return t;
 }
 
-// Encodes checked `data` into the buffers at `out`, which hold whatever was
-// there before (every byte is written).
+// Encodes `data` into the buffers at `out`, which hold whatever was there
+// before (every byte is written). `data` is checked (CheckInput) unless
+// `fused` is not null: then data may be anything, and *fused says whether
+// the check ran inside the encoding (KIVI/KCVT without a residual, every
+// slab through the vectorized kernel) and found every element in range.
+// When it says false the caller checks `data` itself.
 void EncodeBuffers(const CodecConfig& c, const Layout& l, const float* data, const BufferPtrs& out,
-                   KernelLevel level) {
+                   KernelLevel level, bool* fused = nullptr) {
+  if (fused != nullptr) *fused = false;
   const int64_t n = l.slabs * l.tokens * l.d;
   if (c.codec == v1::CODEC_RAW) {
     for (int64_t i = 0; i < n; ++i) StoreElement(c.dtype, data[i], out.raw, i);
@@ -516,8 +532,9 @@ void EncodeBuffers(const CodecConfig& c, const Layout& l, const float* data, con
   const int64_t slab_elems = l.tokens * l.d;
   const int64_t words = internal::CodeWords(l.q);
   const int64_t scount = internal::ScaleCount(l.q);
-  // The reference quantizer ORs codes into their words.
-  std::memset(out.codes, 0, static_cast<size_t>(l.code_bytes()));
+  const bool fusing = fused != nullptr && !IsGear(c.codec) && l.res == 0;
+  if (fused != nullptr) *fused = fusing;
+  uint32_t max_abs_bits = 0;
   if (l.res > 0) {
     for (int64_t s = 0; s < l.slabs; ++s) {
       const float* src = data + s * slab_elems + l.tq * l.d;
@@ -538,7 +555,9 @@ void EncodeBuffers(const CodecConfig& c, const Layout& l, const float* data, con
     uint16_t* ss = out.scales + s * scount;
     uint16_t* sz = out.zeros + s * scount;
     if (!IsGear(c.codec)) {
-      Quantize(l.q, x, sc, ss, sz, level);
+      if (!Quantize(l.q, x, sc, ss, sz, level, fusing ? &max_abs_bits : nullptr) && fusing) {
+        *fused = false;
+      }
       continue;
     }
     // GEAR: S (outliers), then Q of the remainder, then L of what Q missed.
@@ -601,6 +620,11 @@ void EncodeBuffers(const CodecConfig& c, const Layout& l, const float* data, con
       }
     }
   }
+  if (fusing && *fused) {
+    uint32_t limit_bits;
+    std::memcpy(&limit_bits, &kHalfMax, 4);
+    *fused = max_abs_bits <= limit_bits;
+  }
 }
 
 }  // namespace
@@ -618,12 +642,16 @@ absl::StatusOr<v1::EncodedTensor> Encode(const CodecConfig& c, v1::TensorRole ro
                                          absl::Span<const int64_t> shape, const float* data,
                                          KernelLevel level) {
   KVT_ASSIGN_OR_RETURN(Layout l, EncodableLayout(c, role, shape));
-  KVT_RETURN_IF_ERROR(CheckInput(c, l, data));
   v1::EncodedTensor t = TensorMeta(c, l, role, shape);
   BufferPtrs out;
   for (const auto& [kind, bytes] : BufferList(c, l))
     SetBuffer(kind, AddBuffer(&t, kind, bytes), &out);
-  EncodeBuffers(c, l, data, out, level);
+  // The input check rides along with the quantizer's pass where it can; a
+  // check it could not do, or one that failed, runs in full (and names the
+  // element).
+  bool fused = false;
+  EncodeBuffers(c, l, data, out, level, &fused);
+  if (!fused) KVT_RETURN_IF_ERROR(CheckInput(c, l, data));
   SealTensor(&t);
   return t;
 }
@@ -707,11 +735,13 @@ uint8_t* Seal(const Regions& regions, uint8_t* p) {
 absl::StatusOr<uint8_t*> TensorEncoder::EncodeTo(const float* data, uint8_t* out,
                                                  KernelLevel level) const {
   KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(config_, role_, shape_));
-  KVT_RETURN_IF_ERROR(CheckInput(config_, l, data));
   BufferPtrs bufs;
   Regions regions;
   uint8_t* p = LayOut(meta_, BufferList(config_, l), out, &bufs, &regions);
-  EncodeBuffers(config_, l, data, bufs, level);
+  // As in Encode: the check fused into the quantizer's pass where it can be.
+  bool fused = false;
+  EncodeBuffers(config_, l, data, bufs, level, &fused);
+  if (!fused) KVT_RETURN_IF_ERROR(CheckInput(config_, l, data));
   return Seal(regions, p);
 }
 

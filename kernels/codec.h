@@ -105,7 +105,9 @@ absl::StatusOr<v1::EncodedTensor> Encode(const CodecConfig& c, v1::TensorRole ro
 // and writes the tensor at out[0, SerializedSize()), byte for byte what
 // Encode, then set_layer_begin(layer_begin), then serialization produce
 // (except that a checksum of 0 is written out rather than left implicit), and
-// returns the end. Encoders are immutable: EncodeTo may run concurrently.
+// returns the end. When it refuses `data`, what it left at `out` is
+// unspecified: the check may run inside the quantizer's pass over the data.
+// Encoders are immutable: EncodeTo may run concurrently.
 class TensorEncoder {
  public:
   static absl::StatusOr<TensorEncoder> Make(const CodecConfig& c, v1::TensorRole role,

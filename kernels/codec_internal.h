@@ -35,8 +35,11 @@ void DequantRowsRef(const QuantShape& q, const uint8_t* codes, const uint16_t* s
 // Vectorized (AVX2+FMA+F16C+BMI2). They return false, doing nothing, when the
 // CPU or the shape is not supported; callers then use the reference.
 bool SimdAvailable();
+// `max_abs_bits`, when not null, is raised to the largest |x| of the slab's
+// quantized rows as float bits (Inf and NaN compare above every finite
+// value): the input check of Encode, fused into the pass that reads x.
 bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint16_t* scales,
-                      uint16_t* zeros);
+                      uint16_t* zeros, uint32_t* max_abs_bits = nullptr);
 bool DequantRowsSimd(const QuantShape& q, const uint8_t* codes, const uint16_t* scales,
                      const uint16_t* zeros, int64_t t0, int64_t t1, float* out);
 

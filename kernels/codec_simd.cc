@@ -148,9 +148,22 @@ inline __m256 Exp(__m256 x) {
 }  // namespace
 
 bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint16_t* scales,
-                      uint16_t* zeros) {
+                      uint16_t* zeros, uint32_t* max_abs_bits) {
   if (!SimdAvailable() || !Supported(q)) return false;
   const int d = q.d;
+  // |x| as integer bits, the largest per lane (see FirstOutOfRangeSimd).
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  __m256i amax = _mm256_setzero_si256();
+  const bool tracking = max_abs_bits != nullptr;
+  auto track = [&](__m256 v) {
+    if (tracking) amax = _mm256_max_epu32(amax, _mm256_and_si256(_mm256_castps_si256(v), abs_mask));
+  };
+  auto report = [&] {
+    if (max_abs_bits == nullptr) return;
+    alignas(32) uint32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), amax);
+    for (uint32_t l : lanes) *max_abs_bits = std::max(*max_abs_bits, l);
+  };
   const float qmaxf = static_cast<float>((1 << q.bits) - 1);
   const __m256 qmax = _mm256_set1_ps(qmaxf);
   if (q.key) {
@@ -161,8 +174,10 @@ bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint1
       const int64_t n = std::min<int64_t>(q.group, q.tq - t0);
       for (int c = 0; c < d; c += 8) {
         __m256 mn = _mm256_loadu_ps(x + t0 * d + c), mx = mn;
+        track(mn);
         for (int64_t j = 1; j < n; ++j) {
           const __m256 v = _mm256_loadu_ps(x + (t0 + j) * d + c);
+          track(v);
           mn = _mm256_min_ps(mn, v);
           mx = _mm256_max_ps(mx, v);
         }
@@ -194,6 +209,7 @@ bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint1
         }
       }
     }
+    report();
     return true;
   }
   const int groups = (d + q.group - 1) / q.group;
@@ -203,8 +219,10 @@ bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint1
       const int c0 = g * q.group;
       const int c1 = std::min(d, c0 + q.group);
       __m256 mn = _mm256_loadu_ps(row + c0), mx = mn;
+      track(mn);
       for (int c = c0 + 8; c < c1; c += 8) {
         const __m256 v = _mm256_loadu_ps(row + c);
+        track(v);
         mn = _mm256_min_ps(mn, v);
         mx = _mm256_max_ps(mx, v);
       }
@@ -232,6 +250,7 @@ bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint1
       }
     }
   }
+  report();
   return true;
 }
 

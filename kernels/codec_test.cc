@@ -356,6 +356,49 @@ TEST(TensorEncoderTest, WritesWhatEncodeSerializes) {
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
+// The input check rides along with the vectorized quantizer (KIVI/KCVT
+// without a residual): a bad element anywhere, in either role, at every
+// level and width, is refused by Encode and EncodeTo with its index; a code
+// word's padding is zeroed even over stale bytes (2-bit codes of 8-wide rows
+// leave half of the last word unused when the token count is odd).
+TEST(CodecTest, FusedInputCheckFindsEveryBadElement) {
+  const float bads[] = {std::numeric_limits<float>::quiet_NaN(),
+                        -std::numeric_limits<float>::infinity(), 65505.0f, -1e30f};
+  for (const char* setting : {"kivi2:g=8", "kivi4", "kivi8:g=16", "kcvt4", "kivi4:R=4"}) {
+    for (KernelLevel level : {KernelLevel::kReference, KernelLevel::kBest}) {
+      for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+        SCOPED_TRACE(std::string(setting) + (role == v1::TENSOR_ROLE_KEY ? " K" : " V") +
+                     (level == KernelLevel::kBest ? " best" : " reference"));
+        auto c = ParseCodecSetting(setting);
+        KVT_ASSERT_OK(c.status());
+        const int64_t shape[3] = {2, 37, 8};
+        const std::vector<float> x = Random(2 * 37 * 8, 21);
+        KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor want, Encode(*c, role, shape, x.data(), level));
+        const std::string bytes = want.SerializeAsString();
+        auto enc = TensorEncoder::Make(*c, role, shape, 0);
+        KVT_ASSERT_OK(enc.status());
+        std::string out(enc->SerializedSize(), '\xa5');
+        KVT_ASSERT_OK(enc->EncodeTo(x.data(), reinterpret_cast<uint8_t*>(out.data()), level));
+        if (want.crc32c() != 0) {
+          EXPECT_EQ(out, bytes);
+        }
+        for (int64_t at : {int64_t{0}, int64_t{300}, int64_t{2 * 37 * 8 - 1}}) {
+          for (float bad : bads) {
+            std::vector<float> y = x;
+            y[at] = bad;
+            const std::string where = "element " + std::to_string(at) + " is";
+            EXPECT_THAT(Encode(*c, role, shape, y.data(), level).status(),
+                        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(where)));
+            EXPECT_THAT(
+                enc->EncodeTo(y.data(), reinterpret_cast<uint8_t*>(out.data()), level).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(where)));
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(CodecFormatTest, CorruptionIsDetected) {
   const int64_t shape[] = {2, 40, 64};
   const std::vector<float> x = Random(2 * 40 * 64, 5);
