@@ -21,6 +21,7 @@
 #include "kernels/codec.h"
 #include "kernels/codec_internal.h"
 #include "kernels/flat_cache.h"
+#include "kernels/half.h"
 
 namespace {
 
@@ -161,6 +162,38 @@ void BM_EncodeApi(benchmark::State& state) {
   state.SetLabel(kvtier::CodecSettingName(*c));
 }
 
+// TensorEncoder::EncodeTo from fp16 input, as kvtier-worker's EndRound
+// encodes a 16-bit open round: arg 0 widens it into an fp32 scratch first
+// and encodes that (the path before fp16 was read directly, the same-run
+// baseline); arg 1 hands the fp16 input to EncodeTo. Bytes counted: the
+// fp16 input, so the memcpy ratio compares with copying that input.
+void BM_EncodeTo16(benchmark::State& state) {
+  auto c = kvtier::ParseCodecSetting("kivi4");
+  const std::vector<float> x = Random(kHeads * kCodecTokens * kDim, 5);
+  std::vector<uint16_t> h(x.size());
+  for (size_t i = 0; i < x.size(); ++i) h[i] = kvtier::FloatToHalf(x[i]);
+  const int64_t shape[] = {kHeads, kCodecTokens, kDim};
+  auto enc = kvtier::TensorEncoder::Make(*c, v1::TENSOR_ROLE_KEY, shape);
+  std::string out(enc->SerializedSize(), '\0');
+  std::vector<float> scratch(x.size());
+  auto* o = reinterpret_cast<uint8_t*>(out.data());
+  for (auto _ : state) {
+    if (state.range(0) == 0) {
+      // As EncodeTo widened before: F16C when the CPU has it.
+      if (!kvtier::internal::WidenSimd(h.data(), false, static_cast<int64_t>(h.size()),
+                                       scratch.data())) {
+        for (size_t i = 0; i < h.size(); ++i) scratch[i] = kvtier::HalfToFloat(h[i]);
+      }
+      benchmark::DoNotOptimize(enc->EncodeTo(scratch.data(), o));
+    } else {
+      benchmark::DoNotOptimize(enc->EncodeTo(h.data(), v1::DTYPE_FP16, o, &scratch));
+    }
+    benchmark::ClobberMemory();
+  }
+  SetRatio(state, static_cast<double>(h.size()) * 2);
+  state.SetLabel(state.range(0) == 0 ? "kivi4 from fp16, widened first" : "kivi4 from fp16");
+}
+
 // Decode attention, 32 query heads over 8 KV heads of dim 128, T tokens.
 struct AttnData {
   std::vector<v1::EncodedTensor> tensors;
@@ -287,6 +320,7 @@ BENCHMARK(BM_DequantizeKernel)
     ->Args({4, 0, 0})
     ->Args({4, 1, 0});
 BENCHMARK(BM_EncodeApi)->Arg(4)->Arg(2);
+BENCHMARK(BM_EncodeTo16)->Arg(0)->Arg(1);
 BENCHMARK(BM_DecodeAttention)->Apply(AttnArgs)->Unit(benchmark::kMillisecond);
 
 // Keeps each attention run's time so the closing table can compare them.

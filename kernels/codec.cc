@@ -224,12 +224,17 @@ void LowRank(const float* r_mat, int64_t n, int d, int rank, uint64_t seed, std:
 // Quantizes one slab into `codes` (every byte written, whatever it held).
 // Returns true when the vectorized kernel ran, which then raised
 // *max_abs_bits (when not null) to the largest |x| it read.
+// The vectorized kernels write every code; the last word's padding is
+// zeroed here.
+void ZeroCodePadding(const QuantShape& q, uint8_t* codes) {
+  const int64_t bytes = internal::CodeWords(q) * 4, used = (q.tq * q.d * q.bits + 7) / 8;
+  std::memset(codes + used, 0, static_cast<size_t>(bytes - used));
+}
+
 bool Quantize(const QuantShape& q, const float* x, uint8_t* codes, uint16_t* scales,
               uint16_t* zeros, KernelLevel level, uint32_t* max_abs_bits = nullptr) {
   if (UseSimd(level) && internal::QuantizeSlabSimd(q, x, codes, scales, zeros, max_abs_bits)) {
-    // The kernel writes every code; the last word's padding is zeroed here.
-    const int64_t bytes = internal::CodeWords(q) * 4, used = (q.tq * q.d * q.bits + 7) / 8;
-    std::memset(codes + used, 0, static_cast<size_t>(bytes - used));
+    ZeroCodePadding(q, codes);
     return true;
   }
   // The reference ORs codes into their words.
@@ -770,6 +775,29 @@ absl::StatusOr<uint8_t*> TensorEncoder::EncodeTo(const void* data, v1::DType dty
     uint8_t* p = LayOut(meta_, BufferList(config_, l), out, &bufs, &regions);
     std::memcpy(bufs.raw, data, static_cast<size_t>(n) * 2);
     return Seal(regions, p);
+  }
+  if ((config_.codec == v1::CODEC_KIVI || config_.codec == v1::CODEC_KCVT) && l.res == 0 &&
+      UseSimd(level)) {
+    // Quantized straight from the 16-bit input, with the input check in the
+    // same pass; anything it cannot do (or input it refuses) goes the widened
+    // way below, which re-encodes and names the bad element.
+    BufferPtrs bufs;
+    Regions regions;
+    uint8_t* p = LayOut(meta_, BufferList(config_, l), out, &bufs, &regions);
+    const int64_t slab_elems = l.tokens * l.d, words = internal::CodeWords(l.q),
+                  scount = internal::ScaleCount(l.q);
+    uint32_t max_abs_bits = 0;
+    bool done = true;
+    for (int64_t s = 0; s < l.slabs && done; ++s) {
+      uint8_t* codes = bufs.codes + s * words * 4;
+      done = internal::QuantizeSlab16Simd(l.q, static_cast<const uint16_t*>(data) + s * slab_elems,
+                                          dtype == v1::DTYPE_BF16, codes, bufs.scales + s * scount,
+                                          bufs.zeros + s * scount, &max_abs_bits);
+      if (done) ZeroCodePadding(l.q, codes);
+    }
+    uint32_t limit_bits;
+    std::memcpy(&limit_bits, &kHalfMax, 4);
+    if (done && max_abs_bits <= limit_bits) return Seal(regions, p);
   }
   scratch->resize(static_cast<size_t>(n));
   const auto* x = static_cast<const uint16_t*>(data);

@@ -40,6 +40,10 @@ bool SimdAvailable();
 // value): the input check of Encode, fused into the pass that reads x.
 bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint16_t* scales,
                       uint16_t* zeros, uint32_t* max_abs_bits = nullptr);
+// The same over fp16 (or, with `bf16`, bf16) input, read without a widened
+// fp32 copy; the codes equal QuantizeSlabSimd's over the widened input.
+bool QuantizeSlab16Simd(const QuantShape& q, const uint16_t* x, bool bf16, uint8_t* codes,
+                        uint16_t* scales, uint16_t* zeros, uint32_t* max_abs_bits);
 bool DequantRowsSimd(const QuantShape& q, const uint8_t* codes, const uint16_t* scales,
                      const uint16_t* zeros, int64_t t0, int64_t t1, float* out);
 

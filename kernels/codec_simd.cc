@@ -147,10 +147,15 @@ inline __m256 Exp(__m256 x) {
 
 }  // namespace
 
-bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint16_t* scales,
-                      uint16_t* zeros, uint32_t* max_abs_bits) {
-  if (!SimdAvailable() || !Supported(q)) return false;
+namespace {
+
+// The quantizer over input elements of `kIn` (fp32, or fp16/bf16 read
+// directly, without a widened copy).
+template <v1::DType kIn>
+void QuantizeSlab(const QuantShape& q, const void* x, uint8_t* codes, uint16_t* scales,
+                  uint16_t* zeros, uint32_t* max_abs_bits) {
   const int d = q.d;
+  auto load = [x](int64_t i) { return LoadElems8(kIn, x, i); };
   // |x| as integer bits, the largest per lane (see FirstOutOfRangeSimd).
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
   __m256i amax = _mm256_setzero_si256();
@@ -173,10 +178,10 @@ bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint1
       const int64_t t0 = g * q.group;
       const int64_t n = std::min<int64_t>(q.group, q.tq - t0);
       for (int c = 0; c < d; c += 8) {
-        __m256 mn = _mm256_loadu_ps(x + t0 * d + c), mx = mn;
+        __m256 mn = load(t0 * d + c), mx = mn;
         track(mn);
         for (int64_t j = 1; j < n; ++j) {
-          const __m256 v = _mm256_loadu_ps(x + (t0 + j) * d + c);
+          const __m256 v = load((t0 + j) * d + c);
           track(v);
           mn = _mm256_min_ps(mn, v);
           mx = _mm256_max_ps(mx, v);
@@ -189,39 +194,39 @@ bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint1
         _mm256_storeu_ps(zf.data() + c, _mm256_cvtph_ps(z16));
       }
       for (int64_t t = t0; t < t0 + n; ++t) {
-        const float* row = x + t * d;
+        const int64_t row = t * d;
         int c = 0;
         if (q.bits == 4) {
           for (; c + 32 <= d; c += 32) {
             __m256i qi[4];
             for (int k = 0; k < 4; ++k) {
               const int ck = c + 8 * k;
-              qi[k] = QuantizeChunk(_mm256_loadu_ps(row + ck), _mm256_loadu_ps(zf.data() + ck),
+              qi[k] = QuantizeChunk(load(row + ck), _mm256_loadu_ps(zf.data() + ck),
                                     _mm256_loadu_ps(inv.data() + ck), qmax);
             }
             StoreCodes32x4(codes, t * d + c, qi[0], qi[1], qi[2], qi[3]);
           }
         }
         for (; c < d; c += 8) {
-          const __m256i qi = QuantizeChunk(_mm256_loadu_ps(row + c), _mm256_loadu_ps(zf.data() + c),
+          const __m256i qi = QuantizeChunk(load(row + c), _mm256_loadu_ps(zf.data() + c),
                                            _mm256_loadu_ps(inv.data() + c), qmax);
           StoreCodes8(codes, q.bits, t * d + c, qi);
         }
       }
     }
     report();
-    return true;
+    return;
   }
   const int groups = (d + q.group - 1) / q.group;
   for (int64_t t = 0; t < q.tq; ++t) {
-    const float* row = x + t * d;
+    const int64_t row = t * d;
     for (int g = 0; g < groups; ++g) {
       const int c0 = g * q.group;
       const int c1 = std::min(d, c0 + q.group);
-      __m256 mn = _mm256_loadu_ps(row + c0), mx = mn;
+      __m256 mn = load(row + c0), mx = mn;
       track(mn);
       for (int c = c0 + 8; c < c1; c += 8) {
-        const __m256 v = _mm256_loadu_ps(row + c);
+        const __m256 v = load(row + c);
         track(v);
         mn = _mm256_min_ps(mn, v);
         mx = _mm256_max_ps(mx, v);
@@ -238,19 +243,37 @@ bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint1
       // 32 codes at a time when they start on a byte (t * d + c even).
       if (q.bits == 4 && ((t * d + c) & 1) == 0) {
         for (; c + 32 <= c1; c += 32) {
-          StoreCodes32x4(codes, t * d + c, QuantizeChunk(_mm256_loadu_ps(row + c), zv, inv, qmax),
-                         QuantizeChunk(_mm256_loadu_ps(row + c + 8), zv, inv, qmax),
-                         QuantizeChunk(_mm256_loadu_ps(row + c + 16), zv, inv, qmax),
-                         QuantizeChunk(_mm256_loadu_ps(row + c + 24), zv, inv, qmax));
+          StoreCodes32x4(codes, t * d + c, QuantizeChunk(load(row + c), zv, inv, qmax),
+                         QuantizeChunk(load(row + c + 8), zv, inv, qmax),
+                         QuantizeChunk(load(row + c + 16), zv, inv, qmax),
+                         QuantizeChunk(load(row + c + 24), zv, inv, qmax));
         }
       }
       for (; c < c1; c += 8) {
-        StoreCodes8(codes, q.bits, t * d + c,
-                    QuantizeChunk(_mm256_loadu_ps(row + c), zv, inv, qmax));
+        StoreCodes8(codes, q.bits, t * d + c, QuantizeChunk(load(row + c), zv, inv, qmax));
       }
     }
   }
   report();
+}
+
+}  // namespace
+
+bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint16_t* scales,
+                      uint16_t* zeros, uint32_t* max_abs_bits) {
+  if (!SimdAvailable() || !Supported(q)) return false;
+  QuantizeSlab<v1::DTYPE_FP32>(q, x, codes, scales, zeros, max_abs_bits);
+  return true;
+}
+
+bool QuantizeSlab16Simd(const QuantShape& q, const uint16_t* x, bool bf16, uint8_t* codes,
+                        uint16_t* scales, uint16_t* zeros, uint32_t* max_abs_bits) {
+  if (!SimdAvailable() || !Supported(q)) return false;
+  if (bf16) {
+    QuantizeSlab<v1::DTYPE_BF16>(q, x, codes, scales, zeros, max_abs_bits);
+  } else {
+    QuantizeSlab<v1::DTYPE_FP16>(q, x, codes, scales, zeros, max_abs_bits);
+  }
   return true;
 }
 

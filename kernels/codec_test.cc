@@ -399,6 +399,57 @@ TEST(CodecTest, FusedInputCheckFindsEveryBadElement) {
   }
 }
 
+// 16-bit input (fp16, bf16) is quantized without a widened copy where the
+// vectorized kernel can; the bytes equal those of the widened fp32 input,
+// over stale output bytes, at every width, role and level; a non-finite
+// element, or a bf16 one beyond fp16 range, is refused with its index.
+TEST(TensorEncoderTest, SixteenBitInputEncodesAsItsWidenedValues) {
+  const int64_t shape[3] = {3, 37, 16};
+  const int64_t n = 3 * 37 * 16;
+  const std::vector<float> x = Random(n, 31);
+  for (v1::DType dt : {v1::DTYPE_FP16, v1::DTYPE_BF16}) {
+    std::vector<uint16_t> h(n);
+    std::vector<float> wide(n);
+    for (int64_t i = 0; i < n; ++i) {
+      h[i] = dt == v1::DTYPE_FP16 ? FloatToHalf(x[i]) : FloatToBf16(x[i]);
+      wide[i] = dt == v1::DTYPE_FP16 ? HalfToFloat(h[i]) : Bf16ToFloat(h[i]);
+    }
+    for (const char* setting : {"kivi2:g=8", "kivi4", "kivi8:g=16", "kcvt4", "kivi4:R=4"}) {
+      for (KernelLevel level : {KernelLevel::kReference, KernelLevel::kBest}) {
+        for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+          SCOPED_TRACE(std::string(setting) + (dt == v1::DTYPE_FP16 ? " fp16" : " bf16") +
+                       (role == v1::TENSOR_ROLE_KEY ? " K" : " V") +
+                       (level == KernelLevel::kBest ? " best" : " reference"));
+          auto c = ParseCodecSetting(setting);
+          KVT_ASSERT_OK(c.status());
+          auto enc = TensorEncoder::Make(*c, role, shape, 3);
+          KVT_ASSERT_OK(enc.status());
+          std::string want(enc->SerializedSize(), '\0'), got(enc->SerializedSize(), '\x5a');
+          KVT_ASSERT_OK(enc->EncodeTo(wide.data(), reinterpret_cast<uint8_t*>(want.data()), level));
+          std::vector<float> scratch;
+          KVT_ASSERT_OK(
+              enc->EncodeTo(h.data(), dt, reinterpret_cast<uint8_t*>(got.data()), &scratch, level));
+          EXPECT_EQ(got, want);
+          std::vector<uint16_t> bad = h;
+          const int64_t at = 401;
+          bad[at] = dt == v1::DTYPE_FP16 ? 0x7e00 : 0x7fc0;  // NaN.
+          EXPECT_THAT(
+              enc->EncodeTo(bad.data(), dt, reinterpret_cast<uint8_t*>(got.data()), &scratch, level)
+                  .status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("element 401 is")));
+          if (dt == v1::DTYPE_BF16) {
+            bad[at] = FloatToBf16(1e6f);  // Finite, beyond fp16.
+            EXPECT_THAT(enc->EncodeTo(bad.data(), dt, reinterpret_cast<uint8_t*>(got.data()),
+                                      &scratch, level)
+                            .status(),
+                        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("fp16 range")));
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(CodecFormatTest, CorruptionIsDetected) {
   const int64_t shape[] = {2, 40, 64};
   const std::vector<float> x = Random(2 * 40 * 64, 5);
