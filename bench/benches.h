@@ -3,6 +3,8 @@
 #define KVTIER_BENCH_BENCHES_H_
 
 #include <cstdint>
+#include <cstring>
+#include <string>
 
 namespace kvtier::bench {
 
@@ -14,6 +16,13 @@ int PoolBench(int argc, char** argv);        // pool_bench.cc
 // Sends `bytes_per_stream` over each of `streams` loopback TCP connections
 // to a forked child that discards them; returns GB/s (1e9 bytes/s).
 double TcpLoopbackGbps(int streams, uint64_t bytes_per_stream);
+
+// The value of `arg` when it is `flag` followed by it ("--rounds=" and
+// "--rounds=8" give "8"), else null.
+inline const char* FlagValue(const std::string& arg, const char* flag) {
+  const size_t n = std::strlen(flag);
+  return arg.compare(0, n, flag) == 0 ? arg.c_str() + n : nullptr;
+}
 
 }  // namespace kvtier::bench
 

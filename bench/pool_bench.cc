@@ -57,10 +57,7 @@ int PoolBench(int argc, char** argv) {
   double cap_fraction = 0.5;
   for (int i = 0; i < argc; ++i) {
     const std::string a = argv[i];
-    auto value = [&](const char* flag) -> const char* {
-      const size_t n = std::strlen(flag);
-      return a.compare(0, n, flag) == 0 ? a.c_str() + n : nullptr;
-    };
+    auto value = [&](const char* flag) { return FlagValue(a, flag); };
     if (const char* v = value("--layers=")) {
       shape.layers = std::atoi(v);
     } else if (const char* v = value("--heads=")) {

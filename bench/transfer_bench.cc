@@ -214,10 +214,7 @@ int TransferBench(int argc, char** argv) {
   std::string csv;
   for (int i = 0; i < argc; ++i) {
     const std::string a = argv[i];
-    auto value = [&](const char* flag) -> const char* {
-      const size_t n = std::strlen(flag);
-      return a.compare(0, n, flag) == 0 ? a.c_str() + n : nullptr;
-    };
+    auto value = [&](const char* flag) { return FlagValue(a, flag); };
     if (const char* v = value("--layers=")) {
       m.layers = std::atoi(v);
     } else if (const char* v = value("--tokens=")) {

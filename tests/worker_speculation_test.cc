@@ -162,6 +162,28 @@ std::vector<float> Attend(const History& h, int layer, const float* q,
   return out;
 }
 
+// Layer l of a decode step: draws q, k, v and the next layer's approximate
+// query, appends k and v to the history and runs DecodeLayer (with q_next on
+// every layer but the last).
+struct DecodedLayer {
+  std::vector<float> q, out, next;
+  absl::Status status;
+};
+DecodedLayer DecodeOne(Engine* engine, const worker::SessionKey& id, int l, History* h,
+                       std::mt19937* rng) {
+  const int d = kShape.head_dim, hq = kShape.q_heads, hkv = kShape.kv_heads;
+  DecodedLayer r;
+  r.q = Random(hq * d, rng);
+  const auto k = Random(hkv * d, rng), v = Random(hkv * d, rng);
+  r.next = Random(hq * d, rng);
+  r.out.resize(r.q.size());
+  h->k[l].insert(h->k[l].end(), k.begin(), k.end());
+  h->v[l].insert(h->v[l].end(), v.begin(), v.end());
+  r.status = engine->DecodeLayer(id, l, r.q.data(), k.data(), v.data(), r.out.data(),
+                                 l + 1 < kShape.layers ? r.next.data() : nullptr);
+  return r;
+}
+
 class WorkerSpeculationTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -261,14 +283,9 @@ std::vector<worker::EndRoundReport> RunAndCheck(Engine* engine, const spec::Skew
     for (int s = 0; s < decode; ++s) {
       std::vector<float> q_next;
       for (int l = 0; l < kShape.layers; ++l) {
-        const auto q = Random(hq * d, &rng), k = Random(hkv * d, &rng), v = Random(hkv * d, &rng);
-        const std::vector<float> qn = Random(hq * d, &rng);
-        std::vector<float> out(q.size());
-        h.k[l].insert(h.k[l].end(), k.begin(), k.end());
-        h.v[l].insert(h.v[l].end(), v.begin(), v.end());
-        EXPECT_THAT(engine->DecodeLayer(id, l, q.data(), k.data(), v.data(), out.data(),
-                                        l + 1 < kShape.layers ? qn.data() : nullptr),
-                    IsOk());
+        const DecodedLayer dl = DecodeOne(engine, id, l, &h, &rng);
+        EXPECT_THAT(dl.status, IsOk());
+        const std::vector<float>&q = dl.q, &out = dl.out, &qn = dl.next;
         std::vector<float> ref;
         const int64_t now = h.tokens(l);
         if (l >= 1 && round_start > 0) {
@@ -518,13 +535,9 @@ TEST_F(WorkerSpeculationTest, PoolCapEvictsTheLeastFetchedOfTheOlderHalf) {
     std::vector<float> q_next;
     for (int step = 0; step < 10; ++step) {
       for (int l = 0; l < kShape.layers; ++l) {
-        const auto q = Random(hq * d, &rng), k = Random(hkv * d, &rng), v = Random(hkv * d, &rng);
-        const std::vector<float> qn = Random(hq * d, &rng);
-        std::vector<float> out(q.size());
-        h.k[l].insert(h.k[l].end(), k.begin(), k.end());
-        h.v[l].insert(h.v[l].end(), v.begin(), v.end());
-        KVT_ASSERT_OK(engine_->DecodeLayer(sid, l, q.data(), k.data(), v.data(), out.data(),
-                                           l + 1 < kShape.layers ? qn.data() : nullptr));
+        const DecodedLayer dl = DecodeOne(engine_.get(), sid, l, &h, &rng);
+        KVT_ASSERT_OK(dl.status);
+        const std::vector<float>&q = dl.q, &out = dl.out, &qn = dl.next;
         std::vector<float> ref;
         if (l >= 1 && round_start > 0) {
           const auto keep =

@@ -112,21 +112,28 @@ def test_replay_matches_full_cache_and_reference_engine(stack, mode):
     print(f"{mode}: {positions} positions, logits within {worst:.2e}, {flips} of {scored} scored flipped")
 
 
-@pytest.mark.parametrize("mode", ["remote", "inproc"])
-def test_speculation_through_the_connector(stack, mode):
-    model = require_model()
+def speculating(model):
+    """The model, its ModelSpec and its skew file's bytes (kvtier calibrate
+    infinigen)."""
     m = Llama.load(model)
-    store, worker = stack
     skew = os.path.join(tempfile.mkdtemp(prefix="kvtier-skew-"), "s.skew")
     subprocess.run([os.path.join(BUILD, "tools/kvtier"), "calibrate", "infinigen",
                     f"--model={model}", f"--out={skew}"], check=True, capture_output=True)
     c = m.config
     spec = ModelSpec(c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, dtype="float32")
     with open(skew, "rb") as f:
-        target = worker.address if mode == "remote" else in_process(store.address)
-        conn = KvtierConnector(target, spec,
-                               Policy(recall="all", speculation_alpha=4, speculation_budget=16),
-                               skew=f.read())
+        return m, spec, f.read()
+
+
+@pytest.mark.parametrize("mode", ["remote", "inproc"])
+def test_speculation_through_the_connector(stack, mode):
+    m, spec, skew = speculating(require_model())
+    c = m.config
+    store, worker = stack
+    target = worker.address if mode == "remote" else in_process(store.address)
+    conn = KvtierConnector(target, spec,
+                           Policy(recall="all", speculation_alpha=4, speculation_budget=16),
+                           skew=skew)
     conv = load_conversations()[0]
     replay(m, conn, conv, f"spec-{mode}", speculate=True)
     reports = conn.rounds(f"spec-{mode}")
@@ -145,20 +152,12 @@ def test_speculation_through_the_connector(stack, mode):
 def test_speculation_pool_through_the_connector(stack):
     """A host-pool cap (Policy.speculation_pool_bytes): EndRound trims the
     pool under the cap and reports it."""
-    model = require_model()
-    m = Llama.load(model)
-    store, worker = stack
-    skew = os.path.join(tempfile.mkdtemp(prefix="kvtier-skew-"), "s.skew")
-    subprocess.run([os.path.join(BUILD, "tools/kvtier"), "calibrate", "infinigen",
-                    f"--model={model}", f"--out={skew}"], check=True, capture_output=True)
-    c = m.config
-    spec = ModelSpec(c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, dtype="float32")
+    m, spec, skew = speculating(require_model())
+    _, worker = stack
     cap = 32768
-    with open(skew, "rb") as f:
-        conn = KvtierConnector(worker.address, spec,
-                               Policy(recall="all", speculation_alpha=4,
-                                      speculation_pool_bytes=cap),
-                               skew=f.read())
+    conn = KvtierConnector(worker.address, spec,
+                           Policy(recall="all", speculation_alpha=4, speculation_pool_bytes=cap),
+                           skew=skew)
     conv = load_conversations()[0]
     replay(m, conn, conv, "pool", speculate=True)
     pools = [rep.speculation_pool for rep in conn.rounds("pool")]
