@@ -221,16 +221,24 @@ void LowRank(const float* r_mat, int64_t n, int d, int rank, uint64_t seed, std:
   }
 }
 
-// Quantizes one slab into `codes` (every byte written, whatever it held).
-// Returns true when the vectorized kernel ran, which then raised
-// *max_abs_bits (when not null) to the largest |x| it read.
-// The vectorized kernels write every code; the last word's padding is
-// zeroed here.
+// The vectorized kernels write every code; this zeroes the last word's
+// padding.
 void ZeroCodePadding(const QuantShape& q, uint8_t* codes) {
   const int64_t bytes = internal::CodeWords(q) * 4, used = (q.tq * q.d * q.bits + 7) / 8;
   std::memset(codes + used, 0, static_cast<size_t>(bytes - used));
 }
 
+// True when a kernel's largest |x| (float bits, as QuantizeSlabSimd reports
+// it) is finite and within fp16 range: the input check, passed.
+bool WithinHalfRange(uint32_t max_abs_bits) {
+  uint32_t limit_bits;
+  std::memcpy(&limit_bits, &kHalfMax, 4);
+  return max_abs_bits <= limit_bits;
+}
+
+// Quantizes one slab into `codes` (every byte written, whatever it held).
+// Returns true when the vectorized kernel ran, which then raised
+// *max_abs_bits (when not null) to the largest |x| it read.
 bool Quantize(const QuantShape& q, const float* x, uint8_t* codes, uint16_t* scales,
               uint16_t* zeros, KernelLevel level, uint32_t* max_abs_bits = nullptr) {
   if (UseSimd(level) && internal::QuantizeSlabSimd(q, x, codes, scales, zeros, max_abs_bits)) {
@@ -625,11 +633,7 @@ void EncodeBuffers(const CodecConfig& c, const Layout& l, const float* data, con
       }
     }
   }
-  if (fusing && *fused) {
-    uint32_t limit_bits;
-    std::memcpy(&limit_bits, &kHalfMax, 4);
-    *fused = max_abs_bits <= limit_bits;
-  }
+  if (fusing && *fused) *fused = WithinHalfRange(max_abs_bits);
 }
 
 }  // namespace
@@ -795,9 +799,7 @@ absl::StatusOr<uint8_t*> TensorEncoder::EncodeTo(const void* data, v1::DType dty
                                           bufs.zeros + s * scount, &max_abs_bits);
       if (done) ZeroCodePadding(l.q, codes);
     }
-    uint32_t limit_bits;
-    std::memcpy(&limit_bits, &kHalfMax, 4);
-    if (done && max_abs_bits <= limit_bits) return Seal(regions, p);
+    if (done && WithinHalfRange(max_abs_bits)) return Seal(regions, p);
   }
   scratch->resize(static_cast<size_t>(n));
   const auto* x = static_cast<const uint16_t*>(data);

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -167,7 +166,7 @@ absl::StatusOr<std::unique_ptr<RoundLayer>> Reencode(const RoundLayer& rl,
     const EncodedView& view = i % 2 == 0 ? rl.heads[h].kview : rl.heads[h].vview;
     const std::vector<int64_t>& k = kept[h];
     // Runs of consecutive rows move together.
-    auto runs = [&](const std::function<void(int64_t, int64_t, size_t)>& move) {
+    auto runs = [&](auto&& move) {
       for (size_t j = 0; j < k.size();) {
         size_t e = j + 1;
         while (e < k.size() && k[e] == k[e - 1] + 1) ++e;
@@ -263,6 +262,11 @@ absl::StatusOr<PoolTrim> Engine::Session::TrimPool(const CodecConfig& codec, Ker
   trim.bytes_before = trim.bytes_after = pool_bytes();
   // A plan works on per-row estimates; the re-encoded sizes differ a little
   // (each tensor's fixed part, codec groups), so a second plan may follow.
+  // Per layer, one row's K and V bytes: the tensors' fixed part.
+  std::vector<size_t> one_row(layers, 0);
+  for (int l = 1; l < layers && trim.bytes_after > trim.cap_bytes; ++l) {
+    KVT_ASSIGN_OR_RETURN(one_row[l], HeadBytes(codec, l, d, 1));
+  }
   for (int attempt = 0; attempt < 4 && trim.bytes_after > trim.cap_bytes; ++attempt) {
     pool::Cells cells(past.size(),
                       std::vector<std::vector<pool::Cell>>(layers, std::vector<pool::Cell>(hkv)));
@@ -278,7 +282,7 @@ absl::StatusOr<PoolTrim> Engine::Session::TrimPool(const CodecConfig& codec, Ker
           if (c.len < 2) continue;  // Its one row stays.
           // What a row adds: the head's bytes less those of one row (the
           // tensors' fixed part), over the other rows.
-          KVT_ASSIGN_OR_RETURN(const size_t one, HeadBytes(codec, l, d, 1));
+          const size_t one = one_row[l];
           const size_t all = rl->tensors[2 * h].size() + rl->tensors[2 * h + 1].size();
           c.row_bytes =
               static_cast<double>(all > one ? all - one : 0) / static_cast<double>(c.len - 1);
