@@ -180,5 +180,106 @@ TEST_F(WorkerDeviceTest, DeviceAttentionMatchesHostForEveryCodec) {
   }
 }
 
+// A session moved between engines the way kvtier-worker's TransferSession
+// moves it (export, layer by layer, then import), in process.
+absl::Status Move(Engine& from, Engine& to, const std::string& id) {
+  auto image = from.ExportSession(id);
+  if (!image.ok()) return image.status();
+  std::vector<worker::LayerImage> layers;
+  for (int l = 0; l < kShape.layers; ++l) {
+    auto li = from.ExportLayer(id, l);
+    if (!li.ok()) return li.status();
+    layers.push_back(*std::move(li));
+  }
+  if (absl::Status st = from.ExportTail(id, &*image); !st.ok()) return st;
+  if (absl::Status st = to.ImportSession(id, *image, std::move(layers)); !st.ok()) return st;
+  return from.ForgetSession(id, /*keep_rounds=*/false);
+}
+
+// A device session hands off like a host one (docs/transfer.md): the past
+// tensors it sends, read back from the GPU, are byte for byte those of a
+// host session given the same steps; moved off the GPU it decodes exactly as
+// that host session does; a host session moved onto the GPU, open round
+// included, decodes as it within the device tolerance and ends its round.
+TEST_F(WorkerDeviceTest, DeviceSessionsHandOffByteForByte) {
+  SKIP_WITHOUT_GPU();
+  EngineOptions host_opts, dev_opts;
+  host_opts.placement = Placement::kHost;
+  dev_opts.placement = Placement::kDevice;
+  int i = 0;
+  for (const char* codec : {"kivi4:R=8", "raw", "kcvt2"}) {
+    SCOPED_TRACE(codec);
+    const std::string id = "m" + std::to_string(i++);
+    SessionPolicy p;
+    KVT_ASSERT_OK_AND_ASSIGN(p.codec, ParseCodecSetting(codec));
+    KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("all"));
+    p.watershed_layer = 2;
+    p.release_after_end_round = false;
+    Engine ref(segments_, host_opts), off_gpu(segments_, host_opts), on_gpu(segments_, dev_opts);
+    for (Engine* e : {host_.get(), device_.get(), &ref})
+      KVT_ASSERT_OK(e->OpenSession(id, kShape, p));
+    std::mt19937 rng(7);
+    std::normal_distribution<float> nd;
+    const int d = kShape.head_dim;
+    // One step, the same inputs to every engine given; each one's outputs.
+    auto step = [&](const std::vector<Engine*>& engines, int64_t n, bool prefill) {
+      std::vector<std::vector<float>> outs(engines.size());
+      for (int l = 0; l < kShape.layers; ++l) {
+        std::vector<float> q(n * kShape.q_heads * d), k(n * kShape.kv_heads * d), v(k.size());
+        for (float& x : q) x = nd(rng);
+        for (float& x : k) x = HalfToFloat(FloatToHalf(nd(rng)));
+        for (float& x : v) x = HalfToFloat(FloatToHalf(nd(rng)));
+        for (size_t e = 0; e < engines.size(); ++e) {
+          std::vector<float> out(q.size());
+          if (prefill) {
+            auto r =
+                engines[e]->PrefillLayer(id, l, n, n / 2, q.data(), k.data(), v.data(), out.data());
+            EXPECT_TRUE(r.ok()) << r.status();
+          } else {
+            EXPECT_THAT(engines[e]->DecodeLayer(id, l, q.data(), k.data(), v.data(), out.data()),
+                        IsOk());
+          }
+          outs[e].insert(outs[e].end(), out.begin(), out.end());
+        }
+      }
+      return outs;
+    };
+    const std::vector<Engine*> all = {host_.get(), device_.get(), &ref};
+    for (int r = 0; r < 2; ++r) {
+      step(all, 12, true);
+      step(all, 1, false);
+      for (Engine* e : all) KVT_ASSERT_OK(e->EndRound(id).status());
+    }
+    step(all, 10, true);  // An open round travels too.
+    KVT_ASSERT_OK_AND_ASSIGN(auto st, device_->Stats(id));
+    ASSERT_TRUE(st.on_device);
+    for (int l = 0; l < kShape.layers; ++l) {
+      KVT_ASSERT_OK_AND_ASSIGN(worker::LayerImage hl, host_->ExportLayer(id, l));
+      KVT_ASSERT_OK_AND_ASSIGN(worker::LayerImage dl, device_->ExportLayer(id, l));
+      EXPECT_EQ(hl.rounds, dl.rounds) << "layer " << l;
+      EXPECT_EQ(hl.rounds.size(), 2u) << "layer " << l;
+      EXPECT_TRUE(hl.PastBytes() == dl.PastBytes()) << "layer " << l;
+      EXPECT_TRUE(hl.open == dl.open) << "layer " << l;
+    }
+    KVT_ASSERT_OK(Move(*device_, off_gpu, id));
+    KVT_ASSERT_OK(Move(*host_, on_gpu, id));
+    KVT_ASSERT_OK_AND_ASSIGN(st, off_gpu.Stats(id));
+    EXPECT_FALSE(st.on_device);
+    KVT_ASSERT_OK_AND_ASSIGN(st, on_gpu.Stats(id));
+    EXPECT_TRUE(st.on_device);
+    for (int t = 0; t < 2; ++t) {
+      auto outs = step({&ref, &off_gpu, &on_gpu}, 1, false);
+      EXPECT_TRUE(outs[0] == outs[1]) << "decode step " << t << " off the GPU";
+      double scale = 1e-6, worst = 0;
+      for (float x : outs[0]) scale = std::max(scale, double(std::fabs(x)));
+      for (size_t j = 0; j < outs[0].size(); ++j) {
+        worst = std::max(worst, std::fabs(double(outs[0][j]) - outs[2][j]) / scale);
+      }
+      EXPECT_LT(worst, 2e-4) << "decode step " << t << " on the GPU";
+    }
+    for (Engine* e : {&ref, &off_gpu, &on_gpu}) KVT_ASSERT_OK(e->EndRound(id).status());
+  }
+}
+
 }  // namespace
 }  // namespace kvtier

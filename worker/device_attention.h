@@ -15,12 +15,15 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/codec.h"
+#include "worker/device_layout.h"
 
 namespace kvtier::worker {
 
@@ -39,12 +42,26 @@ class DeviceLayer {
   virtual ~DeviceLayer() = default;
   // Device bytes held (the encoded buffers, aligned).
   virtual int64_t bytes() const = 0;
+  // Copies the layer's staged array back into *staged (a hand-off of the
+  // session reads its layers back this way).
+  virtual absl::Status Download(std::string* staged) const = 0;
+  // The layer's serialized tensors (K, V per KV head) made again from what
+  // Download gives: INTERNAL for a layer uploaded without its serialized
+  // tensors.
+  absl::Status Serialized(std::vector<std::string>* tensors) const;
+
+ protected:
+  // Per KV head, K then V; empty when the upload had no serialized tensors.
+  std::vector<Unstaging> unstaging_;
 };
 
 // Uploads one layer: heads[h] = (K view, V view) of KV head h, each
-// [1, len_h, d]. The views may be released afterwards.
+// [1, len_h, d]. `tensors` holds the serialized tensors the views were
+// parsed from (K, V per head), or nothing: with them the layer can be read
+// back (DeviceLayer::Serialized). The views may be released afterwards.
 absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(
-    const std::vector<std::pair<EncodedView, EncodedView>>& heads, int head_dim);
+    const std::vector<std::pair<EncodedView, EncodedView>>& heads, int head_dim,
+    const std::vector<std::string_view>& tensors = {});
 
 // Per-session device state: the open round's K/V mirror per layer and the
 // scratch buffers of the attention calls.
@@ -60,6 +77,10 @@ class DeviceSession {
   virtual absl::Status Attend(int layer, const std::vector<const DeviceLayer*>& rounds,
                               const float* cur_k, const float* cur_v, int64_t base, int64_t n,
                               const float* q, float* out) = 0;
+  // Sets the open round's mirror at `layer` to `rows` rows of k and v,
+  // token-major [rows, kv_heads, d] on the host (a session arriving in a
+  // hand-off with an open round).
+  virtual absl::Status LoadOpen(int layer, const float* k, const float* v, int64_t rows) = 0;
 };
 
 absl::StatusOr<std::unique_ptr<DeviceSession>> NewDeviceSession(int layers, int q_heads,

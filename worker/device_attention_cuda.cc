@@ -68,7 +68,15 @@ class DeviceBuffer {
 class CudaLayer : public DeviceLayer {
  public:
   int64_t bytes() const override { return static_cast<int64_t>(buf.size()); }
+  absl::Status Download(std::string* staged) const override {
+    staged->resize(staged_bytes);
+    KVT_CUDA(cudaMemcpy(staged->data(), buf.as<uint8_t>(), staged_bytes, cudaMemcpyDeviceToHost),
+             "download layer");
+    return absl::OkStatus();
+  }
+  void SetUnstaging(std::vector<Unstaging> u) { unstaging_ = std::move(u); }
   DeviceBuffer buf;
+  size_t staged_bytes = 0;
   // Per KV head, K and V, pointers into buf.
   std::vector<std::pair<cuda::SegKv, cuda::SegKv>> heads;
   std::vector<int64_t> lens;
@@ -165,6 +173,16 @@ class CudaSession : public DeviceSession {
     return absl::OkStatus();
   }
 
+  absl::Status LoadOpen(int layer, const float* k, const float* v, int64_t rows) override {
+    const size_t bytes = static_cast<size_t>(rows) * kv_heads_ * d_ * sizeof(float);
+    if (bytes == 0) return absl::OkStatus();
+    KVT_RETURN_IF_ERROR(k_[layer].Reserve(bytes));
+    KVT_RETURN_IF_ERROR(v_[layer].Reserve(bytes));
+    KVT_CUDA(cudaMemcpy(k_[layer].as<uint8_t>(), k, bytes, cudaMemcpyHostToDevice), "load open K");
+    KVT_CUDA(cudaMemcpy(v_[layer].as<uint8_t>(), v, bytes, cudaMemcpyHostToDevice), "load open V");
+    return absl::OkStatus();
+  }
+
  private:
   int q_heads_, kv_heads_, d_;
   cudaStream_t stream_ = nullptr;
@@ -195,16 +213,30 @@ absl::Status DeviceSupportsCodec(const CodecConfig& codec) {
 }
 
 absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(
-    const std::vector<std::pair<EncodedView, EncodedView>>& heads, int head_dim) {
+    const std::vector<std::pair<EncodedView, EncodedView>>& heads, int head_dim,
+    const std::vector<std::string_view>& tensors) {
+  if (!tensors.empty() && tensors.size() != 2 * heads.size()) {
+    return absl::InternalError("UploadLayer: tensors do not match the heads");
+  }
   std::vector<uint8_t> host;
   std::vector<std::pair<StagedKv, StagedKv>> plans;
+  std::vector<Unstaging> unstaging;
   auto layer = std::make_unique<CudaLayer>();
-  for (const auto& [k, v] : heads) {
+  for (size_t h = 0; h < heads.size(); ++h) {
+    const auto& [k, v] = heads[h];
     KVT_ASSIGN_OR_RETURN(StagedKv pk, StageView(k, head_dim, &host));
     KVT_ASSIGN_OR_RETURN(StagedKv pv, StageView(v, head_dim, &host));
-    plans.emplace_back(pk, pv);
+    if (!tensors.empty()) {
+      KVT_ASSIGN_OR_RETURN(Unstaging uk, PlanUnstaging(tensors[2 * h], pk));
+      KVT_ASSIGN_OR_RETURN(Unstaging uv, PlanUnstaging(tensors[2 * h + 1], pv));
+      unstaging.push_back(std::move(uk));
+      unstaging.push_back(std::move(uv));
+    }
+    plans.emplace_back(std::move(pk), std::move(pv));
     layer->lens.push_back(k.tokens);
   }
+  layer->SetUnstaging(std::move(unstaging));
+  layer->staged_bytes = host.size();
   KVT_RETURN_IF_ERROR(layer->buf.Reserve(std::max<size_t>(host.size(), 1)));
   KVT_CUDA(cudaMemcpy(layer->buf.as<uint8_t>(), host.data(), host.size(), cudaMemcpyHostToDevice),
            "upload layer");

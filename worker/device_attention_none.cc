@@ -19,7 +19,8 @@ absl::Status DeviceStatus() { return NotBuilt(); }
 absl::Status DeviceSupportsCodec(const CodecConfig&) { return NotBuilt(); }
 
 absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(
-    const std::vector<std::pair<EncodedView, EncodedView>>&, int) {
+    const std::vector<std::pair<EncodedView, EncodedView>>&, int,
+    const std::vector<std::string_view>&) {
   return NotBuilt();
 }
 

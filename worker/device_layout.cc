@@ -1,6 +1,11 @@
 #include "worker/device_layout.h"
 
+#include <algorithm>
 #include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "worker/device_attention.h"
 
 namespace kvtier::worker {
 namespace {
@@ -9,10 +14,13 @@ int DtypeCode(v1::DType t) { return t == v1::DTYPE_FP32 ? 0 : t == v1::DTYPE_FP1
 int64_t DtypeBytes(v1::DType t) { return t == v1::DTYPE_FP32 ? 4 : 2; }
 
 // Appends `bytes` at a 256-byte boundary and returns the offset.
-size_t Stage(std::vector<uint8_t>* host, const void* src, size_t bytes) {
+size_t Stage(std::vector<uint8_t>* host, const void* src, size_t bytes, StagedKv* p) {
   const size_t off = (host->size() + 255) / 256 * 256;
   host->resize(off + bytes);
-  if (bytes > 0) std::memcpy(host->data() + off, src, bytes);
+  if (bytes > 0) {
+    std::memcpy(host->data() + off, src, bytes);
+    p->regions.push_back({static_cast<const uint8_t*>(src), off, bytes});
+  }
   return off;
 }
 
@@ -29,7 +37,7 @@ absl::StatusOr<StagedKv> StageView(const EncodedView& v, int head_dim, std::vect
   if (v.codec == v1::CODEC_RAW) {
     p.kv.quantized_kind = 0;
     p.kv.token_stride = d;  // Encoded raw tensors are dense.
-    p.raw = Stage(host, v.raw, static_cast<size_t>(v.tokens * d * eb));
+    p.raw = Stage(host, v.raw, static_cast<size_t>(v.tokens * d * eb), &p);
     return p;
   }
   if ((v.codec != v1::CODEC_KIVI && v.codec != v1::CODEC_KCVT) || v.rank > 0 ||
@@ -41,11 +49,11 @@ absl::StatusOr<StagedKv> StageView(const EncodedView& v, int head_dim, std::vect
   p.kv.group = v.group;
   p.kv.key = v.role != v1::TENSOR_ROLE_VALUE ? 1 : 0;
   p.kv.quantized = v.quantized;
-  p.codes = Stage(host, v.codes, static_cast<size_t>(v.words_per_slab) * 4);
-  p.scales = Stage(host, v.scales, static_cast<size_t>(v.groups_per_slab) * 2);
-  p.zeros = Stage(host, v.zeros, static_cast<size_t>(v.groups_per_slab) * 2);
+  p.codes = Stage(host, v.codes, static_cast<size_t>(v.words_per_slab) * 4, &p);
+  p.scales = Stage(host, v.scales, static_cast<size_t>(v.groups_per_slab) * 2, &p);
+  p.zeros = Stage(host, v.zeros, static_cast<size_t>(v.groups_per_slab) * 2, &p);
   if (v.residual > 0) {
-    p.residual = Stage(host, v.residual_data, static_cast<size_t>(v.residual * d * eb));
+    p.residual = Stage(host, v.residual_data, static_cast<size_t>(v.residual * d * eb), &p);
   }
   return p;
 }
@@ -61,6 +69,68 @@ cuda::SegKv PlaceStaged(const StagedKv& s, const uint8_t* base) {
     kv.residual = base + s.residual;  // Read only for rows past `quantized`.
   }
   return kv;
+}
+
+size_t Unstaging::bytes() const {
+  size_t n = rest.size();
+  for (const Cut& c : cuts) n += c.size;
+  return n;
+}
+
+absl::StatusOr<Unstaging> PlanUnstaging(std::string_view tensor, const StagedKv& staged) {
+  std::vector<StagedRegion> regions = staged.regions;
+  std::sort(regions.begin(), regions.end(),
+            [](const StagedRegion& a, const StagedRegion& b) { return a.src < b.src; });
+  const auto* begin = reinterpret_cast<const uint8_t*>(tensor.data());
+  const auto* end = begin + tensor.size();
+  Unstaging u;
+  const uint8_t* at = begin;  // Bytes before `at` are placed.
+  for (const StagedRegion& r : regions) {
+    // Compared as addresses: the regions point into the tensor's bytes.
+    const auto a = reinterpret_cast<uintptr_t>(r.src);
+    if (a < reinterpret_cast<uintptr_t>(at) || r.size > static_cast<size_t>(end - begin) ||
+        a > reinterpret_cast<uintptr_t>(end) - r.size) {
+      return absl::InternalError(
+          "a staged buffer does not lie inside its serialized tensor (or overlaps another)");
+    }
+    const size_t gap = static_cast<size_t>(a - reinterpret_cast<uintptr_t>(at));
+    u.rest.append(reinterpret_cast<const char*>(at), gap);
+    u.cuts.push_back({u.rest.size(), r.offset, r.size});
+    at = r.src + r.size;
+  }
+  u.rest.append(reinterpret_cast<const char*>(at), static_cast<size_t>(end - at));
+  return u;
+}
+
+absl::Status Unstage(const Unstaging& u, const uint8_t* base, size_t size, std::string* out) {
+  out->reserve(out->size() + u.bytes());
+  size_t from = 0;
+  for (const Unstaging::Cut& c : u.cuts) {
+    if (c.offset > size || c.size > size - c.offset || c.at < from || c.at > u.rest.size()) {
+      return absl::InternalError(absl::StrCat("staged region [", c.offset, ", +", c.size,
+                                              ") outside the ", size, " staged bytes"));
+    }
+    out->append(u.rest, from, c.at - from);
+    out->append(reinterpret_cast<const char*>(base + c.offset), c.size);
+    from = c.at;
+  }
+  out->append(u.rest, from, std::string::npos);
+  return absl::OkStatus();
+}
+
+absl::Status DeviceLayer::Serialized(std::vector<std::string>* tensors) const {
+  if (unstaging_.empty()) {
+    return absl::InternalError(
+        "this device layer was uploaded without its serialized tensors: it cannot be read back");
+  }
+  std::string staged;
+  KVT_RETURN_IF_ERROR(Download(&staged));
+  tensors->assign(unstaging_.size(), std::string());
+  for (size_t i = 0; i < unstaging_.size(); ++i) {
+    KVT_RETURN_IF_ERROR(Unstage(unstaging_[i], reinterpret_cast<const uint8_t*>(staged.data()),
+                                staged.size(), &(*tensors)[i]));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvtier::worker

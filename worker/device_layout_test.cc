@@ -12,6 +12,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cuda/seg_load.h"
+#include "kernels/encoded_tensor.h"
 #include "tests/util/status_matchers.h"
 
 namespace kvtier::worker {
@@ -73,6 +74,70 @@ TEST(DeviceLayoutTest, StagedTensorsDecodeLikeTheCpuCodec) {
     }
   }
   EXPECT_EQ(cases, 11 * 3 * 5 * 2);
+}
+
+// A hand-off of a device working set reads each layer's staged array back
+// and rebuilds the serialized tensors from it and the bytes kept on the
+// host: byte for byte the tensors that were staged, for every codec the
+// device path reads. A rebuilt tensor whose region lies outside the staged
+// array is refused.
+TEST(DeviceLayoutTest, UnstagingRebuildsTheSerializedTensorExactly) {
+  const char* settings[] = {"fp32",
+                            "raw",
+                            "bf16",
+                            "kivi2",
+                            "kivi4",
+                            "kivi8",
+                            "kcvt2:R=5",
+                            "kivi4:g=16:R=8",
+                            "kivi8:dt=bf16:R=3"};
+  int cases = 0;
+  for (const char* setting : settings) {
+    KVT_ASSERT_OK_AND_ASSIGN(CodecConfig codec, ParseCodecSetting(setting));
+    for (int64_t t : {1, 33, 100}) {
+      const int d = 64;
+      SCOPED_TRACE(std::string(setting) + " t=" + std::to_string(t));
+      // K and V of one head in a segment payload, as a RoundLayer holds them.
+      v1::SegmentPayload payload;
+      const int64_t shape[3] = {1, t, d};
+      for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+        const std::vector<float> x = Random(static_cast<size_t>(t) * d, t * 17 + role);
+        KVT_ASSERT_OK_AND_ASSIGN(*payload.add_tensors(),
+                                 Encode(codec, role, shape, x.data(), KernelLevel::kReference));
+      }
+      const std::string bytes = payload.SerializeAsString();
+      KVT_ASSERT_OK_AND_ASSIGN(std::vector<TensorParts> parts, SplitPayload(bytes));
+      ASSERT_EQ(parts.size(), 2u);
+      std::vector<uint8_t> host(5, 0xcd);
+      std::vector<Unstaging> plans;
+      for (const TensorParts& tp : parts) {
+        KVT_ASSERT_OK_AND_ASSIGN(EncodedView view, ParseEncoded(tp));
+        KVT_ASSERT_OK_AND_ASSIGN(StagedKv staged, StageView(view, d, &host));
+        KVT_ASSERT_OK_AND_ASSIGN(Unstaging u, PlanUnstaging(tp.bytes, staged));
+        EXPECT_EQ(u.bytes(), tp.bytes.size());
+        EXPECT_LT(u.rest.size(), 256u);  // Metadata and framing only.
+        plans.push_back(std::move(u));
+      }
+      // What a download gives: the staged array, here a copy of it.
+      const std::vector<uint8_t> downloaded = host;
+      for (size_t i = 0; i < parts.size(); ++i) {
+        std::string rebuilt = "x";
+        ASSERT_THAT(Unstage(plans[i], downloaded.data(), downloaded.size(), &rebuilt),
+                    ::kvtier::testing::IsOk());
+        EXPECT_EQ(rebuilt.substr(1), parts[i].bytes);
+        std::string truncated;
+        EXPECT_THAT(Unstage(plans[i], downloaded.data(), 100, &truncated),
+                    StatusIs(absl::StatusCode::kInternal));
+        ++cases;
+      }
+      // A view whose buffers are not the tensor's (a copy elsewhere).
+      KVT_ASSERT_OK_AND_ASSIGN(EncodedView view, ParseEncoded(payload.tensors(0)));
+      std::vector<uint8_t> other;
+      KVT_ASSERT_OK_AND_ASSIGN(StagedKv staged, StageView(view, d, &other));
+      EXPECT_THAT(PlanUnstaging(parts[0].bytes, staged), StatusIs(absl::StatusCode::kInternal));
+    }
+  }
+  EXPECT_EQ(cases, 9 * 3 * 2);
 }
 
 TEST(DeviceLayoutTest, GearAndMisshapenTensorsAreRefused) {

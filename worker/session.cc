@@ -185,7 +185,7 @@ absl::Status Engine::Session::Place(RoundLayer& rl, int layer) {
   if (device == nullptr) return absl::OkStatus();
   std::vector<std::pair<EncodedView, EncodedView>> views;
   for (const HeadKv& hk : rl.heads) views.emplace_back(hk.kview, hk.vview);
-  KVT_ASSIGN_OR_RETURN(rl.device, UploadLayer(views, shape.head_dim));
+  KVT_ASSIGN_OR_RETURN(rl.device, UploadLayer(views, shape.head_dim, rl.tensors));
   if (layer != lw) {
     for (HeadKv& hk : rl.heads) {
       hk.kview = {};

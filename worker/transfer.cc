@@ -17,13 +17,7 @@ namespace kvtier::worker {
 namespace {
 
 // FAILED_PRECONDITION when `s` cannot be exported now (REQUIRES s.mu).
-absl::Status CheckExportable(const SessionKey& id, SessionState state, bool on_device) {
-  if (on_device) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("session ", id.ToString(),
-                     " has its working set on the GPU; transferring a device working set is not "
-                     "implemented yet (open it with --placement=host to transfer it)"));
-  }
+absl::Status CheckExportable(const SessionKey& id, SessionState state) {
   if (state == SessionState::kEnding) {
     return absl::FailedPreconditionError(
         absl::StrCat("EndRound of session ", id.ToString(), " is running"));
@@ -36,7 +30,7 @@ absl::Status CheckExportable(const SessionKey& id, SessionState state, bool on_d
 absl::StatusOr<SessionImage> Engine::ExportSession(const SessionKey& id) const {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   absl::MutexLock lock(&s->mu);
-  KVT_RETURN_IF_ERROR(CheckExportable(id, s->state, s->device != nullptr));
+  KVT_RETURN_IF_ERROR(CheckExportable(id, s->state));
   SessionImage im;
   im.shape = s->shape;
   im.policy = s->policy;
@@ -51,7 +45,7 @@ absl::StatusOr<SessionImage> Engine::ExportSession(const SessionKey& id) const {
 absl::StatusOr<LayerImage> Engine::ExportLayer(const SessionKey& id, int layer) const {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   absl::MutexLock lock(&s->mu);
-  KVT_RETURN_IF_ERROR(CheckExportable(id, s->state, s->device != nullptr));
+  KVT_RETURN_IF_ERROR(CheckExportable(id, s->state));
   const ModelShape& sh = s->shape;
   if (layer < 0 || layer >= sh.layers) {
     return absl::InvalidArgumentError(
@@ -66,15 +60,28 @@ absl::StatusOr<LayerImage> Engine::ExportLayer(const SessionKey& id, int layer) 
   im.layer = layer;
   const int d = sh.head_dim, es = sh.dtype_bytes();
   // The payload SerializePayload would make of these tensors, as pieces:
-  // the framing of every tensor in one small buffer, the tensors in place.
-  std::vector<std::pair<const RoundLayer*, std::string_view>> tensors;
+  // the framing of every tensor in one small buffer, the tensors in place
+  // (null owner: views into the round layer's payload, or a copy of their own
+  // where it has none).
+  std::vector<std::pair<std::shared_ptr<const std::string>, std::string_view>> tensors;
   for (const Session::PastRound& r : s->past) {
     const RoundLayer* rl = r.layers[layer].get();
     if (rl == nullptr) continue;
     im.rounds.push_back(r.round);
     if (rl->trimmed) im.trimmed.push_back(r.round);
     im.round_first_piece.push_back(2 * tensors.size());  // Framing and bytes per tensor.
-    for (std::string_view t : rl->tensors) tensors.emplace_back(rl, t);
+    if (rl->tensors.empty() && rl->device != nullptr) {
+      // On the GPU only: read back and made again, byte for byte.
+      std::vector<std::string> made;
+      KVT_RETURN_IF_ERROR(rl->device->Serialized(&made));
+      for (std::string& t : made) {
+        auto own = std::make_shared<const std::string>(std::move(t));
+        const std::string_view view = *own;
+        tensors.emplace_back(std::move(own), view);
+      }
+    } else {
+      for (std::string_view t : rl->tensors) tensors.emplace_back(rl->payload, t);
+    }
     for (const HeadKv& hk : rl->heads) im.past_raw_bytes += 2 * hk.len * d * es;
   }
   auto framing = std::make_shared<std::string>();
@@ -88,7 +95,7 @@ absl::StatusOr<LayerImage> Engine::ExportLayer(const SessionKey& id, int layer) 
   for (size_t i = 0; i < tensors.size(); ++i) {
     im.past_pieces.push_back(
         {frame, std::string_view(frame->data() + heads[i].first, heads[i].second)});
-    std::shared_ptr<const std::string> owner = tensors[i].first->payload;
+    std::shared_ptr<const std::string> owner = tensors[i].first;
     std::string_view bytes = tensors[i].second;
     if (owner == nullptr) {  // Views without a shared buffer: a copy of their own.
       owner = std::make_shared<const std::string>(bytes);
@@ -167,7 +174,7 @@ std::string LayerImage::PastBytes() const {
 absl::Status Engine::ExportTail(const SessionKey& id, SessionImage* im) const {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   absl::MutexLock lock(&s->mu);
-  KVT_RETURN_IF_ERROR(CheckExportable(id, s->state, s->device != nullptr));
+  KVT_RETURN_IF_ERROR(CheckExportable(id, s->state));
   if (s->state == SessionState::kPrefill || s->state == SessionState::kDecode ||
       s->recall == RecallState::kFetching) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -212,7 +219,7 @@ absl::Status Engine::CheckImport(const SessionKey& id, uint64_t bytes) const {
 absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
                                    std::vector<LayerImage> layers, uint64_t* reused_out) {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
-                       CreateSession(id, im.shape, im.policy, /*allow_device=*/false));
+                       CreateSession(id, im.shape, im.policy, /*allow_device=*/true));
   const ModelShape& sh = s->shape;
   const int d = sh.head_dim, es = sh.dtype_bytes(), lw = s->lw;
   {
@@ -299,6 +306,11 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
         reused_bytes += static_cast<uint64_t>((*held)->bytes);
         slot = std::move(*held);
       }
+      // On a device session the layer moves to the GPU, as a fetched one
+      // does.
+      for (Session::PastRound& pr : s->past) {
+        if (pr.layers[l] != nullptr) KVT_RETURN_IF_ERROR(s->Place(*pr.layers[l], l));
+      }
       // The open round.
       if (li.open_rows != im.open_tokens || li.open_rows < 0 || li.q_first < 0 || li.q_rows < 0 ||
           li.q_rows > li.open_rows || (li.q_rows > 0 && li.q_first + li.q_rows != li.open_rows)) {
@@ -324,6 +336,21 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
       if (q_bytes > 0) {
         std::memcpy(o.q.data(), li.open.data() + 2 * sh.kv_heads * head_bytes,
                     sh.q_heads * q_bytes);
+      }
+      if (s->device != nullptr && o.rows > 0) {
+        // The device's mirror of the open round: fp32, token-major.
+        const size_t rows = static_cast<size_t>(o.rows), hkv = static_cast<size_t>(sh.kv_heads);
+        std::vector<float> head(rows * d), k(rows * hkv * d), v(k.size());
+        for (size_t h = 0; h < hkv; ++h) {
+          for (auto [src, dst] :
+               {std::pair(o.k_head(h, d, es), &k), std::pair(o.v_head(h, d, es), &v)}) {
+            WidenRows(sh.dtype, src, static_cast<int64_t>(rows) * d, head.data());
+            for (size_t t = 0; t < rows; ++t) {
+              std::memcpy(dst->data() + (t * hkv + h) * d, head.data() + t * d, d * sizeof(float));
+            }
+          }
+        }
+        KVT_RETURN_IF_ERROR(s->device->LoadOpen(l, k.data(), v.data(), o.rows));
       }
       li.open = std::string();  // Copied; the past payload stays shared.
     }
