@@ -1,0 +1,369 @@
+// kvtier-gpu-bench: the device working set's attention kernel
+// (cuda::SegmentedAttention, one decode step) against the GPU's own memory
+// bandwidth, measured in the same run with a large device-to-device copy.
+//
+// Per codec and context length it encodes K and V with the CPU codec,
+// stages them as kvtier-worker does (worker/device_layout.h), times the
+// kernel with CUDA events (median of --reps launches after warm-up) and
+// checks its output against a float64 attention over the codec's own
+// reconstruction of the same K/V. The floor is the fewest bytes the kernel
+// must read (the encoded K and V once, the query) over the copy's bandwidth;
+// "x floor" is measured time over that floor. A wrong result (relative error
+// over 1e-3, or non-finite) makes it exit 1.
+//
+// Built only with CUDA. Without a device it says so and exits 0.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "bench/benches.h"
+#include "kernels/codec.h"
+#include "kernels/cuda/cuda_kernels.h"
+#include "worker/device_layout.h"
+
+namespace kvtier::bench {
+namespace {
+
+constexpr int kQHeads = 32, kKvHeads = 8, kDim = 128;
+
+#define GPU_CHECK(expr)                                                                  \
+  do {                                                                                   \
+    const cudaError_t e_ = (expr);                                                       \
+    if (e_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "kvtier-gpu-bench: %s: %s\n", #expr, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                      \
+    }                                                                                    \
+  } while (0)
+
+struct Options {
+  std::vector<int64_t> tokens = {4096, 32768, 131072};
+  std::vector<std::string> codecs = {"fp16", "kivi4", "kivi2"};
+  int reps = 20;
+  std::string csv;
+};
+
+void Usage() {
+  std::fprintf(stderr,
+               "kvtier-gpu-bench [--tokens=4096,32768,131072] [--codecs=fp16,kivi4,kivi2]\n"
+               "                 [--reps=20] [--csv=FILE]\n"
+               "  One decode step of the device working set's attention (32 q / 8 kv heads,\n"
+               "  head_dim 128, the past in one encoded block per KV head) per codec and\n"
+               "  context length, timed with CUDA events, beside a device-to-device copy\n"
+               "  measured in the same run; checked against a float64 reference.\n");
+}
+
+// A deterministic stream of roughly normal values (sum of uniforms).
+class Noise {
+ public:
+  explicit Noise(uint64_t seed) : s_(seed * 0x9e3779b97f4a7c15ULL + 1) {}
+  float Next() {
+    float sum = 0;
+    for (int i = 0; i < 4; ++i) {
+      s_ ^= s_ << 13;
+      s_ ^= s_ >> 7;
+      s_ ^= s_ << 17;
+      sum += static_cast<float>(s_ >> 40) / static_cast<float>(1 << 24);
+    }
+    return (sum - 2.0f) * 1.7f;
+  }
+
+ private:
+  uint64_t s_;
+};
+
+// Median of `reps` timed calls of fn (after 3 warm-up calls), in ms.
+template <typename Fn>
+double MedianMs(int reps, Fn fn) {
+  cudaEvent_t a, b;
+  GPU_CHECK(cudaEventCreate(&a));
+  GPU_CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) fn();
+  GPU_CHECK(cudaDeviceSynchronize());
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    GPU_CHECK(cudaEventRecord(a));
+    fn();
+    GPU_CHECK(cudaEventRecord(b));
+    GPU_CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    GPU_CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  GPU_CHECK(cudaEventDestroy(a));
+  GPU_CHECK(cudaEventDestroy(b));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// GB/s of a device-to-device copy, counting bytes read and written.
+double CopyGbps(int reps) {
+  const size_t bytes = size_t{1} << 30;
+  void *src = nullptr, *dst = nullptr;
+  GPU_CHECK(cudaMalloc(&src, bytes));
+  GPU_CHECK(cudaMalloc(&dst, bytes));
+  GPU_CHECK(cudaMemset(src, 0x5a, bytes));
+  const double ms = MedianMs(
+      reps, [&] { GPU_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice)); });
+  GPU_CHECK(cudaFree(src));
+  GPU_CHECK(cudaFree(dst));
+  return 2.0 * static_cast<double>(bytes) / (ms * 1e6);
+}
+
+struct Row {
+  std::string codec;
+  int64_t tokens = 0;
+  double ms = 0, floor_ms = 0, read_bytes = 0, rel_error = 0;
+};
+
+// One codec at one context length.
+Row Measure(const std::string& setting, int64_t t, double copy_gbps, int reps) {
+  auto codec = ParseCodecSetting(setting);
+  if (!codec.ok()) {
+    std::fprintf(stderr, "kvtier-gpu-bench: --codecs: %s\n", codec.status().ToString().c_str());
+    std::exit(2);
+  }
+  const int d = kDim;
+  Noise noise(static_cast<uint64_t>(t) * 31 + setting.size());
+  std::vector<uint8_t> staged;
+  std::vector<std::pair<worker::StagedKv, worker::StagedKv>> heads;
+  // The codec's reconstruction, per KV head, for the reference.
+  std::vector<std::vector<float>> k_dec(kKvHeads), v_dec(kKvHeads);
+  std::vector<float> x(static_cast<size_t>(t) * d);
+  for (int h = 0; h < kKvHeads; ++h) {
+    worker::StagedKv parts[2];
+    for (int role = 0; role < 2; ++role) {
+      for (size_t i = 0; i < x.size(); ++i) {
+        x[i] = noise.Next() + (role == 0 && i % d == static_cast<size_t>(h) ? 3.0f : 0.0f);
+      }
+      const int64_t shape[3] = {1, t, d};
+      auto enc =
+          Encode(*codec, role == 0 ? v1::TENSOR_ROLE_KEY : v1::TENSOR_ROLE_VALUE, shape, x.data());
+      if (!enc.ok()) {
+        std::fprintf(stderr, "kvtier-gpu-bench: encode: %s\n", enc.status().ToString().c_str());
+        std::exit(2);
+      }
+      auto view = ParseEncoded(*enc);
+      auto st = view.ok() ? worker::StageView(*view, d, &staged) : view.status();
+      if (!st.ok()) {
+        std::fprintf(stderr, "kvtier-gpu-bench: stage: %s\n", st.status().ToString().c_str());
+        std::exit(2);
+      }
+      parts[role] = *std::move(st);
+      std::vector<float>& dec = role == 0 ? k_dec[h] : v_dec[h];
+      dec.resize(x.size());
+      DecodeRows(*view, 0, 0, t, dec.data());
+    }
+    heads.emplace_back(std::move(parts[0]), std::move(parts[1]));
+  }
+  // The step's own token: the open round's one row, fp32 token-major.
+  std::vector<float> q(static_cast<size_t>(kQHeads) * d), open_k(kKvHeads * d),
+      open_v(kKvHeads * d);
+  for (float& v : q) v = noise.Next() * 0.3f;
+  for (float& v : open_k) v = noise.Next();
+  for (float& v : open_v) v = noise.Next();
+
+  uint8_t* dev_staged = nullptr;
+  float *dev_q = nullptr, *dev_out = nullptr, *dev_scratch = nullptr, *dev_open = nullptr;
+  GPU_CHECK(cudaMalloc(&dev_staged, staged.size()));
+  GPU_CHECK(cudaMemcpy(dev_staged, staged.data(), staged.size(), cudaMemcpyHostToDevice));
+  GPU_CHECK(cudaMalloc(&dev_q, q.size() * sizeof(float)));
+  GPU_CHECK(cudaMemcpy(dev_q, q.data(), q.size() * sizeof(float), cudaMemcpyHostToDevice));
+  GPU_CHECK(cudaMalloc(&dev_out, q.size() * sizeof(float)));
+  GPU_CHECK(cudaMalloc(&dev_open, 2 * open_k.size() * sizeof(float)));
+  GPU_CHECK(
+      cudaMemcpy(dev_open, open_k.data(), open_k.size() * sizeof(float), cudaMemcpyHostToDevice));
+  GPU_CHECK(cudaMemcpy(dev_open + open_k.size(), open_v.data(), open_v.size() * sizeof(float),
+                       cudaMemcpyHostToDevice));
+  const int64_t max_tokens = t + 1;
+  GPU_CHECK(cudaMalloc(&dev_scratch, static_cast<size_t>(kQHeads) * max_tokens * sizeof(float)));
+  std::vector<cuda::SegBlock> blocks;
+  std::vector<int> first;
+  for (int h = 0; h < kKvHeads; ++h) {
+    first.push_back(static_cast<int>(blocks.size()));
+    cuda::SegBlock past;
+    past.tokens = t;
+    past.k = worker::PlaceStaged(heads[h].first, dev_staged);
+    past.v = worker::PlaceStaged(heads[h].second, dev_staged);
+    blocks.push_back(past);
+    cuda::SegBlock open;
+    open.tokens = 1;
+    open.causal = 1;
+    open.k.token_stride = open.v.token_stride = static_cast<int64_t>(kKvHeads) * d;
+    open.k.raw = dev_open + h * d;
+    open.v.raw = dev_open + open_k.size() + h * d;
+    blocks.push_back(open);
+  }
+  first.push_back(static_cast<int>(blocks.size()));
+  cuda::SegBlock* dev_blocks = nullptr;
+  int* dev_first = nullptr;
+  GPU_CHECK(cudaMalloc(&dev_blocks, blocks.size() * sizeof(cuda::SegBlock)));
+  GPU_CHECK(cudaMemcpy(dev_blocks, blocks.data(), blocks.size() * sizeof(cuda::SegBlock),
+                       cudaMemcpyHostToDevice));
+  GPU_CHECK(cudaMalloc(&dev_first, first.size() * sizeof(int)));
+  GPU_CHECK(
+      cudaMemcpy(dev_first, first.data(), first.size() * sizeof(int), cudaMemcpyHostToDevice));
+  cuda::SegDims g;
+  g.n = 1;
+  g.q_heads = kQHeads;
+  g.kv_heads = kKvHeads;
+  g.d = d;
+  g.base = 0;
+  g.max_tokens = max_tokens;
+  auto launch = [&] {
+    const int err =
+        cuda::SegmentedAttention(g, dev_blocks, dev_first, dev_q, dev_scratch, dev_out, nullptr);
+    if (err != 0) {
+      std::fprintf(stderr, "kvtier-gpu-bench: SegmentedAttention: %s\n", cuda::ErrorString(err));
+      std::exit(2);
+    }
+  };
+  // Poisoned output first: every element must be written.
+  GPU_CHECK(cudaMemset(dev_out, 0xff, q.size() * sizeof(float)));
+  launch();
+  GPU_CHECK(cudaDeviceSynchronize());
+  std::vector<float> out(q.size());
+  GPU_CHECK(cudaMemcpy(out.data(), dev_out, out.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  Row row;
+  row.codec = setting;
+  row.tokens = t;
+  row.ms = MedianMs(reps, launch);
+  // The float64 reference over the reconstruction plus the open row.
+  double err2 = 0, ref2 = 0;
+  bool finite = true;
+  const int rep = kQHeads / kKvHeads;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  std::vector<double> s(static_cast<size_t>(t) + 1), o(d);
+  for (int j = 0; j < kQHeads; ++j) {
+    const int h = j / rep;
+    const float* qj = q.data() + j * d;
+    double mx = -1e300;
+    for (int64_t i = 0; i <= t; ++i) {
+      const float* k = i < t ? k_dec[h].data() + i * d : open_k.data() + h * d;
+      double dot = 0;
+      for (int c = 0; c < d; ++c) dot += static_cast<double>(qj[c]) * k[c];
+      s[i] = dot * scale;
+      mx = std::max(mx, s[i]);
+    }
+    double sum = 0;
+    std::fill(o.begin(), o.end(), 0.0);
+    for (int64_t i = 0; i <= t; ++i) {
+      const double p = std::exp(s[i] - mx);
+      sum += p;
+      const float* v = i < t ? v_dec[h].data() + i * d : open_v.data() + h * d;
+      for (int c = 0; c < d; ++c) o[c] += p * v[c];
+    }
+    for (int c = 0; c < d; ++c) {
+      const double want = o[c] / sum, got = out[j * d + c];
+      if (!std::isfinite(got)) finite = false;
+      err2 += (got - want) * (got - want);
+      ref2 += want * want;
+    }
+  }
+  row.rel_error = finite ? std::sqrt(err2 / std::max(ref2, 1e-300)) : INFINITY;
+  // The fewest bytes: the encoded K/V (the staged array, alignment padding
+  // aside, is that) and the open rows and query once, the output once.
+  size_t encoded = 0;
+  for (const auto& [k, v] : heads) {
+    for (const worker::StagedRegion& r : k.regions) encoded += r.size;
+    for (const worker::StagedRegion& r : v.regions) encoded += r.size;
+  }
+  row.read_bytes = static_cast<double>(encoded + 2 * open_k.size() * sizeof(float) +
+                                       2 * q.size() * sizeof(float));
+  row.floor_ms = row.read_bytes / (copy_gbps * 1e6);
+  for (void* p :
+       {static_cast<void*>(dev_staged), static_cast<void*>(dev_q), static_cast<void*>(dev_out),
+        static_cast<void*>(dev_scratch), static_cast<void*>(dev_open),
+        static_cast<void*>(dev_blocks), static_cast<void*>(dev_first)}) {
+    GPU_CHECK(cudaFree(p));
+  }
+  return row;
+}
+
+}  // namespace
+
+int GpuBench(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (const char* v = FlagValue(a, "--tokens=")) {
+      o.tokens.clear();
+      for (absl::string_view p : absl::StrSplit(v, ',')) {
+        int64_t n = 0;
+        if (!absl::SimpleAtoi(p, &n) || n < 1) {
+          std::fprintf(stderr, "--tokens: '%s' is not a positive count\n", std::string(p).c_str());
+          return 2;
+        }
+        o.tokens.push_back(n);
+      }
+    } else if (const char* v = FlagValue(a, "--codecs=")) {
+      o.codecs = absl::StrSplit(v, ',');
+    } else if (const char* v = FlagValue(a, "--reps=")) {
+      if (!absl::SimpleAtoi(v, &o.reps) || o.reps < 1) {
+        std::fprintf(stderr, "--reps: '%s' is not a positive count\n", v);
+        return 2;
+      }
+    } else if (const char* v = FlagValue(a, "--csv=")) {
+      o.csv = v;
+    } else {
+      Usage();
+      return a == "--help" || a == "-h" ? 0 : 2;
+    }
+  }
+  if (!cuda::DeviceAvailable()) {
+    std::printf("kvtier-gpu-bench: no CUDA device is visible; nothing to measure\n");
+    return 0;
+  }
+  cudaDeviceProp prop;
+  GPU_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, %.1f GiB\n", prop.name, prop.multiProcessorCount,
+              static_cast<double>(prop.totalGlobalMem) / (1 << 30));
+  const double copy = CopyGbps(o.reps);
+  std::printf("device-to-device copy of 1 GiB (read + written): %.0f GB/s\n\n", copy);
+  std::FILE* csv = o.csv.empty() ? nullptr : std::fopen(o.csv.c_str(), "w");
+  if (!o.csv.empty() && csv == nullptr) {
+    std::fprintf(stderr, "cannot write %s\n", o.csv.c_str());
+    return 2;
+  }
+  if (csv != nullptr) std::fprintf(csv, "codec,tokens,ms,floor_ms,read_bytes,gbps,rel_error\n");
+  std::printf(
+      "SegmentedAttention, one decode step, %d q / %d kv heads, head_dim %d; median of %d\n",
+      kQHeads, kKvHeads, kDim, o.reps);
+  std::printf(
+      "| codec | tokens | ms | bytes read (floor) | GB/s | floor ms | x floor | rel error |\n");
+  std::printf("|---|---|---|---|---|---|---|---|\n");
+  bool wrong = false;
+  for (const std::string& c : o.codecs) {
+    for (int64_t t : o.tokens) {
+      std::fprintf(stderr, "%s at %lld tokens...\n", c.c_str(), static_cast<long long>(t));
+      const Row r = Measure(c, t, copy, o.reps);
+      const double gbps = r.read_bytes / (r.ms * 1e6);
+      std::printf("| %s | %lld | %.3f | %.0f | %.0f | %.4f | %.1f | %.2e |\n", r.codec.c_str(),
+                  static_cast<long long>(r.tokens), r.ms, r.read_bytes, gbps, r.floor_ms,
+                  r.ms / r.floor_ms, r.rel_error);
+      if (csv != nullptr) {
+        std::fprintf(csv, "%s,%lld,%.6f,%.6f,%.0f,%.3f,%.3e\n", r.codec.c_str(),
+                     static_cast<long long>(r.tokens), r.ms, r.floor_ms, r.read_bytes, gbps,
+                     r.rel_error);
+      }
+      if (!(r.rel_error <= 1e-3)) wrong = true;
+    }
+  }
+  if (csv != nullptr) std::fclose(csv);
+  if (wrong) {
+    std::printf("\nFAILED: a result differs from the float64 reference by more than 1e-3\n");
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace kvtier::bench
+
+int main(int argc, char** argv) { return kvtier::bench::GpuBench(argc, argv); }

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# kvtier's GPU checks, run on the GPU machine from the bundle that
+# scripts/gpu_bundle.sh packs (it is copied there as run.sh):
+#   1. kernels_cuda_test and worker_device_test (the tests labelled gpu);
+#   2. the demo with the worker's working sets on the GPU, then PD=1 (a
+#      prefill worker hands each round to a decode worker, both on the GPU);
+#   3. kvtier-gpu-bench: the attention kernel against the device's copy
+#      bandwidth, checked against a float64 reference.
+# Each step's log goes to $OUT when set (the device tool's folder), else to
+# out/ beside this script; the last lines of each are printed, then a
+# summary. Exits 1 when a step fails, or when a GPU test skipped (the device
+# was not usable). DEMO_ROUNDS (default 8) sets the demo's rounds.
+set -uo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+export LD_LIBRARY_PATH="$HERE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export KVTIER_STORE_BINARY="$HERE/build/services/store/kvtier-store"
+LOGS=${OUT:-$HERE/out}
+mkdir -p "$LOGS"
+echo "kvtier GPU checks, commit $(cat "$HERE/COMMIT" 2>/dev/null || echo unknown)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || true
+SUMMARY=()
+STATUS=0
+run() {  # name, command...
+  local name=$1
+  shift
+  local start=$SECONDS rc=0
+  echo
+  echo "== $name"
+  "$@" >"$LOGS/$name.log" 2>&1 || rc=$?
+  local result=ok
+  if [ "$rc" -ne 0 ]; then
+    result="FAILED (exit $rc)"
+    STATUS=1
+  elif grep -q '^\[  SKIPPED \]' "$LOGS/$name.log"; then
+    result="SKIPPED tests: the GPU was not usable"
+    STATUS=1
+  fi
+  tail -n "${TAIL:-12}" "$LOGS/$name.log"
+  SUMMARY+=("$name: $result, $((SECONDS - start)) s")
+}
+run kernels_cuda_test "$HERE/build/kernels/kernels_cuda_test"
+run worker_device_test "$HERE/build/tests/worker_device_test"
+run demo env ROUNDS="${DEMO_ROUNDS:-8}" bash "$HERE/scripts/demo.sh" "$HERE/build"
+run demo_pd env PD=1 ROUNDS="${DEMO_ROUNDS:-8}" bash "$HERE/scripts/demo.sh" "$HERE/build"
+for log in demo demo_pd; do
+  if ! grep -q 'working sets: GPU' "$LOGS/$log.log"; then
+    SUMMARY+=("$log: the working sets were not on the GPU (see its 'working sets:' line)")
+    STATUS=1
+  fi
+done
+run gpu_bench "$HERE/build/bench/kvtier-gpu-bench" --csv="$LOGS/gpu_bench.csv"
+echo
+echo "== summary"
+printf '%s\n' "${SUMMARY[@]}"
+exit "$STATUS"
