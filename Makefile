@@ -1,7 +1,7 @@
 # Two commands for a newcomer: `make demo` and `make test`. Both go through
 # scripts/kvtier.sh, which installs missing Debian packages, configures and
 # builds first.
-.PHONY: demo demo-pd demo-store demo-cluster test build deps bench asan fuzz clean
+.PHONY: demo demo-pd demo-store demo-cluster test build deps bench asan fuzz gpu-bundle clean
 
 demo:
 	scripts/kvtier.sh demo
@@ -43,5 +43,10 @@ asan:
 fuzz:
 	scripts/fuzz.sh
 
+# The GPU checks packed for a machine with a GPU but without kvtier's Debian
+# libraries: gpu-bundle.tar.gz (docs/gpu.md).
+gpu-bundle: build
+	scripts/gpu_bundle.sh build
+
 clean:
-	rm -rf build build-asan build-fuzz
+	rm -rf build build-asan build-fuzz gpu-bundle gpu-bundle.tar.gz

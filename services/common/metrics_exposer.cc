@@ -120,8 +120,7 @@ absl::StatusOr<MetricsEndpoint> ServeMetrics(
     const std::string& address,
     const std::vector<std::shared_ptr<prometheus::Collectable>>& collectables, HealthFn health) {
   static const CivetCallbacks kCallbacks = [] {
-    CivetCallbacks c;
-    std::memset(&c, 0, sizeof(c));
+    CivetCallbacks c;  // Its constructor clears every callback.
     c.begin_request = AnswerHealth;
     return c;
   }();
