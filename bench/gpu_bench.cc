@@ -25,6 +25,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "bench/benches.h"
+#include "kernels/attention.h"
 #include "kernels/codec.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "worker/device_layout.h"
@@ -48,16 +49,19 @@ struct Options {
   std::vector<std::string> codecs = {"fp16", "kivi4", "kivi2"};
   int reps = 20;
   std::string csv;
+  bool cpu_check = false;
 };
 
 void Usage() {
   std::fprintf(stderr,
                "kvtier-gpu-bench [--tokens=4096,32768,131072] [--codecs=fp16,kivi4,kivi2]\n"
-               "                 [--reps=20] [--csv=FILE]\n"
+               "                 [--reps=20] [--csv=FILE] [--cpu_check]\n"
                "  One decode step of the device working set's attention (32 q / 8 kv heads,\n"
                "  head_dim 128, the past in one encoded block per KV head) per codec and\n"
                "  context length, timed with CUDA events, beside a device-to-device copy\n"
-               "  measured in the same run; checked against a float64 reference.\n");
+               "  measured in the same run; checked against a float64 reference.\n"
+               "  --cpu_check  no GPU needed: the CPU attention over the same inputs against\n"
+               "               the float64 reference (checks the bench's inputs and reference)\n");
 }
 
 // A deterministic stream of roughly normal values (sum of uniforms).
@@ -123,22 +127,38 @@ struct Row {
   double ms = 0, floor_ms = 0, read_bytes = 0, rel_error = 0;
 };
 
-// One codec at one context length.
-Row Measure(const std::string& setting, int64_t t, double copy_gbps, int reps) {
-  auto codec = ParseCodecSetting(setting);
-  if (!codec.ok()) {
-    std::fprintf(stderr, "kvtier-gpu-bench: --codecs: %s\n", codec.status().ToString().c_str());
-    std::exit(2);
-  }
-  const int d = kDim;
-  Noise noise(static_cast<uint64_t>(t) * 31 + setting.size());
+// One decode step's inputs: K and V encoded with the CPU codec and staged as
+// kvtier-worker stages them, the codec's reconstruction of them (for the
+// reference), the query and the open round's one row.
+struct Step {
+  int64_t tokens = 0;
   std::vector<uint8_t> staged;
   std::vector<std::pair<worker::StagedKv, worker::StagedKv>> heads;
-  // The codec's reconstruction, per KV head, for the reference.
-  std::vector<std::vector<float>> k_dec(kKvHeads), v_dec(kKvHeads);
+  std::vector<v1::EncodedTensor> tensors;  // K, V per KV head: what `views` point into.
+  std::vector<std::pair<EncodedView, EncodedView>> views;
+  std::vector<std::vector<float>> k_dec, v_dec;
+  std::vector<float> q, open_k, open_v;  // Token-major, fp32.
+};
+
+[[noreturn]] void Die(const char* what, const absl::Status& st) {
+  std::fprintf(stderr, "kvtier-gpu-bench: %s: %s\n", what, st.ToString().c_str());
+  std::exit(2);
+}
+
+Step Prepare(const std::string& setting, int64_t t) {
+  auto codec = ParseCodecSetting(setting);
+  if (!codec.ok()) Die("--codecs", codec.status());
+  const int d = kDim;
+  Noise noise(static_cast<uint64_t>(t) * 31 + setting.size());
+  Step st;
+  st.tokens = t;
+  st.tensors.reserve(2 * kKvHeads);  // Views point into them: no reallocation.
+  st.k_dec.resize(kKvHeads);
+  st.v_dec.resize(kKvHeads);
   std::vector<float> x(static_cast<size_t>(t) * d);
   for (int h = 0; h < kKvHeads; ++h) {
     worker::StagedKv parts[2];
+    EncodedView views[2];
     for (int role = 0; role < 2; ++role) {
       for (size_t i = 0; i < x.size(); ++i) {
         x[i] = noise.Next() + (role == 0 && i % d == static_cast<size_t>(h) ? 3.0f : 0.0f);
@@ -146,42 +166,124 @@ Row Measure(const std::string& setting, int64_t t, double copy_gbps, int reps) {
       const int64_t shape[3] = {1, t, d};
       auto enc =
           Encode(*codec, role == 0 ? v1::TENSOR_ROLE_KEY : v1::TENSOR_ROLE_VALUE, shape, x.data());
-      if (!enc.ok()) {
-        std::fprintf(stderr, "kvtier-gpu-bench: encode: %s\n", enc.status().ToString().c_str());
-        std::exit(2);
-      }
-      auto view = ParseEncoded(*enc);
-      auto st = view.ok() ? worker::StageView(*view, d, &staged) : view.status();
-      if (!st.ok()) {
-        std::fprintf(stderr, "kvtier-gpu-bench: stage: %s\n", st.status().ToString().c_str());
-        std::exit(2);
-      }
-      parts[role] = *std::move(st);
-      std::vector<float>& dec = role == 0 ? k_dec[h] : v_dec[h];
+      if (!enc.ok()) Die("encode", enc.status());
+      st.tensors.push_back(*std::move(enc));
+      auto view = ParseEncoded(st.tensors.back());
+      if (!view.ok()) Die("parse", view.status());
+      auto staged = worker::StageView(*view, d, &st.staged);
+      if (!staged.ok()) Die("stage", staged.status());
+      parts[role] = *std::move(staged);
+      views[role] = *view;
+      std::vector<float>& dec = role == 0 ? st.k_dec[h] : st.v_dec[h];
       dec.resize(x.size());
       DecodeRows(*view, 0, 0, t, dec.data());
     }
-    heads.emplace_back(std::move(parts[0]), std::move(parts[1]));
+    st.heads.emplace_back(std::move(parts[0]), std::move(parts[1]));
+    st.views.emplace_back(views[0], views[1]);
   }
-  // The step's own token: the open round's one row, fp32 token-major.
-  std::vector<float> q(static_cast<size_t>(kQHeads) * d), open_k(kKvHeads * d),
-      open_v(kKvHeads * d);
-  for (float& v : q) v = noise.Next() * 0.3f;
-  for (float& v : open_k) v = noise.Next();
-  for (float& v : open_v) v = noise.Next();
+  st.q.resize(static_cast<size_t>(kQHeads) * d);
+  st.open_k.resize(static_cast<size_t>(kKvHeads) * d);
+  st.open_v.resize(st.open_k.size());
+  for (float& v : st.q) v = noise.Next() * 0.3f;
+  for (float& v : st.open_k) v = noise.Next();
+  for (float& v : st.open_v) v = noise.Next();
+  return st;
+}
 
+// Attention of the step in float64 over the reconstruction plus the open
+// row: [q_heads, d].
+std::vector<double> Reference(const Step& st) {
+  const int d = kDim, rep = kQHeads / kKvHeads;
+  const int64_t t = st.tokens;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  std::vector<double> out(static_cast<size_t>(kQHeads) * d), s(static_cast<size_t>(t) + 1);
+  for (int j = 0; j < kQHeads; ++j) {
+    const int h = j / rep;
+    const float* qj = st.q.data() + j * d;
+    double mx = -1e300;
+    for (int64_t i = 0; i <= t; ++i) {
+      const float* k = i < t ? st.k_dec[h].data() + i * d : st.open_k.data() + h * d;
+      double dot = 0;
+      for (int c = 0; c < d; ++c) dot += static_cast<double>(qj[c]) * k[c];
+      s[i] = dot * scale;
+      mx = std::max(mx, s[i]);
+    }
+    double sum = 0;
+    double* o = out.data() + j * d;
+    for (int64_t i = 0; i <= t; ++i) {
+      const double p = std::exp(s[i] - mx);
+      sum += p;
+      const float* v = i < t ? st.v_dec[h].data() + i * d : st.open_v.data() + h * d;
+      for (int c = 0; c < d; ++c) o[c] += p * v[c];
+    }
+    for (int c = 0; c < d; ++c) o[c] /= sum;
+  }
+  return out;
+}
+
+// ||got - want|| / ||want||; infinite when `got` holds a non-finite value.
+double RelError(const std::vector<float>& got, const std::vector<double>& want) {
+  double err2 = 0, ref2 = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    err2 += (got[i] - want[i]) * (got[i] - want[i]);
+    ref2 += want[i] * want[i];
+  }
+  return std::sqrt(err2 / std::max(ref2, 1e-300));
+}
+
+// The CPU attention (kernels/attention.h) over the same encoded views and
+// open row, per KV head: checks the inputs and the reference themselves,
+// on any machine (--cpu_check).
+std::vector<float> CpuAttention(const Step& st) {
+  const int d = kDim, rep = kQHeads / kKvHeads;
+  std::vector<float> out(st.q.size());
+  for (int h = 0; h < kKvHeads; ++h) {
+    const int64_t stride = static_cast<int64_t>(kKvHeads) * d;
+    const KvBlock blocks[2] = {
+        {st.views[h].first, st.views[h].second},
+        {EncodedView::Raw(v1::DTYPE_FP32, st.open_k.data() + h * d, 1, 1, d, stride, stride),
+         EncodedView::Raw(v1::DTYPE_FP32, st.open_v.data() + h * d, 1, 1, d, stride, stride)}};
+    AttentionShape shape;
+    shape.q_heads = rep;
+    shape.kv_heads = 1;
+    shape.head_dim = d;
+    absl::Status s = DecodeAttention(shape, st.q.data() + h * rep * d, blocks,
+                                     out.data() + h * rep * d, KernelLevel::kReference);
+    if (!s.ok()) Die("CPU attention", s);
+  }
+  return out;
+}
+
+// The fewest bytes the kernel must move: the encoded K/V (the staged array,
+// alignment padding aside), the open rows and the query once, the output once.
+double FloorBytes(const Step& st) {
+  size_t encoded = 0;
+  for (const auto& [k, v] : st.heads) {
+    for (const worker::StagedRegion& r : k.regions) encoded += r.size;
+    for (const worker::StagedRegion& r : v.regions) encoded += r.size;
+  }
+  return static_cast<double>(encoded + 2 * st.open_k.size() * sizeof(float) +
+                             2 * st.q.size() * sizeof(float));
+}
+
+// The kernel on the device: its first output (written over a poisoned
+// buffer) against the reference, then the median of `reps` launches.
+Row Measure(const std::string& setting, int64_t t, double copy_gbps, int reps) {
+  const Step st = Prepare(setting, t);
+  const int d = kDim;
   uint8_t* dev_staged = nullptr;
   float *dev_q = nullptr, *dev_out = nullptr, *dev_scratch = nullptr, *dev_open = nullptr;
-  GPU_CHECK(cudaMalloc(&dev_staged, staged.size()));
-  GPU_CHECK(cudaMemcpy(dev_staged, staged.data(), staged.size(), cudaMemcpyHostToDevice));
-  GPU_CHECK(cudaMalloc(&dev_q, q.size() * sizeof(float)));
-  GPU_CHECK(cudaMemcpy(dev_q, q.data(), q.size() * sizeof(float), cudaMemcpyHostToDevice));
-  GPU_CHECK(cudaMalloc(&dev_out, q.size() * sizeof(float)));
-  GPU_CHECK(cudaMalloc(&dev_open, 2 * open_k.size() * sizeof(float)));
+  const size_t qbytes = st.q.size() * sizeof(float), obytes = st.open_k.size() * sizeof(float);
+  GPU_CHECK(cudaMalloc(&dev_staged, st.staged.size()));
+  GPU_CHECK(cudaMemcpy(dev_staged, st.staged.data(), st.staged.size(), cudaMemcpyHostToDevice));
+  GPU_CHECK(cudaMalloc(&dev_q, qbytes));
+  GPU_CHECK(cudaMemcpy(dev_q, st.q.data(), qbytes, cudaMemcpyHostToDevice));
+  GPU_CHECK(cudaMalloc(&dev_out, qbytes));
+  GPU_CHECK(cudaMalloc(&dev_open, 2 * obytes));
+  GPU_CHECK(cudaMemcpy(dev_open, st.open_k.data(), obytes, cudaMemcpyHostToDevice));
   GPU_CHECK(
-      cudaMemcpy(dev_open, open_k.data(), open_k.size() * sizeof(float), cudaMemcpyHostToDevice));
-  GPU_CHECK(cudaMemcpy(dev_open + open_k.size(), open_v.data(), open_v.size() * sizeof(float),
-                       cudaMemcpyHostToDevice));
+      cudaMemcpy(dev_open + st.open_k.size(), st.open_v.data(), obytes, cudaMemcpyHostToDevice));
   const int64_t max_tokens = t + 1;
   GPU_CHECK(cudaMalloc(&dev_scratch, static_cast<size_t>(kQHeads) * max_tokens * sizeof(float)));
   std::vector<cuda::SegBlock> blocks;
@@ -190,15 +292,15 @@ Row Measure(const std::string& setting, int64_t t, double copy_gbps, int reps) {
     first.push_back(static_cast<int>(blocks.size()));
     cuda::SegBlock past;
     past.tokens = t;
-    past.k = worker::PlaceStaged(heads[h].first, dev_staged);
-    past.v = worker::PlaceStaged(heads[h].second, dev_staged);
+    past.k = worker::PlaceStaged(st.heads[h].first, dev_staged);
+    past.v = worker::PlaceStaged(st.heads[h].second, dev_staged);
     blocks.push_back(past);
-    cuda::SegBlock open;
+    cuda::SegBlock open;  // fp32 rows, token-major, as the worker's mirror.
     open.tokens = 1;
     open.causal = 1;
     open.k.token_stride = open.v.token_stride = static_cast<int64_t>(kKvHeads) * d;
     open.k.raw = dev_open + h * d;
-    open.v.raw = dev_open + open_k.size() + h * d;
+    open.v.raw = dev_open + st.open_k.size() + h * d;
     blocks.push_back(open);
   }
   first.push_back(static_cast<int>(blocks.size()));
@@ -225,58 +327,18 @@ Row Measure(const std::string& setting, int64_t t, double copy_gbps, int reps) {
       std::exit(2);
     }
   };
-  // Poisoned output first: every element must be written.
-  GPU_CHECK(cudaMemset(dev_out, 0xff, q.size() * sizeof(float)));
+  GPU_CHECK(cudaMemset(dev_out, 0xff, qbytes));  // NaN: every element must be written.
   launch();
+  GPU_CHECK(cudaGetLastError());
   GPU_CHECK(cudaDeviceSynchronize());
-  std::vector<float> out(q.size());
-  GPU_CHECK(cudaMemcpy(out.data(), dev_out, out.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  std::vector<float> out(st.q.size());
+  GPU_CHECK(cudaMemcpy(out.data(), dev_out, qbytes, cudaMemcpyDeviceToHost));
   Row row;
   row.codec = setting;
   row.tokens = t;
+  row.rel_error = RelError(out, Reference(st));
   row.ms = MedianMs(reps, launch);
-  // The float64 reference over the reconstruction plus the open row.
-  double err2 = 0, ref2 = 0;
-  bool finite = true;
-  const int rep = kQHeads / kKvHeads;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  std::vector<double> s(static_cast<size_t>(t) + 1), o(d);
-  for (int j = 0; j < kQHeads; ++j) {
-    const int h = j / rep;
-    const float* qj = q.data() + j * d;
-    double mx = -1e300;
-    for (int64_t i = 0; i <= t; ++i) {
-      const float* k = i < t ? k_dec[h].data() + i * d : open_k.data() + h * d;
-      double dot = 0;
-      for (int c = 0; c < d; ++c) dot += static_cast<double>(qj[c]) * k[c];
-      s[i] = dot * scale;
-      mx = std::max(mx, s[i]);
-    }
-    double sum = 0;
-    std::fill(o.begin(), o.end(), 0.0);
-    for (int64_t i = 0; i <= t; ++i) {
-      const double p = std::exp(s[i] - mx);
-      sum += p;
-      const float* v = i < t ? v_dec[h].data() + i * d : open_v.data() + h * d;
-      for (int c = 0; c < d; ++c) o[c] += p * v[c];
-    }
-    for (int c = 0; c < d; ++c) {
-      const double want = o[c] / sum, got = out[j * d + c];
-      if (!std::isfinite(got)) finite = false;
-      err2 += (got - want) * (got - want);
-      ref2 += want * want;
-    }
-  }
-  row.rel_error = finite ? std::sqrt(err2 / std::max(ref2, 1e-300)) : INFINITY;
-  // The fewest bytes: the encoded K/V (the staged array, alignment padding
-  // aside, is that) and the open rows and query once, the output once.
-  size_t encoded = 0;
-  for (const auto& [k, v] : heads) {
-    for (const worker::StagedRegion& r : k.regions) encoded += r.size;
-    for (const worker::StagedRegion& r : v.regions) encoded += r.size;
-  }
-  row.read_bytes = static_cast<double>(encoded + 2 * open_k.size() * sizeof(float) +
-                                       2 * q.size() * sizeof(float));
+  row.read_bytes = FloorBytes(st);
   row.floor_ms = row.read_bytes / (copy_gbps * 1e6);
   for (void* p :
        {static_cast<void*>(dev_staged), static_cast<void*>(dev_q), static_cast<void*>(dev_out),
@@ -312,10 +374,26 @@ int GpuBench(int argc, char** argv) {
       }
     } else if (const char* v = FlagValue(a, "--csv=")) {
       o.csv = v;
+    } else if (a == "--cpu_check") {
+      o.cpu_check = true;
     } else {
       Usage();
       return a == "--help" || a == "-h" ? 0 : 2;
     }
+  }
+  if (o.cpu_check) {
+    bool wrong = false;
+    std::printf("| codec | tokens | CPU attention vs float64 reference |\n|---|---|---|\n");
+    for (const std::string& c : o.codecs) {
+      for (int64_t t : o.tokens) {
+        const Step st = Prepare(c, t);
+        const double e = RelError(CpuAttention(st), Reference(st));
+        std::printf("| %s | %lld | %.2e |\n", c.c_str(), static_cast<long long>(t), e);
+        if (!(e <= 1e-5)) wrong = true;
+      }
+    }
+    if (wrong) std::printf("FAILED: the CPU attention and the reference differ by over 1e-5\n");
+    return wrong ? 1 : 0;
   }
   if (!cuda::DeviceAvailable()) {
     std::printf("kvtier-gpu-bench: no CUDA device is visible; nothing to measure\n");
