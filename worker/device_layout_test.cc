@@ -28,20 +28,22 @@ std::vector<float> Random(size_t n, uint32_t seed) {
   return x;
 }
 
+// Every codec setting the device path reads, with and without residual rows.
+constexpr const char* kSettings[] = {"fp32",
+                                     "raw",
+                                     "bf16",
+                                     "kivi2",
+                                     "kivi4",
+                                     "kivi8",
+                                     "kcvt4",
+                                     "kcvt2:R=5",
+                                     "kivi4:g=16:R=8",
+                                     "kivi2:g=64",
+                                     "kivi8:dt=bf16:R=3"};
+
 TEST(DeviceLayoutTest, StagedTensorsDecodeLikeTheCpuCodec) {
-  const char* settings[] = {"fp32",
-                            "raw",
-                            "bf16",
-                            "kivi2",
-                            "kivi4",
-                            "kivi8",
-                            "kcvt4",
-                            "kcvt2:R=5",
-                            "kivi4:g=16:R=8",
-                            "kivi2:g=64",
-                            "kivi8:dt=bf16:R=3"};
   int cases = 0;
-  for (const char* setting : settings) {
+  for (const char* setting : kSettings) {
     KVT_ASSERT_OK_AND_ASSIGN(CodecConfig codec, ParseCodecSetting(setting));
     for (int d : {8, 64, 128}) {
       for (int64_t t : {1, 7, 33, 64, 100}) {
@@ -82,17 +84,8 @@ TEST(DeviceLayoutTest, StagedTensorsDecodeLikeTheCpuCodec) {
 // device path reads. A rebuilt tensor whose region lies outside the staged
 // array is refused.
 TEST(DeviceLayoutTest, UnstagingRebuildsTheSerializedTensorExactly) {
-  const char* settings[] = {"fp32",
-                            "raw",
-                            "bf16",
-                            "kivi2",
-                            "kivi4",
-                            "kivi8",
-                            "kcvt2:R=5",
-                            "kivi4:g=16:R=8",
-                            "kivi8:dt=bf16:R=3"};
   int cases = 0;
-  for (const char* setting : settings) {
+  for (const char* setting : kSettings) {
     KVT_ASSERT_OK_AND_ASSIGN(CodecConfig codec, ParseCodecSetting(setting));
     for (int64_t t : {1, 33, 100}) {
       const int d = 64;
@@ -137,7 +130,7 @@ TEST(DeviceLayoutTest, UnstagingRebuildsTheSerializedTensorExactly) {
       EXPECT_THAT(PlanUnstaging(parts[0].bytes, staged), StatusIs(absl::StatusCode::kInternal));
     }
   }
-  EXPECT_EQ(cases, 9 * 3 * 2);
+  EXPECT_EQ(cases, 11 * 3 * 2);
 }
 
 TEST(DeviceLayoutTest, GearAndMisshapenTensorsAreRefused) {
