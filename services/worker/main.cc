@@ -10,6 +10,7 @@
 #include "absl/flags/flag.h"
 #include "base/command_line.h"
 #include "base/log.h"
+#include "base/memory.h"
 #include "services/common/cluster_flags.h"
 #include "services/common/serve_main.h"
 #include "services/worker/worker_server.h"
@@ -73,6 +74,9 @@ std::string ReadFile(const std::string& path) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Recalled segments, hand-offs and EndRound payloads are large buffers:
+  // reuse freed heap for them instead of faulting in fresh mappings.
+  kvtier::TuneAllocatorForLargeBuffers();
   kvtier::ParseKvtierCommandLine(
       argc, argv,
       "kvtier-worker --store=HOST:PORT [--listen=ADDR] ...\n"
