@@ -58,7 +58,9 @@ class DeviceLayer {
 // Uploads one layer: heads[h] = (K view, V view) of KV head h, each
 // [1, len_h, d]. `tensors` holds the serialized tensors the views were
 // parsed from (K, V per head), or nothing: with them the layer can be read
-// back (DeviceLayer::Serialized). The views may be released afterwards.
+// back (DeviceLayer::Serialized; without them, or when the views do not lie
+// inside them, it attends all the same but cannot be read back). The views
+// may be released afterwards.
 absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(
     const std::vector<std::pair<EncodedView, EncodedView>>& heads, int head_dim,
     const std::vector<std::string_view>& tensors = {});

@@ -215,26 +215,30 @@ absl::Status DeviceSupportsCodec(const CodecConfig& codec) {
 absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(
     const std::vector<std::pair<EncodedView, EncodedView>>& heads, int head_dim,
     const std::vector<std::string_view>& tensors) {
-  if (!tensors.empty() && tensors.size() != 2 * heads.size()) {
-    return absl::InternalError("UploadLayer: tensors do not match the heads");
-  }
   std::vector<uint8_t> host;
   std::vector<std::pair<StagedKv, StagedKv>> plans;
   std::vector<Unstaging> unstaging;
+  bool readable = !tensors.empty() && tensors.size() == 2 * heads.size();
   auto layer = std::make_unique<CudaLayer>();
   for (size_t h = 0; h < heads.size(); ++h) {
     const auto& [k, v] = heads[h];
     KVT_ASSIGN_OR_RETURN(StagedKv pk, StageView(k, head_dim, &host));
     KVT_ASSIGN_OR_RETURN(StagedKv pv, StageView(v, head_dim, &host));
-    if (!tensors.empty()) {
-      KVT_ASSIGN_OR_RETURN(Unstaging uk, PlanUnstaging(tensors[2 * h], pk));
-      KVT_ASSIGN_OR_RETURN(Unstaging uv, PlanUnstaging(tensors[2 * h + 1], pv));
-      unstaging.push_back(std::move(uk));
-      unstaging.push_back(std::move(uv));
+    if (readable) {
+      // Without a plan the layer still attends; only reading it back (a
+      // hand-off) is refused, by DeviceLayer::Serialized.
+      absl::StatusOr<Unstaging> uk = PlanUnstaging(tensors[2 * h], pk);
+      absl::StatusOr<Unstaging> uv = PlanUnstaging(tensors[2 * h + 1], pv);
+      readable = uk.ok() && uv.ok();
+      if (readable) {
+        unstaging.push_back(*std::move(uk));
+        unstaging.push_back(*std::move(uv));
+      }
     }
     plans.emplace_back(std::move(pk), std::move(pv));
     layer->lens.push_back(k.tokens);
   }
+  if (!readable) unstaging.clear();
   layer->SetUnstaging(std::move(unstaging));
   layer->staged_bytes = host.size();
   KVT_RETURN_IF_ERROR(layer->buf.Reserve(std::max<size_t>(host.size(), 1)));
