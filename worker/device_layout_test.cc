@@ -13,7 +13,9 @@
 #include "gtest/gtest.h"
 #include "kernels/cuda/seg_load.h"
 #include "kernels/encoded_tensor.h"
+#include "kernels/half.h"
 #include "tests/util/status_matchers.h"
+#include "worker/session.h"
 
 namespace kvtier::worker {
 namespace {
@@ -131,6 +133,57 @@ TEST(DeviceLayoutTest, UnstagingRebuildsTheSerializedTensorExactly) {
     }
   }
   EXPECT_EQ(cases, 11 * 3 * 2);
+}
+
+// The open round of a session arriving in a hand-off goes into the GPU's
+// mirror token-major in fp32: each row of each head, widened from the
+// model's dtype, at (row, head), whatever room the open round has beyond
+// its rows.
+TEST(DeviceLayoutTest, OpenRowsComeOutTokenMajor) {
+  const int hkv = 3, d = 8;
+  const int64_t rows = 5, cap = 7;
+  for (v1::DType dtype : {v1::DTYPE_FP16, v1::DTYPE_BF16, v1::DTYPE_FP32}) {
+    SCOPED_TRACE(v1::DType_Name(dtype));
+    const int es = DTypeSize(dtype);
+    OpenLayer o;
+    o.cap = cap;
+    o.rows = rows;
+    o.k.assign(static_cast<size_t>(hkv) * cap * d * es, 0xee);  // Room past `rows` is junk.
+    o.v = o.k;
+    // Row t of head h, channel c, holds t + h / 4 + c / 32 (K) or its negative
+    // (V): exact in every dtype.
+    auto value = [](int64_t t, int h, int c) { return t + h / 4.0f + c / 32.0f; };
+    for (int h = 0; h < hkv; ++h) {
+      for (int64_t t = 0; t < rows; ++t) {
+        for (int c = 0; c < d; ++c) {
+          const size_t at = (static_cast<size_t>(h) * cap + t) * d + c;
+          const float kx = value(t, h, c), vx = -value(t, h, c);
+          if (dtype == v1::DTYPE_FP32) {
+            std::memcpy(o.k.data() + at * 4, &kx, 4);
+            std::memcpy(o.v.data() + at * 4, &vx, 4);
+          } else {
+            const uint16_t kb = dtype == v1::DTYPE_FP16 ? FloatToHalf(kx) : FloatToBf16(kx);
+            const uint16_t vb = dtype == v1::DTYPE_FP16 ? FloatToHalf(vx) : FloatToBf16(vx);
+            std::memcpy(o.k.data() + at * 2, &kb, 2);
+            std::memcpy(o.v.data() + at * 2, &vb, 2);
+          }
+        }
+      }
+    }
+    std::vector<float> k, v;
+    OpenRowsTokenMajor(o, hkv, d, dtype, rows, &k, &v);
+    ASSERT_EQ(k.size(), static_cast<size_t>(rows) * hkv * d);
+    ASSERT_EQ(v.size(), k.size());
+    for (int64_t t = 0; t < rows; ++t) {
+      for (int h = 0; h < hkv; ++h) {
+        for (int c = 0; c < d; ++c) {
+          const size_t at = (static_cast<size_t>(t) * hkv + h) * d + c;
+          ASSERT_EQ(k[at], value(t, h, c)) << "row " << t << " head " << h << " channel " << c;
+          ASSERT_EQ(v[at], -value(t, h, c)) << "row " << t << " head " << h << " channel " << c;
+        }
+      }
+    }
+  }
 }
 
 TEST(DeviceLayoutTest, GearAndMisshapenTensorsAreRefused) {

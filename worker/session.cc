@@ -293,6 +293,24 @@ void Scatter(const float* src, int64_t n, int heads, int d, int64_t cap, int64_t
 
 }  // namespace
 
+void OpenRowsTokenMajor(const OpenLayer& o, int kv_heads, int d, v1::DType dtype, int64_t rows,
+                        std::vector<float>* k, std::vector<float>* v) {
+  const int es = DTypeSize(dtype);
+  const size_t n = static_cast<size_t>(rows), hkv = static_cast<size_t>(kv_heads);
+  k->assign(n * hkv * d, 0.0f);
+  v->assign(k->size(), 0.0f);
+  std::vector<float> head(n * d);
+  for (size_t h = 0; h < hkv; ++h) {
+    for (auto [src, dst] : {std::pair(o.k_head(static_cast<int>(h), d, es), k),
+                            std::pair(o.v_head(static_cast<int>(h), d, es), v)}) {
+      WidenRows(dtype, src, rows * d, head.data());
+      for (size_t t = 0; t < n; ++t) {
+        std::memcpy(dst->data() + (t * hkv + h) * d, head.data() + t * d, d * sizeof(float));
+      }
+    }
+  }
+}
+
 void WidenRows(v1::DType dtype, const uint8_t* src, int64_t count, float* out) {
   switch (dtype) {
     case v1::DTYPE_FP16: {

@@ -119,6 +119,13 @@ struct OpenLayer {
   size_t HeldBytes() const { return k.capacity() + v.capacity() + q.capacity() * sizeof(float); }
 };
 
+// The open round's first `rows` rows of K and V as fp32, token-major
+// [rows, kv_heads, d]: what the step's new rows look like as they arrive, and
+// how the GPU's mirror of the open round holds them (a session arriving in a
+// hand-off loads its open round into the mirror this way).
+void OpenRowsTokenMajor(const OpenLayer& o, int kv_heads, int d, v1::DType dtype, int64_t rows,
+                        std::vector<float>* k, std::vector<float>* v);
+
 // Where a session is in its round. Transitions (one place each):
 //   kIdle    --PrefillLayer(0)-->           kPrefill
 //   kOpen    --PrefillLayer(0)-->           kPrefill

@@ -338,18 +338,8 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
                     sh.q_heads * q_bytes);
       }
       if (s->device != nullptr && o.rows > 0) {
-        // The device's mirror of the open round: fp32, token-major.
-        const size_t rows = static_cast<size_t>(o.rows), hkv = static_cast<size_t>(sh.kv_heads);
-        std::vector<float> head(rows * d), k(rows * hkv * d), v(k.size());
-        for (size_t h = 0; h < hkv; ++h) {
-          for (auto [src, dst] :
-               {std::pair(o.k_head(h, d, es), &k), std::pair(o.v_head(h, d, es), &v)}) {
-            WidenRows(sh.dtype, src, static_cast<int64_t>(rows) * d, head.data());
-            for (size_t t = 0; t < rows; ++t) {
-              std::memcpy(dst->data() + (t * hkv + h) * d, head.data() + t * d, d * sizeof(float));
-            }
-          }
-        }
+        std::vector<float> k, v;
+        OpenRowsTokenMajor(o, sh.kv_heads, d, sh.dtype, o.rows, &k, &v);
         KVT_RETURN_IF_ERROR(s->device->LoadOpen(l, k.data(), v.data(), o.rows));
       }
       li.open = std::string();  // Copied; the past payload stays shared.
