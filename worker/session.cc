@@ -185,7 +185,11 @@ absl::Status Engine::Session::Place(RoundLayer& rl, int layer) {
   if (device == nullptr) return absl::OkStatus();
   std::vector<std::pair<EncodedView, EncodedView>> views;
   for (const HeadKv& hk : rl.heads) views.emplace_back(hk.kview, hk.vview);
-  KVT_ASSIGN_OR_RETURN(rl.device, UploadLayer(views, shape.head_dim, rl.tensors));
+  // Only layers that drop their host tensors (below) need to be read back
+  // from the device; layer L_w keeps its own.
+  KVT_ASSIGN_OR_RETURN(rl.device,
+                       UploadLayer(views, shape.head_dim,
+                                   layer != lw ? rl.tensors : std::vector<std::string_view>()));
   if (layer != lw) {
     for (HeadKv& hk : rl.heads) {
       hk.kview = {};
@@ -297,8 +301,8 @@ void OpenRowsTokenMajor(const OpenLayer& o, int kv_heads, int d, v1::DType dtype
                         std::vector<float>* k, std::vector<float>* v) {
   const int es = DTypeSize(dtype);
   const size_t n = static_cast<size_t>(rows), hkv = static_cast<size_t>(kv_heads);
-  k->assign(n * hkv * d, 0.0f);
-  v->assign(k->size(), 0.0f);
+  k->resize(n * hkv * d);  // Every element is written below.
+  v->resize(k->size());
   std::vector<float> head(n * d);
   for (size_t h = 0; h < hkv; ++h) {
     for (auto [src, dst] : {std::pair(o.k_head(static_cast<int>(h), d, es), k),
