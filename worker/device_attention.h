@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/codec.h"
 #include "worker/device_layout.h"
+#include "worker/device_transfer.h"
 
 namespace kvtier::worker {
 
@@ -49,6 +50,14 @@ class DeviceLayer {
   // Download gives: INTERNAL for a layer uploaded without its serialized
   // tensors.
   absl::Status Serialized(std::vector<std::string>* tensors) const;
+  // The staged array's size (what Download gives).
+  virtual size_t staged_bytes() const = 0;
+  // How each tensor is made again from the staged array (K, V per head;
+  // empty when the layer cannot be read back).
+  const std::vector<Unstaging>& unstaging() const { return unstaging_; }
+  // The CUDA IPC handle of the staged array's allocation (64 bytes), for a
+  // receiver in another process on this GPU (docs/transfer.md).
+  virtual absl::StatusOr<std::string> IpcHandle() const = 0;
 
  protected:
   // Per KV head, K then V; empty when the upload had no serialized tensors.
@@ -64,6 +73,22 @@ class DeviceLayer {
 absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(
     const std::vector<std::pair<EncodedView, EncodedView>>& heads, int head_dim,
     const std::vector<std::string_view>& tensors = {});
+
+// This process's identity for the CUDA IPC path, its probe buffer made on
+// first use. FAILED_PRECONDITION without a usable device.
+absl::StatusOr<DeviceIdentity> LocalDeviceIdentity();
+
+// OK when this process reads `peer`'s probe through its IPC handle and finds
+// its nonce (IpcPeerCheck having passed); FAILED_PRECONDITION saying why
+// not. Remembered per peer handle.
+absl::Status ProbeIpcPeer(const DeviceIdentity& peer);
+
+// A device round's layer copied out of another process's device memory: the
+// allocation behind `ipc_handle` must hold at least layout.staged_bytes
+// (checked before the copy), which are copied device to device into an
+// allocation of this process; the handle is closed before returning.
+absl::StatusOr<std::unique_ptr<DeviceLayer>> OpenIpcLayer(std::string_view ipc_handle,
+                                                          DeviceRoundLayout layout);
 
 // Per-session device state: the open round's K/V mirror per layer and the
 // scratch buffers of the attention calls.

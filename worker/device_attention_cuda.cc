@@ -1,10 +1,15 @@
 // The CUDA build of worker/device_attention.h.
 #include <cuda_runtime.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <random>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "base/status_macros.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "worker/device_attention.h"
@@ -69,14 +74,20 @@ class CudaLayer : public DeviceLayer {
  public:
   int64_t bytes() const override { return static_cast<int64_t>(buf.size()); }
   absl::Status Download(std::string* staged) const override {
-    staged->resize(staged_bytes);
-    KVT_CUDA(cudaMemcpy(staged->data(), buf.as<uint8_t>(), staged_bytes, cudaMemcpyDeviceToHost),
+    staged->resize(staged_);
+    KVT_CUDA(cudaMemcpy(staged->data(), buf.as<uint8_t>(), staged_, cudaMemcpyDeviceToHost),
              "download layer");
     return absl::OkStatus();
   }
+  size_t staged_bytes() const override { return staged_; }
+  absl::StatusOr<std::string> IpcHandle() const override {
+    cudaIpcMemHandle_t h;
+    KVT_CUDA(cudaIpcGetMemHandle(&h, buf.as<void>()), "cudaIpcGetMemHandle");
+    return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+  }
   void SetUnstaging(std::vector<Unstaging> u) { unstaging_ = std::move(u); }
   DeviceBuffer buf;
-  size_t staged_bytes = 0;
+  size_t staged_ = 0;
   // Per KV head, K and V, pointers into buf.
   std::vector<std::pair<cuda::SegKv, cuda::SegKv>> heads;
   std::vector<int64_t> lens;
@@ -240,7 +251,7 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(
   }
   if (!readable) unstaging.clear();
   layer->SetUnstaging(std::move(unstaging));
-  layer->staged_bytes = host.size();
+  layer->staged_ = host.size();
   KVT_RETURN_IF_ERROR(layer->buf.Reserve(std::max<size_t>(host.size(), 1)));
   KVT_CUDA(cudaMemcpy(layer->buf.as<uint8_t>(), host.data(), host.size(), cudaMemcpyHostToDevice),
            "upload layer");
@@ -248,6 +259,180 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(
     layer->heads.emplace_back(PlaceStaged(pk, layer->buf.as<uint8_t>()),
                               PlaceStaged(pv, layer->buf.as<uint8_t>()));
   }
+  return std::unique_ptr<DeviceLayer>(std::move(layer));
+}
+
+// ---- The CUDA IPC path (docs/transfer.md) ----
+
+namespace {
+
+absl::StatusOr<cudaIpcMemHandle_t> HandleFrom(std::string_view bytes) {
+  cudaIpcMemHandle_t h;
+  if (bytes.size() != sizeof(h)) {
+    return absl::InvalidArgumentError(absl::StrCat("a CUDA IPC handle of ", bytes.size(),
+                                                   " bytes; it has ", sizeof(h)));
+  }
+  std::memcpy(&h, bytes.data(), sizeof(h));
+  return h;
+}
+
+// Another process's allocation, open in this one while it lives.
+class OpenedHandle {
+ public:
+  OpenedHandle() = default;
+  OpenedHandle(const OpenedHandle&) = delete;
+  OpenedHandle& operator=(const OpenedHandle&) = delete;
+  ~OpenedHandle() {
+    if (p_ != nullptr) cudaIpcCloseMemHandle(p_);
+  }
+  absl::Status Open(std::string_view bytes) {
+    KVT_ASSIGN_OR_RETURN(cudaIpcMemHandle_t h, HandleFrom(bytes));
+    const cudaError_t e = cudaIpcOpenMemHandle(&p_, h, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess) {
+      p_ = nullptr;
+      cudaGetLastError();  // Not sticky: clear it.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot open the sender's device memory (cudaIpcOpenMemHandle: ", cudaGetErrorString(e),
+          ")"));
+    }
+    return absl::OkStatus();
+  }
+  const void* get() const { return p_; }
+
+ private:
+  void* p_ = nullptr;
+};
+
+// The size of the allocation `p` starts, through the driver's
+// cuMemGetAddressRange (looked up at run time: kvtier does not link
+// libcuda). FAILED_PRECONDITION when the driver does not say, or `p` is not
+// an allocation's start.
+absl::StatusOr<size_t> AllocationSize(const void* p) {
+  using GetRange = int (*)(unsigned long long*, size_t*, unsigned long long);
+  static const GetRange get_range = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      return static_cast<GetRange>(nullptr);
+    }
+    return reinterpret_cast<GetRange>(f);
+  }();
+  if (get_range == nullptr) {
+    return absl::FailedPreconditionError(
+        "the CUDA driver does not give cuMemGetAddressRange: an opened allocation's size cannot "
+        "be checked");
+  }
+  unsigned long long base = 0;
+  size_t size = 0;
+  const auto at = static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(p));
+  if (get_range(&base, &size, at) != 0 || base != at) {
+    return absl::FailedPreconditionError("the opened device memory is not an allocation's start");
+  }
+  return size;
+}
+
+constexpr size_t kNonceBytes = 16;
+
+struct Probe {
+  absl::Mutex mu;
+  bool made ABSL_GUARDED_BY(mu) = false;
+  absl::StatusOr<DeviceIdentity> id ABSL_GUARDED_BY(mu) = absl::UnknownError("unset");
+  void* buffer ABSL_GUARDED_BY(mu) = nullptr;  // Kept for the process's life.
+  // Peers probed: (handle, nonce) -> what the probe found.
+  std::map<std::string, absl::Status> peers ABSL_GUARDED_BY(mu);
+};
+
+Probe& TheProbe() {
+  static Probe* p = new Probe;
+  return *p;
+}
+
+absl::StatusOr<DeviceIdentity> MakeIdentity(void** buffer) {
+  KVT_RETURN_IF_ERROR(DeviceStatus());
+  DeviceIdentity id;
+  int dev = 0;
+  KVT_CUDA(cudaGetDevice(&dev), "cudaGetDevice");
+  cudaDeviceProp prop;
+  KVT_CUDA(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
+  id.gpu_uuid.assign(prop.uuid.bytes, sizeof(prop.uuid.bytes));
+  id.boot_id = BootId();
+  id.pid = static_cast<uint64_t>(getpid());
+  std::random_device rd;
+  id.probe_nonce.resize(kNonceBytes);
+  for (char& c : id.probe_nonce) c = static_cast<char>(rd());
+  KVT_CUDA(cudaMalloc(buffer, 256), "cudaMalloc probe");
+  KVT_CUDA(cudaMemcpy(*buffer, id.probe_nonce.data(), kNonceBytes, cudaMemcpyHostToDevice),
+           "write probe");
+  cudaIpcMemHandle_t h;
+  KVT_CUDA(cudaIpcGetMemHandle(&h, *buffer), "cudaIpcGetMemHandle probe");
+  id.probe_handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  return id;
+}
+
+}  // namespace
+
+absl::StatusOr<DeviceIdentity> LocalDeviceIdentity() {
+  Probe& p = TheProbe();
+  absl::MutexLock lock(&p.mu);
+  if (!p.made) {
+    p.made = true;
+    p.id = MakeIdentity(&p.buffer);
+  }
+  return p.id;
+}
+
+absl::Status ProbeIpcPeer(const DeviceIdentity& peer) {
+  const std::string key = peer.probe_handle + peer.probe_nonce;
+  Probe& p = TheProbe();
+  {
+    absl::MutexLock lock(&p.mu);
+    auto it = p.peers.find(key);
+    if (it != p.peers.end()) return it->second;
+  }
+  absl::Status st = [&]() -> absl::Status {
+    OpenedHandle opened;
+    KVT_RETURN_IF_ERROR(opened.Open(peer.probe_handle));
+    std::string seen(kNonceBytes, '\0');
+    KVT_CUDA(cudaMemcpy(seen.data(), opened.get(), kNonceBytes, cudaMemcpyDeviceToHost),
+             "read probe");
+    if (seen != peer.probe_nonce) {
+      return absl::FailedPreconditionError("the sender's probe does not hold its nonce");
+    }
+    return absl::OkStatus();
+  }();
+  if (!st.ok()) st = absl::FailedPreconditionError(absl::StrCat("CUDA IPC probe: ", st.message()));
+  absl::MutexLock lock(&p.mu);
+  if (p.peers.size() >= 1024) p.peers.clear();
+  p.peers.emplace(key, st);
+  return st;
+}
+
+absl::StatusOr<std::unique_ptr<DeviceLayer>> OpenIpcLayer(std::string_view ipc_handle,
+                                                          DeviceRoundLayout layout) {
+  auto layer = std::make_unique<CudaLayer>();
+  layer->staged_ = layout.staged_bytes;
+  KVT_RETURN_IF_ERROR(layer->buf.Reserve(std::max<size_t>(layout.staged_bytes, 1)));
+  {
+    OpenedHandle src;
+    KVT_RETURN_IF_ERROR(src.Open(ipc_handle));
+    KVT_ASSIGN_OR_RETURN(size_t size, AllocationSize(src.get()));
+    if (size < layout.staged_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("the sender's device allocation holds ", size,
+                                                     " bytes; its round says ",
+                                                     layout.staged_bytes));
+    }
+    KVT_CUDA(cudaMemcpy(layer->buf.as<void>(), src.get(), layout.staged_bytes,
+                        cudaMemcpyDeviceToDevice),
+             "copy device round");
+  }  // Closed before the sender may free it.
+  for (size_t h = 0; h < layout.heads.size(); ++h) {
+    layer->heads.emplace_back(PlaceStaged(layout.heads[h].first, layer->buf.as<uint8_t>()),
+                              PlaceStaged(layout.heads[h].second, layer->buf.as<uint8_t>()));
+  }
+  layer->lens = std::move(layout.lens);
+  layer->SetUnstaging(std::move(layout.unstaging));
   return std::unique_ptr<DeviceLayer>(std::move(layer));
 }
 

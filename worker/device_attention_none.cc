@@ -24,6 +24,12 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(
   return NotBuilt();
 }
 
+absl::StatusOr<DeviceIdentity> LocalDeviceIdentity() { return NotBuilt(); }
+absl::Status ProbeIpcPeer(const DeviceIdentity&) { return NotBuilt(); }
+absl::StatusOr<std::unique_ptr<DeviceLayer>> OpenIpcLayer(std::string_view, DeviceRoundLayout) {
+  return NotBuilt();
+}
+
 absl::StatusOr<std::unique_ptr<DeviceSession>> NewDeviceSession(int, int, int, int) {
   return NotBuilt();
 }

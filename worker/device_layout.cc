@@ -13,20 +13,44 @@ namespace {
 int DtypeCode(v1::DType t) { return t == v1::DTYPE_FP32 ? 0 : t == v1::DTYPE_FP16 ? 1 : 2; }
 int64_t DtypeBytes(v1::DType t) { return t == v1::DTYPE_FP32 ? 4 : 2; }
 
+// Where the staged array ends: `host`'s size, or a bare count where nothing
+// is copied (LayOutView).
+struct StagedEnd {
+  std::vector<uint8_t>* host = nullptr;
+  size_t end = 0;
+};
+
 // Appends `bytes` at a 256-byte boundary and returns the offset.
-size_t Stage(std::vector<uint8_t>* host, const void* src, size_t bytes, StagedKv* p) {
-  const size_t off = (host->size() + 255) / 256 * 256;
-  host->resize(off + bytes);
+size_t Stage(StagedEnd* to, const void* src, size_t bytes, StagedKv* p) {
+  const size_t off = (to->end + 255) / 256 * 256;
+  to->end = off + bytes;
+  if (to->host != nullptr) to->host->resize(to->end);
   if (bytes > 0) {
-    std::memcpy(host->data() + off, src, bytes);
+    if (to->host != nullptr) std::memcpy(to->host->data() + off, src, bytes);
     p->regions.push_back({static_cast<const uint8_t*>(src), off, bytes});
   }
   return off;
 }
 
+absl::StatusOr<StagedKv> StageInto(const EncodedView& v, int head_dim, StagedEnd* host);
+
 }  // namespace
 
 absl::StatusOr<StagedKv> StageView(const EncodedView& v, int head_dim, std::vector<uint8_t>* host) {
+  StagedEnd to{host, host->size()};
+  return StageInto(v, head_dim, &to);
+}
+
+absl::StatusOr<StagedKv> LayOutView(const EncodedView& v, int head_dim, size_t* staged_end) {
+  StagedEnd to{nullptr, *staged_end};
+  absl::StatusOr<StagedKv> p = StageInto(v, head_dim, &to);
+  *staged_end = to.end;
+  return p;
+}
+
+namespace {
+
+absl::StatusOr<StagedKv> StageInto(const EncodedView& v, int head_dim, StagedEnd* host) {
   const int d = head_dim;
   if (v.slabs != 1 || v.head_dim != d) {
     return absl::InvalidArgumentError("device layers hold [1, tokens, head_dim] tensors");
@@ -57,6 +81,8 @@ absl::StatusOr<StagedKv> StageView(const EncodedView& v, int head_dim, std::vect
   }
   return p;
 }
+
+}  // namespace
 
 cuda::SegKv PlaceStaged(const StagedKv& s, const uint8_t* base) {
   cuda::SegKv kv = s.kv;

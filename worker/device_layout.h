@@ -36,6 +36,11 @@ struct StagedKv {
 // `head_dim`; raw, KIVI and KCVT only (UNIMPLEMENTED for GEAR's parts).
 absl::StatusOr<StagedKv> StageView(const EncodedView& v, int head_dim, std::vector<uint8_t>* host);
 
+// The same layout with nothing copied: `*staged_end` is the staged array's
+// size before the view and after it (a receiver of device rounds lays their
+// tensors out itself to check what it was sent).
+absl::StatusOr<StagedKv> LayOutView(const EncodedView& v, int head_dim, size_t* staged_end);
+
 // The descriptor once the staged array lives at `base`.
 cuda::SegKv PlaceStaged(const StagedKv& s, const uint8_t* base);
 

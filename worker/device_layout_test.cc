@@ -6,6 +6,8 @@
 // (tests/worker_device_test.cc) covers the rest of the device path.
 #include "worker/device_layout.h"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <random>
 #include <string>
@@ -15,6 +17,7 @@
 #include "kernels/encoded_tensor.h"
 #include "kernels/half.h"
 #include "tests/util/status_matchers.h"
+#include "worker/device_transfer.h"
 #include "worker/session.h"
 
 namespace kvtier::worker {
@@ -200,6 +203,173 @@ TEST(DeviceLayoutTest, GearAndMisshapenTensorsAreRefused) {
       enc, Encode(kivi, v1::TENSOR_ROLE_KEY, shape, x.data(), KernelLevel::kReference));
   KVT_ASSERT_OK_AND_ASSIGN(view, ParseEncoded(enc));
   EXPECT_THAT(StageView(view, 128, &host), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// ---- The CUDA IPC path's host side (worker/device_transfer.h) ----
+
+// One past round's layer as a sender holds it on its GPU: the serialized
+// tensors (K, V per head, heads of the given lengths), the staged array the
+// upload made of them, and how each tensor is made again from it.
+struct SentRound {
+  std::string payload;  // The tensors' SegmentPayload, which `parts` views.
+  std::vector<TensorParts> parts;
+  std::vector<uint8_t> staged;
+  std::vector<std::pair<StagedKv, StagedKv>> plans;
+  std::vector<Unstaging> unstaging;
+};
+
+void MakeSentRound(const char* setting, int d, const std::vector<int64_t>& lens, SentRound* r) {
+  KVT_ASSERT_OK_AND_ASSIGN(CodecConfig codec, ParseCodecSetting(setting));
+  v1::SegmentPayload payload;
+  for (size_t h = 0; h < lens.size(); ++h) {
+    const int64_t shape[3] = {1, lens[h], d};
+    for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+      const std::vector<float> x = Random(static_cast<size_t>(lens[h]) * d, h * 7 + role);
+      KVT_ASSERT_OK_AND_ASSIGN(*payload.add_tensors(),
+                               Encode(codec, role, shape, x.data(), KernelLevel::kReference));
+    }
+  }
+  r->payload = payload.SerializeAsString();
+  KVT_ASSERT_OK_AND_ASSIGN(r->parts, SplitPayload(r->payload));
+  for (size_t h = 0; h < lens.size(); ++h) {
+    KVT_ASSERT_OK_AND_ASSIGN(EncodedView k, ParseEncoded(r->parts[2 * h]));
+    KVT_ASSERT_OK_AND_ASSIGN(EncodedView v, ParseEncoded(r->parts[2 * h + 1]));
+    KVT_ASSERT_OK_AND_ASSIGN(StagedKv pk, StageView(k, d, &r->staged));
+    KVT_ASSERT_OK_AND_ASSIGN(StagedKv pv, StageView(v, d, &r->staged));
+    KVT_ASSERT_OK_AND_ASSIGN(Unstaging uk, PlanUnstaging(r->parts[2 * h].bytes, pk));
+    KVT_ASSERT_OK_AND_ASSIGN(Unstaging uv, PlanUnstaging(r->parts[2 * h + 1].bytes, pv));
+    r->unstaging.push_back(std::move(uk));
+    r->unstaging.push_back(std::move(uv));
+    r->plans.emplace_back(std::move(pk), std::move(pv));
+  }
+}
+
+bool SameKv(const cuda::SegKv& a, const cuda::SegKv& b) {
+  return a.dtype == b.dtype && a.quantized_kind == b.quantized_kind && a.bits == b.bits &&
+         a.group == b.group && a.key == b.key && a.quantized == b.quantized &&
+         a.token_stride == b.token_stride && a.raw == b.raw && a.codes == b.codes &&
+         a.scales == b.scales && a.zeros == b.zeros &&
+         (a.quantized_kind == 0 || a.residual == b.residual);
+}
+
+// A receiver lays a device round out itself from the sender's description
+// (the tensors' metadata and where their regions go): for every codec the
+// device reads, it finds the sender's descriptors, token counts and sizes,
+// and the tensors it would read back equal the sender's byte for byte.
+TEST(DeviceTransferTest, ReceiverLaysOutTheSendersRoundExactly) {
+  int cases = 0;
+  for (const char* setting : kSettings) {
+    for (const std::vector<int64_t>& lens :
+         std::vector<std::vector<int64_t>>{{1}, {33, 100, 7}, {64, 1, 5}}) {
+      SCOPED_TRACE(std::string(setting) + " heads=" + std::to_string(lens.size()));
+      const int d = 64;
+      SentRound sent;
+      MakeSentRound(setting, d, lens, &sent);
+      KVT_ASSERT_OK_AND_ASSIGN(
+          DeviceRoundLayout got,
+          CheckDeviceRound(sent.unstaging, sent.staged.size(), static_cast<int>(lens.size()), d));
+      EXPECT_EQ(got.staged_bytes, sent.staged.size());
+      EXPECT_EQ(got.lens, lens);
+      int64_t bytes = 0;
+      for (const TensorParts& p : sent.parts) bytes += static_cast<int64_t>(p.bytes.size());
+      EXPECT_EQ(got.bytes, bytes);
+      ASSERT_EQ(got.heads.size(), lens.size());
+      for (size_t h = 0; h < lens.size(); ++h) {
+        // Placed at the same base, the descriptors are the sender's.
+        EXPECT_TRUE(SameKv(PlaceStaged(got.heads[h].first, sent.staged.data()),
+                           PlaceStaged(sent.plans[h].first, sent.staged.data())));
+        EXPECT_TRUE(SameKv(PlaceStaged(got.heads[h].second, sent.staged.data()),
+                           PlaceStaged(sent.plans[h].second, sent.staged.data())));
+      }
+      ASSERT_EQ(got.unstaging.size(), sent.parts.size());
+      for (size_t t = 0; t < sent.parts.size(); ++t) {
+        std::string rebuilt;
+        ASSERT_THAT(Unstage(got.unstaging[t], sent.staged.data(), sent.staged.size(), &rebuilt),
+                    ::kvtier::testing::IsOk());
+        EXPECT_EQ(rebuilt, sent.parts[t].bytes);
+      }
+      ++cases;
+    }
+  }
+  EXPECT_EQ(cases, 11 * 3);
+}
+
+// Whatever a sender (or anyone reaching TransferSession) claims, the
+// receiver refuses a description that does not lay out as its metadata says,
+// before it opens a handle: regions moved, resized or beyond the staged
+// array, a wrong staged size, metadata that does not parse, the wrong
+// number of tensors, K and V of different lengths, another head_dim.
+TEST(DeviceTransferTest, ReceiverRefusesADescriptionThatDoesNotLayOut) {
+  const int d = 64;
+  SentRound sent;
+  MakeSentRound("kivi4:R=8", d, {40, 40}, &sent);
+  const size_t size = sent.staged.size();
+  ASSERT_THAT(CheckDeviceRound(sent.unstaging, size, 2, d), ::kvtier::testing::IsOk());
+  auto refused = [&](std::vector<Unstaging> u, size_t staged, int heads, int dim) {
+    return CheckDeviceRound(std::move(u), staged, heads, dim).status();
+  };
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  {
+    std::vector<Unstaging> u = sent.unstaging;
+    u[1].cuts[0].offset += 256;  // Another tensor's place.
+    EXPECT_THAT(refused(u, size, 2, d), StatusIs(kInvalid));
+  }
+  {
+    std::vector<Unstaging> u = sent.unstaging;
+    u[2].cuts[1].size += 2;  // The metadata says otherwise.
+    EXPECT_THAT(refused(u, size, 2, d), StatusIs(kInvalid));
+  }
+  {
+    std::vector<Unstaging> u = sent.unstaging;
+    u[3].cuts.back().size = size_t{1} << 60;  // Far past the staged array.
+    EXPECT_THAT(refused(u, size, 2, d), StatusIs(kInvalid, ::testing::HasSubstr("exceed")));
+  }
+  {
+    std::vector<Unstaging> u = sent.unstaging;
+    std::swap(u[0].cuts[0], u[0].cuts[1]);  // Out of order.
+    EXPECT_THAT(refused(u, size, 2, d), StatusIs(kInvalid));
+  }
+  EXPECT_THAT(refused(sent.unstaging, size + 1, 2, d), StatusIs(kInvalid));
+  EXPECT_THAT(refused(sent.unstaging, size - 1, 2, d), StatusIs(kInvalid));
+  EXPECT_THAT(refused(sent.unstaging, size, 3, d), StatusIs(kInvalid));
+  EXPECT_THAT(refused(sent.unstaging, size, 2, 128), StatusIs(kInvalid));
+  {
+    std::vector<Unstaging> u = sent.unstaging;
+    u[0].rest.assign(u[0].rest.size(), '\xff');  // Metadata that does not parse.
+    EXPECT_THAT(refused(u, size, 2, d), StatusIs(kInvalid));
+  }
+  {
+    // K of 40 tokens with V of 24: laid out from a round of other lengths.
+    SentRound other;
+    MakeSentRound("kivi4:R=8", d, {24, 24}, &other);
+    std::vector<Unstaging> u = sent.unstaging;
+    u[1] = other.unstaging[1];
+    EXPECT_THAT(refused(u, size, 2, d), StatusIs(kInvalid));
+  }
+}
+
+TEST(DeviceTransferTest, IpcPeersMustShareNodeAndGpuFromAnotherProcess) {
+  DeviceIdentity local{"boot-a", std::string(16, '\1'), 100, "", ""};
+  DeviceIdentity peer{"boot-a", std::string(16, '\1'), 200, std::string(64, 'h'), "nonce"};
+  EXPECT_THAT(IpcPeerCheck(local, peer), ::kvtier::testing::IsOk());
+  const auto kRefused = absl::StatusCode::kFailedPrecondition;
+  DeviceIdentity p = peer;
+  p.boot_id = "boot-b";
+  EXPECT_THAT(IpcPeerCheck(local, p), StatusIs(kRefused, ::testing::HasSubstr("another node")));
+  p = peer;
+  p.gpu_uuid = std::string(16, '\2');
+  EXPECT_THAT(IpcPeerCheck(local, p), StatusIs(kRefused, ::testing::HasSubstr("another GPU")));
+  p = peer;
+  p.pid = local.pid;
+  EXPECT_THAT(IpcPeerCheck(local, p), StatusIs(kRefused, ::testing::HasSubstr("this process")));
+  p = peer;
+  p.probe_handle.clear();
+  EXPECT_THAT(IpcPeerCheck(local, p), StatusIs(kRefused, ::testing::HasSubstr("no complete")));
+  DeviceIdentity blind = local;
+  blind.boot_id.clear();
+  EXPECT_THAT(IpcPeerCheck(blind, peer), StatusIs(kRefused));
+  // This node's boot id is what the identities compare.
+  EXPECT_EQ(BootId().size(), 36u);
 }
 
 }  // namespace

@@ -50,11 +50,14 @@
 #include "kernels/eviction.h"
 #include "kernels/recall.h"
 #include "kernels/speculation.h"
+#include "worker/device_transfer.h"
 #include "worker/handoff_cache.h"
 #include "worker/segment_store.h"
 #include "worker/session_key.h"
 
 namespace kvtier::worker {
+
+class DeviceLayer;  // worker/device_attention.h
 
 struct ModelShape {
   int layers = 0;
@@ -213,6 +216,8 @@ struct SessionImage {
   // The session's incarnation (HandoffCache): the receiver may hold rounds
   // of it already, which then do not travel.
   uint64_t incarnation = 0;
+  // Its working set is on this worker's GPU (export side only).
+  bool on_device = false;
   // The tail.
   int64_t open_tokens = 0;           // Committed tokens of the open round; 0: idle.
   bool recall_ready = false;         // The open round's recall is done.
@@ -256,6 +261,18 @@ struct LayerImage {
   };
   std::vector<Piece> past_pieces;
   std::shared_ptr<const std::string> past;
+  // Of `rounds`, those whose layer lives in device memory only, when the
+  // export was asked for them as they are (ExportLayer's device_rounds):
+  // their range in past_pieces is empty until ResolveDevice reads them back.
+  // On import, the layers a receiver copied device to device (CUDA IPC),
+  // with each head's token count and the tensors' serialized size.
+  struct DeviceRound {
+    uint32_t round = 0;
+    std::shared_ptr<DeviceLayer> layer;
+    std::vector<int64_t> lens;  // Import only.
+    int64_t bytes = 0;
+  };
+  std::vector<DeviceRound> device_rounds;
   // The open round's rows at this layer in the model's dtype: K
   // [kv_heads][open_rows][d], then V, then the queries eviction will read,
   // fp32 [q_heads][q_rows][d] (rows [q_first, q_first + q_rows) of the round).
@@ -273,6 +290,10 @@ struct LayerImage {
   // Returns the tensors' bytes left out (their framing not counted, as in
   // RoundLayer::bytes).
   uint64_t LeaveOut(const std::vector<HandoffCache::Held>& held);
+  // Reads the device rounds back (DeviceLayer::Serialized) into the pieces,
+  // where their rounds' pieces belong: the layer then travels over gRPC
+  // alone. The layers' statuses (INTERNAL for one that cannot be read back).
+  absl::Status ResolveDevice();
 };
 
 struct EngineOptions {
@@ -286,6 +307,11 @@ struct EngineOptions {
   // Default: kAuto.
   enum class Placement { kAuto, kHost, kDevice };
   Placement placement = Placement::kAuto;
+  // The CUDA IPC path of hand-offs (docs/transfer.md): a session on the GPU
+  // offers it to its receiver, and a receiver that places sessions on its
+  // GPU takes it from a sender on the same GPU in another process. false:
+  // every hand-off goes over gRPC. Default: true.
+  bool device_ipc = true;
   // Runs the recall fetches (one GetSegments each), so that they overlap the
   // layers between L_w and L_w + 1. Not owned; it must outlive the engine,
   // and must not be the pool that runs the engine's callers (a caller at
@@ -437,10 +463,13 @@ class Engine {
   // done. The session stays here; ForgetSession drops it once the receiver
   // has it. The caller must not step the session while it exports.
   // OK; NOT_FOUND; FAILED_PRECONDITION while EndRound runs, for a layer the
-  // step has not reached, for the tail in the middle of a step, or for a
-  // working set on the GPU (not transferable yet).
+  // step has not reached, or for the tail in the middle of a step.
+  // A layer living on the GPU only is read back into the pieces, byte for
+  // byte, unless `device_rounds`: then it is lent as it is (LayerImage::
+  // device_rounds), for the CUDA IPC path or a later ResolveDevice.
   absl::StatusOr<SessionImage> ExportSession(const SessionKey& id) const;
-  absl::StatusOr<LayerImage> ExportLayer(const SessionKey& id, int layer) const;
+  absl::StatusOr<LayerImage> ExportLayer(const SessionKey& id, int layer,
+                                         bool device_rounds = false) const;
   absl::Status ExportTail(const SessionKey& id, SessionImage* image) const;
   // What a receiver checks before and while it takes `bytes` of a session:
   // ALREADY_EXISTS when it holds the session, RESOURCE_EXHAUSTED past its
@@ -448,7 +477,9 @@ class Engine {
   absl::Status CheckImport(const SessionKey& id, uint64_t bytes) const;
   // Opens `id` from a transfer: `layers` holds every layer in order. The
   // session is as the sender had it: same past rounds, residency, recall
-  // selection and open round. Host placement. The rounds a layer reuses come
+  // selection and open round, placed by this engine's placement (rounds a
+  // layer carries as device_rounds stay on the GPU, or are read back for a
+  // host session or layer L_w). The rounds a layer reuses come
   // out of the hand-off cache, which must still hold them. OK;
   // INVALID_ARGUMENT for an image that does not fit itself or the policy;
   // DATA_LOSS for malformed tensors; FAILED_PRECONDITION when a reused round
@@ -457,6 +488,14 @@ class Engine {
   // `reused_bytes`, when set, gets the encoded bytes taken from the cache.
   absl::Status ImportSession(const SessionKey& id, const SessionImage& image,
                              std::vector<LayerImage> layers, uint64_t* reused_bytes = nullptr);
+  // Whether this worker takes device rounds through CUDA IPC from a sender
+  // with identity `peer`: OK, or FAILED_PRECONDITION saying why not (the
+  // path is off, sessions here are placed in host memory, no device, or
+  // IpcPeerCheck / ProbeIpcPeer fail).
+  absl::Status AcceptsDeviceRounds(const DeviceIdentity& peer) const;
+  // This worker's identity for offering the CUDA IPC path, or why it offers
+  // none (FAILED_PRECONDITION).
+  absl::StatusOr<DeviceIdentity> OffersDeviceRounds() const;
   // Drops a session that moved to another worker: no store call (its rounds
   // and recall counters are the receiver's now). With `keep_rounds` its past
   // rounds go to the hand-off cache. OK; NOT_FOUND.

@@ -182,7 +182,7 @@ void Engine::Session::BeginStep(int64_t n, bool prefill) {
 }
 
 absl::Status Engine::Session::Place(RoundLayer& rl, int layer) {
-  if (device == nullptr) return absl::OkStatus();
+  if (device == nullptr || rl.device != nullptr) return absl::OkStatus();
   std::vector<std::pair<EncodedView, EncodedView>> views;
   for (const HeadKv& hk : rl.heads) views.emplace_back(hk.kview, hk.vview);
   // Only layers that drop their host tensors (below) need to be read back
@@ -207,6 +207,26 @@ absl::Status Engine::Session::Place(RoundLayer& rl, int layer) {
   rl.tensors = std::move(copy[0]->tensors);
   rl.payload = std::move(own);
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<RoundLayer>> Engine::Session::FromDevice(
+    const LayerImage::DeviceRound& dr, int layer) {
+  if (device != nullptr && layer != lw) {
+    auto rl = std::make_unique<RoundLayer>();
+    rl->bytes = dr.bytes;
+    rl->heads.resize(dr.lens.size());
+    for (size_t h = 0; h < dr.lens.size(); ++h) rl->heads[h].len = dr.lens[h];
+    rl->device = dr.layer;
+    return rl;
+  }
+  // Read back: a host session, or layer L_w, which recall scores on the
+  // host (Place uploads it again with a copy of its own).
+  std::vector<std::string> made;
+  KVT_RETURN_IF_ERROR(dr.layer->Serialized(&made));
+  auto own = std::make_shared<const std::string>(
+      SerializePayload(std::vector<std::string_view>(made.begin(), made.end())));
+  KVT_ASSIGN_OR_RETURN(auto layers, MakeLayers(own, 1, shape.kv_heads, shape.head_dim));
+  return std::move(layers[0]);
 }
 
 uint64_t Engine::Session::DeviceBytes() const {

@@ -42,8 +42,10 @@ struct RoundLayer {
   std::vector<std::string_view> tensors;
   // On a device session: the same K/V in device memory. The host views and
   // payload are then dropped, except at layer L_w (recall scores its keys),
-  // which keeps a copy of its own tensors only.
-  std::unique_ptr<DeviceLayer> device;
+  // which keeps a copy of its own tensors only. Shared with a hand-off in
+  // flight, which lends the layer to its receiver (CUDA IPC) until the
+  // receiver has answered.
+  std::shared_ptr<DeviceLayer> device;
   // Speculation's partial keys, per KV head [len, r] in fp16 (the decoded
   // keys, skewed and cut to `partial_skew`'s partial columns), computed the
   // first time a speculating session scores this layer. Guarded by the
@@ -268,6 +270,12 @@ class Engine::Session {
   // On a device session, uploads `rl` (a layer of a past round) and drops its
   // host tensors unless it is layer L_w. Nothing to do on a host session.
   absl::Status Place(RoundLayer& rl, int layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // A round's layer that arrived in device memory (CUDA IPC): kept there on
+  // a device session, except at layer L_w; read back into host tensors
+  // otherwise (for L_w, Place then uploads it again).
+  absl::StatusOr<std::unique_ptr<RoundLayer>> FromDevice(const LayerImage::DeviceRound& dr,
+                                                         int layer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
   uint64_t DeviceBytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   int64_t WorkingSetBytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);

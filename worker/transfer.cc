@@ -37,12 +37,14 @@ absl::StatusOr<SessionImage> Engine::ExportSession(const SessionKey& id) const {
   im.policy.watershed_layer = s->lw;
   im.round_eviction = s->round_eviction;
   im.incarnation = s->incarnation;
+  im.on_device = s->device != nullptr;
   for (const Session::PastRound& r : s->past)
     im.past.push_back({r.round, r.tokens, r.stored_bytes});
   return im;
 }
 
-absl::StatusOr<LayerImage> Engine::ExportLayer(const SessionKey& id, int layer) const {
+absl::StatusOr<LayerImage> Engine::ExportLayer(const SessionKey& id, int layer,
+                                               bool device_rounds) const {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   absl::MutexLock lock(&s->mu);
   KVT_RETURN_IF_ERROR(CheckExportable(id, s->state));
@@ -70,7 +72,10 @@ absl::StatusOr<LayerImage> Engine::ExportLayer(const SessionKey& id, int layer) 
     im.rounds.push_back(r.round);
     if (rl->trimmed) im.trimmed.push_back(r.round);
     im.round_first_piece.push_back(2 * tensors.size());  // Framing and bytes per tensor.
-    if (rl->tensors.empty() && rl->device != nullptr) {
+    if (rl->tensors.empty() && rl->device != nullptr && device_rounds) {
+      // Lent as it is: the CUDA IPC path, or ResolveDevice off the lock.
+      im.device_rounds.push_back({r.round, rl->device, {}, rl->bytes});
+    } else if (rl->tensors.empty() && rl->device != nullptr) {
       // On the GPU only: read back and made again, byte for byte.
       std::vector<std::string> made;
       KVT_RETURN_IF_ERROR(rl->device->Serialized(&made));
@@ -145,7 +150,15 @@ uint64_t LayerImage::LeaveOut(const std::vector<HandoffCache::Held>& held) {
         h != held.end() &&
         std::binary_search(h->layers.begin(), h->layers.end(), static_cast<uint32_t>(layer)) &&
         std::find(trimmed.begin(), trimmed.end(), rounds[j]) == trimmed.end();
-    if (leave) reused.push_back(rounds[j]);
+    if (leave) {
+      reused.push_back(rounds[j]);
+      auto d = std::find_if(device_rounds.begin(), device_rounds.end(),
+                            [&](const DeviceRound& x) { return x.round == rounds[j]; });
+      if (d != device_rounds.end()) {
+        left_out += static_cast<uint64_t>(d->bytes);
+        device_rounds.erase(d);
+      }
+    }
     first.push_back(kept.size());
     for (size_t i = round_first_piece[j]; i < round_first_piece[j + 1]; ++i) {
       if (leave) {
@@ -161,6 +174,40 @@ uint64_t LayerImage::LeaveOut(const std::vector<HandoffCache::Held>& held) {
   past_pieces = std::move(kept);
   round_first_piece = std::move(first);
   return left_out;
+}
+
+absl::Status LayerImage::ResolveDevice() {
+  for (const DeviceRound& d : device_rounds) {
+    const size_t j = static_cast<size_t>(std::find(rounds.begin(), rounds.end(), d.round) -
+                                         rounds.begin());
+    if (j >= rounds.size() || round_first_piece.size() != rounds.size() + 1) {
+      return absl::InternalError(absl::StrCat("device round ", d.round, " is not in the export"));
+    }
+    std::vector<std::string> made;
+    KVT_RETURN_IF_ERROR(d.layer->Serialized(&made));
+    // Framing and bytes per tensor, as ExportLayer lays out a host round.
+    auto framing = std::make_shared<std::string>();
+    std::vector<size_t> at;
+    for (const std::string& t : made) {
+      at.push_back(framing->size());
+      AppendPayloadFraming(t.size(), framing.get());
+    }
+    at.push_back(framing->size());
+    std::vector<Piece> pieces;
+    for (size_t i = 0; i < made.size(); ++i) {
+      pieces.push_back({framing, std::string_view(framing->data() + at[i], at[i + 1] - at[i])});
+      auto own = std::make_shared<const std::string>(std::move(made[i]));
+      const std::string_view view = *own;
+      pieces.push_back({std::move(own), view});
+    }
+    past_pieces.insert(past_pieces.begin() + static_cast<ptrdiff_t>(round_first_piece[j]),
+                       pieces.begin(), pieces.end());
+    for (size_t k = j + 1; k < round_first_piece.size(); ++k) {
+      round_first_piece[k] += pieces.size();
+    }
+  }
+  device_rounds.clear();
+  return absl::OkStatus();
 }
 
 std::string LayerImage::PastBytes() const {
@@ -272,11 +319,29 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
               "layer ", l, " reuses round ", r, " twice or without carrying it as resident"));
         }
       }
+      for (const LayerImage::DeviceRound& dr : li.device_rounds) {
+        if (std::count_if(li.device_rounds.begin(), li.device_rounds.end(),
+                          [&](const LayerImage::DeviceRound& x) { return x.round == dr.round; }) !=
+                1 ||
+            std::find(li.rounds.begin(), li.rounds.end(), dr.round) == li.rounds.end() ||
+            std::find(li.reused.begin(), li.reused.end(), dr.round) != li.reused.end() ||
+            dr.layer == nullptr || dr.lens.size() != static_cast<size_t>(sh.kv_heads)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "layer ", l, " carries device round ", dr.round,
+              " twice, reused, without carrying it as resident, or not of this model"));
+        }
+      }
       // Pieces (an export handed over in process): one buffer of them.
-      if (li.past == nullptr) li.past = std::make_shared<const std::string>(li.PastBytes());
+      if (li.past == nullptr) {
+        KVT_RETURN_IF_ERROR(li.ResolveDevice());  // In process: as gRPC would carry them.
+        li.past = std::make_shared<const std::string>(li.PastBytes());
+      }
       KVT_ASSIGN_OR_RETURN(
-          auto made, MakeLayers(li.past, static_cast<int>(li.rounds.size() - li.reused.size()),
-                                sh.kv_heads, d));
+          auto made,
+          MakeLayers(li.past,
+                     static_cast<int>(li.rounds.size() - li.reused.size() -
+                                      li.device_rounds.size()),
+                     sh.kv_heads, d));
       size_t prev = 0, next = 0;
       for (size_t j = 0; j < li.rounds.size(); ++j) {
         auto it = index.find(li.rounds[j]);
@@ -286,6 +351,13 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
         }
         prev = it->second;
         std::unique_ptr<RoundLayer>& slot = s->past[it->second].layers[l];
+        auto dr = std::find_if(
+            li.device_rounds.begin(), li.device_rounds.end(),
+            [&](const LayerImage::DeviceRound& x) { return x.round == li.rounds[j]; });
+        if (dr != li.device_rounds.end()) {
+          KVT_ASSIGN_OR_RETURN(slot, s->FromDevice(*dr, l));
+          continue;
+        }
         if (std::find(li.reused.begin(), li.reused.end(), li.rounds[j]) == li.reused.end()) {
           slot = std::move(made[next++]);
           continue;
@@ -385,6 +457,26 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
                                 {"bytes", bytes},
                                 {"reused_bytes", reused_bytes}});
   return absl::OkStatus();
+}
+
+absl::Status Engine::AcceptsDeviceRounds(const DeviceIdentity& peer) const {
+  if (!options_.device_ipc) {
+    return absl::FailedPreconditionError("this worker runs with --device_transfer=grpc");
+  }
+  if (options_.placement == EngineOptions::Placement::kHost) {
+    return absl::FailedPreconditionError(
+        "this worker keeps sessions in host memory (--placement=host)");
+  }
+  KVT_ASSIGN_OR_RETURN(DeviceIdentity local, LocalDeviceIdentity());
+  KVT_RETURN_IF_ERROR(IpcPeerCheck(local, peer));
+  return ProbeIpcPeer(peer);
+}
+
+absl::StatusOr<DeviceIdentity> Engine::OffersDeviceRounds() const {
+  if (!options_.device_ipc) {
+    return absl::FailedPreconditionError("the sending worker runs with --device_transfer=grpc");
+  }
+  return LocalDeviceIdentity();
 }
 
 absl::Status Engine::ForgetSession(const SessionKey& id, bool keep_rounds) {

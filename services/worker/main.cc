@@ -59,6 +59,10 @@ ABSL_FLAG(std::string, role, "both",
 ABSL_FLAG(std::string, skew_dir, "",
           "Directory of skew files (kvtier calibrate infinigen) to load at start, every "
           "regular file in it; sessions whose policy names one speculate without an upload.");
+ABSL_FLAG(std::string, device_transfer, "auto",
+          "How hand-offs of sessions on the GPU move their past rounds: auto (device to device "
+          "through CUDA IPC when sender and receiver share this node's GPU from two processes, "
+          "gRPC otherwise) or grpc (always over the stream).");
 ABSL_FLAG(std::string, placement, "auto",
           "Where working sets live: auto (the GPU when this build has CUDA and a device is "
           "visible, for raw/KIVI/KCVT sessions; host memory otherwise), host, or device "
@@ -144,6 +148,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvtier-worker: --role must be both, prefill or decode\n");
     return 2;
   }
+  const std::string device_transfer = absl::GetFlag(FLAGS_device_transfer);
+  if (device_transfer != "auto" && device_transfer != "grpc") {
+    std::fprintf(stderr, "kvtier-worker: --device_transfer must be auto or grpc\n");
+    return 2;
+  }
+  o.engine.device_ipc = device_transfer == "auto";
   const std::string placement = absl::GetFlag(FLAGS_placement);
   using Placement = kvtier::worker::EngineOptions::Placement;
   if (placement == "auto") {

@@ -48,6 +48,15 @@ absl::Status SessionSender::Begin() {
   KVT_ASSIGN_OR_RETURN(image_, engine_->ExportSession(id_));
   incarnation_ = image_.incarnation;
   has_past_ = !image_.past.empty();
+  on_device_ = image_.on_device;
+  if (on_device_ && has_past_) {
+    absl::StatusOr<worker::DeviceIdentity> offer = engine_->OffersDeviceRounds();
+    if (offer.ok()) {
+      offer_ = IdentityToProto(*offer);
+    } else {
+      refusal_ = std::string(offer.status().message());
+    }
+  }
   call_ = std::make_unique<RawCall>(channel_, &ctx_, "/kvtier.v1.Worker/TransferSession");
   {
     absl::MutexLock lock(&mu_);
@@ -62,7 +71,10 @@ absl::Status SessionSender::Begin() {
 }
 
 absl::Status SessionSender::SendLayer(int layer) {
-  KVT_ASSIGN_OR_RETURN(worker::LayerImage li, engine_->ExportLayer(id_, layer));
+  // A layer on the GPU is lent as it is: the thread copies it out over
+  // gRPC, or names it for the receiver to copy (CUDA IPC).
+  KVT_ASSIGN_OR_RETURN(worker::LayerImage li,
+                       engine_->ExportLayer(id_, layer, /*device_rounds=*/on_device_));
   absl::MutexLock lock(&mu_);
   if (!sent_layer_) {
     first_layer_ = std::chrono::steady_clock::now();
@@ -85,41 +97,101 @@ absl::StatusOr<v1::TransferReport> SessionSender::Finish() {
   queue_.emplace_back(TailToProto(image_));
   finished_ = true;
   mu_.Await(absl::Condition(&done_));
-  if (!status_.ok()) {
-    absl::Status s = FromGrpc(status_);
+  if (!failure_.ok() || !status_.ok()) {
+    absl::Status s = !failure_.ok() ? failure_ : FromGrpc(status_);
     return absl::Status(s.code(), absl::StrCat("transfer of session ", id_.ToString(), " to ",
                                                target_, " failed: ", s.message()));
   }
   report_.set_transfer_ms(worker::MsSince(first_layer_));
   report_.set_exposed_ms(worker::MsSince(wait_start));
+  if (on_device_ && !ipc_) report_.set_device_refusal(refusal_);
   return report_;
 }
 
+std::string SessionSender::path() {
+  absl::MutexLock lock(&mu_);
+  return report_.path();
+}
+
 void SessionSender::AskHeld() {
-  if (!has_past_ || incarnation_ == 0) return;
+  if (!has_past_ || (incarnation_ == 0 && !offer_.has_value())) return;
   grpc::ClientContext ctx;
   if (!authorization_.empty()) ctx.AddMetadata("authorization", authorization_);
   ctx.set_deadline(absl::ToChronoTime(deadline_));
   v1::HeldRoundsRequest req;
   req.set_session_id(id_.session);
   req.set_incarnation(incarnation_);
+  if (offer_.has_value()) *req.mutable_device() = *offer_;
   v1::HeldRoundsResponse resp;
   const grpc::Status st = v1::Worker::NewStub(channel_)->HeldRounds(&ctx, req, &resp);
   if (!st.ok()) {
     LogDebug("hand-off without reuse: HeldRounds failed",
              {{"session", id_.ToString()}, {"target", target_}, {"error", st.error_message()}});
+    if (offer_.has_value()) refusal_ = absl::StrCat("HeldRounds failed: ", st.error_message());
     return;
   }
+  if (offer_.has_value()) {
+    ipc_ = std::find(resp.device_paths().begin(), resp.device_paths().end(), "cuda_ipc") !=
+           resp.device_paths().end();
+    if (!ipc_) {
+      refusal_ = resp.device_refusal().empty() ? "the receiver predates the CUDA IPC path"
+                                               : resp.device_refusal();
+    }
+  }
+  if (incarnation_ == 0) return;
   for (const v1::HeldRoundsResponse::Round& r : resp.rounds()) {
     held_.push_back({r.round(), {r.layers().begin(), r.layers().end()}});
   }
 }
 
+bool SessionSender::PlaceDeviceRounds(worker::LayerImage* li, v1::TransferLayer* info,
+                                      uint64_t* device_bytes) {
+  *device_bytes = 0;
+  if (li->device_rounds.empty()) return true;
+  if (ipc_) {
+    std::vector<v1::TransferDeviceRound> rounds;
+    for (const worker::LayerImage::DeviceRound& d : li->device_rounds) {
+      absl::StatusOr<std::string> handle = d.layer->IpcHandle();
+      if (!handle.ok() || d.layer->unstaging().empty()) {
+        // This layer goes over gRPC; the next ones try again.
+        LogWarn("device round sent over gRPC", {{"session", id_.ToString()},
+                                                 {"round", d.round},
+                                                 {"error", handle.status().ToString()}});
+        rounds.clear();
+        break;
+      }
+      rounds.push_back(DeviceRoundToProto(d.round, d.layer->staged_bytes(), *std::move(handle),
+                                          d.layer->unstaging()));
+      *device_bytes += d.layer->staged_bytes();
+    }
+    if (!rounds.empty()) {
+      for (v1::TransferDeviceRound& r : rounds) *info->add_device_rounds() = std::move(r);
+      for (worker::LayerImage::DeviceRound& d : li->device_rounds) {
+        lent_.push_back(std::move(d.layer));
+      }
+      li->device_rounds.clear();
+      return true;
+    }
+    *device_bytes = 0;
+  }
+  absl::Status st = li->ResolveDevice();
+  if (st.ok()) return true;
+  absl::MutexLock lock(&mu_);
+  failure_ = st;
+  ctx_.TryCancel();
+  return false;
+}
+
 bool SessionSender::WriteLayer(worker::LayerImage li) {
   // The bytes stay where the working set holds them (past rounds) or where
   // the export put them (the open round); gRPC's slices reference them and
-  // keep them alive. Rounds the receiver holds at this layer stay here.
+  // keep them alive. Rounds the receiver holds at this layer stay here, and
+  // so do those the receiver copies from this GPU.
   const uint64_t reused_bytes = li.LeaveOut(held_);
+  v1::TransferChunk start;
+  v1::TransferLayer* info = start.mutable_layer_info();
+  uint64_t device_bytes = 0;
+  if (!PlaceDeviceRounds(&li, info, &device_bytes)) return false;
   std::vector<wire::BytesPiece> parts;
   for (const worker::LayerImage::Piece& p : li.past_pieces) {
     parts.push_back({p.bytes.data(), p.bytes.size(), p.owner});
@@ -130,9 +202,7 @@ bool SessionSender::WriteLayer(worker::LayerImage li) {
   parts.push_back({open->data(), open->size(), open});
   uint32_t crc = 0;
   for (const wire::BytesPiece& p : parts) crc = Crc32cExtend(crc, p.data, p.len);
-  v1::TransferChunk start;
   start.set_layer(static_cast<uint32_t>(li.layer));
-  v1::TransferLayer* info = start.mutable_layer_info();
   for (uint32_t r : li.rounds) info->add_rounds(r);
   for (uint32_t r : li.reused) info->add_reused_rounds(r);
   info->set_past_bytes(past_bytes);
@@ -177,6 +247,8 @@ bool SessionSender::WriteLayer(worker::LayerImage li) {
   report_.set_open_bytes(report_.open_bytes() + open->size());
   report_.set_wire_bytes(report_.wire_bytes() + past_bytes + open->size());
   report_.set_reused_bytes(report_.reused_bytes() + reused_bytes);
+  report_.set_device_bytes(report_.device_bytes() + device_bytes);
+  if (device_bytes > 0) report_.set_path("cuda_ipc");
   report_.set_chunks(report_.chunks() + chunks);
   return true;
 }
@@ -196,6 +268,7 @@ void SessionSender::Run() {
     if (!broken) {
       if (auto* h = std::get_if<v1::TransferHeader>(&item)) {
         AskHeld();  // While the caller computes the first layer.
+        if (ipc_) *h->mutable_device() = *offer_;
         v1::TransferChunk c;
         *c.mutable_header() = std::move(*h);
         broken = !call_->Write(wire::Serialize(c));

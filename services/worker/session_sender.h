@@ -8,6 +8,7 @@
 #include <chrono>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <variant>
@@ -54,6 +55,9 @@ class SessionSender {
   // receiver. OK and the report once the receiver holds the session (the
   // caller then forgets it); otherwise the transfer's status, annotated.
   absl::StatusOr<v1::TransferReport> Finish();
+  // The path the transfer took so far: "grpc", or "cuda_ipc" once a device
+  // round went device to device (for metrics, after Finish too).
+  std::string path() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   using Item = std::variant<v1::TransferHeader, worker::LayerImage, v1::TransferTail>;
@@ -61,9 +65,15 @@ class SessionSender {
   // Cancels the call and lets the thread finish (REQUIRES mu_).
   void CancelLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Asks the receiver which past rounds it still holds (HeldRounds), so
-  // that WriteLayer leaves them out. Any failure (an older receiver:
-  // UNIMPLEMENTED) leaves nothing out.
+  // that WriteLayer leaves them out, and, for a session on the GPU, whether
+  // it takes the CUDA IPC path. Any failure (an older receiver:
+  // UNIMPLEMENTED) leaves nothing out and keeps to gRPC.
   void AskHeld();
+  // Names the layer's device rounds in `info` for the receiver to copy
+  // (CUDA IPC, lending their layers until this sender is destroyed), or
+  // reads them back into the layer's pieces (gRPC). False and `failure_`
+  // when a layer cannot be read back.
+  bool PlaceDeviceRounds(worker::LayerImage* li, v1::TransferLayer* info, uint64_t* device_bytes);
   // Writes one layer: its start, its bytes in data-only messages that
   // reference the image's buffers (no copy), its end; false when the stream
   // broke. Rounds the receiver holds at this layer are named, not sent.
@@ -86,6 +96,13 @@ class SessionSender {
   uint64_t incarnation_ = 0;
   bool has_past_ = false;
   std::vector<worker::HandoffCache::Held> held_;
+  // The CUDA IPC path: set by Begin (the offer, or why there is none), then
+  // by the thread only (the receiver's answer, the layers lent to it).
+  bool on_device_ = false;
+  std::optional<v1::DeviceIdentity> offer_;
+  bool ipc_ = false;
+  std::string refusal_;
+  std::vector<std::shared_ptr<worker::DeviceLayer>> lent_;
   std::thread thread_;
 
   absl::Mutex mu_;
@@ -96,6 +113,7 @@ class SessionSender {
   std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
   bool done_ ABSL_GUARDED_BY(mu_) = false;  // The thread has finished the call.
   grpc::Status status_ ABSL_GUARDED_BY(mu_);
+  absl::Status failure_ ABSL_GUARDED_BY(mu_);  // Ours, when we broke the stream.
   v1::TransferReport report_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -164,4 +164,62 @@ void TailFromProto(const v1::TransferTail& t, worker::SessionImage* im) {
   im->full_cache_bytes = t.full_cache_bytes();
 }
 
+v1::DeviceIdentity IdentityToProto(const worker::DeviceIdentity& id) {
+  v1::DeviceIdentity p;
+  p.set_boot_id(id.boot_id);
+  p.set_gpu_uuid(id.gpu_uuid);
+  p.set_pid(id.pid);
+  p.set_probe_handle(id.probe_handle);
+  p.set_probe_nonce(id.probe_nonce);
+  return p;
+}
+
+worker::DeviceIdentity IdentityFromProto(const v1::DeviceIdentity& p) {
+  worker::DeviceIdentity id;
+  id.boot_id = p.boot_id();
+  id.gpu_uuid = p.gpu_uuid();
+  id.pid = p.pid();
+  id.probe_handle = p.probe_handle();
+  id.probe_nonce = p.probe_nonce();
+  return id;
+}
+
+v1::TransferDeviceRound DeviceRoundToProto(uint32_t round, size_t staged_bytes,
+                                           std::string ipc_handle,
+                                           const std::vector<worker::Unstaging>& tensors) {
+  v1::TransferDeviceRound r;
+  r.set_round(round);
+  r.set_staged_bytes(staged_bytes);
+  r.set_ipc_handle(std::move(ipc_handle));
+  for (const worker::Unstaging& u : tensors) {
+    v1::TransferStagedTensor* t = r.add_tensors();
+    t->set_rest(u.rest);
+    for (const worker::Unstaging::Cut& c : u.cuts) {
+      t->add_cut_at(c.at);
+      t->add_cut_offset(c.offset);
+      t->add_cut_size(c.size);
+    }
+  }
+  return r;
+}
+
+absl::StatusOr<std::vector<worker::Unstaging>> StagedTensorsFromProto(
+    const v1::TransferDeviceRound& r) {
+  std::vector<worker::Unstaging> out;
+  for (const v1::TransferStagedTensor& t : r.tensors()) {
+    if (t.cut_offset_size() != t.cut_at_size() || t.cut_size_size() != t.cut_at_size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("device round ", r.round(), " has a tensor whose cut lists differ in length"));
+    }
+    worker::Unstaging u;
+    u.rest = t.rest();
+    for (int i = 0; i < t.cut_at_size(); ++i) {
+      u.cuts.push_back({static_cast<size_t>(t.cut_at(i)), static_cast<size_t>(t.cut_offset(i)),
+                        static_cast<size_t>(t.cut_size(i))});
+    }
+    out.push_back(std::move(u));
+  }
+  return out;
+}
+
 }  // namespace kvtier

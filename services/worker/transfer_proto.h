@@ -4,6 +4,7 @@
 #define KVTIER_SERVICES_WORKER_TRANSFER_PROTO_H_
 
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kvtier/v1/worker.pb.h"
@@ -18,6 +19,17 @@ absl::StatusOr<worker::SessionImage> HeaderFromProto(const v1::TransferHeader& h
 
 v1::TransferTail TailToProto(const worker::SessionImage& im);
 void TailFromProto(const v1::TransferTail& t, worker::SessionImage* im);
+
+v1::DeviceIdentity IdentityToProto(const worker::DeviceIdentity& id);
+worker::DeviceIdentity IdentityFromProto(const v1::DeviceIdentity& p);
+
+// One device round of a layer as the CUDA IPC path describes it, and back
+// (INVALID_ARGUMENT for cut lists of different lengths).
+v1::TransferDeviceRound DeviceRoundToProto(uint32_t round, size_t staged_bytes,
+                                           std::string ipc_handle,
+                                           const std::vector<worker::Unstaging>& tensors);
+absl::StatusOr<std::vector<worker::Unstaging>> StagedTensorsFromProto(
+    const v1::TransferDeviceRound& r);
 
 }  // namespace kvtier
 

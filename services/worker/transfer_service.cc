@@ -15,6 +15,7 @@
 #include "rpc/wire_format.h"
 #include "services/worker/transfer_proto.h"
 #include "services/worker/worker_service.h"
+#include "worker/device_attention.h"
 
 namespace kvtier {
 
@@ -57,9 +58,10 @@ absl::Status WorkerService::DoSendSession(grpc::CallbackServerContext& ctx,
   for (int l = 0; sent.ok() && l < shape.layers; ++l) sent = sender->SendLayer(l);
   absl::StatusOr<v1::TransferReport> report =
       sent.ok() ? sender->Finish() : absl::StatusOr<v1::TransferReport>(sent);
-  sender.reset();  // Unfinished, it cancels: the receiver keeps nothing.
-  metrics_->Transfer("sent", "grpc", report.ok(), report.ok() ? report->wire_bytes() : 0,
+  metrics_->Transfer("sent", sender->path(), report.ok(),
+                     report.ok() ? report->wire_bytes() + report->device_bytes() : 0,
                      report.ok() ? report->reused_bytes() : 0);
+  sender.reset();  // Unfinished, it cancels: the receiver keeps nothing.
   KVT_RETURN_IF_ERROR(report.status());
   ForgetMoved(id);
   *resp->mutable_report() = std::move(*report);
@@ -86,6 +88,14 @@ absl::Status WorkerService::DoHeldRounds(grpc::CallbackServerContext& ctx,
     v1::HeldRoundsResponse::Round* r = resp->add_rounds();
     r->set_round(h.round);
     for (uint32_t l : h.layers) r->add_layers(l);
+  }
+  if (req.has_device()) {
+    const absl::Status ipc = engine_->AcceptsDeviceRounds(IdentityFromProto(req.device()));
+    if (ipc.ok()) {
+      resp->add_device_paths("cuda_ipc");
+    } else {
+      resp->set_device_refusal(std::string(ipc.message()));
+    }
   }
   return absl::OkStatus();
 }
@@ -155,6 +165,11 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     if (!stores_.empty() && svc_->replicas_ == nullptr) {
       return absl::FailedPreconditionError("this worker cannot use per-session store replicas");
     }
+    if (chunk_.header().has_device()) {
+      // Checked again here: the stream, not HeldRounds, is what carries the
+      // handles this worker will open.
+      device_ok_ = svc_->engine_->AcceptsDeviceRounds(IdentityFromProto(chunk_.header().device()));
+    }
     return svc_->engine_->CheckImport(*id_, 0);
   }
 
@@ -169,10 +184,15 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
                            : std::string("the tail belongs")));
     }
     const v1::TransferLayer& info = chunk_.layer_info();
+    uint64_t staged = 0;
+    for (const v1::TransferDeviceRound& r : info.device_rounds()) {
+      staged += std::min<uint64_t>(r.staged_bytes(), uint64_t{1} << 48);
+    }
     // Refused before anything is allocated for it.
-    KVT_RETURN_IF_ERROR(
-        svc_->engine_->CheckImport(*id_, received_ + info.past_bytes() + info.open_bytes()));
+    KVT_RETURN_IF_ERROR(svc_->engine_->CheckImport(
+        *id_, received_ + device_bytes_ + staged + info.past_bytes() + info.open_bytes()));
     layer_ = worker::LayerImage();
+    KVT_RETURN_IF_ERROR(TakeDeviceRounds(info));
     layer_.layer = static_cast<int>(layers_.size());
     layer_.rounds.assign(info.rounds().begin(), info.rounds().end());
     layer_.reused.assign(info.reused_rounds().begin(), info.reused_rounds().end());
@@ -188,6 +208,36 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     layer_.open.reserve(std::min(open_bytes_, kReserveCap));
     crc_ = 0;
     gathering_ = true;
+    return absl::OkStatus();
+  }
+
+  // The layer's rounds on the sender's GPU: each checked against its own
+  // layout, then copied device to device.
+  absl::Status TakeDeviceRounds(const v1::TransferLayer& info) {
+    if (info.device_rounds().empty()) return absl::OkStatus();
+    if (!device_ok_.has_value()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "layer ", chunk_.layer(), " carries device rounds; the header named no sender device"));
+    }
+    if (!device_ok_->ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "layer ", chunk_.layer(), " carries device rounds this worker cannot take: ",
+          device_ok_->message()));
+    }
+    const worker::ModelShape& sh = image_->shape;
+    for (const v1::TransferDeviceRound& r : info.device_rounds()) {
+      KVT_ASSIGN_OR_RETURN(std::vector<worker::Unstaging> tensors, StagedTensorsFromProto(r));
+      KVT_ASSIGN_OR_RETURN(worker::DeviceRoundLayout layout,
+                           worker::CheckDeviceRound(std::move(tensors), r.staged_bytes(),
+                                                    sh.kv_heads, sh.head_dim));
+      worker::LayerImage::DeviceRound d;
+      d.round = r.round();
+      d.lens = layout.lens;
+      d.bytes = layout.bytes;
+      KVT_ASSIGN_OR_RETURN(d.layer, worker::OpenIpcLayer(r.ipc_handle(), std::move(layout)));
+      device_bytes_ += r.staged_bytes();
+      layer_.device_rounds.push_back(std::move(d));
+    }
     return absl::OkStatus();
   }
 
@@ -259,7 +309,8 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
               {{"session", id_.has_value() ? id_->ToString() : std::string("?")},
                {"error", s.ToString()}});
     }
-    svc_->metrics_->Transfer("received", "grpc", s.ok(), received_, reused_bytes_);
+    svc_->metrics_->Transfer("received", device_bytes_ > 0 ? "cuda_ipc" : "grpc", s.ok(),
+                             received_ + device_bytes_, reused_bytes_);
     svc_->UpdateWorkingSet();
     Finish(svc_->Done("TransferSession", s));
   }
@@ -281,6 +332,9 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
   uint32_t crc_ = 0;
   uint64_t received_ = 0;
   uint64_t reused_bytes_ = 0;  // Taken from this worker's hand-off cache.
+  // The header's sender device: whether this worker takes its device rounds.
+  std::optional<absl::Status> device_ok_;
+  uint64_t device_bytes_ = 0;  // Copied device to device.
   bool imported_ = false;
 };
 

@@ -148,9 +148,10 @@ class WorkerMetrics {
     selected_.Increment(static_cast<double>(r.selected.size()));
     candidates_.Increment(static_cast<double>(r.scores.size()));
   }
-  // A hand-off ended: `direction` "sent" or "received", path "grpc".
+  // A hand-off ended: `direction` "sent" or "received", path "grpc" or
+  // "cuda_ipc"; `bytes` on the wire plus those copied device to device.
   // `reused`: past bytes left out because the receiver held them.
-  void Transfer(const char* direction, const char* path, bool ok, uint64_t bytes,
+  void Transfer(const char* direction, const std::string& path, bool ok, uint64_t bytes,
                 uint64_t reused = 0) {
     transfers_->Add({{"direction", direction}, {"path", path}, {"outcome", ok ? "ok" : "error"}})
         .Increment();

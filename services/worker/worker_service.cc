@@ -359,10 +359,10 @@ class WorkerService::PrefillReactor
       if (!in_step_) {
         absl::StatusOr<v1::TransferReport> report =
             sent.ok() ? sender_->Finish() : absl::StatusOr<v1::TransferReport>(sent);
-        sender_.reset();
-        svc_->metrics_->Transfer("sent", "grpc", report.ok(),
-                                 report.ok() ? report->wire_bytes() : 0,
+        svc_->metrics_->Transfer("sent", sender_->path(), report.ok(),
+                                 report.ok() ? report->wire_bytes() + report->device_bytes() : 0,
                                  report.ok() ? report->reused_bytes() : 0);
+        sender_.reset();
         if (!report.ok()) {
           // The step committed here; undone, so that it can be sent again.
           absl::Status undo = svc_->engine_->RevertPrefill(*id_, n);

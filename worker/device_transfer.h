@@ -1,0 +1,65 @@
+// The CUDA IPC path of a hand-off (docs/transfer.md): the checks that decide
+// whether a receiver may read a sender's device memory, and the receiver's
+// own layout of a device round from what the sender described. Plain C++,
+// built with or without CUDA and tested on every machine
+// (worker/device_layout_test.cc); the device copies themselves are in
+// device_attention_cuda.cc.
+#ifndef KVTIER_WORKER_DEVICE_TRANSFER_H_
+#define KVTIER_WORKER_DEVICE_TRANSFER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/device_layout.h"
+
+namespace kvtier::worker {
+
+// A worker process and its GPU (proto DeviceIdentity).
+struct DeviceIdentity {
+  std::string boot_id;   // The node's boot (/proc/sys/kernel/random/boot_id).
+  std::string gpu_uuid;  // 16 bytes, as cudaDeviceProp::uuid.
+  uint64_t pid = 0;
+  // An IPC handle of a device buffer holding `probe_nonce`.
+  std::string probe_handle, probe_nonce;
+};
+
+// This node's boot id; empty when it cannot be read.
+std::string BootId();
+
+// OK when a process with identity `local` can open `peer`'s CUDA IPC
+// handles as far as their identities tell: the same boot of the same node,
+// the same GPU, another process, and a probe to read. Otherwise
+// FAILED_PRECONDITION saying which of these fails (the probe itself is read
+// by ProbeIpcPeer, device_attention.h).
+absl::Status IpcPeerCheck(const DeviceIdentity& local, const DeviceIdentity& peer);
+
+// A device round as the receiver lays it out: per KV head the K and V
+// staging descriptors (offsets into the staged array), their token counts,
+// how each tensor is made again from the staged array, and its sizes.
+struct DeviceRoundLayout {
+  size_t staged_bytes = 0;
+  std::vector<std::pair<StagedKv, StagedKv>> heads;  // Regions' `src` unset.
+  std::vector<int64_t> lens;
+  std::vector<Unstaging> unstaging;  // K, V per head.
+  int64_t bytes = 0;                 // The serialized tensors' size.
+};
+
+// Checks a sender's description of one device round of a layer of a
+// (kv_heads, head_dim) model before any device byte is read: it makes each
+// serialized tensor again with zeros where the staged regions go, parses
+// it as any received tensor (raw, KIVI or KCVT, [1, len, head_dim], K and V
+// of one head the same length), lays the tensors out as the sender's upload
+// did, and requires exactly the regions `tensors` names and a staged array
+// of exactly `staged_bytes`. INVALID_ARGUMENT otherwise.
+absl::StatusOr<DeviceRoundLayout> CheckDeviceRound(std::vector<Unstaging> tensors,
+                                                   size_t staged_bytes, int kv_heads,
+                                                   int head_dim);
+
+}  // namespace kvtier::worker
+
+#endif  // KVTIER_WORKER_DEVICE_TRANSFER_H_
