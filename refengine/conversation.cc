@@ -400,6 +400,8 @@ class Tier : public TierSession {
       t.transfer_raw_bytes = transfer_->past_raw_bytes() + transfer_->open_bytes();
       t.transfer_ms = transfer_->transfer_ms();
       t.transfer_exposed_ms = transfer_->exposed_ms();
+      t.transfer_device_bytes = transfer_->device_bytes();
+      t.device_refusal = transfer_->device_refusal();
       transfer_.reset();
     }
     if (on_decode_) {
@@ -414,6 +416,9 @@ class Tier : public TierSession {
       t.return_wire_bytes = sent.report().wire_bytes();
       t.return_reused_bytes = sent.report().reused_bytes();
       t.return_ms = sent.report().transfer_ms();
+      t.return_path = sent.report().path();
+      t.return_device_bytes = sent.report().device_bytes();
+      if (t.device_refusal.empty()) t.device_refusal = sent.report().device_refusal();
     }
     rounds_.push_back(std::move(t));
     last_recall_.Clear();

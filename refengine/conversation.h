@@ -91,6 +91,12 @@ struct TierRound {
   // hand-off, so they did not travel (TransferReport.reused_bytes).
   uint64_t transfer_reused_bytes = 0, return_reused_bytes = 0;
   double return_ms = 0;
+  // The hand-back's path, and the bytes each direction copied device to
+  // device (CUDA IPC; not in the wire bytes). When a session on the GPU went
+  // over gRPC all the same, why (TransferReport.device_refusal).
+  std::string return_path;
+  uint64_t transfer_device_bytes = 0, return_device_bytes = 0;
+  std::string device_refusal;
   // Per layer, what speculation did in the round (EndRoundResponse);
   // empty when the session does not speculate.
   std::vector<v1::SpeculationLayer> speculation;

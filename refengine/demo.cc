@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -931,14 +932,20 @@ std::string RenderText(const DemoReport& r) {
     double prefill_ms = 0, xfer_ms = 0, exposed_ms = 0, back_ms = 0;
     uint64_t wire = 0, raw = 0, back = 0, reused = 0, back_reused = 0;
     int64_t n = 0, handed = 0;
-    std::string path;
+    uint64_t device = 0, back_device = 0;
+    std::map<std::string, int> paths;  // Hand-offs and hand-backs per path.
+    std::string refusal;
     for (const DemoSession& d : r.sessions) {
       for (const TierRound& tr : d.rounds) {
         ++n;
         prefill_ms += tr.prefill_ms;
         if (!tr.handed_off) continue;
         ++handed;
-        path = tr.transfer_path;
+        ++paths[tr.transfer_path];
+        if (!tr.return_path.empty()) ++paths[tr.return_path];
+        if (refusal.empty()) refusal = tr.device_refusal;
+        device += tr.transfer_device_bytes;
+        back_device += tr.return_device_bytes;
         wire += tr.transfer_wire_bytes;
         raw += tr.transfer_raw_bytes;
         xfer_ms += tr.transfer_ms;
@@ -954,9 +961,13 @@ std::string RenderText(const DemoReport& r) {
                           "per round (mean)\n",
                           Ratio(prefill_ms, n));
     if (handed > 0) {
+      std::vector<std::string> counted;
+      for (const auto& [p, c] : paths) counted.push_back(absl::StrCat(p, " ", c));
+      const std::string path = absl::StrJoin(counted, ", ");
       absl::StrAppendFormat(
           &s,
-          "prefill -> decode hand-off (path %s), per round (mean): %s sent of a %s state (%s "
+          "prefill -> decode hand-off (paths, hand-offs and hand-backs: %s), per round (mean): "
+          "%s sent of a %s state (%s "
           "of it still held by the decode worker; the state is %s in the model's dtype, "
           "%.2fx), %.2f ms, %.2f ms of it exposed (%.0f%% hidden behind the prefill); "
           "hand-back after EndRound: %s sent (%s more still held by the prefill worker), "
@@ -965,6 +976,15 @@ std::string RenderText(const DemoReport& r) {
           Kib(Ratio(reused, handed)), Kib(Ratio(raw, handed)), Ratio(raw, wire + reused),
           xfer_ms / handed, exposed_ms / handed, 100.0 * (1.0 - Ratio(exposed_ms, xfer_ms)),
           Kib(Ratio(back, handed)), Kib(Ratio(back_reused, handed)), back_ms / handed);
+      if (device + back_device > 0) {
+        absl::StrAppendFormat(&s,
+                              "copied device to device (CUDA IPC), per round (mean): %s in the "
+                              "hand-off, %s in the hand-back (besides the bytes sent)\n",
+                              Kib(Ratio(device, handed)), Kib(Ratio(back_device, handed)));
+      }
+      if (!refusal.empty()) {
+        absl::StrAppendFormat(&s, "device path not taken: %s\n", refusal);
+      }
     }
   }
   absl::StrAppendFormat(&s, "decode: %.3f ms per token %s, %.3f ms in-process full cache\n",

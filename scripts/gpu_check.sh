@@ -48,6 +48,12 @@ for log in demo demo_pd; do
     STATUS=1
   fi
 done
+# Two worker processes on one GPU: their hand-offs copy the past rounds
+# device to device (CUDA IPC) rather than over gRPC.
+if ! grep -q 'copied device to device (CUDA IPC)' "$LOGS/demo_pd.log"; then
+  SUMMARY+=("demo_pd: no hand-off took the CUDA IPC path (see its 'device path not taken' line)")
+  STATUS=1
+fi
 run gpu_bench "$HERE/build/bench/kvtier-gpu-bench" --csv="$LOGS/gpu_bench.csv"
 echo
 echo "== summary"

@@ -49,6 +49,7 @@ if [ "$expect_rc" -eq 1 ]; then
   grep -q "^kernels_cuda_test: SKIPPED tests: the GPU was not usable" "$T/run.log"
   grep -q "^worker_device_test: SKIPPED tests: the GPU was not usable" "$T/run.log"
   grep -q "^demo: the working sets were not on the GPU" "$T/run.log"
+  grep -q "^demo_pd: no hand-off took the CUDA IPC path" "$T/run.log"
   grep -q "nothing to measure" "$T/out/gpu_bench.log"
 fi
 # A step that fails is reported as such.

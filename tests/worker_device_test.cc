@@ -196,6 +196,34 @@ absl::Status Move(Engine& from, Engine& to, const std::string& id) {
   return from.ForgetSession(id, /*keep_rounds=*/false);
 }
 
+// The same with the layers on the GPU lent as they are, as the CUDA IPC
+// path lends them: the receiver lays each device round out from the
+// sender's description (CheckDeviceRound, as TransferSession does) and
+// imports it without a read-back; only the device copy between processes
+// is left out (in process the layer is shared). `lent` counts the rounds.
+absl::Status MoveLent(Engine& from, Engine& to, const std::string& id, int* lent) {
+  auto image = from.ExportSession(id);
+  if (!image.ok()) return image.status();
+  std::vector<worker::LayerImage> layers;
+  for (int l = 0; l < kShape.layers; ++l) {
+    auto li = from.ExportLayer(id, l, /*device_rounds=*/true);
+    if (!li.ok()) return li.status();
+    for (worker::LayerImage::DeviceRound& d : li->device_rounds) {
+      auto layout = worker::CheckDeviceRound(d.layer->unstaging(), d.layer->staged_bytes(),
+                                             kShape.kv_heads, kShape.head_dim);
+      if (!layout.ok()) return layout.status();
+      if (layout->bytes != d.bytes) return absl::InternalError("laid out to another size");
+      d.lens = layout->lens;
+      ++*lent;
+    }
+    li->past = std::make_shared<const std::string>(li->PastBytes());
+    layers.push_back(*std::move(li));
+  }
+  if (absl::Status st = from.ExportTail(id, &*image); !st.ok()) return st;
+  if (absl::Status st = to.ImportSession(id, *image, std::move(layers)); !st.ok()) return st;
+  return from.ForgetSession(id, /*keep_rounds=*/false);
+}
+
 // A device session hands off like a host one (docs/transfer.md): the past
 // tensors it sends, read back from the GPU, are byte for byte those of a
 // host session given the same steps; moved off the GPU it decodes exactly as
@@ -278,6 +306,82 @@ TEST_F(WorkerDeviceTest, DeviceSessionsHandOffByteForByte) {
       EXPECT_LT(worst, 2e-4) << "decode step " << t << " on the GPU";
     }
     for (Engine* e : {&ref, &off_gpu, &on_gpu}) KVT_ASSERT_OK(e->EndRound(id).status());
+  }
+}
+
+// Device rounds imported as the CUDA IPC path imports them: onto a device
+// session they stay on the GPU (no read-back) and it decodes as a host
+// session given the same steps, within the device tolerance; onto a host
+// session they are read back and it decodes exactly as that host session.
+TEST_F(WorkerDeviceTest, LentDeviceRoundsImportAsTheReceiverLaysThemOut) {
+  SKIP_WITHOUT_GPU();
+  EngineOptions host_opts, dev_opts;
+  host_opts.placement = Placement::kHost;
+  dev_opts.placement = Placement::kDevice;
+  int i = 0;
+  for (const char* codec : {"kivi4:R=8", "raw"}) {
+    SCOPED_TRACE(codec);
+    const std::string id = "lent" + std::to_string(i++);
+    SessionPolicy p;
+    KVT_ASSERT_OK_AND_ASSIGN(p.codec, ParseCodecSetting(codec));
+    KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("all"));
+    p.watershed_layer = 2;
+    p.release_after_end_round = false;
+    Engine ref(segments_, host_opts), dev2(segments_, dev_opts), host2(segments_, host_opts);
+    KVT_ASSERT_OK(device_->OpenSession(id, kShape, p));
+    KVT_ASSERT_OK(ref.OpenSession(id, kShape, p));
+    std::mt19937 rng(11);
+    std::normal_distribution<float> nd;
+    const int d = kShape.head_dim;
+    auto step = [&](const std::vector<Engine*>& engines, int64_t n, bool prefill) {
+      std::vector<std::vector<float>> outs(engines.size());
+      for (int l = 0; l < kShape.layers; ++l) {
+        std::vector<float> q(n * kShape.q_heads * d), k(n * kShape.kv_heads * d), v(k.size());
+        for (float& x : q) x = nd(rng);
+        for (float& x : k) x = HalfToFloat(FloatToHalf(nd(rng)));
+        for (float& x : v) x = HalfToFloat(FloatToHalf(nd(rng)));
+        for (size_t e = 0; e < engines.size(); ++e) {
+          std::vector<float> out(q.size());
+          if (prefill) {
+            auto r =
+                engines[e]->PrefillLayer(id, l, n, n / 2, q.data(), k.data(), v.data(), out.data());
+            EXPECT_TRUE(r.ok()) << r.status();
+          } else {
+            EXPECT_THAT(engines[e]->DecodeLayer(id, l, q.data(), k.data(), v.data(), out.data()),
+                        IsOk());
+          }
+          outs[e].insert(outs[e].end(), out.begin(), out.end());
+        }
+      }
+      return outs;
+    };
+    for (int r = 0; r < 2; ++r) {
+      step({device_.get(), &ref}, 12, true);
+      step({device_.get(), &ref}, 1, false);
+      for (Engine* e : {device_.get(), &ref}) KVT_ASSERT_OK(e->EndRound(id).status());
+    }
+    step({device_.get(), &ref}, 10, true);
+    int lent = 0;
+    KVT_ASSERT_OK(MoveLent(*device_, dev2, id, &lent));
+    // Two rounds at every layer but L_w, which keeps host tensors.
+    EXPECT_EQ(lent, 2 * (kShape.layers - 1));
+    KVT_ASSERT_OK_AND_ASSIGN(auto st, dev2.Stats(id));
+    EXPECT_TRUE(st.on_device);
+    auto outs = step({&ref, &dev2}, 1, false);
+    double scale = 1e-6, worst = 0;
+    for (float x : outs[0]) scale = std::max(scale, double(std::fabs(x)));
+    for (size_t j = 0; j < outs[0].size(); ++j) {
+      worst = std::max(worst, std::fabs(double(outs[0][j]) - outs[1][j]) / scale);
+    }
+    EXPECT_LT(worst, 2e-4);
+    lent = 0;
+    KVT_ASSERT_OK(MoveLent(dev2, host2, id, &lent));
+    EXPECT_EQ(lent, 2 * (kShape.layers - 1));
+    KVT_ASSERT_OK_AND_ASSIGN(st, host2.Stats(id));
+    EXPECT_FALSE(st.on_device);
+    outs = step({&ref, &host2}, 1, false);
+    EXPECT_TRUE(outs[0] == outs[1]) << "decode off the GPU";
+    for (Engine* e : {&ref, &host2}) KVT_ASSERT_OK(e->EndRound(id).status());
   }
 }
 

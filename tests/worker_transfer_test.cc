@@ -1064,5 +1064,97 @@ TEST_F(TransferServiceTest, ReceiverRefusesCorruptAndUnfinishedStreams) {
   EXPECT_TRUE(Same(Decode(ds.get(), "c", tok), RunStep(src, "c", tok, false)));
 }
 
+// The CUDA IPC path is taken only when the receiver accepts the sender's
+// device: HeldRounds says why not (sessions kept in host memory here, the
+// path switched off, no device), and a stream whose layers name device
+// rounds is refused unless its header names a device this worker accepts.
+// Nothing is kept, and no handle is opened.
+TEST_F(TransferServiceTest, DeviceRoundsNeedAnAcceptedSenderDevice) {
+  v1::DeviceIdentity peer;
+  peer.set_boot_id(worker::BootId());
+  peer.set_gpu_uuid(std::string(16, '\x07'));
+  peer.set_pid(1);
+  peer.set_probe_handle(std::string(64, '\x01'));
+  peer.set_probe_nonce("0123456789abcdef");
+  auto held = [&](WorkerServer* w) {
+    grpc::ClientContext c;
+    v1::HeldRoundsRequest r;
+    r.set_session_id("nobody");
+    r.set_incarnation(5);
+    *r.mutable_device() = peer;
+    v1::HeldRoundsResponse resp;
+    EXPECT_TRUE(Stub(*w)->HeldRounds(&c, r, &resp).ok());
+    EXPECT_EQ(resp.device_paths_size(), 0);
+    return resp.device_refusal();
+  };
+  auto host = StartWorker();
+  EXPECT_THAT(held(host.get()), ::testing::HasSubstr("host memory"));
+  auto off = StartWorker(0, WorkerServiceOptions::Role::kBoth, [](WorkerServerOptions& o) {
+    o.engine.placement = worker::EngineOptions::Placement::kAuto;
+    o.engine.device_ipc = false;
+  });
+  EXPECT_THAT(held(off.get()), ::testing::HasSubstr("--device_transfer=grpc"));
+  auto any = StartWorker(0, WorkerServiceOptions::Role::kBoth, [](WorkerServerOptions& o) {
+    o.engine.placement = worker::EngineOptions::Placement::kAuto;
+  });
+  // Without a device: why; with one, this made-up peer is on another GPU.
+  EXPECT_THAT(held(any.get()),
+              ::testing::AnyOf(::testing::HasSubstr("CUDA"), ::testing::HasSubstr("another GPU")));
+
+  // A stream naming device rounds, with and without a device in its header.
+  worker::EngineOptions eo;
+  eo.placement = worker::EngineOptions::Placement::kHost;
+  Engine src(stack_.segments(), eo);
+  SessionPolicy pol;
+  pol.codec = *ParseCodecSetting("kivi4");
+  ASSERT_THAT(src.OpenSession("g", kShape, pol), IsOk());
+  std::mt19937 rng(23);
+  RunStep(src, "g", MakeStep(20, &rng), true);
+  ASSERT_THAT(src.EndRound("g").status(), IsOk());
+  KVT_ASSERT_OK_AND_ASSIGN(auto image, src.ExportSession("g"));
+  KVT_ASSERT_OK(src.ExportTail("g", &image));
+  ASSERT_EQ(image.past.size(), 1u);
+  auto send = [&](WorkerServer* w, bool with_device) {
+    grpc::ClientContext c;
+    v1::TransferSessionResponse resp;
+    auto s = Stub(*w)->TransferSession(&c, &resp);
+    v1::TransferChunk h;
+    *h.mutable_header() = HeaderToProto("g", image);
+    if (with_device) *h.mutable_header()->mutable_device() = peer;
+    s->Write(h);
+    v1::TransferChunk ch;
+    ch.set_layer(0);
+    v1::TransferLayer* info = ch.mutable_layer_info();
+    info->add_rounds(image.past[0].round);
+    v1::TransferDeviceRound* r = info->add_device_rounds();
+    r->set_round(image.past[0].round);
+    r->set_staged_bytes(4096);
+    r->set_ipc_handle(std::string(64, '\x02'));
+    s->Write(ch);
+    s->WritesDone();
+    return s->Finish();
+  };
+  for (WorkerServer* w : {host.get(), any.get()}) {
+    grpc::Status st = send(w, false);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+    EXPECT_THAT(st.error_message(), ::testing::HasSubstr("named no sender device"));
+    st = send(w, true);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+    EXPECT_THAT(st.error_message(), ::testing::HasSubstr("cannot take"));
+    EXPECT_EQ(w->engine()->SessionCount(), 0);
+  }
+
+  // A host session's hand-off says nothing of devices.
+  auto from = StartWorker();
+  auto fs = Stub(*from);
+  ASSERT_TRUE(Open(fs.get(), "h").ok());
+  v1::SendSessionResponse sent;
+  grpc::Status st = SendSession(fs.get(), "h", Target(*host), &sent);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(sent.report().path(), "grpc");
+  EXPECT_EQ(sent.report().device_bytes(), 0u);
+  EXPECT_EQ(sent.report().device_refusal(), "");
+}
+
 }  // namespace
 }  // namespace kvtier

@@ -1,6 +1,5 @@
 // The CUDA build of worker/device_attention.h.
 #include <cuda_runtime.h>
-
 #include <unistd.h>
 
 #include <algorithm>
@@ -269,8 +268,8 @@ namespace {
 absl::StatusOr<cudaIpcMemHandle_t> HandleFrom(std::string_view bytes) {
   cudaIpcMemHandle_t h;
   if (bytes.size() != sizeof(h)) {
-    return absl::InvalidArgumentError(absl::StrCat("a CUDA IPC handle of ", bytes.size(),
-                                                   " bytes; it has ", sizeof(h)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a CUDA IPC handle of ", bytes.size(), " bytes; it has ", sizeof(h)));
   }
   std::memcpy(&h, bytes.data(), sizeof(h));
   return h;
@@ -423,9 +422,9 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> OpenIpcLayer(std::string_view ipc_h
                                                      " bytes; its round says ",
                                                      layout.staged_bytes));
     }
-    KVT_CUDA(cudaMemcpy(layer->buf.as<void>(), src.get(), layout.staged_bytes,
-                        cudaMemcpyDeviceToDevice),
-             "copy device round");
+    KVT_CUDA(
+        cudaMemcpy(layer->buf.as<void>(), src.get(), layout.staged_bytes, cudaMemcpyDeviceToDevice),
+        "copy device round");
   }  // Closed before the sender may free it.
   for (size_t h = 0; h < layout.heads.size(); ++h) {
     layer->heads.emplace_back(PlaceStaged(layout.heads[h].first, layer->buf.as<uint8_t>()),

@@ -372,5 +372,96 @@ TEST(DeviceTransferTest, IpcPeersMustShareNodeAndGpuFromAnotherProcess) {
   EXPECT_EQ(BootId().size(), 36u);
 }
 
+// A device layer whose "device memory" is a host array: what a hand-off
+// reads back when it takes the gRPC path, without a GPU.
+class HostStagedLayer : public DeviceLayer {
+ public:
+  HostStagedLayer(std::vector<uint8_t> staged, std::vector<Unstaging> u)
+      : staged_(std::move(staged)) {
+    unstaging_ = std::move(u);
+  }
+  int64_t bytes() const override { return static_cast<int64_t>(staged_.size()); }
+  absl::Status Download(std::string* staged) const override {
+    staged->assign(staged_.begin(), staged_.end());
+    return absl::OkStatus();
+  }
+  size_t staged_bytes() const override { return staged_.size(); }
+  absl::StatusOr<std::string> IpcHandle() const override {
+    return absl::UnimplementedError("host memory");
+  }
+
+ private:
+  std::vector<uint8_t> staged_;
+};
+
+// A layer export that lent a device round (ExportLayer's device_rounds)
+// and goes over gRPC after all reads it back where its pieces belong: the
+// payload equals the one of an all-host export. A round the receiver holds
+// is left out, device or not, and counted.
+TEST(DeviceTransferTest, DeviceRoundsReadBackInPlaceOrAreLeftOut) {
+  const int d = 32;
+  SentRound r3, r5, r8;
+  MakeSentRound("kivi2", d, {9, 12}, &r3);
+  MakeSentRound("kcvt4", d, {20, 3}, &r5);
+  MakeSentRound("raw", d, {4, 4}, &r8);
+  auto make = [&]() {
+    LayerImage li;
+    li.layer = 2;
+    li.rounds = {3, 5, 8};
+    auto framing = std::make_shared<std::string>();
+    auto add = [&](const SentRound& r) {
+      for (const TensorParts& p : r.parts) {
+        const size_t at = framing->size();
+        AppendPayloadFraming(p.bytes.size(), framing.get());
+        li.past_pieces.push_back(
+            {nullptr, std::string_view(framing->data() + at, framing->size() - at)});
+        li.past_pieces.push_back({nullptr, p.bytes});
+      }
+    };
+    framing->reserve(4096);  // Views into it stay put.
+    li.round_first_piece.push_back(0);
+    add(r3);
+    li.round_first_piece.push_back(li.past_pieces.size());
+    li.round_first_piece.push_back(li.past_pieces.size());  // Round 5: lent.
+    add(r8);
+    li.round_first_piece.push_back(li.past_pieces.size());
+    for (LayerImage::Piece& p : li.past_pieces) p.owner = framing;
+    li.device_rounds.push_back(
+        {5, std::make_shared<HostStagedLayer>(r5.staged, r5.unstaging), {}, 0});
+    for (const TensorParts& p : r5.parts) li.device_rounds[0].bytes += p.bytes.size();
+    return li;
+  };
+  std::vector<std::string_view> all;
+  for (const SentRound* r : {&r3, &r5, &r8}) {
+    for (const TensorParts& p : r->parts) all.push_back(p.bytes);
+  }
+  LayerImage li = make();
+  ASSERT_THAT(li.ResolveDevice(), ::kvtier::testing::IsOk());
+  EXPECT_TRUE(li.device_rounds.empty());
+  EXPECT_EQ(li.PastBytes(), SerializePayload(all));
+  EXPECT_EQ(li.round_first_piece, (std::vector<size_t>{0, 8, 16, 24}));
+
+  // The receiver holds round 5 at this layer, and round 8 at another.
+  LayerImage left = make();
+  const uint64_t left_out = left.LeaveOut({{5, {1, 2}}, {8, {7}}});
+  uint64_t r5_bytes = 0;
+  for (const TensorParts& p : r5.parts) r5_bytes += p.bytes.size();
+  EXPECT_EQ(left_out, r5_bytes);
+  EXPECT_TRUE(left.device_rounds.empty());
+  EXPECT_EQ(left.reused, (std::vector<uint32_t>{5}));
+  ASSERT_THAT(left.ResolveDevice(), ::kvtier::testing::IsOk());
+  std::vector<std::string_view> kept;
+  for (const SentRound* r : {&r3, &r8}) {
+    for (const TensorParts& p : r->parts) kept.push_back(p.bytes);
+  }
+  EXPECT_EQ(left.PastBytes(), SerializePayload(kept));
+
+  // A lent layer that cannot be read back fails the export, not silently.
+  LayerImage blind = make();
+  blind.device_rounds[0].layer =
+      std::make_shared<HostStagedLayer>(r5.staged, std::vector<Unstaging>{});
+  EXPECT_THAT(blind.ResolveDevice(), StatusIs(absl::StatusCode::kInternal));
+}
+
 }  // namespace
 }  // namespace kvtier::worker

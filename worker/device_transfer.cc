@@ -24,8 +24,8 @@ std::string BootId() {
 }
 
 absl::Status IpcPeerCheck(const DeviceIdentity& local, const DeviceIdentity& peer) {
-  if (peer.boot_id.empty() || peer.gpu_uuid.empty() || peer.pid == 0 ||
-      peer.probe_handle.empty() || peer.probe_nonce.empty()) {
+  if (peer.boot_id.empty() || peer.gpu_uuid.empty() || peer.pid == 0 || peer.probe_handle.empty() ||
+      peer.probe_nonce.empty()) {
     return absl::FailedPreconditionError("the sender sent no complete device identity");
   }
   if (local.boot_id.empty() || local.gpu_uuid.empty()) {
@@ -101,9 +101,10 @@ absl::StatusOr<DeviceRoundLayout> CheckDeviceRound(std::vector<Unstaging> tensor
   absl::StatusOr<std::vector<TensorParts>> parts =
       SplitPayload(std::string_view(skeleton.get(), total), /*verify_crc=*/false);
   if (!parts.ok() || parts->size() != tensors.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a device round's tensors do not parse: ",
-        parts.ok() ? absl::StrCat(parts->size(), " tensors") : std::string(parts.status().message())));
+    return absl::InvalidArgumentError(absl::StrCat("a device round's tensors do not parse: ",
+                                                   parts.ok()
+                                                       ? absl::StrCat(parts->size(), " tensors")
+                                                       : std::string(parts.status().message())));
   }
   DeviceRoundLayout out;
   size_t end = 0;
@@ -137,7 +138,8 @@ absl::StatusOr<DeviceRoundLayout> CheckDeviceRound(std::vector<Unstaging> tensor
   }
   if (end != staged_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("a device round's tensors lay out in ", end,
-                                                   " staged bytes; the sender says ", staged_bytes));
+                                                   " staged bytes; the sender says ",
+                                                   staged_bytes));
   }
   for (const Unstaging& u : tensors) out.bytes += static_cast<int64_t>(u.bytes());
   out.staged_bytes = staged_bytes;

@@ -57,8 +57,7 @@ struct DeviceRoundLayout {
 // did, and requires exactly the regions `tensors` names and a staged array
 // of exactly `staged_bytes`. INVALID_ARGUMENT otherwise.
 absl::StatusOr<DeviceRoundLayout> CheckDeviceRound(std::vector<Unstaging> tensors,
-                                                   size_t staged_bytes, int kv_heads,
-                                                   int head_dim);
+                                                   size_t staged_bytes, int kv_heads, int head_dim);
 
 }  // namespace kvtier::worker
 

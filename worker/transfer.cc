@@ -178,8 +178,8 @@ uint64_t LayerImage::LeaveOut(const std::vector<HandoffCache::Held>& held) {
 
 absl::Status LayerImage::ResolveDevice() {
   for (const DeviceRound& d : device_rounds) {
-    const size_t j = static_cast<size_t>(std::find(rounds.begin(), rounds.end(), d.round) -
-                                         rounds.begin());
+    const size_t j =
+        static_cast<size_t>(std::find(rounds.begin(), rounds.end(), d.round) - rounds.begin());
     if (j >= rounds.size() || round_first_piece.size() != rounds.size() + 1) {
       return absl::InternalError(absl::StrCat("device round ", d.round, " is not in the export"));
     }
@@ -336,12 +336,11 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
         KVT_RETURN_IF_ERROR(li.ResolveDevice());  // In process: as gRPC would carry them.
         li.past = std::make_shared<const std::string>(li.PastBytes());
       }
-      KVT_ASSIGN_OR_RETURN(
-          auto made,
-          MakeLayers(li.past,
-                     static_cast<int>(li.rounds.size() - li.reused.size() -
-                                      li.device_rounds.size()),
-                     sh.kv_heads, d));
+      KVT_ASSIGN_OR_RETURN(auto made,
+                           MakeLayers(li.past,
+                                      static_cast<int>(li.rounds.size() - li.reused.size() -
+                                                       li.device_rounds.size()),
+                                      sh.kv_heads, d));
       size_t prev = 0, next = 0;
       for (size_t j = 0; j < li.rounds.size(); ++j) {
         auto it = index.find(li.rounds[j]);
@@ -351,9 +350,9 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
         }
         prev = it->second;
         std::unique_ptr<RoundLayer>& slot = s->past[it->second].layers[l];
-        auto dr = std::find_if(
-            li.device_rounds.begin(), li.device_rounds.end(),
-            [&](const LayerImage::DeviceRound& x) { return x.round == li.rounds[j]; });
+        auto dr =
+            std::find_if(li.device_rounds.begin(), li.device_rounds.end(),
+                         [&](const LayerImage::DeviceRound& x) { return x.round == li.rounds[j]; });
         if (dr != li.device_rounds.end()) {
           KVT_ASSIGN_OR_RETURN(slot, s->FromDevice(*dr, l));
           continue;

@@ -155,8 +155,8 @@ bool SessionSender::PlaceDeviceRounds(worker::LayerImage* li, v1::TransferLayer*
       if (!handle.ok() || d.layer->unstaging().empty()) {
         // This layer goes over gRPC; the next ones try again.
         LogWarn("device round sent over gRPC", {{"session", id_.ToString()},
-                                                 {"round", d.round},
-                                                 {"error", handle.status().ToString()}});
+                                                {"round", d.round},
+                                                {"error", handle.status().ToString()}});
         rounds.clear();
         break;
       }

@@ -208,8 +208,8 @@ absl::StatusOr<std::vector<worker::Unstaging>> StagedTensorsFromProto(
   std::vector<worker::Unstaging> out;
   for (const v1::TransferStagedTensor& t : r.tensors()) {
     if (t.cut_offset_size() != t.cut_at_size() || t.cut_size_size() != t.cut_at_size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("device round ", r.round(), " has a tensor whose cut lists differ in length"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device round ", r.round(), " has a tensor whose cut lists differ in length"));
     }
     worker::Unstaging u;
     u.rest = t.rest();

@@ -220,16 +220,16 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
           "layer ", chunk_.layer(), " carries device rounds; the header named no sender device"));
     }
     if (!device_ok_->ok()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "layer ", chunk_.layer(), " carries device rounds this worker cannot take: ",
-          device_ok_->message()));
+      return absl::FailedPreconditionError(
+          absl::StrCat("layer ", chunk_.layer(),
+                       " carries device rounds this worker cannot take: ", device_ok_->message()));
     }
     const worker::ModelShape& sh = image_->shape;
     for (const v1::TransferDeviceRound& r : info.device_rounds()) {
       KVT_ASSIGN_OR_RETURN(std::vector<worker::Unstaging> tensors, StagedTensorsFromProto(r));
-      KVT_ASSIGN_OR_RETURN(worker::DeviceRoundLayout layout,
-                           worker::CheckDeviceRound(std::move(tensors), r.staged_bytes(),
-                                                    sh.kv_heads, sh.head_dim));
+      KVT_ASSIGN_OR_RETURN(
+          worker::DeviceRoundLayout layout,
+          worker::CheckDeviceRound(std::move(tensors), r.staged_bytes(), sh.kv_heads, sh.head_dim));
       worker::LayerImage::DeviceRound d;
       d.round = r.round();
       d.lens = layout.lens;
