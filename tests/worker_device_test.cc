@@ -201,13 +201,21 @@ absl::Status Move(Engine& from, Engine& to, const std::string& id) {
 // sender's description (CheckDeviceRound, as TransferSession does) and
 // imports it without a read-back; only the device copy between processes
 // is left out (in process the layer is shared). `lent` counts the rounds.
-absl::Status MoveLent(Engine& from, Engine& to, const std::string& id, int* lent) {
+// With `reused`, the rounds `to` still holds (its hand-off cache) stay out
+// of the layers, as HeldRounds makes a sender leave them out, and *reused
+// gets their bytes.
+absl::Status MoveLent(Engine& from, Engine& to, const std::string& id, int* lent,
+                      uint64_t* reused = nullptr) {
   auto image = from.ExportSession(id);
   if (!image.ok()) return image.status();
+  std::vector<worker::HandoffCache::Held> held;
+  if (reused != nullptr)
+    held = to.HeldRounds(id, image->incarnation, absl::Now() + absl::Minutes(1));
   std::vector<worker::LayerImage> layers;
   for (int l = 0; l < kShape.layers; ++l) {
     auto li = from.ExportLayer(id, l, /*device_rounds=*/true);
     if (!li.ok()) return li.status();
+    li->LeaveOut(held);
     for (worker::LayerImage::DeviceRound& d : li->device_rounds) {
       auto layout = worker::CheckDeviceRound(d.layer->unstaging(), d.layer->staged_bytes(),
                                              kShape.kv_heads, kShape.head_dim);
@@ -220,8 +228,10 @@ absl::Status MoveLent(Engine& from, Engine& to, const std::string& id, int* lent
     layers.push_back(*std::move(li));
   }
   if (absl::Status st = from.ExportTail(id, &*image); !st.ok()) return st;
-  if (absl::Status st = to.ImportSession(id, *image, std::move(layers)); !st.ok()) return st;
-  return from.ForgetSession(id, /*keep_rounds=*/false);
+  if (absl::Status st = to.ImportSession(id, *image, std::move(layers), reused); !st.ok()) {
+    return st;
+  }
+  return from.ForgetSession(id, /*keep_rounds=*/true);
 }
 
 // A device session hands off like a host one (docs/transfer.md): the past
@@ -311,8 +321,10 @@ TEST_F(WorkerDeviceTest, DeviceSessionsHandOffByteForByte) {
 
 // Device rounds imported as the CUDA IPC path imports them: onto a device
 // session they stay on the GPU (no read-back) and it decodes as a host
-// session given the same steps, within the device tolerance; onto a host
-// session they are read back and it decodes exactly as that host session.
+// session given the same steps, within the device tolerance; handed back,
+// the rounds the first engine kept on its GPU are not sent again; onto a
+// host session they are read back and it decodes exactly as that host
+// session.
 TEST_F(WorkerDeviceTest, LentDeviceRoundsImportAsTheReceiverLaysThemOut) {
   SKIP_WITHOUT_GPU();
   EngineOptions host_opts, dev_opts;
@@ -374,8 +386,21 @@ TEST_F(WorkerDeviceTest, LentDeviceRoundsImportAsTheReceiverLaysThemOut) {
       worst = std::max(worst, std::fabs(double(outs[0][j]) - outs[1][j]) / scale);
     }
     EXPECT_LT(worst, 2e-4);
+    // Back to the first engine, which kept the rounds it handed off on its
+    // GPU (its hand-off cache): none of them is lent again.
     lent = 0;
-    KVT_ASSERT_OK(MoveLent(dev2, host2, id, &lent));
+    uint64_t reused = 0;
+    KVT_ASSERT_OK(MoveLent(dev2, *device_, id, &lent, &reused));
+    EXPECT_EQ(lent, 0);
+    EXPECT_GT(reused, 0u);
+    outs = step({&ref, device_.get()}, 1, false);
+    worst = 0;
+    for (size_t j = 0; j < outs[0].size(); ++j) {
+      worst = std::max(worst, std::fabs(double(outs[0][j]) - outs[1][j]) / scale);
+    }
+    EXPECT_LT(worst, 2e-4);
+    lent = 0;
+    KVT_ASSERT_OK(MoveLent(*device_, host2, id, &lent));
     EXPECT_EQ(lent, 2 * (kShape.layers - 1));
     KVT_ASSERT_OK_AND_ASSIGN(st, host2.Stats(id));
     EXPECT_FALSE(st.on_device);

@@ -376,6 +376,12 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
         }
         reused_bytes += static_cast<uint64_t>((*held)->bytes);
         slot = std::move(*held);
+        if (s->device == nullptr && slot->tensors.empty() && slot->device != nullptr) {
+          // Kept from a device session; this one lives in host memory.
+          LayerImage::DeviceRound dr{li.rounds[j], slot->device, {}, slot->bytes};
+          for (const HeadKv& hk : slot->heads) dr.lens.push_back(hk.len);
+          KVT_ASSIGN_OR_RETURN(slot, s->FromDevice(dr, l));
+        }
       }
       // On a device session the layer moves to the GPU, as a fetched one
       // does.
@@ -484,7 +490,6 @@ absl::Status Engine::ForgetSession(const SessionKey& id, bool keep_rounds) {
   KeptRounds kept;
   {
     absl::MutexLock lock(&s->mu);
-    if (s->device != nullptr) return absl::OkStatus();  // Host tensors only.
     kept.incarnation = s->incarnation;
     for (Session::PastRound& r : s->past) {
       for (const std::unique_ptr<RoundLayer>& rl : r.layers) {
