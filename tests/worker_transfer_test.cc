@@ -1091,7 +1091,7 @@ TEST_F(TransferServiceTest, DeviceRoundsNeedAnAcceptedSenderDevice) {
   EXPECT_THAT(held(host.get()), ::testing::HasSubstr("host memory"));
   auto off = StartWorker(0, WorkerServiceOptions::Role::kBoth, [](WorkerServerOptions& o) {
     o.engine.placement = worker::EngineOptions::Placement::kAuto;
-    o.engine.device_ipc = false;
+    o.engine.device_transfer = false;
   });
   EXPECT_THAT(held(off.get()), ::testing::HasSubstr("--device_transfer=grpc"));
   auto any = StartWorker(0, WorkerServiceOptions::Role::kBoth, [](WorkerServerOptions& o) {

@@ -22,6 +22,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "kernels/codec.h"
 #include "worker/device_layout.h"
 #include "worker/device_transfer.h"
@@ -89,6 +90,32 @@ absl::Status ProbeIpcPeer(const DeviceIdentity& peer);
 // allocation of this process; the handle is closed before returning.
 absl::StatusOr<std::unique_ptr<DeviceLayer>> OpenIpcLayer(std::string_view ipc_handle,
                                                           DeviceRoundLayout layout);
+
+// ---- NCCL between GPUs (docs/transfer.md, "The NCCL path") ----
+
+// True when this build has NCCL (with CUDA).
+bool NcclBuiltIn();
+
+// A two-rank NCCL communicator between a hand-off's sender (rank 0) and its
+// receiver (rank 1), for one transfer. Every wait ends by its deadline:
+// past it the communicator is aborted and the call says DEADLINE_EXCEEDED.
+class DeviceLink {
+ public:
+  virtual ~DeviceLink() = default;
+  // Rank 0: sends the layer's staged array, and waits until it is sent.
+  virtual absl::Status Send(const DeviceLayer& layer, absl::Time deadline) = 0;
+  // Rank 1: receives a round laid out as `layout` (CheckDeviceRound) into a
+  // new layer of this process.
+  virtual absl::StatusOr<std::unique_ptr<DeviceLayer>> Receive(DeviceRoundLayout layout,
+                                                               absl::Time deadline) = 0;
+};
+
+// A new communicator's id (ncclUniqueId, 128 bytes), made by rank 0 and
+// handed to rank 1 on the stream.
+absl::StatusOr<std::string> NewLinkId();
+// Joins the communicator `id` as `rank`; both ranks must join by `deadline`.
+absl::StatusOr<std::unique_ptr<DeviceLink>> JoinLink(std::string_view id, int rank,
+                                                     absl::Time deadline);
 
 // Per-session device state: the open round's K/V mirror per layer and the
 // scratch buffers of the attention calls.

@@ -30,6 +30,12 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> OpenIpcLayer(std::string_view, Devi
   return NotBuilt();
 }
 
+bool NcclBuiltIn() { return false; }
+absl::StatusOr<std::string> NewLinkId() { return NotBuilt(); }
+absl::StatusOr<std::unique_ptr<DeviceLink>> JoinLink(std::string_view, int, absl::Time) {
+  return NotBuilt();
+}
+
 absl::StatusOr<std::unique_ptr<DeviceSession>> NewDeviceSession(int, int, int, int) {
   return NotBuilt();
 }

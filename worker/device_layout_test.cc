@@ -372,6 +372,37 @@ TEST(DeviceTransferTest, IpcPeersMustShareNodeAndGpuFromAnotherProcess) {
   EXPECT_EQ(BootId().size(), 36u);
 }
 
+// Same GPU: CUDA IPC (its checks); another GPU: NCCL when both sides have
+// it, on this node or another; otherwise the reason.
+TEST(DeviceTransferTest, DevicePathFollowsTheGpusAndNccl) {
+  DeviceIdentity local{"boot-a", std::string(16, '\1'), 100, "", "", true};
+  DeviceIdentity peer{"boot-a", std::string(16, '\1'), 200, std::string(64, 'h'), "nonce", true};
+  auto path = [](const DeviceIdentity& a, const DeviceIdentity& b) {
+    absl::StatusOr<std::string> p = ChooseDevicePath(a, b);
+    return p.ok() ? *p : p.status().ToString();
+  };
+  EXPECT_EQ(path(local, peer), "cuda_ipc");
+  DeviceIdentity same_process = peer;
+  same_process.pid = local.pid;
+  EXPECT_THAT(
+      ChooseDevicePath(local, same_process),
+      StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::HasSubstr("this process")));
+  DeviceIdentity other_gpu = peer;
+  other_gpu.gpu_uuid = std::string(16, '\2');
+  EXPECT_EQ(path(local, other_gpu), "nccl");
+  other_gpu.boot_id = "boot-b";  // Another node: NCCL all the same.
+  EXPECT_EQ(path(local, other_gpu), "nccl");
+  other_gpu.nccl = false;
+  EXPECT_THAT(ChooseDevicePath(local, other_gpu),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       ::testing::HasSubstr("the sender was built without NCCL")));
+  other_gpu.nccl = true;
+  local.nccl = false;
+  EXPECT_THAT(ChooseDevicePath(local, other_gpu),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       ::testing::HasSubstr("this worker was built without NCCL")));
+}
+
 // A device layer whose "device memory" is a host array: what a hand-off
 // reads back when it takes the gRPC path, without a GPU.
 class HostStagedLayer : public DeviceLayer {

@@ -44,6 +44,24 @@ absl::Status IpcPeerCheck(const DeviceIdentity& local, const DeviceIdentity& pee
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::string> ChooseDevicePath(const DeviceIdentity& local,
+                                             const DeviceIdentity& peer) {
+  if (peer.gpu_uuid.empty() || peer.gpu_uuid == local.gpu_uuid) {
+    absl::Status same = IpcPeerCheck(local, peer);
+    if (!same.ok()) return same;
+    return std::string("cuda_ipc");
+  }
+  if (!local.nccl) {
+    return absl::FailedPreconditionError(
+        "the sender's session is on another GPU, and this worker was built without NCCL");
+  }
+  if (!peer.nccl) {
+    return absl::FailedPreconditionError(
+        "the sender's session is on another GPU, and the sender was built without NCCL");
+  }
+  return std::string("nccl");
+}
+
 namespace {
 
 absl::Status Refuse(size_t t, const std::string& why) {

@@ -26,6 +26,7 @@ struct DeviceIdentity {
   uint64_t pid = 0;
   // An IPC handle of a device buffer holding `probe_nonce`.
   std::string probe_handle, probe_nonce;
+  bool nccl = false;  // It can join an NCCL communicator.
 };
 
 // This node's boot id; empty when it cannot be read.
@@ -37,6 +38,14 @@ std::string BootId();
 // FAILED_PRECONDITION saying which of these fails (the probe itself is read
 // by ProbeIpcPeer, device_attention.h).
 absl::Status IpcPeerCheck(const DeviceIdentity& local, const DeviceIdentity& peer);
+
+// The device path a receiver with identity `local` takes from `peer`, as
+// far as their identities tell: "cuda_ipc" for a peer on the same GPU
+// (IpcPeerCheck passing; the caller then reads the probe), "nccl" for one
+// on another GPU when both can join an NCCL communicator (NCCL refuses two
+// ranks on one GPU); FAILED_PRECONDITION saying why neither.
+absl::StatusOr<std::string> ChooseDevicePath(const DeviceIdentity& local,
+                                             const DeviceIdentity& peer);
 
 // A device round as the receiver lays it out: per KV head the K and V
 // staging descriptors (offsets into the staged array), their token counts,

@@ -307,11 +307,12 @@ struct EngineOptions {
   // Default: kAuto.
   enum class Placement { kAuto, kHost, kDevice };
   Placement placement = Placement::kAuto;
-  // The CUDA IPC path of hand-offs (docs/transfer.md): a session on the GPU
-  // offers it to its receiver, and a receiver that places sessions on its
-  // GPU takes it from a sender on the same GPU in another process. false:
-  // every hand-off goes over gRPC. Default: true.
-  bool device_ipc = true;
+  // The device paths of hand-offs (docs/transfer.md): a session on the GPU
+  // offers them to its receiver, and a receiver that places sessions on its
+  // GPU takes CUDA IPC from a sender on the same GPU in another process, or
+  // NCCL from one on another GPU. false: every hand-off goes over gRPC.
+  // Default: true.
+  bool device_transfer = true;
   // Runs the recall fetches (one GetSegments each), so that they overlap the
   // layers between L_w and L_w + 1. Not owned; it must outlive the engine,
   // and must not be the pool that runs the engine's callers (a caller at
@@ -488,11 +489,12 @@ class Engine {
   // `reused_bytes`, when set, gets the encoded bytes taken from the cache.
   absl::Status ImportSession(const SessionKey& id, const SessionImage& image,
                              std::vector<LayerImage> layers, uint64_t* reused_bytes = nullptr);
-  // Whether this worker takes device rounds through CUDA IPC from a sender
-  // with identity `peer`: OK, or FAILED_PRECONDITION saying why not (the
-  // path is off, sessions here are placed in host memory, no device, or
-  // IpcPeerCheck / ProbeIpcPeer fail).
-  absl::Status AcceptsDeviceRounds(const DeviceIdentity& peer) const;
+  // The device path this worker takes device rounds by from a sender with
+  // identity `peer`: "cuda_ipc" (its GPU, IpcPeerCheck and ProbeIpcPeer
+  // pass) or "nccl" (another GPU, NCCL on both sides); FAILED_PRECONDITION
+  // saying why none (the paths are off, sessions here are placed in host
+  // memory, no device, or the checks fail).
+  absl::StatusOr<std::string> AcceptsDeviceRounds(const DeviceIdentity& peer) const;
   // This worker's identity for offering the CUDA IPC path, or why it offers
   // none (FAILED_PRECONDITION).
   absl::StatusOr<DeviceIdentity> OffersDeviceRounds() const;

@@ -464,8 +464,8 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
   return absl::OkStatus();
 }
 
-absl::Status Engine::AcceptsDeviceRounds(const DeviceIdentity& peer) const {
-  if (!options_.device_ipc) {
+absl::StatusOr<std::string> Engine::AcceptsDeviceRounds(const DeviceIdentity& peer) const {
+  if (!options_.device_transfer) {
     return absl::FailedPreconditionError("this worker runs with --device_transfer=grpc");
   }
   if (options_.placement == EngineOptions::Placement::kHost) {
@@ -473,12 +473,13 @@ absl::Status Engine::AcceptsDeviceRounds(const DeviceIdentity& peer) const {
         "this worker keeps sessions in host memory (--placement=host)");
   }
   KVT_ASSIGN_OR_RETURN(DeviceIdentity local, LocalDeviceIdentity());
-  KVT_RETURN_IF_ERROR(IpcPeerCheck(local, peer));
-  return ProbeIpcPeer(peer);
+  KVT_ASSIGN_OR_RETURN(std::string path, ChooseDevicePath(local, peer));
+  if (path == "cuda_ipc") KVT_RETURN_IF_ERROR(ProbeIpcPeer(peer));
+  return path;
 }
 
 absl::StatusOr<DeviceIdentity> Engine::OffersDeviceRounds() const {
-  if (!options_.device_ipc) {
+  if (!options_.device_transfer) {
     return absl::FailedPreconditionError("the sending worker runs with --device_transfer=grpc");
   }
   return LocalDeviceIdentity();

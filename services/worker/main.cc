@@ -60,9 +60,9 @@ ABSL_FLAG(std::string, skew_dir, "",
           "Directory of skew files (kvtier calibrate infinigen) to load at start, every "
           "regular file in it; sessions whose policy names one speculate without an upload.");
 ABSL_FLAG(std::string, device_transfer, "auto",
-          "How hand-offs of sessions on the GPU move their past rounds: auto (device to device "
-          "through CUDA IPC when sender and receiver share this node's GPU from two processes, "
-          "gRPC otherwise) or grpc (always over the stream).");
+          "How hand-offs of sessions on the GPU move their past rounds: auto (device to device: "
+          "CUDA IPC when sender and receiver share a GPU from two processes, NCCL between two "
+          "GPUs when both builds have NCCL; gRPC otherwise) or grpc (always over the stream).");
 ABSL_FLAG(std::string, placement, "auto",
           "Where working sets live: auto (the GPU when this build has CUDA and a device is "
           "visible, for raw/KIVI/KCVT sessions; host memory otherwise), host, or device "
@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvtier-worker: --device_transfer must be auto or grpc\n");
     return 2;
   }
-  o.engine.device_ipc = device_transfer == "auto";
+  o.engine.device_transfer = device_transfer == "auto";
   const std::string placement = absl::GetFlag(FLAGS_placement);
   using Placement = kvtier::worker::EngineOptions::Placement;
   if (placement == "auto") {

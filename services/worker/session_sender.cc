@@ -104,7 +104,7 @@ absl::StatusOr<v1::TransferReport> SessionSender::Finish() {
   }
   report_.set_transfer_ms(worker::MsSince(first_layer_));
   report_.set_exposed_ms(worker::MsSince(wait_start));
-  if (on_device_ && !ipc_) report_.set_device_refusal(refusal_);
+  if (on_device_ && device_path_.empty()) report_.set_device_refusal(refusal_);
   return report_;
 }
 
@@ -131,10 +131,22 @@ void SessionSender::AskHeld() {
     return;
   }
   if (offer_.has_value()) {
-    ipc_ = std::find(resp.device_paths().begin(), resp.device_paths().end(), "cuda_ipc") !=
-           resp.device_paths().end();
-    if (!ipc_) {
-      refusal_ = resp.device_refusal().empty() ? "the receiver predates the CUDA IPC path"
+    auto offered = [&](const char* path) {
+      return std::find(resp.device_paths().begin(), resp.device_paths().end(), path) !=
+             resp.device_paths().end();
+    };
+    if (offered("cuda_ipc")) {
+      device_path_ = "cuda_ipc";
+    } else if (offered("nccl")) {
+      absl::StatusOr<std::string> id = worker::NewLinkId();
+      if (id.ok()) {
+        device_path_ = "nccl";
+        nccl_id_ = *std::move(id);
+      } else {
+        refusal_ = absl::StrCat("NCCL: ", id.status().message());
+      }
+    } else {
+      refusal_ = resp.device_refusal().empty() ? "the receiver predates the device paths"
                                                : resp.device_refusal();
     }
   }
@@ -144,14 +156,36 @@ void SessionSender::AskHeld() {
   }
 }
 
+void SessionSender::JoinNccl() {
+  absl::StatusOr<std::unique_ptr<worker::DeviceLink>> link =
+      worker::JoinLink(nccl_id_, 0, std::min(deadline_, absl::Now() + absl::Seconds(30)));
+  if (link.ok()) {
+    link_ = *std::move(link);
+    return;
+  }
+  LogWarn("hand-off over gRPC: the NCCL communicator did not form",
+          {{"session", id_.ToString()}, {"target", target_}, {"error", link.status().ToString()}});
+  device_path_.clear();
+  refusal_ = absl::StrCat("NCCL: ", link.status().message());
+}
+
+void SessionSender::Fail(absl::Status st) {
+  absl::MutexLock lock(&mu_);
+  failure_ = std::move(st);
+  ctx_.TryCancel();
+}
+
 bool SessionSender::PlaceDeviceRounds(worker::LayerImage* li, v1::TransferLayer* info,
-                                      uint64_t* device_bytes) {
+                                      uint64_t* device_bytes,
+                                      std::vector<std::shared_ptr<worker::DeviceLayer>>* sends) {
   *device_bytes = 0;
   if (li->device_rounds.empty()) return true;
-  if (ipc_) {
+  if (!device_path_.empty()) {
+    const bool nccl = device_path_ == "nccl";
     std::vector<v1::TransferDeviceRound> rounds;
     for (const worker::LayerImage::DeviceRound& d : li->device_rounds) {
-      absl::StatusOr<std::string> handle = d.layer->IpcHandle();
+      absl::StatusOr<std::string> handle =
+          nccl ? absl::StatusOr<std::string>(std::string()) : d.layer->IpcHandle();
       if (!handle.ok() || d.layer->unstaging().empty()) {
         // This layer goes over gRPC; the next ones try again.
         LogWarn("device round sent over gRPC", {{"session", id_.ToString()},
@@ -167,6 +201,7 @@ bool SessionSender::PlaceDeviceRounds(worker::LayerImage* li, v1::TransferLayer*
     if (!rounds.empty()) {
       for (v1::TransferDeviceRound& r : rounds) *info->add_device_rounds() = std::move(r);
       for (worker::LayerImage::DeviceRound& d : li->device_rounds) {
+        if (nccl) sends->push_back(d.layer);
         lent_.push_back(std::move(d.layer));
       }
       li->device_rounds.clear();
@@ -176,9 +211,7 @@ bool SessionSender::PlaceDeviceRounds(worker::LayerImage* li, v1::TransferLayer*
   }
   absl::Status st = li->ResolveDevice();
   if (st.ok()) return true;
-  absl::MutexLock lock(&mu_);
-  failure_ = st;
-  ctx_.TryCancel();
+  Fail(std::move(st));
   return false;
 }
 
@@ -191,7 +224,8 @@ bool SessionSender::WriteLayer(worker::LayerImage li) {
   v1::TransferChunk start;
   v1::TransferLayer* info = start.mutable_layer_info();
   uint64_t device_bytes = 0;
-  if (!PlaceDeviceRounds(&li, info, &device_bytes)) return false;
+  std::vector<std::shared_ptr<worker::DeviceLayer>> sends;
+  if (!PlaceDeviceRounds(&li, info, &device_bytes, &sends)) return false;
   std::vector<wire::BytesPiece> parts;
   for (const worker::LayerImage::Piece& p : li.past_pieces) {
     parts.push_back({p.bytes.data(), p.bytes.size(), p.owner});
@@ -212,6 +246,15 @@ bool SessionSender::WriteLayer(worker::LayerImage li) {
   info->set_q_rows(li.q_rows);
   info->set_open_bytes(open->size());
   if (!call_->Write(wire::Serialize(start))) return false;
+  // NCCL: the device rounds follow the start, in its order, as the
+  // receiver posts their receives.
+  for (const std::shared_ptr<worker::DeviceLayer>& layer : sends) {
+    absl::Status sent = link_->Send(*layer, std::min(deadline_, absl::Now() + absl::Seconds(30)));
+    if (!sent.ok()) {
+      Fail(std::move(sent));
+      return false;
+    }
+  }
   uint32_t chunks = 2;
   constexpr int kDataField = 8;  // TransferChunk.data
   // Data chunks of chunk_bytes_, each gathering as many pieces (or parts of
@@ -248,7 +291,7 @@ bool SessionSender::WriteLayer(worker::LayerImage li) {
   report_.set_wire_bytes(report_.wire_bytes() + past_bytes + open->size());
   report_.set_reused_bytes(report_.reused_bytes() + reused_bytes);
   report_.set_device_bytes(report_.device_bytes() + device_bytes);
-  if (device_bytes > 0) report_.set_path("cuda_ipc");
+  if (device_bytes > 0) report_.set_path(device_path_);
   report_.set_chunks(report_.chunks() + chunks);
   return true;
 }
@@ -268,10 +311,13 @@ void SessionSender::Run() {
     if (!broken) {
       if (auto* h = std::get_if<v1::TransferHeader>(&item)) {
         AskHeld();  // While the caller computes the first layer.
-        if (ipc_) *h->mutable_device() = *offer_;
+        if (!device_path_.empty()) *h->mutable_device() = *offer_;
+        if (device_path_ == "nccl") h->set_nccl_id(nccl_id_);
         v1::TransferChunk c;
         *c.mutable_header() = std::move(*h);
         broken = !call_->Write(wire::Serialize(c));
+        // The receiver joins as rank 1 when it reads the header.
+        if (!broken && device_path_ == "nccl") JoinNccl();
       } else if (auto* li = std::get_if<worker::LayerImage>(&item)) {
         broken = !WriteLayer(std::move(*li));
       } else {

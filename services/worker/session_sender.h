@@ -22,6 +22,7 @@
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "kvtier/v1/worker.grpc.pb.h"
+#include "worker/device_attention.h"
 #include "worker/engine.h"
 
 namespace kvtier {
@@ -70,10 +71,17 @@ class SessionSender {
   // UNIMPLEMENTED) leaves nothing out and keeps to gRPC.
   void AskHeld();
   // Names the layer's device rounds in `info` for the receiver to copy
-  // (CUDA IPC, lending their layers until this sender is destroyed), or
-  // reads them back into the layer's pieces (gRPC). False and `failure_`
-  // when a layer cannot be read back.
-  bool PlaceDeviceRounds(worker::LayerImage* li, v1::TransferLayer* info, uint64_t* device_bytes);
+  // (CUDA IPC, lending their layers until this sender is destroyed) or to
+  // receive (NCCL: the layers to send after the start message go to
+  // *sends), or reads them back into the layer's pieces (gRPC). False and
+  // `failure_` when a layer cannot be read back.
+  bool PlaceDeviceRounds(worker::LayerImage* li, v1::TransferLayer* info, uint64_t* device_bytes,
+                         std::vector<std::shared_ptr<worker::DeviceLayer>>* sends);
+  // Joins the NCCL communicator named in the header (rank 0); on failure
+  // the transfer keeps to gRPC, and the receiver's join fails likewise.
+  void JoinNccl();
+  // Records our own failure and cancels the call.
+  void Fail(absl::Status st);
   // Writes one layer: its start, its bytes in data-only messages that
   // reference the image's buffers (no copy), its end; false when the stream
   // broke. Rounds the receiver holds at this layer are named, not sent.
@@ -100,7 +108,9 @@ class SessionSender {
   // by the thread only (the receiver's answer, the layers lent to it).
   bool on_device_ = false;
   std::optional<v1::DeviceIdentity> offer_;
-  bool ipc_ = false;
+  std::string device_path_;  // "cuda_ipc", "nccl", or empty (gRPC).
+  std::string nccl_id_;
+  std::unique_ptr<worker::DeviceLink> link_;
   std::string refusal_;
   std::vector<std::shared_ptr<worker::DeviceLayer>> lent_;
   std::thread thread_;

@@ -171,6 +171,7 @@ v1::DeviceIdentity IdentityToProto(const worker::DeviceIdentity& id) {
   p.set_pid(id.pid);
   p.set_probe_handle(id.probe_handle);
   p.set_probe_nonce(id.probe_nonce);
+  p.set_nccl(id.nccl);
   return p;
 }
 
@@ -181,6 +182,7 @@ worker::DeviceIdentity IdentityFromProto(const v1::DeviceIdentity& p) {
   id.pid = p.pid();
   id.probe_handle = p.probe_handle();
   id.probe_nonce = p.probe_nonce();
+  id.nccl = p.nccl();
   return id;
 }
 

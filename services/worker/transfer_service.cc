@@ -90,11 +90,12 @@ absl::Status WorkerService::DoHeldRounds(grpc::CallbackServerContext& ctx,
     for (uint32_t l : h.layers) r->add_layers(l);
   }
   if (req.has_device()) {
-    const absl::Status ipc = engine_->AcceptsDeviceRounds(IdentityFromProto(req.device()));
-    if (ipc.ok()) {
-      resp->add_device_paths("cuda_ipc");
+    const absl::StatusOr<std::string> path =
+        engine_->AcceptsDeviceRounds(IdentityFromProto(req.device()));
+    if (path.ok()) {
+      resp->add_device_paths(*path);
     } else {
-      resp->set_device_refusal(std::string(ipc.message()));
+      resp->set_device_refusal(std::string(path.status().message()));
     }
   }
   return absl::OkStatus();
@@ -168,7 +169,22 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     if (chunk_.header().has_device()) {
       // Checked again here: the stream, not HeldRounds, is what carries the
       // handles this worker will open.
-      device_ok_ = svc_->engine_->AcceptsDeviceRounds(IdentityFromProto(chunk_.header().device()));
+      device_path_ =
+          svc_->engine_->AcceptsDeviceRounds(IdentityFromProto(chunk_.header().device()));
+      if (device_path_->ok() && **device_path_ == "nccl") {
+        if (chunk_.header().nccl_id().empty()) {
+          device_path_ = absl::InvalidArgumentError("the NCCL path without a communicator id");
+        } else {
+          // The sender joins as rank 0 once it wrote the header.
+          absl::StatusOr<std::unique_ptr<worker::DeviceLink>> link =
+              worker::JoinLink(chunk_.header().nccl_id(), 1, DeviceDeadline());
+          if (link.ok()) {
+            link_ = *std::move(link);
+          } else {
+            device_path_ = link.status();
+          }
+        }
+      }
     }
     return svc_->engine_->CheckImport(*id_, 0);
   }
@@ -215,15 +231,16 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
   // layout, then copied device to device.
   absl::Status TakeDeviceRounds(const v1::TransferLayer& info) {
     if (info.device_rounds().empty()) return absl::OkStatus();
-    if (!device_ok_.has_value()) {
+    if (!device_path_.has_value()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "layer ", chunk_.layer(), " carries device rounds; the header named no sender device"));
     }
-    if (!device_ok_->ok()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("layer ", chunk_.layer(),
-                       " carries device rounds this worker cannot take: ", device_ok_->message()));
+    if (!device_path_->ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "layer ", chunk_.layer(),
+          " carries device rounds this worker cannot take: ", device_path_->status().message()));
     }
+    const bool nccl = **device_path_ == "nccl";
     const worker::ModelShape& sh = image_->shape;
     for (const v1::TransferDeviceRound& r : info.device_rounds()) {
       KVT_ASSIGN_OR_RETURN(std::vector<worker::Unstaging> tensors, StagedTensorsFromProto(r));
@@ -234,11 +251,26 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
       d.round = r.round();
       d.lens = layout.lens;
       d.bytes = layout.bytes;
-      KVT_ASSIGN_OR_RETURN(d.layer, worker::OpenIpcLayer(r.ipc_handle(), std::move(layout)));
+      if (nccl != r.ipc_handle().empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "device round ", r.round(),
+            nccl ? " carries an IPC handle on the NCCL path" : " carries no IPC handle"));
+      }
+      if (nccl) {
+        KVT_ASSIGN_OR_RETURN(d.layer, link_->Receive(std::move(layout), DeviceDeadline()));
+      } else {
+        KVT_ASSIGN_OR_RETURN(d.layer, worker::OpenIpcLayer(r.ipc_handle(), std::move(layout)));
+      }
       device_bytes_ += r.staged_bytes();
       layer_.device_rounds.push_back(std::move(d));
     }
     return absl::OkStatus();
+  }
+
+  // How long a device wait (NCCL) may take: the call's deadline, at most
+  // 30 s from now.
+  absl::Time DeviceDeadline() const {
+    return std::min(absl::FromChrono(ctx_->deadline()), absl::Now() + absl::Seconds(30));
   }
 
   absl::Status TakeData(const char* p, size_t n) {
@@ -309,8 +341,12 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
               {{"session", id_.has_value() ? id_->ToString() : std::string("?")},
                {"error", s.ToString()}});
     }
-    svc_->metrics_->Transfer("received", device_bytes_ > 0 ? "cuda_ipc" : "grpc", s.ok(),
-                             received_ + device_bytes_, reused_bytes_);
+    svc_->metrics_->Transfer("received",
+                             device_bytes_ > 0 && device_path_.has_value() && device_path_->ok()
+                                 ? **device_path_
+                                 : std::string("grpc"),
+                             s.ok(), received_ + device_bytes_, reused_bytes_);
+    link_.reset();
     svc_->UpdateWorkingSet();
     Finish(svc_->Done("TransferSession", s));
   }
@@ -332,8 +368,10 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
   uint32_t crc_ = 0;
   uint64_t received_ = 0;
   uint64_t reused_bytes_ = 0;  // Taken from this worker's hand-off cache.
-  // The header's sender device: whether this worker takes its device rounds.
-  std::optional<absl::Status> device_ok_;
+  // The header's sender device: the device path this worker takes its
+  // device rounds by, or why none; on the NCCL path, the communicator.
+  std::optional<absl::StatusOr<std::string>> device_path_;
+  std::unique_ptr<worker::DeviceLink> link_;
   uint64_t device_bytes_ = 0;  // Copied device to device.
   bool imported_ = false;
 };
