@@ -180,6 +180,45 @@ TEST_F(WorkerDeviceTest, DeviceAttentionMatchesHostForEveryCodec) {
   }
 }
 
+// One step of session `id`, the same inputs to every engine given (K/V of
+// the model's dtype); each one's outputs, every layer's in order.
+std::vector<std::vector<float>> Step(const std::string& id, const std::vector<Engine*>& engines,
+                                     int64_t n, bool prefill, std::mt19937* rng) {
+  std::normal_distribution<float> nd;
+  const int d = kShape.head_dim;
+  std::vector<std::vector<float>> outs(engines.size());
+  for (int l = 0; l < kShape.layers; ++l) {
+    std::vector<float> q(n * kShape.q_heads * d), k(n * kShape.kv_heads * d), v(k.size());
+    for (float& x : q) x = nd(*rng);
+    for (float& x : k) x = HalfToFloat(FloatToHalf(nd(*rng)));
+    for (float& x : v) x = HalfToFloat(FloatToHalf(nd(*rng)));
+    for (size_t e = 0; e < engines.size(); ++e) {
+      std::vector<float> out(q.size());
+      if (prefill) {
+        auto r =
+            engines[e]->PrefillLayer(id, l, n, n / 2, q.data(), k.data(), v.data(), out.data());
+        EXPECT_TRUE(r.ok()) << r.status();
+      } else {
+        EXPECT_THAT(engines[e]->DecodeLayer(id, l, q.data(), k.data(), v.data(), out.data()),
+                    IsOk());
+      }
+      outs[e].insert(outs[e].end(), out.begin(), out.end());
+    }
+  }
+  return outs;
+}
+
+// The largest difference between two engines' outputs, relative to the
+// first one's scale.
+double Worst(const std::vector<float>& want, const std::vector<float>& got) {
+  double scale = 1e-6, worst = 0;
+  for (float x : want) scale = std::max(scale, double(std::fabs(x)));
+  for (size_t j = 0; j < want.size() && j < got.size(); ++j) {
+    worst = std::max(worst, std::fabs(double(want[j]) - got[j]) / scale);
+  }
+  return want.size() == got.size() ? worst : 1e9;
+}
+
 // A session moved between engines the way kvtier-worker's TransferSession
 // moves it (export, layer by layer, then import), in process.
 absl::Status Move(Engine& from, Engine& to, const std::string& id) {
@@ -257,30 +296,8 @@ TEST_F(WorkerDeviceTest, DeviceSessionsHandOffByteForByte) {
     for (Engine* e : {host_.get(), device_.get(), &ref})
       KVT_ASSERT_OK(e->OpenSession(id, kShape, p));
     std::mt19937 rng(7);
-    std::normal_distribution<float> nd;
-    const int d = kShape.head_dim;
-    // One step, the same inputs to every engine given; each one's outputs.
     auto step = [&](const std::vector<Engine*>& engines, int64_t n, bool prefill) {
-      std::vector<std::vector<float>> outs(engines.size());
-      for (int l = 0; l < kShape.layers; ++l) {
-        std::vector<float> q(n * kShape.q_heads * d), k(n * kShape.kv_heads * d), v(k.size());
-        for (float& x : q) x = nd(rng);
-        for (float& x : k) x = HalfToFloat(FloatToHalf(nd(rng)));
-        for (float& x : v) x = HalfToFloat(FloatToHalf(nd(rng)));
-        for (size_t e = 0; e < engines.size(); ++e) {
-          std::vector<float> out(q.size());
-          if (prefill) {
-            auto r =
-                engines[e]->PrefillLayer(id, l, n, n / 2, q.data(), k.data(), v.data(), out.data());
-            EXPECT_TRUE(r.ok()) << r.status();
-          } else {
-            EXPECT_THAT(engines[e]->DecodeLayer(id, l, q.data(), k.data(), v.data(), out.data()),
-                        IsOk());
-          }
-          outs[e].insert(outs[e].end(), out.begin(), out.end());
-        }
-      }
-      return outs;
+      return Step(id, engines, n, prefill, &rng);
     };
     const std::vector<Engine*> all = {host_.get(), device_.get(), &ref};
     for (int r = 0; r < 2; ++r) {
@@ -308,12 +325,7 @@ TEST_F(WorkerDeviceTest, DeviceSessionsHandOffByteForByte) {
     for (int t = 0; t < 2; ++t) {
       auto outs = step({&ref, &off_gpu, &on_gpu}, 1, false);
       EXPECT_TRUE(outs[0] == outs[1]) << "decode step " << t << " off the GPU";
-      double scale = 1e-6, worst = 0;
-      for (float x : outs[0]) scale = std::max(scale, double(std::fabs(x)));
-      for (size_t j = 0; j < outs[0].size(); ++j) {
-        worst = std::max(worst, std::fabs(double(outs[0][j]) - outs[2][j]) / scale);
-      }
-      EXPECT_LT(worst, 2e-4) << "decode step " << t << " on the GPU";
+      EXPECT_LT(Worst(outs[0], outs[2]), 2e-4) << "decode step " << t << " on the GPU";
     }
     for (Engine* e : {&ref, &off_gpu, &on_gpu}) KVT_ASSERT_OK(e->EndRound(id).status());
   }
@@ -343,29 +355,8 @@ TEST_F(WorkerDeviceTest, LentDeviceRoundsImportAsTheReceiverLaysThemOut) {
     KVT_ASSERT_OK(device_->OpenSession(id, kShape, p));
     KVT_ASSERT_OK(ref.OpenSession(id, kShape, p));
     std::mt19937 rng(11);
-    std::normal_distribution<float> nd;
-    const int d = kShape.head_dim;
     auto step = [&](const std::vector<Engine*>& engines, int64_t n, bool prefill) {
-      std::vector<std::vector<float>> outs(engines.size());
-      for (int l = 0; l < kShape.layers; ++l) {
-        std::vector<float> q(n * kShape.q_heads * d), k(n * kShape.kv_heads * d), v(k.size());
-        for (float& x : q) x = nd(rng);
-        for (float& x : k) x = HalfToFloat(FloatToHalf(nd(rng)));
-        for (float& x : v) x = HalfToFloat(FloatToHalf(nd(rng)));
-        for (size_t e = 0; e < engines.size(); ++e) {
-          std::vector<float> out(q.size());
-          if (prefill) {
-            auto r =
-                engines[e]->PrefillLayer(id, l, n, n / 2, q.data(), k.data(), v.data(), out.data());
-            EXPECT_TRUE(r.ok()) << r.status();
-          } else {
-            EXPECT_THAT(engines[e]->DecodeLayer(id, l, q.data(), k.data(), v.data(), out.data()),
-                        IsOk());
-          }
-          outs[e].insert(outs[e].end(), out.begin(), out.end());
-        }
-      }
-      return outs;
+      return Step(id, engines, n, prefill, &rng);
     };
     for (int r = 0; r < 2; ++r) {
       step({device_.get(), &ref}, 12, true);
@@ -380,12 +371,7 @@ TEST_F(WorkerDeviceTest, LentDeviceRoundsImportAsTheReceiverLaysThemOut) {
     KVT_ASSERT_OK_AND_ASSIGN(auto st, dev2.Stats(id));
     EXPECT_TRUE(st.on_device);
     auto outs = step({&ref, &dev2}, 1, false);
-    double scale = 1e-6, worst = 0;
-    for (float x : outs[0]) scale = std::max(scale, double(std::fabs(x)));
-    for (size_t j = 0; j < outs[0].size(); ++j) {
-      worst = std::max(worst, std::fabs(double(outs[0][j]) - outs[1][j]) / scale);
-    }
-    EXPECT_LT(worst, 2e-4);
+    EXPECT_LT(Worst(outs[0], outs[1]), 2e-4);
     // Back to the first engine, which kept the rounds it handed off on its
     // GPU (its hand-off cache): none of them is lent again.
     lent = 0;
@@ -394,11 +380,7 @@ TEST_F(WorkerDeviceTest, LentDeviceRoundsImportAsTheReceiverLaysThemOut) {
     EXPECT_EQ(lent, 0);
     EXPECT_GT(reused, 0u);
     outs = step({&ref, device_.get()}, 1, false);
-    worst = 0;
-    for (size_t j = 0; j < outs[0].size(); ++j) {
-      worst = std::max(worst, std::fabs(double(outs[0][j]) - outs[1][j]) / scale);
-    }
-    EXPECT_LT(worst, 2e-4);
+    EXPECT_LT(Worst(outs[0], outs[1]), 2e-4);
     lent = 0;
     KVT_ASSERT_OK(MoveLent(*device_, host2, id, &lent));
     EXPECT_EQ(lent, 2 * (kShape.layers - 1));

@@ -118,7 +118,8 @@ def test_prefill_and_decode_pools_through_the_controller():
              f"--model={model}", "--sessions=2", "--rounds=4", "--quiet"],
             capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr + out.stdout
-        assert "prefill -> decode hand-off (path grpc)" in out.stdout, out.stdout
+        # 2 sessions x 4 rounds: 8 hand-offs and 8 hand-backs, all over gRPC.
+        assert "hand-offs and hand-backs: grpc 16)" in out.stdout, out.stdout
         # Speculation in the cluster: the skew goes to both workers of each
         # session, and the decode worker speculates.
         skew = os.path.join(work, "s.skew")
@@ -129,7 +130,7 @@ def test_prefill_and_decode_pools_through_the_controller():
              f"--model={model}", "--sessions=2", "--rounds=4", "--quiet", "--speculation=4",
              f"--skew={skew}"], capture_output=True, text=True, timeout=120)
         assert spec_run.returncode == 0, spec_run.stderr + spec_run.stdout
-        assert "prefill -> decode hand-off (path grpc)" in spec_run.stdout, spec_run.stdout
+        assert "hand-offs and hand-backs: grpc 16)" in spec_run.stdout, spec_run.stdout
         table = spec_run.stdout[spec_run.stdout.index("speculation (4)"):]
         layer1 = [l for l in table.splitlines() if l.startswith("1 ")][0].split()
         assert int(layer1[1]) > 0, table  # Steps that speculated layer 1.
