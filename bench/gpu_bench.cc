@@ -11,14 +11,25 @@
 // "x floor" is measured time over that floor. A wrong result (relative error
 // over 1e-3, or non-finite) makes it exit 1.
 //
+// Then the CUDA IPC hand-off path's copy (docs/transfer.md): a second
+// process (this binary, --ipc_export) allocates buffers of a layer's
+// sizes and hands their IPC handles over; this one copies each device to
+// device, beside a copy between two of its own buffers of the same size,
+// and times what the worker does per round: open, copy, close.
+//
 // Built only with CUDA. Without a device it says so and exits 0.
 #include <cuda_runtime.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -349,9 +360,134 @@ Row Measure(const std::string& setting, int64_t t, double copy_gbps, int reps) {
   return row;
 }
 
+constexpr size_t kIpcSizes[] = {size_t{1} << 20, size_t{16} << 20, size_t{256} << 20};
+
+// The exporting side: one buffer per size, each handle printed as a hex
+// line; holds them until stdin closes.
+int IpcExport() {
+  std::vector<void*> bufs;
+  for (size_t bytes : kIpcSizes) {
+    void* p = nullptr;
+    GPU_CHECK(cudaMalloc(&p, bytes));
+    GPU_CHECK(cudaMemset(p, 0x5a, bytes));
+    cudaIpcMemHandle_t h;
+    GPU_CHECK(cudaIpcGetMemHandle(&h, p));
+    const auto* b = reinterpret_cast<const unsigned char*>(&h);
+    for (size_t i = 0; i < sizeof(h); ++i) std::printf("%02x", b[i]);
+    std::printf("\n");
+    bufs.push_back(p);
+  }
+  GPU_CHECK(cudaDeviceSynchronize());
+  std::fflush(stdout);
+  char c;
+  while (read(0, &c, 1) > 0) {
+  }
+  for (void* p : bufs) cudaFree(p);
+  return 0;
+}
+
+// Median wall time of `reps` calls of fn (after one warm-up), in ms.
+template <typename Fn>
+double MedianWallMs(int reps, Fn fn) {
+  fn();
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    ms.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// The IPC table; a reason instead when another process's memory cannot be
+// opened here (the run goes on: demo_pd checks the path itself).
+void IpcTable(int reps) {
+  int to_child[2], from_child[2];
+  if (pipe(to_child) != 0 || pipe(from_child) != 0) {
+    std::printf("\nCUDA IPC: not measured (pipe failed)\n");
+    return;
+  }
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(to_child[0], 0);
+    dup2(from_child[1], 1);
+    close(to_child[1]);
+    close(from_child[0]);
+    execl("/proc/self/exe", "kvtier-gpu-bench", "--ipc_export", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(to_child[0]);
+  close(from_child[1]);
+  std::FILE* in = fdopen(from_child[0], "r");
+  std::vector<cudaIpcMemHandle_t> handles;
+  char line[512];
+  while (handles.size() < std::size(kIpcSizes) && in != nullptr &&
+         std::fgets(line, sizeof(line), in) != nullptr) {
+    cudaIpcMemHandle_t h;
+    auto* b = reinterpret_cast<unsigned char*>(&h);
+    bool ok = std::strlen(line) >= 2 * sizeof(h);
+    for (size_t i = 0; ok && i < sizeof(h); ++i) {
+      unsigned v = 0;
+      ok = std::sscanf(line + 2 * i, "%2x", &v) == 1;
+      b[i] = static_cast<unsigned char>(v);
+    }
+    if (!ok) break;
+    handles.push_back(h);
+  }
+  auto finish = [&] {
+    close(to_child[1]);
+    if (in != nullptr) std::fclose(in);
+    int status = 0;
+    waitpid(pid, &status, 0);
+  };
+  if (handles.size() != std::size(kIpcSizes)) {
+    std::printf("\nCUDA IPC: not measured (the exporting process gave %zu of %zu handles)\n",
+                handles.size(), std::size(kIpcSizes));
+    finish();
+    return;
+  }
+  std::printf(
+      "\nCUDA IPC hand-off copy (another process's allocation -> this one's), median of %d\n"
+      "| bytes | copy within this process ms | IPC copy ms | ratio | open + copy + close ms "
+      "(per round, as the worker does) | ratio |\n|---|---|---|---|---|---|\n",
+      reps);
+  for (size_t i = 0; i < handles.size(); ++i) {
+    const size_t bytes = kIpcSizes[i];
+    void *src = nullptr, *dst = nullptr, *peer = nullptr;
+    GPU_CHECK(cudaMalloc(&src, bytes));
+    GPU_CHECK(cudaMalloc(&dst, bytes));
+    const double local = MedianMs(
+        reps, [&] { GPU_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice)); });
+    const cudaError_t e = cudaIpcOpenMemHandle(&peer, handles[i], cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess) {
+      std::printf("| %zu | %.4f | not measured: cudaIpcOpenMemHandle: %s | | | |\n", bytes, local,
+                  cudaGetErrorString(e));
+      cudaGetLastError();
+    } else {
+      const double ipc = MedianMs(
+          reps, [&] { GPU_CHECK(cudaMemcpyAsync(dst, peer, bytes, cudaMemcpyDeviceToDevice)); });
+      GPU_CHECK(cudaIpcCloseMemHandle(peer));
+      const double round = MedianWallMs(reps, [&] {
+        void* p = nullptr;
+        GPU_CHECK(cudaIpcOpenMemHandle(&p, handles[i], cudaIpcMemLazyEnablePeerAccess));
+        GPU_CHECK(cudaMemcpy(dst, p, bytes, cudaMemcpyDeviceToDevice));
+        GPU_CHECK(cudaIpcCloseMemHandle(p));
+      });
+      std::printf("| %zu | %.4f | %.4f | %.2f | %.4f | %.2f |\n", bytes, local, ipc, local / ipc,
+                  round, local / round);
+    }
+    GPU_CHECK(cudaFree(src));
+    GPU_CHECK(cudaFree(dst));
+  }
+  finish();
+}
+
 }  // namespace
 
 int GpuBench(int argc, char** argv) {
+  if (argc == 2 && std::string(argv[1]) == "--ipc_export") return IpcExport();
   Options o;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -435,6 +571,7 @@ int GpuBench(int argc, char** argv) {
     }
   }
   if (csv != nullptr) std::fclose(csv);
+  IpcTable(o.reps);
   if (wrong) {
     std::printf("\nFAILED: a result differs from the float64 reference by more than 1e-3\n");
     return 1;
