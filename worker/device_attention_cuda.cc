@@ -406,6 +406,9 @@ absl::Status ProbeIpcPeer(const DeviceIdentity& peer) {
     if (seen != peer.probe_nonce) {
       return absl::FailedPreconditionError("the sender's probe does not hold its nonce");
     }
+    // Every round's copy checks its allocation's size this way.
+    KVT_ASSIGN_OR_RETURN(size_t size, AllocationSize(opened.get()));
+    if (size < kNonceBytes) return absl::FailedPreconditionError("the probe's size is wrong");
     return absl::OkStatus();
   }();
   if (!st.ok()) st = absl::FailedPreconditionError(absl::StrCat("CUDA IPC probe: ", st.message()));

@@ -372,6 +372,22 @@ TEST(DeviceTransferTest, IpcPeersMustShareNodeAndGpuFromAnotherProcess) {
   EXPECT_EQ(BootId().size(), 36u);
 }
 
+// A path that failed with a sender process is refused to it from then on,
+// and to no one else.
+TEST(DeviceTransferTest, FailedPathsAreRefusedToThatSender) {
+  DevicePeerFailures f;
+  DeviceIdentity a{"boot-a", std::string(16, '\1'), 200, "h", "n", true};
+  DeviceIdentity b = a;
+  b.pid = 201;
+  EXPECT_THAT(f.Check(a, "cuda_ipc"), ::kvtier::testing::IsOk());
+  f.Record(a, "cuda_ipc", absl::InternalError("copy device round: an illegal memory access"));
+  EXPECT_THAT(f.Check(a, "cuda_ipc"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       ::testing::HasSubstr("cuda_ipc path failed with this sender before (copy")));
+  EXPECT_THAT(f.Check(a, "nccl"), ::kvtier::testing::IsOk());
+  EXPECT_THAT(f.Check(b, "cuda_ipc"), ::kvtier::testing::IsOk());
+}
+
 // Same GPU: CUDA IPC (its checks); another GPU: NCCL when both sides have
 // it, on this node or another; otherwise the reason.
 TEST(DeviceTransferTest, DevicePathFollowsTheGpusAndNccl) {

@@ -62,6 +62,24 @@ absl::StatusOr<std::string> ChooseDevicePath(const DeviceIdentity& local,
   return std::string("nccl");
 }
 
+std::string DevicePeerFailures::Key(const DeviceIdentity& peer, const std::string& path) {
+  return absl::StrCat(peer.boot_id, "/", peer.pid, "/", path);
+}
+
+void DevicePeerFailures::Record(const DeviceIdentity& peer, const std::string& path,
+                                const absl::Status& why) {
+  absl::MutexLock lock(&mu_);
+  if (failed_.size() >= 1024) failed_.clear();
+  failed_[Key(peer, path)] = absl::FailedPreconditionError(
+      absl::StrCat("the ", path, " path failed with this sender before (", why.message(), ")"));
+}
+
+absl::Status DevicePeerFailures::Check(const DeviceIdentity& peer, const std::string& path) const {
+  absl::MutexLock lock(&mu_);
+  auto it = failed_.find(Key(peer, path));
+  return it == failed_.end() ? absl::OkStatus() : it->second;
+}
+
 namespace {
 
 absl::Status Refuse(size_t t, const std::string& why) {

@@ -9,12 +9,15 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "worker/device_layout.h"
 
 namespace kvtier::worker {
@@ -46,6 +49,23 @@ absl::Status IpcPeerCheck(const DeviceIdentity& local, const DeviceIdentity& pee
 // ranks on one GPU); FAILED_PRECONDITION saying why neither.
 absl::StatusOr<std::string> ChooseDevicePath(const DeviceIdentity& local,
                                              const DeviceIdentity& peer);
+
+// The device paths that failed with a sender after it was accepted (an
+// IPC open or copy, an NCCL join or receive): the next negotiation with
+// that sender process refuses the path, so that its hand-offs go over gRPC
+// instead of failing again. Thread-safe; bounded (forgets everything past
+// 1024 peers).
+class DevicePeerFailures {
+ public:
+  void Record(const DeviceIdentity& peer, const std::string& path, const absl::Status& why);
+  // OK, or FAILED_PRECONDITION with the failure recorded for this path.
+  absl::Status Check(const DeviceIdentity& peer, const std::string& path) const;
+
+ private:
+  static std::string Key(const DeviceIdentity& peer, const std::string& path);
+  mutable absl::Mutex mu_;
+  std::map<std::string, absl::Status> failed_ ABSL_GUARDED_BY(mu_);
+};
 
 // A device round as the receiver lays it out: per KV head the K and V
 // staging descriptors (offsets into the staged array), their token counts,

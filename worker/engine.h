@@ -495,6 +495,12 @@ class Engine {
   // saying why none (the paths are off, sessions here are placed in host
   // memory, no device, or the checks fail).
   absl::StatusOr<std::string> AcceptsDeviceRounds(const DeviceIdentity& peer) const;
+  // A device path accepted from `peer` failed on a round (not for want of
+  // memory): later negotiations with that sender refuse it.
+  void DeviceRoundsFailed(const DeviceIdentity& peer, const std::string& path,
+                          const absl::Status& why) {
+    device_failures_.Record(peer, path, why);
+  }
   // This worker's identity for offering the CUDA IPC path, or why it offers
   // none (FAILED_PRECONDITION).
   absl::StatusOr<DeviceIdentity> OffersDeviceRounds() const;
@@ -602,6 +608,7 @@ class Engine {
   mutable absl::Mutex skews_mu_;
   std::map<std::string, std::shared_ptr<const spec::SkewModel>> skews_ ABSL_GUARDED_BY(skews_mu_);
   std::unique_ptr<HandoffCache> handoff_;
+  DevicePeerFailures device_failures_;
   std::unique_ptr<Executor> own_fetch_executor_;
   Executor* fetch_executor_;
   mutable absl::Mutex mu_;

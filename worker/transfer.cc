@@ -474,6 +474,7 @@ absl::StatusOr<std::string> Engine::AcceptsDeviceRounds(const DeviceIdentity& pe
   }
   KVT_ASSIGN_OR_RETURN(DeviceIdentity local, LocalDeviceIdentity());
   KVT_ASSIGN_OR_RETURN(std::string path, ChooseDevicePath(local, peer));
+  KVT_RETURN_IF_ERROR(device_failures_.Check(peer, path));
   if (path == "cuda_ipc") KVT_RETURN_IF_ERROR(ProbeIpcPeer(peer));
   return path;
 }

@@ -169,8 +169,8 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     if (chunk_.header().has_device()) {
       // Checked again here: the stream, not HeldRounds, is what carries the
       // handles this worker will open.
-      device_path_ =
-          svc_->engine_->AcceptsDeviceRounds(IdentityFromProto(chunk_.header().device()));
+      peer_ = IdentityFromProto(chunk_.header().device());
+      device_path_ = svc_->engine_->AcceptsDeviceRounds(*peer_);
       if (device_path_->ok() && **device_path_ == "nccl") {
         if (chunk_.header().nccl_id().empty()) {
           device_path_ = absl::InvalidArgumentError("the NCCL path without a communicator id");
@@ -182,6 +182,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
             link_ = *std::move(link);
           } else {
             device_path_ = link.status();
+            svc_->engine_->DeviceRoundsFailed(*peer_, "nccl", link.status());
           }
         }
       }
@@ -208,7 +209,15 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     KVT_RETURN_IF_ERROR(svc_->engine_->CheckImport(
         *id_, received_ + device_bytes_ + staged + info.past_bytes() + info.open_bytes()));
     layer_ = worker::LayerImage();
-    KVT_RETURN_IF_ERROR(TakeDeviceRounds(info));
+    if (absl::Status st = TakeDeviceRounds(info); !st.ok()) {
+      // A path that failed once with this sender is not offered to it again
+      // (its next hand-offs go over gRPC), unless memory ran out.
+      if (peer_.has_value() && device_path_.has_value() && device_path_->ok() &&
+          !absl::IsResourceExhausted(st)) {
+        svc_->engine_->DeviceRoundsFailed(*peer_, **device_path_, st);
+      }
+      return st;
+    }
     layer_.layer = static_cast<int>(layers_.size());
     layer_.rounds.assign(info.rounds().begin(), info.rounds().end());
     layer_.reused.assign(info.reused_rounds().begin(), info.reused_rounds().end());
@@ -370,6 +379,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
   uint64_t reused_bytes_ = 0;  // Taken from this worker's hand-off cache.
   // The header's sender device: the device path this worker takes its
   // device rounds by, or why none; on the NCCL path, the communicator.
+  std::optional<worker::DeviceIdentity> peer_;
   std::optional<absl::StatusOr<std::string>> device_path_;
   std::unique_ptr<worker::DeviceLink> link_;
   uint64_t device_bytes_ = 0;  // Copied device to device.
