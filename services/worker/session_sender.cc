@@ -27,14 +27,45 @@ SessionSender::SessionSender(worker::Engine* engine, worker::SessionKey id,
   ctx_.set_deadline(absl::ToChronoTime(deadline));
 }
 
+namespace {
+
+// Device layers lent to a receiver whose transfer did not end with its
+// answer: it may still be copying out of them (a cancelled call ends here at
+// once), and CUDA leaves freeing them meanwhile undefined. They are kept
+// for a grace period longer than any copy, then let go.
+class LentLayers {
+ public:
+  static void Keep(std::vector<std::shared_ptr<worker::DeviceLayer>> layers) {
+    static LentLayers* kept = new LentLayers;
+    const absl::Time now = absl::Now();
+    absl::MutexLock lock(&kept->mu_);
+    while (!kept->held_.empty() && kept->held_.front().first < now) kept->held_.pop_front();
+    kept->held_.emplace_back(now + absl::Seconds(60), std::move(layers));
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::deque<std::pair<absl::Time, std::vector<std::shared_ptr<worker::DeviceLayer>>>> held_
+      ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
 SessionSender::~SessionSender() {
-  if (!thread_.joinable()) return;
+  if (thread_.joinable()) {
+    {
+      absl::MutexLock lock(&mu_);
+      // Unfinished: the receiver sees a cancelled stream and keeps nothing.
+      if (!done_) CancelLocked();
+    }
+    thread_.join();
+  }
+  bool answered = false;
   {
     absl::MutexLock lock(&mu_);
-    // Unfinished: the receiver sees a cancelled stream and keeps nothing.
-    if (!done_) CancelLocked();
+    answered = answered_;
   }
-  thread_.join();
+  if (!lent_.empty() && !answered) LentLayers::Keep(std::move(lent_));
 }
 
 void SessionSender::CancelLocked() {
@@ -102,6 +133,7 @@ absl::StatusOr<v1::TransferReport> SessionSender::Finish() {
     return absl::Status(s.code(), absl::StrCat("transfer of session ", id_.ToString(), " to ",
                                                target_, " failed: ", s.message()));
   }
+  answered_ = true;  // The receiver has closed every handle it opened.
   report_.set_transfer_ms(worker::MsSince(first_layer_));
   report_.set_exposed_ms(worker::MsSince(wait_start));
   if (on_device_ && device_path_.empty()) report_.set_device_refusal(refusal_);

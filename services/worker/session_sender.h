@@ -113,6 +113,7 @@ class SessionSender {
   std::unique_ptr<worker::DeviceLink> link_;
   std::string refusal_;
   std::vector<std::shared_ptr<worker::DeviceLayer>> lent_;
+  bool answered_ ABSL_GUARDED_BY(mu_) = false;  // The receiver took the session.
   std::thread thread_;
 
   absl::Mutex mu_;
