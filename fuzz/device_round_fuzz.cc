@@ -47,8 +47,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     bytes += static_cast<int64_t>(made[i].size());
   }
   if (bytes != layout->bytes) std::abort();
-  const std::string payload = kvtier::worker::SerializePayload(
-      std::vector<std::string_view>(made.begin(), made.end()));
+  const std::string payload =
+      kvtier::worker::SerializePayload(std::vector<std::string_view>(made.begin(), made.end()));
   auto split = kvtier::SplitPayload(payload, /*verify_crc=*/false);
   if (!split.ok()) std::abort();
   for (const kvtier::TensorParts& t : *split) {
