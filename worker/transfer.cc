@@ -72,18 +72,10 @@ absl::StatusOr<LayerImage> Engine::ExportLayer(const SessionKey& id, int layer,
     im.rounds.push_back(r.round);
     if (rl->trimmed) im.trimmed.push_back(r.round);
     im.round_first_piece.push_back(2 * tensors.size());  // Framing and bytes per tensor.
-    if (rl->tensors.empty() && rl->device != nullptr && device_rounds) {
-      // Lent as it is: the CUDA IPC path, or ResolveDevice off the lock.
+    if (rl->tensors.empty() && rl->device != nullptr) {
+      // On the GPU only: lent as it is (the device paths, or ResolveDevice
+      // on the sender's thread), or read back below.
       im.device_rounds.push_back({r.round, rl->device, {}, rl->bytes});
-    } else if (rl->tensors.empty() && rl->device != nullptr) {
-      // On the GPU only: read back and made again, byte for byte.
-      std::vector<std::string> made;
-      KVT_RETURN_IF_ERROR(rl->device->Serialized(&made));
-      for (std::string& t : made) {
-        auto own = std::make_shared<const std::string>(std::move(t));
-        const std::string_view view = *own;
-        tensors.emplace_back(std::move(own), view);
-      }
     } else {
       for (std::string_view t : rl->tensors) tensors.emplace_back(rl->payload, t);
     }
@@ -128,6 +120,9 @@ absl::StatusOr<LayerImage> Engine::ExportLayer(const SessionKey& id, int layer,
   for (int h = 0; h < sh.q_heads && q_bytes > 0; ++h, p += q_bytes) {
     std::memcpy(p, o.q.data() + h * o.q_cap * d, q_bytes);
   }
+  // Read back and made again, byte for byte, where the caller did not ask
+  // for the layers as they are.
+  if (!device_rounds) KVT_RETURN_IF_ERROR(im.ResolveDevice());
   return im;
 }
 

@@ -142,7 +142,7 @@ absl::StatusOr<v1::TransferReport> SessionSender::Finish() {
 
 std::string SessionSender::path() {
   absl::MutexLock lock(&mu_);
-  return report_.path();
+  return report_.path().empty() ? std::string("grpc") : report_.path();
 }
 
 void SessionSender::AskHeld() {
