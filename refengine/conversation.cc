@@ -402,6 +402,7 @@ class Tier : public TierSession {
       t.transfer_exposed_ms = transfer_->exposed_ms();
       t.transfer_device_bytes = transfer_->device_bytes();
       t.device_refusal = transfer_->device_refusal();
+      t.nccl_links_reused += transfer_->device_link_reused() ? 1 : 0;
       transfer_.reset();
     }
     if (on_decode_) {
@@ -419,6 +420,7 @@ class Tier : public TierSession {
       t.return_path = sent.report().path();
       t.return_device_bytes = sent.report().device_bytes();
       if (t.device_refusal.empty()) t.device_refusal = sent.report().device_refusal();
+      t.nccl_links_reused += sent.report().device_link_reused() ? 1 : 0;
     }
     rounds_.push_back(std::move(t));
     last_recall_.Clear();

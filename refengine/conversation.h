@@ -97,6 +97,9 @@ struct TierRound {
   std::string return_path;
   uint64_t transfer_device_bytes = 0, return_device_bytes = 0;
   std::string device_refusal;
+  // Of the hand-off and the hand-back, how many used an NCCL communicator
+  // kept from an earlier one (TransferReport.device_link_reused).
+  int nccl_links_reused = 0;
   // Per layer, what speculation did in the round (EndRoundResponse);
   // empty when the session does not speculate.
   std::vector<v1::SpeculationLayer> speculation;

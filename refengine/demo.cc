@@ -933,6 +933,7 @@ std::string RenderText(const DemoReport& r) {
     uint64_t wire = 0, raw = 0, back = 0, reused = 0, back_reused = 0;
     int64_t n = 0, handed = 0;
     uint64_t device = 0, back_device = 0;
+    int links_reused = 0;
     std::map<std::string, int> paths;  // Hand-offs and hand-backs per path.
     std::string refusal;
     for (const DemoSession& d : r.sessions) {
@@ -946,6 +947,7 @@ std::string RenderText(const DemoReport& r) {
         if (refusal.empty()) refusal = tr.device_refusal;
         device += tr.transfer_device_bytes;
         back_device += tr.return_device_bytes;
+        links_reused += tr.nccl_links_reused;
         wire += tr.transfer_wire_bytes;
         raw += tr.transfer_raw_bytes;
         xfer_ms += tr.transfer_ms;
@@ -977,10 +979,20 @@ std::string RenderText(const DemoReport& r) {
           xfer_ms / handed, exposed_ms / handed, 100.0 * (1.0 - Ratio(exposed_ms, xfer_ms)),
           Kib(Ratio(back, handed)), Kib(Ratio(back_reused, handed)), back_ms / handed);
       if (device + back_device > 0) {
+        std::vector<std::string> how;
+        if (paths.count("cuda_ipc") > 0) how.push_back("CUDA IPC");
+        if (paths.count("nccl") > 0) how.push_back("NCCL");
         absl::StrAppendFormat(&s,
-                              "copied device to device (CUDA IPC), per round (mean): %s in the "
+                              "copied device to device (%s), per round (mean): %s in the "
                               "hand-off, %s in the hand-back (besides the bytes sent)\n",
-                              Kib(Ratio(device, handed)), Kib(Ratio(back_device, handed)));
+                              absl::StrJoin(how, " and "), Kib(Ratio(device, handed)),
+                              Kib(Ratio(back_device, handed)));
+      }
+      if (paths.count("nccl") > 0) {
+        absl::StrAppendFormat(&s,
+                              "NCCL communicators: %d of %d NCCL hand-offs and hand-backs used "
+                              "one kept from an earlier one (the rest formed one)\n",
+                              links_reused, paths["nccl"]);
       }
       if (!refusal.empty()) {
         absl::StrAppendFormat(&s, "device path not taken: %s\n", refusal);

@@ -29,6 +29,10 @@
 #   REPORT    also write the report as JSON to this file [unset]
 #   SHARED_DECODE_STREAM  true: every session's decode layers on one batched stream;
 #             false: a stream per session and round [true]
+#   PD        1: prefill on one kvtier-worker, decode on a second, each round handed off
+#             layer by layer (docs/transfer.md) [0]
+#   PREFILL_GPU, DECODE_GPU  with PD=1, the GPU each worker sees (CUDA_VISIBLE_DEVICES):
+#             two GPUs make the hand-offs take the NCCL path, one GPU CUDA IPC [unset]
 set -euo pipefail
 BUILD_DIR=${1:-build}
 STORE_BIN="$BUILD_DIR/services/store/kvtier-store"
@@ -95,8 +99,13 @@ wait_port "$WORK/store.port" "$WORK/store.log" kvtier-store
 STORE=127.0.0.1:$(cat "$WORK/store.port")
 echo "kvtier-store on $STORE"
 
+PREFILL_ENV=()
+DECODE_ENV=()
+if [ -n "${PREFILL_GPU:-}" ]; then PREFILL_ENV=(CUDA_VISIBLE_DEVICES="$PREFILL_GPU"); fi
+if [ -n "${DECODE_GPU:-}" ]; then DECODE_ENV=(CUDA_VISIBLE_DEVICES="$DECODE_GPU"); fi
+
 step "Starting kvtier-worker (rounds kept in that store)"
-"$WORKER_BIN" --store="$STORE" --listen=127.0.0.1:0 --port_file="$WORK/worker.port" \
+env "${PREFILL_ENV[@]}" "$WORKER_BIN" --store="$STORE" --listen=127.0.0.1:0 --port_file="$WORK/worker.port" \
   --metrics_listen=127.0.0.1:0 --metrics_port_file="$WORK/worker.mport" 2>>"$WORK/worker.log" &
 PIDS+=($!)
 wait_port "$WORK/worker.port" "$WORK/worker.log" kvtier-worker
@@ -106,7 +115,7 @@ echo "kvtier-worker on $WORKER, metrics on 127.0.0.1:$(cat "$WORK/worker.mport")
 DECODE=""
 if [ "${PD:-0}" = 1 ]; then
   step "Starting a second kvtier-worker that decodes (PD=1: prefill/decode disaggregation)"
-  "$WORKER_BIN" --store="$STORE" --listen=127.0.0.1:0 --port_file="$WORK/decode.port" \
+  env "${DECODE_ENV[@]}" "$WORKER_BIN" --store="$STORE" --listen=127.0.0.1:0 --port_file="$WORK/decode.port" \
     --metrics_listen=127.0.0.1:0 --metrics_port_file="$WORK/decode.mport" 2>>"$WORK/decode.log" &
   PIDS+=($!)
   wait_port "$WORK/decode.port" "$WORK/decode.log" kvtier-worker

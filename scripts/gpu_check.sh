@@ -3,7 +3,8 @@
 # scripts/gpu_bundle.sh packs (it is copied there as run.sh):
 #   1. kernels_cuda_test and worker_device_test (the tests labelled gpu);
 #   2. the demo with the worker's working sets on the GPU, then PD=1 (a
-#      prefill worker hands each round to a decode worker, both on the GPU);
+#      prefill worker hands each round to a decode worker, both on the GPU:
+#      CUDA IPC), and with two GPUs PD=1 with a worker on each (NCCL);
 #   3. kvtier-gpu-bench: the attention kernel against the device's copy
 #      bandwidth, checked against a float64 reference.
 # Each step's log goes to $OUT when set (the device tool's folder), else to
@@ -38,8 +39,16 @@ run() {  # name, command...
   tail -n "${TAIL:-12}" "$LOGS/$name.log"
   SUMMARY+=("$name: $result, $((SECONDS - start)) s")
 }
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
 run kernels_cuda_test "$HERE/build/kernels/kernels_cuda_test"
-run worker_device_test "$HERE/build/tests/worker_device_test"
+if [ "${GPUS:-0}" -ge 2 ]; then
+  run worker_device_test "$HERE/build/tests/worker_device_test"
+else
+  # The NCCL test needs two GPUs: on one it would skip, which here means failure.
+  run worker_device_test "$HERE/build/tests/worker_device_test" \
+    --gtest_filter=-*NcclLinks*
+  SUMMARY+=("NCCL path: not checked ($GPUS GPU visible; it needs two)")
+fi
 run demo env ROUNDS="${DEMO_ROUNDS:-8}" bash "$HERE/scripts/demo.sh" "$HERE/build"
 run demo_pd env PD=1 ROUNDS="${DEMO_ROUNDS:-8}" bash "$HERE/scripts/demo.sh" "$HERE/build"
 for log in demo demo_pd; do
@@ -53,6 +62,19 @@ done
 if ! grep -q 'copied device to device (CUDA IPC)' "$LOGS/demo_pd.log"; then
   SUMMARY+=("demo_pd: no hand-off took the CUDA IPC path (see its 'device path not taken' line)")
   STATUS=1
+fi
+# Two GPUs: a worker on each, so that their hand-offs go over NCCL, and
+# later ones reuse the communicator the first formed.
+if [ "${GPUS:-0}" -ge 2 ]; then
+  run demo_pd_nccl env PD=1 PREFILL_GPU=0 DECODE_GPU=1 ROUNDS="${DEMO_ROUNDS:-8}" \
+    bash "$HERE/scripts/demo.sh" "$HERE/build"
+  if ! grep -q 'copied device to device (NCCL)' "$LOGS/demo_pd_nccl.log"; then
+    SUMMARY+=("demo_pd_nccl: no hand-off took the NCCL path (see its 'device path not taken' line)")
+    STATUS=1
+  elif grep -q 'NCCL communicators: 0 of' "$LOGS/demo_pd_nccl.log"; then
+    SUMMARY+=("demo_pd_nccl: no hand-off reused an NCCL communicator")
+    STATUS=1
+  fi
 fi
 run gpu_bench "$HERE/build/bench/kvtier-gpu-bench" --csv="$LOGS/gpu_bench.csv"
 echo

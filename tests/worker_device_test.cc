@@ -6,6 +6,7 @@
 // placement rules themselves are checked either way.
 #include <cmath>
 #include <random>
+#include <thread>
 
 #include "client/store_segments.h"
 #include "gtest/gtest.h"
@@ -13,7 +14,9 @@
 #include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
 #include "worker/device_attention.h"
+#include "worker/device_transfer.h"
 #include "worker/engine.h"
+#include "worker/link_pool.h"
 
 namespace kvtier {
 namespace {
@@ -390,6 +393,109 @@ TEST_F(WorkerDeviceTest, LentDeviceRoundsImportAsTheReceiverLaysThemOut) {
     EXPECT_TRUE(outs[0] == outs[1]) << "decode off the GPU";
     for (Engine* e : {&ref, &host2}) KVT_ASSERT_OK(e->EndRound(id).status());
   }
+}
+
+// The NCCL path's links between two GPUs (docs/transfer.md, "The NCCL
+// path"), in one process with a thread per rank: the sender's device rounds
+// (a session's, exported as a hand-off lends them) go from the first GPU to
+// the second, where each is laid out from the sender's description alone
+// (CheckDeviceRound); every round read back on the second GPU equals the
+// sender's bytes. The same two communicators, kept in a LinkPool on each
+// side and taken out as a reused hand-off takes them, then carry the rounds
+// of a second layer. Needs two GPUs and NCCL; skips otherwise.
+TEST_F(WorkerDeviceTest, NcclLinksCarryDeviceRoundsBetweenTwoGpusAndServeAgain) {
+  SKIP_WITHOUT_GPU();
+  if (worker::DeviceCount() < 2) {
+    GTEST_SKIP() << "the NCCL path needs two GPUs; " << worker::DeviceCount() << " visible";
+  }
+  if (!worker::NcclBuiltIn()) {
+    GTEST_SKIP() << "this build has no NCCL, or libnccl.so.2 did not load";
+  }
+  SessionPolicy p;
+  KVT_ASSERT_OK_AND_ASSIGN(p.codec, ParseCodecSetting("kivi4:R=8"));
+  KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("all"));
+  p.watershed_layer = 2;
+  p.release_after_end_round = false;
+  const std::string id = "nccl";
+  KVT_ASSERT_OK(device_->OpenSession(id, kShape, p));
+  std::mt19937 rng(5);
+  for (int r = 0; r < 2; ++r) {
+    Step(id, {device_.get()}, 12, true, &rng);
+    Step(id, {device_.get()}, 1, false, &rng);
+    KVT_ASSERT_OK(device_->EndRound(id).status());
+  }
+  // Layers 0 and 1 (not L_w, which keeps host tensors): their device rounds.
+  std::vector<std::vector<std::shared_ptr<worker::DeviceLayer>>> layers(2);
+  for (int l = 0; l < 2; ++l) {
+    KVT_ASSERT_OK_AND_ASSIGN(worker::LayerImage li, device_->ExportLayer(id, l, true));
+    ASSERT_EQ(li.device_rounds.size(), 2u) << "layer " << l;
+    for (auto& d : li.device_rounds) layers[l].push_back(d.layer);
+  }
+  KVT_ASSERT_OK_AND_ASSIGN(std::string link_id, worker::NewLinkId());
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  worker::LinkPool senders, receivers;  // Each side's pool.
+  // Rank 1 on the second GPU: joins (layer 0) or takes the promised link
+  // (layer 1), receives the layer's rounds, reads them back.
+  auto receive = [&](int l, bool reused, std::vector<std::string>* got) -> absl::Status {
+    KVT_RETURN_IF_ERROR(worker::UseDevice(1));
+    std::unique_ptr<worker::DeviceLink> link;
+    if (reused) {
+      KVT_ASSIGN_OR_RETURN(link, receivers.TakePromised("sender", link_id));
+    } else {
+      KVT_ASSIGN_OR_RETURN(link, worker::JoinLink(link_id, 1, deadline));
+    }
+    for (const auto& sent : layers[l]) {
+      KVT_ASSIGN_OR_RETURN(worker::DeviceRoundLayout layout,
+                           worker::CheckDeviceRound(sent->unstaging(), sent->staged_bytes(),
+                                                    kShape.kv_heads, kShape.head_dim));
+      KVT_ASSIGN_OR_RETURN(std::unique_ptr<worker::DeviceLayer> in,
+                           link->Receive(std::move(layout), deadline));
+      got->emplace_back();
+      KVT_RETURN_IF_ERROR(in->Download(&got->back()));
+    }
+    receivers.Put("sender", link_id, std::move(link));
+    return absl::OkStatus();
+  };
+  auto send = [&](int l, bool reused) -> absl::Status {
+    KVT_RETURN_IF_ERROR(worker::UseDevice(0));
+    std::unique_ptr<worker::DeviceLink> link;
+    if (reused) {
+      std::optional<worker::LinkPool::Link> idle = senders.Take("receiver");
+      if (!idle.has_value() || idle->id != link_id) {
+        return absl::InternalError("the sender's pool lost the link");
+      }
+      link = std::move(idle->link);
+    } else {
+      KVT_ASSIGN_OR_RETURN(link, worker::JoinLink(link_id, 0, deadline));
+    }
+    for (const auto& layer : layers[l]) KVT_RETURN_IF_ERROR(link->Send(*layer, deadline));
+    senders.Put("receiver", link_id, std::move(link));
+    return absl::OkStatus();
+  };
+  for (int l = 0; l < 2; ++l) {
+    SCOPED_TRACE(l == 0 ? "a new communicator" : "the kept communicator");
+    const bool reused = l > 0;
+    if (reused) {
+      ASSERT_TRUE(receivers.Promise("sender", link_id));
+    }
+    std::vector<std::string> got;
+    absl::Status received, sent;
+    std::thread rank1([&] { received = receive(l, reused, &got); });
+    std::thread rank0([&] { sent = send(l, reused); });
+    rank0.join();
+    rank1.join();
+    KVT_ASSERT_OK(sent);
+    KVT_ASSERT_OK(received);
+    ASSERT_EQ(got.size(), layers[l].size());
+    for (size_t r = 0; r < got.size(); ++r) {
+      std::string want;
+      KVT_ASSERT_OK(layers[l][r]->Download(&want));
+      EXPECT_TRUE(got[r] == want) << "round " << r << " of layer " << l;
+    }
+  }
+  EXPECT_EQ(senders.idle(), 1u);
+  EXPECT_EQ(receivers.idle(), 1u);
+  KVT_ASSERT_OK(device_->CloseSession(id, true));
 }
 
 }  // namespace

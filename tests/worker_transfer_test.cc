@@ -1082,9 +1082,11 @@ TEST_F(TransferServiceTest, DeviceRoundsNeedAnAcceptedSenderDevice) {
     r.set_session_id("nobody");
     r.set_incarnation(5);
     *r.mutable_device() = peer;
+    r.set_nccl_link(std::string(128, '\x03'));  // An NCCL communicator from before.
     v1::HeldRoundsResponse resp;
     EXPECT_TRUE(Stub(*w)->HeldRounds(&c, r, &resp).ok());
     EXPECT_EQ(resp.device_paths_size(), 0);
+    EXPECT_EQ(resp.nccl_link(), "");  // Not reserved by a receiver that refuses the path.
     return resp.device_refusal();
   };
   auto host = StartWorker();

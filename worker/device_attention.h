@@ -93,8 +93,14 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> OpenIpcLayer(std::string_view ipc_h
 
 // ---- NCCL between GPUs (docs/transfer.md, "The NCCL path") ----
 
-// True when this build has NCCL (with CUDA).
+// True when this build has NCCL (with CUDA) and its library loaded.
 bool NcclBuiltIn();
+// CUDA devices visible to this process (0 without CUDA or a driver).
+int DeviceCount();
+// Makes device `ordinal` the calling thread's. kvtier-worker uses the
+// first visible device on every thread; the NCCL test puts its two ranks on
+// two devices this way.
+absl::Status UseDevice(int ordinal);
 
 // A two-rank NCCL communicator between a hand-off's sender (rank 0) and its
 // receiver (rank 1), for one transfer. Every wait ends by its deadline:

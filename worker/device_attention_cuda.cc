@@ -218,6 +218,24 @@ absl::Status DeviceStatus() {
   return absl::FailedPreconditionError("no CUDA device is visible");
 }
 
+int DeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // Not sticky; cleared for later calls.
+    return 0;
+  }
+  return n;
+}
+
+absl::Status UseDevice(int ordinal) {
+  if (ordinal < 0 || ordinal >= DeviceCount()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CUDA device ", ordinal, " of ", DeviceCount(), " visible"));
+  }
+  KVT_CUDA(cudaSetDevice(ordinal), "cudaSetDevice");
+  return absl::OkStatus();
+}
+
 absl::Status DeviceSupportsCodec(const CodecConfig& codec) {
   if (codec.codec == v1::CODEC_RAW || codec.codec == v1::CODEC_KIVI ||
       codec.codec == v1::CODEC_KCVT) {

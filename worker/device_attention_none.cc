@@ -31,6 +31,8 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> OpenIpcLayer(std::string_view, Devi
 }
 
 bool NcclBuiltIn() { return false; }
+int DeviceCount() { return 0; }
+absl::Status UseDevice(int) { return NotBuilt(); }
 absl::StatusOr<std::string> NewLinkId() { return NotBuilt(); }
 absl::StatusOr<std::unique_ptr<DeviceLink>> JoinLink(std::string_view, int, absl::Time) {
   return NotBuilt();

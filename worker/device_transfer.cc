@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/codec.h"
 #include "kernels/encoded_tensor.h"
@@ -60,6 +61,10 @@ absl::StatusOr<std::string> ChooseDevicePath(const DeviceIdentity& local,
         "the sender's session is on another GPU, and the sender was built without NCCL");
   }
   return std::string("nccl");
+}
+
+std::string ProcessKey(const DeviceIdentity& id) {
+  return absl::StrCat(id.boot_id, "/", absl::BytesToHexString(id.gpu_uuid), "/", id.pid);
 }
 
 std::string DevicePeerFailures::Key(const DeviceIdentity& peer, const std::string& path) {

@@ -32,6 +32,10 @@ struct DeviceIdentity {
   bool nccl = false;  // It can join an NCCL communicator.
 };
 
+// Names the process `id` describes (node boot, GPU, pid), e.g. as the key
+// of what a receiver keeps for one sender.
+std::string ProcessKey(const DeviceIdentity& id);
+
 // This node's boot id; empty when it cannot be read.
 std::string BootId();
 

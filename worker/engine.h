@@ -52,6 +52,7 @@
 #include "kernels/speculation.h"
 #include "worker/device_transfer.h"
 #include "worker/handoff_cache.h"
+#include "worker/link_pool.h"
 #include "worker/segment_store.h"
 #include "worker/session_key.h"
 
@@ -504,6 +505,9 @@ class Engine {
   // This worker's identity for offering the CUDA IPC path, or why it offers
   // none (FAILED_PRECONDITION).
   absl::StatusOr<DeviceIdentity> OffersDeviceRounds() const;
+  // NCCL communicators kept between hand-offs: a sender's keyed by the
+  // receiver's address, a receiver's by the sender's process (ProcessKey).
+  LinkPool& device_links() { return device_links_; }
   // Drops a session that moved to another worker: no store call (its rounds
   // and recall counters are the receiver's now). With `keep_rounds` its past
   // rounds go to the hand-off cache. OK; NOT_FOUND.
@@ -609,6 +613,7 @@ class Engine {
   std::map<std::string, std::shared_ptr<const spec::SkewModel>> skews_ ABSL_GUARDED_BY(skews_mu_);
   std::unique_ptr<HandoffCache> handoff_;
   DevicePeerFailures device_failures_;
+  LinkPool device_links_;
   std::unique_ptr<Executor> own_fetch_executor_;
   Executor* fetch_executor_;
   mutable absl::Mutex mu_;

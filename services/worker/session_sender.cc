@@ -134,6 +134,12 @@ absl::StatusOr<v1::TransferReport> SessionSender::Finish() {
                                                target_, " failed: ", s.message()));
   }
   answered_ = true;  // The receiver has closed every handle it opened.
+  if (link_ != nullptr) {
+    // Both sides' operations on it have completed: it is kept for the next
+    // hand-off to this receiver (a failed transfer destroys it with us).
+    engine_->device_links().Put(target_, nccl_id_, std::move(link_));
+    report_.set_device_link_reused(link_reused_);
+  }
   report_.set_transfer_ms(worker::MsSince(first_layer_));
   report_.set_exposed_ms(worker::MsSince(wait_start));
   if (on_device_ && device_path_.empty()) report_.set_device_refusal(refusal_);
@@ -153,6 +159,20 @@ void SessionSender::AskHeld() {
   v1::HeldRoundsRequest req;
   req.set_session_id(id_.session);
   req.set_incarnation(incarnation_);
+  // An NCCL communicator kept from an earlier hand-off to this receiver,
+  // offered for this one. Unless the receiver reserves it, it goes back to
+  // the pool (the receiver's answer is what makes it safe to use, so a
+  // communicator the receiver no longer holds is never used).
+  std::optional<worker::LinkPool::Link> idle;
+  if (offer_.has_value() && offer_->nccl()) {
+    idle = engine_->device_links().Take(target_);
+    if (idle.has_value()) req.set_nccl_link(idle->id);
+  }
+  auto put_back = [&] {
+    if (idle.has_value()) {
+      engine_->device_links().Put(target_, std::move(idle->id), std::move(idle->link));
+    }
+  };
   if (offer_.has_value()) *req.mutable_device() = *offer_;
   v1::HeldRoundsResponse resp;
   const grpc::Status st = v1::Worker::NewStub(channel_)->HeldRounds(&ctx, req, &resp);
@@ -160,6 +180,7 @@ void SessionSender::AskHeld() {
     LogDebug("hand-off without reuse: HeldRounds failed",
              {{"session", id_.ToString()}, {"target", target_}, {"error", st.error_message()}});
     if (offer_.has_value()) refusal_ = absl::StrCat("HeldRounds failed: ", st.error_message());
+    put_back();
     return;
   }
   if (offer_.has_value()) {
@@ -169,7 +190,16 @@ void SessionSender::AskHeld() {
     };
     if (offered("cuda_ipc")) {
       device_path_ = "cuda_ipc";
+      put_back();
+    } else if (offered("nccl") && idle.has_value() && resp.nccl_link() == idle->id) {
+      device_path_ = "nccl";
+      nccl_id_ = std::move(idle->id);
+      link_ = std::move(idle->link);
+      link_reused_ = true;
     } else if (offered("nccl")) {
+      // The receiver no longer holds the offered communicator (if any):
+      // ours is of no use, and a new one is formed.
+      idle.reset();
       absl::StatusOr<std::string> id = worker::NewLinkId();
       if (id.ok()) {
         device_path_ = "nccl";
@@ -180,6 +210,7 @@ void SessionSender::AskHeld() {
     } else {
       refusal_ = resp.device_refusal().empty() ? "the receiver predates the device paths"
                                                : resp.device_refusal();
+      put_back();
     }
   }
   if (incarnation_ == 0) return;
@@ -344,12 +375,16 @@ void SessionSender::Run() {
       if (auto* h = std::get_if<v1::TransferHeader>(&item)) {
         AskHeld();  // While the caller computes the first layer.
         if (!device_path_.empty()) *h->mutable_device() = *offer_;
-        if (device_path_ == "nccl") h->set_nccl_id(nccl_id_);
+        if (device_path_ == "nccl") {
+          h->set_nccl_id(nccl_id_);
+          h->set_nccl_reused(link_reused_);
+        }
         v1::TransferChunk c;
         *c.mutable_header() = std::move(*h);
         broken = !call_->Write(wire::Serialize(c));
-        // The receiver joins as rank 1 when it reads the header.
-        if (!broken && device_path_ == "nccl") JoinNccl();
+        // The receiver joins a new communicator as rank 1 when it reads the
+        // header.
+        if (!broken && device_path_ == "nccl" && !link_reused_) JoinNccl();
       } else if (auto* li = std::get_if<worker::LayerImage>(&item)) {
         broken = !WriteLayer(std::move(*li));
       } else {

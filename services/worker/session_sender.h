@@ -67,8 +67,9 @@ class SessionSender {
   void CancelLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Asks the receiver which past rounds it still holds (HeldRounds), so
   // that WriteLayer leaves them out, and, for a session on the GPU, whether
-  // it takes the CUDA IPC path. Any failure (an older receiver:
-  // UNIMPLEMENTED) leaves nothing out and keeps to gRPC.
+  // it takes the CUDA IPC or the NCCL path (offering an NCCL communicator
+  // kept from an earlier hand-off to it, worker::LinkPool). Any failure (an
+  // older receiver: UNIMPLEMENTED) leaves nothing out and keeps to gRPC.
   void AskHeld();
   // Names the layer's device rounds in `info` for the receiver to copy
   // (CUDA IPC, lending their layers until this sender is destroyed) or to
@@ -111,6 +112,7 @@ class SessionSender {
   std::string device_path_;  // "cuda_ipc", "nccl", or empty (gRPC).
   std::string nccl_id_;
   std::unique_ptr<worker::DeviceLink> link_;
+  bool link_reused_ = false;  // link_ came from the pool (LinkPool).
   std::string refusal_;
   std::vector<std::shared_ptr<worker::DeviceLayer>> lent_;
   bool answered_ ABSL_GUARDED_BY(mu_) = false;  // The receiver took the session.

@@ -94,6 +94,13 @@ absl::Status WorkerService::DoHeldRounds(grpc::CallbackServerContext& ctx,
         engine_->AcceptsDeviceRounds(IdentityFromProto(req.device()));
     if (path.ok()) {
       resp->add_device_paths(*path);
+      // A communicator of an earlier hand-off from this sender, reserved
+      // for its next transfer when this worker holds it too.
+      if (*path == "nccl" && !req.nccl_link().empty() &&
+          engine_->device_links().Promise(worker::ProcessKey(IdentityFromProto(req.device())),
+                                          req.nccl_link())) {
+        resp->set_nccl_link(req.nccl_link());
+      }
     } else {
       resp->set_device_refusal(std::string(path.status().message()));
     }
@@ -172,8 +179,19 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
       peer_ = IdentityFromProto(chunk_.header().device());
       device_path_ = svc_->engine_->AcceptsDeviceRounds(*peer_);
       if (device_path_->ok() && **device_path_ == "nccl") {
-        if (chunk_.header().nccl_id().empty()) {
+        nccl_id_ = chunk_.header().nccl_id();
+        if (nccl_id_.empty()) {
           device_path_ = absl::InvalidArgumentError("the NCCL path without a communicator id");
+        } else if (chunk_.header().nccl_reused()) {
+          // Promised on HeldRounds; when it is gone, the sender's sends
+          // find no receive and its transfer fails by its deadline.
+          absl::StatusOr<std::unique_ptr<worker::DeviceLink>> link =
+              svc_->engine_->device_links().TakePromised(worker::ProcessKey(*peer_), nccl_id_);
+          if (link.ok()) {
+            link_ = *std::move(link);
+          } else {
+            device_path_ = link.status();
+          }
         } else {
           // The sender joins as rank 0 once it wrote the header.
           absl::StatusOr<std::unique_ptr<worker::DeviceLink>> link =
@@ -355,6 +373,13 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
                                  ? **device_path_
                                  : std::string("grpc"),
                              s.ok(), received_ + device_bytes_, reused_bytes_);
+    if (s.ok() && link_ != nullptr) {
+      // Every receive on it has completed: it is kept for this sender's
+      // next hand-off (put back before the sender hears the answer, so
+      // that its next offer finds it).
+      svc_->engine_->device_links().Put(worker::ProcessKey(*peer_), std::move(nccl_id_),
+                                        std::move(link_));
+    }
     link_.reset();
     svc_->UpdateWorkingSet();
     Finish(svc_->Done("TransferSession", s));
@@ -381,6 +406,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
   // device rounds by, or why none; on the NCCL path, the communicator.
   std::optional<worker::DeviceIdentity> peer_;
   std::optional<absl::StatusOr<std::string>> device_path_;
+  std::string nccl_id_;
   std::unique_ptr<worker::DeviceLink> link_;
   uint64_t device_bytes_ = 0;  // Copied device to device.
   bool imported_ = false;
