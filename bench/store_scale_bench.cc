@@ -43,8 +43,9 @@ void ScaleUsage() {
   std::fprintf(stderr,
                "kvtier-bench store-scale [--counts=1000,10000,100000] [--segment_kib=4]\n"
                "  Fills an in-process store engine to each count of segments and measures put\n"
-               "  latency, random-get latency and a mixed run (half puts, half gets) at that\n"
-               "  size, with a RAM tier that holds --ram_fraction of the segments (so spills\n"
+               "  latency, random-get latency, a mixed run (half puts, half gets) and\n"
+               "  ListSessions pages of 100 (a tenth as many) at that size, with a RAM tier that "
+               "holds --ram_fraction of the segments (so spills\n"
                "  happen), beside a control store whose RAM tier holds them all.\n"
                "  --counts=A,B,...     stored segments per point (default 1000,10000,100000;\n"
                "                       add 1000000 for the 1M point, about 4 GiB of disk)\n"
@@ -202,7 +203,7 @@ class ScaleStore {
 };
 
 struct Point {
-  Percentiles put, get, mixed;
+  Percentiles put, get, mixed, list;
   double ram_hits = 0;
   uint64_t spills = 0;
 };
@@ -227,6 +228,20 @@ Point Measure(ScaleStore& s, uint64_t count, uint64_t samples, std::mt19937_64& 
     mixed.push_back(i % 2 == 0 ? s.Put() : s.Get(rng() % s.stored()));
   }
   p.mixed = Summarize(mixed);
+  // ListSessions pages of 100 sessions, each from a random session on (what
+  // `kvtier store sessions` and `gc` page through), under the store's lock.
+  std::vector<double> lists;
+  for (uint64_t i = 0; i < std::max<uint64_t>(1, samples / 10); ++i) {
+    const std::string from = s.SessionOf(rng() % s.stored());
+    auto t0 = SteadyClock::now();
+    cachestore::Store::SessionPage page = s.store().ListSessions("bench", 0, 100, from);
+    lists.push_back(std::chrono::duration<double, std::micro>(SteadyClock::now() - t0).count());
+    if (page.sessions.empty() && !page.next_start_after.empty()) {
+      std::fprintf(stderr, "kvtier-bench: an empty ListSessions page\n");
+      std::exit(1);
+    }
+  }
+  p.list = Summarize(lists);
   p.spills = s.store().Stats().spills;
   return p;
 }
@@ -362,6 +377,7 @@ int StoreScaleBench(int argc, char** argv) {
     line("put", &Point::put);
     line("get", &Point::get);
     line("mixed", &Point::mixed);
+    line("list", &Point::list);
   }
   std::printf(
       "\n| segments | spills | gets served from RAM | index heap B/segment | "

@@ -226,6 +226,7 @@ absl::Status Store::Recover() {
   KVT_RETURN_IF_ERROR(FromRocks(it->status(), "recovery scan"));
   for (auto& [key, s] : sessions_) {
     ++tenant_sessions_[s.tenant];
+    by_name_.emplace(std::make_pair(std::string_view(s.tenant), std::string_view(s.session)), &s);
     IndexSessionTimesLocked(s);
     for (auto& [rn, r] : s.rounds) {
       r.session = &s;
@@ -584,6 +585,7 @@ Store::SessionEntry& Store::AddSessionLocked(const std::string& key, const std::
   s.ttl_seconds = ttl_seconds;
   s.last_access_ms = now_ms;
   ++tenant_sessions_[tenant];
+  by_name_.emplace(std::make_pair(std::string_view(s.tenant), std::string_view(s.session)), &s);
   IndexSessionTimesLocked(s);
   return s;
 }
@@ -596,6 +598,7 @@ void Store::EraseSessionLocked(const std::string& key) {
   UnindexSessionTimesLocked(s);
   auto t = tenant_sessions_.find(s.tenant);
   if (t != tenant_sessions_.end() && --t->second == 0) tenant_sessions_.erase(t);
+  by_name_.erase(std::make_pair(std::string_view(s.tenant), std::string_view(s.session)));
   sessions_.erase(it);
 }
 
@@ -1223,6 +1226,15 @@ absl::Status Store::CheckIndex() const {
     return absl::InternalError("session time indexes hold entries of no session");
   }
   if (tenants != tenant_sessions_) return absl::InternalError("tenant session counts differ");
+  if (by_name_.size() != sessions_.size()) {
+    return absl::InternalError("the name index holds entries of no session");
+  }
+  for (const auto& [name, s] : by_name_) {
+    if (name.first != s->tenant || name.second != s->session) {
+      return absl::InternalError(absl::StrCat("the name index's ", std::string(name.second),
+                                              " names session ", s->session));
+    }
+  }
   if (drop_order_.bytes() != droppable) {
     return absl::InternalError(
         absl::StrCat("drop order holds ", drop_order_.bytes(), " bytes, the rounds ", droppable));
@@ -1255,14 +1267,19 @@ uint64_t Store::DbMemoryBytes() const {
   return total;
 }
 
-std::vector<Store::SessionSummary> Store::ListSessions(const std::string& tenant,
-                                                       int64_t min_idle_ms, size_t limit,
-                                                       const std::string& start_after) const {
-  std::vector<SessionSummary> out;
+Store::SessionPage Store::ListSessions(const std::string& tenant, int64_t min_idle_ms, size_t limit,
+                                       const std::string& start_after, size_t scan_names) const {
+  SessionPage page;
   absl::MutexLock lock(&mu_);
   const int64_t now = options_.clock->NowUnixMs();
-  for (const auto& [k, s] : sessions_) {
-    if (s.tenant != tenant || s.session <= start_after) continue;
+  const size_t budget = limit + scan_names;
+  size_t scanned = 0;
+  auto it =
+      by_name_.upper_bound(std::make_pair(std::string_view(tenant), std::string_view(start_after)));
+  for (; it != by_name_.end() && it->first.first == tenant; ++it) {
+    if (page.sessions.size() == limit || scanned == budget) break;
+    ++scanned;
+    const SessionEntry& s = *it->second;
     if (now - s.last_access_ms < min_idle_ms) continue;
     SessionSummary sum;
     sum.session = s.session;
@@ -1278,12 +1295,16 @@ std::vector<Store::SessionSummary> Store::ListSessions(const std::string& tenant
       }
       sum.rounds += any ? 1 : 0;
     }
-    out.push_back(std::move(sum));
+    page.sessions.push_back(std::move(sum));
   }
-  std::sort(out.begin(), out.end(),
-            [](const SessionSummary& a, const SessionSummary& b) { return a.session < b.session; });
-  if (out.size() > limit) out.resize(limit);
-  return out;
+  // Stopped before the tenant's last session: the next page starts after
+  // the last one looked at.
+  if (it != by_name_.end() && it->first.first == tenant && scanned > 0) {
+    auto last = it;
+    --last;
+    page.next_start_after = std::string(last->first.second);
+  }
+  return page;
 }
 
 uint64_t Store::TenantSessions(const std::string& tenant) const {

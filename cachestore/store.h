@@ -23,9 +23,12 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/btree_map.h"
 #include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/node_hash_map.h"
@@ -317,10 +320,24 @@ class Store {
     bool pinned = false;
     uint32_t ttl_seconds = 0;
   };
+  struct SessionPage {
+    std::vector<SessionSummary> sessions;
+    // Set when more of the tenant's sessions may follow: the next page's
+    // start_after.
+    std::string next_start_after;
+  };
+  // Names a page looks at beyond its `limit`, at most.
+  static constexpr size_t kListScanNames = 10000;
   // Up to `limit` of the tenant's sessions idle for at least `min_idle_ms`,
-  // ascending by name, after `start_after`.
-  std::vector<SessionSummary> ListSessions(const std::string& tenant, int64_t min_idle_ms,
-                                           size_t limit, const std::string& start_after) const;
+  // ascending by name, after `start_after`. A page walks the tenant's
+  // sessions in name order from there and stops after `limit` results or
+  // `limit + scan_names` names looked at, whichever comes first, so that
+  // its cost (under the store's lock) does not grow with the sessions
+  // stored; a page cut short by the scan may hold fewer than `limit`
+  // sessions, with next_start_after set.
+  SessionPage ListSessions(const std::string& tenant, int64_t min_idle_ms, size_t limit,
+                           const std::string& start_after,
+                           size_t scan_names = kListScanNames) const;
 
   // Deletes every unpinned session idle for longer than its TTL. Returns how
   // many were deleted.
@@ -479,6 +496,10 @@ class Store {
   absl::btree_set<std::pair<int64_t, SessionEntry*>> by_idle_ ABSL_GUARDED_BY(mu_);
   absl::btree_set<std::pair<int64_t, SessionEntry*>> by_deadline_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, uint64_t> tenant_sessions_ ABSL_GUARDED_BY(mu_);
+  // Sessions by (tenant, name), for ListSessions' pages; the views point
+  // into the entries' own strings.
+  absl::btree_map<std::pair<std::string_view, std::string_view>, SessionEntry*> by_name_
+      ABSL_GUARDED_BY(mu_);
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t ram_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t ram_segments_ ABSL_GUARDED_BY(mu_) = 0;

@@ -666,12 +666,9 @@ grpc::ServerUnaryReactor* StoreService::ListSessions(grpc::CallbackServerContext
     const size_t limit = req->limit() == 0 ? 1000 : req->limit();
     const int64_t min_idle_ms =
         static_cast<int64_t>(std::min<uint64_t>(req->min_idle_seconds(), uint64_t{1} << 40)) * 1000;
-    // One more than asked, to know whether a next page exists.
-    std::vector<cachestore::Store::SessionSummary> list =
-        store_->ListSessions(p.tenant, min_idle_ms, limit + 1, req->start_after());
-    const bool more = list.size() > limit;
-    if (more) list.resize(limit);
-    for (const auto& s : list) {
+    cachestore::Store::SessionPage page =
+        store_->ListSessions(p.tenant, min_idle_ms, limit, req->start_after());
+    for (const auto& s : page.sessions) {
       v1::SessionSummary* out = resp->add_sessions();
       out->set_session_id(s.session);
       out->set_idle_seconds(static_cast<uint64_t>(s.idle_ms / 1000));
@@ -680,7 +677,7 @@ grpc::ServerUnaryReactor* StoreService::ListSessions(grpc::CallbackServerContext
       out->set_pinned(s.pinned);
       out->set_ttl_seconds(s.ttl_seconds);
     }
-    if (more) resp->set_next_start_after(list.back().session);
+    resp->set_next_start_after(std::move(page.next_start_after));
     return absl::OkStatus();
   });
 }
