@@ -61,6 +61,7 @@ absl::Status WorkerService::DoSendSession(grpc::CallbackServerContext& ctx,
   metrics_->Transfer("sent", sender->path(), report.ok(),
                      report.ok() ? report->wire_bytes() + report->device_bytes() : 0,
                      report.ok() ? report->reused_bytes() : 0);
+  if (report.ok() && report->path() == "nccl") metrics_->NcclLink(report->device_link_reused());
   sender.reset();  // Unfinished, it cancels: the receiver keeps nothing.
   KVT_RETURN_IF_ERROR(report.status());
   ForgetMoved(id);

@@ -103,6 +103,12 @@ class WorkerMetrics {
                               .Help("Past rounds' bytes a completed hand-off did not move because "
                                     "the receiver still held them, by direction")
                               .Register(*registry_)),
+        nccl_links_(&prometheus::BuildCounter()
+                         .Name("kvtier_worker_nccl_links_total")
+                         .Help("Hand-offs this worker sent over NCCL that completed, by "
+                               "whether they formed a communicator or reused one kept from an "
+                               "earlier hand-off to the same receiver")
+                         .Register(*registry_)),
         spec_steps_(&prometheus::BuildCounter()
                          .Name("kvtier_worker_speculation_steps_total")
                          .Help("Decode steps that speculated a layer, by layer")
@@ -148,8 +154,8 @@ class WorkerMetrics {
     selected_.Increment(static_cast<double>(r.selected.size()));
     candidates_.Increment(static_cast<double>(r.scores.size()));
   }
-  // A hand-off ended: `direction` "sent" or "received", path "grpc" or
-  // "cuda_ipc"; `bytes` on the wire plus those copied device to device.
+  // A hand-off ended: `direction` "sent" or "received", path "grpc",
+  // "cuda_ipc" or "nccl"; `bytes` on the wire plus those copied device to device.
   // `reused`: past bytes left out because the receiver held them.
   void Transfer(const char* direction, const std::string& path, bool ok, uint64_t bytes,
                 uint64_t reused = 0) {
@@ -160,6 +166,10 @@ class WorkerMetrics {
           .Increment(static_cast<double>(bytes));
       transfer_reused_->Add({{"direction", direction}}).Increment(static_cast<double>(reused));
     }
+  }
+  // A hand-off sent over NCCL completed (TransferReport.device_link_reused).
+  void NcclLink(bool reused) {
+    nccl_links_->Add({{"use", reused ? "reused" : "formed"}}).Increment();
   }
   void HandoffCache(double bytes) { handoff_cache_.Set(bytes); }
   void Stored(uint64_t bytes) { stored_.Increment(static_cast<double>(bytes)); }
@@ -201,6 +211,7 @@ class WorkerMetrics {
   prometheus::Family<prometheus::Histogram>* layer_latency_;
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Counter>*transfers_, *transfer_bytes_, *transfer_reused_;
+  prometheus::Family<prometheus::Counter>* nccl_links_;
   prometheus::Family<prometheus::Counter>*spec_steps_, *spec_kept_, *spec_bytes_, *spec_sampled_,
       *spec_hit_;
   MetricsEndpoint endpoint_;

@@ -362,6 +362,9 @@ class WorkerService::PrefillReactor
         svc_->metrics_->Transfer("sent", sender_->path(), report.ok(),
                                  report.ok() ? report->wire_bytes() + report->device_bytes() : 0,
                                  report.ok() ? report->reused_bytes() : 0);
+        if (report.ok() && report->path() == "nccl") {
+          svc_->metrics_->NcclLink(report->device_link_reused());
+        }
         sender_.reset();
         if (!report.ok()) {
           // The step committed here; undone, so that it can be sent again.
