@@ -133,15 +133,16 @@ double DsyncDiskGbps(const std::string& dir, int streams, uint64_t block,
 double BufferedDiskGbps(const std::string& dir, int streams, uint64_t block,
                         uint64_t bytes_per_stream) {
   const uint64_t files = std::max<uint64_t>(1, bytes_per_stream / block);
+  auto path = [&](int s, uint64_t f) {
+    return dir + "/buffered-baseline-" + std::to_string(s) + "-" + std::to_string(f);
+  };
   std::vector<std::thread> writers;
   auto t0 = Clock::now();
   for (int s = 0; s < streams; ++s) {
     writers.emplace_back([&, s] {
       std::string buf(block, 'x');
       for (uint64_t f = 0; f < files; ++f) {
-        const std::string path =
-            dir + "/buffered-baseline-" + std::to_string(s) + "-" + std::to_string(f);
-        int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        int fd = ::open(path(s, f).c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
         if (fd < 0) return;
         const bool ok = ::write(fd, buf.data(), buf.size()) == static_cast<ssize_t>(buf.size());
         ::close(fd);
@@ -153,7 +154,7 @@ double BufferedDiskGbps(const std::string& dir, int streams, uint64_t block,
   const double gbps = streams * files * block / Seconds(t0, Clock::now()) / 1e9;
   for (int s = 0; s < streams; ++s) {
     for (uint64_t f = 0; f < files; ++f) {
-      ::unlink((dir + "/buffered-baseline-" + std::to_string(s) + "-" + std::to_string(f)).c_str());
+      ::unlink(path(s, f).c_str());
     }
   }
   return gbps;

@@ -68,7 +68,7 @@ std::string ProcessKey(const DeviceIdentity& id) {
 }
 
 std::string DevicePeerFailures::Key(const DeviceIdentity& peer, const std::string& path) {
-  return absl::StrCat(peer.boot_id, "/", peer.pid, "/", path);
+  return absl::StrCat(ProcessKey(peer), "/", path);
 }
 
 void DevicePeerFailures::Record(const DeviceIdentity& peer, const std::string& path,

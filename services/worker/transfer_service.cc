@@ -58,10 +58,7 @@ absl::Status WorkerService::DoSendSession(grpc::CallbackServerContext& ctx,
   for (int l = 0; sent.ok() && l < shape.layers; ++l) sent = sender->SendLayer(l);
   absl::StatusOr<v1::TransferReport> report =
       sent.ok() ? sender->Finish() : absl::StatusOr<v1::TransferReport>(sent);
-  metrics_->Transfer("sent", sender->path(), report.ok(),
-                     report.ok() ? report->wire_bytes() + report->device_bytes() : 0,
-                     report.ok() ? report->reused_bytes() : 0);
-  if (report.ok() && report->path() == "nccl") metrics_->NcclLink(report->device_link_reused());
+  metrics_->Sent(sender->path(), report);
   sender.reset();  // Unfinished, it cancels: the receiver keeps nothing.
   KVT_RETURN_IF_ERROR(report.status());
   ForgetMoved(id);
@@ -91,15 +88,14 @@ absl::Status WorkerService::DoHeldRounds(grpc::CallbackServerContext& ctx,
     for (uint32_t l : h.layers) r->add_layers(l);
   }
   if (req.has_device()) {
-    const absl::StatusOr<std::string> path =
-        engine_->AcceptsDeviceRounds(IdentityFromProto(req.device()));
+    const worker::DeviceIdentity peer = IdentityFromProto(req.device());
+    const absl::StatusOr<std::string> path = engine_->AcceptsDeviceRounds(peer);
     if (path.ok()) {
       resp->add_device_paths(*path);
       // A communicator of an earlier hand-off from this sender, reserved
       // for its next transfer when this worker holds it too.
       if (*path == "nccl" && !req.nccl_link().empty() &&
-          engine_->device_links().Promise(worker::ProcessKey(IdentityFromProto(req.device())),
-                                          req.nccl_link())) {
+          engine_->device_links().Promise(worker::ProcessKey(peer), req.nccl_link())) {
         resp->set_nccl_link(req.nccl_link());
       }
     } else {

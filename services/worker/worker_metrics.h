@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "base/status_macros.h"
+#include "kvtier/v1/worker.pb.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
@@ -167,9 +168,16 @@ class WorkerMetrics {
       transfer_reused_->Add({{"direction", direction}}).Increment(static_cast<double>(reused));
     }
   }
-  // A hand-off sent over NCCL completed (TransferReport.device_link_reused).
-  void NcclLink(bool reused) {
-    nccl_links_->Add({{"use", reused ? "reused" : "formed"}}).Increment();
+  // A hand-off this worker sent ended, by the path it took and its report:
+  // Transfer("sent", ...), and for one over NCCL whether it reused a kept
+  // communicator (TransferReport.device_link_reused).
+  void Sent(const std::string& path, const absl::StatusOr<v1::TransferReport>& report) {
+    Transfer("sent", path, report.ok(),
+             report.ok() ? report->wire_bytes() + report->device_bytes() : 0,
+             report.ok() ? report->reused_bytes() : 0);
+    if (report.ok() && report->path() == "nccl") {
+      nccl_links_->Add({{"use", report->device_link_reused() ? "reused" : "formed"}}).Increment();
+    }
   }
   void HandoffCache(double bytes) { handoff_cache_.Set(bytes); }
   void Stored(uint64_t bytes) { stored_.Increment(static_cast<double>(bytes)); }

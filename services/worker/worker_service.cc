@@ -359,12 +359,7 @@ class WorkerService::PrefillReactor
       if (!in_step_) {
         absl::StatusOr<v1::TransferReport> report =
             sent.ok() ? sender_->Finish() : absl::StatusOr<v1::TransferReport>(sent);
-        svc_->metrics_->Transfer("sent", sender_->path(), report.ok(),
-                                 report.ok() ? report->wire_bytes() + report->device_bytes() : 0,
-                                 report.ok() ? report->reused_bytes() : 0);
-        if (report.ok() && report->path() == "nccl") {
-          svc_->metrics_->NcclLink(report->device_link_reused());
-        }
+        svc_->metrics_->Sent(sender_->path(), report);
         sender_.reset();
         if (!report.ok()) {
           // The step committed here; undone, so that it can be sent again.
