@@ -227,7 +227,9 @@ AttnData* GetAttnData(const std::string& setting, int64_t tokens) {
   return &d;
 }
 
-const char* kAttnSettings[] = {"fp16", "kivi4", "kivi2", "kivi8"};
+// GEAR at its defaults (rank 4, 2% outliers): the backbone's fused kernel
+// plus the low-rank and outlier corrections.
+const char* kAttnSettings[] = {"fp16", "kivi4", "kivi2", "kivi8", "gear4", "gear2"};
 
 void BM_DecodeAttention(benchmark::State& state) {
   const std::string setting = kAttnSettings[state.range(0)];
@@ -253,7 +255,7 @@ void BM_DecodeAttention(benchmark::State& state) {
 
 void AttnArgs(benchmark::internal::Benchmark* b) {
   for (int64_t t : {4096, 32768, 131072}) {
-    for (int s = 0; s < 4; ++s) b->Args({s, t, 0});
+    for (int s = 0; s < 6; ++s) b->Args({s, t, 0});
     b->Args({1, t, 1});
     b->Args({2, t, 1});
   }
@@ -351,17 +353,18 @@ int main(int argc, char** argv) {
     std::printf(
         "\nfused decode attention vs fp16 K/V (same run, wall time; >1 = faster than fp16).\n"
         "kivi4/kivi2: integer dot products (kBest); 'fp32': the same codes with fp32 products\n");
-    std::printf("%-8s %9s %8s %12s %8s %12s %8s\n", "tokens", "fp16 ms", "kivi4 x", "kivi4 fp32 x",
-                "kivi2 x", "kivi2 fp32 x", "kivi8 x");
+    std::printf("%-8s %9s %8s %12s %8s %12s %8s %8s %8s\n", "tokens", "fp16 ms", "kivi4 x",
+                "kivi4 fp32 x", "kivi2 x", "kivi2 fp32 x", "kivi8 x", "gear4 x", "gear2 x");
     for (int64_t t : {4096, 32768, 131072}) {
       auto get = [&](const std::string& s, const char* suffix = "") {
         auto it = rec.times.find(s + " T=" + std::to_string(t) + suffix);
         return it == rec.times.end() ? NAN : it->second;
       };
       const double base = get("fp16");
-      std::printf("%-8lld %9.3f %8.2f %12.2f %8.2f %12.2f %8.2f\n", static_cast<long long>(t), base,
-                  base / get("kivi4"), base / get("kivi4", " fp32"), base / get("kivi2"),
-                  base / get("kivi2", " fp32"), base / get("kivi8"));
+      std::printf("%-8lld %9.3f %8.2f %12.2f %8.2f %12.2f %8.2f %8.2f %8.2f\n",
+                  static_cast<long long>(t), base, base / get("kivi4"),
+                  base / get("kivi4", " fp32"), base / get("kivi2"), base / get("kivi2", " fp32"),
+                  base / get("kivi8"), base / get("gear4"), base / get("gear2"));
     }
   }
   benchmark::Shutdown();

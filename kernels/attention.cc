@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -115,6 +116,197 @@ void TiledAccumulate(const EncodedView& v, int64_t s, const float* const* p, int
   }
 }
 
+// GEAR and GEAR-L decode to D + A·B with the outliers put in place: the
+// backbone's dequantized codes D, the low-rank term A·B (A [Tq, r], B [r, D],
+// fp16), and at each outlier position the stored value instead. Attention
+// runs the backbone through the fused KIVI/KCVT kernels and adds the rest
+// as corrections, so no tile is ever decoded:
+//   q·k_t   += q·(A_t·B) = A_t · (B q)         r products per token
+//   Σ p_t v_t += Σ_t p_t A_t·B = (Σ_t p_t A_t)·B  r per token, r·D at the end
+// and at an outlier (t, c) the difference between its value and D + A·B
+// there, which is what DecodeRows' replacement amounts to.
+bool IsGear(const EncodedView& v) {
+  return v.codec == v1::CODEC_GEAR || v.codec == v1::CODEC_GEAR_L;
+}
+
+EncodedView GearBackbone(const EncodedView& v) {
+  EncodedView b = v;
+  // KIVI and KCVT share the layout; the effective group tells them apart.
+  b.codec = v1::CODEC_KIVI;
+  b.rank = 0;
+  b.lowrank_a = b.lowrank_b = nullptr;
+  b.outliers_per_row = 0;
+  b.sparse_rows_per_slab = 0;
+  b.sparse_index = b.sparse_value = nullptr;
+  return b;
+}
+
+// One slab's GEAR terms in fp32: A, also transposed to [r, Tq] so that the
+// per-token work runs along contiguous rows, and B [r, D].
+class GearSlab {
+ public:
+  GearSlab(const EncodedView& v, int64_t s)
+      : v_(v),
+        s_(s),
+        deq_(Shape(v), v.codes + s * v.words_per_slab * 4, v.scales + s * v.groups_per_slab,
+             v.zeros + s * v.groups_per_slab) {
+    if (v.rank > 0) {
+      const int64_t tq = v.quantized;
+      std::vector<float> a(static_cast<size_t>(tq * v.rank));
+      Widen(v.lowrank_a + s * tq * v.rank, a);
+      at_.resize(a.size());
+      for (int64_t t = 0; t < tq; ++t) {
+        for (int j = 0; j < v.rank; ++j) at_[j * tq + t] = a[t * v.rank + j];
+      }
+      a_ = std::move(a);
+      b_.resize(static_cast<size_t>(v.rank * v.head_dim));
+      Widen(v.lowrank_b + s * v.rank * v.head_dim, b_);
+    }
+  }
+  int rank() const { return v_.rank; }
+  const float* a_column(int j) const { return at_.data() + j * v_.quantized; }
+  const float* b(int j) const { return b_.data() + j * v_.head_dim; }
+
+  // Stored value minus D + A·B at (t, c).
+  float OutlierDelta(int64_t t, int c, float value) const {
+    float base = deq_(t, c);
+    const float* __restrict a = a_.data() + t * v_.rank;
+    const float* __restrict b = b_.data() + c;
+    for (int j = 0; j < v_.rank; ++j) base += a[j] * b[j * v_.head_dim];
+    return value - base;
+  }
+
+  // Calls f(t, c, value) for every outlier of the slab. K's rows are
+  // channels, each with its positions (tokens) in order; they are walked a
+  // block of kTileTokens tokens at a time, every channel within it, so that
+  // the codes, A and the scores of those tokens stay in cache. V's rows are
+  // tokens, with channel positions.
+  template <typename F>
+  void ForEachOutlier(F f) const {
+    const int opr = v_.outliers_per_row;
+    const int64_t rows = v_.sparse_rows_per_slab;
+    const int64_t first = s_ * rows * opr;
+    if (v_.role == v1::TENSOR_ROLE_VALUE) {
+      for (int64_t t = 0; t < rows; ++t) {
+        for (int k = 0; k < opr; ++k) {
+          const int64_t i = first + t * opr + k;
+          f(t, static_cast<int>(ReadSparseIndex(i)), Value(i));
+        }
+      }
+      return;
+    }
+    std::vector<int> next(static_cast<size_t>(rows), 0);
+    for (int64_t t_end = kTileTokens;; t_end += kTileTokens) {
+      for (int64_t c = 0; c < rows; ++c) {
+        const int64_t row = first + c * opr;
+        int& k = next[c];
+        for (; k < opr; ++k) {
+          const int64_t t = ReadSparseIndex(row + k);
+          if (t >= t_end) break;
+          f(t, static_cast<int>(c), Value(row + k));
+        }
+      }
+      if (t_end >= v_.quantized) break;
+    }
+  }
+
+ private:
+  static internal::QuantShape Shape(const EncodedView& v) {
+    internal::QuantShape q;
+    q.key = v.role != v1::TENSOR_ROLE_VALUE;
+    q.bits = v.bits;
+    q.group = v.group;
+    q.tq = v.quantized;
+    q.d = v.head_dim;
+    return q;
+  }
+  static void Widen(const uint16_t* h, std::vector<float>& out) {
+    if (internal::WidenSimd(h, false, static_cast<int64_t>(out.size()), out.data())) return;
+    for (size_t i = 0; i < out.size(); ++i) out[i] = HalfToFloat(internal::LoadU16(h, i));
+  }
+  float Value(int64_t i) const {
+    if (v_.dtype == v1::DTYPE_FP16) {
+      return HalfToFloat(internal::LoadU16(reinterpret_cast<const uint16_t*>(v_.sparse_value), i));
+    }
+    return internal::LoadElement(v_.dtype, v_.sparse_value, i);
+  }
+  int64_t ReadSparseIndex(int64_t i) const {
+    if (v_.sparse_index_bytes == 2) {
+      uint16_t x;
+      std::memcpy(&x, v_.sparse_index + i * 2, 2);
+      return x;
+    }
+    uint32_t x;
+    std::memcpy(&x, v_.sparse_index + i * 4, 4);
+    return x;
+  }
+
+  const EncodedView& v_;
+  int64_t s_;
+  internal::ElementDequantizer deq_;
+  std::vector<float> a_, at_, b_;  // A as [Tq, r] and as [r, Tq]; B.
+};
+
+void Axpy(float a, const float* x, int64_t n, float* y) {
+  if (internal::AxpySimd(a, x, n, y)) return;
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+float Dot(const float* x, const float* y, int64_t n) {
+  float d = 0;
+  if (internal::DotSimd(x, y, n, &d)) return d;
+  for (int64_t i = 0; i < n; ++i) d += x[i] * y[i];
+  return d;
+}
+
+void ScoreGear(const EncodedView& k, int64_t s, const float* const* q, int rep, float scale,
+               float* const* scores, bool integer, std::vector<float>* tile) {
+  const EncodedView bb = GearBackbone(k);
+  if (!internal::ScoreBlockSimd(bb, s, q, rep, scale, scores, integer)) {
+    TiledScore(bb, s, q, rep, scale, scores, tile);
+  }
+  if (k.quantized == 0 || (k.rank == 0 && k.outliers_per_row == 0)) return;
+  const GearSlab g(k, s);
+  const int d = k.head_dim;
+  // scores_r += (scale * q_r · B_j) A_j for each rank j.
+  for (int r = 0; r < rep; ++r) {
+    for (int j = 0; j < g.rank(); ++j) {
+      Axpy(scale * Dot(q[r], g.b(j), d), g.a_column(j), k.quantized, scores[r]);
+    }
+  }
+  if (k.outliers_per_row == 0) return;
+  // Each query head's score row, as locals the compiler need not reload.
+  std::vector<float*> sr(scores, scores + rep);
+  std::vector<const float*> qr(q, q + rep);
+  g.ForEachOutlier([&](int64_t t, int c, float value) {
+    const float delta = scale * g.OutlierDelta(t, c, value);
+    for (int r = 0; r < rep; ++r) sr[r][t] += qr[r][c] * delta;
+  });
+}
+
+void AccumulateGear(const EncodedView& v, int64_t s, const float* const* p, int rep,
+                    float* const* out, bool integer, std::vector<float>* tile) {
+  const EncodedView bb = GearBackbone(v);
+  if (!internal::AccumulateBlockSimd(bb, s, p, rep, out, integer)) {
+    TiledAccumulate(bb, s, p, rep, out, tile);
+  }
+  if (v.quantized == 0 || (v.rank == 0 && v.outliers_per_row == 0)) return;
+  const GearSlab g(v, s);
+  const int d = v.head_dim;
+  // out_r += (p_r · A_j) B_j for each rank j.
+  for (int r = 0; r < rep; ++r) {
+    for (int j = 0; j < g.rank(); ++j)
+      Axpy(Dot(p[r], g.a_column(j), v.quantized), g.b(j), d, out[r]);
+  }
+  if (v.outliers_per_row == 0) return;
+  std::vector<float*> o(out, out + rep);
+  std::vector<const float*> pr(p, p + rep);
+  g.ForEachOutlier([&](int64_t t, int c, float value) {
+    const float delta = g.OutlierDelta(t, c, value);
+    for (int r = 0; r < rep; ++r) o[r][c] += pr[r][t] * delta;
+  });
+}
+
 void Vectorized(const AttentionShape& shape, const float* q, absl::Span<const KvBlock> blocks,
                 int64_t total, float* out, bool integer) {
   const int d = shape.head_dim;
@@ -131,7 +323,10 @@ void Vectorized(const AttentionShape& shape, const float* q, absl::Span<const Kv
     int64_t pos = 0;
     for (const KvBlock& b : blocks) {
       for (int r = 0; r < rep; ++r) sc[r] = scores.data() + r * total + pos;
-      if (!internal::ScoreBlockSimd(b.k, h, qr.data(), rep, shape.scale, sc.data(), integer)) {
+      if (IsGear(b.k)) {
+        ScoreGear(b.k, h, qr.data(), rep, shape.scale, sc.data(), integer, &tile);
+      } else if (!internal::ScoreBlockSimd(b.k, h, qr.data(), rep, shape.scale, sc.data(),
+                                           integer)) {
         TiledScore(b.k, h, qr.data(), rep, shape.scale, sc.data(), &tile);
       }
       pos += b.k.tokens;
@@ -148,7 +343,9 @@ void Vectorized(const AttentionShape& shape, const float* q, absl::Span<const Kv
     pos = 0;
     for (const KvBlock& b : blocks) {
       for (int r = 0; r < rep; ++r) pr[r] = scores.data() + r * total + pos;
-      if (!internal::AccumulateBlockSimd(b.v, h, pr.data(), rep, o.data(), integer)) {
+      if (IsGear(b.v)) {
+        AccumulateGear(b.v, h, pr.data(), rep, o.data(), integer, &tile);
+      } else if (!internal::AccumulateBlockSimd(b.v, h, pr.data(), rep, o.data(), integer)) {
         TiledAccumulate(b.v, h, pr.data(), rep, o.data(), &tile);
       }
       pos += b.v.tokens;

@@ -2,8 +2,8 @@
 // sequence of blocks, each raw or codec-encoded. One interface for both, so
 // a caller attends over whatever mix of encoded history and full-precision
 // tail it holds. Encoded blocks are read directly: dequantization is fused
-// into q.K^T and P.V (KIVI/KCVT), or done tile by tile in cache-sized pieces
-// (GEAR), never into a full-size copy.
+// into q.K^T and P.V (KIVI/KCVT, and GEAR's backbone, whose low-rank term and
+// outliers are added as corrections), never into a full-size copy.
 #ifndef KVTIER_KERNELS_ATTENTION_H_
 #define KVTIER_KERNELS_ATTENTION_H_
 

@@ -972,12 +972,18 @@ void DecodeRows(const EncodedView& v, int64_t s, int64_t t0, int64_t t1, float* 
             v.zeros + s * v.groups_per_slab, t0, qe, out, level);
     if (v.rank > 0) {
       const uint16_t* a = v.lowrank_a + s * v.quantized * v.rank;
-      const uint16_t* b = v.lowrank_b + s * v.rank * d;
+      const uint16_t* b16 = v.lowrank_b + s * v.rank * d;
+      // B widened once; each row adds r scaled rows of it.
+      std::vector<float> b(static_cast<size_t>(v.rank * d));
+      for (size_t i = 0; i < b.size(); ++i) b[i] = HalfToFloat(internal::LoadU16(b16, i));
       for (int64_t t = t0; t < qe; ++t) {
+        float* o = out + (t - t0) * d;
         for (int j = 0; j < v.rank; ++j) {
           const float aj = HalfToFloat(internal::LoadU16(a, t * v.rank + j));
-          float* o = out + (t - t0) * d;
-          for (int c = 0; c < d; ++c) o[c] += aj * HalfToFloat(internal::LoadU16(b, j * d + c));
+          const float* bj = b.data() + j * d;
+          if (!UseSimd(level) || !internal::AxpySimd(aj, bj, d, o)) {
+            for (int c = 0; c < d; ++c) o[c] += aj * bj[c];
+          }
         }
       }
     }
@@ -986,12 +992,23 @@ void DecodeRows(const EncodedView& v, int64_t s, int64_t t0, int64_t t1, float* 
       const bool key = v.role != v1::TENSOR_ROLE_VALUE;
       const int64_t rows = v.sparse_rows_per_slab;
       auto value = [&](int64_t k) { return internal::LoadElement(v.dtype, v.sparse_value, k); };
-      if (key) {  // Rows are channels; positions are tokens.
+      if (key) {  // Rows are channels; positions are tokens, in order.
         for (int c = 0; c < rows; ++c) {
           const int64_t base = (s * rows + c) * opr;
-          for (int k = 0; k < opr; ++k) {
+          // The first position at or after t0.
+          int lo = 0, hi = opr;
+          while (lo < hi) {
+            const int mid = (lo + hi) / 2;
+            if (ReadIndex(v.sparse_index, v.sparse_index_bytes, base + mid) < t0) {
+              lo = mid + 1;
+            } else {
+              hi = mid;
+            }
+          }
+          for (int k = lo; k < opr; ++k) {
             const int64_t t = ReadIndex(v.sparse_index, v.sparse_index_bytes, base + k);
-            if (t >= t0 && t < qe) out[(t - t0) * d + c] = value(base + k);
+            if (t >= qe) break;
+            out[(t - t0) * d + c] = value(base + k);
           }
         }
       } else {  // Rows are tokens; positions are channels.

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "kernels/codec.h"
+#include "kernels/half.h"
 
 namespace kvtier::internal {
 
@@ -24,6 +25,44 @@ inline int64_t ScaleCount(const QuantShape& q) {
   if (q.tq == 0) return 0;
   return q.key ? ((q.tq + q.group - 1) / q.group) * q.d : q.tq * ((q.d + q.group - 1) / q.group);
 }
+
+// Element (t, c) of a slab's quantized rows, code * scale + zero in fp32 (the
+// vectorized dequantizer's arithmetic), for the few elements a kernel needs
+// one at a time, such as GEAR's outlier positions. Divisions by the shape
+// are resolved once, in the constructor.
+class ElementDequantizer {
+ public:
+  ElementDequantizer(const QuantShape& q, const uint8_t* codes, const uint16_t* scales,
+                     const uint16_t* zeros)
+      : q_(q), codes_(codes), scales_(scales), zeros_(zeros) {
+    word_shift_ = __builtin_ctz(32 / q.bits);  // bits is 2, 4 or 8.
+    group_shift_ = (q.group & (q.group - 1)) == 0 ? __builtin_ctz(q.group) : -1;
+    v_groups_ = (q.d + q.group - 1) / q.group;
+  }
+  float operator()(int64_t t, int c) const {
+    const int64_t i = t * q_.d + c;
+    uint32_t w;
+    std::memcpy(&w, codes_ + (i >> word_shift_) * 4, 4);
+    const uint32_t code =
+        (w >> ((i & ((int64_t{1} << word_shift_) - 1)) * q_.bits)) & ((1u << q_.bits) - 1u);
+    const int64_t si = q_.key ? Group(t) * q_.d + c : t * v_groups_ + Group(c);
+    uint16_t hs, hz;
+    std::memcpy(&hs, reinterpret_cast<const char*>(scales_) + 2 * si, 2);
+    std::memcpy(&hz, reinterpret_cast<const char*>(zeros_) + 2 * si, 2);
+    return static_cast<float>(code) * HalfToFloat(hs) + HalfToFloat(hz);
+  }
+
+ private:
+  int64_t Group(int64_t x) const { return group_shift_ >= 0 ? x >> group_shift_ : x / q_.group; }
+
+  QuantShape q_;
+  const uint8_t* codes_;
+  const uint16_t* scales_;
+  const uint16_t* zeros_;
+  int word_shift_ = 0;
+  int group_shift_ = -1;
+  int64_t v_groups_ = 1;
+};
 
 // Reference: float64 arithmetic, plain loops. `codes` must be zeroed,
 // CodeWords(q) * 4 bytes.
@@ -65,6 +104,10 @@ bool FirstOutOfRangeSimd(const float* x, int64_t n, float limit, int64_t* first)
 
 // out[i] = x[i] widened from fp16 (or bf16 when `bf16`). False without SIMD.
 bool WidenSimd(const uint16_t* x, bool bf16, int64_t n, float* out);
+
+// y[i] += a * x[i], and *dot = x . y, over n floats. False without SIMD.
+bool AxpySimd(float a, const float* x, int64_t n, float* y);
+bool DotSimd(const float* x, const float* y, int64_t n, float* dot);
 
 // Softmax in place over n scores (vectorized exp). False without SIMD.
 bool SoftmaxSimd(float* x, int64_t n);

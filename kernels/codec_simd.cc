@@ -327,6 +327,33 @@ bool WidenSimd(const uint16_t* x, bool bf16, int64_t n, float* out) {
   return true;
 }
 
+bool AxpySimd(float a, const float* x, int64_t n, float* y) {
+  if (!SimdAvailable()) return false;
+  const __m256 av = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  }
+  for (; i < n; ++i) y[i] += a * x[i];
+  return true;
+}
+
+bool DotSimd(const float* x, const float* y, int64_t n, float* dot) {
+  if (!SimdAvailable()) return false;
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(y + i + 8), a1);
+  }
+  for (; i + 8 <= n; i += 8)
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), a0);
+  float sum = HSum(_mm256_add_ps(a0, a1));
+  for (; i < n; ++i) sum += x[i] * y[i];
+  *dot = sum;
+  return true;
+}
+
 bool DequantRowsSimd(const QuantShape& q, const uint8_t* codes, const uint16_t* scales,
                      const uint16_t* zeros, int64_t t0, int64_t t1, float* out) {
   if (!SimdAvailable() || !Supported(q)) return false;

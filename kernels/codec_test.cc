@@ -313,6 +313,43 @@ TEST(GearTest, LevelsDecodeTheSameBytesAlike) {
   }
 }
 
+// DecodeRows over any window of rows gives those rows of the whole tensor:
+// the K outliers' search for the window's first position, the low-rank rows
+// and the residual rows, at both levels.
+TEST(GearTest, RowWindowsDecodeAsTheWhole) {
+  const int64_t shape[] = {2, 150, 64};
+  std::vector<float> x = Random(2 * 150 * 64, 23);
+  AddOutlierChannels(&x, 64);
+  for (const char* setting : {"gear2:r=2:s=0.1:R=6", "gear4:bb=kcvt:s=0.05", "gearl2:r=3"}) {
+    SCOPED_TRACE(setting);
+    KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting(setting));
+    for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+      KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor t, Encode(c, role, shape, x.data()));
+      KVT_ASSERT_OK_AND_ASSIGN(EncodedView v, ParseEncoded(t));
+      for (KernelLevel level : {KernelLevel::kReference, KernelLevel::kBest}) {
+        for (int64_t s = 0; s < v.slabs; ++s) {
+          std::vector<float> whole(static_cast<size_t>(v.tokens * 64));
+          DecodeRows(v, s, 0, v.tokens, whole.data(), level);
+          for (auto [t0, t1] : {std::pair<int64_t, int64_t>{0, 1},
+                                {1, 64},
+                                {63, 65},
+                                {64, 128},
+                                {100, 150},
+                                {143, 145},
+                                {149, 150},
+                                {0, 150}}) {
+            std::vector<float> part(static_cast<size_t>((t1 - t0) * 64));
+            DecodeRows(v, s, t0, t1, part.data(), level);
+            for (size_t i = 0; i < part.size(); ++i) {
+              ASSERT_EQ(part[i], whole[t0 * 64 + i]) << t0 << ".." << t1 << " element " << i;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // TensorEncoder writes, in place and in one pass, the bytes that Encode's
 // tensor serializes to, for every codec, dtype and a residual-only tensor.
 TEST(TensorEncoderTest, WritesWhatEncodeSerializes) {
@@ -706,7 +743,13 @@ INSTANTIATE_TEST_SUITE_P(Codecs, IntegerAttentionTest,
                                            IntCase{"kivi4:g=64", 8, 4, 128, 129, 4.0f},
                                            IntCase{"kcvt4", 6, 2, 64, 97, 1.0f},
                                            IntCase{"kivi2:g=32:R=8", 5, 5, 32, 77, 2.0f},
-                                           IntCase{"kivi4:g=128", 12, 4, 256, 64, 2.0f}));
+                                           IntCase{"kivi4:g=128", 12, 4, 256, 64, 2.0f},
+                                           // GEAR: the backbone's codes as integers, the
+                                           // low-rank term and the outliers in fp32.
+                                           IntCase{"gear4", 32, 8, 128, 300, 2.0f},
+                                           IntCase{"gear2:r=2:s=0.05", 8, 2, 64, 200, 2.0f},
+                                           IntCase{"gear4:bb=kcvt", 6, 2, 64, 97, 1.0f},
+                                           IntCase{"gearl2:r=4", 8, 4, 128, 150, 2.0f}));
 
 TEST(AttentionTest, RejectsMismatchedBlocks) {
   const std::vector<float> k(2 * 4 * 8, 1.0f), q(4 * 8, 1.0f);
