@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -166,36 +167,131 @@ uint64_t SplitMix(uint64_t* state) {
   return z ^ (z >> 31);
 }
 
+// One element of a GEAR outlier row: its value and position in the row.
+struct RowValue {
+  float value;
+  int64_t pos;
+};
+
+// Ascending by value, ties by position.
+struct ValueLess {
+  bool operator()(const RowValue& a, const RowValue& b) const {
+    return a.value < b.value || (a.value == b.value && a.pos < b.pos);
+  }
+};
+struct ValueGreater {
+  bool operator()(const RowValue& a, const RowValue& b) const { return ValueLess()(b, a); }
+};
+
+// The m smallest and the m largest of a row's elements under ValueLess,
+// offered in position order, in two heaps of at most m. Since positions
+// ascend, a later element that ties a kept one counts as larger: it can
+// join the largest on a tie, never the smallest. So once the heaps are full,
+// an element strictly between the two tops' values joins neither, and
+// Wants() (two float comparisons) turns it away.
+class Extremes {
+ public:
+  explicit Extremes(int m) : m_(m) {}
+  void Clear() {
+    low_.clear();
+    high_.clear();
+    below_ = std::numeric_limits<float>::infinity();
+    from_ = -std::numeric_limits<float>::infinity();
+  }
+  // NaN is offered too, so that the heaps fill whatever the row holds (the
+  // input check refuses the tensor afterwards).
+  bool Wants(float value) const { return !(value >= below_ && value < from_); }
+  void Add(float value, int64_t pos) {
+    const RowValue e{value, pos};
+    // Max-heap: its top is the largest of the smallest.
+    if (Offer(low_, e, ValueLess()) && static_cast<int>(low_.size()) == m_) {
+      below_ = low_.front().value;
+    }
+    // Min-heap: its top is the smallest of the largest.
+    if (Offer(high_, e, ValueGreater()) && static_cast<int>(high_.size()) == m_) {
+      from_ = high_.front().value;
+    }
+  }
+  // The positions of both sets, ascending. The sets are disjoint when the
+  // row holds at least 2m elements.
+  void Picked(std::vector<int64_t>* out) const {
+    out->clear();
+    for (const RowValue& e : low_) out->push_back(e.pos);
+    for (const RowValue& e : high_) out->push_back(e.pos);
+    std::sort(out->begin(), out->end());
+  }
+
+ private:
+  // True when e joined the heap.
+  template <typename Cmp>
+  bool Offer(std::vector<RowValue>& heap, const RowValue& e, Cmp cmp) {
+    if (static_cast<int>(heap.size()) < m_) {
+      heap.push_back(e);
+      std::push_heap(heap.begin(), heap.end(), cmp);
+      return true;
+    }
+    if (m_ == 0 || !cmp(e, heap.front())) return false;
+    std::pop_heap(heap.begin(), heap.end(), cmp);
+    heap.back() = e;
+    std::push_heap(heap.begin(), heap.end(), cmp);
+    return true;
+  }
+
+  int m_;
+  std::vector<RowValue> low_, high_;
+  float below_ = std::numeric_limits<float>::infinity();  // Smaller values join low_.
+  float from_ = -std::numeric_limits<float>::infinity();  // Values from here on may join high_.
+};
+
 // Rank-r approximation R ~ A * B of an [n, d] matrix by power (subspace)
 // iteration (ALGORITHMS.md §3): P (d x r) random, then three times
-// Y = R P, P = R^T Y, orthonormalized; finally A = R P, B = P^T.
+// Y = R P, P = R^T Y, orthonormalized; finally A = R P, B = P^T. P is held
+// as r columns of d, so that both products run along R's rows: Y's
+// elements as dot products, P's columns as scaled sums of rows (AVX2 when
+// Acc is float and the CPU has it; every sum in row order otherwise).
 template <typename Acc>
 void LowRank(const float* r_mat, int64_t n, int d, int rank, uint64_t seed, std::vector<float>* a,
              std::vector<float>* b) {
   std::vector<Acc> p(static_cast<size_t>(d) * rank), y(static_cast<size_t>(n) * rank);
   uint64_t st = seed;
-  for (auto& v : p) v = static_cast<Acc>((SplitMix(&st) >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+  // The start draws P row by row (k, then j), as it always has.
+  for (int k = 0; k < d; ++k) {
+    for (int j = 0; j < rank; ++j) {
+      p[j * d + k] = static_cast<Acc>((SplitMix(&st) >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+    }
+  }
+  constexpr bool kFloat = std::is_same_v<Acc, float>;
+  const bool simd = kFloat && internal::SimdAvailable();
   auto orthonormalize = [&] {
     for (int j = 0; j < rank; ++j) {
+      Acc* pj = p.data() + j * d;
       for (int i = 0; i < j; ++i) {
+        const Acc* pi = p.data() + i * d;
         Acc dot = 0;
-        for (int k = 0; k < d; ++k) dot += p[k * rank + i] * p[k * rank + j];
-        for (int k = 0; k < d; ++k) p[k * rank + j] -= dot * p[k * rank + i];
+        for (int k = 0; k < d; ++k) dot += pi[k] * pj[k];
+        for (int k = 0; k < d; ++k) pj[k] -= dot * pi[k];
       }
       Acc norm = 0;
-      for (int k = 0; k < d; ++k) norm += p[k * rank + j] * p[k * rank + j];
+      for (int k = 0; k < d; ++k) norm += pj[k] * pj[k];
       norm = std::sqrt(norm);
       const Acc inv = norm > Acc(1e-20) ? Acc(1) / norm : Acc(0);
-      for (int k = 0; k < d; ++k) p[k * rank + j] *= inv;
+      for (int k = 0; k < d; ++k) pj[k] *= inv;
     }
   };
   auto times_p = [&] {  // y = R p
-    std::fill(y.begin(), y.end(), Acc(0));
     for (int64_t t = 0; t < n; ++t) {
       const float* row = r_mat + t * d;
-      for (int k = 0; k < d; ++k) {
-        const Acc x = row[k];
-        for (int j = 0; j < rank; ++j) y[t * rank + j] += x * p[k * rank + j];
+      for (int j = 0; j < rank; ++j) {
+        const Acc* pj = p.data() + j * d;
+        Acc acc = 0;
+        if constexpr (kFloat) {
+          if (simd && internal::DotSimd(row, pj, d, &acc)) {
+            y[t * rank + j] = acc;
+            continue;
+          }
+        }
+        for (int k = 0; k < d; ++k) acc += static_cast<Acc>(row[k]) * pj[k];
+        y[t * rank + j] = acc;
       }
     }
   };
@@ -205,9 +301,13 @@ void LowRank(const float* r_mat, int64_t n, int d, int rank, uint64_t seed, std:
     std::fill(p.begin(), p.end(), Acc(0));  // p = R^T y
     for (int64_t t = 0; t < n; ++t) {
       const float* row = r_mat + t * d;
-      for (int k = 0; k < d; ++k) {
-        const Acc x = row[k];
-        for (int j = 0; j < rank; ++j) p[k * rank + j] += x * y[t * rank + j];
+      for (int j = 0; j < rank; ++j) {
+        Acc* pj = p.data() + j * d;
+        const Acc w = y[t * rank + j];
+        if constexpr (kFloat) {
+          if (simd && internal::AxpySimd(w, row, d, pj)) continue;
+        }
+        for (int k = 0; k < d; ++k) pj[k] += static_cast<Acc>(row[k]) * w;
       }
     }
     orthonormalize();
@@ -216,9 +316,7 @@ void LowRank(const float* r_mat, int64_t n, int d, int rank, uint64_t seed, std:
   a->resize(static_cast<size_t>(n) * rank);
   b->resize(static_cast<size_t>(rank) * d);
   for (size_t i = 0; i < a->size(); ++i) (*a)[i] = static_cast<float>(y[i]);
-  for (int j = 0; j < rank; ++j) {
-    for (int k = 0; k < d; ++k) (*b)[j * d + k] = static_cast<float>(p[k * rank + j]);
-  }
+  for (size_t i = 0; i < b->size(); ++i) (*b)[i] = static_cast<float>(p[i]);
 }
 
 // The vectorized kernels write every code; this zeroes the last word's
@@ -560,7 +658,9 @@ void EncodeBuffers(const CodecConfig& c, const Layout& l, const float* data, con
   uint8_t* sidx = out.sparse_index;
   uint8_t* sval = out.sparse_value;
   std::vector<float> work, deq, a, b;
-  std::vector<int64_t> order;
+  std::vector<Extremes> extremes;
+  std::vector<double> sums;
+  std::vector<int64_t> picked;
   std::vector<uint8_t> is_outlier;
   for (int64_t s = 0; s < l.slabs; ++s) {
     const float* x = data + s * slab_elems;
@@ -581,21 +681,35 @@ void EncodeBuffers(const CodecConfig& c, const Layout& l, const float* data, con
       const int m = l.outliers_per_row / 2;
       const int64_t row_len = l.sparse_row_len;
       auto elem = [&](int64_t row, int64_t j) { return l.key ? j * l.d + row : row * l.d + j; };
+      // Each row's m smallest and m largest values, ascending by value and
+      // ties by position so that the choice is deterministic, and its sum in
+      // position order. x is read once, in order: a K row is a channel, so
+      // every channel's selection runs at once, token by token.
+      extremes.assign(static_cast<size_t>(l.key ? l.sparse_rows : 1), Extremes(m));
+      sums.assign(extremes.size(), 0.0);
+      if (l.key) {
+        for (int64_t t = 0; t < l.tq; ++t) {
+          const float* xt = x + t * l.d;
+          for (int ch = 0; ch < l.d; ++ch) {
+            if (extremes[ch].Wants(xt[ch])) extremes[ch].Add(xt[ch], t);
+            sums[ch] += xt[ch];
+          }
+        }
+      }
       for (int64_t row = 0; row < l.sparse_rows; ++row) {
-        order.resize(static_cast<size_t>(row_len));
-        std::iota(order.begin(), order.end(), 0);
-        // Ascending by value, ties by position, so the choice is deterministic.
-        auto less = [&](int64_t i, int64_t j) {
-          const float xi = x[elem(row, i)], xj = x[elem(row, j)];
-          return xi < xj || (xi == xj && i < j);
-        };
-        std::nth_element(order.begin(), order.begin() + m, order.end(), less);
-        std::nth_element(order.begin() + m, order.end() - m, order.end(), less);
-        std::vector<int64_t> picked(order.begin(), order.begin() + m);
-        picked.insert(picked.end(), order.end() - m, order.end());
-        std::sort(picked.begin(), picked.end());
+        Extremes* ex = &extremes[l.key ? row : 0];
         double sum = 0;
-        for (int64_t j = 0; j < row_len; ++j) sum += x[elem(row, j)];
+        if (l.key) {
+          sum = sums[row];
+        } else {
+          ex->Clear();
+          const float* xr = x + row * l.d;
+          for (int ch = 0; ch < l.d; ++ch) {
+            if (ex->Wants(xr[ch])) ex->Add(xr[ch], ch);
+            sum += xr[ch];
+          }
+        }
+        ex->Picked(&picked);
         for (int64_t j : picked) sum -= x[elem(row, j)];
         const float mean = static_cast<float>(sum / static_cast<double>(row_len - 2 * m));
         const int64_t base = (s * l.sparse_rows + row) * l.outliers_per_row;

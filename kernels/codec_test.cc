@@ -313,6 +313,53 @@ TEST(GearTest, LevelsDecodeTheSameBytesAlike) {
   }
 }
 
+// The outliers of each row are its m smallest and m largest values (ties by
+// position), checked against a full sort of the row; K rows are channels.
+// Data with many ties (values on a coarse grid) makes the order's second key
+// count.
+TEST(GearTest, OutliersAreEachRowsExtremes) {
+  const int64_t shape[] = {2, 300, 32};
+  std::vector<float> x = Random(2 * 300 * 32, 31);
+  for (size_t i = 0; i < x.size(); i += 3) x[i] = std::round(x[i] * 4) / 4;
+  for (const char* setting : {"gear2:s=0.05", "gear4:s=0.2:r=1", "gear2:s=0.5:r=0"}) {
+    SCOPED_TRACE(setting);
+    KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting(setting));
+    for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+      const bool key = role == v1::TENSOR_ROLE_KEY;
+      KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor t, Encode(c, role, shape, x.data()));
+      KVT_ASSERT_OK_AND_ASSIGN(EncodedView v, ParseEncoded(t));
+      ASSERT_GT(v.outliers_per_row, 0);
+      const int m = v.outliers_per_row / 2;
+      const int64_t row_len = key ? v.quantized : 32;
+      for (int64_t s = 0; s < 2; ++s) {
+        for (int64_t row = 0; row < v.sparse_rows_per_slab; ++row) {
+          auto at = [&](int64_t j) {
+            return x[key ? (s * 300 + j) * 32 + row : (s * 300 + row) * 32 + j];
+          };
+          std::vector<int64_t> all(static_cast<size_t>(row_len));
+          std::iota(all.begin(), all.end(), 0);
+          std::sort(all.begin(), all.end(), [&](int64_t i, int64_t j) {
+            return at(i) < at(j) || (at(i) == at(j) && i < j);
+          });
+          std::vector<int64_t> want(all.begin(), all.begin() + m);
+          want.insert(want.end(), all.end() - m, all.end());
+          std::sort(want.begin(), want.end());
+          std::vector<int64_t> got;
+          for (int k = 0; k < v.outliers_per_row; ++k) {
+            uint16_t pos;
+            std::memcpy(
+                &pos,
+                v.sparse_index + ((s * v.sparse_rows_per_slab + row) * v.outliers_per_row + k) * 2,
+                2);
+            got.push_back(pos);
+          }
+          ASSERT_EQ(got, want) << "slab " << s << " row " << row;
+        }
+      }
+    }
+  }
+}
+
 // DecodeRows over any window of rows gives those rows of the whole tensor:
 // the K outliers' search for the window's first position, the low-rank rows
 // and the residual rows, at both levels.
@@ -401,7 +448,8 @@ TEST(TensorEncoderTest, WritesWhatEncodeSerializes) {
 TEST(CodecTest, FusedInputCheckFindsEveryBadElement) {
   const float bads[] = {std::numeric_limits<float>::quiet_NaN(),
                         -std::numeric_limits<float>::infinity(), 65505.0f, -1e30f};
-  for (const char* setting : {"kivi2:g=8", "kivi4", "kivi8:g=16", "kcvt4", "kivi4:R=4"}) {
+  for (const char* setting : {"kivi2:g=8", "kivi4", "kivi8:g=16", "kcvt4", "kivi4:R=4",
+                              "gear2:s=0.3:r=2", "gear4:bb=kcvt:s=0.1"}) {
     for (KernelLevel level : {KernelLevel::kReference, KernelLevel::kBest}) {
       for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
         SCOPED_TRACE(std::string(setting) + (role == v1::TENSOR_ROLE_KEY ? " K" : " V") +
