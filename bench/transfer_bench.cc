@@ -16,9 +16,11 @@
 #include <cstring>
 #include <fstream>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "bench/benches.h"
@@ -192,6 +194,7 @@ void Usage() {
   std::fprintf(stderr,
                "kvtier-bench transfer [--layers=32] [--tokens=512] [--rounds=4] [--pd_rounds=8]\n"
                "                      [--codecs=fp16,kivi4,kivi2,gear2] [--repeat=3] [--csv=FILE]\n"
+               "                      [--parts=1,2,3]\n"
                "  Two kvtier-workers in this process and a kvtier-store it starts, all on\n"
                "  127.0.0.1:0. Model: --layers layers, 8 q / 8 kv heads, head_dim 128, fp16.\n"
                "  1. Per codec, --rounds rounds of --tokens tokens stay resident; SendSession\n"
@@ -201,7 +204,8 @@ void Usage() {
                "     against the same prefill kept local.\n"
                "  3. A kivi4 conversation of --pd_rounds rounds of --tokens tokens, each\n"
                "     prefilled on one worker, handed to the other, ended there and sent\n"
-               "     back, on workers with their hand-off caches off and on.\n");
+               "     back, on workers with their hand-off caches off and on.\n"
+               "  --parts picks which of the three run (default all).\n");
 }
 
 }  // namespace
@@ -212,6 +216,7 @@ int TransferBench(int argc, char** argv) {
   int rounds = 4, repeat = 3, pd_rounds = 8;
   std::vector<std::string> codecs = {"fp16", "kivi4", "kivi2", "gear2"};
   std::string csv;
+  std::set<int> parts = {1, 2, 3};
   for (int i = 0; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&](const char* flag) { return FlagValue(a, flag); };
@@ -229,6 +234,16 @@ int TransferBench(int argc, char** argv) {
       codecs = absl::StrSplit(v, ',');
     } else if (const char* v = value("--csv=")) {
       csv = v;
+    } else if (const char* v = value("--parts=")) {
+      parts.clear();
+      for (absl::string_view part : absl::StrSplit(v, ',')) {
+        int n = 0;
+        if (!absl::SimpleAtoi(part, &n) || n < 1 || n > 3) {
+          Usage();
+          return 2;
+        }
+        parts.insert(n);
+      }
     } else {
       Usage();
       return 2;
@@ -281,6 +296,7 @@ int TransferBench(int argc, char** argv) {
     double codec_ratio = 0, gbps = 0, tcp_gbps = 0;
   };
   std::vector<Row> rows;
+  if (parts.count(1) == 0) codecs.clear();
   for (const std::string& codec : codecs) {
     const std::string id = "bytes-" + codec;
     if (!Check(Open(p, m, id, codec, /*keep_all=*/true), "OpenSession")) return 1;
@@ -322,7 +338,7 @@ int TransferBench(int argc, char** argv) {
     double local_ms = 1e300, handoff_ms = 1e300, transfer_ms = 0, exposed_ms = 0;
     uint64_t open_bytes = 0;
   } ex;
-  for (int i = 0; i < repeat; ++i) {
+  for (int i = 0; i < (parts.count(2) ? repeat : 0); ++i) {
     const Step step = MakeStep(m, tokens, 7 + i);
     const std::string local = absl::StrCat("local-", i), moved = absl::StrCat("moved-", i);
     if (!Check(Open(p, m, local, "kivi4", false), "OpenSession") ||
@@ -351,7 +367,7 @@ int TransferBench(int argc, char** argv) {
   };
   // [release after EndRound, keep every layer][cache off, on]
   Conversation conv[2][2];
-  for (int keep = 0; keep < 2; ++keep) {
+  for (int keep = 0; keep < (parts.count(3) ? 2 : 0); ++keep) {
     for (int on = 0; on < 2; ++on) {
       v1::Worker::Stub *cp = stubs[2 * on].get(), *cd = stubs[2 * on + 1].get();
       const std::string id = absl::StrCat("pd-", keep, "-", on), to = targets[2 * on + 1];
@@ -378,49 +394,56 @@ int TransferBench(int argc, char** argv) {
     }
   }
 
-  std::printf(
-      "\nkvtier-bench transfer: %d layers, 8 q / 8 kv heads, head_dim 128, fp16; %d rounds of "
-      "%lld tokens resident\n"
-      "SendSession (best of %d) against raw loopback TCP on the same bytes (best of 3)\n\n",
-      m.layers, rounds, static_cast<long long>(tokens), repeat * 2);
-  std::printf(
-      "| codec | stored bytes | on the wire | fp16 bytes | fp16 / wire | codec ratio | GB/s | "
-      "TCP GB/s | ratio |\n|---|---|---|---|---|---|---|---|---|\n");
-  for (const Row& r : rows) {
-    std::printf("| %s | %llu | %llu | %llu | %.2fx | %.2fx | %.2f | %.2f | %.2f |\n",
-                r.codec.c_str(), static_cast<unsigned long long>(r.stored),
-                static_cast<unsigned long long>(r.wire), static_cast<unsigned long long>(r.raw),
-                static_cast<double>(r.raw) / static_cast<double>(r.wire), r.codec_ratio, r.gbps,
-                r.tcp_gbps, r.gbps / r.tcp_gbps);
+  if (parts.count(1)) {
+    std::printf(
+        "\nkvtier-bench transfer: %d layers, 8 q / 8 kv heads, head_dim 128, fp16; %d rounds of "
+        "%lld tokens resident\n"
+        "SendSession (best of %d) against raw loopback TCP on the same bytes (best of 3)\n\n",
+        m.layers, rounds, static_cast<long long>(tokens), repeat * 2);
+    std::printf(
+        "| codec | stored bytes | on the wire | fp16 bytes | fp16 / wire | codec ratio | GB/s | "
+        "TCP GB/s | ratio |\n|---|---|---|---|---|---|---|---|---|\n");
+    for (const Row& r : rows) {
+      std::printf("| %s | %llu | %llu | %llu | %.2fx | %.2fx | %.2f | %.2f | %.2f |\n",
+                  r.codec.c_str(), static_cast<unsigned long long>(r.stored),
+                  static_cast<unsigned long long>(r.wire), static_cast<unsigned long long>(r.raw),
+                  static_cast<double>(r.raw) / static_cast<double>(r.wire), r.codec_ratio, r.gbps,
+                  r.tcp_gbps, r.gbps / r.tcp_gbps);
+    }
   }
-  std::printf(
-      "\nPrefill of %lld tokens (kivi4 session, no past rounds), best of %d:\n"
-      "| local prefill ms | prefill + hand-off ms | transfer ms | exposed ms | hidden | open "
-      "bytes |\n|---|---|---|---|---|---|\n| %.1f | %.1f | %.1f | %.1f | %.0f%% | %llu |\n",
-      static_cast<long long>(tokens), repeat, ex.local_ms, ex.handoff_ms, ex.transfer_ms,
-      ex.exposed_ms, ex.transfer_ms > 0 ? 100.0 * (1 - ex.exposed_ms / ex.transfer_ms) : 0.0,
-      static_cast<unsigned long long>(ex.open_bytes));
-  std::printf(
-      "\nA kivi4 conversation of %d rounds of %lld tokens (recall all), each prefilled on one "
-      "worker and handed to the other layer by layer, ended there and sent back; the same run "
-      "on workers whose hand-off caches are off (what every hand-off sent before) and on. "
-      "Bytes on the wire over the conversation, and in its last round:\n"
-      "| working set after EndRound | cache | hand-off bytes | hand-back bytes | total | "
-      "last hand-off | last hand-back | left out (held by the receiver) | total / cache off "
-      "|\n|---|---|---|---|---|---|---|---|---|\n",
-      pd_rounds, static_cast<long long>(tokens));
-  for (int keep = 0; keep < 2; ++keep) {
-    for (int on = 0; on < 2; ++on) {
-      const Conversation& c = conv[keep][on];
-      const double base = static_cast<double>(conv[keep][0].forth + conv[keep][0].back);
-      std::printf("| %s | %s | %llu | %llu | %llu | %llu | %llu | %llu | %.3f |\n",
-                  keep ? "every layer" : "upper layers released", on ? "on" : "off",
-                  static_cast<unsigned long long>(c.forth), static_cast<unsigned long long>(c.back),
-                  static_cast<unsigned long long>(c.forth + c.back),
-                  static_cast<unsigned long long>(c.last_forth),
-                  static_cast<unsigned long long>(c.last_back),
-                  static_cast<unsigned long long>(c.forth_reused + c.back_reused),
-                  static_cast<double>(c.forth + c.back) / base);
+  if (parts.count(2)) {
+    std::printf(
+        "\nPrefill of %lld tokens (kivi4 session, no past rounds), best of %d:\n"
+        "| local prefill ms | prefill + hand-off ms | transfer ms | exposed ms | hidden | open "
+        "bytes |\n|---|---|---|---|---|---|\n| %.1f | %.1f | %.1f | %.1f | %.0f%% | %llu |\n",
+        static_cast<long long>(tokens), repeat, ex.local_ms, ex.handoff_ms, ex.transfer_ms,
+        ex.exposed_ms, ex.transfer_ms > 0 ? 100.0 * (1 - ex.exposed_ms / ex.transfer_ms) : 0.0,
+        static_cast<unsigned long long>(ex.open_bytes));
+  }
+  if (parts.count(3)) {
+    std::printf(
+        "\nA kivi4 conversation of %d rounds of %lld tokens (recall all), each prefilled on one "
+        "worker and handed to the other layer by layer, ended there and sent back; the same run "
+        "on workers whose hand-off caches are off (what every hand-off sent before) and on. "
+        "Bytes on the wire over the conversation, and in its last round:\n"
+        "| working set after EndRound | cache | hand-off bytes | hand-back bytes | total | "
+        "last hand-off | last hand-back | left out (held by the receiver) | total / cache off "
+        "|\n|---|---|---|---|---|---|---|---|---|\n",
+        pd_rounds, static_cast<long long>(tokens));
+    for (int keep = 0; keep < 2; ++keep) {
+      for (int on = 0; on < 2; ++on) {
+        const Conversation& c = conv[keep][on];
+        const double base = static_cast<double>(conv[keep][0].forth + conv[keep][0].back);
+        std::printf("| %s | %s | %llu | %llu | %llu | %llu | %llu | %llu | %.3f |\n",
+                    keep ? "every layer" : "upper layers released", on ? "on" : "off",
+                    static_cast<unsigned long long>(c.forth),
+                    static_cast<unsigned long long>(c.back),
+                    static_cast<unsigned long long>(c.forth + c.back),
+                    static_cast<unsigned long long>(c.last_forth),
+                    static_cast<unsigned long long>(c.last_back),
+                    static_cast<unsigned long long>(c.forth_reused + c.back_reused),
+                    static_cast<double>(c.forth + c.back) / base);
+      }
     }
   }
   if (!csv.empty()) {
