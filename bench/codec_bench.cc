@@ -330,14 +330,44 @@ class Recorder : public benchmark::ConsoleReporter {
  public:
   void ReportRuns(const std::vector<Run>& runs) override {
     for (const Run& r : runs) {
-      if (r.benchmark_name().rfind("BM_DecodeAttention", 0) == 0 && !r.error_occurred) {
+      if (r.error_occurred) continue;
+      if (r.benchmark_name().rfind("BM_DecodeAttention", 0) == 0) {
         times[r.report_label] = r.GetAdjustedRealTime();
       }
+      auto it = r.counters.find("x_memcpy");
+      if (it != r.counters.end()) ratios[r.benchmark_name()] = it->second.value;
     }
     ConsoleReporter::ReportRuns(runs);
   }
   std::map<std::string, double> times;
+  std::map<std::string, double> ratios;  // x_memcpy by benchmark name.
 };
+
+// Issue 18's targets, from the rows of this run that measured them.
+void PrintTargets(const Recorder& rec) {
+  std::printf("\ntargets (issue 18), this run:\n");
+  auto line = [](const char* what, double value, double goal) {
+    std::printf("  %-44s %6.2fx  %s\n", what, value, value >= goal ? "met" : "not met");
+  };
+  auto ratio = [&](const char* name) {
+    auto it = rec.ratios.find(name);
+    return it == rec.ratios.end() ? NAN : it->second;
+  };
+  auto time = [&](const char* label) {
+    auto it = rec.times.find(label);
+    return it == rec.times.end() ? NAN : it->second;
+  };
+  const double fp16 = time("fp16 T=32768"), k4 = time("kivi4 T=32768"), k2 = time("kivi2 T=32768");
+  if (!std::isnan(fp16) && !std::isnan(k4)) {
+    line("KIVI-4 attention at 32K >= 2x fp16", fp16 / k4, 2.0);
+    if (!std::isnan(k2)) line("KIVI-2 attention at 32K faster than KIVI-4", k4 / k2, 1.0);
+  }
+  const double qk = ratio("BM_QuantizeKernel/4/0/1"), qv = ratio("BM_QuantizeKernel/4/1/1"),
+               enc = ratio("BM_EncodeApi/4");
+  if (!std::isnan(qk)) line("KIVI-4 quantize K (vectorized) >= 0.5x memcpy", qk, 0.5);
+  if (!std::isnan(qv)) line("KIVI-4 quantize V (vectorized) >= 0.5x memcpy", qv, 0.5);
+  if (!std::isnan(enc)) line("Encode() kivi4 >= 0.4x memcpy", enc, 0.4);
+}
 
 }  // namespace
 
@@ -367,6 +397,7 @@ int main(int argc, char** argv) {
                   base / get("kivi8"), base / get("gear4"), base / get("gear2"));
     }
   }
+  PrintTargets(rec);
   benchmark::Shutdown();
   return 0;
 }
