@@ -258,6 +258,7 @@ void AttnArgs(benchmark::internal::Benchmark* b) {
     for (int s = 0; s < 6; ++s) b->Args({s, t, 0});
     b->Args({1, t, 1});
     b->Args({2, t, 1});
+    b->Args({3, t, 1});
   }
 }
 
@@ -382,19 +383,22 @@ int main(int argc, char** argv) {
   if (!rec.times.empty()) {
     std::printf(
         "\nfused decode attention vs fp16 K/V (same run, wall time; >1 = faster than fp16).\n"
-        "kivi4/kivi2: integer dot products (kBest); 'fp32': the same codes with fp32 products\n");
-    std::printf("%-8s %9s %8s %12s %8s %12s %8s %8s %8s\n", "tokens", "fp16 ms", "kivi4 x",
-                "kivi4 fp32 x", "kivi2 x", "kivi2 fp32 x", "kivi8 x", "gear4 x", "gear2 x");
+        "kivi4/kivi2/kivi8: integer dot products (kBest); 'fp32': the same codes with fp32 "
+        "products\n");
+    std::printf("%-8s %9s %8s %12s %8s %12s %8s %12s %8s %8s\n", "tokens", "fp16 ms", "kivi4 x",
+                "kivi4 fp32 x", "kivi2 x", "kivi2 fp32 x", "kivi8 x", "kivi8 fp32 x", "gear4 x",
+                "gear2 x");
     for (int64_t t : {4096, 32768, 131072}) {
       auto get = [&](const std::string& s, const char* suffix = "") {
         auto it = rec.times.find(s + " T=" + std::to_string(t) + suffix);
         return it == rec.times.end() ? NAN : it->second;
       };
       const double base = get("fp16");
-      std::printf("%-8lld %9.3f %8.2f %12.2f %8.2f %12.2f %8.2f %8.2f %8.2f\n",
+      std::printf("%-8lld %9.3f %8.2f %12.2f %8.2f %12.2f %8.2f %12.2f %8.2f %8.2f\n",
                   static_cast<long long>(t), base, base / get("kivi4"),
                   base / get("kivi4", " fp32"), base / get("kivi2"), base / get("kivi2", " fp32"),
-                  base / get("kivi8"), base / get("gear4"), base / get("gear2"));
+                  base / get("kivi8"), base / get("kivi8", " fp32"), base / get("gear4"),
+                  base / get("gear2"));
     }
   }
   PrintTargets(rec);

@@ -36,9 +36,11 @@ struct KvBlock {
 // kBest is kVectorized except over 2- and 4-bit KIVI/KCVT codes (head_dim a
 // multiple of 32), where it multiplies the codes as integers: per K group
 // and query head, scale * q * s_k is rounded to int8, and per 16 tokens, V
-// group and query head, p * s_v is (llama.cpp's approach for 4-bit weights).
-// That rounding adds an error well below the 4-bit codes' own
-// (docs/codecs.md); KVTIER_INT8_ATTENTION=off turns it off.
+// group and query head, p * s_v is (llama.cpp's approach for 4-bit weights);
+// and over 8-bit codes (head_dim and V groups multiples of 16), where both
+// are rounded to int16 and the codes widened to int16 (vpmaddwd). That
+// rounding adds an error well below the codes' own (docs/codecs.md);
+// KVTIER_INT8_ATTENTION=off turns it off.
 absl::Status DecodeAttention(const AttentionShape& shape, const float* q,
                              absl::Span<const KvBlock> blocks, float* out,
                              KernelLevel level = KernelLevel::kBest);

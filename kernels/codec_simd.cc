@@ -735,6 +735,222 @@ void ScoreKiviInt(const EncodedView& k, int64_t s, const float* const* q, float 
   }
 }
 
+// Whether ScoreKivi8Int takes the quantized part of a K slab: 8-bit codes,
+// head_dim a multiple of 16 and at most 1024 (int32 sums stay exact).
+bool Int16KeyPath(const EncodedView& k) {
+  if (k.codec != v1::CODEC_KIVI && k.codec != v1::CODEC_KCVT) return false;
+  return k.bits == 8 && k.role != v1::TENSOR_ROLE_VALUE && k.head_dim % 16 == 0 &&
+         k.head_dim <= 1024 && k.group >= 1;
+}
+
+// Scores over 8-bit K codes with int16 products. u8 x s8 pairs could pass
+// int16 (2 * 255 * 127), so the codes are widened to int16 and w to int16:
+// per K group and query head, w_c = scale * q_c * s_gc rounded against
+// a = max|w| / 32767, and q.k_t = a * sum_c w16_c * code_tc + sum_c scale *
+// q_c * z_gc, with vpmaddwd's int32 pair sums (exact: 64 * 2 * 255 * 32767 <
+// 2^31 for head_dim 1024). w's rounding error times the mid code (127.5),
+// the same for every token of the group, is added back exactly.
+template <int R>
+void ScoreKivi8Int(const EncodedView& k, int64_t s, const float* const* q, float scale,
+                   float* const* scores) {
+  const int d = k.head_dim, chunks = d / 16;
+  const uint8_t* codes = k.codes + s * k.words_per_slab * 4;
+  const uint16_t* sc = k.scales + s * k.groups_per_slab;
+  const uint16_t* zc = k.zeros + s * k.groups_per_slab;
+  alignas(32) int16_t w16[R][1024];
+  alignas(32) float w[1024], qs[R][1024];
+  float a[R], bias[R];
+  const __m256 sv = _mm256_set1_ps(scale);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  constexpr float kMid = 127.5f;
+  const int64_t groups = (k.quantized + k.group - 1) / k.group;
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < d; c += 8)
+      _mm256_store_ps(qs[r] + c, _mm256_mul_ps(_mm256_loadu_ps(q[r] + c), sv));
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int r = 0; r < R; ++r) {
+      __m256 b = _mm256_setzero_ps(), mx = _mm256_setzero_ps();
+      for (int c = 0; c < d; c += 8) {
+        const __m256 qv = _mm256_load_ps(qs[r] + c);
+        const __m256 wv = _mm256_mul_ps(qv, LoadHalf8(sc + g * d + c));
+        _mm256_store_ps(w + c, wv);
+        mx = _mm256_max_ps(mx, _mm256_and_ps(wv, abs_mask));
+        b = _mm256_fmadd_ps(qv, LoadHalf8(zc + g * d + c), b);
+      }
+      const float amax = HMax(mx);
+      a[r] = amax / 32767.0f;
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+      __m256 e = _mm256_setzero_ps();
+      for (int c = 0; c < d; c += 16) {
+        const __m256 x0 = _mm256_mul_ps(_mm256_load_ps(w + c), inv);
+        const __m256 x1 = _mm256_mul_ps(_mm256_load_ps(w + c + 8), inv);
+        const __m256 r0 = _mm256_round_ps(x0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 r1 = _mm256_round_ps(x1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        e = _mm256_add_ps(e, _mm256_add_ps(_mm256_sub_ps(x0, r0), _mm256_sub_ps(x1, r1)));
+        // packs works per 128-bit lane; the qword permute restores order.
+        const __m256i packed = _mm256_packs_epi32(_mm256_cvtps_epi32(r0), _mm256_cvtps_epi32(r1));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(w16[r] + c),
+                           _mm256_permute4x64_epi64(packed, 0xd8));
+      }
+      bias[r] = HSum(b) + kMid * a[r] * HSum(e);
+    }
+    const int64_t t0 = g * k.group;
+    const int64_t t1 = std::min(k.quantized, t0 + k.group);
+    for (int64_t t = t0; t < t1; t += 8) {
+      const int n = static_cast<int>(std::min<int64_t>(8, t1 - t));
+      __m256i tok[R][8];
+      for (int u = 0; u < 8; ++u) {
+        __m256i acc[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+        if (u < n) {
+          const uint8_t* row = codes + (t + u) * d;
+          for (int ch = 0; ch < chunks; ++ch) {
+            const __m256i x = _mm256_cvtepu8_epi16(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + ch * 16)));
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+              acc[r] = _mm256_add_epi32(
+                  acc[r],
+                  _mm256_madd_epi16(
+                      x, _mm256_load_si256(reinterpret_cast<const __m256i*>(w16[r] + ch * 16))));
+            }
+          }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) tok[r][u] = acc[r];
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Reduce8(tok[r])), _mm256_set1_ps(a[r]),
+                                         _mm256_set1_ps(bias[r]));
+        if (n == 8) {
+          _mm256_storeu_ps(scores[r] + t, f);
+        } else {
+          alignas(32) float tmp[8];
+          _mm256_store_ps(tmp, f);
+          std::memcpy(scores[r] + t, tmp, sizeof(float) * n);
+        }
+      }
+    }
+  }
+}
+
+// Whether AccumKivi8Int takes the quantized part of a V slab: 8-bit codes,
+// head_dim a multiple of 16, channel groups of a multiple of 16.
+bool Int16ValuePath(const EncodedView& v) {
+  if (v.codec != v1::CODEC_KIVI && v.codec != v1::CODEC_KCVT) return false;
+  return v.bits == 8 && v.role == v1::TENSOR_ROLE_VALUE && v.head_dim % 16 == 0 &&
+         v.group % 16 == 0 && v.head_dim <= 1024;
+}
+
+// P.V over 8-bit V codes with int16 products: per tile of kAccumTile tokens,
+// V group and query head, u_t = p_t * s_tg is rounded against
+// a = max_t |u_t| / 32767, and out_c += a * sum_t u16_t * code_tc +
+// sum_t p_t * z_tg. Two tokens' codes are interleaved and widened to int16
+// so that one vpmaddwd adds both tokens' products for 8 channels (int32
+// sums exact: 64 * 255 * 32767 < 2^31). u's rounding error times the mid
+// code (127.5) is the same for every channel of the group and is added
+// back exactly.
+template <int R>
+void AccumKivi8Int(const EncodedView& v, int64_t s, const float* const* p, float* const* out) {
+  const int d = v.head_dim;
+  const int groups = d / v.group;
+  const uint8_t* codes = v.codes + s * v.words_per_slab * 4;
+  const uint16_t* sc = v.scales + s * v.groups_per_slab;
+  const uint16_t* zc = v.zeros + s * v.groups_per_slab;
+  constexpr float kMid = 127.5f;
+  constexpr int64_t kPairs = kAccumTile / 2;
+  std::vector<float> zacc(static_cast<size_t>(R) * groups, 0.0f);
+  // Per query head and group: both tokens of each pair as one int32.
+  std::vector<int32_t> pairs(static_cast<size_t>(R) * groups * kPairs);
+  std::vector<float> a(static_cast<size_t>(R) * groups);
+  std::vector<float> extra(static_cast<size_t>(R) * groups);
+  // The tile's scales and zeros, widened once for every query head and laid
+  // out per group ([g][token], zero past the tile's end), so that the
+  // per-head work below runs 8 tokens at a time.
+  alignas(32) float sf[64][kAccumTile], zf[64][kAccumTile], pp[kAccumTile], xs[kAccumTile];
+  for (int64_t t0 = 0; t0 < v.quantized; t0 += kAccumTile) {
+    const int64_t t1 = std::min(v.quantized, t0 + kAccumTile), n = t1 - t0;
+    for (int g = 0; g < groups; ++g) {
+      for (int64_t i = 0; i < kAccumTile; ++i) {
+        sf[g][i] = i < n ? _cvtsh_ss(LoadU16(sc, (t0 + i) * groups + g)) : 0.0f;
+        zf[g][i] = i < n ? _cvtsh_ss(LoadU16(zc, (t0 + i) * groups + g)) : 0.0f;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int64_t i = 0; i < kAccumTile; ++i) pp[i] = i < n ? p[r][t0 + i] : 0.0f;
+      for (int g = 0; g < groups; ++g) {
+        __m256 mx = _mm256_setzero_ps(), zs = _mm256_setzero_ps();
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        for (int64_t i = 0; i < kAccumTile; i += 8) {
+          const __m256 pv = _mm256_load_ps(pp + i);
+          const __m256 x = _mm256_mul_ps(pv, _mm256_load_ps(sf[g] + i));
+          _mm256_store_ps(xs + i, x);
+          mx = _mm256_max_ps(mx, _mm256_and_ps(x, abs_mask));
+          zs = _mm256_fmadd_ps(pv, _mm256_load_ps(zf[g] + i), zs);
+        }
+        zacc[r * groups + g] += HSum(zs);
+        const float amax = HMax(mx);
+        const __m256 inv = _mm256_set1_ps(amax > 0 ? 32767.0f / amax : 0.0f);
+        __m256 e = _mm256_setzero_ps();
+        int32_t* pr = pairs.data() + (r * groups + g) * kPairs;
+        for (int64_t i = 0; i < kAccumTile; i += 8) {
+          const __m256 x = _mm256_mul_ps(_mm256_load_ps(xs + i), inv);
+          const __m256 rx = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          e = _mm256_add_ps(e, _mm256_sub_ps(x, rx));
+          const __m256i iv = _mm256_cvtps_epi32(rx);
+          // int16 of tokens i..i+7; pairs (i, i+1) .. (i+6, i+7) as four int32.
+          const __m256i packed = _mm256_packs_epi32(iv, iv);
+          const __m256i ordered =
+              _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 1, 4, 5, 0, 1, 4, 5));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(pr + i / 2), _mm256_castsi256_si128(ordered));
+        }
+        a[r * groups + g] = amax / 32767.0f;
+        extra[r * groups + g] = kMid * a[r * groups + g] * HSum(e);
+      }
+    }
+    for (int c = 0; c < d; c += 16) {
+      const int g = c / v.group;
+      __m256i lo[R], hi[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+      for (int64_t j = 0; 2 * j < n; ++j) {
+        const int64_t t = t0 + 2 * j;
+        const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + t * d + c));
+        // The tile's last token may have no partner: zeros, never a read
+        // past the slab.
+        const __m128i c1 =
+            t + 1 < t1 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (t + 1) * d + c))
+                       : _mm_setzero_si128();
+        // (t, c), (t + 1, c) side by side, widened to int16.
+        const __m256i x0 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(c0, c1));
+        const __m256i x1 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(c0, c1));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m256i uu = _mm256_set1_epi32(pairs[(r * groups + g) * kPairs + j]);
+          lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(x0, uu));
+          hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(x1, uu));
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 av = _mm256_set1_ps(a[r * groups + g]);
+        const __m256 ev = _mm256_set1_ps(extra[r * groups + g]);
+        _mm256_storeu_ps(out[r] + c,
+                         _mm256_add_ps(_mm256_loadu_ps(out[r] + c),
+                                       _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[r]), av, ev)));
+        _mm256_storeu_ps(out[r] + c + 8,
+                         _mm256_add_ps(_mm256_loadu_ps(out[r] + c + 8),
+                                       _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r]), av, ev)));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < d; ++c) out[r][c] += zacc[r * groups + c / v.group];
+  }
+}
+
 // AccumKiviInt (below) for G = head_dim / group V groups per token.
 template <int R, int G>
 void AccumKiviIntG(const EncodedView& v, int64_t s, const float* const* p, float* const* out) {
@@ -914,6 +1130,8 @@ void ScoreBlock(const EncodedView& k, int64_t s, const float* const* q, float sc
   if (k.quantized > 0) {
     if (integer && IntPath(k)) {
       ScoreKiviInt<R>(k, s, q, scale, scores);
+    } else if (integer && Int16KeyPath(k)) {
+      ScoreKivi8Int<R>(k, s, q, scale, scores);
     } else {
       ScoreKivi<R>(k, s, q, scale, scores);
     }
@@ -936,6 +1154,8 @@ void AccumBlock(const EncodedView& v, int64_t s, const float* const* p, float* c
   if (v.quantized > 0) {
     if (integer && IntPath(v)) {
       AccumKiviInt<R>(v, s, p, out);
+    } else if (integer && Int16ValuePath(v)) {
+      AccumKivi8Int<R>(v, s, p, out);
     } else {
       AccumKivi<R>(v, s, p, out);
     }

@@ -781,23 +781,24 @@ TEST_P(IntegerAttentionTest, ErrorIsSmallAgainstTheCodecs) {
   EXPECT_LT(int_err, 0.1 * codec_err) << "rms error: int8 " << int_err << ", codec " << codec_err;
   EXPECT_LT(worst, 0.1 * codec_worst)
       << "largest element error: int8 " << worst << ", codec " << codec_worst;
-  std::printf("%s: rms error int8 %.4f, codec %.4f; largest int8 %.4f, codec %.4f\n", ic.setting,
-              int_err, codec_err, worst, codec_worst);
+  std::printf(
+      "%s: rms error integer path %.4f, codec %.4f; largest integer path %.4f, codec %.4f\n",
+      ic.setting, int_err, codec_err, worst, codec_worst);
 }
 
-INSTANTIATE_TEST_SUITE_P(Codecs, IntegerAttentionTest,
-                         ::testing::Values(IntCase{"kivi4", 32, 8, 128, 300, 2.0f},
-                                           IntCase{"kivi2", 32, 8, 128, 300, 2.0f},
-                                           IntCase{"kivi4:g=64", 8, 4, 128, 129, 4.0f},
-                                           IntCase{"kcvt4", 6, 2, 64, 97, 1.0f},
-                                           IntCase{"kivi2:g=32:R=8", 5, 5, 32, 77, 2.0f},
-                                           IntCase{"kivi4:g=128", 12, 4, 256, 64, 2.0f},
-                                           // GEAR: the backbone's codes as integers, the
-                                           // low-rank term and the outliers in fp32.
-                                           IntCase{"gear4", 32, 8, 128, 300, 2.0f},
-                                           IntCase{"gear2:r=2:s=0.05", 8, 2, 64, 200, 2.0f},
-                                           IntCase{"gear4:bb=kcvt", 6, 2, 64, 97, 1.0f},
-                                           IntCase{"gearl2:r=4", 8, 4, 128, 150, 2.0f}));
+INSTANTIATE_TEST_SUITE_P(
+    Codecs, IntegerAttentionTest,
+    ::testing::Values(
+        IntCase{"kivi4", 32, 8, 128, 300, 2.0f}, IntCase{"kivi2", 32, 8, 128, 300, 2.0f},
+        IntCase{"kivi4:g=64", 8, 4, 128, 129, 4.0f}, IntCase{"kcvt4", 6, 2, 64, 97, 1.0f},
+        IntCase{"kivi2:g=32:R=8", 5, 5, 32, 77, 2.0f}, IntCase{"kivi4:g=128", 12, 4, 256, 64, 2.0f},
+        // 8-bit codes: int16 products (vpmaddwd).
+        IntCase{"kivi8", 32, 8, 128, 300, 2.0f}, IntCase{"kivi8:g=16", 8, 4, 64, 129, 4.0f},
+        IntCase{"kcvt8", 6, 2, 64, 97, 1.0f}, IntCase{"kivi8:R=8", 5, 5, 32, 77, 2.0f},
+        // GEAR: the backbone's codes as integers, the
+        // low-rank term and the outliers in fp32.
+        IntCase{"gear4", 32, 8, 128, 300, 2.0f}, IntCase{"gear2:r=2:s=0.05", 8, 2, 64, 200, 2.0f},
+        IntCase{"gear4:bb=kcvt", 6, 2, 64, 97, 1.0f}, IntCase{"gearl2:r=4", 8, 4, 128, 150, 2.0f}));
 
 TEST(AttentionTest, RejectsMismatchedBlocks) {
   const std::vector<float> k(2 * 4 * 8, 1.0f), q(4 * 8, 1.0f);
