@@ -34,10 +34,12 @@ double Ms(Clock::time_point a, Clock::time_point b) {
 void Usage() {
   std::fprintf(stderr,
                "kvtier-bench pool [--layers=32] [--heads=8] [--head_dim=128] [--tokens=128]\n"
-               "                  [--rounds=8] [--decode=4] [--codec=kivi4] [--cap=0.5]\n"
+               "                  [--rounds=8] [--decode=4] [--codec=kivi4] [--cap=0.5] [--low=0]\n"
                "  Two speculating sessions, every round resident: one whose host pool is capped\n"
                "  at --cap of one round's pool times --rounds, one without a cap (the baseline,\n"
-               "  same inputs, same run). Prints the pool, the trims and EndRound's time.\n");
+               "  same inputs, same run). Prints the pool, the trims and EndRound's time.\n"
+               "  --low=F (0 < F < 1) adds a third session with the same cap whose trims stop\n"
+               "  at F of it (Policy.speculation_pool_low_bytes).\n");
 }
 
 std::vector<float> Draw(size_t n, std::mt19937* rng) {
@@ -54,7 +56,7 @@ int PoolBench(int argc, char** argv) {
   int64_t tokens = 128;
   int rounds = 8, decode = 4;
   std::string codec = "kivi4";
-  double cap_fraction = 0.5;
+  double cap_fraction = 0.5, low_fraction = 0;
   for (int i = 0; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&](const char* flag) { return FlagValue(a, flag); };
@@ -74,6 +76,8 @@ int PoolBench(int argc, char** argv) {
       codec = v;
     } else if (const char* v = value("--cap=")) {
       cap_fraction = std::atof(v);
+    } else if (const char* v = value("--low=")) {
+      low_fraction = std::atof(v);
     } else {
       Usage();
       return 2;
@@ -81,7 +85,8 @@ int PoolBench(int argc, char** argv) {
   }
   auto config = ParseCodecSetting(codec);
   if (shape.layers < 2 || shape.q_heads < 1 || shape.head_dim < 8 || tokens < 2 || rounds < 2 ||
-      decode < 1 || !(cap_fraction > 0 && cap_fraction < 1) || !config.ok()) {
+      decode < 1 || !(cap_fraction > 0 && cap_fraction < 1) ||
+      !(low_fraction >= 0 && low_fraction < 1) || !config.ok()) {
     Usage();
     return 2;
   }
@@ -138,7 +143,8 @@ int PoolBench(int argc, char** argv) {
   policy.speculation.skew = *skew_id;
   // The baseline's cap is beyond reach: it reports its pool and never trims.
   policy.speculation.pool_bytes = int64_t{1} << 56;
-  const worker::SessionKey free_id("free"), capped_id("capped");
+  const worker::SessionKey free_id("free"), capped_id("capped"), low_id("low");
+  const int sessions = low_fraction > 0 ? 3 : 2;
   if (absl::Status s = engine.OpenSession(free_id, shape, policy); !s.ok()) {
     std::fprintf(stderr, "kvtier-bench pool: %s\n", s.ToString().c_str());
     return 1;
@@ -148,10 +154,15 @@ int PoolBench(int argc, char** argv) {
       "speculating decode steps\n",
       shape.layers, hq, d, CodecSettingName(*config).c_str(), rounds,
       static_cast<long long>(tokens), decode);
-  std::printf("%-5s %12s %12s %12s %9s %9s %9s %14s %14s %7s\n", "round", "pool free MiB",
+  std::printf("%-5s %12s %12s %12s %9s %9s %9s %14s %14s %7s", "round", "pool free MiB",
               "capped MiB", "after MiB", "evicted", "re-enc", "trim ms", "EndRound free",
               "EndRound cap", "ratio");
-  double end_free = 0, end_capped = 0, trim_total = 0;
+  if (sessions == 3) {
+    std::printf(" %12s %9s %9s %14s %7s", "low: MiB", "after", "trim ms", "EndRound", "ratio");
+  }
+  std::printf("\n");
+  double end_free = 0, end_capped = 0, trim_total = 0, end_low = 0, trim_low = 0;
+  int trims = 0, trims_low = 0;
   for (int r = 0; r < rounds; ++r) {
     // One round's inputs, run through both sessions.
     std::vector<std::vector<float>> pq, pk, pv;
@@ -169,17 +180,21 @@ int PoolBench(int argc, char** argv) {
         dn[s].push_back(Draw(static_cast<size_t>(hq) * d, &rng));
       }
     }
-    worker::EndRoundReport reps[2];
-    double ms[2] = {0, 0};
-    for (int which = 0; which < 2; ++which) {
-      const worker::SessionKey& id = which == 0 ? free_id : capped_id;
-      if (which == 1 && r == 0) {
+    worker::EndRoundReport reps[3];
+    double ms[3] = {0, 0, 0};
+    for (int which = 0; which < sessions; ++which) {
+      const worker::SessionKey& id = which == 0 ? free_id : which == 1 ? capped_id : low_id;
+      if (which >= 1 && r == 0) {
         // The cap: a fraction of what every round would hold, from the
-        // baseline's first round.
+        // baseline's first round; the third session's trims stop lower.
         worker::SessionPolicy p = policy;
         p.speculation.pool_bytes = static_cast<int64_t>(
             cap_fraction * rounds * static_cast<double>(reps[0].pool.bytes_before));
-        if (absl::Status s = engine.OpenSession(capped_id, shape, p); !s.ok()) {
+        if (which == 2) {
+          p.speculation.pool_low_bytes =
+              static_cast<int64_t>(low_fraction * static_cast<double>(p.speculation.pool_bytes));
+        }
+        if (absl::Status s = engine.OpenSession(id, shape, p); !s.ok()) {
           std::fprintf(stderr, "kvtier-bench pool: %s\n", s.ToString().c_str());
           return 1;
         }
@@ -216,20 +231,38 @@ int PoolBench(int argc, char** argv) {
     end_free += ms[0];
     end_capped += ms[1];
     trim_total += reps[1].pool.ms;
+    trims += reps[1].pool.evicted_tokens > 0 ? 1 : 0;
+    end_low += ms[2];
+    trim_low += reps[2].pool.ms;
+    trims_low += reps[2].pool.evicted_tokens > 0 ? 1 : 0;
     const double mib = 1 << 20;
-    std::printf("%-5d %12.1f %12.1f %12.1f %9llu %9llu %9.1f %14.1f %14.1f %6.2fx\n", r,
+    std::printf("%-5d %12.1f %12.1f %12.1f %9llu %9llu %9.1f %14.1f %14.1f %6.2fx", r,
                 static_cast<double>(reps[0].pool.bytes_before) / mib,
                 static_cast<double>(reps[1].pool.bytes_before) / mib,
                 static_cast<double>(reps[1].pool.bytes_after) / mib,
                 static_cast<unsigned long long>(reps[1].pool.evicted_tokens),
                 static_cast<unsigned long long>(reps[1].pool.reencoded_layers), reps[1].pool.ms,
                 ms[0], ms[1], ms[0] > 0 ? ms[1] / ms[0] : 0.0);
+    if (sessions == 3) {
+      std::printf(" %12.1f %9.1f %9.1f %14.1f %6.2fx",
+                  static_cast<double>(reps[2].pool.bytes_before) / mib,
+                  static_cast<double>(reps[2].pool.bytes_after) / mib, reps[2].pool.ms, ms[2],
+                  ms[0] > 0 ? ms[2] / ms[0] : 0.0);
+    }
+    std::printf("\n");
     std::fflush(stdout);
   }
   std::printf(
       "EndRound, all rounds: %.1f ms with the cap against %.1f ms without (%.2fx, same run); "
-      "the trims took %.1f ms of it (wall time)\n",
-      end_capped, end_free, end_free > 0 ? end_capped / end_free : 0.0, trim_total);
+      "%d trims took %.1f ms of it (wall time)\n",
+      end_capped, end_free, end_free > 0 ? end_capped / end_free : 0.0, trims, trim_total);
+  if (sessions == 3) {
+    std::printf(
+        "With trims stopping at %.2f of the cap: EndRound %.1f ms (%.2fx without a cap); %d "
+        "trims took %.1f ms (%.2fx the trims to the cap)\n",
+        low_fraction, end_low, end_free > 0 ? end_low / end_free : 0.0, trims_low, trim_low,
+        trim_total > 0 ? trim_low / trim_total : 0.0);
+  }
   return 0;
 }
 

@@ -244,6 +244,15 @@ TEST_F(WorkerSpeculationTest, UploadAndPolicyChecks) {
   pooled.speculation.pool_bytes = -1;
   EXPECT_THAT(engine_->OpenSession(worker::SessionKey("a"), kShape, pooled),
               StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("pool cap")));
+  pooled = Policy(*id, 4);
+  pooled.speculation.pool_bytes = 1 << 20;
+  pooled.speculation.pool_low_bytes = (1 << 20) + 1;
+  EXPECT_THAT(engine_->OpenSession(worker::SessionKey("a"), kShape, pooled),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("low mark")));
+  pooled.speculation.pool_bytes = 0;
+  pooled.speculation.pool_low_bytes = 1 << 10;
+  EXPECT_THAT(engine_->OpenSession(worker::SessionKey("a"), kShape, pooled),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("low mark")));
   pooled = Policy("", 4);
   pooled.speculation.pool_bytes = 1 << 20;
   EXPECT_THAT(
@@ -498,14 +507,21 @@ struct LonghandPool {
 // A speculating session with a pool cap: after every EndRound the pool's
 // bytes and evictions equal the longhand trim's, and every later decode
 // step attends exactly what the longhand pool holds (the speculation over
-// its tokens, dense attention at layer 0 and over the open round).
-TEST_F(WorkerSpeculationTest, PoolCapEvictsTheLeastFetchedOfTheOlderHalf) {
+// its tokens, dense attention at layer 0 and over the open round). The
+// parameter is the low mark (0: trims stop at the cap): a pool above the
+// cap is trimmed down to it, one at or below the cap is left alone.
+class WorkerPoolTrimTest : public WorkerSpeculationTest,
+                           public ::testing::WithParamInterface<uint64_t> {};
+
+TEST_P(WorkerPoolTrimTest, PoolCapEvictsTheLeastFetchedOfTheOlderHalf) {
   const spec::SkewModel skew = MakeSkew(0.25);
   auto id = engine_->PutSkew(spec::SerializeSkew(skew));
   ASSERT_TRUE(id.ok());
   SessionPolicy policy = Policy(*id, 1.0f);
   constexpr uint64_t kCap = 20000;
+  const uint64_t low = GetParam(), target = low > 0 ? low : kCap;
   policy.speculation.pool_bytes = kCap;
+  policy.speculation.pool_low_bytes = static_cast<int64_t>(low);
   const worker::SessionKey sid("s");
   KVT_ASSERT_OK(engine_->OpenSession(sid, kShape, policy));
   LonghandPool pool;
@@ -519,7 +535,7 @@ TEST_F(WorkerSpeculationTest, PoolCapEvictsTheLeastFetchedOfTheOlderHalf) {
   h.v.resize(kShape.layers);
   double worst = 0;
   uint64_t evicted = 0;
-  int multipass = 0;
+  int multipass = 0, spared = 0;
   for (int r = 0; r < 6; ++r) {
     const int64_t round_start = h.tokens(0);
     const int64_t prefill = 8 + 4 * r;
@@ -565,19 +581,28 @@ TEST_F(WorkerSpeculationTest, PoolCapEvictsTheLeastFetchedOfTheOlderHalf) {
     }
     const uint64_t before = pool.Bytes();
     const uint64_t older = before / 2;
-    const uint64_t n = pool.Trim(kCap);
+    const uint64_t n = before > kCap ? pool.Trim(target) : 0;
     EXPECT_EQ(rep->pool.cap_bytes, kCap);
     EXPECT_EQ(rep->pool.bytes_before, before) << "round " << r;
     EXPECT_EQ(rep->pool.bytes_after, pool.Bytes()) << "round " << r;
     EXPECT_EQ(rep->pool.evicted_tokens, n) << "round " << r;
-    EXPECT_LE(rep->pool.bytes_after, kCap);
+    EXPECT_LE(rep->pool.bytes_after, before > kCap ? target : kCap);
     evicted += n;
-    multipass += before > kCap + older;
+    multipass += before > target + older;
+    spared += before > target && before <= kCap;
   }
   EXPECT_LT(worst, 1e-4);
   EXPECT_GT(evicted, 0u);
   EXPECT_GT(multipass, 0);  // Some trim took more than one older half.
+  // With a low mark, some round ended above it and under the cap: no trim.
+  if (low > 0) EXPECT_GT(spared, 0);
 }
+
+INSTANTIATE_TEST_SUITE_P(LowMark, WorkerPoolTrimTest, ::testing::Values(0u, 12000u),
+                         [](const ::testing::TestParamInfo<uint64_t>& i) {
+                           return i.param == 0 ? std::string("TrimsToTheCap")
+                                               : "TrimsTo" + std::to_string(i.param);
+                         });
 
 // A quantizing codec: the pool is re-encoded under its cap, and the session
 // goes on decoding over it.

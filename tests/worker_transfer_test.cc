@@ -307,6 +307,8 @@ TEST_F(WorkerTransferTest, HandBackSendsTrimmedLayersInFull) {
   p.release_after_end_round = false;
   p.speculation.skew = id;
   p.speculation.pool_bytes = 24 << 10;
+  // The low mark travels with the session too: both workers trim to it.
+  p.speculation.pool_low_bytes = 16 << 10;
   KVT_ASSERT_OK(prefill_->OpenSession("t", kShape, p));
   KVT_ASSERT_OK(single_->OpenSession("t1", kShape, p));
   uint64_t trimmed = 0, left_out = 0, sent = 0;

@@ -43,6 +43,8 @@ constexpr char kHelp[] =
     "        --speculation_pool_bytes=N  cap on a session's host pool (past rounds'\n"
     "                         K/V at layers 1..L-1); EndRound evicts the least fetched\n"
     "                         tokens of the older half above it, 0 = no cap [0]\n"
+    "        --speculation_pool_low_bytes=N  where such a trim stops (at most the cap):\n"
+    "                         room for the next rounds, so fewer trims; 0 = the cap [0]\n"
     "  get --model=NAME [--session=S] [--idle_ms=N]\n"
     "      What GetPolicy answers for a session of that model idle N ms: the registered\n"
     "      policy, or the tightened one for a cold session under memory pressure.\n";
@@ -112,7 +114,8 @@ int PolicyCommand(const Args& args) {
                                                          "speculation_skew",
                                                          "speculation_alpha",
                                                          "speculation_budget",
-                                                         "speculation_pool_bytes"});
+                                                         "speculation_pool_bytes",
+                                                         "speculation_pool_low_bytes"});
   if (!unknown.empty()) return Usage("unknown flag --" + unknown.front());
   if (!args.Has("model")) return Usage("--model=NAME is required");
   ControllerClientOptions o;
@@ -199,12 +202,16 @@ int PolicyCommand(const Args& args) {
   }
   p.set_speculation_budget(static_cast<uint32_t>(args.GetU64("speculation_budget", 0)));
   p.set_speculation_pool_bytes(args.GetU64("speculation_pool_bytes", 0));
+  p.set_speculation_pool_low_bytes(args.GetU64("speculation_pool_low_bytes", 0));
   if ((args.Has("speculation_alpha") || args.Has("speculation_budget") ||
-       args.Has("speculation_pool_bytes")) &&
+       args.Has("speculation_pool_bytes") || args.Has("speculation_pool_low_bytes")) &&
       !args.Has("speculation_skew")) {
     return Usage(
-        "--speculation_alpha, --speculation_budget and --speculation_pool_bytes need "
-        "--speculation_skew");
+        "--speculation_alpha, --speculation_budget, --speculation_pool_bytes and "
+        "--speculation_pool_low_bytes need --speculation_skew");
+  }
+  if (p.speculation_pool_low_bytes() > p.speculation_pool_bytes()) {
+    return Usage("--speculation_pool_low_bytes must be at most --speculation_pool_bytes");
   }
   if (args.Has("profile")) {
     absl::StatusOr<evict::Policy> prof = evict::LoadLayerProfile(args.Get("profile"));

@@ -107,6 +107,11 @@ absl::Status Engine::ResolveSpeculation(const ModelShape& shape, const SessionPo
     return absl::InvalidArgumentError(
         absl::StrCat("speculation pool cap ", sp.pool_bytes, " must be 0 (none) or more bytes"));
   }
+  if (sp.pool_low_bytes < 0 || sp.pool_low_bytes > sp.pool_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("speculation pool low mark ", sp.pool_low_bytes,
+                                                   " must be 0 (the cap) or between 1 and ",
+                                                   "the pool cap (", sp.pool_bytes, " bytes)"));
+  }
   if (sp.skew.empty()) {
     if (sp.pool_bytes > 0) {
       return absl::InvalidArgumentError(

@@ -104,11 +104,15 @@ struct SessionPolicy {
   //   each layer and KV head's older half, until it fits; the layers that
   //   lost tokens are re-encoded with the session's codec. 0: no cap (the
   //   default).
+  //   pool_low_bytes: where such a trim stops (at most pool_bytes; 0: the
+  //   cap itself). Trimming below the cap leaves room for the next rounds,
+  //   so trims come less often.
   struct Speculation {
     std::string skew;
     float alpha = 4.0f;
     int budget = 0;
     int64_t pool_bytes = 0;
+    int64_t pool_low_bytes = 0;
   };
   Speculation speculation;
 

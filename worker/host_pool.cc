@@ -260,14 +260,22 @@ absl::StatusOr<PoolTrim> Engine::Session::TrimPool(const CodecConfig& codec, Ker
     return b;
   };
   trim.bytes_before = trim.bytes_after = pool_bytes();
+  if (trim.bytes_before <= trim.cap_bytes) {
+    trim.ms = MsSince(start);
+    return trim;
+  }
+  // Above the cap: down to the low mark (the cap itself when none is set).
+  const uint64_t target = policy.speculation.pool_low_bytes > 0
+                              ? static_cast<uint64_t>(policy.speculation.pool_low_bytes)
+                              : trim.cap_bytes;
   // A plan works on per-row estimates; the re-encoded sizes differ a little
   // (each tensor's fixed part, codec groups), so a second plan may follow.
   // Per layer, one row's K and V bytes: the tensors' fixed part.
   std::vector<size_t> one_row(layers, 0);
-  for (int l = 1; l < layers && trim.bytes_after > trim.cap_bytes; ++l) {
+  for (int l = 1; l < layers && trim.bytes_after > target; ++l) {
     KVT_ASSIGN_OR_RETURN(one_row[l], HeadBytes(codec, l, d, 1));
   }
-  for (int attempt = 0; attempt < 4 && trim.bytes_after > trim.cap_bytes; ++attempt) {
+  for (int attempt = 0; attempt < 4 && trim.bytes_after > target; ++attempt) {
     pool::Cells cells(past.size(),
                       std::vector<std::vector<pool::Cell>>(layers, std::vector<pool::Cell>(hkv)));
     for (size_t r = 0; r < past.size(); ++r) {
@@ -291,7 +299,7 @@ absl::StatusOr<PoolTrim> Engine::Session::TrimPool(const CodecConfig& codec, Ker
     }
     pool::Drops drops;
     const uint64_t n =
-        pool::PlanEviction(cells, static_cast<double>(trim.bytes_after - trim.cap_bytes), &drops);
+        pool::PlanEviction(cells, static_cast<double>(trim.bytes_after - target), &drops);
     if (n == 0) break;
     // Every new layer first, then the swap: a failure changes nothing.
     std::vector<std::pair<std::unique_ptr<RoundLayer>*, std::unique_ptr<RoundLayer>>> made;

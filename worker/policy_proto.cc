@@ -123,6 +123,13 @@ absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p, v1::D
         "speculation_pool_bytes ", p.speculation_pool_bytes(), " is beyond any host memory"));
   }
   s.speculation.pool_bytes = static_cast<int64_t>(p.speculation_pool_bytes());
+  if (p.speculation_pool_low_bytes() > p.speculation_pool_bytes()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("speculation_pool_low_bytes ", p.speculation_pool_low_bytes(),
+                     " must be at most speculation_pool_bytes (", p.speculation_pool_bytes(),
+                     "); 0 trims to the cap itself"));
+  }
+  s.speculation.pool_low_bytes = static_cast<int64_t>(p.speculation_pool_low_bytes());
   if (s.speculation.pool_bytes > 0 && s.speculation.skew.empty()) {
     return absl::InvalidArgumentError(
         "speculation_pool_bytes needs speculation_skew: the pool evicts by speculation's fetch "

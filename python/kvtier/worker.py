@@ -68,7 +68,8 @@ class Policy:
     "streamingllm" with budget_tokens; recall: "all", "topk:K",
     "adaptive:LAMBDA", "threshold:THETA", "mass:P"; speculation_skew: an id from
     WorkerClient.put_skew (docs/speculation.md); speculation_pool_bytes caps
-    the host pool of a speculating session (0: none)."""
+    the host pool of a speculating session (0: none), and a trim takes it
+    down to speculation_pool_low_bytes (0: the cap itself)."""
     codec: str = "raw"
     eviction: str = "none"
     budget_tokens: int = 0
@@ -81,6 +82,7 @@ class Policy:
     speculation_alpha: float = 0.0
     speculation_budget: int = 0
     speculation_pool_bytes: int = 0
+    speculation_pool_low_bytes: int = 0
 
     def proto(self) -> worker_pb2.Policy:
         if self.codec not in _CODECS:
@@ -92,7 +94,8 @@ class Policy:
                               speculation_skew=self.speculation_skew,
                               speculation_alpha=self.speculation_alpha,
                               speculation_budget=self.speculation_budget,
-                              speculation_pool_bytes=self.speculation_pool_bytes)
+                              speculation_pool_bytes=self.speculation_pool_bytes,
+                              speculation_pool_low_bytes=self.speculation_pool_low_bytes)
         if bits:
             p.codec_params.bits = bits
         if self.keep_recent_round is not None:

@@ -87,6 +87,7 @@ v1::TransferHeader HeaderToProto(const std::string& session_id, const worker::Se
   p->set_speculation_alpha(im.policy.speculation.alpha);
   p->set_speculation_budget(im.policy.speculation.budget);
   p->set_speculation_pool_bytes(im.policy.speculation.pool_bytes);
+  p->set_speculation_pool_low_bytes(im.policy.speculation.pool_low_bytes);
   EvictionToProto(im.round_eviction, h.mutable_round_eviction());
   h.set_incarnation(im.incarnation);
   for (const worker::SessionImage::Round& r : im.past) {
@@ -129,6 +130,7 @@ absl::StatusOr<worker::SessionImage> HeaderFromProto(const v1::TransferHeader& h
   im.policy.speculation.alpha = p.speculation_alpha();
   im.policy.speculation.budget = p.speculation_budget();
   im.policy.speculation.pool_bytes = p.speculation_pool_bytes();
+  im.policy.speculation.pool_low_bytes = p.speculation_pool_low_bytes();
   im.incarnation = h.incarnation();
   for (const v1::TransferRound& r : h.rounds()) {
     im.past.push_back({r.round(), r.tokens(), r.stored_bytes()});
