@@ -618,6 +618,51 @@ bool IntPath(const EncodedView& b) {
   return b.group >= 1;
 }
 
+// Shared by the integer q.K^T kernels. qs[r] = scale * q[r].
+template <int R>
+void ScaleQueries(const float* const* q, float scale, int d, float (*qs)[1024]) {
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < d; c += 8)
+      _mm256_store_ps(qs[r] + c, _mm256_mul_ps(_mm256_loadu_ps(q[r] + c), sv));
+  }
+}
+
+// One K group's weights for one query head: w_c = qs_c * s_gc into `w`;
+// returns max |w| and sets *bias = sum_c qs_c * z_gc.
+inline float GroupWeights(const float* qs, const uint16_t* sc, const uint16_t* zc, int64_t g, int d,
+                          float* w, float* bias) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 b = _mm256_setzero_ps(), mx = _mm256_setzero_ps();
+  for (int c = 0; c < d; c += 8) {
+    const __m256 qv = _mm256_load_ps(qs + c);
+    const __m256 wv = _mm256_mul_ps(qv, LoadHalf8(sc + g * d + c));
+    _mm256_store_ps(w + c, wv);
+    mx = _mm256_max_ps(mx, _mm256_and_ps(wv, abs_mask));
+    b = _mm256_fmadd_ps(qv, LoadHalf8(zc + g * d + c), b);
+  }
+  *bias = HSum(b);
+  return HMax(mx);
+}
+
+// Scores of tokens t .. t+n-1 (n <= 8) for each query head: a * the integer
+// sums in tok[r][0..7] (one int32 vector per token) + bias.
+template <int R>
+void StoreScores8(const __m256i (*tok)[8], const float* a, const float* bias, int64_t t, int n,
+                  float* const* scores) {
+  for (int r = 0; r < R; ++r) {
+    const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Reduce8(tok[r])), _mm256_set1_ps(a[r]),
+                                     _mm256_set1_ps(bias[r]));
+    if (n == 8) {
+      _mm256_storeu_ps(scores[r] + t, f);
+    } else {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, f);
+      std::memcpy(scores[r] + t, tmp, sizeof(float) * n);
+    }
+  }
+}
+
 // Scores over the quantized part of a KIVI/KCVT key slab with int8 x code
 // products. Per K group and query head, w_c = scale * q_c * s_gc is rounded
 // to int8 against its largest magnitude (a = max|w| / 127), so
@@ -634,27 +679,15 @@ void ScoreKiviInt(const EncodedView& k, int64_t s, const float* const* q, float 
   alignas(32) int8_t w8[R][1024], w8lo[R][1024];
   alignas(32) float w[1024], wlo[1024], qs[R][1024];
   float a[R], bias[R];
-  const __m256 sv = _mm256_set1_ps(scale);
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i lo_steps16 = _mm256_set1_epi16(static_cast<int16_t>(kLoSteps));
   const float mid = static_cast<float>((1 << bits) - 1) / 2;
   const int64_t groups = (k.quantized + k.group - 1) / k.group;
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < d; c += 8)
-      _mm256_store_ps(qs[r] + c, _mm256_mul_ps(_mm256_loadu_ps(q[r] + c), sv));
-  }
+  ScaleQueries<R>(q, scale, d, qs);
   for (int64_t g = 0; g < groups; ++g) {
     for (int r = 0; r < R; ++r) {
-      __m256 b = _mm256_setzero_ps(), mx = _mm256_setzero_ps();
-      for (int c = 0; c < d; c += 8) {
-        const __m256 qv = _mm256_load_ps(qs[r] + c);
-        const __m256 wv = _mm256_mul_ps(qv, LoadHalf8(sc + g * d + c));
-        _mm256_store_ps(w + c, wv);
-        mx = _mm256_max_ps(mx, _mm256_and_ps(wv, abs_mask));
-        b = _mm256_fmadd_ps(qv, LoadHalf8(zc + g * d + c), b);
-      }
-      const float amax = HMax(mx);
+      float zero_part = 0;
+      const float amax = GroupWeights(qs[r], sc, zc, g, d, w, &zero_part);
       a[r] = amax / (127.0f * kLoSteps);
       const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
       // The high byte takes w rounded to 1/127 of max |w|; what it leaves, in
@@ -678,7 +711,7 @@ void ScoreKiviInt(const EncodedView& k, int64_t s, const float* const* q, float 
         _mm256_store_si256(reinterpret_cast<__m256i*>(w8lo[r] + ch * 32),
                            QuantizeInt8x32(wlo + ch * 32, one, bits));
       }
-      bias[r] = HSum(b) + mid * a[r] * HSum(e);
+      bias[r] = zero_part + mid * a[r] * HSum(e);
     }
     const int64_t t0 = g * k.group;
     const int64_t t1 = std::min(k.quantized, t0 + k.group);
@@ -720,17 +753,7 @@ void ScoreKiviInt(const EncodedView& k, int64_t s, const float* const* q, float 
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) tok[r][u] = acc32[r];
       }
-      for (int r = 0; r < R; ++r) {
-        const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Reduce8(tok[r])), _mm256_set1_ps(a[r]),
-                                         _mm256_set1_ps(bias[r]));
-        if (n == 8) {
-          _mm256_storeu_ps(scores[r] + t, f);
-        } else {
-          alignas(32) float tmp[8];
-          _mm256_store_ps(tmp, f);
-          std::memcpy(scores[r] + t, tmp, sizeof(float) * n);
-        }
-      }
+      StoreScores8<R>(tok, a, bias, t, n, scores);
     }
   }
 }
@@ -760,25 +783,13 @@ void ScoreKivi8Int(const EncodedView& k, int64_t s, const float* const* q, float
   alignas(32) int16_t w16[R][1024];
   alignas(32) float w[1024], qs[R][1024];
   float a[R], bias[R];
-  const __m256 sv = _mm256_set1_ps(scale);
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   constexpr float kMid = 127.5f;
   const int64_t groups = (k.quantized + k.group - 1) / k.group;
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < d; c += 8)
-      _mm256_store_ps(qs[r] + c, _mm256_mul_ps(_mm256_loadu_ps(q[r] + c), sv));
-  }
+  ScaleQueries<R>(q, scale, d, qs);
   for (int64_t g = 0; g < groups; ++g) {
     for (int r = 0; r < R; ++r) {
-      __m256 b = _mm256_setzero_ps(), mx = _mm256_setzero_ps();
-      for (int c = 0; c < d; c += 8) {
-        const __m256 qv = _mm256_load_ps(qs[r] + c);
-        const __m256 wv = _mm256_mul_ps(qv, LoadHalf8(sc + g * d + c));
-        _mm256_store_ps(w + c, wv);
-        mx = _mm256_max_ps(mx, _mm256_and_ps(wv, abs_mask));
-        b = _mm256_fmadd_ps(qv, LoadHalf8(zc + g * d + c), b);
-      }
-      const float amax = HMax(mx);
+      float zero_part = 0;
+      const float amax = GroupWeights(qs[r], sc, zc, g, d, w, &zero_part);
       a[r] = amax / 32767.0f;
       const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
       __m256 e = _mm256_setzero_ps();
@@ -793,7 +804,7 @@ void ScoreKivi8Int(const EncodedView& k, int64_t s, const float* const* q, float
         _mm256_store_si256(reinterpret_cast<__m256i*>(w16[r] + c),
                            _mm256_permute4x64_epi64(packed, 0xd8));
       }
-      bias[r] = HSum(b) + kMid * a[r] * HSum(e);
+      bias[r] = zero_part + kMid * a[r] * HSum(e);
     }
     const int64_t t0 = g * k.group;
     const int64_t t1 = std::min(k.quantized, t0 + k.group);
@@ -821,17 +832,7 @@ void ScoreKivi8Int(const EncodedView& k, int64_t s, const float* const* q, float
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) tok[r][u] = acc[r];
       }
-      for (int r = 0; r < R; ++r) {
-        const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Reduce8(tok[r])), _mm256_set1_ps(a[r]),
-                                         _mm256_set1_ps(bias[r]));
-        if (n == 8) {
-          _mm256_storeu_ps(scores[r] + t, f);
-        } else {
-          alignas(32) float tmp[8];
-          _mm256_store_ps(tmp, f);
-          std::memcpy(scores[r] + t, tmp, sizeof(float) * n);
-        }
-      }
+      StoreScores8<R>(tok, a, bias, t, n, scores);
     }
   }
 }
