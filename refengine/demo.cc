@@ -542,19 +542,22 @@ absl::StatusOr<v1::Policy> DemoPolicy(const DemoOptions& o) {
     const std::vector<std::string> parts = absl::StrSplit(o.speculation, ':');
     double alpha = 0;
     uint32_t budget = 0;
-    uint64_t pool = 0;
-    if (parts.size() > 3 || !absl::SimpleAtod(parts[0], &alpha) || !(alpha > 0) ||
+    uint64_t pool = 0, low = 0;
+    if (parts.size() > 4 || !absl::SimpleAtod(parts[0], &alpha) || !(alpha > 0) ||
         !std::isfinite(alpha) || (parts.size() >= 2 && !absl::SimpleAtoi(parts[1], &budget)) ||
-        (parts.size() == 3 && !absl::SimpleAtoi(parts[2], &pool))) {
+        (parts.size() >= 3 && !absl::SimpleAtoi(parts[2], &pool)) ||
+        (parts.size() == 4 && (!absl::SimpleAtoi(parts[3], &low) || low > pool))) {
       return absl::InvalidArgumentError(absl::StrCat(
           "speculation '", o.speculation,
-          "': expected ALPHA[:BUDGET[:POOL_BYTES]], ALPHA > 0 in softmax-logit units (4 is the "
-          "paper's), BUDGET the most tokens per head (0: none), POOL_BYTES the cap on each "
-          "session's host pool (0: none)"));
+          "': expected ALPHA[:BUDGET[:POOL_BYTES[:LOW_BYTES]]], ALPHA > 0 in softmax-logit units "
+          "(4 is the paper's), BUDGET the most tokens per head (0: none), POOL_BYTES the cap on "
+          "each session's host pool (0: none), LOW_BYTES where its trims stop (at most "
+          "POOL_BYTES; 0: the cap)"));
     }
     p.set_speculation_alpha(static_cast<float>(alpha));
     p.set_speculation_budget(budget);
     p.set_speculation_pool_bytes(pool);
+    p.set_speculation_pool_low_bytes(low);
   }
   p.set_keep_recent_round(true);
   p.set_release_after_end_round(true);

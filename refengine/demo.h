@@ -70,9 +70,9 @@ struct DemoOptions {
   // report's store figures are read).
   bool delete_at_end = true;
   // Speculative token selection (docs/speculation.md):
-  // "ALPHA[:BUDGET[:POOL_BYTES]]" turns it on (POOL_BYTES: the host pool's
-  // cap per session), with `skew` the skew file of `model` (kvtier calibrate
-  // infinigen), uploaded to the worker(s) at the start (in a cluster, to
+  // "ALPHA[:BUDGET[:POOL_BYTES[:LOW_BYTES]]]" turns it on (POOL_BYTES: the
+  // host pool's cap per session; LOW_BYTES: where its trims stop), with `skew` the skew file of
+  // `model` (kvtier calibrate infinigen), uploaded to the worker(s) at the start (in a cluster, to
   // each worker a session opens on). Needs `model` (the engine computes the
   // next layer's query from the weights). Empty: off.
   std::string speculation;

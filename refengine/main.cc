@@ -52,10 +52,11 @@ ABSL_FLAG(int, watershed, -1,
           "Watershed layer L_w; -1: 6 for the synthetic chat (measured by kvtier eval "
           "watershed), the worker's default L/3 for a model.");
 ABSL_FLAG(std::string, speculation, "",
-          "Speculative token selection (InfiniGen): ALPHA[:BUDGET[:POOL_BYTES]], e.g. 4, 4:64 "
-          "or 4:0:65536. Decode steps attend, from layer 1 on, only the past-round tokens "
-          "speculated from the previous layer; POOL_BYTES caps each session's host pool (the "
-          "least fetched tokens of the older half leave at EndRound; 0: no cap). Needs "
+          "Speculative token selection (InfiniGen): ALPHA[:BUDGET[:POOL_BYTES[:LOW_BYTES]]], "
+          "e.g. 4, 4:64, 4:0:65536 or 4:0:65536:40000. Decode steps attend, from layer 1 on, "
+          "only the past-round tokens speculated from the previous layer; POOL_BYTES caps each "
+          "session's host pool (the least fetched tokens of the older half leave at EndRound; "
+          "0: no cap), and a trim takes it down to LOW_BYTES (0: the cap). Needs "
           "--model and --skew (uploaded to every worker a session runs on). Empty: off.");
 ABSL_FLAG(std::string, skew, "",
           "The model's skew file for --speculation (kvtier calibrate infinigen), uploaded to "
@@ -78,7 +79,7 @@ int main(int argc, char** argv) {
       "Serves multi-round conversations through kvtier-worker and compares them with an "
       "in-process full cache.\n  kvtier-engine --worker=HOST:PORT | --inproc [--store=HOST:PORT] "
       "[--model=PATH [--conversations=FILE]] [--codec=..] [--recall=..] [--evict=..] "
-      "[--speculation=ALPHA[:BUDGET[:POOL_BYTES]] --skew=FILE] [--report=FILE]");
+      "[--speculation=ALPHA[:BUDGET[:POOL_BYTES[:LOW_BYTES]]] --skew=FILE] [--report=FILE]");
   kvtier::refengine::DemoOptions o;
   o.shared_decode_stream = absl::GetFlag(FLAGS_shared_decode_stream);
   o.worker = absl::GetFlag(FLAGS_worker);

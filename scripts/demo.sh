@@ -18,8 +18,9 @@
 #             worker engine in kvtier-engine's own process, only the store remote (then
 #             the same conversations run remote too, for the per-token cost) [remote]
 #   SPEC      speculative token selection (InfiniGen, docs/speculation.md):
-#             ALPHA[:BUDGET[:POOL_BYTES]], e.g. 4, 4:64 or 4:0:65536 (POOL_BYTES caps each
-#             session's host pool); defaults MODEL to ../shared/models/stories260K.bin [unset]
+#             ALPHA[:BUDGET[:POOL_BYTES[:LOW_BYTES]]], e.g. 4, 4:64 or 4:0:65536 (POOL_BYTES
+#             caps each session's host pool, trims stop at LOW_BYTES); defaults MODEL to
+#             ../shared/models/stories260K.bin [unset]
 #   SPEC_SKEW the model's skew file for SPEC; unset calibrates one first
 #             (kvtier calibrate infinigen) [unset]
 #   SESSIONS  concurrent conversations [4]
