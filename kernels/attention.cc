@@ -231,14 +231,7 @@ class GearSlab {
     return internal::LoadElement(v_.dtype, v_.sparse_value, i);
   }
   int64_t ReadSparseIndex(int64_t i) const {
-    if (v_.sparse_index_bytes == 2) {
-      uint16_t x;
-      std::memcpy(&x, v_.sparse_index + i * 2, 2);
-      return x;
-    }
-    uint32_t x;
-    std::memcpy(&x, v_.sparse_index + i * 4, 4);
-    return x;
+    return internal::ReadSparseIndex(v_.sparse_index, v_.sparse_index_bytes, i);
   }
 
   const EncodedView& v_;

@@ -355,17 +355,6 @@ void Dequant(const QuantShape& q, const uint8_t* codes, const uint16_t* scales,
   internal::DequantRowsRef(q, codes, scales, zeros, t0, t1, out);
 }
 
-int64_t ReadIndex(const uint8_t* p, int bytes, int64_t i) {
-  if (bytes == 2) {
-    uint16_t v;
-    std::memcpy(&v, p + i * 2, 2);
-    return v;
-  }
-  uint32_t v;
-  std::memcpy(&v, p + i * 4, 4);
-  return v;
-}
-
 }  // namespace
 
 absl::StatusOr<CodecConfig> ParseCodecSetting(const std::string& setting) {
@@ -1033,7 +1022,8 @@ absl::StatusOr<EncodedView> ParseEncodedParts(const v1::EncodedTensor& t,
     for (int64_t r = 0; r < rows; ++r) {
       int64_t prev = -1;
       for (int k = 0; k < l.outliers_per_row; ++k) {
-        const int64_t j = ReadIndex(v.sparse_index, l.index_bytes, r * l.outliers_per_row + k);
+        const int64_t j =
+            internal::ReadSparseIndex(v.sparse_index, l.index_bytes, r * l.outliers_per_row + k);
         if (j <= prev || j >= l.sparse_row_len) {
           return absl::InvalidArgumentError(
               absl::StrCat("sparse outlier position ", j, " in row ", r,
@@ -1113,14 +1103,15 @@ void DecodeRows(const EncodedView& v, int64_t s, int64_t t0, int64_t t1, float* 
           int lo = 0, hi = opr;
           while (lo < hi) {
             const int mid = (lo + hi) / 2;
-            if (ReadIndex(v.sparse_index, v.sparse_index_bytes, base + mid) < t0) {
+            if (internal::ReadSparseIndex(v.sparse_index, v.sparse_index_bytes, base + mid) < t0) {
               lo = mid + 1;
             } else {
               hi = mid;
             }
           }
           for (int k = lo; k < opr; ++k) {
-            const int64_t t = ReadIndex(v.sparse_index, v.sparse_index_bytes, base + k);
+            const int64_t t =
+                internal::ReadSparseIndex(v.sparse_index, v.sparse_index_bytes, base + k);
             if (t >= qe) break;
             out[(t - t0) * d + c] = value(base + k);
           }
@@ -1129,7 +1120,8 @@ void DecodeRows(const EncodedView& v, int64_t s, int64_t t0, int64_t t1, float* 
         for (int64_t t = t0; t < qe; ++t) {
           const int64_t base = (s * rows + t) * opr;
           for (int k = 0; k < opr; ++k) {
-            const int64_t c = ReadIndex(v.sparse_index, v.sparse_index_bytes, base + k);
+            const int64_t c =
+                internal::ReadSparseIndex(v.sparse_index, v.sparse_index_bytes, base + k);
             out[(t - t0) * d + c] = value(base + k);
           }
         }

@@ -124,6 +124,19 @@ inline uint16_t LoadU16(const uint16_t* p, int64_t i) {
   return h;
 }
 
+// Entry i of a GEAR sparse-index buffer of 2- or 4-byte positions (at any
+// address).
+inline int64_t ReadSparseIndex(const uint8_t* p, int bytes, int64_t i) {
+  if (bytes == 2) {
+    uint16_t v;
+    std::memcpy(&v, p + i * 2, 2);
+    return v;
+  }
+  uint32_t v;
+  std::memcpy(&v, p + i * 4, 4);
+  return v;
+}
+
 // Stores element i of a 16-bit array that may be unaligned (buffers encoded
 // in place inside a serialized segment sit at any address).
 inline void StoreU16(uint16_t* p, int64_t i, uint16_t v) { std::memcpy(p + i, &v, 2); }
