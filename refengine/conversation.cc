@@ -183,6 +183,7 @@ class Tier : public TierSession {
   const std::vector<TierRound>& rounds() const override { return rounds_; }
   const v1::Policy& effective_policy() const override { return effective_; }
   bool on_device() const override { return on_device_; }
+  bool speculation_on_device() const override { return spec_on_device_; }
 
   // A speculating session sends each decode layer's next-layer query.
   bool WantsNextLayerQuery() const override { return !effective_.speculation_skew().empty(); }
@@ -224,6 +225,7 @@ class Tier : public TierSession {
     KVT_RETURN_IF_ERROR(FromGrpc(stub_->OpenSession(ctx.get(), r, &resp), "OpenSession"));
     effective_ = resp.effective_policy();
     on_device_ = resp.on_device();
+    spec_on_device_ = resp.speculation_on_device();
     next_round_ = resp.next_round();
     return absl::OkStatus();
   }
@@ -457,6 +459,7 @@ class Tier : public TierSession {
   bool has_recall_ = false;
   v1::Policy effective_;
   bool on_device_ = false;
+  bool spec_on_device_ = false;
   uint32_t next_round_ = 0;
   std::vector<TierRound> rounds_;
   // The next layer's approximate query of the decode step in flight.
@@ -494,6 +497,7 @@ class Cluster : public ClusterSession {
   const std::vector<TierRound>& rounds() const override { return inner_->rounds(); }
   const v1::Policy& effective_policy() const override { return inner_->effective_policy(); }
   bool on_device() const override { return inner_->on_device(); }
+  bool speculation_on_device() const override { return inner_->speculation_on_device(); }
   const std::vector<Failover>& failovers() const override { return failovers_; }
   std::string worker_node_id() const override { return route_.worker_node_id(); }
   std::vector<std::string> store_node_ids() const override {

@@ -122,6 +122,8 @@ class TierSession : public ConversationBackend {
   virtual const v1::Policy& effective_policy() const = 0;
   // The worker holds this session's working set in GPU memory.
   virtual bool on_device() const = 0;
+  // The worker speculates for this session on its GPU.
+  virtual bool speculation_on_device() const = 0;
   // CloseSession; with `delete_from_store` the store forgets the rounds.
   virtual absl::Status Close(bool delete_from_store) = 0;
 };

@@ -173,6 +173,7 @@ absl::Status RunSynthetic(const DemoOptions& o, const OpenTier& open, int index,
   }
   out->rounds = tier->rounds();
   out->on_device = tier->on_device();
+  out->speculation_on_device = tier->speculation_on_device();
   return absl::OkStatus();
 }
 
@@ -198,6 +199,7 @@ absl::Status RunModel(const DemoOptions& o, const model::LlamaModel& m, const Op
   out->local_decode_ms = teacher.decode_ms_per_token * out->decode_tokens;
   out->rounds = tier->rounds();
   out->on_device = tier->on_device();
+  out->speculation_on_device = tier->speculation_on_device();
   return absl::OkStatus();
 }
 
@@ -227,6 +229,7 @@ absl::Status RunReplayed(const model::LlamaModel& m, const ReplayConversation& c
   out->local_decode_ms = teacher.decode_ms_per_token * out->decode_tokens;
   out->rounds = tier->rounds();
   out->on_device = tier->on_device();
+  out->speculation_on_device = tier->speculation_on_device();
   return absl::OkStatus();
 }
 
@@ -447,8 +450,16 @@ PoolSum SumPool(const DemoReport& r) {
 
 std::string RenderSpeculation(const DemoReport& r) {
   const std::vector<v1::SpeculationLayer> layers = SumSpeculation(r);
+  int on_gpu = 0;
+  for (const DemoSession& d : r.sessions) on_gpu += d.speculation_on_device ? 1 : 0;
   std::string s = absl::StrFormat(
-      "\nspeculation (%s), per decode step at each layer, over the past rounds (the open round "
+      "\nspeculation on the %s\n",
+      on_gpu == 0 ? "CPU (the worker has no GPU, or runs --placement=host)"
+      : on_gpu == static_cast<int>(r.sessions.size())
+          ? "GPU (past rounds in the host pool)"
+          : absl::StrFormat("GPU for %d of %zu sessions", on_gpu, r.sessions.size()));
+  s += absl::StrFormat(
+      "speculation (%s), per decode step at each layer, over the past rounds (the open round "
       "is attended in full): past tokens, tokens kept per query head, tokens gathered per KV "
       "head (the union of its group's), hit rate, attention mass kept, K/V bytes read against "
       "dense:\n%-6s %7s %11s %11s %13s %9s %8s %10s\n",
@@ -1098,8 +1109,10 @@ std::string RenderJson(const DemoReport& r) {
   if (r.speculation.empty()) {
     absl::StrAppend(&s, "  \"speculation\": null,\n");
   } else {
+    int spec_on_gpu = 0;
+    for (const DemoSession& d : r.sessions) spec_on_gpu += d.speculation_on_device ? 1 : 0;
     absl::StrAppend(&s, "  \"speculation\": {\"setting\": ", JsonQuote(r.speculation),
-                    ", \"layers\": [");
+                    ", \"sessions_on_gpu\": ", spec_on_gpu, ", \"layers\": [");
     const std::vector<v1::SpeculationLayer> layers = SumSpeculation(r);
     for (size_t l = 0; l < layers.size(); ++l) {
       const v1::SpeculationLayer& x = layers[l];

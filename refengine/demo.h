@@ -93,9 +93,10 @@ struct DemoSession {
   std::vector<std::vector<int>> references;        // Synthetic: each round's true references.
   double tier_decode_ms = 0, local_decode_ms = 0;  // Sums over decode tokens.
   int64_t decode_tokens = 0;
-  double err2 = 0, ref2 = 0;  // Synthetic: sums of squares of (tier - local) and local.
-  Agreement agreement;        // Model.
-  bool on_device = false;     // The worker held the working set in GPU memory.
+  double err2 = 0, ref2 = 0;           // Synthetic: sums of squares of (tier - local) and local.
+  Agreement agreement;                 // Model.
+  bool on_device = false;              // The worker held the working set in GPU memory.
+  bool speculation_on_device = false;  // The worker speculated on its GPU.
   // Cluster runs: where the session ended up (node ids) and its failovers.
   std::string worker;
   std::vector<std::string> stores;

@@ -21,6 +21,8 @@ class InProcess : public TierSession {
   const v1::Policy& effective_policy() const override { return effective_; }
   bool on_device() const override { return on_device_; }
   void set_on_device(bool b) { on_device_ = b; }
+  bool speculation_on_device() const override { return spec_on_device_; }
+  void set_speculation_on_device(bool b) { spec_on_device_ = b; }
 
   bool WantsNextLayerQuery() const override { return !effective_.speculation_skew().empty(); }
   absl::Status NextLayerQuery(int layer, int pos0, int n, const float* q_next) override {
@@ -84,6 +86,7 @@ class InProcess : public TierSession {
   const worker::ModelShape shape_;
   const v1::Policy effective_;
   bool on_device_ = false;
+  bool spec_on_device_ = false;
   bool prefill_ = false;
   int question_ = 0;
   std::optional<v1::RecallDecision> recall_;  // Of the round's first prefill.
@@ -109,6 +112,7 @@ absl::StatusOr<std::unique_ptr<TierSession>> InProcessBackend(worker::Engine* en
   auto s = std::make_unique<InProcess>(engine, key, shape, EffectivePolicy(policy, eff));
   KVT_ASSIGN_OR_RETURN(worker::SessionStats st, engine->Stats(key));
   s->set_on_device(st.on_device);
+  s->set_speculation_on_device(st.speculation_on_device);
   return std::unique_ptr<TierSession>(std::move(s));
 }
 

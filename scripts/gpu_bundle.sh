@@ -21,6 +21,7 @@ cd "$ROOT"
 BINARIES=(
   kernels/kernels_cuda_test
   tests/worker_device_test
+  tests/worker_speculation_test
   services/store/kvtier-store
   services/worker/kvtier-worker
   refengine/kvtier-engine

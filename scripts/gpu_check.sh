@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # kvtier's GPU checks, run on the GPU machine from the bundle that
 # scripts/gpu_bundle.sh packs (it is copied there as run.sh):
-#   1. kernels_cuda_test and worker_device_test (the tests labelled gpu);
+#   1. kernels_cuda_test, worker_device_test and the GPU cases of
+#      worker_speculation_test (the tests labelled gpu);
 #   2. the demo with the worker's working sets on the GPU, then PD=1 (a
 #      prefill worker hands each round to a decode worker, both on the GPU:
 #      CUDA IPC), and with two GPUs PD=1 with a worker on each (NCCL);
@@ -49,6 +50,8 @@ else
     --gtest_filter=-*NcclLinks*
   SUMMARY+=("NCCL path: not checked ($GPUS GPU visible; it needs two)")
 fi
+# Speculation on the GPU (InfiniGen's two streams) against the CPU's.
+run worker_speculation_gpu "$HERE/build/tests/worker_speculation_test" --gtest_filter=*OnTheGpu
 run demo env ROUNDS="${DEMO_ROUNDS:-8}" bash "$HERE/scripts/demo.sh" "$HERE/build"
 run demo_pd env PD=1 ROUNDS="${DEMO_ROUNDS:-8}" bash "$HERE/scripts/demo.sh" "$HERE/build"
 for log in demo demo_pd; do

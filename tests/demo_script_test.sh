@@ -54,7 +54,7 @@ if [ -f "$MODEL_PATH" ]; then
     { cat "$OUT/spec"; exit 1; }
   grep -qE '^4 +912 ' "$OUT/spec" || { cat "$OUT/spec"; exit 1; }
   grep -q 'kvtier_worker_speculation_steps_total{layer="1"} 912' "$OUT/spec"
-  grep -q '"speculation": {"setting": "4:8:16384", "layers": \[{"layer": 0, "steps": 0' "$OUT/spec.json"
+  grep -q '"speculation": {"setting": "4:8:16384", "sessions_on_gpu": [0-9]*, "layers": \[{"layer": 0, "steps": 0' "$OUT/spec.json"
   # kept per head is capped by the budget of 8.
   python3 - "$OUT/spec.json" <<'PY'
 import json, sys

@@ -11,6 +11,7 @@
 #include <set>
 #include <tuple>
 
+#include "absl/strings/str_cat.h"
 #include "client/store_segments.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -18,6 +19,7 @@
 #include "kernels/speculation.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
+#include "worker/device_attention.h"
 #include "worker/engine.h"
 
 namespace kvtier {
@@ -268,8 +270,9 @@ TEST_F(WorkerSpeculationTest, UploadAndPolicyChecks) {
 // longhand speculation. Returns the EndRound reports.
 std::vector<worker::EndRoundReport> RunAndCheck(Engine* engine, const spec::SkewModel& skew,
                                                 const SessionPolicy& policy, int rounds,
-                                                int64_t prefill, int decode, double* worst) {
-  const worker::SessionKey id("s");
+                                                int64_t prefill, int decode, double* worst,
+                                                const std::string& session = "s") {
+  const worker::SessionKey id(session);
   EXPECT_THAT(engine->OpenSession(id, kShape, policy), IsOk());
   std::mt19937 rng(11);
   const int d = kShape.head_dim, hq = kShape.q_heads, hkv = kShape.kv_heads;
@@ -595,7 +598,9 @@ TEST_P(WorkerPoolTrimTest, PoolCapEvictsTheLeastFetchedOfTheOlderHalf) {
   EXPECT_GT(evicted, 0u);
   EXPECT_GT(multipass, 0);  // Some trim took more than one older half.
   // With a low mark, some round ended above it and under the cap: no trim.
-  if (low > 0) EXPECT_GT(spared, 0);
+  if (low > 0) {
+    EXPECT_GT(spared, 0);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(LowMark, WorkerPoolTrimTest, ::testing::Values(0u, 12000u),
@@ -647,6 +652,142 @@ TEST_F(WorkerSpeculationTest, PoolCapWithKivi) {
     EXPECT_EQ(st->working_set_bytes, rep->working_set_bytes);
   }
   EXPECT_GT(evicted, 0u);
+}
+
+// Where a speculating session speculates: on the GPU when the worker may use
+// one and one is there, with its past rounds in the host pool either way.
+TEST_F(WorkerSpeculationTest, SpeculatingSessionsUseTheGpuWhenThereIsOne) {
+  const std::string bytes = spec::SerializeSkew(MakeSkew(0.25));
+  using Placement = worker::EngineOptions::Placement;
+  for (Placement placement : {Placement::kAuto, Placement::kDevice, Placement::kHost}) {
+    worker::EngineOptions o;
+    o.level = KernelLevel::kReference;
+    o.placement = placement;
+    Engine engine(stack_.segments(), o);
+    auto id = engine.PutSkew(bytes);
+    ASSERT_TRUE(id.ok()) << id.status();
+    const worker::SessionKey sid(absl::StrCat("place-", static_cast<int>(placement)));
+    const absl::Status st = engine.OpenSession(sid, kShape, Policy(*id, 4));
+    if (placement == Placement::kDevice && !worker::DeviceUsable()) {
+      EXPECT_THAT(st, StatusIs(absl::StatusCode::kFailedPrecondition,
+                               ::testing::HasSubstr("cannot speculate on a device")));
+      continue;
+    }
+    KVT_ASSERT_OK(st);
+    auto stats = engine.Stats(sid);
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_FALSE(stats->on_device);  // Past rounds stay in the host pool.
+    EXPECT_EQ(stats->speculation_on_device,
+              placement != Placement::kHost && worker::DeviceUsable());
+    // Speculation off: the speculator goes; on again: it comes back.
+    KVT_ASSERT_OK(engine.UpdatePolicy(sid, Policy("", 4)));
+    EXPECT_FALSE(engine.Stats(sid)->speculation_on_device);
+    KVT_ASSERT_OK(engine.UpdatePolicy(sid, Policy(*id, 4)));
+    EXPECT_EQ(engine.Stats(sid)->speculation_on_device, stats->speculation_on_device);
+  }
+}
+
+// ---- On the GPU (a second ctest entry, label gpu, runs these) ----
+
+#define SKIP_WITHOUT_GPU()                                         \
+  if (!worker::DeviceUsable()) {                                   \
+    GTEST_SKIP() << "speculation on the GPU needs a CUDA device: " \
+                 << worker::DeviceStatus().message();              \
+  }
+
+// The GPU's selection, gather and attention against the longhand, as
+// AttendsTheLonghandSelection checks the CPU's; and the same figures.
+TEST_F(WorkerSpeculationTest, AttendsTheLonghandSelectionOnTheGpu) {
+  SKIP_WITHOUT_GPU();
+  const spec::SkewModel skew = MakeSkew(0.25);
+  worker::EngineOptions o;
+  o.level = KernelLevel::kReference;
+  o.placement = worker::EngineOptions::Placement::kDevice;
+  Engine gpu(stack_.segments(), o);
+  auto id = gpu.PutSkew(spec::SerializeSkew(skew));
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_EQ(*engine_->PutSkew(spec::SerializeSkew(skew)), *id);
+  for (float alpha : {0.5f, 4.0f}) {
+    double worst_gpu = 0, worst_cpu = 0;
+    const std::string tag = absl::StrCat(alpha);
+    const auto on_gpu =
+        RunAndCheck(&gpu, skew, Policy(*id, alpha), 3, 12, 20, &worst_gpu, "gpu-" + tag);
+    const auto on_cpu =
+        RunAndCheck(engine_.get(), skew, Policy(*id, alpha), 3, 12, 20, &worst_cpu, "cpu-" + tag);
+    EXPECT_LT(worst_gpu, 1e-4) << "alpha " << alpha;
+    EXPECT_LT(worst_cpu, 1e-4) << "alpha " << alpha;
+    ASSERT_EQ(on_gpu.size(), on_cpu.size());
+    for (size_t r = 0; r < on_gpu.size(); ++r) {
+      ASSERT_EQ(on_gpu[r].speculation.size(), on_cpu[r].speculation.size());
+      for (size_t l = 0; l < on_gpu[r].speculation.size(); ++l) {
+        const worker::SpeculationLayerStats &g = on_gpu[r].speculation[l],
+                                            &c = on_cpu[r].speculation[l];
+        EXPECT_EQ(g.steps, c.steps) << "round " << r << " layer " << l;
+        EXPECT_EQ(g.kept, c.kept) << "round " << r << " layer " << l;
+        EXPECT_EQ(g.gathered, c.gathered) << "round " << r << " layer " << l;
+        EXPECT_EQ(g.bytes_speculative, c.bytes_speculative) << "round " << r << " layer " << l;
+        EXPECT_EQ(g.sampled, c.sampled) << "round " << r << " layer " << l;
+      }
+    }
+  }
+}
+
+// KIVI-4 past rounds, a budget and a pool cap that trims: the GPU and the
+// CPU attend the same tokens step by step.
+TEST_F(WorkerSpeculationTest, MatchesTheCpuWithKiviBudgetAndPoolOnTheGpu) {
+  SKIP_WITHOUT_GPU();
+  worker::EngineOptions o;
+  o.level = KernelLevel::kReference;
+  o.placement = worker::EngineOptions::Placement::kAuto;
+  Engine gpu(stack_.segments(), o);
+  const std::string bytes = spec::SerializeSkew(MakeSkew(0.25));
+  auto id = gpu.PutSkew(bytes);
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(engine_->PutSkew(bytes).ok());
+  SessionPolicy policy = Policy(*id, 4.0f, /*budget=*/6);
+  auto kivi = ParseCodecSetting("kivi4:g=8");
+  ASSERT_TRUE(kivi.ok());
+  policy.codec = *kivi;
+  policy.speculation.pool_bytes = 9000;
+  const worker::SessionKey g_id("gk"), c_id("ck");
+  KVT_ASSERT_OK(gpu.OpenSession(g_id, kShape, policy));
+  KVT_ASSERT_OK(engine_->OpenSession(c_id, kShape, policy));
+  ASSERT_TRUE(gpu.Stats(g_id)->speculation_on_device);
+  std::mt19937 rng(23);
+  const int d = kShape.head_dim, hq = kShape.q_heads, hkv = kShape.kv_heads;
+  double worst = 0;
+  for (int r = 0; r < 4; ++r) {
+    for (int l = 0; l < kShape.layers; ++l) {
+      const auto q = Random(24 * hq * d, &rng), k = Random(24 * hkv * d, &rng),
+                 v = Random(24 * hkv * d, &rng);
+      std::vector<float> a(q.size()), b(q.size());
+      KVT_ASSERT_OK(gpu.PrefillLayer(g_id, l, 24, 0, q.data(), k.data(), v.data(), a.data()));
+      KVT_ASSERT_OK(engine_->PrefillLayer(c_id, l, 24, 0, q.data(), k.data(), v.data(), b.data()));
+    }
+    for (int step = 0; step < 6; ++step) {
+      for (int l = 0; l < kShape.layers; ++l) {
+        const auto q = Random(hq * d, &rng), k = Random(hkv * d, &rng), v = Random(hkv * d, &rng),
+                   qn = Random(hq * d, &rng);
+        const float* next = l + 1 < kShape.layers ? qn.data() : nullptr;
+        std::vector<float> a(q.size()), b(q.size());
+        KVT_ASSERT_OK(gpu.DecodeLayer(g_id, l, q.data(), k.data(), v.data(), a.data(), next));
+        KVT_ASSERT_OK(engine_->DecodeLayer(c_id, l, q.data(), k.data(), v.data(), b.data(), next));
+        for (size_t i = 0; i < a.size(); ++i)
+          worst = std::max(worst, double(std::fabs(a[i] - b[i])));
+      }
+    }
+    auto ga = gpu.EndRound(g_id);
+    auto cb = engine_->EndRound(c_id);
+    ASSERT_TRUE(ga.ok() && cb.ok());
+    EXPECT_EQ(ga->pool.evicted_tokens, cb->pool.evicted_tokens);
+    for (size_t l = 0; l < ga->speculation.size(); ++l) {
+      EXPECT_EQ(ga->speculation[l].gathered, cb->speculation[l].gathered) << "layer " << l;
+    }
+  }
+  EXPECT_LT(worst, 1e-4);
+  auto st = gpu.Stats(g_id);
+  ASSERT_TRUE(st.ok());
+  EXPECT_GT(st->device_bytes, 0u);
 }
 
 }  // namespace

@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "kernels/codec.h"
+#include "kernels/speculation.h"
 #include "worker/device_layout.h"
 #include "worker/device_transfer.h"
 
@@ -145,6 +146,51 @@ class DeviceSession {
 
 absl::StatusOr<std::unique_ptr<DeviceSession>> NewDeviceSession(int layers, int q_heads,
                                                                 int kv_heads, int head_dim);
+
+// InfiniGen's GPU side (docs/speculation.md, "With a GPU"), for a session
+// whose past rounds stay in the host pool: the device holds each layer's
+// partial keys, the open round's mirror and the speculated tokens' K/V, no
+// more. Two streams: while layer l attends on one (over its gathered tokens
+// and the open round), the other scores and selects layer l + 1's tokens
+// and uploads their K/V, gathered by the host from the pool meanwhile.
+// Calls come from one thread at a time (the session's lock); each Launch is
+// followed by its Finish before the next Launch of the same kind.
+class DeviceSpeculator {
+ public:
+  virtual ~DeviceSpeculator() = default;
+  // Layer `layer`'s partial keys: KV head h holds the fp16 rows [T_h, r]
+  // made of parts[h] in order (each round's rows). Uploaded only when `key`
+  // differs from what the layer holds (the rounds and their lengths).
+  virtual absl::Status SetPartialKeys(int layer, const std::string& key,
+                                      const std::vector<std::vector<std::string_view>>& parts) = 0;
+  // Starts scoring and selecting `layer`'s tokens on the speculation stream
+  // (cuda::SpeculateSelect): qp [q_heads, r] holds each query head's skewed
+  // partial query. The layer's partial keys must be set.
+  virtual absl::Status LaunchSelect(int layer, const float* qp, float alpha, int budget) = 0;
+  // Waits for the selection: what spec::Speculate gives on the same inputs.
+  virtual absl::StatusOr<spec::Speculated> FinishSelect() = 0;
+  // Copies `layer`'s gathered K/V (per KV head fp32 [u_h, d]) to the device
+  // on the speculation stream; the attention at `layer` waits for it.
+  virtual absl::Status UploadGathered(int layer, const std::vector<std::vector<float>>& k,
+                                      const std::vector<std::vector<float>>& v) = 0;
+  // Starts the attention of one decode token (q [q_heads, d]) at `layer`
+  // over its gathered K/V and the open round's rows [0, rows). The mirror
+  // holds rows up to MirroredRows(layer); k/v give rows [from, rows) fp32
+  // token-major [rows - from, kv_heads, d], from <= MirroredRows(layer).
+  virtual absl::Status LaunchAttend(int layer, const float* q, const float* k, const float* v,
+                                    int64_t from, int64_t rows) = 0;
+  // Waits for it: out [q_heads, d].
+  virtual absl::Status FinishAttend(float* out) = 0;
+  virtual int64_t MirroredRows(int layer) const = 0;
+  // Forgets the open round's mirror (the round ended or a hand-off replaced it).
+  virtual void ResetMirror() = 0;
+  // Device bytes held.
+  virtual int64_t bytes() const = 0;
+};
+
+absl::StatusOr<std::unique_ptr<DeviceSpeculator>> NewDeviceSpeculator(int layers, int q_heads,
+                                                                      int kv_heads, int head_dim,
+                                                                      int partial_columns);
 
 }  // namespace kvtier::worker
 

@@ -42,4 +42,8 @@ absl::StatusOr<std::unique_ptr<DeviceSession>> NewDeviceSession(int, int, int, i
   return NotBuilt();
 }
 
+absl::StatusOr<std::unique_ptr<DeviceSpeculator>> NewDeviceSpeculator(int, int, int, int, int) {
+  return NotBuilt();
+}
+
 }  // namespace kvtier::worker

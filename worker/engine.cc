@@ -130,7 +130,8 @@ absl::Status Engine::ResolveSpeculation(const ModelShape& shape, const SessionPo
   }
   if (on_device) {
     return absl::FailedPreconditionError(
-        "speculation runs on host working sets only; start the worker with --placement=host");
+        "this session's past rounds are in device memory; speculation keeps them in the host "
+        "pool and speculates on the GPU: open the session with speculation on");
   }
   *skew = Skew(sp.skew);
   if (*skew == nullptr) {
@@ -148,6 +149,21 @@ absl::Status Engine::ResolveSpeculation(const ModelShape& shape, const SessionPo
   return absl::OkStatus();
 }
 
+absl::Status Engine::AttachSpeculator(Session& s) const {
+  s.mu.AssertHeld();
+  KVT_RETURN_IF_ERROR(DeviceStatus());  // No device: speculation runs on the CPU.
+  auto sd = NewDeviceSpeculator(s.shape.layers, s.shape.q_heads, s.shape.kv_heads, s.shape.head_dim,
+                                s.skew->partial_columns());
+  if (!sd.ok()) {
+    LogWarn("speculation stays on the CPU",
+            {{"session", s.key.ToString()}, {"error", sd.status().ToString()}});
+    return sd.status();
+  }
+  s.spec_device = std::move(*sd);
+  s.stats.speculation_on_device = true;
+  return absl::OkStatus();
+}
+
 absl::Status Engine::UpdatePolicy(const SessionKey& id, SessionPolicy policy) {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   KVT_RETURN_IF_ERROR(ValidateRoundPolicy(s->shape, policy));
@@ -157,8 +173,19 @@ absl::Status Engine::UpdatePolicy(const SessionKey& id, SessionPolicy policy) {
   KVT_RETURN_IF_ERROR(ResolveSpeculation(s->shape, policy, s->device != nullptr, &skew));
   policy.watershed_layer = s->lw;
   s->policy = std::move(policy);
+  const bool same_shape = s->skew != nullptr && skew != nullptr &&
+                          s->skew->partial_columns() == skew->partial_columns();
   s->skew = std::move(skew);
   s->gather = Session::Gather();
+  if (s->skew == nullptr) {
+    s->spec_device.reset();
+  } else if (s->spec_device == nullptr || !same_shape) {
+    s->spec_device.reset();
+    if (s->device == nullptr && options_.placement != EngineOptions::Placement::kHost) {
+      (void)AttachSpeculator(*s);  // Without a device it speculates on the CPU.
+    }
+  }
+  s->stats.speculation_on_device = s->spec_device != nullptr;
   return absl::OkStatus();
 }
 
@@ -206,11 +233,10 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(const Ses
     } while (s->incarnation == 0);
     s->open.resize(shape.layers);
     using Placement = EngineOptions::Placement;
-    // Speculation reads host working sets only: under kAuto a speculating
-    // session stays on the host.
+    // A speculating session keeps its past rounds in the host pool; the GPU,
+    // if any, speculates and attends over what it gathers (below).
     const bool speculates = !policy.speculation.skew.empty();
-    if (options_.placement != Placement::kHost && allow_device &&
-        !(speculates && options_.placement == Placement::kAuto)) {
+    if (options_.placement != Placement::kHost && allow_device && !speculates) {
       absl::Status why = DeviceStatus();
       if (why.ok()) why = DeviceSupportsCodec(policy.codec);
       if (why.ok()) {
@@ -230,6 +256,13 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(const Ses
       }
     }
     KVT_RETURN_IF_ERROR(ResolveSpeculation(shape, policy, s->device != nullptr, &s->skew));
+    if (s->skew != nullptr && options_.placement != Placement::kHost && allow_device) {
+      absl::Status why = AttachSpeculator(*s);
+      if (!why.ok() && options_.placement == Placement::kDevice) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "session ", id.ToString(), " cannot speculate on a device: ", why.message()));
+      }
+    }
   }
   return s;
 }
@@ -490,11 +523,16 @@ absl::Status Engine::DecodeLayer(const SessionKey& id, int layer, const float* q
     s->BeginStep(1, /*prefill=*/false);
   }
   s->Append(layer, 1, q, k, v);
-  absl::Status st = s->Attend(layer, 1, q, k, v, out, options_.level);
-  // Layer + 1's tokens are picked now, from its approximate query; its
-  // attention reads what this gathers (on a GPU working set this would
-  // overlap this layer's attention on a second stream).
-  if (st.ok() && speculate) s->Speculate(layer + 1, q_next, options_.level);
+  absl::Status st;
+  if (s->spec_device != nullptr) {
+    // Attention on one GPU stream, layer + 1's selection on the other.
+    st = s->DecodeOnDevice(layer, q, out, speculate ? q_next : nullptr, options_.level);
+  } else {
+    st = s->Attend(layer, 1, q, k, v, out, options_.level);
+    // Layer + 1's tokens are picked now, from its approximate query; its
+    // attention reads what this gathers.
+    if (st.ok() && speculate) s->Speculate(layer + 1, q_next, options_.level);
+  }
   if (st.ok()) s->EndLayer(1);
   if (!st.ok() || layer + 1 == s->shape.layers) Account(*s);
   return st;

@@ -200,6 +200,10 @@ struct SessionStats {
   // (device_bytes, allocation padding included), attention computed there.
   // Layer L_w's keys also stay on the host for recall scoring.
   bool on_device = false;
+  // Speculation runs on the GPU (DeviceSpeculator): the past rounds stay in
+  // the host pool, and the device holds the partial keys, the open round's
+  // mirror and the speculated tokens' K/V (counted in device_bytes).
+  bool speculation_on_device = false;
   uint64_t device_bytes = 0;
 };
 
@@ -603,10 +607,13 @@ class Engine {
   absl::Status CheckBudgetFor(const std::string& tenant, const EngineOptions::TenantLimit* limit,
                               int64_t tenant_bytes, uint64_t bytes) const;
 
+  // Gives a speculating session (its skew resolved) a DeviceSpeculator;
+  // FAILED_PRECONDITION or the device's error when there is none to give.
+  absl::Status AttachSpeculator(Session& s) const;
   // OK when `policy` can speculate on a session of `shape` (its skew is
   // here and fits the model, its alpha and budget are in range, the
-  // session is not on the device); INVALID_ARGUMENT or FAILED_PRECONDITION
-  // saying why. Sets *skew (null when speculation is off).
+  // session's past rounds are not in device memory); INVALID_ARGUMENT or
+  // FAILED_PRECONDITION saying why. Sets *skew (null when speculation is off).
   absl::Status ResolveSpeculation(const ModelShape& shape, const SessionPolicy& policy,
                                   bool on_device,
                                   std::shared_ptr<const spec::SkewModel>* skew) const;

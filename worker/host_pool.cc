@@ -224,6 +224,7 @@ absl::StatusOr<std::unique_ptr<RoundLayer>> Reencode(const RoundLayer& rl,
       }
     }
     out->partial_skew = rl.partial_skew;
+    out->partial_serial = NewPartialSerial();
   }
   return out;
 }

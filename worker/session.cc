@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "base/log.h"
 #include "base/status_macros.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "kernels/attention.h"
@@ -236,6 +237,7 @@ uint64_t Engine::Session::DeviceBytes() const {
       if (l != nullptr && l->device != nullptr) b += static_cast<uint64_t>(l->device->bytes());
     }
   }
+  if (spec_device != nullptr) b += static_cast<uint64_t>(spec_device->bytes());
   return b;
 }
 
@@ -317,17 +319,23 @@ void Scatter(const float* src, int64_t n, int heads, int d, int64_t cap, int64_t
 
 }  // namespace
 
+uint64_t NewPartialSerial() {
+  static std::atomic<uint64_t> serials{0};
+  return serials.fetch_add(1) + 1;
+}
+
 void OpenRowsTokenMajor(const OpenLayer& o, int kv_heads, int d, v1::DType dtype, int64_t rows,
-                        std::vector<float>* k, std::vector<float>* v) {
+                        std::vector<float>* k, std::vector<float>* v, int64_t first) {
   const int es = DTypeSize(dtype);
-  const size_t n = static_cast<size_t>(rows), hkv = static_cast<size_t>(kv_heads);
+  const size_t n = static_cast<size_t>(rows - first), hkv = static_cast<size_t>(kv_heads);
   k->resize(n * hkv * d);  // Every element is written below.
   v->resize(k->size());
   std::vector<float> head(n * d);
+  const size_t skip = static_cast<size_t>(first) * d * es;
   for (size_t h = 0; h < hkv; ++h) {
     for (auto [src, dst] : {std::pair(o.k_head(static_cast<int>(h), d, es), k),
                             std::pair(o.v_head(static_cast<int>(h), d, es), v)}) {
-      WidenRows(dtype, src, rows * d, head.data());
+      WidenRows(dtype, src + skip, static_cast<int64_t>(n) * d, head.data());
       for (size_t t = 0; t < n; ++t) {
         std::memcpy(dst->data() + (t * hkv + h) * d, head.data() + t * d, d * sizeof(float));
       }
@@ -468,37 +476,55 @@ void EnsurePartial(const RoundLayer& rl, const spec::SkewModel& skew, int layer,
     }
   }
   rl.partial_skew = &skew;
+  rl.partial_serial = NewPartialSerial();
 }
 
 }  // namespace
 
+Engine::Session::SpecInputs Engine::Session::SpecInputsAt(int layer, KernelLevel level) const {
+  SpecInputs in;
+  in.vis = Visible(layer);
+  in.total.assign(shape.kv_heads, 0);
+  for (const RoundLayer* rl : in.vis) {
+    EnsurePartial(*rl, *skew, layer, shape.head_dim, level);
+    for (int h = 0; h < shape.kv_heads; ++h) in.total[h] += rl->heads[h].len;
+  }
+  in.t_max = *std::max_element(in.total.begin(), in.total.end());
+  return in;
+}
+
 void Engine::Session::Speculate(int layer, const float* q_next, KernelLevel level) {
   gather.layer = -1;
-  const std::vector<const RoundLayer*> vis = Visible(layer);
-  const int d = shape.head_dim, hkv = shape.kv_heads, group = shape.q_heads / hkv;
-  const int r = skew->partial_columns();
-  // Past tokens per KV head (eviction keeps a different count per head), and
-  // their partial keys, concatenated in the rounds' order.
+  const SpecInputs in = SpecInputsAt(layer, level);
+  if (in.t_max == 0) return;
+  const int hkv = shape.kv_heads;
+  // Past tokens' partial keys per KV head (eviction keeps a different count
+  // per head), concatenated in the rounds' order.
   std::vector<std::vector<float>> pk(hkv);
-  std::vector<int64_t> total(hkv, 0);
-  uint64_t dense = 0;
-  for (const RoundLayer* rl : vis) {
-    EnsurePartial(*rl, *skew, layer, d, level);
-    dense += static_cast<uint64_t>(rl->bytes);
+  for (const RoundLayer* rl : in.vis) {
     for (int h = 0; h < hkv; ++h) {
       for (uint16_t x : rl->partial[h]) pk[h].push_back(HalfToFloat(x));
-      total[h] += rl->heads[h].len;
     }
   }
-  const int64_t t_max = *std::max_element(total.begin(), total.end());
-  if (t_max == 0) return;
   std::vector<const float*> pks(hkv);
   for (int h = 0; h < hkv; ++h) pks[h] = pk[h].data();
   spec::SpeculationParams params;
   params.alpha = policy.speculation.alpha;
   params.budget = policy.speculation.budget;
-  spec::Speculated picked =
-      spec::Speculate(skew->heads[layer], q_next, pks, total, shape.q_heads, hkv, d, params);
+  GatherPicked(layer, in,
+               spec::Speculate(skew->heads[layer], q_next, pks, in.total, shape.q_heads, hkv,
+                               shape.head_dim, params),
+               level);
+}
+
+void Engine::Session::GatherPicked(int layer, const SpecInputs& in, spec::Speculated picked,
+                                   KernelLevel level) {
+  const std::vector<const RoundLayer*>& vis = in.vis;
+  const std::vector<int64_t>& total = in.total;
+  const int d = shape.head_dim, hkv = shape.kv_heads, group = shape.q_heads / hkv;
+  const int r = skew->partial_columns();
+  uint64_t dense = 0;
+  for (const RoundLayer* rl : vis) dense += static_cast<uint64_t>(rl->bytes);
   if (spec_stats.size() != static_cast<size_t>(shape.layers)) spec_stats.resize(shape.layers);
   SpeculationLayerStats& st = spec_stats[layer];
   ++st.steps;
@@ -551,6 +577,79 @@ void Engine::Session::Speculate(int layer, const float* q_next, KernelLevel leve
   gather.sample = (decode_steps - 1) % kHitSampleEvery == 0;
   if (gather.sample) gather.picked = std::move(picked);
   gather.layer = layer;
+}
+
+absl::Status Engine::Session::DecodeOnDevice(int layer, const float* q, float* out,
+                                             const float* q_next, KernelLevel level) {
+  const int d = shape.head_dim, hkv = shape.kv_heads;
+  const bool gathered = gather.layer == layer;
+  absl::Status st;
+  bool attending = false, selecting = false;
+  // 1. This layer's attention over its gathered tokens, on the attention stream.
+  if (gathered) {
+    const int64_t rows = tokens + 1;
+    const int64_t from = std::min(spec_device->MirroredRows(layer), tokens);
+    std::vector<float> k, v;
+    OpenRowsTokenMajor(open[layer], hkv, d, shape.dtype, rows, &k, &v, from);
+    st = spec_device->LaunchAttend(layer, q, k.data(), v.data(), from, rows);
+    attending = st.ok();
+  }
+  // 2. Layer + 1's selection on the speculation stream, meanwhile.
+  SpecInputs next;
+  if (st.ok() && q_next != nullptr) {
+    next = SpecInputsAt(layer + 1, level);
+    if (next.t_max > 0) {
+      const int r = skew->partial_columns(), group = shape.q_heads / hkv;
+      std::vector<std::vector<std::string_view>> parts(hkv);
+      std::string key = absl::StrCat(reinterpret_cast<uintptr_t>(skew.get()));
+      for (const RoundLayer* rl : next.vis) {
+        absl::StrAppend(&key, ":", rl->partial_serial, "/", rl->partial[0].size());
+        for (int h = 0; h < hkv; ++h) {
+          const std::vector<uint16_t>& pk = rl->partial[h];
+          parts[h].emplace_back(reinterpret_cast<const char*>(pk.data()),
+                                pk.size() * sizeof(uint16_t));
+        }
+      }
+      std::vector<float> qp(static_cast<size_t>(shape.q_heads) * r);
+      for (int j = 0; j < shape.q_heads; ++j) {
+        spec::SkewPartial(skew->heads[layer + 1][j / group], d, q_next + j * d, qp.data() + j * r);
+      }
+      st = spec_device->SetPartialKeys(layer + 1, key, parts);
+      if (st.ok()) {
+        st = spec_device->LaunchSelect(layer + 1, qp.data(), policy.speculation.alpha,
+                                       policy.speculation.budget);
+      }
+      selecting = st.ok();
+    }
+  }
+  // 3. The CPU's share while the GPU works: the hit-rate sample of this
+  // layer's picks, or this layer's attention when nothing was gathered.
+  if (st.ok() && gathered && gather.sample) SampleHitRate(layer, q, level);
+  if (st.ok() && !gathered) {
+    st = AttendLayer(shape, Visible(layer), open[layer], tokens, 1, q, out, level);
+  }
+  gather.layer = -1;
+  // 4. Layer + 1's tokens gathered from the pool and sent to the device.
+  if (selecting) {
+    absl::StatusOr<spec::Speculated> picked = spec_device->FinishSelect();
+    if (st.ok() && !picked.ok()) st = picked.status();
+    if (st.ok()) {
+      GatherPicked(layer + 1, next, *std::move(picked), level);
+      st = spec_device->UploadGathered(layer + 1, gather.k, gather.v);
+      if (!st.ok()) gather.layer = -1;
+    }
+  }
+  // 5. This layer's output.
+  if (attending) {
+    absl::Status done = spec_device->FinishAttend(out);
+    if (st.ok()) st = done;
+  }
+  if (!st.ok()) {
+    LogWarn("speculation on the device failed; the step is rolled back",
+            {{"session", key.ToString()}, {"layer", layer}, {"error", st.ToString()}});
+    RollBackStep();
+  }
+  return st;
 }
 
 absl::Status Engine::Session::Attend(int layer, int64_t n, const float* qs, const float* ks,
@@ -625,6 +724,7 @@ void Engine::Session::RollBackStep() {
 }
 
 void Engine::Session::CloseRound() {
+  if (spec_device != nullptr) spec_device->ResetMirror();
   spec_stats.clear();
   decode_steps = 0;
   gather = Gather();

@@ -52,6 +52,10 @@ struct RoundLayer {
   // owning session's lock, like the rest of the working set.
   mutable std::vector<std::vector<uint16_t>> partial;
   mutable const spec::SkewModel* partial_skew = nullptr;
+  // Names this `partial` among every layer's of the process (drawn each time
+  // it is made): the device keeps a layer's partial keys while the names of
+  // the rounds they came from stay the same.
+  mutable uint64_t partial_serial = 0;
   // Speculation's fetch counters, per KV head and token: how many decode
   // steps gathered the token. The host pool evicts the least fetched first.
   // Empty until the first gather (all zero). Guarded like `partial`.
@@ -69,6 +73,9 @@ struct RoundLayer {
     return f;
   }
 };
+
+// A name for a RoundLayer's partial keys made or changed now (never 0).
+uint64_t NewPartialSerial();
 
 // The working-set form of a segment of `layers` layers from its serialized
 // SegmentPayload: views into `payload`, no bytes copied. DATA_LOSS when it
@@ -121,12 +128,12 @@ struct OpenLayer {
   size_t HeldBytes() const { return k.capacity() + v.capacity() + q.capacity() * sizeof(float); }
 };
 
-// The open round's first `rows` rows of K and V as fp32, token-major
-// [rows, kv_heads, d]: what the step's new rows look like as they arrive, and
-// how the GPU's mirror of the open round holds them (a session arriving in a
-// hand-off loads its open round into the mirror this way).
+// The open round's rows [first, rows) of K and V as fp32, token-major
+// [rows - first, kv_heads, d]: what the step's new rows look like as they
+// arrive, and how the GPU's mirror of the open round holds them (a session
+// arriving in a hand-off loads its open round into the mirror this way).
 void OpenRowsTokenMajor(const OpenLayer& o, int kv_heads, int d, v1::DType dtype, int64_t rows,
-                        std::vector<float>* k, std::vector<float>* v);
+                        std::vector<float>* k, std::vector<float>* v, int64_t first = 0);
 
 // Where a session is in its round. Transitions (one place each):
 //   kIdle    --PrefillLayer(0)-->           kPrefill
@@ -229,6 +236,10 @@ class Engine::Session {
   std::vector<size_t> fetch_rounds ABSL_GUARDED_BY(mu);
   // Set when the working set is on the GPU.
   std::unique_ptr<DeviceSession> device ABSL_GUARDED_BY(mu);
+  // Set when a speculating session speculates and attends on the GPU
+  // (InfiniGen's split): its past rounds stay in the host pool, and
+  // DecodeOnDevice runs its decode steps. Never with `device`.
+  std::unique_ptr<DeviceSpeculator> spec_device ABSL_GUARDED_BY(mu);
   // Rounds the open round recalled without a fetch, and earlier ones whose
   // report to the store failed (one entry per recall).
   std::vector<uint32_t> round_resident ABSL_GUARDED_BY(mu), unreported_recalls ABSL_GUARDED_BY(mu);
@@ -301,6 +312,25 @@ class Engine::Session {
   // step's Attend at `layer` then reads instead of the past rounds.
   void Speculate(int layer, const float* q_next, KernelLevel level)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // What speculation at `layer` reads: the visible past rounds (their
+  // partial keys made) and each KV head's past tokens in them.
+  struct SpecInputs {
+    std::vector<const RoundLayer*> vis;
+    std::vector<int64_t> total;  // Per KV head.
+    int64_t t_max = 0;
+  };
+  SpecInputs SpecInputsAt(int layer, KernelLevel level) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Gathers the K/V of `picked` (the tokens speculation chose at `layer`)
+  // from the host pool into `gather`, counting fetches and figures.
+  void GatherPicked(int layer, const SpecInputs& in, spec::Speculated picked, KernelLevel level)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // A decode step's layer on a session with spec_device: the attention at
+  // `layer` on the GPU over the tokens gathered for it (on the CPU over the
+  // visible rounds when none were), and with q_next the selection of layer
+  // + 1's tokens on the GPU's other stream meanwhile, their gather from the
+  // pool and upload. Rolls the step back on failure.
+  absl::Status DecodeOnDevice(int layer, const float* q, float* out, const float* q_next,
+                              KernelLevel level) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // On a sampled step, scores `gather.picked` against this step's true
   // query q at `layer` (spec::Score) into spec_stats.
   void SampleHitRate(int layer, const float* q, KernelLevel level)

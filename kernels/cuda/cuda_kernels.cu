@@ -2,6 +2,8 @@
 #include <cuda_runtime.h>
 
 #include <cfloat>
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
 
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/seg_load.h"
@@ -287,6 +289,140 @@ __global__ void SegmentedAttentionKernel(SegDims g, const SegBlock* blocks, cons
   }
 }
 
+// ---- Speculation (SpeculateSelect) ----
+
+// A float's bits in an order that sorts as the floats do (finite values).
+__device__ __forceinline__ uint32_t OrderedKey(float f) {
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+}
+
+// One thread per (token, query head): the partial score, summed in column
+// order with separate roundings, as the CPU reference does.
+__global__ void SpecScoreKernel(SpecDims s, const float* qp, const uint16_t* pk,
+                                const int64_t* offsets, const int64_t* lens, float* scores) {
+  extern __shared__ float qs[];
+  const int j = blockIdx.y;
+  const int h = j / (s.q_heads / s.kv_heads);
+  for (int c = threadIdx.x; c < s.r; c += blockDim.x) qs[c] = qp[static_cast<int64_t>(j) * s.r + c];
+  __syncthreads();
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= lens[h]) return;
+  const uint16_t* row = pk + (offsets[h] + t) * s.r;
+  float acc = 0.0f;
+  for (int c = 0; c < s.r; ++c) acc = __fadd_rn(acc, __fmul_rn(qs[c], H2F(row[c])));
+  scores[static_cast<int64_t>(j) * s.max_tokens + t] = __fmul_rn(acc, s.scale);
+}
+
+constexpr int kCountThreads = 256;
+
+struct MaxOf {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// One block per query head: its best score, then the tokens within alpha.
+__global__ void SpecCountKernel(SpecDims s, const int64_t* lens, const float* scores, int* counts) {
+  using Reduce = cub::BlockReduce<float, kCountThreads>;
+  using Sum = cub::BlockReduce<int, kCountThreads>;
+  __shared__ union {
+    typename Reduce::TempStorage max;
+    typename Sum::TempStorage sum;
+  } tmp;
+  __shared__ float best_s;
+  const int j = blockIdx.x;
+  const int64_t len = lens[j / (s.q_heads / s.kv_heads)];
+  const float* row = scores + static_cast<int64_t>(j) * s.max_tokens;
+  float best = -INFINITY;
+  for (int64_t t = threadIdx.x; t < len; t += blockDim.x) best = fmaxf(best, row[t]);
+  best = Reduce(tmp.max).Reduce(best, MaxOf());
+  if (threadIdx.x == 0) best_s = best;
+  __syncthreads();
+  const float floor = __fsub_rn(best_s, s.alpha);
+  int n = 0;
+  for (int64_t t = threadIdx.x; t < len; t += blockDim.x) n += row[t] >= floor ? 1 : 0;
+  n = Sum(tmp.sum).Sum(n);
+  if (threadIdx.x == 0) counts[j] = n;
+}
+
+constexpr int kSelectThreads = 1024;
+
+// One block per query head: n from every head's count, then the head's top
+// min(n, len) tokens by a radix select on the scores' ordered bits (8 bits a
+// pass, most significant first), written in token order.
+__global__ void SpecSelectKernel(SpecDims s, const int64_t* lens, const float* scores,
+                                 const int* counts, int* n_out, int32_t* idx) {
+  using Scan = cub::BlockScan<int, kSelectThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ int hist[256];
+  __shared__ uint32_t prefix_s;
+  __shared__ int64_t k_s, take_s;
+  const int j = blockIdx.x;
+  const int64_t len = lens[j / (s.q_heads / s.kv_heads)];
+  const float* row = scores + static_cast<int64_t>(j) * s.max_tokens;
+  int32_t* out = idx + static_cast<int64_t>(j) * s.max_tokens;
+  if (threadIdx.x == 0) {
+    double mean = 0;
+    int64_t most = 0;
+    for (int i = 0; i < s.q_heads; ++i) {
+      mean += counts[i];
+      most = max(most, lens[i / (s.q_heads / s.kv_heads)]);
+    }
+    mean /= s.q_heads;
+    int64_t n = llround(mean);
+    if (s.budget > 0) n = min(n, static_cast<int64_t>(s.budget));
+    n = max(int64_t{1}, min(n, max(int64_t{1}, most)));
+    if (j == 0) *n_out = static_cast<int>(n);
+    take_s = min(n, len);
+  }
+  __syncthreads();
+  const int64_t take = take_s;
+  if (take == len) {
+    for (int64_t t = threadIdx.x; t < len; t += blockDim.x) out[t] = static_cast<int32_t>(t);
+    return;
+  }
+  // The take-th largest key: its bits, and how many keys equal to it are taken.
+  uint32_t prefix = 0, mask = 0;
+  int64_t k = take;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+    __syncthreads();
+    for (int64_t t = threadIdx.x; t < len; t += blockDim.x) {
+      const uint32_t key = OrderedKey(row[t]);
+      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int64_t left = k;
+      int digit = 255;
+      for (; digit > 0 && hist[digit] < left; --digit) left -= hist[digit];
+      prefix_s = prefix | (static_cast<uint32_t>(digit) << shift);
+      k_s = left;
+    }
+    __syncthreads();
+    prefix = prefix_s;
+    k = k_s;
+    mask |= 255u << shift;
+    __syncthreads();
+  }
+  // Every key above it, and the first k equal to it in token order.
+  int64_t eq_seen = 0, written = 0;
+  for (int64_t first = 0; first < len; first += blockDim.x) {
+    const int64_t t = first + threadIdx.x;
+    const uint32_t key = t < len ? OrderedKey(row[t]) : 0;
+    const int eq = t < len && key == prefix ? 1 : 0;
+    int eq_before = 0, eq_all = 0;
+    Scan(scan).ExclusiveSum(eq, eq_before, eq_all);
+    __syncthreads();
+    const int pick = t < len && (key > prefix || (eq != 0 && eq_seen + eq_before < k)) ? 1 : 0;
+    int at = 0, picked = 0;
+    Scan(scan).ExclusiveSum(pick, at, picked);
+    __syncthreads();
+    if (pick != 0) out[written + at] = static_cast<int32_t>(t);
+    eq_seen += eq_all;
+    written += picked;
+  }
+}
+
 }  // namespace
 
 int SegmentedAttention(const SegDims& dims, const SegBlock* blocks, const int* head_first,
@@ -301,6 +437,24 @@ int SegmentedAttention(const SegDims& dims, const SegBlock* blocks, const int* h
   const dim3 grid(static_cast<unsigned>(g.n), static_cast<unsigned>(g.q_heads));
   SegmentedAttentionKernel<<<grid, 256, g.d * sizeof(float), static_cast<cudaStream_t>(stream)>>>(
       g, blocks, head_first, q, scratch, out);
+  return cudaGetLastError();
+}
+
+int SpeculateSelect(const SpecDims& s, const float* qp, const uint16_t* pk, const int64_t* offsets,
+                    const int64_t* lens, float* scores, int* counts, int* n_out, int32_t* idx,
+                    void* stream) {
+  if (s.q_heads <= 0 || s.kv_heads <= 0 || s.q_heads % s.kv_heads != 0 || s.r <= 0 || s.r > 1024 ||
+      s.max_tokens < 0 || s.max_tokens > (int64_t{1} << 31) || s.budget < 0) {
+    return cudaErrorInvalidValue;
+  }
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (s.max_tokens > 0) {
+    const dim3 grid(static_cast<unsigned>((s.max_tokens + 255) / 256),
+                    static_cast<unsigned>(s.q_heads));
+    SpecScoreKernel<<<grid, 256, s.r * sizeof(float), st>>>(s, qp, pk, offsets, lens, scores);
+  }
+  SpecCountKernel<<<s.q_heads, kCountThreads, 0, st>>>(s, lens, scores, counts);
+  SpecSelectKernel<<<s.q_heads, kSelectThreads, 0, st>>>(s, lens, scores, counts, n_out, idx);
   return cudaGetLastError();
 }
 

@@ -146,6 +146,34 @@ struct SegDims {
 int SegmentedAttention(const SegDims& dims, const SegBlock* blocks, const int* head_first,
                        const float* q, float* scratch, float* out, void* stream);
 
+// InfiniGen's speculation on the device: kernels/speculation.h's Speculate
+// on the same inputs, after the skew. Query head j reads KV head
+// h = j / (q_heads / kv_heads), whose partial keys are the fp16 rows
+// [offsets[h], offsets[h] + lens[h]) of pk, r columns each; qp [q_heads, r] is
+// each query head's skewed partial query. Then
+//   scores[j, t] = scale * qp[j] . pk_h[t] (products and sums in order, no
+//                  fused multiply-add, as the CPU reference),
+//   counts[j]    = the tokens within alpha of head j's best score,
+//   *n_out       = round(mean of counts), capped at budget when it is above 0,
+//                  clamped to [1, max(1, max lens)],
+//   idx row j    = the head's top min(n, lens[h]) tokens under the order
+//                  (score, then earlier token), ascending.
+// offsets, lens, counts, n_out live on the device; scores and idx are
+// [q_heads, max_tokens], max_tokens >= every lens[h].
+struct SpecDims {
+  int q_heads = 0;
+  int kv_heads = 0;
+  int r = 0;  // Partial columns, <= 1024.
+  int64_t max_tokens = 0;
+  float scale = 0.0f;
+  float alpha = 4.0f;
+  int budget = 0;
+};
+
+int SpeculateSelect(const SpecDims& s, const float* qp, const uint16_t* pk, const int64_t* offsets,
+                    const int64_t* lens, float* scores, int* counts, int* n_out, int32_t* idx,
+                    void* stream);
+
 }  // namespace kvtier::cuda
 
 #endif  // KVTIER_KERNELS_CUDA_CUDA_KERNELS_H_

@@ -4,7 +4,9 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <random>
 #include <vector>
 
@@ -14,6 +16,7 @@
 #include "kernels/codec_internal.h"
 #include "kernels/flat_cache.h"
 #include "kernels/half.h"
+#include "kernels/speculation.h"
 #include "tests/util/status_matchers.h"
 
 namespace kvtier::cuda {
@@ -244,6 +247,111 @@ TEST(CudaFlatCacheTest, GatherAppendAttendMatchTheCpuCache) {
       ASSERT_NEAR(gpu[i], ref[i], 1e-4 + 1e-3 * std::fabs(ref[i])) << "d " << d << " " << i;
     }
   }
+}
+
+// SpeculateSelect against spec::Speculate on the same partial keys (an
+// identity skew, so the partial query is the query's first r columns).
+// Heads hold different token counts, as eviction leaves them. With small
+// integer values every score is exact on both sides, ties included, so the
+// picks must be equal token for token; with normal values they may differ
+// only between tokens whose scores are within rounding of the cut.
+void CheckSpeculation(bool integers, int budget, float alpha, uint32_t seed) {
+  const int q_heads = 8, kv_heads = 2, d = 64, r = 13, group = q_heads / kv_heads;
+  const std::vector<int64_t> lens = {3000, 1777};
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_int_distribution<int> small(-3, 3);
+  auto value = [&] { return integers ? static_cast<float>(small(rng)) : nd(rng); };
+  std::vector<spec::SkewHead> layer(kv_heads);
+  for (spec::SkewHead& sh : layer) {
+    sh.a.assign(static_cast<size_t>(d) * d, 0.0f);
+    for (int i = 0; i < d; ++i) sh.a[static_cast<size_t>(i) * d + i] = 1.0f;
+    for (int c = 0; c < r; ++c) sh.partial.push_back(c);
+  }
+  std::vector<float> qhat(static_cast<size_t>(q_heads) * d);
+  for (float& x : qhat) x = value();
+  std::vector<uint16_t> pk16;
+  std::vector<std::vector<float>> pk(kv_heads);
+  std::vector<int64_t> offsets;
+  for (int h = 0; h < kv_heads; ++h) {
+    offsets.push_back(static_cast<int64_t>(pk16.size()) / r);
+    for (int64_t i = 0; i < lens[h] * r; ++i) {
+      const uint16_t x = FloatToHalf(value());
+      pk16.push_back(x);
+      pk[h].push_back(HalfToFloat(x));
+    }
+  }
+  std::vector<const float*> pks = {pk[0].data(), pk[1].data()};
+  spec::SpeculationParams params;
+  params.alpha = alpha;
+  params.budget = budget;
+  const spec::Speculated want =
+      spec::Speculate(layer, qhat.data(), pks, lens, q_heads, kv_heads, d, params);
+  std::vector<float> qp(static_cast<size_t>(q_heads) * r);
+  for (int j = 0; j < q_heads; ++j) {
+    spec::SkewPartial(layer[j / group], d, qhat.data() + j * d, qp.data() + j * r);
+  }
+  const int64_t max_tokens = *std::max_element(lens.begin(), lens.end());
+  DeviceBuffer<float> d_qp(qp.size()), d_scores(q_heads * max_tokens);
+  DeviceBuffer<uint16_t> d_pk(pk16.size());
+  DeviceBuffer<int64_t> d_off(kv_heads), d_lens(kv_heads);
+  DeviceBuffer<int> d_counts(q_heads), d_n(1);
+  DeviceBuffer<int32_t> d_idx(q_heads * max_tokens);
+  d_qp.Upload(qp);
+  d_pk.Upload(pk16);
+  d_off.Upload(offsets);
+  d_lens.Upload(lens);
+  SpecDims s;
+  s.q_heads = q_heads;
+  s.kv_heads = kv_heads;
+  s.r = r;
+  s.max_tokens = max_tokens;
+  s.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  s.alpha = alpha;
+  s.budget = budget;
+  CUDA_OK(SpeculateSelect(s, d_qp.get(), d_pk.get(), d_off.get(), d_lens.get(), d_scores.get(),
+                          d_counts.get(), d_n.get(), d_idx.get(), nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<int> counts = d_counts.Download();
+  const int n = d_n.Download()[0];
+  const std::vector<int32_t> idx = d_idx.Download();
+  const std::vector<float> scores = d_scores.Download();
+  if (integers) {
+    EXPECT_EQ(counts, want.counts);
+    EXPECT_EQ(n, want.n);
+  } else {
+    EXPECT_NEAR(n, want.n, 1);
+  }
+  for (int j = 0; j < q_heads; ++j) {
+    const int64_t take = std::min<int64_t>(n, lens[j / group]);
+    std::vector<int32_t> got(idx.begin() + j * max_tokens, idx.begin() + j * max_tokens + take);
+    ASSERT_TRUE(std::is_sorted(got.begin(), got.end())) << "head " << j;
+    ASSERT_TRUE(std::adjacent_find(got.begin(), got.end()) == got.end()) << "head " << j;
+    if (integers || n == want.n) {
+      if (integers) {
+        EXPECT_EQ(got, want.tokens[j]) << "head " << j;
+        continue;
+      }
+      // Where the sets differ, the scores must sit at the cut.
+      std::vector<int32_t> only;
+      std::set_symmetric_difference(got.begin(), got.end(), want.tokens[j].begin(),
+                                    want.tokens[j].end(), std::back_inserter(only));
+      float cut = INFINITY;
+      for (int32_t t : want.tokens[j]) cut = std::min(cut, scores[j * max_tokens + t]);
+      for (int32_t t : only) {
+        EXPECT_NEAR(scores[j * max_tokens + t], cut, 1e-4f) << "head " << j << " token " << t;
+      }
+    }
+  }
+}
+
+TEST(CudaSpeculationTest, SelectionMatchesTheCpuReference) {
+  SKIP_WITHOUT_GPU();
+  CheckSpeculation(/*integers=*/true, /*budget=*/0, /*alpha=*/4.0f, 1);
+  CheckSpeculation(/*integers=*/true, /*budget=*/37, /*alpha=*/4.0f, 2);
+  CheckSpeculation(/*integers=*/true, /*budget=*/0, /*alpha=*/1000.0f, 3);  // A head takes all.
+  CheckSpeculation(/*integers=*/false, /*budget=*/0, /*alpha=*/2.0f, 4);
+  CheckSpeculation(/*integers=*/false, /*budget=*/64, /*alpha=*/6.0f, 5);
 }
 
 }  // namespace

@@ -296,6 +296,8 @@ class Session:
         self.effective_policy = opened.effective_policy
         self.next_round = opened.next_round
         self.on_device = opened.on_device
+        # Speculation runs on the worker's GPU (past rounds in its host pool).
+        self.speculation_on_device = opened.speculation_on_device
         self._decode: Optional[DecodeStream] = None
 
     def prefill(self, question_tokens: int = 0, transfer_to: str = "") -> PrefillStep:

@@ -173,6 +173,7 @@ absl::Status WorkerService::DoOpenSession(grpc::CallbackServerContext& ctx,
   *resp->mutable_effective_policy() = EffectivePolicy(requested, eff);
   KVT_ASSIGN_OR_RETURN(worker::SessionStats st, engine_->Stats(id));
   resp->set_on_device(st.on_device);
+  resp->set_speculation_on_device(st.speculation_on_device);
   resp->set_next_round(next_round);
   return absl::OkStatus();
 }
