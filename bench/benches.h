@@ -8,10 +8,11 @@
 
 namespace kvtier::bench {
 
-int StoreBench(int argc, char** argv);       // store_bench.cc
-int StoreScaleBench(int argc, char** argv);  // store_scale_bench.cc
-int TransferBench(int argc, char** argv);    // transfer_bench.cc
-int PoolBench(int argc, char** argv);        // pool_bench.cc
+int StoreBench(int argc, char** argv);        // store_bench.cc
+int StoreScaleBench(int argc, char** argv);   // store_scale_bench.cc
+int TransferBench(int argc, char** argv);     // transfer_bench.cc
+int PoolBench(int argc, char** argv);         // pool_bench.cc
+int SpeculationBench(int argc, char** argv);  // speculation_bench.cc
 
 // Sends `bytes_per_stream` over each of `streams` loopback TCP connections
 // to a forked child that discards them; returns GB/s (1e9 bytes/s).

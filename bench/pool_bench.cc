@@ -15,11 +15,8 @@
 #include <vector>
 
 #include "bench/benches.h"
-#include "client/store_segments.h"
-#include "kernels/half.h"
+#include "bench/engine_store.h"
 #include "kernels/speculation.h"
-#include "testing/store_process.h"
-#include "testing/test_util.h"
 #include "worker/engine.h"
 
 namespace kvtier::bench {
@@ -40,13 +37,6 @@ void Usage() {
                "  same inputs, same run). Prints the pool, the trims and EndRound's time.\n"
                "  --low=F (0 < F < 1) adds a third session with the same cap whose trims stop\n"
                "  at F of it (Policy.speculation_pool_low_bytes).\n");
-}
-
-std::vector<float> Draw(size_t n, std::mt19937* rng) {
-  std::normal_distribution<float> nd;
-  std::vector<float> x(n);
-  for (float& e : x) e = HalfToFloat(FloatToHalf(nd(*rng)));
-  return x;
 }
 
 }  // namespace
@@ -90,25 +80,14 @@ int PoolBench(int argc, char** argv) {
     Usage();
     return 2;
   }
-  testing::TempDir tmp;
-  testing::StoreProcess store(tmp.path() + "/db", {"--ram_budget_mb=8192", "--max_segment_mb=512",
-                                                   "--log_level=warn", "--sync_writes=false"});
-  if (absl::Status s = store.Start(); !s.ok()) {
-    std::fprintf(stderr, "kvtier-bench pool: %s\n", s.ToString().c_str());
-    return 1;
-  }
-  StoreClientOptions so;
-  so.target = store.target();
-  so.deadline = absl::Seconds(120);
-  auto client = StoreClient::Connect(so);
-  if (!client.ok()) {
-    std::fprintf(stderr, "kvtier-bench pool: %s\n", client.status().ToString().c_str());
-    return 1;
-  }
-  StoreSegments segments(std::move(*client));
+  auto store = EngineStore::Start(
+      "pool",
+      {"--ram_budget_mb=8192", "--max_segment_mb=512", "--log_level=warn", "--sync_writes=false"},
+      absl::Seconds(120));
+  if (store == nullptr) return 1;
   worker::EngineOptions eo;
   eo.placement = worker::EngineOptions::Placement::kHost;
-  worker::Engine engine(&segments, eo);
+  worker::Engine engine(store->segments(), eo);
 
   // A skew calibrated on random queries and keys (the trim's cost does not
   // depend on which tokens speculation picks, only on how many rows move).
@@ -123,7 +102,8 @@ int PoolBench(int argc, char** argv) {
   skew.partial_ratio = 0.2;
   skew.calibration_tokens = 64;
   for (int l = 0; l < shape.layers; ++l) {
-    const auto q = Draw(size_t{64} * hq * d, &rng), k = Draw(size_t{64} * hkv * d, &rng);
+    const auto q = DrawHalfExact(size_t{64} * hq * d, &rng),
+               k = DrawHalfExact(size_t{64} * hkv * d, &rng);
     auto heads = spec::CalibrateLayer(q.data(), k.data(), 64, hq, hkv, d, 0.2);
     if (!heads.ok()) {
       std::fprintf(stderr, "kvtier-bench pool: %s\n", heads.status().ToString().c_str());
@@ -167,17 +147,17 @@ int PoolBench(int argc, char** argv) {
     // One round's inputs, run through both sessions.
     std::vector<std::vector<float>> pq, pk, pv;
     for (int l = 0; l < shape.layers; ++l) {
-      pq.push_back(Draw(static_cast<size_t>(tokens) * hq * d, &rng));
-      pk.push_back(Draw(static_cast<size_t>(tokens) * hkv * d, &rng));
-      pv.push_back(Draw(static_cast<size_t>(tokens) * hkv * d, &rng));
+      pq.push_back(DrawHalfExact(static_cast<size_t>(tokens) * hq * d, &rng));
+      pk.push_back(DrawHalfExact(static_cast<size_t>(tokens) * hkv * d, &rng));
+      pv.push_back(DrawHalfExact(static_cast<size_t>(tokens) * hkv * d, &rng));
     }
     std::vector<std::vector<std::vector<float>>> dq(decode), dk(decode), dv(decode), dn(decode);
     for (int s = 0; s < decode; ++s) {
       for (int l = 0; l < shape.layers; ++l) {
-        dq[s].push_back(Draw(static_cast<size_t>(hq) * d, &rng));
-        dk[s].push_back(Draw(static_cast<size_t>(hkv) * d, &rng));
-        dv[s].push_back(Draw(static_cast<size_t>(hkv) * d, &rng));
-        dn[s].push_back(Draw(static_cast<size_t>(hq) * d, &rng));
+        dq[s].push_back(DrawHalfExact(static_cast<size_t>(hq) * d, &rng));
+        dk[s].push_back(DrawHalfExact(static_cast<size_t>(hkv) * d, &rng));
+        dv[s].push_back(DrawHalfExact(static_cast<size_t>(hkv) * d, &rng));
+        dn[s].push_back(DrawHalfExact(static_cast<size_t>(hq) * d, &rng));
       }
     }
     worker::EndRoundReport reps[3];

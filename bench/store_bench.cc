@@ -409,12 +409,14 @@ int main(int argc, char** argv) {
   if (what == "store-scale") return kvtier::bench::StoreScaleBench(argc - 2, argv + 2);
   if (what == "transfer") return kvtier::bench::TransferBench(argc - 2, argv + 2);
   if (what == "pool") return kvtier::bench::PoolBench(argc - 2, argv + 2);
+  if (what == "speculation") return kvtier::bench::SpeculationBench(argc - 2, argv + 2);
   std::fprintf(
       stderr,
       "usage: kvtier-bench store [--csv=FILE] ...        (kvtier-bench store --help)\n"
       "       kvtier-bench store-scale [--counts=...] ...  (kvtier-bench store-scale "
       "--help)\n"
       "       kvtier-bench transfer [--tokens=N] ...       (kvtier-bench transfer --help)\n"
-      "       kvtier-bench pool [--codec=C] [--cap=F] ...   (kvtier-bench pool --help)\n");
+      "       kvtier-bench pool [--codec=C] [--cap=F] ...   (kvtier-bench pool --help)\n"
+      "       kvtier-bench speculation [--tokens=N] ...   (kvtier-bench speculation --help)\n");
   return 2;
 }

@@ -1,5 +1,7 @@
 #include "kernels/speculation.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -8,6 +10,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/codec_internal.h"
 #include "kernels/crc32c.h"
 
 namespace kvtier::spec {
@@ -161,6 +164,62 @@ Speculated Speculate(const std::vector<SkewHead>& layer, const float* qhat,
                    kv_heads, d, p);
 }
 
+namespace {
+
+// PartialScores with 8 tokens at a time, one per lane: each block of 8 keys
+// is transposed into `block` (column c of the 8 at block[8c..8c+7]), then
+// every query sums over it in column order with separate roundings, as the
+// scalar loop does per token.
+__attribute__((target("avx2"))) void PartialScoresAvx2(const float* qp, int n_q, const float* keys,
+                                                       int64_t tokens, int r, float scale,
+                                                       float* const* scores) {
+  std::vector<float> block(static_cast<size_t>(r) * 8);
+  const __m256 sv = _mm256_set1_ps(scale);
+  int64_t t = 0;
+  for (; t + 8 <= tokens; t += 8) {
+    for (int j = 0; j < 8; ++j) {
+      const float* row = keys + (t + j) * r;
+      for (int c = 0; c < r; ++c) block[c * 8 + j] = row[c];
+    }
+    for (int i = 0; i < n_q; ++i) {
+      const float* q = qp + static_cast<size_t>(i) * r;
+      __m256 acc = _mm256_setzero_ps();
+      for (int c = 0; c < r; ++c) {
+        acc =
+            _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(q[c]), _mm256_loadu_ps(&block[c * 8])));
+      }
+      _mm256_storeu_ps(scores[i] + t, _mm256_mul_ps(acc, sv));
+    }
+  }
+  for (; t < tokens; ++t) {
+    for (int i = 0; i < n_q; ++i) {
+      const float* q = qp + static_cast<size_t>(i) * r;
+      float acc = 0;
+      for (int c = 0; c < r; ++c) acc += q[c] * keys[t * r + c];
+      scores[i][t] = acc * scale;
+    }
+  }
+}
+
+}  // namespace
+
+void PartialScores(const float* qp, int n_q, const float* keys, int64_t tokens, int r, float scale,
+                   float* const* scores) {
+  if (tokens == 0) return;
+  if (internal::SimdAvailable()) {
+    PartialScoresAvx2(qp, n_q, keys, tokens, r, scale, scores);
+    return;
+  }
+  for (int i = 0; i < n_q; ++i) {
+    const float* q = qp + static_cast<size_t>(i) * r;
+    for (int64_t t = 0; t < tokens; ++t) {
+      float acc = 0;
+      for (int c = 0; c < r; ++c) acc += q[c] * keys[t * r + c];
+      scores[i][t] = acc * scale;
+    }
+  }
+}
+
 Speculated Speculate(const std::vector<SkewHead>& layer, const float* qhat,
                      const std::vector<const float*>& partial_keys,
                      const std::vector<int64_t>& head_tokens, int q_heads, int kv_heads, int d,
@@ -171,23 +230,26 @@ Speculated Speculate(const std::vector<SkewHead>& layer, const float* qhat,
   std::vector<std::vector<float>> scores(q_heads);
   out.counts.assign(q_heads, 0);
   int64_t most = 0;
-  for (int h = 0; h < q_heads; ++h) {
-    const int64_t tokens = head_tokens[h / group];
+  for (int kh = 0; kh < kv_heads; ++kh) {
+    const int64_t tokens = head_tokens[kh];
     most = std::max(most, tokens);
-    scores[h].resize(tokens);
-    const SkewHead& s = layer[h / group];
+    const SkewHead& s = layer[kh];
     const int r = static_cast<int>(s.partial.size());
-    std::vector<float> qp(r);
-    SkewPartial(s, d, qhat + static_cast<size_t>(h) * d, qp.data());
-    const float* pk = partial_keys[h / group];
-    float best = -INFINITY;
-    for (int64_t t = 0; t < tokens; ++t) {
-      float acc = 0;
-      for (int c = 0; c < r; ++c) acc += qp[c] * pk[t * r + c];
-      scores[h][t] = acc * scale;
-      best = std::max(best, scores[h][t]);
+    std::vector<float> qp(static_cast<size_t>(group) * r);
+    std::vector<float*> rows(group);
+    for (int g = 0; g < group; ++g) {
+      const int h = kh * group + g;
+      scores[h].resize(tokens);
+      rows[g] = scores[h].data();
+      SkewPartial(s, d, qhat + static_cast<size_t>(h) * d, qp.data() + static_cast<size_t>(g) * r);
     }
-    for (int64_t t = 0; t < tokens; ++t) out.counts[h] += scores[h][t] >= best - p.alpha;
+    PartialScores(qp.data(), group, partial_keys[kh], tokens, r, scale, rows.data());
+    for (int g = 0; g < group; ++g) {
+      const int h = kh * group + g;
+      float best = -INFINITY;
+      for (int64_t t = 0; t < tokens; ++t) best = std::max(best, scores[h][t]);
+      for (int64_t t = 0; t < tokens; ++t) out.counts[h] += scores[h][t] >= best - p.alpha;
+    }
   }
   double mean = 0;
   for (int c : out.counts) mean += c;

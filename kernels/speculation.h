@@ -73,6 +73,14 @@ void Skew(const SkewHead& h, int d, const float* v, float* out);
 // out[r] = (v A)[partial]: r = h.partial.size().
 void SkewPartial(const SkewHead& h, int d, const float* v, float* out);
 
+// The scores Speculate ranks by, for n_q queries qp [n_q, r] (skewed and cut
+// to the partial columns) against the same keys [tokens, r]:
+// scores[i][t] = scale * qp[i] . keys[t], summed in column order with a
+// rounding after every product and every sum (no fused multiply-add), so
+// that every path (AVX2 or not) and cuda::SpeculateSelect give the same bits.
+void PartialScores(const float* qp, int n_q, const float* keys, int64_t tokens, int r, float scale,
+                   float* const* scores);
+
 struct SpeculationParams {
   float alpha = 4.0f;  // Softmax-logit units below the head's best score.
   int budget = 0;      // Cap on n; 0: none.

@@ -1,6 +1,7 @@
 #include "kernels/speculation.h"
 
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 
@@ -165,6 +166,39 @@ TEST(SpeculateTest, MatchesALonghandComputation) {
         }
         EXPECT_GE(lowest_in + 1e-4, highest_out);
         EXPECT_TRUE(std::is_sorted(s.tokens[h].begin(), s.tokens[h].end()));
+      }
+    }
+  }
+}
+
+// The scores speculation ranks by are the scalar loop's bits on every path
+// (the AVX2 path sums 8 tokens at a time, one per lane), so that picks at
+// the cut and counts at alpha agree with cuda::SpeculateSelect's.
+TEST(SpeculateTest, PartialScoresAreTheScalarLoopsBits) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  for (int r : {1, 7, 26, 32}) {
+    for (int64_t tokens : {int64_t{1}, int64_t{8}, int64_t{13}, int64_t{1001}}) {
+      const int n_q = 3;
+      std::vector<float> qp(static_cast<size_t>(n_q) * r), keys(static_cast<size_t>(tokens) * r);
+      for (float& x : qp) x = nd(rng);
+      for (float& x : keys) x = nd(rng);
+      const float scale = 1.0f / std::sqrt(128.0f);
+      std::vector<std::vector<float>> got(n_q, std::vector<float>(tokens));
+      std::vector<float*> rows = {got[0].data(), got[1].data(), got[2].data()};
+      PartialScores(qp.data(), n_q, keys.data(), tokens, r, scale, rows.data());
+      for (int i = 0; i < n_q; ++i) {
+        for (int64_t t = 0; t < tokens; ++t) {
+          volatile float acc = 0;  // One rounding per product and per sum.
+          for (int c = 0; c < r; ++c) {
+            volatile float prod = qp[i * r + c] * keys[t * r + c];
+            acc = acc + prod;
+          }
+          const float want = acc * scale;
+          ASSERT_EQ(std::memcmp(&got[i][t], &want, sizeof(float)), 0)
+              << "r " << r << " tokens " << tokens << " query " << i << " token " << t << ": "
+              << got[i][t] << " against " << want;
+        }
       }
     }
   }

@@ -26,6 +26,7 @@ BINARIES=(
   services/worker/kvtier-worker
   refengine/kvtier-engine
   bench/kvtier-gpu-bench
+  bench/kvtier-bench
 )
 if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
   echo "gpu_bundle: $BUILD_DIR is not a configured build (make build first)" >&2

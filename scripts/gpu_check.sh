@@ -7,7 +7,8 @@
 #      prefill worker hands each round to a decode worker, both on the GPU:
 #      CUDA IPC), and with two GPUs PD=1 with a worker on each (NCCL);
 #   3. kvtier-gpu-bench: the attention kernel against the device's copy
-#      bandwidth, checked against a float64 reference.
+#      bandwidth, checked against a float64 reference; kvtier-bench
+#      speculation: a speculating layer's time on the GPU against dense.
 # Each step's log goes to $OUT when set (the device tool's folder), else to
 # out/ beside this script; the last lines of each are printed, then a
 # summary. Exits 1 when a step fails, or when a GPU test skipped (the device
@@ -80,6 +81,8 @@ if [ "${GPUS:-0}" -ge 2 ]; then
   fi
 fi
 run gpu_bench "$HERE/build/bench/kvtier-gpu-bench" --csv="$LOGS/gpu_bench.csv"
+# Speculation's per-layer time on the GPU against dense attention there.
+run spec_bench "$HERE/build/bench/kvtier-bench" speculation --cpu=false
 echo
 echo "== summary"
 printf '%s\n' "${SUMMARY[@]}"

@@ -500,10 +500,17 @@ void Engine::Session::Speculate(int layer, const float* q_next, KernelLevel leve
   const int hkv = shape.kv_heads;
   // Past tokens' partial keys per KV head (eviction keeps a different count
   // per head), concatenated in the rounds' order.
+  const int r = skew->partial_columns();
   std::vector<std::vector<float>> pk(hkv);
-  for (const RoundLayer* rl : in.vis) {
-    for (int h = 0; h < hkv; ++h) {
-      for (uint16_t x : rl->partial[h]) pk[h].push_back(HalfToFloat(x));
+  for (int h = 0; h < hkv; ++h) {
+    pk[h].resize(static_cast<size_t>(in.total[h]) * r);
+    float* at = pk[h].data();
+    for (const RoundLayer* rl : in.vis) {
+      const int64_t len = rl->heads[h].len;
+      if (len == 0) continue;
+      DecodeRows(EncodedView::Raw(v1::DTYPE_FP16, rl->partial[h].data(), 1, len, r, 0, r), 0, 0,
+                 len, at, level);
+      at += len * r;
     }
   }
   std::vector<const float*> pks(hkv);

@@ -1,0 +1,257 @@
+// kvtier-bench speculation: what a speculating decode layer costs against
+// dense attention over the same past rounds, through the worker engine (in
+// this process, over one kvtier-store process). Four sessions get the same
+// inputs: a past round of --tokens tokens (encoded with --codec, kept
+// resident), then a short prefill and --decode decode steps, each layer with
+// its next layer's query:
+//   cpu dense        host working set, no speculation;
+//   cpu speculation  host working set, speculation (docs/speculation.md);
+//   gpu dense        the working set on the GPU (placement device);
+//   gpu speculation  past rounds in the host pool, selection, gather upload
+//                    and attention on the GPU's two streams.
+// The GPU rows need a CUDA device; without one they say so. Per session: the
+// median wall time of one DecodeLayer at layers 1 and up (layer 0 always
+// attends densely), and the same-run ratio against its placement's dense
+// session. The skew is the identity (the first --partial columns): the cost
+// does not depend on which tokens are picked, only on how many, and
+// --budget fixes that (alpha is set so high that every head's count is
+// every token, so n = the budget).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/benches.h"
+#include "bench/engine_store.h"
+#include "kernels/speculation.h"
+#include "worker/device_attention.h"
+#include "worker/engine.h"
+
+namespace kvtier::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void Usage() {
+  std::fprintf(
+      stderr,
+      "kvtier-bench speculation [--layers=8] [--q_heads=32] [--kv_heads=8] [--head_dim=128]\n"
+      "                         [--tokens=4096] [--budget=256] [--partial=26] [--decode=8]\n"
+      "                         [--codec=kivi4] [--cpu=true]\n"
+      "  Per-layer decode time of a speculating session against dense attention over the\n"
+      "  same past round, on the CPU and (with a CUDA device) on the GPU; same inputs,\n"
+      "  same run. --cpu=false runs the GPU sessions only.\n");
+}
+
+struct Session {
+  const char* name = "";
+  worker::Engine* engine = nullptr;
+  bool speculates = false;
+  std::vector<double> layer_ms;  // Decode layers 1 and up.
+  bool ran = false;
+  std::string why;  // Why it did not run.
+};
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int SpeculationBench(int argc, char** argv) {
+  worker::ModelShape shape{8, 32, 8, 128, v1::DTYPE_FP16};
+  int64_t tokens = 4096;
+  int budget = 256, partial = 26, decode = 8;
+  std::string codec = "kivi4";
+  bool cpu = true;
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&](const char* flag) { return FlagValue(a, flag); };
+    if (const char* v = value("--layers=")) {
+      shape.layers = std::atoi(v);
+    } else if (const char* v = value("--q_heads=")) {
+      shape.q_heads = std::atoi(v);
+    } else if (const char* v = value("--kv_heads=")) {
+      shape.kv_heads = std::atoi(v);
+    } else if (const char* v = value("--head_dim=")) {
+      shape.head_dim = std::atoi(v);
+    } else if (const char* v = value("--tokens=")) {
+      tokens = std::atoll(v);
+    } else if (const char* v = value("--budget=")) {
+      budget = std::atoi(v);
+    } else if (const char* v = value("--partial=")) {
+      partial = std::atoi(v);
+    } else if (const char* v = value("--decode=")) {
+      decode = std::atoi(v);
+    } else if (const char* v = value("--codec=")) {
+      codec = v;
+    } else if (const char* v = value("--cpu=")) {
+      cpu = std::string(v) != "false";
+    } else {
+      Usage();
+      return a == "--help" ? 0 : 2;
+    }
+  }
+  auto config = ParseCodecSetting(codec);
+  if (shape.layers < 2 || shape.kv_heads < 1 || shape.q_heads % shape.kv_heads != 0 ||
+      shape.head_dim < 8 || tokens < 2 || budget < 1 || partial < 1 || partial > shape.head_dim ||
+      decode < 1 || !config.ok()) {
+    Usage();
+    return 2;
+  }
+  auto store = EngineStore::Start(
+      "speculation",
+      {"--ram_budget_mb=16384", "--max_segment_mb=1024", "--log_level=warn", "--sync_writes=false"},
+      absl::Seconds(300));
+  if (store == nullptr) return 1;
+  worker::EngineOptions host_opts, device_opts;
+  host_opts.placement = worker::EngineOptions::Placement::kHost;
+  device_opts.placement = worker::EngineOptions::Placement::kDevice;
+  worker::Engine host(store->segments(), host_opts), device(store->segments(), device_opts);
+
+  const int d = shape.head_dim, hq = shape.q_heads, hkv = shape.kv_heads;
+  spec::SkewModel skew;
+  skew.model = "identity";
+  skew.layers = shape.layers;
+  skew.q_heads = hq;
+  skew.kv_heads = hkv;
+  skew.head_dim = d;
+  skew.partial_ratio = static_cast<double>(partial) / d;
+  skew.calibration_tokens = 0;
+  spec::SkewHead identity;
+  identity.a.assign(static_cast<size_t>(d) * d, 0.0f);
+  for (int i = 0; i < d; ++i) identity.a[static_cast<size_t>(i) * d + i] = 1.0f;
+  for (int c = 0; c < partial; ++c) identity.partial.push_back(c);
+  skew.heads.assign(shape.layers, std::vector<spec::SkewHead>(hkv, identity));
+  const std::string skew_bytes = spec::SerializeSkew(skew);
+  std::string skew_id;
+  for (worker::Engine* e : {&host, &device}) {
+    auto id = e->PutSkew(skew_bytes);
+    if (!id.ok()) {
+      std::fprintf(stderr, "kvtier-bench speculation: %s\n", id.status().ToString().c_str());
+      return 1;
+    }
+    skew_id = *id;
+  }
+  worker::SessionPolicy dense;
+  dense.codec = *config;
+  dense.recall.mode = RecallMode::kAll;
+  dense.release_after_end_round = false;
+  worker::SessionPolicy speculating = dense;
+  speculating.speculation.skew = skew_id;
+  speculating.speculation.alpha = 1e30f;  // Every token counts: n = the budget.
+  speculating.speculation.budget = budget;
+
+  std::printf(
+      "kvtier-bench speculation: %d layers, %d q / %d kv heads of %d, %s past round of %lld "
+      "tokens, budget %d tokens per head, %d partial columns, %d decode steps\n",
+      shape.layers, hq, hkv, d, CodecSettingName(*config).c_str(), static_cast<long long>(tokens),
+      budget, partial, decode);
+  std::mt19937 rng(9);
+  std::vector<std::vector<float>> pq, pk, pv;
+  for (int l = 0; l < shape.layers; ++l) {
+    pq.push_back(DrawHalfExact(static_cast<size_t>(tokens) * hq * d, &rng));
+    pk.push_back(DrawHalfExact(static_cast<size_t>(tokens) * hkv * d, &rng));
+    pv.push_back(DrawHalfExact(static_cast<size_t>(tokens) * hkv * d, &rng));
+  }
+  constexpr int64_t kQuestion = 16;
+  std::vector<std::vector<float>> qq, qk, qv;
+  for (int l = 0; l < shape.layers; ++l) {
+    qq.push_back(DrawHalfExact(static_cast<size_t>(kQuestion) * hq * d, &rng));
+    qk.push_back(DrawHalfExact(static_cast<size_t>(kQuestion) * hkv * d, &rng));
+    qv.push_back(DrawHalfExact(static_cast<size_t>(kQuestion) * hkv * d, &rng));
+  }
+  std::vector<std::vector<std::vector<float>>> dq(decode), dk(decode), dv(decode), dn(decode);
+  for (int s = 0; s < decode; ++s) {
+    for (int l = 0; l < shape.layers; ++l) {
+      dq[s].push_back(DrawHalfExact(static_cast<size_t>(hq) * d, &rng));
+      dk[s].push_back(DrawHalfExact(static_cast<size_t>(hkv) * d, &rng));
+      dv[s].push_back(DrawHalfExact(static_cast<size_t>(hkv) * d, &rng));
+      dn[s].push_back(DrawHalfExact(static_cast<size_t>(hq) * d, &rng));
+    }
+  }
+
+  std::vector<Session> sessions(4);
+  sessions[0] = {"cpu dense", &host, false, {}, false, {}};
+  sessions[1] = {"cpu speculation", &host, true, {}, false, {}};
+  sessions[2] = {"gpu dense", &device, false, {}, false, {}};
+  sessions[3] = {"gpu speculation", &device, true, {}, false, {}};
+  for (size_t i = 0; i < sessions.size(); ++i) {
+    Session& s = sessions[i];
+    const worker::SessionKey id(absl::StrCat("spec-", i));
+    const bool on_gpu = s.engine == &device;
+    if (on_gpu && !worker::DeviceUsable()) {
+      s.why = std::string(worker::DeviceStatus().message());
+      continue;
+    }
+    if (!on_gpu && !cpu) {
+      s.why = "--cpu=false";
+      continue;
+    }
+    std::fprintf(stderr, "%s...\n", s.name);
+    auto fail = [&](const absl::Status& st) {
+      std::fprintf(stderr, "kvtier-bench speculation: %s: %s\n", s.name, st.ToString().c_str());
+      return 1;
+    };
+    if (absl::Status st = s.engine->OpenSession(id, shape, s.speculates ? speculating : dense);
+        !st.ok()) {
+      return fail(st);
+    }
+    auto stats = s.engine->Stats(id);
+    if (!stats.ok()) return fail(stats.status());
+    if (on_gpu && (s.speculates ? !stats->speculation_on_device : !stats->on_device)) {
+      return fail(absl::InternalError("the session is not on the GPU"));
+    }
+    std::vector<float> out(static_cast<size_t>(tokens) * hq * d);
+    for (int l = 0; l < shape.layers; ++l) {
+      auto st = s.engine->PrefillLayer(id, l, tokens, 0, pq[l].data(), pk[l].data(), pv[l].data(),
+                                       out.data());
+      if (!st.ok()) return fail(st.status());
+    }
+    if (auto rep = s.engine->EndRound(id); !rep.ok()) return fail(rep.status());
+    for (int l = 0; l < shape.layers; ++l) {
+      auto st = s.engine->PrefillLayer(id, l, kQuestion, kQuestion, qq[l].data(), qk[l].data(),
+                                       qv[l].data(), out.data());
+      if (!st.ok()) return fail(st.status());
+    }
+    for (int step = 0; step < decode; ++step) {
+      for (int l = 0; l < shape.layers; ++l) {
+        const auto t0 = Clock::now();
+        absl::Status st = s.engine->DecodeLayer(
+            id, l, dq[step][l].data(), dk[step][l].data(), dv[step][l].data(), out.data(),
+            s.speculates && l + 1 < shape.layers ? dn[step][l].data() : nullptr);
+        const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+        if (!st.ok()) return fail(st);
+        if (l >= 1) s.layer_ms.push_back(ms);
+      }
+    }
+    if (auto rep = s.engine->EndRound(id); !rep.ok()) return fail(rep.status());
+    (void)s.engine->CloseSession(id, /*delete_from_store=*/true, {});
+    s.ran = true;
+  }
+  std::printf(
+      "\n| session | ms per decode layer (median, layers 1+) | against dense, same placement |\n");
+  std::printf("|---|---|---|\n");
+  for (size_t i = 0; i < sessions.size(); ++i) {
+    const Session& s = sessions[i];
+    if (!s.ran) {
+      std::printf("| %s | not run: %s | |\n", s.name, s.why.c_str());
+      continue;
+    }
+    const double ms = Median(s.layer_ms);
+    const Session& base = sessions[i & ~size_t{1}];
+    if (s.speculates && base.ran) {
+      std::printf("| %s | %.3f | %.2fx |\n", s.name, ms, ms / Median(base.layer_ms));
+    } else {
+      std::printf("| %s | %.3f | |\n", s.name, ms);
+    }
+  }
+  return 0;
+}
+
+}  // namespace kvtier::bench
