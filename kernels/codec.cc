@@ -1056,6 +1056,19 @@ void DecodeRows(const EncodedView& v, int64_t s, int64_t t0, int64_t t1, float* 
   if (v.codec == v1::CODEC_RAW) {
     const int64_t base = s * v.slab_stride;
     for (int64_t t = t0; t < t1; ++t) {
+      const int64_t at = base + t * v.token_stride;
+      float* o = out + (t - t0) * d;
+      // Whole rows at once (raw rows need not be aligned: byte offsets, and
+      // WidenSimd reads with unaligned loads).
+      const auto* bytes = static_cast<const uint8_t*>(v.raw);
+      if (v.dtype == v1::DTYPE_FP32) {
+        std::memcpy(o, bytes + at * sizeof(float), sizeof(float) * d);
+        continue;
+      }
+      if (UseSimd(level) && internal::WidenSimd(reinterpret_cast<const uint16_t*>(bytes + at * 2),
+                                                v.dtype == v1::DTYPE_BF16, d, o)) {
+        continue;
+      }
       for (int c = 0; c < d; ++c) {
         out[(t - t0) * d + c] =
             internal::LoadElement(v.dtype, v.raw, base + t * v.token_stride + c);

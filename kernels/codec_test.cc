@@ -1,6 +1,7 @@
 #include "kernels/codec.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -354,6 +355,43 @@ TEST(GearTest, OutliersAreEachRowsExtremes) {
             got.push_back(pos);
           }
           ASSERT_EQ(got, want) << "slab " << s << " row " << row;
+        }
+      }
+    }
+  }
+}
+
+// Raw rows widen whole (memcpy for fp32, SIMD for fp16 and bf16) to what
+// the element loads give, for any width, token stride and byte offset.
+TEST(CodecTest, RawRowsDecodeToTheirElements) {
+  std::mt19937 rng(29);
+  std::normal_distribution<float> nd;
+  for (v1::DType dtype : {v1::DTYPE_FP32, v1::DTYPE_FP16, v1::DTYPE_BF16}) {
+    const int es = dtype == v1::DTYPE_FP32 ? 4 : 2;
+    for (int d : {1, 7, 26, 128}) {
+      for (int64_t stride : {int64_t{d}, int64_t{d} + 3}) {
+        const int64_t tokens = 9;
+        // One byte in: rows at odd addresses.
+        std::vector<uint8_t> buf(1 + static_cast<size_t>(tokens * stride * es));
+        for (int64_t i = 0; i < tokens * stride; ++i) {
+          const float f = nd(rng);
+          if (dtype == v1::DTYPE_FP32) {
+            std::memcpy(buf.data() + 1 + i * 4, &f, 4);
+          } else {
+            const uint16_t h = dtype == v1::DTYPE_FP16 ? FloatToHalf(f) : FloatToBf16(f);
+            std::memcpy(buf.data() + 1 + i * 2, &h, 2);
+          }
+        }
+        const EncodedView v = EncodedView::Raw(dtype, buf.data() + 1, 1, tokens, d, 0, stride);
+        for (KernelLevel level : {KernelLevel::kReference, KernelLevel::kBest}) {
+          std::vector<float> got(static_cast<size_t>((tokens - 2) * d));
+          DecodeRows(v, 0, 2, tokens, got.data(), level);
+          for (int64_t t = 2; t < tokens; ++t) {
+            for (int c = 0; c < d; ++c) {
+              ASSERT_EQ(got[(t - 2) * d + c], internal::LoadElement(dtype, v.raw, t * stride + c))
+                  << "dtype " << dtype << " d " << d << " stride " << stride << " row " << t;
+            }
+          }
         }
       }
     }

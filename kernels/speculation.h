@@ -72,6 +72,9 @@ absl::StatusOr<std::vector<SkewHead>> CalibrateLayer(const float* q, const float
 void Skew(const SkewHead& h, int d, const float* v, float* out);
 // out[r] = (v A)[partial]: r = h.partial.size().
 void SkewPartial(const SkewHead& h, int d, const float* v, float* out);
+// SkewPartial of each of n rows [n, d] into out [n, r], with its bits (4
+// rows at a time on AVX2).
+void SkewPartialRows(const SkewHead& h, int d, const float* rows, int64_t n, float* out);
 
 // The scores Speculate ranks by, for n_q queries qp [n_q, r] (skewed and cut
 // to the partial columns) against the same keys [tokens, r]:

@@ -204,6 +204,26 @@ TEST(SpeculateTest, PartialScoresAreTheScalarLoopsBits) {
   }
 }
 
+// Partial keys made 4 rows at a time are SkewPartial's, bit for bit.
+TEST(SpeculateTest, SkewPartialRowsIsSkewPartialPerRow) {
+  Calibration c;
+  for (double ratio : {0.25, 0.6, 1.0}) {
+    auto layer = CalibrateLayer(c.q.data(), c.k.data(), c.t, c.hq, c.hkv, c.d, ratio);
+    ASSERT_TRUE(layer.ok());
+    const SkewHead& h = (*layer)[1];
+    const int r = static_cast<int>(h.partial.size());
+    for (int64_t n : {int64_t{1}, int64_t{4}, int64_t{7}, int64_t{150}}) {
+      std::vector<float> got(static_cast<size_t>(n) * r), want(r);
+      SkewPartialRows(h, c.d, c.k.data(), n, got.data());
+      for (int64_t t = 0; t < n; ++t) {
+        SkewPartial(h, c.d, c.k.data() + t * c.d, want.data());
+        ASSERT_EQ(std::memcmp(got.data() + t * r, want.data(), sizeof(float) * r), 0)
+            << "ratio " << ratio << " row " << t << " of " << n;
+      }
+    }
+  }
+}
+
 TEST(SpeculateTest, ScoreOfTheTrueTopSetIsOne) {
   // One head, d = 2, keys along the query with rising weight.
   const int T = 6, d = 2;

@@ -467,12 +467,10 @@ void EnsurePartial(const RoundLayer& rl, const spec::SkewModel& skew, int layer,
     if (hk.len > 0) DecodeRows(hk.kview, 0, 0, hk.len, rows.data(), level);
     std::vector<uint16_t>& pk = rl.partial[h];
     pk.resize(static_cast<size_t>(hk.len) * r);
-    std::vector<float> row(r);
-    for (int64_t t = 0; t < hk.len; ++t) {
-      spec::SkewPartial(skew.heads[layer][h], d, rows.data() + t * d, row.data());
-      for (int c = 0; c < r; ++c) {
-        pk[t * r + c] = FloatToHalf(std::clamp(row[c], -kHalfMax, kHalfMax));
-      }
+    std::vector<float> skewed(static_cast<size_t>(hk.len) * r);
+    spec::SkewPartialRows(skew.heads[layer][h], d, rows.data(), hk.len, skewed.data());
+    for (size_t i = 0; i < skewed.size(); ++i) {
+      pk[i] = FloatToHalf(std::clamp(skewed[i], -kHalfMax, kHalfMax));
     }
   }
   rl.partial_skew = &skew;
