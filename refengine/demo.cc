@@ -863,11 +863,17 @@ std::string RenderText(const DemoReport& r) {
                           r.sessions.size(), r.rounds, r.tokens_per_round, r.layers, r.policy,
                           r.seconds);
   }
-  int on_gpu = 0;
-  for (const DemoSession& d : r.sessions) on_gpu += d.on_device ? 1 : 0;
+  int on_gpu = 0, spec_on_gpu = 0;
+  for (const DemoSession& d : r.sessions) {
+    on_gpu += d.on_device ? 1 : 0;
+    spec_on_gpu += d.speculation_on_device ? 1 : 0;
+  }
   absl::StrAppendFormat(
       &s, "working sets: %s\n\n",
-      on_gpu == 0 ? "host memory (the worker has no GPU, or runs --placement=host)"
+      on_gpu == 0 && spec_on_gpu > 0
+          ? "host memory (speculating sessions keep their past rounds in the host pool; "
+            "the GPU holds what they gather)"
+      : on_gpu == 0 ? "host memory (the worker has no GPU, or runs --placement=host)"
       : on_gpu == static_cast<int>(r.sessions.size())
           ? "GPU memory"
           : absl::StrFormat("GPU memory for %d of %zu sessions", on_gpu, r.sessions.size()));
