@@ -111,6 +111,69 @@ class CudaLayer : public DeviceLayer {
   std::vector<int64_t> lens;
 };
 
+// KV head h's block of an open-round mirror: fp32 rows token-major
+// [tokens, kv_heads, d] at k and v, attended causally.
+cuda::SegBlock OpenMirrorBlock(const float* k, const float* v, int64_t tokens, int kv_heads, int d,
+                               int h) {
+  cuda::SegBlock open;
+  open.tokens = tokens;
+  open.causal = 1;
+  open.k.dtype = open.v.dtype = 0;
+  open.k.token_stride = open.v.token_stride = static_cast<int64_t>(kv_heads) * d;
+  open.k.raw = k + h * d;
+  open.v.raw = v + h * d;
+  return open;
+}
+
+// The device side of one cuda::SegmentedAttention call: its blocks, queries,
+// output and scratch, reused from call to call.
+class SegmentedCall {
+ public:
+  // Uploads blocks, first (kv_heads + 1 entries) and q [n, q_heads, d] on
+  // `stream`, makes it wait for `wait` (when set), and launches the kernel.
+  absl::Status Launch(const std::vector<cuda::SegBlock>& blocks, const std::vector<int>& first,
+                      const float* q, const cuda::SegDims& g, cudaStream_t stream,
+                      cudaEvent_t wait = nullptr) {
+    const size_t bbytes = blocks.size() * sizeof(cuda::SegBlock);
+    const size_t fbytes = first.size() * sizeof(int);
+    qbytes_ = static_cast<size_t>(g.n) * g.q_heads * g.d * sizeof(float);
+    KVT_RETURN_IF_ERROR(meta_.Reserve(bbytes + fbytes));
+    KVT_RETURN_IF_ERROR(q_.Reserve(qbytes_));
+    KVT_RETURN_IF_ERROR(out_.Reserve(qbytes_));
+    KVT_RETURN_IF_ERROR(
+        scratch_.Reserve(static_cast<size_t>(g.n) * g.q_heads * g.max_tokens * sizeof(float)));
+    // Staged in one host buffer so that the async copies read stable memory.
+    staging_.resize(bbytes + fbytes);
+    std::memcpy(staging_.data(), blocks.data(), bbytes);
+    std::memcpy(staging_.data() + bbytes, first.data(), fbytes);
+    KVT_CUDA(cudaMemcpyAsync(meta_.as<uint8_t>(), staging_.data(), bbytes + fbytes,
+                             cudaMemcpyHostToDevice, stream),
+             "upload blocks");
+    KVT_CUDA(cudaMemcpyAsync(q_.as<float>(), q, qbytes_, cudaMemcpyHostToDevice, stream),
+             "upload q");
+    if (wait != nullptr) KVT_CUDA(cudaStreamWaitEvent(stream, wait, 0), "cudaStreamWaitEvent");
+    KVT_CUDA(static_cast<cudaError_t>(cuda::SegmentedAttention(
+                 g, meta_.as<cuda::SegBlock>(),
+                 reinterpret_cast<const int*>(meta_.as<uint8_t>() + bbytes), q_.as<float>(),
+                 scratch_.as<float>(), out_.as<float>(), stream)),
+             "SegmentedAttention");
+    return absl::OkStatus();
+  }
+  // Copies the launched call's output to `out` and waits for it.
+  absl::Status Finish(float* out, cudaStream_t stream) {
+    KVT_CUDA(cudaMemcpyAsync(out, out_.as<float>(), qbytes_, cudaMemcpyDeviceToHost, stream),
+             "download out");
+    KVT_CUDA(cudaStreamSynchronize(stream), "attention");
+    return absl::OkStatus();
+  }
+  size_t bytes() const { return meta_.size() + q_.size() + out_.size() + scratch_.size(); }
+
+ private:
+  DeviceBuffer meta_, q_, out_, scratch_;
+  std::vector<uint8_t> staging_;
+  size_t qbytes_ = 0;
+};
+
 class CudaSession : public DeviceSession {
  public:
   CudaSession(int layers, int q_heads, int kv_heads, int d)
@@ -155,35 +218,13 @@ class CudaSession : public DeviceSession {
         blocks.push_back(b);
         total += b.tokens;
       }
-      cuda::SegBlock open;
-      open.tokens = base + n;
-      open.causal = 1;
-      open.k.dtype = open.v.dtype = 0;
-      open.k.token_stride = open.v.token_stride = static_cast<int64_t>(kv_heads_) * d_;
-      open.k.raw = k_[layer].as<float>() + h * d_;
-      open.v.raw = v_[layer].as<float>() + h * d_;
+      const cuda::SegBlock open =
+          OpenMirrorBlock(k_[layer].as<float>(), v_[layer].as<float>(), base + n, kv_heads_, d_, h);
       blocks.push_back(open);
       total += open.tokens;
       max_tokens = std::max(max_tokens, total);
     }
     first[kv_heads_] = static_cast<int>(blocks.size());
-    const size_t bbytes = blocks.size() * sizeof(cuda::SegBlock);
-    const size_t fbytes = first.size() * sizeof(int);
-    const size_t qbytes = static_cast<size_t>(n) * q_heads_ * d_ * sizeof(float);
-    KVT_RETURN_IF_ERROR(meta_.Reserve(bbytes + fbytes));
-    KVT_RETURN_IF_ERROR(q_.Reserve(qbytes));
-    KVT_RETURN_IF_ERROR(out_.Reserve(qbytes));
-    KVT_RETURN_IF_ERROR(
-        scratch_.Reserve(static_cast<size_t>(n) * q_heads_ * max_tokens * sizeof(float)));
-    // Staged in one host buffer so that the async copies read stable memory.
-    staging_.resize(bbytes + fbytes);
-    std::memcpy(staging_.data(), blocks.data(), bbytes);
-    std::memcpy(staging_.data() + bbytes, first.data(), fbytes);
-    KVT_CUDA(cudaMemcpyAsync(meta_.as<uint8_t>(), staging_.data(), bbytes + fbytes,
-                             cudaMemcpyHostToDevice, stream_),
-             "upload blocks");
-    KVT_CUDA(cudaMemcpyAsync(q_.as<float>(), q, qbytes, cudaMemcpyHostToDevice, stream_),
-             "upload q");
     cuda::SegDims g;
     g.n = static_cast<int>(n);
     g.q_heads = q_heads_;
@@ -191,15 +232,8 @@ class CudaSession : public DeviceSession {
     g.d = d_;
     g.base = base;
     g.max_tokens = max_tokens;
-    KVT_CUDA(static_cast<cudaError_t>(cuda::SegmentedAttention(
-                 g, meta_.as<cuda::SegBlock>(),
-                 reinterpret_cast<const int*>(meta_.as<uint8_t>() + bbytes), q_.as<float>(),
-                 scratch_.as<float>(), out_.as<float>(), stream_)),
-             "SegmentedAttention");
-    KVT_CUDA(cudaMemcpyAsync(out, out_.as<float>(), qbytes, cudaMemcpyDeviceToHost, stream_),
-             "download out");
-    KVT_CUDA(cudaStreamSynchronize(stream_), "attention");
-    return absl::OkStatus();
+    KVT_RETURN_IF_ERROR(call_.Launch(blocks, first, q, g, stream_));
+    return call_.Finish(out, stream_);
   }
 
   absl::Status LoadOpen(int layer, const float* k, const float* v, int64_t rows) override {
@@ -216,8 +250,7 @@ class CudaSession : public DeviceSession {
   int q_heads_, kv_heads_, d_;
   cudaStream_t stream_ = nullptr;
   std::vector<DeviceBuffer> k_, v_;
-  DeviceBuffer meta_, q_, out_, scratch_;
-  std::vector<uint8_t> staging_;
+  SegmentedCall call_;
 };
 
 }  // namespace
@@ -876,34 +909,12 @@ class CudaSpeculator : public DeviceSpeculator {
         blocks.push_back(b);
       }
       at += u;
-      cuda::SegBlock open;
-      open.tokens = rows;
-      open.causal = 1;
-      open.k.dtype = open.v.dtype = 0;
-      open.k.token_stride = open.v.token_stride = static_cast<int64_t>(kv_heads_) * d_;
-      open.k.raw = mk_[layer].as<float>() + h * d_;
-      open.v.raw = mv_[layer].as<float>() + h * d_;
+      const cuda::SegBlock open =
+          OpenMirrorBlock(mk_[layer].as<float>(), mv_[layer].as<float>(), rows, kv_heads_, d_, h);
       blocks.push_back(open);
       max_tokens = std::max(max_tokens, u + rows);
     }
     first[kv_heads_] = static_cast<int>(blocks.size());
-    const size_t bbytes = blocks.size() * sizeof(cuda::SegBlock);
-    const size_t fbytes = first.size() * sizeof(int);
-    const size_t qbytes = static_cast<size_t>(q_heads_) * d_ * sizeof(float);
-    KVT_RETURN_IF_ERROR(meta_.Reserve(bbytes + fbytes));
-    KVT_RETURN_IF_ERROR(q_.Reserve(qbytes));
-    KVT_RETURN_IF_ERROR(out_.Reserve(qbytes));
-    KVT_RETURN_IF_ERROR(
-        scratch_.Reserve(static_cast<size_t>(q_heads_) * max_tokens * sizeof(float)));
-    staging_.resize(bbytes + fbytes);
-    std::memcpy(staging_.data(), blocks.data(), bbytes);
-    std::memcpy(staging_.data() + bbytes, first.data(), fbytes);
-    KVT_CUDA(cudaMemcpyAsync(meta_.as<uint8_t>(), staging_.data(), bbytes + fbytes,
-                             cudaMemcpyHostToDevice, attn_),
-             "upload blocks");
-    KVT_CUDA(cudaMemcpyAsync(q_.as<float>(), q, qbytes, cudaMemcpyHostToDevice, attn_), "upload q");
-    // The gathered K/V come from the other stream.
-    KVT_CUDA(cudaStreamWaitEvent(attn_, uploaded_[slot], 0), "cudaStreamWaitEvent");
     cuda::SegDims g;
     g.n = 1;
     g.q_heads = q_heads_;
@@ -911,11 +922,8 @@ class CudaSpeculator : public DeviceSpeculator {
     g.d = d_;
     g.base = rows - 1;
     g.max_tokens = max_tokens;
-    KVT_CUDA(static_cast<cudaError_t>(cuda::SegmentedAttention(
-                 g, meta_.as<cuda::SegBlock>(),
-                 reinterpret_cast<const int*>(meta_.as<uint8_t>() + bbytes), q_.as<float>(),
-                 scratch_.as<float>(), out_.as<float>(), attn_)),
-             "SegmentedAttention");
+    // The gathered K/V come from the other stream.
+    KVT_RETURN_IF_ERROR(call_.Launch(blocks, first, q, g, attn_, uploaded_[slot]));
     attending_ = true;
     return absl::OkStatus();
   }
@@ -923,19 +931,14 @@ class CudaSpeculator : public DeviceSpeculator {
   absl::Status FinishAttend(float* out) override {
     if (!attending_) return absl::InternalError("no attention in flight");
     attending_ = false;
-    const size_t qbytes = static_cast<size_t>(q_heads_) * d_ * sizeof(float);
-    KVT_CUDA(cudaMemcpyAsync(out, out_.as<float>(), qbytes, cudaMemcpyDeviceToHost, attn_),
-             "download out");
-    KVT_CUDA(cudaStreamSynchronize(attn_), "attention");
-    return absl::OkStatus();
+    return call_.Finish(out, attn_);
   }
 
   int64_t MirroredRows(int layer) const override { return mirrored_[layer]; }
   void ResetMirror() override { std::fill(mirrored_.begin(), mirrored_.end(), 0); }
 
   int64_t bytes() const override {
-    size_t b = qp_.size() + scores_.size() + idx_.size() + counts_.size() + meta_.size() +
-               q_.size() + out_.size() + scratch_.size();
+    size_t b = qp_.size() + scores_.size() + idx_.size() + counts_.size() + call_.bytes();
     for (const auto* list : {&pk_, &pk_meta_, &mk_, &mv_}) {
       for (const DeviceBuffer& x : *list) b += x.size();
     }
@@ -966,8 +969,7 @@ class CudaSpeculator : public DeviceSpeculator {
   // The open round's mirror per layer, fp32 token-major.
   std::vector<DeviceBuffer> mk_, mv_;
   std::vector<int64_t> mirrored_;
-  DeviceBuffer meta_, q_, out_, scratch_;
-  std::vector<uint8_t> staging_;
+  SegmentedCall call_;
   bool attending_ = false;
 };
 
