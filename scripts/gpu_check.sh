@@ -12,7 +12,9 @@
 # Each step's log goes to $OUT when set (the device tool's folder), else to
 # out/ beside this script; the last lines of each are printed, then a
 # summary. Exits 1 when a step fails, or when a GPU test skipped (the device
-# was not usable). DEMO_ROUNDS (default 8) sets the demo's rounds.
+# was not usable). DEMO_ROUNDS (default 8) sets the demo's rounds;
+# STEP_TIMEOUT (default 180) the seconds a step may run before it is killed
+# and counted as failed (exit 124), so that one hang leaves time for the rest.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 export LD_LIBRARY_PATH="$HERE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -29,7 +31,7 @@ run() {  # name, command...
   local start=$SECONDS rc=0
   echo
   echo "== $name"
-  "$@" >"$LOGS/$name.log" 2>&1 || rc=$?
+  timeout -k 10 "${STEP_TIMEOUT:-180}" "$@" >"$LOGS/$name.log" 2>&1 || rc=$?
   local result=ok
   if [ "$rc" -ne 0 ]; then
     result="FAILED (exit $rc)"

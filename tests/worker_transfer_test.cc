@@ -1074,7 +1074,7 @@ TEST_F(TransferServiceTest, ReceiverRefusesCorruptAndUnfinishedStreams) {
 TEST_F(TransferServiceTest, DeviceRoundsNeedAnAcceptedSenderDevice) {
   v1::DeviceIdentity peer;
   peer.set_boot_id(worker::BootId());
-  peer.set_gpu_uuid(std::string(16, '\x07'));
+  peer.set_gpu_uuid(std::string(16, '\xc3'));  // Raw bytes, not UTF-8.
   peer.set_pid(1);
   peer.set_probe_handle(std::string(64, '\x01'));
   peer.set_probe_nonce("0123456789abcdef");

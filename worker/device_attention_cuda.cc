@@ -141,7 +141,7 @@ class SegmentedCall {
     KVT_RETURN_IF_ERROR(q_.Reserve(qbytes_));
     KVT_RETURN_IF_ERROR(out_.Reserve(qbytes_));
     KVT_RETURN_IF_ERROR(
-        scratch_.Reserve(static_cast<size_t>(g.n) * g.q_heads * g.max_tokens * sizeof(float)));
+        scratch_.Reserve(static_cast<size_t>(cuda::SegmentedScratchFloats(g)) * sizeof(float)));
     // Staged in one host buffer so that the async copies read stable memory.
     staging_.resize(bbytes + fbytes);
     std::memcpy(staging_.data(), blocks.data(), bbytes);

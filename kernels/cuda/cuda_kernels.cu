@@ -289,6 +289,206 @@ __global__ void SegmentedAttentionKernel(SegDims g, const SegBlock* blocks, cons
   }
 }
 
+// ---- Split attention (flash-decoding): the fast path of SegmentedAttention ----
+//
+// The old kernel above gives one block to each (query, query head) and one
+// thread to each token's whole dot product, then one thread to each channel
+// over every token: reads are strided by head_dim, K and V are read once per
+// query head of a GQA group, and a decode step over 4K tokens has 32 blocks.
+// Here one block takes a span of kSplit tokens of one KV head for one query,
+// with all the group's query heads (K and V read once for them); a warp takes
+// a token at a time and its lanes the channels (consecutive lanes read
+// consecutive elements); each block leaves its unnormalized output, max and
+// sum, and SplitCombineKernel merges the spans (the log-sum-exp rescale).
+
+constexpr int kSplitWarps = 8;
+constexpr int kSplitMaxRep = 8;     // Query heads per KV head.
+constexpr int kSplitMaxLaneCh = 8;  // d <= 256.
+
+// The span of visible tokens [lo, hi) of KV head h for query i, as (block,
+// token) pairs: calls f(blk, t, pos) for each, pos = index in the span, with
+// token t of `blk`, warp w taking tokens w, w + warps, ...
+template <typename F>
+__device__ __forceinline__ void ForSpan(const SegDims& g, const SegBlock* blocks,
+                                        const int* head_first, int h, int i, int64_t lo, int64_t hi,
+                                        int warp, F f) {
+  int64_t off = 0;
+  for (int b = head_first[h]; b < head_first[h + 1] && off < hi; ++b) {
+    const SegBlock& blk = blocks[b];
+    const int64_t len = Visible(blk, g, i);
+    const int64_t a = max(lo, off), e = min(hi, off + len);
+    for (int64_t p = a + warp; p < e; p += kSplitWarps) f(blk, p - off, p - lo);
+    off += len;
+  }
+}
+
+__device__ __forceinline__ float WarpSum(float x) {
+  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ __forceinline__ float WarpMax(float x) {
+  for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// Grid (spans, n, kv_heads), kSplitWarps warps. Shared: q [rep, d], the
+// span's scores [rep, split], the output sums [rep, d]. part_o is [spans, n,
+// q_heads, d]; part_ml [spans, n, q_heads, 2] (max, sum; an empty span has
+// sum 0).
+__global__ void SplitAttentionKernel(SegDims g, const SegBlock* blocks, const int* head_first,
+                                     const float* q, int split, float* part_o, float* part_ml) {
+  extern __shared__ float sh[];
+  const int span = blockIdx.x, i = blockIdx.y, h = blockIdx.z;
+  const int rep = g.q_heads / g.kv_heads;
+  const int d = g.d;
+  const int nch = (d + 31) / 32;
+  float* qs = sh;
+  float* s = qs + rep * d;
+  float* red = s + rep * split;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float* qrow = q + (static_cast<int64_t>(i) * g.q_heads + h * rep) * d;
+  for (int x = threadIdx.x; x < rep * d; x += blockDim.x) {
+    qs[x] = qrow[x];
+    red[x] = 0.0f;
+  }
+  __syncthreads();
+  const int64_t lo = static_cast<int64_t>(span) * split, hi = lo + split;
+  // Scores: a warp per token, lanes over channels, every query head at once.
+  ForSpan(g, blocks, head_first, h, i, lo, hi, warp,
+          [&](const SegBlock& blk, int64_t t, int64_t pos) {
+            float acc[kSplitMaxRep];
+#pragma unroll
+            for (int r = 0; r < kSplitMaxRep; ++r) acc[r] = 0.0f;
+#pragma unroll
+            for (int ch = 0; ch < kSplitMaxLaneCh; ++ch) {
+              const int c = ch * 32 + lane;
+              if (ch < nch && c < d) {
+                const float kv = SegLoad(blk.k, d, t, c);
+#pragma unroll
+                for (int r = 0; r < kSplitMaxRep; ++r)
+                  if (r < rep) acc[r] += qs[r * d + c] * kv;
+              }
+            }
+#pragma unroll
+            for (int r = 0; r < kSplitMaxRep; ++r) {
+              if (r < rep) {
+                const float v = WarpSum(acc[r]);
+                if (lane == 0) s[r * split + pos] = v * g.scale;
+              }
+            }
+          });
+  __syncthreads();
+  // How many of the span's positions hold a token (the span may run past
+  // the head's end).
+  int64_t total = 0;
+  for (int b = head_first[h]; b < head_first[h + 1]; ++b) total += Visible(blocks[b], g, i);
+  const int count = static_cast<int>(max(int64_t{0}, min(hi, total) - lo));
+  float* ml = part_ml + ((static_cast<int64_t>(span) * g.n + i) * g.q_heads + h * rep) * 2;
+  // Softmax numerators: warp r takes query head r.
+  for (int r = warp; r < rep; r += kSplitWarps) {
+    float m = -FLT_MAX;
+    for (int p = lane; p < count; p += 32) m = fmaxf(m, s[r * split + p]);
+    m = WarpMax(m);
+    float l = 0.0f;
+    for (int p = lane; p < count; p += 32) {
+      const float e = __expf(s[r * split + p] - m);
+      s[r * split + p] = e;
+      l += e;
+    }
+    l = WarpSum(l);
+    if (lane == 0) {
+      ml[r * 2] = m;
+      ml[r * 2 + 1] = l;
+    }
+  }
+  __syncthreads();
+  // p . v: a warp per token again, each lane its channels for every head.
+  float acc[kSplitMaxRep][kSplitMaxLaneCh];
+#pragma unroll
+  for (int r = 0; r < kSplitMaxRep; ++r)
+#pragma unroll
+    for (int ch = 0; ch < kSplitMaxLaneCh; ++ch) acc[r][ch] = 0.0f;
+  ForSpan(g, blocks, head_first, h, i, lo, hi, warp,
+          [&](const SegBlock& blk, int64_t t, int64_t pos) {
+#pragma unroll
+            for (int ch = 0; ch < kSplitMaxLaneCh; ++ch) {
+              const int c = ch * 32 + lane;
+              if (ch < nch && c < d) {
+                const float vv = SegLoad(blk.v, d, t, c);
+#pragma unroll
+                for (int r = 0; r < kSplitMaxRep; ++r)
+                  if (r < rep) acc[r][ch] += s[r * split + pos] * vv;
+              }
+            }
+          });
+#pragma unroll
+  for (int r = 0; r < kSplitMaxRep; ++r) {
+#pragma unroll
+    for (int ch = 0; ch < kSplitMaxLaneCh; ++ch) {
+      const int c = ch * 32 + lane;
+      if (r < rep && ch < nch && c < d) atomicAdd(&red[r * d + c], acc[r][ch]);
+    }
+  }
+  __syncthreads();
+  float* o = part_o + ((static_cast<int64_t>(span) * g.n + i) * g.q_heads + h * rep) * d;
+  for (int x = threadIdx.x; x < rep * d; x += blockDim.x) o[x] = red[x];
+}
+
+// One block per (query, query head), a thread per channel: the spans merged.
+__global__ void SplitCombineKernel(SegDims g, int spans, const float* part_o, const float* part_ml,
+                                   float* out) {
+  const int64_t row = blockIdx.x;  // i * q_heads + j
+  const int64_t stride = static_cast<int64_t>(g.n) * g.q_heads;
+  float m = -FLT_MAX;
+  bool any = false;
+  for (int sp = 0; sp < spans; ++sp) {
+    const float* ml = part_ml + (sp * stride + row) * 2;
+    if (ml[1] > 0.0f) {
+      m = fmaxf(m, ml[0]);
+      any = true;
+    }
+  }
+  for (int c = threadIdx.x; c < g.d; c += blockDim.x) {
+    float num = 0.0f, den = 0.0f;
+    if (any) {
+      for (int sp = 0; sp < spans; ++sp) {
+        const float* ml = part_ml + (sp * stride + row) * 2;
+        if (ml[1] <= 0.0f) continue;
+        const float w = __expf(ml[0] - m);
+        num += w * part_o[(sp * stride + row) * g.d + c];
+        den += w * ml[1];
+      }
+    }
+    out[row * g.d + c] = den > 0.0f ? num / den : 0.0f;
+  }
+}
+
+bool SplitFits(const SegDims& g) {
+  return g.path == 0 && g.q_heads / g.kv_heads <= kSplitMaxRep && g.d <= 32 * kSplitMaxLaneCh;
+}
+
+// Tokens per span: enough spans to give every SM a few blocks, at least 64
+// and at most 512 tokens each.
+int SplitTokens(const SegDims& g) {
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+      return 108;
+    }
+    return n;
+  }();
+  const int64_t rows = static_cast<int64_t>(max(g.n, 1)) * g.kv_heads;
+  const int64_t want_spans = (4 * static_cast<int64_t>(sms) + rows - 1) / rows;
+  int split = 64;
+  while (split < 512 && (g.max_tokens + split - 1) / split > want_spans) split *= 2;
+  return split;
+}
+
+int64_t SplitSpans(const SegDims& g, int split) {
+  return max(int64_t{1}, (g.max_tokens + split - 1) / split);
+}
+
 // ---- Speculation (SpeculateSelect) ----
 
 // A float's bits in an order that sorts as the floats do (finite values).
@@ -428,16 +628,43 @@ __global__ void SpecSelectKernel(SpecDims s, const int64_t* lens, const float* s
 int SegmentedAttention(const SegDims& dims, const SegBlock* blocks, const int* head_first,
                        const float* q, float* scratch, float* out, void* stream) {
   if (dims.n < 0 || dims.q_heads <= 0 || dims.kv_heads <= 0 || dims.q_heads % dims.kv_heads != 0 ||
-      dims.d <= 0 || dims.d > 1024 || dims.max_tokens < 0 || dims.base < 0) {
+      dims.d <= 0 || dims.d > 1024 || dims.max_tokens < 0 || dims.base < 0 || dims.path < 0 ||
+      dims.path > 1) {
     return cudaErrorInvalidValue;
   }
   if (dims.n == 0) return 0;
   SegDims g = dims;
   if (g.scale == 0.0f) g.scale = 1.0f / sqrtf(static_cast<float>(g.d));
-  const dim3 grid(static_cast<unsigned>(g.n), static_cast<unsigned>(g.q_heads));
-  SegmentedAttentionKernel<<<grid, 256, g.d * sizeof(float), static_cast<cudaStream_t>(stream)>>>(
-      g, blocks, head_first, q, scratch, out);
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (!SplitFits(g)) {
+    const dim3 grid(static_cast<unsigned>(g.n), static_cast<unsigned>(g.q_heads));
+    SegmentedAttentionKernel<<<grid, 256, g.d * sizeof(float), st>>>(g, blocks, head_first, q,
+                                                                     scratch, out);
+    return cudaGetLastError();
+  }
+  const int split = SplitTokens(g);
+  const int64_t spans = SplitSpans(g, split);
+  const int rep = g.q_heads / g.kv_heads;
+  float* part_o = scratch;
+  float* part_ml = scratch + spans * g.n * g.q_heads * g.d;
+  const dim3 grid(static_cast<unsigned>(spans), static_cast<unsigned>(g.n),
+                  static_cast<unsigned>(g.kv_heads));
+  const size_t shared = static_cast<size_t>(rep) * (2 * g.d + split) * sizeof(float);
+  SplitAttentionKernel<<<grid, 32 * kSplitWarps, shared, st>>>(g, blocks, head_first, q, split,
+                                                               part_o, part_ml);
+  SplitCombineKernel<<<static_cast<unsigned>(g.n * g.q_heads), ((g.d + 31) / 32) * 32, 0, st>>>(
+      g, static_cast<int>(spans), part_o, part_ml, out);
   return cudaGetLastError();
+}
+
+int64_t SegmentedScratchFloats(const SegDims& dims) {
+  if (dims.q_heads <= 0 || dims.kv_heads <= 0 || dims.q_heads % dims.kv_heads != 0 || dims.d <= 0 ||
+      dims.n <= 0) {
+    return 0;
+  }
+  if (!SplitFits(dims)) return static_cast<int64_t>(dims.n) * dims.q_heads * dims.max_tokens;
+  const int64_t spans = SplitSpans(dims, SplitTokens(dims));
+  return spans * dims.n * dims.q_heads * (dims.d + 2);
 }
 
 int SpeculateSelect(const SpecDims& s, const float* qp, const uint16_t* pk, const int64_t* offsets,

@@ -136,15 +136,24 @@ struct SegDims {
   int64_t base = 0;        // Position of query 0 in the causal block.
   int64_t max_tokens = 0;  // >= every KV head's total tokens: sizes scratch.
   float scale = 0.0f;      // 0: 1 / sqrt(d).
+  // 0: the fastest kernel that fits; 1: one block per query and query head
+  // over all its tokens (the general kernel, which benchmarks compare with).
+  int path = 0;
 };
 
 // out[i, j, :] = softmax over the blocks of KV head j / rep (blocks
 // [head_first[h], head_first[h + 1]) of `blocks`) of scale * q[i, j] . k, times
 // v. q and out are [n, q_heads, d] fp32; blocks and head_first (kv_heads + 1
-// entries) live on the device; scratch holds n * q_heads * max_tokens floats.
-// A head with no visible token gives zeros.
+// entries) live on the device; scratch holds SegmentedScratchFloats(dims)
+// floats. A head with no visible token gives zeros.
+//
+// Up to 8 query heads per KV head and d <= 256, the tokens are split in spans
+// (flash-decoding: a block per span, KV head and query, then a merge);
+// otherwise one block per query and query head walks them all.
 int SegmentedAttention(const SegDims& dims, const SegBlock* blocks, const int* head_first,
                        const float* q, float* scratch, float* out, void* stream);
+// The scratch SegmentedAttention needs for `dims`, in floats.
+int64_t SegmentedScratchFloats(const SegDims& dims);
 
 // InfiniGen's speculation on the device: kernels/speculation.h's Speculate
 // on the same inputs, after the skew. Query head j reads KV head

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <iterator>
 #include <random>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "kernels/attention.h"
 #include "kernels/codec.h"
 #include "kernels/codec_internal.h"
+#include "kernels/cuda/seg_load.h"
 #include "kernels/flat_cache.h"
 #include "kernels/half.h"
 #include "kernels/speculation.h"
@@ -341,6 +343,231 @@ void CheckSpeculation(bool integers, int budget, float alpha, uint32_t seed) {
       for (int32_t t : only) {
         EXPECT_NEAR(scores[j * max_tokens + t], cut, 1e-4f) << "head " << j << " token " << t;
       }
+    }
+  }
+}
+
+// The arrays of one SegmentedAttention test, laid out in one host arena that
+// is uploaded whole: a block's pointers are arena offsets, placed on the host
+// (for the reference, which reads them with the same SegLoad) or on the
+// device.
+class SegArena {
+ public:
+  template <typename T>
+  size_t Add(const std::vector<T>& v) {
+    const size_t off = (bytes_.size() + 255) / 256 * 256;
+    bytes_.resize(off + v.size() * sizeof(T));
+    std::memcpy(bytes_.data() + off, v.data(), v.size() * sizeof(T));
+    return off;
+  }
+  const std::vector<uint8_t>& bytes() const { return bytes_; }
+
+ private:
+  std::vector<uint8_t> bytes_;
+};
+
+struct SegKvAt {  // A SegKv with arena offsets in place of pointers.
+  SegKv kv;
+  size_t raw = 0, codes = 0, scales = 0, zeros = 0, residual = 0;
+  SegKv Place(const uint8_t* base) const {
+    SegKv p = kv;
+    if (kv.quantized_kind == 0) {
+      p.raw = base + raw;
+    } else {
+      p.codes = reinterpret_cast<const uint32_t*>(base + codes);
+      p.scales = reinterpret_cast<const uint16_t*>(base + scales);
+      p.zeros = reinterpret_cast<const uint16_t*>(base + zeros);
+      p.residual = base + residual;
+    }
+    return p;
+  }
+};
+
+// Random codes, scales and zeros: SegLoad reads any bytes, so the kernel is
+// checked on every code value whatever the codec would have written.
+SegKvAt RandomQuantized(SegArena* a, bool key, int bits, int group, int64_t tokens,
+                        int64_t quantized, int d, std::mt19937* rng) {
+  SegKvAt s;
+  s.kv.quantized_kind = 1;
+  s.kv.dtype = 1;
+  s.kv.bits = bits;
+  s.kv.group = group;
+  s.kv.key = key ? 1 : 0;
+  s.kv.quantized = quantized;
+  QuantDims q;
+  q.key = key;
+  q.bits = bits;
+  q.group = group;
+  q.tq = quantized;
+  q.d = d;
+  std::vector<uint32_t> codes(std::max<int64_t>(q.WordsPerSlab(), 1));
+  for (uint32_t& w : codes) w = (*rng)();
+  std::uniform_real_distribution<float> scale(0.01f, 0.3f), zero(-2.0f, 0.0f);
+  std::vector<uint16_t> sc(std::max<int64_t>(q.GroupsPerSlab(), 1)), ze(sc.size());
+  for (size_t i = 0; i < sc.size(); ++i) {
+    sc[i] = FloatToHalf(scale(*rng));
+    ze[i] = FloatToHalf(zero(*rng));
+  }
+  std::normal_distribution<float> nd;
+  std::vector<uint16_t> res(std::max<int64_t>((tokens - quantized) * d, 1));
+  for (uint16_t& x : res) x = FloatToHalf(nd(*rng));
+  s.codes = a->Add(codes);
+  s.scales = a->Add(sc);
+  s.zeros = a->Add(ze);
+  s.residual = a->Add(res);
+  return s;
+}
+
+SegKvAt RandomRaw(SegArena* a, int dtype, int64_t tokens, int64_t stride, int d,
+                  std::mt19937* rng) {
+  SegKvAt s;
+  s.kv.quantized_kind = 0;
+  s.kv.dtype = dtype;
+  s.kv.token_stride = stride;
+  std::normal_distribution<float> nd;
+  const size_t n = static_cast<size_t>(std::max<int64_t>((tokens - 1) * stride + d, 1));
+  if (dtype == 0) {
+    std::vector<float> x(n);
+    for (float& v : x) v = nd(*rng);
+    s.raw = a->Add(x);
+  } else {
+    std::vector<uint16_t> x(n);
+    for (uint16_t& v : x) v = dtype == 1 ? FloatToHalf(nd(*rng)) : (FloatBits(nd(*rng)) >> 16);
+    s.raw = a->Add(x);
+  }
+  return s;
+}
+
+// Every path of SegmentedAttention (spans and merge; one block per query
+// head when the group or head_dim is too large for them) against a float64
+// longhand over the same blocks: quantized K and V with residual rows, raw
+// fp16/bf16/fp32 blocks, a causal open block with several queries, a KV head
+// with no blocks (zeros), and heads longer than many spans.
+TEST(CudaSegmentedAttentionTest, MatchesALonghandReference) {
+  SKIP_WITHOUT_GPU();
+  struct Case {
+    int q_heads, kv_heads, d, n;
+    int64_t past;  // Tokens of the quantized block per head.
+  };
+  const Case cases[] = {
+      {32, 8, 128, 1, 4000}, {32, 8, 128, 3, 700}, {8, 2, 64, 1, 37},
+      {12, 1, 96, 2, 300},  // 12 query heads per KV head: one block per head.
+      {4, 2, 320, 1, 200},  // head_dim over 256: the same.
+  };
+  int seed = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << c.q_heads << "/" << c.kv_heads << "x" << c.d
+                                      << " n=" << c.n << " past=" << c.past);
+    std::mt19937 rng(++seed);
+    const int d = c.d, rep = c.q_heads / c.kv_heads;
+    const int64_t base = 5;  // Open-round tokens before the call's queries.
+    SegArena arena;
+    std::vector<std::pair<SegBlock, std::pair<SegKvAt, SegKvAt>>> blocks;
+    std::vector<int> first;
+    int64_t max_tokens = 0;
+    for (int h = 0; h < c.kv_heads; ++h) {
+      first.push_back(static_cast<int>(blocks.size()));
+      if (h == 1 && c.kv_heads > 2) continue;  // No blocks at all: zeros.
+      const int64_t past = c.past + 13 * h;
+      const int64_t resid = std::min<int64_t>(past, 8);
+      SegBlock b;
+      b.tokens = past;
+      blocks.push_back(
+          {b,
+           {RandomQuantized(&arena, true, h % 2 == 0 ? 4 : 2, 32, past, past - resid, d, &rng),
+            RandomQuantized(&arena, false, h % 2 == 0 ? 4 : 8, 32, past, past - resid, d, &rng)}});
+      SegBlock r;
+      r.tokens = 29;
+      blocks.push_back({r,
+                        {RandomRaw(&arena, 1 + h % 2, r.tokens, d, d, &rng),
+                         RandomRaw(&arena, 1 + (h + 1) % 2, r.tokens, d, d, &rng)}});
+      SegBlock open;
+      open.tokens = base + c.n;
+      open.causal = 1;
+      blocks.push_back({open,
+                        {RandomRaw(&arena, 0, open.tokens, 2 * d, d, &rng),
+                         RandomRaw(&arena, 0, open.tokens, 2 * d, d, &rng)}});
+      max_tokens = std::max(max_tokens, past + r.tokens + open.tokens);
+    }
+    first.push_back(static_cast<int>(blocks.size()));
+    const std::vector<uint8_t>& host = arena.bytes();
+    DeviceBuffer<uint8_t> dev(host.size());
+    dev.Upload(host);
+    std::vector<SegBlock> hb, db;
+    for (const auto& [b, kv] : blocks) {
+      SegBlock x = b;
+      x.k = kv.first.Place(host.data());
+      x.v = kv.second.Place(host.data());
+      hb.push_back(x);
+      x.k = kv.first.Place(dev.get());
+      x.v = kv.second.Place(dev.get());
+      db.push_back(x);
+    }
+    SegDims g;
+    g.n = c.n;
+    g.q_heads = c.q_heads;
+    g.kv_heads = c.kv_heads;
+    g.d = d;
+    g.base = base;
+    g.max_tokens = max_tokens;
+    const std::vector<float> q = Random(static_cast<size_t>(c.n) * c.q_heads * d, 100 + seed);
+    DeviceBuffer<SegBlock> dblocks(db.size());
+    dblocks.Upload(db);
+    DeviceBuffer<int> dfirst(first.size());
+    dfirst.Upload(first);
+    // The longhand: float64 scores, softmax and sum over the same elements.
+    std::vector<double> ref(q.size());
+    std::vector<bool> empty(static_cast<size_t>(c.n) * c.q_heads);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    for (int i = 0; i < c.n; ++i) {
+      for (int j = 0; j < c.q_heads; ++j) {
+        const int h = j / rep;
+        std::vector<double> sc;
+        std::vector<std::pair<const SegBlock*, int64_t>> at;
+        for (int b = first[h]; b < first[h + 1]; ++b) {
+          const SegBlock& blk = hb[b];
+          const int64_t len = blk.causal ? std::min(blk.tokens, base + i + 1) : blk.tokens;
+          for (int64_t t = 0; t < len; ++t) {
+            double dot = 0;
+            for (int x = 0; x < d; ++x)
+              dot += double(q[(int64_t(i) * c.q_heads + j) * d + x]) * SegLoad(blk.k, d, t, x);
+            sc.push_back(dot * scale);
+            at.push_back({&blk, t});
+          }
+        }
+        empty[i * c.q_heads + j] = sc.empty();
+        const double m = sc.empty() ? 0.0 : *std::max_element(sc.begin(), sc.end());
+        double sum = 0;
+        for (double& v : sc) sum += (v = std::exp(v - m));
+        for (int x = 0; x < d; ++x) {
+          double r = 0;
+          for (size_t k = 0; k < sc.size(); ++k)
+            r += sc[k] / sum * SegLoad(at[k].first->v, d, at[k].second, x);
+          ref[(int64_t(i) * c.q_heads + j) * d + x] = r;
+        }
+      }
+    }
+    for (int path : {0, 1}) {
+      SCOPED_TRACE(path == 0 ? "fastest kernel" : "general kernel");
+      g.path = path;
+      DeviceBuffer<float> dq(q.size()), dout(q.size()),
+          scratch(static_cast<size_t>(SegmentedScratchFloats(g)));
+      dq.Upload(q);
+      cudaMemset(dout.get(), 0xff, q.size() * sizeof(float));  // NaN: all must be written.
+      CUDA_OK(SegmentedAttention(g, dblocks.get(), dfirst.get(), dq.get(), scratch.get(),
+                                 dout.get(), nullptr));
+      CUDA_OK(cudaDeviceSynchronize());
+      const std::vector<float> out = dout.Download();
+      double err = 0, norm = 0;
+      for (size_t e = 0; e < out.size(); ++e) {
+        ASSERT_FALSE(std::isnan(out[e])) << "element " << e << " not written";
+        err += (out[e] - ref[e]) * (out[e] - ref[e]);
+        norm += ref[e] * ref[e];
+        if (empty[e / d]) {
+          EXPECT_EQ(out[e], 0.0f) << "a head with no tokens";
+        }
+      }
+      EXPECT_LT(std::sqrt(err / std::max(norm, 1e-30)), 1e-5);
     }
   }
 }

@@ -42,14 +42,22 @@ KVT_HOST_DEVICE inline float SegLoadDtype(int dtype, const void* p, int64_t i) {
 }
 
 // Element (t, c) of one KIVI/KCVT slab: K (`key`) groups `group` tokens per
-// channel, V groups `group` channels per token.
+// channel, V groups `group` channels per token. bits: 2, 4 or 8.
 KVT_HOST_DEVICE inline float DequantAt(const uint32_t* codes, const uint16_t* scales,
                                        const uint16_t* zeros, bool key, int bits, int group, int d,
                                        int64_t t, int c) {
   const int64_t i = t * d + c;
-  const int per_word = 32 / bits;
-  const uint32_t code = (codes[i / per_word] >> ((i % per_word) * bits)) & ((1u << bits) - 1u);
-  const int64_t si = key ? (t / group) * d + c : t * ((d + group - 1) / group) + c / group;
+  // 2, 4 and 8 bits: 16, 8 and 4 codes a word, so shifts, not 64-bit
+  // divisions (which cost a GPU tens of instructions an element).
+  const int shift = bits == 2 ? 4 : bits == 4 ? 3 : 2;
+  const uint32_t code =
+      (codes[i >> shift] >> (static_cast<uint32_t>(i & ((1 << shift) - 1)) * bits)) &
+      ((1u << bits) - 1u);
+  // Group indices in 32 bits: a block's tokens and head_dim are far below 2^32.
+  const auto ug = static_cast<uint32_t>(group);
+  const int64_t si = key ? static_cast<int64_t>(static_cast<uint32_t>(t) / ug) * d + c
+                         : t * static_cast<int64_t>((static_cast<uint32_t>(d) + ug - 1) / ug) +
+                               static_cast<uint32_t>(c) / ug;
   return static_cast<float>(code) * SegHalf(scales[si]) + SegHalf(zeros[si]);
 }
 
