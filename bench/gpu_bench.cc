@@ -138,8 +138,9 @@ struct Row {
   std::string codec;
   int64_t tokens = 0;
   double ms = 0, floor_ms = 0, read_bytes = 0, rel_error = 0;
-  // The general kernel (SegDims::path 1) on the same inputs: the baseline.
-  double block_ms = 0, block_rel_error = 0;
+  // The general kernel (SegDims::path 1) on the same inputs: the baseline;
+  // and spans read a channel a lane (path 2).
+  double block_ms = 0, block_rel_error = 0, lane_ms = 0, lane_rel_error = 0;
 };
 
 // Writes over a buffer larger than the L2 cache before each timed launch, so
@@ -380,6 +381,9 @@ Row Measure(const std::string& setting, int64_t t, double copy_gbps, int reps) {
   g.path = 1;
   row.block_rel_error = check();
   row.block_ms = MedianMs(reps, launch, FlushL2);
+  g.path = 2;
+  row.lane_rel_error = check();
+  row.lane_ms = MedianMs(reps, launch, FlushL2);
   g.path = 0;
   row.read_bytes = FloorBytes(st);
   row.floor_ms = row.read_bytes / (copy_gbps * 1e6);
@@ -581,32 +585,36 @@ int GpuBench(int argc, char** argv) {
   if (csv != nullptr) {
     std::fprintf(csv,
                  "codec,tokens,ms,floor_ms,read_bytes,gbps,rel_error,general_ms,"
-                 "general_rel_error\n");
+                 "general_rel_error,channel_a_lane_ms,channel_a_lane_rel_error\n");
   }
   std::printf(
       "SegmentedAttention, one decode step, %d q / %d kv heads, head_dim %d; median of %d, "
-      "L2 flushed before each; 'general' is the one-block-per-query-head kernel on the same "
-      "inputs\n",
+      "L2 flushed before each; on the same inputs, 'general' is the one-block-per-query-head "
+      "kernel and 'a channel a lane' the span kernel that reads one element a lane\n",
       kQHeads, kKvHeads, kDim, o.reps);
   std::printf(
       "| codec | tokens | ms | bytes read (floor) | GB/s | floor ms | x floor | rel error | "
-      "general ms | general / ms |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+      "general ms | general / ms | a channel a lane ms | that / ms |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   bool wrong = false;
   for (const std::string& c : o.codecs) {
     for (int64_t t : o.tokens) {
       std::fprintf(stderr, "%s at %lld tokens...\n", c.c_str(), static_cast<long long>(t));
       const Row r = Measure(c, t, copy, o.reps);
       const double gbps = r.read_bytes / (r.ms * 1e6);
-      std::printf("| %s | %lld | %.4f | %.0f | %.0f | %.4f | %.1f | %.2e | %.3f | %.1f |\n",
-                  r.codec.c_str(), static_cast<long long>(r.tokens), r.ms, r.read_bytes, gbps,
-                  r.floor_ms, r.ms / r.floor_ms, r.rel_error, r.block_ms, r.block_ms / r.ms);
+      std::printf(
+          "| %s | %lld | %.4f | %.0f | %.0f | %.4f | %.1f | %.2e | %.3f | %.1f | %.4f | %.2f |\n",
+          r.codec.c_str(), static_cast<long long>(r.tokens), r.ms, r.read_bytes, gbps, r.floor_ms,
+          r.ms / r.floor_ms, r.rel_error, r.block_ms, r.block_ms / r.ms, r.lane_ms,
+          r.lane_ms / r.ms);
       if (csv != nullptr) {
-        std::fprintf(csv, "%s,%lld,%.6f,%.6f,%.0f,%.3f,%.3e,%.6f,%.3e\n", r.codec.c_str(),
+        std::fprintf(csv, "%s,%lld,%.6f,%.6f,%.0f,%.3f,%.3e,%.6f,%.3e,%.6f,%.3e\n", r.codec.c_str(),
                      static_cast<long long>(r.tokens), r.ms, r.floor_ms, r.read_bytes, gbps,
-                     r.rel_error, r.block_ms, r.block_rel_error);
+                     r.rel_error, r.block_ms, r.block_rel_error, r.lane_ms, r.lane_rel_error);
       }
-      if (!(r.rel_error <= 1e-3) || !(r.block_rel_error <= 1e-3)) wrong = true;
+      if (!(r.rel_error <= 1e-3) || !(r.block_rel_error <= 1e-3) || !(r.lane_rel_error <= 1e-3)) {
+        wrong = true;
+      }
     }
   }
   if (csv != nullptr) std::fclose(csv);

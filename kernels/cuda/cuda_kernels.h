@@ -137,7 +137,9 @@ struct SegDims {
   int64_t max_tokens = 0;  // >= every KV head's total tokens: sizes scratch.
   float scale = 0.0f;      // 0: 1 / sqrt(d).
   // 0: the fastest kernel that fits; 1: one block per query and query head
-  // over all its tokens (the general kernel, which benchmarks compare with).
+  // over all its tokens (the general kernel); 2: spans with a channel a lane
+  // (what path 0 runs when head_dim is not 64, 128 or 256 or the group not 1,
+  // 2, 4 or 8 query heads). Tests and benchmarks compare the three.
   int path = 0;
 };
 
@@ -148,8 +150,9 @@ struct SegDims {
 // floats. A head with no visible token gives zeros.
 //
 // Up to 8 query heads per KV head and d <= 256, the tokens are split in spans
-// (flash-decoding: a block per span, KV head and query, then a merge);
-// otherwise one block per query and query head walks them all.
+// (flash-decoding: a block per span, KV head and query, then a merge), read 8
+// channels a lane for head_dim 64/128/256 and 1/2/4/8 query heads per KV
+// head; otherwise one block per query and query head walks them all.
 int SegmentedAttention(const SegDims& dims, const SegBlock* blocks, const int* head_first,
                        const float* q, float* scratch, float* out, void* stream);
 // The scratch SegmentedAttention needs for `dims`, in floats.

@@ -438,8 +438,9 @@ SegKvAt RandomRaw(SegArena* a, int dtype, int64_t tokens, int64_t stride, int d,
   return s;
 }
 
-// Every path of SegmentedAttention (spans and merge; one block per query
-// head when the group or head_dim is too large for them) against a float64
+// Every path of SegmentedAttention (spans read 8 channels a lane, or a
+// channel a lane, and merged; one block per query head when the group or
+// head_dim is too large for spans) against a float64
 // longhand over the same blocks: quantized K and V with residual rows, raw
 // fp16/bf16/fp32 blocks, a causal open block with several queries, a KV head
 // with no blocks (zeros), and heads longer than many spans.
@@ -450,7 +451,10 @@ TEST(CudaSegmentedAttentionTest, MatchesALonghandReference) {
     int64_t past;  // Tokens of the quantized block per head.
   };
   const Case cases[] = {
-      {32, 8, 128, 1, 4000}, {32, 8, 128, 3, 700}, {8, 2, 64, 1, 37},
+      {32, 8, 128, 1, 4000},  // 8 channels a lane: head_dim 64, 128, 256 and
+      {32, 8, 128, 3, 700},   // 1, 2, 4 or 8 query heads per KV head.
+      {8, 2, 64, 1, 37},     {16, 2, 256, 1, 900}, {4, 4, 64, 2, 300},
+      {8, 4, 128, 1, 1500},  {12, 4, 96, 1, 500},  // head_dim 96: spans with a channel a lane.
       {12, 1, 96, 2, 300},  // 12 query heads per KV head: one block per head.
       {4, 2, 320, 1, 200},  // head_dim over 256: the same.
   };
@@ -472,10 +476,12 @@ TEST(CudaSegmentedAttentionTest, MatchesALonghandReference) {
       const int64_t resid = std::min<int64_t>(past, 8);
       SegBlock b;
       b.tokens = past;
-      blocks.push_back(
-          {b,
-           {RandomQuantized(&arena, true, h % 2 == 0 ? 4 : 2, 32, past, past - resid, d, &rng),
-            RandomQuantized(&arena, false, h % 2 == 0 ? 4 : 8, 32, past, past - resid, d, &rng)}});
+      blocks.push_back({b,
+                        {RandomQuantized(&arena, true, h % 2 == 0 ? 4 : 2, h % 3 == 1 ? 16 : 32,
+                                         past, past - resid, d, &rng),
+                         // V groups of 12 channels: scales change inside 8 channels.
+                         RandomQuantized(&arena, false, h % 2 == 0 ? 4 : 8, h % 3 == 2 ? 12 : 32,
+                                         past, past - resid, d, &rng)}});
       SegBlock r;
       r.tokens = 29;
       blocks.push_back({r,
@@ -547,8 +553,10 @@ TEST(CudaSegmentedAttentionTest, MatchesALonghandReference) {
         }
       }
     }
-    for (int path : {0, 1}) {
-      SCOPED_TRACE(path == 0 ? "fastest kernel" : "general kernel");
+    for (int path : {0, 1, 2}) {
+      SCOPED_TRACE(path == 0   ? "fastest kernel"
+                   : path == 1 ? "general kernel"
+                               : "spans, a channel a lane");
       g.path = path;
       DeviceBuffer<float> dq(q.size()), dout(q.size()),
           scratch(static_cast<size_t>(SegmentedScratchFloats(g)));
