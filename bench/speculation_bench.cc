@@ -55,6 +55,9 @@ struct Session {
   double first_ms = 0;           // Decode layers 1 and up of step 0, summed.
   bool ran = false;
   std::string why;  // Why it did not run.
+  // SessionStats::speculation_time after step 0 and at the end: the
+  // difference is steps 1 and up.
+  worker::SessionStats::SpeculationTime after_first, at_end;
 };
 
 double Median(std::vector<double> v) {
@@ -234,6 +237,11 @@ int SpeculationBench(int argc, char** argv) {
         if (l >= 1 && step == 0) s.first_ms += ms;
         if (l >= 1 && step > 0) s.layer_ms.push_back(ms);
       }
+      if (step == 0 || step + 1 == decode) {
+        auto now = s.engine->Stats(id);
+        if (!now.ok()) return fail(now.status());
+        (step == 0 ? s.after_first : s.at_end) = now->speculation_time;
+      }
     }
     if (auto rep = s.engine->EndRound(id); !rep.ok()) return fail(rep.status());
     (void)s.engine->CloseSession(id, /*delete_from_store=*/true, {});
@@ -257,6 +265,29 @@ int SpeculationBench(int argc, char** argv) {
     } else {
       std::printf("| %s | %.3f | | %.3f |\n", s.name, ms, first);
     }
+  }
+  // Where a speculating layer's time went (SessionStats::speculation_time).
+  bool header = false;
+  for (const Session& s : sessions) {
+    if (!s.ran || !s.speculates) continue;
+    const auto& a = s.after_first;
+    const auto& b = s.at_end;
+    const double n = static_cast<double>(b.steps - a.steps);
+    if (n <= 0) continue;
+    auto per = [n](absl::Duration d) { return absl::ToDoubleMilliseconds(d) / n; };
+    if (!header) {
+      std::printf(
+          "\nWhere a speculated layer step went, steps 1+ (ms each, host wall clock; on the GPU, "
+          "select and attend include waiting for the device):\n"
+          "| session | layer steps | select | gather | upload | attend | hit-rate samples | sum |\n"
+          "|---|---|---|---|---|---|---|---|\n");
+      header = true;
+    }
+    const double sel = per(b.select - a.select), gat = per(b.gather - a.gather),
+                 up = per(b.upload - a.upload), att = per(b.attend - a.attend),
+                 smp = per(b.sample - a.sample);
+    std::printf("| %s | %.0f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f |\n", s.name, n, sel, gat,
+                up, att, smp, sel + gat + up + att + smp);
   }
   return 0;
 }

@@ -205,6 +205,18 @@ struct SessionStats {
   // mirror and the speculated tokens' K/V (counted in device_bytes).
   bool speculation_on_device = false;
   uint64_t device_bytes = 0;
+  // Where the decode layers that attended over speculated tokens spent their
+  // time: host wall clock, summed over the session. On the GPU path the
+  // select and attend parts include waiting for the device.
+  struct SpeculationTime {
+    uint64_t steps = 0;     // Layer steps that attended over gathered tokens.
+    absl::Duration select;  // Partial keys, scores and top n (GPU: launch and wait).
+    absl::Duration gather;  // The picks' rows decoded from the host pool.
+    absl::Duration upload;  // GPU: the rows into pinned memory and up.
+    absl::Duration attend;  // Attention over them and the open round.
+    absl::Duration sample;  // Hit-rate samples (a dense pass every 16th step).
+  };
+  SpeculationTime speculation_time;
 };
 
 // A session as a transfer carries it from one worker to another (the

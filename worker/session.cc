@@ -492,6 +492,7 @@ Engine::Session::SpecInputs Engine::Session::SpecInputsAt(int layer, KernelLevel
 }
 
 void Engine::Session::Speculate(int layer, const float* q_next, KernelLevel level) {
+  const absl::Time start = absl::Now();
   gather.layer = -1;
   const SpecInputs in = SpecInputsAt(layer, level);
   if (in.t_max == 0) return;
@@ -516,10 +517,12 @@ void Engine::Session::Speculate(int layer, const float* q_next, KernelLevel leve
   spec::SpeculationParams params;
   params.alpha = policy.speculation.alpha;
   params.budget = policy.speculation.budget;
-  GatherPicked(layer, in,
-               spec::Speculate(skew->heads[layer], q_next, pks, in.total, shape.q_heads, hkv,
-                               shape.head_dim, params),
-               level);
+  spec::Speculated picked = spec::Speculate(skew->heads[layer], q_next, pks, in.total,
+                                            shape.q_heads, hkv, shape.head_dim, params);
+  const absl::Time selected = absl::Now();
+  stats.speculation_time.select += selected - start;
+  GatherPicked(layer, in, std::move(picked), level);
+  stats.speculation_time.gather += absl::Now() - selected;
 }
 
 void Engine::Session::GatherPicked(int layer, const SpecInputs& in, spec::Speculated picked,
@@ -590,6 +593,14 @@ absl::Status Engine::Session::DecodeOnDevice(int layer, const float* q, float* o
   const bool gathered = gather.layer == layer;
   absl::Status st;
   bool attending = false, selecting = false;
+  SessionStats::SpeculationTime& times = stats.speculation_time;
+  absl::Time at = absl::Now();
+  // The time since the last mark, added to `part`.
+  auto mark = [&at](absl::Duration* part) {
+    const absl::Time now = absl::Now();
+    *part += now - at;
+    at = now;
+  };
   // 1. This layer's attention over its gathered tokens, on the attention stream.
   if (gathered) {
     const int64_t rows = tokens + 1;
@@ -598,6 +609,8 @@ absl::Status Engine::Session::DecodeOnDevice(int layer, const float* q, float* o
     OpenRowsTokenMajor(open[layer], hkv, d, shape.dtype, rows, &k, &v, from);
     st = spec_device->LaunchAttend(layer, q, k.data(), v.data(), from, rows);
     attending = st.ok();
+    ++times.steps;
+    mark(&times.attend);
   }
   // 2. Layer + 1's selection on the speculation stream, meanwhile.
   SpecInputs next;
@@ -627,26 +640,36 @@ absl::Status Engine::Session::DecodeOnDevice(int layer, const float* q, float* o
       selecting = st.ok();
     }
   }
+  mark(&times.select);
   // 3. The CPU's share while the GPU works: the hit-rate sample of this
   // layer's picks, or this layer's attention when nothing was gathered.
-  if (st.ok() && gathered && gather.sample) SampleHitRate(layer, q, level);
+  if (st.ok() && gathered && gather.sample) {
+    SampleHitRate(layer, q, level);
+    mark(&times.sample);
+  }
   if (st.ok() && !gathered) {
     st = AttendLayer(shape, Visible(layer), open[layer], tokens, 1, q, out, level);
   }
   gather.layer = -1;
   // 4. Layer + 1's tokens gathered from the pool and sent to the device.
   if (selecting) {
+    at = absl::Now();
     absl::StatusOr<spec::Speculated> picked = spec_device->FinishSelect();
+    mark(&times.select);
     if (st.ok() && !picked.ok()) st = picked.status();
     if (st.ok()) {
       GatherPicked(layer + 1, next, *std::move(picked), level);
+      mark(&times.gather);
       st = spec_device->UploadGathered(layer + 1, gather.k, gather.v);
+      mark(&times.upload);
       if (!st.ok()) gather.layer = -1;
     }
   }
   // 5. This layer's output.
   if (attending) {
+    at = absl::Now();
     absl::Status done = spec_device->FinishAttend(out);
+    mark(&times.attend);
     if (st.ok()) st = done;
   }
   if (!st.ok()) {
@@ -665,8 +688,15 @@ absl::Status Engine::Session::Attend(int layer, int64_t n, const float* qs, cons
     for (const RoundLayer* r : Visible(layer)) rounds.push_back(r->device.get());
     st = device->Attend(layer, rounds, ks, vs, tokens, n, qs, out);
   } else if (gather.layer == layer && n == 1) {
+    const absl::Time start = absl::Now();
     st = AttendGathered(shape, gather.k, gather.v, open[layer], tokens, qs, out, level);
-    if (st.ok() && gather.sample) SampleHitRate(layer, qs, level);
+    const absl::Time attended = absl::Now();
+    ++stats.speculation_time.steps;
+    stats.speculation_time.attend += attended - start;
+    if (st.ok() && gather.sample) {
+      SampleHitRate(layer, qs, level);
+      stats.speculation_time.sample += absl::Now() - attended;
+    }
     gather.layer = -1;
   } else {
     st = AttendLayer(shape, Visible(layer), open[layer], tokens, n, qs, out, level);
