@@ -343,6 +343,16 @@ TEST_F(WorkerSpeculationTest, AttendsTheLonghandSelection) {
       EXPECT_LT(st.bytes_speculative, st.bytes_dense);
     }
   }
+  // Where the speculated steps' time went: every layer step of rounds 2 and 3
+  // at layers 1+, each part timed, nothing uploaded on the CPU.
+  KVT_ASSERT_OK_AND_ASSIGN(worker::SessionStats stats, engine_->Stats(worker::SessionKey("s")));
+  const worker::SessionStats::SpeculationTime& t = stats.speculation_time;
+  EXPECT_EQ(t.steps, 2u * 20u * (kShape.layers - 1));
+  EXPECT_GT(t.select, absl::ZeroDuration());
+  EXPECT_GT(t.gather, absl::ZeroDuration());
+  EXPECT_GT(t.attend, absl::ZeroDuration());
+  EXPECT_GT(t.sample, absl::ZeroDuration());
+  EXPECT_EQ(t.upload, absl::ZeroDuration());
 }
 
 TEST_F(WorkerSpeculationTest, BudgetCapsTheTokens) {
