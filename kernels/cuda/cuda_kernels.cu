@@ -331,6 +331,34 @@ __device__ __forceinline__ float WarpMax(float x) {
   return x;
 }
 
+// The softmax numerators of a span's scores s [rep, split], in place; query
+// head r's max and sum go to ml[2r] and ml[2r + 1] (a sum of 0: the span
+// holds no token, it runs past the head's end). Warp r takes query head r.
+__device__ void SpanSoftmax(const SegDims& g, const SegBlock* blocks, const int* head_first, int h,
+                            int i, int64_t lo, int64_t hi, int rep, int split, float* s,
+                            float* ml) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int64_t total = 0;
+  for (int b = head_first[h]; b < head_first[h + 1]; ++b) total += Visible(blocks[b], g, i);
+  const int count = static_cast<int>(max(int64_t{0}, min(hi, total) - lo));
+  for (int r = warp; r < rep; r += kSplitWarps) {
+    float m = -FLT_MAX;
+    for (int p = lane; p < count; p += 32) m = fmaxf(m, s[r * split + p]);
+    m = WarpMax(m);
+    float l = 0.0f;
+    for (int p = lane; p < count; p += 32) {
+      const float e = __expf(s[r * split + p] - m);
+      s[r * split + p] = e;
+      l += e;
+    }
+    l = WarpSum(l);
+    if (lane == 0) {
+      ml[r * 2] = m;
+      ml[r * 2 + 1] = l;
+    }
+  }
+}
+
 // Grid (spans, n, kv_heads), kSplitWarps warps. Shared: q [rep, d], the
 // span's scores [rep, split], the output sums [rep, d]. part_o is [spans, n,
 // q_heads, d]; part_ml [spans, n, q_heads, 2] (max, sum; an empty span has
@@ -378,29 +406,8 @@ __global__ void SplitAttentionKernel(SegDims g, const SegBlock* blocks, const in
             }
           });
   __syncthreads();
-  // How many of the span's positions hold a token (the span may run past
-  // the head's end).
-  int64_t total = 0;
-  for (int b = head_first[h]; b < head_first[h + 1]; ++b) total += Visible(blocks[b], g, i);
-  const int count = static_cast<int>(max(int64_t{0}, min(hi, total) - lo));
-  float* ml = part_ml + ((static_cast<int64_t>(span) * g.n + i) * g.q_heads + h * rep) * 2;
-  // Softmax numerators: warp r takes query head r.
-  for (int r = warp; r < rep; r += kSplitWarps) {
-    float m = -FLT_MAX;
-    for (int p = lane; p < count; p += 32) m = fmaxf(m, s[r * split + p]);
-    m = WarpMax(m);
-    float l = 0.0f;
-    for (int p = lane; p < count; p += 32) {
-      const float e = __expf(s[r * split + p] - m);
-      s[r * split + p] = e;
-      l += e;
-    }
-    l = WarpSum(l);
-    if (lane == 0) {
-      ml[r * 2] = m;
-      ml[r * 2 + 1] = l;
-    }
-  }
+  SpanSoftmax(g, blocks, head_first, h, i, lo, hi, rep, split, s,
+              part_ml + ((static_cast<int64_t>(span) * g.n + i) * g.q_heads + h * rep) * 2);
   __syncthreads();
   // p . v: a warp per token again, each lane its channels for every head.
   float acc[kSplitMaxRep][kSplitMaxLaneCh];
@@ -639,26 +646,8 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
         }
       });
   __syncthreads();
-  int64_t total = 0;
-  for (int b = head_first[h]; b < head_first[h + 1]; ++b) total += Visible(blocks[b], g, i);
-  const int count = static_cast<int>(max(int64_t{0}, min(hi, total) - lo));
-  float* ml = part_ml + ((static_cast<int64_t>(span) * g.n + i) * g.q_heads + h * REP) * 2;
-  for (int r = warp; r < REP; r += kSplitWarps) {
-    float m = -FLT_MAX;
-    for (int p = lane; p < count; p += 32) m = fmaxf(m, s[r * split + p]);
-    m = WarpMax(m);
-    float l = 0.0f;
-    for (int p = lane; p < count; p += 32) {
-      const float e = __expf(s[r * split + p] - m);
-      s[r * split + p] = e;
-      l += e;
-    }
-    l = WarpSum(l);
-    if (lane == 0) {
-      ml[r * 2] = m;
-      ml[r * 2 + 1] = l;
-    }
-  }
+  SpanSoftmax(g, blocks, head_first, h, i, lo, hi, REP, split, s,
+              part_ml + ((static_cast<int64_t>(span) * g.n + i) * g.q_heads + h * REP) * 2);
   __syncthreads();
   float acc[REP][8];
 #pragma unroll
