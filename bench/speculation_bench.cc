@@ -120,19 +120,7 @@ int SpeculationBench(int argc, char** argv) {
   worker::Engine host(store->segments(), host_opts), device(store->segments(), device_opts);
 
   const int d = shape.head_dim, hq = shape.q_heads, hkv = shape.kv_heads;
-  spec::SkewModel skew;
-  skew.model = "identity";
-  skew.layers = shape.layers;
-  skew.q_heads = hq;
-  skew.kv_heads = hkv;
-  skew.head_dim = d;
-  skew.partial_ratio = static_cast<double>(partial) / d;
-  skew.calibration_tokens = 0;
-  spec::SkewHead identity;
-  identity.a.assign(static_cast<size_t>(d) * d, 0.0f);
-  for (int i = 0; i < d; ++i) identity.a[static_cast<size_t>(i) * d + i] = 1.0f;
-  for (int c = 0; c < partial; ++c) identity.partial.push_back(c);
-  skew.heads.assign(shape.layers, std::vector<spec::SkewHead>(hkv, identity));
+  const spec::SkewModel skew = spec::IdentitySkew(shape.layers, hq, hkv, d, partial);
   const std::string skew_bytes = spec::SerializeSkew(skew);
   std::string skew_id;
   for (worker::Engine* e : {&host, &device}) {

@@ -22,6 +22,22 @@ int PartialColumns(double ratio, int head_dim) {
 
 int SkewModel::partial_columns() const { return PartialColumns(partial_ratio, head_dim); }
 
+SkewModel IdentitySkew(int layers, int q_heads, int kv_heads, int head_dim, int partial) {
+  SkewModel m;
+  m.model = "identity";
+  m.layers = layers;
+  m.q_heads = q_heads;
+  m.kv_heads = kv_heads;
+  m.head_dim = head_dim;
+  m.partial_ratio = static_cast<double>(partial) / head_dim;
+  SkewHead h;
+  h.a.assign(static_cast<size_t>(head_dim) * head_dim, 0.0f);
+  for (int i = 0; i < head_dim; ++i) h.a[static_cast<size_t>(i) * head_dim + i] = 1.0f;
+  for (int c = 0; c < partial; ++c) h.partial.push_back(c);
+  m.heads.assign(layers, std::vector<SkewHead>(kv_heads, h));
+  return m;
+}
+
 void SymmetricEigen(const std::vector<double>& m, int n, std::vector<double>* values,
                     std::vector<double>* vectors) {
   std::vector<double> a = m, v(static_cast<size_t>(n) * n, 0.0);
@@ -225,13 +241,14 @@ Speculated Speculate(const std::vector<SkewHead>& layer, const float* qhat,
 
 namespace {
 
-// PartialScores with 8 tokens at a time, one per lane: each block of 8 keys
-// is transposed into `block` (column c of the 8 at block[8c..8c+7]), then
-// every query sums over it in column order with separate roundings, as the
-// scalar loop does per token.
-__attribute__((target("avx2"))) void PartialScoresAvx2(const float* qp, int n_q, const float* keys,
-                                                       int64_t tokens, int r, float scale,
-                                                       float* const* scores) {
+// PartialScores of tokens [0, tokens - tokens % 8), 8 at a time, one per
+// lane: each block of 8 keys is transposed into `block` (column c of the 8 at
+// block[8c..8c+7]), then every query sums over it in column order with
+// separate roundings, as the scalar loop does per token. Returns the tokens
+// done.
+__attribute__((target("avx2"))) int64_t PartialScoresAvx2(const float* qp, int n_q,
+                                                          const float* keys, int64_t tokens, int r,
+                                                          float scale, float* const* scores) {
   std::vector<float> block(static_cast<size_t>(r) * 8);
   const __m256 sv = _mm256_set1_ps(scale);
   int64_t t = 0;
@@ -250,14 +267,7 @@ __attribute__((target("avx2"))) void PartialScoresAvx2(const float* qp, int n_q,
       _mm256_storeu_ps(scores[i] + t, _mm256_mul_ps(acc, sv));
     }
   }
-  for (; t < tokens; ++t) {
-    for (int i = 0; i < n_q; ++i) {
-      const float* q = qp + static_cast<size_t>(i) * r;
-      float acc = 0;
-      for (int c = 0; c < r; ++c) acc += q[c] * keys[t * r + c];
-      scores[i][t] = acc * scale;
-    }
-  }
+  return t;
 }
 
 }  // namespace
@@ -265,13 +275,11 @@ __attribute__((target("avx2"))) void PartialScoresAvx2(const float* qp, int n_q,
 void PartialScores(const float* qp, int n_q, const float* keys, int64_t tokens, int r, float scale,
                    float* const* scores) {
   if (tokens == 0) return;
-  if (internal::SimdAvailable()) {
-    PartialScoresAvx2(qp, n_q, keys, tokens, r, scale, scores);
-    return;
-  }
+  const int64_t done =
+      internal::SimdAvailable() ? PartialScoresAvx2(qp, n_q, keys, tokens, r, scale, scores) : 0;
   for (int i = 0; i < n_q; ++i) {
     const float* q = qp + static_cast<size_t>(i) * r;
-    for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t t = done; t < tokens; ++t) {
       float acc = 0;
       for (int c = 0; c < r; ++c) acc += q[c] * keys[t * r + c];
       scores[i][t] = acc * scale;

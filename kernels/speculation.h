@@ -56,6 +56,12 @@ struct SkewModel {
 // Columns kept for a ratio: round(ratio * d), at least 1, at most d.
 int PartialColumns(double ratio, int head_dim);
 
+// A skew that skews nothing (A = I for every head, the first `partial`
+// columns kept), named "identity": the partial query and keys are the
+// query's and keys' first columns. For tests and benches that need a skew
+// without calibrating one.
+SkewModel IdentitySkew(int layers, int q_heads, int kv_heads, int head_dim, int partial);
+
 // Eigen-decomposition of a symmetric n x n matrix (row-major, float64) by
 // cyclic Jacobi rotations: eigenvalues in decreasing order, eigenvectors as
 // the columns of `vectors` (row-major n x n), orthonormal.

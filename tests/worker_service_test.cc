@@ -187,20 +187,7 @@ TEST_F(WorkerServiceTest, RoundsOverGrpcMatchFullAttention) {
 
 // An identity skew (A = I, the first r columns) for a model of this shape.
 std::string IdentitySkew(int layers, int q_heads, int kv_heads, int d, int r) {
-  spec::SkewModel m;
-  m.model = "identity";
-  m.layers = layers;
-  m.q_heads = q_heads;
-  m.kv_heads = kv_heads;
-  m.head_dim = d;
-  m.partial_ratio = static_cast<double>(r) / d;
-  m.calibration_tokens = 1;
-  spec::SkewHead h;
-  h.a.assign(static_cast<size_t>(d) * d, 0.0f);
-  for (int i = 0; i < d; ++i) h.a[static_cast<size_t>(i) * d + i] = 1.0f;
-  for (int i = 0; i < r; ++i) h.partial.push_back(i);
-  m.heads.assign(layers, std::vector<spec::SkewHead>(kv_heads, h));
-  return spec::SerializeSkew(m);
+  return spec::SerializeSkew(spec::IdentitySkew(layers, q_heads, kv_heads, d, r));
 }
 
 // PutSkew in slices: OK and the id; a slice past 1 MiB, a file that is not

@@ -264,12 +264,7 @@ void CheckSpeculation(bool integers, int budget, float alpha, uint32_t seed) {
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::uniform_int_distribution<int> small(-3, 3);
   auto value = [&] { return integers ? static_cast<float>(small(rng)) : nd(rng); };
-  std::vector<spec::SkewHead> layer(kv_heads);
-  for (spec::SkewHead& sh : layer) {
-    sh.a.assign(static_cast<size_t>(d) * d, 0.0f);
-    for (int i = 0; i < d; ++i) sh.a[static_cast<size_t>(i) * d + i] = 1.0f;
-    for (int c = 0; c < r; ++c) sh.partial.push_back(c);
-  }
+  const std::vector<spec::SkewHead> layer = spec::IdentitySkew(1, q_heads, kv_heads, d, r).heads[0];
   std::vector<float> qhat(static_cast<size_t>(q_heads) * d);
   for (float& x : qhat) x = value();
   std::vector<uint16_t> pk16;
