@@ -14,8 +14,14 @@ int TransferBench(int argc, char** argv);     // transfer_bench.cc
 int PoolBench(int argc, char** argv);         // pool_bench.cc
 int SpeculationBench(int argc, char** argv);  // speculation_bench.cc
 
+// Forks the process that TcpLoopbackGbps sends to (once; later calls do
+// nothing). Call it before starting threads or allocating much: the child
+// is a copy of the caller at that point, and lives until the caller exits.
+void StartTcpSink();
+
 // Sends `bytes_per_stream` over each of `streams` loopback TCP connections
-// to a forked child that discards them; returns GB/s (1e9 bytes/s).
+// to the sink process, which discards them; returns GB/s (1e9 bytes/s).
+// Starts the sink first if it is not running.
 double TcpLoopbackGbps(int streams, uint64_t bytes_per_stream);
 
 // The value of `arg` when it is `flag` followed by it ("--rounds=" and

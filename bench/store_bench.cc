@@ -4,13 +4,15 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -36,36 +38,67 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
 
 }  // namespace
 
-double TcpLoopbackGbps(int streams, uint64_t bytes_per_stream) {
-  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+namespace {
+
+// The loopback port of the sink process (StartTcpSink), 0 before it runs.
+uint16_t tcp_sink_port = 0;
+
+// The sink: accepts connections for as long as its parent lives, reads
+// each to its end on a thread of its own, then answers one byte.
+[[noreturn]] void RunTcpSink(int listener) {
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  for (;;) {
+    const int fd = ::accept(listener, nullptr, nullptr);
+    if (fd < 0) {
+      if (errno == EINTR) continue;
+      ::_exit(0);
+    }
+    std::thread([fd] {
+      std::vector<char> buf(1 << 20);
+      while (::read(fd, buf.data(), buf.size()) > 0) {
+      }
+      char ack = 1;
+      (void)!::write(fd, &ack, 1);
+      ::close(fd);
+    }).detach();
+  }
+}
+
+}  // namespace
+
+void StartTcpSink() {
+  if (tcp_sink_port != 0) return;
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   socklen_t len = sizeof(addr);
   if (::bind(listener, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
-      ::listen(listener, streams) != 0 ||
+      ::listen(listener, 64) != 0 ||
       ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
     std::perror("tcp baseline: listen");
     std::exit(1);
   }
-  pid_t child = ::fork();
+  const pid_t parent = ::getpid();
+  const pid_t child = ::fork();
+  if (child < 0) {
+    std::perror("tcp baseline: fork");
+    std::exit(1);
+  }
   if (child == 0) {
-    std::vector<std::thread> readers;
-    for (int i = 0; i < streams; ++i) {
-      int fd = ::accept(listener, nullptr, nullptr);
-      readers.emplace_back([fd] {
-        std::vector<char> buf(1 << 20);
-        while (::read(fd, buf.data(), buf.size()) > 0) {
-        }
-        char ack = 1;
-        (void)!::write(fd, &ack, 1);
-        ::close(fd);
-      });
-    }
-    for (auto& t : readers) t.join();
-    ::_exit(0);
+    if (::getppid() != parent) ::_exit(0);  // The parent died before prctl.
+    RunTcpSink(listener);
   }
   ::close(listener);
+  tcp_sink_port = ntohs(addr.sin_port);
+}
+
+double TcpLoopbackGbps(int streams, uint64_t bytes_per_stream) {
+  StartTcpSink();
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(tcp_sink_port);
   std::vector<int> fds;
   for (int i = 0; i < streams; ++i) {
     int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -94,8 +127,6 @@ double TcpLoopbackGbps(int streams, uint64_t bytes_per_stream) {
   }
   for (auto& t : writers) t.join();
   double s = Seconds(t0, Clock::now());
-  int status;
-  ::waitpid(child, &status, 0);
   return streams * bytes_per_stream / s / 1e9;
 }
 
@@ -404,6 +435,10 @@ int StoreBench(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   kvtier::TuneAllocatorForLargeBuffers();
+  // The TCP baselines' receiving process, forked now: later forks would copy
+  // a large, multithreaded process and leave its pages copy-on-write under
+  // the measured runs.
+  kvtier::bench::StartTcpSink();
   std::string what = argc > 1 ? argv[1] : "";
   if (what == "store") return kvtier::bench::StoreBench(argc - 2, argv + 2);
   if (what == "store-scale") return kvtier::bench::StoreScaleBench(argc - 2, argv + 2);

@@ -6,6 +6,7 @@
 
 #include "fuzz/fuzz_target.h"
 #include "kernels/codec.h"
+#include "kernels/crc32c.h"
 #include "kernels/encoded_tensor.h"
 #include "testing/test_util.h"
 
@@ -25,6 +26,26 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       std::vector<float> out(static_cast<size_t>(rows * v->head_dim));
       kvtier::DecodeRows(*v, 0, 0, rows, out.data(), kvtier::KernelLevel::kReference);
     }
+  }
+  // The transfer's checksum outside the buffers' data: it parses whatever
+  // SplitPayload does, and over the whole payload it equals the framing's
+  // and each tensor's, chained.
+  absl::StatusOr<uint32_t> outside = kvtier::Crc32cOutsidePayloadBufferData(0, bytes);
+  if (absl::StatusOr<std::vector<kvtier::TensorParts>> parts = kvtier::SplitPayload(bytes, false);
+      parts.ok()) {
+    if (!outside.ok()) __builtin_trap();  // It parses what SplitPayload does.
+    uint32_t crc = 0;
+    size_t at = 0;
+    for (const kvtier::TensorParts& t : *parts) {
+      const size_t begin = static_cast<size_t>(t.bytes.data() - bytes.data());
+      crc = kvtier::Crc32cExtend(crc, bytes.data() + at, begin - at);
+      absl::StatusOr<uint32_t> c = kvtier::Crc32cOutsideBufferData(crc, t.bytes);
+      if (!c.ok()) __builtin_trap();
+      crc = *c;
+      at = begin + t.bytes.size();
+    }
+    crc = kvtier::Crc32cExtend(crc, bytes.data() + at, bytes.size() - at);
+    if (crc != *outside) __builtin_trap();
   }
   // The full parser must agree with the in-place one on validity.
   absl::StatusOr<kvtier::v1::SegmentPayload> full = kvtier::ParseAndValidatePayload(bytes);

@@ -189,7 +189,91 @@ absl::Status SplitTensorBytes(std::string_view bytes, TensorParts* out) {
   return absl::OkStatus();
 }
 
+// Extends `*crc` over bytes[*from, to) and moves *from to `to`.
+void ExtendTo(const std::string_view bytes, size_t to, size_t* from, uint32_t* crc) {
+  *crc = Crc32cExtend(*crc, bytes.data() + *from, to - *from);
+  *from = to;
+}
+
+// Crc32cOutsideBufferData over bytes[begin, end) of `bytes`, from `*from`
+// (everything before `begin` not yet checksummed is included).
+bool ExtendOutsideBufferData(std::string_view bytes, size_t begin, size_t end, size_t* from,
+                             uint32_t* crc) {
+  CodedInputStream in(reinterpret_cast<const uint8_t*>(bytes.data() + begin),
+                      static_cast<int>(end - begin));
+  for (uint32_t tag; (tag = in.ReadTag()) != 0;) {
+    if (WireFormatLite::GetTagFieldNumber(tag) != 8 ||
+        WireFormatLite::GetTagWireType(tag) != WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+      if (!WireFormatLite::SkipField(&in, tag)) return false;
+      continue;
+    }
+    uint32_t len;
+    if (!in.ReadVarint32(&len)) return false;
+    const size_t at = begin + static_cast<size_t>(in.CurrentPosition());
+    if (!in.Skip(static_cast<int>(len))) return false;
+    // The Buffer message at [at, at + len): every data field is left out.
+    CodedInputStream buf(reinterpret_cast<const uint8_t*>(bytes.data() + at),
+                         static_cast<int>(len));
+    for (uint32_t btag; (btag = buf.ReadTag()) != 0;) {
+      if (WireFormatLite::GetTagFieldNumber(btag) != 2 ||
+          WireFormatLite::GetTagWireType(btag) != WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+        if (!WireFormatLite::SkipField(&buf, btag)) return false;
+        continue;
+      }
+      uint32_t n;
+      if (!buf.ReadVarint32(&n)) return false;
+      const size_t data = at + static_cast<size_t>(buf.CurrentPosition());
+      if (!buf.Skip(static_cast<int>(n))) return false;
+      ExtendTo(bytes, data, from, crc);
+      *from = data + n;
+    }
+    if (!buf.ConsumedEntireMessage()) return false;
+  }
+  if (!in.ConsumedEntireMessage()) return false;
+  ExtendTo(bytes, end, from, crc);
+  return true;
+}
+
 }  // namespace
+
+absl::StatusOr<uint32_t> Crc32cOutsideBufferData(uint32_t crc, std::string_view tensor) {
+  if (tensor.size() > static_cast<size_t>(INT32_MAX)) {
+    return absl::InvalidArgumentError("tensor over 2 GiB");
+  }
+  size_t from = 0;
+  if (!ExtendOutsideBufferData(tensor, 0, tensor.size(), &from, &crc)) {
+    return absl::InvalidArgumentError("tensor does not parse");
+  }
+  return crc;
+}
+
+absl::StatusOr<uint32_t> Crc32cOutsidePayloadBufferData(uint32_t crc, std::string_view payload) {
+  if (payload.size() > static_cast<size_t>(INT32_MAX)) {
+    return absl::InvalidArgumentError("segment payload over 2 GiB");
+  }
+  CodedInputStream in(reinterpret_cast<const uint8_t*>(payload.data()),
+                      static_cast<int>(payload.size()));
+  in.SetTotalBytesLimit(INT32_MAX);
+  size_t from = 0;
+  for (uint32_t tag; (tag = in.ReadTag()) != 0;) {
+    std::string_view view;
+    if (WireFormatLite::GetTagFieldNumber(tag) == 1 &&
+        WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+      if (!ReadView(&in, payload.data(), &view)) break;
+      const size_t at = static_cast<size_t>(view.data() - payload.data());
+      if (!ExtendOutsideBufferData(payload, at, at + view.size(), &from, &crc)) {
+        return absl::InvalidArgumentError("segment payload tensor does not parse");
+      }
+    } else if (!WireFormatLite::SkipField(&in, tag)) {
+      break;
+    }
+  }
+  if (!in.ConsumedEntireMessage()) {
+    return absl::InvalidArgumentError("segment payload is not a serialized SegmentPayload");
+  }
+  ExtendTo(payload, payload.size(), &from, &crc);
+  return crc;
+}
 
 absl::Status ValidateTensor(const v1::EncodedTensor& t, bool verify_crc) {
   std::vector<BufferView> bufs;

@@ -49,6 +49,17 @@ struct TensorParts {
 absl::StatusOr<std::vector<TensorParts>> SplitPayload(std::string_view payload,
                                                       bool verify_crc = true);
 
+// CRC-32C: `crc` extended over the serialized EncodedTensor `tensor`, in
+// order, leaving out the data of its buffers (Buffer.data), which the
+// tensor's own crc32c covers. Together the two check every byte once, and
+// this one reads only the framing and metadata. INVALID_ARGUMENT when the
+// bytes do not parse as an EncodedTensor.
+absl::StatusOr<uint32_t> Crc32cOutsideBufferData(uint32_t crc, std::string_view tensor);
+
+// The same over a serialized SegmentPayload: the framing of its tensors,
+// and each tensor as above. It checks no tensor (SplitPayload does).
+absl::StatusOr<uint32_t> Crc32cOutsidePayloadBufferData(uint32_t crc, std::string_view payload);
+
 // Checks a tensor. Returns:
 //   OK                 well-formed, checksum matches.
 //   INVALID_ARGUMENT   unknown version/codec/dtype, bad shape (0 or > 8 dims,

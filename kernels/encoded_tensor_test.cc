@@ -4,6 +4,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/crc32c.h"
 #include "tests/util/status_matchers.h"
 
 namespace kvtier {
@@ -87,6 +88,100 @@ TEST(EncodedTensor, PayloadParsing) {
   (*p.mutable_tensors(1)->mutable_buffers(0)->mutable_data())[0] ^= 1;
   EXPECT_THAT(ParseAndValidatePayload(p.SerializeAsString()),
               StatusIs(absl::StatusCode::kDataLoss));
+}
+
+// A payload of `n` tensors: raw ones and KIVI-4 ones of three buffers, each
+// buffer of random bytes and length (empty ones too).
+std::string RandomPayload(std::mt19937_64& rng, int n) {
+  v1::SegmentPayload p;
+  for (int i = 0; i < n; ++i) {
+    v1::EncodedTensor& t = *p.add_tensors();
+    t.set_dtype(v1::DTYPE_FP16);
+    t.add_shape(1 + static_cast<int64_t>(rng() % 4));
+    t.add_shape(16);
+    const int buffers = i % 2 == 0 ? 1 : 3;
+    if (buffers == 1) {
+      t.set_codec(v1::CODEC_RAW);
+    } else {
+      t.set_codec(v1::CODEC_KIVI);
+      t.mutable_params()->set_bits(4);
+      t.mutable_params()->set_group_size(32);
+      t.set_role(v1::TENSOR_ROLE_KEY);
+    }
+    for (int b = 0; b < buffers; ++b) {
+      v1::Buffer* buf = t.add_buffers();
+      buf->set_kind(buffers == 1 ? v1::BUFFER_RAW : static_cast<v1::BufferKind>(b + 2));
+      const size_t len = buffers == 1 ? static_cast<size_t>(t.shape(0)) * 16 * 2 : rng() % 40;
+      std::string d(len, '\0');
+      for (char& c : d) c = static_cast<char>(rng());
+      buf->set_data(d);
+    }
+    SealTensor(&t);
+  }
+  return p.SerializeAsString();
+}
+
+// Longhand: CRC-32C of the payload's bytes outside its buffers' data, from
+// SplitPayload's views.
+uint32_t LonghandOutsideCrc(std::string_view payload) {
+  auto split = SplitPayload(payload, /*verify_crc=*/false);
+  EXPECT_TRUE(split.ok()) << split.status();
+  std::string outside;
+  size_t at = 0;
+  for (const TensorParts& t : *split) {
+    for (const BufferView& b : t.buffers) {
+      if (b.data.empty()) continue;  // Not serialized at all (proto3).
+      const size_t begin = static_cast<size_t>(b.data.data() - payload.data());
+      outside.append(payload.substr(at, begin - at));
+      at = begin + b.data.size();
+    }
+  }
+  outside.append(payload.substr(at));
+  return Crc32c(outside);
+}
+
+// The transfer's check (TransferHeader.tensor_checksums): the CRC outside
+// the buffers' data, computed over the whole payload or tensor by tensor,
+// equals the longhand one; with each tensor's own crc32c, every single-bit
+// flip anywhere in the payload is caught.
+TEST(EncodedTensor, CrcOutsideBufferDataWithTensorCrcsCatchesEveryBitFlip) {
+  std::mt19937_64 rng(7);
+  EXPECT_THAT(Crc32cOutsidePayloadBufferData(0, "\xff\xff garbage"),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(Crc32cOutsideBufferData(0, "\x42\x09short"),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(Crc32cOutsidePayloadBufferData(5, "").value_or(0), 5u);
+  for (int iter = 0; iter < 20; ++iter) {
+    const std::string payload = RandomPayload(rng, 1 + iter % 4);
+    const uint32_t want = LonghandOutsideCrc(payload);
+    absl::StatusOr<uint32_t> whole = Crc32cOutsidePayloadBufferData(0, payload);
+    ASSERT_TRUE(whole.ok()) << whole.status();
+    EXPECT_EQ(*whole, want);
+    // Framing, then each tensor, as a sender holds them.
+    auto split = SplitPayload(payload);
+    ASSERT_TRUE(split.ok()) << split.status();
+    uint32_t crc = 0;
+    size_t at = 0;
+    for (const TensorParts& t : *split) {
+      const size_t begin = static_cast<size_t>(t.bytes.data() - payload.data());
+      crc = Crc32cExtend(crc, payload.data() + at, begin - at);
+      absl::StatusOr<uint32_t> c = Crc32cOutsideBufferData(crc, t.bytes);
+      ASSERT_TRUE(c.ok()) << c.status();
+      crc = *c;
+      at = begin + t.bytes.size();
+    }
+    EXPECT_EQ(crc, want);
+    if (iter >= 4) continue;
+    for (size_t i = 0; i < payload.size(); ++i) {
+      for (int bit = 0; bit < 8; ++bit) {
+        std::string flipped = payload;
+        flipped[i] ^= static_cast<char>(1 << bit);
+        absl::StatusOr<uint32_t> outside = Crc32cOutsidePayloadBufferData(0, flipped);
+        const bool caught = !outside.ok() || *outside != want || !SplitPayload(flipped).ok();
+        ASSERT_TRUE(caught) << "byte " << i << " bit " << bit << " of " << payload.size();
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "kernels/crc32c.h"
+#include "kernels/encoded_tensor.h"
 #include "kernels/half.h"
 #include "kernels/recall.h"
 #include "kernels/speculation.h"
@@ -1003,14 +1004,20 @@ TEST_F(TransferServiceTest, ReceiverRefusesCorruptAndUnfinishedStreams) {
   KVT_ASSERT_OK_AND_ASSIGN(auto image, src.ExportSession("c"));
   KVT_ASSERT_OK(src.ExportTail("c", &image));
 
-  // Writes header, layers (the `corrupt` one with a byte flipped after its
-  // crc) and, when `tail`, the tail; returns the call's status.
-  auto send = [&](int corrupt, int layers, bool tail) {
+  // Writes header, layers (the `corrupt` one with the byte at `flip(past,
+  // open)` of its data flipped after its crc, a third of the way by default)
+  // and, when `tail`, the tail; returns the call's status. With
+  // `tensor_checksums`, the layer crc leaves out the past tensors' buffer
+  // data, as kvtier's sender does.
+  using Flip = std::function<size_t(const std::string& past, const std::string& open)>;
+  auto send = [&](int corrupt, int layers, bool tail, bool tensor_checksums = false,
+                  Flip flip = nullptr) {
     grpc::ClientContext c;
     v1::TransferSessionResponse resp;
     auto w = ds->TransferSession(&c, &resp);
     v1::TransferChunk h;
     *h.mutable_header() = HeaderToProto("c", image);
+    h.mutable_header()->set_tensor_checksums(tensor_checksums);
     w->Write(h);
     for (int l = 0; l < layers; ++l) {
       auto li = src.ExportLayer("c", l);
@@ -1026,8 +1033,14 @@ TEST_F(TransferServiceTest, ReceiverRefusesCorruptAndUnfinishedStreams) {
       info->set_q_rows(li->q_rows);
       info->set_open_bytes(li->open.size());
       std::string data = past + li->open;
-      ch.set_layer_crc32c(Crc32c(data));
-      if (l == corrupt) data[data.size() / 3] ^= 1;
+      if (tensor_checksums) {
+        absl::StatusOr<uint32_t> outside = Crc32cOutsidePayloadBufferData(0, past);
+        EXPECT_TRUE(outside.ok()) << outside.status();
+        ch.set_layer_crc32c(Crc32cExtend(outside.value_or(0), li->open.data(), li->open.size()));
+      } else {
+        ch.set_layer_crc32c(Crc32c(data));
+      }
+      if (l == corrupt) data[flip ? flip(past, li->open) : data.size() / 3] ^= 1;
       ch.set_data(data);
       ch.set_layer_end(true);
       if (!w->Write(ch)) break;
@@ -1059,7 +1072,43 @@ TEST_F(TransferServiceTest, ReceiverRefusesCorruptAndUnfinishedStreams) {
     w->WritesDone();
     EXPECT_EQ(w->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   }
-  // The same stream whole is taken, and the session decodes as the source.
+  // Under tensor_checksums: a flipped byte in a past tensor's buffer data
+  // (its own crc32c), in the framing or in the open round (the layer crc).
+  const Flip in_buffer = [](const std::string& past, const std::string&) {
+    auto split = SplitPayload(past);
+    EXPECT_TRUE(split.ok() && split->size() > 1);
+    std::string_view data;
+    for (const BufferView& b : (*split)[1].buffers) {
+      if (b.data.size() > data.size()) data = b.data;
+    }
+    return static_cast<size_t>(data.data() - past.data()) + data.size() / 2;
+  };
+  const Flip in_framing = [](const std::string& past, const std::string&) {
+    auto split = SplitPayload(past);
+    EXPECT_TRUE(split.ok() && !split->empty());
+    // The last byte of the first tensor's metadata before its first buffer.
+    return static_cast<size_t>((*split)[0].buffers[0].data.data() - past.data()) - 1;
+  };
+  const Flip in_open = [](const std::string& past, const std::string& open) {
+    return past.size() + open.size() / 2;
+  };
+  for (const Flip& flip : {in_buffer, in_framing, in_open}) {
+    st = send(/*corrupt=*/1, kShape.layers, true, /*tensor_checksums=*/true, flip);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::DATA_LOSS) << st.error_message();
+    EXPECT_THAT(st.error_message(), ::testing::HasSubstr("layer 1 of the transfer is corrupt"));
+  }
+  EXPECT_EQ(d->engine()->SessionCount(), 0);
+  // The same stream whole is taken, with either checksum, and the session
+  // decodes as the source.
+  st = send(-1, kShape.layers, true, /*tensor_checksums=*/true);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  {
+    grpc::ClientContext c;
+    v1::CloseSessionRequest req;
+    req.set_session_id("c");
+    v1::CloseSessionResponse resp;
+    ASSERT_TRUE(ds->CloseSession(&c, req, &resp).ok());
+  }
   st = send(-1, kShape.layers, true);
   ASSERT_TRUE(st.ok()) << st.error_message();
   const Step tok = MakeStep(1, &rng);

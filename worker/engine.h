@@ -273,7 +273,8 @@ struct LayerImage {
   // Export (ExportLayer) gives the payload as pieces, in order, without
   // copying a tensor: each tensor's protobuf framing (small, in a buffer of
   // the export's own) and the tensor's bytes where the working set holds
-  // them, each piece with the buffer that keeps it alive. Import
+  // them, each piece with the buffer that keeps it alive. So pieces
+  // alternate: framing at even positions, one whole tensor at odd ones. Import
   // (ImportSession) takes either the pieces or `past`, the payload in one
   // buffer (what a receiver assembles from the wire).
   struct Piece {

@@ -6,6 +6,7 @@
 #include "base/log.h"
 #include "base/status_macros.h"
 #include "kernels/crc32c.h"
+#include "kernels/encoded_tensor.h"
 #include "rpc/grpc_status.h"
 #include "rpc/wire_format.h"
 #include "services/worker/transfer_proto.h"
@@ -297,8 +298,32 @@ bool SessionSender::WriteLayer(worker::LayerImage li) {
   const uint64_t past_bytes = li.past_size();
   auto open = std::make_shared<const std::string>(std::move(li.open));
   parts.push_back({open->data(), open->size(), open});
+  // The layer's checksum leaves out the past tensors' buffer data, which
+  // their own crc32c covers (TransferHeader.tensor_checksums): the past
+  // bytes are not read here. The pieces alternate framing and tensor.
   uint32_t crc = 0;
-  for (const wire::BytesPiece& p : parts) crc = Crc32cExtend(crc, p.data, p.len);
+  for (size_t i = 0; i < li.past_pieces.size(); ++i) {
+    const std::string_view b = li.past_pieces[i].bytes;
+    if (i % 2 == 0) {
+      crc = Crc32cExtend(crc, b.data(), b.size());
+      continue;
+    }
+    absl::StatusOr<uint32_t> c = Crc32cOutsideBufferData(crc, b);
+    if (!c.ok()) {
+      Fail(absl::InternalError(absl::StrCat("layer ", li.layer, ": ", c.status().message())));
+      return false;
+    }
+    crc = *c;
+  }
+  if (li.past != nullptr) {
+    absl::StatusOr<uint32_t> c = Crc32cOutsidePayloadBufferData(crc, *li.past);
+    if (!c.ok()) {
+      Fail(absl::InternalError(absl::StrCat("layer ", li.layer, ": ", c.status().message())));
+      return false;
+    }
+    crc = *c;
+  }
+  crc = Crc32cExtend(crc, open->data(), open->size());
   start.set_layer(static_cast<uint32_t>(li.layer));
   for (uint32_t r : li.rounds) info->add_rounds(r);
   for (uint32_t r : li.reused) info->add_reused_rounds(r);
@@ -379,6 +404,7 @@ void SessionSender::Run() {
           h->set_nccl_id(nccl_id_);
           h->set_nccl_reused(link_reused_);
         }
+        h->set_tensor_checksums(true);
         v1::TransferChunk c;
         *c.mutable_header() = std::move(*h);
         broken = !call_->Write(wire::Serialize(c));

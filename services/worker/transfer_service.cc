@@ -2,6 +2,7 @@
 // (sending a session between steps), and the senders the Prefill stream
 // uses for transfer_to (docs/transfer.md).
 #include <algorithm>
+#include <deque>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
@@ -10,6 +11,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "kernels/crc32c.h"
+#include "kernels/encoded_tensor.h"
 #include "rpc/grpc_status.h"
 #include "rpc/transport_args.h"
 #include "rpc/wire_format.h"
@@ -107,47 +109,96 @@ absl::Status WorkerService::DoHeldRounds(grpc::CallbackServerContext& ctx,
 
 // ---- TransferSession ----
 
-// One chunk at a time, each handled on the compute executor; the session is
-// imported when the tail arrives, and nothing stays on any other path.
+// Chunks are taken in order, one at a time, on the compute executor; the
+// session is imported when the tail arrives, and nothing stays on any other
+// path. gRPC reads the next messages (up to kReadAhead) while a chunk is
+// taken, so that its delivery and the executor's hop overlap the copying.
 // Exactly one Finish(), from the executor.
 class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   TransferReactor(WorkerService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
       : svc_(svc), ctx_(ctx), resp_(resp) {
+    reading_ = true;
     StartRead(&msg_);
   }
 
   void OnReadDone(bool ok) override {
-    svc_->compute_->Schedule([this, ok] {
-      if (!ok) {
-        End(absl::AbortedError(absl::StrCat("the transfer stream ended before its tail (after ",
-                                            layers_.size(), " layers); nothing was kept")));
-        return;
-      }
-      absl::Status s = Take();
-      if (!s.ok() || imported_) {
-        End(s);
-        return;
-      }
-      StartRead(&msg_);
-    });
+    absl::MutexLock lock(&mu_);
+    reading_ = false;
+    if (finished_) return;  // A read that Finish cut short.
+    if (ok) {
+      queued_.emplace_back();
+      queued_.back().Swap(&msg_);
+      ReadAheadLocked();
+    } else {
+      stream_ended_ = true;
+    }
+    if (!draining_) {
+      draining_ = true;
+      svc_->compute_->Schedule([this] { Drain(); });
+    }
   }
 
   void OnDone() override { delete this; }
 
  private:
+  // At most this many messages are read ahead of the chunk being taken.
+  static constexpr size_t kReadAhead = 4;
+
+  void ReadAheadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (reading_ || finished_ || stream_ended_ || queued_.size() >= kReadAhead) return;
+    reading_ = true;
+    StartRead(&msg_);
+  }
+
+  // Takes the queued messages in order until none is left (the next read's
+  // OnReadDone schedules another Drain) or the transfer ends.
+  void Drain() {
+    for (;;) {
+      grpc::ByteBuffer m;
+      bool ended = false;
+      {
+        absl::MutexLock lock(&mu_);
+        if (!queued_.empty()) {
+          m.Swap(&queued_.front());
+          queued_.pop_front();
+          ReadAheadLocked();
+        } else if (stream_ended_) {
+          finished_ = true;
+          ended = true;
+        } else {
+          draining_ = false;
+          return;
+        }
+      }
+      if (ended) {
+        End(absl::AbortedError(absl::StrCat("the transfer stream ended before its tail (after ",
+                                            layers_.size(), " layers); nothing was kept")));
+        return;
+      }
+      absl::Status s = Take(m);
+      if (!s.ok() || imported_) {
+        {
+          absl::MutexLock lock(&mu_);
+          finished_ = true;
+        }
+        End(s);
+        return;
+      }
+    }
+  }
+
   // One message: a data-only chunk straight from gRPC's slices, anything
   // else parsed and taken field by field (header, layer start, data, layer
   // end, tail; one message may carry several).
-  absl::Status Take() {
+  absl::Status Take(const grpc::ByteBuffer& msg) {
     constexpr int kDataField = 8;  // TransferChunk.data
-    if (absl::StatusOr<wire::Field> f = wire::SingleField(msg_);
-        f.ok() && f->number == kDataField) {
+    if (absl::StatusOr<wire::Field> f = wire::SingleField(msg); f.ok() && f->number == kDataField) {
       for (const auto& [p, n] : f->spans) KVT_RETURN_IF_ERROR(TakeData(p, n));
       return absl::OkStatus();
     }
     chunk_.Clear();
-    KVT_RETURN_IF_ERROR(wire::Parse(msg_, &chunk_));
+    KVT_RETURN_IF_ERROR(wire::Parse(msg, &chunk_));
     if (chunk_.has_header() || !image_.has_value()) KVT_RETURN_IF_ERROR(TakeHeader());
     if (chunk_.has_layer_info()) KVT_RETURN_IF_ERROR(StartLayer());
     if (!chunk_.data().empty()) {
@@ -165,6 +216,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     }
     KVT_ASSIGN_OR_RETURN(id_, svc_->Key(*ctx_, chunk_.header().session_id()));
     KVT_ASSIGN_OR_RETURN(image_, HeaderFromProto(chunk_.header()));
+    tensor_checksums_ = chunk_.header().tensor_checksums();
     stores_.assign(chunk_.header().store_addresses().begin(),
                    chunk_.header().store_addresses().end());
     if (!stores_.empty() && svc_->replicas_ == nullptr) {
@@ -304,8 +356,10 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
           absl::StrCat("layer ", layer_.layer, " carries more than the ", past_bytes_ + open_bytes_,
                        " bytes its start announced"));
     }
-    crc_ = Crc32cExtend(crc_, p, n);
     const size_t to_past = std::min<size_t>(n, past_bytes_ - past_.size());
+    // The past part is checked at the layer's end, against its tensors'
+    // own checksums, where the sender said so.
+    crc_ = Crc32cExtend(crc_, p, tensor_checksums_ ? 0 : n);
     past_.append(p, to_past);
     layer_.open.append(p + to_past, n - to_past);
     received_ += n;
@@ -322,10 +376,29 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
           absl::StrCat("layer ", layer_.layer, " ended after ", past_.size() + layer_.open.size(),
                        " of the ", past_bytes_ + open_bytes_, " bytes it announced"));
     }
+    if (tensor_checksums_) {
+      // Everything but the past tensors' buffer data, then that data
+      // against each tensor's crc32c: every byte once.
+      absl::StatusOr<uint32_t> c = Crc32cOutsidePayloadBufferData(0, past_);
+      if (!c.ok()) {
+        return absl::DataLossError(absl::StrCat(
+            "layer ", layer_.layer, " of the transfer is corrupt: ", c.status().message()));
+      }
+      crc_ = Crc32cExtend(*c, layer_.open.data(), layer_.open.size());
+    }
     if (crc_ != chunk_.layer_crc32c()) {
       return absl::DataLossError(absl::StrCat("layer ", layer_.layer,
                                               " of the transfer is corrupt: crc32c ", crc_,
                                               ", the sender's ", chunk_.layer_crc32c()));
+    }
+    if (tensor_checksums_) {
+      if (absl::StatusOr<std::vector<TensorParts>> split = SplitPayload(past_, /*verify_crc=*/true);
+          !split.ok()) {
+        return absl::Status(split.status().code(),
+                            absl::StrCat("layer ", layer_.layer, " of the transfer",
+                                         absl::IsDataLoss(split.status()) ? " is corrupt" : "",
+                                         ": ", split.status().message()));
+      }
     }
     layer_.past = std::make_shared<const std::string>(std::move(past_));
     past_ = std::string();
@@ -385,7 +458,14 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
   WorkerService* const svc_;
   grpc::CallbackServerContext* const ctx_;
   grpc::ByteBuffer* const resp_;
-  grpc::ByteBuffer msg_;
+  // The read in flight lands in msg_, then joins queued_.
+  absl::Mutex mu_;
+  grpc::ByteBuffer msg_ ABSL_GUARDED_BY(mu_);
+  std::deque<grpc::ByteBuffer> queued_ ABSL_GUARDED_BY(mu_);
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;       // A StartRead is outstanding.
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;      // A Drain is scheduled or runs.
+  bool stream_ended_ ABSL_GUARDED_BY(mu_) = false;  // A read failed: no more come.
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;      // End was reached.
   v1::TransferChunk chunk_;
   std::optional<worker::SessionKey> id_;
   std::optional<worker::SessionImage> image_;
@@ -397,6 +477,9 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
   std::string past_;
   uint64_t past_bytes_ = 0, open_bytes_ = 0;
   uint32_t crc_ = 0;
+  // The header's tensor_checksums: crc_ leaves out the past bytes, which
+  // EndLayer checks.
+  bool tensor_checksums_ = false;
   uint64_t received_ = 0;
   uint64_t reused_bytes_ = 0;  // Taken from this worker's hand-off cache.
   // The header's sender device: the device path this worker takes its
