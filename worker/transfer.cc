@@ -90,8 +90,24 @@ absl::StatusOr<LayerImage> Engine::ExportLayer(const SessionKey& id, int layer,
   }
   std::shared_ptr<const std::string> frame = framing;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    im.past_pieces.push_back(
-        {frame, std::string_view(frame->data() + heads[i].first, heads[i].second)});
+    // The framing where the round layer's payload has it, just before the
+    // tensor (a round layer's tensors lie there one after the other, each
+    // after its framing): then the pieces of a round are contiguous, and a
+    // sender sends them as one.
+    const std::string_view head(frame->data() + heads[i].first, heads[i].second);
+    const std::shared_ptr<const std::string>& payload = tensors[i].first;
+    const std::string_view t = tensors[i].second;
+    if (payload != nullptr) {
+      const auto base = reinterpret_cast<uintptr_t>(payload->data());
+      const auto at = reinterpret_cast<uintptr_t>(t.data());
+      if (at >= base + head.size() && at + t.size() <= base + payload->size() &&
+          std::memcmp(t.data() - head.size(), head.data(), head.size()) == 0) {
+        im.past_pieces.push_back({payload, std::string_view(t.data() - head.size(), head.size())});
+        im.past_pieces.push_back({payload, t});
+        continue;
+      }
+    }
+    im.past_pieces.push_back({frame, head});
     std::shared_ptr<const std::string> owner = tensors[i].first;
     std::string_view bytes = tensors[i].second;
     if (owner == nullptr) {  // Views without a shared buffer: a copy of their own.

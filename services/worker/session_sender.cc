@@ -290,8 +290,15 @@ bool SessionSender::WriteLayer(worker::LayerImage li) {
   uint64_t device_bytes = 0;
   std::vector<std::shared_ptr<worker::DeviceLayer>> sends;
   if (!PlaceDeviceRounds(&li, info, &device_bytes, &sends)) return false;
+  // Pieces that lie one after the other in the same buffer (a round's
+  // tensors and their framing in its payload) go as one slice.
   std::vector<wire::BytesPiece> parts;
   for (const worker::LayerImage::Piece& p : li.past_pieces) {
+    if (!parts.empty() && parts.back().owner == p.owner &&
+        parts.back().data + parts.back().len == p.bytes.data()) {
+      parts.back().len += p.bytes.size();
+      continue;
+    }
     parts.push_back({p.bytes.data(), p.bytes.size(), p.owner});
   }
   if (li.past != nullptr) parts.push_back({li.past->data(), li.past->size(), li.past});
