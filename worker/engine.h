@@ -316,6 +316,14 @@ struct LayerImage {
   // where their rounds' pieces belong: the layer then travels over gRPC
   // alone. The layers' statuses (INTERNAL for one that cannot be read back).
   absl::Status ResolveDevice();
+  // Receiver: checks `past` (the rounds that travelled: neither reused nor
+  // device rounds), each tensor against its own crc32c, and splits it into
+  // round layers of kv_heads heads of head_dim, which ImportSession then
+  // takes as they are instead of parsing `past` again. DATA_LOSS for a
+  // tensor that does not match its crc32c or a payload that is not one round
+  // layer per travelled round.
+  absl::Status CheckPast(int kv_heads, int head_dim);
+  std::shared_ptr<std::vector<std::unique_ptr<RoundLayer>>> parsed;  // Set by CheckPast.
 };
 
 struct EngineOptions {

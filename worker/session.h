@@ -79,12 +79,15 @@ uint64_t NewPartialSerial();
 
 // The working-set form of a segment of `layers` layers from its serialized
 // SegmentPayload: views into `payload`, no bytes copied. DATA_LOSS when it
-// does not hold 2 tensors per KV head per layer of this model's shape. The
-// tensors' checksums are not checked again: each hop checks once (EndRound
-// just sealed them; a fetched payload's crc32c was checked by the store
-// client on arrival).
+// does not hold 2 tensors per KV head per layer of this model's shape, or,
+// with verify_crc, when a tensor's crc32c does not match its buffers.
+// Without it the tensors' checksums are not checked again: each hop checks
+// once (EndRound just sealed them; a fetched payload's crc32c was checked by
+// the store client on arrival). A transfer's receiver checks them here
+// (LayerImage::CheckPast).
 absl::StatusOr<std::vector<std::unique_ptr<RoundLayer>>> MakeLayers(
-    std::shared_ptr<const std::string> payload, int layers, int kv_heads, int d);
+    std::shared_ptr<const std::string> payload, int layers, int kv_heads, int d,
+    bool verify_crc = false);
 
 // A serialized SegmentPayload of tensors whose serialized sizes are `sizes`:
 // the framing of its repeated field, with write(i, p) putting tensor i's

@@ -221,6 +221,15 @@ absl::Status LayerImage::ResolveDevice() {
   return absl::OkStatus();
 }
 
+absl::Status LayerImage::CheckPast(int kv_heads, int head_dim) {
+  if (past == nullptr) return absl::InternalError("CheckPast before the past bytes arrived");
+  const int travelled = static_cast<int>(rounds.size() - reused.size() - device_rounds.size());
+  KVT_ASSIGN_OR_RETURN(auto made, MakeLayers(past, travelled, kv_heads, head_dim,
+                                             /*verify_crc=*/true));
+  parsed = std::make_shared<std::vector<std::unique_ptr<RoundLayer>>>(std::move(made));
+  return absl::OkStatus();
+}
+
 std::string LayerImage::PastBytes() const {
   if (past != nullptr) return *past;
   std::string out;
@@ -347,11 +356,15 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
         KVT_RETURN_IF_ERROR(li.ResolveDevice());  // In process: as gRPC would carry them.
         li.past = std::make_shared<const std::string>(li.PastBytes());
       }
-      KVT_ASSIGN_OR_RETURN(auto made,
-                           MakeLayers(li.past,
-                                      static_cast<int>(li.rounds.size() - li.reused.size() -
-                                                       li.device_rounds.size()),
-                                      sh.kv_heads, d));
+      std::vector<std::unique_ptr<RoundLayer>> made;
+      if (li.parsed != nullptr) {
+        made = std::move(*li.parsed);  // Checked and split on arrival (CheckPast).
+      } else {
+        KVT_ASSIGN_OR_RETURN(made, MakeLayers(li.past,
+                                              static_cast<int>(li.rounds.size() - li.reused.size() -
+                                                               li.device_rounds.size()),
+                                              sh.kv_heads, d));
+      }
       size_t prev = 0, next = 0;
       for (size_t j = 0; j < li.rounds.size(); ++j) {
         auto it = index.find(li.rounds[j]);

@@ -391,17 +391,18 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
                                               " of the transfer is corrupt: crc32c ", crc_,
                                               ", the sender's ", chunk_.layer_crc32c()));
     }
-    if (tensor_checksums_) {
-      if (absl::StatusOr<std::vector<TensorParts>> split = SplitPayload(past_, /*verify_crc=*/true);
-          !split.ok()) {
-        return absl::Status(split.status().code(),
-                            absl::StrCat("layer ", layer_.layer, " of the transfer",
-                                         absl::IsDataLoss(split.status()) ? " is corrupt" : "",
-                                         ": ", split.status().message()));
-      }
-    }
     layer_.past = std::make_shared<const std::string>(std::move(past_));
     past_ = std::string();
+    if (tensor_checksums_) {
+      // Each past tensor against its own crc32c, split into the round
+      // layers the import takes as they are.
+      if (absl::Status st = layer_.CheckPast(image_->shape.kv_heads, image_->shape.head_dim);
+          !st.ok()) {
+        return absl::Status(
+            st.code(), absl::StrCat("layer ", layer_.layer, " of the transfer",
+                                    absl::IsDataLoss(st) ? " is corrupt" : "", ": ", st.message()));
+      }
+    }
     layers_.push_back(std::move(layer_));
     gathering_ = false;
     return absl::OkStatus();
