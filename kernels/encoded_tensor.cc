@@ -195,41 +195,52 @@ void ExtendTo(const std::string_view bytes, size_t to, size_t* from, uint32_t* c
   *from = to;
 }
 
+// Reads `in` up to its next length-delimited field `field`, skipping the
+// others, and past it: *at is where its bytes start (`base` plus the
+// stream's position), *len their size. False at the message's end, with *ok
+// false when the bytes did not parse.
+bool NextBytesField(CodedInputStream* in, int field, size_t base, size_t* at, uint32_t* len,
+                    bool* ok) {
+  for (uint32_t tag; (tag = in->ReadTag()) != 0;) {
+    if (static_cast<int>(WireFormatLite::GetTagFieldNumber(tag)) != field ||
+        WireFormatLite::GetTagWireType(tag) != WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+      if (!WireFormatLite::SkipField(in, tag)) break;
+      continue;
+    }
+    if (!in->ReadVarint32(len)) break;
+    *at = base + static_cast<size_t>(in->CurrentPosition());
+    if (!in->Skip(static_cast<int>(*len))) break;
+    return true;
+  }
+  *ok = in->ConsumedEntireMessage();
+  return false;
+}
+
 // Crc32cOutsideBufferData over bytes[begin, end) of `bytes`, from `*from`
 // (everything before `begin` not yet checksummed is included).
 bool ExtendOutsideBufferData(std::string_view bytes, size_t begin, size_t end, size_t* from,
                              uint32_t* crc) {
-  CodedInputStream in(reinterpret_cast<const uint8_t*>(bytes.data() + begin),
-                      static_cast<int>(end - begin));
-  for (uint32_t tag; (tag = in.ReadTag()) != 0;) {
-    if (WireFormatLite::GetTagFieldNumber(tag) != 8 ||
-        WireFormatLite::GetTagWireType(tag) != WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
-      if (!WireFormatLite::SkipField(&in, tag)) return false;
-      continue;
-    }
-    uint32_t len;
-    if (!in.ReadVarint32(&len)) return false;
-    const size_t at = begin + static_cast<size_t>(in.CurrentPosition());
-    if (!in.Skip(static_cast<int>(len))) return false;
+  auto stream = [&](size_t at, size_t n) {
+    return CodedInputStream(reinterpret_cast<const uint8_t*>(bytes.data() + at),
+                            static_cast<int>(n));
+  };
+  CodedInputStream in = stream(begin, end - begin);
+  size_t at = 0;
+  uint32_t len = 0;
+  bool ok = true;
+  while (NextBytesField(&in, 8, begin, &at, &len, &ok)) {  // EncodedTensor.buffers
     // The Buffer message at [at, at + len): every data field is left out.
-    CodedInputStream buf(reinterpret_cast<const uint8_t*>(bytes.data() + at),
-                         static_cast<int>(len));
-    for (uint32_t btag; (btag = buf.ReadTag()) != 0;) {
-      if (WireFormatLite::GetTagFieldNumber(btag) != 2 ||
-          WireFormatLite::GetTagWireType(btag) != WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
-        if (!WireFormatLite::SkipField(&buf, btag)) return false;
-        continue;
-      }
-      uint32_t n;
-      if (!buf.ReadVarint32(&n)) return false;
-      const size_t data = at + static_cast<size_t>(buf.CurrentPosition());
-      if (!buf.Skip(static_cast<int>(n))) return false;
+    CodedInputStream buf = stream(at, len);
+    size_t data = 0;
+    uint32_t n = 0;
+    bool buf_ok = true;
+    while (NextBytesField(&buf, 2, at, &data, &n, &buf_ok)) {  // Buffer.data
       ExtendTo(bytes, data, from, crc);
       *from = data + n;
     }
-    if (!buf.ConsumedEntireMessage()) return false;
+    if (!buf_ok) return false;
   }
-  if (!in.ConsumedEntireMessage()) return false;
+  if (!ok) return false;
   ExtendTo(bytes, end, from, crc);
   return true;
 }
@@ -254,23 +265,15 @@ absl::StatusOr<uint32_t> Crc32cOutsidePayloadBufferData(uint32_t crc, std::strin
   CodedInputStream in(reinterpret_cast<const uint8_t*>(payload.data()),
                       static_cast<int>(payload.size()));
   in.SetTotalBytesLimit(INT32_MAX);
-  size_t from = 0;
-  for (uint32_t tag; (tag = in.ReadTag()) != 0;) {
-    std::string_view view;
-    if (WireFormatLite::GetTagFieldNumber(tag) == 1 &&
-        WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
-      if (!ReadView(&in, payload.data(), &view)) break;
-      const size_t at = static_cast<size_t>(view.data() - payload.data());
-      if (!ExtendOutsideBufferData(payload, at, at + view.size(), &from, &crc)) {
-        return absl::InvalidArgumentError("segment payload tensor does not parse");
-      }
-    } else if (!WireFormatLite::SkipField(&in, tag)) {
-      break;
+  size_t from = 0, at = 0;
+  uint32_t len = 0;
+  bool ok = true;
+  while (NextBytesField(&in, 1, 0, &at, &len, &ok)) {  // SegmentPayload.tensors
+    if (!ExtendOutsideBufferData(payload, at, at + len, &from, &crc)) {
+      return absl::InvalidArgumentError("segment payload tensor does not parse");
     }
   }
-  if (!in.ConsumedEntireMessage()) {
-    return absl::InvalidArgumentError("segment payload is not a serialized SegmentPayload");
-  }
+  if (!ok) return absl::InvalidArgumentError("segment payload is not a serialized SegmentPayload");
   ExtendTo(payload, payload.size(), &from, &crc);
   return crc;
 }
