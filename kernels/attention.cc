@@ -356,6 +356,11 @@ bool Int8AttentionEnabled() {
   return enabled && internal::SimdAvailable();
 }
 
+const char* IntegerDotIsa() {
+  if (!Int8AttentionEnabled()) return "none";
+  return internal::VnniAvailable() ? "avx512-vnni" : "avx2";
+}
+
 absl::Status DecodeAttention(const AttentionShape& shape_in, const float* q,
                              absl::Span<const KvBlock> blocks, float* out, KernelLevel level) {
   AttentionShape shape = shape_in;

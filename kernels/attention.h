@@ -49,6 +49,12 @@ absl::Status DecodeAttention(const AttentionShape& shape, const float* q,
 // KVTIER_INT8_ATTENTION is not "off").
 bool Int8AttentionEnabled();
 
+// The instructions of those integer products here: "avx512-vnni" (vpdpbusd,
+// on CPUs with AVX512F/BW/VL/VNNI/VBMI: Ice Lake, Zen 4 and later, unless
+// KVTIER_VNNI=off) or "avx2" (vpmaddubsw); "none" when kBest keeps fp32
+// products.
+const char* IntegerDotIsa();
+
 // Restricts a view to `count` slabs starting at `first` (e.g. one layer of a
 // [layers, kv_heads, tokens, head_dim] tensor).
 EncodedView SliceSlabs(const EncodedView& v, int64_t first, int64_t count);

@@ -74,6 +74,13 @@ void DequantRowsRef(const QuantShape& q, const uint8_t* codes, const uint16_t* s
 // Vectorized (AVX2+FMA+F16C+BMI2). They return false, doing nothing, when the
 // CPU or the shape is not supported; callers then use the reference.
 bool SimdAvailable();
+// Whether the CPU has AVX-512 VNNI as the integer attention kernels use it
+// (AVX512F/BW/VL/VNNI/VBMI) and KVTIER_VNNI is not "off"; VnniAvailable() is
+// that and SetVnni has not turned the VNNI kernels off (tests and benchmarks
+// compare both paths in one process). SetVnni returns the previous setting.
+bool VnniCpu();
+bool VnniAvailable();
+bool SetVnni(bool on);
 // `max_abs_bits`, when not null, is raised to the largest |x| of the slab's
 // quantized rows as float bits (Inf and NaN compare above every finite
 // value): the input check of Encode, fused into the pass that reads x.

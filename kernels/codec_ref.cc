@@ -3,6 +3,7 @@
 #include <cpuid.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -115,6 +116,26 @@ bool SimdAvailable() {
   }();
   return available;
 }
+
+namespace {
+std::atomic<bool> vnni_wanted{true};
+}  // namespace
+
+bool VnniCpu() {
+  static const bool present = [] {
+    const char* env = std::getenv("KVTIER_VNNI");
+    if (env != nullptr && std::string(env) == "off") return false;
+    __builtin_cpu_init();
+    return SimdAvailable() && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+  }();
+  return present;
+}
+
+bool VnniAvailable() { return VnniCpu() && vnni_wanted.load(std::memory_order_relaxed); }
+
+bool SetVnni(bool on) { return vnni_wanted.exchange(on, std::memory_order_relaxed); }
 
 float LoadElement(v1::DType dtype, const void* ptr, int64_t index) {
   switch (dtype) {

@@ -633,16 +633,20 @@ void ScaleQueries(const float* const* q, float scale, int d, float (*qs)[1024]) 
 inline float GroupWeights(const float* qs, const uint16_t* sc, const uint16_t* zc, int64_t g, int d,
                           float* w, float* bias) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 b = _mm256_setzero_ps(), mx = _mm256_setzero_ps();
+  // Two chains of sums and maxima (d is a multiple of 16 here), so that
+  // they do not wait on each other's latency.
+  __m256 b[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 mx[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int c = 0; c < d; c += 8) {
+    const int i = (c / 8) % 2;
     const __m256 qv = _mm256_load_ps(qs + c);
     const __m256 wv = _mm256_mul_ps(qv, LoadHalf8(sc + g * d + c));
     _mm256_store_ps(w + c, wv);
-    mx = _mm256_max_ps(mx, _mm256_and_ps(wv, abs_mask));
-    b = _mm256_fmadd_ps(qv, LoadHalf8(zc + g * d + c), b);
+    mx[i] = _mm256_max_ps(mx[i], _mm256_and_ps(wv, abs_mask));
+    b[i] = _mm256_fmadd_ps(qv, LoadHalf8(zc + g * d + c), b[i]);
   }
-  *bias = HSum(b);
-  return HMax(mx);
+  *bias = HSum(_mm256_add_ps(b[0], b[1]));
+  return HMax(_mm256_max_ps(mx[0], mx[1]));
 }
 
 // Scores of tokens t .. t+n-1 (n <= 8) for each query head: a * the integer
@@ -663,11 +667,52 @@ void StoreScores8(const __m256i (*tok)[8], const float* a, const float* bias, in
   }
 }
 
+// One K group's int8 weights for every query head, in lane order: w_c =
+// scale * q_c * s_gc rounded to a high byte at 1/127 of max |w| and a low
+// byte for what it leaves, at 1/254 of a high step (w8, w8lo); a[r] is the
+// low byte's unit and bias[r] = sum_c scale * q_c * z_gc plus the low byte's
+// rounding error times the mid code (the same for every token of the group,
+// so added back exactly).
+constexpr float kLoSteps = 254.0f;  // Low byte units per high byte step.
+
+template <int R>
+inline void KeyGroupInt8(const float (*qs)[1024], const uint16_t* sc, const uint16_t* zc, int64_t g,
+                         int d, int bits, int8_t (*w8)[1024], int8_t (*w8lo)[1024], float* a,
+                         float* bias) {
+  alignas(32) float w[1024], wlo[1024];
+  const float mid = static_cast<float>((1 << bits) - 1) / 2;
+  const __m256 lo_steps = _mm256_set1_ps(kLoSteps), one = _mm256_set1_ps(1.0f);
+  for (int r = 0; r < R; ++r) {
+    float zero_part = 0;
+    const float amax = GroupWeights(qs[r], sc, zc, g, d, w, &zero_part);
+    a[r] = amax / (127.0f * kLoSteps);
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256 e[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int c = 0; c < d; c += 8) {
+      const __m256 x = _mm256_mul_ps(_mm256_load_ps(w + c), inv);
+      const __m256 hi = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256 lo = _mm256_mul_ps(_mm256_sub_ps(x, hi), lo_steps);
+      _mm256_store_ps(w + c, hi);
+      _mm256_store_ps(wlo + c, lo);
+      e[(c / 8) % 2] = _mm256_add_ps(
+          e[(c / 8) % 2],
+          _mm256_sub_ps(lo, _mm256_round_ps(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    }
+    for (int ch = 0; ch < d / 32; ++ch) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w8[r] + ch * 32),
+                         QuantizeInt8x32(w + ch * 32, one, bits));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w8lo[r] + ch * 32),
+                         QuantizeInt8x32(wlo + ch * 32, one, bits));
+    }
+    bias[r] = zero_part + mid * a[r] * HSum(_mm256_add_ps(e[0], e[1]));
+  }
+}
+
 // Scores over the quantized part of a KIVI/KCVT key slab with int8 x code
-// products. Per K group and query head, w_c = scale * q_c * s_gc is rounded
-// to int8 against its largest magnitude (a = max|w| / 127), so
-// q.k_t = a * sum_c w8_c * code_tc + sum_c scale * q_c * z_gc. Sums stay
-// exact in int16 for 8 chunks of 32 channels (8 * 2 * 15 * 127 < 2^15).
+// products (KeyGroupInt8), so
+// q.k_t = a * (254 * sum_c w8_c * code_tc + sum_c w8lo_c * code_tc) + bias.
+// Sums stay exact in int16 for 8 chunks of 32 channels
+// (8 * 2 * 15 * 127 < 2^15).
 template <int R>
 void ScoreKiviInt(const EncodedView& k, int64_t s, const float* const* q, float scale,
                   float* const* scores) {
@@ -675,44 +720,15 @@ void ScoreKiviInt(const EncodedView& k, int64_t s, const float* const* q, float 
   const uint8_t* codes = k.codes + s * k.words_per_slab * 4;
   const uint16_t* sc = k.scales + s * k.groups_per_slab;
   const uint16_t* zc = k.zeros + s * k.groups_per_slab;
-  constexpr float kLoSteps = 254.0f;  // Low byte units per high byte step.
   alignas(32) int8_t w8[R][1024], w8lo[R][1024];
-  alignas(32) float w[1024], wlo[1024], qs[R][1024];
+  alignas(32) float qs[R][1024];
   float a[R], bias[R];
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i lo_steps16 = _mm256_set1_epi16(static_cast<int16_t>(kLoSteps));
-  const float mid = static_cast<float>((1 << bits) - 1) / 2;
   const int64_t groups = (k.quantized + k.group - 1) / k.group;
   ScaleQueries<R>(q, scale, d, qs);
   for (int64_t g = 0; g < groups; ++g) {
-    for (int r = 0; r < R; ++r) {
-      float zero_part = 0;
-      const float amax = GroupWeights(qs[r], sc, zc, g, d, w, &zero_part);
-      a[r] = amax / (127.0f * kLoSteps);
-      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-      // The high byte takes w rounded to 1/127 of max |w|; what it leaves, in
-      // [-0.5, 0.5] steps, goes to the low byte at 1/254 of a step. The low
-      // byte's own rounding error times the mid code is the same for every
-      // token of the group: that part is added back exactly.
-      const __m256 lo_steps = _mm256_set1_ps(kLoSteps), one = _mm256_set1_ps(1.0f);
-      __m256 e = _mm256_setzero_ps();
-      for (int c = 0; c < d; c += 8) {
-        const __m256 x = _mm256_mul_ps(_mm256_load_ps(w + c), inv);
-        const __m256 hi = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256 lo = _mm256_mul_ps(_mm256_sub_ps(x, hi), lo_steps);
-        _mm256_store_ps(w + c, hi);
-        _mm256_store_ps(wlo + c, lo);
-        e = _mm256_add_ps(e, _mm256_sub_ps(lo, _mm256_round_ps(lo, _MM_FROUND_TO_NEAREST_INT |
-                                                                       _MM_FROUND_NO_EXC)));
-      }
-      for (int ch = 0; ch < chunks; ++ch) {
-        _mm256_store_si256(reinterpret_cast<__m256i*>(w8[r] + ch * 32),
-                           QuantizeInt8x32(w + ch * 32, one, bits));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(w8lo[r] + ch * 32),
-                           QuantizeInt8x32(wlo + ch * 32, one, bits));
-      }
-      bias[r] = zero_part + mid * a[r] * HSum(e);
-    }
+    KeyGroupInt8<R>(qs, sc, zc, g, d, bits, w8, w8lo, a, bias);
     const int64_t t0 = g * k.group;
     const int64_t t1 = std::min(k.quantized, t0 + k.group);
     for (int64_t t = t0; t < t1; t += 8) {
@@ -752,6 +768,110 @@ void ScoreKiviInt(const EncodedView& k, int64_t s, const float* const* q, float 
         }
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) tok[r][u] = acc32[r];
+      }
+      StoreScores8<R>(tok, a, bias, t, n, scores);
+    }
+  }
+}
+
+// --- The same products with AVX-512 VNNI (vpdpbusd, 256-bit, EVEX) ---
+//
+// vpdpbusd multiplies 32 u8 x s8 pairs, adds each four adjacent products and
+// accumulates into int32 in one instruction: no int16 sums to widen, no
+// limit on how many are added. These functions are compiled for the VNNI
+// CPUs (AVX512F/BW/VL/VNNI/VBMI: Ice Lake and Zen 4 on) and run only where
+// VnniAvailable() says so; everything they call is inlined from the AVX2 code
+// above.
+#define KVT_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")))
+
+// One K group's weights for every query head as int16, in lane order:
+// w_c = scale * q_c * s_gc rounded against a[r] = max |w| / 32767 (one
+// rounding, where the AVX2 path needs a high and a low byte), in 512-bit
+// vectors. bias[r] = sum_c scale * q_c * z_gc plus the rounding error times
+// the mid code, which is the same for every token of the group.
+template <int R>
+KVT_VNNI_TARGET inline void KeyGroupInt16(const float (*qs)[1024], const uint16_t* sc,
+                                          const uint16_t* zc, int64_t g, int d, int bits,
+                                          const __m512i lane_idx, int16_t (*w16)[1024], float* a,
+                                          float* bias) {
+  alignas(64) float w[1024];
+  const float mid = static_cast<float>((1 << bits) - 1) / 2;
+  const __m256i* s16 = reinterpret_cast<const __m256i*>(sc + g * d);
+  const __m256i* z16 = reinterpret_cast<const __m256i*>(zc + g * d);
+  for (int r = 0; r < R; ++r) {
+    __m512 b[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 mx[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int c = 0; c < d; c += 16) {
+      const int i = (c / 16) % 2;
+      const __m512 qv = _mm512_load_ps(qs[r] + c);
+      const __m512 wv = _mm512_mul_ps(qv, _mm512_cvtph_ps(_mm256_loadu_si256(s16 + c / 16)));
+      _mm512_store_ps(w + c, wv);
+      mx[i] = _mm512_max_ps(mx[i], _mm512_abs_ps(wv));
+      b[i] = _mm512_fmadd_ps(qv, _mm512_cvtph_ps(_mm256_loadu_si256(z16 + c / 16)), b[i]);
+    }
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(mx[0], mx[1]));
+    a[r] = amax / 32767.0f;
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+    __m512 e[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int c = 0; c < d; c += 32) {
+      const __m512 x0 = _mm512_mul_ps(_mm512_load_ps(w + c), inv);
+      const __m512 x1 = _mm512_mul_ps(_mm512_load_ps(w + c + 16), inv);
+      const __m512i i0 = _mm512_cvtps_epi32(x0), i1 = _mm512_cvtps_epi32(x1);
+      e[0] = _mm512_add_ps(e[0], _mm512_sub_ps(x0, _mm512_cvtepi32_ps(i0)));
+      e[1] = _mm512_add_ps(e[1], _mm512_sub_ps(x1, _mm512_cvtepi32_ps(i1)));
+      const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(i0)),
+                                           _mm512_cvtepi32_epi16(i1), 1);
+      _mm512_store_si512(w16[r] + c, _mm512_permutexvar_epi16(lane_idx, h));
+    }
+    bias[r] = _mm512_reduce_add_ps(_mm512_add_ps(b[0], b[1])) +
+              mid * a[r] * _mm512_reduce_add_ps(_mm512_add_ps(e[0], e[1]));
+  }
+}
+
+// ScoreKiviInt with int16 weights (KeyGroupInt16) and vpdpwssd: the codes of
+// 32 channels are widened to int16 and multiplied in two instructions per
+// query head, int32 sums (at most 1024 * 15 * 32767 < 2^31).
+template <int R>
+KVT_VNNI_TARGET void ScoreKiviVnni(const EncodedView& k, int64_t s, const float* const* q,
+                                   float scale, float* const* scores) {
+  const int d = k.head_dim, chunks = d / 32, bits = k.bits;
+  const uint8_t* codes = k.codes + s * k.words_per_slab * 4;
+  const uint16_t* sc = k.scales + s * k.groups_per_slab;
+  const uint16_t* zc = k.zeros + s * k.groups_per_slab;
+  alignas(64) int16_t w16[R][1024];
+  alignas(64) float qs[R][1024];
+  float a[R], bias[R];
+  alignas(64) int16_t li[32];
+  for (int pos = 0; pos < 32; ++pos) li[pos] = static_cast<int16_t>(LaneElem(bits, pos));
+  const __m512i lane_idx = _mm512_load_si512(li);
+  const int64_t groups = (k.quantized + k.group - 1) / k.group;
+  ScaleQueries<R>(q, scale, d, qs);
+  for (int64_t g = 0; g < groups; ++g) {
+    KeyGroupInt16<R>(qs, sc, zc, g, d, bits, lane_idx, w16, a, bias);
+    const int64_t t0 = g * k.group;
+    const int64_t t1 = std::min(k.quantized, t0 + k.group);
+    for (int64_t t = t0; t < t1; t += 8) {
+      const int n = static_cast<int>(std::min<int64_t>(8, t1 - t));
+      __m256i tok[R][8];
+      for (int u = 0; u < 8; ++u) {
+        __m256i acc[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+        if (u < n) {
+          for (int ch = 0; ch < chunks; ++ch) {
+            const __m256i x = Unpack32(codes, bits, (t + u) * d + ch * 32);
+            const __m256i xl = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(x));
+            const __m256i xh = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(x, 1));
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+              const __m256i* wr = reinterpret_cast<const __m256i*>(w16[r] + ch * 32);
+              acc[r] = _mm256_dpwssd_epi32(acc[r], xl, _mm256_load_si256(wr));
+              acc[r] = _mm256_dpwssd_epi32(acc[r], xh, _mm256_load_si256(wr + 1));
+            }
+          }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) tok[r][u] = acc[r];
       }
       StoreScores8<R>(tok, a, bias, t, n, scores);
     }
@@ -952,12 +1072,117 @@ void AccumKivi8Int(const EncodedView& v, int64_t s, const float* const* p, float
   }
 }
 
+// n floats (1, 2, 4 or 8) from p into the low lanes; the rest are not
+// defined.
+template <int n>
+inline __m256 LoadTokens(const float* p) {
+  if constexpr (n == 8) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (n == 4) {
+    return _mm256_castps128_ps256(_mm_loadu_ps(p));
+  } else if constexpr (n == 2) {
+    return _mm256_castps128_ps256(
+        _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  } else {
+    return _mm256_castps128_ps256(_mm_load_ss(p));
+  }
+}
+
+// One sub-block of P.V's int8 weights (tokens t0 .. t0+n-1 of kSub, the rest
+// zero): for each query head, u_t = p_t * s_tg rounded to int8 against the
+// largest of its group in the sub-block. iv[r][j] lane l holds token
+// j * (8 / G) + l / G, group l % G; bsc[r][g] is group g's unit (every lane l
+// holds group l % G's). zacc[r] (lanes l, group l % G) gains sum_t p_t z_tg and
+// the rounding error times the mid code, which is the same for every channel
+// of a group.
+template <int R, int G, int kSub>
+inline void ValueSubBlockInt8(const uint16_t* sc, const uint16_t* zc, const float* const* p,
+                              int64_t t0, int n, int bits, __m256i (*iv)[kSub * G / 8],
+                              float (*bsc)[8], __m256* zacc) {
+  constexpr int kPerVec = 8 / G;  // Tokens per 8 (token, group) lanes.
+  constexpr int kVecs = kSub * G / 8;
+  const __m256 midv = _mm256_set1_ps(static_cast<float>((1 << bits) - 1) / 2);
+  alignas(32) float sf[kSub * G], zf[kSub * G], pl[kSub + 8];
+  alignas(32) int32_t idx[8];
+  for (int i = 0; i < 8; ++i) idx[i] = i / G;
+  const __m256i tok_idx = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
+  if (n == kSub) {
+    for (int j = 0; j < kVecs; ++j) {
+      _mm256_store_ps(sf + 8 * j, LoadHalf8(sc + t0 * G + 8 * j));
+      _mm256_store_ps(zf + 8 * j, LoadHalf8(zc + t0 * G + 8 * j));
+    }
+  } else {
+    for (int i = 0; i < kSub * G; ++i) {
+      sf[i] = i < n * G ? _cvtsh_ss(LoadU16(sc, t0 * G + i)) : 0.0f;
+      zf[i] = i < n * G ? _cvtsh_ss(LoadU16(zc, t0 * G + i)) : 0.0f;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    // A whole sub-block is read in place; the last, short one from a copy
+    // padded with zeros. Each vector reads only its kPerVec tokens (a wider
+    // load could run past the end of p, and would not be forwarded from the
+    // copy's stores).
+    const float* pr = p[r] + t0;
+    if (n < kSub) {
+      std::memcpy(pl, pr, sizeof(float) * n);
+      std::fill(pl + n, pl + kSub + 8, 0.0f);
+      pr = pl;
+    }
+    // Independent products per vector, summed as a tree: one chain of
+    // kVecs fused multiply-adds through zacc would cost its latency on every
+    // sub-block.
+    __m256 uv[kVecs], zs[kVecs];
+    __m256 mx = _mm256_setzero_ps();
+    for (int j = 0; j < kVecs; ++j) {
+      const __m256 pv = _mm256_permutevar8x32_ps(LoadTokens<kPerVec>(pr + j * kPerVec), tok_idx);
+      uv[j] = _mm256_mul_ps(pv, _mm256_load_ps(sf + 8 * j));
+      mx = _mm256_max_ps(mx, uv[j]);
+      zs[j] = _mm256_mul_ps(pv, _mm256_load_ps(zf + 8 * j));
+    }
+    // Every lane gets the max of its group (lanes l and l' with l = l' mod G).
+    if constexpr (G <= 4) mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
+    if constexpr (G <= 2) mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0x4e));
+    if constexpr (G == 1) mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0xb1));
+    const __m256 bv = _mm256_mul_ps(mx, _mm256_set1_ps(1.0f / 127.0f));
+    const __m256 inv = InvScale(bv);
+    _mm256_store_ps(bsc[r], bv);
+    for (int j = 0; j < kVecs; ++j) {
+      iv[r][j] = _mm256_cvtps_epi32(_mm256_mul_ps(uv[j], inv));
+      // The rounding error times the mid code, exactly, per group (as for K).
+      zs[j] =
+          _mm256_fmadd_ps(midv, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(iv[r][j]), bv, uv[j]), zs[j]);
+    }
+    for (int step = 1; step < kVecs; step *= 2) {
+      for (int j = 0; j + step < kVecs; j += 2 * step) zs[j] = _mm256_add_ps(zs[j], zs[j + step]);
+    }
+    zacc[r] = _mm256_add_ps(zacc[r], zs[0]);
+  }
+}
+
+// out[r][c] += acc[r][ch * 32 + pos] (channel c = ch * 32 + chan(pos)) plus
+// each channel's group's share of zacc[r].
+template <int R, int G, typename Chan>
+inline void FinishValues(const EncodedView& v, const float (*acc)[1024], const __m256* zacc,
+                         Chan chan, float* const* out) {
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float z8[8];
+    _mm256_store_ps(z8, zacc[r]);
+    float zg[8] = {};
+    for (int l = 0; l < 8; ++l) zg[l % G] += z8[l];
+    for (int ch = 0; ch < v.head_dim / 32; ++ch) {
+      for (int pos = 0; pos < 32; ++pos) {
+        const int c = ch * 32 + chan(pos);
+        out[r][c] += acc[r][ch * 32 + pos] + zg[c / v.group];
+      }
+    }
+  }
+}
+
 // AccumKiviInt (below) for G = head_dim / group V groups per token.
 template <int R, int G>
 void AccumKiviIntG(const EncodedView& v, int64_t s, const float* const* p, float* const* out) {
-  constexpr int kSub = 16;        // Tokens per int16 accumulation.
-  constexpr int kPerVec = 8 / G;  // Tokens per 8 (token, group) lanes.
-  constexpr int kVecs = kSub / kPerVec;
+  constexpr int kSub = 16;  // Tokens per int16 accumulation.
+  constexpr int kVecs = kSub * G / 8;
   const int d = v.head_dim, chunks = d / 32, bits = v.bits;
   const uint8_t* codes = v.codes + s * v.words_per_slab * 4;
   const uint16_t* sc = v.scales + s * v.groups_per_slab;
@@ -968,70 +1193,33 @@ void AccumKiviIntG(const EncodedView& v, int64_t s, const float* const* p, float
     std::fill(acc[r], acc[r] + d, 0.0f);
     zacc[r] = _mm256_setzero_ps();
   }
-  const __m256 midv = _mm256_set1_ps(static_cast<float>((1 << bits) - 1) / 2);
-  alignas(32) float sf[kSub * G], zf[kSub * G], pl[R][kSub + 8];
   // wp[r][pair][g]: the low 16 bits are u8 of the pair's first token and u8 of
   // its second, as vpmaddubsw takes them.
   alignas(32) int32_t wp[R][kSub / 2][G];
   alignas(32) float bsc[R][8];
-  alignas(32) int32_t idx[8];
-  for (int i = 0; i < 8; ++i) idx[i] = i / G;
-  const __m256i tok_idx = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
   for (int64_t t0 = 0; t0 < v.quantized; t0 += kSub) {
     const int n = static_cast<int>(std::min<int64_t>(kSub, v.quantized - t0));
-    if (n == kSub) {
-      for (int j = 0; j < kVecs; ++j) {
-        _mm256_store_ps(sf + 8 * j, LoadHalf8(sc + t0 * G + 8 * j));
-        _mm256_store_ps(zf + 8 * j, LoadHalf8(zc + t0 * G + 8 * j));
-      }
-    } else {
-      for (int i = 0; i < kSub * G; ++i) {
-        sf[i] = i < n * G ? _cvtsh_ss(LoadU16(sc, t0 * G + i)) : 0.0f;
-        zf[i] = i < n * G ? _cvtsh_ss(LoadU16(zc, t0 * G + i)) : 0.0f;
-      }
-    }
+    __m256i iv[R][kVecs];
+    ValueSubBlockInt8<R, G, kSub>(sc, zc, p, t0, n, bits, iv, bsc, zacc);
     for (int r = 0; r < R; ++r) {
-      std::memcpy(pl[r], p[r] + t0, sizeof(float) * n);
-      std::fill(pl[r] + n, pl[r] + kSub + 8, 0.0f);
-      __m256 uv[kVecs];
-      __m256 mx = _mm256_setzero_ps();
-      for (int j = 0; j < kVecs; ++j) {
-        const __m256 pv = _mm256_permutevar8x32_ps(_mm256_loadu_ps(pl[r] + j * kPerVec), tok_idx);
-        uv[j] = _mm256_mul_ps(pv, _mm256_load_ps(sf + 8 * j));
-        mx = _mm256_max_ps(mx, uv[j]);
-        zacc[r] = _mm256_fmadd_ps(pv, _mm256_load_ps(zf + 8 * j), zacc[r]);
-      }
-      // Every lane gets the max of its group (lanes l and l' with l = l' mod G).
-      if constexpr (G <= 4) mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
-      if constexpr (G <= 2) mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0x4e));
-      if constexpr (G == 1) mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0xb1));
-      const __m256 bv = _mm256_mul_ps(mx, _mm256_set1_ps(1.0f / 127.0f));
-      const __m256 inv = InvScale(bv);
-      _mm256_store_ps(bsc[r], bv);
-      __m256i iv[kVecs];
-      for (int j = 0; j < kVecs; ++j) {
-        iv[j] = _mm256_cvtps_epi32(_mm256_mul_ps(uv[j], inv));
-        // The rounding error times the mid code, exactly, per group (as for K).
-        zacc[r] =
-            _mm256_fmadd_ps(midv, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(iv[j]), bv, uv[j]), zacc[r]);
-      }
       // Join each pair's two tokens into one 16-bit word per group.
       int32_t* w = &wp[r][0][0];
       for (int j = 0; j < kVecs; ++j) {
         if constexpr (G == 8) {
           if (j % 2 == 0) {
             _mm256_store_si256(reinterpret_cast<__m256i*>(w + 4 * j),
-                               _mm256_or_si256(iv[j], _mm256_slli_epi32(iv[j + 1], 8)));
+                               _mm256_or_si256(iv[r][j], _mm256_slli_epi32(iv[r][j + 1], 8)));
           }
         } else if constexpr (G == 4) {
-          const __m256i next = _mm256_permute2x128_si256(iv[j], iv[j], 1);
+          const __m256i next = _mm256_permute2x128_si256(iv[r][j], iv[r][j], 1);
           _mm_store_si128(
               reinterpret_cast<__m128i*>(w + 4 * j),
-              _mm256_castsi256_si128(_mm256_or_si256(iv[j], _mm256_slli_epi32(next, 8))));
+              _mm256_castsi256_si128(_mm256_or_si256(iv[r][j], _mm256_slli_epi32(next, 8))));
         } else {
           // G = 2: lanes (t, g0) (t, g1) (t+1, g0) (t+1, g1) per half; G = 1: t .. t+3.
-          const __m256i next = G == 2 ? _mm256_srli_si256(iv[j], 8) : _mm256_srli_epi64(iv[j], 32);
-          const __m256i words = _mm256_or_si256(iv[j], _mm256_slli_epi32(next, 8));
+          const __m256i next =
+              G == 2 ? _mm256_srli_si256(iv[r][j], 8) : _mm256_srli_epi64(iv[r][j], 32);
+          const __m256i words = _mm256_or_si256(iv[r][j], _mm256_slli_epi32(next, 8));
           const __m256i keep = G == 2 ? _mm256_setr_epi32(0, 1, 4, 5, 0, 0, 0, 0)
                                       : _mm256_setr_epi32(0, 2, 4, 6, 0, 0, 0, 0);
           _mm_store_si128(reinterpret_cast<__m128i*>(w + 4 * j),
@@ -1074,17 +1262,150 @@ void AccumKiviIntG(const EncodedView& v, int64_t s, const float* const* p, float
       }
     }
   }
+  FinishValues<R, G>(
+      v, acc, zacc, [bits](int pos) { return LaneElem(bits, pos); }, out);
+}
+
+// AccumKiviIntG with vpdpbusd, which adds four adjacent byte products: the
+// codes of four tokens are interleaved byte by byte (one vpermt2b/vpermb per
+// 32 channels, before the codes are split out of their bytes), so that one
+// instruction adds four tokens' products for 8 channels into int32. Each
+// chunk's sums are scaled into fp32 once per sub-block.
+template <int R, int G>
+KVT_VNNI_TARGET void AccumKiviVnniG(const EncodedView& v, int64_t s, const float* const* p,
+                                    float* const* out) {
+  constexpr int kSub = 16;  // Tokens per u rounding (as AccumKiviIntG).
+  constexpr int kVecs = kSub * G / 8;
+  const int d = v.head_dim, chunks = d / 32, bits = v.bits;
+  const int row_bytes = d * bits / 8, chunk_bytes = 32 * bits / 8;
+  const uint8_t* codes = v.codes + s * v.words_per_slab * 4;
+  const uint16_t* sc = v.scales + s * v.groups_per_slab;
+  const uint16_t* zc = v.zeros + s * v.groups_per_slab;
+  static const uint8_t kZeroRow[1024 * 4 / 8] = {};  // Rows past the end.
+  alignas(32) float acc[R][1024];  // Per chunk: 4 vectors of 8 channels (chan below).
+  __m256 zacc[R];
   for (int r = 0; r < R; ++r) {
-    alignas(32) float z8[8];
-    _mm256_store_ps(z8, zacc[r]);
-    float zg[8] = {};
-    for (int l = 0; l < 8; ++l) zg[l % G] += z8[l];
-    for (int ch = 0; ch < chunks; ++ch) {
-      for (int pos = 0; pos < 32; ++pos) {
-        const int c = ch * 32 + LaneElem(bits, pos);
-        out[r][c] += acc[r][ch * 32 + pos] + zg[c / v.group];
+    std::fill(acc[r], acc[r] + d, 0.0f);
+    zacc[r] = _mm256_setzero_ps();
+  }
+  // u bytes from (token, group) order to (quad, group, token in quad) order.
+  alignas(64) uint8_t perm[128] = {};
+  for (int i = 0; i < kSub * G; ++i) {
+    const int qd = i / (4 * G), g = (i / 4) % G, k = i % 4;
+    perm[i] = static_cast<uint8_t>((4 * qd + k) * G + g);
+  }
+  // Byte 4j + k of a quad vector = byte j of token k's chunk: 4-bit chunks
+  // are 16 bytes (two vectors, [row 0 | row 1] and [row 2 | row 3], bytes
+  // 0-7 then 8-15), 2-bit chunks 8 bytes (one vector of 4 rows).
+  alignas(32) uint8_t ia[32], ib[32], i2[32];
+  for (int j = 0; j < 8; ++j) {
+    for (int k = 0; k < 4; ++k) {
+      ia[4 * j + k] = static_cast<uint8_t>(16 * k + j);
+      ib[4 * j + k] = static_cast<uint8_t>(16 * k + 8 + j);
+      i2[4 * j + k] = static_cast<uint8_t>(8 * k + j);
+    }
+  }
+  const __m256i idx_a = _mm256_load_si256(reinterpret_cast<const __m256i*>(ia));
+  const __m256i idx_b = _mm256_load_si256(reinterpret_cast<const __m256i*>(ib));
+  const __m256i idx_2 = _mm256_load_si256(reinterpret_cast<const __m256i*>(i2));
+  const __m256i nib = _mm256_set1_epi8(0x0f), crumb = _mm256_set1_epi8(0x03);
+  alignas(64) uint8_t ub[R][128];
+  alignas(32) float bsc[R][8];
+  for (int64_t t0 = 0; t0 < v.quantized; t0 += kSub) {
+    const int n = static_cast<int>(std::min<int64_t>(kSub, v.quantized - t0));
+    __m256i iv[R][kVecs];
+    ValueSubBlockInt8<R, G, kSub>(sc, zc, p, t0, n, bits, iv, bsc, zacc);
+    for (int r = 0; r < R; ++r) {
+      alignas(64) uint8_t tg[128] = {};
+      for (int j = 0; j < kVecs; ++j) {
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(tg + 8 * j), _mm256_cvtepi32_epi8(iv[r][j]));
+      }
+      const __m512i lo = _mm512_load_si512(tg), hi = _mm512_load_si512(tg + 64);
+      for (int i = 0; i < kSub * G; i += 64) {
+        _mm512_store_si512(ub[r] + i,
+                           _mm512_permutex2var_epi8(lo, _mm512_load_si512(perm + i), hi));
       }
     }
+    const uint8_t* rows[kSub];
+    for (int i = 0; i < kSub; ++i) rows[i] = i < n ? codes + (t0 + i) * row_bytes : kZeroRow;
+    const int quads = (n + 3) / 4;
+    for (int ch = 0; ch < chunks; ++ch) {
+      const int g = ch * 32 / v.group;
+      const int off = ch * chunk_bytes;
+      __m256i ac[R][4];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+        ac[r][0] = ac[r][1] = ac[r][2] = ac[r][3] = _mm256_setzero_si256();
+      for (int qd = 0; qd < quads; ++qd) {
+        const uint8_t* const* rq = rows + 4 * qd;
+        __m256i x[4];
+        if (bits == 4) {
+          const __m256i y0 = _mm256_inserti128_si256(
+              _mm256_castsi128_si256(
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(rq[0] + off))),
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(rq[1] + off)), 1);
+          const __m256i y1 = _mm256_inserti128_si256(
+              _mm256_castsi128_si256(
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(rq[2] + off))),
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(rq[3] + off)), 1);
+          const __m256i a = _mm256_permutex2var_epi8(y0, idx_a, y1);
+          const __m256i b = _mm256_permutex2var_epi8(y0, idx_b, y1);
+          x[0] = _mm256_and_si256(a, nib);
+          x[1] = _mm256_and_si256(_mm256_srli_epi16(a, 4), nib);
+          x[2] = _mm256_and_si256(b, nib);
+          x[3] = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+        } else {
+          int64_t w[4];
+          for (int k = 0; k < 4; ++k) std::memcpy(&w[k], rq[k] + off, 8);
+          const __m256i a =
+              _mm256_permutexvar_epi8(idx_2, _mm256_setr_epi64x(w[0], w[1], w[2], w[3]));
+          x[0] = _mm256_and_si256(a, crumb);
+          x[1] = _mm256_and_si256(_mm256_srli_epi16(a, 2), crumb);
+          x[2] = _mm256_and_si256(_mm256_srli_epi16(a, 4), crumb);
+          x[3] = _mm256_and_si256(_mm256_srli_epi16(a, 6), crumb);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          int32_t u4;
+          std::memcpy(&u4, ub[r] + (qd * G + g) * 4, 4);
+          const __m256i wv = _mm256_set1_epi32(u4);
+          for (int i = 0; i < 4; ++i) ac[r][i] = _mm256_dpbusd_epi32(ac[r][i], x[i], wv);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 bv = _mm256_set1_ps(bsc[r][g]);
+        float* a = acc[r] + ch * 32;
+        for (int i = 0; i < 4; ++i) {
+          _mm256_store_ps(a + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ac[r][i]), bv,
+                                                     _mm256_load_ps(a + 8 * i)));
+        }
+      }
+    }
+  }
+  // Vector i, lane j of a chunk: 4-bit, byte j (i = 0, 1) or 8 + j (i = 2,
+  // 3), its low (even i) or high nibble; 2-bit, byte j's crumb i.
+  FinishValues<R, G>(
+      v, acc, zacc,
+      [bits](int pos) {
+        const int i = pos / 8, j = pos % 8;
+        return bits == 4 ? (i / 2) * 16 + 2 * j + i % 2 : 4 * j + i;
+      },
+      out);
+}
+
+template <int R>
+KVT_VNNI_TARGET void AccumKiviVnni(const EncodedView& v, int64_t s, const float* const* p,
+                                   float* const* out) {
+  switch (v.head_dim / v.group) {
+    case 1:
+      return AccumKiviVnniG<R, 1>(v, s, p, out);
+    case 2:
+      return AccumKiviVnniG<R, 2>(v, s, p, out);
+    case 4:
+      return AccumKiviVnniG<R, 4>(v, s, p, out);
+    default:
+      return AccumKiviVnniG<R, 8>(v, s, p, out);
   }
 }
 
@@ -1130,7 +1451,11 @@ void ScoreBlock(const EncodedView& k, int64_t s, const float* const* q, float sc
   }
   if (k.quantized > 0) {
     if (integer && IntPath(k)) {
-      ScoreKiviInt<R>(k, s, q, scale, scores);
+      if (VnniAvailable()) {
+        ScoreKiviVnni<R>(k, s, q, scale, scores);
+      } else {
+        ScoreKiviInt<R>(k, s, q, scale, scores);
+      }
     } else if (integer && Int16KeyPath(k)) {
       ScoreKivi8Int<R>(k, s, q, scale, scores);
     } else {
@@ -1154,7 +1479,11 @@ void AccumBlock(const EncodedView& v, int64_t s, const float* const* p, float* c
   }
   if (v.quantized > 0) {
     if (integer && IntPath(v)) {
-      AccumKiviInt<R>(v, s, p, out);
+      if (VnniAvailable()) {
+        AccumKiviVnni<R>(v, s, p, out);
+      } else {
+        AccumKiviInt<R>(v, s, p, out);
+      }
     } else if (integer && Int16ValuePath(v)) {
       AccumKivi8Int<R>(v, s, p, out);
     } else {
