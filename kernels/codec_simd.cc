@@ -887,6 +887,10 @@ KVT_VNNI_TARGET void ScoreKiviVnni(const EncodedView& k, int64_t s, const float*
         for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
         if (u < n) {
           const uint8_t* row = codes + (t + u) * row_bytes;
+          // The codes 16 tokens on, while these are computed.
+          if (t + u + 16 < k.quantized) {
+            _mm_prefetch(reinterpret_cast<const char*>(row + 16 * row_bytes), _MM_HINT_T0);
+          }
           for (int b0 = 0; b0 < d; b0 += block) {
             const __m512i x16 = _mm512_cvtepu8_epi16(
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b0 * bits / 8)));
@@ -1387,6 +1391,11 @@ KVT_VNNI_TARGET void AccumKiviVnniG(const EncodedView& v, int64_t s, const float
     }
     const uint8_t* rows[kSub];
     for (int i = 0; i < kSub; ++i) rows[i] = i < n ? codes + (t0 + i) * row_bytes : kZeroRow;
+    // The next sub-block's codes, while this one is computed.
+    const int64_t ahead = std::min<int64_t>(kSub, v.quantized - t0 - n) * row_bytes;
+    for (int64_t i = 0; i < ahead; i += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(codes + (t0 + kSub) * row_bytes + i), _MM_HINT_T0);
+    }
     const int quads = (n + 3) / 4;
     for (int b0 = 0; b0 < d; b0 += 64) {
       // The groups of the block's two halves (groups are 32 channels or more).
