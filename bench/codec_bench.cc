@@ -238,9 +238,11 @@ void BM_DecodeAttention(benchmark::State& state) {
   const std::vector<float> q = Random(kQHeads * kDim, 9);
   std::vector<float> out(q.size());
   // Arg 2: 1 runs the fp32-product kernels (kVectorized) instead of kBest's
-  // integer dot products, for the same-run comparison.
-  const bool fp32 = state.range(2) == 1;
+  // integer dot products, 2 kBest's AVX2 integer kernels where the CPU has
+  // AVX-512 VNNI (kBest's own choice there), for the same-run comparisons.
+  const bool fp32 = state.range(2) == 1, avx2 = state.range(2) == 2;
   const auto level = fp32 ? kvtier::KernelLevel::kVectorized : kvtier::KernelLevel::kBest;
+  const bool vnni_was = kvtier::internal::SetVnni(!avx2);
   for (auto _ : state) {
     if (!kvtier::DecodeAttention({kQHeads, kHeads, kDim}, q.data(), d->blocks, out.data(), level)
              .ok()) {
@@ -249,8 +251,10 @@ void BM_DecodeAttention(benchmark::State& state) {
     }
     benchmark::DoNotOptimize(out.data());
   }
+  kvtier::internal::SetVnni(vnni_was);
   SetRatio(state, d->bytes);
-  state.SetLabel(setting + " T=" + std::to_string(tokens) + (fp32 ? " fp32" : ""));
+  state.SetLabel(setting + " T=" + std::to_string(tokens) + (fp32 ? " fp32" : "") +
+                 (avx2 ? " avx2" : ""));
 }
 
 void AttnArgs(benchmark::internal::Benchmark* b) {
@@ -259,6 +263,10 @@ void AttnArgs(benchmark::internal::Benchmark* b) {
     b->Args({1, t, 1});
     b->Args({2, t, 1});
     b->Args({3, t, 1});
+    if (kvtier::internal::VnniCpu()) {
+      b->Args({1, t, 2});
+      b->Args({2, t, 2});
+    }
   }
 }
 
@@ -374,8 +382,10 @@ void PrintTargets(const Recorder& rec) {
 
 int main(int argc, char** argv) {
   g_memcpy_bps = MeasureMemcpy(static_cast<size_t>(kHeads) * kCodecTokens * kDim * 4);
-  std::printf("single-core memcpy baseline (16 MiB, best of 5): %.2f GB/s; ISA: %s\n",
-              g_memcpy_bps / 1e9, kvtier::VectorIsaName());
+  std::printf(
+      "single-core memcpy baseline (16 MiB, best of 5): %.2f GB/s; ISA: %s; integer attention: "
+      "%s\n",
+      g_memcpy_bps / 1e9, kvtier::VectorIsaName(), kvtier::IntegerDotIsa());
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   Recorder rec;
@@ -383,22 +393,23 @@ int main(int argc, char** argv) {
   if (!rec.times.empty()) {
     std::printf(
         "\nfused decode attention vs fp16 K/V (same run, wall time; >1 = faster than fp16).\n"
-        "kivi4/kivi2/kivi8: integer dot products (kBest); 'fp32': the same codes with fp32 "
-        "products\n");
-    std::printf("%-8s %9s %8s %12s %8s %12s %8s %12s %8s %8s\n", "tokens", "fp16 ms", "kivi4 x",
-                "kivi4 fp32 x", "kivi2 x", "kivi2 fp32 x", "kivi8 x", "kivi8 fp32 x", "gear4 x",
-                "gear2 x");
+        "kivi4/kivi2/kivi8: integer dot products (kBest: %s); 'fp32': the same codes with "
+        "fp32 products; 'avx2': kBest's AVX2 integer kernels (run where the CPU has VNNI)\n",
+        kvtier::IntegerDotIsa());
+    std::printf("%-8s %9s %8s %12s %12s %8s %12s %12s %8s %12s %8s %8s\n", "tokens", "fp16 ms",
+                "kivi4 x", "kivi4 fp32 x", "kivi4 avx2 x", "kivi2 x", "kivi2 fp32 x",
+                "kivi2 avx2 x", "kivi8 x", "kivi8 fp32 x", "gear4 x", "gear2 x");
     for (int64_t t : {4096, 32768, 131072}) {
       auto get = [&](const std::string& s, const char* suffix = "") {
         auto it = rec.times.find(s + " T=" + std::to_string(t) + suffix);
         return it == rec.times.end() ? NAN : it->second;
       };
       const double base = get("fp16");
-      std::printf("%-8lld %9.3f %8.2f %12.2f %8.2f %12.2f %8.2f %12.2f %8.2f %8.2f\n",
+      std::printf("%-8lld %9.3f %8.2f %12.2f %12.2f %8.2f %12.2f %12.2f %8.2f %12.2f %8.2f %8.2f\n",
                   static_cast<long long>(t), base, base / get("kivi4"),
-                  base / get("kivi4", " fp32"), base / get("kivi2"), base / get("kivi2", " fp32"),
-                  base / get("kivi8"), base / get("kivi8", " fp32"), base / get("gear4"),
-                  base / get("gear2"));
+                  base / get("kivi4", " fp32"), base / get("kivi4", " avx2"), base / get("kivi2"),
+                  base / get("kivi2", " fp32"), base / get("kivi2", " avx2"), base / get("kivi8"),
+                  base / get("kivi8", " fp32"), base / get("gear4"), base / get("gear2"));
     }
   }
   PrintTargets(rec);

@@ -739,6 +739,11 @@ void ScoreKiviInt(const EncodedView& k, int64_t s, const float* const* q, float 
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) acc32[r] = _mm256_setzero_si256();
         if (u < n) {
+          // The codes 16 tokens on, while these are computed.
+          if (t + u + 16 < k.quantized) {
+            _mm_prefetch(reinterpret_cast<const char*>(codes + (t + u + 16) * d * bits / 8),
+                         _MM_HINT_T0);
+          }
           for (int c0 = 0; c0 < chunks; c0 += 8) {
             __m256i hi16[R], lo16[R];
 #pragma GCC unroll 4
@@ -1265,6 +1270,12 @@ void AccumKiviIntG(const EncodedView& v, int64_t s, const float* const* p, float
                           _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(words, keep)));
         }
       }
+    }
+    // The next sub-block's codes, while this one is computed.
+    const int64_t ahead = std::min<int64_t>(kSub, v.quantized - t0 - n) * d * bits / 8;
+    for (int64_t i = 0; i < ahead; i += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(codes + (t0 + kSub) * d * bits / 8 + i),
+                   _MM_HINT_T0);
     }
     const int pairs = (n + 1) / 2;
     for (int ch = 0; ch < chunks; ++ch) {
