@@ -4,7 +4,13 @@
 //
 // Codes of 8 consecutive elements always fill whole bytes (8 * bits bits), so
 // a chunk of 8 codes is packed with PEXT and unpacked with PDEP.
+// GCC 12 warns about the AVX-512 intrinsics' own deliberately undefined
+// operands (_mm512_undefined_*, GCC bug 105593, fixed in GCC 13); the
+// warning is located in the header, so it is silenced around its inclusion.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 
 #include <algorithm>
 #include <cmath>
@@ -830,7 +836,9 @@ KVT_VNNI_TARGET inline void KeyGroupInt16(const float (*qs)[1024], const uint16_
     const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
     __m512 err[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int b0 = 0; b0 < d; b0 += block) {
-      __m512i h[4];  // The block's int16 weights in channel order, 32 per vector.
+      // The block's int16 weights in channel order, 32 per vector (e of them).
+      __m512i h[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                      _mm512_setzero_si512()};
       for (int m = 0; m < e; ++m) {
         const __m512 x0 = _mm512_mul_ps(_mm512_load_ps(w + b0 + 32 * m), inv);
         const __m512 x1 = _mm512_mul_ps(_mm512_load_ps(w + b0 + 32 * m + 16), inv);
@@ -1345,7 +1353,7 @@ KVT_VNNI_TARGET void AccumKiviVnniG(const EncodedView& v, int64_t s, const float
   constexpr int kSub = 16;  // Tokens per u rounding (as AccumKiviIntG).
   constexpr int kVecs = kSub * G / 8;
   const int d = v.head_dim, bits = v.bits;
-  const int row_bytes = d * bits / 8, block_bytes = 64 * bits / 8;
+  const int row_bytes = d * bits / 8;
   const uint8_t* codes = v.codes + s * v.words_per_slab * 4;
   const uint16_t* sc = v.scales + s * v.groups_per_slab;
   const uint16_t* zc = v.zeros + s * v.groups_per_slab;
