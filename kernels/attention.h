@@ -38,9 +38,11 @@ struct KvBlock {
 // and query head, scale * q * s_k is rounded to int8, and per 16 tokens, V
 // group and query head, p * s_v is (llama.cpp's approach for 4-bit weights);
 // and over 8-bit codes (head_dim and V groups multiples of 16), where both
-// are rounded to int16 and the codes widened to int16 (vpmaddwd). That
-// rounding adds an error well below the codes' own (docs/codecs.md);
-// KVTIER_INT8_ATTENTION=off turns it off.
+// are rounded to int16 and the codes widened to int16 (vpmaddwd). On CPUs
+// with AVX-512 VNNI the 2- and 4-bit products use vpdpwssd (q rounded to
+// int16) and vpdpbusd instead (IntegerDotIsa()). That rounding adds an error
+// well below the codes' own (docs/codecs.md); KVTIER_INT8_ATTENTION=off turns
+// it off, KVTIER_VNNI=off keeps the AVX2 kernels.
 absl::Status DecodeAttention(const AttentionShape& shape, const float* q,
                              absl::Span<const KvBlock> blocks, float* out,
                              KernelLevel level = KernelLevel::kBest);
