@@ -98,7 +98,7 @@ bool PayloadFiles::RecycleLocked(uint64_t id, uint64_t size, bool durable) {
     spare_.push_back(id);
     return true;
   }
-  if (size > kMaxRecycledBytes || recycled_bytes_ + size > recycle_cap_) return false;
+  if (recycled_bytes_ + size > recycle_cap_) return false;
   if (!durable && sync_deletions_ == nullptr) return false;
   (durable ? recycled_ : pending_).emplace(size, id);
   recycled_bytes_ += size;
@@ -266,20 +266,21 @@ absl::StatusOr<std::unique_ptr<PayloadFiles::Writer>> PayloadFiles::NewWriter(bo
   uint64_t id = 0;
   bool spare = false;
   bool recycled = false;
-  const bool fits = size <= kMaxRecycledBytes;
+  uint64_t reused_size = 0;
   bool confirm = false;
   {
     absl::MutexLock lock(&mu_);
-    confirm = fits && recycled_.lower_bound(std::max<uint64_t>(size, 1)) == recycled_.end() &&
+    confirm = recycled_.lower_bound(std::max<uint64_t>(size, 1)) == recycled_.end() &&
               pending_.lower_bound(std::max<uint64_t>(size, 1)) != pending_.end();
   }
   if (confirm) ConfirmPending();
   {
     absl::MutexLock lock(&mu_);
     // The smallest recycled file that holds `size` bytes.
-    auto fit = fits ? recycled_.lower_bound(std::max<uint64_t>(size, 1)) : recycled_.end();
+    auto fit = recycled_.lower_bound(std::max<uint64_t>(size, 1));
     if (fit != recycled_.end()) {
       id = fit->second;
+      reused_size = fit->first;
       recycled_bytes_ -= fit->first;
       recycled_.erase(fit);
       recycled = true;
@@ -296,13 +297,16 @@ absl::StatusOr<std::unique_ptr<PayloadFiles::Writer>> PayloadFiles::NewWriter(bo
   const std::string path = Path(id);
   std::unique_ptr<Writer> w(new Writer(this, id, sync));
   // A spare exists already (empty): opening it truncates nothing and adds no
-  // directory entry. A recycled file is opened without truncation and
-  // overwritten from its start; what lies past the payload is never read.
+  // directory entry. A recycled file is reopened without truncation (the
+  // same name: no rename) and written from its start, over its cached
+  // pages and allocated blocks; Finish cuts what lies past the payload.
+  w->reused_size_ = reused_size;
   absl::Status s =
-      recycled ? FromIo(fs_->NewRandomRWFile(path, rocksdb::FileOptions(), &w->rw_, nullptr),
-                        "reopen " + path)
-               : FromIo(fs_->NewWritableFile(path, rocksdb::FileOptions(), &w->file_, nullptr),
-                        "create " + path);
+      recycled
+          ? FromIo(fs_->ReuseWritableFile(path, path, rocksdb::FileOptions(), &w->file_, nullptr),
+                   "reopen " + path)
+          : FromIo(fs_->NewWritableFile(path, rocksdb::FileOptions(), &w->file_, nullptr),
+                   "create " + path);
   if (s.ok() && sync && !spare && !recycled) {
     // The new directory entry must be durable before the index names it;
     // syncing it now overlaps that with the payload's arrival.
@@ -319,7 +323,6 @@ PayloadFiles::Writer::~Writer() {
   if (finished_) return;
   rocksdb::IOOptions io;
   if (file_ != nullptr) (void)file_->Close(io, nullptr);
-  if (rw_ != nullptr) (void)rw_->Close(io, nullptr);
   (void)files_->Remove(id_);  // Best effort; recovery sweeps orphans too.
 }
 
@@ -331,10 +334,8 @@ absl::Status PayloadFiles::Writer::Append(std::string_view bytes) {
   for (size_t at = 0; at < bytes.size() && status_.ok(); at += kPiece) {
     const size_t n = std::min(kPiece, bytes.size() - at);
     const rocksdb::Slice piece(bytes.data() + at, n);
-    status_ = FromIo(rw_ != nullptr ? rw_->Write(written_, piece, io, nullptr)
-                                    : file_->Append(piece, io, nullptr),
-                     absl::StrCat("write payload file ", id_));
-    if (status_.ok() && sync_ && rw_ == nullptr) {
+    status_ = FromIo(file_->Append(piece, io, nullptr), absl::StrCat("write payload file ", id_));
+    if (status_.ok() && sync_) {
       status_ = FromIo(file_->RangeSync(written_, n, io, nullptr),
                        absl::StrCat("write back payload file ", id_));
     }
@@ -346,17 +347,21 @@ absl::Status PayloadFiles::Writer::Append(std::string_view bytes) {
 absl::Status PayloadFiles::Writer::Finish() {
   if (!status_.ok()) return status_;
   rocksdb::IOOptions io;
-  if (sync_) {
-    status_ = FromIo(rw_ != nullptr ? rw_->Sync(io, nullptr) : file_->Sync(io, nullptr),
-                     absl::StrCat("sync payload file ", id_));
+  if (written_ < reused_size_) {
+    // A recycled file longer than this payload: its tail goes (the disk
+    // budget counts payload bytes), and the file's size is the payload's,
+    // made durable by the sync below.
+    status_ =
+        FromIo(file_->Truncate(written_, io, nullptr), absl::StrCat("cut payload file ", id_));
+  }
+  if (status_.ok() && sync_) {
+    status_ = FromIo(file_->Sync(io, nullptr), absl::StrCat("sync payload file ", id_));
   }
   if (status_.ok()) {
-    status_ = FromIo(rw_ != nullptr ? rw_->Close(io, nullptr) : file_->Close(io, nullptr),
-                     absl::StrCat("close payload file ", id_));
+    status_ = FromIo(file_->Close(io, nullptr), absl::StrCat("close payload file ", id_));
   }
   if (!status_.ok()) return status_;
   file_.reset();
-  rw_.reset();
   finished_ = true;
   return absl::OkStatus();
 }

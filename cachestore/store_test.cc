@@ -37,12 +37,13 @@ class FailingFs : public rocksdb::FileSystemWrapper {
   const char* Name() const override { return "FailingFs"; }
   std::atomic<bool> fail{false};
 
-  rocksdb::IOStatus NewRandomRWFile(const std::string& f, const rocksdb::FileOptions& o,
-                                    std::unique_ptr<rocksdb::FSRandomRWFile>* r,
-                                    rocksdb::IODebugContext* dbg) override {
-    std::unique_ptr<rocksdb::FSRandomRWFile> file;
-    rocksdb::IOStatus s = target()->NewRandomRWFile(f, o, &file, dbg);
-    if (s.ok()) *r = std::make_unique<RwFile>(std::move(file), &fail);
+  rocksdb::IOStatus ReuseWritableFile(const std::string& f, const std::string& old,
+                                      const rocksdb::FileOptions& o,
+                                      std::unique_ptr<rocksdb::FSWritableFile>* r,
+                                      rocksdb::IODebugContext* dbg) override {
+    std::unique_ptr<rocksdb::FSWritableFile> file;
+    rocksdb::IOStatus s = target()->ReuseWritableFile(f, old, o, &file, dbg);
+    if (s.ok()) *r = std::make_unique<File>(std::move(file), &fail);
     return s;
   }
 
@@ -68,23 +69,6 @@ class FailingFs : public rocksdb::FileSystemWrapper {
     rocksdb::IOStatus Sync(const rocksdb::IOOptions& o, rocksdb::IODebugContext* dbg) override {
       if (fail_->load()) return rocksdb::IOStatus::IOError("injected disk failure");
       return FSWritableFileOwnerWrapper::Sync(o, dbg);
-    }
-
-   private:
-    std::atomic<bool>* fail_;
-  };
-  class RwFile : public rocksdb::FSRandomRWFileOwnerWrapper {
-   public:
-    RwFile(std::unique_ptr<rocksdb::FSRandomRWFile> f, std::atomic<bool>* fail)
-        : FSRandomRWFileOwnerWrapper(std::move(f)), fail_(fail) {}
-    rocksdb::IOStatus Write(uint64_t offset, const rocksdb::Slice& d, const rocksdb::IOOptions& o,
-                            rocksdb::IODebugContext* dbg) override {
-      if (fail_->load()) return rocksdb::IOStatus::IOError("injected disk failure");
-      return FSRandomRWFileOwnerWrapper::Write(offset, d, o, dbg);
-    }
-    rocksdb::IOStatus Sync(const rocksdb::IOOptions& o, rocksdb::IODebugContext* dbg) override {
-      if (fail_->load()) return rocksdb::IOStatus::IOError("injected disk failure");
-      return FSRandomRWFileOwnerWrapper::Sync(o, dbg);
     }
 
    private:
@@ -674,7 +658,7 @@ TEST_F(StoreTest, DroppedPayloadFilesAreRecycled) {
   EXPECT_EQ(CountPayloadFiles(options_.path, true), 1);  // The same file, overwritten.
   for (const auto& e : std::filesystem::recursive_directory_iterator(options_.path + "/payloads")) {
     if (e.is_regular_file()) {
-      EXPECT_EQ(e.file_size(), first.size());  // Its tail is never read.
+      EXPECT_EQ(e.file_size(), smaller.size());  // Overwritten in place and cut to size.
     }
   }
   const std::string larger = MakePayload(6000, 4);
@@ -706,6 +690,31 @@ TEST_F(StoreTest, DroppedPayloadFilesAreRecycled) {
   Open();
   EXPECT_EQ(Get("s", 5, 0), unsynced);
   EXPECT_THAT(store_->ReadSegment("t1", "s", {2, 0}), StatusIs(Code::kNotFound));
+}
+
+// Files of any size are recycled (they are written like new ones, with
+// early writeback under sync_writes): a dropped 6 MiB segment's file takes a
+// later 5 MiB put, cut to its size, and serves it after a restart.
+TEST_F(StoreTest, LargePayloadFilesAreRecycledAndCutToSize) {
+  options_.inline_payload_max_bytes = 1000;
+  options_.sync_writes = true;
+  options_.spare_payload_files = 0;
+  options_.recycle_payload_bytes = uint64_t{64} << 20;
+  Open();
+  ASSERT_THAT(Put("s", 0, 0, MakePayload(6 << 20, 1)), IsOk());
+  ASSERT_THAT(store_->DropRounds("t1", "s", {0}), IsOk());
+  EXPECT_EQ(store_->Stats().recycled_payload_files, 1u);
+  const std::string next = MakePayload(5 << 20, 2);
+  ASSERT_THAT(Put("s", 1, 0, next), IsOk());
+  EXPECT_EQ(store_->Stats().recycle_hits, 1u);
+  EXPECT_EQ(CountPayloadFiles(options_.path, true), 1);
+  for (const auto& e : std::filesystem::recursive_directory_iterator(options_.path + "/payloads")) {
+    if (e.is_regular_file()) {
+      EXPECT_EQ(e.file_size(), next.size());
+    }
+  }
+  Open();
+  EXPECT_EQ(Get("s", 1, 0), next);
 }
 
 TEST_F(StoreTest, FailingDiskUnderARecycledFileFailsThePut) {
@@ -759,7 +768,9 @@ TEST(PayloadFilesTest, ReadPinDefersRecycling) {
   ASSERT_THAT(w->Append("abcd"), IsOk());
   ASSERT_THAT(w->Finish(), IsOk());
   EXPECT_EQ(read(id, 4), "abcd");
-  EXPECT_EQ(read(id, 10), "abcd456789");  // Overwritten in place, not truncated.
+  // Overwritten in place, then cut to the new payload's size.
+  EXPECT_THAT(files->Read(id, 10),
+              StatusIs(Code::kDataLoss, ::testing::HasSubstr("holds 4 bytes")));
 }
 
 // Waits (up to 10 s) until the store's spare thread has `n` files ready.
