@@ -115,6 +115,25 @@ inline float HMax(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Lane k of the result = the smallest (kMax: largest) of v[k]'s eight lanes.
+template <bool kMax>
+inline __m256 Reduce8MinMax(const __m256* v) {
+  const auto op = [](__m256 a, __m256 b) {
+    return kMax ? _mm256_max_ps(a, b) : _mm256_min_ps(a, b);
+  };
+  // Per 128-bit half: lanes (0, 2) and (1, 3) of each pair of inputs...
+  __m256 p[4];
+  for (int j = 0; j < 4; ++j) {
+    p[j] =
+        op(_mm256_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm256_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  }
+  // ...then all four lanes of the half, four inputs to a vector...
+  const __m256 q0 = op(_mm256_shuffle_ps(p[0], p[1], 0x44), _mm256_shuffle_ps(p[0], p[1], 0xee));
+  const __m256 q1 = op(_mm256_shuffle_ps(p[2], p[3], 0x44), _mm256_shuffle_ps(p[2], p[3], 0xee));
+  // ...then the two halves.
+  return op(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
 // Rounds scale and zero through fp16 and returns 1/scale (0 when scale is 0).
 inline __m256 InvScale(__m256 scale) {
   const __m256 zero = _mm256_setzero_ps();
@@ -227,28 +246,57 @@ void QuantizeSlab(const QuantShape& q, const void* x, uint8_t* codes, uint16_t* 
     report();
     return;
   }
+  // Groups of channels per token, eight (token, group) pairs at a time (they
+  // are consecutive in scales and zeros): their minima and maxima reduced
+  // together, scales and zeros computed in one vector (the same operations
+  // as one at a time, so the same values), then each group quantized.
   const int groups = (d + q.group - 1) / q.group;
-  for (int64_t t = 0; t < q.tq; ++t) {
-    const int64_t row = t * d;
-    for (int g = 0; g < groups; ++g) {
-      const int c0 = g * q.group;
-      const int c1 = std::min(d, c0 + q.group);
-      __m256 mn = load(row + c0), mx = mn;
-      track(mn);
-      for (int c = c0 + 8; c < c1; c += 8) {
-        const __m256 v = load(row + c);
-        track(v);
-        mn = _mm256_min_ps(mn, v);
-        mx = _mm256_max_ps(mx, v);
+  const int64_t pairs = q.tq * groups;
+  for (int64_t i0 = 0; i0 < pairs; i0 += 8) {
+    const int nb = static_cast<int>(std::min<int64_t>(8, pairs - i0));
+    __m256 mn[8], mx[8];
+    for (int k = 0; k < 8; ++k) {
+      if (k >= nb) {
+        mn[k] = mx[k] = _mm256_setzero_ps();
+        continue;
       }
-      const float lo = HMin(mn), hi = HMax(mx);
-      const uint16_t s16 = _cvtss_sh((hi - lo) / qmaxf, 0);
-      const uint16_t z16 = _cvtss_sh(lo, 0);
-      StoreU16(scales, t * groups + g, s16);
-      StoreU16(zeros, t * groups + g, z16);
-      const float sf = _cvtsh_ss(s16);
-      const __m256 inv = _mm256_set1_ps(sf > 0.0f ? 1.0f / sf : 0.0f);
-      const __m256 zv = _mm256_set1_ps(_cvtsh_ss(z16));
+      const int64_t t = (i0 + k) / groups;
+      const int c0 = static_cast<int>((i0 + k) % groups) * q.group;
+      const int c1 = std::min(d, c0 + q.group);
+      mn[k] = load(t * d + c0);
+      mx[k] = mn[k];
+      track(mn[k]);
+      for (int c = c0 + 8; c < c1; c += 8) {
+        const __m256 v = load(t * d + c);
+        track(v);
+        mn[k] = _mm256_min_ps(mn[k], v);
+        mx[k] = _mm256_max_ps(mx[k], v);
+      }
+    }
+    const __m256 lo = Reduce8MinMax<false>(mn), hi = Reduce8MinMax<true>(mx);
+    const __m128i s16 = _mm256_cvtps_ph(_mm256_div_ps(_mm256_sub_ps(hi, lo), qmax), 0);
+    const __m128i z16 = _mm256_cvtps_ph(lo, 0);
+    if (nb == 8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(scales + i0), s16);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(zeros + i0), z16);
+    } else {
+      alignas(16) uint16_t sv[8], zv[8];
+      _mm_store_si128(reinterpret_cast<__m128i*>(sv), s16);
+      _mm_store_si128(reinterpret_cast<__m128i*>(zv), z16);
+      for (int k = 0; k < nb; ++k) {
+        StoreU16(scales, i0 + k, sv[k]);
+        StoreU16(zeros, i0 + k, zv[k]);
+      }
+    }
+    const __m256 invs = InvScale(_mm256_cvtph_ps(s16)), zs = _mm256_cvtph_ps(z16);
+    for (int k = 0; k < nb; ++k) {
+      const int64_t t = (i0 + k) / groups;
+      const int64_t row = t * d;
+      const int c0 = static_cast<int>((i0 + k) % groups) * q.group;
+      const int c1 = std::min(d, c0 + q.group);
+      const __m256i lane = _mm256_set1_epi32(k);
+      const __m256 inv = _mm256_permutevar8x32_ps(invs, lane);
+      const __m256 zv = _mm256_permutevar8x32_ps(zs, lane);
       int c = c0;
       // 32 codes at a time when they start on a byte (t * d + c even).
       if (q.bits == 4 && ((t * d + c) & 1) == 0) {
