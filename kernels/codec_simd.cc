@@ -206,7 +206,18 @@ void QuantizeSlab(const QuantShape& q, const void* x, uint8_t* codes, uint16_t* 
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t t0 = g * q.group;
       const int64_t n = std::min<int64_t>(q.group, q.tq - t0);
+      // The next group's rows, a cache line per row every 64 bytes of
+      // channels: this pass reads the group column by column, which the
+      // hardware prefetcher does not follow far enough ahead.
+      const int64_t ahead = std::min<int64_t>(q.group, q.tq - t0 - n);
+      const auto* bytes = static_cast<const char*>(x);
+      constexpr int kElem = kIn == v1::DTYPE_FP32 ? 4 : 2;
       for (int c = 0; c < d; c += 8) {
+        if ((c * kElem) % 64 == 0) {
+          for (int64_t j = 0; j < ahead; ++j) {
+            _mm_prefetch(bytes + ((t0 + n + j) * d + c) * kElem, _MM_HINT_T0);
+          }
+        }
         __m256 mn = load(t0 * d + c), mx = mn;
         track(mn);
         for (int64_t j = 1; j < n; ++j) {
