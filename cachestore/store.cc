@@ -86,9 +86,17 @@ Store::Store(StoreOptions options, QuotaManager* quotas, std::unique_ptr<rocksdb
       db_(std::move(db)),
       files_(std::move(files)),
       spill_order_{SpillOrder<SegmentEntry>(options_.spill_policy),
-                   SpillOrder<SegmentEntry>(options_.spill_policy)} {}
+                   SpillOrder<SegmentEntry>(options_.spill_policy)} {
+  recall_thread_ = std::thread([this] { RecallCounterLoop(); });
+}
 
-Store::~Store() = default;
+Store::~Store() {
+  {
+    absl::MutexLock lock(&counters_mu_);
+    counters_stop_ = true;
+  }
+  recall_thread_.join();  // It writes what is queued before it returns.
+}
 
 absl::StatusOr<std::unique_ptr<Store>> Store::Open(StoreOptions options, QuotaManager* quotas) {
   if (options.path.empty()) return absl::InvalidArgumentError("StoreOptions.path is empty");
@@ -694,6 +702,7 @@ absl::Status Store::MakeDiskRoomLocked(uint64_t bytes, const std::string& skip_s
 absl::Status Store::ApplyRemovals(const std::vector<Removal>& removals) {
   if (removals.empty()) return absl::OkStatus();
   rocksdb::WriteBatch batch;
+  std::vector<std::string> recalls;  // The removed rounds' counter records.
   for (const Removal& rm : removals) {
     for (const Removal::Round& r : rm.rounds) {
       for (const Removal::Segment& seg : r.segments) {
@@ -704,14 +713,25 @@ absl::Status Store::ApplyRemovals(const std::vector<Removal>& removals) {
       }
       if (r.round_keys) {
         batch.Delete(RoundDbKey(KeyKind::kRound, rm.session_key, r.round));
-        batch.Delete(RoundDbKey(KeyKind::kRecall, rm.session_key, r.round));
+        recalls.push_back(RoundDbKey(KeyKind::kRecall, rm.session_key, r.round));
+        batch.Delete(recalls.back());
       }
     }
     if (rm.whole_session) batch.Delete(SessionDbKey(rm.session_key));
   }
   rocksdb::WriteOptions wo;
   wo.sync = options_.sync_writes;
-  KVT_RETURN_IF_ERROR(FromRocks(db_->Write(wo, &batch), "delete"));
+  {
+    // A queued counter of a removed round would write its record again after
+    // this delete: it is dropped from the queue, and no flush that took it
+    // earlier is still writing (flush_mu_).
+    absl::MutexLock flush(&flush_mu_);
+    {
+      absl::MutexLock lock(&counters_mu_);
+      for (const std::string& k : recalls) pending_recalls_.erase(k);
+    }
+    KVT_RETURN_IF_ERROR(FromRocks(db_->Write(wo, &batch), "delete"));
+  }
   // Files go only after their records (durably so with sync_writes; else a
   // file is reused only after a WAL sync): a crash in between leaves orphans,
   // which recovery reuses or deletes.
@@ -908,7 +928,7 @@ absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& t
   KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
   const std::string key = SessionKey(tenant, session);
   std::vector<SegmentInfo> out;
-  rocksdb::WriteBatch counters;
+  RecallWrites counters;
   {
     absl::MutexLock lock(&mu_);
     SessionEntry* s = FindSessionLocked(key);
@@ -965,25 +985,54 @@ absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& t
     }
     for (RoundEntry* r : rekeyed) IndexRoundLocked(*s, *r);
   }
-  WriteRecallCounters(&counters);
+  QueueRecallCounters(std::move(counters));
   return out;
 }
 
 void Store::CountRecallLocked(const std::string& session_key, uint32_t round, RoundEntry& r,
-                              int64_t now_ms, rocksdb::WriteBatch* counters) {
+                              int64_t now_ms, RecallWrites* counters) {
   ++r.recall_count;
   r.last_recall_ms = now_ms;
   internal::RecallRecord rec;
   rec.set_recall_count(r.recall_count);
   rec.set_last_recall_unix_ms(now_ms);
-  counters->Put(RoundDbKey(KeyKind::kRecall, session_key, round), rec.SerializeAsString());
+  counters->emplace_back(RoundDbKey(KeyKind::kRecall, session_key, round), rec.SerializeAsString());
 }
 
-void Store::WriteRecallCounters(rocksdb::WriteBatch* counters) {
-  if (counters->Count() == 0) return;
-  // Counters are advisory: written without fsync, a failure only undercounts.
-  rocksdb::Status st = db_->Write(rocksdb::WriteOptions(), counters);
+void Store::QueueRecallCounters(RecallWrites counters) {
+  if (counters.empty()) return;
+  absl::MutexLock lock(&counters_mu_);
+  // Each record holds the round's whole count: the latest one is enough.
+  for (auto& [k, v] : counters) pending_recalls_[std::move(k)] = std::move(v);
+}
+
+void Store::FlushRecallCounters() {
+  // One flush at a time, so that batches reach RocksDB in the order they
+  // were taken from the queue (a later record of a round after an earlier).
+  absl::MutexLock flush(&flush_mu_);
+  absl::flat_hash_map<std::string, std::string> batch;
+  {
+    absl::MutexLock lock(&counters_mu_);
+    batch.swap(pending_recalls_);
+  }
+  if (batch.empty()) return;
+  rocksdb::WriteBatch wb;
+  for (const auto& [k, v] : batch) wb.Put(k, v);
+  rocksdb::Status st = db_->Write(rocksdb::WriteOptions(), &wb);
   if (!st.ok()) LogWarn("recall counter write failed", {{"error", st.ToString()}});
+}
+
+void Store::RecallCounterLoop() {
+  for (;;) {
+    bool stop = false;
+    {
+      absl::MutexLock lock(&counters_mu_);
+      counters_mu_.AwaitWithTimeout(absl::Condition(&counters_stop_), kRecallFlushInterval);
+      stop = counters_stop_;
+    }
+    FlushRecallCounters();
+    if (stop) return;
+  }
 }
 
 absl::StatusOr<Store::RecallResult> Store::RecordRecalls(const std::string& tenant,
@@ -992,7 +1041,7 @@ absl::StatusOr<Store::RecallResult> Store::RecordRecalls(const std::string& tena
   KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
   const std::string key = SessionKey(tenant, session);
   RecallResult result;
-  rocksdb::WriteBatch counters;
+  RecallWrites counters;
   {
     absl::MutexLock lock(&mu_);
     SessionEntry* s = FindSessionLocked(key);
@@ -1016,7 +1065,9 @@ absl::StatusOr<Store::RecallResult> Store::RecordRecalls(const std::string& tena
       result.counted.push_back(round);
     }
   }
-  WriteRecallCounters(&counters);
+  // An explicit record: written before the call returns.
+  QueueRecallCounters(std::move(counters));
+  FlushRecallCounters();
   return result;
 }
 

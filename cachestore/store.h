@@ -24,6 +24,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -34,6 +35,7 @@
 #include "absl/container/node_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "base/clock.h"
 #include "cachestore/orders.h"
 #include "cachestore/payload_files.h"
@@ -429,12 +431,20 @@ class Store {
   // Creates the ticket's payload file unless WriteChunk already did.
   absl::Status StartPayloadFile(WriteTicket& ticket);
 
-  // Bumps round `round`'s recall counter and queues its record.
+  // Recall counter records (RocksDB key, serialized record).
+  using RecallWrites = std::vector<std::pair<std::string, std::string>>;
+  // Bumps round `round`'s recall counter and adds its record to `counters`.
   void CountRecallLocked(const std::string& session_key, uint32_t round, RoundEntry& r,
-                         int64_t now_ms, rocksdb::WriteBatch* counters)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Writes queued counter records (advisory: no fsync, a failure is logged).
-  void WriteRecallCounters(rocksdb::WriteBatch* counters);
+                         int64_t now_ms, RecallWrites* counters) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counter records are advisory (no fsync; a failure is logged and only
+  // undercounts), so a get does not wait on RocksDB for them: they are
+  // queued, the latest per round, and written in batches by a background
+  // thread every kRecallFlushInterval. FlushRecallCounters writes what is
+  // queued now (RecordRecalls, the destructor).
+  static constexpr absl::Duration kRecallFlushInterval = absl::Milliseconds(20);
+  void QueueRecallCounters(RecallWrites counters);
+  void FlushRecallCounters();
+  void RecallCounterLoop();
 
   // Index mutations. REQUIRES: mu_ held.
   // Spills RAM copies in spill order until `bytes_needed` more fit in the
@@ -479,6 +489,16 @@ class Store {
   QuotaManager* const quotas_;
   std::unique_ptr<rocksdb::DB> db_;
   std::unique_ptr<PayloadFiles> files_;
+
+  // Queued recall counter records. Lock order: flush_mu_, then counters_mu_.
+  // flush_mu_ is never taken under mu_; it is held by a flush from taking
+  // the queue until its write is done, and by ApplyRemovals around its
+  // delete, so that no counter record outlives its round.
+  absl::Mutex flush_mu_ ABSL_ACQUIRED_BEFORE(counters_mu_);
+  absl::Mutex counters_mu_;
+  absl::flat_hash_map<std::string, std::string> pending_recalls_ ABSL_GUARDED_BY(counters_mu_);
+  bool counters_stop_ ABSL_GUARDED_BY(counters_mu_) = false;
+  std::thread recall_thread_;
 
   // Orders index removals with their RocksDB deletes against writes that
   // could recreate the same keys: held by BeginWrite, DropRounds,

@@ -208,6 +208,30 @@ TEST_F(StoreTest, WritingSegmentsAreInvisible) {
   EXPECT_THAT(store_->PrepareRead("t1", "s", {{0, 0}}), IsOk());
 }
 
+// A get's recall counter is queued (written in the background, not on the
+// get's path), visible at once, durable after a clean close, and never
+// written back after its round was dropped.
+TEST_F(StoreTest, QueuedRecallCountersAreKeptAndDieWithTheirRound) {
+  Open();
+  ASSERT_THAT(Put("s", 0, 0, MakePayload(300, 1)), IsOk());
+  ASSERT_THAT(Put("s", 1, 0, MakePayload(300, 2)), IsOk());
+  ASSERT_THAT(store_->PrepareRead("t1", "s", {{0, 0}, {1, 0}}), IsOk());
+  ASSERT_THAT(store_->PrepareRead("t1", "s", {{0, 0}}), IsOk());
+  KVT_ASSERT_OK_AND_ASSIGN(SessionInfo info, store_->ListRounds("t1", "s"));
+  ASSERT_EQ(info.rounds.size(), 2u);
+  EXPECT_EQ(info.rounds[0].summary.recall_count(), 2u);
+  EXPECT_EQ(info.rounds[1].summary.recall_count(), 1u);
+  // Round 1 is dropped with its counter still queued, then written anew.
+  ASSERT_THAT(store_->PrepareRead("t1", "s", {{1, 0}}), IsOk());
+  ASSERT_THAT(store_->DropRounds("t1", "s", {1}), IsOk());
+  ASSERT_THAT(Put("s", 1, 0, MakePayload(300, 3)), IsOk());
+  Open();  // A clean close writes what is queued.
+  KVT_ASSERT_OK_AND_ASSIGN(info, store_->ListRounds("t1", "s"));
+  ASSERT_EQ(info.rounds.size(), 2u);
+  EXPECT_EQ(info.rounds[0].summary.recall_count(), 2u);
+  EXPECT_EQ(info.rounds[1].summary.recall_count(), 0u);
+}
+
 TEST_F(StoreTest, AbandonedTicketRefundsEverything) {
   options_.disk_budget_bytes = 10'000;
   Open();
