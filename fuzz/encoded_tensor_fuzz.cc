@@ -31,9 +31,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // SplitPayload does, and over the whole payload it equals the framing's
   // and each tensor's, chained.
   absl::StatusOr<uint32_t> outside = kvtier::Crc32cOutsidePayloadBufferData(0, bytes);
-  if (absl::StatusOr<std::vector<kvtier::TensorParts>> parts = kvtier::SplitPayload(bytes, false);
+  uint32_t in_pass = 0;
+  if (absl::StatusOr<std::vector<kvtier::TensorParts>> parts =
+          kvtier::SplitPayload(bytes, false, &in_pass);
       parts.ok()) {
-    if (!outside.ok()) __builtin_trap();  // It parses what SplitPayload does.
+    if (!outside.ok()) __builtin_trap();        // It parses what SplitPayload does.
+    if (in_pass != *outside) __builtin_trap();  // The same value in the same pass.
     uint32_t crc = 0;
     size_t at = 0;
     for (const kvtier::TensorParts& t : *parts) {

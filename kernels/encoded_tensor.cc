@@ -312,7 +312,8 @@ absl::StatusOr<v1::SegmentPayload> ParseAndValidatePayload(std::string_view byte
 
 namespace kvtier {
 
-absl::StatusOr<std::vector<TensorParts>> SplitPayload(std::string_view payload, bool verify_crc) {
+absl::StatusOr<std::vector<TensorParts>> SplitPayload(std::string_view payload, bool verify_crc,
+                                                      uint32_t* outside_crc) {
   if (payload.size() > static_cast<size_t>(INT32_MAX)) {
     return absl::InvalidArgumentError("segment payload over 2 GiB");
   }
@@ -320,12 +321,20 @@ absl::StatusOr<std::vector<TensorParts>> SplitPayload(std::string_view payload, 
                       static_cast<int>(payload.size()));
   in.SetTotalBytesLimit(INT32_MAX);
   std::vector<TensorParts> out;
+  size_t from = 0;  // Where *outside_crc has reached.
   for (uint32_t tag; (tag = in.ReadTag()) != 0;) {
     if (WireFormatLite::GetTagFieldNumber(tag) == 1 &&
         WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
       std::string_view view;
       if (!ReadView(&in, payload.data(), &view)) {
         return absl::InvalidArgumentError("segment payload is not a serialized SegmentPayload");
+      }
+      if (outside_crc != nullptr) {
+        const size_t at = static_cast<size_t>(view.data() - payload.data());
+        if (!ExtendOutsideBufferData(payload, at, at + view.size(), &from, outside_crc)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("tensor ", out.size(), ": segment payload tensor does not parse"));
+        }
       }
       TensorParts& t = out.emplace_back();
       absl::Status s = SplitTensorBytes(view, &t);
@@ -340,6 +349,7 @@ absl::StatusOr<std::vector<TensorParts>> SplitPayload(std::string_view payload, 
   if (!in.ConsumedEntireMessage()) {
     return absl::InvalidArgumentError("segment payload is not a serialized SegmentPayload");
   }
+  if (outside_crc != nullptr) ExtendTo(payload, payload.size(), &from, outside_crc);
   return out;
 }
 

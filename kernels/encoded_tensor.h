@@ -45,9 +45,13 @@ struct TensorParts {
 // buffer bytes, and validates each as ValidateTensor does (the checksum only
 // with verify_crc). OK and the tensors in order; INVALID_ARGUMENT for bytes
 // that are no SegmentPayload or a malformed tensor; DATA_LOSS for a checksum
-// mismatch.
+// mismatch. With `outside_crc`, it also extends *outside_crc over what
+// Crc32cOutsidePayloadBufferData covers, tensor by tensor as it checks them
+// (one pass instead of two while the bytes are in cache; the value is the
+// same). On an error *outside_crc is not defined.
 absl::StatusOr<std::vector<TensorParts>> SplitPayload(std::string_view payload,
-                                                      bool verify_crc = true);
+                                                      bool verify_crc = true,
+                                                      uint32_t* outside_crc = nullptr);
 
 // CRC-32C: `crc` extended over the serialized EncodedTensor `tensor`, in
 // order, leaving out the data of its buffers (Buffer.data), which the

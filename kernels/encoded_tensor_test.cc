@@ -160,6 +160,10 @@ TEST(EncodedTensor, CrcOutsideBufferDataWithTensorCrcsCatchesEveryBitFlip) {
     // Framing, then each tensor, as a sender holds them.
     auto split = SplitPayload(payload);
     ASSERT_TRUE(split.ok()) << split.status();
+    // In the same pass as the split and the checks (a transfer's receiver).
+    uint32_t in_pass = 0;
+    ASSERT_TRUE(SplitPayload(payload, true, &in_pass).ok());
+    EXPECT_EQ(in_pass, want);
     uint32_t crc = 0;
     size_t at = 0;
     for (const TensorParts& t : *split) {

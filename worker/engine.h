@@ -321,8 +321,9 @@ struct LayerImage {
   // round layers of kv_heads heads of head_dim, which ImportSession then
   // takes as they are instead of parsing `past` again. DATA_LOSS for a
   // tensor that does not match its crc32c or a payload that is not one round
-  // layer per travelled round.
-  absl::Status CheckPast(int kv_heads, int head_dim);
+  // layer per travelled round. With `outside_crc`, extends it over what
+  // Crc32cOutsidePayloadBufferData covers, in the same pass.
+  absl::Status CheckPast(int kv_heads, int head_dim, uint32_t* outside_crc = nullptr);
   std::shared_ptr<std::vector<std::unique_ptr<RoundLayer>>> parsed;  // Set by CheckPast.
 };
 

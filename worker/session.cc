@@ -37,8 +37,9 @@ const char* StateName(SessionState s) {
 }
 
 absl::StatusOr<std::vector<std::unique_ptr<RoundLayer>>> MakeLayers(
-    std::shared_ptr<const std::string> payload, int layers, int kv_heads, int d, bool verify_crc) {
-  auto split = SplitPayload(*payload, verify_crc);
+    std::shared_ptr<const std::string> payload, int layers, int kv_heads, int d, bool verify_crc,
+    uint32_t* outside_crc) {
+  auto split = SplitPayload(*payload, verify_crc, outside_crc);
   if (!split.ok()) {
     return absl::DataLossError(absl::StrCat("segment payload: ", split.status().message()));
   }

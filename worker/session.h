@@ -84,10 +84,11 @@ uint64_t NewPartialSerial();
 // Without it the tensors' checksums are not checked again: each hop checks
 // once (EndRound just sealed them; a fetched payload's crc32c was checked by
 // the store client on arrival). A transfer's receiver checks them here
-// (LayerImage::CheckPast).
+// (LayerImage::CheckPast), and with `outside_crc` extends it as
+// SplitPayload does, in the same pass.
 absl::StatusOr<std::vector<std::unique_ptr<RoundLayer>>> MakeLayers(
     std::shared_ptr<const std::string> payload, int layers, int kv_heads, int d,
-    bool verify_crc = false);
+    bool verify_crc = false, uint32_t* outside_crc = nullptr);
 
 // A serialized SegmentPayload of tensors whose serialized sizes are `sizes`:
 // the framing of its repeated field, with write(i, p) putting tensor i's

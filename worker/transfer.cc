@@ -221,11 +221,11 @@ absl::Status LayerImage::ResolveDevice() {
   return absl::OkStatus();
 }
 
-absl::Status LayerImage::CheckPast(int kv_heads, int head_dim) {
+absl::Status LayerImage::CheckPast(int kv_heads, int head_dim, uint32_t* outside_crc) {
   if (past == nullptr) return absl::InternalError("CheckPast before the past bytes arrived");
   const int travelled = static_cast<int>(rounds.size() - reused.size() - device_rounds.size());
   KVT_ASSIGN_OR_RETURN(auto made, MakeLayers(past, travelled, kv_heads, head_dim,
-                                             /*verify_crc=*/true));
+                                             /*verify_crc=*/true, outside_crc));
   parsed = std::make_shared<std::vector<std::unique_ptr<RoundLayer>>>(std::move(made));
   return absl::OkStatus();
 }

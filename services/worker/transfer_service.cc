@@ -376,32 +376,38 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
           absl::StrCat("layer ", layer_.layer, " ended after ", past_.size() + layer_.open.size(),
                        " of the ", past_bytes_ + open_bytes_, " bytes it announced"));
     }
+    layer_.past = std::make_shared<const std::string>(std::move(past_));
+    past_ = std::string();
     if (tensor_checksums_) {
-      // Everything but the past tensors' buffer data, then that data
-      // against each tensor's crc32c: every byte once.
-      absl::StatusOr<uint32_t> c = Crc32cOutsidePayloadBufferData(0, past_);
-      if (!c.ok()) {
-        return absl::DataLossError(absl::StrCat(
-            "layer ", layer_.layer, " of the transfer is corrupt: ", c.status().message()));
+      // One pass over the past tensors, tensor by tensor while each is in
+      // cache: everything but their buffer data goes into the layer's
+      // crc32c (with the open round), and that data is checked against each
+      // tensor's own crc32c: every byte once. The tensors are split into the
+      // round layers the import takes as they are.
+      uint32_t outside = 0;
+      absl::Status st = layer_.CheckPast(image_->shape.kv_heads, image_->shape.head_dim, &outside);
+      if (st.ok()) {
+        crc_ = Crc32cExtend(outside, layer_.open.data(), layer_.open.size());
+      } else if (!absl::IsDataLoss(st)) {
+        // Bytes that do not parse or check are corrupt when they do not
+        // match the layer's crc32c (counted apart on this path only).
+        absl::StatusOr<uint32_t> c = Crc32cOutsidePayloadBufferData(0, *layer_.past);
+        if (!c.ok() ||
+            Crc32cExtend(*c, layer_.open.data(), layer_.open.size()) != chunk_.layer_crc32c()) {
+          return absl::DataLossError(
+              absl::StrCat("layer ", layer_.layer, " of the transfer is corrupt: ", st.message()));
+        }
       }
-      crc_ = Crc32cExtend(*c, layer_.open.data(), layer_.open.size());
+      if (!st.ok()) {
+        return absl::Status(
+            st.code(), absl::StrCat("layer ", layer_.layer, " of the transfer",
+                                    absl::IsDataLoss(st) ? " is corrupt" : "", ": ", st.message()));
+      }
     }
     if (crc_ != chunk_.layer_crc32c()) {
       return absl::DataLossError(absl::StrCat("layer ", layer_.layer,
                                               " of the transfer is corrupt: crc32c ", crc_,
                                               ", the sender's ", chunk_.layer_crc32c()));
-    }
-    layer_.past = std::make_shared<const std::string>(std::move(past_));
-    past_ = std::string();
-    if (tensor_checksums_) {
-      // Each past tensor against its own crc32c, split into the round
-      // layers the import takes as they are.
-      if (absl::Status st = layer_.CheckPast(image_->shape.kv_heads, image_->shape.head_dim);
-          !st.ok()) {
-        return absl::Status(
-            st.code(), absl::StrCat("layer ", layer_.layer, " of the transfer",
-                                    absl::IsDataLoss(st) ? " is corrupt" : "", ": ", st.message()));
-      }
     }
     layers_.push_back(std::move(layer_));
     gathering_ = false;
