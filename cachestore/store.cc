@@ -984,8 +984,10 @@ absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& t
       out.push_back(e.info);
     }
     for (RoundEntry* r : rekeyed) IndexRoundLocked(*s, *r);
+    // Queued under mu_: a drop of these rounds comes after, and takes their
+    // records out of the queue (ApplyRemovals).
+    QueueRecallCounters(std::move(counters));
   }
-  QueueRecallCounters(std::move(counters));
   return out;
 }
 
@@ -1064,9 +1066,9 @@ absl::StatusOr<Store::RecallResult> Store::RecordRecalls(const std::string& tena
       IndexRoundLocked(*s, r->second);
       result.counted.push_back(round);
     }
+    QueueRecallCounters(std::move(counters));  // Under mu_, as in PrepareRead.
   }
   // An explicit record: written before the call returns.
-  QueueRecallCounters(std::move(counters));
   FlushRecallCounters();
   return result;
 }

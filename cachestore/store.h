@@ -490,12 +490,13 @@ class Store {
   std::unique_ptr<rocksdb::DB> db_;
   std::unique_ptr<PayloadFiles> files_;
 
-  // Queued recall counter records. Lock order: flush_mu_, then counters_mu_.
-  // flush_mu_ is never taken under mu_; it is held by a flush from taking
-  // the queue until its write is done, and by ApplyRemovals around its
-  // delete, so that no counter record outlives its round.
+  // Queued recall counter records. Lock order: mu_ or flush_mu_, then
+  // counters_mu_; flush_mu_ is never taken under mu_. Records are queued
+  // under mu_ with the count they hold; flush_mu_ is held by a flush from
+  // taking the queue until its write is done, and by ApplyRemovals around
+  // its delete, so that no counter record outlives its round.
   absl::Mutex flush_mu_ ABSL_ACQUIRED_BEFORE(counters_mu_);
-  absl::Mutex counters_mu_;
+  absl::Mutex counters_mu_ ABSL_ACQUIRED_AFTER(mu_);
   absl::flat_hash_map<std::string, std::string> pending_recalls_ ABSL_GUARDED_BY(counters_mu_);
   bool counters_stop_ ABSL_GUARDED_BY(counters_mu_) = false;
   std::thread recall_thread_;
