@@ -324,6 +324,10 @@ struct LayerImage {
   // layer per travelled round. With `outside_crc`, extends it over what
   // Crc32cOutsidePayloadBufferData covers, in the same pass.
   absl::Status CheckPast(int kv_heads, int head_dim, uint32_t* outside_crc = nullptr);
+  // The rounds whose bytes are in `past`: neither reused nor device rounds.
+  int travelled_rounds() const {
+    return static_cast<int>(rounds.size() - reused.size() - device_rounds.size());
+  }
   std::shared_ptr<std::vector<std::unique_ptr<RoundLayer>>> parsed;  // Set by CheckPast.
 };
 

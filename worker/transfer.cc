@@ -223,8 +223,7 @@ absl::Status LayerImage::ResolveDevice() {
 
 absl::Status LayerImage::CheckPast(int kv_heads, int head_dim, uint32_t* outside_crc) {
   if (past == nullptr) return absl::InternalError("CheckPast before the past bytes arrived");
-  const int travelled = static_cast<int>(rounds.size() - reused.size() - device_rounds.size());
-  KVT_ASSIGN_OR_RETURN(auto made, MakeLayers(past, travelled, kv_heads, head_dim,
+  KVT_ASSIGN_OR_RETURN(auto made, MakeLayers(past, travelled_rounds(), kv_heads, head_dim,
                                              /*verify_crc=*/true, outside_crc));
   parsed = std::make_shared<std::vector<std::unique_ptr<RoundLayer>>>(std::move(made));
   return absl::OkStatus();
@@ -360,10 +359,7 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
       if (li.parsed != nullptr) {
         made = std::move(*li.parsed);  // Checked and split on arrival (CheckPast).
       } else {
-        KVT_ASSIGN_OR_RETURN(made, MakeLayers(li.past,
-                                              static_cast<int>(li.rounds.size() - li.reused.size() -
-                                                               li.device_rounds.size()),
-                                              sh.kv_heads, d));
+        KVT_ASSIGN_OR_RETURN(made, MakeLayers(li.past, li.travelled_rounds(), sh.kv_heads, d));
       }
       size_t prev = 0, next = 0;
       for (size_t j = 0; j < li.rounds.size(); ++j) {

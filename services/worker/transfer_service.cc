@@ -385,24 +385,14 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
       // tensor's own crc32c: every byte once. The tensors are split into the
       // round layers the import takes as they are.
       uint32_t outside = 0;
-      absl::Status st = layer_.CheckPast(image_->shape.kv_heads, image_->shape.head_dim, &outside);
-      if (st.ok()) {
-        crc_ = Crc32cExtend(outside, layer_.open.data(), layer_.open.size());
-      } else if (!absl::IsDataLoss(st)) {
-        // Bytes that do not parse or check are corrupt when they do not
-        // match the layer's crc32c (counted apart on this path only).
-        absl::StatusOr<uint32_t> c = Crc32cOutsidePayloadBufferData(0, *layer_.past);
-        if (!c.ok() ||
-            Crc32cExtend(*c, layer_.open.data(), layer_.open.size()) != chunk_.layer_crc32c()) {
-          return absl::DataLossError(
-              absl::StrCat("layer ", layer_.layer, " of the transfer is corrupt: ", st.message()));
-        }
-      }
-      if (!st.ok()) {
+      if (absl::Status st =
+              layer_.CheckPast(image_->shape.kv_heads, image_->shape.head_dim, &outside);
+          !st.ok()) {
         return absl::Status(
             st.code(), absl::StrCat("layer ", layer_.layer, " of the transfer",
                                     absl::IsDataLoss(st) ? " is corrupt" : "", ": ", st.message()));
       }
+      crc_ = Crc32cExtend(outside, layer_.open.data(), layer_.open.size());
     }
     if (crc_ != chunk_.layer_crc32c()) {
       return absl::DataLossError(absl::StrCat("layer ", layer_.layer,
