@@ -261,24 +261,74 @@ void QuantizeSlab(const QuantShape& q, const void* x, uint8_t* codes, uint16_t* 
   // are consecutive in scales and zeros): their minima and maxima reduced
   // together, scales and zeros computed in one vector (the same operations
   // as one at a time, so the same values), then each group quantized.
+  // The pairs' token and group advance by counting (a 64-bit division per
+  // pair cost as much as its arithmetic).
   const int groups = (d + q.group - 1) / q.group;
   const int64_t pairs = q.tq * groups;
-  for (int64_t i0 = 0; i0 < pairs; i0 += 8) {
+  int64_t start = 0;
+  if (q.group == 32 && d % 32 == 0) {
+    // KIVI's default: groups of 32 tile each token, so pair i is elements
+    // [32i, 32i + 32) and its codes start at byte 4 * bits * i. Whole blocks
+    // of eight pairs here, with fixed trip counts; the rest below.
+    start = pairs / 8 * 8;
+    for (int64_t i0 = 0; i0 < start; i0 += 8) {
+      const int64_t e0 = i0 * 32;
+      __m256 mn[8], mx[8];
+      for (int k = 0; k < 8; ++k) {
+        __m256 v[4];
+        for (int j = 0; j < 4; ++j) {
+          v[j] = load(e0 + 32 * k + 8 * j);
+          track(v[j]);
+        }
+        mn[k] = _mm256_min_ps(_mm256_min_ps(v[0], v[1]), _mm256_min_ps(v[2], v[3]));
+        mx[k] = _mm256_max_ps(_mm256_max_ps(v[0], v[1]), _mm256_max_ps(v[2], v[3]));
+      }
+      const __m256 lo = Reduce8MinMax<false>(mn), hi = Reduce8MinMax<true>(mx);
+      const __m128i s16 = _mm256_cvtps_ph(_mm256_div_ps(_mm256_sub_ps(hi, lo), qmax), 0);
+      const __m128i z16 = _mm256_cvtps_ph(lo, 0);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(scales + i0), s16);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(zeros + i0), z16);
+      alignas(32) float invs[8], zs[8];
+      _mm256_store_ps(invs, InvScale(_mm256_cvtph_ps(s16)));
+      _mm256_store_ps(zs, _mm256_cvtph_ps(z16));
+      for (int k = 0; k < 8; ++k) {
+        const __m256 inv = _mm256_broadcast_ss(invs + k), zv = _mm256_broadcast_ss(zs + k);
+        const int64_t e = e0 + 32 * k;
+        __m256i qi[4];
+        for (int j = 0; j < 4; ++j) qi[j] = QuantizeChunk(load(e + 8 * j), zv, inv, qmax);
+        if (q.bits == 4) {
+          StoreCodes32x4(codes, e, qi[0], qi[1], qi[2], qi[3]);
+        } else {
+          for (int j = 0; j < 4; ++j) StoreCodes8(codes, q.bits, e + 8 * j, qi[j]);
+        }
+      }
+    }
+  }
+  int64_t next_t = start / groups;
+  int next_g = static_cast<int>(start % groups);
+  for (int64_t i0 = start; i0 < pairs; i0 += 8) {
     const int nb = static_cast<int>(std::min<int64_t>(8, pairs - i0));
     __m256 mn[8], mx[8];
+    int64_t rows[8];  // Each pair's token's first element.
+    int c0s[8];       // Each pair's first channel.
     for (int k = 0; k < 8; ++k) {
       if (k >= nb) {
         mn[k] = mx[k] = _mm256_setzero_ps();
         continue;
       }
-      const int64_t t = (i0 + k) / groups;
-      const int c0 = static_cast<int>((i0 + k) % groups) * q.group;
+      rows[k] = next_t * d;
+      c0s[k] = next_g * q.group;
+      if (++next_g == groups) {
+        next_g = 0;
+        ++next_t;
+      }
+      const int c0 = c0s[k];
       const int c1 = std::min(d, c0 + q.group);
-      mn[k] = load(t * d + c0);
+      mn[k] = load(rows[k] + c0);
       mx[k] = mn[k];
       track(mn[k]);
       for (int c = c0 + 8; c < c1; c += 8) {
-        const __m256 v = load(t * d + c);
+        const __m256 v = load(rows[k] + c);
         track(v);
         mn[k] = _mm256_min_ps(mn[k], v);
         mx[k] = _mm256_max_ps(mx[k], v);
@@ -301,25 +351,24 @@ void QuantizeSlab(const QuantShape& q, const void* x, uint8_t* codes, uint16_t* 
     }
     const __m256 invs = InvScale(_mm256_cvtph_ps(s16)), zs = _mm256_cvtph_ps(z16);
     for (int k = 0; k < nb; ++k) {
-      const int64_t t = (i0 + k) / groups;
-      const int64_t row = t * d;
-      const int c0 = static_cast<int>((i0 + k) % groups) * q.group;
+      const int64_t row = rows[k];
+      const int c0 = c0s[k];
       const int c1 = std::min(d, c0 + q.group);
       const __m256i lane = _mm256_set1_epi32(k);
       const __m256 inv = _mm256_permutevar8x32_ps(invs, lane);
       const __m256 zv = _mm256_permutevar8x32_ps(zs, lane);
       int c = c0;
-      // 32 codes at a time when they start on a byte (t * d + c even).
-      if (q.bits == 4 && ((t * d + c) & 1) == 0) {
+      // 32 codes at a time when they start on a byte (row + c even).
+      if (q.bits == 4 && ((row + c) & 1) == 0) {
         for (; c + 32 <= c1; c += 32) {
-          StoreCodes32x4(codes, t * d + c, QuantizeChunk(load(row + c), zv, inv, qmax),
+          StoreCodes32x4(codes, row + c, QuantizeChunk(load(row + c), zv, inv, qmax),
                          QuantizeChunk(load(row + c + 8), zv, inv, qmax),
                          QuantizeChunk(load(row + c + 16), zv, inv, qmax),
                          QuantizeChunk(load(row + c + 24), zv, inv, qmax));
         }
       }
       for (; c < c1; c += 8) {
-        StoreCodes8(codes, q.bits, t * d + c, QuantizeChunk(load(row + c), zv, inv, qmax));
+        StoreCodes8(codes, q.bits, row + c, QuantizeChunk(load(row + c), zv, inv, qmax));
       }
     }
   }
