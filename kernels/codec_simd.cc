@@ -691,28 +691,6 @@ inline __m256i Unpack32(const uint8_t* codes, int bits, int64_t i) {
                           _mm256_set1_epi8(0x03));
 }
 
-// 32 floats (element order) times `mul`, rounded to int8 in lane order.
-inline __m256i QuantizeInt8x32(const float* x, __m256 mul, int bits) {
-  __m256i v[4];
-  for (int j = 0; j < 4; ++j)
-    v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), mul));
-  // packs work per 128-bit lane; the dword permute restores element order.
-  const __m256i b =
-      _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-  const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  if (bits == 4) {
-    // Per lane: even bytes, then odd bytes; then the lanes' halves joined.
-    const __m256i s = _mm256_shuffle_epi8(
-        ordered, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6,
-                                  8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
-    return _mm256_permute4x64_epi64(s, 0xd8);  // qwords 0, 2, 1, 3
-  }
-  const __m256i s = _mm256_shuffle_epi8(
-      ordered, _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0, 4, 8, 12,
-                                1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
-  return _mm256_permutevar8x32_epi32(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
 // Lane i of the result = the sum of v[i]'s eight int32 lanes.
 inline __m256i Reduce8(const __m256i* v) {
   const __m256i g0 =
@@ -753,18 +731,22 @@ inline float GroupWeights(const float* qs, const uint16_t* sc, const uint16_t* z
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   // Two chains of sums and maxima (d is a multiple of 16 here), so that
   // they do not wait on each other's latency.
-  __m256 b[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  __m256 mx[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int c = 0; c < d; c += 8) {
-    const int i = (c / 8) % 2;
-    const __m256 qv = _mm256_load_ps(qs + c);
-    const __m256 wv = _mm256_mul_ps(qv, LoadHalf8(sc + g * d + c));
-    _mm256_store_ps(w + c, wv);
-    mx[i] = _mm256_max_ps(mx[i], _mm256_and_ps(wv, abs_mask));
-    b[i] = _mm256_fmadd_ps(qv, LoadHalf8(zc + g * d + c), b[i]);
+  // (Named, not an array indexed by c: an indexed array lived in memory, and
+  // each step waited on the last one's store.)
+  __m256 b0 = _mm256_setzero_ps(), b1 = b0, mx0 = b0, mx1 = b0;
+  for (int c = 0; c < d; c += 16) {
+    const __m256 q0 = _mm256_load_ps(qs + c), q1 = _mm256_load_ps(qs + c + 8);
+    const __m256 w0 = _mm256_mul_ps(q0, LoadHalf8(sc + g * d + c));
+    const __m256 w1 = _mm256_mul_ps(q1, LoadHalf8(sc + g * d + c + 8));
+    _mm256_store_ps(w + c, w0);
+    _mm256_store_ps(w + c + 8, w1);
+    mx0 = _mm256_max_ps(mx0, _mm256_and_ps(w0, abs_mask));
+    mx1 = _mm256_max_ps(mx1, _mm256_and_ps(w1, abs_mask));
+    b0 = _mm256_fmadd_ps(q0, LoadHalf8(zc + g * d + c), b0);
+    b1 = _mm256_fmadd_ps(q1, LoadHalf8(zc + g * d + c + 8), b1);
   }
-  *bias = HSum(_mm256_add_ps(b[0], b[1]));
-  return HMax(_mm256_max_ps(mx[0], mx[1]));
+  *bias = HSum(_mm256_add_ps(b0, b1));
+  return HMax(_mm256_max_ps(mx0, mx1));
 }
 
 // Scores of tokens t .. t+n-1 (n <= 8) for each query head: a * the integer
@@ -785,115 +767,188 @@ void StoreScores8(const __m256i (*tok)[8], const float* a, const float* bias, in
   }
 }
 
-// One K group's int8 weights for every query head, in lane order: w_c =
-// scale * q_c * s_gc rounded to a high byte at 1/127 of max |w| and a low
-// byte for what it leaves, at 1/254 of a high step (w8, w8lo); a[r] is the
-// low byte's unit and bias[r] = sum_c scale * q_c * z_gc plus the low byte's
-// rounding error times the mid code (the same for every token of the group,
-// so added back exactly).
-constexpr float kLoSteps = 254.0f;  // Low byte units per high byte step.
+// --- q.K^T with int16 weights (every AVX2 CPU) ---
+//
+// Per K group and query head, w_c = scale * q_c * s_gc is rounded to int16
+// against a = max|w| / 32767, so q.k_t = a * sum_c w16_c * code_tc +
+// sum_c scale * q_c * z_gc; w's rounding error times the mid code (the same
+// for every token of the group) is added back exactly. A token's codes are
+// taken 16 bytes at a time (a block of 16 * e channels, e = 8 / bits codes
+// per byte), widened to int16 with one vpmovzxbw, and split by a shift and a
+// mask into e vectors: vector k holds the channels e * j + k (j = 0..15),
+// each multiplied by its weights and pair-summed into int32 with one
+// vpmaddwd per query head. The weights are put in that order once per group.
+// Sums stay exact in int32 for head_dim <= 1024 at 2 and 4 bits and <= 256
+// at 8 bits (IntKeyPath).
 
-template <int R>
-inline void KeyGroupInt8(const float (*qs)[1024], const uint16_t* sc, const uint16_t* zc, int64_t g,
-                         int d, int bits, int8_t (*w8)[1024], int8_t (*w8lo)[1024], float* a,
-                         float* bias) {
-  alignas(32) float w[1024], wlo[1024];
-  const float mid = static_cast<float>((1 << bits) - 1) / 2;
-  const __m256 lo_steps = _mm256_set1_ps(kLoSteps), one = _mm256_set1_ps(1.0f);
+// Whether ScoreKiviInt16 takes the quantized part of a K slab.
+bool IntKeyPath(const EncodedView& k) {
+  if (k.codec != v1::CODEC_KIVI && k.codec != v1::CODEC_KCVT) return false;
+  if (k.role == v1::TENSOR_ROLE_VALUE || k.group < 1) return false;
+  if (k.bits == 8) return k.head_dim % 16 == 0 && k.head_dim <= 256;
+  return (k.bits == 2 || k.bits == 4) && k.head_dim % 32 == 0 && k.head_dim <= 1024;
+}
+
+// Rounds 8 weights times `inv` to integers (as floats), adding what the
+// rounding dropped to *err.
+inline __m256 RoundWeights(const float* w, __m256 inv, __m256* err) {
+  const __m256 x = _mm256_mul_ps(_mm256_load_ps(w), inv);
+  const __m256 r = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  *err = _mm256_add_ps(*err, _mm256_sub_ps(x, r));
+  return r;
+}
+
+// One K group's int16 weights for every query head, in the codes' order
+// (see above), into w16[r]; a[r] and bias[r] as above.
+template <int R, int kBits>
+inline void KeyGroupInt16Avx2(const float (*qs)[1024], const uint16_t* sc, const uint16_t* zc,
+                              int64_t g, int d, int16_t (*w16)[1024], float* a, float* bias) {
+  constexpr int e = 8 / kBits, block = 16 * e;
+  // w is padded with zeros to a whole block (2-bit: head_dim 32 mod 64).
+  alignas(32) float w[1024 + 64];
+  const int padded = (d + block - 1) / block * block;
+  std::fill(w + d, w + padded, 0.0f);
+  constexpr float kMid = static_cast<float>((1 << kBits) - 1) / 2;
   for (int r = 0; r < R; ++r) {
     float zero_part = 0;
     const float amax = GroupWeights(qs[r], sc, zc, g, d, w, &zero_part);
-    a[r] = amax / (127.0f * kLoSteps);
-    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    __m256 e[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int c = 0; c < d; c += 8) {
-      const __m256 x = _mm256_mul_ps(_mm256_load_ps(w + c), inv);
-      const __m256 hi = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m256 lo = _mm256_mul_ps(_mm256_sub_ps(x, hi), lo_steps);
-      _mm256_store_ps(w + c, hi);
-      _mm256_store_ps(wlo + c, lo);
-      e[(c / 8) % 2] = _mm256_add_ps(
-          e[(c / 8) % 2],
-          _mm256_sub_ps(lo, _mm256_round_ps(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    a[r] = amax / 32767.0f;
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+    __m256 err0 = _mm256_setzero_ps(), err1 = err0;
+    for (int b0 = 0; b0 < padded; b0 += block) {
+      __m256i* out = reinterpret_cast<__m256i*>(w16[r] + b0);
+      if constexpr (e == 1) {
+        // Channel order. packs works per 128-bit lane; the qword permute
+        // restores the order.
+        const __m256 v0 = RoundWeights(w + b0, inv, &err0);
+        const __m256 v1 = RoundWeights(w + b0 + 8, inv, &err1);
+        _mm256_store_si256(
+            out, _mm256_permute4x64_epi64(
+                     _mm256_packs_epi32(_mm256_cvtps_epi32(v0), _mm256_cvtps_epi32(v1)), 0xd8));
+      } else if constexpr (e == 2) {
+        // Even channels, then odd. Per 128-bit lane, shuffle_ps takes
+        // channels (0, 2, 8, 10 | 4, 6, 12, 14) of v0, v1 (0xdd: the odd
+        // ones); packs and a dword permute put them in order.
+        __m256 v[4];
+        for (int i = 0; i < 4; ++i) v[i] = RoundWeights(w + b0 + 8 * i, inv, i % 2 ? &err1 : &err0);
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        const auto pick = [&](int imm_even) {
+          const __m256 lo =
+              imm_even ? _mm256_shuffle_ps(v[0], v[1], 0x88) : _mm256_shuffle_ps(v[0], v[1], 0xdd);
+          const __m256 hi =
+              imm_even ? _mm256_shuffle_ps(v[2], v[3], 0x88) : _mm256_shuffle_ps(v[2], v[3], 0xdd);
+          return _mm256_permutevar8x32_epi32(
+              _mm256_packs_epi32(_mm256_cvtps_epi32(lo), _mm256_cvtps_epi32(hi)), order);
+        };
+        _mm256_store_si256(out, pick(1));
+        _mm256_store_si256(out + 1, pick(0));
+      } else {
+        // Channels 4j + k for k = 0..3: a 4x4 transpose per 128-bit lane of
+        // v0..v3 (j = 0, 2, 4, 6 | 1, 3, 5, 7) and of v4..v7 (j + 8), packed
+        // (j = 0, 2, .., 14 | 1, 3, .., 15), then qwords and words reordered.
+        __m256 v[8];
+        for (int i = 0; i < 8; ++i) v[i] = RoundWeights(w + b0 + 8 * i, inv, i % 2 ? &err1 : &err0);
+        __m256i t[2][4];
+        for (int h = 0; h < 2; ++h) {
+          const __m256* x = v + 4 * h;
+          const __m256 l01 = _mm256_unpacklo_ps(x[0], x[1]), l23 = _mm256_unpacklo_ps(x[2], x[3]);
+          const __m256 h01 = _mm256_unpackhi_ps(x[0], x[1]), h23 = _mm256_unpackhi_ps(x[2], x[3]);
+          t[h][0] = _mm256_cvtps_epi32(_mm256_shuffle_ps(l01, l23, 0x44));
+          t[h][1] = _mm256_cvtps_epi32(_mm256_shuffle_ps(l01, l23, 0xee));
+          t[h][2] = _mm256_cvtps_epi32(_mm256_shuffle_ps(h01, h23, 0x44));
+          t[h][3] = _mm256_cvtps_epi32(_mm256_shuffle_ps(h01, h23, 0xee));
+        }
+        const __m256i words =
+            _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0, 1, 8, 9, 2, 3,
+                             10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+        for (int k = 0; k < 4; ++k) {
+          const __m256i p = _mm256_packs_epi32(t[0][k], t[1][k]);
+          _mm256_store_si256(out + k,
+                             _mm256_shuffle_epi8(_mm256_permute4x64_epi64(p, 0xd8), words));
+        }
+      }
     }
-    for (int ch = 0; ch < d / 32; ++ch) {
-      _mm256_store_si256(reinterpret_cast<__m256i*>(w8[r] + ch * 32),
-                         QuantizeInt8x32(w + ch * 32, one, bits));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(w8lo[r] + ch * 32),
-                         QuantizeInt8x32(wlo + ch * 32, one, bits));
-    }
-    bias[r] = zero_part + mid * a[r] * HSum(_mm256_add_ps(e[0], e[1]));
+    bias[r] = zero_part + kMid * a[r] * HSum(_mm256_add_ps(err0, err1));
   }
 }
 
-// Scores over the quantized part of a KIVI/KCVT key slab with int8 x code
-// products (KeyGroupInt8), so
-// q.k_t = a * (254 * sum_c w8_c * code_tc + sum_c w8lo_c * code_tc) + bias.
-// Sums stay exact in int16 for 8 chunks of 32 channels
-// (8 * 2 * 15 * 127 < 2^15).
-template <int R>
-void ScoreKiviInt(const EncodedView& k, int64_t s, const float* const* q, float scale,
-                  float* const* scores) {
-  const int d = k.head_dim, chunks = d / 32, bits = k.bits;
+// Scores over the quantized part of a KIVI/KCVT key slab (see above).
+template <int R, int kBits>
+void ScoreKiviInt16(const EncodedView& k, int64_t s, const float* const* q, float scale,
+                    float* const* scores) {
+  constexpr int e = 8 / kBits, block = 16 * e;
+  const int d = k.head_dim;
+  const int64_t row_bytes = d * kBits / 8;
   const uint8_t* codes = k.codes + s * k.words_per_slab * 4;
   const uint16_t* sc = k.scales + s * k.groups_per_slab;
   const uint16_t* zc = k.zeros + s * k.groups_per_slab;
-  alignas(32) int8_t w8[R][1024], w8lo[R][1024];
+  alignas(32) int16_t w16[R][1024];
   alignas(32) float qs[R][1024];
   float a[R], bias[R];
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i lo_steps16 = _mm256_set1_epi16(static_cast<int16_t>(kLoSteps));
+  const __m256i mask = _mm256_set1_epi16((1 << kBits) - 1);
   const int64_t groups = (k.quantized + k.group - 1) / k.group;
   ScaleQueries<R>(q, scale, d, qs);
   for (int64_t g = 0; g < groups; ++g) {
-    KeyGroupInt8<R>(qs, sc, zc, g, d, bits, w8, w8lo, a, bias);
+    KeyGroupInt16Avx2<R, kBits>(qs, sc, zc, g, d, w16, a, bias);
     const int64_t t0 = g * k.group;
     const int64_t t1 = std::min(k.quantized, t0 + k.group);
     for (int64_t t = t0; t < t1; t += 8) {
       const int n = static_cast<int>(std::min<int64_t>(8, t1 - t));
       __m256i tok[R][8];
       for (int u = 0; u < 8; ++u) {
-        __m256i acc32[R];
+        __m256i acc[R];
 #pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) acc32[r] = _mm256_setzero_si256();
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
         if (u < n) {
+          const uint8_t* row = codes + (t + u) * row_bytes;
           // The codes 16 tokens on, while these are computed.
           if (t + u + 16 < k.quantized) {
-            _mm_prefetch(reinterpret_cast<const char*>(codes + (t + u + 16) * d * bits / 8),
-                         _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(row + 16 * row_bytes), _MM_HINT_T0);
           }
-          for (int c0 = 0; c0 < chunks; c0 += 8) {
-            __m256i hi16[R], lo16[R];
+          for (int b0 = 0; b0 < d; b0 += block) {
+            // 2-bit with head_dim 32 mod 64: the last block has 8 bytes (the
+            // rest of its lanes are zero codes).
+            const __m128i bytes =
+                b0 + block <= d
+                    ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b0 * kBits / 8))
+                    : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + b0 * kBits / 8));
+            const __m256i x16 = _mm256_cvtepu8_epi16(bytes);
 #pragma GCC unroll 4
-            for (int r = 0; r < R; ++r) hi16[r] = lo16[r] = _mm256_setzero_si256();
-            const int c1 = std::min(chunks, c0 + 8);
-            for (int ch = c0; ch < c1; ++ch) {
-              const __m256i x = Unpack32(codes, bits, (t + u) * d + ch * 32);
+            for (int kk = 0; kk < e; ++kk) {
+              const __m256i x = kBits == 8 ? x16
+                                : kk == e - 1
+                                    ? _mm256_srli_epi16(x16, kk * kBits)
+                                    : _mm256_and_si256(_mm256_srli_epi16(x16, kk * kBits), mask);
 #pragma GCC unroll 4
               for (int r = 0; r < R; ++r) {
-                hi16[r] = _mm256_add_epi16(
-                    hi16[r],
-                    _mm256_maddubs_epi16(
-                        x, _mm256_load_si256(reinterpret_cast<const __m256i*>(w8[r] + ch * 32))));
-                lo16[r] = _mm256_add_epi16(
-                    lo16[r],
-                    _mm256_maddubs_epi16(
-                        x, _mm256_load_si256(reinterpret_cast<const __m256i*>(w8lo[r] + ch * 32))));
+                acc[r] = _mm256_add_epi32(
+                    acc[r], _mm256_madd_epi16(x, _mm256_load_si256(reinterpret_cast<const __m256i*>(
+                                                     w16[r] + b0 + 16 * kk))));
               }
-            }
-#pragma GCC unroll 4
-            for (int r = 0; r < R; ++r) {
-              acc32[r] = _mm256_add_epi32(acc32[r],
-                                          _mm256_add_epi32(_mm256_madd_epi16(hi16[r], lo_steps16),
-                                                           _mm256_madd_epi16(lo16[r], ones)));
             }
           }
         }
 #pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) tok[r][u] = acc32[r];
+        for (int r = 0; r < R; ++r) tok[r][u] = acc[r];
       }
       StoreScores8<R>(tok, a, bias, t, n, scores);
     }
+  }
+}
+
+template <int R>
+void ScoreKiviInt(const EncodedView& k, int64_t s, const float* const* q, float scale,
+                  float* const* scores) {
+  switch (k.bits) {
+    case 2:
+      ScoreKiviInt16<R, 2>(k, s, q, scale, scores);
+      break;
+    case 4:
+      ScoreKiviInt16<R, 4>(k, s, q, scale, scores);
+      break;
+    default:
+      ScoreKiviInt16<R, 8>(k, s, q, scale, scores);
+      break;
   }
 }
 
@@ -1033,85 +1088,6 @@ KVT_VNNI_TARGET void ScoreKiviVnni(const EncodedView& k, int64_t s, const float*
           tok[r][u] = _mm256_add_epi32(_mm512_castsi512_si256(acc[r]),
                                        _mm512_extracti64x4_epi64(acc[r], 1));
         }
-      }
-      StoreScores8<R>(tok, a, bias, t, n, scores);
-    }
-  }
-}
-
-// Whether ScoreKivi8Int takes the quantized part of a K slab: 8-bit codes,
-// head_dim a multiple of 16 and at most 1024 (int32 sums stay exact).
-bool Int16KeyPath(const EncodedView& k) {
-  if (k.codec != v1::CODEC_KIVI && k.codec != v1::CODEC_KCVT) return false;
-  return k.bits == 8 && k.role != v1::TENSOR_ROLE_VALUE && k.head_dim % 16 == 0 &&
-         k.head_dim <= 1024 && k.group >= 1;
-}
-
-// Scores over 8-bit K codes with int16 products. u8 x s8 pairs could pass
-// int16 (2 * 255 * 127), so the codes are widened to int16 and w to int16:
-// per K group and query head, w_c = scale * q_c * s_gc rounded against
-// a = max|w| / 32767, and q.k_t = a * sum_c w16_c * code_tc + sum_c scale *
-// q_c * z_gc, with vpmaddwd's int32 pair sums (exact: 64 * 2 * 255 * 32767 <
-// 2^31 for head_dim 1024). w's rounding error times the mid code (127.5),
-// the same for every token of the group, is added back exactly.
-template <int R>
-void ScoreKivi8Int(const EncodedView& k, int64_t s, const float* const* q, float scale,
-                   float* const* scores) {
-  const int d = k.head_dim, chunks = d / 16;
-  const uint8_t* codes = k.codes + s * k.words_per_slab * 4;
-  const uint16_t* sc = k.scales + s * k.groups_per_slab;
-  const uint16_t* zc = k.zeros + s * k.groups_per_slab;
-  alignas(32) int16_t w16[R][1024];
-  alignas(32) float w[1024], qs[R][1024];
-  float a[R], bias[R];
-  constexpr float kMid = 127.5f;
-  const int64_t groups = (k.quantized + k.group - 1) / k.group;
-  ScaleQueries<R>(q, scale, d, qs);
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int r = 0; r < R; ++r) {
-      float zero_part = 0;
-      const float amax = GroupWeights(qs[r], sc, zc, g, d, w, &zero_part);
-      a[r] = amax / 32767.0f;
-      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
-      __m256 e = _mm256_setzero_ps();
-      for (int c = 0; c < d; c += 16) {
-        const __m256 x0 = _mm256_mul_ps(_mm256_load_ps(w + c), inv);
-        const __m256 x1 = _mm256_mul_ps(_mm256_load_ps(w + c + 8), inv);
-        const __m256 r0 = _mm256_round_ps(x0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256 r1 = _mm256_round_ps(x1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        e = _mm256_add_ps(e, _mm256_add_ps(_mm256_sub_ps(x0, r0), _mm256_sub_ps(x1, r1)));
-        // packs works per 128-bit lane; the qword permute restores order.
-        const __m256i packed = _mm256_packs_epi32(_mm256_cvtps_epi32(r0), _mm256_cvtps_epi32(r1));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(w16[r] + c),
-                           _mm256_permute4x64_epi64(packed, 0xd8));
-      }
-      bias[r] = zero_part + kMid * a[r] * HSum(e);
-    }
-    const int64_t t0 = g * k.group;
-    const int64_t t1 = std::min(k.quantized, t0 + k.group);
-    for (int64_t t = t0; t < t1; t += 8) {
-      const int n = static_cast<int>(std::min<int64_t>(8, t1 - t));
-      __m256i tok[R][8];
-      for (int u = 0; u < 8; ++u) {
-        __m256i acc[R];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
-        if (u < n) {
-          const uint8_t* row = codes + (t + u) * d;
-          for (int ch = 0; ch < chunks; ++ch) {
-            const __m256i x = _mm256_cvtepu8_epi16(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + ch * 16)));
-#pragma GCC unroll 4
-            for (int r = 0; r < R; ++r) {
-              acc[r] = _mm256_add_epi32(
-                  acc[r],
-                  _mm256_madd_epi16(
-                      x, _mm256_load_si256(reinterpret_cast<const __m256i*>(w16[r] + ch * 16))));
-            }
-          }
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) tok[r][u] = acc[r];
       }
       StoreScores8<R>(tok, a, bias, t, n, scores);
     }
@@ -1666,14 +1642,10 @@ void ScoreBlock(const EncodedView& k, int64_t s, const float* const* q, float sc
     return;
   }
   if (k.quantized > 0) {
-    if (integer && IntPath(k)) {
-      if (VnniAvailable() && VnniKeyPath(k)) {
-        ScoreKiviVnni<R>(k, s, q, scale, scores);
-      } else {
-        ScoreKiviInt<R>(k, s, q, scale, scores);
-      }
-    } else if (integer && Int16KeyPath(k)) {
-      ScoreKivi8Int<R>(k, s, q, scale, scores);
+    if (integer && VnniAvailable() && VnniKeyPath(k)) {
+      ScoreKiviVnni<R>(k, s, q, scale, scores);
+    } else if (integer && IntKeyPath(k)) {
+      ScoreKiviInt<R>(k, s, q, scale, scores);
     } else {
       ScoreKivi<R>(k, s, q, scale, scores);
     }

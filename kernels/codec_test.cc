@@ -750,10 +750,10 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTest,
                                            AttnCase{32, 8, 128, 70}, AttnCase{12, 3, 64, 17},
                                            AttnCase{6, 6, 128, 1}, AttnCase{10, 2, 64, 129}));
 
-// kBest multiplies 2- and 4-bit codes as integers against int8-rounded q and
-// p. Its output is checked against the float64 reference over the same codes:
-// the error the rounding adds must stay a small fraction of what the codec
-// itself costs (the reference over the codes against the original fp32).
+// kBest multiplies 2-, 4- and 8-bit codes as integers against q rounded to
+// int16 and p rounded to int8. Its output is checked against the float64 reference over the same
+// codes: the error the rounding adds must stay a small fraction of what the codec itself costs (the
+// reference over the codes against the original fp32).
 struct IntCase {
   const char* setting;
   int q_heads, kv_heads, d;
@@ -849,6 +849,8 @@ INSTANTIATE_TEST_SUITE_P(
         // 8 V groups per token (head_dim 256).
         IntCase{"kivi2", 8, 2, 256, 150, 2.0f}, IntCase{"kivi4", 4, 4, 256, 61, 2.0f},
         IntCase{"kivi2:g=32:R=8", 5, 5, 32, 77, 2.0f}, IntCase{"kivi4:g=128", 12, 4, 256, 64, 2.0f},
+        // 2-bit K: a whole 64-channel block, then a half one.
+        IntCase{"kivi2", 6, 3, 96, 90, 2.0f},
         // 8-bit codes: int16 products (vpmaddwd).
         IntCase{"kivi8", 32, 8, 128, 300, 2.0f}, IntCase{"kivi8:g=16", 8, 4, 64, 129, 4.0f},
         IntCase{"kcvt8", 6, 2, 64, 97, 1.0f}, IntCase{"kivi8:R=8", 5, 5, 32, 77, 2.0f},
