@@ -677,18 +677,21 @@ inline int LaneElem(int bits, int pos) {
   return e * (pos % nb) + pos / nb;
 }
 
-inline __m256i Unpack32(const uint8_t* codes, int bits, int64_t i) {
-  const uint8_t* p = codes + (i * bits) / 8;
-  if (bits == 4) {
+// The 32 codes from p (whole bytes: 16 of them at 4 bits, 8 at 2).
+template <int kBits>
+inline __m256i Unpack32(const uint8_t* p) {
+  if constexpr (kBits == 4) {
     const __m256i x =
         _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_and_si256(_mm256_srlv_epi64(x, _mm256_setr_epi64x(0, 0, 4, 4)),
                             _mm256_set1_epi8(0x0f));
+  } else {
+    int64_t u;
+    std::memcpy(&u, p, 8);
+    return _mm256_and_si256(
+        _mm256_srlv_epi64(_mm256_set1_epi64x(u), _mm256_setr_epi64x(0, 2, 4, 6)),
+        _mm256_set1_epi8(0x03));
   }
-  int64_t u;
-  std::memcpy(&u, p, 8);
-  return _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(u), _mm256_setr_epi64x(0, 2, 4, 6)),
-                          _mm256_set1_epi8(0x03));
 }
 
 // Lane i of the result = the sum of v[i]'s eight int32 lanes.
@@ -1269,11 +1272,12 @@ inline void ValueSubBlockInt8(const uint16_t* sc, const uint16_t* zc, const floa
     // kVecs fused multiply-adds through zacc would cost its latency on every
     // sub-block.
     __m256 uv[kVecs], zs[kVecs];
-    __m256 mx = _mm256_setzero_ps();
+    __m256 mx = _mm256_setzero_ps(), usum = mx;
     for (int j = 0; j < kVecs; ++j) {
       const __m256 pv = _mm256_permutevar8x32_ps(LoadTokens<kPerVec>(pr + j * kPerVec), tok_idx);
       uv[j] = _mm256_mul_ps(pv, _mm256_load_ps(sf + 8 * j));
       mx = _mm256_max_ps(mx, uv[j]);
+      usum = _mm256_add_ps(usum, uv[j]);
       zs[j] = _mm256_mul_ps(pv, _mm256_load_ps(zf + 8 * j));
     }
     // Every lane gets the max of its group (lanes l and l' with l = l' mod G).
@@ -1283,11 +1287,13 @@ inline void ValueSubBlockInt8(const uint16_t* sc, const uint16_t* zc, const floa
     const __m256 bv = _mm256_mul_ps(mx, _mm256_set1_ps(1.0f / 127.0f));
     const __m256 inv = InvScale(bv);
     _mm256_store_ps(bsc[r], bv);
+    // The rounding error times the mid code, exactly, per group (as for K):
+    // mid * (sum_t u_t - b * sum_t u8_t), every vector's lanes being the
+    // same groups.
+    __m256i isum = _mm256_setzero_si256();
     for (int j = 0; j < kVecs; ++j) {
       iv[r][j] = _mm256_cvtps_epi32(_mm256_mul_ps(uv[j], inv));
-      // The rounding error times the mid code, exactly, per group (as for K).
-      zs[j] =
-          _mm256_fmadd_ps(midv, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(iv[r][j]), bv, uv[j]), zs[j]);
+      isum = _mm256_add_epi32(isum, iv[r][j]);
     }
     __m256 z0 = zs[0], z1 = zs[1];  // kVecs = 2 * G: even.
 #pragma GCC unroll 8
@@ -1295,7 +1301,8 @@ inline void ValueSubBlockInt8(const uint16_t* sc, const uint16_t* zc, const floa
       z0 = _mm256_add_ps(z0, zs[j]);
       z1 = _mm256_add_ps(z1, zs[j + 1]);
     }
-    zacc[r] = _mm256_add_ps(zacc[r], _mm256_add_ps(z0, z1));
+    const __m256 rounding = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(isum), bv, usum);
+    zacc[r] = _mm256_add_ps(zacc[r], _mm256_fmadd_ps(midv, rounding, _mm256_add_ps(z0, z1)));
   }
 }
 
@@ -1319,11 +1326,13 @@ inline void FinishValues(const EncodedView& v, const float (*acc)[1024], const _
 }
 
 // AccumKiviInt (below) for G = head_dim / group V groups per token.
-template <int R, int G>
+template <int R, int G, int kBits>
 void AccumKiviIntG(const EncodedView& v, int64_t s, const float* const* p, float* const* out) {
   constexpr int kSub = 16;  // Tokens per int16 accumulation.
   constexpr int kVecs = kSub * G / 8;
-  const int d = v.head_dim, chunks = d / 32, bits = v.bits;
+  constexpr int bits = kBits;
+  const int d = v.head_dim, chunks = d / 32;
+  const int64_t row_bytes = d * kBits / 8;
   const uint8_t* codes = v.codes + s * v.words_per_slab * 4;
   const uint16_t* sc = v.scales + s * v.groups_per_slab;
   const uint16_t* zc = v.zeros + s * v.groups_per_slab;
@@ -1373,17 +1382,13 @@ void AccumKiviIntG(const EncodedView& v, int64_t s, const float* const* p, float
       _mm_prefetch(reinterpret_cast<const char*>(codes + (t0 + kSub) * d * bits / 8 + i),
                    _MM_HINT_T0);
     }
-    const int pairs = (n + 1) / 2;
     for (int ch = 0; ch < chunks; ++ch) {
       const int g = ch * 32 / v.group;
       __m256i lo[R], hi[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
-      for (int pr = 0; pr < pairs; ++pr) {
-        const int64_t t = t0 + 2 * pr;
-        const __m256i x0 = Unpack32(codes, bits, t * d + ch * 32);
-        const __m256i x1 =
-            2 * pr + 1 < n ? Unpack32(codes, bits, (t + 1) * d + ch * 32) : _mm256_setzero_si256();
+      const uint8_t* col = codes + t0 * row_bytes + ch * 4 * kBits;
+      const auto pair = [&](int pr, __m256i x0, __m256i x1) {
         const __m256i il = _mm256_unpacklo_epi8(x0, x1), ih = _mm256_unpackhi_epi8(x0, x1);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
@@ -1391,6 +1396,16 @@ void AccumKiviIntG(const EncodedView& v, int64_t s, const float* const* p, float
           lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(il, wv));
           hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(ih, wv));
         }
+      };
+      // Whole pairs, then the tile's last token with zeros for a partner
+      // (never a read past the slab).
+      const int whole = n / 2;
+      for (int pr = 0; pr < whole; ++pr) {
+        const uint8_t* c0 = col + 2 * pr * row_bytes;
+        pair(pr, Unpack32<kBits>(c0), Unpack32<kBits>(c0 + row_bytes));
+      }
+      if (n % 2 == 1) {
+        pair(whole, Unpack32<kBits>(col + 2 * whole * row_bytes), _mm256_setzero_si256());
       }
       // lo holds lane-order positions 0-7 and 16-23, hi 8-15 and 24-31.
 #pragma GCC unroll 4
@@ -1609,15 +1624,16 @@ KVT_VNNI_TARGET void AccumKiviVnni(const EncodedView& v, int64_t s, const float*
 // 8 pairs stay exact in int16 (8 * 2 * 15 * 127 < 2^15). p must be >= 0.
 template <int R>
 void AccumKiviInt(const EncodedView& v, int64_t s, const float* const* p, float* const* out) {
+  const bool four = v.bits == 4;
   switch (v.head_dim / v.group) {
     case 1:
-      return AccumKiviIntG<R, 1>(v, s, p, out);
+      return four ? AccumKiviIntG<R, 1, 4>(v, s, p, out) : AccumKiviIntG<R, 1, 2>(v, s, p, out);
     case 2:
-      return AccumKiviIntG<R, 2>(v, s, p, out);
+      return four ? AccumKiviIntG<R, 2, 4>(v, s, p, out) : AccumKiviIntG<R, 2, 2>(v, s, p, out);
     case 4:
-      return AccumKiviIntG<R, 4>(v, s, p, out);
+      return four ? AccumKiviIntG<R, 4, 4>(v, s, p, out) : AccumKiviIntG<R, 4, 2>(v, s, p, out);
     default:
-      return AccumKiviIntG<R, 8>(v, s, p, out);
+      return four ? AccumKiviIntG<R, 8, 4>(v, s, p, out) : AccumKiviIntG<R, 8, 2>(v, s, p, out);
   }
 }
 
