@@ -889,6 +889,7 @@ void ScoreKiviInt16(const EncodedView& k, int64_t s, const float* const* q, floa
   alignas(32) float qs[R][1024];
   float a[R], bias[R];
   const __m256i mask = _mm256_set1_epi16((1 << kBits) - 1);
+  const int whole = d / block * block;  // Channels in whole 16-byte blocks.
   const int64_t groups = (k.quantized + k.group - 1) / k.group;
   ScaleQueries<R>(q, scale, d, qs);
   for (int64_t g = 0; g < groups; ++g) {
@@ -908,13 +909,7 @@ void ScoreKiviInt16(const EncodedView& k, int64_t s, const float* const* q, floa
           if (t + u + 16 < k.quantized) {
             _mm_prefetch(reinterpret_cast<const char*>(row + 16 * row_bytes), _MM_HINT_T0);
           }
-          for (int b0 = 0; b0 < d; b0 += block) {
-            // 2-bit with head_dim 32 mod 64: the last block has 8 bytes (the
-            // rest of its lanes are zero codes).
-            const __m128i bytes =
-                b0 + block <= d
-                    ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b0 * kBits / 8))
-                    : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + b0 * kBits / 8));
+          const auto products = [&](int b0, __m128i bytes) {
             const __m256i x16 = _mm256_cvtepu8_epi16(bytes);
 #pragma GCC unroll 4
             for (int kk = 0; kk < e; ++kk) {
@@ -929,6 +924,15 @@ void ScoreKiviInt16(const EncodedView& k, int64_t s, const float* const* q, floa
                                                      w16[r] + b0 + 16 * kk))));
               }
             }
+          };
+          for (int b0 = 0; b0 < whole; b0 += block) {
+            products(b0, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b0 * kBits / 8)));
+          }
+          // 2-bit with head_dim 32 mod 64: a last block of 8 bytes (the rest
+          // of its lanes are zero codes).
+          if (whole < d) {
+            products(whole,
+                     _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + whole * kBits / 8)));
           }
         }
 #pragma GCC unroll 4
