@@ -220,6 +220,8 @@ void Usage() {
                "  --sizes_kib=A,B    segment sizes in KiB (default 64,1024,16384,65536)\n"
                "  --streams=N        only N concurrent streams (default: 1 and 8)\n"
                "  --repeat=N         runs per point; the median is reported (default 3)\n"
+               "  --chunk_kib=N      PutSegment chunk size (default: the client's, 1024)\n"
+               "  --gets=false       puts only (to profile them)\n"
                "  --store_arg=FLAG   passed to kvtier-store (repeatable), e.g.\n"
                "                     --store_arg=--spare_payload_files=0\n"
                "  Raw TCP is the best of 3 runs, so the ratio is conservative. Puts also\n"
@@ -238,6 +240,8 @@ int StoreBench(int argc, char** argv) {
   std::vector<uint64_t> sizes = {64ull << 10, 1ull << 20, 16ull << 20, 64ull << 20};
   std::vector<int> stream_counts = {1, 8};
   int repeat = 3;
+  size_t chunk_bytes = StoreClientOptions().chunk_bytes;
+  bool run_gets = true;
   std::vector<std::string> store_args;
   for (int i = 0; i < argc; ++i) {
     std::string a = argv[i];
@@ -268,6 +272,10 @@ int StoreBench(int argc, char** argv) {
       store_args.push_back(a.substr(12));
     } else if (a.rfind("--streams=", 0) == 0) {
       stream_counts = {std::stoi(a.substr(10))};
+    } else if (a.rfind("--chunk_kib=", 0) == 0) {
+      chunk_bytes = std::stoull(a.substr(12)) << 10;
+    } else if (a == "--gets=false") {
+      run_gets = false;
     } else {
       Usage();
       return 2;
@@ -285,6 +293,7 @@ int StoreBench(int argc, char** argv) {
   }
   StoreClientOptions o;
   o.target = store.target();
+  o.chunk_bytes = chunk_bytes;
 
   std::map<int, double> tcp;
   for (int streams : stream_counts) {
@@ -335,30 +344,31 @@ int StoreBench(int argc, char** argv) {
             moved += payloads[s].size();
           }
         }));
-        gets.push_back(run([&](int s) {
-          auto c = StoreClient::Connect(o);
-          // Batched like a recall: up to 64 MiB of segments per call.
-          const uint64_t batch = std::max<uint64_t>(1, (64ull << 20) / size);
-          for (uint64_t i = 0; i < per_stream && !failed; i += batch) {
-            std::vector<v1::SegmentRef> refs;
-            for (uint64_t j = i; j < std::min(per_stream, i + batch); ++j) {
-              v1::SegmentRef r;
-              r.set_round(static_cast<uint32_t>(j));
-              refs.push_back(r);
+        if (run_gets)
+          gets.push_back(run([&](int s) {
+            auto c = StoreClient::Connect(o);
+            // Batched like a recall: up to 64 MiB of segments per call.
+            const uint64_t batch = std::max<uint64_t>(1, (64ull << 20) / size);
+            for (uint64_t i = 0; i < per_stream && !failed; i += batch) {
+              std::vector<v1::SegmentRef> refs;
+              for (uint64_t j = i; j < std::min(per_stream, i + batch); ++j) {
+                v1::SegmentRef r;
+                r.set_round(static_cast<uint32_t>(j));
+                refs.push_back(r);
+              }
+              auto got = (*c)->GetSegments(sessions[s], refs);
+              if (!got.ok()) {
+                std::fprintf(stderr, "get failed: %s\n", got.status().ToString().c_str());
+                failed = true;
+                return;
+              }
+              for (const auto& f : *got) moved += f.payload.size();
             }
-            auto got = (*c)->GetSegments(sessions[s], refs);
-            if (!got.ok()) {
-              std::fprintf(stderr, "get failed: %s\n", got.status().ToString().c_str());
-              failed = true;
-              return;
-            }
-            for (const auto& f : *got) moved += f.payload.size();
-          }
-        }));
+          }));
         auto c = StoreClient::Connect(o);
         for (const std::string& s : sessions) (void)(*c)->DeleteSession(s);  // Frees disk.
       }
-      const double put = Median(puts), get = Median(gets);
+      const double put = Median(puts), get = gets.empty() ? 0.0 : Median(gets);
       if (failed) return 1;
       double disk = 0;
       if (sync == "true") {
@@ -373,7 +383,7 @@ int StoreBench(int argc, char** argv) {
         disk = Median(runs);
       }
       rows.push_back({"put", size, streams, put, tcp[streams], disk});
-      rows.push_back({"get", size, streams, get, tcp[streams]});
+      if (run_gets) rows.push_back({"get", size, streams, get, tcp[streams]});
       std::fprintf(stderr, "%8lu B x %d: put %.2f GB/s, get %.2f GB/s (median of %d)\n",
                    static_cast<unsigned long>(size), streams, put, get, repeat);
     }

@@ -1,10 +1,20 @@
 #include "kernels/crc32c.h"
 
 #include <array>
+#include <cstdlib>
 #include <cstring>
 
 #if defined(__x86_64__)
-#include <nmmintrin.h>
+// GCC 12 warns about the AVX-512 intrinsics' own deliberately undefined
+// operands (GCC bug 105593, fixed in GCC 13), in the header: silenced there.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 #endif
 
 namespace kvtier {
@@ -67,13 +77,13 @@ Gf2Matrix ZeroBytesOperator(size_t n) {
 
 #if defined(__x86_64__)
 // Three independent crc32 chains hide the instruction's 3-cycle latency;
-// the chains are merged with precomputed zero-byte operators.
+// the chains are merged with precomputed zero-byte operators. Works on the
+// raw (not inverted) register.
 constexpr size_t kStripeBlock = 4096;
 
-__attribute__((target("sse4.2"))) uint32_t ExtendHw(uint32_t crc, const uint8_t* p, size_t n) {
+__attribute__((target("sse4.2"))) uint64_t RawHw(uint64_t c, const uint8_t* p, size_t n) {
   static const Gf2Matrix* const kShift1 = new Gf2Matrix(ZeroBytesOperator(kStripeBlock));
   static const Gf2Matrix* const kShift2 = new Gf2Matrix(ZeroBytesOperator(2 * kStripeBlock));
-  uint64_t c = ~crc;
   while (n > 0 && (reinterpret_cast<uintptr_t>(p) & 7) != 0) {
     c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
     --n;
@@ -107,14 +117,178 @@ __attribute__((target("sse4.2"))) uint32_t ExtendHw(uint32_t crc, const uint8_t*
     c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
     --n;
   }
-  return ~static_cast<uint32_t>(c);
+  return c;
+}
+
+uint32_t ExtendHw(uint32_t crc, const uint8_t* p, size_t n) {
+  return ~static_cast<uint32_t>(RawHw(~crc, p, n));
+}
+
+// --- Folding with carry-less multiplication ---
+//
+// The message is a polynomial over GF(2); the CRC is its remainder (times
+// x^32) modulo the Castagnoli polynomial P. A 128-bit block A that sits D
+// bits before block B can be replaced by A_lo * (x^(D+32) mod P) +
+// A_hi * (x^(D-32) mod P) added into B (in the reflected bit order the CRC
+// uses, with one extra factor x for pclmulqdq's 127-bit product): the sum is
+// congruent to A * x^D and fits in 128 bits. Folding every block into the
+// last one leaves 16 bytes congruent to everything before them; the crc32
+// instruction then reduces those and the tail. The constants are
+// reflect32(x^e mod P) << 1 for the exponents named.
+constexpr uint64_t kX96 = 0x14cd00bd6, kX160 = 0xf20c0dfe;    // D = 128
+constexpr uint64_t kX224 = 0xba4fc28e, kX288 = 0x1384aa63a;   // D = 256
+constexpr uint64_t kX352 = 0x1d82c63da, kX416 = 0x1c291d04;   // D = 384
+constexpr uint64_t kX480 = 0x9e4addf8, kX544 = 0x740eef02;    // D = 512
+constexpr uint64_t kX2016 = 0xb9e02b86, kX2080 = 0xdcb17aa4;  // D = 2048
+
+// Inputs shorter than this keep the crc32 chains.
+constexpr size_t kFoldMin = 256;
+
+__attribute__((target("sse4.2,pclmul"))) inline __m128i Fold(__m128i x, __m128i k, __m128i next) {
+  return _mm_xor_si128(
+      _mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11)), next);
+}
+
+__attribute__((target("sse4.2,pclmul"))) inline __m128i Load16(const uint8_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+
+// The last 16 folded bytes, then the tail (under 16 bytes), through crc32.
+__attribute__((target("sse4.2,pclmul"))) uint32_t Finish(__m128i x, const uint8_t* p, size_t n) {
+  uint64_t c = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(x)));
+  c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(x, 1)));
+  return ~static_cast<uint32_t>(RawHw(c, p, n));
+}
+
+// Four 128-bit accumulators, 64 bytes per step (every CPU with PCLMULQDQ).
+// One fold a cycle is slower than the three crc32 chains on long inputs
+// (15 against 28 GB/s on a Zen 4) but faster below their 12 KiB stripes,
+// so it takes only those.
+__attribute__((target("sse4.2,pclmul"))) uint32_t ExtendPclmul(uint32_t crc, const uint8_t* p,
+                                                               size_t n) {
+  if (n < kFoldMin || n >= 3 * kStripeBlock) return ExtendHw(crc, p, n);
+  __m128i x0 = _mm_xor_si128(Load16(p), _mm_cvtsi32_si128(static_cast<int>(~crc)));
+  __m128i x1 = Load16(p + 16), x2 = Load16(p + 32), x3 = Load16(p + 48);
+  p += 64;
+  n -= 64;
+  const __m128i k512 = _mm_set_epi64x(kX480, kX544);
+  while (n >= 64) {
+    x0 = Fold(x0, k512, Load16(p));
+    x1 = Fold(x1, k512, Load16(p + 16));
+    x2 = Fold(x2, k512, Load16(p + 32));
+    x3 = Fold(x3, k512, Load16(p + 48));
+    p += 64;
+    n -= 64;
+  }
+  const __m128i k128 = _mm_set_epi64x(kX96, kX160);
+  __m128i x = Fold(Fold(Fold(x0, k128, x1), k128, x2), k128, x3);
+  while (n >= 16) {
+    x = Fold(x, k128, Load16(p));
+    p += 16;
+    n -= 16;
+  }
+  return Finish(x, p, n);
+}
+
+#define KVT_VPCLMUL_TARGET __attribute__((target("avx512f,avx512vl,vpclmulqdq,sse4.2,pclmul")))
+
+KVT_VPCLMUL_TARGET inline __m512i Fold512(__m512i x, __m512i k, __m512i next) {
+  return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00),
+                                   _mm512_clmulepi64_epi128(x, k, 0x11), next, 0x96);
+}
+
+KVT_VPCLMUL_TARGET inline __m512i Load64(const uint8_t* p) { return _mm512_loadu_si512(p); }
+
+// Four 512-bit accumulators, 256 bytes per step (AVX-512 with VPCLMULQDQ:
+// four products per instruction).
+KVT_VPCLMUL_TARGET uint32_t ExtendVpclmul(uint32_t crc, const uint8_t* p, size_t n) {
+  if (n < 1024) return ExtendPclmul(crc, p, n);
+  __m512i z0 = _mm512_xor_si512(Load64(p),
+                                _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(~crc))));
+  __m512i z1 = Load64(p + 64), z2 = Load64(p + 128), z3 = Load64(p + 192);
+  p += 256;
+  n -= 256;
+  const __m512i k2048 = _mm512_broadcast_i32x4(_mm_set_epi64x(kX2016, kX2080));
+  while (n >= 256) {
+    z0 = Fold512(z0, k2048, Load64(p));
+    z1 = Fold512(z1, k2048, Load64(p + 64));
+    z2 = Fold512(z2, k2048, Load64(p + 128));
+    z3 = Fold512(z3, k2048, Load64(p + 192));
+    p += 256;
+    n -= 256;
+  }
+  const __m512i k512 = _mm512_broadcast_i32x4(_mm_set_epi64x(kX480, kX544));
+  __m512i z = Fold512(Fold512(Fold512(z0, k512, z1), k512, z2), k512, z3);
+  while (n >= 64) {
+    z = Fold512(z, k512, Load64(p));
+    p += 64;
+    n -= 64;
+  }
+  // The four lanes into the last: lane j is 3 - j blocks before it.
+  const __m512i lanes = _mm512_set_epi64(0, 0, kX96, kX160, kX224, kX288, kX352, kX416);
+  const __m512i t = _mm512_xor_si512(_mm512_clmulepi64_epi128(z, lanes, 0x00),
+                                     _mm512_clmulepi64_epi128(z, lanes, 0x11));
+  const __m256i t2 = _mm256_xor_si256(_mm512_castsi512_si256(t), _mm512_extracti64x4_epi64(t, 1));
+  __m128i x = _mm_xor_si128(_mm256_castsi256_si128(t2), _mm256_extracti128_si256(t2, 1));
+  x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(z, 3));
+  const __m128i k128 = _mm_set_epi64x(kX96, kX160);
+  while (n >= 16) {
+    x = Fold(x, k128, Load16(p));
+    p += 16;
+    n -= 16;
+  }
+  return Finish(x, p, n);
 }
 
 bool DetectHw() { return __builtin_cpu_supports("sse4.2"); }
+bool DetectPclmul() { return DetectHw() && __builtin_cpu_supports("pclmul"); }
+bool DetectVpclmul() {
+  return DetectPclmul() && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("vpclmulqdq");
+}
 #else
-uint32_t ExtendHw(uint32_t crc, const uint8_t* p, size_t n) { return 0; }
+uint32_t ExtendHw(uint32_t, const uint8_t*, size_t) { return 0; }
+uint32_t ExtendPclmul(uint32_t, const uint8_t*, size_t) { return 0; }
+uint32_t ExtendVpclmul(uint32_t, const uint8_t*, size_t) { return 0; }
 bool DetectHw() { return false; }
+bool DetectPclmul() { return false; }
+bool DetectVpclmul() { return false; }
 #endif
+
+bool Available(Crc32cPath path) {
+  switch (path) {
+    case Crc32cPath::kPortable:
+      return true;
+    case Crc32cPath::kSse42:
+      return DetectHw();
+    case Crc32cPath::kPclmul:
+      return DetectPclmul();
+    case Crc32cPath::kVpclmul:
+      return DetectVpclmul();
+  }
+  return false;
+}
+
+// The fastest path this CPU has, or KVTIER_CRC32C's (portable, sse42,
+// pclmul, vpclmul) when this CPU has that.
+Crc32cPath ChoosePath() {
+  Crc32cPath best = Crc32cPath::kPortable;
+  for (Crc32cPath p : {Crc32cPath::kSse42, Crc32cPath::kPclmul, Crc32cPath::kVpclmul}) {
+    if (Available(p)) best = p;
+  }
+  const char* env = std::getenv("KVTIER_CRC32C");
+  if (env == nullptr) return best;
+  for (Crc32cPath p :
+       {Crc32cPath::kPortable, Crc32cPath::kSse42, Crc32cPath::kPclmul, Crc32cPath::kVpclmul}) {
+    if (std::strcmp(env, Crc32cPathName(p)) == 0 && Available(p)) return p;
+  }
+  return best;
+}
+
+Crc32cPath ActivePath() {
+  static const Crc32cPath path = ChoosePath();
+  return path;
+}
 
 }  // namespace
 
@@ -136,14 +310,43 @@ uint32_t Crc32cExtendPortable(uint32_t crc, const void* data, size_t n) {
   return ~c;
 }
 
-bool Crc32cHardware() {
-  static const bool hw = DetectHw();
-  return hw;
+bool Crc32cHardware() { return ActivePath() != Crc32cPath::kPortable; }
+
+const char* Crc32cPathName(Crc32cPath path) {
+  switch (path) {
+    case Crc32cPath::kPortable:
+      return "portable";
+    case Crc32cPath::kSse42:
+      return "sse42";
+    case Crc32cPath::kPclmul:
+      return "pclmul";
+    case Crc32cPath::kVpclmul:
+      return "vpclmul";
+  }
+  return "?";
+}
+
+Crc32cPath Crc32cActivePath() { return ActivePath(); }
+
+bool Crc32cPathAvailable(Crc32cPath path) { return Available(path); }
+
+uint32_t Crc32cExtendWith(Crc32cPath path, uint32_t crc, const void* data, size_t n) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  switch (Available(path) ? path : Crc32cPath::kPortable) {
+    case Crc32cPath::kVpclmul:
+      return ExtendVpclmul(crc, p, n);
+    case Crc32cPath::kPclmul:
+      return ExtendPclmul(crc, p, n);
+    case Crc32cPath::kSse42:
+      return ExtendHw(crc, p, n);
+    case Crc32cPath::kPortable:
+      break;
+  }
+  return Crc32cExtendPortable(crc, data, n);
 }
 
 uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t n) {
-  if (Crc32cHardware()) return ExtendHw(crc, static_cast<const uint8_t*>(data), n);
-  return Crc32cExtendPortable(crc, data, n);
+  return Crc32cExtendWith(ActivePath(), crc, data, n);
 }
 
 }  // namespace kvtier

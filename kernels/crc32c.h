@@ -1,6 +1,9 @@
 // CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), the checksum of every
-// EncodedTensor and stored segment. Uses the SSE4.2 crc32 instruction when
-// the CPU has it (checked at run time) and a slicing-by-8 table otherwise.
+// EncodedTensor and stored segment. Chosen at run time, fastest first:
+// folding with VPCLMULQDQ over 512-bit vectors (AVX-512 CPUs that have it),
+// folding with PCLMULQDQ, three chains of the SSE4.2 crc32 instruction, a
+// slicing-by-8 table. KVTIER_CRC32C=portable|sse42|pclmul|vpclmul picks one
+// (where the CPU has it), for comparisons.
 #ifndef KVTIER_KERNELS_CRC32C_H_
 #define KVTIER_KERNELS_CRC32C_H_
 
@@ -19,8 +22,18 @@ inline uint32_t Crc32c(std::string_view s) { return Crc32cExtend(0, s.data(), s.
 // hardware path.
 uint32_t Crc32cExtendPortable(uint32_t crc, const void* data, size_t n);
 
-// True when the hardware path is in use.
+// True when a hardware path is in use.
 bool Crc32cHardware();
+
+enum class Crc32cPath { kPortable, kSse42, kPclmul, kVpclmul };
+
+// "portable", "sse42", "pclmul", "vpclmul".
+const char* Crc32cPathName(Crc32cPath path);
+Crc32cPath Crc32cActivePath();
+bool Crc32cPathAvailable(Crc32cPath path);
+// Crc32cExtend through `path` (the portable table where the CPU lacks it);
+// for tests and benchmarks.
+uint32_t Crc32cExtendWith(Crc32cPath path, uint32_t crc, const void* data, size_t n);
 
 }  // namespace kvtier
 

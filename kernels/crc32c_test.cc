@@ -1,7 +1,9 @@
 #include "kernels/crc32c.h"
 
+#include <cstdio>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -29,6 +31,36 @@ TEST(Crc32c, HardwareMatchesPortableAtEveryAlignment) {
           << off << " " << len;
     }
   }
+}
+
+// Every path this CPU has against the table, at lengths around each path's
+// thresholds and block sizes (the folding paths start at 256 and 1024 bytes
+// and fold 64 and 256 bytes a step), from unaligned starts, continuing a CRC.
+TEST(Crc32c, EveryPathMatchesPortable) {
+  std::mt19937 rng(11);
+  std::string buf(70'000, '\0');
+  for (char& c : buf) c = static_cast<char>(rng());
+  std::vector<size_t> lengths = {0,    1,    15,   16,   17,    255,   256,   257,
+                                 319,  320,  321,  1023, 1024,  1025,  1279,  1280,
+                                 1281, 1300, 4095, 4096, 12288, 12289, 65536, 69000};
+  for (int i = 0; i < 40; ++i) lengths.push_back(rng() % 9000);
+  for (Crc32cPath path :
+       {Crc32cPath::kPortable, Crc32cPath::kSse42, Crc32cPath::kPclmul, Crc32cPath::kVpclmul}) {
+    if (!Crc32cPathAvailable(path)) {
+      std::printf("crc32c path %s: not on this CPU\n", Crc32cPathName(path));
+      continue;
+    }
+    for (size_t off : {0u, 1u, 3u, 8u, 13u}) {
+      for (size_t len : lengths) {
+        if (off + len > buf.size()) continue;
+        const uint32_t seed = static_cast<uint32_t>(rng());
+        ASSERT_EQ(Crc32cExtendWith(path, seed, buf.data() + off, len),
+                  Crc32cExtendPortable(seed, buf.data() + off, len))
+            << Crc32cPathName(path) << " offset " << off << " length " << len;
+      }
+    }
+  }
+  std::printf("crc32c in use: %s\n", Crc32cPathName(Crc32cActivePath()));
 }
 
 TEST(Crc32c, ExtendEqualsWhole) {
