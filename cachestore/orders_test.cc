@@ -100,15 +100,21 @@ TEST_P(SpillOrderTest, EqualsThePlannerOnRandomWorkloads) {
         std::advance(pick, static_cast<long>(rng() % live.size()));
         const int id = pick->first;
         Item* it = storage[id].get();
-        order.Erase(it, it->key);
         if (op < 6) {  // Spilled (it may come back) or dropped.
+          order.Erase(it, it->key);
           live.erase(pick);
           if (op == 4) spilled.push_back(std::move(storage[id]));
           storage.erase(id);
-        } else {  // Read: accessed now, its round recalled.
+        } else {  // Read: accessed now, its round recalled (or not).
+          const SpillKey from = it->key;
           it->key.last_access_seq = seq++;
           it->key.recall_count += rng() % 2;
-          order.Insert(it, it->key);
+          if (op < 8) {  // As the store reads: re-keyed in place.
+            order.Rekey(it, from, it->key);
+          } else {
+            order.Erase(it, from);
+            order.Insert(it, it->key);
+          }
           pick->second = *it;
         }
       }

@@ -11,6 +11,7 @@
 #include "cachestore/keys.h"
 #include "cachestore/names.h"
 #include "cachestore/payload_files.h"
+#include "cachestore/rocksdb_crc32c.h"
 #include "kernels/crc32c.h"
 #include "kernels/encoded_tensor.h"
 #include "kvtier/internal/records.pb.h"
@@ -246,11 +247,14 @@ absl::Status Store::Recover() {
   // never committed (a crash between the file and the record): deleted, or
   // kept as spares when empty.
   KVT_ASSIGN_OR_RETURN(const int orphans, files_->Recover(referenced_files));
-  LogInfo("store recovered", {{"path", options_.path},
-                              {"orphan_payload_files_removed", orphans},
-                              {"sessions", sessions_.size()},
-                              {"segments", disk_segments_},
-                              {"bytes", disk_bytes_}});
+  LogInfo("store recovered",
+          {{"path", options_.path},
+           {"rocksdb_crc32c",
+            RocksDbUsesKvtierCrc32c() ? Crc32cPathName(Crc32cActivePath()) : "rocksdb's own"},
+           {"orphan_payload_files_removed", orphans},
+           {"sessions", sessions_.size()},
+           {"segments", disk_segments_},
+           {"bytes", disk_bytes_}});
   return absl::OkStatus();
 }
 
@@ -957,15 +961,25 @@ absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& t
     const int64_t now = options_.clock->NowUnixMs();
     TouchSessionLocked(*s, now);
     std::vector<uint32_t> bumped;
-    // Counting moves the rounds' segments in the spill order (access and
-    // recall count) and the rounds in the drop order.
+    // Counting moves the rounds' sealed segments in the spill order (access
+    // and recall count: re-keyed in place, from the keys noted here) and the
+    // rounds in the drop order (taken out here, put back below).
     std::vector<RoundEntry*> rekeyed;
+    struct Moved {
+      SegmentEntry* e;
+      const RoundEntry* r;
+      SpillKey from;
+    };
+    std::vector<Moved> moved;
     if (count_recalls) {
       for (const SegmentId& id : ids) {
         RoundEntry* r = &s->rounds[id.round];
         if (std::find(rekeyed.begin(), rekeyed.end(), r) != rekeyed.end()) continue;
-        UnindexRoundLocked(*s, *r);
         rekeyed.push_back(r);
+        if (r->in_drop_order) drop_order_.Erase(r, r->recall_count, r->insert_seq, r->drop_bytes);
+        for (auto& [sn, e] : r->segments) {
+          if (e.info.state == SegmentState::kSealed) moved.push_back({&e, r, SpillKeyOf(e, *r)});
+        }
       }
     }
     for (const SegmentId& id : ids) {
@@ -983,7 +997,11 @@ absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& t
       }
       out.push_back(e.info);
     }
-    for (RoundEntry* r : rekeyed) IndexRoundLocked(*s, *r);
+    SpillOrder<SegmentEntry>& order = spill_order_[s->pinned ? 1 : 0];
+    for (const Moved& m : moved) order.Rekey(m.e, m.from, SpillKeyOf(*m.e, *m.r));
+    for (RoundEntry* r : rekeyed) {
+      if (r->in_drop_order) drop_order_.Insert(r, r->recall_count, r->insert_seq, r->drop_bytes);
+    }
     // Queued under mu_: a drop of these rounds comes after, and takes their
     // records out of the queue (ApplyRemovals).
     QueueRecallCounters(std::move(counters));
