@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 
+#include "cachestore/rocksdb_stock_data.h"
 #include "gtest/gtest.h"
 #include "rocksdb/db.h"
 #include "rocksdb/options.h"
@@ -18,29 +19,10 @@
 namespace kvtier::cachestore {
 namespace {
 
-constexpr int kKeys = 64;  // As rocksdb_stock_tool.cc.
-
-std::string Key(int i) { return "key-" + std::to_string(i); }
-
-std::string Value(int i) {
-  const size_t n = 100 + (static_cast<size_t>(i) * 2053) % (64 << 10);
-  std::string v(n, '\0');
-  uint32_t x = 2166136261u ^ static_cast<uint32_t>(i);
-  for (char& c : v) {
-    x = x * 16777619u + 1;
-    c = static_cast<char>(x >> 24);
-  }
-  return v;
-}
-
-rocksdb::Options StoreLikeOptions() {
-  rocksdb::Options o;
-  o.create_if_missing = true;
-  o.paranoid_checks = true;
-  o.enable_blob_files = true;
-  o.min_blob_size = 4096;
-  return o;
-}
+using stock_data::Key;
+using stock_data::kKeys;
+using stock_data::StoreLikeOptions;
+using stock_data::Value;
 
 int RunTool(const std::string& mode, const std::string& dir) {
   const std::string cmd = std::string(KVTIER_ROCKSDB_STOCK_TOOL) + " " + mode + " " + dir;

@@ -9,37 +9,14 @@
 #include <memory>
 #include <string>
 
+#include "cachestore/rocksdb_stock_data.h"
 #include "rocksdb/db.h"
 #include "rocksdb/options.h"
 
-namespace {
-
-constexpr int kKeys = 64;
-
-std::string Key(int i) { return "key-" + std::to_string(i); }
-
-// Deterministic values from 100 B to 64 KiB.
-std::string Value(int i) {
-  const size_t n = 100 + (static_cast<size_t>(i) * 2053) % (64 << 10);
-  std::string v(n, '\0');
-  uint32_t x = 2166136261u ^ static_cast<uint32_t>(i);
-  for (char& c : v) {
-    x = x * 16777619u + 1;
-    c = static_cast<char>(x >> 24);
-  }
-  return v;
-}
-
-rocksdb::Options StoreLikeOptions() {
-  rocksdb::Options o;
-  o.create_if_missing = true;
-  o.paranoid_checks = true;
-  o.enable_blob_files = true;
-  o.min_blob_size = 4096;
-  return o;
-}
-
-}  // namespace
+using kvtier::cachestore::stock_data::Key;
+using kvtier::cachestore::stock_data::kKeys;
+using kvtier::cachestore::stock_data::StoreLikeOptions;
+using kvtier::cachestore::stock_data::Value;
 
 int main(int argc, char** argv) {
   if (argc != 3 || (std::strcmp(argv[1], "write") != 0 && std::strcmp(argv[1], "verify") != 0)) {

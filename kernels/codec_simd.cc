@@ -4,18 +4,6 @@
 //
 // Codes of 8 consecutive elements always fill whole bytes (8 * bits bits), so
 // a chunk of 8 codes is packed with PEXT and unpacked with PDEP.
-// GCC 12 warns about the AVX-512 intrinsics' own deliberately undefined
-// operands (_mm512_undefined_*, GCC bug 105593, fixed in GCC 13); the
-// warning is located in the header, so it is silenced around its inclusion.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -23,6 +11,7 @@
 
 #include "kernels/codec_internal.h"
 #include "kernels/half.h"
+#include "kernels/x86_intrinsics.h"
 
 namespace kvtier::internal {
 namespace {

@@ -4,18 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#if defined(__x86_64__)
-// GCC 12 warns about the AVX-512 intrinsics' own deliberately undefined
-// operands (GCC bug 105593, fixed in GCC 13), in the header: silenced there.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-#endif
+#include "kernels/x86_intrinsics.h"
 
 namespace kvtier {
 namespace {
