@@ -1,9 +1,11 @@
 // CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), the checksum of every
-// EncodedTensor and stored segment. Chosen at run time, fastest first:
-// folding with VPCLMULQDQ over 512-bit vectors (AVX-512 CPUs that have it),
-// folding with PCLMULQDQ, three chains of the SSE4.2 crc32 instruction, a
-// slicing-by-8 table. KVTIER_CRC32C=portable|sse42|pclmul|vpclmul picks one
-// (where the CPU has it), for comparisons.
+// EncodedTensor and stored segment. Paths: folding with VPCLMULQDQ over
+// 512-bit vectors (AVX-512 CPUs that have it) or 256-bit ones (AVX2 CPUs
+// that have it), folding with PCLMULQDQ (below 12 KiB; the chains above),
+// three chains of the SSE4.2 crc32 instruction, a slicing-by-8 table. The
+// fastest this CPU has is timed once, at the first call;
+// KVTIER_CRC32C=portable|sse42|pclmul|vpclmul256|vpclmul picks one (where
+// the CPU has it), for comparisons.
 #ifndef KVTIER_KERNELS_CRC32C_H_
 #define KVTIER_KERNELS_CRC32C_H_
 
@@ -25,9 +27,9 @@ uint32_t Crc32cExtendPortable(uint32_t crc, const void* data, size_t n);
 // True when a hardware path is in use.
 bool Crc32cHardware();
 
-enum class Crc32cPath { kPortable, kSse42, kPclmul, kVpclmul };
+enum class Crc32cPath { kPortable, kSse42, kPclmul, kVpclmul, kVpclmul256 };
 
-// "portable", "sse42", "pclmul", "vpclmul".
+// "portable", "sse42", "pclmul", "vpclmul", "vpclmul256".
 const char* Crc32cPathName(Crc32cPath path);
 Crc32cPath Crc32cActivePath();
 bool Crc32cPathAvailable(Crc32cPath path);

@@ -34,8 +34,8 @@ TEST(Crc32c, HardwareMatchesPortableAtEveryAlignment) {
 }
 
 // Every path this CPU has against the table, at lengths around each path's
-// thresholds and block sizes (the folding paths start at 256 and 1024 bytes
-// and fold 64 and 256 bytes a step), from unaligned starts, continuing a CRC.
+// thresholds and block sizes (the folding paths start at 256, 512 and 1024
+// bytes and fold 64, 128 and 256 bytes a step), from unaligned starts, continuing a CRC.
 TEST(Crc32c, EveryPathMatchesPortable) {
   std::mt19937 rng(11);
   std::string buf(70'000, '\0');
