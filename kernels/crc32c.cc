@@ -398,9 +398,12 @@ Crc32cPath Crc32cActivePath() { return ActivePath(); }
 
 bool Crc32cPathAvailable(Crc32cPath path) { return Available(path); }
 
-uint32_t Crc32cExtendWith(Crc32cPath path, uint32_t crc, const void* data, size_t n) {
+namespace {
+
+// `path` runs as asked: callers have checked that this CPU has it.
+uint32_t Dispatch(Crc32cPath path, uint32_t crc, const void* data, size_t n) {
   const auto* p = static_cast<const uint8_t*>(data);
-  switch (Available(path) ? path : Crc32cPath::kPortable) {
+  switch (path) {
     case Crc32cPath::kVpclmul:
       return ExtendVpclmul(crc, p, n);
     case Crc32cPath::kVpclmul256:
@@ -415,8 +418,15 @@ uint32_t Crc32cExtendWith(Crc32cPath path, uint32_t crc, const void* data, size_
   return Crc32cExtendPortable(crc, data, n);
 }
 
+}  // namespace
+
+uint32_t Crc32cExtendWith(Crc32cPath path, uint32_t crc, const void* data, size_t n) {
+  return Dispatch(Available(path) ? path : Crc32cPath::kPortable, crc, data, n);
+}
+
+// ActivePath() was checked when it was chosen: no CPU feature tests per call.
 uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t n) {
-  return Crc32cExtendWith(ActivePath(), crc, data, n);
+  return Dispatch(ActivePath(), crc, data, n);
 }
 
 }  // namespace kvtier
