@@ -62,18 +62,27 @@ struct Options {
   int reps = 20;
   std::string csv;
   bool cpu_check = false;
+  bool general = true;        // Also time the general kernel (slow at 128K).
+  bool flush = true;          // Write over 256 MiB before each timed launch.
+  std::vector<int> prefetch;  // Prefetch distances to time the span kernel at.
 };
 
 void Usage() {
-  std::fprintf(stderr,
-               "kvtier-gpu-bench [--tokens=4096,32768,131072] [--codecs=fp16,kivi4,kivi2]\n"
-               "                 [--reps=20] [--csv=FILE] [--cpu_check]\n"
-               "  One decode step of the device working set's attention (32 q / 8 kv heads,\n"
-               "  head_dim 128, the past in one encoded block per KV head) per codec and\n"
-               "  context length, timed with CUDA events, beside a device-to-device copy\n"
-               "  measured in the same run; checked against a float64 reference.\n"
-               "  --cpu_check  no GPU needed: the CPU attention over the same inputs against\n"
-               "               the float64 reference (checks the bench's inputs and reference)\n");
+  std::fprintf(
+      stderr,
+      "kvtier-gpu-bench [--tokens=4096,32768,131072] [--codecs=fp16,kivi4,kivi2]\n"
+      "                 [--reps=20] [--csv=FILE] [--cpu_check] [--general=false]\n"
+      "                 [--flush=false] [--prefetch=0,2,4,8]\n"
+      "  One decode step of the device working set's attention (32 q / 8 kv heads,\n"
+      "  head_dim 128, the past in one encoded block per KV head) per codec and\n"
+      "  context length, timed with CUDA events, beside a device-to-device copy\n"
+      "  measured in the same run; checked against a float64 reference.\n"
+      "  --cpu_check  no GPU needed: the CPU attention over the same inputs against\n"
+      "               the float64 reference (checks the bench's inputs and reference)\n"
+      "  --general=false  skip the general kernel (the slowest; its column shows -)\n"
+      "  --flush=false    leave L2 as the last launch left it (a 4K step then sits in it)\n"
+      "  --prefetch=LIST  also time the span kernel at these L2 prefetch distances\n"
+      "                   (SegDims::prefetch; 0 = off), each checked, in a second table\n");
 }
 
 // A deterministic stream of roughly normal values (sum of uniforms).
@@ -141,6 +150,11 @@ struct Row {
   // The general kernel (SegDims::path 1) on the same inputs: the baseline;
   // and spans read a channel a lane (path 2).
   double block_ms = 0, block_rel_error = 0, lane_ms = 0, lane_rel_error = 0;
+  struct Sweep {
+    int prefetch = 0;
+    double ms = 0, rel_error = 0;
+  };
+  std::vector<Sweep> sweep;
 };
 
 // Writes over a buffer larger than the L2 cache before each timed launch, so
@@ -297,7 +311,9 @@ double FloorBytes(const Step& st) {
 
 // The kernel on the device: its first output (written over a poisoned
 // buffer) against the reference, then the median of `reps` launches.
-Row Measure(const std::string& setting, int64_t t, double copy_gbps, int reps) {
+Row Measure(const std::string& setting, int64_t t, double copy_gbps, const Options& o) {
+  const int reps = o.reps;
+  const std::function<void()> flush = o.flush ? std::function<void()>(FlushL2) : nullptr;
   const Step st = Prepare(setting, t);
   const int d = kDim;
   uint8_t* dev_staged = nullptr;
@@ -377,13 +393,24 @@ Row Measure(const std::string& setting, int64_t t, double copy_gbps, int reps) {
   row.codec = setting;
   row.tokens = t;
   row.rel_error = check();
-  row.ms = MedianMs(reps, launch, FlushL2);
-  g.path = 1;
-  row.block_rel_error = check();
-  row.block_ms = MedianMs(reps, launch, FlushL2);
+  row.ms = MedianMs(reps, launch, flush);
+  for (int pf : o.prefetch) {
+    g.prefetch = pf;
+    Row::Sweep sw;
+    sw.prefetch = pf;
+    sw.rel_error = check();
+    sw.ms = MedianMs(reps, launch, flush);
+    row.sweep.push_back(sw);
+  }
+  g.prefetch = -1;
+  if (o.general) {
+    g.path = 1;
+    row.block_rel_error = check();
+    row.block_ms = MedianMs(reps, launch, flush);
+  }
   g.path = 2;
   row.lane_rel_error = check();
-  row.lane_ms = MedianMs(reps, launch, FlushL2);
+  row.lane_ms = MedianMs(reps, launch, flush);
   g.path = 0;
   row.read_bytes = FloorBytes(st);
   row.floor_ms = row.read_bytes / (copy_gbps * 1e6);
@@ -548,6 +575,20 @@ int GpuBench(int argc, char** argv) {
       o.csv = v;
     } else if (a == "--cpu_check") {
       o.cpu_check = true;
+    } else if (a == "--general=false") {
+      o.general = false;
+    } else if (a == "--flush=false") {
+      o.flush = false;
+    } else if (const char* v = FlagValue(a, "--prefetch=")) {
+      for (absl::string_view p : absl::StrSplit(v, ',')) {
+        int n = 0;
+        if (!absl::SimpleAtoi(p, &n) || n < 0 || n > 64) {
+          std::fprintf(stderr, "--prefetch: '%s' is not a distance in 0..64\n",
+                       std::string(p).c_str());
+          return 2;
+        }
+        o.prefetch.push_back(n);
+      }
     } else {
       Usage();
       return a == "--help" || a == "-h" ? 0 : 2;
@@ -589,24 +630,29 @@ int GpuBench(int argc, char** argv) {
   }
   std::printf(
       "SegmentedAttention, one decode step, %d q / %d kv heads, head_dim %d; median of %d, "
-      "L2 flushed before each; on the same inputs, 'general' is the one-block-per-query-head "
+      "%s; on the same inputs, 'general' is the one-block-per-query-head "
       "kernel and 'a channel a lane' the span kernel that reads one element a lane\n",
-      kQHeads, kKvHeads, kDim, o.reps);
+      kQHeads, kKvHeads, kDim, o.reps,
+      o.flush ? "L2 flushed before each" : "L2 NOT flushed (--flush=false)");
   std::printf(
       "| codec | tokens | ms | bytes read (floor) | GB/s | floor ms | x floor | rel error | "
       "general ms | general / ms | a channel a lane ms | that / ms |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   bool wrong = false;
+  std::vector<Row> rows;
   for (const std::string& c : o.codecs) {
     for (int64_t t : o.tokens) {
       std::fprintf(stderr, "%s at %lld tokens...\n", c.c_str(), static_cast<long long>(t));
-      const Row r = Measure(c, t, copy, o.reps);
+      const Row r = Measure(c, t, copy, o);
+      rows.push_back(r);
       const double gbps = r.read_bytes / (r.ms * 1e6);
-      std::printf(
-          "| %s | %lld | %.4f | %.0f | %.0f | %.4f | %.1f | %.2e | %.3f | %.1f | %.4f | %.2f |\n",
-          r.codec.c_str(), static_cast<long long>(r.tokens), r.ms, r.read_bytes, gbps, r.floor_ms,
-          r.ms / r.floor_ms, r.rel_error, r.block_ms, r.block_ms / r.ms, r.lane_ms,
-          r.lane_ms / r.ms);
+      char general[64] = "- | -";
+      if (o.general) {
+        std::snprintf(general, sizeof(general), "%.3f | %.1f", r.block_ms, r.block_ms / r.ms);
+      }
+      std::printf("| %s | %lld | %.4f | %.0f | %.0f | %.4f | %.1f | %.2e | %s | %.4f | %.2f |\n",
+                  r.codec.c_str(), static_cast<long long>(r.tokens), r.ms, r.read_bytes, gbps,
+                  r.floor_ms, r.ms / r.floor_ms, r.rel_error, general, r.lane_ms, r.lane_ms / r.ms);
       if (csv != nullptr) {
         std::fprintf(csv, "%s,%lld,%.6f,%.6f,%.0f,%.3f,%.3e,%.6f,%.3e,%.6f,%.3e\n", r.codec.c_str(),
                      static_cast<long long>(r.tokens), r.ms, r.floor_ms, r.read_bytes, gbps,
@@ -614,6 +660,23 @@ int GpuBench(int argc, char** argv) {
       }
       if (!(r.rel_error <= 1e-3) || !(r.block_rel_error <= 1e-3) || !(r.lane_rel_error <= 1e-3)) {
         wrong = true;
+      }
+      for (const Row::Sweep& sw : r.sweep) {
+        if (!(sw.rel_error <= 1e-3)) wrong = true;
+      }
+    }
+  }
+  if (!o.prefetch.empty()) {
+    std::printf(
+        "\nThe span kernel at other L2 prefetch distances (SegDims::prefetch, iterations ahead; "
+        "0 = none), same inputs and run; 'vs default' is the default's ms over this row's\n");
+    std::printf("| codec | tokens | prefetch | ms | x floor | rel error | vs default |\n");
+    std::printf("|---|---|---|---|---|---|---|\n");
+    for (const Row& r : rows) {
+      for (const Row::Sweep& sw : r.sweep) {
+        std::printf("| %s | %lld | %d | %.4f | %.1f | %.2e | %.2f |\n", r.codec.c_str(),
+                    static_cast<long long>(r.tokens), sw.prefetch, sw.ms, sw.ms / r.floor_ms,
+                    sw.rel_error, r.ms / sw.ms);
       }
     }
   }

@@ -304,6 +304,8 @@ __global__ void SegmentedAttentionKernel(SegDims g, const SegBlock* blocks, cons
 constexpr int kSplitWarps = 8;
 constexpr int kSplitMaxRep = 8;     // Query heads per KV head.
 constexpr int kSplitMaxLaneCh = 8;  // d <= 256.
+// SegDims::prefetch when it is left at -1 (docs/gpu.md has the sweep).
+constexpr int kDefaultPrefetch = 1;
 
 // The span of visible tokens [lo, hi) of KV head h for query i, as (block,
 // token) pairs: calls f(blk, t, pos) for each, pos = index in the span, with
@@ -441,32 +443,57 @@ __global__ void SplitAttentionKernel(SegDims g, const SegBlock* blocks, const in
   for (int x = threadIdx.x; x < rep * d; x += blockDim.x) o[x] = red[x];
 }
 
-// One block per (query, query head), a thread per channel: the spans merged.
-__global__ void SplitCombineKernel(SegDims g, int spans, const float* part_o, const float* part_ml,
-                                   float* out) {
-  const int64_t row = blockIdx.x;  // i * q_heads + j
+// One block per (query, query head), kCombineThreads threads: the spans
+// merged. The largest span max comes from a block reduction; then the
+// threads form groups of d, thread c of group k summing channel c over spans
+// k, k + groups, ... (independent loads, several spans in flight), and the
+// groups' sums meet in shared memory. One thread per channel walking every
+// span, one dependent load at a time, took about 40 us at 65 spans on an
+// H100 (docs/gpu.md).
+constexpr int kCombineThreads = 512;
+__global__ void __launch_bounds__(kCombineThreads)
+    SplitCombineKernel(SegDims g, int spans, const float* part_o, const float* part_ml,
+                       float* out) {
+  __shared__ float red[kCombineThreads];
+  __shared__ float wide[kCombineThreads];  // Warps' maxes, then groups' sums (d may be < 32).
+  const int64_t row = blockIdx.x;          // i * q_heads + j
   const int64_t stride = static_cast<int64_t>(g.n) * g.q_heads;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   float m = -FLT_MAX;
-  bool any = false;
-  for (int sp = 0; sp < spans; ++sp) {
+  for (int sp = tid; sp < spans; sp += kCombineThreads) {
     const float* ml = part_ml + (sp * stride + row) * 2;
-    if (ml[1] > 0.0f) {
-      m = fmaxf(m, ml[0]);
-      any = true;
+    if (ml[1] > 0.0f) m = fmaxf(m, ml[0]);
+  }
+  m = WarpMax(m);
+  if (lane == 0) wide[warp] = m;
+  __syncthreads();
+  m = wide[0];
+  for (int w = 1; w < kCombineThreads / 32; ++w) m = fmaxf(m, wide[w]);
+  const int groups = kCombineThreads / g.d;  // d <= 256: at least 2.
+  const int c = tid % g.d, k = tid / g.d;
+  float num = 0.0f, den = 0.0f;
+  if (k < groups) {
+#pragma unroll 4
+    for (int sp = k; sp < spans; sp += groups) {
+      const int64_t at = sp * stride + row;
+      const float l = part_ml[at * 2 + 1];
+      // An empty span (sum 0) weighs nothing; its output sums are zeros.
+      const float w = l > 0.0f ? __expf(part_ml[at * 2] - m) : 0.0f;
+      num += w * part_o[at * g.d + c];
+      den += w * l;
     }
   }
-  for (int c = threadIdx.x; c < g.d; c += blockDim.x) {
-    float num = 0.0f, den = 0.0f;
-    if (any) {
-      for (int sp = 0; sp < spans; ++sp) {
-        const float* ml = part_ml + (sp * stride + row) * 2;
-        if (ml[1] <= 0.0f) continue;
-        const float w = __expf(ml[0] - m);
-        num += w * part_o[(sp * stride + row) * g.d + c];
-        den += w * ml[1];
-      }
+  __syncthreads();  // wide[] read by all before it is reused below.
+  red[tid] = num;
+  if (c == 0 && k < groups) wide[k] = den;
+  __syncthreads();
+  if (tid < g.d) {
+    float n = 0.0f, dn = 0.0f;
+    for (int x = 0; x < groups; ++x) {
+      n += red[x * g.d + tid];
+      dn += wide[x];
     }
-    out[row * g.d + c] = den > 0.0f ? num / den : 0.0f;
+    out[row * g.d + tid] = dn > 0.0f ? n / dn : 0.0f;
   }
 }
 
@@ -538,12 +565,17 @@ __device__ __forceinline__ void SegLoad8(const SegKv& kv, int d, int64_t t, int 
     const uint32_t c = kv.bits == 4   ? (lo >> (4 * e)) & 15u
                        : kv.bits == 2 ? (lo >> (2 * e)) & 3u
                                       : ((e < 4 ? lo : hi) >> (8 * (e & 3))) & 255u;
-    code[e] = static_cast<float>(c);
+    // The code in the low mantissa bits of 2^23, less 2^23: exact, and two
+    // full-rate operations where an integer conversion is quarter-rate.
+    code[e] = __uint_as_float(0x4B000000u | c) - 8388608.0f;
   }
   const auto ug = static_cast<uint32_t>(kv.group);
   if (kv.key != 0) {
-    // Scales and zeros per (token group, channel): 8 consecutive halves.
-    const int64_t si = static_cast<int64_t>(static_cast<uint32_t>(t) / ug) * d + c0;
+    // Scales and zeros per (token group, channel): 8 consecutive halves. A
+    // shift for the usual power-of-two group, not a division per row.
+    const uint32_t tg = (ug & (ug - 1)) == 0 ? static_cast<uint32_t>(t) >> (__ffs(ug) - 1)
+                                             : static_cast<uint32_t>(t) / ug;
+    const int64_t si = static_cast<int64_t>(tg) * d + c0;
     float sc[8], ze[8];
     LoadDtype8(1, kv.scales, si, sc);
     LoadDtype8(1, kv.zeros, si, ze);
@@ -568,23 +600,70 @@ __device__ __forceinline__ void SegLoad8(const SegKv& kv, int d, int64_t t, int 
   }
 }
 
+// Asks L2 for the lines holding what SegLoad8(kv, d, t, c0, .) reads:
+// prefetch.global.L2 neither holds a register nor waits.
+__device__ __forceinline__ void PrefetchL2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+__device__ __forceinline__ void SegPrefetch8(const SegKv& kv, int d, int64_t t, int c0) {
+  const int64_t size = kv.dtype == 0 ? 4 : 2;
+  if (kv.quantized_kind == 0) {
+    PrefetchL2(static_cast<const char*>(kv.raw) + (t * kv.token_stride + c0) * size);
+    return;
+  }
+  if (t >= kv.quantized) {
+    PrefetchL2(static_cast<const char*>(kv.residual) + ((t - kv.quantized) * d + c0) * size);
+    return;
+  }
+  PrefetchL2(kv.codes + (((t * d + c0) * kv.bits) >> 5));
+  const auto ug = static_cast<uint32_t>(kv.group);
+  const uint32_t tg = (ug & (ug - 1)) == 0 ? static_cast<uint32_t>(t) >> (__ffs(ug) - 1)
+                                           : static_cast<uint32_t>(t) / ug;
+  const int64_t si = kv.key != 0
+                         ? static_cast<int64_t>(tg) * d + c0
+                         : t * static_cast<int64_t>((static_cast<uint32_t>(d) + ug - 1) / ug) +
+                               static_cast<uint32_t>(c0) / ug;
+  PrefetchL2(kv.scales + si);
+  PrefetchL2(kv.zeros + si);
+}
+
 // Calls load(blk, t, x) and then use(x, pos, valid) for the span [lo, hi) of
 // KV head h's visible tokens for query i: each warp pass, token slot `slot`
 // of warp `warp` takes one token, U passes at a time (their loads first,
 // then their arithmetic, so that U rows are in flight per lane). Every lane
 // calls `use` the same number of times (valid false past the end), as its
 // shuffles need.
-template <int T, int U, typename Load, typename Use>
+//
+// With g.prefetch = A > 0, each lane also asks L2 for the rows it will load A
+// iterations later (prefetch(blk, t), no registers held, nothing waited on),
+// after asking for its first A iterations' rows on entering each block: a
+// lane's own loads are then mostly L2 hits, so more of device memory's
+// latency overlaps work than the U rows in flight alone allow.
+template <int T, int U, typename Load, typename Use, typename Prefetch>
 __device__ __forceinline__ void ForSpanVec(const SegDims& g, const SegBlock* blocks,
                                            const int* head_first, int h, int i, int64_t lo,
-                                           int64_t hi, int warp, int slot, Load load, Use use) {
+                                           int64_t hi, int warp, int slot, bool key, Load load,
+                                           Use use, Prefetch prefetch) {
   constexpr int kStride = kSplitWarps * T;
+  const int64_t ahead = static_cast<int64_t>(g.prefetch) * U * kStride;  // In tokens.
   int64_t off = 0;
   for (int b = head_first[h]; b < head_first[h + 1] && off < hi; ++b) {
     const SegBlock& blk = blocks[b];
     const int64_t len = Visible(blk, g, i);
     const int64_t a = max(lo, off), e = min(hi, off + len);
+    // The pass's description, copied: its fields stay in registers over the
+    // loop instead of being loaded again for every row.
+    const SegKv kv = key ? blk.k : blk.v;
+    const int64_t first = a + warp * T + slot;
+    for (int64_t p = first; p < min(e, first + ahead); p += kStride) prefetch(kv, p - off);
     for (int64_t p0 = a + warp * T; p0 < e; p0 += U * kStride) {
+      if (ahead > 0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int64_t p = p0 + ahead + u * kStride + slot;
+          if (p < e) prefetch(kv, p - off);
+        }
+      }
       float x[U][8];
       bool valid[U];
 #pragma unroll
@@ -592,7 +671,7 @@ __device__ __forceinline__ void ForSpanVec(const SegDims& g, const SegBlock* blo
         const int64_t p = p0 + u * kStride + slot;
         valid[u] = p < e;
         if (valid[u]) {
-          load(blk, p - off, x[u]);
+          load(kv, p - off, x[u]);
         } else {
 #pragma unroll
           for (int k = 0; k < 8; ++k) x[u][k] = 0.0f;
@@ -603,6 +682,33 @@ __device__ __forceinline__ void ForSpanVec(const SegDims& g, const SegBlock* blo
     }
     off += len;
   }
+}
+
+// Sums each of v[0 .. REP) over the L lanes of a row (L a power of two, REP
+// <= L) and leaves the lane one of the sums: the lanes whose bits below
+// L / REP are 0 hold query head *head's. The first log2(REP) steps halve the
+// values each lane carries (it keeps one half, sends its partner the other,
+// as in a reduce-scatter), so a row takes REP - 1 + log2(L / REP) shuffles,
+// not REP * log2(L): 5 instead of 16 for 4 heads over 16 lanes.
+template <int L, int REP>
+__device__ __forceinline__ float RowReduce(float (&v)[REP], int lane, int* head) {
+  int r = 0;
+#pragma unroll
+  for (int n = REP, o = L / 2; n > 1; n /= 2, o /= 2) {
+    const bool upper = (lane & o) != 0;
+#pragma unroll
+    for (int j = 0; j < n / 2; ++j) {
+      const float send = upper ? v[j] : v[j + n / 2];
+      const float keep = upper ? v[j + n / 2] : v[j];
+      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+    }
+    if (upper) r += n / 2;
+  }
+  float sum = v[0];
+#pragma unroll
+  for (int o = L / (2 * REP); o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  *head = r;
+  return sum;
 }
 
 template <int L, int REP>
@@ -632,19 +738,21 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
   __syncthreads();
   const int64_t lo = static_cast<int64_t>(span) * split, hi = lo + split;
   ForSpanVec<T, U>(
-      g, blocks, head_first, h, i, lo, hi, warp, slot,
-      [&](const SegBlock& blk, int64_t t, float* x) { SegLoad8(blk.k, D, t, c0, x); },
+      g, blocks, head_first, h, i, lo, hi, warp, slot, true,
+      [&](const SegKv& kv, int64_t t, float* x) { SegLoad8(kv, D, t, c0, x); },
       [&](const float* x, int64_t pos, bool valid) {
+        float part[REP];
 #pragma unroll
         for (int r = 0; r < REP; ++r) {
-          float part = 0.0f;
+          part[r] = 0.0f;
 #pragma unroll
-          for (int e = 0; e < 8; ++e) part += qr[r][e] * x[e];
-#pragma unroll
-          for (int o = L / 2; o > 0; o /= 2) part += __shfl_xor_sync(0xffffffffu, part, o);
-          if (valid && c0 == 0) s[r * split + pos] = part * g.scale;
+          for (int e = 0; e < 8; ++e) part[r] += qr[r][e] * x[e];
         }
-      });
+        int r = 0;
+        const float sum = RowReduce<L, REP>(part, lane, &r);
+        if (valid && (lane & (L / REP - 1)) == 0) s[r * split + pos] = sum * g.scale;
+      },
+      [&](const SegKv& kv, int64_t t) { SegPrefetch8(kv, D, t, c0); });
   __syncthreads();
   SpanSoftmax(g, blocks, head_first, h, i, lo, hi, REP, split, s,
               part_ml + ((static_cast<int64_t>(span) * g.n + i) * g.q_heads + h * REP) * 2);
@@ -655,8 +763,8 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[r][e] = 0.0f;
   ForSpanVec<T, U>(
-      g, blocks, head_first, h, i, lo, hi, warp, slot,
-      [&](const SegBlock& blk, int64_t t, float* x) { SegLoad8(blk.v, D, t, c0, x); },
+      g, blocks, head_first, h, i, lo, hi, warp, slot, false,
+      [&](const SegKv& kv, int64_t t, float* x) { SegLoad8(kv, D, t, c0, x); },
       [&](const float* x, int64_t pos, bool valid) {
         if (!valid) return;
 #pragma unroll
@@ -665,7 +773,8 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
 #pragma unroll
           for (int e = 0; e < 8; ++e) acc[r][e] += w * x[e];
         }
-      });
+      },
+      [&](const SegKv& kv, int64_t t) { SegPrefetch8(kv, D, t, c0); });
   // The warp's token slots together, then the warps (shared atomics).
 #pragma unroll
   for (int r = 0; r < REP; ++r) {
@@ -887,6 +996,7 @@ int SegmentedAttention(const SegDims& dims, const SegBlock* blocks, const int* h
   if (dims.n == 0) return 0;
   SegDims g = dims;
   if (g.scale == 0.0f) g.scale = 1.0f / sqrtf(static_cast<float>(g.d));
+  if (g.prefetch < 0) g.prefetch = kDefaultPrefetch;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (!SplitFits(g)) {
     const dim3 grid(static_cast<unsigned>(g.n), static_cast<unsigned>(g.q_heads));
@@ -909,7 +1019,7 @@ int SegmentedAttention(const SegDims& dims, const SegBlock* blocks, const int* h
     SplitAttentionKernel<<<grid, 32 * kSplitWarps, shared, st>>>(g, blocks, head_first, q, split,
                                                                  part_o, part_ml);
   }
-  SplitCombineKernel<<<static_cast<unsigned>(g.n * g.q_heads), ((g.d + 31) / 32) * 32, 0, st>>>(
+  SplitCombineKernel<<<static_cast<unsigned>(g.n * g.q_heads), kCombineThreads, 0, st>>>(
       g, static_cast<int>(spans), part_o, part_ml, out);
   return cudaGetLastError();
 }

@@ -141,6 +141,9 @@ struct SegDims {
   // (what path 0 runs when head_dim is not 64, 128 or 256 or the group not 1,
   // 2, 4 or 8 query heads). Tests and benchmarks compare the three.
   int path = 0;
+  // The 8-channel span kernel's L2 prefetch distance, in loop iterations
+  // (each a lane's next two rows): 0 turns it off, -1 takes the default.
+  int prefetch = -1;
 };
 
 // out[i, j, :] = softmax over the blocks of KV head j / rep (blocks

@@ -433,10 +433,10 @@ SegKvAt RandomRaw(SegArena* a, int dtype, int64_t tokens, int64_t stride, int d,
   return s;
 }
 
-// Every path of SegmentedAttention (spans read 8 channels a lane, or a
-// channel a lane, and merged; one block per query head when the group or
-// head_dim is too large for spans) against a float64
-// longhand over the same blocks: quantized K and V with residual rows, raw
+// Every path of SegmentedAttention (spans read 8 channels a lane, with and
+// without their L2 prefetch, or a channel a lane, and merged; one block per
+// query head when the group or head_dim is too large for spans) against a
+// float64 longhand over the same blocks: quantized K and V with residual rows, raw
 // fp16/bf16/fp32 blocks, a causal open block with several queries, a KV head
 // with no blocks (zeros), and heads longer than many spans.
 TEST(CudaSegmentedAttentionTest, MatchesALonghandReference) {
@@ -548,11 +548,18 @@ TEST(CudaSegmentedAttentionTest, MatchesALonghandReference) {
         }
       }
     }
-    for (int path : {0, 1, 2}) {
-      SCOPED_TRACE(path == 0   ? "fastest kernel"
-                   : path == 1 ? "general kernel"
-                               : "spans, a channel a lane");
-      g.path = path;
+    // The fastest kernel also with its L2 prefetch off, one iteration ahead
+    // (the prologue covers part of a span) and far past any span's end.
+    struct Run {
+      int path, prefetch;
+      const char* what;
+    };
+    for (const Run& run : {Run{0, -1, "fastest kernel"}, Run{0, 0, "fastest, no prefetch"},
+                           Run{0, 1, "fastest, prefetch 1"}, Run{0, 64, "fastest, prefetch 64"},
+                           Run{1, -1, "general kernel"}, Run{2, -1, "spans, a channel a lane"}}) {
+      SCOPED_TRACE(run.what);
+      g.path = run.path;
+      g.prefetch = run.prefetch;
       DeviceBuffer<float> dq(q.size()), dout(q.size()),
           scratch(static_cast<size_t>(SegmentedScratchFloats(g)));
       dq.Upload(q);
