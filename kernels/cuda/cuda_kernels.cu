@@ -304,6 +304,9 @@ __global__ void SegmentedAttentionKernel(SegDims g, const SegBlock* blocks, cons
 constexpr int kSplitWarps = 8;
 constexpr int kSplitMaxRep = 8;     // Query heads per KV head.
 constexpr int kSplitMaxLaneCh = 8;  // d <= 256.
+// Floats of a query group's table (query heads x head_dim) up to which the
+// 8-channel kernel computes quantized K's scores a token a lane (KeyChunks).
+constexpr int kChunkTable = 512;
 // SegDims::prefetch when it is left at -1 (docs/gpu.md has the sweep).
 constexpr int kDefaultPrefetch = 1;
 
@@ -639,21 +642,26 @@ __device__ __forceinline__ void SegPrefetch8(const SegKv& kv, int d, int64_t t, 
 // after asking for its first A iterations' rows on entering each block: a
 // lane's own loads are then mostly L2 hits, so more of device memory's
 // latency overlaps work than the U rows in flight alone allow.
-template <int T, int U, typename Load, typename Use, typename Prefetch>
+//
+// prefix(kv, off, a, e) may take the first rows of a block's range itself
+// (KeyChunks does, for quantized K): it returns where this loop starts.
+template <int T, int U, typename Load, typename Use, typename Prefetch, typename Prefix>
 __device__ __forceinline__ void ForSpanVec(const SegDims& g, const SegBlock* blocks,
                                            const int* head_first, int h, int i, int64_t lo,
                                            int64_t hi, int warp, int slot, bool key, Load load,
-                                           Use use, Prefetch prefetch) {
+                                           Use use, Prefetch prefetch, Prefix prefix) {
   constexpr int kStride = kSplitWarps * T;
   const int64_t ahead = static_cast<int64_t>(g.prefetch) * U * kStride;  // In tokens.
   int64_t off = 0;
   for (int b = head_first[h]; b < head_first[h + 1] && off < hi; ++b) {
     const SegBlock& blk = blocks[b];
     const int64_t len = Visible(blk, g, i);
-    const int64_t a = max(lo, off), e = min(hi, off + len);
+    int64_t a = max(lo, off);
+    const int64_t e = min(hi, off + len);
     // The pass's description, copied: its fields stay in registers over the
     // loop instead of being loaded again for every row.
     const SegKv kv = key ? blk.k : blk.v;
+    if (a < e) a = prefix(kv, off, a, e);
     const int64_t first = a + warp * T + slot;
     for (int64_t p = first; p < min(e, first + ahead); p += kStride) prefetch(kv, p - off);
     for (int64_t p0 = a + warp * T; p0 < e; p0 += U * kStride) {
@@ -682,6 +690,121 @@ __device__ __forceinline__ void ForSpanVec(const SegDims& g, const SegBlock* blo
     }
     off += len;
   }
+}
+
+// ---- Quantized K a token a lane ----
+//
+// KIVI's K has its scale and zero per (group of tokens, channel), so for the
+// rows of one group
+//   q . k_t = sum_c (q_c * scale_c) * code_tc + sum_c q_c * zero_c.
+// A warp takes 32 rows of one group (block rows 32k .. 32k + 31; groups of
+// 32 or more tokens, powers of two). It writes the first factor for every
+// query head of the group into its table in shared memory and sums the
+// second, once for the 32 rows; then each lane takes one row and walks its
+// codes, one multiply-add a query head a channel, with the table's entries
+// the same for every lane (broadcast reads). No shuffles, no scale loads or
+// conversions per row: the 8-channel loop spent about three times the
+// instructions a row on them.
+
+// Whether KeyChunks can take `kv`'s quantized rows for head_dim D.
+template <int D>
+__device__ __forceinline__ bool ChunkableKey(const SegKv& kv) {
+  const auto ug = static_cast<uint32_t>(kv.group);
+  return kv.quantized_kind == 1 && kv.key != 0 && (kv.bits == 2 || kv.bits == 4 || kv.bits == 8) &&
+         ug >= 32 && (ug & (ug - 1)) == 0 && (reinterpret_cast<uintptr_t>(kv.codes) & 15) == 0;
+}
+
+// The scores of block rows [la, lq) (block-local, all quantized) into
+// s[r * split + off + t - lo]. qs: the query heads [REP, D] in shared memory;
+// table: this warp's [REP, D].
+template <int D, int REP, int BITS>
+__device__ __forceinline__ void KeyChunksBits(const SegKv& kv, int64_t la, int64_t lq, int64_t pos0,
+                                              float scale, int warp, int lane, const float* qs,
+                                              float* table, float* s, int split) {
+  constexpr int kWords = D * BITS / 32;  // Code words a row: a whole number of uint4.
+  static_assert(kWords % 4 == 0, "rows of whole 16-byte loads");
+  constexpr int kPerWord = 32 / BITS;
+  const int gshift = __ffs(kv.group) - 1;
+  for (int64_t k = (la >> 5) + warp; k <= (lq - 1) >> 5; k += kSplitWarps) {
+    const int64_t g = (k << 5) >> gshift;
+    float bias[REP];
+#pragma unroll
+    for (int r = 0; r < REP; ++r) bias[r] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < D / 32; ++j) {
+      const int c = lane + 32 * j;
+      const float sc = SegHalf(__ldg(kv.scales + g * D + c));
+      const float ze = SegHalf(__ldg(kv.zeros + g * D + c));
+#pragma unroll
+      for (int r = 0; r < REP; ++r) {
+        table[r * D + c] = qs[r * D + c] * sc;
+        bias[r] += qs[r * D + c] * ze;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < REP; ++r) bias[r] = WarpSum(bias[r]);
+    __syncwarp();
+    const int64_t t = (k << 5) + lane;
+    if (t >= la && t < lq) {
+      const uint4* row = reinterpret_cast<const uint4*>(kv.codes + t * kWords);
+      uint4 w4[kWords / 4];
+#pragma unroll
+      for (int x = 0; x < kWords / 4; ++x) w4[x] = __ldg(row + x);
+      float acc[REP];
+#pragma unroll
+      for (int r = 0; r < REP; ++r) acc[r] = 0.0f;
+#pragma unroll
+      for (int x = 0; x < kWords; ++x) {
+        const uint32_t w = x % 4 == 0   ? w4[x / 4].x
+                           : x % 4 == 1 ? w4[x / 4].y
+                           : x % 4 == 2 ? w4[x / 4].z
+                                        : w4[x / 4].w;
+#pragma unroll
+        for (int e4 = 0; e4 < kPerWord; e4 += 4) {
+          float f[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const uint32_t code = (w >> (BITS * (e4 + e))) & ((1u << BITS) - 1u);
+            f[e] = __uint_as_float(0x4B000000u | code) - 8388608.0f;
+          }
+          const int c = x * kPerWord + e4;
+#pragma unroll
+          for (int r = 0; r < REP; ++r) {
+            const float4 m = *reinterpret_cast<const float4*>(table + r * D + c);
+            acc[r] = fmaf(m.w, f[3], fmaf(m.z, f[2], fmaf(m.y, f[1], fmaf(m.x, f[0], acc[r]))));
+          }
+        }
+      }
+      const int64_t pos = pos0 + t;
+#pragma unroll
+      for (int r = 0; r < REP; ++r) s[r * split + pos] = (acc[r] + bias[r]) * scale;
+    }
+    __syncwarp();  // The table is rewritten for the next chunk.
+  }
+}
+
+// Takes block rows [a - off, quantized) of the range [a, e) when kv allows
+// (ChunkableKey) and returns where the rest starts (a when it took none).
+template <int D, int REP>
+__device__ __forceinline__ int64_t KeyChunks(const SegKv& kv, int64_t off, int64_t a, int64_t e,
+                                             int64_t lo, float scale, int warp, int lane,
+                                             const float* qs, float* table, float* s, int split) {
+  if (!ChunkableKey<D>(kv)) return a;
+  const int64_t la = a - off, lq = min(e - off, kv.quantized);
+  if (la >= lq) return a;
+  const int64_t pos0 = off - lo;
+  switch (kv.bits) {
+    case 2:
+      KeyChunksBits<D, REP, 2>(kv, la, lq, pos0, scale, warp, lane, qs, table, s, split);
+      break;
+    case 4:
+      KeyChunksBits<D, REP, 4>(kv, la, lq, pos0, scale, warp, lane, qs, table, s, split);
+      break;
+    default:
+      KeyChunksBits<D, REP, 8>(kv, la, lq, pos0, scale, warp, lane, qs, table, s, split);
+      break;
+  }
+  return off + lq;
 }
 
 // Sums each of v[0 .. REP) over the L lanes of a row (L a power of two, REP
@@ -721,15 +844,23 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
   // 128 registers (two blocks an SM), ran 15% slower on an H100 than two with
   // the queries in registers (docs/gpu.md).
   constexpr int U = 2;
+  // Quantized K a token a lane (KeyChunks) where its tables fit in shared
+  // memory beside the rest: 2 KB a warp at most.
+  constexpr bool kChunks = REP * D <= kChunkTable;
   extern __shared__ float sh[];
   const int span = blockIdx.x, i = blockIdx.y, h = blockIdx.z;
   float* s = sh;                 // [REP, split]
   float* red = s + REP * split;  // [REP, D]
+  float* qs = red + REP * D;     // [REP, D] with kChunks
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* table = qs + (1 + warp) * REP * D;  // [REP, D] a warp, with kChunks
   const int slot = lane / L, c0 = (lane % L) * 8;
-  for (int x = threadIdx.x; x < REP * D; x += blockDim.x) red[x] = 0.0f;
-  // The lane's 8 channels of each of the group's query heads, in registers.
   const float* qrow = q + (static_cast<int64_t>(i) * g.q_heads + h * REP) * D;
+  for (int x = threadIdx.x; x < REP * D; x += blockDim.x) {
+    red[x] = 0.0f;
+    if (kChunks) qs[x] = qrow[x];
+  }
+  // The lane's 8 channels of each of the group's query heads, in registers.
   float qr[REP][8];
 #pragma unroll
   for (int r = 0; r < REP; ++r)
@@ -752,7 +883,14 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
         const float sum = RowReduce<L, REP>(part, lane, &r);
         if (valid && (lane & (L / REP - 1)) == 0) s[r * split + pos] = sum * g.scale;
       },
-      [&](const SegKv& kv, int64_t t) { SegPrefetch8(kv, D, t, c0); });
+      [&](const SegKv& kv, int64_t t) { SegPrefetch8(kv, D, t, c0); },
+      [&](const SegKv& kv, int64_t off, int64_t a, int64_t e) {
+        if constexpr (kChunks) {
+          return KeyChunks<D, REP>(kv, off, a, e, lo, g.scale, warp, lane, qs, table, s, split);
+        } else {
+          return a;
+        }
+      });
   __syncthreads();
   SpanSoftmax(g, blocks, head_first, h, i, lo, hi, REP, split, s,
               part_ml + ((static_cast<int64_t>(span) * g.n + i) * g.q_heads + h * REP) * 2);
@@ -774,7 +912,8 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
           for (int e = 0; e < 8; ++e) acc[r][e] += w * x[e];
         }
       },
-      [&](const SegKv& kv, int64_t t) { SegPrefetch8(kv, D, t, c0); });
+      [&](const SegKv& kv, int64_t t) { SegPrefetch8(kv, D, t, c0); },
+      [](const SegKv&, int64_t, int64_t a, int64_t) { return a; });
   // The warp's token slots together, then the warps (shared atomics).
 #pragma unroll
   for (int r = 0; r < REP; ++r) {
@@ -1012,7 +1151,10 @@ int SegmentedAttention(const SegDims& dims, const SegBlock* blocks, const int* h
   const dim3 grid(static_cast<unsigned>(spans), static_cast<unsigned>(g.n),
                   static_cast<unsigned>(g.kv_heads));
   if (SplitFn vec = VecKernel(g); vec != nullptr) {
-    const size_t shared = static_cast<size_t>(rep) * (g.d + split) * sizeof(float);
+    size_t shared = static_cast<size_t>(rep) * (g.d + split) * sizeof(float);
+    if (rep * g.d <= kChunkTable) {
+      shared += static_cast<size_t>(1 + kSplitWarps) * rep * g.d * sizeof(float);
+    }
     vec<<<grid, 32 * kSplitWarps, shared, st>>>(g, blocks, head_first, q, split, part_o, part_ml);
   } else {
     const size_t shared = static_cast<size_t>(rep) * (2 * g.d + split) * sizeof(float);

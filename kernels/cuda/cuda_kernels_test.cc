@@ -433,10 +433,12 @@ SegKvAt RandomRaw(SegArena* a, int dtype, int64_t tokens, int64_t stride, int d,
   return s;
 }
 
-// Every path of SegmentedAttention (spans read 8 channels a lane, with and
-// without their L2 prefetch, or a channel a lane, and merged; one block per
-// query head when the group or head_dim is too large for spans) against a
-// float64 longhand over the same blocks: quantized K and V with residual rows, raw
+// Every path of SegmentedAttention (spans read 8 channels a lane, quantized
+// K of groups of 32 a token a lane, with and without their L2 prefetch; or a
+// channel a lane; and merged; one block per query head when the group or
+// head_dim is too large for spans) against a float64 longhand over the same
+// blocks: quantized K (2, 4 and 8 bits, groups of 16 and 32) and V with
+// residual rows, quantized rows starting on and off a multiple of 32, raw
 // fp16/bf16/fp32 blocks, a causal open block with several queries, a KV head
 // with no blocks (zeros), and heads longer than many spans.
 TEST(CudaSegmentedAttentionTest, MatchesALonghandReference) {
@@ -471,17 +473,26 @@ TEST(CudaSegmentedAttentionTest, MatchesALonghandReference) {
       const int64_t resid = std::min<int64_t>(past, 8);
       SegBlock b;
       b.tokens = past;
+      SegBlock r;
+      r.tokens = 29;
+      auto raw = [&] {
+        blocks.push_back({r,
+                          {RandomRaw(&arena, 1 + h % 2, r.tokens, d, d, &rng),
+                           RandomRaw(&arena, 1 + (h + 1) % 2, r.tokens, d, d, &rng)}});
+      };
+      // Odd heads put the raw block first: their quantized rows then start
+      // at a position that is not a multiple of 32 (as a later round's do).
+      if (h % 2 == 1) raw();
       blocks.push_back({b,
-                        {RandomQuantized(&arena, true, h % 2 == 0 ? 4 : 2, h % 3 == 1 ? 16 : 32,
-                                         past, past - resid, d, &rng),
+                        {RandomQuantized(&arena, true,
+                                         h % 4 == 2   ? 8
+                                         : h % 2 == 0 ? 4
+                                                      : 2,
+                                         h % 3 == 1 ? 16 : 32, past, past - resid, d, &rng),
                          // V groups of 12 channels: scales change inside 8 channels.
                          RandomQuantized(&arena, false, h % 2 == 0 ? 4 : 8, h % 3 == 2 ? 12 : 32,
                                          past, past - resid, d, &rng)}});
-      SegBlock r;
-      r.tokens = 29;
-      blocks.push_back({r,
-                        {RandomRaw(&arena, 1 + h % 2, r.tokens, d, d, &rng),
-                         RandomRaw(&arena, 1 + (h + 1) % 2, r.tokens, d, d, &rng)}});
+      if (h % 2 == 0) raw();
       SegBlock open;
       open.tokens = base + c.n;
       open.causal = 1;
