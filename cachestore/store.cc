@@ -267,6 +267,28 @@ Store::SessionEntry* Store::FindSessionLocked(const std::string& key) {
 
 absl::StatusOr<WriteTicket> Store::BeginWrite(const WriteSpec& spec) {
   absl::MutexLock order(&removal_mu_);
+  std::vector<Removal> removals;
+  bool declined = false;
+  absl::StatusOr<WriteTicket> ticket = BeginWriteLocked(spec, true, &removals, &declined);
+  if (absl::Status st = ApplyRemovals(removals); !st.ok()) {
+    LogError("dropping rounds under disk pressure failed", {{"error", st.ToString()}});
+  }
+  return ticket;
+}
+
+std::optional<absl::StatusOr<WriteTicket>> Store::TryBeginWrite(const WriteSpec& spec) {
+  if (!removal_mu_.TryLock()) return std::nullopt;
+  std::vector<Removal> removals;  // Stays empty: no room is made here.
+  bool declined = false;
+  absl::StatusOr<WriteTicket> ticket = BeginWriteLocked(spec, false, &removals, &declined);
+  removal_mu_.Unlock();
+  if (declined) return std::nullopt;
+  return ticket;
+}
+
+absl::StatusOr<WriteTicket> Store::BeginWriteLocked(const WriteSpec& spec, bool may_make_room,
+                                                    std::vector<Removal>* removals,
+                                                    bool* declined) {
   KVT_RETURN_IF_ERROR(ValidateName("tenant", spec.tenant));
   KVT_RETURN_IF_ERROR(ValidateName("session_id", spec.session));
   if (spec.id.round > kMaxRound) return absl::InvalidArgumentError("round out of range");
@@ -283,7 +305,6 @@ absl::StatusOr<WriteTicket> Store::BeginWrite(const WriteSpec& spec) {
                                               options_.max_segment_bytes, "]"));
   }
   WriteTicket ticket;
-  std::vector<Removal> removals;
   {
     absl::MutexLock lock(&mu_);
     const std::string key = SessionKey(spec.tenant, spec.session);
@@ -295,12 +316,18 @@ absl::StatusOr<WriteTicket> Store::BeginWrite(const WriteSpec& spec) {
             absl::StrCat("round ", spec.id.round, " segment ", spec.id.segment, " already exists"));
       }
     }
+    const bool needs_room =
+        options_.disk_budget_bytes != 0 &&
+        disk_bytes_ + disk_reserved_ + spec.payload_bytes > options_.disk_budget_bytes;
+    if (needs_room && !may_make_room) {
+      *declined = true;
+      return absl::UnavailableError("BeginWrite would make disk room");
+    }
     KVT_ASSIGN_OR_RETURN(QuotaGrant grant, quotas_->Reserve(spec.tenant, spec.payload_bytes));
-    if (options_.disk_budget_bytes != 0 &&
-        disk_bytes_ + disk_reserved_ + spec.payload_bytes > options_.disk_budget_bytes) {
+    if (needs_room) {
       KVT_RETURN_IF_ERROR(MakeDiskRoomLocked(
           disk_bytes_ + disk_reserved_ + spec.payload_bytes - options_.disk_budget_bytes, key,
-          &removals));
+          removals));
     }
     const int64_t now = options_.clock->NowUnixMs();
     if (s == nullptr) {
@@ -331,9 +358,6 @@ absl::StatusOr<WriteTicket> Store::BeginWrite(const WriteSpec& spec) {
     ticket.write_id_ = e.write_id;
     ticket.to_file_ = spec.payload_bytes > options_.inline_payload_max_bytes;
     ticket.grant_ = std::move(grant);
-  }
-  if (absl::Status st = ApplyRemovals(removals); !st.ok()) {
-    LogError("dropping rounds under disk pressure failed", {{"error", st.ToString()}});
   }
   return ticket;
 }
@@ -380,6 +404,25 @@ void Store::AbortWrite(const WriteSpec& spec, uint64_t write_id) {
 
 absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string payload,
                                                std::optional<uint32_t> computed_crc32c) {
+  bool declined = false;
+  // On an error `ticket` still holds the write here: its destructor aborts it.
+  return CommitWriteImpl(ticket, payload, computed_crc32c, false, &declined);
+}
+
+std::optional<absl::StatusOr<SegmentInfo>> Store::TryCommitWrite(
+    WriteTicket& ticket, std::string& payload, std::optional<uint32_t> computed_crc32c) {
+  if (!ticket.valid() || options_.sync_writes || ticket.to_file_) return std::nullopt;
+  bool declined = false;
+  absl::StatusOr<SegmentInfo> info =
+      CommitWriteImpl(ticket, payload, computed_crc32c, true, &declined);
+  if (declined) return std::nullopt;
+  WriteTicket consumed = std::move(ticket);  // Aborts the write on an error.
+  return info;
+}
+
+absl::StatusOr<SegmentInfo> Store::CommitWriteImpl(WriteTicket& ticket, std::string& payload,
+                                                   std::optional<uint32_t> computed_crc32c,
+                                                   bool try_only, bool* declined) {
   if (!ticket.valid()) return absl::FailedPreconditionError("empty write ticket");
   const WriteSpec& spec = ticket.spec_;
   if (payload.size() != spec.payload_bytes) {
@@ -422,6 +465,12 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
     write_session_record = !s->persisted;
     ttl = s->ttl_seconds;
     pinned = s->pinned;
+    if (try_only && (write_session_record || (spec.has_round_summary && r.summary == nullptr))) {
+      // A first record of the session or round is claimed here and must be
+      // given back if the write then stalls: left to CommitWrite.
+      *declined = true;
+      return absl::UnavailableError("commit records a new session or round");
+    }
     if (spec.has_round_summary && r.summary == nullptr) {
       write_round_record = true;
       // Claimed; reverted below on failure.
@@ -465,8 +514,15 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
   }
   rocksdb::WriteOptions wo;
   wo.sync = options_.sync_writes;
+  // A stall would block the caller: decline instead (nothing is written).
+  wo.no_slowdown = try_only;
   if (written.ok()) {
-    written = FromRocks(db_->Write(wo, &batch), "segment write");
+    const rocksdb::Status st = db_->Write(wo, &batch);
+    if (try_only && st.IsIncomplete()) {
+      *declined = true;
+      return absl::UnavailableError("RocksDB would stall the write");
+    }
+    written = FromRocks(st, "segment write");
     // Never committed, but the record may have reached the WAL: not reused.
     if (!written.ok() && file_id != 0) (void)files_->Remove(file_id);
   }

@@ -228,6 +228,11 @@ class Store {
   //   RESOURCE_EXHAUSTED  over the tenant quota, or the disk budget cannot
   //                       make room even by dropping every droppable round.
   absl::StatusOr<WriteTicket> BeginWrite(const WriteSpec& spec);
+  // BeginWrite for a thread that must not wait (a gRPC callback thread):
+  // nullopt, with nothing changed, where BeginWrite would wait on another
+  // call's removals (removal_mu_ held) or would drop rounds to make disk
+  // room; else BeginWrite's answer.
+  std::optional<absl::StatusOr<WriteTicket>> TryBeginWrite(const WriteSpec& spec);
 
   // Optional, between BeginWrite and CommitWrite: the payload's next bytes,
   // as they arrive. A payload stored in a file of its own (over
@@ -251,6 +256,14 @@ class Store {
   // bytes (computed as they arrived), which spares a pass over them.
   absl::StatusOr<SegmentInfo> CommitWrite(WriteTicket ticket, std::string payload,
                                           std::optional<uint32_t> computed_crc32c = {});
+  // CommitWrite for a thread that must not wait. It declines (nullopt;
+  // `ticket` and `payload` untouched, nothing changed) unless the commit is
+  // one RocksDB write without fsync (sync_writes off, an inline payload)
+  // that records no new session or round summary, and when RocksDB would
+  // stall that write (WriteOptions::no_slowdown). Otherwise it consumes
+  // both and returns CommitWrite's answer.
+  std::optional<absl::StatusOr<SegmentInfo>> TryCommitWrite(
+      WriteTicket& ticket, std::string& payload, std::optional<uint32_t> computed_crc32c = {});
 
   // Checks that every id exists and is readable, bumps each distinct
   // round's recall counter once (unless `count_recalls` is false: a copy
@@ -428,6 +441,16 @@ class Store {
         std::unique_ptr<PayloadFiles> files);
   absl::Status Recover();
   void AbortWrite(const WriteSpec& spec, uint64_t write_id);
+  // BeginWrite's work once removal_mu_ is held. `may_make_room` false: sets
+  // *declined instead of dropping rounds for disk room (into *removals).
+  absl::StatusOr<WriteTicket> BeginWriteLocked(const WriteSpec& spec, bool may_make_room,
+                                               std::vector<Removal>* removals, bool* declined)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(removal_mu_);
+  // CommitWrite's work; consumes neither argument when it sets *declined
+  // (only with `try_only`, see TryCommitWrite).
+  absl::StatusOr<SegmentInfo> CommitWriteImpl(WriteTicket& ticket, std::string& payload,
+                                              std::optional<uint32_t> computed_crc32c,
+                                              bool try_only, bool* declined);
   // Creates the ticket's payload file unless WriteChunk already did.
   absl::Status StartPayloadFile(WriteTicket& ticket);
 

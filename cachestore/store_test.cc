@@ -622,6 +622,94 @@ TEST_F(StoreTest, DeleteDuringUploadAbortsIt) {
   EXPECT_THAT(store_->ListRounds("t1", "s"), StatusIs(Code::kNotFound));
 }
 
+// The callback-thread variants: they decline (nothing changed, ticket and
+// payload left to the waiting call) exactly where the waiting call could
+// block, and otherwise give its answers.
+TEST_F(StoreTest, TryBeginWriteDeclinesOnlyWhereDiskRoomIsToBeMade) {
+  options_.disk_budget_bytes = 3 * 1100;
+  Open();
+  for (int i = 0; i < 3; ++i) ASSERT_THAT(Put("s", i, 0, MakePayload(1000, i)), IsOk());
+  const std::string p = MakePayload(1000, 3);
+  EXPECT_FALSE(store_->TryBeginWrite(Spec("s", 3, 0, p)).has_value());
+  EXPECT_EQ(store_->Stats().pressure_drops, 0u);
+  EXPECT_EQ(quota_manager_->Usage("t1").used_bytes, 3 * p.size());
+  KVT_ASSERT_OK_AND_ASSIGN(WriteTicket t, store_->BeginWrite(Spec("s", 3, 0, p)));
+  EXPECT_EQ(store_->Stats().pressure_drops, 1u);
+  ASSERT_THAT(store_->CommitWrite(std::move(t), p), IsOk());
+  // Room enough: a ticket; and BeginWrite's errors come through as they are.
+  options_.disk_budget_bytes = 0;
+  Open();
+  std::optional<absl::StatusOr<WriteTicket>> fresh =
+      store_->TryBeginWrite(Spec("s", 4, 0, MakePayload(10, 4)));
+  ASSERT_TRUE(fresh.has_value());
+  EXPECT_THAT(*fresh, IsOk());
+  std::optional<absl::StatusOr<WriteTicket>> dup = store_->TryBeginWrite(Spec("s", 3, 0, p));
+  ASSERT_TRUE(dup.has_value());
+  EXPECT_THAT(*dup, StatusIs(Code::kAlreadyExists));
+}
+
+TEST_F(StoreTest, TryCommitWriteCommitsPlainWritesAndDeclinesTheRest) {
+  options_.inline_payload_max_bytes = 2000;
+  Open();
+  ASSERT_THAT(Put("s", 0, 0, MakePayload(1000, 1)), IsOk());
+  // A further segment of a stored session and round: committed here. (Spec
+  // gives segment 0 layers [0, 3), the others [3, 8).)
+  const std::string p = MakePayload(1000, 2, 3), p0 = MakePayload(1000, 2);
+  KVT_ASSERT_OK_AND_ASSIGN(WriteTicket t, store_->BeginWrite(Spec("s", 0, 1, p)));
+  std::string payload = p;
+  std::optional<absl::StatusOr<SegmentInfo>> done = store_->TryCommitWrite(t, payload);
+  ASSERT_TRUE(done.has_value());
+  ASSERT_THAT(*done, IsOk());
+  EXPECT_EQ((*done)->state, SegmentState::kSealed);
+  EXPECT_FALSE(t.valid());
+  EXPECT_EQ(Get("s", 0, 1), p);
+
+  // Declined, with ticket and payload intact for CommitWrite: a new session
+  // (its record), a new round's summary, a payload file of its own.
+  auto declined_then_committed = [&](WriteSpec spec, const std::string& bytes) {
+    SCOPED_TRACE(spec.session + " round " + std::to_string(spec.id.round));
+    KVT_ASSERT_OK_AND_ASSIGN(WriteTicket w, store_->BeginWrite(spec));
+    std::string copy = bytes;
+    EXPECT_FALSE(store_->TryCommitWrite(w, copy).has_value());
+    EXPECT_TRUE(w.valid());
+    EXPECT_EQ(copy, bytes);
+    EXPECT_THAT(store_->CommitWrite(std::move(w), copy), IsOk());
+    EXPECT_EQ(Get(spec.session, spec.id.round, spec.id.segment), bytes);
+  };
+  declined_then_committed(Spec("new", 0, 0, p0), p0);
+  WriteSpec summary = Spec("s", 1, 0, p0);
+  summary.has_round_summary = true;
+  summary.round_summary.set_token_end(7);
+  declined_then_committed(summary, p0);
+  const std::string big = MakePayload(5000, 3);
+  declined_then_committed(Spec("s", 2, 0, big), big);
+
+  // Errors come through, and the write is abandoned (its quota refunded).
+  const uint64_t used = quota_manager_->Usage("t1").used_bytes;
+  KVT_ASSERT_OK_AND_ASSIGN(WriteTicket bad, store_->BeginWrite(Spec("s", 0, 2, p)));
+  std::string wrong = MakePayload(1000, 9, 3);
+  std::optional<absl::StatusOr<SegmentInfo>> lost = store_->TryCommitWrite(bad, wrong);
+  ASSERT_TRUE(lost.has_value());
+  EXPECT_THAT(*lost, StatusIs(Code::kDataLoss));
+  EXPECT_FALSE(bad.valid());
+  EXPECT_EQ(quota_manager_->Usage("t1").used_bytes, used);
+  KVT_ASSERT_OK_AND_ASSIGN(WriteTicket gone, store_->BeginWrite(Spec("s", 0, 3, p)));
+  ASSERT_THAT(store_->DeleteSession("t1", "s"), IsOk());
+  std::string copy = p;
+  std::optional<absl::StatusOr<SegmentInfo>> aborted = store_->TryCommitWrite(gone, copy);
+  ASSERT_TRUE(aborted.has_value());
+  EXPECT_THAT(*aborted, StatusIs(Code::kAborted));
+
+  // With fsync, every commit waits on the disk: always declined.
+  options_.sync_writes = true;
+  Open();
+  ASSERT_THAT(Put("f", 0, 0, p0), IsOk());
+  KVT_ASSERT_OK_AND_ASSIGN(WriteTicket synced, store_->BeginWrite(Spec("f", 0, 1, p)));
+  copy = p;
+  EXPECT_FALSE(store_->TryCommitWrite(synced, copy).has_value());
+  EXPECT_THAT(store_->CommitWrite(std::move(synced), copy), IsOk());
+}
+
 TEST_F(StoreTest, PrepareReadChecksEveryRefFirst) {
   Open();
   ASSERT_THAT(Put("s", 0, 0, MakePayload(100, 1)), IsOk());

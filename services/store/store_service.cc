@@ -118,8 +118,13 @@ uint64_t StoreService::InflightUploadBytes(const std::string& tenant) const {
 
 // ---- PutSegment ----
 
-// Reads the header, reserves room on the executor, then accumulates chunks on
-// the callback thread (a memcpy, never blocking) and commits on the executor.
+// Reads the header and reserves room, then accumulates chunks on the
+// callback thread (a memcpy, never blocking) and commits. The reservation and
+// the commit run on the callback thread when the store can do them without
+// waiting (Store::TryBeginWrite, Store::TryCommitWrite: no lock held by
+// another call's removals, no disk room to make; a commit that is one
+// RocksDB write without fsync and does not stall), else on the executor. A
+// small put thus skips two hand-offs between threads.
 // A payload that goes to a file of its own is also written to that file as it
 // arrives, by one writer task at a time on the executor (WriteChunks), so the
 // disk works while the rest is received; the commit, and any failure after
@@ -170,6 +175,8 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
       } else if (buffer_.size() != ticket_.spec().payload_bytes) {
         Fail(absl::OutOfRangeError(absl::StrCat("truncated stream: got ", buffer_.size(), " of ",
                                                 ticket_.spec().payload_bytes, " payload bytes")));
+      } else if (!streaming_ && TryCommitNow()) {
+        // Committed here: no writer task ever ran for an inline payload.
       } else {
         RunAfterWrites([this] { Commit(); });
       }
@@ -197,7 +204,13 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
         return;
       }
       if (!field.ok()) header_ = parsed.header();
-      svc_->executor_->Schedule([this] { Begin(); });
+      if (!Admit()) return;
+      std::optional<absl::StatusOr<cachestore::WriteTicket>> t = svc_->store_->TryBeginWrite(spec_);
+      if (t.has_value()) {
+        Started(*std::move(t));
+      } else {
+        svc_->executor_->Schedule([this] { Started(svc_->store_->BeginWrite(spec_)); });
+      }
       return;
     }
     if (!is_chunk) {
@@ -233,9 +246,11 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   void OnDone() override { delete this; }
 
  private:
-  void Begin() {
+  // The header's spec into spec_, its size checked and admitted against the
+  // caller's uploads in flight; on failure the call is finished (false).
+  bool Admit() {
     const v1::PutSegmentHeader& h = header_;
-    cachestore::WriteSpec spec;
+    cachestore::WriteSpec& spec = spec_;
     spec.tenant = principal_.tenant;
     spec.session = h.session_id();
     spec.id = {h.ref().round(), h.ref().segment()};
@@ -252,14 +267,19 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     if (spec.payload_bytes == 0 || spec.payload_bytes > max_segment) {
       Done(absl::OutOfRangeError(
           absl::StrCat("payload_bytes ", spec.payload_bytes, " outside [1, ", max_segment, "]")));
-      return;
+      return false;
     }
     if (absl::Status s = svc_->AdmitUpload(principal_.caller, spec.payload_bytes); !s.ok()) {
       Done(s);
-      return;
+      return false;
     }
     inflight_bytes_ = spec.payload_bytes;
-    absl::StatusOr<cachestore::WriteTicket> t = svc_->store_->BeginWrite(spec);
+    return true;
+  }
+
+  // BeginWrite's answer: the payload is read next.
+  void Started(absl::StatusOr<cachestore::WriteTicket> t) {
+    const cachestore::WriteSpec& spec = spec_;
     if (!t.ok()) {
       Done(t.status());
       return;
@@ -353,8 +373,21 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
       return;
     }
     const uint64_t bytes = ticket_.spec().payload_bytes;
-    absl::StatusOr<cachestore::SegmentInfo> info =
-        svc_->store_->CommitWrite(std::move(ticket_), std::move(buffer_), crc_);
+    Committed(svc_->store_->CommitWrite(std::move(ticket_), std::move(buffer_), crc_), bytes);
+  }
+
+  // The commit on this (callback) thread, when the store can do it without
+  // waiting; false (nothing done) when it declines.
+  bool TryCommitNow() {
+    const uint64_t bytes = ticket_.spec().payload_bytes;
+    std::optional<absl::StatusOr<cachestore::SegmentInfo>> info =
+        svc_->store_->TryCommitWrite(ticket_, buffer_, crc_);
+    if (!info.has_value()) return false;
+    Committed(*std::move(info), bytes);
+    return true;
+  }
+
+  void Committed(const absl::StatusOr<cachestore::SegmentInfo>& info, uint64_t bytes) {
     if (info.ok()) {
       v1::PutSegmentResponse resp;
       *resp.mutable_segment() = ToProto(*info);
@@ -388,6 +421,7 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   Principal principal_;
   grpc::ByteBuffer req_;
   v1::PutSegmentHeader header_;
+  cachestore::WriteSpec spec_;                // From header_ (Admit).
   uint64_t inflight_bytes_ = 0;               // Admitted by svc_->AdmitUpload.
   std::atomic<int64_t> waiting_since_ns_{0};  // 0: not waiting for the client.
   std::atomic<bool> idle_cancelled_{false};
