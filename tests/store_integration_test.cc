@@ -338,11 +338,19 @@ TEST_F(StoreIntegrationTest, StreamedUploadsFailCleanlyAndCommitWhole) {
     return body;
   };
   const std::string payloads = dir_.path() + "/db/payloads";
-  // Payload files that hold bytes (the store keeps empty spares ready).
+  // Payload files that hold bytes (the store keeps empty spares ready). The
+  // store removes files while this looks (the loop below polls as it tears
+  // an upload down): a file gone between the listing and its size is not
+  // counted, rather than thrown as an exception that fails the test.
   auto files = [&] {
     int n = 0;
-    for (const auto& e : std::filesystem::recursive_directory_iterator(payloads)) {
-      n += e.is_regular_file() && e.file_size() > 0 ? 1 : 0;
+    std::error_code ec;
+    for (auto it = std::filesystem::recursive_directory_iterator(payloads, ec);
+         !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
+      std::error_code gone;
+      const bool regular = it->is_regular_file(gone);
+      const uintmax_t size = regular ? it->file_size(gone) : 0;
+      n += !gone && regular && size > 0 ? 1 : 0;
     }
     return n;
   };
@@ -365,9 +373,10 @@ TEST_F(StoreIntegrationTest, StreamedUploadsFailCleanlyAndCommitWhole) {
     ctx->TryCancel();
     EXPECT_EQ(w->Finish().error_code(), grpc::StatusCode::CANCELLED);
   }
-  // The store tears a cancelled upload down after the client hears of it.
+  // The store tears a cancelled upload down after the client hears of it:
+  // the round, then its file, then the quota it held, each a moment apart.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while ((files() != 0 || alice_->ListRounds("s").ok()) &&
+  while ((files() != 0 || alice_->ListRounds("s").ok() || Stats().tenant_bytes() != 0) &&
          std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -405,7 +414,8 @@ TEST_F(StoreIntegrationTest, CancelledAndCappedUploadsStoreNothing) {
   // The client sees CANCELLED before the store has torn the upload down; the
   // store must get there, so wait for it (bounded) rather than race it.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (alice_->ListRounds("s").ok() && std::chrono::steady_clock::now() < deadline) {
+  while ((alice_->ListRounds("s").ok() || Stats().tenant_bytes() != 0) &&
+         std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_THAT(alice_->ListRounds("s"), StatusIs(Code::kNotFound));
