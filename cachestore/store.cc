@@ -1147,33 +1147,53 @@ absl::StatusOr<Store::RecallResult> Store::RecordRecalls(const std::string& tena
   return result;
 }
 
+Store::SegmentEntry* Store::FindReadableLocked(const std::string& key, SegmentId id,
+                                               RoundEntry** round_out) {
+  SessionEntry* s = FindSessionLocked(key);
+  if (s == nullptr) return nullptr;
+  auto r = s->rounds.find(id.round);
+  if (r == s->rounds.end()) return nullptr;
+  auto e = r->second.segments.find(id.segment);
+  if (e == r->second.segments.end() || e->second.info.state == SegmentState::kWriting) {
+    return nullptr;
+  }
+  if (round_out != nullptr) *round_out = &r->second;
+  return &e->second;
+}
+
+namespace {
+absl::Status SegmentGone(const std::string& session, SegmentId id) {
+  return absl::NotFoundError(absl::StrCat("session '", session, "' round ", id.round, " segment ",
+                                          id.segment, " is gone"));
+}
+}  // namespace
+
+std::optional<absl::StatusOr<ReadResult>> Store::TryReadSegment(const std::string& tenant,
+                                                                const std::string& session,
+                                                                SegmentId id) {
+  const std::string key = SessionKey(tenant, session);
+  absl::MutexLock lock(&mu_);
+  SegmentEntry* e = FindReadableLocked(key, id);
+  if (e == nullptr) return absl::StatusOr<ReadResult>(SegmentGone(session, id));
+  if (e->info.state != SegmentState::kSealed) return std::nullopt;
+  ++counters_.hits_ram;
+  ReadResult result;
+  result.info = e->info;
+  result.payload = e->ram;
+  result.served_from = Tier::kRam;
+  return result;
+}
+
 absl::StatusOr<ReadResult> Store::ReadSegment(const std::string& tenant, const std::string& session,
                                               SegmentId id) {
   const std::string key = SessionKey(tenant, session);
   ReadResult result;
   uint64_t file_id = 0;
   PayloadFiles::ReadPin pin;  // Holds the file against reuse while it is read.
-  // The segment, with its round in *round_out when asked.
-  auto find = [&](RoundEntry** round_out = nullptr) -> SegmentEntry* {
-    mu_.AssertHeld();  // Called only under the lock.
-    SessionEntry* s = FindSessionLocked(key);
-    if (s == nullptr) return nullptr;
-    auto r = s->rounds.find(id.round);
-    if (r == s->rounds.end()) return nullptr;
-    auto e = r->second.segments.find(id.segment);
-    if (e == r->second.segments.end() || e->second.info.state == SegmentState::kWriting) {
-      return nullptr;
-    }
-    if (round_out != nullptr) *round_out = &r->second;
-    return &e->second;
-  };
-  auto gone = [&] {
-    return absl::NotFoundError(absl::StrCat("session '", session, "' round ", id.round, " segment ",
-                                            id.segment, " is gone"));
-  };
+  auto gone = [&] { return SegmentGone(session, id); };
   {
     absl::MutexLock lock(&mu_);
-    SegmentEntry* e = find();
+    SegmentEntry* e = FindReadableLocked(key, id);
     if (e == nullptr) return gone();
     result.info = e->info;
     file_id = e->file_id;
@@ -1210,7 +1230,7 @@ absl::StatusOr<ReadResult> Store::ReadSegment(const std::string& tenant, const s
   {
     absl::MutexLock lock(&mu_);
     RoundEntry* r = nullptr;
-    SegmentEntry* e = find(&r);
+    SegmentEntry* e = FindReadableLocked(key, id, &r);
     SessionEntry* s = FindSessionLocked(key);
     if (e != nullptr && e->info.state == SegmentState::kSpilled) {
       ++e->disk_reads;

@@ -280,6 +280,12 @@ class Store {
   // checksum; INTERNAL on RocksDB errors.
   absl::StatusOr<ReadResult> ReadSegment(const std::string& tenant, const std::string& session,
                                          SegmentId id);
+  // ReadSegment for a thread that must not wait: the segment when it is in
+  // RAM, NOT_FOUND when it is gone; nullopt (nothing counted) when it would
+  // be read from disk.
+  std::optional<absl::StatusOr<ReadResult>> TryReadSegment(const std::string& tenant,
+                                                           const std::string& session,
+                                                           SegmentId id);
 
   // NOT_FOUND for an unknown session.
   absl::StatusOr<SessionInfo> ListRounds(const std::string& tenant, const std::string& session);
@@ -441,6 +447,11 @@ class Store {
         std::unique_ptr<PayloadFiles> files);
   absl::Status Recover();
   void AbortWrite(const WriteSpec& spec, uint64_t write_id);
+  // Segment `id` of session `key` when it can be read (not being written),
+  // with its round in *round_out when asked; else null.
+  SegmentEntry* FindReadableLocked(const std::string& key, SegmentId id,
+                                   RoundEntry** round_out = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // BeginWrite's work once removal_mu_ is held. `may_make_room` false: sets
   // *declined instead of dropping rounds for disk room (into *removals).
   absl::StatusOr<WriteTicket> BeginWriteLocked(const WriteSpec& spec, bool may_make_room,

@@ -710,6 +710,28 @@ TEST_F(StoreTest, TryCommitWriteCommitsPlainWritesAndDeclinesTheRest) {
   EXPECT_THAT(store_->CommitWrite(std::move(synced), copy), IsOk());
 }
 
+TEST_F(StoreTest, TryReadSegmentServesRamAndDeclinesDisk) {
+  options_.ram_budget_bytes = 1500;
+  Open();
+  const std::string small = MakePayload(1000, 1), big = MakePayload(2000, 2);
+  ASSERT_THAT(Put("s", 0, 0, small), IsOk());
+  ASSERT_THAT(Put("s", 1, 0, big), IsOk());  // Over the RAM budget: on disk only.
+  std::optional<absl::StatusOr<ReadResult>> ram = store_->TryReadSegment("t1", "s", {0, 0});
+  ASSERT_TRUE(ram.has_value());
+  ASSERT_THAT(*ram, IsOk());
+  EXPECT_EQ(*(*ram)->payload, small);
+  EXPECT_EQ((*ram)->served_from, Tier::kRam);
+  EXPECT_FALSE(store_->TryReadSegment("t1", "s", {1, 0}).has_value());
+  std::optional<absl::StatusOr<ReadResult>> gone = store_->TryReadSegment("t1", "s", {2, 0});
+  ASSERT_TRUE(gone.has_value());
+  EXPECT_THAT(*gone, StatusIs(Code::kNotFound));
+  StoreStats st = store_->Stats();
+  EXPECT_EQ(st.hits_ram, 1u);
+  EXPECT_EQ(st.hits_disk, 0u);  // The declined read counted nothing.
+  EXPECT_EQ(Get("s", 1, 0), big);
+  EXPECT_EQ(store_->Stats().hits_disk, 1u);
+}
+
 TEST_F(StoreTest, PrepareReadChecksEveryRefFirst) {
   Open();
   ASSERT_THAT(Put("s", 0, 0, MakePayload(100, 1)), IsOk());

@@ -471,9 +471,12 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* StoreService::PutSegment(
 
 // ---- GetSegments ----
 
-// Checks every ref and counts the recall on the executor, then streams each
-// segment as a header plus ~1 MiB chunks; the next segment is loaded on the
-// executor when the previous one has been written.
+// Checks every ref and counts the recall (index work under the store's lock,
+// no I/O: on the callback thread), then streams each segment as a header plus
+// ~1 MiB chunks. A segment in RAM is taken on the callback thread too
+// (Store::TryReadSegment); one that must be read from disk is loaded on the
+// executor. The next segment is loaded when the previous one has been
+// written.
 class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   GetReactor(StoreService* svc, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw)
@@ -502,7 +505,7 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
         return;
       }
     }
-    svc_->executor_->Schedule([this] { Prepare(); });
+    Prepare();
   }
 
   void OnWriteDone(bool ok) override {
@@ -531,10 +534,21 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     Load();
   }
 
-  // Runs on the executor: reads segment next_ and starts writing it.
+  // Segment next_: here when it is in RAM, else read on the executor.
   void Load() {
-    absl::StatusOr<cachestore::ReadResult> r =
-        svc_->store_->ReadSegment(principal_.tenant, request_.session_id(), ids_[next_]);
+    std::optional<absl::StatusOr<cachestore::ReadResult>> r =
+        svc_->store_->TryReadSegment(principal_.tenant, request_.session_id(), ids_[next_]);
+    if (r.has_value()) {
+      Loaded(*std::move(r));
+      return;
+    }
+    svc_->executor_->Schedule([this] {
+      Loaded(svc_->store_->ReadSegment(principal_.tenant, request_.session_id(), ids_[next_]));
+    });
+  }
+
+  // Starts writing the segment read (or finishes the call on an error).
+  void Loaded(absl::StatusOr<cachestore::ReadResult> r) {
     if (!r.ok()) {
       Done(r.status());
       return;
@@ -564,7 +578,7 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     }
     current_ = {};
     if (++next_ < ids_.size()) {
-      svc_->executor_->Schedule([this] { Load(); });
+      Load();
       return;
     }
     Done(absl::OkStatus());
