@@ -541,6 +541,13 @@ __device__ __forceinline__ void LoadDtype8(int dtype, const void* p, int64_t i, 
   for (int e = 0; e < 8; ++e) x[e] = SegLoadDtype(dtype, p, i + e);
 }
 
+// t / group, with a shift for the usual power-of-two group (a 32-bit
+// division costs a GPU tens of instructions a row).
+__device__ __forceinline__ uint32_t TokenGroup(int64_t t, uint32_t group) {
+  return (group & (group - 1)) == 0 ? static_cast<uint32_t>(t) >> (__ffs(group) - 1)
+                                    : static_cast<uint32_t>(t) / group;
+}
+
 // Elements (t, c0 .. c0 + 7) of a block's K or V: SegLoad's values, c0 and d
 // multiples of 8.
 __device__ __forceinline__ void SegLoad8(const SegKv& kv, int d, int64_t t, int c0, float* x) {
@@ -574,11 +581,8 @@ __device__ __forceinline__ void SegLoad8(const SegKv& kv, int d, int64_t t, int 
   }
   const auto ug = static_cast<uint32_t>(kv.group);
   if (kv.key != 0) {
-    // Scales and zeros per (token group, channel): 8 consecutive halves. A
-    // shift for the usual power-of-two group, not a division per row.
-    const uint32_t tg = (ug & (ug - 1)) == 0 ? static_cast<uint32_t>(t) >> (__ffs(ug) - 1)
-                                             : static_cast<uint32_t>(t) / ug;
-    const int64_t si = static_cast<int64_t>(tg) * d + c0;
+    // Scales and zeros per (token group, channel): 8 consecutive halves.
+    const int64_t si = static_cast<int64_t>(TokenGroup(t, ug)) * d + c0;
     float sc[8], ze[8];
     LoadDtype8(1, kv.scales, si, sc);
     LoadDtype8(1, kv.zeros, si, ze);
@@ -620,36 +624,35 @@ __device__ __forceinline__ void SegPrefetch8(const SegKv& kv, int d, int64_t t, 
   }
   PrefetchL2(kv.codes + (((t * d + c0) * kv.bits) >> 5));
   const auto ug = static_cast<uint32_t>(kv.group);
-  const uint32_t tg = (ug & (ug - 1)) == 0 ? static_cast<uint32_t>(t) >> (__ffs(ug) - 1)
-                                           : static_cast<uint32_t>(t) / ug;
   const int64_t si = kv.key != 0
-                         ? static_cast<int64_t>(tg) * d + c0
+                         ? static_cast<int64_t>(TokenGroup(t, ug)) * d + c0
                          : t * static_cast<int64_t>((static_cast<uint32_t>(d) + ug - 1) / ug) +
                                static_cast<uint32_t>(c0) / ug;
   PrefetchL2(kv.scales + si);
   PrefetchL2(kv.zeros + si);
 }
 
-// Calls load(blk, t, x) and then use(x, pos, valid) for the span [lo, hi) of
-// KV head h's visible tokens for query i: each warp pass, token slot `slot`
-// of warp `warp` takes one token, U passes at a time (their loads first,
-// then their arithmetic, so that U rows are in flight per lane). Every lane
+// Reads the lane's 8 channels (from c0, head_dim D) of each row of K (`key`)
+// or V and calls use(x, pos, valid) for the span [lo, hi) of KV head h's
+// visible tokens for query i: each warp pass, token slot `slot` of warp
+// `warp` takes one token, U passes at a time (their loads first, then their
+// arithmetic, so that U rows are in flight per lane). Every lane
 // calls `use` the same number of times (valid false past the end), as its
 // shuffles need.
 //
 // With g.prefetch = A > 0, each lane also asks L2 for the rows it will load A
-// iterations later (prefetch(blk, t), no registers held, nothing waited on),
+// iterations later (SegPrefetch8: no registers held, nothing waited on),
 // after asking for its first A iterations' rows on entering each block: a
 // lane's own loads are then mostly L2 hits, so more of device memory's
 // latency overlaps work than the U rows in flight alone allow.
 //
 // prefix(kv, off, a, e) may take the first rows of a block's range itself
 // (KeyChunks does, for quantized K): it returns where this loop starts.
-template <int T, int U, typename Load, typename Use, typename Prefetch, typename Prefix>
+template <int T, int U, int D, typename Use, typename Prefix>
 __device__ __forceinline__ void ForSpanVec(const SegDims& g, const SegBlock* blocks,
                                            const int* head_first, int h, int i, int64_t lo,
-                                           int64_t hi, int warp, int slot, bool key, Load load,
-                                           Use use, Prefetch prefetch, Prefix prefix) {
+                                           int64_t hi, int warp, int slot, int c0, bool key,
+                                           Use use, Prefix prefix) {
   constexpr int kStride = kSplitWarps * T;
   const int64_t ahead = static_cast<int64_t>(g.prefetch) * U * kStride;  // In tokens.
   int64_t off = 0;
@@ -663,13 +666,15 @@ __device__ __forceinline__ void ForSpanVec(const SegDims& g, const SegBlock* blo
     const SegKv kv = key ? blk.k : blk.v;
     if (a < e) a = prefix(kv, off, a, e);
     const int64_t first = a + warp * T + slot;
-    for (int64_t p = first; p < min(e, first + ahead); p += kStride) prefetch(kv, p - off);
+    for (int64_t p = first; p < min(e, first + ahead); p += kStride) {
+      SegPrefetch8(kv, D, p - off, c0);
+    }
     for (int64_t p0 = a + warp * T; p0 < e; p0 += U * kStride) {
       if (ahead > 0) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int64_t p = p0 + ahead + u * kStride + slot;
-          if (p < e) prefetch(kv, p - off);
+          if (p < e) SegPrefetch8(kv, D, p - off, c0);
         }
       }
       float x[U][8];
@@ -679,7 +684,7 @@ __device__ __forceinline__ void ForSpanVec(const SegDims& g, const SegBlock* blo
         const int64_t p = p0 + u * kStride + slot;
         valid[u] = p < e;
         if (valid[u]) {
-          load(kv, p - off, x[u]);
+          SegLoad8(kv, D, p - off, c0, x[u]);
         } else {
 #pragma unroll
           for (int k = 0; k < 8; ++k) x[u][k] = 0.0f;
@@ -706,8 +711,7 @@ __device__ __forceinline__ void ForSpanVec(const SegDims& g, const SegBlock* blo
 // conversions per row: the 8-channel loop spent about three times the
 // instructions a row on them.
 
-// Whether KeyChunks can take `kv`'s quantized rows for head_dim D.
-template <int D>
+// Whether KeyChunks can take `kv`'s quantized rows.
 __device__ __forceinline__ bool ChunkableKey(const SegKv& kv) {
   const auto ug = static_cast<uint32_t>(kv.group);
   return kv.quantized_kind == 1 && kv.key != 0 && (kv.bits == 2 || kv.bits == 4 || kv.bits == 8) &&
@@ -789,7 +793,7 @@ template <int D, int REP>
 __device__ __forceinline__ int64_t KeyChunks(const SegKv& kv, int64_t off, int64_t a, int64_t e,
                                              int64_t lo, float scale, int warp, int lane,
                                              const float* qs, float* table, float* s, int split) {
-  if (!ChunkableKey<D>(kv)) return a;
+  if (!ChunkableKey(kv)) return a;
   const int64_t la = a - off, lq = min(e - off, kv.quantized);
   if (la >= lq) return a;
   const int64_t pos0 = off - lo;
@@ -868,9 +872,8 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
     for (int e = 0; e < 8; ++e) qr[r][e] = qrow[r * D + c0 + e];
   __syncthreads();
   const int64_t lo = static_cast<int64_t>(span) * split, hi = lo + split;
-  ForSpanVec<T, U>(
-      g, blocks, head_first, h, i, lo, hi, warp, slot, true,
-      [&](const SegKv& kv, int64_t t, float* x) { SegLoad8(kv, D, t, c0, x); },
+  ForSpanVec<T, U, D>(
+      g, blocks, head_first, h, i, lo, hi, warp, slot, c0, true,
       [&](const float* x, int64_t pos, bool valid) {
         float part[REP];
 #pragma unroll
@@ -883,7 +886,6 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
         const float sum = RowReduce<L, REP>(part, lane, &r);
         if (valid && (lane & (L / REP - 1)) == 0) s[r * split + pos] = sum * g.scale;
       },
-      [&](const SegKv& kv, int64_t t) { SegPrefetch8(kv, D, t, c0); },
       [&](const SegKv& kv, int64_t off, int64_t a, int64_t e) {
         if constexpr (kChunks) {
           return KeyChunks<D, REP>(kv, off, a, e, lo, g.scale, warp, lane, qs, table, s, split);
@@ -900,9 +902,8 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
   for (int r = 0; r < REP; ++r)
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[r][e] = 0.0f;
-  ForSpanVec<T, U>(
-      g, blocks, head_first, h, i, lo, hi, warp, slot, false,
-      [&](const SegKv& kv, int64_t t, float* x) { SegLoad8(kv, D, t, c0, x); },
+  ForSpanVec<T, U, D>(
+      g, blocks, head_first, h, i, lo, hi, warp, slot, c0, false,
       [&](const float* x, int64_t pos, bool valid) {
         if (!valid) return;
 #pragma unroll
@@ -912,7 +913,6 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
           for (int e = 0; e < 8; ++e) acc[r][e] += w * x[e];
         }
       },
-      [&](const SegKv& kv, int64_t t) { SegPrefetch8(kv, D, t, c0); },
       [](const SegKv&, int64_t, int64_t a, int64_t) { return a; });
   // The warp's token slots together, then the warps (shared atomics).
 #pragma unroll
