@@ -429,4 +429,20 @@ uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t n) {
   return Dispatch(ActivePath(), crc, data, n);
 }
 
+uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  // Without its inversions the CRC is linear in its register: the register
+  // after a + b is a's register run through len_b zero bytes, xor b's from
+  // zero. Crc32cExtend inverts on the way in and out, so ~Extend(~crc_a,
+  // zeros) is a's register run through the zeros, and the inversions of b's
+  // own CRC cancel against those of its zero-started run.
+  static constexpr uint8_t kZeros[256] = {};
+  uint32_t reg = ~crc_a;
+  while (len_b > 0) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(len_b, sizeof(kZeros)));
+    reg = Crc32cExtend(reg, kZeros, n);
+    len_b -= n;
+  }
+  return ~reg ^ crc_b;
+}
+
 }  // namespace kvtier

@@ -20,6 +20,13 @@ uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t n);
 
 inline uint32_t Crc32c(std::string_view s) { return Crc32cExtend(0, s.data(), s.size()); }
 
+// The CRC of a + b from the CRCs of a and of b and b's length, without b's
+// bytes: Crc32cCombine(Crc32c(a), Crc32c(b), b.size()) == Crc32c(a + b).
+// It runs the CRC over len_b zero bytes, so it costs what extending over
+// len_b bytes in cache costs: meant for short b (metadata whose CRC was
+// kept), not for joining large blocks.
+uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+
 // The portable table version, exposed so tests can compare it with the
 // hardware path.
 uint32_t Crc32cExtendPortable(uint32_t crc, const void* data, size_t n);

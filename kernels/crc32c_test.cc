@@ -68,5 +68,31 @@ TEST(Crc32c, ExtendEqualsWhole) {
   EXPECT_EQ(Crc32cExtend(Crc32c(a), b.data(), b.size()), Crc32c(a + b));
 }
 
+// Combining the CRCs of a and b gives the CRC of a + b, for lengths of b
+// around the 256-byte zero block it runs through, and empty parts.
+TEST(Crc32c, CombineEqualsWhole) {
+  std::mt19937 rng(11);
+  auto random = [&](size_t n) {
+    std::string s(n, '\0');
+    for (char& c : s) c = static_cast<char>(rng());
+    return s;
+  };
+  for (size_t la : {0u, 1u, 13u, 300u}) {
+    for (size_t lb : {0u, 1u, 7u, 255u, 256u, 257u, 1000u, 70000u}) {
+      const std::string a = random(la), b = random(lb);
+      EXPECT_EQ(Crc32cCombine(Crc32c(a), Crc32c(b), b.size()), Crc32c(a + b)) << la << " + " << lb;
+    }
+  }
+  // A chain: the CRC of many parts from theirs alone.
+  std::string whole;
+  uint32_t crc = 0;
+  for (int i = 0; i < 50; ++i) {
+    const std::string part = random(rng() % 400);
+    crc = Crc32cCombine(crc, Crc32c(part), part.size());
+    whole += part;
+  }
+  EXPECT_EQ(crc, Crc32c(whole));
+}
+
 }  // namespace
 }  // namespace kvtier

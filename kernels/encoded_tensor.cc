@@ -189,9 +189,12 @@ absl::Status SplitTensorBytes(std::string_view bytes, TensorParts* out) {
   return absl::OkStatus();
 }
 
-// Extends `*crc` over bytes[*from, to) and moves *from to `to`.
-void ExtendTo(const std::string_view bytes, size_t to, size_t* from, uint32_t* crc) {
+// Extends `*crc` over bytes[*from, to), moves *from to `to` and counts the
+// bytes in *covered (when not null).
+void ExtendTo(const std::string_view bytes, size_t to, size_t* from, uint32_t* crc,
+              uint64_t* covered = nullptr) {
   *crc = Crc32cExtend(*crc, bytes.data() + *from, to - *from);
+  if (covered != nullptr) *covered += to - *from;
   *from = to;
 }
 
@@ -217,9 +220,10 @@ bool NextBytesField(CodedInputStream* in, int field, size_t base, size_t* at, ui
 }
 
 // Crc32cOutsideBufferData over bytes[begin, end) of `bytes`, from `*from`
-// (everything before `begin` not yet checksummed is included).
+// (everything before `begin` not yet checksummed is included); *covered
+// (when not null) counts the bytes it extended over.
 bool ExtendOutsideBufferData(std::string_view bytes, size_t begin, size_t end, size_t* from,
-                             uint32_t* crc) {
+                             uint32_t* crc, uint64_t* covered = nullptr) {
   auto stream = [&](size_t at, size_t n) {
     return CodedInputStream(reinterpret_cast<const uint8_t*>(bytes.data() + at),
                             static_cast<int>(n));
@@ -235,13 +239,13 @@ bool ExtendOutsideBufferData(std::string_view bytes, size_t begin, size_t end, s
     uint32_t n = 0;
     bool buf_ok = true;
     while (NextBytesField(&buf, 2, at, &data, &n, &buf_ok)) {  // Buffer.data
-      ExtendTo(bytes, data, from, crc);
+      ExtendTo(bytes, data, from, crc, covered);
       *from = data + n;
     }
     if (!buf_ok) return false;
   }
   if (!ok) return false;
-  ExtendTo(bytes, end, from, crc);
+  ExtendTo(bytes, end, from, crc, covered);
   return true;
 }
 
@@ -329,14 +333,20 @@ absl::StatusOr<std::vector<TensorParts>> SplitPayload(std::string_view payload, 
       if (!ReadView(&in, payload.data(), &view)) {
         return absl::InvalidArgumentError("segment payload is not a serialized SegmentPayload");
       }
-      if (outside_crc != nullptr) {
-        const size_t at = static_cast<size_t>(view.data() - payload.data());
-        if (!ExtendOutsideBufferData(payload, at, at + view.size(), &from, outside_crc)) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("tensor ", out.size(), ": segment payload tensor does not parse"));
-        }
-      }
       TensorParts& t = out.emplace_back();
+      size_t own_from = 0;
+      if (!ExtendOutsideBufferData(view, 0, view.size(), &own_from, &t.outside.crc,
+                                   &t.outside.len)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor ", out.size() - 1, ": segment payload tensor does not parse"));
+      }
+      if (outside_crc != nullptr) {
+        // The framing before the tensor, then the tensor's own part.
+        const size_t at = static_cast<size_t>(view.data() - payload.data());
+        ExtendTo(payload, at, &from, outside_crc);
+        *outside_crc = Crc32cCombine(*outside_crc, t.outside.crc, t.outside.len);
+        from = at + view.size();
+      }
       absl::Status s = SplitTensorBytes(view, &t);
       if (s.ok()) s = ValidateTensorView(t.meta, t.buffers, verify_crc);
       if (!s.ok()) {

@@ -35,20 +35,31 @@ struct BufferView {
 // One tensor of a serialized SegmentPayload, split where it lies: its
 // metadata (every field but the buffers, parsed) and views of its buffers'
 // bytes. Valid while the payload's bytes are.
+// What Crc32cOutsideBufferData covers of one tensor: its CRC (from 0) and
+// how many bytes it covered. Kept beside a tensor, it lets a CRC over many
+// tensors' framing and metadata be extended without reading them again
+// (Crc32cCombine(crc, outside.crc, outside.len)).
+struct OutsideCrc {
+  uint32_t crc = 0;
+  uint64_t len = 0;
+};
+
 struct TensorParts {
   v1::EncodedTensor meta;           // Its `buffers` are empty.
   std::vector<BufferView> buffers;  // In order.
   std::string_view bytes;           // The tensor's whole serialized form.
+  OutsideCrc outside;               // Of `bytes` (SplitPayload).
 };
 
 // Splits every tensor of a serialized SegmentPayload in place, copying no
 // buffer bytes, and validates each as ValidateTensor does (the checksum only
 // with verify_crc). OK and the tensors in order; INVALID_ARGUMENT for bytes
 // that are no SegmentPayload or a malformed tensor; DATA_LOSS for a checksum
-// mismatch. With `outside_crc`, it also extends *outside_crc over what
-// Crc32cOutsidePayloadBufferData covers, tensor by tensor as it checks them
-// (one pass instead of two while the bytes are in cache; the value is the
-// same). On an error *outside_crc is not defined.
+// mismatch. Each tensor's `outside` is computed as it is checked. With
+// `outside_crc`, it also extends *outside_crc over what
+// Crc32cOutsidePayloadBufferData covers, tensor by tensor (one pass instead
+// of two while the bytes are in cache; the value is the same). On an error
+// *outside_crc is not defined.
 absl::StatusOr<std::vector<TensorParts>> SplitPayload(std::string_view payload,
                                                       bool verify_crc = true,
                                                       uint32_t* outside_crc = nullptr);

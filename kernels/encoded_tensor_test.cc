@@ -173,8 +173,26 @@ TEST(EncodedTensor, CrcOutsideBufferDataWithTensorCrcsCatchesEveryBitFlip) {
       ASSERT_TRUE(c.ok()) << c.status();
       crc = *c;
       at = begin + t.bytes.size();
+      // What the split kept of the tensor: its own part from 0 and its
+      // length, which the longhand counts as everything but buffer data.
+      absl::StatusOr<uint32_t> own = Crc32cOutsideBufferData(0, t.bytes);
+      ASSERT_TRUE(own.ok()) << own.status();
+      EXPECT_EQ(t.outside.crc, *own);
+      size_t data_bytes = 0;
+      for (const BufferView& b : t.buffers) data_bytes += b.data.size();
+      EXPECT_EQ(t.outside.len, t.bytes.size() - data_bytes);
     }
     EXPECT_EQ(crc, want);
+    // The same from the kept parts alone, as a hand-off's sender does.
+    uint32_t kept = 0;
+    at = 0;
+    for (const TensorParts& t : *split) {
+      const size_t begin = static_cast<size_t>(t.bytes.data() - payload.data());
+      kept = Crc32cExtend(kept, payload.data() + at, begin - at);
+      kept = Crc32cCombine(kept, t.outside.crc, t.outside.len);
+      at = begin + t.bytes.size();
+    }
+    EXPECT_EQ(Crc32cExtend(kept, payload.data() + at, payload.size() - at), want);
     if (iter >= 4) continue;
     for (size_t i = 0; i < payload.size(); ++i) {
       for (int bit = 0; bit < 8; ++bit) {

@@ -461,8 +461,8 @@ TEST(DeviceTransferTest, DeviceRoundsReadBackInPlaceOrAreLeftOut) {
         const size_t at = framing->size();
         AppendPayloadFraming(p.bytes.size(), framing.get());
         li.past_pieces.push_back(
-            {nullptr, std::string_view(framing->data() + at, framing->size() - at)});
-        li.past_pieces.push_back({nullptr, p.bytes});
+            {nullptr, std::string_view(framing->data() + at, framing->size() - at), std::nullopt});
+        li.past_pieces.push_back({nullptr, p.bytes, p.outside});
       }
     };
     framing->reserve(4096);  // Views into it stay put.

@@ -47,6 +47,7 @@
 #include "base/executor.h"
 #include "base/memory.h"
 #include "kernels/codec.h"
+#include "kernels/encoded_tensor.h"
 #include "kernels/eviction.h"
 #include "kernels/recall.h"
 #include "kernels/speculation.h"
@@ -280,6 +281,9 @@ struct LayerImage {
   struct Piece {
     std::shared_ptr<const std::string> owner;
     std::string_view bytes;
+    // A tensor's (odd positions): what Crc32cOutsideBufferData covers of
+    // it, where the working set kept it (RoundLayer::outside).
+    std::optional<OutsideCrc> outside;
   };
   std::vector<Piece> past_pieces;
   std::shared_ptr<const std::string> past;

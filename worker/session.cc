@@ -70,6 +70,8 @@ absl::StatusOr<std::vector<std::unique_ptr<RoundLayer>>> MakeLayers(
       layer->bytes += static_cast<int64_t>(kt.bytes.size() + vt.bytes.size());
       layer->tensors.push_back(kt.bytes);
       layer->tensors.push_back(vt.bytes);
+      layer->outside.push_back(kt.outside);
+      layer->outside.push_back(vt.outside);
     }
     out.push_back(std::move(layer));
   }
@@ -199,6 +201,7 @@ absl::Status Engine::Session::Place(RoundLayer& rl, int layer) {
     }
     rl.payload.reset();
     rl.tensors.clear();
+    rl.outside.clear();
     return absl::OkStatus();
   }
   // Layer L_w stays on the host for recall scoring, in a payload of its own,
@@ -207,6 +210,7 @@ absl::Status Engine::Session::Place(RoundLayer& rl, int layer) {
   KVT_ASSIGN_OR_RETURN(auto copy, MakeLayers(own, 1, shape.kv_heads, shape.head_dim));
   rl.heads = std::move(copy[0]->heads);
   rl.tensors = std::move(copy[0]->tensors);
+  rl.outside = std::move(copy[0]->outside);
   rl.payload = std::move(own);
   return absl::OkStatus();
 }

@@ -19,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "kernels/codec.h"
+#include "kernels/encoded_tensor.h"
 #include "kernels/speculation.h"
 #include "worker/device_attention.h"
 #include "worker/engine.h"
@@ -40,6 +41,11 @@ struct RoundLayer {
   std::shared_ptr<const std::string> payload;
   // This layer's serialized tensors inside `payload` (K, V per head).
   std::vector<std::string_view> tensors;
+  // Per tensor, what Crc32cOutsideBufferData covers of it, computed when
+  // the tensors were split (MakeLayers): a hand-off's layer checksum takes
+  // it from here instead of walking the tensors' fields again in memory that
+  // is no longer in cache. Empty when not known.
+  std::vector<OutsideCrc> outside;
   // On a device session: the same K/V in device memory. The host views and
   // payload are then dropped, except at layer L_w (recall scores its keys),
   // which keeps a copy of its own tensors only. Shared with a hand-off in

@@ -65,7 +65,12 @@ absl::StatusOr<LayerImage> Engine::ExportLayer(const SessionKey& id, int layer,
   // the framing of every tensor in one small buffer, the tensors in place
   // (null owner: views into the round layer's payload, or a copy of their own
   // where it has none).
-  std::vector<std::pair<std::shared_ptr<const std::string>, std::string_view>> tensors;
+  struct Tensor {
+    std::shared_ptr<const std::string> payload;
+    std::string_view bytes;
+    std::optional<OutsideCrc> outside;
+  };
+  std::vector<Tensor> tensors;
   for (const Session::PastRound& r : s->past) {
     const RoundLayer* rl = r.layers[layer].get();
     if (rl == nullptr) continue;
@@ -77,15 +82,19 @@ absl::StatusOr<LayerImage> Engine::ExportLayer(const SessionKey& id, int layer,
       // on the sender's thread), or read back below.
       im.device_rounds.push_back({r.round, rl->device, {}, rl->bytes});
     } else {
-      for (std::string_view t : rl->tensors) tensors.emplace_back(rl->payload, t);
+      const bool known = rl->outside.size() == rl->tensors.size();
+      for (size_t i = 0; i < rl->tensors.size(); ++i) {
+        tensors.push_back({rl->payload, rl->tensors[i],
+                           known ? std::optional<OutsideCrc>(rl->outside[i]) : std::nullopt});
+      }
     }
     for (const HeadKv& hk : rl->heads) im.past_raw_bytes += 2 * hk.len * d * es;
   }
   auto framing = std::make_shared<std::string>();
   std::vector<std::pair<size_t, size_t>> heads;  // (offset, size) in `framing`.
-  for (const auto& t : tensors) {
+  for (const Tensor& t : tensors) {
     const size_t at = framing->size();
-    AppendPayloadFraming(t.second.size(), framing.get());
+    AppendPayloadFraming(t.bytes.size(), framing.get());
     heads.emplace_back(at, framing->size() - at);
   }
   std::shared_ptr<const std::string> frame = framing;
@@ -95,26 +104,27 @@ absl::StatusOr<LayerImage> Engine::ExportLayer(const SessionKey& id, int layer,
     // after its framing): then the pieces of a round are contiguous, and a
     // sender sends them as one.
     const std::string_view head(frame->data() + heads[i].first, heads[i].second);
-    const std::shared_ptr<const std::string>& payload = tensors[i].first;
-    const std::string_view t = tensors[i].second;
+    const std::shared_ptr<const std::string>& payload = tensors[i].payload;
+    const std::string_view t = tensors[i].bytes;
     if (payload != nullptr) {
       const auto base = reinterpret_cast<uintptr_t>(payload->data());
       const auto at = reinterpret_cast<uintptr_t>(t.data());
       if (at >= base + head.size() && at + t.size() <= base + payload->size() &&
           std::memcmp(t.data() - head.size(), head.data(), head.size()) == 0) {
-        im.past_pieces.push_back({payload, std::string_view(t.data() - head.size(), head.size())});
-        im.past_pieces.push_back({payload, t});
+        im.past_pieces.push_back(
+            {payload, std::string_view(t.data() - head.size(), head.size()), std::nullopt});
+        im.past_pieces.push_back({payload, t, tensors[i].outside});
         continue;
       }
     }
-    im.past_pieces.push_back({frame, head});
-    std::shared_ptr<const std::string> owner = tensors[i].first;
-    std::string_view bytes = tensors[i].second;
+    im.past_pieces.push_back({frame, head, std::nullopt});
+    std::shared_ptr<const std::string> owner = tensors[i].payload;
+    std::string_view bytes = t;
     if (owner == nullptr) {  // Views without a shared buffer: a copy of their own.
       owner = std::make_shared<const std::string>(bytes);
       bytes = *owner;
     }
-    im.past_pieces.push_back({std::move(owner), bytes});
+    im.past_pieces.push_back({std::move(owner), bytes, tensors[i].outside});
   }
   im.round_first_piece.push_back(im.past_pieces.size());
   const OpenLayer& o = s->open[layer];
@@ -206,10 +216,11 @@ absl::Status LayerImage::ResolveDevice() {
     at.push_back(framing->size());
     std::vector<Piece> pieces;
     for (size_t i = 0; i < made.size(); ++i) {
-      pieces.push_back({framing, std::string_view(framing->data() + at[i], at[i + 1] - at[i])});
+      pieces.push_back(
+          {framing, std::string_view(framing->data() + at[i], at[i + 1] - at[i]), std::nullopt});
       auto own = std::make_shared<const std::string>(std::move(made[i]));
       const std::string_view view = *own;
-      pieces.push_back({std::move(own), view});
+      pieces.push_back({std::move(own), view, std::nullopt});
     }
     past_pieces.insert(past_pieces.begin() + static_cast<ptrdiff_t>(round_first_piece[j]),
                        pieces.begin(), pieces.end());

@@ -308,11 +308,19 @@ bool SessionSender::WriteLayer(worker::LayerImage li) {
   // The layer's checksum leaves out the past tensors' buffer data, which
   // their own crc32c covers (TransferHeader.tensor_checksums): the past
   // bytes are not read here. The pieces alternate framing and tensor.
+  // A tensor's part comes from what the working set kept where it has it
+  // (RoundLayer::outside): walking the fields of tensors long out of cache
+  // waits on memory at every field and held up the stream.
   uint32_t crc = 0;
   for (size_t i = 0; i < li.past_pieces.size(); ++i) {
-    const std::string_view b = li.past_pieces[i].bytes;
+    const worker::LayerImage::Piece& piece = li.past_pieces[i];
+    const std::string_view b = piece.bytes;
     if (i % 2 == 0) {
       crc = Crc32cExtend(crc, b.data(), b.size());
+      continue;
+    }
+    if (piece.outside.has_value()) {
+      crc = Crc32cCombine(crc, piece.outside->crc, piece.outside->len);
       continue;
     }
     absl::StatusOr<uint32_t> c = Crc32cOutsideBufferData(crc, b);
