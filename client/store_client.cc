@@ -93,53 +93,112 @@ absl::StatusOr<std::vector<FetchedSegment>> StoreClient::GetSegments(
   req.set_session_id(session_id);
   for (const auto& r : refs) *req.add_refs() = r;
   req.set_uncounted(uncounted);
+  req.set_accept_batches(true);
   std::vector<FetchedSegment> out;
   std::vector<uint32_t> crcs;  // Running CRC-32C of each segment's payload.
   absl::Status protocol;
+  // A segment's header starts it; its bytes follow, checksummed as they
+  // land, while they are still in cache.
+  auto start = [&](const v1::GetSegmentsHeader& header) {
+    FetchedSegment f;
+    f.info = header.segment();
+    f.served_from = header.served_from();
+    if (f.info.payload_bytes() > (uint64_t{4} << 30)) {
+      protocol = absl::InternalError("GetSegments announced an implausible segment size");
+      return false;
+    }
+    f.payload.reserve(f.info.payload_bytes());
+    out.push_back(std::move(f));
+    crcs.push_back(0);
+    return true;
+  };
+  auto take = [&](const char* p, size_t n) {
+    if (out.empty() || out.back().payload.size() + n > out.back().info.payload_bytes()) {
+      protocol = absl::InternalError("GetSegments sent bytes outside a segment");
+      return false;
+    }
+    std::string& payload = out.back().payload;
+    payload.append(p, n);
+    crcs.back() = Crc32cExtend(crcs.back(), p, n);
+    return true;
+  };
+  // GetSegmentsResponse.batch: whole segments, each a header and its payload.
+  auto take_batch = [&](const wire::FieldReader::Spans& batch) {
+    wire::FieldReader segments(batch);
+    int number;
+    wire::FieldReader::Spans item;
+    for (; segments.Next(&number, &item); item.clear()) {
+      if (number != 1) continue;  // GetSegmentsBatch.segments
+      wire::FieldReader fields(item);
+      wire::FieldReader::Spans bytes, payload;
+      std::string header_bytes;
+      bool has_header = false;
+      for (; fields.Next(&number, &bytes); bytes.clear()) {
+        if (number == 1) {
+          has_header = true;
+          header_bytes.clear();
+          for (const auto& [p, n] : bytes) header_bytes.append(p, n);
+        } else if (number == 2) {
+          payload = bytes;
+        }
+      }
+      v1::GetSegmentsHeader header;
+      if (!fields.ok() || !has_header || !header.ParseFromString(header_bytes)) {
+        protocol = absl::InternalError("GetSegments batch does not parse");
+        return;
+      }
+      if (!start(header)) return;
+      for (const auto& [p, n] : payload) {
+        if (!take(p, n)) return;
+      }
+      if (out.back().payload.size() != out.back().info.payload_bytes()) {
+        protocol = absl::InternalError("GetSegments batched a segment with part of its bytes");
+        return;
+      }
+    }
+    if (!segments.ok()) protocol = absl::InternalError("GetSegments batch does not parse");
+  };
   if (call.Write(wire::Serialize(req)) && call.WritesDone()) {
     grpc::ByteBuffer msg;
     while (protocol.ok() && call.Read(&msg)) {
+      constexpr int kHeader = 1, kChunk = 2, kBatch = 3;
       absl::StatusOr<wire::Field> field = wire::SingleField(msg);
-      v1::GetSegmentsResponse parsed;
-      if (!field.ok()) {
-        protocol = wire::Parse(msg, &parsed);
-        if (!protocol.ok()) break;
+      if (field.ok() && field->number == kChunk) {
+        for (const auto& [p, n] : field->spans) {
+          if (!take(p, n)) break;
+        }
+        continue;
       }
-      const bool is_header = field.ok() ? field->number == 1 : parsed.has_header();
-      if (is_header) {
-        v1::GetSegmentsHeader header;
-        if (!field.ok()) {
-          header = parsed.header();
-        } else if (!header.ParseFromString(field->ToString())) {
+      if (field.ok() && field->number == kBatch) {
+        take_batch(field->spans);
+        continue;
+      }
+      v1::GetSegmentsResponse parsed;
+      if (field.ok() && field->number == kHeader) {
+        if (!parsed.mutable_header()->ParseFromString(field->ToString())) {
           protocol = absl::InternalError("GetSegments header does not parse");
           break;
         }
-        FetchedSegment f;
-        f.info = header.segment();
-        f.served_from = header.served_from();
-        if (f.info.payload_bytes() > (uint64_t{4} << 30)) {
-          protocol = absl::InternalError("GetSegments announced an implausible segment size");
-          break;
-        }
-        f.payload.reserve(f.info.payload_bytes());
-        out.push_back(std::move(f));
-        crcs.push_back(0);
-        continue;
-      }
-      const size_t size = field.ok() ? field->size : parsed.chunk().size();
-      if (out.empty() || out.back().payload.size() + size > out.back().info.payload_bytes()) {
-        protocol = absl::InternalError("GetSegments sent bytes outside a segment");
+      } else if (protocol = wire::Parse(msg, &parsed); !protocol.ok()) {
         break;
       }
-      // Checksum each chunk as it lands, while it is still in cache.
-      std::string& payload = out.back().payload;
-      const size_t at = payload.size();
-      if (field.ok()) {
-        field->AppendTo(&payload);
-      } else {
-        payload.append(parsed.chunk());
+      switch (parsed.msg_case()) {
+        case v1::GetSegmentsResponse::kHeader:
+          start(parsed.header());
+          break;
+        case v1::GetSegmentsResponse::kChunk:
+          take(parsed.chunk().data(), parsed.chunk().size());
+          break;
+        case v1::GetSegmentsResponse::kBatch: {
+          // Parsed whole (a peer's framing other than ours): its segments'
+          // bytes are in the parsed message.
+          const std::string batch = parsed.batch().SerializeAsString();
+          take_batch({{batch.data(), batch.size()}});
+          break;
+        }
+        default:
+          protocol = absl::InternalError("GetSegments sent an empty message");
       }
-      crcs.back() = Crc32cExtend(crcs.back(), payload.data() + at, payload.size() - at);
     }
   }
   if (!protocol.ok()) ctx->TryCancel();

@@ -40,6 +40,27 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (joined.size() != f->size || joined != f->ToString()) __builtin_trap();
     kvtier::v1::PutSegmentHeader h;
     if (f->number == 1) (void)h.ParseFromString(joined);
+    // The client's walk of a GetSegments batch: the same fields whether the
+    // bytes lie in gRPC's slices or in one piece, nested a level down too.
+    auto walk = [](const kvtier::wire::FieldReader::Spans& spans) {
+      std::string out;
+      kvtier::wire::FieldReader r(spans);
+      int number = 0;
+      kvtier::wire::FieldReader::Spans bytes;
+      for (; r.Next(&number, &bytes); bytes.clear()) {
+        out += std::to_string(number) + ":";
+        kvtier::wire::FieldReader inner(bytes);
+        kvtier::wire::FieldReader::Spans nested;
+        while (inner.Next(&number, &nested)) {
+          out += std::to_string(number) + ",";
+          for (const auto& [p, n] : nested) out.append(p, n);
+          nested.clear();
+        }
+        out += inner.ok() ? ";" : "!;";
+      }
+      return out + (r.ok() ? "ok" : "bad");
+    };
+    if (walk(f->spans) != walk({{joined.data(), joined.size()}})) __builtin_trap();
   }
   // The slow path, and the client's side of GetSegments.
   kvtier::v1::PutSegmentRequest put;
@@ -76,10 +97,16 @@ std::vector<std::string> Seeds() {
   g.set_session_id("chat-1");
   g.add_refs()->set_round(1);
   g.add_refs()->set_segment(1);
+  v1::GetSegmentsResponse batch;
+  for (int i = 0; i < 2; ++i) {
+    auto* item = batch.mutable_batch()->add_segments();
+    item->mutable_header()->mutable_segment()->set_payload_bytes(300);
+    item->set_payload(testing::MakePayload(300, i + 2));
+  }
   v1::GetSegmentsResponse r;
   r.mutable_header()->mutable_segment()->set_payload_bytes(600);
   for (uint8_t cuts : {0x00, 0x01, 0x27, 0xff}) {
-    for (const auto* m : std::vector<const google::protobuf::MessageLite*>{&h, &c, &g, &r}) {
+    for (const auto* m : std::vector<const google::protobuf::MessageLite*>{&h, &c, &g, &r, &batch}) {
       seeds.push_back(std::string(1, static_cast<char>(cuts)) + m->SerializeAsString());
     }
   }

@@ -1,5 +1,6 @@
 #include "rpc/wire_format.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "grpcpp/support/proto_buffer_reader.h"
@@ -126,6 +127,13 @@ grpc::ByteBuffer BytesFieldMessage(int field, const std::vector<BytesPiece>& pie
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
+void AppendLengthDelimitedHead(int field, size_t len, std::string* out) {
+  char head[20];
+  size_t n = PutVarint((static_cast<uint64_t>(field) << 3) | 2, head);
+  n += PutVarint(len, head + n);
+  out->append(head, n);
+}
+
 grpc::ByteBuffer Serialize(const google::protobuf::MessageLite& m) {
   std::string s = m.SerializeAsString();
   grpc::Slice slice(s.data(), s.size());
@@ -164,6 +172,71 @@ absl::StatusOr<Field> SingleField(const grpc::ByteBuffer& b) {
   f.number = static_cast<int>(tag >> 3);
   f.size = len;
   return f;
+}
+
+bool FieldReader::Byte(uint8_t* b) {
+  while (i_ < spans_.size() && off_ == spans_[i_].second) {
+    ++i_;
+    off_ = 0;
+  }
+  if (i_ == spans_.size()) return false;
+  *b = static_cast<uint8_t>(spans_[i_].first[off_++]);
+  return true;
+}
+
+bool FieldReader::Varint(uint64_t* v) {
+  *v = 0;
+  for (int shift = 0; shift < 64; shift += 7) {
+    uint8_t b;
+    if (!Byte(&b)) return false;
+    *v |= static_cast<uint64_t>(b & 0x7f) << shift;
+    if ((b & 0x80) == 0) return true;
+  }
+  return false;
+}
+
+bool FieldReader::Take(size_t n, Spans* out) {
+  while (n > 0) {
+    if (i_ == spans_.size()) return false;
+    const size_t k = std::min(spans_[i_].second - off_, n);
+    if (k > 0 && out != nullptr) out->push_back({spans_[i_].first + off_, k});
+    off_ += k;
+    n -= k;
+    if (off_ == spans_[i_].second) {
+      ++i_;
+      off_ = 0;
+    }
+  }
+  return true;
+}
+
+bool FieldReader::Next(int* number, Spans* bytes) {
+  while (i_ < spans_.size() && off_ == spans_[i_].second) {
+    ++i_;
+    off_ = 0;
+  }
+  if (!ok_ || i_ == spans_.size()) return false;  // An earlier error, or the end.
+  uint64_t tag, v;
+  ok_ = Varint(&tag) && (tag >> 3) != 0 && (tag >> 3) <= 536870911;
+  if (!ok_) return false;
+  *number = static_cast<int>(tag >> 3);
+  switch (tag & 7) {
+    case 0:  // Varint.
+      ok_ = Varint(&v);
+      break;
+    case 1:  // 64-bit.
+      ok_ = Take(8, nullptr);
+      break;
+    case 2:  // Length-delimited.
+      ok_ = Varint(&v) && Take(static_cast<size_t>(v), bytes);
+      break;
+    case 5:  // 32-bit.
+      ok_ = Take(4, nullptr);
+      break;
+    default:  // Groups and invalid types: not in these messages.
+      ok_ = false;
+  }
+  return ok_;
 }
 
 }  // namespace kvtier::wire

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -37,6 +38,10 @@ struct BytesPiece {
 };
 grpc::ByteBuffer BytesFieldMessage(int field, const std::vector<BytesPiece>& pieces);
 
+// Appends the head of a length-delimited field: its tag, then `len` as a
+// varint (the field's bytes follow it).
+void AppendLengthDelimitedHead(int field, size_t len, std::string* out);
+
 // Serializes a protobuf message into a ByteBuffer (one copy, for small
 // messages).
 grpc::ByteBuffer Serialize(const google::protobuf::MessageLite& m);
@@ -58,6 +63,27 @@ struct Field {
 // (FAILED_PRECONDITION) otherwise, in which case the caller should use
 // Parse() on the whole message.
 absl::StatusOr<Field> SingleField(const grpc::ByteBuffer& b);
+
+// Walks the fields of a message whose bytes lie in `spans` (a Field's, for
+// a nested message), in order, without copying them.
+class FieldReader {
+ public:
+  using Spans = std::vector<std::pair<const char*, size_t>>;
+  explicit FieldReader(Spans spans) : spans_(std::move(spans)) {}
+  // The next field: its number and, for a length-delimited one, the spans of
+  // its bytes (appended to `bytes`; other wire types are skipped and leave it
+  // empty). False at the end; then ok() tells whether the bytes parsed.
+  bool Next(int* number, Spans* bytes);
+  bool ok() const { return ok_; }
+
+ private:
+  bool Byte(uint8_t* b);
+  bool Varint(uint64_t* v);
+  bool Take(size_t n, Spans* out);
+  Spans spans_;
+  size_t i_ = 0, off_ = 0;
+  bool ok_ = true;
+};
 
 }  // namespace kvtier::wire
 

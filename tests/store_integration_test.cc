@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <thread>
 
@@ -151,6 +152,80 @@ TEST_F(StoreIntegrationTest, RoundTripsFrom1KiBTo64MiBInOneBatchedCall) {
   ASSERT_THAT(list, IsOk());
   ASSERT_EQ(list->rounds_size(), 5);
   EXPECT_EQ(list->rounds(4).summary().recall_count(), 1u);
+}
+
+// A client that accepts batches gets segments up to 256 KiB whole, several
+// to a message, in request order among larger ones and ones read from disk;
+// a client that does not (the default of the raw request) gets a header and
+// chunks per segment, as before batches existed.
+TEST_F(StoreIntegrationTest, SmallSegmentsComeBatchedInRequestOrder) {
+  StartStore({"--ram_budget_mb=1"});
+  const std::vector<uint64_t> sizes = {4 << 10,   64 << 10, 300 << 10, 1 << 10,  200 << 10,
+                                       2 << 20,   8 << 10,  256 << 10, 16 << 10, 100 << 10,
+                                       32 << 10,  1000,     48 << 10,  5 << 10};
+  std::vector<std::string> payloads;
+  std::vector<v1::SegmentRef> refs;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    payloads.push_back(MakePayload(sizes[i], static_cast<int>(i) + 1));
+    ASSERT_THAT(alice_->PutSegment(Args("mixed", static_cast<uint32_t>(i)), payloads.back()),
+                IsOk());
+    refs.push_back(Ref(static_cast<uint32_t>(i)));
+  }
+  // A 1 MiB RAM tier: the first segments were spilled and are read from
+  // disk, in between ones in RAM.
+  auto got = alice_->GetSegments("mixed", refs);
+  ASSERT_THAT(got, IsOk());
+  ASSERT_EQ(got->size(), sizes.size());
+  int from_disk = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    EXPECT_EQ((*got)[i].info.ref().round(), i);
+    EXPECT_TRUE((*got)[i].payload == payloads[i]) << "segment " << i << " differs";
+    from_disk += (*got)[i].served_from == v1::TIER_DISK ? 1 : 0;
+  }
+  EXPECT_GE(from_disk, 3);
+
+  // The messages themselves, both ways.
+  auto messages = [&](bool batches) {
+    auto c = Client(kAliceToken);
+    auto ctx = c->NewContext();
+    v1::GetSegmentsRequest req;
+    req.set_session_id("mixed");
+    for (const auto& r : refs) *req.add_refs() = r;
+    req.set_accept_batches(batches);
+    auto reader = c->stub()->GetSegments(ctx.get(), req);
+    std::map<v1::GetSegmentsResponse::MsgCase, int> count;
+    std::vector<uint32_t> order;  // Rounds as they start.
+    std::string bytes;            // Every payload byte, in order.
+    v1::GetSegmentsResponse m;
+    while (reader->Read(&m)) {
+      ++count[m.msg_case()];
+      if (m.has_header()) order.push_back(m.header().segment().ref().round());
+      if (m.has_chunk()) bytes += m.chunk();
+      for (const auto& item : m.batch().segments()) {
+        order.push_back(item.header().segment().ref().round());
+        EXPECT_EQ(item.payload().size(), item.header().segment().payload_bytes());
+        bytes += item.payload();
+      }
+    }
+    EXPECT_TRUE(reader->Finish().ok());
+    std::vector<uint32_t> want(sizes.size());
+    for (size_t i = 0; i < want.size(); ++i) want[i] = static_cast<uint32_t>(i);
+    EXPECT_EQ(order, want);
+    std::string all;
+    for (const std::string& p : payloads) all += p;
+    EXPECT_TRUE(bytes == all);
+    return count;
+  };
+  auto plain = messages(false);
+  EXPECT_EQ(plain[v1::GetSegmentsResponse::kHeader], static_cast<int>(sizes.size()));
+  EXPECT_EQ(plain[v1::GetSegmentsResponse::kBatch], 0);
+  auto batched = messages(true);
+  // Two segments are over 256 KiB: a header and chunks each. The other
+  // twelve (under 1 MiB together) come in batches, split where a larger
+  // segment or a read from disk falls between them.
+  EXPECT_EQ(batched[v1::GetSegmentsResponse::kHeader], 2);
+  EXPECT_GE(batched[v1::GetSegmentsResponse::kBatch], 1);
+  EXPECT_LE(batched[v1::GetSegmentsResponse::kBatch], 9);
 }
 
 TEST_F(StoreIntegrationTest, ManyConcurrentSessions) {

@@ -473,10 +473,11 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* StoreService::PutSegment(
 
 // Checks every ref and counts the recall (index work under the store's lock,
 // no I/O: on the callback thread), then streams each segment as a header plus
-// ~1 MiB chunks. A segment in RAM is taken on the callback thread too
+// ~1 MiB chunks, or, to a client that accepts batches, small segments whole,
+// several to a message. A segment in RAM is taken on the callback thread too
 // (Store::TryReadSegment); one that must be read from disk is loaded on the
 // executor. The next segment is loaded when the previous one has been
-// written.
+// written (or batched).
 class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   GetReactor(StoreService* svc, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw)
@@ -513,12 +514,15 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       Done(absl::CancelledError("client went away during GetSegments"));
       return;
     }
-    WriteNext();
+    Pump();
   }
 
   void OnDone() override { delete this; }
 
  private:
+  // Segments up to this size go whole into a batch (request.accept_batches).
+  static constexpr size_t kBatchSegmentMax = size_t{256} << 10;
+
   void Prepare() {
     std::vector<SegmentId> ids;
     ids.reserve(request_.refs_size());
@@ -531,57 +535,120 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       return;
     }
     ids_ = std::move(ids);
-    Load();
+    Pump();
   }
 
-  // Segment next_: here when it is in RAM, else read on the executor.
-  void Load() {
-    std::optional<absl::StatusOr<cachestore::ReadResult>> r =
-        svc_->store_->TryReadSegment(principal_.tenant, request_.session_id(), ids_[next_]);
-    if (r.has_value()) {
-      Loaded(*std::move(r));
-      return;
+  // Starts the next write: the current segment's header or next chunk, or a
+  // batch, loading segments as needed (those in RAM here, one on disk on the
+  // executor, which comes back with it in `loaded`); finishes the call after
+  // the last. Called once at the start, after each write, and after a disk
+  // read: never two at a time.
+  void Pump(std::optional<absl::StatusOr<cachestore::ReadResult>> loaded = std::nullopt) {
+    for (;;) {
+      if (current_.payload != nullptr) {
+        if (WriteCurrent()) return;
+        current_ = {};
+      }
+      if (next_ == ids_.size()) {
+        if (!batch_.empty()) {
+          WriteBatch();
+          return;
+        }
+        Done(absl::OkStatus());
+        return;
+      }
+      if (!loaded.has_value()) {
+        loaded = svc_->store_->TryReadSegment(principal_.tenant, request_.session_id(), ids_[next_]);
+      }
+      if (!loaded.has_value()) {
+        // On disk: what is batched goes first; the read comes after it.
+        if (!batch_.empty()) {
+          WriteBatch();
+          return;
+        }
+        svc_->executor_->Schedule([this] {
+          Pump(svc_->store_->ReadSegment(principal_.tenant, request_.session_id(), ids_[next_]));
+        });
+        return;
+      }
+      absl::StatusOr<cachestore::ReadResult> r = *std::move(loaded);
+      loaded.reset();
+      if (!r.ok()) {
+        Done(r.status());
+        return;
+      }
+      ++next_;
+      bytes_sent_ += r->payload->size();
+      if (request_.accept_batches() &&
+          r->payload->size() <= std::min(kBatchSegmentMax, svc_->options_.chunk_bytes)) {
+        AddToBatch(*r);
+        if (batch_bytes_ >= svc_->options_.chunk_bytes) {
+          WriteBatch();
+          return;
+        }
+        continue;
+      }
+      current_ = *std::move(r);
+      header_sent_ = false;
+      offset_ = 0;
+      if (!batch_.empty()) {
+        WriteBatch();
+        return;
+      }
     }
-    svc_->executor_->Schedule([this] {
-      Loaded(svc_->store_->ReadSegment(principal_.tenant, request_.session_id(), ids_[next_]));
-    });
   }
 
-  // Starts writing the segment read (or finishes the call on an error).
-  void Loaded(absl::StatusOr<cachestore::ReadResult> r) {
-    if (!r.ok()) {
-      Done(r.status());
-      return;
-    }
-    current_ = *std::move(r);
-    offset_ = 0;
-    v1::GetSegmentsResponse header;
-    auto* h = header.mutable_header();
-    *h->mutable_segment() = ToProto(current_.info);
-    h->set_served_from(current_.served_from == cachestore::Tier::kRam ? v1::TIER_RAM
-                                                                      : v1::TIER_DISK);
-    bytes_sent_ += current_.payload->size();
-    msg_ = wire::Serialize(header);
-    StartWrite(&msg_);
+  v1::GetSegmentsHeader HeaderOf(const cachestore::ReadResult& r) const {
+    v1::GetSegmentsHeader h;
+    *h.mutable_segment() = ToProto(r.info);
+    h.set_served_from(r.served_from == cachestore::Tier::kRam ? v1::TIER_RAM : v1::TIER_DISK);
+    return h;
   }
 
-  // Called after each write completes, on a callback thread.
-  void WriteNext() {
-    const std::string& p = *current_.payload;
-    if (offset_ < p.size()) {
-      size_t n = std::min(svc_->options_.chunk_bytes, p.size() - offset_);
-      // No copy: the slice points into the payload, which it keeps alive.
-      msg_ = wire::BytesFieldMessage(2, p.data() + offset_, n, current_.payload);
-      offset_ += n;
+  // The current segment's header, then its chunks: true when a write
+  // started, false when the segment has been sent whole.
+  bool WriteCurrent() {
+    if (!header_sent_) {
+      header_sent_ = true;
+      v1::GetSegmentsResponse header;
+      *header.mutable_header() = HeaderOf(current_);
+      msg_ = wire::Serialize(header);
       StartWrite(&msg_);
-      return;
+      return true;
     }
-    current_ = {};
-    if (++next_ < ids_.size()) {
-      Load();
-      return;
-    }
-    Done(absl::OkStatus());
+    const std::string& p = *current_.payload;
+    if (offset_ == p.size()) return false;
+    const size_t n = std::min(svc_->options_.chunk_bytes, p.size() - offset_);
+    // No copy: the slice points into the payload, which it keeps alive.
+    msg_ = wire::BytesFieldMessage(2, p.data() + offset_, n, current_.payload);
+    offset_ += n;
+    StartWrite(&msg_);
+    return true;
+  }
+
+  // A GetSegmentsBatchItem of `r` into the batch being built: its framing
+  // and header (small, copied into the message) and its payload (referenced).
+  void AddToBatch(const cachestore::ReadResult& r) {
+    const std::string header = HeaderOf(r).SerializeAsString();
+    const size_t payload = r.payload->size();
+    std::string item;  // Item.header, then the head of Item.payload.
+    wire::AppendLengthDelimitedHead(1, header.size(), &item);
+    item += header;
+    wire::AppendLengthDelimitedHead(2, payload, &item);
+    auto framing = std::make_shared<std::string>();  // Batch.segments' head, then the above.
+    wire::AppendLengthDelimitedHead(1, item.size() + payload, framing.get());
+    *framing += item;
+    batch_bytes_ += framing->size() + payload;
+    batch_.push_back({framing->data(), framing->size(), framing});
+    batch_.push_back({r.payload->data(), payload, r.payload});
+  }
+
+  void WriteBatch() {
+    constexpr int kBatchField = 3;  // GetSegmentsResponse.batch
+    msg_ = wire::BytesFieldMessage(kBatchField, batch_);
+    batch_.clear();
+    batch_bytes_ = 0;
+    StartWrite(&msg_);
   }
 
   void Done(const absl::Status& s) {
@@ -595,9 +662,12 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
   const absl::Time start_;
   Principal principal_;
   std::vector<SegmentId> ids_;
-  size_t next_ = 0;
-  cachestore::ReadResult current_;
+  size_t next_ = 0;  // The next segment to load.
+  cachestore::ReadResult current_;  // A segment sent as a header and chunks.
+  bool header_sent_ = false;
   size_t offset_ = 0;
+  std::vector<wire::BytesPiece> batch_;  // The batch being built.
+  size_t batch_bytes_ = 0;
   uint64_t bytes_sent_ = 0;
   grpc::ByteBuffer msg_;
 };
