@@ -45,7 +45,9 @@ class StoreClient:
         """The payloads of (round, segment) refs (a serialized
         kvtier.v1.SegmentPayload each). uncounted: a read that does not count
         as a recall (the default here, for inspection)."""
-        req = store_pb2.GetSegmentsRequest(session_id=session_id, uncounted=uncounted)
+        # accept_batches: small segments come whole, several to a message.
+        req = store_pb2.GetSegmentsRequest(session_id=session_id, uncounted=uncounted,
+                                           accept_batches=True)
         for r, s in refs:
             req.refs.add(round=r, segment=s)
         out: Dict[Tuple[int, int], bytes] = {}
@@ -54,13 +56,20 @@ class StoreClient:
         try:
             for msg in self._stub.GetSegments(req, timeout=self.settings.timeout,
                                               metadata=self.settings.metadata()):
-                if msg.HasField("header"):
-                    if cur is not None:
-                        out[cur] = b"".join(parts)
+                kind = msg.WhichOneof("msg")
+                if kind == "chunk":
+                    parts.append(msg.chunk)
+                    continue
+                if cur is not None:
+                    out[cur] = b"".join(parts)
+                    cur = None
+                if kind == "header":
                     cur = (msg.header.segment.ref.round, msg.header.segment.ref.segment)
                     parts = []
-                else:
-                    parts.append(msg.chunk)
+                elif kind == "batch":
+                    for item in msg.batch.segments:
+                        ref = item.header.segment.ref
+                        out[(ref.round, ref.segment)] = item.payload
         except grpc.RpcError as e:
             raise _error("GetSegments", e) from None
         if cur is not None:
