@@ -1414,6 +1414,15 @@ uint64_t Store::DbMemoryBytes() const {
   return total;
 }
 
+bool Store::DbBusy() const {
+  for (const char* property : {"rocksdb.num-running-flushes", "rocksdb.num-running-compactions",
+                               "rocksdb.mem-table-flush-pending", "rocksdb.compaction-pending"}) {
+    uint64_t v = 0;
+    if (db_->GetIntProperty(property, &v) && v > 0) return true;
+  }
+  return false;
+}
+
 Store::SessionPage Store::ListSessions(const std::string& tenant, int64_t min_idle_ms, size_t limit,
                                        const std::string& start_after, size_t scan_names) const {
   SessionPage page;

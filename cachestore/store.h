@@ -374,6 +374,9 @@ class Store {
   // filter blocks) and block cache. What the store's own index costs is the
   // process heap less this and the RAM tier.
   uint64_t DbMemoryBytes() const;
+  // Whether RocksDB has a flush or a compaction running or waiting (for
+  // benchmarks that time reads once the writes' background work is done).
+  bool DbBusy() const;
   // Sessions of one tenant.
   uint64_t TenantSessions(const std::string& tenant) const;
   const StoreOptions& options() const { return options_; }
