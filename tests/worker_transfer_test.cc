@@ -1008,10 +1008,13 @@ TEST_F(TransferServiceTest, ReceiverRefusesCorruptAndUnfinishedStreams) {
   // open)` of its data flipped after its crc, a third of the way by default)
   // and, when `tail`, the tail; returns the call's status. With
   // `tensor_checksums`, the layer crc leaves out the past tensors' buffer
-  // data, as kvtier's sender does.
+  // data, as kvtier's sender does. With `apart`, each layer is a start
+  // message, data-only messages (which the receiver takes on gRPC's thread
+  // when nothing is queued) and an end message, as kvtier's sender sends
+  // them; the `oversize` layer then carries one byte more than it announced.
   using Flip = std::function<size_t(const std::string& past, const std::string& open)>;
   auto send = [&](int corrupt, int layers, bool tail, bool tensor_checksums = false,
-                  Flip flip = nullptr) {
+                  Flip flip = nullptr, bool apart = false, int oversize = -1) {
     grpc::ClientContext c;
     v1::TransferSessionResponse resp;
     auto w = ds->TransferSession(&c, &resp);
@@ -1041,6 +1044,25 @@ TEST_F(TransferServiceTest, ReceiverRefusesCorruptAndUnfinishedStreams) {
         ch.set_layer_crc32c(Crc32c(data));
       }
       if (l == corrupt) data[flip ? flip(past, li->open) : data.size() / 3] ^= 1;
+      if (apart) {
+        v1::TransferChunk start;
+        start.set_layer(l);
+        *start.mutable_layer_info() = *info;
+        bool ok = w->Write(start);
+        if (l == oversize) data += 'x';
+        const size_t piece = data.size() / 3 + 1;
+        for (size_t at = 0; ok && at < data.size(); at += piece) {
+          v1::TransferChunk dc;
+          dc.set_data(data.substr(at, piece));
+          ok = w->Write(dc);
+        }
+        v1::TransferChunk end;
+        end.set_layer(l);
+        end.set_layer_end(true);
+        end.set_layer_crc32c(ch.layer_crc32c());
+        if (!ok || !w->Write(end)) break;
+        continue;
+      }
       ch.set_data(data);
       ch.set_layer_end(true);
       if (!w->Write(ch)) break;
@@ -1109,7 +1131,26 @@ TEST_F(TransferServiceTest, ReceiverRefusesCorruptAndUnfinishedStreams) {
     v1::CloseSessionResponse resp;
     ASSERT_TRUE(ds->CloseSession(&c, req, &resp).ok());
   }
+  // Data in messages of its own, as kvtier's sender sends it: checked the
+  // same way (a flipped byte is DATA_LOSS, a byte over what the layer
+  // announced INVALID_ARGUMENT, nothing kept), and taken whole otherwise.
+  st = send(/*corrupt=*/1, kShape.layers, true, true, nullptr, /*apart=*/true);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::DATA_LOSS) << st.error_message();
+  st = send(-1, kShape.layers, true, true, nullptr, /*apart=*/true, /*oversize=*/1);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_THAT(st.error_message(), ::testing::HasSubstr("carries more than"));
+  EXPECT_EQ(d->engine()->SessionCount(), 0);
   st = send(-1, kShape.layers, true);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(d->engine()->SessionCount(), 1);
+  {
+    grpc::ClientContext c;
+    v1::CloseSessionRequest req;
+    req.set_session_id("c");
+    v1::CloseSessionResponse resp;
+    ASSERT_TRUE(ds->CloseSession(&c, req, &resp).ok());
+  }
+  st = send(-1, kShape.layers, true, true, nullptr, /*apart=*/true);
   ASSERT_TRUE(st.ok()) << st.error_message();
   const Step tok = MakeStep(1, &rng);
   EXPECT_TRUE(Same(Decode(ds.get(), "c", tok), RunStep(src, "c", tok, false)));

@@ -126,6 +126,10 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     absl::MutexLock lock(&mu_);
     reading_ = false;
     if (finished_) return;  // A read that Finish cut short.
+    if (ok && !draining_ && queued_.empty() && TakeDataHere(msg_)) {
+      ReadAheadLocked();
+      return;
+    }
     if (ok) {
       queued_.emplace_back();
       queued_.back().Swap(&msg_);
@@ -149,6 +153,24 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     if (reading_ || finished_ || stream_ended_ || queued_.size() >= kReadAhead) return;
     reading_ = true;
     StartRead(&msg_);
+  }
+
+  // A data chunk with nothing ahead of it is copied into the layer here, on
+  // gRPC's thread (nothing else touches the layer while nothing drains),
+  // instead of a hop to the executor; false leaves the message to Drain
+  // (anything but data that fits the layer, whose errors Drain reports).
+  bool TakeDataHere(const grpc::ByteBuffer& msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    constexpr int kDataField = 8;  // TransferChunk.data
+    if (!gathering_) return false;
+    absl::StatusOr<wire::Field> f = wire::SingleField(msg);
+    if (!f.ok() || f->number != kDataField ||
+        past_.size() + layer_.open.size() + f->size > past_bytes_ + open_bytes_) {
+      return false;
+    }
+    for (const auto& [p, n] : f->spans) {
+      if (!TakeData(p, n).ok()) return false;  // Not reached: the size was checked.
+    }
+    return true;
   }
 
   // Takes the queued messages in order until none is left (the next read's
