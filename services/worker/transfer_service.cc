@@ -109,11 +109,14 @@ absl::Status WorkerService::DoHeldRounds(grpc::CallbackServerContext& ctx,
 
 // ---- TransferSession ----
 
-// Chunks are taken in order, one at a time, on the compute executor; the
-// session is imported when the tail arrives, and nothing stays on any other
-// path. gRPC reads the next messages (up to kReadAhead) while a chunk is
-// taken, so that its delivery and the executor's hop overlap the copying.
-// Exactly one Finish(), from the executor.
+// Chunks are taken in order, one at a time: a data-only chunk that finds
+// nothing queued is copied into its layer on gRPC's thread (TakeDataHere),
+// everything else on the compute executor (layer starts and ends, whose
+// checks read the whole layer, the tail's import, and any chunk that arrives
+// while the executor drains). The session is imported when the tail
+// arrives, and nothing stays on any other path. gRPC reads the next messages
+// (up to kReadAhead) while a chunk is taken, so that their delivery overlaps
+// the copying. Exactly one Finish(), from the executor.
 class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   TransferReactor(WorkerService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
