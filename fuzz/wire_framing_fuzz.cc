@@ -106,7 +106,8 @@ std::vector<std::string> Seeds() {
   v1::GetSegmentsResponse r;
   r.mutable_header()->mutable_segment()->set_payload_bytes(600);
   for (uint8_t cuts : {0x00, 0x01, 0x27, 0xff}) {
-    for (const auto* m : std::vector<const google::protobuf::MessageLite*>{&h, &c, &g, &r, &batch}) {
+    for (const auto* m :
+         std::vector<const google::protobuf::MessageLite*>{&h, &c, &g, &r, &batch}) {
       seeds.push_back(std::string(1, static_cast<char>(cuts)) + m->SerializeAsString());
     }
   }

@@ -81,8 +81,8 @@ TEST(WireFormat, FieldReaderWalksAHandFramedBatchAcrossAnyCut) {
 // walk with ok() false.
 TEST(WireFormat, FieldReaderSkipsScalarsAndRejectsBrokenBytes) {
   v1::GetSegmentsHeader h;
-  h.set_served_from(v1::TIER_DISK);                     // Field 2, varint.
-  h.mutable_segment()->set_payload_bytes(7);            // Field 1, bytes.
+  h.set_served_from(v1::TIER_DISK);           // Field 2, varint.
+  h.mutable_segment()->set_payload_bytes(7);  // Field 1, bytes.
   const std::string bytes = h.SerializeAsString();
   std::vector<int> numbers;
   FieldReader r(Cut(bytes, 2));
@@ -92,7 +92,9 @@ TEST(WireFormat, FieldReaderSkipsScalarsAndRejectsBrokenBytes) {
   EXPECT_TRUE(r.ok());
   EXPECT_EQ(numbers, (std::vector<int>{1, 2}));
 
-  for (const std::string& broken : {std::string("\x0a\x05" "abc", 5),  // Short bytes.
+  for (const std::string& broken : {std::string("\x0a\x05"
+                                                "abc",
+                                                5),                     // Short bytes.
                                     std::string("\x0a", 1),             // No length.
                                     std::string("\x00\x01", 2),         // Field 0.
                                     std::string("\x0b\x00", 2),         // A group.

@@ -160,9 +160,9 @@ TEST_F(StoreIntegrationTest, RoundTripsFrom1KiBTo64MiBInOneBatchedCall) {
 // chunks per segment, as before batches existed.
 TEST_F(StoreIntegrationTest, SmallSegmentsComeBatchedInRequestOrder) {
   StartStore({"--ram_budget_mb=1"});
-  const std::vector<uint64_t> sizes = {4 << 10,   64 << 10, 300 << 10, 1 << 10,  200 << 10,
-                                       2 << 20,   8 << 10,  256 << 10, 16 << 10, 100 << 10,
-                                       32 << 10,  1000,     48 << 10,  5 << 10};
+  const std::vector<uint64_t> sizes = {4 << 10,  64 << 10, 300 << 10, 1 << 10,  200 << 10,
+                                       2 << 20,  8 << 10,  256 << 10, 16 << 10, 100 << 10,
+                                       32 << 10, 1000,     48 << 10,  5 << 10};
   std::vector<std::string> payloads;
   std::vector<v1::SegmentRef> refs;
   for (size_t i = 0; i < sizes.size(); ++i) {

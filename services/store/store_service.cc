@@ -558,7 +558,8 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
         return;
       }
       if (!loaded.has_value()) {
-        loaded = svc_->store_->TryReadSegment(principal_.tenant, request_.session_id(), ids_[next_]);
+        loaded =
+            svc_->store_->TryReadSegment(principal_.tenant, request_.session_id(), ids_[next_]);
       }
       if (!loaded.has_value()) {
         // On disk: what is batched goes first; the read comes after it.
@@ -662,7 +663,7 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
   const absl::Time start_;
   Principal principal_;
   std::vector<SegmentId> ids_;
-  size_t next_ = 0;  // The next segment to load.
+  size_t next_ = 0;                 // The next segment to load.
   cachestore::ReadResult current_;  // A segment sent as a header and chunks.
   bool header_sent_ = false;
   size_t offset_ = 0;
