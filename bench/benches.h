@@ -2,9 +2,11 @@
 #ifndef KVTIER_BENCH_BENCHES_H_
 #define KVTIER_BENCH_BENCHES_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace kvtier::bench {
 
@@ -23,6 +25,13 @@ void StartTcpSink();
 // to the sink process, which discards them; returns GB/s (1e9 bytes/s).
 // Starts the sink first if it is not running.
 double TcpLoopbackGbps(int streams, uint64_t bytes_per_stream);
+
+// The middle value (the upper one of an even count); 0 when empty.
+inline double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
 
 // The value of `arg` when it is `flag` followed by it ("--rounds=" and
 // "--rounds=8" give "8"), else null.

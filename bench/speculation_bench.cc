@@ -60,12 +60,6 @@ struct Session {
   worker::SessionStats::SpeculationTime after_first, at_end;
 };
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 }  // namespace
 
 int SpeculationBench(int argc, char** argv) {

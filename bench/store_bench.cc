@@ -191,12 +191,6 @@ double BufferedDiskGbps(const std::string& dir, int streams, uint64_t block,
   return gbps;
 }
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 struct Row {
   std::string op;
   uint64_t segment_bytes;

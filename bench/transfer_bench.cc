@@ -307,6 +307,9 @@ int TransferBench(int argc, char** argv) {
     double codec_ratio = 0, gbps = 0, tcp_gbps = 0;
     double cpu_s = 0;  // Process CPU time over all sends.
     int sends = 0;
+    // Each send's GB/s over the TCP run just before it: a pair sees the same
+    // minute of this machine, so its ratio drifts less than best over best.
+    std::vector<double> pair_ratios;
   };
   std::vector<Row> rows;
   if (parts.count(1) == 0) codecs.clear();
@@ -332,14 +335,18 @@ int TransferBench(int argc, char** argv) {
     for (int i = 0; i < repeat; ++i) {
       std::fprintf(stderr, "%s: hand-off pair %d of %d\n", codec.c_str(), i + 1, repeat);
       for (int dir = 0; dir < 2; ++dir) {
-        row.tcp_gbps = std::max(row.tcp_gbps, TcpLoopbackGbps(1, row.stored));
+        const double tcp = TcpLoopbackGbps(1, row.stored);
+        row.tcp_gbps = std::max(row.tcp_gbps, tcp);
         v1::SendSessionResponse resp;
         const double cpu0 = ProcessCpuSeconds();
         const auto t0 = Clock::now();
         if (!Check(Send(dir == 0 ? p : d, id, targets[dir == 0 ? 1 : 0], &resp), "SendSession")) {
           return 1;
         }
-        best_ms = std::min(best_ms, Ms(t0, Clock::now()));
+        const double ms = Ms(t0, Clock::now());
+        best_ms = std::min(best_ms, ms);
+        row.pair_ratios.push_back(static_cast<double>(resp.report().wire_bytes()) / (ms / 1e3) /
+                                  1e9 / tcp);
         row.cpu_s += ProcessCpuSeconds() - cpu0;
         ++row.sends;
         row.wire = resp.report().wire_bytes();
@@ -422,23 +429,25 @@ int TransferBench(int argc, char** argv) {
         m.layers, rounds, static_cast<long long>(tokens), repeat * 2, repeat * 2);
     std::printf(
         "| codec | stored bytes | on the wire | fp16 bytes | fp16 / wire | codec ratio | GB/s | "
-        "TCP GB/s | ratio | CPU s/GB | wire = stored | ratio >= 0.6 |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+        "TCP GB/s | ratio | pair ratio | CPU s/GB | wire = stored | ratio >= 0.6 |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (const Row& r : rows) {
       std::printf(
-          "| %s | %llu | %llu | %llu | %.2fx | %.2fx | %.2f | %.2f | %.2f | %.2f | %s | %s |\n",
+          "| %s | %llu | %llu | %llu | %.2fx | %.2fx | %.2f | %.2f | %.2f | %.2f | %.2f | %s | %s "
+          "|\n",
           r.codec.c_str(), static_cast<unsigned long long>(r.stored),
           static_cast<unsigned long long>(r.wire), static_cast<unsigned long long>(r.raw),
           static_cast<double>(r.raw) / static_cast<double>(r.wire), r.codec_ratio, r.gbps,
-          r.tcp_gbps, r.gbps / r.tcp_gbps,
+          r.tcp_gbps, r.gbps / r.tcp_gbps, Median(r.pair_ratios),
           r.cpu_s / (static_cast<double>(r.wire) * std::max(r.sends, 1) / 1e9),
           r.wire == r.stored ? "met" : "not met", r.gbps / r.tcp_gbps >= 0.6 ? "met" : "not met");
     }
     std::printf(
         "Targets (issue 16): the bytes on the wire are the stored (encoded) bytes, so fp16 / wire "
         "is the codec's own ratio with nothing added beyond framing; SendSession >= 0.6x raw TCP "
-        "on the same bytes. CPU s/GB: the process's CPU time (both workers) per GB sent, mean of "
-        "all sends.\n");
+        "on the same bytes (ratio: best send over best TCP run, which the target column reads). "
+        "Pair ratio: the median over the sends of each send's GB/s over the TCP run just before "
+        "it. CPU s/GB: the process's CPU time (both workers) per GB sent, mean of all sends.\n");
   }
   if (parts.count(2)) {
     std::printf(
@@ -477,10 +486,10 @@ int TransferBench(int argc, char** argv) {
   }
   if (!csv.empty()) {
     std::ofstream out(csv);
-    out << "codec,stored_bytes,wire_bytes,fp16_bytes,codec_ratio,gbps,tcp_gbps\n";
+    out << "codec,stored_bytes,wire_bytes,fp16_bytes,codec_ratio,gbps,tcp_gbps,pair_ratio\n";
     for (const Row& r : rows) {
       out << r.codec << "," << r.stored << "," << r.wire << "," << r.raw << "," << r.codec_ratio
-          << "," << r.gbps << "," << r.tcp_gbps << "\n";
+          << "," << r.gbps << "," << r.tcp_gbps << "," << Median(r.pair_ratios) << "\n";
     }
   }
   return 0;
