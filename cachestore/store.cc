@@ -404,9 +404,15 @@ void Store::AbortWrite(const WriteSpec& spec, uint64_t write_id) {
 
 absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string payload,
                                                std::optional<uint32_t> computed_crc32c) {
+  // On an error the ticket still holds the write: its destructor aborts it.
+  // Here, before this returns: a parameter itself may live until the end of
+  // the caller's full expression (GCC's ABI destroys it there), so a caller
+  // that answers its client within that expression would answer before the
+  // abort, and a retry would meet the failed write's reservation
+  // (ALREADY_EXISTS).
+  WriteTicket held = std::move(ticket);
   bool declined = false;
-  // On an error `ticket` still holds the write here: its destructor aborts it.
-  return CommitWriteImpl(ticket, payload, computed_crc32c, false, &declined);
+  return CommitWriteImpl(held, payload, computed_crc32c, false, &declined);
 }
 
 std::optional<absl::StatusOr<SegmentInfo>> Store::TryCommitWrite(

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
@@ -100,7 +101,17 @@ void StoreProcess::Kill() {
 }
 
 void StoreProcess::Pause() {
-  if (pid_ > 0) ::kill(pid_, SIGSTOP);
+  if (pid_ <= 0) return;
+  ::kill(pid_, SIGSTOP);
+  // The stop takes hold when one of the store's threads next runs; until
+  // then its other threads keep serving (on a loaded machine, long enough
+  // to answer the caller's next request). Wait until it has stopped.
+  int status = 0;
+  pid_t got;
+  do {
+    got = ::waitpid(pid_, &status, WUNTRACED);
+  } while (got < 0 && errno == EINTR);
+  if (got == pid_ && !WIFSTOPPED(status)) pid_ = -1;  // It exited instead.
 }
 
 void StoreProcess::Resume() {

@@ -32,7 +32,8 @@ class StoreProcess {
   absl::Status Start();
   // SIGKILL and reap.
   void Kill();
-  // SIGSTOP / SIGCONT: a store that accepts connections and never answers.
+  // SIGSTOP / SIGCONT: a store that accepts connections and never answers
+  // (Pause returns once it has stopped).
   void Pause();
   void Resume();
   // SIGTERM, then wait for a clean exit. Returns the exit status.

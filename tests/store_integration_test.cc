@@ -444,7 +444,16 @@ TEST_F(StoreIntegrationTest, StreamedUploadsFailCleanlyAndCommitWhole) {
     auto w = c->stub()->PutSegment(ctx.get(), &resp);
     ASSERT_TRUE(w->Write(Header("s", 0, p)));
     w->WaitForInitialMetadata();
-    for (const auto& m : chunks(3 << 20)) ASSERT_TRUE(w->Write(m));
+    for (const auto& m : chunks(3 << 20)) {
+      if (!w->Write(m)) {
+        const grpc::Status st = w->Finish();
+        std::ifstream log(store_->log_path());
+        std::string all((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+        FAIL() << "the store ended the upload: " << st.error_code() << " " << st.error_message()
+               << "\n"
+               << all.substr(all.size() > 3000 ? all.size() - 3000 : 0);
+      }
+    }
     ctx->TryCancel();
     EXPECT_EQ(w->Finish().error_code(), grpc::StatusCode::CANCELLED);
   }
