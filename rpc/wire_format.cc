@@ -22,67 +22,13 @@ size_t PutVarint(uint64_t v, char* out) {
 void ReleaseOwner(void* p) { delete static_cast<std::shared_ptr<const std::string>*>(p); }
 void NoRelease(void*) {}
 
-// Reads bytes across slices.
-class SliceCursor {
- public:
-  explicit SliceCursor(const std::vector<grpc::Slice>& s) : s_(s) {}
-  bool Byte(uint8_t* b) {
-    while (i_ < s_.size() && off_ == s_[i_].size()) {
-      ++i_;
-      off_ = 0;
-    }
-    if (i_ == s_.size()) return false;
-    *b = s_[i_].begin()[off_++];
-    return true;
-  }
-  bool Varint(uint64_t* v) {
-    *v = 0;
-    for (int shift = 0; shift < 64; shift += 7) {
-      uint8_t b;
-      if (!Byte(&b)) return false;
-      *v |= static_cast<uint64_t>(b & 0x7f) << shift;
-      if ((b & 0x80) == 0) return true;
-    }
-    return false;
-  }
-  // The spans of the next `n` bytes; false if fewer remain.
-  bool Take(size_t n, std::vector<std::pair<const char*, size_t>>* spans) {
-    while (n > 0) {
-      if (i_ == s_.size()) return false;
-      size_t avail = s_[i_].size() - off_;
-      size_t k = std::min(avail, n);
-      if (k > 0) spans->push_back({reinterpret_cast<const char*>(s_[i_].begin()) + off_, k});
-      off_ += k;
-      n -= k;
-      if (off_ == s_[i_].size()) {
-        ++i_;
-        off_ = 0;
-      }
-    }
-    return true;
-  }
-  bool AtEnd() {
-    while (i_ < s_.size() && off_ == s_[i_].size()) {
-      ++i_;
-      off_ = 0;
-    }
-    return i_ == s_.size();
-  }
-
- private:
-  const std::vector<grpc::Slice>& s_;
-  size_t i_ = 0;
-  size_t off_ = 0;
-};
-
 }  // namespace
 
 grpc::ByteBuffer BytesFieldMessage(int field, const char* data, size_t len,
                                    std::shared_ptr<const std::string> owner) {
-  char head[16];
-  size_t n = PutVarint((static_cast<uint64_t>(field) << 3) | 2, head);
-  n += PutVarint(len, head + n);
-  grpc::Slice slices[2] = {grpc::Slice(head, n), grpc::Slice()};
+  std::string head;
+  AppendLengthDelimitedHead(field, len, &head);
+  grpc::Slice slices[2] = {grpc::Slice(head.data(), head.size()), grpc::Slice()};
   if (owner != nullptr) {
     slices[1] = grpc::Slice(const_cast<char*>(data), len, ReleaseOwner,
                             new std::shared_ptr<const std::string>(std::move(owner)));
@@ -97,12 +43,7 @@ grpc::ByteBuffer BytesFieldMessage(int field, const std::vector<BytesPiece>& pie
   size_t len = 0;
   for (const BytesPiece& p : pieces) len += p.len;
   std::string small;  // The field's head, then small pieces up to the next large one.
-  small.resize(20);
-  small.resize(PutVarint((static_cast<uint64_t>(field) << 3) | 2, small.data()));
-  {
-    char head[10];
-    small.append(head, PutVarint(len, head));
-  }
+  AppendLengthDelimitedHead(field, len, &small);
   std::vector<grpc::Slice> slices;
   auto flush = [&] {
     if (small.empty()) return;
@@ -163,14 +104,17 @@ std::string Field::ToString() const {
 absl::StatusOr<Field> SingleField(const grpc::ByteBuffer& b) {
   Field f;
   if (!b.Dump(&f.slices).ok()) return absl::FailedPreconditionError("unreadable buffer");
-  SliceCursor c(f.slices);
-  uint64_t tag, len;
-  if (!c.Varint(&tag) || (tag & 7) != 2 || (tag >> 3) == 0 || (tag >> 3) > 536870911 ||
-      !c.Varint(&len) || !c.Take(len, &f.spans) || !c.AtEnd()) {
+  FieldReader::Spans all;
+  for (const grpc::Slice& s : f.slices) {
+    all.push_back({reinterpret_cast<const char*>(s.begin()), s.size()});
+  }
+  FieldReader r(std::move(all));
+  int type = 0, more = 0;
+  FieldReader::Spans rest;
+  if (!r.Next(&f.number, &f.spans, &type) || type != 2 || r.Next(&more, &rest) || !r.ok()) {
     return absl::FailedPreconditionError("not a single length-delimited field");
   }
-  f.number = static_cast<int>(tag >> 3);
-  f.size = len;
+  for (const auto& span : f.spans) f.size += span.second;
   return f;
 }
 
@@ -210,7 +154,7 @@ bool FieldReader::Take(size_t n, Spans* out) {
   return true;
 }
 
-bool FieldReader::Next(int* number, Spans* bytes) {
+bool FieldReader::Next(int* number, Spans* bytes, int* wire_type) {
   while (i_ < spans_.size() && off_ == spans_[i_].second) {
     ++i_;
     off_ = 0;
@@ -220,6 +164,7 @@ bool FieldReader::Next(int* number, Spans* bytes) {
   ok_ = Varint(&tag) && (tag >> 3) != 0 && (tag >> 3) <= 536870911;
   if (!ok_) return false;
   *number = static_cast<int>(tag >> 3);
+  if (wire_type != nullptr) *wire_type = static_cast<int>(tag & 7);
   switch (tag & 7) {
     case 0:  // Varint.
       ok_ = Varint(&v);

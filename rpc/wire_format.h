@@ -70,10 +70,11 @@ class FieldReader {
  public:
   using Spans = std::vector<std::pair<const char*, size_t>>;
   explicit FieldReader(Spans spans) : spans_(std::move(spans)) {}
-  // The next field: its number and, for a length-delimited one, the spans of
-  // its bytes (appended to `bytes`; other wire types are skipped and leave it
-  // empty). False at the end; then ok() tells whether the bytes parsed.
-  bool Next(int* number, Spans* bytes);
+  // The next field: its number, its wire type (when `wire_type` is not
+  // null) and, for a length-delimited one, the spans of its bytes (appended
+  // to `bytes`; other wire types are skipped and leave it empty). False at
+  // the end; then ok() tells whether the bytes parsed.
+  bool Next(int* number, Spans* bytes, int* wire_type = nullptr);
   bool ok() const { return ok_; }
 
  private:
