@@ -402,6 +402,12 @@ class Tier : public TierSession {
       t.transfer_raw_bytes = transfer_->past_raw_bytes() + transfer_->open_bytes();
       t.transfer_ms = transfer_->transfer_ms();
       t.transfer_exposed_ms = transfer_->exposed_ms();
+      t.transfer_drain_ms = transfer_->drain_ms();
+      t.transfer_import_ms = transfer_->receiver_import_ms();
+      t.transfer_device_copy_ms = transfer_->receiver_device_copy_ms();
+      t.transfer_tail_wait_ms = transfer_->receiver_tail_wait_ms();
+      t.transfer_receiver_span_ms = transfer_->receiver_span_ms();
+      t.transfer_receiver_busy_ms = transfer_->receiver_busy_ms();
       t.transfer_device_bytes = transfer_->device_bytes();
       t.device_refusal = transfer_->device_refusal();
       t.nccl_links_reused += transfer_->device_link_reused() ? 1 : 0;

@@ -86,6 +86,12 @@ struct TierRound {
   uint64_t transfer_wire_bytes = 0;
   uint64_t transfer_raw_bytes = 0;  // The same state in the model's dtype.
   double transfer_ms = 0, transfer_exposed_ms = 0;
+  // The exposed part's breakdown (TransferReport): the stream catching up
+  // with the prefill, the tail's wait behind the layers the decode worker
+  // was still taking, and its import; and the decode worker's device work
+  // during the stream.
+  double transfer_drain_ms = 0, transfer_import_ms = 0, transfer_device_copy_ms = 0,
+         transfer_tail_wait_ms = 0, transfer_receiver_span_ms = 0, transfer_receiver_busy_ms = 0;
   uint64_t return_wire_bytes = 0;
   // Past rounds' bytes the receiving worker still held from an earlier
   // hand-off, so they did not travel (TransferReport.reused_bytes).

@@ -953,6 +953,8 @@ std::string RenderText(const DemoReport& r) {
     uint64_t wire = 0, raw = 0, back = 0, reused = 0, back_reused = 0;
     int64_t n = 0, handed = 0;
     uint64_t device = 0, back_device = 0;
+    double drain_ms = 0, import_ms = 0, copy_ms = 0, tail_wait_ms = 0;
+    double recv_span_ms = 0, recv_busy_ms = 0;
     int links_reused = 0;
     std::map<std::string, int> paths;  // Hand-offs and hand-backs per path.
     std::string refusal;
@@ -972,6 +974,12 @@ std::string RenderText(const DemoReport& r) {
         raw += tr.transfer_raw_bytes;
         xfer_ms += tr.transfer_ms;
         exposed_ms += tr.transfer_exposed_ms;
+        drain_ms += tr.transfer_drain_ms;
+        import_ms += tr.transfer_import_ms;
+        copy_ms += tr.transfer_device_copy_ms;
+        tail_wait_ms += tr.transfer_tail_wait_ms;
+        recv_span_ms += tr.transfer_receiver_span_ms;
+        recv_busy_ms += tr.transfer_receiver_busy_ms;
         back += tr.return_wire_bytes;
         reused += tr.transfer_reused_bytes;
         back_reused += tr.return_reused_bytes;
@@ -998,6 +1006,14 @@ std::string RenderText(const DemoReport& r) {
           Kib(Ratio(reused, handed)), Kib(Ratio(raw, handed)), Ratio(raw, wire + reused),
           xfer_ms / handed, exposed_ms / handed, 100.0 * (1.0 - Ratio(exposed_ms, xfer_ms)),
           Kib(Ratio(back, handed)), Kib(Ratio(back_reused, handed)), back_ms / handed);
+      absl::StrAppendFormat(&s,
+                            "  of the exposed part (mean): %.2f ms until the stream caught up "
+                            "with the prefill, %.2f ms the tail waited behind layers the decode "
+                            "worker was still taking, %.2f ms its import; the decode worker "
+                            "took the stream in %.2f ms (header to tail), busy for %.2f ms of "
+                            "them, %.2f ms of that on device copies and uploads\n",
+                            drain_ms / handed, tail_wait_ms / handed, import_ms / handed,
+                            recv_span_ms / handed, recv_busy_ms / handed, copy_ms / handed);
       if (device + back_device > 0) {
         std::vector<std::string> how;
         if (paths.count("cuda_ipc") > 0) how.push_back("CUDA IPC");

@@ -34,6 +34,10 @@
 #             layer by layer (docs/transfer.md) [0]
 #   PREFILL_GPU, DECODE_GPU  with PD=1, the GPU each worker sees (CUDA_VISIBLE_DEVICES):
 #             two GPUs make the hand-offs take the NCCL path, one GPU CUDA IPC [unset]
+#   WORKER_ARGS  more flags for every kvtier-worker, e.g. "--placement=host" or
+#             "--device_transfer=grpc" (kvtier-worker --help lists them) [unset]
+#   LOGS      a directory to keep the store's and workers' logs in (they are
+#             deleted with the demo's temporary directory otherwise) [unset]
 set -euo pipefail
 BUILD_DIR=${1:-build}
 STORE_BIN="$BUILD_DIR/services/store/kvtier-store"
@@ -70,6 +74,7 @@ WORK=$(mktemp -d /tmp/kvtier-demo-XXXXXX)
 PIDS=()
 cleanup() {
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null && wait "$p" 2>/dev/null; done
+  if [ -n "${LOGS:-}" ]; then mkdir -p "$LOGS" && cp "$WORK"/*.log "$LOGS"/ 2>/dev/null; fi
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -102,12 +107,13 @@ echo "kvtier-store on $STORE"
 
 PREFILL_ENV=()
 DECODE_ENV=()
+read -r -a WORKER_EXTRA <<<"${WORKER_ARGS:-}"
 if [ -n "${PREFILL_GPU:-}" ]; then PREFILL_ENV=(CUDA_VISIBLE_DEVICES="$PREFILL_GPU"); fi
 if [ -n "${DECODE_GPU:-}" ]; then DECODE_ENV=(CUDA_VISIBLE_DEVICES="$DECODE_GPU"); fi
 
 step "Starting kvtier-worker (rounds kept in that store)"
 env "${PREFILL_ENV[@]}" "$WORKER_BIN" --store="$STORE" --listen=127.0.0.1:0 --port_file="$WORK/worker.port" \
-  --metrics_listen=127.0.0.1:0 --metrics_port_file="$WORK/worker.mport" 2>>"$WORK/worker.log" &
+  --metrics_listen=127.0.0.1:0 --metrics_port_file="$WORK/worker.mport" "${WORKER_EXTRA[@]}" 2>>"$WORK/worker.log" &
 PIDS+=($!)
 wait_port "$WORK/worker.port" "$WORK/worker.log" kvtier-worker
 WORKER=127.0.0.1:$(cat "$WORK/worker.port")
@@ -117,7 +123,7 @@ DECODE=""
 if [ "${PD:-0}" = 1 ]; then
   step "Starting a second kvtier-worker that decodes (PD=1: prefill/decode disaggregation)"
   env "${DECODE_ENV[@]}" "$WORKER_BIN" --store="$STORE" --listen=127.0.0.1:0 --port_file="$WORK/decode.port" \
-    --metrics_listen=127.0.0.1:0 --metrics_port_file="$WORK/decode.mport" 2>>"$WORK/decode.log" &
+    --metrics_listen=127.0.0.1:0 --metrics_port_file="$WORK/decode.mport" "${WORKER_EXTRA[@]}" 2>>"$WORK/decode.log" &
   PIDS+=($!)
   wait_port "$WORK/decode.port" "$WORK/decode.log" kvtier-worker
   DECODE=127.0.0.1:$(cat "$WORK/decode.port")
@@ -172,7 +178,12 @@ fi
 if command -v curl >/dev/null 2>&1; then
   step "kvtier-worker's Prometheus counters"
   curl -s "127.0.0.1:$(cat "$WORK/worker.mport")/metrics" |
-    grep -E '^kvtier_worker_(recalls|recall_rounds|bytes_fetched|bytes_stored|transfer|speculation)' || true
+    grep -E '^kvtier_worker_(recalls|recall_rounds|bytes_fetched|bytes_stored|transfer|speculation|device_call)' || true
+  if [ -n "$DECODE" ]; then
+    step "The decode kvtier-worker's Prometheus counters"
+    curl -s "127.0.0.1:$(cat "$WORK/decode.mport")/metrics" |
+      grep -E '^kvtier_worker_(transfer|device_call)' || true
+  fi
 fi
 echo
 echo "Try: CODEC=kivi4 make demo, RECALL=all make demo, EVICT=snapkv:24:w=8 make demo,"

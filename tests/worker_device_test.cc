@@ -17,6 +17,7 @@
 #include "worker/device_transfer.h"
 #include "worker/engine.h"
 #include "worker/link_pool.h"
+#include "worker/session.h"
 
 namespace kvtier {
 namespace {
@@ -249,6 +250,37 @@ absl::Status Move(Engine& from, Engine& to, const std::string& id) {
   return from.ForgetSession(id, /*keep_rounds=*/false);
 }
 
+// Move as kvtier-worker's receiver does it for a session it places on its
+// GPU: the device side made at the header (BeginDeviceImport), each layer
+// checked and split as it lands, then uploaded with its open round
+// (PrepareDeviceLayer), and the import at the tail adopting them. *prepared
+// says whether the receiver prepared anything (it does not for a host
+// placement).
+absl::Status MovePrepared(Engine& from, Engine& to, const std::string& id, bool* prepared) {
+  auto image = from.ExportSession(id);
+  if (!image.ok()) return image.status();
+  std::unique_ptr<worker::DeviceImport> prep = to.BeginDeviceImport(image->shape, image->policy);
+  *prepared = prep != nullptr;
+  std::vector<worker::LayerImage> layers;
+  for (int l = 0; l < kShape.layers; ++l) {
+    auto li = from.ExportLayer(id, l);
+    if (!li.ok()) return li.status();
+    li->past = std::make_shared<const std::string>(li->PastBytes());
+    li->past_pieces.clear();
+    if (absl::Status st = li->CheckPast(kShape.kv_heads, kShape.head_dim); !st.ok()) return st;
+    if (prep != nullptr) {
+      if (absl::Status st = to.PrepareDeviceLayer(*prep, *li); !st.ok()) return st;
+    }
+    layers.push_back(*std::move(li));
+  }
+  if (absl::Status st = from.ExportTail(id, &*image); !st.ok()) return st;
+  if (absl::Status st = to.ImportSession(id, *image, std::move(layers), nullptr, std::move(prep));
+      !st.ok()) {
+    return st;
+  }
+  return from.ForgetSession(id, /*keep_rounds=*/false);
+}
+
 // The same with the layers on the GPU lent as they are, as the CUDA IPC
 // path lends them: the receiver lays each device round out from the
 // sender's description (CheckDeviceRound, as TransferSession does) and
@@ -306,13 +338,18 @@ TEST_F(WorkerDeviceTest, DeviceSessionsHandOffByteForByte) {
     p.watershed_layer = 2;
     p.release_after_end_round = false;
     Engine ref(segments_, host_opts), off_gpu(segments_, host_opts), on_gpu(segments_, dev_opts);
-    for (Engine* e : {host_.get(), device_.get(), &ref})
+    // A second host twin, moved onto the GPU the way the receiver of a
+    // TransferSession stream does it (MovePrepared), and one moved onto a
+    // host engine that way, which prepares nothing.
+    Engine twin(segments_, host_opts), twin_host(segments_, host_opts);
+    Engine prepared_gpu(segments_, dev_opts), prepared_host(segments_, host_opts);
+    for (Engine* e : {host_.get(), device_.get(), &ref, &twin, &twin_host})
       KVT_ASSERT_OK(e->OpenSession(id, kShape, p));
     std::mt19937 rng(7);
     auto step = [&](const std::vector<Engine*>& engines, int64_t n, bool prefill) {
       return Step(id, engines, n, prefill, &rng);
     };
-    const std::vector<Engine*> all = {host_.get(), device_.get(), &ref};
+    const std::vector<Engine*> all = {host_.get(), device_.get(), &ref, &twin, &twin_host};
     for (int r = 0; r < 2; ++r) {
       step(all, 12, true);
       step(all, 1, false);
@@ -331,16 +368,34 @@ TEST_F(WorkerDeviceTest, DeviceSessionsHandOffByteForByte) {
     }
     KVT_ASSERT_OK(Move(*device_, off_gpu, id));
     KVT_ASSERT_OK(Move(*host_, on_gpu, id));
+    bool prepared = false;
+    KVT_ASSERT_OK(MovePrepared(twin, prepared_gpu, id, &prepared));
+    EXPECT_TRUE(prepared);
+    KVT_ASSERT_OK(MovePrepared(twin_host, prepared_host, id, &prepared));
+    EXPECT_FALSE(prepared);
     KVT_ASSERT_OK_AND_ASSIGN(st, off_gpu.Stats(id));
     EXPECT_FALSE(st.on_device);
     KVT_ASSERT_OK_AND_ASSIGN(st, on_gpu.Stats(id));
     EXPECT_TRUE(st.on_device);
+    KVT_ASSERT_OK_AND_ASSIGN(st, prepared_gpu.Stats(id));
+    EXPECT_TRUE(st.on_device);
     for (int t = 0; t < 2; ++t) {
-      auto outs = step({&ref, &off_gpu, &on_gpu}, 1, false);
+      auto outs = step({&ref, &off_gpu, &on_gpu, &prepared_gpu, &prepared_host}, 1, false);
       EXPECT_TRUE(outs[0] == outs[1]) << "decode step " << t << " off the GPU";
       EXPECT_LT(Worst(outs[0], outs[2]), 2e-4) << "decode step " << t << " on the GPU";
+      EXPECT_LT(Worst(outs[0], outs[3]), 2e-4) << "decode step " << t << " on the GPU, prepared";
+      EXPECT_TRUE(outs[0] == outs[4]) << "decode step " << t << " prepared, host placement";
     }
-    for (Engine* e : {&ref, &off_gpu, &on_gpu}) KVT_ASSERT_OK(e->EndRound(id).status());
+    // Handed on again from the prepared session: its past tensors, read
+    // back from the GPU, are those of the host session.
+    for (int l = 0; l < kShape.layers; ++l) {
+      KVT_ASSERT_OK_AND_ASSIGN(worker::LayerImage hl, ref.ExportLayer(id, l));
+      KVT_ASSERT_OK_AND_ASSIGN(worker::LayerImage dl, prepared_gpu.ExportLayer(id, l));
+      EXPECT_TRUE(hl.PastBytes() == dl.PastBytes()) << "layer " << l;
+      EXPECT_TRUE(hl.open == dl.open) << "layer " << l;
+    }
+    for (Engine* e : {&ref, &off_gpu, &on_gpu, &prepared_gpu, &prepared_host})
+      KVT_ASSERT_OK(e->EndRound(id).status());
   }
 }
 

@@ -707,6 +707,14 @@ TEST_F(TransferServiceTest, PrefillOnOneWorkerDecodeOnAnotherMatchesOneWorker) {
     EXPECT_EQ(t.reused_bytes() > 0, round > 0);
     reused_forth += t.reused_bytes();
     EXPECT_GE(t.transfer_ms(), t.exposed_ms());
+    // Where the time went: the receiver's figures came back with its answer
+    // (an import takes time; the parts fit inside what holds them).
+    EXPECT_GT(t.receiver_import_ms(), 0.0);
+    EXPECT_GE(t.receiver_busy_ms(), t.receiver_import_ms());
+    EXPECT_GE(t.receiver_span_ms(), t.receiver_busy_ms());
+    EXPECT_GE(t.receiver_tail_wait_ms(), 0.0);
+    EXPECT_EQ(t.receiver_device_copy_ms(), 0.0);  // Host sessions: no device work.
+    EXPECT_GE(t.exposed_ms(), t.drain_ms());
     EXPECT_EQ(p->engine()->Stats("pd").status().code(), absl::StatusCode::kNotFound);
     EXPECT_TRUE(d->engine()->Stats("pd").ok());
     for (int i = 0; i < 4; ++i) {

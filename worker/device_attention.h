@@ -80,6 +80,12 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(
 // first use. FAILED_PRECONDITION without a usable device.
 absl::StatusOr<DeviceIdentity> LocalDeviceIdentity();
 
+// Makes the device ready before the first request needs it: creates this
+// process's CUDA context and, with `identity`, its LocalDeviceIdentity. A
+// worker that left this to its first session paid about 0.1 s there (on an
+// H100: a decode worker's first hand-off took 104 ms longer than the rest).
+absl::Status WarmDevice(bool identity);
+
 // OK when this process reads `peer`'s probe through its IPC handle and finds
 // its nonce (IpcPeerCheck having passed); FAILED_PRECONDITION saying why
 // not. Remembered per peer handle.
@@ -98,6 +104,18 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> OpenIpcLayer(std::string_view ipc_h
 bool NcclBuiltIn();
 // CUDA devices visible to this process (0 without CUDA or a driver).
 int DeviceCount();
+
+// How long this process has spent in the CUDA calls that move working sets
+// on and off its GPU, by kind, since it started: "alloc" and "free"
+// (cudaMalloc, cudaFree), "upload" (host to device), "download" (device to host), "copy" (device
+// to device), "ipc_open" and "ipc_close" (another process's allocation).
+// For /metrics (kvtier_worker_device_call_*); empty without CUDA.
+struct DeviceCallTime {
+  const char* call;
+  uint64_t count = 0;
+  double seconds = 0;
+};
+std::vector<DeviceCallTime> DeviceCallTimes();
 // Makes device `ordinal` the calling thread's. kvtier-worker uses the
 // first visible device on every thread; the NCCL test puts its two ranks on
 // two devices this way.

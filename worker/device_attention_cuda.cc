@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -23,6 +25,32 @@
 
 namespace kvtier::worker {
 namespace {
+
+// DeviceCallTimes' table: calls and nanoseconds per kind, process-wide.
+enum DeviceCall { kAlloc, kFree, kUpload, kDownload, kCopy, kIpcOpen, kIpcClose, kDeviceCalls };
+constexpr const char* kDeviceCallNames[kDeviceCalls] = {"alloc", "free",     "upload",   "download",
+                                                        "copy",  "ipc_open", "ipc_close"};
+std::atomic<uint64_t> device_call_count[kDeviceCalls];
+std::atomic<uint64_t> device_call_ns[kDeviceCalls];
+
+// Counts the enclosing scope's time as one call of its kind.
+class CallTimer {
+ public:
+  explicit CallTimer(DeviceCall c) : c_(c), start_(std::chrono::steady_clock::now()) {}
+  CallTimer(const CallTimer&) = delete;
+  CallTimer& operator=(const CallTimer&) = delete;
+  ~CallTimer() {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now() - start_)
+                        .count();
+    device_call_count[c_].fetch_add(1, std::memory_order_relaxed);
+    device_call_ns[c_].fetch_add(static_cast<uint64_t>(ns), std::memory_order_relaxed);
+  }
+
+ private:
+  const DeviceCall c_;
+  const std::chrono::steady_clock::time_point start_;
+};
 
 absl::Status CudaError(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return absl::OkStatus();
@@ -53,8 +81,11 @@ class DeviceBuffer {
     if (bytes <= size_) return absl::OkStatus();
     const size_t want = std::max(bytes, size_ * 2);
     void* p = nullptr;
-    KVT_CUDA(pinned_ ? cudaMallocHost(&p, want) : cudaMalloc(&p, want),
-             pinned_ ? "cudaMallocHost" : "cudaMalloc");
+    {
+      CallTimer timer(kAlloc);
+      KVT_CUDA(pinned_ ? cudaMallocHost(&p, want) : cudaMalloc(&p, want),
+               pinned_ ? "cudaMallocHost" : "cudaMalloc");
+    }
     if (keep > 0 && p_ != nullptr) {
       const cudaError_t e = cudaMemcpy(p, p_, std::min(keep, size_), cudaMemcpyDefault);
       if (e != cudaSuccess) {
@@ -79,6 +110,7 @@ class DeviceBuffer {
     if (pinned_) {
       cudaFreeHost(p);
     } else {
+      CallTimer timer(kFree);
       cudaFree(p);
     }
   }
@@ -93,6 +125,7 @@ class CudaLayer : public DeviceLayer {
   int64_t bytes() const override { return static_cast<int64_t>(buf.size()); }
   absl::Status Download(std::string* staged) const override {
     staged->resize(staged_);
+    CallTimer timer(kDownload);
     KVT_CUDA(cudaMemcpy(staged->data(), buf.as<uint8_t>(), staged_, cudaMemcpyDeviceToHost),
              "download layer");
     return absl::OkStatus();
@@ -241,6 +274,7 @@ class CudaSession : public DeviceSession {
     if (bytes == 0) return absl::OkStatus();
     KVT_RETURN_IF_ERROR(k_[layer].Reserve(bytes));
     KVT_RETURN_IF_ERROR(v_[layer].Reserve(bytes));
+    CallTimer timer(kUpload);
     KVT_CUDA(cudaMemcpy(k_[layer].as<uint8_t>(), k, bytes, cudaMemcpyHostToDevice), "load open K");
     KVT_CUDA(cudaMemcpy(v_[layer].as<uint8_t>(), v, bytes, cudaMemcpyHostToDevice), "load open V");
     return absl::OkStatus();
@@ -256,6 +290,15 @@ class CudaSession : public DeviceSession {
 }  // namespace
 
 bool DeviceBuiltIn() { return true; }
+
+std::vector<DeviceCallTime> DeviceCallTimes() {
+  std::vector<DeviceCallTime> out;
+  for (int c = 0; c < kDeviceCalls; ++c) {
+    out.push_back({kDeviceCallNames[c], device_call_count[c].load(std::memory_order_relaxed),
+                   1e-9 * static_cast<double>(device_call_ns[c].load(std::memory_order_relaxed))});
+  }
+  return out;
+}
 
 bool DeviceUsable() { return cuda::DeviceAvailable(); }
 
@@ -322,8 +365,11 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(
   layer->SetUnstaging(std::move(unstaging));
   layer->staged_ = host.size();
   KVT_RETURN_IF_ERROR(layer->buf.Reserve(std::max<size_t>(host.size(), 1)));
-  KVT_CUDA(cudaMemcpy(layer->buf.as<uint8_t>(), host.data(), host.size(), cudaMemcpyHostToDevice),
-           "upload layer");
+  {
+    CallTimer timer(kUpload);
+    KVT_CUDA(cudaMemcpy(layer->buf.as<uint8_t>(), host.data(), host.size(), cudaMemcpyHostToDevice),
+             "upload layer");
+  }
   for (const auto& [pk, pv] : plans) {
     layer->heads.emplace_back(PlaceStaged(pk, layer->buf.as<uint8_t>()),
                               PlaceStaged(pv, layer->buf.as<uint8_t>()));
@@ -352,10 +398,14 @@ class OpenedHandle {
   OpenedHandle(const OpenedHandle&) = delete;
   OpenedHandle& operator=(const OpenedHandle&) = delete;
   ~OpenedHandle() {
-    if (p_ != nullptr) cudaIpcCloseMemHandle(p_);
+    if (p_ != nullptr) {
+      CallTimer timer(kIpcClose);
+      cudaIpcCloseMemHandle(p_);
+    }
   }
   absl::Status Open(std::string_view bytes) {
     KVT_ASSIGN_OR_RETURN(cudaIpcMemHandle_t h, HandleFrom(bytes));
+    CallTimer timer(kIpcOpen);
     const cudaError_t e = cudaIpcOpenMemHandle(&p_, h, cudaIpcMemLazyEnablePeerAccess);
     if (e != cudaSuccess) {
       p_ = nullptr;
@@ -453,6 +503,13 @@ absl::StatusOr<DeviceIdentity> LocalDeviceIdentity() {
   return p.id;
 }
 
+absl::Status WarmDevice(bool identity) {
+  if (!cuda::DeviceAvailable()) return absl::FailedPreconditionError("no CUDA device is visible");
+  KVT_CUDA(cudaFree(nullptr), "creating the CUDA context");
+  if (identity) KVT_RETURN_IF_ERROR(LocalDeviceIdentity().status());
+  return absl::OkStatus();
+}
+
 absl::Status ProbeIpcPeer(const DeviceIdentity& peer) {
   const std::string key = peer.probe_handle + peer.probe_nonce;
   Probe& p = TheProbe();
@@ -518,6 +575,7 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> OpenIpcLayer(std::string_view ipc_h
                                                      " bytes; its round says ",
                                                      layout.staged_bytes));
     }
+    CallTimer timer(kCopy);
     KVT_CUDA(
         cudaMemcpy(layer->buf.as<void>(), src.get(), layout.staged_bytes, cudaMemcpyDeviceToDevice),
         "copy device round");

@@ -14,6 +14,7 @@ absl::Status NotBuilt() {
 }  // namespace
 
 bool DeviceBuiltIn() { return false; }
+std::vector<DeviceCallTime> DeviceCallTimes() { return {}; }
 bool DeviceUsable() { return false; }
 absl::Status DeviceStatus() { return NotBuilt(); }
 absl::Status DeviceSupportsCodec(const CodecConfig&) { return NotBuilt(); }
@@ -25,6 +26,7 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(
 }
 
 absl::StatusOr<DeviceIdentity> LocalDeviceIdentity() { return NotBuilt(); }
+absl::Status WarmDevice(bool) { return NotBuilt(); }
 absl::Status ProbeIpcPeer(const DeviceIdentity&) { return NotBuilt(); }
 absl::StatusOr<std::unique_ptr<DeviceLayer>> OpenIpcLayer(std::string_view, DeviceRoundLayout) {
   return NotBuilt();

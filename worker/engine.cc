@@ -204,12 +204,10 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(
   return CreateSession(id, shape, policy, /*allow_device=*/true);
 }
 
-absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(const SessionKey& id,
-                                                                       const ModelShape& shape,
-                                                                       const SessionPolicy& policy,
-                                                                       bool allow_device) {
-  KVT_RETURN_IF_ERROR(ValidateName("session_id", id.session));
-  if (!id.tenant.empty()) KVT_RETURN_IF_ERROR(ValidateName("tenant", id.tenant));
+namespace {
+
+// INVALID_ARGUMENT for a shape no session can have.
+absl::Status CheckShape(const ModelShape& shape) {
   if (shape.layers < 1 || shape.q_heads < 1 || shape.kv_heads < 1 ||
       shape.q_heads % shape.kv_heads != 0 || shape.head_dim < 1 || shape.head_dim > 1024 ||
       shape.dtype_bytes() == 0) {
@@ -218,11 +216,51 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(const Ses
                      ", kv_heads ", shape.kv_heads, " (must divide q_heads), head_dim ",
                      shape.head_dim, ", dtype fp16, bf16 or fp32"));
   }
+  return absl::OkStatus();
+}
+
+// The watershed layer L_w of a session of `shape` under `policy`.
+absl::StatusOr<int> WatershedLayer(const ModelShape& shape, const SessionPolicy& policy) {
   const int lw = policy.watershed_layer >= 0 ? policy.watershed_layer : shape.layers / 3;
   if (lw >= shape.layers || (shape.layers > 1 && lw == shape.layers - 1)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "watershed layer ", lw, " must be below the last layer (", shape.layers, " layers)"));
   }
+  return lw;
+}
+
+}  // namespace
+
+std::unique_ptr<DeviceImport> Engine::BeginDeviceImport(const ModelShape& shape,
+                                                        const SessionPolicy& policy) const {
+  // As CreateSession decides for an imported session; a shape or policy it
+  // would refuse is left to it. No model has thousands of layers: a header
+  // that says so is not given a device session before its bytes are counted.
+  constexpr int kMaxPreparedLayers = 4096;
+  if (options_.placement == EngineOptions::Placement::kHost || !policy.speculation.skew.empty() ||
+      !CheckShape(shape).ok() || shape.layers > kMaxPreparedLayers || !DeviceStatus().ok() ||
+      !DeviceSupportsCodec(policy.codec).ok()) {
+    return nullptr;
+  }
+  absl::StatusOr<int> lw = WatershedLayer(shape, policy);
+  if (!lw.ok()) return nullptr;
+  auto dev = NewDeviceSession(shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim);
+  if (!dev.ok()) return nullptr;  // ImportSession tries again, and says why.
+  auto prep = std::make_unique<DeviceImport>();
+  prep->device = *std::move(dev);
+  prep->shape = shape;
+  prep->lw = *lw;
+  prep->open.resize(static_cast<size_t>(shape.layers));
+  return prep;
+}
+
+absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(
+    const SessionKey& id, const ModelShape& shape, const SessionPolicy& policy, bool allow_device,
+    std::unique_ptr<DeviceSession> prepared) {
+  KVT_RETURN_IF_ERROR(ValidateName("session_id", id.session));
+  if (!id.tenant.empty()) KVT_RETURN_IF_ERROR(ValidateName("tenant", id.tenant));
+  KVT_RETURN_IF_ERROR(CheckShape(shape));
+  KVT_ASSIGN_OR_RETURN(const int lw, WatershedLayer(shape, policy));
   KVT_RETURN_IF_ERROR(ValidateRoundPolicy(shape, policy));
   auto s = std::make_shared<Session>(id, shape, policy, lw);
   {
@@ -236,7 +274,11 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(const Ses
     // A speculating session keeps its past rounds in the host pool; the GPU,
     // if any, speculates and attends over what it gathers (below).
     const bool speculates = !policy.speculation.skew.empty();
-    if (options_.placement != Placement::kHost && allow_device && !speculates) {
+    if (options_.placement != Placement::kHost && allow_device && !speculates &&
+        prepared != nullptr) {
+      s->device = std::move(prepared);
+      s->stats.on_device = true;
+    } else if (options_.placement != Placement::kHost && allow_device && !speculates) {
       absl::Status why = DeviceStatus();
       if (why.ok()) why = DeviceSupportsCodec(policy.codec);
       if (why.ok()) {

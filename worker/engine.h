@@ -253,6 +253,9 @@ struct SessionImage {
 };
 
 // One layer of a session's K/V as a transfer carries it.
+// Engine::BeginDeviceImport's result (worker/session.h).
+struct DeviceImport;
+
 struct LayerImage {
   int layer = 0;
   // The past rounds resident at this layer, in the session's order, and their
@@ -528,6 +531,21 @@ class Engine {
   // `reused_bytes`, when set, gets the encoded bytes taken from the cache.
   absl::Status ImportSession(const SessionKey& id, const SessionImage& image,
                              std::vector<LayerImage> layers, uint64_t* reused_bytes = nullptr);
+  absl::Status ImportSession(const SessionKey& id, const SessionImage& image,
+                             std::vector<LayerImage> layers, uint64_t* reused_bytes,
+                             std::unique_ptr<DeviceImport> prepared);
+  // A receiver whose session will live on this worker's GPU does the
+  // device side of ImportSession while the layers arrive, not at the tail:
+  // BeginDeviceImport (at the transfer's header) makes the session's device
+  // working set, null when a session of this shape and policy would not
+  // live on the GPU here; PrepareDeviceLayer (as each layer lands, checked)
+  // uploads the layer's travelled rounds and loads its open round into the
+  // device's mirror. ImportSession then adopts them. On an H100 these
+  // uploads, a few allocations and copies for every layer, were nearly all
+  // of a hand-off's exposed time when they waited for the tail.
+  std::unique_ptr<DeviceImport> BeginDeviceImport(const ModelShape& shape,
+                                                  const SessionPolicy& policy) const;
+  absl::Status PrepareDeviceLayer(DeviceImport& prep, LayerImage& li) const;
   // The device path this worker takes device rounds by from a sender with
   // identity `peer`: "cuda_ipc" (its GPU, IpcPeerCheck and ProbeIpcPeer
   // pass) or "nccl" (another GPU, NCCL on both sides); FAILED_PRECONDITION
@@ -591,10 +609,11 @@ class Engine {
                                                          const SessionPolicy& policy);
   // `allow_device` false keeps the session in host memory whatever the
   // placement (an imported open round has no device mirror).
-  absl::StatusOr<std::shared_ptr<Session>> CreateSession(const SessionKey& id,
-                                                         const ModelShape& shape,
-                                                         const SessionPolicy& policy,
-                                                         bool allow_device);
+  // `prepared`: the device working set to use (BeginDeviceImport's) when
+  // the session goes on the GPU, instead of a new one.
+  absl::StatusOr<std::shared_ptr<Session>> CreateSession(
+      const SessionKey& id, const ModelShape& shape, const SessionPolicy& policy, bool allow_device,
+      std::unique_ptr<DeviceSession> prepared = nullptr);
   absl::Status Insert(const SessionKey& id, std::shared_ptr<Session> s);
   // ALREADY_EXISTS, or RESOURCE_EXHAUSTED at the session limits (REQUIRES mu_).
   absl::Status CheckRoomLocked(const SessionKey& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

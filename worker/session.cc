@@ -16,6 +16,10 @@
 
 namespace kvtier::worker {
 
+int64_t MonoUs(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::microseconds>(t.time_since_epoch()).count();
+}
+
 double MsSince(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
 }
@@ -185,25 +189,31 @@ void Engine::Session::BeginStep(int64_t n, bool prefill) {
   next_layer = 0;
 }
 
-absl::Status Engine::Session::Place(RoundLayer& rl, int layer) {
-  if (device == nullptr || rl.device != nullptr) return absl::OkStatus();
+absl::Status MoveToDevice(RoundLayer& rl, int head_dim) {
+  if (rl.device != nullptr) return absl::OkStatus();
   std::vector<std::pair<EncodedView, EncodedView>> views;
   for (const HeadKv& hk : rl.heads) views.emplace_back(hk.kview, hk.vview);
-  // Only layers that drop their host tensors (below) need to be read back
-  // from the device; layer L_w keeps its own.
-  KVT_ASSIGN_OR_RETURN(rl.device,
-                       UploadLayer(views, shape.head_dim,
-                                   layer != lw ? rl.tensors : std::vector<std::string_view>()));
-  if (layer != lw) {
-    for (HeadKv& hk : rl.heads) {
-      hk.kview = {};
-      hk.vview = {};
-    }
-    rl.payload.reset();
-    rl.tensors.clear();
-    rl.outside.clear();
-    return absl::OkStatus();
+  // The tensors let the device layer be read back (a hand-off): the host
+  // keeps none of its bytes.
+  KVT_ASSIGN_OR_RETURN(rl.device, UploadLayer(views, head_dim, rl.tensors));
+  for (HeadKv& hk : rl.heads) {
+    hk.kview = {};
+    hk.vview = {};
   }
+  rl.payload.reset();
+  rl.tensors.clear();
+  rl.outside.clear();
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Session::Place(RoundLayer& rl, int layer) {
+  if (device == nullptr || rl.device != nullptr) return absl::OkStatus();
+  if (layer != lw) return MoveToDevice(rl, shape.head_dim);
+  std::vector<std::pair<EncodedView, EncodedView>> views;
+  for (const HeadKv& hk : rl.heads) views.emplace_back(hk.kview, hk.vview);
+  // Layer L_w keeps its host tensors, so its device copy is never read back.
+  KVT_ASSIGN_OR_RETURN(rl.device,
+                       UploadLayer(views, shape.head_dim, std::vector<std::string_view>()));
   // Layer L_w stays on the host for recall scoring, in a payload of its own,
   // so the rest of its segment's host bytes can go.
   auto own = std::make_shared<const std::string>(SerializePayload(rl.tensors));

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -113,6 +114,9 @@ void AppendPayloadFraming(size_t n, std::string* out);
 absl::Status ValidateRoundPolicy(const ModelShape& shape, const SessionPolicy& policy);
 
 double MsSince(std::chrono::steady_clock::time_point t);
+// `t` in microseconds of the steady clock (CLOCK_MONOTONIC: one clock for
+// every process on a host), for debug logs that line up across processes.
+int64_t MonoUs(std::chrono::steady_clock::time_point t);
 
 // Widens `count` elements of `dtype` (fp16, bf16 or fp32) at src to fp32.
 void WidenRows(v1::DType dtype, const uint8_t* src, int64_t count, float* out);
@@ -144,6 +148,22 @@ struct OpenLayer {
 // arriving in a hand-off loads its open round into the mirror this way).
 void OpenRowsTokenMajor(const OpenLayer& o, int kv_heads, int d, v1::DType dtype, int64_t rows,
                         std::vector<float>* k, std::vector<float>* v, int64_t first = 0);
+
+// Uploads `rl` to the GPU (UploadLayer, readable back for a hand-off) and
+// drops its host bytes: a past round's layer other than L_w on a session
+// whose working set is on the GPU.
+absl::Status MoveToDevice(RoundLayer& rl, int head_dim);
+
+// The device side of an import done as its layers arrive
+// (Engine::BeginDeviceImport): the session's device working set, and per
+// layer the open round once loaded into its mirror (ImportSession takes it as
+// the session's open layer).
+struct DeviceImport {
+  std::unique_ptr<DeviceSession> device;
+  ModelShape shape;
+  int lw = 0;
+  std::vector<std::optional<OpenLayer>> open;
+};
 
 // Where a session is in its round. Transitions (one place each):
 //   kIdle    --PrefillLayer(0)-->           kPrefill

@@ -25,7 +25,64 @@ absl::Status CheckExportable(const SessionKey& id, SessionState state) {
   return absl::OkStatus();
 }
 
+// A transferred layer's open round (its rows of K and V in the model's
+// dtype, then the queries eviction reads) as the session's open layer;
+// INVALID_ARGUMENT when its counts or size do not fit. Takes li.open's bytes.
+absl::Status OpenFromImage(const ModelShape& sh, LayerImage& li, OpenLayer* o) {
+  const int d = sh.head_dim, es = sh.dtype_bytes();
+  if (li.open_rows < 0 || li.q_first < 0 || li.q_rows < 0 || li.q_rows > li.open_rows ||
+      (li.q_rows > 0 && li.q_first + li.q_rows != li.open_rows)) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", li.layer, " carries ", li.open_rows,
+                                                   " open rows (", li.q_rows, " queries from ",
+                                                   li.q_first, ")"));
+  }
+  const size_t head_bytes = static_cast<size_t>(li.open_rows) * d * es;
+  const size_t q_bytes = static_cast<size_t>(li.q_rows) * d * sizeof(float);
+  if (li.open.size() != 2 * sh.kv_heads * head_bytes + sh.q_heads * q_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer ", li.layer, "'s open round holds ", li.open.size(), " bytes; its rows need ",
+        2 * sh.kv_heads * head_bytes + sh.q_heads * q_bytes));
+  }
+  o->cap = o->rows = li.open_rows;
+  o->k.assign(li.open.begin(), li.open.begin() + sh.kv_heads * head_bytes);
+  o->v.assign(li.open.begin() + sh.kv_heads * head_bytes,
+              li.open.begin() + 2 * sh.kv_heads * head_bytes);
+  o->q_first = li.q_first;
+  o->q_cap = li.q_rows;
+  o->q.resize(static_cast<size_t>(sh.q_heads) * li.q_rows * d);
+  if (q_bytes > 0) {
+    std::memcpy(o->q.data(), li.open.data() + 2 * sh.kv_heads * head_bytes, sh.q_heads * q_bytes);
+  }
+  li.open = std::string();  // Copied; the past payload stays shared.
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::Status Engine::PrepareDeviceLayer(DeviceImport& prep, LayerImage& li) const {
+  const ModelShape& sh = prep.shape;
+  // Out of place: ImportSession refuses it at the tail.
+  if (li.layer < 0 || li.layer >= sh.layers || prep.open[li.layer].has_value()) {
+    return absl::OkStatus();
+  }
+  // The rounds that travelled, checked and split on arrival (CheckPast):
+  // to the GPU now. Layer L_w's stay on the host for recall scoring, with a
+  // device copy of their own (ImportSession places them).
+  if (li.layer != prep.lw && li.parsed != nullptr) {
+    for (std::unique_ptr<RoundLayer>& rl : *li.parsed) {
+      if (rl != nullptr) KVT_RETURN_IF_ERROR(MoveToDevice(*rl, sh.head_dim));
+    }
+  }
+  OpenLayer o;
+  if (!OpenFromImage(sh, li, &o).ok()) return absl::OkStatus();  // Refused at the tail.
+  if (o.rows > 0) {
+    std::vector<float> k, v;
+    OpenRowsTokenMajor(o, sh.kv_heads, sh.head_dim, sh.dtype, o.rows, &k, &v);
+    KVT_RETURN_IF_ERROR(prep.device->LoadOpen(li.layer, k.data(), v.data(), o.rows));
+  }
+  prep.open[li.layer] = std::move(o);
+  return absl::OkStatus();
+}
 
 absl::StatusOr<SessionImage> Engine::ExportSession(const SessionKey& id) const {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
@@ -295,10 +352,30 @@ absl::Status Engine::CheckImport(const SessionKey& id, uint64_t bytes) const {
 
 absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
                                    std::vector<LayerImage> layers, uint64_t* reused_out) {
+  return ImportSession(id, im, std::move(layers), reused_out, nullptr);
+}
+
+absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
+                                   std::vector<LayerImage> layers, uint64_t* reused_out,
+                                   std::unique_ptr<DeviceImport> prepared) {
+  if (prepared != nullptr &&
+      (prepared->shape.layers != im.shape.layers || prepared->shape.head_dim != im.shape.head_dim ||
+       prepared->shape.kv_heads != im.shape.kv_heads ||
+       prepared->shape.q_heads != im.shape.q_heads || prepared->shape.dtype != im.shape.dtype)) {
+    return absl::InternalError("the transfer's device side was prepared for another model shape");
+  }
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
-                       CreateSession(id, im.shape, im.policy, /*allow_device=*/true));
+                       CreateSession(id, im.shape, im.policy, /*allow_device=*/true,
+                                     prepared != nullptr ? std::move(prepared->device) : nullptr));
   const ModelShape& sh = s->shape;
-  const int d = sh.head_dim, es = sh.dtype_bytes(), lw = s->lw;
+  const int d = sh.head_dim, lw = s->lw;
+  if (prepared != nullptr) {
+    absl::MutexLock lock(&s->mu);
+    if (s->device == nullptr || lw != prepared->lw) {
+      // Its layers' rounds left the host for the GPU: they cannot go back.
+      return absl::InternalError("the transfer's device side was prepared for another placement");
+    }
+  }
   {
     SessionPolicy round = im.policy;
     round.eviction = im.round_eviction;
@@ -419,38 +496,23 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
       for (Session::PastRound& pr : s->past) {
         if (pr.layers[l] != nullptr) KVT_RETURN_IF_ERROR(s->Place(*pr.layers[l], l));
       }
-      // The open round.
-      if (li.open_rows != im.open_tokens || li.open_rows < 0 || li.q_first < 0 || li.q_rows < 0 ||
-          li.q_rows > li.open_rows || (li.q_rows > 0 && li.q_first + li.q_rows != li.open_rows)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("layer ", l, " carries ", li.open_rows, " open rows (", li.q_rows,
-                         " queries from ", li.q_first, "); the round has ", im.open_tokens));
-      }
-      const size_t head_bytes = static_cast<size_t>(li.open_rows) * d * es;
-      const size_t q_bytes = static_cast<size_t>(li.q_rows) * d * sizeof(float);
-      if (li.open.size() != 2 * sh.kv_heads * head_bytes + sh.q_heads * q_bytes) {
+      // The open round: loaded into the device's mirror as the layer
+      // arrived (PrepareDeviceLayer), or here.
+      if (li.open_rows != im.open_tokens) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "layer ", l, "'s open round holds ", li.open.size(), " bytes; its rows need ",
-            2 * sh.kv_heads * head_bytes + sh.q_heads * q_bytes));
+            "layer ", l, " carries ", li.open_rows, " open rows; the round has ", im.open_tokens));
       }
       OpenLayer& o = s->open[l];
-      o.cap = o.rows = li.open_rows;
-      o.k.assign(li.open.begin(), li.open.begin() + sh.kv_heads * head_bytes);
-      o.v.assign(li.open.begin() + sh.kv_heads * head_bytes,
-                 li.open.begin() + 2 * sh.kv_heads * head_bytes);
-      o.q_first = li.q_first;
-      o.q_cap = li.q_rows;
-      o.q.resize(static_cast<size_t>(sh.q_heads) * li.q_rows * d);
-      if (q_bytes > 0) {
-        std::memcpy(o.q.data(), li.open.data() + 2 * sh.kv_heads * head_bytes,
-                    sh.q_heads * q_bytes);
+      if (prepared != nullptr && prepared->open[l].has_value()) {
+        o = *std::move(prepared->open[l]);
+      } else {
+        KVT_RETURN_IF_ERROR(OpenFromImage(sh, li, &o));
+        if (s->device != nullptr && o.rows > 0) {
+          std::vector<float> k, v;
+          OpenRowsTokenMajor(o, sh.kv_heads, d, sh.dtype, o.rows, &k, &v);
+          KVT_RETURN_IF_ERROR(s->device->LoadOpen(l, k.data(), v.data(), o.rows));
+        }
       }
-      if (s->device != nullptr && o.rows > 0) {
-        std::vector<float> k, v;
-        OpenRowsTokenMajor(o, sh.kv_heads, d, sh.dtype, o.rows, &k, &v);
-        KVT_RETURN_IF_ERROR(s->device->LoadOpen(l, k.data(), v.data(), o.rows));
-      }
-      li.open = std::string();  // Copied; the past payload stays shared.
     }
     s->tokens = im.open_tokens;
     s->state = im.open_tokens > 0 ? SessionState::kOpen : SessionState::kIdle;

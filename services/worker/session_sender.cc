@@ -143,6 +143,11 @@ absl::StatusOr<v1::TransferReport> SessionSender::Finish() {
   }
   report_.set_transfer_ms(worker::MsSince(first_layer_));
   report_.set_exposed_ms(worker::MsSince(wait_start));
+  LogDebug("hand-off finished", {{"session", id_.ToString()},
+                                 {"wait_start_us", worker::MonoUs(wait_start)},
+                                 {"now_us", worker::MonoUs(std::chrono::steady_clock::now())}});
+  report_.set_drain_ms(
+      std::max(0.0, std::chrono::duration<double, std::milli>(tail_written_ - wait_start).count()));
   if (on_device_ && device_path_.empty()) report_.set_device_refusal(refusal_);
   return report_;
 }
@@ -432,9 +437,24 @@ void SessionSender::Run() {
         v1::TransferChunk c;
         *c.mutable_tail() = std::move(std::get<v1::TransferTail>(item));
         broken = !call_->Write(wire::Serialize(c));
+        if (!broken) {
+          const auto now = std::chrono::steady_clock::now();
+          LogDebug("hand-off tail written",
+                   {{"session", id_.ToString()}, {"now_us", worker::MonoUs(now)}});
+          absl::MutexLock lock(&mu_);
+          tail_written_ = now;
+        }
         if (!broken) broken = !call_->WritesDone();
         grpc::ByteBuffer reply;
-        if (!broken) call_->Read(&reply);
+        v1::TransferSessionResponse answer;
+        if (!broken && call_->Read(&reply) && wire::Parse(reply, &answer).ok()) {
+          absl::MutexLock lock(&mu_);
+          report_.set_receiver_import_ms(answer.import_ms());
+          report_.set_receiver_device_copy_ms(answer.device_copy_ms());
+          report_.set_receiver_tail_wait_ms(answer.tail_wait_ms());
+          report_.set_receiver_span_ms(answer.span_ms());
+          report_.set_receiver_busy_ms(answer.busy_ms());
+        }
       }
     }
     if (last || broken) {

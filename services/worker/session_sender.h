@@ -121,6 +121,8 @@ class SessionSender {
   absl::Mutex mu_;
   std::chrono::steady_clock::time_point first_layer_ ABSL_GUARDED_BY(mu_);
   bool sent_layer_ ABSL_GUARDED_BY(mu_) = false;
+  // When the thread wrote the tail: the stream had caught up.
+  std::chrono::steady_clock::time_point tail_written_ ABSL_GUARDED_BY(mu_);
   // The tail (or a cancel) is queued: nothing more comes.
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);

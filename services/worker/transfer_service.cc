@@ -2,6 +2,7 @@
 // (sending a session between steps), and the senders the Prefill stream
 // uses for transfer_to (docs/transfer.md).
 #include <algorithm>
+#include <chrono>
 #include <deque>
 #include <optional>
 
@@ -18,6 +19,7 @@
 #include "services/worker/transfer_proto.h"
 #include "services/worker/worker_service.h"
 #include "worker/device_attention.h"
+#include "worker/session.h"
 
 namespace kvtier {
 
@@ -134,6 +136,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
       return;
     }
     if (ok) {
+      last_read_ = std::chrono::steady_clock::now();
       queued_.emplace_back();
       queued_.back().Swap(&msg_);
       ReadAheadLocked();
@@ -201,7 +204,10 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
                                             layers_.size(), " layers); nothing was kept")));
         return;
       }
+      const auto start = std::chrono::steady_clock::now();
+      if (!header_taken_.has_value()) header_taken_ = start;
       absl::Status s = Take(m);
+      busy_ms_ += worker::MsSince(start);
       if (!s.ok() || imported_) {
         {
           absl::MutexLock lock(&mu_);
@@ -224,12 +230,23 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     }
     chunk_.Clear();
     KVT_RETURN_IF_ERROR(wire::Parse(msg, &chunk_));
-    if (chunk_.has_header() || !image_.has_value()) KVT_RETURN_IF_ERROR(TakeHeader());
-    if (chunk_.has_layer_info()) KVT_RETURN_IF_ERROR(StartLayer());
+    // Each part's time, for the debug log's breakdown (End).
+    auto timed = [](double* ms, auto&& part) {
+      const auto start = std::chrono::steady_clock::now();
+      absl::Status st = part();
+      *ms += worker::MsSince(start);
+      return st;
+    };
+    if (chunk_.has_header() || !image_.has_value()) {
+      KVT_RETURN_IF_ERROR(timed(&header_ms_, [&] { return TakeHeader(); }));
+    }
+    if (chunk_.has_layer_info()) {
+      KVT_RETURN_IF_ERROR(timed(&start_ms_, [&] { return StartLayer(); }));
+    }
     if (!chunk_.data().empty()) {
       KVT_RETURN_IF_ERROR(TakeData(chunk_.data().data(), chunk_.data().size()));
     }
-    if (chunk_.layer_end()) KVT_RETURN_IF_ERROR(EndLayer());
+    if (chunk_.layer_end()) KVT_RETURN_IF_ERROR(timed(&end_ms_, [&] { return EndLayer(); }));
     if (chunk_.has_tail()) return TakeTail();
     return absl::OkStatus();
   }
@@ -279,7 +296,11 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
         }
       }
     }
-    return svc_->engine_->CheckImport(*id_, 0);
+    KVT_RETURN_IF_ERROR(svc_->engine_->CheckImport(*id_, 0));
+    // A session that will live on this worker's GPU goes there layer by
+    // layer as they arrive, rather than all at the tail.
+    prep_ = svc_->engine_->BeginDeviceImport(image_->shape, image_->policy);
+    return absl::OkStatus();
   }
 
   absl::Status StartLayer() {
@@ -301,7 +322,10 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     KVT_RETURN_IF_ERROR(svc_->engine_->CheckImport(
         *id_, received_ + device_bytes_ + staged + info.past_bytes() + info.open_bytes()));
     layer_ = worker::LayerImage();
-    if (absl::Status st = TakeDeviceRounds(info); !st.ok()) {
+    const auto copy_start = std::chrono::steady_clock::now();
+    absl::Status took = TakeDeviceRounds(info);
+    if (!info.device_rounds().empty()) device_copy_ms_ += worker::MsSince(copy_start);
+    if (absl::Status st = std::move(took); !st.ok()) {
       // A path that failed once with this sender is not offered to it again
       // (its next hand-offs go over gRPC), unless memory ran out.
       if (peer_.has_value() && device_path_.has_value() && device_path_->ok() &&
@@ -424,8 +448,20 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
                                               " of the transfer is corrupt: crc32c ", crc_,
                                               ", the sender's ", chunk_.layer_crc32c()));
     }
+    if (prep_ != nullptr) {
+      const auto start = std::chrono::steady_clock::now();
+      absl::Status st = svc_->engine_->PrepareDeviceLayer(*prep_, layer_);
+      device_copy_ms_ += worker::MsSince(start);
+      if (!st.ok()) {
+        return absl::Status(st.code(), absl::StrCat("layer ", layer_.layer,
+                                                    " of the transfer could not be placed on "
+                                                    "this worker's GPU: ",
+                                                    st.message()));
+      }
+    }
     layers_.push_back(std::move(layer_));
     gathering_ = false;
+    last_layer_end_ = std::chrono::steady_clock::now();
     return absl::OkStatus();
   }
 
@@ -435,12 +471,28 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
       return absl::InvalidArgumentError(
           absl::StrCat("the tail arrived after ", layers_.size(), " of ", layers, " layers"));
     }
+    const auto tail_start = std::chrono::steady_clock::now();
+    double tail_wait_ms = 0;
+    std::chrono::steady_clock::time_point tail_read;
+    {
+      absl::MutexLock lock(&mu_);
+      tail_read = last_read_;  // The tail was the last read.
+    }
+    tail_wait_ms = worker::MsSince(tail_read);
+    // Steady-clock times (one clock for every process on a host), to line
+    // this up with the sender's "hand-off tail written".
+    LogDebug("hand-off tail taken", {{"session", id_->ToString()},
+                                     {"tail_read_us", worker::MonoUs(tail_read)},
+                                     {"last_layer_end_us", worker::MonoUs(last_layer_end_)},
+                                     {"now_us", worker::MonoUs(tail_start)}});
     TailFromProto(chunk_.tail(), &*image_);
     if (!stores_.empty()) {
       KVT_RETURN_IF_ERROR(svc_->replicas_->SetReplicas(id_->tenant, id_->session, stores_));
     }
-    absl::Status s =
-        svc_->engine_->ImportSession(*id_, *image_, std::move(layers_), &reused_bytes_);
+    const auto import_start = std::chrono::steady_clock::now();
+    absl::Status s = svc_->engine_->ImportSession(*id_, *image_, std::move(layers_), &reused_bytes_,
+                                                  std::move(prep_));
+    const double import_ms = worker::MsSince(import_start);
     if (!s.ok()) {
       if (!stores_.empty() && !absl::IsAlreadyExists(s)) {
         svc_->replicas_->Forget(id_->tenant, id_->session);
@@ -449,6 +501,11 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     }
     v1::TransferSessionResponse resp;
     resp.set_bytes_received(received_);
+    resp.set_import_ms(import_ms);
+    resp.set_device_copy_ms(device_copy_ms_);
+    resp.set_tail_wait_ms(tail_wait_ms);
+    resp.set_span_ms(header_taken_.has_value() ? worker::MsSince(*header_taken_) : 0);
+    resp.set_busy_ms(busy_ms_ + worker::MsSince(tail_start));
     *resp_ = wire::Serialize(resp);
     imported_ = true;
     return absl::OkStatus();
@@ -459,6 +516,15 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
       LogWarn("session transfer refused",
               {{"session", id_.has_value() ? id_->ToString() : std::string("?")},
                {"error", s.ToString()}});
+    } else {
+      LogDebug("session transfer received",
+               {{"session", id_->ToString()},
+                {"busy_ms", busy_ms_},
+                {"header_ms", header_ms_},
+                {"layer_starts_ms", start_ms_},
+                {"layer_ends_ms", end_ms_},
+                {"device_ms", device_copy_ms_},
+                {"answered_us", worker::MonoUs(std::chrono::steady_clock::now())}});
     }
     svc_->metrics_->Transfer("received",
                              device_bytes_ > 0 && device_path_.has_value() && device_path_->ok()
@@ -487,7 +553,9 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
   bool reading_ ABSL_GUARDED_BY(mu_) = false;       // A StartRead is outstanding.
   bool draining_ ABSL_GUARDED_BY(mu_) = false;      // A Drain is scheduled or runs.
   bool stream_ended_ ABSL_GUARDED_BY(mu_) = false;  // A read failed: no more come.
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;      // End was reached.
+  // When the last message went to the queue (the tail's, once it is taken).
+  std::chrono::steady_clock::time_point last_read_ ABSL_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;  // End was reached.
   v1::TransferChunk chunk_;
   std::optional<worker::SessionKey> id_;
   std::optional<worker::SessionImage> image_;
@@ -511,6 +579,13 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
   std::string nccl_id_;
   std::unique_ptr<worker::DeviceLink> link_;
   uint64_t device_bytes_ = 0;  // Copied device to device.
+  double device_copy_ms_ = 0;  // Spent copying them, and placing layers on the GPU.
+  std::unique_ptr<worker::DeviceImport> prep_;  // BeginDeviceImport's.
+  // When the executor took the first message, and its time in Take() since.
+  std::optional<std::chrono::steady_clock::time_point> header_taken_;
+  double busy_ms_ = 0;
+  double header_ms_ = 0, start_ms_ = 0, end_ms_ = 0;  // Of busy_ms_.
+  std::chrono::steady_clock::time_point last_layer_end_;
   bool imported_ = false;
 };
 

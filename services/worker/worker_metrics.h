@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "base/status_macros.h"
 #include "kvtier/v1/worker.pb.h"
+#include "prometheus/collectable.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
@@ -135,7 +136,8 @@ class WorkerMetrics {
 
   // /metrics, and /healthz and /readyz from `health`.
   absl::StatusOr<int> Serve(const std::string& address, HealthFn health = nullptr) {
-    KVT_ASSIGN_OR_RETURN(endpoint_, ServeMetrics(address, {registry_}, std::move(health)));
+    KVT_ASSIGN_OR_RETURN(endpoint_,
+                         ServeMetrics(address, {registry_, device_calls_}, std::move(health)));
     return endpoint_.port;
   }
   void Layer(const char* kind, double seconds) {
@@ -209,7 +211,15 @@ class WorkerMetrics {
   std::string Render() const;
 
  private:
+  // kvtier_worker_device_call*: the device calls' running totals
+  // (worker::DeviceCallTimes), read at each scrape.
+  class DeviceCalls : public prometheus::Collectable {
+   public:
+    std::vector<prometheus::MetricFamily> Collect() const override;
+  };
+
   std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<DeviceCalls> device_calls_ = std::make_shared<DeviceCalls>();
   prometheus::Gauge& working_set_;
   prometheus::Gauge& sessions_;
   prometheus::Gauge& handoff_cache_;
