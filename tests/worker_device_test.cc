@@ -153,11 +153,16 @@ TEST_F(WorkerDeviceTest, PlacementFollowsTheBuildAndTheDevice) {
   KVT_ASSERT_OK(automatic.OpenSession("a", kShape, p));
   KVT_ASSERT_OK_AND_ASSIGN(auto st, automatic.Stats("a"));
   EXPECT_TRUE(st.on_device);
+  // A transfer's receiver prepares a device side (BeginDeviceImport) exactly
+  // where the session will live on its GPU.
+  EXPECT_NE(automatic.BeginDeviceImport(kShape, p), nullptr);
+  EXPECT_EQ(host_->BeginDeviceImport(kShape, p), nullptr);
   // GEAR is not read on the device: kAuto keeps it on the host, kDevice refuses.
   KVT_ASSERT_OK_AND_ASSIGN(p.codec, ParseCodecSetting("gear2"));
   KVT_ASSERT_OK(automatic.OpenSession("g", kShape, p));
   KVT_ASSERT_OK_AND_ASSIGN(st, automatic.Stats("g"));
   EXPECT_FALSE(st.on_device);
+  EXPECT_EQ(automatic.BeginDeviceImport(kShape, p), nullptr);
   EXPECT_THAT(device_->OpenSession("g", kShape, p),
               StatusIs(absl::StatusCode::kFailedPrecondition));
 }
