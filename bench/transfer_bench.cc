@@ -362,6 +362,7 @@ int TransferBench(int argc, char** argv) {
   // ---- 2. A prefill handed off layer by layer, against it kept local ----
   struct Exposed {
     double local_ms = 1e300, handoff_ms = 1e300, transfer_ms = 0, exposed_ms = 0;
+    v1::TransferReport report;  // The best run's, for where its exposed time went.
     uint64_t open_bytes = 0;
   } ex;
   for (int i = 0; i < (parts.count(2) ? repeat : 0); ++i) {
@@ -380,6 +381,7 @@ int TransferBench(int argc, char** argv) {
       ex.transfer_ms = b.transfer.transfer_ms();
       ex.exposed_ms = b.transfer.exposed_ms();
       ex.open_bytes = b.transfer.open_bytes();
+      ex.report = b.transfer;
     }
     ex.local_ms = std::min(ex.local_ms, a.ms);
     Close(p, local);
@@ -457,6 +459,13 @@ int TransferBench(int argc, char** argv) {
         static_cast<long long>(tokens), repeat, ex.local_ms, ex.handoff_ms, ex.transfer_ms,
         ex.exposed_ms, ex.transfer_ms > 0 ? 100.0 * (1 - ex.exposed_ms / ex.transfer_ms) : 0.0,
         static_cast<unsigned long long>(ex.open_bytes));
+    const v1::TransferReport& r = ex.report;
+    std::printf(
+        "Where the exposed part went (the same run, ms): the stream catching up with the prefill "
+        "%.2f, the tail waiting behind layers the receiver was still taking %.2f, the receiver's "
+        "import %.2f; the receiver took the stream in %.1f, busy for %.1f of it.\n",
+        r.drain_ms(), r.receiver_tail_wait_ms(), r.receiver_import_ms(), r.receiver_span_ms(),
+        r.receiver_busy_ms());
   }
   if (parts.count(3)) {
     std::printf(

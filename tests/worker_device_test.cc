@@ -153,16 +153,20 @@ TEST_F(WorkerDeviceTest, PlacementFollowsTheBuildAndTheDevice) {
   KVT_ASSERT_OK(automatic.OpenSession("a", kShape, p));
   KVT_ASSERT_OK_AND_ASSIGN(auto st, automatic.Stats("a"));
   EXPECT_TRUE(st.on_device);
-  // A transfer's receiver prepares a device side (BeginDeviceImport) exactly
+  // A transfer's receiver prepares a device side (BeginImport) exactly
   // where the session will live on its GPU.
-  EXPECT_NE(automatic.BeginDeviceImport(kShape, p), nullptr);
-  EXPECT_EQ(host_->BeginDeviceImport(kShape, p), nullptr);
+  auto device_side = [&](Engine& e) {
+    std::unique_ptr<worker::PreparedImport> prep = e.BeginImport(kShape, p);
+    return prep != nullptr && prep->device != nullptr;
+  };
+  EXPECT_TRUE(device_side(automatic));
+  EXPECT_FALSE(device_side(*host_));
   // GEAR is not read on the device: kAuto keeps it on the host, kDevice refuses.
   KVT_ASSERT_OK_AND_ASSIGN(p.codec, ParseCodecSetting("gear2"));
   KVT_ASSERT_OK(automatic.OpenSession("g", kShape, p));
   KVT_ASSERT_OK_AND_ASSIGN(st, automatic.Stats("g"));
   EXPECT_FALSE(st.on_device);
-  EXPECT_EQ(automatic.BeginDeviceImport(kShape, p), nullptr);
+  EXPECT_FALSE(device_side(automatic));
   EXPECT_THAT(device_->OpenSession("g", kShape, p),
               StatusIs(absl::StatusCode::kFailedPrecondition));
 }
@@ -256,16 +260,17 @@ absl::Status Move(Engine& from, Engine& to, const std::string& id) {
 }
 
 // Move as kvtier-worker's receiver does it for a session it places on its
-// GPU: the device side made at the header (BeginDeviceImport), each layer
+// GPU: the device side made at the header (BeginImport), each layer
 // checked and split as it lands, then uploaded with its open round
-// (PrepareDeviceLayer), and the import at the tail adopting them. *prepared
-// says whether the receiver prepared anything (it does not for a host
-// placement).
+// (PrepareLayer), and the import at the tail adopting them. *prepared
+// says whether the receiver prepared a device side (it does not for a host
+// placement: only the open rounds).
 absl::Status MovePrepared(Engine& from, Engine& to, const std::string& id, bool* prepared) {
   auto image = from.ExportSession(id);
   if (!image.ok()) return image.status();
-  std::unique_ptr<worker::DeviceImport> prep = to.BeginDeviceImport(image->shape, image->policy);
-  *prepared = prep != nullptr;
+  std::unique_ptr<worker::PreparedImport> prep = to.BeginImport(image->shape, image->policy);
+  if (prep == nullptr) return absl::InternalError("BeginImport prepared nothing");
+  *prepared = prep->device != nullptr;
   std::vector<worker::LayerImage> layers;
   for (int l = 0; l < kShape.layers; ++l) {
     auto li = from.ExportLayer(id, l);
@@ -273,9 +278,7 @@ absl::Status MovePrepared(Engine& from, Engine& to, const std::string& id, bool*
     li->past = std::make_shared<const std::string>(li->PastBytes());
     li->past_pieces.clear();
     if (absl::Status st = li->CheckPast(kShape.kv_heads, kShape.head_dim); !st.ok()) return st;
-    if (prep != nullptr) {
-      if (absl::Status st = to.PrepareDeviceLayer(*prep, *li); !st.ok()) return st;
-    }
+    if (absl::Status st = to.PrepareLayer(*prep, *li); !st.ok()) return st;
     layers.push_back(*std::move(li));
   }
   if (absl::Status st = from.ExportTail(id, &*image); !st.ok()) return st;

@@ -231,26 +231,27 @@ absl::StatusOr<int> WatershedLayer(const ModelShape& shape, const SessionPolicy&
 
 }  // namespace
 
-std::unique_ptr<DeviceImport> Engine::BeginDeviceImport(const ModelShape& shape,
-                                                        const SessionPolicy& policy) const {
-  // As CreateSession decides for an imported session; a shape or policy it
-  // would refuse is left to it. No model has thousands of layers: a header
-  // that says so is not given a device session before its bytes are counted.
+std::unique_ptr<PreparedImport> Engine::BeginImport(const ModelShape& shape,
+                                                    const SessionPolicy& policy) const {
+  // A shape or policy CreateSession would refuse is left to it. No model has
+  // thousands of layers: a header that says so gets nothing made for it
+  // before its bytes are counted.
   constexpr int kMaxPreparedLayers = 4096;
-  if (options_.placement == EngineOptions::Placement::kHost || !policy.speculation.skew.empty() ||
-      !CheckShape(shape).ok() || shape.layers > kMaxPreparedLayers || !DeviceStatus().ok() ||
-      !DeviceSupportsCodec(policy.codec).ok()) {
-    return nullptr;
-  }
+  if (!CheckShape(shape).ok() || shape.layers > kMaxPreparedLayers) return nullptr;
   absl::StatusOr<int> lw = WatershedLayer(shape, policy);
   if (!lw.ok()) return nullptr;
-  auto dev = NewDeviceSession(shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim);
-  if (!dev.ok()) return nullptr;  // ImportSession tries again, and says why.
-  auto prep = std::make_unique<DeviceImport>();
-  prep->device = *std::move(dev);
+  auto prep = std::make_unique<PreparedImport>();
   prep->shape = shape;
   prep->lw = *lw;
   prep->open.resize(static_cast<size_t>(shape.layers));
+  // The device working set, as CreateSession decides for an imported
+  // session; without one (or when it cannot be made: ImportSession tries
+  // again and says why) only the open rounds are prepared.
+  if (options_.placement != EngineOptions::Placement::kHost && policy.speculation.skew.empty() &&
+      DeviceStatus().ok() && DeviceSupportsCodec(policy.codec).ok()) {
+    auto dev = NewDeviceSession(shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim);
+    if (dev.ok()) prep->device = *std::move(dev);
+  }
   return prep;
 }
 

@@ -253,8 +253,8 @@ struct SessionImage {
 };
 
 // One layer of a session's K/V as a transfer carries it.
-// Engine::BeginDeviceImport's result (worker/session.h).
-struct DeviceImport;
+// Engine::BeginImport's result (worker/session.h).
+struct PreparedImport;
 
 struct LayerImage {
   int layer = 0;
@@ -533,19 +533,20 @@ class Engine {
                              std::vector<LayerImage> layers, uint64_t* reused_bytes = nullptr);
   absl::Status ImportSession(const SessionKey& id, const SessionImage& image,
                              std::vector<LayerImage> layers, uint64_t* reused_bytes,
-                             std::unique_ptr<DeviceImport> prepared);
-  // A receiver whose session will live on this worker's GPU does the
-  // device side of ImportSession while the layers arrive, not at the tail:
-  // BeginDeviceImport (at the transfer's header) makes the session's device
-  // working set, null when a session of this shape and policy would not
-  // live on the GPU here; PrepareDeviceLayer (as each layer lands, checked)
-  // uploads the layer's travelled rounds and loads its open round into the
-  // device's mirror. ImportSession then adopts them. On an H100 these
-  // uploads, a few allocations and copies for every layer, were nearly all
-  // of a hand-off's exposed time when they waited for the tail.
-  std::unique_ptr<DeviceImport> BeginDeviceImport(const ModelShape& shape,
-                                                  const SessionPolicy& policy) const;
-  absl::Status PrepareDeviceLayer(DeviceImport& prep, LayerImage& li) const;
+                             std::unique_ptr<PreparedImport> prepared);
+  // A receiver does most of ImportSession while the layers arrive, not at
+  // the tail: BeginImport (at the transfer's header; null for a shape or
+  // watershed ImportSession would refuse) makes, when the session will live
+  // on this worker's GPU, its device working set; PrepareLayer (as each
+  // layer lands, checked) makes the layer's open round the session's open
+  // layer and, on the GPU, uploads the layer's travelled rounds and loads the
+  // open round into the device's mirror. ImportSession then adopts them. On
+  // an H100 the device work, a few allocations and copies for every layer,
+  // was nearly all of a hand-off's exposed time when it waited for the tail;
+  // on the CPU, copying a 512-token prefill's open rounds (64 MiB) was.
+  std::unique_ptr<PreparedImport> BeginImport(const ModelShape& shape,
+                                              const SessionPolicy& policy) const;
+  absl::Status PrepareLayer(PreparedImport& prep, LayerImage& li) const;
   // The device path this worker takes device rounds by from a sender with
   // identity `peer`: "cuda_ipc" (its GPU, IpcPeerCheck and ProbeIpcPeer
   // pass) or "nccl" (another GPU, NCCL on both sides); FAILED_PRECONDITION
@@ -609,8 +610,8 @@ class Engine {
                                                          const SessionPolicy& policy);
   // `allow_device` false keeps the session in host memory whatever the
   // placement (an imported open round has no device mirror).
-  // `prepared`: the device working set to use (BeginDeviceImport's) when
-  // the session goes on the GPU, instead of a new one.
+  // `prepared`: the device working set to use (BeginImport's) when the
+  // session goes on the GPU, instead of a new one.
   absl::StatusOr<std::shared_ptr<Session>> CreateSession(
       const SessionKey& id, const ModelShape& shape, const SessionPolicy& policy, bool allow_device,
       std::unique_ptr<DeviceSession> prepared = nullptr);

@@ -154,12 +154,13 @@ void OpenRowsTokenMajor(const OpenLayer& o, int kv_heads, int d, v1::DType dtype
 // whose working set is on the GPU.
 absl::Status MoveToDevice(RoundLayer& rl, int head_dim);
 
-// The device side of an import done as its layers arrive
-// (Engine::BeginDeviceImport): the session's device working set, and per
-// layer the open round once loaded into its mirror (ImportSession takes it as
-// the session's open layer).
-struct DeviceImport {
-  std::unique_ptr<DeviceSession> device;
+// What a receiver does of an import as its layers arrive
+// (Engine::BeginImport): per layer the open round, made into the session's
+// open layer (ImportSession takes it); and for a session going on the GPU,
+// its device working set, with each layer's travelled rounds uploaded and
+// its open round loaded into the device's mirror.
+struct PreparedImport {
+  std::unique_ptr<DeviceSession> device;  // Null: the session stays in host memory.
   ModelShape shape;
   int lw = 0;
   std::vector<std::optional<OpenLayer>> open;

@@ -59,23 +59,25 @@ absl::Status OpenFromImage(const ModelShape& sh, LayerImage& li, OpenLayer* o) {
 
 }  // namespace
 
-absl::Status Engine::PrepareDeviceLayer(DeviceImport& prep, LayerImage& li) const {
+absl::Status Engine::PrepareLayer(PreparedImport& prep, LayerImage& li) const {
   const ModelShape& sh = prep.shape;
   // Out of place: ImportSession refuses it at the tail.
   if (li.layer < 0 || li.layer >= sh.layers || prep.open[li.layer].has_value()) {
     return absl::OkStatus();
   }
-  // The rounds that travelled, checked and split on arrival (CheckPast):
-  // to the GPU now. Layer L_w's stay on the host for recall scoring, with a
-  // device copy of their own (ImportSession places them).
-  if (li.layer != prep.lw && li.parsed != nullptr) {
+  // For a session going on the GPU, the rounds that travelled, checked and
+  // split on arrival (CheckPast): to the GPU now. Layer L_w's stay on the
+  // host for recall scoring, with a device copy of their own (ImportSession
+  // places them).
+  if (prep.device != nullptr && li.layer != prep.lw && li.parsed != nullptr) {
     for (std::unique_ptr<RoundLayer>& rl : *li.parsed) {
       if (rl != nullptr) KVT_RETURN_IF_ERROR(MoveToDevice(*rl, sh.head_dim));
     }
   }
+  // The open round, as the session's open layer (and on the GPU, its mirror).
   OpenLayer o;
   if (!OpenFromImage(sh, li, &o).ok()) return absl::OkStatus();  // Refused at the tail.
-  if (o.rows > 0) {
+  if (prep.device != nullptr && o.rows > 0) {
     std::vector<float> k, v;
     OpenRowsTokenMajor(o, sh.kv_heads, sh.head_dim, sh.dtype, o.rows, &k, &v);
     KVT_RETURN_IF_ERROR(prep.device->LoadOpen(li.layer, k.data(), v.data(), o.rows));
@@ -357,19 +359,22 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
 
 absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
                                    std::vector<LayerImage> layers, uint64_t* reused_out,
-                                   std::unique_ptr<DeviceImport> prepared) {
+                                   std::unique_ptr<PreparedImport> prepared) {
   if (prepared != nullptr &&
       (prepared->shape.layers != im.shape.layers || prepared->shape.head_dim != im.shape.head_dim ||
        prepared->shape.kv_heads != im.shape.kv_heads ||
        prepared->shape.q_heads != im.shape.q_heads || prepared->shape.dtype != im.shape.dtype)) {
-    return absl::InternalError("the transfer's device side was prepared for another model shape");
+    return absl::InternalError("the transfer's import was prepared for another model shape");
   }
+  // Whether the prepared layers went to the GPU (their rounds and open
+  // rounds are there already).
+  const bool prepared_device = prepared != nullptr && prepared->device != nullptr;
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
                        CreateSession(id, im.shape, im.policy, /*allow_device=*/true,
-                                     prepared != nullptr ? std::move(prepared->device) : nullptr));
+                                     prepared_device ? std::move(prepared->device) : nullptr));
   const ModelShape& sh = s->shape;
   const int d = sh.head_dim, lw = s->lw;
-  if (prepared != nullptr) {
+  if (prepared_device) {
     absl::MutexLock lock(&s->mu);
     if (s->device == nullptr || lw != prepared->lw) {
       // Its layers' rounds left the host for the GPU: they cannot go back.
@@ -496,22 +501,23 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
       for (Session::PastRound& pr : s->past) {
         if (pr.layers[l] != nullptr) KVT_RETURN_IF_ERROR(s->Place(*pr.layers[l], l));
       }
-      // The open round: loaded into the device's mirror as the layer
-      // arrived (PrepareDeviceLayer), or here.
+      // The open round: taken (and on the GPU, loaded into the device's
+      // mirror) as the layer arrived (PrepareLayer), or here.
       if (li.open_rows != im.open_tokens) {
         return absl::InvalidArgumentError(absl::StrCat(
             "layer ", l, " carries ", li.open_rows, " open rows; the round has ", im.open_tokens));
       }
       OpenLayer& o = s->open[l];
-      if (prepared != nullptr && prepared->open[l].has_value()) {
+      const bool taken = prepared != nullptr && prepared->open[l].has_value();
+      if (taken) {
         o = *std::move(prepared->open[l]);
       } else {
         KVT_RETURN_IF_ERROR(OpenFromImage(sh, li, &o));
-        if (s->device != nullptr && o.rows > 0) {
-          std::vector<float> k, v;
-          OpenRowsTokenMajor(o, sh.kv_heads, d, sh.dtype, o.rows, &k, &v);
-          KVT_RETURN_IF_ERROR(s->device->LoadOpen(l, k.data(), v.data(), o.rows));
-        }
+      }
+      if (s->device != nullptr && o.rows > 0 && !(taken && prepared_device)) {
+        std::vector<float> k, v;
+        OpenRowsTokenMajor(o, sh.kv_heads, d, sh.dtype, o.rows, &k, &v);
+        KVT_RETURN_IF_ERROR(s->device->LoadOpen(l, k.data(), v.data(), o.rows));
       }
     }
     s->tokens = im.open_tokens;

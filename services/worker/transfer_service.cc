@@ -297,9 +297,10 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
       }
     }
     KVT_RETURN_IF_ERROR(svc_->engine_->CheckImport(*id_, 0));
-    // A session that will live on this worker's GPU goes there layer by
-    // layer as they arrive, rather than all at the tail.
-    prep_ = svc_->engine_->BeginDeviceImport(image_->shape, image_->policy);
+    // The import is done layer by layer as they arrive (open rounds, and
+    // for a session going on this worker's GPU its device side), rather
+    // than all at the tail.
+    prep_ = svc_->engine_->BeginImport(image_->shape, image_->policy);
     return absl::OkStatus();
   }
 
@@ -450,13 +451,12 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     }
     if (prep_ != nullptr) {
       const auto start = std::chrono::steady_clock::now();
-      absl::Status st = svc_->engine_->PrepareDeviceLayer(*prep_, layer_);
-      device_copy_ms_ += worker::MsSince(start);
+      absl::Status st = svc_->engine_->PrepareLayer(*prep_, layer_);
+      if (prep_->device != nullptr) device_copy_ms_ += worker::MsSince(start);
       if (!st.ok()) {
-        return absl::Status(st.code(), absl::StrCat("layer ", layer_.layer,
-                                                    " of the transfer could not be placed on "
-                                                    "this worker's GPU: ",
-                                                    st.message()));
+        return absl::Status(st.code(),
+                            absl::StrCat("layer ", layer_.layer,
+                                         " of the transfer could not be taken in: ", st.message()));
       }
     }
     layers_.push_back(std::move(layer_));
@@ -580,7 +580,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
   std::unique_ptr<worker::DeviceLink> link_;
   uint64_t device_bytes_ = 0;  // Copied device to device.
   double device_copy_ms_ = 0;  // Spent copying them, and placing layers on the GPU.
-  std::unique_ptr<worker::DeviceImport> prep_;  // BeginDeviceImport's.
+  std::unique_ptr<worker::PreparedImport> prep_;  // BeginImport's.
   // When the executor took the first message, and its time in Take() since.
   std::optional<std::chrono::steady_clock::time_point> header_taken_;
   double busy_ms_ = 0;
