@@ -57,11 +57,18 @@ fi
 run worker_speculation_gpu "$HERE/build/tests/worker_speculation_test" --gtest_filter=*OnTheGpu
 run demo env ROUNDS="${DEMO_ROUNDS:-8}" bash "$HERE/scripts/demo.sh" "$HERE/build"
 run demo_pd env PD=1 ROUNDS="${DEMO_ROUNDS:-8}" bash "$HERE/scripts/demo.sh" "$HERE/build"
-for log in demo demo_pd; do
+# One conversation at a time: a hand-off's exposed part without the other
+# sessions' hand-offs competing for the decode worker (docs/transfer.md).
+run demo_pd_1 env PD=1 SESSIONS=1 ROUNDS="${DEMO_ROUNDS:-8}" bash "$HERE/scripts/demo.sh" "$HERE/build"
+for log in demo demo_pd demo_pd_1; do
   if ! grep -q 'working sets: GPU' "$LOGS/$log.log"; then
     SUMMARY+=("$log: the working sets were not on the GPU (see its 'working sets:' line)")
     STATUS=1
   fi
+done
+for log in demo_pd demo_pd_1; do
+  exposed=$(grep -o '[0-9.]* ms, [0-9.]* ms of it exposed ([0-9]*% hidden' "$LOGS/$log.log" | head -n 1)
+  if [ -n "$exposed" ]; then SUMMARY+=("$log hand-off, per round: $exposed behind the prefill)"); fi
 done
 # Two worker processes on one GPU: their hand-offs copy the past rounds
 # device to device (CUDA IPC) rather than over gRPC.

@@ -39,11 +39,13 @@ if [ "$rc" -ne "$expect_rc" ]; then
   tail -30 "$T/run.log"
   exit 1
 fi
-for step in kernels_cuda_test worker_device_test worker_speculation_gpu demo demo_pd gpu_bench spec_bench; do
+for step in kernels_cuda_test worker_device_test worker_speculation_gpu demo demo_pd demo_pd_1 gpu_bench spec_bench; do
   [ -s "$T/out/$step.log" ] || { echo "no log of $step"; exit 1; }
 done
 grep -q "^demo: ok" "$T/run.log"
 grep -q "^demo_pd: ok" "$T/run.log"
+grep -q "^demo_pd_1: ok" "$T/run.log"
+grep -q "^demo_pd_1 hand-off, per round: [0-9.]* ms, [0-9.]* ms of it exposed" "$T/run.log"
 grep -q "^gpu_bench: ok" "$T/run.log"
 grep -q "^spec_bench: ok" "$T/run.log"
 if [ "$expect_rc" -eq 1 ]; then
