@@ -231,6 +231,15 @@ absl::StatusOr<int> WatershedLayer(const ModelShape& shape, const SessionPolicy&
 
 }  // namespace
 
+bool Engine::TriesDevice(const SessionPolicy& policy) const {
+  return options_.placement != EngineOptions::Placement::kHost && policy.speculation.skew.empty();
+}
+
+absl::Status Engine::DeviceReads(const SessionPolicy& policy) {
+  KVT_RETURN_IF_ERROR(DeviceStatus());
+  return DeviceSupportsCodec(policy.codec);
+}
+
 std::unique_ptr<PreparedImport> Engine::BeginImport(const ModelShape& shape,
                                                     const SessionPolicy& policy) const {
   // A shape or policy CreateSession would refuse is left to it. No model has
@@ -247,8 +256,7 @@ std::unique_ptr<PreparedImport> Engine::BeginImport(const ModelShape& shape,
   // The device working set, as CreateSession decides for an imported
   // session; without one (or when it cannot be made: ImportSession tries
   // again and says why) only the open rounds are prepared.
-  if (options_.placement != EngineOptions::Placement::kHost && policy.speculation.skew.empty() &&
-      DeviceStatus().ok() && DeviceSupportsCodec(policy.codec).ok()) {
+  if (TriesDevice(policy) && DeviceReads(policy).ok()) {
     auto dev = NewDeviceSession(shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim);
     if (dev.ok()) prep->device = *std::move(dev);
   }
@@ -274,14 +282,12 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(
     using Placement = EngineOptions::Placement;
     // A speculating session keeps its past rounds in the host pool; the GPU,
     // if any, speculates and attends over what it gathers (below).
-    const bool speculates = !policy.speculation.skew.empty();
-    if (options_.placement != Placement::kHost && allow_device && !speculates &&
-        prepared != nullptr) {
+    const bool tries_device = allow_device && TriesDevice(policy);
+    if (tries_device && prepared != nullptr) {
       s->device = std::move(prepared);
       s->stats.on_device = true;
-    } else if (options_.placement != Placement::kHost && allow_device && !speculates) {
-      absl::Status why = DeviceStatus();
-      if (why.ok()) why = DeviceSupportsCodec(policy.codec);
+    } else if (tries_device) {
+      absl::Status why = DeviceReads(policy);
       if (why.ok()) {
         auto dev = NewDeviceSession(shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim);
         if (dev.ok()) {

@@ -72,6 +72,7 @@ struct ModelShape {
   v1::DType dtype = v1::DTYPE_FP16;
   // Bytes per K/V element; 0 for a dtype that is not one of the three.
   int dtype_bytes() const { return DTypeSize(dtype); }
+  bool operator==(const ModelShape&) const = default;
 };
 
 struct SessionPolicy {
@@ -618,6 +619,12 @@ class Engine {
   absl::Status Insert(const SessionKey& id, std::shared_ptr<Session> s);
   // ALREADY_EXISTS, or RESOURCE_EXHAUSTED at the session limits (REQUIRES mu_).
   absl::Status CheckRoomLocked(const SessionKey& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether a session under `policy` tries for a device working set here:
+  // not with --placement=host, nor when it speculates (its past rounds stay
+  // in the host pool). Then DeviceReads says whether this worker's device
+  // can hold it, or why not.
+  bool TriesDevice(const SessionPolicy& policy) const;
+  static absl::Status DeviceReads(const SessionPolicy& policy);
   // Takes the session out of the engine and its totals.
   absl::StatusOr<std::shared_ptr<Session>> Remove(const SessionKey& id);
   // Scores the past rounds at L_w and starts the one fetch (recall_fetch.cc).

@@ -57,6 +57,15 @@ absl::Status OpenFromImage(const ModelShape& sh, LayerImage& li, OpenLayer* o) {
   return absl::OkStatus();
 }
 
+// Open layer `o` of `layer` into the device's mirror of the open round.
+absl::Status LoadOpenMirror(DeviceSession& device, const ModelShape& sh, int layer,
+                            const OpenLayer& o) {
+  if (o.rows == 0) return absl::OkStatus();
+  std::vector<float> k, v;
+  OpenRowsTokenMajor(o, sh.kv_heads, sh.head_dim, sh.dtype, o.rows, &k, &v);
+  return device.LoadOpen(layer, k.data(), v.data(), o.rows);
+}
+
 }  // namespace
 
 absl::Status Engine::PrepareLayer(PreparedImport& prep, LayerImage& li) const {
@@ -77,11 +86,7 @@ absl::Status Engine::PrepareLayer(PreparedImport& prep, LayerImage& li) const {
   // The open round, as the session's open layer (and on the GPU, its mirror).
   OpenLayer o;
   if (!OpenFromImage(sh, li, &o).ok()) return absl::OkStatus();  // Refused at the tail.
-  if (prep.device != nullptr && o.rows > 0) {
-    std::vector<float> k, v;
-    OpenRowsTokenMajor(o, sh.kv_heads, sh.head_dim, sh.dtype, o.rows, &k, &v);
-    KVT_RETURN_IF_ERROR(prep.device->LoadOpen(li.layer, k.data(), v.data(), o.rows));
-  }
+  if (prep.device != nullptr) KVT_RETURN_IF_ERROR(LoadOpenMirror(*prep.device, sh, li.layer, o));
   prep.open[li.layer] = std::move(o);
   return absl::OkStatus();
 }
@@ -360,10 +365,7 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
 absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
                                    std::vector<LayerImage> layers, uint64_t* reused_out,
                                    std::unique_ptr<PreparedImport> prepared) {
-  if (prepared != nullptr &&
-      (prepared->shape.layers != im.shape.layers || prepared->shape.head_dim != im.shape.head_dim ||
-       prepared->shape.kv_heads != im.shape.kv_heads ||
-       prepared->shape.q_heads != im.shape.q_heads || prepared->shape.dtype != im.shape.dtype)) {
+  if (prepared != nullptr && prepared->shape != im.shape) {
     return absl::InternalError("the transfer's import was prepared for another model shape");
   }
   // Whether the prepared layers went to the GPU (their rounds and open
@@ -514,10 +516,8 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
       } else {
         KVT_RETURN_IF_ERROR(OpenFromImage(sh, li, &o));
       }
-      if (s->device != nullptr && o.rows > 0 && !(taken && prepared_device)) {
-        std::vector<float> k, v;
-        OpenRowsTokenMajor(o, sh.kv_heads, d, sh.dtype, o.rows, &k, &v);
-        KVT_RETURN_IF_ERROR(s->device->LoadOpen(l, k.data(), v.data(), o.rows));
+      if (s->device != nullptr && !(taken && prepared_device)) {
+        KVT_RETURN_IF_ERROR(LoadOpenMirror(*s->device, sh, l, o));
       }
     }
     s->tokens = im.open_tokens;

@@ -472,13 +472,12 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
           absl::StrCat("the tail arrived after ", layers_.size(), " of ", layers, " layers"));
     }
     const auto tail_start = std::chrono::steady_clock::now();
-    double tail_wait_ms = 0;
     std::chrono::steady_clock::time_point tail_read;
     {
       absl::MutexLock lock(&mu_);
       tail_read = last_read_;  // The tail was the last read.
     }
-    tail_wait_ms = worker::MsSince(tail_read);
+    const double tail_wait_ms = worker::MsSince(tail_read);
     // Steady-clock times (one clock for every process on a host), to line
     // this up with the sender's "hand-off tail written".
     LogDebug("hand-off tail taken", {{"session", id_->ToString()},
