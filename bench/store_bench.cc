@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_format.h"
 #include "base/memory.h"
 #include "bench/benches.h"
 #include "client/store_client.h"
@@ -197,6 +198,7 @@ struct Row {
   int streams;
   double gbps;
   double tcp_gbps;
+  uint64_t per_call;  // Segments a call.
   // Puts' disk baseline: O_DSYNC writes with sync_writes, buffered writes
   // (a file per segment, no sync) without.
   double disk_gbps = 0;
@@ -216,6 +218,8 @@ void Usage() {
                "  --repeat=N         runs per point; the median is reported (default 3)\n"
                "  --chunk_kib=N      PutSegment chunk size (default: the client's, 1024)\n"
                "  --gets=false       puts only (to profile them)\n"
+               "  --put_batch=N      also put N segments a call (PutSegments), in the same\n"
+               "                     runs as the puts one a call (default 1: only those)\n"
                "  --store_arg=FLAG   passed to kvtier-store (repeatable), e.g.\n"
                "                     --store_arg=--spare_payload_files=0\n"
                "  Raw TCP is the best of 3 runs, so the ratio is conservative. Puts also\n"
@@ -236,6 +240,7 @@ int StoreBench(int argc, char** argv) {
   int repeat = 3;
   size_t chunk_bytes = StoreClientOptions().chunk_bytes;
   bool run_gets = true;
+  int put_batch = 1;
   std::vector<std::string> store_args;
   for (int i = 0; i < argc; ++i) {
     std::string a = argv[i];
@@ -268,6 +273,8 @@ int StoreBench(int argc, char** argv) {
       stream_counts = {std::stoi(a.substr(10))};
     } else if (a.rfind("--chunk_kib=", 0) == 0) {
       chunk_bytes = std::stoull(a.substr(12)) << 10;
+    } else if (a.rfind("--put_batch=", 0) == 0) {
+      put_batch = std::clamp(std::stoi(a.substr(12)), 1, 4096);
     } else if (a == "--gets=false") {
       run_gets = false;
     } else {
@@ -307,12 +314,14 @@ int StoreBench(int argc, char** argv) {
       // Distinct payloads per stream, built before the clock starts.
       std::vector<std::string> payloads;
       for (int s = 0; s < streams; ++s) payloads.push_back(testing::MakePayload(size, s + 1));
-      std::vector<double> puts, gets;
+      std::vector<double> puts, batched_puts, gets;
       std::atomic<bool> failed{false};
       for (int rep = 0; rep < repeat && !failed; ++rep) {
-        std::vector<std::string> sessions;
-        for (int s = 0; s < streams; ++s)
+        std::vector<std::string> sessions, batched_sessions;
+        for (int s = 0; s < streams; ++s) {
           sessions.push_back("bench-" + std::to_string(session_no++));
+          batched_sessions.push_back("bench-" + std::to_string(session_no++));
+        }
         std::atomic<uint64_t> moved{0};
         auto run = [&](auto body) {
           std::vector<std::thread> threads;
@@ -338,6 +347,30 @@ int StoreBench(int argc, char** argv) {
             moved += payloads[s].size();
           }
         }));
+        if (put_batch > 1)
+          batched_puts.push_back(run([&](int s) {
+            auto c = StoreClient::Connect(o);
+            for (uint64_t i = 0; i < per_stream && !failed; i += put_batch) {
+              std::vector<PutSegmentsItem> items;
+              for (uint64_t j = i; j < std::min<uint64_t>(per_stream, i + put_batch); ++j) {
+                PutSegmentsItem item;
+                item.args.session_id = batched_sessions[s];
+                item.args.round = static_cast<uint32_t>(j);
+                item.args.layer_end = 4;
+                item.payload = payloads[s];
+                items.push_back(item);
+              }
+              auto r = (*c)->PutSegments(items);
+              absl::Status st = r.status();
+              for (size_t j = 0; st.ok() && j < r->size(); ++j) st = (*r)[j].status();
+              if (!st.ok()) {
+                std::fprintf(stderr, "batched put failed: %s\n", st.ToString().c_str());
+                failed = true;
+                return;
+              }
+              moved += items.size() * payloads[s].size();
+            }
+          }));
         if (run_gets)
           gets.push_back(run([&](int s) {
             auto c = StoreClient::Connect(o);
@@ -361,6 +394,7 @@ int StoreBench(int argc, char** argv) {
           }));
         auto c = StoreClient::Connect(o);
         for (const std::string& s : sessions) (void)(*c)->DeleteSession(s);  // Frees disk.
+        for (const std::string& s : batched_sessions) (void)(*c)->DeleteSession(s);
       }
       const double put = Median(puts), get = gets.empty() ? 0.0 : Median(gets);
       if (failed) return 1;
@@ -376,10 +410,20 @@ int StoreBench(int argc, char** argv) {
         }
         disk = Median(runs);
       }
-      rows.push_back({"put", size, streams, put, tcp[streams], disk});
-      if (run_gets) rows.push_back({"get", size, streams, get, tcp[streams]});
-      std::fprintf(stderr, "%8lu B x %d: put %.2f GB/s, get %.2f GB/s (median of %d)\n",
-                   static_cast<unsigned long>(size), streams, put, get, repeat);
+      rows.push_back({"put", size, streams, put, tcp[streams], 1, disk});
+      if (put_batch > 1) {
+        rows.push_back({"put", size, streams, Median(batched_puts), tcp[streams],
+                        std::min<uint64_t>(put_batch, per_stream), disk});
+      }
+      const uint64_t get_batch = std::min(per_stream, std::max<uint64_t>(1, (64ull << 20) / size));
+      if (run_gets) rows.push_back({"get", size, streams, get, tcp[streams], get_batch});
+      std::fprintf(
+          stderr, "%8lu B x %d: put %.2f GB/s%s, get %.2f GB/s (median of %d)\n",
+          static_cast<unsigned long>(size), streams, put,
+          put_batch > 1
+              ? absl::StrFormat(" (%d a call: %.2f GB/s)", put_batch, Median(batched_puts)).c_str()
+              : "",
+          get, repeat);
     }
   }
 
@@ -389,12 +433,13 @@ int StoreBench(int argc, char** argv) {
       sync.c_str(), repeat);
   const char* disk_name = sync == "true" ? "O_DSYNC disk" : "buffered disk";
   std::printf(
-      "| op  | segment  | streams | store GB/s | raw TCP GB/s | ratio | %13s GB/s | put / disk | "
-      "target (issue 18)       |\n",
+      "| op  | segment  | streams | segments a call | store GB/s | raw TCP GB/s | ratio | %13s "
+      "GB/s "
+      "| put / disk | target (issue 18)       |\n",
       disk_name);
   std::printf(
-      "|-----|----------|---------|------------|--------------|-------|--------------------|"
-      "------------|-------------------------|\n");
+      "|-----|----------|---------|-----------------|------------|--------------|-------|"
+      "--------------------|------------|-------------------------|\n");
   int met = 0;
   for (const Row& r : rows) {
     std::string sz = r.segment_bytes >= (1 << 20) ? std::to_string(r.segment_bytes >> 20) + " MiB"
@@ -414,9 +459,9 @@ int StoreBench(int argc, char** argv) {
     char target[64];
     std::snprintf(target, sizeof(target), ">= %.1fx %s: %s", goal, vs_dsync ? "disk" : "TCP",
                   ok ? "met" : "not met");
-    std::printf("| %-3s | %-8s | %7d | %10.2f | %12.2f | %5.2f | %18s | %10s | %-23s |\n",
-                r.op.c_str(), sz.c_str(), r.streams, r.gbps, r.tcp_gbps, r.gbps / r.tcp_gbps, disk,
-                vs_disk, target);
+    std::printf("| %-3s | %-8s | %7d | %15lu | %10.2f | %12.2f | %5.2f | %18s | %10s | %-23s |\n",
+                r.op.c_str(), sz.c_str(), r.streams, static_cast<unsigned long>(r.per_call), r.gbps,
+                r.tcp_gbps, r.gbps / r.tcp_gbps, disk, vs_disk, target);
   }
   std::printf(
       "\nTargets (issue 18): %s; gets >= 0.6x raw TCP. Met in %d of %zu rows of this run.\n",
@@ -425,10 +470,11 @@ int StoreBench(int argc, char** argv) {
       met, rows.size());
   if (!csv.empty()) {
     std::ofstream out(csv);
-    out << "op,segment_bytes,streams,gbps,tcp_gbps,ratio,disk_gbps\n";
+    out << "op,segment_bytes,streams,gbps,tcp_gbps,ratio,disk_gbps,segments_per_call\n";
     for (const Row& r : rows) {
       out << r.op << "," << r.segment_bytes << "," << r.streams << "," << r.gbps << ","
-          << r.tcp_gbps << "," << r.gbps / r.tcp_gbps << "," << r.disk_gbps << "\n";
+          << r.tcp_gbps << "," << r.gbps / r.tcp_gbps << "," << r.disk_gbps << "," << r.per_call
+          << "\n";
     }
     std::printf("\nwrote %s\n", csv.c_str());
   }

@@ -48,11 +48,10 @@ std::unique_ptr<grpc::ClientContext> StoreClient::NewContext(const CallOptions& 
   return ctx;
 }
 
-absl::StatusOr<v1::PutSegmentResponse> StoreClient::PutSegment(const PutSegmentArgs& a,
-                                                               std::string_view payload,
-                                                               const CallOptions& call_options) {
-  auto ctx = NewContext(call_options);
-  RawCall call(channel_, ctx.get(), "/kvtier.v1.Store/PutSegment");
+namespace {
+
+// A header message for `a` and its payload.
+grpc::ByteBuffer HeaderMessage(const PutSegmentArgs& a, std::string_view payload) {
   v1::PutSegmentRequest req;
   v1::PutSegmentHeader* h = req.mutable_header();
   h->set_session_id(a.session_id);
@@ -64,13 +63,29 @@ absl::StatusOr<v1::PutSegmentResponse> StoreClient::PutSegment(const PutSegmentA
   h->set_payload_crc32c(Crc32c(payload));
   if (a.round_summary != nullptr) *h->mutable_round_summary() = *a.round_summary;
   if (a.session_ttl_seconds.has_value()) h->set_session_ttl_seconds(*a.session_ttl_seconds);
-  bool ok = call.Write(wire::Serialize(req));
-  // Chunks reference `payload` directly: it outlives the call, which is over
-  // when Finish() returns.
-  for (size_t off = 0; ok && off < payload.size(); off += options_.chunk_bytes) {
-    ok = call.Write(wire::BytesFieldMessage(
-        2, payload.data() + off, std::min(options_.chunk_bytes, payload.size() - off), nullptr));
+  return wire::Serialize(req);
+}
+
+// Writes `payload`'s chunks; false once a write fails (the server finished
+// the call). Chunks reference `payload` directly: it outlives the call.
+bool WriteChunks(RawCall& call, std::string_view payload, size_t chunk_bytes) {
+  bool ok = true;
+  for (size_t off = 0; ok && off < payload.size(); off += chunk_bytes) {
+    ok = call.Write(wire::BytesFieldMessage(2, payload.data() + off,
+                                            std::min(chunk_bytes, payload.size() - off), nullptr));
   }
+  return ok;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::PutSegmentResponse> StoreClient::PutSegment(const PutSegmentArgs& a,
+                                                               std::string_view payload,
+                                                               const CallOptions& call_options) {
+  auto ctx = NewContext(call_options);
+  RawCall call(channel_, ctx.get(), "/kvtier.v1.Store/PutSegment");
+  bool ok =
+      call.Write(HeaderMessage(a, payload)) && WriteChunks(call, payload, options_.chunk_bytes);
   // A failed write means the server already finished the call: its status
   // comes from Finish().
   if (ok) ok = call.WritesDone();
@@ -82,6 +97,52 @@ absl::StatusOr<v1::PutSegmentResponse> StoreClient::PutSegment(const PutSegmentA
   if (!got_reply) return absl::InternalError("PutSegment finished OK without a reply");
   if (absl::Status p = wire::Parse(reply, &resp); !p.ok()) return p;
   return resp;
+}
+
+absl::StatusOr<std::vector<absl::StatusOr<v1::PutSegmentResponse>>> StoreClient::PutSegments(
+    const std::vector<PutSegmentsItem>& items, const CallOptions& call_options) {
+  if (items.empty() || items.size() > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PutSegments takes 1 to 4096 segments, got ", items.size()));
+  }
+  auto ctx = NewContext(call_options);
+  RawCall call(channel_, ctx.get(), "/kvtier.v1.Store/PutSegments");
+  bool ok = true;
+  for (size_t i = 0; ok && i < items.size(); ++i) {
+    ok = call.Write(HeaderMessage(items[i].args, items[i].payload)) &&
+         WriteChunks(call, items[i].payload, options_.chunk_bytes);
+  }
+  if (ok) ok = call.WritesDone();
+  grpc::ByteBuffer reply;
+  const bool got_reply = ok && call.Read(&reply);
+  grpc::Status s = call.Finish();
+  if (!s.ok()) return FromGrpc(s);
+  v1::PutSegmentsResponse resp;
+  if (!got_reply) return absl::InternalError("PutSegments finished OK without a reply");
+  if (absl::Status p = wire::Parse(reply, &resp); !p.ok()) return p;
+  if (resp.results_size() != static_cast<int>(items.size())) {
+    return absl::InternalError(absl::StrCat("PutSegments answered ", resp.results_size(),
+                                            " results for ", items.size(), " segments"));
+  }
+  std::vector<absl::StatusOr<v1::PutSegmentResponse>> out;
+  out.reserve(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    v1::PutSegmentsResult& r = *resp.mutable_results(static_cast<int>(i));
+    if (r.ref().round() != items[i].args.round || r.ref().segment() != items[i].args.segment) {
+      return absl::InternalError(absl::StrCat("PutSegments result ", i, " names round ",
+                                              r.ref().round(), " segment ", r.ref().segment()));
+    }
+    if (r.code() != 0) {
+      const int code = r.code() > 0 && r.code() <= 16 ? r.code() : 2;  // Else UNKNOWN.
+      out.push_back(absl::Status(static_cast<absl::StatusCode>(code), r.message()));
+      continue;
+    }
+    v1::PutSegmentResponse one;
+    *one.mutable_segment() = std::move(*r.mutable_segment());
+    one.set_charged_bytes(r.charged_bytes());
+    out.push_back(std::move(one));
+  }
+  return out;
 }
 
 absl::StatusOr<std::vector<FetchedSegment>> StoreClient::GetSegments(

@@ -50,6 +50,12 @@ struct PutSegmentArgs {
   std::optional<uint32_t> session_ttl_seconds;
 };
 
+// One segment of a PutSegments call; `payload` must outlive the call.
+struct PutSegmentsItem {
+  PutSegmentArgs args;
+  std::string_view payload;
+};
+
 struct FetchedSegment {
   v1::SegmentInfo info;
   v1::Tier served_from = v1::TIER_UNSPECIFIED;
@@ -67,6 +73,15 @@ class StoreClient {
   absl::StatusOr<v1::PutSegmentResponse> PutSegment(const PutSegmentArgs& args,
                                                     std::string_view payload,
                                                     const CallOptions& call = {});
+
+  // Uploads several segments in ONE call (what a call costs is most of a
+  // small segment's put). Returns one result per item, in order: the
+  // store's answer for that segment as PutSegment would give it. The outer
+  // status is the call's own (store.proto, PutSegments); after an error
+  // there, items may or may not be stored. INVALID_ARGUMENT for no items
+  // or more than 4096.
+  absl::StatusOr<std::vector<absl::StatusOr<v1::PutSegmentResponse>>> PutSegments(
+      const std::vector<PutSegmentsItem>& items, const CallOptions& call = {});
 
   // Fetches segments of one session in ONE call. DATA_LOSS if a payload
   // arrives with a wrong checksum; INTERNAL if the stream is malformed.

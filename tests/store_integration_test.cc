@@ -99,6 +99,22 @@ class StoreIntegrationTest : public ::testing::Test {
     return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
   }
 
+  // The same for PutSegments: the call's status, and its results when OK.
+  absl::Status RawPuts(const std::vector<v1::PutSegmentRequest>& msgs,
+                       v1::PutSegmentsResponse* resp = nullptr,
+                       const std::string& token = kAliceToken) {
+    auto c = Client(token);
+    auto ctx = c->NewContext();
+    v1::PutSegmentsResponse ignored;
+    auto w = c->stub()->PutSegments(ctx.get(), resp != nullptr ? resp : &ignored);
+    for (const auto& m : msgs) {
+      if (!w->Write(m)) break;
+    }
+    w->WritesDone();
+    grpc::Status s = w->Finish();
+    return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  }
+
   static v1::PutSegmentRequest Header(const std::string& session, uint32_t round,
                                       const std::string& payload) {
     v1::PutSegmentRequest r;
@@ -392,6 +408,121 @@ TEST_F(StoreIntegrationTest, BadInputGetsPreciseStatusAndChangesNothing) {
   auto got = alice_->GetSegments("s", {Ref(0)});
   ASSERT_THAT(got, IsOk());
   EXPECT_TRUE((*got)[0].payload == good);
+}
+
+// Issue 18: several segments in one call, each stored (or refused) exactly as
+// its own PutSegment would be; errors of the stream itself end the call.
+TEST_F(StoreIntegrationTest, PutSegmentsStoresEachSegmentWithItsOwnStatus) {
+  StartStore({"--max_segment_mb=4"});
+  const std::string small = MakePayload(5000, 1);
+  const std::string file = MakePayload(400 << 10, 2, 2);  // Over 256 KiB: a payload file.
+  const std::string big = MakePayload(3 << 20, 3);        // Several chunks.
+  const std::string too_big = MakePayload(5 << 20, 4);
+  v1::SegmentPayload flipped;
+  ASSERT_TRUE(flipped.ParseFromString(MakePayload(6000, 5)));
+  (*flipped.mutable_tensors(0)->mutable_buffers(0)->mutable_data())[7] ^= 0x10;
+  const std::string corrupt = flipped.SerializeAsString();
+  const std::string after = MakePayload(7000, 6);
+  std::vector<PutSegmentsItem> items = {
+      {Args("s", 0, 0), small},         {Args("s", 0, 1), file}, {Args("s", 1, 0), big},
+      {Args("s", 0, 0), after},          // ALREADY_EXISTS (the first item)
+      {Args("s", 2, 0), corrupt},        // DATA_LOSS at its commit
+      {Args("bad name!", 3, 0), small},  // INVALID_ARGUMENT at its header
+      {Args("s", 4, 0), too_big},        // OUT_OF_RANGE at its header; 5 chunks dropped
+      {Args("t", 0, 0), after},
+  };
+  auto results = alice_->PutSegments(items);
+  ASSERT_THAT(results, IsOk());
+  ASSERT_EQ(results->size(), items.size());
+  const std::vector<Code> want = {Code::kOk,         Code::kOk,
+                                  Code::kOk,         Code::kAlreadyExists,
+                                  Code::kDataLoss,   Code::kInvalidArgument,
+                                  Code::kOutOfRange, Code::kOk};
+  for (size_t i = 0; i < items.size(); ++i) {
+    EXPECT_EQ((*results)[i].status().code(), want[i])
+        << "item " << i << ": " << (*results)[i].status();
+  }
+  EXPECT_EQ((*results)[1]->segment().payload_bytes(), file.size());
+  EXPECT_EQ((*results)[2]->charged_bytes(), big.size());
+  EXPECT_EQ(Stats().tenant_bytes(), small.size() + file.size() + big.size() + after.size());
+  auto got = alice_->GetSegments("s", {Ref(0, 0), Ref(0, 1), Ref(1, 0)});
+  ASSERT_THAT(got, IsOk());
+  EXPECT_TRUE((*got)[0].payload == small);
+  EXPECT_TRUE((*got)[1].payload == file);
+  EXPECT_TRUE((*got)[2].payload == big);
+  EXPECT_THAT(alice_->GetSegments("s", {Ref(2, 0)}), StatusIs(Code::kNotFound));
+
+  // Many small segments, most committed on the callback thread.
+  std::vector<std::string> many;
+  std::vector<PutSegmentsItem> batch;
+  for (uint32_t r = 0; r < 300; ++r) many.push_back(MakePayload(3000 + r, 100 + r));
+  for (uint32_t r = 0; r < 300; ++r) batch.push_back({Args("m", r), many[r]});
+  auto all = alice_->PutSegments(batch);
+  ASSERT_THAT(all, IsOk());
+  for (const auto& r : *all) ASSERT_THAT(r.status(), IsOk());
+  auto listed = alice_->ListRounds("m");
+  ASSERT_THAT(listed, IsOk());
+  EXPECT_EQ(listed->rounds_size(), 300);
+
+  // Per segment: a quota that fills, and a reader's token for the whole call.
+  auto carol = Client(kCarolToken);
+  const std::string c1 = MakePayload(60'000, 7), c2 = MakePayload(60'000, 8);
+  auto quota = carol->PutSegments({{Args("c", 0), c1}, {Args("c", 1), c2}});
+  ASSERT_THAT(quota, IsOk());
+  EXPECT_THAT((*quota)[0], IsOk());
+  EXPECT_THAT((*quota)[1].status(), StatusIs(Code::kResourceExhausted));
+  EXPECT_THAT(Client(kAliceReader)->PutSegments({{Args("s", 9), small}}).status(),
+              StatusIs(Code::kPermissionDenied));
+  EXPECT_THAT(alice_->PutSegments({}).status(), StatusIs(Code::kInvalidArgument));
+
+  // Errors of the stream: each ends the call with its own status; the
+  // segments before the error stay stored.
+  const std::string x = MakePayload(4000, 9);
+  EXPECT_THAT(RawPuts({}), StatusIs(Code::kInvalidArgument, HasSubstr("without a header")));
+  EXPECT_THAT(RawPuts({Chunk(x)}), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(RawPuts({Header("u", 0, x), Chunk(x), Chunk("y")}),
+              StatusIs(Code::kInvalidArgument, HasSubstr("must be a header")));
+  EXPECT_THAT(RawPuts({Header("u", 1, x), Chunk(x.substr(0, 10)), Header("u", 2, x)}),
+              StatusIs(Code::kInvalidArgument, HasSubstr("before segment 1's last byte")));
+  EXPECT_THAT(RawPuts({Header("u", 3, x), Chunk(x + "z")}),
+              StatusIs(Code::kOutOfRange, HasSubstr("oversize")));
+  EXPECT_THAT(RawPuts({Header("u", 4, x), Chunk(x), Header("u", 5, x), Chunk(x.substr(0, 100))}),
+              StatusIs(Code::kOutOfRange, HasSubstr("truncated stream: segment 2")));
+  v1::PutSegmentRequest refused = Header("bad name!", 6, x);
+  EXPECT_THAT(RawPuts({refused, Chunk(x.substr(0, 100)), Chunk(x)}),
+              StatusIs(Code::kOutOfRange, HasSubstr("oversize")));
+  EXPECT_THAT(RawPuts({refused, Chunk(x.substr(0, 100))}),
+              StatusIs(Code::kOutOfRange, HasSubstr("truncated")));
+  auto u = alice_->ListRounds("u");
+  ASSERT_THAT(u, IsOk());
+  std::vector<uint32_t> rounds;
+  for (const auto& r : u->rounds()) rounds.push_back(r.round());
+  EXPECT_THAT(rounds, ::testing::ElementsAre(0, 4));
+  // Over 4096 headers (each refused: a zero size) is refused as a whole.
+  v1::PutSegmentRequest empty = Header("u", 7, "");
+  std::vector<v1::PutSegmentRequest> headers(4097, empty);
+  v1::PutSegmentsResponse resp;
+  EXPECT_THAT(
+      RawPuts(std::vector<v1::PutSegmentRequest>(headers.begin(), headers.end() - 1), &resp),
+      IsOk());
+  EXPECT_EQ(resp.results_size(), 4096);
+  EXPECT_EQ(resp.results(4095).code(), static_cast<int>(Code::kOutOfRange));
+  EXPECT_THAT(RawPuts(headers), StatusIs(Code::kInvalidArgument, HasSubstr("at most 4096")));
+
+  // Nothing is left reserved, and what was acknowledged survives kill -9.
+  auto stats = Stats();
+  EXPECT_EQ(
+      stats.tenant_bytes(), small.size() + file.size() + big.size() + after.size() + [&] {
+        uint64_t n = 0;
+        for (const auto& m : many) n += m.size();
+        return n;
+      }() + 2 * x.size());
+  store_->Kill();
+  ASSERT_THAT(store_->Start(), IsOk());
+  auto back = Client(kAliceToken)->GetSegments("s", {Ref(0, 1), Ref(1, 0)});
+  ASSERT_THAT(back, IsOk());
+  EXPECT_TRUE((*back)[0].payload == file);
+  EXPECT_TRUE((*back)[1].payload == big);
 }
 
 // Issue 18: a payload over 256 KiB is written to its file as its chunks

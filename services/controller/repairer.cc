@@ -185,9 +185,11 @@ absl::Status Repairer::Repair(const RepairTask& task) {
     Throttle(round_bytes);
     KVT_ASSIGN_OR_RETURN(std::vector<FetchedSegment> got,
                          source->GetSegments(task.session, refs, call(), /*uncounted=*/true));
+    // The round's segments in one call (PutSegments), each with its own status.
+    std::vector<PutSegmentsItem> items(got.size());
     for (size_t i = 0; i < got.size(); ++i) {
       const v1::SegmentInfo& info = got[i].info;
-      PutSegmentArgs a;
+      PutSegmentArgs& a = items[i].args;
       a.session_id = task.session;
       a.round = info.ref().round();
       a.segment = info.ref().segment();
@@ -195,16 +197,25 @@ absl::Status Repairer::Repair(const RepairTask& task) {
       a.layer_end = info.layer_end();
       a.round_summary = &round.summary();
       a.session_ttl_seconds = have.ttl_seconds();
-      absl::StatusOr<v1::PutSegmentResponse> put = target->PutSegment(a, got[i].payload, call());
-      if (absl::IsAlreadyExists(put.status())) {
+      items[i].payload = got[i].payload;
+    }
+    absl::StatusOr<std::vector<absl::StatusOr<v1::PutSegmentResponse>>> put =
+        target->PutSegments(items, call());
+    if (!put.ok()) {
+      return absl::Status(put.status().code(),
+                          absl::StrCat("PutSegments of round ", round.round(), " on ",
+                                       task.target.spec.id, ": ", put.status().message()));
+    }
+    for (size_t i = 0; i < items.size(); ++i) {
+      const absl::Status& st = (*put)[i].status();
+      if (absl::IsAlreadyExists(st)) {
         ++skipped;  // The worker wrote it meanwhile.
         continue;
       }
-      if (!put.ok()) {
-        return absl::Status(
-            put.status().code(),
-            absl::StrCat("PutSegment round ", a.round, " segment ", a.segment, " on ",
-                         task.target.spec.id, ": ", put.status().message()));
+      if (!st.ok()) {
+        return absl::Status(st.code(), absl::StrCat("PutSegment round ", items[i].args.round,
+                                                    " segment ", items[i].args.segment, " on ",
+                                                    task.target.spec.id, ": ", st.message()));
       }
       bytes += got[i].payload.size();
       ++segments;

@@ -116,7 +116,7 @@ uint64_t StoreService::InflightUploadBytes(const std::string& tenant) const {
   return it == tenant_inflight_.end() ? 0 : it->second;
 }
 
-// ---- PutSegment ----
+// ---- PutSegment, PutSegments ----
 
 // Reads the header and reserves room, then accumulates chunks on the
 // callback thread (a memcpy, never blocking) and commits. The reservation and
@@ -131,10 +131,22 @@ uint64_t StoreService::InflightUploadBytes(const std::string& tenant) const {
 // the header, wait for that task (RunAfterWrites). Exactly one Finish() is
 // called on every path; nothing touches `this` after it, since OnDone() may
 // delete the reactor at once.
+//
+// PutSegments (`batch_`) runs the same steps for each segment in turn: a
+// segment commits when its last byte arrives (not at the half-close), its
+// outcome goes into the reply (EndSegment) and the next message is read
+// once it has committed. A segment refused at its header has its bytes read
+// and dropped (skip_). Errors of the stream itself end the call (Done).
 class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
-  PutReactor(StoreService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
-      : svc_(svc), ctx_(ctx), resp_(resp), start_(absl::Now()) {
+  PutReactor(StoreService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp,
+             bool batch)
+      : svc_(svc),
+        ctx_(ctx),
+        resp_(resp),
+        start_(absl::Now()),
+        batch_(batch),
+        method_(batch ? "PutSegments" : "PutSegment") {
     absl::StatusOr<Principal> p = svc_->auth_->Authenticate(*ctx_);
     absl::Status allowed = p.ok() ? Authenticator::RequireWrite(*p) : p.status();
     if (!allowed.ok()) {
@@ -170,16 +182,7 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
       return;
     }
     if (!ok) {  // The client half-closed (or the call broke).
-      if (!ticket_.valid()) {
-        Done(absl::InvalidArgumentError("PutSegment stream ended without a header"));
-      } else if (buffer_.size() != ticket_.spec().payload_bytes) {
-        Fail(absl::OutOfRangeError(absl::StrCat("truncated stream: got ", buffer_.size(), " of ",
-                                                ticket_.spec().payload_bytes, " payload bytes")));
-      } else if (!streaming_ && TryCommitNow()) {
-        // Committed here: no writer task ever ran for an inline payload.
-      } else {
-        RunAfterWrites([this] { Commit(); });
-      }
+      HalfClosed();
       return;
     }
     // Fast path: the message is one field (1 = header, 2 = chunk); anything
@@ -194,16 +197,25 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     }
     const bool is_header = field.ok() ? field->number == 1 : parsed.has_header();
     const bool is_chunk = field.ok() ? field->number == 2 : parsed.has_chunk();
-    if (!ticket_.valid()) {
+    if (!ticket_.valid() && !skipping_) {
       if (!is_header) {
-        Done(absl::InvalidArgumentError("the first PutSegment message must be the header"));
+        Done(absl::InvalidArgumentError(
+            segments_ == 0 ? absl::StrCat("the first ", method_, " message must be the header")
+                           : absl::StrCat("after segment ", segments_,
+                                          "'s last byte the next message must be a header")));
+        return;
+      }
+      if (batch_ && segments_ == kMaxBatchSegments) {
+        Done(absl::InvalidArgumentError(
+            absl::StrCat("PutSegments takes at most ", kMaxBatchSegments, " segments a call")));
         return;
       }
       if (field.ok() && !header_.ParseFromString(field->ToString())) {
-        Done(absl::InvalidArgumentError("PutSegment header does not parse"));
+        Done(absl::InvalidArgumentError(absl::StrCat(method_, " header does not parse")));
         return;
       }
       if (!field.ok()) header_ = parsed.header();
+      ++segments_;
       if (!Admit()) return;
       std::optional<absl::StatusOr<cachestore::WriteTicket>> t = svc_->store_->TryBeginWrite(spec_);
       if (t.has_value()) {
@@ -214,13 +226,26 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
       return;
     }
     if (!is_chunk) {
-      Fail(absl::InvalidArgumentError("only one header is allowed per PutSegment stream"));
+      Fail(absl::InvalidArgumentError(
+          batch_ ? absl::StrCat("a header came before segment ", segments_, "'s last byte")
+                 : "only one header is allowed per PutSegment stream"));
       return;
     }
     const size_t size = field.ok() ? field->size : parsed.chunk().size();
     if (size > svc_->options_.max_chunk_bytes) {
       Fail(absl::InvalidArgumentError(
           absl::StrCat("chunk of ", size, " bytes exceeds ", svc_->options_.max_chunk_bytes)));
+      return;
+    }
+    if (skipping_) {  // A refused segment's bytes (PutSegments).
+      if (size > skip_) {
+        Done(absl::OutOfRangeError(absl::StrCat("oversize stream: segment ", segments_,
+                                                " has fewer declared payload bytes left")));
+        return;
+      }
+      skip_ -= size;
+      skipping_ = skip_ != 0;
+      Read();
       return;
     }
     if (buffer_.size() + size > ticket_.spec().payload_bytes) {
@@ -240,14 +265,52 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
       received_.store(buffer_.size(), std::memory_order_release);
       KickWriter();
     }
+    if (batch_ && buffer_.size() == payload_bytes_) {
+      CommitSegment();  // Reads on once it has committed.
+      return;
+    }
     Read();
   }
 
   void OnDone() override { delete this; }
 
  private:
+  static constexpr int kMaxBatchSegments = 4096;
+
+  void HalfClosed() {
+    if (batch_) {
+      if (ticket_.valid() || skipping_) {
+        const uint64_t got = skipping_ ? header_.payload_bytes() - skip_ : buffer_.size();
+        Fail(absl::OutOfRangeError(absl::StrCat("truncated stream: segment ", segments_, " got ",
+                                                got, " of ", header_.payload_bytes(),
+                                                " payload bytes")));
+      } else if (segments_ == 0) {
+        Done(absl::InvalidArgumentError("PutSegments stream ended without a header"));
+      } else {
+        *resp_ = wire::Serialize(batch_reply_);
+        Done(absl::OkStatus());
+      }
+      return;
+    }
+    if (!ticket_.valid()) {
+      Done(absl::InvalidArgumentError("PutSegment stream ended without a header"));
+    } else if (buffer_.size() != ticket_.spec().payload_bytes) {
+      Fail(absl::OutOfRangeError(absl::StrCat("truncated stream: got ", buffer_.size(), " of ",
+                                              ticket_.spec().payload_bytes, " payload bytes")));
+    } else {
+      CommitSegment();
+    }
+  }
+
+  // The payload is complete: commits it here when the store can do it
+  // without waiting, else on the executor once no writer task runs.
+  void CommitSegment() {
+    if (!streaming_ && TryCommitNow()) return;  // No writer task ever ran for an inline payload.
+    RunAfterWrites([this] { Commit(); });
+  }
+
   // The header's spec into spec_, its size checked and admitted against the
-  // caller's uploads in flight; on failure the call is finished (false).
+  // caller's uploads in flight; on failure the segment is refused (false).
   bool Admit() {
     const v1::PutSegmentHeader& h = header_;
     cachestore::WriteSpec& spec = spec_;
@@ -259,18 +322,19 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     spec.payload_bytes = h.payload_bytes();
     spec.payload_crc32c = h.payload_crc32c();
     spec.has_round_summary = h.has_round_summary();
-    if (spec.has_round_summary) spec.round_summary = h.round_summary();
+    spec.round_summary = h.has_round_summary() ? h.round_summary() : v1::RoundSummary();
+    spec.session_ttl_seconds.reset();
     if (h.has_session_ttl_seconds()) spec.session_ttl_seconds = h.session_ttl_seconds();
     // The size's range first: a header declaring 2^64 - 1 bytes is out of
     // range, not a request that merely does not fit right now.
     const uint64_t max_segment = svc_->store_->options().max_segment_bytes;
     if (spec.payload_bytes == 0 || spec.payload_bytes > max_segment) {
-      Done(absl::OutOfRangeError(
+      Refused(absl::OutOfRangeError(
           absl::StrCat("payload_bytes ", spec.payload_bytes, " outside [1, ", max_segment, "]")));
       return false;
     }
     if (absl::Status s = svc_->AdmitUpload(principal_.caller, spec.payload_bytes); !s.ok()) {
-      Done(s);
+      Refused(s);
       return false;
     }
     inflight_bytes_ = spec.payload_bytes;
@@ -281,7 +345,7 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   void Started(absl::StatusOr<cachestore::WriteTicket> t) {
     const cachestore::WriteSpec& spec = spec_;
     if (!t.ok()) {
-      Done(t.status());
+      Refused(t.status());
       return;
     }
     ticket_ = *std::move(t);
@@ -293,8 +357,22 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     payload_bytes_ = spec.payload_bytes;
     streaming_ = spec.payload_bytes > svc_->store_->options().inline_payload_max_bytes;
     // Initial metadata tells the client the header was accepted (quota and
-    // room reserved) before it streams the payload.
-    StartSendInitialMetadata();
+    // room reserved) before it streams the payload. A batch's client streams
+    // without waiting: its metadata comes with the reply.
+    if (!batch_) StartSendInitialMetadata();
+    Read();
+  }
+
+  // A segment refused at its header (nothing reserved is kept): PutSegment
+  // ends; PutSegments records it and drops its bytes as they come.
+  void Refused(const absl::Status& s) {
+    if (!batch_) {
+      Done(s);
+      return;
+    }
+    EndSegment(s);
+    skip_ = header_.payload_bytes();
+    skipping_ = skip_ != 0;
     Read();
   }
 
@@ -369,7 +447,7 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
       streamed = write_status_;
     }
     if (!streamed.ok()) {
-      Done(streamed);
+      Committed(streamed, 0);
       return;
     }
     const uint64_t bytes = ticket_.spec().payload_bytes;
@@ -388,6 +466,11 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   }
 
   void Committed(const absl::StatusOr<cachestore::SegmentInfo>& info, uint64_t bytes) {
+    if (batch_) {
+      EndSegment(info.status(), info.ok() ? &*info : nullptr, bytes);
+      Read();
+      return;
+    }
     if (info.ok()) {
       v1::PutSegmentResponse resp;
       *resp.mutable_segment() = ToProto(*info);
@@ -397,20 +480,57 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     Done(info.status());
   }
 
-  void Done(const absl::Status& s) {
+  // Gives back what the current segment holds (its reservation, in-flight
+  // share and buffer) and readies the reactor for the next; in a batch, also
+  // records the segment's outcome in the reply.
+  void EndSegment(const absl::Status& s, const cachestore::SegmentInfo* info = nullptr,
+                  uint64_t bytes = 0) {
     // Abort a pending write before the client hears the outcome, so that a
     // retry never meets the failed upload's reservation (ALREADY_EXISTS).
     ticket_ = cachestore::WriteTicket();
-    svc_->Unregister(this);
     svc_->RefundUpload(principal_.caller, inflight_bytes_);
     inflight_bytes_ = 0;
     std::string().swap(buffer_);
-    svc_->metrics_->ObserveRequest("PutSegment", absl::Now() - start_, s.ok());
-    if (!s.ok()) {
-      LogInfo("PutSegment rejected", {{"tenant", principal_.tenant},
-                                      {"code", absl::StatusCodeToString(s.code())},
-                                      {"error", std::string(s.message())}});
+    crc_ = 0;
+    base_ = nullptr;
+    payload_bytes_ = 0;
+    streaming_ = false;
+    received_.store(0, std::memory_order_relaxed);
+    {
+      absl::MutexLock lock(&write_mu_);
+      streamed_ = 0;
+      write_status_ = absl::OkStatus();
     }
+    if (!s.ok()) {
+      LogInfo(absl::StrCat(method_, " rejected"), {{"tenant", principal_.tenant},
+                                                   {"code", absl::StatusCodeToString(s.code())},
+                                                   {"error", std::string(s.message())}});
+    }
+    if (!batch_ || segments_ == 0) return;
+    v1::PutSegmentsResult* r = batch_reply_.add_results();
+    *r->mutable_ref() = header_.ref();
+    r->set_code(static_cast<int>(s.code()));
+    r->set_message(std::string(s.message()));
+    if (info != nullptr) {
+      *r->mutable_segment() = ToProto(*info);
+      r->set_charged_bytes(bytes);
+    }
+  }
+
+  void Done(const absl::Status& s) {
+    if (batch_) {
+      if (ticket_.valid() || inflight_bytes_ != 0) EndSegment(absl::CancelledError("call failed"));
+    } else {
+      EndSegment(s);
+    }
+    if (batch_ && !s.ok()) {
+      LogInfo("PutSegments failed", {{"tenant", principal_.tenant},
+                                     {"code", absl::StatusCodeToString(s.code())},
+                                     {"error", std::string(s.message())},
+                                     {"results_lost", absl::StrCat(batch_reply_.results_size())}});
+    }
+    svc_->Unregister(this);
+    svc_->metrics_->ObserveRequest(method_, absl::Now() - start_, s.ok());
     Finish(ToGrpc(s));
   }
 
@@ -418,6 +538,8 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   grpc::CallbackServerContext* const ctx_;
   grpc::ByteBuffer* const resp_;
   const absl::Time start_;
+  const bool batch_;          // PutSegments.
+  const std::string method_;  // For errors, logs and metrics.
   Principal principal_;
   grpc::ByteBuffer req_;
   v1::PutSegmentHeader header_;
@@ -428,6 +550,12 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   uint32_t crc_ = 0;  // CRC-32C of buffer_.
   cachestore::WriteTicket ticket_;
   std::string buffer_;
+  // PutSegments: headers read so far, the reply, a refused segment's bytes
+  // still to drop.
+  int segments_ = 0;
+  v1::PutSegmentsResponse batch_reply_;
+  bool skipping_ = false;
+  uint64_t skip_ = 0;
   // Streaming to the payload file (set in Begin).
   static constexpr size_t kWriteBatch = size_t{1} << 20;
   bool streaming_ = false;
@@ -466,7 +594,12 @@ void StoreService::WatchIdleUploads() {
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* StoreService::PutSegment(
     grpc::CallbackServerContext* ctx, grpc::ByteBuffer* response) {
-  return new PutReactor(this, ctx, response);
+  return new PutReactor(this, ctx, response, /*batch=*/false);
+}
+
+grpc::ServerReadReactor<grpc::ByteBuffer>* StoreService::PutSegments(
+    grpc::CallbackServerContext* ctx, grpc::ByteBuffer* response) {
+  return new PutReactor(this, ctx, response, /*batch=*/true);
 }
 
 // ---- GetSegments ----

@@ -54,13 +54,14 @@ struct StoreServiceOptions {
 // must outlive the service and every call in flight (shut the server down
 // first).
 //
-// PutSegment and GetSegments are "raw" methods: their messages are framed by
+// PutSegment(s) and GetSegments are "raw" methods: their messages are framed by
 // hand (rpc/wire_format.h) so payload chunks are neither copied
 // into protobuf objects nor serialized again; GetSegments sends slices that
 // point into the stored payload. The wire format is the proto's.
 class StoreService final
     : public v1::Store::WithRawCallbackMethod_PutSegment<
-          v1::Store::WithRawCallbackMethod_GetSegments<v1::Store::CallbackService>> {
+          v1::Store::WithRawCallbackMethod_PutSegments<
+              v1::Store::WithRawCallbackMethod_GetSegments<v1::Store::CallbackService>>> {
  public:
   StoreService(cachestore::Store* store, cachestore::QuotaManager* quotas,
                const Authenticator* auth, Executor* executor, StoreMetrics* metrics,
@@ -73,6 +74,8 @@ class StoreService final
 
   grpc::ServerReadReactor<grpc::ByteBuffer>* PutSegment(grpc::CallbackServerContext* ctx,
                                                         grpc::ByteBuffer* response) override;
+  grpc::ServerReadReactor<grpc::ByteBuffer>* PutSegments(grpc::CallbackServerContext* ctx,
+                                                         grpc::ByteBuffer* response) override;
   grpc::ServerWriteReactor<grpc::ByteBuffer>* GetSegments(grpc::CallbackServerContext* ctx,
                                                           const grpc::ByteBuffer* request) override;
   grpc::ServerUnaryReactor* ListRounds(grpc::CallbackServerContext* ctx,
