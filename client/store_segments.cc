@@ -25,6 +25,35 @@ absl::Status AsUnavailable(const absl::Status& s, const std::string& what) {
   return absl::UnavailableError(absl::StrCat(what, ": ", s.ToString()));
 }
 
+// The same bytes already there (the controller's repair copied this round
+// to a new replica while we wrote it) count as written; other bytes are a
+// stale round the caller must replace.
+bool SameBytesStored(StoreClient* client, const std::string& session,
+                     const worker::SegmentStore::Segment& s, std::string_view payload,
+                     const CallOptions& call) {
+  auto listed = client->ListRounds(session, call);
+  if (!listed.ok()) return false;
+  for (const v1::RoundInfo& ri : listed->rounds()) {
+    for (const v1::SegmentInfo& si : ri.segments()) {
+      if (si.ref().round() == s.round && si.ref().segment() == s.segment &&
+          si.payload_bytes() == payload.size() && si.payload_crc32c() == Crc32c(payload)) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+// One segment's put status as SegmentStore::Put gives it.
+absl::Status PutOutcome(StoreClient* client, const std::string& session,
+                        const worker::SegmentStore::Segment& s, std::string_view payload,
+                        const absl::Status& st, const CallOptions& call) {
+  if (st.code() == absl::StatusCode::kAlreadyExists) {
+    return SameBytesStored(client, session, s, payload, call) ? absl::OkStatus() : st;
+  }
+  return AsUnavailable(st, absl::StrCat("PutSegment round ", s.round, " segment ", s.segment));
+}
+
 }  // namespace
 
 absl::Status StoreSegments::Put(const std::string& session, const Segment& s, uint32_t layer_begin,
@@ -37,28 +66,30 @@ absl::Status StoreSegments::Put(const std::string& session, const Segment& s, ui
   a.layer_begin = layer_begin;
   a.layer_end = layer_end;
   auto r = client_->PutSegment(a, payload, call);
-  if (r.status().code() == absl::StatusCode::kAlreadyExists) {
-    // The same bytes already there (the controller's repair copied this
-    // round to a new replica while we wrote it) count as written; other
-    // bytes are a stale round the caller must replace.
-    auto listed = client_->ListRounds(session, call);
-    if (listed.ok()) {
-      for (const v1::RoundInfo& ri : listed->rounds()) {
-        for (const v1::SegmentInfo& si : ri.segments()) {
-          if (si.ref().round() == s.round && si.ref().segment() == s.segment &&
-              si.payload_bytes() == payload.size() && si.payload_crc32c() == Crc32c(payload)) {
-            return absl::OkStatus();
-          }
-        }
-      }
-    }
-    return r.status();
+  return PutOutcome(client_.get(), session, s, payload, r.status(), call);
+}
+
+std::vector<absl::Status> StoreSegments::PutMany(const std::string& session,
+                                                 const std::vector<SegmentWrite>& writes,
+                                                 const CallOptions& call) {
+  std::vector<PutSegmentsItem> items(writes.size());
+  for (size_t i = 0; i < writes.size(); ++i) {
+    PutSegmentArgs& a = items[i].args;
+    a.session_id = session;
+    a.round = writes[i].s.round;
+    a.segment = writes[i].s.segment;
+    a.layer_begin = writes[i].layer_begin;
+    a.layer_end = writes[i].layer_end;
+    items[i].payload = writes[i].payload;
   }
-  if (!r.ok()) {
-    return AsUnavailable(r.status(),
-                         absl::StrCat("PutSegment round ", s.round, " segment ", s.segment));
+  auto r = client_->PutSegments(items, call);
+  std::vector<absl::Status> out;
+  out.reserve(writes.size());
+  for (size_t i = 0; i < writes.size(); ++i) {
+    const absl::Status st = r.ok() ? (*r)[i].status() : r.status();
+    out.push_back(PutOutcome(client_.get(), session, writes[i].s, writes[i].payload, st, call));
   }
-  return absl::OkStatus();
+  return out;
 }
 
 absl::StatusOr<std::vector<std::string>> StoreSegments::Get(const std::string& session,

@@ -19,6 +19,10 @@ class StoreSegments : public worker::SegmentStore {
 
   absl::Status Put(const std::string& session, const Segment& s, uint32_t layer_begin,
                    uint32_t layer_end, std::string_view payload, const CallOptions& call) override;
+  // One PutSegments call.
+  std::vector<absl::Status> PutMany(const std::string& session,
+                                    const std::vector<SegmentWrite>& writes,
+                                    const CallOptions& call) override;
   absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
                                                const std::vector<Segment>& segments,
                                                const CallOptions& call) override;

@@ -226,6 +226,31 @@ class FlakyStore : public worker::SegmentStore {
     }
     return real_->Put(session, s, b, e, payload, call);
   }
+  // The real store's batch (one PutSegments call) for the writes the test
+  // lets through; the others refused as Put refuses them, or the lower one
+  // (fail_lower_puts) while its upper is stored.
+  std::vector<absl::Status> PutMany(const std::string& session,
+                                    const std::vector<SegmentWrite>& writes,
+                                    const CallOptions& call) override {
+    std::vector<absl::Status> out(writes.size());
+    std::vector<SegmentWrite> pass;
+    std::vector<size_t> at;
+    for (size_t i = 0; i < writes.size(); ++i) {
+      int& refuse = writes[i].s.segment == 0 ? fail_lower_puts : fail_upper_puts;
+      if (refuse > 0) {
+        --refuse;
+        out[i] = absl::UnavailableError("put refused by the test");
+        continue;
+      }
+      pass.push_back(writes[i]);
+      at.push_back(i);
+    }
+    if (!pass.empty()) {
+      std::vector<absl::Status> st = real_->PutMany(session, pass, call);
+      for (size_t j = 0; j < at.size(); ++j) out[at[j]] = st[j];
+    }
+    return out;
+  }
   absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
                                                const std::vector<Segment>& segs,
                                                const CallOptions& call) override {
@@ -253,6 +278,7 @@ class FlakyStore : public worker::SegmentStore {
   }
   bool fail_counters = false;
   int fail_upper_puts = 0;
+  int fail_lower_puts = 0;
   int fail_drops = 0;
 
  private:
@@ -372,6 +398,18 @@ TEST_F(WorkerEngineTest, EndRoundAfterAPartialPutReplacesTheStoredPart) {
   // And the session goes on.
   step(5);
   KVT_ASSERT_OK(engine.EndRound("s").status());
+  // Both segments go in one call, so the upper one can be stored while the
+  // lower one is refused: that half is dropped too, and the round stays open.
+  step(3);
+  store.fail_lower_puts = 1;
+  EXPECT_THAT(engine.EndRound("s").status(), StatusIs(absl::StatusCode::kUnavailable));
+  KVT_ASSERT_OK_AND_ASSIGN(list, segments_->client()->ListRounds("s"));
+  EXPECT_EQ(list.rounds_size(), 2);  // Rounds 0 and 1; nothing of round 2.
+  KVT_ASSERT_OK_AND_ASSIGN(auto again, engine.EndRound("s"));
+  EXPECT_EQ(again.round, 2u);
+  KVT_ASSERT_OK_AND_ASSIGN(list, segments_->client()->ListRounds("s"));
+  ASSERT_EQ(list.rounds_size(), 3);
+  EXPECT_EQ(list.rounds(2).segments_size(), 2);
 }
 
 TEST_F(WorkerEngineTest, StoreDeathMidRecallLeavesTheSessionConsistent) {

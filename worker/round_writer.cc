@@ -161,24 +161,35 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
   // Send, without the lock.
   const CallOptions store_call = s->ForStore({StoreDeadline(call), {}});
   const std::string& name = s->key.session;
+  // Both segments in one call where the store allows it (PutMany).
   auto put_both = [&]() -> absl::Status {
-    KVT_RETURN_IF_ERROR(store_->Put(name, {plan.round, 0}, 0, lw + 1, *plan.lower, store_call));
+    std::vector<SegmentStore::SegmentWrite> writes = {
+        {{plan.round, 0}, 0, static_cast<uint32_t>(lw + 1), *plan.lower}};
     if (lw + 1 < sh.layers) {
-      absl::Status upper =
-          store_->Put(name, {plan.round, 1}, lw + 1, sh.layers, *plan.upper, store_call);
-      if (!upper.ok() && upper.code() != absl::StatusCode::kAlreadyExists) {
-        // Leave no half round behind (best effort: a retry of EndRound
-        // replaces one anyway).
-        absl::Status dropped = store_->DropRound(name, plan.round, store_call);
-        if (!dropped.ok()) {
-          LogWarn("half-stored round not dropped", {{"session", s->key.ToString()},
-                                                    {"round", plan.round},
-                                                    {"error", dropped.ToString()}});
-        }
-      }
-      return upper;
+      writes.push_back({{plan.round, 1},
+                        static_cast<uint32_t>(lw + 1),
+                        static_cast<uint32_t>(sh.layers),
+                        *plan.upper});
     }
-    return absl::OkStatus();
+    const std::vector<absl::Status> st = store_->PutMany(name, writes, store_call);
+    const absl::Status& lower = st.front();
+    const absl::Status upper = st.size() > 1 ? st[1] : absl::OkStatus();
+    if (lower.ok() && upper.ok()) return absl::OkStatus();
+    // Leave no half round behind: a lower segment stored with its upper
+    // refused, or an upper stored with its lower refused (best effort: a
+    // retry of EndRound replaces one anyway). ALREADY_EXISTS is left to the
+    // caller, which replaces the whole round.
+    const bool half = lower.ok() ? upper.code() != absl::StatusCode::kAlreadyExists
+                                 : upper.ok() && lower.code() != absl::StatusCode::kAlreadyExists;
+    if (half) {
+      absl::Status dropped = store_->DropRound(name, plan.round, store_call);
+      if (!dropped.ok()) {
+        LogWarn(
+            "half-stored round not dropped",
+            {{"session", s->key.ToString()}, {"round", plan.round}, {"error", dropped.ToString()}});
+      }
+    }
+    return lower.ok() ? upper : lower;
   };
   absl::Status put = put_both();
   if (put.code() == absl::StatusCode::kAlreadyExists) {

@@ -35,6 +35,32 @@ class SegmentStore {
   virtual absl::Status Put(const std::string& session, const Segment& s, uint32_t layer_begin,
                            uint32_t layer_end, std::string_view payload,
                            const CallOptions& call) = 0;
+  // One segment of PutMany.
+  struct SegmentWrite {
+    Segment s;
+    uint32_t layer_begin = 0;
+    uint32_t layer_end = 0;
+    std::string_view payload;
+  };
+  // Stores several segments of the session, in order, in one call where the
+  // store allows it (a round's two segments: one round trip instead of
+  // two). One status per write, each as Put would give it. A write after a
+  // failed one may not have been attempted: it then gets ABORTED. The
+  // default calls Put for each in turn and stops at the first failure.
+  virtual std::vector<absl::Status> PutMany(const std::string& session,
+                                            const std::vector<SegmentWrite>& writes,
+                                            const CallOptions& call) {
+    std::vector<absl::Status> out;
+    out.reserve(writes.size());
+    for (const SegmentWrite& w : writes) {
+      if (!out.empty() && !out.back().ok()) {
+        out.push_back(absl::AbortedError("not attempted: an earlier segment's put failed"));
+        continue;
+      }
+      out.push_back(Put(session, w.s, w.layer_begin, w.layer_end, w.payload, call));
+    }
+    return out;
+  }
   // Fetches all `segments` in ONE call, in order. OK and one payload per
   // segment; NOT_FOUND when one of them (or the session) is not stored (a
   // round dropped under pressure); DEADLINE_EXCEEDED; UNAVAILABLE otherwise.

@@ -147,43 +147,57 @@ std::vector<std::pair<std::string, StoreSegments*>> ReplicatedSegments::For(
 absl::Status ReplicatedSegments::Put(const std::string& session, const Segment& s,
                                      uint32_t layer_begin, uint32_t layer_end,
                                      std::string_view payload, const CallOptions& call) {
-  if (s.segment == 0) RefreshIfStale(session, call);
-  // Every replica, in order: the round is stored when all hold it.
+  return PutMany(session, {{s, layer_begin, layer_end, payload}}, call).front();
+}
+
+std::vector<absl::Status> ReplicatedSegments::PutMany(const std::string& session,
+                                                      const std::vector<SegmentWrite>& writes,
+                                                      const CallOptions& call) {
+  const bool round_start = !writes.empty() && writes.front().s.segment == 0;
+  if (round_start) RefreshIfStale(session, call);
+  // Every replica, in order: the segments are stored when all hold them.
   std::set<std::string> done;
   for (int attempt = 0;; ++attempt) {
-    absl::Status failed;
+    std::vector<absl::Status> failed;
     std::string failed_at;
     for (const auto& [address, store] : For(call, session)) {
       if (done.count(address) != 0) continue;
-      absl::Status st = store->Put(session, s, layer_begin, layer_end, payload, call);
-      if (!st.ok()) {
-        failed = st;
+      std::vector<absl::Status> st = store->PutMany(session, writes, call);
+      if (std::any_of(st.begin(), st.end(), [](const absl::Status& x) { return !x.ok(); })) {
+        failed = std::move(st);
         failed_at = address;
         break;
       }
       done.insert(address);
     }
-    if (failed.ok()) return absl::OkStatus();
-    // Only at a round's first segment, so that no replica ends up with half
-    // a round; only once per call.
-    const bool unreachable = failed.code() == absl::StatusCode::kUnavailable ||
-                             failed.code() == absl::StatusCode::kDeadlineExceeded;
+    if (failed.empty()) return std::vector<absl::Status>(writes.size());
+    // Only when a round's first segment failed, so that no replica ends up
+    // with half a round; only once per call.
+    const absl::StatusCode first = failed.front().code();
+    const bool unreachable =
+        first == absl::StatusCode::kUnavailable || first == absl::StatusCode::kDeadlineExceeded;
     bool has_replicas = false;
     {
       absl::MutexLock lock(&mu_);
       has_replicas = replicas_.count({call.tenant, session}) != 0;
     }
-    if (attempt > 0 || !rerouter_ || !unreachable || s.segment != 0 || !has_replicas) {
-      return Named(failed, failed_at);
+    auto named = [&] {
+      for (absl::Status& st : failed) {
+        if (!st.ok()) st = Named(st, failed_at);
+      }
+      return failed;
+    };
+    if (attempt > 0 || !rerouter_ || !unreachable || !round_start || !has_replicas) {
+      return named();
     }
     CallOptions ask = call;
     ask.deadline = absl::Now() + kRerouteDeadline;
     absl::StatusOr<std::vector<std::string>> now = rerouter_(call.tenant, session, ask);
     if (!now.ok() || now->empty() || std::find(now->begin(), now->end(), failed_at) != now->end()) {
-      return Named(failed, failed_at);
+      return named();
     }
     if (absl::Status set = SetReplicas(call.tenant, session, *now); !set.ok()) {
-      return Named(failed, failed_at);
+      return named();
     }
     reroutes_.fetch_add(1);
     LogWarn("store replica replaced",
