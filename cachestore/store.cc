@@ -403,7 +403,8 @@ void Store::AbortWrite(const WriteSpec& spec, uint64_t write_id) {
 }
 
 absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string payload,
-                                               std::optional<uint32_t> computed_crc32c) {
+                                               std::optional<uint32_t> computed_crc32c,
+                                               bool defer_sync) {
   // On an error the ticket still holds the write: its destructor aborts it.
   // Here, before this returns: a parameter itself may live until the end of
   // the caller's full expression (GCC's ABI destroys it there), so a caller
@@ -412,23 +413,31 @@ absl::StatusOr<SegmentInfo> Store::CommitWrite(WriteTicket ticket, std::string p
   // (ALREADY_EXISTS).
   WriteTicket held = std::move(ticket);
   bool declined = false;
-  return CommitWriteImpl(held, payload, computed_crc32c, false, &declined);
+  return CommitWriteImpl(held, payload, computed_crc32c, false, defer_sync, &declined);
 }
 
 std::optional<absl::StatusOr<SegmentInfo>> Store::TryCommitWrite(
-    WriteTicket& ticket, std::string& payload, std::optional<uint32_t> computed_crc32c) {
-  if (!ticket.valid() || options_.sync_writes || ticket.to_file_) return std::nullopt;
+    WriteTicket& ticket, std::string& payload, std::optional<uint32_t> computed_crc32c,
+    bool defer_sync) {
+  if (!ticket.valid() || (options_.sync_writes && !defer_sync) || ticket.to_file_) {
+    return std::nullopt;
+  }
   bool declined = false;
   absl::StatusOr<SegmentInfo> info =
-      CommitWriteImpl(ticket, payload, computed_crc32c, true, &declined);
+      CommitWriteImpl(ticket, payload, computed_crc32c, true, defer_sync, &declined);
   if (declined) return std::nullopt;
   WriteTicket consumed = std::move(ticket);  // Aborts the write on an error.
   return info;
 }
 
+absl::Status Store::SyncWrites() {
+  if (!options_.sync_writes) return absl::OkStatus();
+  return FromRocks(db_->SyncWAL(), "WAL sync");
+}
+
 absl::StatusOr<SegmentInfo> Store::CommitWriteImpl(WriteTicket& ticket, std::string& payload,
                                                    std::optional<uint32_t> computed_crc32c,
-                                                   bool try_only, bool* declined) {
+                                                   bool try_only, bool defer_sync, bool* declined) {
   if (!ticket.valid()) return absl::FailedPreconditionError("empty write ticket");
   const WriteSpec& spec = ticket.spec_;
   if (payload.size() != spec.payload_bytes) {
@@ -519,7 +528,7 @@ absl::StatusOr<SegmentInfo> Store::CommitWriteImpl(WriteTicket& ticket, std::str
     batch.Put(SessionDbKey(key), sr.SerializeAsString());
   }
   rocksdb::WriteOptions wo;
-  wo.sync = options_.sync_writes;
+  wo.sync = options_.sync_writes && !defer_sync;
   // A stall would block the caller: decline instead (nothing is written).
   wo.no_slowdown = try_only;
   if (written.ok()) {

@@ -254,16 +254,28 @@ class Store {
   // On any error nothing is stored and the reservation is refunded.
   // `computed_crc32c`, when set, is the caller's CRC-32C of exactly these
   // bytes (computed as they arrived), which spares a pass over them.
+  // `defer_sync` (with sync_writes): the RocksDB write is not synced here,
+  // so the segment is readable at once but durable only after SyncWrites;
+  // a caller that commits several segments syncs them all with one call
+  // before it acknowledges any (PutSegments). Payload files are synced as
+  // always, before their record.
   absl::StatusOr<SegmentInfo> CommitWrite(WriteTicket ticket, std::string payload,
-                                          std::optional<uint32_t> computed_crc32c = {});
+                                          std::optional<uint32_t> computed_crc32c = {},
+                                          bool defer_sync = false);
   // CommitWrite for a thread that must not wait. It declines (nullopt;
   // `ticket` and `payload` untouched, nothing changed) unless the commit is
   // one RocksDB write without fsync (sync_writes off, an inline payload)
   // that records no new session or round summary, and when RocksDB would
   // stall that write (WriteOptions::no_slowdown). Otherwise it consumes
   // both and returns CommitWrite's answer.
+  // With `defer_sync`, sync_writes does not make it decline.
   std::optional<absl::StatusOr<SegmentInfo>> TryCommitWrite(
-      WriteTicket& ticket, std::string& payload, std::optional<uint32_t> computed_crc32c = {});
+      WriteTicket& ticket, std::string& payload, std::optional<uint32_t> computed_crc32c = {},
+      bool defer_sync = false);
+  // Makes every write committed so far durable (a WAL sync): what commits
+  // with `defer_sync` wait for. OK at once without sync_writes; INTERNAL
+  // when RocksDB fails.
+  absl::Status SyncWrites();
 
   // Checks that every id exists and is readable, bumps each distinct
   // round's recall counter once (unless `count_recalls` is false: a copy
@@ -464,7 +476,7 @@ class Store {
   // (only with `try_only`, see TryCommitWrite).
   absl::StatusOr<SegmentInfo> CommitWriteImpl(WriteTicket& ticket, std::string& payload,
                                               std::optional<uint32_t> computed_crc32c,
-                                              bool try_only, bool* declined);
+                                              bool try_only, bool defer_sync, bool* declined);
   // Creates the ticket's payload file unless WriteChunk already did.
   absl::Status StartPayloadFile(WriteTicket& ticket);
 

@@ -36,6 +36,7 @@ class FailingFs : public rocksdb::FileSystemWrapper {
   FailingFs() : FileSystemWrapper(rocksdb::FileSystem::Default()) {}
   const char* Name() const override { return "FailingFs"; }
   std::atomic<bool> fail{false};
+  std::atomic<int> wal_syncs{0};  // Sync or Fsync calls on RocksDB's WAL files.
 
   rocksdb::IOStatus ReuseWritableFile(const std::string& f, const std::string& old,
                                       const rocksdb::FileOptions& o,
@@ -43,7 +44,7 @@ class FailingFs : public rocksdb::FileSystemWrapper {
                                       rocksdb::IODebugContext* dbg) override {
     std::unique_ptr<rocksdb::FSWritableFile> file;
     rocksdb::IOStatus s = target()->ReuseWritableFile(f, old, o, &file, dbg);
-    if (s.ok()) *r = std::make_unique<File>(std::move(file), &fail);
+    if (s.ok()) *r = std::make_unique<File>(std::move(file), &fail, WalCounter(f));
     return s;
   }
 
@@ -52,15 +53,20 @@ class FailingFs : public rocksdb::FileSystemWrapper {
                                     rocksdb::IODebugContext* dbg) override {
     std::unique_ptr<rocksdb::FSWritableFile> file;
     rocksdb::IOStatus s = target()->NewWritableFile(f, o, &file, dbg);
-    if (s.ok()) *r = std::make_unique<File>(std::move(file), &fail);
+    if (s.ok()) *r = std::make_unique<File>(std::move(file), &fail, WalCounter(f));
     return s;
   }
 
  private:
+  std::atomic<int>* WalCounter(const std::string& f) {
+    return f.size() > 4 && f.compare(f.size() - 4, 4, ".log") == 0 ? &wal_syncs : nullptr;
+  }
+
   class File : public rocksdb::FSWritableFileOwnerWrapper {
    public:
-    File(std::unique_ptr<rocksdb::FSWritableFile> f, std::atomic<bool>* fail)
-        : FSWritableFileOwnerWrapper(std::move(f)), fail_(fail) {}
+    File(std::unique_ptr<rocksdb::FSWritableFile> f, std::atomic<bool>* fail,
+         std::atomic<int>* syncs)
+        : FSWritableFileOwnerWrapper(std::move(f)), fail_(fail), syncs_(syncs) {}
     rocksdb::IOStatus Append(const rocksdb::Slice& d, const rocksdb::IOOptions& o,
                              rocksdb::IODebugContext* dbg) override {
       if (fail_->load()) return rocksdb::IOStatus::IOError("injected disk failure");
@@ -68,11 +74,18 @@ class FailingFs : public rocksdb::FileSystemWrapper {
     }
     rocksdb::IOStatus Sync(const rocksdb::IOOptions& o, rocksdb::IODebugContext* dbg) override {
       if (fail_->load()) return rocksdb::IOStatus::IOError("injected disk failure");
+      if (syncs_ != nullptr) syncs_->fetch_add(1);
       return FSWritableFileOwnerWrapper::Sync(o, dbg);
+    }
+    rocksdb::IOStatus Fsync(const rocksdb::IOOptions& o, rocksdb::IODebugContext* dbg) override {
+      if (fail_->load()) return rocksdb::IOStatus::IOError("injected disk failure");
+      if (syncs_ != nullptr) syncs_->fetch_add(1);
+      return FSWritableFileOwnerWrapper::Fsync(o, dbg);
     }
 
    private:
     std::atomic<bool>* fail_;
+    std::atomic<int>* syncs_;
   };
 };
 
@@ -757,6 +770,40 @@ TEST_F(StoreTest, FailingDiskRejectsTheWriteAndChangesNothing) {
   KVT_ASSERT_OK_AND_ASSIGN(SessionInfo info, store_->ListRounds("t1", "s"));
   EXPECT_EQ(info.rounds.size(), 1u);
   EXPECT_EQ(Get("s", 0, 0), p);  // What was stored is still served.
+}
+
+// PutSegments' group commit: with sync_writes, a deferred commit leaves the
+// WAL unsynced (readable at once), and SyncWrites syncs it; a plain commit
+// syncs on its own.
+TEST_F(StoreTest, DeferredSyncCommitsAreDurableAfterSyncWrites) {
+  std::shared_ptr<FailingFs> fs = UseFailingDisk();
+  options_.sync_writes = true;
+  Open();
+  const std::string a = MakePayload(2000, 1), b = MakePayload(3000, 2), c = MakePayload(4000, 3);
+  ASSERT_THAT(Put("s", 0, 0, a), IsOk());  // Records the session: its own sync.
+  const int before = fs->wal_syncs.load();
+  KVT_ASSERT_OK_AND_ASSIGN(WriteTicket tb, store_->BeginWrite(Spec("s", 1, 0, b)));
+  ASSERT_THAT(store_->CommitWrite(std::move(tb), b, std::nullopt, /*defer_sync=*/true), IsOk());
+  KVT_ASSERT_OK_AND_ASSIGN(WriteTicket tc, store_->BeginWrite(Spec("s", 2, 0, c)));
+  std::string cp = c;
+  auto tried = store_->TryCommitWrite(tc, cp, std::nullopt, /*defer_sync=*/true);
+  ASSERT_TRUE(tried.has_value()) << "a deferred commit need not wait: it is not declined";
+  ASSERT_THAT(*tried, IsOk());
+  EXPECT_EQ(fs->wal_syncs.load(), before);
+  EXPECT_EQ(Get("s", 1, 0), b);  // Readable before it is durable.
+  EXPECT_EQ(Get("s", 2, 0), c);
+  ASSERT_THAT(store_->SyncWrites(), IsOk());
+  EXPECT_GT(fs->wal_syncs.load(), before);
+  const int synced = fs->wal_syncs.load();
+  ASSERT_THAT(Put("s", 3, 0, MakePayload(1000, 4)), IsOk());
+  EXPECT_GT(fs->wal_syncs.load(), synced);
+  // Without the deferral, TryCommitWrite declines a synced commit.
+  KVT_ASSERT_OK_AND_ASSIGN(WriteTicket td, store_->BeginWrite(Spec("s", 4, 0, a)));
+  std::string dp = a;
+  EXPECT_FALSE(store_->TryCommitWrite(td, dp).has_value());
+  // And the failing disk fails the sync.
+  fs->fail = true;
+  EXPECT_THAT(store_->SyncWrites(), StatusIs(Code::kInternal));
 }
 
 // Payload files that hold bytes (spares are empty).

@@ -137,6 +137,9 @@ uint64_t StoreService::InflightUploadBytes(const std::string& tenant) const {
 // outcome goes into the reply (EndSegment) and the next message is read
 // once it has committed. A segment refused at its header has its bytes read
 // and dropped (skip_). Errors of the stream itself end the call (Done).
+// With sync_writes, the commits are not synced one by one (defer_sync, so a
+// small one may commit on the callback thread too): one WAL sync at the
+// half-close makes them all durable before the reply.
 class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   PutReactor(StoreService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp,
@@ -286,9 +289,12 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
                                                 " payload bytes")));
       } else if (segments_ == 0) {
         Done(absl::InvalidArgumentError("PutSegments stream ended without a header"));
+      } else if (svc_->store_->options().sync_writes) {
+        // The batch's commits were not synced one by one: one WAL sync for
+        // all of them before any is acknowledged.
+        svc_->executor_->Schedule([this] { Answer(svc_->store_->SyncWrites()); });
       } else {
-        *resp_ = wire::Serialize(batch_reply_);
-        Done(absl::OkStatus());
+        Answer(absl::OkStatus());
       }
       return;
     }
@@ -300,6 +306,12 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     } else {
       CommitSegment();
     }
+  }
+
+  // PutSegments' reply, once its segments are durable.
+  void Answer(const absl::Status& synced) {
+    if (synced.ok()) *resp_ = wire::Serialize(batch_reply_);
+    Done(synced);
   }
 
   // The payload is complete: commits it here when the store can do it
@@ -451,7 +463,9 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
       return;
     }
     const uint64_t bytes = ticket_.spec().payload_bytes;
-    Committed(svc_->store_->CommitWrite(std::move(ticket_), std::move(buffer_), crc_), bytes);
+    Committed(svc_->store_->CommitWrite(std::move(ticket_), std::move(buffer_), crc_,
+                                        /*defer_sync=*/batch_),
+              bytes);
   }
 
   // The commit on this (callback) thread, when the store can do it without
@@ -459,7 +473,7 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   bool TryCommitNow() {
     const uint64_t bytes = ticket_.spec().payload_bytes;
     std::optional<absl::StatusOr<cachestore::SegmentInfo>> info =
-        svc_->store_->TryCommitWrite(ticket_, buffer_, crc_);
+        svc_->store_->TryCommitWrite(ticket_, buffer_, crc_, /*defer_sync=*/batch_);
     if (!info.has_value()) return false;
     Committed(*std::move(info), bytes);
     return true;
