@@ -13,7 +13,8 @@ CC=clang CXX=clang++ cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInf
   -DKVTIER_FUZZ=ON -DKVTIER_SANITIZE=address -DKVTIER_CUDA=OFF -DKVTIER_BUILD_TESTS=OFF \
   -DKVTIER_BUILD_BENCH=OFF
 cmake --build "$BUILD_DIR" -j "$JOBS" --target fuzz_targets
-for t in wire_framing encoded_tensor worker_request tenants_file; do
+for bin in "$BUILD_DIR"/fuzz/*_fuzz; do
+  t=$(basename "$bin" _fuzz)
   corpus="$BUILD_DIR/corpus/$t"
   crashes="$BUILD_DIR/crashes/$t"
   mkdir -p "$corpus" "$crashes"

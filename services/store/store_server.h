@@ -57,6 +57,8 @@ class StoreServer {
   // Blocks until Shutdown() is called from another thread.
   void Wait();
   cachestore::Store* store() { return store_.get(); }
+  StoreService* service() { return service_.get(); }
+  cachestore::QuotaManager* quotas() { return quotas_.get(); }
   StoreMetrics* metrics() { return metrics_.get(); }
 
  private:
