@@ -25,7 +25,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "base/status_macros.h"
-#include "client/raw_call.h"
+#include "rpc/raw_call.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/generic/generic_stub.h"

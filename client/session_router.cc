@@ -2,7 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
-#include "client/raw_call.h"
+#include "rpc/raw_call.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "rpc/transport_args.h"

@@ -1,7 +1,7 @@
 #include "client/store_client.h"
 
 #include "absl/strings/str_cat.h"
-#include "client/raw_call.h"
+#include "rpc/raw_call.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "kernels/crc32c.h"

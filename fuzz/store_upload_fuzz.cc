@@ -15,11 +15,12 @@
 
 #include "absl/time/time.h"
 #include "base/log.h"
-#include "client/raw_call.h"
-#include "client/store_client.h"
 #include "fuzz/fuzz_target.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
 #include "kernels/crc32c.h"
-#include "kvtier/v1/store.pb.h"
+#include "kvtier/v1/store.grpc.pb.h"
+#include "rpc/raw_call.h"
 #include "services/store/store_server.h"
 #include "testing/test_util.h"
 
@@ -30,7 +31,8 @@ constexpr char kSession[] = "f";
 struct Fixture {
   kvtier::testing::TempDir dir;
   std::unique_ptr<kvtier::StoreServer> server;
-  std::unique_ptr<kvtier::StoreClient> client;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<kvtier::v1::Store::Stub> stub;
 };
 
 Fixture& Get() {
@@ -52,9 +54,9 @@ Fixture& Get() {
       __builtin_trap();
     }
     f->server = *std::move(s);
-    kvtier::StoreClientOptions c;
-    c.target = "127.0.0.1:" + std::to_string(f->server->port());
-    f->client = *kvtier::StoreClient::Connect(c);
+    f->channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(f->server->port()),
+                                     grpc::InsecureChannelCredentials());
+    f->stub = kvtier::v1::Store::NewStub(f->channel);
     return f;
   }();
   return *f;
@@ -112,10 +114,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Fixture& f = Get();
   const bool batch = (parts[0][0] & 1) == 0;
   {
-    kvtier::CallOptions call;
-    call.deadline = absl::Now() + absl::Seconds(20);
-    auto ctx = f.client->NewContext(call);
-    kvtier::RawCall rpc(f.client->channel(), ctx.get(),
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+    kvtier::RawCall rpc(f.channel, &ctx,
                         batch ? "/kvtier.v1.Store/PutSegments" : "/kvtier.v1.Store/PutSegment");
     bool ok = true;
     for (size_t i = 1; ok && i < parts.size(); ++i) {
@@ -135,9 +136,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // Whatever sessions the mutated headers named go, and their bytes with them.
   kvtier::v1::ListSessionsRequest list;
   list.set_limit(10000);
-  auto sessions = f.client->ListSessions(list);
-  if (!sessions.ok()) __builtin_trap();
-  for (const auto& s : sessions->sessions()) (void)f.client->DeleteSession(s.session_id());
+  kvtier::v1::ListSessionsResponse sessions;
+  grpc::ClientContext list_ctx;
+  if (!f.stub->ListSessions(&list_ctx, list, &sessions).ok()) __builtin_trap();
+  for (const auto& s : sessions.sessions()) {
+    kvtier::v1::DeleteSessionRequest del;
+    del.set_session_id(s.session_id());
+    kvtier::v1::DeleteSessionResponse deleted;
+    grpc::ClientContext del_ctx;
+    (void)f.stub->DeleteSession(&del_ctx, del, &deleted);
+  }
   if (f.server->quotas()->Usage("default").used_bytes != 0) __builtin_trap();
   return 0;
 }

@@ -18,7 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "client/raw_call.h"
+#include "rpc/raw_call.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "kvtier/v1/worker.grpc.pb.h"

@@ -1,7 +1,7 @@
 // A blocking wrapper over a generic (ByteBuffer) gRPC call, for the client's
 // hand-framed streams. Each operation waits for its own completion.
-#ifndef KVTIER_CLIENT_RAW_CALL_H_
-#define KVTIER_CLIENT_RAW_CALL_H_
+#ifndef KVTIER_RPC_RAW_CALL_H_
+#define KVTIER_RPC_RAW_CALL_H_
 
 #include <memory>
 #include <string>
@@ -41,4 +41,4 @@ class RawCall {
 
 }  // namespace kvtier
 
-#endif  // KVTIER_CLIENT_RAW_CALL_H_
+#endif  // KVTIER_RPC_RAW_CALL_H_

@@ -1,4 +1,4 @@
-#include "client/raw_call.h"
+#include "rpc/raw_call.h"
 
 namespace kvtier {
 
