@@ -906,11 +906,12 @@ std::string RenderText(const DemoReport& r) {
                           Mib(*r.store_bytes_ram), Mib(*r.store_bytes_disk));
   }
   s += RenderMemory(r, t);
-  absl::StrAppendFormat(&s,
-                        "bytes moved per round (mean): %s stored (2 PutSegment), %s recalled "
-                        "(%lld of %lld rounds fetched, ONE GetSegments each)\n",
-                        Kib(Ratio(t.stored, t.round_count)), Kib(Ratio(t.fetched, t.round_count)),
-                        static_cast<long long>(t.fetches), static_cast<long long>(t.round_count));
+  absl::StrAppendFormat(
+      &s,
+      "bytes moved per round (mean): %s stored (2 segments, ONE PutSegments), %s recalled "
+      "(%lld of %lld rounds fetched, ONE GetSegments each)\n",
+      Kib(Ratio(t.stored, t.round_count)), Kib(Ratio(t.fetched, t.round_count)),
+      static_cast<long long>(t.fetches), static_cast<long long>(t.round_count));
   absl::StrAppendFormat(&s,
                         "recall at layer %d: %lld recalls; %lld rounds selected of %lld candidates "
                         "(%.2f per recall, recent round included)\n",
