@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <set>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -155,20 +156,36 @@ std::vector<absl::Status> ReplicatedSegments::PutMany(const std::string& session
                                                       const CallOptions& call) {
   const bool round_start = !writes.empty() && writes.front().s.segment == 0;
   if (round_start) RefreshIfStale(session, call);
-  // Every replica, in order: the segments are stored when all hold them.
+  // Every replica at once: the segments are stored when all hold them. The
+  // first replica (in the session's order) that fails names the failure.
   std::set<std::string> done;
+  std::vector<StoreSegments*> stored;  // The replicas in `done`.
   for (int attempt = 0;; ++attempt) {
+    std::vector<std::pair<std::string, StoreSegments*>> targets;
+    for (auto& t : For(call, session)) {
+      if (done.count(t.first) == 0) targets.push_back(std::move(t));
+    }
+    std::vector<std::vector<absl::Status>> results(targets.size());
+    {
+      std::vector<std::thread> others;
+      for (size_t i = 1; i < targets.size(); ++i) {
+        others.emplace_back(
+            [&, i] { results[i] = targets[i].second->PutMany(session, writes, call); });
+      }
+      if (!targets.empty()) results[0] = targets[0].second->PutMany(session, writes, call);
+      for (std::thread& t : others) t.join();
+    }
     std::vector<absl::Status> failed;
     std::string failed_at;
-    for (const auto& [address, store] : For(call, session)) {
-      if (done.count(address) != 0) continue;
-      std::vector<absl::Status> st = store->PutMany(session, writes, call);
-      if (std::any_of(st.begin(), st.end(), [](const absl::Status& x) { return !x.ok(); })) {
-        failed = std::move(st);
-        failed_at = address;
-        break;
+    for (size_t i = 0; i < targets.size(); ++i) {
+      const std::vector<absl::Status>& st = results[i];
+      if (std::all_of(st.begin(), st.end(), [](const absl::Status& x) { return x.ok(); })) {
+        done.insert(targets[i].first);
+        stored.push_back(targets[i].second);
+      } else if (failed.empty()) {
+        failed = st;
+        failed_at = targets[i].first;
       }
-      done.insert(address);
     }
     if (failed.empty()) return std::vector<absl::Status>(writes.size());
     // Only when a round's first segment failed, so that no replica ends up
@@ -184,6 +201,20 @@ std::vector<absl::Status> ReplicatedSegments::PutMany(const std::string& session
     auto named = [&] {
       for (absl::Status& st : failed) {
         if (!st.ok()) st = Named(st, failed_at);
+      }
+      // A round is stored on every replica or on none: take it back from
+      // the replicas that took it (best effort; a retry replaces it anyway).
+      if (round_start) {
+        std::set<uint32_t> rounds;
+        for (const SegmentWrite& w : writes) rounds.insert(w.s.round);
+        for (StoreSegments* store : stored) {
+          for (uint32_t r : rounds) {
+            if (absl::Status d = store->DropRound(session, r, call); !d.ok()) {
+              LogWarn("round not taken back from a replica",
+                      {{"session", session}, {"round", r}, {"error", d.ToString()}});
+            }
+          }
+        }
       }
       return failed;
     };

@@ -73,7 +73,12 @@ class ReplicatedSegments : public worker::SegmentStore {
 
   absl::Status Put(const std::string& session, const Segment& s, uint32_t layer_begin,
                    uint32_t layer_end, std::string_view payload, const CallOptions& call) override;
-  // Each replica's PutMany in turn; a replica that fails a write ends it.
+  // Every replica's PutMany at once (a thread each beyond the first); the
+  // first replica in the session's order that fails a write names the
+  // failure. Replicas that stored everything are not written again on the
+  // retry after a reroute; when the call fails, writes that start a round
+  // are taken back from them (DropRound), so that a round is on every
+  // replica or on none.
   std::vector<absl::Status> PutMany(const std::string& session,
                                     const std::vector<SegmentWrite>& writes,
                                     const CallOptions& call) override;
