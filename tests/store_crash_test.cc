@@ -47,9 +47,10 @@ int Cycles() {
   return n > 0 ? n : 5;
 }
 
-// Writers put segments of 1 KiB to 1 MiB (payload files past 256 KiB) and
-// drop some of their earlier rounds, so that later puts overwrite the files
-// of dropped segments (recycling); the store is killed at a random moment.
+// Writers put segments of 1 KiB to 1 MiB (payload files past 256 KiB), half
+// of them several a call (PutSegments), and drop some of their earlier
+// rounds, so that later puts overwrite the files of dropped segments
+// (recycling); the store is killed at a random moment.
 // After each restart: every acknowledged put is listed, no acknowledged drop
 // comes back, and every listed segment holds exactly what was sent.
 void RunCrashCycles(bool sync_writes) {
@@ -142,30 +143,51 @@ void RunCrashCycles(bool sync_writes) {
         std::mt19937_64 wr(writer_seed);
         auto c = StoreClient::Connect(o);
         while (!killed.load()) {
-          Key k;
-          k.session = "s" + std::to_string(w);
-          Sent s;
-          s.size = 1024 + wr() % (1 << 20);
-          s.seed = wr();
-          {
+          // Writers 1 and 3 upload 1 to 4 rounds in one PutSegments call
+          // (committed one by one, synced once at the end); 0 and 2 one
+          // round a PutSegment.
+          const bool batch = w % 2 == 1;
+          const int n = batch ? 1 + static_cast<int>(wr() % 4) : 1;
+          std::vector<Key> keys(n);
+          std::vector<Sent> sent(n);
+          std::vector<std::string> payloads(n);
+          for (int i = 0; i < n; ++i) {
+            keys[i].session = "s" + std::to_string(w);
+            sent[i].size = 1024 + wr() % (1 << 20);
+            sent[i].seed = wr();
+            payloads[i] = MakePayload(sent[i].size, sent[i].seed);
             std::lock_guard<std::mutex> lock(mu);
-            k.round = next_round++;
-            attempted[k] = s;
+            keys[i].round = next_round++;
+            attempted[keys[i]] = sent[i];
           }
-          PutSegmentArgs a;
-          a.session_id = k.session;
-          a.round = k.round;
-          a.layer_begin = 0;
-          a.layer_end = 4;
-          auto r = (*c)->PutSegment(a, MakePayload(s.size, s.seed));
-          if (r.ok()) {
-            std::lock_guard<std::mutex> lock(mu);
-            acked[k] = s;
-          } else if (!killed.load()) {
-            ++unexpected;
-            ADD_FAILURE() << "write failed before the kill: " << r.status();
-            return;
+          const Key k = keys.back();
+          std::vector<PutSegmentsItem> items(n);
+          for (int i = 0; i < n; ++i) {
+            items[i].args.session_id = keys[i].session;
+            items[i].args.round = keys[i].round;
+            items[i].args.layer_begin = 0;
+            items[i].args.layer_end = 4;
+            items[i].payload = payloads[i];
           }
+          std::vector<absl::Status> outcome;
+          if (batch) {
+            auto r = (*c)->PutSegments(items);
+            for (int i = 0; i < n; ++i) outcome.push_back(r.ok() ? (*r)[i].status() : r.status());
+          } else {
+            outcome.push_back((*c)->PutSegment(items[0].args, payloads[0]).status());
+          }
+          bool failed = false;
+          for (int i = 0; i < n; ++i) {
+            if (outcome[i].ok()) {
+              std::lock_guard<std::mutex> lock(mu);
+              acked[keys[i]] = sent[i];
+            } else if (!killed.load()) {
+              ++unexpected;
+              ADD_FAILURE() << "write failed before the kill: " << outcome[i];
+              failed = true;
+            }
+          }
+          if (failed) return;
           // One put in three is followed by a drop of an earlier round of
           // this writer's session. In flight at the kill, it may or may not
           // hold: the round is then neither required nor forbidden, but if
