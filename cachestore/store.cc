@@ -432,7 +432,26 @@ std::optional<absl::StatusOr<SegmentInfo>> Store::TryCommitWrite(
 
 absl::Status Store::SyncWrites() {
   if (!options_.sync_writes) return absl::OkStatus();
-  return FromRocks(db_->SyncWAL(), "WAL sync");
+  // Every write of the caller's completed before this: its sequence number
+  // is at most `mine`.
+  const uint64_t mine = db_->GetLatestSequenceNumber();
+  absl::MutexLock lock(&sync_mu_);
+  for (;;) {
+    if (synced_seq_ >= mine) return absl::OkStatus();
+    if (!syncing_) break;
+    // A sync runs: it may cover these writes (when they completed before it
+    // began); look again once it is done.
+    const auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(sync_mu_) { return !syncing_; };
+    sync_mu_.Await(absl::Condition(&done));
+  }
+  syncing_ = true;
+  const uint64_t covers = db_->GetLatestSequenceNumber();  // At least `mine`.
+  sync_mu_.Unlock();
+  const rocksdb::Status st = db_->SyncWAL();
+  sync_mu_.Lock();
+  syncing_ = false;
+  if (st.ok()) synced_seq_ = std::max(synced_seq_, covers);
+  return FromRocks(st, "WAL sync");
 }
 
 absl::StatusOr<SegmentInfo> Store::CommitWriteImpl(WriteTicket& ticket, std::string& payload,

@@ -273,8 +273,10 @@ class Store {
       WriteTicket& ticket, std::string& payload, std::optional<uint32_t> computed_crc32c = {},
       bool defer_sync = false);
   // Makes every write committed so far durable (a WAL sync): what commits
-  // with `defer_sync` wait for. OK at once without sync_writes; INTERNAL
-  // when RocksDB fails.
+  // with `defer_sync` wait for. Concurrent callers share syncs: one whose
+  // writes completed before a sync began waits for that sync instead of
+  // running its own. OK at once without sync_writes; INTERNAL when RocksDB
+  // fails.
   absl::Status SyncWrites();
 
   // Checks that every id exists and is readable, bumps each distinct
@@ -538,6 +540,13 @@ class Store {
   QuotaManager* const quotas_;
   std::unique_ptr<rocksdb::DB> db_;
   std::unique_ptr<PayloadFiles> files_;
+
+  // SyncWrites' group commit: the RocksDB sequence number that the last
+  // completed WAL sync covers, and whether one runs now. A caller whose
+  // writes a sync covers (they completed before it began) shares its result.
+  absl::Mutex sync_mu_;
+  uint64_t synced_seq_ ABSL_GUARDED_BY(sync_mu_) = 0;
+  bool syncing_ ABSL_GUARDED_BY(sync_mu_) = false;
 
   // Queued recall counter records. Lock order: mu_ or flush_mu_, then
   // counters_mu_; flush_mu_ is never taken under mu_. Records are queued

@@ -795,6 +795,9 @@ TEST_F(StoreTest, DeferredSyncCommitsAreDurableAfterSyncWrites) {
   ASSERT_THAT(store_->SyncWrites(), IsOk());
   EXPECT_GT(fs->wal_syncs.load(), before);
   const int synced = fs->wal_syncs.load();
+  // Nothing written since: the last sync covers it (no WAL sync of its own).
+  ASSERT_THAT(store_->SyncWrites(), IsOk());
+  EXPECT_EQ(fs->wal_syncs.load(), synced);
   ASSERT_THAT(Put("s", 3, 0, MakePayload(1000, 4)), IsOk());
   EXPECT_GT(fs->wal_syncs.load(), synced);
   // Without the deferral, TryCommitWrite declines a synced commit.
@@ -802,8 +805,45 @@ TEST_F(StoreTest, DeferredSyncCommitsAreDurableAfterSyncWrites) {
   std::string dp = a;
   EXPECT_FALSE(store_->TryCommitWrite(td, dp).has_value());
   // And the failing disk fails the sync.
+  KVT_ASSERT_OK_AND_ASSIGN(WriteTicket te, store_->BeginWrite(Spec("s", 5, 0, b)));
+  ASSERT_THAT(store_->CommitWrite(std::move(te), b, std::nullopt, /*defer_sync=*/true), IsOk());
   fs->fail = true;
   EXPECT_THAT(store_->SyncWrites(), StatusIs(Code::kInternal));
+  fs->fail = false;
+}
+
+// SyncWrites from many threads at once (the group commit's waits): every
+// call completes and succeeds, and no call runs more than one sync.
+TEST_F(StoreTest, ConcurrentSyncWritesAllComplete) {
+  std::shared_ptr<FailingFs> fs = UseFailingDisk();
+  options_.sync_writes = true;
+  Open();
+  ASSERT_THAT(Put("s", 0, 0, MakePayload(1000, 1)), IsOk());
+  constexpr int kThreads = 8, kRounds = 20;
+  const int before = fs->wal_syncs.load();
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int r = 0; r < kRounds; ++r) {
+        const std::string p = MakePayload(500 + t, 100 * t + r);
+        const uint32_t round = 1 + t * kRounds + r;
+        auto ticket = store_->BeginWrite(Spec("s", round, 0, p));
+        if (!ticket.ok() ||
+            !store_->CommitWrite(*std::move(ticket), p, std::nullopt, /*defer_sync=*/true).ok() ||
+            !store_->SyncWrites().ok()) {
+          ++failures;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  // At most one sync a call (fewer where calls overlapped).
+  EXPECT_LE(fs->wal_syncs.load() - before, kThreads * kRounds);
+  EXPECT_GT(fs->wal_syncs.load(), before);
+  KVT_ASSERT_OK_AND_ASSIGN(SessionInfo info, store_->ListRounds("t1", "s"));
+  EXPECT_EQ(info.rounds.size(), 1u + kThreads * kRounds);
 }
 
 // Payload files that hold bytes (spares are empty).
