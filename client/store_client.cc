@@ -1,11 +1,12 @@
 #include "client/store_client.h"
 
 #include "absl/strings/str_cat.h"
-#include "rpc/raw_call.h"
+#include "base/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "kernels/crc32c.h"
 #include "rpc/grpc_status.h"
+#include "rpc/raw_call.h"
 #include "rpc/transport_args.h"
 #include "rpc/wire_format.h"
 
@@ -77,6 +78,23 @@ bool WriteChunks(RawCall& call, std::string_view payload, size_t chunk_bytes) {
   return ok;
 }
 
+// Ends an upload whose messages are written (`ok`: every write went
+// through): half-closes, reads the one reply and the call's status. A failed
+// write means the server already finished the call: its status comes from
+// Finish().
+template <typename Response>
+absl::StatusOr<Response> FinishUpload(RawCall& call, bool ok, const char* method) {
+  if (ok) ok = call.WritesDone();
+  grpc::ByteBuffer reply;
+  const bool got_reply = ok && call.Read(&reply);
+  grpc::Status s = call.Finish();
+  if (!s.ok()) return FromGrpc(s);
+  if (!got_reply) return absl::InternalError(absl::StrCat(method, " finished OK without a reply"));
+  Response resp;
+  if (absl::Status p = wire::Parse(reply, &resp); !p.ok()) return p;
+  return resp;
+}
+
 }  // namespace
 
 absl::StatusOr<v1::PutSegmentResponse> StoreClient::PutSegment(const PutSegmentArgs& a,
@@ -84,19 +102,9 @@ absl::StatusOr<v1::PutSegmentResponse> StoreClient::PutSegment(const PutSegmentA
                                                                const CallOptions& call_options) {
   auto ctx = NewContext(call_options);
   RawCall call(channel_, ctx.get(), "/kvtier.v1.Store/PutSegment");
-  bool ok =
+  const bool ok =
       call.Write(HeaderMessage(a, payload)) && WriteChunks(call, payload, options_.chunk_bytes);
-  // A failed write means the server already finished the call: its status
-  // comes from Finish().
-  if (ok) ok = call.WritesDone();
-  grpc::ByteBuffer reply;
-  const bool got_reply = ok && call.Read(&reply);
-  grpc::Status s = call.Finish();
-  if (!s.ok()) return FromGrpc(s);
-  v1::PutSegmentResponse resp;
-  if (!got_reply) return absl::InternalError("PutSegment finished OK without a reply");
-  if (absl::Status p = wire::Parse(reply, &resp); !p.ok()) return p;
-  return resp;
+  return FinishUpload<v1::PutSegmentResponse>(call, ok, "PutSegment");
 }
 
 absl::StatusOr<std::vector<absl::StatusOr<v1::PutSegmentResponse>>> StoreClient::PutSegments(
@@ -112,14 +120,8 @@ absl::StatusOr<std::vector<absl::StatusOr<v1::PutSegmentResponse>>> StoreClient:
     ok = call.Write(HeaderMessage(items[i].args, items[i].payload)) &&
          WriteChunks(call, items[i].payload, options_.chunk_bytes);
   }
-  if (ok) ok = call.WritesDone();
-  grpc::ByteBuffer reply;
-  const bool got_reply = ok && call.Read(&reply);
-  grpc::Status s = call.Finish();
-  if (!s.ok()) return FromGrpc(s);
-  v1::PutSegmentsResponse resp;
-  if (!got_reply) return absl::InternalError("PutSegments finished OK without a reply");
-  if (absl::Status p = wire::Parse(reply, &resp); !p.ok()) return p;
+  KVT_ASSIGN_OR_RETURN(v1::PutSegmentsResponse resp,
+                       FinishUpload<v1::PutSegmentsResponse>(call, ok, "PutSegments"));
   if (resp.results_size() != static_cast<int>(items.size())) {
     return absl::InternalError(absl::StrCat("PutSegments answered ", resp.results_size(),
                                             " results for ", items.size(), " segments"));
