@@ -844,6 +844,20 @@ TEST_F(StoreIntegrationTest, MetricsHealthAndReflection) {
   EXPECT_THAT(metrics, HasSubstr("kvtier_store_bytes{tier=\"ram\"}"));
   EXPECT_THAT(metrics, HasSubstr("kvtier_store_hits_total{tier=\"ram\"} 1"));
   EXPECT_THAT(metrics, HasSubstr("kvtier_store_request_seconds_count{method=\"PutSegment\"} 1"));
+  // Segments by outcome, a batch's each on its own.
+  auto batch = alice_->PutSegments({{Args("s", 1), MakePayload(3000, 2)},
+                                    {Args("s", 0), MakePayload(3000, 3)},  // ALREADY_EXISTS
+                                    {Args("s", 2), MakePayload(3000, 4)}});
+  ASSERT_THAT(batch, IsOk());
+  metrics = testing::HttpGet(store_->metrics_port(), "/metrics");
+  EXPECT_THAT(metrics, HasSubstr("kvtier_store_segment_puts_total{method=\"PutSegment\","
+                                 "outcome=\"ok\"} 1"));
+  EXPECT_THAT(metrics, HasSubstr("kvtier_store_segment_puts_total{method=\"PutSegments\","
+                                 "outcome=\"ok\"} 2"));
+  EXPECT_THAT(metrics, HasSubstr("kvtier_store_segment_puts_total{method=\"PutSegments\","
+                                 "outcome=\"error\"} 1"));
+  EXPECT_THAT(metrics, HasSubstr("kvtier_store_requests_total{method=\"PutSegments\","
+                                 "outcome=\"ok\"} 1"));
   // Every server's process memory, read at the scrape, and the same in Stats.
   EXPECT_THAT(metrics, HasSubstr("\nprocess_resident_memory_bytes "));
   EXPECT_THAT(metrics, HasSubstr("\nkvtier_process_peak_resident_memory_bytes "));

@@ -94,6 +94,12 @@ StoreMetrics::StoreMetrics(const cachestore::Store* store)
                    .Name("kvtier_store_requests_total")
                    .Help("Finished store RPCs, by method and outcome.")
                    .Register(*registry_);
+  segment_puts_ = &prometheus::BuildCounter()
+                       .Name("kvtier_store_segment_puts_total")
+                       .Help(
+                           "Segment uploads that ended, by method and outcome (a PutSegments "
+                           "call counts each of its segments).")
+                       .Register(*registry_);
 }
 
 StoreMetrics::~StoreMetrics() = default;
@@ -109,6 +115,10 @@ void StoreMetrics::ObserveRequest(const std::string& method, absl::Duration late
       0.05,   0.1,     0.25,   0.5,   1,      2.5,   5,    10};
   latency_->Add({{"method", method}}, kBuckets).Observe(absl::ToDoubleSeconds(latency));
   requests_->Add({{"method", method}, {"outcome", ok ? "ok" : "error"}}).Increment();
+}
+
+void StoreMetrics::CountSegmentPut(const std::string& method, bool ok) {
+  segment_puts_->Add({{"method", method}, {"outcome", ok ? "ok" : "error"}}).Increment();
 }
 
 std::string StoreMetrics::Render() const {

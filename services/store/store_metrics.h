@@ -30,6 +30,9 @@ class StoreMetrics {
 
   // Records one finished RPC.
   void ObserveRequest(const std::string& method, absl::Duration latency, bool ok);
+  // One segment's upload ended (`method`: PutSegment or PutSegments, whose
+  // segments each have their own outcome).
+  void CountSegmentPut(const std::string& method, bool ok);
 
   // The text exposition of every metric (what /metrics returns).
   std::string Render() const;
@@ -40,6 +43,7 @@ class StoreMetrics {
   std::shared_ptr<TierCollector> tiers_;
   prometheus::Family<prometheus::Histogram>* latency_;
   prometheus::Family<prometheus::Counter>* requests_;
+  prometheus::Family<prometheus::Counter>* segment_puts_;
   MetricsEndpoint endpoint_;
 };
 

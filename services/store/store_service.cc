@@ -520,7 +520,9 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
                                                    {"code", absl::StatusCodeToString(s.code())},
                                                    {"error", std::string(s.message())}});
     }
-    if (!batch_ || segments_ == 0) return;
+    if (segments_ == 0) return;  // No header yet: no segment.
+    svc_->metrics_->CountSegmentPut(method_, s.ok());
+    if (!batch_) return;
     v1::PutSegmentsResult* r = batch_reply_.add_results();
     *r->mutable_ref() = header_.ref();
     r->set_code(static_cast<int>(s.code()));
