@@ -25,11 +25,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "base/status_macros.h"
-#include "rpc/raw_call.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/server_builder.h"
+#include "rpc/raw_call.h"
 #include "rpc/wire_format.h"
 #include "services/worker/worker_server.h"
 

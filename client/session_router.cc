@@ -2,9 +2,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
-#include "rpc/raw_call.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
+#include "rpc/raw_call.h"
 #include "rpc/transport_args.h"
 
 namespace kvtier {

@@ -18,10 +18,10 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "rpc/raw_call.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "kvtier/v1/worker.grpc.pb.h"
+#include "rpc/raw_call.h"
 #include "worker/device_attention.h"
 #include "worker/engine.h"
 
