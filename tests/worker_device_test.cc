@@ -204,6 +204,42 @@ TEST_F(WorkerDeviceTest, DeviceAttentionMatchesHostForEveryCodec) {
   }
 }
 
+// Freed device blocks are reused (worker/block_cache.h): a second session
+// like the first allocates less than it did, as its layers take the blocks
+// the first one's gave back, and attends as exactly over blocks that held
+// another session's bytes. A cap of 0 frees what is held.
+TEST_F(WorkerDeviceTest, FreedDeviceBlocksServeTheNextSession) {
+  SKIP_WITHOUT_GPU();
+  auto allocs = [] {
+    for (const worker::DeviceCallTime& t : worker::DeviceCallTimes()) {
+      if (std::string(t.call) == "alloc") return t.count;
+    }
+    return uint64_t{0};
+  };
+  // Empty, so that the first session finds nothing earlier tests gave back.
+  worker::SetDeviceCacheBytes(0);
+  worker::SetDeviceCacheBytes(worker::kDefaultDeviceCacheBytes);
+  SessionPolicy p;
+  KVT_ASSERT_OK_AND_ASSIGN(p.codec, ParseCodecSetting("kivi4"));
+  KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("all"));
+  p.watershed_layer = 2;
+  const uint64_t a0 = allocs();
+  const worker::BlockCache::Stats s0 = worker::DeviceCacheState();
+  EXPECT_LT(RunBoth(p, "blocks-a", 4), 2e-4);
+  const uint64_t a1 = allocs();
+  const worker::BlockCache::Stats s1 = worker::DeviceCacheState();
+  EXPECT_GT(s1.cached_bytes, 0u) << "the closed session's blocks are held";
+  EXPECT_LT(RunBoth(p, "blocks-b", 4), 2e-4);
+  const uint64_t a2 = allocs();
+  const worker::BlockCache::Stats s2 = worker::DeviceCacheState();
+  EXPECT_GT(s2.reused - s1.reused, s1.reused - s0.reused);
+  EXPECT_LT(a2 - a1, a1 - a0) << "cudaMalloc calls: first session " << a1 - a0 << ", second "
+                              << a2 - a1;
+  worker::SetDeviceCacheBytes(0);
+  EXPECT_EQ(worker::DeviceCacheState().cached_bytes, 0u);
+  worker::SetDeviceCacheBytes(worker::kDefaultDeviceCacheBytes);
+}
+
 // One step of session `id`, the same inputs to every engine given (K/V of
 // the model's dtype); each one's outputs, every layer's in order.
 std::vector<std::vector<float>> Step(const std::string& id, const std::vector<Engine*>& engines,

@@ -25,6 +25,7 @@
 #include "absl/time/time.h"
 #include "kernels/codec.h"
 #include "kernels/speculation.h"
+#include "worker/block_cache.h"
 #include "worker/device_layout.h"
 #include "worker/device_transfer.h"
 
@@ -116,6 +117,16 @@ struct DeviceCallTime {
   double seconds = 0;
 };
 std::vector<DeviceCallTime> DeviceCallTimes();
+
+// Device blocks freed by working sets, received rounds and kernel scratch
+// are kept for reuse, up to a cap (worker/block_cache.h; docs/gpu.md,
+// "Device memory"): cudaMalloc and cudaFree cost more than most copies they
+// serve. kvtier-worker's --device_cache_mib sets the cap (0 turns reuse
+// off); DeviceCacheState gives what is held, for /metrics. Without CUDA
+// both do nothing.
+inline constexpr size_t kDefaultDeviceCacheBytes = size_t{512} << 20;
+void SetDeviceCacheBytes(size_t bytes);
+BlockCache::Stats DeviceCacheState();
 // Makes device `ordinal` the calling thread's. kvtier-worker uses the
 // first visible device on every thread; the NCCL test puts its two ranks on
 // two devices this way.

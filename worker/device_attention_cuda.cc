@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "base/status_macros.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "worker/block_cache.h"
 #include "worker/device_attention.h"
 #include "worker/device_layout.h"
 
@@ -66,37 +67,81 @@ absl::Status CudaError(cudaError_t e, const char* what) {
     if (!st_.ok()) return st_;                  \
   } while (0)
 
-// A device allocation freed with the object; or, `pinned`, page-locked
-// host memory, which copies to and from the device read and write
-// asynchronously.
+// Device blocks freed by DeviceBuffers, kept for reuse (worker/block_cache.h):
+// cudaMalloc and cudaFree (which waits for the whole device) cost more than
+// most copies they serve. Process-wide; kvtier-worker's --device_cache_mib
+// sets its cap.
+BlockCache& DeviceBlocks() {
+  static BlockCache* cache = new BlockCache(
+      kDefaultDeviceCacheBytes,
+      [](size_t bytes) -> absl::StatusOr<void*> {
+        void* p = nullptr;
+        CallTimer timer(kAlloc);
+        const cudaError_t e = cudaMalloc(&p, bytes);
+        if (e != cudaSuccess) {
+          cudaGetLastError();  // Not sticky: clear it.
+          return CudaError(e, "cudaMalloc");
+        }
+        return p;
+      },
+      [](void* p, size_t) {
+        CallTimer timer(kFree);
+        cudaFree(p);
+      });
+  return *cache;
+}
+
+// A device allocation given back with the object (to DeviceBlocks, for
+// reuse); or, `pinned`, page-locked host memory, which copies to and from
+// the device read and write asynchronously. Its owner's contract: no device
+// work that reads or writes it is in flight when it grows or goes (every
+// user synchronizes its stream first), since its next owner may write it
+// at once.
 class DeviceBuffer {
  public:
   explicit DeviceBuffer(bool pinned = false) : pinned_(pinned) {}
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() { Free(p_); }
+  ~DeviceBuffer() { Free(p_, size_); }
   // Grows to at least `bytes`, keeping the first `keep` bytes. No copy may
   // be in flight from or to it.
   absl::Status Reserve(size_t bytes, size_t keep = 0) {
     if (bytes <= size_) return absl::OkStatus();
-    const size_t want = std::max(bytes, size_ * 2);
+    size_t want = std::max(bytes, size_ * 2);
     void* p = nullptr;
-    {
+    if (pinned_) {
       CallTimer timer(kAlloc);
-      KVT_CUDA(pinned_ ? cudaMallocHost(&p, want) : cudaMalloc(&p, want),
-               pinned_ ? "cudaMallocHost" : "cudaMalloc");
+      KVT_CUDA(cudaMallocHost(&p, want), "cudaMallocHost");
+    } else {
+      KVT_ASSIGN_OR_RETURN(BlockCache::Block b, DeviceBlocks().Take(want));
+      p = b.p;
+      want = b.size;
     }
     if (keep > 0 && p_ != nullptr) {
       const cudaError_t e = cudaMemcpy(p, p_, std::min(keep, size_), cudaMemcpyDefault);
       if (e != cudaSuccess) {
-        Free(p);
+        Free(p, want);
         return CudaError(e, "cudaMemcpy");
       }
     }
-    Free(p_);
+    Free(p_, size_);
     p_ = p;
     size_ = want;
     return absl::OkStatus();
+  }
+  // Frees the allocation now, bypassing the cache: for a buffer that device
+  // work may still touch (an NCCL receive aborted past its deadline), whose
+  // cudaFree waits for the device as the cache would not.
+  void Discard() {
+    if (p_ == nullptr) return;
+    if (pinned_) {
+      cudaFreeHost(p_);
+    } else {
+      CallTimer timer(kFree);
+      cudaFree(p_);
+    }
+    p_ = nullptr;
+    size_ = 0;
   }
   template <typename T>
   T* as() const {
@@ -105,13 +150,12 @@ class DeviceBuffer {
   size_t size() const { return size_; }
 
  private:
-  void Free(void* p) const {
+  void Free(void* p, size_t size) const {
     if (p == nullptr) return;
     if (pinned_) {
       cudaFreeHost(p);
     } else {
-      CallTimer timer(kFree);
-      cudaFree(p);
+      DeviceBlocks().Give({p, size});
     }
   }
 
@@ -299,6 +343,9 @@ std::vector<DeviceCallTime> DeviceCallTimes() {
   }
   return out;
 }
+
+void SetDeviceCacheBytes(size_t bytes) { DeviceBlocks().SetCap(bytes); }
+BlockCache::Stats DeviceCacheState() { return DeviceBlocks().stats(); }
 
 bool DeviceUsable() { return cuda::DeviceAvailable(); }
 
@@ -673,7 +720,10 @@ class NcclLink : public DeviceLink {
     KVT_RETURN_IF_ERROR(NcclError(
         Nccl().recv(layer->buf.as<void>(), layout.staged_bytes, ncclUint8, 0, comm_, stream_),
         "ncclRecv"));
-    KVT_RETURN_IF_ERROR(WaitStream(deadline, "receiving a device round"));
+    if (absl::Status st = WaitStream(deadline, "receiving a device round"); !st.ok()) {
+      layer->buf.Discard();  // The receive may not have stopped writing it.
+      return st;
+    }
     return FinishReceivedLayer(std::move(layer), std::move(layout));
   }
 

@@ -15,6 +15,8 @@ absl::Status NotBuilt() {
 
 bool DeviceBuiltIn() { return false; }
 std::vector<DeviceCallTime> DeviceCallTimes() { return {}; }
+void SetDeviceCacheBytes(size_t) {}
+BlockCache::Stats DeviceCacheState() { return {}; }
 bool DeviceUsable() { return false; }
 absl::Status DeviceStatus() { return NotBuilt(); }
 absl::Status DeviceSupportsCodec(const CodecConfig&) { return NotBuilt(); }

@@ -69,6 +69,10 @@ ABSL_FLAG(std::string, placement, "auto",
           "Where working sets live: auto (the GPU when this build has CUDA and a device is "
           "visible, for raw/KIVI/KCVT sessions; host memory otherwise), host, or device "
           "(sessions that cannot be placed on the GPU are refused).");
+ABSL_FLAG(int64_t, device_cache_mib, 512,
+          "Freed GPU memory kept for reuse, MiB (0: every free goes back to CUDA). cudaMalloc and "
+          "cudaFree cost more than most copies of a round's layer; the cache is emptied when an "
+          "allocation finds the device full (docs/gpu.md, \"Device memory\").");
 
 namespace {
 
@@ -173,6 +177,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvtier-worker: --placement must be auto, host or device\n");
     return 2;
   }
+  const int64_t device_cache_mib = absl::GetFlag(FLAGS_device_cache_mib);
+  if (device_cache_mib < 0) {
+    std::fprintf(stderr, "kvtier-worker: --device_cache_mib must be 0 or more\n");
+    return 2;
+  }
+  kvtier::worker::SetDeviceCacheBytes(static_cast<size_t>(device_cache_mib) << 20);
   kvtier::LogInfo("working sets", {{"placement", placement},
                                    {"device", kvtier::worker::DeviceUsable() ? "cuda" : "none"}});
   if (o.engine.placement != Placement::kHost && kvtier::worker::DeviceUsable()) {

@@ -29,7 +29,29 @@ std::vector<prometheus::MetricFamily> WorkerMetrics::DeviceCalls::Collect() cons
     seconds.metric.push_back(std::move(c));
   }
   if (calls.metric.empty()) return {};
-  return {std::move(calls), std::move(seconds)};
+  // The device block cache (worker/block_cache.h): where allocations came
+  // from, and what it holds for reuse.
+  const worker::BlockCache::Stats cache = worker::DeviceCacheState();
+  prometheus::MetricFamily takes, held;
+  takes.name = "kvtier_worker_device_blocks_total";
+  takes.help =
+      "Device blocks the worker's buffers took, by source: reused (from the cache of freed "
+      "blocks) or allocated (cudaMalloc)";
+  takes.type = prometheus::MetricType::Counter;
+  for (const auto& [source, n] :
+       {std::pair{"reused", cache.reused}, {"allocated", cache.allocated}}) {
+    prometheus::ClientMetric c;
+    c.label.push_back({"source", source});
+    c.counter.value = static_cast<double>(n);
+    takes.metric.push_back(std::move(c));
+  }
+  held.name = "kvtier_worker_device_cached_bytes";
+  held.help = "Freed device memory held for reuse (at most --device_cache_mib)";
+  held.type = prometheus::MetricType::Gauge;
+  prometheus::ClientMetric h;
+  h.gauge.value = static_cast<double>(cache.cached_bytes);
+  held.metric.push_back(std::move(h));
+  return {std::move(calls), std::move(seconds), std::move(takes), std::move(held)};
 }
 
 }  // namespace kvtier
