@@ -21,6 +21,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "kernels/codec.h"
+#include "kernels/crc32c.h"
 #include "kernels/eviction.h"
 #include "kernels/recall.h"
 #include "kernels/speculation.h"
@@ -122,6 +123,10 @@ absl::Status RunSynthetic(const DemoOptions& o, const OpenTier& open, int index,
       }
       KVT_RETURN_IF_ERROR(local->EndStep());
       if (local_ms != nullptr) *local_ms += lms;
+      for (int l = 0; l < co.layers; ++l) {
+        out->outputs_crc32c =
+            Crc32cExtend(out->outputs_crc32c, o_all.data() + l * qn, n * qrow * sizeof(float));
+      }
     }
     pos += n;
     if (tier_ms != nullptr) *tier_ms += tms;
@@ -846,6 +851,18 @@ std::string RenderMemory(const DemoReport& r, const Totals& t) {
   return s;
 }
 
+uint32_t OutputsDigest(const DemoReport& r) {
+  uint32_t d = 0;
+  for (const DemoSession& s : r.sessions) {
+    const unsigned char le[4] = {static_cast<unsigned char>(s.outputs_crc32c),
+                                 static_cast<unsigned char>(s.outputs_crc32c >> 8),
+                                 static_cast<unsigned char>(s.outputs_crc32c >> 16),
+                                 static_cast<unsigned char>(s.outputs_crc32c >> 24)};
+    d = Crc32cExtend(d, le, sizeof(le));
+  }
+  return d;
+}
+
 std::string RenderText(const DemoReport& r) {
   const Totals t = Sum(r);
   std::string s;
@@ -1046,6 +1063,11 @@ std::string RenderText(const DemoReport& r) {
                           "fidelity: attention-output relative error %.5f (every layer, every "
                           "token, against the full fp32 cache)\n",
                           std::sqrt(Ratio(t.err2, t.ref2)));
+    absl::StrAppendFormat(&s,
+                          "outputs digest: %08x (CRC-32C of every attention output kvtier "
+                          "returned; runs of this workload with equal digests returned "
+                          "bit-identical outputs)\n",
+                          OutputsDigest(r));
   } else if (r.conversations.empty()) {
     absl::StrAppendFormat(&s,
                           "fidelity: top-1 agreement %.3f, KL %.4f nats (teacher-forced on the "
@@ -1127,6 +1149,8 @@ std::string RenderJson(const DemoReport& r) {
                   ",\n");
   absl::StrAppend(&s, "  \"attn_rel_err\": ",
                   Synthetic(r) ? num(std::sqrt(Ratio(t.err2, t.ref2))) : "null", ",\n");
+  absl::StrAppend(
+      &s, "  \"outputs_crc32c\": ", Synthetic(r) ? absl::StrCat(OutputsDigest(r)) : "null", ",\n");
   absl::StrAppend(&s, "  \"top1_agreement\": ", Synthetic(r) ? "null" : num(t.top1), ",\n");
   absl::StrAppend(&s, "  \"kl_nats\": ", Synthetic(r) ? "null" : num(t.kl), ",\n");
   if (r.speculation.empty()) {

@@ -93,7 +93,10 @@ struct DemoSession {
   std::vector<std::vector<int>> references;        // Synthetic: each round's true references.
   double tier_decode_ms = 0, local_decode_ms = 0;  // Sums over decode tokens.
   int64_t decode_tokens = 0;
-  double err2 = 0, ref2 = 0;           // Synthetic: sums of squares of (tier - local) and local.
+  double err2 = 0, ref2 = 0;  // Synthetic: sums of squares of (tier - local) and local.
+  // Synthetic: CRC-32C of every attention output the tier returned, layer by
+  // layer and step by step (a step sent again after a failover counts once).
+  uint32_t outputs_crc32c = 0;
   Agreement agreement;                 // Model.
   bool on_device = false;              // The worker held the working set in GPU memory.
   bool speculation_on_device = false;  // The worker speculated on its GPU.
@@ -128,6 +131,10 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
                                    const std::function<void(const std::string&)>& progress);
 
 std::string RenderText(const DemoReport& r);
+// Synthetic: the sessions' outputs_crc32c combined in session order. Two
+// runs of the same workload whose tiers returned bit-identical outputs (one
+// worker, or prefill and decode on two) have the same digest.
+uint32_t OutputsDigest(const DemoReport& r);
 // The JSON report: sessions, rounds, full_cache_bytes, working_set_bytes,
 // working_set_ratio, store_bytes_ram, store_bytes_disk, recall_calls,
 // recall_rounds_selected, decode_ms_per_token, attn_rel_err, top1_agreement

@@ -171,6 +171,16 @@ elif [ -n "$DECODE" ]; then
   "$ENGINE_BIN" "${ARGS[@]}" --report= >"$WORK/single.txt"
   echo "time to first token, disaggregated: $(grep -o 'prefill (time to first token[^:]*: [0-9.]* ms' "$WORK/pd.txt" | grep -o '[0-9.]* ms$')"
   echo "time to first token, one worker:    $(grep -o 'prefill (time to first token[^:]*: [0-9.]* ms' "$WORK/single.txt" | grep -o '[0-9.]* ms$')"
+  # The synthetic chat digests every attention output: prefill on one worker
+  # and decode on another must return exactly what one worker does.
+  PD_DIGEST=$(grep -o '^outputs digest: [0-9a-f]*' "$WORK/pd.txt" | grep -o '[0-9a-f]*$' || true)
+  ONE_DIGEST=$(grep -o '^outputs digest: [0-9a-f]*' "$WORK/single.txt" | grep -o '[0-9a-f]*$' || true)
+  if [ -n "$PD_DIGEST" ] && [ "$PD_DIGEST" = "$ONE_DIGEST" ]; then
+    echo "outputs, disaggregated: bit-identical to one worker's (digest $PD_DIGEST)"
+  elif [ -n "$PD_DIGEST" ]; then
+    echo "outputs, disaggregated: DIFFER from one worker's (digest $PD_DIGEST, one worker $ONE_DIGEST)"
+    OUTPUTS_DIFFER=1
+  fi
 else
   "$ENGINE_BIN" "${ARGS[@]}"
 fi
@@ -178,11 +188,11 @@ fi
 if command -v curl >/dev/null 2>&1; then
   step "kvtier-worker's Prometheus counters"
   curl -s "127.0.0.1:$(cat "$WORK/worker.mport")/metrics" |
-    grep -E '^kvtier_worker_(recalls|recall_rounds|bytes_fetched|bytes_stored|transfer|speculation|device_call)' || true
+    grep -E '^kvtier_worker_(recalls|recall_rounds|bytes_fetched|bytes_stored|transfer|speculation|device_(call|blocks|cached))' || true
   if [ -n "$DECODE" ]; then
     step "The decode kvtier-worker's Prometheus counters"
     curl -s "127.0.0.1:$(cat "$WORK/decode.mport")/metrics" |
-      grep -E '^kvtier_worker_(transfer|device_call)' || true
+      grep -E '^kvtier_worker_(transfer|device_(call|blocks|cached))' || true
   fi
 fi
 echo
@@ -192,3 +202,7 @@ echo "     PD=1 make demo (prefill and decode on two workers),"
 echo "     CONVERSATIONS=traces/stories260k_chats.jsonl make demo (replay conversations),"
 echo "     SPEC=4 make demo (InfiniGen speculation on stories260K),"
 echo "     MODE=inproc make demo (the worker engine in the engine's process)"
+if [ "${OUTPUTS_DIFFER:-0}" = 1 ]; then
+  echo "kvtier demo: the disaggregated run's outputs differ from one worker's (see above)" >&2
+  exit 1
+fi

@@ -70,6 +70,16 @@ for log in demo_pd demo_pd_1; do
   exposed=$(grep -o '[0-9.]* ms, [0-9.]* ms of it exposed ([0-9]*% hidden' "$LOGS/$log.log" | head -n 1)
   if [ -n "$exposed" ]; then SUMMARY+=("$log hand-off, per round: $exposed behind the prefill)"); fi
 done
+# Prefill on one worker and decode on another must return exactly one
+# worker's outputs (the demo compares their digests).
+for log in demo_pd demo_pd_1; do
+  if grep -q '^outputs, disaggregated: bit-identical' "$LOGS/$log.log"; then
+    SUMMARY+=("$log outputs: bit-identical to one worker's")
+  else
+    SUMMARY+=("$log outputs: not shown equal to one worker's (see its 'outputs, disaggregated' line)")
+    STATUS=1
+  fi
+done
 # Two worker processes on one GPU: their hand-offs copy the past rounds
 # device to device (CUDA IPC) rather than over gRPC.
 if ! grep -q 'copied device to device (CUDA IPC)' "$LOGS/demo_pd.log"; then
@@ -83,6 +93,9 @@ if [ "${GPUS:-0}" -ge 2 ]; then
     bash "$HERE/scripts/demo.sh" "$HERE/build"
   if ! grep -q 'copied device to device (NCCL)' "$LOGS/demo_pd_nccl.log"; then
     SUMMARY+=("demo_pd_nccl: no hand-off took the NCCL path (see its 'device path not taken' line)")
+    STATUS=1
+  elif ! grep -q '^outputs, disaggregated: bit-identical' "$LOGS/demo_pd_nccl.log"; then
+    SUMMARY+=("demo_pd_nccl: outputs not shown equal to one worker's")
     STATUS=1
   elif grep -q 'NCCL communicators: 0 of' "$LOGS/demo_pd_nccl.log"; then
     SUMMARY+=("demo_pd_nccl: no hand-off reused an NCCL communicator")

@@ -24,6 +24,19 @@ grep -q '"sessions": 2,' "$OUT/report.json"
 grep -q '"rounds": 20,' "$OUT/report.json"
 grep -q '"recall_calls": 38,' "$OUT/report.json"
 grep -q '"top1_agreement": null,' "$OUT/report.json"
+grep -qE '"outputs_crc32c": [0-9]+,' "$OUT/report.json"
+
+# PD=1: prefill on one kvtier-worker, decode on a second, each round handed
+# off; the outputs must be bit-identical to one worker's (the script
+# compares the two runs' digests and exits 1 when they differ).
+PD=1 SESSIONS=2 ROUNDS=4 CODEC=kivi4 "$SRC_DIR/scripts/demo.sh" "$BUILD_DIR" >"$OUT/pd" 2>&1 || {
+  cat "$OUT/pd"
+  exit 1
+}
+grep -q "^outputs, disaggregated: bit-identical to one worker's (digest [0-9a-f]*)" "$OUT/pd" ||
+  { cat "$OUT/pd"; exit 1; }
+grep -q "^prefill -> decode hand-off" "$OUT/pd" || { cat "$OUT/pd"; exit 1; }
+
 if command -v gnuplot >/dev/null 2>&1; then
   "$BUILD_DIR/tools/kvtier" plot demo "$OUT/report.json" --out="$OUT/ws.svg" >/dev/null
   grep -q "working set against the full cache, per round" "$OUT/ws.svg"
