@@ -4,12 +4,22 @@
 // segments from a real kvtier-store and with rounds kept resident. Without a
 // CUDA device (or without CUDA in the build) it skips with a message; the
 // placement rules themselves are checked either way.
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <random>
+#include <set>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "client/store_segments.h"
 #include "gtest/gtest.h"
+#include "kernels/crc32c.h"
 #include "kernels/half.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
@@ -238,6 +248,153 @@ TEST_F(WorkerDeviceTest, FreedDeviceBlocksServeTheNextSession) {
   worker::SetDeviceCacheBytes(0);
   EXPECT_EQ(worker::DeviceCacheState().cached_bytes, 0u);
   worker::SetDeviceCacheBytes(worker::kDefaultDeviceCacheBytes);
+}
+
+// ---- Packed round layers across two processes (CUDA IPC) ----
+
+std::string Hex(std::string_view b) {
+  std::string out;
+  for (unsigned char c : b) absl::StrAppendFormat(&out, "%02x", c);
+  return out;
+}
+
+std::string Unhex(std::string_view h) {
+  std::string out;
+  for (size_t i = 0; i + 1 < h.size(); i += 2) {
+    out.push_back(static_cast<char>(std::stoi(std::string(h.substr(i, 2)), nullptr, 16)));
+  }
+  return out;
+}
+
+// Tokens of the round layers the child packs (one KV head, raw fp16, d=128:
+// 512 bytes a token, K and V): small ones, one over IpcPack's 4 MiB limit
+// (named as it is), and enough 2 MB ones to fill a 16 MiB allocation.
+constexpr int64_t kPackTokens[] = {1,    7,    64,   500,  8300, 33,   4000, 4000,
+                                   4000, 4000, 4000, 4000, 4000, 4000, 4000, 4000};
+
+// The child of IpcPackIsOpenedOnceAndCopiedOutAtItsOffsets, run in a process
+// of its own (disabled: only that test runs it): uploads the round layers,
+// packs them, prints where each lies with the CRC-32C of its staged array,
+// and keeps them until its input says the parent is done.
+TEST(WorkerIpcChild, DISABLED_PacksRoundLayers) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(5);
+  std::vector<std::unique_ptr<worker::DeviceLayer>> layers;
+  KVT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<worker::IpcPack> pack,
+                           worker::NewIpcPack(uint64_t{64} << 20));
+  for (int64_t tokens : kPackTokens) {
+    std::vector<uint16_t> k(tokens * 128), v(tokens * 128);
+    for (uint16_t& x : k) x = FloatToHalf(std::normal_distribution<float>()(rng));
+    for (uint16_t& x : v) x = FloatToHalf(std::normal_distribution<float>()(rng));
+    const EncodedView kv = EncodedView::Raw(v1::DTYPE_FP16, k.data(), 1, tokens, 128, 0, 128);
+    const EncodedView vv = EncodedView::Raw(v1::DTYPE_FP16, v.data(), 1, tokens, 128, 0, 128);
+    KVT_ASSERT_OK_AND_ASSIGN(auto layer, worker::UploadLayer({{kv, vv}}, 128));
+    std::string staged;
+    KVT_ASSERT_OK(layer->Download(&staged));
+    KVT_ASSERT_OK_AND_ASSIGN(worker::IpcPlace place, pack->Place(*layer));
+    std::printf("LAYER %s %llu %zu %u\n", Hex(place.handle).c_str(),
+                static_cast<unsigned long long>(place.offset), staged.size(), Crc32c(staged));
+    layers.push_back(std::move(layer));
+  }
+  KVT_ASSERT_OK(pack->Sync());
+  std::printf("PACK %d %llu\nREADY\n", pack->allocations(),
+              static_cast<unsigned long long>(pack->packed_bytes()));
+  std::fflush(stdout);
+  char line[16];
+  ASSERT_NE(std::fgets(line, sizeof(line), stdin), nullptr);
+}
+
+// IpcPack and IpcSource between two processes, as a hand-off's sender and
+// receiver use them: the small round layers share allocations (two 16 MiB
+// ones here), the one over 4 MiB keeps its own, the receiver opens each
+// allocation once and every layer it copies out equals the sender's bytes;
+// an offset off the 256-byte grid, or a layer past its allocation's end, is
+// refused before any copy.
+TEST(WorkerIpcTest, IpcPackIsOpenedOnceAndCopiedOutAtItsOffsets) {
+  SKIP_WITHOUT_GPU();
+  int to_child[2], from_child[2];
+  ASSERT_EQ(pipe(to_child), 0);
+  ASSERT_EQ(pipe(from_child), 0);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(to_child[0], 0);
+    dup2(from_child[1], 1);
+    close(to_child[1]);
+    close(from_child[0]);
+    execl("/proc/self/exe", "worker_device_test", "--gtest_also_run_disabled_tests",
+          "--gtest_filter=WorkerIpcChild.DISABLED_PacksRoundLayers", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  ASSERT_GT(pid, 0);
+  close(to_child[0]);
+  close(from_child[1]);
+  std::FILE* in = fdopen(from_child[0], "r");
+  struct Placed {
+    std::string handle;
+    uint64_t offset = 0;
+    size_t bytes = 0;
+    uint32_t crc = 0;
+  };
+  std::vector<Placed> placed;
+  int allocations = -1;
+  bool ready = false;
+  std::string child_out;
+  char line[512];
+  while (!ready && std::fgets(line, sizeof(line), in) != nullptr) {
+    child_out += line;
+    char hex[256];
+    unsigned long long offset = 0, packed = 0;
+    size_t bytes = 0;
+    unsigned crc = 0;
+    int n = 0;
+    if (std::sscanf(line, "LAYER %255s %llu %zu %u", hex, &offset, &bytes, &crc) == 4) {
+      placed.push_back({Unhex(hex), offset, bytes, crc});
+    } else if (std::sscanf(line, "PACK %d %llu", &n, &packed) == 2) {
+      allocations = n;
+    } else if (std::strncmp(line, "READY", 5) == 0) {
+      ready = true;
+    }
+  }
+  ASSERT_TRUE(ready) << "the child did not pack its layers:\n" << child_out;
+  ASSERT_EQ(placed.size(), std::size(kPackTokens));
+  EXPECT_EQ(allocations, 2);
+  std::set<std::string> handles;
+  for (const Placed& p : placed) handles.insert(p.handle);
+  EXPECT_EQ(handles.size(), 3u) << "two allocations of packed layers, and the large layer's own";
+  {
+    std::unique_ptr<worker::IpcSource> source = worker::NewIpcSource();
+    for (size_t i = 0; i < placed.size(); ++i) {
+      SCOPED_TRACE(absl::StrCat("layer ", i, " at ", placed[i].offset));
+      EXPECT_EQ(placed[i].offset % 256, 0u);
+      if (kPackTokens[i] == 8300) EXPECT_EQ(placed[i].offset, 0u);
+      worker::DeviceRoundLayout layout;
+      layout.staged_bytes = placed[i].bytes;
+      KVT_ASSERT_OK_AND_ASSIGN(auto layer,
+                               source->CopyLayer(placed[i].handle, placed[i].offset, layout));
+      std::string got;
+      KVT_ASSERT_OK(layer->Download(&got));
+      EXPECT_EQ(got.size(), placed[i].bytes);
+      EXPECT_EQ(Crc32c(got), placed[i].crc);
+    }
+    EXPECT_EQ(source->opened(), 3);
+    worker::DeviceRoundLayout layout;
+    layout.staged_bytes = 512;
+    EXPECT_THAT(source->CopyLayer(placed[1].handle, 100, layout).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument));
+    layout.staged_bytes = placed[1].bytes;
+    EXPECT_THAT(
+        source->CopyLayer(placed[1].handle, worker::IpcPack::kIpcPackBytes - 256, layout).status(),
+        StatusIs(absl::StatusCode::kInvalidArgument));
+    EXPECT_THAT(source->CopyLayer(placed[1].handle, uint64_t{1} << 62, layout).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument));
+  }  // Every handle closed before the child may free its memory.
+  ASSERT_EQ(write(to_child[1], "done\n", 5), 5);
+  close(to_child[1]);
+  while (std::fgets(line, sizeof(line), in) != nullptr) child_out += line;
+  std::fclose(in);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << child_out;
 }
 
 // One step of session `id`, the same inputs to every engine given (K/V of

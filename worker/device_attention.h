@@ -92,12 +92,56 @@ absl::Status WarmDevice(bool identity);
 // not. Remembered per peer handle.
 absl::Status ProbeIpcPeer(const DeviceIdentity& peer);
 
-// A device round's layer copied out of another process's device memory: the
-// allocation behind `ipc_handle` must hold at least layout.staged_bytes
-// (checked before the copy), which are copied device to device into an
-// allocation of this process; the handle is closed before returning.
-absl::StatusOr<std::unique_ptr<DeviceLayer>> OpenIpcLayer(std::string_view ipc_handle,
-                                                          DeviceRoundLayout layout);
+// Where a packed round layer lies for the receiver: the CUDA IPC handle of
+// an allocation (64 bytes) and the staged array's offset in it.
+struct IpcPlace {
+  std::string handle;
+  uint64_t offset = 0;
+};
+
+// A hand-off's device rounds packed for a receiver on this GPU (the CUDA IPC
+// path, docs/transfer.md): each round layer of at most kIpcPackMaxLayerBytes
+// is copied after the last into an allocation of kIpcPackBytes (a new one
+// when it is full), so that the receiver opens one handle for many round
+// layers instead of one each (an open and a close cost 0.1-0.3 ms on an
+// H100). Larger layers, and any past `cap_bytes` packed, are named as they
+// are, at offset 0. The pack must live until the receiver has answered (it
+// has then closed its handles).
+class IpcPack {
+ public:
+  static constexpr size_t kIpcPackBytes = size_t{16} << 20;
+  static constexpr size_t kIpcPackMaxLayerBytes = size_t{4} << 20;
+  virtual ~IpcPack() = default;
+  // Copies `layer`'s staged array in (on the pack's stream) and says where
+  // it lies.
+  virtual absl::StatusOr<IpcPlace> Place(const DeviceLayer& layer) = 0;
+  // Waits for the copies placed so far: before their description is sent.
+  virtual absl::Status Sync() = 0;
+  // Allocations made for the pack, and bytes copied into them.
+  virtual int allocations() const = 0;
+  virtual uint64_t packed_bytes() const = 0;
+};
+// FAILED_PRECONDITION without a usable device.
+absl::StatusOr<std::unique_ptr<IpcPack>> NewIpcPack(uint64_t cap_bytes);
+
+// Another process's device memory as one transfer reads it: each allocation
+// opened once, at its first round layer, and every one closed when the
+// source goes (the receiver lets it go before it answers, after which the
+// sender may free them).
+class IpcSource {
+ public:
+  virtual ~IpcSource() = default;
+  // A round layer copied out of the allocation behind `ipc_handle`: its
+  // staged array of layout.staged_bytes at `offset` (a multiple of 256),
+  // which must lie inside the allocation (checked before the copy), copied
+  // device to device into an allocation of this process.
+  virtual absl::StatusOr<std::unique_ptr<DeviceLayer>> CopyLayer(std::string_view ipc_handle,
+                                                                 uint64_t offset,
+                                                                 DeviceRoundLayout layout) = 0;
+  // Allocations opened so far.
+  virtual int opened() const = 0;
+};
+std::unique_ptr<IpcSource> NewIpcSource();
 
 // ---- NCCL between GPUs (docs/transfer.md, "The NCCL path") ----
 

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <random>
 
@@ -610,25 +611,125 @@ std::unique_ptr<DeviceLayer> FinishReceivedLayer(std::unique_ptr<CudaLayer> laye
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<DeviceLayer>> OpenIpcLayer(std::string_view ipc_handle,
-                                                          DeviceRoundLayout layout) {
-  KVT_ASSIGN_OR_RETURN(std::unique_ptr<CudaLayer> layer, NewReceivedLayer(layout));
-  {
-    OpenedHandle src;
-    KVT_RETURN_IF_ERROR(src.Open(ipc_handle));
-    KVT_ASSIGN_OR_RETURN(size_t size, AllocationSize(src.get()));
-    if (size < layout.staged_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat("the sender's device allocation holds ", size,
-                                                     " bytes; its round says ",
-                                                     layout.staged_bytes));
+namespace {
+
+constexpr uint64_t kIpcAlign = 256;
+
+class CudaIpcPack : public IpcPack {
+ public:
+  explicit CudaIpcPack(uint64_t cap_bytes) : cap_(cap_bytes) {}
+  ~CudaIpcPack() override {
+    if (stream_ != nullptr) {
+      // No copy may still write a buffer as it goes back to the cache.
+      cudaStreamSynchronize(stream_);
+      cudaStreamDestroy(stream_);
     }
+  }
+
+  absl::Status Init() {
+    KVT_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<IpcPlace> Place(const DeviceLayer& layer) override {
+    const auto& cl = static_cast<const CudaLayer&>(layer);
+    const size_t n = cl.staged_bytes();
+    if (n > kIpcPackMaxLayerBytes || packed_ + n > cap_) {
+      KVT_ASSIGN_OR_RETURN(std::string handle, cl.IpcHandle());
+      return IpcPlace{std::move(handle), 0};
+    }
+    size_t at = (used_ + kIpcAlign - 1) / kIpcAlign * kIpcAlign;
+    if (chunks_.empty() || at + n > chunks_.back().buf.size()) {
+      Chunk& c = chunks_.emplace_back();
+      KVT_RETURN_IF_ERROR(c.buf.Reserve(kIpcPackBytes));
+      cudaIpcMemHandle_t h;
+      KVT_CUDA(cudaIpcGetMemHandle(&h, c.buf.as<void>()), "cudaIpcGetMemHandle");
+      c.handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+      at = 0;
+    }
+    Chunk& c = chunks_.back();
+    KVT_CUDA(cudaMemcpyAsync(c.buf.as<uint8_t>() + at, cl.buf.as<void>(), n,
+                             cudaMemcpyDeviceToDevice, stream_),
+             "pack device round");
+    used_ = at + n;
+    packed_ += n;
+    return IpcPlace{c.handle, at};
+  }
+
+  absl::Status Sync() override {
     CallTimer timer(kCopy);
-    KVT_CUDA(
-        cudaMemcpy(layer->buf.as<void>(), src.get(), layout.staged_bytes, cudaMemcpyDeviceToDevice),
-        "copy device round");
-  }  // Closed before the sender may free it.
-  return FinishReceivedLayer(std::move(layer), std::move(layout));
+    KVT_CUDA(cudaStreamSynchronize(stream_), "pack device rounds");
+    return absl::OkStatus();
+  }
+
+  int allocations() const override { return static_cast<int>(chunks_.size()); }
+  uint64_t packed_bytes() const override { return packed_; }
+
+ private:
+  struct Chunk {
+    DeviceBuffer buf;
+    std::string handle;
+  };
+  const uint64_t cap_;
+  cudaStream_t stream_ = nullptr;
+  std::deque<Chunk> chunks_;  // A deque: a Chunk's buffer never moves.
+  size_t used_ = 0;           // In the last chunk.
+  uint64_t packed_ = 0;
+};
+
+class CudaIpcSource : public IpcSource {
+ public:
+  absl::StatusOr<std::unique_ptr<DeviceLayer>> CopyLayer(std::string_view ipc_handle,
+                                                         uint64_t offset,
+                                                         DeviceRoundLayout layout) override {
+    if (offset % kIpcAlign != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a device round at offset ", offset, ", not a multiple of ", kIpcAlign));
+    }
+    auto it = open_.find(ipc_handle);
+    if (it == open_.end()) {
+      auto o = std::make_unique<Opened>();
+      KVT_RETURN_IF_ERROR(o->handle.Open(ipc_handle));
+      KVT_ASSIGN_OR_RETURN(o->size, AllocationSize(o->handle.get()));
+      it = open_.emplace(std::string(ipc_handle), std::move(o)).first;
+    }
+    const Opened& src = *it->second;
+    if (offset > src.size || layout.staged_bytes > src.size - offset) {
+      return absl::InvalidArgumentError(absl::StrCat("the sender's device allocation holds ",
+                                                     src.size, " bytes; its round says ",
+                                                     layout.staged_bytes, " at offset ", offset));
+    }
+    KVT_ASSIGN_OR_RETURN(std::unique_ptr<CudaLayer> layer, NewReceivedLayer(layout));
+    {
+      CallTimer timer(kCopy);
+      KVT_CUDA(
+          cudaMemcpy(layer->buf.as<void>(), static_cast<const uint8_t*>(src.handle.get()) + offset,
+                     layout.staged_bytes, cudaMemcpyDeviceToDevice),
+          "copy device round");
+    }
+    return FinishReceivedLayer(std::move(layer), std::move(layout));
+  }
+
+  int opened() const override { return static_cast<int>(open_.size()); }
+
+ private:
+  struct Opened {
+    OpenedHandle handle;  // Closed with the source, before the sender may free it.
+    size_t size = 0;
+  };
+  std::map<std::string, std::unique_ptr<Opened>, std::less<>> open_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<IpcPack>> NewIpcPack(uint64_t cap_bytes) {
+  KVT_RETURN_IF_ERROR(DeviceStatus());
+  auto p = std::make_unique<CudaIpcPack>(cap_bytes);
+  KVT_RETURN_IF_ERROR(p->Init());
+  return std::unique_ptr<IpcPack>(std::move(p));
 }
+
+std::unique_ptr<IpcSource> NewIpcSource() { return std::make_unique<CudaIpcSource>(); }
 
 // ---- NCCL ----
 

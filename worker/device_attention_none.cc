@@ -30,9 +30,22 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(
 absl::StatusOr<DeviceIdentity> LocalDeviceIdentity() { return NotBuilt(); }
 absl::Status WarmDevice(bool) { return NotBuilt(); }
 absl::Status ProbeIpcPeer(const DeviceIdentity&) { return NotBuilt(); }
-absl::StatusOr<std::unique_ptr<DeviceLayer>> OpenIpcLayer(std::string_view, DeviceRoundLayout) {
-  return NotBuilt();
-}
+absl::StatusOr<std::unique_ptr<IpcPack>> NewIpcPack(uint64_t) { return NotBuilt(); }
+
+namespace {
+
+class NoIpcSource : public IpcSource {
+ public:
+  absl::StatusOr<std::unique_ptr<DeviceLayer>> CopyLayer(std::string_view, uint64_t,
+                                                         DeviceRoundLayout) override {
+    return NotBuilt();
+  }
+  int opened() const override { return 0; }
+};
+
+}  // namespace
+
+std::unique_ptr<IpcSource> NewIpcSource() { return std::make_unique<NoIpcSource>(); }
 
 bool NcclBuiltIn() { return false; }
 int DeviceCount() { return 0; }

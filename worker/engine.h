@@ -356,6 +356,12 @@ struct EngineOptions {
   // NCCL from one on another GPU. false: every hand-off goes over gRPC.
   // Default: true.
   bool device_transfer = true;
+  // CUDA IPC hand-offs from this worker: at most this many bytes of a
+  // hand-off's round layers are packed into a few allocations (IpcPack), so
+  // that the receiver opens one handle for many; they are device memory held
+  // beside the session's own until the receiver answers. 0: every round
+  // layer is named as it is (a handle each). Default: 256 MiB.
+  uint64_t ipc_pack_bytes = uint64_t{256} << 20;
   // Runs the recall fetches (one GetSegments each), so that they overlap the
   // layers between L_w and L_w + 1. Not owned; it must outlive the engine,
   // and must not be the pool that runs the engine's callers (a caller at
@@ -566,6 +572,7 @@ class Engine {
   // NCCL communicators kept between hand-offs: a sender's keyed by the
   // receiver's address, a receiver's by the sender's process (ProcessKey).
   LinkPool& device_links() { return device_links_; }
+  uint64_t ipc_pack_bytes() const { return options_.ipc_pack_bytes; }
   // Drops a session that moved to another worker: no store call (its rounds
   // and recall counters are the receiver's now). With `keep_rounds` its past
   // rounds go to the hand-off cache. OK; NOT_FOUND.

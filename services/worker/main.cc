@@ -69,6 +69,10 @@ ABSL_FLAG(std::string, placement, "auto",
           "Where working sets live: auto (the GPU when this build has CUDA and a device is "
           "visible, for raw/KIVI/KCVT sessions; host memory otherwise), host, or device "
           "(sessions that cannot be placed on the GPU are refused).");
+ABSL_FLAG(int64_t, ipc_pack_mib, 256,
+          "CUDA IPC hand-offs from this worker: MiB of a hand-off's round layers copied into a "
+          "few shared allocations, so that the receiver opens one handle for many (0: a handle "
+          "per round layer). Held on the GPU until the receiver answers (docs/transfer.md).");
 ABSL_FLAG(int64_t, device_cache_mib, 512,
           "Freed GPU memory kept for reuse, MiB (0: every free goes back to CUDA). cudaMalloc and "
           "cudaFree cost more than most copies of a round's layer; the cache is emptied when an "
@@ -183,6 +187,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   kvtier::worker::SetDeviceCacheBytes(static_cast<size_t>(device_cache_mib) << 20);
+  const int64_t ipc_pack_mib = absl::GetFlag(FLAGS_ipc_pack_mib);
+  if (ipc_pack_mib < 0) {
+    std::fprintf(stderr, "kvtier-worker: --ipc_pack_mib must be 0 or more\n");
+    return 2;
+  }
+  o.engine.ipc_pack_bytes = static_cast<uint64_t>(ipc_pack_mib) << 20;
   kvtier::LogInfo("working sets", {{"placement", placement},
                                    {"device", kvtier::worker::DeviceUsable() ? "cuda" : "none"}});
   if (o.engine.placement != Placement::kHost && kvtier::worker::DeviceUsable()) {

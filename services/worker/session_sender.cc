@@ -36,7 +36,7 @@ namespace {
 // for a grace period longer than any copy, then let go.
 class LentLayers {
  public:
-  static void Keep(std::vector<std::shared_ptr<worker::DeviceLayer>> layers) {
+  static void Keep(std::vector<std::shared_ptr<void>> layers) {
     static LentLayers* kept = new LentLayers;
     const absl::Time now = absl::Now();
     absl::MutexLock lock(&kept->mu_);
@@ -46,8 +46,7 @@ class LentLayers {
 
  private:
   absl::Mutex mu_;
-  std::deque<std::pair<absl::Time, std::vector<std::shared_ptr<worker::DeviceLayer>>>> held_
-      ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<absl::Time, std::vector<std::shared_ptr<void>>>> held_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
@@ -196,6 +195,7 @@ void SessionSender::AskHeld() {
     };
     if (offered("cuda_ipc")) {
       device_path_ = "cuda_ipc";
+      ipc_offsets_ = resp.ipc_offsets();
       put_back();
     } else if (offered("nccl") && idle.has_value() && resp.nccl_link() == idle->id) {
       device_path_ = "nccl";
@@ -251,21 +251,51 @@ bool SessionSender::PlaceDeviceRounds(worker::LayerImage* li, v1::TransferLayer*
   if (li->device_rounds.empty()) return true;
   if (!device_path_.empty()) {
     const bool nccl = device_path_ == "nccl";
+    if (!nccl && ipc_offsets_ && engine_->ipc_pack_bytes() > 0 && pack_ == nullptr &&
+        !pack_refused_) {
+      absl::StatusOr<std::unique_ptr<worker::IpcPack>> pack =
+          worker::NewIpcPack(engine_->ipc_pack_bytes());
+      if (pack.ok()) {
+        pack_ = *std::move(pack);
+        lent_.push_back(pack_);
+      } else {
+        pack_refused_ = true;
+        LogWarn("device rounds not packed",
+                {{"session", id_.ToString()}, {"error", pack.status().ToString()}});
+      }
+    }
     std::vector<v1::TransferDeviceRound> rounds;
     for (const worker::LayerImage::DeviceRound& d : li->device_rounds) {
-      absl::StatusOr<std::string> handle =
-          nccl ? absl::StatusOr<std::string>(std::string()) : d.layer->IpcHandle();
-      if (!handle.ok() || d.layer->unstaging().empty()) {
+      absl::StatusOr<worker::IpcPlace> place = worker::IpcPlace();
+      if (!nccl && pack_ != nullptr) {
+        place = pack_->Place(*d.layer);
+      } else if (!nccl) {
+        absl::StatusOr<std::string> handle = d.layer->IpcHandle();
+        if (handle.ok()) {
+          place->handle = *std::move(handle);
+        } else {
+          place = handle.status();
+        }
+      }
+      if (!place.ok() || d.layer->unstaging().empty()) {
         // This layer goes over gRPC; the next ones try again.
         LogWarn("device round sent over gRPC", {{"session", id_.ToString()},
                                                 {"round", d.round},
-                                                {"error", handle.status().ToString()}});
+                                                {"error", place.status().ToString()}});
         rounds.clear();
         break;
       }
-      rounds.push_back(DeviceRoundToProto(d.round, d.layer->staged_bytes(), *std::move(handle),
-                                          d.layer->unstaging()));
+      rounds.push_back(DeviceRoundToProto(d.round, d.layer->staged_bytes(),
+                                          std::move(place->handle), d.layer->unstaging()));
+      rounds.back().set_ipc_offset(place->offset);
       *device_bytes += d.layer->staged_bytes();
+    }
+    if (!rounds.empty() && !nccl && pack_ != nullptr) {
+      // The receiver may copy as soon as it reads the layer's start.
+      if (absl::Status st = pack_->Sync(); !st.ok()) {
+        Fail(std::move(st));
+        return false;
+      }
     }
     if (!rounds.empty()) {
       for (v1::TransferDeviceRound& r : rounds) *info->add_device_rounds() = std::move(r);

@@ -96,6 +96,7 @@ absl::Status WorkerService::DoHeldRounds(grpc::CallbackServerContext& ctx,
     const absl::StatusOr<std::string> path = engine_->AcceptsDeviceRounds(peer);
     if (path.ok()) {
       resp->add_device_paths(*path);
+      resp->set_ipc_offsets(*path == "cuda_ipc");
       // A communicator of an earlier hand-off from this sender, reserved
       // for its next transfer when this worker holds it too.
       if (*path == "nccl" && !req.nccl_link().empty() &&
@@ -385,7 +386,9 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
       if (nccl) {
         KVT_ASSIGN_OR_RETURN(d.layer, link_->Receive(std::move(layout), DeviceDeadline()));
       } else {
-        KVT_ASSIGN_OR_RETURN(d.layer, worker::OpenIpcLayer(r.ipc_handle(), std::move(layout)));
+        if (ipc_ == nullptr) ipc_ = worker::NewIpcSource();
+        KVT_ASSIGN_OR_RETURN(d.layer,
+                             ipc_->CopyLayer(r.ipc_handle(), r.ipc_offset(), std::move(layout)));
       }
       device_bytes_ += r.staged_bytes();
       layer_.device_rounds.push_back(std::move(d));
@@ -538,6 +541,9 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
                                         std::move(link_));
     }
     link_.reset();
+    // The sender's allocations are closed before it hears the answer, after
+    // which it may free them.
+    ipc_.reset();
     svc_->UpdateWorkingSet();
     Finish(svc_->Done("TransferSession", s));
   }
@@ -577,6 +583,8 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
   std::optional<absl::StatusOr<std::string>> device_path_;
   std::string nccl_id_;
   std::unique_ptr<worker::DeviceLink> link_;
+  // The CUDA IPC path: the sender's allocations this transfer opened.
+  std::unique_ptr<worker::IpcSource> ipc_;
   uint64_t device_bytes_ = 0;  // Copied device to device.
   double device_copy_ms_ = 0;  // Spent copying them, and placing layers on the GPU.
   std::unique_ptr<worker::PreparedImport> prep_;  // BeginImport's.
