@@ -15,6 +15,7 @@
 # was not usable). DEMO_ROUNDS (default 8) sets the demo's rounds;
 # STEP_TIMEOUT (default 180) the seconds a step may run before it is killed
 # and counted as failed (exit 124), so that one hang leaves time for the rest.
+# BENCH=0 leaves out the two benches (about 70 s on an H100).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 export LD_LIBRARY_PATH="$HERE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -102,9 +103,13 @@ if [ "${GPUS:-0}" -ge 2 ]; then
     STATUS=1
   fi
 fi
-run gpu_bench "$HERE/build/bench/kvtier-gpu-bench" --csv="$LOGS/gpu_bench.csv"
-# Speculation's per-layer time on the GPU against dense attention there.
-run spec_bench "$HERE/build/bench/kvtier-bench" speculation --cpu=false
+if [ "${BENCH:-1}" = 0 ]; then
+  SUMMARY+=("gpu_bench, spec_bench: not run (BENCH=0)")
+else
+  run gpu_bench "$HERE/build/bench/kvtier-gpu-bench" --csv="$LOGS/gpu_bench.csv"
+  # Speculation's per-layer time on the GPU against dense attention there.
+  run spec_bench "$HERE/build/bench/kvtier-bench" speculation --cpu=false
+fi
 echo
 echo "== summary"
 printf '%s\n' "${SUMMARY[@]}"
