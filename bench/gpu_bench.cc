@@ -19,7 +19,6 @@
 //
 // Built only with CUDA. Without a device it says so and exits 0.
 #include <cuda_runtime.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -40,6 +39,7 @@
 #include "kernels/attention.h"
 #include "kernels/codec.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "testing/test_util.h"
 #include "worker/device_layout.h"
 
 namespace kvtier::bench {
@@ -467,23 +467,12 @@ double MedianWallMs(int reps, Fn fn) {
 // The IPC table; a reason instead when another process's memory cannot be
 // opened here (the run goes on: demo_pd checks the path itself).
 void IpcTable(int reps) {
-  int to_child[2], from_child[2];
-  if (pipe(to_child) != 0 || pipe(from_child) != 0) {
-    std::printf("\nCUDA IPC: not measured (pipe failed)\n");
+  testing::SelfChild child({"--ipc_export"});
+  if (!child.started()) {
+    std::printf("\nCUDA IPC: not measured (the exporting process did not start)\n");
     return;
   }
-  const pid_t pid = fork();
-  if (pid == 0) {
-    dup2(to_child[0], 0);
-    dup2(from_child[1], 1);
-    close(to_child[1]);
-    close(from_child[0]);
-    execl("/proc/self/exe", "kvtier-gpu-bench", "--ipc_export", static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  close(to_child[0]);
-  close(from_child[1]);
-  std::FILE* in = fdopen(from_child[0], "r");
+  std::FILE* in = child.out();
   std::vector<cudaIpcMemHandle_t> handles;
   char line[512];
   while (handles.size() < std::size(kIpcSizes) && in != nullptr &&
@@ -499,12 +488,7 @@ void IpcTable(int reps) {
     if (!ok) break;
     handles.push_back(h);
   }
-  auto finish = [&] {
-    close(to_child[1]);
-    if (in != nullptr) std::fclose(in);
-    int status = 0;
-    waitpid(pid, &status, 0);
-  };
+  auto finish = [&] { child.Wait(); };
   if (handles.size() != std::size(kIpcSizes)) {
     std::printf("\nCUDA IPC: not measured (the exporting process gave %zu of %zu handles)\n",
                 handles.size(), std::size(kIpcSizes));

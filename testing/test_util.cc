@@ -2,6 +2,7 @@
 
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -124,6 +125,70 @@ std::string HttpGet(int port, const std::string& path) {
   while ((n = ::read(fd, buf, sizeof(buf))) > 0) out.append(buf, n);
   ::close(fd);
   return out;
+}
+
+SelfChild::SelfChild(const std::vector<std::string>& args) {
+  int to_child[2], from_child[2];
+  if (pipe(to_child) != 0) return;
+  if (pipe(from_child) != 0) {
+    close(to_child[0]);
+    close(to_child[1]);
+    return;
+  }
+  std::vector<char*> argv;
+  std::string self = "/proc/self/exe";
+  argv.push_back(self.data());
+  std::vector<std::string> copy = args;
+  for (std::string& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(to_child[0], 0);
+    dup2(from_child[1], 1);
+    close(to_child[0]);
+    close(to_child[1]);
+    close(from_child[0]);
+    close(from_child[1]);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  close(to_child[0]);
+  close(from_child[1]);
+  if (pid < 0) {
+    close(to_child[1]);
+    close(from_child[0]);
+    return;
+  }
+  pid_ = pid;
+  in_ = to_child[1];
+  out_ = fdopen(from_child[0], "r");
+  if (out_ == nullptr) close(from_child[0]);
+}
+
+SelfChild::~SelfChild() { Wait(); }
+
+bool SelfChild::Send(const std::string& text) {
+  if (in_ < 0) return false;
+  return write(in_, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+}
+
+int SelfChild::Wait(std::string* rest) {
+  if (waited_) return status_;
+  waited_ = true;
+  if (in_ >= 0) close(in_);
+  in_ = -1;
+  if (out_ != nullptr) {
+    // Read to the end, so that the child never writes into a closed pipe.
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof(buf), out_)) > 0) {
+      if (rest != nullptr) rest->append(buf, n);
+    }
+    std::fclose(out_);
+  }
+  out_ = nullptr;
+  if (pid_ > 0 && waitpid(pid_, &status_, 0) != pid_) status_ = -1;
+  return status_;
 }
 
 }  // namespace kvtier::testing

@@ -4,7 +4,9 @@
 #define KVTIER_TESTING_TEST_UTIL_H_
 
 #include <cstdint>
+#include <cstdio>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -59,6 +61,35 @@ absl::StatusOr<SelfSignedCert> MakeSelfSignedCert(const std::string& dir);
 // The whole HTTP/1.0 response (status line, headers, body) to GET `path` on
 // 127.0.0.1:`port`, or "" when nothing listens there.
 std::string HttpGet(int port, const std::string& path);
+
+// This binary run again (/proc/self/exe) as a child with `args`, its stdin
+// and stdout on pipes: the CUDA IPC checks need a second process, since a
+// handle opens only in another one. The child is forked and exec'd at once
+// (nothing of this process's state, CUDA's included, is used in between).
+class SelfChild {
+ public:
+  explicit SelfChild(const std::vector<std::string>& args);
+  // Wait().
+  ~SelfChild();
+  SelfChild(const SelfChild&) = delete;
+  SelfChild& operator=(const SelfChild&) = delete;
+  bool started() const { return pid_ > 0 && out_ != nullptr; }
+  // The child's stdout, line by line; null when it did not start.
+  std::FILE* out() const { return out_; }
+  // Writes `text` to its stdin; false when it is gone.
+  bool Send(const std::string& text);
+  // Closes its stdin, reads its stdout to the end (into *rest when given),
+  // and waits: the exit status as waitpid gives it, or -1 when it did not
+  // start. The first call waits; later ones give the same status.
+  int Wait(std::string* rest = nullptr);
+
+ private:
+  int pid_ = -1;
+  int in_ = -1;  // Its stdin.
+  std::FILE* out_ = nullptr;
+  bool waited_ = false;
+  int status_ = -1;
+};
 
 }  // namespace kvtier::testing
 

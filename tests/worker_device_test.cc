@@ -5,7 +5,6 @@
 // CUDA device (or without CUDA in the build) it skips with a message; the
 // placement rules themselves are checked either way.
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
@@ -21,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "kernels/crc32c.h"
 #include "kernels/half.h"
+#include "testing/test_util.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
 #include "worker/device_attention.h"
@@ -312,23 +312,10 @@ TEST(WorkerIpcChild, DISABLED_PacksRoundLayers) {
 // refused before any copy.
 TEST(WorkerIpcTest, IpcPackIsOpenedOnceAndCopiedOutAtItsOffsets) {
   SKIP_WITHOUT_GPU();
-  int to_child[2], from_child[2];
-  ASSERT_EQ(pipe(to_child), 0);
-  ASSERT_EQ(pipe(from_child), 0);
-  const pid_t pid = fork();
-  if (pid == 0) {
-    dup2(to_child[0], 0);
-    dup2(from_child[1], 1);
-    close(to_child[1]);
-    close(from_child[0]);
-    execl("/proc/self/exe", "worker_device_test", "--gtest_also_run_disabled_tests",
-          "--gtest_filter=WorkerIpcChild.DISABLED_PacksRoundLayers", static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  ASSERT_GT(pid, 0);
-  close(to_child[0]);
-  close(from_child[1]);
-  std::FILE* in = fdopen(from_child[0], "r");
+  ::kvtier::testing::SelfChild child({"--gtest_also_run_disabled_tests",
+                                      "--gtest_filter=WorkerIpcChild.DISABLED_PacksRoundLayers"});
+  ASSERT_TRUE(child.started());
+  std::FILE* in = child.out();
   struct Placed {
     std::string handle;
     uint64_t offset = 0;
@@ -388,12 +375,8 @@ TEST(WorkerIpcTest, IpcPackIsOpenedOnceAndCopiedOutAtItsOffsets) {
     EXPECT_THAT(source->CopyLayer(placed[1].handle, uint64_t{1} << 62, layout).status(),
                 StatusIs(absl::StatusCode::kInvalidArgument));
   }  // Every handle closed before the child may free its memory.
-  ASSERT_EQ(write(to_child[1], "done\n", 5), 5);
-  close(to_child[1]);
-  while (std::fgets(line, sizeof(line), in) != nullptr) child_out += line;
-  std::fclose(in);
-  int status = 0;
-  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(child.Send("done\n"));
+  const int status = child.Wait(&child_out);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << child_out;
 }
 
