@@ -349,11 +349,13 @@ TEST(WorkerIpcTest, IpcPackIsOpenedOnceAndCopiedOutAtItsOffsets) {
   for (const Placed& p : placed) handles.insert(p.handle);
   EXPECT_EQ(handles.size(), 3u) << "two allocations of packed layers, and the large layer's own";
   {
-    std::unique_ptr<worker::IpcSource> source = worker::NewIpcSource();
+    std::unique_ptr<worker::IpcSource> source = worker::NewIpcSource(/*keep_open=*/true);
     for (size_t i = 0; i < placed.size(); ++i) {
       SCOPED_TRACE(absl::StrCat("layer ", i, " at ", placed[i].offset));
       EXPECT_EQ(placed[i].offset % 256, 0u);
-      if (kPackTokens[i] == 8300) EXPECT_EQ(placed[i].offset, 0u);
+      if (kPackTokens[i] == 8300) {
+        EXPECT_EQ(placed[i].offset, 0u);
+      }
       worker::DeviceRoundLayout layout;
       layout.staged_bytes = placed[i].bytes;
       KVT_ASSERT_OK_AND_ASSIGN(auto layer,
@@ -375,6 +377,21 @@ TEST(WorkerIpcTest, IpcPackIsOpenedOnceAndCopiedOutAtItsOffsets) {
     EXPECT_THAT(source->CopyLayer(placed[1].handle, uint64_t{1} << 62, layout).status(),
                 StatusIs(absl::StatusCode::kInvalidArgument));
   }  // Every handle closed before the child may free its memory.
+  {
+    // A receiver of a sender that does not pack: each copy opens and closes
+    // its allocation (two layers of one allocation: opened twice).
+    std::unique_ptr<worker::IpcSource> source = worker::NewIpcSource(/*keep_open=*/false);
+    for (int i : {0, 1}) {
+      worker::DeviceRoundLayout layout;
+      layout.staged_bytes = placed[i].bytes;
+      KVT_ASSERT_OK_AND_ASSIGN(auto layer,
+                               source->CopyLayer(placed[i].handle, placed[i].offset, layout));
+      std::string got;
+      KVT_ASSERT_OK(layer->Download(&got));
+      EXPECT_EQ(Crc32c(got), placed[i].crc);
+    }
+    EXPECT_EQ(source->opened(), 2);
+  }
   ASSERT_TRUE(child.Send("done\n"));
   const int status = child.Wait(&child_out);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << child_out;

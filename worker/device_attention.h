@@ -124,10 +124,12 @@ class IpcPack {
 // FAILED_PRECONDITION without a usable device.
 absl::StatusOr<std::unique_ptr<IpcPack>> NewIpcPack(uint64_t cap_bytes);
 
-// Another process's device memory as one transfer reads it: each allocation
-// opened once, at its first round layer, and every one closed when the
+// Another process's device memory as one transfer reads it. With
+// `keep_open` (a sender that packs round layers, IpcPack), each allocation
+// is opened once, at its first round layer, and every one is closed when the
 // source goes (the receiver lets it go before it answers, after which the
-// sender may free them).
+// sender may free them); without, each is opened for its copy and closed
+// right after it.
 class IpcSource {
  public:
   virtual ~IpcSource() = default;
@@ -141,7 +143,7 @@ class IpcSource {
   // Allocations opened so far.
   virtual int opened() const = 0;
 };
-std::unique_ptr<IpcSource> NewIpcSource();
+std::unique_ptr<IpcSource> NewIpcSource(bool keep_open);
 
 // ---- NCCL between GPUs (docs/transfer.md, "The NCCL path") ----
 

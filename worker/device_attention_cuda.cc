@@ -679,6 +679,7 @@ class CudaIpcPack : public IpcPack {
 
 class CudaIpcSource : public IpcSource {
  public:
+  explicit CudaIpcSource(bool keep_open) : keep_open_(keep_open) {}
   absl::StatusOr<std::unique_ptr<DeviceLayer>> CopyLayer(std::string_view ipc_handle,
                                                          uint64_t offset,
                                                          DeviceRoundLayout layout) override {
@@ -692,6 +693,7 @@ class CudaIpcSource : public IpcSource {
       KVT_RETURN_IF_ERROR(o->handle.Open(ipc_handle));
       KVT_ASSIGN_OR_RETURN(o->size, AllocationSize(o->handle.get()));
       it = open_.emplace(std::string(ipc_handle), std::move(o)).first;
+      ++opened_;
     }
     const Opened& src = *it->second;
     if (offset > src.size || layout.staged_bytes > src.size - offset) {
@@ -707,17 +709,21 @@ class CudaIpcSource : public IpcSource {
                      layout.staged_bytes, cudaMemcpyDeviceToDevice),
           "copy device round");
     }
+    // Closed before the sender may free it: now, unless the sender packs.
+    if (!keep_open_) open_.erase(it);
     return FinishReceivedLayer(std::move(layer), std::move(layout));
   }
 
-  int opened() const override { return static_cast<int>(open_.size()); }
+  int opened() const override { return opened_; }
 
  private:
   struct Opened {
     OpenedHandle handle;  // Closed with the source, before the sender may free it.
     size_t size = 0;
   };
+  const bool keep_open_;
   std::map<std::string, std::unique_ptr<Opened>, std::less<>> open_;
+  int opened_ = 0;
 };
 
 }  // namespace
@@ -729,7 +735,9 @@ absl::StatusOr<std::unique_ptr<IpcPack>> NewIpcPack(uint64_t cap_bytes) {
   return std::unique_ptr<IpcPack>(std::move(p));
 }
 
-std::unique_ptr<IpcSource> NewIpcSource() { return std::make_unique<CudaIpcSource>(); }
+std::unique_ptr<IpcSource> NewIpcSource(bool keep_open) {
+  return std::make_unique<CudaIpcSource>(keep_open);
+}
 
 // ---- NCCL ----
 

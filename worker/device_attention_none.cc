@@ -45,7 +45,7 @@ class NoIpcSource : public IpcSource {
 
 }  // namespace
 
-std::unique_ptr<IpcSource> NewIpcSource() { return std::make_unique<NoIpcSource>(); }
+std::unique_ptr<IpcSource> NewIpcSource(bool) { return std::make_unique<NoIpcSource>(); }
 
 bool NcclBuiltIn() { return false; }
 int DeviceCount() { return 0; }

@@ -450,6 +450,11 @@ void SessionSender::Run() {
       if (auto* h = std::get_if<v1::TransferHeader>(&item)) {
         AskHeld();  // While the caller computes the first layer.
         if (!device_path_.empty()) *h->mutable_device() = *offer_;
+        // Whether this transfer packs round layers is known once HeldRounds
+        // answered; a pack that cannot be made later names layers as they
+        // are, which a receiver keeping handles open reads all the same.
+        h->set_ipc_packed(device_path_ == "cuda_ipc" && ipc_offsets_ &&
+                          engine_->ipc_pack_bytes() > 0);
         if (device_path_ == "nccl") {
           h->set_nccl_id(nccl_id_);
           h->set_nccl_reused(link_reused_);

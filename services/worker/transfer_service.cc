@@ -269,6 +269,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
       // Checked again here: the stream, not HeldRounds, is what carries the
       // handles this worker will open.
       peer_ = IdentityFromProto(chunk_.header().device());
+      ipc_packed_ = chunk_.header().ipc_packed();
       device_path_ = svc_->engine_->AcceptsDeviceRounds(*peer_);
       if (device_path_->ok() && **device_path_ == "nccl") {
         nccl_id_ = chunk_.header().nccl_id();
@@ -386,7 +387,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
       if (nccl) {
         KVT_ASSIGN_OR_RETURN(d.layer, link_->Receive(std::move(layout), DeviceDeadline()));
       } else {
-        if (ipc_ == nullptr) ipc_ = worker::NewIpcSource();
+        if (ipc_ == nullptr) ipc_ = worker::NewIpcSource(ipc_packed_);
         KVT_ASSIGN_OR_RETURN(d.layer,
                              ipc_->CopyLayer(r.ipc_handle(), r.ipc_offset(), std::move(layout)));
       }
@@ -583,8 +584,10 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
   std::optional<absl::StatusOr<std::string>> device_path_;
   std::string nccl_id_;
   std::unique_ptr<worker::DeviceLink> link_;
-  // The CUDA IPC path: the sender's allocations this transfer opened.
+  // The CUDA IPC path: the sender's allocations this transfer opened, kept
+  // open until it ends when the sender packs round layers.
   std::unique_ptr<worker::IpcSource> ipc_;
+  bool ipc_packed_ = false;
   uint64_t device_bytes_ = 0;  // Copied device to device.
   double device_copy_ms_ = 0;  // Spent copying them, and placing layers on the GPU.
   std::unique_ptr<worker::PreparedImport> prep_;  // BeginImport's.
