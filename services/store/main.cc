@@ -31,7 +31,8 @@ ABSL_FLAG(uint32_t, spare_payload_files, 32,
           "for a new file's directory entry to become durable.");
 ABSL_FLAG(uint64_t, recycle_payload_mb, 1024,
           "MiB of dropped segments' payload files kept to be overwritten in place by later "
-          "puts (needs --sync_writes; 0 = none). Beyond --disk_budget_mb.");
+          "puts (0 = none). Beyond --disk_budget_mb. Without --sync_writes, the first put "
+          "that could reuse a released file syncs the WAL once for all released before it.");
 ABSL_FLAG(uint32_t, promote_after_reads, 2,
           "Promote a spilled segment into RAM after this many disk reads; 0 = never.");
 ABSL_FLAG(uint64_t, max_segment_mb, 256, "Largest accepted segment payload in MiB.");
