@@ -51,6 +51,7 @@ done
 cp scripts/demo.sh "$B/scripts/demo.sh"
 cp scripts/gpu_check.sh "$B/run.sh"
 cp scripts/gpu_profile.sh "$B/profile.sh"
+cp scripts/pd_ab.sh "$B/ab.sh"
 # The libraries: what ldd resolves, less the runtime every Linux has (and
 # whose newer versions load older programs) and the driver's own libcuda.
 for b in "${BINARIES[@]}"; do ldd "$B/build/$b"; done |

@@ -48,6 +48,14 @@ grep -q "^demo_pd_1: ok" "$T/run.log"
 grep -q "^demo_pd_1 hand-off, per round: [0-9.]* ms, [0-9.]* ms of it exposed" "$T/run.log"
 grep -q "^gpu_bench: ok" "$T/run.log"
 grep -q "^spec_bench: ok" "$T/run.log"
+# The PD demos' outputs against one worker's (on the CPU here too).
+grep -q "^demo_pd outputs: bit-identical to one worker's" "$T/run.log" || { tail -30 "$T/run.log"; exit 1; }
+grep -q "^demo_pd_1 outputs: bit-identical to one worker's" "$T/run.log"
+# ab.sh (scripts/pd_ab.sh) runs from the bundle, its libraries included.
+SESSIONS=1 ROUNDS=2 "$B/ab.sh" "" "--device_cache_mib=0" 1 >"$T/ab.log" 2>&1 ||
+  { cat "$T/ab.log"; exit 1; }
+grep -q "^| ttft PD ms " "$T/ab.log" || { cat "$T/ab.log"; exit 1; }
+grep -q " bit-identical " "$T/ab.log"
 if [ "$expect_rc" -eq 1 ]; then
   grep -q "^kernels_cuda_test: SKIPPED tests: the GPU was not usable" "$T/run.log"
   grep -q "^worker_device_test: SKIPPED tests: the GPU was not usable" "$T/run.log"
