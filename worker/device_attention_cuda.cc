@@ -257,7 +257,12 @@ class CudaSession : public DeviceSession {
   CudaSession(int layers, int q_heads, int kv_heads, int d)
       : q_heads_(q_heads), kv_heads_(kv_heads), d_(d), k_(layers), v_(layers) {}
   ~CudaSession() override {
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    if (stream_ != nullptr) {
+      // Its buffers go back to the block cache next: nothing may be in
+      // flight on them (an Attend that failed midway left its copies).
+      cudaStreamSynchronize(stream_);
+      cudaStreamDestroy(stream_);
+    }
   }
 
   absl::Status Init() {
@@ -268,6 +273,30 @@ class CudaSession : public DeviceSession {
   absl::Status Attend(int layer, const std::vector<const DeviceLayer*>& rounds, const float* cur_k,
                       const float* cur_v, int64_t base, int64_t n, const float* q,
                       float* out) override {
+    absl::Status st = AttendOnStream(layer, rounds, cur_k, cur_v, base, n, q, out);
+    // A call that failed midway may have left copies in flight: none may be
+    // when its buffers grow or go back to the block cache.
+    if (!st.ok()) cudaStreamSynchronize(stream_);
+    return st;
+  }
+
+  absl::Status LoadOpen(int layer, const float* k, const float* v, int64_t rows) override {
+    const size_t bytes = static_cast<size_t>(rows) * kv_heads_ * d_ * sizeof(float);
+    if (bytes == 0) return absl::OkStatus();
+    KVT_RETURN_IF_ERROR(k_[layer].Reserve(bytes));
+    KVT_RETURN_IF_ERROR(v_[layer].Reserve(bytes));
+    CallTimer timer(kUpload);
+    KVT_CUDA(cudaMemcpy(k_[layer].as<uint8_t>(), k, bytes, cudaMemcpyHostToDevice), "load open K");
+    KVT_CUDA(cudaMemcpy(v_[layer].as<uint8_t>(), v, bytes, cudaMemcpyHostToDevice), "load open V");
+    return absl::OkStatus();
+  }
+
+ private:
+  // Attend's work, launched on stream_ and waited for; an error may leave
+  // some of it in flight.
+  absl::Status AttendOnStream(int layer, const std::vector<const DeviceLayer*>& rounds,
+                              const float* cur_k, const float* cur_v, int64_t base, int64_t n,
+                              const float* q, float* out) {
     const size_t row = static_cast<size_t>(kv_heads_) * d_ * sizeof(float);
     const size_t rows = static_cast<size_t>(base + n);
     // The open round's new rows.
@@ -314,18 +343,6 @@ class CudaSession : public DeviceSession {
     return call_.Finish(out, stream_);
   }
 
-  absl::Status LoadOpen(int layer, const float* k, const float* v, int64_t rows) override {
-    const size_t bytes = static_cast<size_t>(rows) * kv_heads_ * d_ * sizeof(float);
-    if (bytes == 0) return absl::OkStatus();
-    KVT_RETURN_IF_ERROR(k_[layer].Reserve(bytes));
-    KVT_RETURN_IF_ERROR(v_[layer].Reserve(bytes));
-    CallTimer timer(kUpload);
-    KVT_CUDA(cudaMemcpy(k_[layer].as<uint8_t>(), k, bytes, cudaMemcpyHostToDevice), "load open K");
-    KVT_CUDA(cudaMemcpy(v_[layer].as<uint8_t>(), v, bytes, cudaMemcpyHostToDevice), "load open V");
-    return absl::OkStatus();
-  }
-
- private:
   int q_heads_, kv_heads_, d_;
   cudaStream_t stream_ = nullptr;
   std::vector<DeviceBuffer> k_, v_;
@@ -641,9 +658,14 @@ class CudaIpcPack : public IpcPack {
     size_t at = (used_ + kIpcAlign - 1) / kIpcAlign * kIpcAlign;
     if (chunks_.empty() || at + n > chunks_.back().buf.size()) {
       Chunk& c = chunks_.emplace_back();
-      KVT_RETURN_IF_ERROR(c.buf.Reserve(kIpcPackBytes));
       cudaIpcMemHandle_t h;
-      KVT_CUDA(cudaIpcGetMemHandle(&h, c.buf.as<void>()), "cudaIpcGetMemHandle");
+      absl::Status made = c.buf.Reserve(kIpcPackBytes);
+      if (made.ok())
+        made = CudaError(cudaIpcGetMemHandle(&h, c.buf.as<void>()), "cudaIpcGetMemHandle");
+      if (!made.ok()) {
+        chunks_.pop_back();  // Never named: the next layer tries a new one.
+        return made;
+      }
       c.handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
       at = 0;
     }
@@ -1140,7 +1162,12 @@ class CudaSpeculator : public DeviceSpeculator {
     g.base = rows - 1;
     g.max_tokens = max_tokens;
     // The gathered K/V come from the other stream.
-    KVT_RETURN_IF_ERROR(call_.Launch(blocks, first, q, g, attn_, uploaded_[slot]));
+    if (absl::Status st = call_.Launch(blocks, first, q, g, attn_, uploaded_[slot]); !st.ok()) {
+      // The open rows' copies above may be in flight: none may be when a
+      // buffer grows or goes back to the block cache.
+      cudaStreamSynchronize(attn_);
+      return st;
+    }
     attending_ = true;
     return absl::OkStatus();
   }
