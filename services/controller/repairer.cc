@@ -160,32 +160,32 @@ absl::Status Repairer::Repair(const RepairTask& task) {
                              {"to", task.target.spec.id},
                              {"rounds", have.rounds_size()}});
   uint64_t bytes = 0, segments = 0, skipped = 0;
-  for (const v1::RoundInfo& round : have.rounds()) {
-    if (stop_.HasBeenNotified()) return absl::CancelledError("the controller is stopping");
+  // Missing segments go in batches of whole rounds, up to kBatchBytes or
+  // kBatchSegments: one GetSegments and one PutSegments a batch, so that a
+  // call's fixed cost (and, with fsync, the target's WAL sync) is paid per
+  // batch rather than per round.
+  struct Missing {
+    const v1::SegmentInfo* info;
+    const v1::RoundInfo* round;
+  };
+  std::vector<Missing> batch;
+  uint64_t batch_bytes = 0;
+  auto flush = [&]() -> absl::Status {
+    if (batch.empty()) return absl::OkStatus();
+    const std::string rounds = batch.front().round == batch.back().round
+                                   ? absl::StrCat("round ", batch.front().round->round())
+                                   : absl::StrCat("rounds ", batch.front().round->round(), "-",
+                                                  batch.back().round->round());
+    Throttle(batch_bytes);
     std::vector<v1::SegmentRef> refs;
-    std::vector<const v1::SegmentInfo*> infos;
-    for (const v1::SegmentInfo& s : round.segments()) {
-      auto it = present.find({s.ref().round(), s.ref().segment()});
-      if (it != present.end()) {
-        if (it->second != s.payload_crc32c()) {
-          LogWarn("repair: replicas differ", {{"session", task.session},
-                                              {"round", s.ref().round()},
-                                              {"segment", s.ref().segment()},
-                                              {"target", task.target.spec.id}});
-        }
-        ++skipped;
-        continue;
-      }
-      refs.push_back(s.ref());
-      infos.push_back(&s);
-    }
-    if (refs.empty()) continue;
-    uint64_t round_bytes = 0;
-    for (const v1::SegmentInfo* s : infos) round_bytes += s->payload_bytes();
-    Throttle(round_bytes);
+    for (const Missing& m : batch) refs.push_back(m.info->ref());
     KVT_ASSIGN_OR_RETURN(std::vector<FetchedSegment> got,
                          source->GetSegments(task.session, refs, call(), /*uncounted=*/true));
-    // The round's segments in one call (PutSegments), each with its own status.
+    if (got.size() != batch.size()) {
+      return absl::InternalError(absl::StrCat("GetSegments of ", rounds, " returned ", got.size(),
+                                              " of ", batch.size(), " segments"));
+    }
+    // Each segment with its own status.
     std::vector<PutSegmentsItem> items(got.size());
     for (size_t i = 0; i < got.size(); ++i) {
       const v1::SegmentInfo& info = got[i].info;
@@ -195,7 +195,7 @@ absl::Status Repairer::Repair(const RepairTask& task) {
       a.segment = info.ref().segment();
       a.layer_begin = info.layer_begin();
       a.layer_end = info.layer_end();
-      a.round_summary = &round.summary();
+      a.round_summary = &batch[i].round->summary();
       a.session_ttl_seconds = have.ttl_seconds();
       items[i].payload = got[i].payload;
     }
@@ -203,8 +203,8 @@ absl::Status Repairer::Repair(const RepairTask& task) {
         target->PutSegments(items, call());
     if (!put.ok()) {
       return absl::Status(put.status().code(),
-                          absl::StrCat("PutSegments of round ", round.round(), " on ",
-                                       task.target.spec.id, ": ", put.status().message()));
+                          absl::StrCat("PutSegments of ", rounds, " on ", task.target.spec.id, ": ",
+                                       put.status().message()));
     }
     for (size_t i = 0; i < items.size(); ++i) {
       const absl::Status& st = (*put)[i].status();
@@ -220,7 +220,39 @@ absl::Status Repairer::Repair(const RepairTask& task) {
       bytes += got[i].payload.size();
       ++segments;
     }
+    batch.clear();
+    batch_bytes = 0;
+    return absl::OkStatus();
+  };
+  std::vector<Missing> of_round;
+  for (const v1::RoundInfo& round : have.rounds()) {
+    if (stop_.HasBeenNotified()) return absl::CancelledError("the controller is stopping");
+    of_round.clear();
+    uint64_t round_bytes = 0;
+    for (const v1::SegmentInfo& s : round.segments()) {
+      auto it = present.find({s.ref().round(), s.ref().segment()});
+      if (it != present.end()) {
+        if (it->second != s.payload_crc32c()) {
+          LogWarn("repair: replicas differ", {{"session", task.session},
+                                              {"round", s.ref().round()},
+                                              {"segment", s.ref().segment()},
+                                              {"target", task.target.spec.id}});
+        }
+        ++skipped;
+        continue;
+      }
+      of_round.push_back({&s, &round});
+      round_bytes += s.payload_bytes();
+    }
+    // A round that would take the batch past either bound starts the next.
+    if (batch_bytes + round_bytes > kBatchBytes ||
+        batch.size() + of_round.size() > kBatchSegments) {
+      KVT_RETURN_IF_ERROR(flush());
+    }
+    batch.insert(batch.end(), of_round.begin(), of_round.end());
+    batch_bytes += round_bytes;
   }
+  KVT_RETURN_IF_ERROR(flush());
   if (have.pinned()) KVT_RETURN_IF_ERROR(target->PinSession(task.session, true, call()));
   const double secs = absl::ToDoubleSeconds(absl::Now() - t0);
   {

@@ -68,8 +68,13 @@ class Repairer {
   RepairStats stats() const;
 
   // Copies one session now, on the calling thread (what each repair thread
-  // runs). OK when the target holds every segment a source holds.
+  // runs). OK when the target holds every segment a source holds. The
+  // missing segments go in batches of whole rounds, one GetSegments and one
+  // PutSegments a batch, of at most kBatchBytes and kBatchSegments (a round
+  // larger than that goes alone).
   absl::Status Repair(const controller::RepairTask& task);
+  static constexpr uint64_t kBatchBytes = uint64_t{32} << 20;
+  static constexpr size_t kBatchSegments = 256;
 
  private:
   Repairer(controller::Controller* controller, RepairOptions options)
