@@ -102,9 +102,11 @@ class RepairerTest : public ::testing::Test {
 TEST_F(RepairerTest, RoundsGoInBatchesAndArriveByteForByte) {
   // 200 rounds of two 4 KiB segments: 400 segments, two batches (256 a batch).
   Fill(0, "many", 200, 4096);
-  // Three rounds of two 6 MiB segments: 36 MiB, two batches of whole rounds
-  // (at most 32 MiB a batch: rounds 0-1, then round 2).
-  Fill(0, "large", 3, uint64_t{6} << 20);
+  // Three rounds of two 3 MiB segments, then one of two 512 KiB: rounds 0
+  // and 1 alone (6 MiB each: two would pass the 8 MiB bound), round 2 with
+  // round 3 (7 MiB).
+  Fill(0, "large", 3, uint64_t{3} << 20);
+  Fill(0, "large", 1, uint64_t{512} << 10, /*first=*/3);
   controller::Controller ctl;
   RepairOptions ro;
   ro.max_bytes_per_second = 0;
@@ -117,10 +119,10 @@ TEST_F(RepairerTest, RoundsGoInBatchesAndArriveByteForByte) {
   EXPECT_EQ(TargetPutCalls() - before, 2) << "400 segments in batches of at most 256";
   ASSERT_THAT((*repairer)->Repair(Task("large")), IsOk());
   EXPECT_EQ(Listed(1, "large"), Listed(0, "large"));
-  EXPECT_EQ(TargetPutCalls() - before, 4) << "36 MiB in batches of at most 32 MiB";
+  EXPECT_EQ(TargetPutCalls() - before, 5) << "19 MiB in batches of at most 8 MiB";
   // The bytes too, not only the listed checksums.
   std::vector<v1::SegmentRef> refs;
-  for (uint32_t r = 0; r < 3; ++r) {
+  for (uint32_t r = 0; r < 4; ++r) {
     for (uint32_t s = 0; s < 2; ++s) {
       v1::SegmentRef ref;
       ref.set_round(r);
@@ -134,7 +136,7 @@ TEST_F(RepairerTest, RoundsGoInBatchesAndArriveByteForByte) {
   ASSERT_THAT(b.status(), IsOk());
   for (size_t i = 0; i < refs.size(); ++i) EXPECT_TRUE((*a)[i].payload == (*b)[i].payload) << i;
   const RepairStats st = (*repairer)->stats();
-  EXPECT_EQ(st.segments_copied, 406u);
+  EXPECT_EQ(st.segments_copied, 408u);
   EXPECT_EQ(st.segments_present, 0u);
 }
 

@@ -73,7 +73,7 @@ class Repairer {
   // PutSegments a batch, of at most kBatchBytes and kBatchSegments (a round
   // larger than that goes alone).
   absl::Status Repair(const controller::RepairTask& task);
-  static constexpr uint64_t kBatchBytes = uint64_t{32} << 20;
+  static constexpr uint64_t kBatchBytes = uint64_t{8} << 20;
   static constexpr size_t kBatchSegments = 256;
 
  private:
