@@ -348,22 +348,26 @@ TEST(WorkerIpcTest, IpcPackIsOpenedOnceAndCopiedOutAtItsOffsets) {
   std::set<std::string> handles;
   for (const Placed& p : placed) handles.insert(p.handle);
   EXPECT_EQ(handles.size(), 3u) << "two allocations of packed layers, and the large layer's own";
+  // Layer i copied out through `source` holds the child's bytes.
+  auto copies = [&](worker::IpcSource* source, size_t i) {
+    SCOPED_TRACE(absl::StrCat("layer ", i, " at ", placed[i].offset));
+    worker::DeviceRoundLayout layout;
+    layout.staged_bytes = placed[i].bytes;
+    KVT_ASSERT_OK_AND_ASSIGN(auto layer,
+                             source->CopyLayer(placed[i].handle, placed[i].offset, layout));
+    std::string got;
+    KVT_ASSERT_OK(layer->Download(&got));
+    EXPECT_EQ(got.size(), placed[i].bytes);
+    EXPECT_EQ(Crc32c(got), placed[i].crc);
+  };
   {
     std::unique_ptr<worker::IpcSource> source = worker::NewIpcSource(/*keep_open=*/true);
     for (size_t i = 0; i < placed.size(); ++i) {
-      SCOPED_TRACE(absl::StrCat("layer ", i, " at ", placed[i].offset));
-      EXPECT_EQ(placed[i].offset % 256, 0u);
+      EXPECT_EQ(placed[i].offset % 256, 0u) << i;
       if (kPackTokens[i] == 8300) {
         EXPECT_EQ(placed[i].offset, 0u);
       }
-      worker::DeviceRoundLayout layout;
-      layout.staged_bytes = placed[i].bytes;
-      KVT_ASSERT_OK_AND_ASSIGN(auto layer,
-                               source->CopyLayer(placed[i].handle, placed[i].offset, layout));
-      std::string got;
-      KVT_ASSERT_OK(layer->Download(&got));
-      EXPECT_EQ(got.size(), placed[i].bytes);
-      EXPECT_EQ(Crc32c(got), placed[i].crc);
+      copies(source.get(), i);
     }
     EXPECT_EQ(source->opened(), 3);
     worker::DeviceRoundLayout layout;
@@ -381,15 +385,7 @@ TEST(WorkerIpcTest, IpcPackIsOpenedOnceAndCopiedOutAtItsOffsets) {
     // A receiver of a sender that does not pack: each copy opens and closes
     // its allocation (two layers of one allocation: opened twice).
     std::unique_ptr<worker::IpcSource> source = worker::NewIpcSource(/*keep_open=*/false);
-    for (int i : {0, 1}) {
-      worker::DeviceRoundLayout layout;
-      layout.staged_bytes = placed[i].bytes;
-      KVT_ASSERT_OK_AND_ASSIGN(auto layer,
-                               source->CopyLayer(placed[i].handle, placed[i].offset, layout));
-      std::string got;
-      KVT_ASSERT_OK(layer->Download(&got));
-      EXPECT_EQ(Crc32c(got), placed[i].crc);
-    }
+    for (size_t i : {0, 1}) copies(source.get(), i);
     EXPECT_EQ(source->opened(), 2);
   }
   ASSERT_TRUE(child.Send("done\n"));
