@@ -195,7 +195,7 @@ void SessionSender::AskHeld() {
     };
     if (offered("cuda_ipc")) {
       device_path_ = "cuda_ipc";
-      ipc_offsets_ = resp.ipc_offsets();
+      packs_ = resp.ipc_offsets() && engine_->ipc_pack_bytes() > 0;
       put_back();
     } else if (offered("nccl") && idle.has_value() && resp.nccl_link() == idle->id) {
       device_path_ = "nccl";
@@ -251,8 +251,7 @@ bool SessionSender::PlaceDeviceRounds(worker::LayerImage* li, v1::TransferLayer*
   if (li->device_rounds.empty()) return true;
   if (!device_path_.empty()) {
     const bool nccl = device_path_ == "nccl";
-    if (!nccl && ipc_offsets_ && engine_->ipc_pack_bytes() > 0 && pack_ == nullptr &&
-        !pack_refused_) {
+    if (packs_ && pack_ == nullptr && !pack_refused_) {
       absl::StatusOr<std::unique_ptr<worker::IpcPack>> pack =
           worker::NewIpcPack(engine_->ipc_pack_bytes());
       if (pack.ok()) {
@@ -453,8 +452,7 @@ void SessionSender::Run() {
         // Whether this transfer packs round layers is known once HeldRounds
         // answered; a pack that cannot be made later names layers as they
         // are, which a receiver keeping handles open reads all the same.
-        h->set_ipc_packed(device_path_ == "cuda_ipc" && ipc_offsets_ &&
-                          engine_->ipc_pack_bytes() > 0);
+        h->set_ipc_packed(packs_);
         if (device_path_ == "nccl") {
           h->set_nccl_id(nccl_id_);
           h->set_nccl_reused(link_reused_);

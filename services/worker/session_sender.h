@@ -114,10 +114,11 @@ class SessionSender {
   std::unique_ptr<worker::DeviceLink> link_;
   bool link_reused_ = false;  // link_ came from the pool (LinkPool).
   std::string refusal_;
-  // The receiver reads packed round layers (HeldRoundsResponse.ipc_offsets):
-  // this hand-off's are copied into pack_ (made at the first device round),
-  // so that the receiver opens a handle for many.
-  bool ipc_offsets_ = false;
+  // The CUDA IPC path to a receiver that reads packed round layers
+  // (HeldRoundsResponse.ipc_offsets), with --ipc_pack_mib above 0: this
+  // hand-off's are copied into pack_ (made at the first device round), so
+  // that the receiver opens a handle for many.
+  bool packs_ = false;
   std::shared_ptr<worker::IpcPack> pack_;
   bool pack_refused_ = false;  // NewIpcPack failed: each layer is named as it is.
   // What the receiver may read until it answers: device layers and the pack.
