@@ -4,6 +4,7 @@
 // segments the target holds already left alone.
 #include "services/controller/repairer.h"
 
+#include <deque>
 #include <map>
 #include <string>
 #include <utility>
@@ -57,8 +58,7 @@ class RepairerTest : public ::testing::Test {
         a.segment = s;
         a.layer_begin = 0;
         a.layer_end = 1;
-        payloads_.push_back(testing::MakePayload(bytes, 1000 * r + s));
-        items[s].payload = payloads_.back();
+        items[s].payload = payloads_.emplace_back(testing::MakePayload(bytes, 1000 * r + s));
       }
       auto put = clients_[i]->PutSegments(items);
       ASSERT_THAT(put.status(), IsOk());
@@ -96,7 +96,7 @@ class RepairerTest : public ::testing::Test {
   testing::TempDir dir_;
   std::vector<std::unique_ptr<testing::StoreProcess>> stores_;
   std::vector<std::unique_ptr<StoreClient>> clients_;
-  std::vector<std::string> payloads_;
+  std::deque<std::string> payloads_;  // The items' views point here: it never moves them.
 };
 
 TEST_F(RepairerTest, RoundsGoInBatchesAndArriveByteForByte) {
