@@ -218,6 +218,8 @@ void Usage() {
                "  --repeat=N         runs per point; the median is reported (default 3)\n"
                "  --chunk_kib=N      PutSegment chunk size (default: the client's, 1024)\n"
                "  --gets=false       puts only (to profile them)\n"
+               "  --get_passes=N     read the data back N times a run (to profile gets;\n"
+               "                     GB/s counts every pass; default 1)\n"
                "  --put_batch=N      also put N segments a call (PutSegments), in the same\n"
                "                     runs as the puts one a call (default 1: only those)\n"
                "  --store_arg=FLAG   passed to kvtier-store (repeatable), e.g.\n"
@@ -240,6 +242,7 @@ int StoreBench(int argc, char** argv) {
   int repeat = 3;
   size_t chunk_bytes = StoreClientOptions().chunk_bytes;
   bool run_gets = true;
+  int get_passes = 1;
   int put_batch = 1;
   std::vector<std::string> store_args;
   for (int i = 0; i < argc; ++i) {
@@ -275,6 +278,8 @@ int StoreBench(int argc, char** argv) {
       chunk_bytes = std::stoull(a.substr(12)) << 10;
     } else if (a.rfind("--put_batch=", 0) == 0) {
       put_batch = std::clamp(std::stoi(a.substr(12)), 1, 4096);
+    } else if (a.rfind("--get_passes=", 0) == 0) {
+      get_passes = std::clamp(std::stoi(a.substr(13)), 1, 1000);
     } else if (a == "--gets=false") {
       run_gets = false;
     } else {
@@ -376,21 +381,22 @@ int StoreBench(int argc, char** argv) {
             auto c = StoreClient::Connect(o);
             // Batched like a recall: up to 64 MiB of segments per call.
             const uint64_t batch = std::max<uint64_t>(1, (64ull << 20) / size);
-            for (uint64_t i = 0; i < per_stream && !failed; i += batch) {
-              std::vector<v1::SegmentRef> refs;
-              for (uint64_t j = i; j < std::min(per_stream, i + batch); ++j) {
-                v1::SegmentRef r;
-                r.set_round(static_cast<uint32_t>(j));
-                refs.push_back(r);
+            for (int pass = 0; pass < get_passes; ++pass)
+              for (uint64_t i = 0; i < per_stream && !failed; i += batch) {
+                std::vector<v1::SegmentRef> refs;
+                for (uint64_t j = i; j < std::min(per_stream, i + batch); ++j) {
+                  v1::SegmentRef r;
+                  r.set_round(static_cast<uint32_t>(j));
+                  refs.push_back(r);
+                }
+                auto got = (*c)->GetSegments(sessions[s], refs);
+                if (!got.ok()) {
+                  std::fprintf(stderr, "get failed: %s\n", got.status().ToString().c_str());
+                  failed = true;
+                  return;
+                }
+                for (const auto& f : *got) moved += f.payload.size();
               }
-              auto got = (*c)->GetSegments(sessions[s], refs);
-              if (!got.ok()) {
-                std::fprintf(stderr, "get failed: %s\n", got.status().ToString().c_str());
-                failed = true;
-                return;
-              }
-              for (const auto& f : *got) moved += f.payload.size();
-            }
           }));
         auto c = StoreClient::Connect(o);
         for (const std::string& s : sessions) (void)(*c)->DeleteSession(s);  // Frees disk.
