@@ -1,4 +1,8 @@
 # KVTIER_SANITIZE=address|undefined|thread instruments every target.
+# KVTIER_SANITIZER_FLAGS keeps the flags for the installed SDK's CMake
+# package: a program linking an instrumented libkvtier_client.so needs the
+# sanitizer's runtime first (cmake/kvtierConfig.cmake.in).
+set(KVTIER_SANITIZER_FLAGS "")
 if(KVTIER_SANITIZE STREQUAL "")
   return()
 endif()
@@ -12,6 +16,7 @@ else()
   message(FATAL_ERROR "KVTIER_SANITIZE must be address, undefined or thread, got '${KVTIER_SANITIZE}'")
 endif()
 message(STATUS "kvtier: sanitizer ${_kvt_san}")
+set(KVTIER_SANITIZER_FLAGS "${_kvt_san}")
 add_compile_options(${_kvt_san} -fno-omit-frame-pointer -fno-sanitize-recover=undefined)
 add_link_options(${_kvt_san})
 add_compile_definitions(KVTIER_SANITIZED=1)
