@@ -47,9 +47,12 @@ void QuantizeGroup(int bits, const float* x, int n, Index idx, uint8_t* codes, u
   const double scale = HalfToFloat(scale16);
   const double zero = HalfToFloat(zero16);
   for (int j = 0; j < n; ++j) {
+    // NaN input (refused by the check that follows encoding) gets code 0:
+    // std::clamp would pass a NaN through, and its conversion to an integer
+    // is undefined.
     double q = 0.0;
-    if (scale > 0.0) q = std::nearbyint((x[idx(j)] - zero) / scale);
-    q = std::clamp(q, 0.0, qmax);
+    const double y = scale > 0.0 ? (x[idx(j)] - zero) / scale : 0.0;
+    if (y > 0.0) q = std::min(std::nearbyint(y), qmax);
     PutCode(codes, bits, idx(j), static_cast<uint32_t>(q));
   }
 }
