@@ -90,13 +90,6 @@ inline float HSum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline float HMin(__m256 v) {
-  __m128 s = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_min_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_min_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 inline float HMax(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -1417,7 +1410,7 @@ void AccumKiviIntG(const EncodedView& v, int64_t s, const float* const* p, float
     }
   }
   FinishValues<R, G, 32>(
-      v, acc, zacc, [bits](int pos) { return LaneElem(bits, pos); }, out);
+      v, acc, zacc, [](int pos) { return LaneElem(kBits, pos); }, out);
 }
 
 // Four 16-byte vectors as one 64-byte vector, x[0] lowest.
