@@ -18,11 +18,23 @@ for bin in "$BUILD_DIR"/fuzz/*_fuzz; do
   corpus="$BUILD_DIR/corpus/$t"
   crashes="$BUILD_DIR/crashes/$t"
   mkdir -p "$corpus" "$crashes"
+  # Inputs an earlier run left: still failing stops the run here; fixed ones
+  # move to fixed/, so that they do not fail this run.
+  for old in $(find "$crashes" -maxdepth 1 -type f | sort); do
+    if "$BUILD_DIR/fuzz/${t}_fuzz" "$old" >/dev/null 2>&1; then
+      mkdir -p "$crashes/fixed"
+      mv "$old" "$crashes/fixed/"
+      echo "fuzz: $t: $(basename "$old") from an earlier run passes now (moved to $crashes/fixed/)"
+    else
+      echo "fuzz: $t still fails on $old (replay: $BUILD_DIR/fuzz/${t}_fuzz $old)" >&2
+      exit 1
+    fi
+  done
   KVTIER_FUZZ_WRITE_SEEDS="$corpus" "$BUILD_DIR/fuzz/${t}_fuzz" >/dev/null
   echo "== fuzzing $t for ${SECONDS_EACH}s (corpus $corpus)"
   "$BUILD_DIR/fuzz/${t}_fuzz" "$corpus" -max_total_time="$SECONDS_EACH" -print_final_stats=1 \
     -artifact_prefix="$crashes/" -rss_limit_mb=4096 2>&1 | grep -E "^(#[0-9]+ +DONE|stat::number_of_executed_units|SUMMARY|==[0-9]+==ERROR)" || true
-  if ls "$crashes"/* >/dev/null 2>&1; then
+  if [ -n "$(find "$crashes" -maxdepth 1 -type f)" ]; then
     echo "fuzz: $t crashed; inputs in $crashes (replay: $BUILD_DIR/fuzz/${t}_fuzz FILE)" >&2
     exit 1
   fi
