@@ -61,15 +61,18 @@ kvtier::v1::ModelSpec Model() {
   return m;
 }
 
-// Runs one call; false when it did not end before its deadline.
-template <typename Request, typename Response, typename Call>
-bool Run(const std::string& bytes, Call call) {
+// Runs one call of `stub`'s method `call` with the request `bytes` parse
+// to; false when it did not end before its deadline.
+template <typename Request, typename Response>
+bool Run(const std::string& bytes, kvtier::v1::Controller::Stub* stub,
+         grpc::Status (kvtier::v1::Controller::Stub::*call)(grpc::ClientContext*, const Request&,
+                                                            Response*)) {
   Request req;
   if (!req.ParseFromString(bytes)) return true;
   Response resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
-  return call(&ctx, req, &resp).error_code() != grpc::StatusCode::DEADLINE_EXCEEDED;
+  return (stub->*call)(&ctx, req, &resp).error_code() != grpc::StatusCode::DEADLINE_EXCEEDED;
 }
 
 }  // namespace
@@ -164,42 +167,36 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto stub = kvtier::v1::Controller::NewStub(grpc::CreateChannel(
       "127.0.0.1:" + std::to_string((*server)->port()), grpc::InsecureChannelCredentials()));
   namespace v1 = kvtier::v1;
-  using Ctx = grpc::ClientContext;
+  using Stub = v1::Controller::Stub;
   for (const std::string& part : parts) {
     if (part.empty()) continue;
     const std::string bytes = part.substr(1);
     bool ended = true;
     switch (static_cast<unsigned char>(part[0]) % 6) {
       case kRegister:
-        ended = Run<v1::RegisterRequest, v1::RegisterResponse>(
-            bytes, [&](Ctx* c, const auto& q, auto* r) { return stub->Register(c, q, r); });
+        ended = Run(bytes, stub.get(), &Stub::Register);
         break;
       case kHeartbeat:
-        ended = Run<v1::HeartbeatRequest, v1::HeartbeatResponse>(
-            bytes, [&](Ctx* c, const auto& q, auto* r) { return stub->Heartbeat(c, q, r); });
+        ended = Run(bytes, stub.get(), &Stub::Heartbeat);
         break;
       case kRoute:
-        ended = Run<v1::RouteRequest, v1::RouteResponse>(
-            bytes, [&](Ctx* c, const auto& q, auto* r) { return stub->Route(c, q, r); });
+        ended = Run(bytes, stub.get(), &Stub::Route);
         break;
       case kListNodes:
-        ended = Run<v1::ListNodesRequest, v1::ListNodesResponse>(
-            bytes, [&](Ctx* c, const auto& q, auto* r) { return stub->ListNodes(c, q, r); });
+        ended = Run(bytes, stub.get(), &Stub::ListNodes);
         break;
       case kGetPolicy:
-        ended = Run<v1::GetPolicyRequest, v1::GetPolicyResponse>(
-            bytes, [&](Ctx* c, const auto& q, auto* r) { return stub->GetPolicy(c, q, r); });
+        ended = Run(bytes, stub.get(), &Stub::GetPolicy);
         break;
       default:
-        ended = Run<v1::SetPolicyRequest, v1::SetPolicyResponse>(
-            bytes, [&](Ctx* c, const auto& q, auto* r) { return stub->SetPolicy(c, q, r); });
+        ended = Run(bytes, stub.get(), &Stub::SetPolicy);
         break;
     }
     if (!ended) __builtin_trap();  // A call the controller never answered.
   }
   // The controller still answers, with every node once, in order.
   v1::ListNodesResponse nodes;
-  Ctx ctx;
+  grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
   if (!stub->ListNodes(&ctx, v1::ListNodesRequest(), &nodes).ok()) __builtin_trap();
   for (int i = 1; i < nodes.nodes_size(); ++i) {
