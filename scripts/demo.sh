@@ -72,7 +72,7 @@ RAM_MB=${RAM_MB:-32}
 REPORT=${REPORT:-}
 WORK=$(mktemp -d /tmp/kvtier-demo-XXXXXX)
 PIDS=()
-NAMES=()  # The process and its log file in $WORK, for each of PIDS.
+NAMES=() LOGFILES=()  # Each of PIDS: the server, and its log in $WORK.
 cleanup() {
   local rc=$? i status failed=0
   for i in "${!PIDS[@]}"; do
@@ -82,8 +82,8 @@ cleanup() {
     # A server exits 0 on SIGTERM (143: killed before it took the signal, as
     # when the demo stops early); anything else is a failure to report.
     if [ "$status" != 0 ] && [ "$status" != 143 ]; then
-      echo "kvtier demo: ${NAMES[$i]%% *} exited with status $status while shutting down; its log ends:" >&2
-      tail -n 3 "$WORK/${NAMES[$i]#* }" >&2 || true
+      echo "kvtier demo: ${NAMES[$i]} exited with status $status while shutting down; its log ends:" >&2
+      tail -n 3 "$WORK/${LOGFILES[$i]}" >&2 || true
       failed=1
     fi
   done
@@ -114,7 +114,7 @@ fi
 step "Starting kvtier-store (RocksDB in $WORK/db, RAM tier ${RAM_MB} MiB)"
 "$STORE_BIN" --data_dir="$WORK/db" --listen=127.0.0.1:0 --port_file="$WORK/store.port" \
   --metrics_listen=127.0.0.1:0 --ram_budget_mb="$RAM_MB" 2>>"$WORK/store.log" &
-PIDS+=($!) NAMES+=("kvtier-store store.log")
+PIDS+=($!) NAMES+=(kvtier-store) LOGFILES+=(store.log)
 wait_port "$WORK/store.port" "$WORK/store.log" kvtier-store
 STORE=127.0.0.1:$(cat "$WORK/store.port")
 echo "kvtier-store on $STORE"
@@ -128,7 +128,7 @@ if [ -n "${DECODE_GPU:-}" ]; then DECODE_ENV=(CUDA_VISIBLE_DEVICES="$DECODE_GPU"
 step "Starting kvtier-worker (rounds kept in that store)"
 env "${PREFILL_ENV[@]}" "$WORKER_BIN" --store="$STORE" --listen=127.0.0.1:0 --port_file="$WORK/worker.port" \
   --metrics_listen=127.0.0.1:0 --metrics_port_file="$WORK/worker.mport" "${WORKER_EXTRA[@]}" 2>>"$WORK/worker.log" &
-PIDS+=($!) NAMES+=("kvtier-worker worker.log")
+PIDS+=($!) NAMES+=(kvtier-worker) LOGFILES+=(worker.log)
 wait_port "$WORK/worker.port" "$WORK/worker.log" kvtier-worker
 WORKER=127.0.0.1:$(cat "$WORK/worker.port")
 echo "kvtier-worker on $WORKER, metrics on 127.0.0.1:$(cat "$WORK/worker.mport")/metrics"
@@ -138,7 +138,7 @@ if [ "${PD:-0}" = 1 ]; then
   step "Starting a second kvtier-worker that decodes (PD=1: prefill/decode disaggregation)"
   env "${DECODE_ENV[@]}" "$WORKER_BIN" --store="$STORE" --listen=127.0.0.1:0 --port_file="$WORK/decode.port" \
     --metrics_listen=127.0.0.1:0 --metrics_port_file="$WORK/decode.mport" "${WORKER_EXTRA[@]}" 2>>"$WORK/decode.log" &
-  PIDS+=($!) NAMES+=("kvtier-worker(decode) decode.log")
+  PIDS+=($!) NAMES+=("the decode kvtier-worker") LOGFILES+=(decode.log)
   wait_port "$WORK/decode.port" "$WORK/decode.log" kvtier-worker
   DECODE=127.0.0.1:$(cat "$WORK/decode.port")
   echo "decode kvtier-worker on $DECODE: each round is prefilled on $WORKER, handed off layer"
