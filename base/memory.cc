@@ -32,7 +32,14 @@ ProcessMemory ReadProcessMemory() {
     }
     std::fclose(f);
   }
-#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33)) && \
+    !defined(KVTIER_SANITIZED)
+  // Not under a sanitizer: its allocator replaces glibc's, whose arenas then
+  // hold nothing, and glibc's malloc is still uninitialized when the first
+  // mallinfo2() initializes it. That initialization is not thread-safe: two
+  // threads doing it at once (EndRounds of concurrent sessions) both take the
+  // main arena for one reference, and the second to exit aborts in
+  // __malloc_arena_thread_freeres ("a->attached_threads > 0").
   const struct mallinfo2 mi = mallinfo2();
   // uordblks: in use from the arenas; hblkhd: in use from mmap()ed blocks.
   m.heap_in_use_bytes = mi.uordblks + mi.hblkhd;

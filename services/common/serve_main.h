@@ -43,6 +43,7 @@ int ServeUntilSignal(const std::string& name,
   sigwait(&sigs, &sig);
   LogInfo(name + " shutting down", {{"signal", sig}});
   server->reset();
+  LogInfo(name + " stopped");
   return 0;
 }
 
