@@ -415,12 +415,20 @@ TEST_F(ClusterTest, ChaosRandomKills) {
     const int store_at = 1 + static_cast<int>(rng() % 5),
               worker_at = 1 + static_cast<int>(rng() % 5);
     std::mutex mu;
+    int kills = 0;
     // Kills at their rounds, restarts on the same address a round later.
     auto on_round = [&](const std::string& line) {
       std::lock_guard<std::mutex> lock(mu);
-      auto at = [&](int r) { return absl::StrContains(line, absl::StrCat(" round ", r, "/")); };
-      if (store->running() && at(store_at)) store->Kill();
-      if (worker->running() && at(worker_at)) worker->Kill();
+      // "round R (R+1 of N)": the (R+1)th round of a session begins.
+      auto at = [&](int r) { return absl::StrContains(line, absl::StrCat(" (", r, " of ")); };
+      if (store->running() && at(store_at)) {
+        store->Kill();
+        ++kills;
+      }
+      if (worker->running() && at(worker_at)) {
+        worker->Kill();
+        ++kills;
+      }
       if (!store->running() && at(store_at + 1)) (void)store->Start();
       if (!worker->running() && at(worker_at + 1)) (void)worker->Start();
     };
@@ -431,6 +439,9 @@ TEST_F(ClusterTest, ChaosRandomKills) {
     slowest = std::max(slowest, absl::Now() - t0);
     ASSERT_TRUE(run.ok()) << "cycle " << cycle << " (" << store->name() << " at " << store_at
                           << ", " << worker->name() << " at " << worker_at << "): " << run.status();
+    // Both kills must have happened (rounds 1-5 of 8 always come): a cycle
+    // that killed nothing would pass whatever the cluster does.
+    EXPECT_GE(kills, 2) << "cycle " << cycle;
     for (size_t i = 0; i < run->sessions.size(); ++i) {
       EXPECT_EQ(run->sessions[i].err2, base->sessions[i].err2) << run->sessions[i].id;
       failovers += static_cast<int>(run->sessions[i].failovers.size());
