@@ -20,6 +20,12 @@ CODEC=${CODEC:-raw}
 MODEL=${MODEL:-}
 KILL_STORE_AT=${KILL_STORE_AT:-8}
 KILL_WORKER_AT=${KILL_WORKER_AT:-16}
+for at in "$KILL_STORE_AT" "$KILL_WORKER_AT"; do
+  if ! [[ $at =~ ^[0-9]+$ ]] || [ "$at" -lt 1 ] || [ "$at" -gt "$ROUNDS" ]; then
+    echo "KILL_STORE_AT=$KILL_STORE_AT KILL_WORKER_AT=$KILL_WORKER_AT: each must be a round from 1 to ROUNDS=$ROUNDS"
+    exit 2
+  fi
+done
 WORK=$(mktemp -d /tmp/kvtier-cluster-XXXXXX)
 declare -A PID
 cleanup() {
@@ -107,6 +113,12 @@ while kill -0 "$ENGINE" 2>/dev/null; do
 done
 if ! wait "$ENGINE"; then
   echo "the engine failed:"; tail -n 20 "$WORK/run2.txt" "$WORK/run2.err"; exit 1
+fi
+if [ $killed_store = 0 ] || [ $killed_worker = 0 ]; then
+  # Run 2 would then show nothing of what it claims: say so rather than report it.
+  [ $killed_store = 0 ] && echo "store-1 was never killed: no progress line had \" ($KILL_STORE_AT of \""
+  [ $killed_worker = 0 ] && echo "worker-1 was never killed: no progress line had \" ($KILL_WORKER_AT of \""
+  exit 1
 fi
 grep -E 'sending the round again|the round was stored' "$WORK/run2.txt" | sed 's/^/  /' || true
 sed -n '/^cluster placement/,$p' "$WORK/run2.txt"
