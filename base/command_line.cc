@@ -6,6 +6,7 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 
 namespace kvtier {
@@ -38,8 +39,21 @@ std::string Normalize(absl::string_view filename) {
 
 }  // namespace
 
+std::string KvtierVersion() {
+  return absl::StrCat(KVTIER_VERSION, " (", KVTIER_BUILD_TYPE, " build)");
+}
+
 std::vector<char*> ParseKvtierCommandLine(int argc, char** argv, const char* usage) {
   absl::FlagsUsageConfig config;
+  // absl's own --version prints the program's name and whether absl itself
+  // was built without NDEBUG (Debian's is: "Debug build"), not kvtier's.
+  absl::string_view program = argc > 0 ? argv[0] : "kvtier";
+  if (const size_t slash = program.rfind('/'); slash != absl::string_view::npos) {
+    program.remove_prefix(slash + 1);
+  }
+  config.version_string = [name = std::string(program)] {
+    return absl::StrCat(name, " ", KvtierVersion(), "\n");
+  };
   config.contains_help_flags = IsOwnFlag;
   config.contains_helpshort_flags = IsOwnFlag;
   config.normalize_filename = Normalize;

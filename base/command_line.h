@@ -3,6 +3,7 @@
 #ifndef KVTIER_BASE_COMMAND_LINE_H_
 #define KVTIER_BASE_COMMAND_LINE_H_
 
+#include <string>
 #include <vector>
 
 namespace kvtier {
@@ -13,7 +14,13 @@ namespace kvtier {
 // under `--helpfull`); then parses the command line as
 // absl::ParseCommandLine does (an unknown or malformed flag prints one line
 // naming it and exits 1). Returns the positional arguments, argv[0] first.
+// `--version` prints "PROGRAM VERSION (BUILD_TYPE build)", PROGRAM being
+// argv[0]'s last path component.
 std::vector<char*> ParseKvtierCommandLine(int argc, char** argv, const char* usage);
+
+// "VERSION (BUILD_TYPE build)": the project's version (CMake's
+// PROJECT_VERSION) and the build type it was compiled in.
+std::string KvtierVersion();
 
 }  // namespace kvtier
 

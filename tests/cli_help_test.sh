@@ -22,9 +22,18 @@ check() {  # binary, then flags its --help must list
   err=$("$bin" --no_such_flag 2>&1) || rc=$?
   [[ $rc -ne 0 ]] || { echo "$bin --no_such_flag exited 0"; exit 1; }
   grep -q "no_such_flag" <<<"$err" || { echo "$bin: unknown flag not named: $err"; exit 1; }
+  # --version: the binary's name and the project's version, not absl's own.
+  local ver
+  ver=$("$bin" --version 2>&1)
+  [[ $ver == "$(basename "$bin") $VERSION ("*" build)" ]] ||
+    { echo "$bin --version: '$ver' (expected $(basename "$bin") $VERSION (... build))"; exit 1; }
 }
+VERSION=$(sed -n 's/^project(kvtier VERSION \([0-9.]*\).*/\1/p' "$(dirname "$0")/../CMakeLists.txt")
+[[ -n $VERSION ]] || { echo "no version in CMakeLists.txt's project()"; exit 1; }
 check services/store/kvtier-store data_dir listen ram_budget_mb metrics_listen
 check services/worker/kvtier-worker store listen compute_threads max_working_set_mb
 check services/controller/kvtier-controller listen replicas state_dir
 check refengine/kvtier-engine worker store codec evict recall
-echo "cli_help_test: every binary's --help lists its flags"
+ver=$("$BUILD_DIR/tools/kvtier" --version 2>&1)
+[[ $ver == "kvtier $VERSION ("*" build)" ]] || { echo "kvtier --version: '$ver'"; exit 1; }
+echo "cli_help_test: every binary's --help lists its flags; --version says $VERSION"

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "absl/strings/numbers.h"
+#include "base/command_line.h"
 #include "tools/cli_args.h"
 
 namespace kvtier::cli {
@@ -73,6 +74,10 @@ int main(int argc, char** argv) {
   if (cmd == "policy") return kvtier::cli::PolicyCommand(kvtier::cli::Args(argc, argv, 2));
   if (cmd == "calibrate") return kvtier::cli::CalibrateCommand(kvtier::cli::Args(argc, argv, 2));
   if (cmd == "plot") return kvtier::cli::PlotCommand(kvtier::cli::Args(argc, argv, 2));
+  if (cmd == "--version" || cmd == "version") {
+    std::printf("kvtier %s\n", kvtier::KvtierVersion().c_str());
+    return 0;
+  }
   if (cmd == "conversations") {
     return kvtier::cli::ConversationsCommand(kvtier::cli::Args(argc, argv, 2));
   }
@@ -94,6 +99,7 @@ int main(int argc, char** argv) {
       "  kvtier conversations check FILE [--model=PATH] | sample --model=PATH\n"
       "      conversation files for replay            (kvtier conversations help)\n"
       "  kvtier plot codecs|eviction|demo FILE --out=FILE.svg|png\n"
-      "      pictures of the tables (gnuplot)         (kvtier plot help)\n");
+      "      pictures of the tables (gnuplot)         (kvtier plot help)\n"
+      "  kvtier --version\n");
   return cmd == "help" || cmd == "--help" ? 0 : 2;
 }
