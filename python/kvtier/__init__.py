@@ -7,10 +7,11 @@ build/python/kvtier/v1; put build/python on PYTHONPATH (docs/python.md).
 """
 
 from kvtier._common import KvtierError
+from kvtier._version import __version__
 from kvtier.connector import KvtierConnector
 from kvtier.controller import ControllerClient
 from kvtier.store import StoreClient
 from kvtier.worker import DecodeStream, ModelSpec, Policy, PrefillStep, Session, WorkerClient
 
-__all__ = ["KvtierError", "KvtierConnector", "ControllerClient", "StoreClient", "WorkerClient",
+__all__ = ["__version__", "KvtierError", "KvtierConnector", "ControllerClient", "StoreClient", "WorkerClient",
            "ModelSpec", "Policy", "Session", "PrefillStep", "DecodeStream"]

@@ -27,3 +27,11 @@ def test_readme_example_runs(stack):
     lines = out.getvalue().splitlines()
     assert [l.split()[1] for l in lines] == ["0", "1", "2"], lines
     assert all(len(l.split("[")[1].split(",")) == 10 for l in lines), lines
+
+
+def test_version_is_the_projects():
+    import kvtier
+    with open(os.path.join(SOURCE, "CMakeLists.txt")) as f:
+        m = re.search(r"^project\(kvtier VERSION ([0-9.]+)", f.read(), re.M)
+    assert m, "CMakeLists.txt's project() has no version"
+    assert kvtier.__version__ == m.group(1)
