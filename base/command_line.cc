@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "base/version.h"
 
 namespace kvtier {
 namespace {
@@ -38,10 +39,6 @@ std::string Normalize(absl::string_view filename) {
 }
 
 }  // namespace
-
-std::string KvtierVersion() {
-  return absl::StrCat(KVTIER_VERSION, " (", KVTIER_BUILD_TYPE, " build)");
-}
 
 std::vector<char*> ParseKvtierCommandLine(int argc, char** argv, const char* usage) {
   absl::FlagsUsageConfig config;

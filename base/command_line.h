@@ -3,7 +3,6 @@
 #ifndef KVTIER_BASE_COMMAND_LINE_H_
 #define KVTIER_BASE_COMMAND_LINE_H_
 
-#include <string>
 #include <vector>
 
 namespace kvtier {
@@ -17,10 +16,6 @@ namespace kvtier {
 // `--version` prints "PROGRAM VERSION (BUILD_TYPE build)", PROGRAM being
 // argv[0]'s last path component.
 std::vector<char*> ParseKvtierCommandLine(int argc, char** argv, const char* usage);
-
-// "VERSION (BUILD_TYPE build)": the project's version (CMake's
-// PROJECT_VERSION) and the build type it was compiled in.
-std::string KvtierVersion();
 
 }  // namespace kvtier
 

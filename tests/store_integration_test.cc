@@ -11,7 +11,9 @@
 #include <memory>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "base/version.h"
 #include "client/store_client.h"
 #include "gmock/gmock.h"
 #include "grpcpp/completion_queue.h"
@@ -862,6 +864,10 @@ TEST_F(StoreIntegrationTest, MetricsHealthAndReflection) {
   EXPECT_THAT(metrics, HasSubstr("\nprocess_resident_memory_bytes "));
   EXPECT_THAT(metrics, HasSubstr("\nkvtier_process_peak_resident_memory_bytes "));
   EXPECT_THAT(metrics, HasSubstr("\nkvtier_process_heap_in_use_bytes "));
+  // And its version (as --version prints it).
+  EXPECT_THAT(metrics,
+              HasSubstr(absl::StrCat("\nkvtier_build_info{version=\"", KvtierVersionNumber(),
+                                     "\",build_type=\"", KvtierBuildType(), "\"} 1\n")));
   auto stats = alice_->Stats();
   ASSERT_THAT(stats, IsOk());
   EXPECT_GT(stats->memory().resident_bytes(), 1u << 20);

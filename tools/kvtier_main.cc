@@ -4,7 +4,7 @@
 #include <string>
 
 #include "absl/strings/numbers.h"
-#include "base/command_line.h"
+#include "base/version.h"
 #include "tools/cli_args.h"
 
 namespace kvtier::cli {

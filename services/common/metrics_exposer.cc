@@ -17,6 +17,7 @@
 #include "CivetServer.h"
 #include "absl/strings/str_cat.h"
 #include "base/memory.h"
+#include "base/version.h"
 #include "civetweb.h"
 #include "prometheus/client_metric.h"
 #include "prometheus/metric_family.h"
@@ -88,9 +89,11 @@ int AnswerHealth(mg_connection* conn) {
   return code;
 }
 
-// The process's memory, read at each scrape: RSS under the name Prometheus'
-// client libraries use, its peak, and the heap's split (base/memory.h).
-class ProcessMemoryCollectable : public prometheus::Collectable {
+// The process: its memory, read at each scrape (RSS under the name
+// Prometheus' client libraries use, its peak, and the heap's split,
+// base/memory.h), and kvtier's version as a constant 1 with labels (the
+// usual *_build_info shape, for dashboards to join on).
+class ProcessCollectable : public prometheus::Collectable {
  public:
   std::vector<prometheus::MetricFamily> Collect() const override {
     const ProcessMemory m = ReadProcessMemory();
@@ -110,7 +113,21 @@ class ProcessMemoryCollectable : public prometheus::Collectable {
             gauge("kvtier_process_heap_in_use_bytes", "Heap allocated and not freed (mallinfo2).",
                   m.heap_in_use_bytes),
             gauge("kvtier_process_heap_free_bytes",
-                  "Freed heap the allocator keeps for reuse (mallinfo2).", m.heap_free_bytes)};
+                  "Freed heap the allocator keeps for reuse (mallinfo2).", m.heap_free_bytes),
+            BuildInfo()};
+  }
+
+ private:
+  static prometheus::MetricFamily BuildInfo() {
+    prometheus::MetricFamily f;
+    f.name = "kvtier_build_info";
+    f.help = "kvtier's version and build type (value 1).";
+    f.type = prometheus::MetricType::Gauge;
+    prometheus::ClientMetric c;
+    c.label = {{"version", KvtierVersionNumber()}, {"build_type", KvtierBuildType()}};
+    c.gauge.value = 1;
+    f.metric.push_back(c);
+    return f;
   }
 };
 
@@ -136,7 +153,7 @@ absl::StatusOr<MetricsEndpoint> ServeMetrics(
         "(port 0: any free one) or turn metrics off with --metrics_listen="));
   }
   for (const auto& c : collectables) e.exposer->RegisterCollectable(c);
-  e.process_memory = std::make_shared<ProcessMemoryCollectable>();
+  e.process_memory = std::make_shared<ProcessCollectable>();
   e.exposer->RegisterCollectable(e.process_memory);
   const std::vector<int> ports = e.exposer->GetListeningPorts();
   e.port = ports.empty() ? 0 : ports[0];

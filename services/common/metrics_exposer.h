@@ -46,7 +46,8 @@ struct MetricsEndpoint {
   std::string wake_host;
   // Routes this port's /healthz and /readyz to its HealthFn; goes first.
   std::shared_ptr<HealthRegistration> health;
-  // process_resident_memory_bytes and kvtier_process_* (every server has them).
+  // process_resident_memory_bytes, kvtier_process_* and kvtier_build_info
+  // (every server has them).
   std::shared_ptr<prometheus::Collectable> process_memory;
 };
 
