@@ -17,9 +17,10 @@ namespace {
 // anything) many threads make their first read together and then exit; every
 // child must exit 0. Under ASan, glibc's malloc initialized by that first
 // read from two threads at once aborted the second of them to exit: in 105 to
-// 119 of 200 such children (3 runs). 50 children of 8 threads. Each thread also checks
-// that the read found the resident set. The test process itself must not read
-// its memory before it forks (hence one test in this binary).
+// 119 of 200 such children (3 runs). Here 50 children of 8 threads; each
+// thread also checks that the read found the resident set. The test process
+// itself must not read its memory before it forks (hence one test in this
+// binary).
 TEST(ProcessMemoryTest, FirstReadsFromManyThreadsAtOnceThenThreadsExit) {
   constexpr int kChildren = 50;
   constexpr int kThreads = 8;

@@ -13,5 +13,5 @@ from kvtier.controller import ControllerClient
 from kvtier.store import StoreClient
 from kvtier.worker import DecodeStream, ModelSpec, Policy, PrefillStep, Session, WorkerClient
 
-__all__ = ["__version__", "KvtierError", "KvtierConnector", "ControllerClient", "StoreClient", "WorkerClient",
-           "ModelSpec", "Policy", "Session", "PrefillStep", "DecodeStream"]
+__all__ = ["__version__", "KvtierError", "KvtierConnector", "ControllerClient", "StoreClient",
+           "WorkerClient", "ModelSpec", "Policy", "Session", "PrefillStep", "DecodeStream"]

@@ -153,8 +153,8 @@ absl::StatusOr<MetricsEndpoint> ServeMetrics(
         "(port 0: any free one) or turn metrics off with --metrics_listen="));
   }
   for (const auto& c : collectables) e.exposer->RegisterCollectable(c);
-  e.process_memory = std::make_shared<ProcessCollectable>();
-  e.exposer->RegisterCollectable(e.process_memory);
+  e.process = std::make_shared<ProcessCollectable>();
+  e.exposer->RegisterCollectable(e.process);
   const std::vector<int> ports = e.exposer->GetListeningPorts();
   e.port = ports.empty() ? 0 : ports[0];
   e.health = std::make_shared<HealthRegistration>(e.port, std::move(health));

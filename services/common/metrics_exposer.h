@@ -48,7 +48,7 @@ struct MetricsEndpoint {
   std::shared_ptr<HealthRegistration> health;
   // process_resident_memory_bytes, kvtier_process_* and kvtier_build_info
   // (every server has them).
-  std::shared_ptr<prometheus::Collectable> process_memory;
+  std::shared_ptr<prometheus::Collectable> process;
 };
 
 // Serves `collectables` and the process's memory at `address` ("host:port")
