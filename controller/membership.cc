@@ -27,10 +27,8 @@ Membership::Membership(MembershipOptions options) : options_(options) {}
 
 absl::Status Membership::Register(const NodeSpec& spec) {
   KVT_RETURN_IF_ERROR(ValidateName("node_id", spec.id));
-  if (spec.address.empty() || spec.address.size() > 256 ||
-      spec.address.find(':') == std::string::npos) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("node ", spec.id, ": address must be host:port, got '", spec.address, "'"));
+  if (absl::Status s = ValidateAddress("address", spec.address); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("node ", spec.id, ": ", s.message()));
   }
   const int64_t now = options_.clock->NowUnixMs();
   absl::MutexLock lock(&mu_);

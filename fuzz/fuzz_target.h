@@ -21,6 +21,14 @@ namespace kvtier::fuzz {
 
 std::vector<std::string> Seeds();
 
+// Called once after the last input, before the process exits: a target that
+// keeps process-wide state (a server, its threads and temporary directory)
+// stops and removes it here, so that nothing of it runs while the static
+// destructors do. replay_main.cc calls it before main returns; under
+// libFuzzer a target registers it with std::atexit when it builds that
+// state. Calling it twice is harmless. Default (weak): nothing.
+void TearDown();
+
 // A little-endian length-prefixed split of the input, for targets that take
 // several messages: each part is a 2-byte length and that many bytes (the
 // last part takes what is left when the length runs past the end).

@@ -18,6 +18,8 @@ const bool kQuietProtobuf = [] {
 
 }  // namespace
 
+__attribute__((weak)) void TearDown() {}
+
 std::vector<std::string> SplitParts(const uint8_t* data, size_t size, size_t max_parts) {
   std::vector<std::string> parts;
   size_t at = 0;

@@ -97,6 +97,7 @@ int main(int argc, char** argv) {
     Run(input);
     ++runs;
   }
+  kvtier::fuzz::TearDown();
   std::printf("%s: %zu seeds and inputs, %ld mutations in %.1f s, no crash\n", argv[0], pool.size(),
               runs, budget);
   return 0;

@@ -9,6 +9,7 @@
 // Input: parts (fuzz_target.h); part 0's first byte picks the method (even:
 // PutSegments, odd: PutSegment), every later part is one message's bytes.
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -35,9 +36,15 @@ struct Fixture {
   std::unique_ptr<kvtier::v1::Store::Stub> stub;
 };
 
+// Built by the first input, destroyed by TearDown: the server stops (its
+// threads joined, RocksDB closed) and the temporary directory goes before
+// the process exits.
+Fixture* fixture = nullptr;
+
 Fixture& Get() {
   static Fixture* f = [] {
-    auto* f = new Fixture;
+    fixture = new Fixture;
+    Fixture* f = fixture;
     kvtier::SetLogLevel(kvtier::LogLevel::kWarn);  // Not a line per refused upload.
     kvtier::StoreServerOptions o;
     o.listen = "127.0.0.1:0";
@@ -54,6 +61,9 @@ Fixture& Get() {
       __builtin_trap();
     }
     f->server = *std::move(s);
+    // After the server's statics exist, so that at exit it stops before
+    // they are destroyed (libFuzzer ends with exit()).
+    std::atexit(kvtier::fuzz::TearDown);
     f->channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(f->server->port()),
                                      grpc::InsecureChannelCredentials());
     f->stub = kvtier::v1::Store::NewStub(f->channel);
@@ -85,6 +95,11 @@ std::string Chunk(const std::string& bytes) {
 }  // namespace
 
 namespace kvtier::fuzz {
+
+void TearDown() {
+  delete fixture;
+  fixture = nullptr;
+}
 
 std::vector<std::string> Seeds() {
   const std::string a = testing::MakePayload(1500, 1), b = testing::MakePayload(9000, 2);

@@ -52,8 +52,20 @@ case "${1:-}" in
   build) build ;;
   test)
     build
-    # soak runs are long: `ctest -L soak` runs them on purpose.
-    ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" -LE soak ${CTEST_ARGS:-}
+    # soak runs are long: `ctest -L soak` runs them on purpose. Every test
+    # gets a TMPDIR of the run's own; whatever is left in it afterwards is a
+    # test that did not clean up, and fails the run.
+    tmp=$(realpath -m "$BUILD_DIR/test-tmp")
+    rm -rf "$tmp" && mkdir -p "$tmp"
+    rc=0
+    TMPDIR="$tmp" ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" -LE soak \
+      ${CTEST_ARGS:-} || rc=$?
+    if [ -n "$(ls -A "$tmp")" ]; then
+      echo "kvtier.sh: tests left these behind in TMPDIR ($tmp):" >&2
+      du -sh "$tmp"/* "$tmp"/.[!.]* 2>/dev/null | sed 's/^/  /' >&2
+      [ "$rc" -ne 0 ] || rc=1
+    fi
+    exit "$rc"
     ;;
   demo)
     build

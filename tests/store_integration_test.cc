@@ -25,6 +25,7 @@
 #include "testing/store_process.h"
 #include "testing/test_util.h"
 #include "tests/util/grpc_health.h"
+#include "tests/util/raw_unary.h"
 #include "tests/util/status_matchers.h"
 
 namespace kvtier {
@@ -414,6 +415,25 @@ TEST_F(StoreIntegrationTest, BadInputGetsPreciseStatusAndChangesNothing) {
 
 // Issue 18: several segments in one call, each stored (or refused) exactly as
 // its own PutSegment would be; errors of the stream itself end the call.
+// Bytes that do not parse, on every unary method: INVALID_ARGUMENT naming
+// the message that did not parse (gRPC's own handler answered UNIMPLEMENTED
+// with no details); an unauthenticated caller still hears UNAUTHENTICATED
+// first.
+TEST_F(StoreIntegrationTest, UnparseableRequestsAreInvalidArgumentOnEveryMethod) {
+  StartStore();
+  const std::string garbage("\xff\xff\xff\xff\x0f\x01\x02", 7);
+  for (const char* m : {"ListRounds", "DropRounds", "RecordRecalls", "DeleteSession", "PinSession",
+                        "ListSessions", "Stats"}) {
+    const std::string method = absl::StrCat("/kvtier.v1.Store/", m);
+    const grpc::Status st = testing::RawUnary(alice_->channel(), method, garbage, kAliceToken);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << m;
+    EXPECT_THAT(st.error_message(), HasSubstr("does not parse as kvtier.v1.")) << m;
+    EXPECT_EQ(testing::RawUnary(alice_->channel(), method, garbage).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED)
+        << m;
+  }
+}
+
 TEST_F(StoreIntegrationTest, PutSegmentsStoresEachSegmentWithItsOwnStatus) {
   StartStore({"--max_segment_mb=4"});
   const std::string small = MakePayload(5000, 1);

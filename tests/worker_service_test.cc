@@ -20,13 +20,16 @@
 #include "testing/test_util.h"
 #include "tests/util/grpc_health.h"
 #include "tests/util/segment_refs.h"
+#include "tests/util/raw_unary.h"
 #include "tests/util/status_matchers.h"
+#include "tests/util/trap_listener.h"
 #include "tests/util/worker_stack.h"
 
 namespace kvtier {
 namespace {
 
 using ::kvtier::testing::IsOk;
+using ::kvtier::testing::RawUnary;
 using ::kvtier::testing::StatusIs;
 #define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), IsOk())
 
@@ -487,6 +490,71 @@ grpc::Status EndRound(v1::Worker::Stub* stub, const std::string& id, v1::EndRoun
   v1::EndRoundRequest r;
   r.set_session_id(id);
   return stub->EndRound(&c, r, resp);
+}
+
+// A hostile tenant names its own listener as a store replica, to catch the
+// worker's store token: in OpenSession, in a TransferSession header, and
+// beside the worker's real store. Each is PERMISSION_DENIED naming the
+// address; the listener never sees a connection, even after the steps and
+// EndRound that would have written rounds there; malformed addresses are
+// INVALID_ARGUMENT; the worker's own --store still works.
+TEST_F(WorkerServiceTest, ATenantCannotPointTheWorkerAtAnAddressOfItsChoosing) {
+  testing::TrapListener trap;
+  ASSERT_TRUE(trap.ok());
+  std::mt19937 rng(9);
+  v1::EndRoundResponse end;
+  for (const std::vector<std::string>& stores :
+       {std::vector<std::string>{trap.address()},
+        std::vector<std::string>{stack_.store()->target(), trap.address()}}) {
+    v1::OpenSessionRequest open = Open("steal");
+    for (const std::string& a : stores) open.add_store_addresses(a);
+    grpc::ClientContext c;
+    v1::OpenSessionResponse r;
+    const grpc::Status st = stub_->OpenSession(&c, open, &r);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED) << st.error_message();
+    EXPECT_THAT(st.error_message(), ::testing::HasSubstr(trap.address()));
+    EXPECT_EQ(PrefillStep(stub_.get(), "steal", 4, &rng).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+    EXPECT_EQ(EndRound(stub_.get(), "steal", &end, absl::Seconds(2)).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+  for (const std::string& bad : {std::string("127.0.0.1:70 70"), std::string("evil\n:1"),
+                                 std::string(10'000, 'x') + ":1"}) {
+    v1::OpenSessionRequest open = Open("malformed");
+    open.add_store_addresses(bad);
+    grpc::ClientContext c;
+    v1::OpenSessionResponse r;
+    const grpc::Status st = stub_->OpenSession(&c, open, &r);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_LT(st.error_message().size(), 400u);
+  }
+  {
+    // A hand-off stream whose header names the listener ends at the header.
+    grpc::ClientContext c;
+    c.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    v1::TransferSessionResponse resp;
+    auto w = stub_->TransferSession(&c, &resp);
+    v1::TransferChunk chunk;
+    v1::TransferHeader* h = chunk.mutable_header();
+    h->set_session_id("moved");
+    *h->mutable_model() = Open("moved").model();
+    h->add_store_addresses(trap.address());
+    w->Write(chunk);
+    w->WritesDone();
+    const grpc::Status st = w->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED) << st.error_message();
+    EXPECT_THAT(st.error_message(), ::testing::HasSubstr(trap.address()));
+  }
+  EXPECT_EQ(trap.Connections(), 0);
+  // The worker's own store is allowed by name.
+  v1::OpenSessionRequest own = Open("own");
+  own.add_store_addresses(stack_.store()->target());
+  grpc::ClientContext c;
+  v1::OpenSessionResponse r;
+  const grpc::Status st = stub_->OpenSession(&c, own, &r);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_TRUE(PrefillStep(stub_.get(), "own", 4, &rng).ok());
+  ASSERT_TRUE(EndRound(stub_.get(), "own", &end).ok());
 }
 
 // A Policy left at its defaults is the documented default policy: upper
@@ -952,24 +1020,6 @@ TEST(WorkerTenantTest, TenantsCannotReachEachOther) {
   EXPECT_EQ(list("acmeeu-reader-1", "x", &rounds), grpc::StatusCode::NOT_FOUND);
 }
 
-// Sends `bytes` as the one request message of a unary `method`.
-grpc::Status RawUnary(const std::shared_ptr<grpc::Channel>& ch, const std::string& method,
-                      const std::string& bytes) {
-  grpc::GenericStub generic(ch);
-  grpc::ClientContext c;
-  c.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-  grpc::Slice slice(bytes);
-  grpc::ByteBuffer req(&slice, 1), resp;
-  absl::Notification done;
-  grpc::Status status;
-  generic.UnaryCall(&c, method, grpc::StubOptions(), &req, &resp, [&](grpc::Status s) {
-    status = std::move(s);
-    done.Notify();
-  });
-  done.WaitForNotification();
-  return status;
-}
-
 // Sends `bytes` as one message on a bidi stream `method`, half-closes, reads
 // whatever comes, and returns the final status.
 grpc::Status RawStream(const std::shared_ptr<grpc::Channel>& ch, const std::string& method,
@@ -1092,6 +1142,7 @@ TEST(WorkerReplicationTest, RoundsLandOnEveryReplicaAndRecallsFallBack) {
   wo.listen = "127.0.0.1:0";
   wo.metrics_listen = "";
   wo.store.target = a.target();
+  wo.replica_stores = {b.target()};
   wo.service.store_deadline = absl::Seconds(5);
   auto worker = WorkerServer::Start(wo);
   ASSERT_TRUE(worker.ok()) << worker.status();
@@ -1206,10 +1257,27 @@ TEST(WorkerReplicationTest, ADeadReplicaIsReplacedThroughTheController) {
   v1::OpenSessionRequest open = OpenRequest("chat");
   for (const auto& st : pl.stores) open.add_store_addresses(st.spec.address);
   {
+    // Beside a store the controller placed, an address it does not know
+    // is refused: the worker asked the controller, not the tenant.
+    testing::TrapListener trap;
+    ASSERT_TRUE(trap.ok());
+    v1::OpenSessionRequest hostile = OpenRequest("chat-hostile");
+    hostile.add_store_addresses(pl.stores[0].spec.address);
+    hostile.add_store_addresses(trap.address());
     grpc::ClientContext c;
     c.AddMetadata("authorization", "Bearer acme-token-00001");
     v1::OpenSessionResponse r;
-    ASSERT_TRUE(stub->OpenSession(&c, open, &r).ok());
+    const grpc::Status st = stub->OpenSession(&c, hostile, &r);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED) << st.error_message();
+    EXPECT_THAT(st.error_message(), ::testing::HasSubstr("controller lists"));
+    EXPECT_EQ(trap.Connections(), 0);
+  }
+  {
+    grpc::ClientContext c;
+    c.AddMetadata("authorization", "Bearer acme-token-00001");
+    v1::OpenSessionResponse r;
+    const grpc::Status st = stub->OpenSession(&c, open, &r);
+    ASSERT_TRUE(st.ok()) << st.error_message();
   }
   const std::string token = "acme-token-00001";
   std::mt19937 rng(5);

@@ -17,7 +17,10 @@ namespace kvtier {
 
 Authenticator::Authenticator(std::vector<TenantEntry> entries)
     : enabled_(true), entries_(std::move(entries)) {
-  for (const TenantEntry& e : entries_) by_token_[e.token] = e.principal;
+  for (const TenantEntry& e : entries_) {
+    by_token_[e.token] = e.principal;
+    if (!e.principal.node_id.empty()) bound_nodes_[e.principal.node_id] = e.principal.node_kind;
+  }
 }
 
 absl::StatusOr<Authenticator> Authenticator::FromFile(const std::string& path) {
@@ -70,6 +73,19 @@ absl::StatusOr<Authenticator> Authenticator::FromText(const std::string& text) {
     for (const std::string& item : kv) {
       const size_t eq = item.find('=');
       const std::string key = item.substr(0, eq);
+      if (key == "node_id" || key == "node_kind") {
+        const std::string value = item.substr(eq + 1);
+        if (e.principal.role != Role::kNode) return bad(absl::StrCat(key, " is for node tokens"));
+        if (key == "node_id") {
+          if (absl::Status s = ValidateName("node_id", value); !s.ok()) return bad(s.message());
+          e.principal.node_id = value;
+        } else if (value == "worker" || value == "store") {
+          e.principal.node_kind = value;
+        } else {
+          return bad("node_kind must be worker or store");
+        }
+        continue;
+      }
       uint64_t value = 0;
       if (!absl::SimpleAtoi(item.substr(eq + 1), &value)) {
         return bad(absl::StrCat(key, " must be a non-negative integer"));
@@ -81,11 +97,22 @@ absl::StatusOr<Authenticator> Authenticator::FromText(const std::string& text) {
       } else if (key == "max_sessions" || key == "max_working_set_mb") {
         return bad(absl::StrCat(key, " is out of range"));
       } else {
-        return bad(
-            absl::StrCat("unknown limit '", key, "' (max_sessions=N, max_working_set_mb=N)"));
+        return bad(absl::StrCat("unknown key '", key,
+                                "' (max_sessions=N, max_working_set_mb=N, node_id=ID, "
+                                "node_kind=worker|store)"));
       }
     }
+    if (e.principal.node_id.empty() != e.principal.node_kind.empty()) {
+      return bad("node_id and node_kind go together");
+    }
     if (!seen.emplace(e.token, line_no).second) return bad("duplicate token");
+    if (!e.principal.node_id.empty()) {
+      for (const TenantEntry& other : entries) {
+        if (other.principal.node_id == e.principal.node_id) {
+          return bad(absl::StrCat("node_id ", e.principal.node_id, " is bound to another token"));
+        }
+      }
+    }
     entries.push_back(std::move(e));
   }
   if (entries.empty()) return absl::InvalidArgumentError("tenants file lists no tokens");
@@ -106,7 +133,34 @@ absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContextB
   }
   KVT_RETURN_IF_ERROR(
       ValidateName(kTenantMetadata, std::string_view(tenant.data(), tenant.size())));
-  return Principal{std::string(tenant), Role::kReadWrite, caller.caller};
+  return Principal{std::string(tenant), Role::kReadWrite, caller.caller, "", ""};
+}
+
+absl::Status Authenticator::RequireNodeIdentity(const Principal& p, const std::string& node_id,
+                                                const std::string& kind) const {
+  if (!enabled_) return absl::OkStatus();
+  if (!p.node_id.empty()) {
+    if (p.node_id == node_id && (kind.empty() || p.node_kind == kind)) return absl::OkStatus();
+    return absl::PermissionDeniedError(
+        absl::StrCat("this node token belongs to ", p.node_kind, " node '", p.node_id,
+                     "'; it may not act as ", kind.empty() ? "" : kind + " ", "node '",
+                     node_id.substr(0, kMaxNameLength),
+                     "'"));
+  }
+  if (auto it = bound_nodes_.find(node_id); it != bound_nodes_.end()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "node '", node_id, "' is bound to a token of its own (node_id= in the tenants file); "
+        "this token may not act as it"));
+  }
+  return absl::OkStatus();
+}
+
+int Authenticator::UnboundNodeTokens() const {
+  int n = 0;
+  for (const TenantEntry& e : entries_) {
+    if (e.principal.role == Role::kNode && e.principal.node_id.empty()) ++n;
+  }
+  return n;
 }
 
 std::map<std::string, TenantLimits> Authenticator::Limits() const {

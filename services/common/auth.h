@@ -13,6 +13,15 @@
 // quota_bytes binds kvtier-store (stored bytes); the worker limits bind
 // kvtier-worker. 0 or absent: no per-tenant limit.
 //
+// A node token may be bound to the one node that holds it:
+//   store-0-secret     store-0  node   node_id=store-0 node_kind=store
+// kvtier-controller then takes Register and Heartbeat with that token only
+// for that node id and kind, and no other token may Register or Heartbeat
+// that id (PERMISSION_DENIED), so a node that leaks its token cannot be
+// impersonated by the holder of another. An unbound node token may act for
+// any node id that no token is bound to (one token shared by a whole
+// cluster); the controller warns at start when it has any.
+//
 // Callers send "authorization: Bearer <token>" metadata. Tenant names follow
 // the session-name rule (base/names.h). Without a tenants file authentication
 // is off and every caller is tenant "default" with role readwrite (for a
@@ -52,6 +61,10 @@ struct Principal {
   // delegates): the one that shares of the service's own resources, such as
   // upload buffers, are charged to.
   std::string caller;
+  // For a node token bound to one node (node_id=, node_kind=): that node's
+  // id and kind ("worker" or "store"); empty otherwise.
+  std::string node_id;
+  std::string node_kind;
 };
 
 struct TenantLimits {
@@ -93,6 +106,15 @@ class Authenticator {
   // Distinct tenants whose tokens may write (readwrite or node); 1 when
   // authentication is off.
   int WritingTenants() const;
+  // OK when `p` may Register or Heartbeat node `node_id` of `kind`
+  // ("worker" or "store"; empty: any kind): authentication is off, or p is
+  // a node whose token is bound to exactly that id and kind, or p's token
+  // is unbound and
+  // no token is bound to that id. PERMISSION_DENIED naming both otherwise.
+  absl::Status RequireNodeIdentity(const Principal& p, const std::string& node_id,
+                                   const std::string& kind) const;
+  // Node tokens not bound to a node id (they may act as any unbound node).
+  int UnboundNodeTokens() const;
   const std::vector<TenantEntry>& entries() const { return entries_; }
 
  private:
@@ -102,6 +124,8 @@ class Authenticator {
   bool enabled_ = false;
   std::vector<TenantEntry> entries_;
   absl::flat_hash_map<std::string, Principal> by_token_;
+  // node_id= bindings: node id -> its kind.
+  absl::flat_hash_map<std::string, std::string> bound_nodes_;
 };
 
 // Authentication is on by default outside loopback: OK when `listen` is a

@@ -48,6 +48,37 @@ TEST(Authenticator, NodeRole) {
   EXPECT_THAT(Authenticator::RequireWrite(a->entries()[0].principal), IsOk());
 }
 
+TEST(Authenticator, NodeTokensBoundToOneNode) {
+  auto a = Authenticator::FromText(
+      "store-0-secret s0 node node_id=store-0 node_kind=store\n"
+      "shared-secret1 nodes node\n");
+  ASSERT_THAT(a, IsOk());
+  const Principal bound = a->entries()[0].principal;
+  const Principal shared = a->entries()[1].principal;
+  EXPECT_EQ(bound.node_id, "store-0");
+  EXPECT_EQ(bound.node_kind, "store");
+  EXPECT_EQ(a->UnboundNodeTokens(), 1);
+  EXPECT_THAT(a->RequireNodeIdentity(bound, "store-0", "store"), IsOk());
+  EXPECT_THAT(a->RequireNodeIdentity(bound, "store-0", ""), IsOk());
+  EXPECT_THAT(a->RequireNodeIdentity(bound, "store-0", "worker"),
+              StatusIs(Code::kPermissionDenied));
+  EXPECT_THAT(a->RequireNodeIdentity(bound, "store-1", "store"),
+              StatusIs(Code::kPermissionDenied));
+  EXPECT_THAT(a->RequireNodeIdentity(shared, "store-0", "store"),
+              StatusIs(Code::kPermissionDenied));
+  EXPECT_THAT(a->RequireNodeIdentity(shared, "worker-3", "worker"), IsOk());
+  EXPECT_THAT(Authenticator().RequireNodeIdentity(shared, "store-0", "store"), IsOk());
+  // Bindings are for node tokens, come in pairs and are unique.
+  for (const char* bad : {"tok-12345 acme readwrite node_id=x node_kind=store\n",
+                          "tok-12345 n node node_id=x\n",
+                          "tok-12345 n node node_id=x node_kind=gpu\n",
+                          "tok-12345 n node node_id=a/b node_kind=store\n",
+                          "tok-12345 n node node_id=x node_kind=store\n"
+                          "tok-67890 m node node_id=x node_kind=worker\n"}) {
+    EXPECT_THAT(Authenticator::FromText(bad), StatusIs(Code::kInvalidArgument)) << bad;
+  }
+}
+
 TEST(Authenticator, PerTenantLimits) {
   auto a = Authenticator::FromText(
       "acme-token-1 acme readwrite 1000 max_sessions=8 max_working_set_mb=64\n"

@@ -16,6 +16,12 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
   std::unique_ptr<ControllerServer> s(new ControllerServer());
   KVT_ASSIGN_OR_RETURN(s->auth_, ServerAuthenticator(options.listen, options.tenants_file,
                                                      options.allow_unauthenticated));
+  if (const int unbound = s->auth_.UnboundNodeTokens(); unbound > 0) {
+    LogWarn(
+        "node tokens without node_id= in the tenants file: any holder of one may register or "
+        "heartbeat as any node not bound to a token of its own (docs/security.md)",
+        {{"unbound_node_tokens", unbound}});
+  }
   const controller::MembershipOptions& m = options.controller.membership;
   if (m.heartbeat_interval < absl::Milliseconds(10) || m.missed_heartbeats < 1 ||
       options.controller.replicas < 1 || options.controller.replicas > 3) {

@@ -66,35 +66,44 @@ struct PolicyServing {
   absl::Duration cold_after = absl::Seconds(60);
 };
 
-class ControllerService final : public v1::Controller::CallbackService {
+// Every method is registered raw: requests are parsed here, not by gRPC, so
+// that bytes which do not parse are INVALID_ARGUMENT naming the message
+// (gRPC's typed handler answers UNIMPLEMENTED with no details).
+class ControllerService final : public v1::Controller::WithRawCallbackMethod_Register<
+                                    v1::Controller::WithRawCallbackMethod_Heartbeat<
+                                        v1::Controller::WithRawCallbackMethod_Route<
+                                            v1::Controller::WithRawCallbackMethod_ListNodes<
+                                                v1::Controller::WithRawCallbackMethod_GetPolicy<
+                                                    v1::Controller::WithRawCallbackMethod_SetPolicy<
+                                                        v1::Controller::CallbackService>>>>>> {
  public:
   ControllerService(controller::Controller* controller, Coordination* coordination,
                     PolicyBook* policies, const Authenticator* auth, ControllerMetrics* metrics,
                     PolicyServing serving = {}, Executor* blocking = nullptr);
 
-  grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* ctx,
-                                     const v1::RegisterRequest* req,
-                                     v1::RegisterResponse* resp) override;
-  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
-                                      const v1::HeartbeatRequest* req,
-                                      v1::HeartbeatResponse* resp) override;
-  grpc::ServerUnaryReactor* Route(grpc::CallbackServerContext* ctx, const v1::RouteRequest* req,
-                                  v1::RouteResponse* resp) override;
-  grpc::ServerUnaryReactor* ListNodes(grpc::CallbackServerContext* ctx,
-                                      const v1::ListNodesRequest* req,
-                                      v1::ListNodesResponse* resp) override;
-  grpc::ServerUnaryReactor* GetPolicy(grpc::CallbackServerContext* ctx,
-                                      const v1::GetPolicyRequest* req,
-                                      v1::GetPolicyResponse* resp) override;
-  grpc::ServerUnaryReactor* SetPolicy(grpc::CallbackServerContext* ctx,
-                                      const v1::SetPolicyRequest* req,
-                                      v1::SetPolicyResponse* resp) override;
+  grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                     grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                      grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* Route(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                  grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* ListNodes(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                      grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* GetPolicy(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                      grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* SetPolicy(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                      grpc::ByteBuffer* resp) override;
 
  private:
   // Runs `body` (on the callback thread, or on the blocking executor when
   // there is one) and finishes the call with its status.
   grpc::ServerUnaryReactor* Run(grpc::CallbackServerContext* ctx, const char* method,
                                 std::function<absl::Status()> body);
+  // Run over a raw call: parses `raw` as Req (INVALID_ARGUMENT when it does
+  // not parse), runs body(&req, &resp), serializes resp into `out`.
+  template <typename Req, typename Resp, typename Body>
+  grpc::ServerUnaryReactor* Parsed(grpc::CallbackServerContext* ctx, const char* method,
+                                   const grpc::ByteBuffer* raw, grpc::ByteBuffer* out, Body body);
 
   controller::Controller* const controller_;
   Coordination* const coordination_;

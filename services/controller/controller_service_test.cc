@@ -11,18 +11,24 @@
 #include "services/worker/worker_server.h"
 #include "testing/store_process.h"
 #include "testing/test_util.h"
+#include "tests/util/raw_unary.h"
 
 namespace kvtier {
 namespace {
 
 constexpr char kNodeToken[] = "node-token-00001";
 constexpr char kAcmeToken[] = "acme-token-00001";
+// Node tokens bound to one node each (node_id=, node_kind=).
+constexpr char kStoreAToken[] = "store-a-token-01";
+constexpr char kStoreBToken[] = "store-b-token-01";
 
 class ControllerServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
     testing::WriteFile(dir_.path() + "/tenants",
-                       absl::StrCat(kNodeToken, " nodes node\n", kAcmeToken, " acme readwrite\n"));
+                       absl::StrCat(kNodeToken, " nodes node\n", kAcmeToken, " acme readwrite\n",
+                                    kStoreAToken, " store-a node node_id=sa node_kind=store\n",
+                                    kStoreBToken, " store-b node node_id=sb node_kind=store\n"));
     ControllerServerOptions o;
     o.listen = "127.0.0.1:0";
     o.metrics_listen = "";
@@ -58,11 +64,12 @@ class ControllerServiceTest : public ::testing::Test {
     }
     return s;
   }
-  grpc::Status Beat(const std::string& id) {
+  grpc::Status Beat(const std::string& id, const std::string& token = kNodeToken) {
     v1::HeartbeatRequest r;
     r.set_node_id(id);
+    r.set_used_bytes(123);
     v1::HeartbeatResponse resp;
-    auto c = Ctx(kNodeToken);
+    auto c = Ctx(token);
     return stub_->Heartbeat(c.get(), r, &resp);
   }
   grpc::Status Route(const std::string& session, v1::RouteResponse* resp) {
@@ -147,6 +154,73 @@ TEST_F(ControllerServiceTest, MembershipAndRoutes) {
 // registered, and tightened for cold sessions while a node of theirs is
 // under pressure; levels follow the heartbeats' usage; kept across a
 // restart with --state_dir.
+// A node token bound to one node id and kind acts as that node only, and
+// no other token (bound elsewhere, or shared) may Register or Heartbeat it:
+// a leaked or compromised node cannot keep another alive, move its address
+// or change its capacity.
+TEST_F(ControllerServiceTest, NodeTokensAreBoundToTheirNodes) {
+  ASSERT_TRUE(Register("sa", v1::NODE_KIND_STORE, "10.0.0.1:7070", kStoreAToken).ok());
+  ASSERT_TRUE(Register("sb", v1::NODE_KIND_STORE, "10.0.0.2:7070", kStoreBToken).ok());
+  for (const char* token : {kStoreBToken, kNodeToken}) {
+    const grpc::Status st = Register("sa", v1::NODE_KIND_STORE, "10.6.6.6:7070", token);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED) << token;
+    EXPECT_THAT(st.error_message(), ::testing::HasSubstr("'sa'")) << st.error_message();
+    EXPECT_EQ(Beat("sa", token).error_code(), grpc::StatusCode::PERMISSION_DENIED) << token;
+  }
+  // Its own token, but another kind or another id.
+  EXPECT_EQ(Register("sa", v1::NODE_KIND_WORKER, "10.0.0.1:7071", kStoreAToken).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(Register("free", v1::NODE_KIND_STORE, "10.0.0.9:7070", kStoreAToken).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(Beat("sb", kStoreAToken).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  // The shared token still runs the nodes no token is bound to; the bound
+  // ones beat for themselves.
+  EXPECT_TRUE(Register("free", v1::NODE_KIND_STORE, "10.0.0.9:7070").ok());
+  EXPECT_TRUE(Beat("free").ok());
+  EXPECT_TRUE(Beat("sa", kStoreAToken).ok());
+  v1::ListNodesResponse nodes;
+  auto c = Ctx(kAcmeToken);
+  ASSERT_TRUE(stub_->ListNodes(c.get(), {}, &nodes).ok());
+  for (const v1::NodeStatus& n : nodes.nodes()) {
+    if (n.node_id() == "sa") {
+      EXPECT_EQ(n.address(), "10.0.0.1:7070");
+    }
+    if (n.node_id() == "sb") {
+      EXPECT_EQ(n.address(), "10.0.0.2:7070");
+      EXPECT_EQ(n.used_bytes(), 0u);  // No other token's heartbeat reached it.
+    }
+  }
+}
+
+// Addresses are checked before they are stored anywhere: whitespace and
+// control bytes, a missing or out-of-range port are INVALID_ARGUMENT, and a
+// 10 kB address is refused with a short message (not echoed into the
+// status, where the client would see RESOURCE_EXHAUSTED about metadata).
+TEST_F(ControllerServiceTest, RegisterRefusesMalformedAddresses) {
+  for (const std::string& bad :
+       {std::string("10.0.0.1:70 70"), std::string("10.0.0.1:7070\n"),
+        std::string("10.0.0.1"), std::string("10.0.0.1:99999"), std::string(10'000, 'a') + ":1"}) {
+    const grpc::Status st = Register("s1", v1::NODE_KIND_STORE, bad);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_LT(st.error_message().size(), 400u);
+  }
+  EXPECT_TRUE(Register("s1", v1::NODE_KIND_STORE, "store-1.kvtier.svc:7070").ok());
+}
+
+// Bytes that do not parse, on every method: INVALID_ARGUMENT naming the
+// message (gRPC's own handler answered UNIMPLEMENTED with no details).
+TEST_F(ControllerServiceTest, UnparseableRequestsAreInvalidArgumentOnEveryMethod) {
+  auto ch = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
+                                grpc::InsecureChannelCredentials());
+  const std::string garbage("\xff\xff\xff\xff\x0f\x01\x02", 7);
+  for (const char* m : {"Register", "Heartbeat", "Route", "ListNodes", "GetPolicy", "SetPolicy"}) {
+    const grpc::Status st =
+        testing::RawUnary(ch, absl::StrCat("/kvtier.v1.Controller/", m), garbage, kNodeToken);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << m;
+    EXPECT_THAT(st.error_message(), ::testing::HasSubstr("does not parse as kvtier.v1.")) << m;
+  }
+}
+
 TEST(ControllerPolicyTest, PoliciesAndPressure) {
   testing::TempDir dir;
   testing::WriteFile(dir.path() + "/tenants",

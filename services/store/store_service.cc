@@ -829,9 +829,10 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* StoreService::GetSegments(
 
 // ---- Unary calls ----
 
-template <typename Work>
+template <typename Req, typename Resp, typename Work>
 grpc::ServerUnaryReactor* StoreService::Unary(grpc::CallbackServerContext* ctx, const char* method,
-                                              bool write, Work work) {
+                                              bool write, const grpc::ByteBuffer* raw,
+                                              grpc::ByteBuffer* out, Work work) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const absl::Time start = absl::Now();
   absl::StatusOr<Principal> p = auth_->Authenticate(*ctx);
@@ -841,148 +842,173 @@ grpc::ServerUnaryReactor* StoreService::Unary(grpc::CallbackServerContext* ctx, 
     reactor->Finish(ToGrpc(denied));
     return reactor;
   }
-  executor_->Schedule(
-      [this, reactor, method, start, principal = *std::move(p), work = std::move(work)]() mutable {
-        absl::Status s = work(principal);
-        metrics_->ObserveRequest(method, absl::Now() - start, s.ok());
-        reactor->Finish(ToGrpc(s));
-      });
+  executor_->Schedule([this, reactor, method, start, raw, out, principal = *std::move(p),
+                       work = std::move(work)]() mutable {
+    Req req;
+    Resp resp;
+    absl::Status s = wire::Parse(*raw, &req);
+    if (s.ok()) s = work(principal, &req, &resp);
+    if (s.ok()) *out = wire::Serialize(resp);
+    metrics_->ObserveRequest(method, absl::Now() - start, s.ok());
+    reactor->Finish(ToGrpc(s));
+  });
   return reactor;
 }
 
 grpc::ServerUnaryReactor* StoreService::ListRounds(grpc::CallbackServerContext* ctx,
-                                                   const v1::ListRoundsRequest* req,
-                                                   v1::ListRoundsResponse* resp) {
-  return Unary(ctx, "ListRounds", false, [this, req, resp](const Principal& p) -> absl::Status {
-    absl::StatusOr<cachestore::SessionInfo> info = store_->ListRounds(p.tenant, req->session_id());
-    if (!info.ok()) return info.status();
-    resp->set_pinned(info->pinned);
-    resp->set_ttl_seconds(info->ttl_seconds);
-    for (const auto& r : info->rounds) {
-      v1::RoundInfo* out = resp->add_rounds();
-      out->set_round(r.round);
-      *out->mutable_summary() = r.summary;
-      for (const auto& s : r.segments) *out->add_segments() = ToProto(s);
-    }
-    return absl::OkStatus();
-  });
+                                                   const grpc::ByteBuffer* raw,
+                                                   grpc::ByteBuffer* out) {
+  return Unary<v1::ListRoundsRequest, v1::ListRoundsResponse>(
+      ctx, "ListRounds", false, raw, out,
+      [this](const Principal& p, const v1::ListRoundsRequest* req,
+             v1::ListRoundsResponse* resp) -> absl::Status {
+        absl::StatusOr<cachestore::SessionInfo> info =
+            store_->ListRounds(p.tenant, req->session_id());
+        if (!info.ok()) return info.status();
+        resp->set_pinned(info->pinned);
+        resp->set_ttl_seconds(info->ttl_seconds);
+        for (const auto& r : info->rounds) {
+          v1::RoundInfo* out = resp->add_rounds();
+          out->set_round(r.round);
+          *out->mutable_summary() = r.summary;
+          for (const auto& s : r.segments) *out->add_segments() = ToProto(s);
+        }
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* StoreService::DropRounds(grpc::CallbackServerContext* ctx,
-                                                   const v1::DropRoundsRequest* req,
-                                                   v1::DropRoundsResponse* resp) {
-  return Unary(ctx, "DropRounds", true, [this, req, resp](const Principal& p) -> absl::Status {
-    if (req->rounds_size() == 0 || req->rounds_size() > 4096) {
-      return absl::InvalidArgumentError("DropRounds takes 1 to 4096 rounds");
-    }
-    std::vector<uint32_t> rounds(req->rounds().begin(), req->rounds().end());
-    auto r = store_->DropRounds(p.tenant, req->session_id(), rounds);
-    if (!r.ok()) return r.status();
-    for (uint32_t x : r->dropped) resp->add_dropped(x);
-    for (uint32_t x : r->not_found) resp->add_not_found(x);
-    resp->set_freed_bytes(r->freed_bytes);
-    return absl::OkStatus();
-  });
+                                                   const grpc::ByteBuffer* raw,
+                                                   grpc::ByteBuffer* out) {
+  return Unary<v1::DropRoundsRequest, v1::DropRoundsResponse>(
+      ctx, "DropRounds", true, raw, out,
+      [this](const Principal& p, const v1::DropRoundsRequest* req,
+             v1::DropRoundsResponse* resp) -> absl::Status {
+        if (req->rounds_size() == 0 || req->rounds_size() > 4096) {
+          return absl::InvalidArgumentError("DropRounds takes 1 to 4096 rounds");
+        }
+        std::vector<uint32_t> rounds(req->rounds().begin(), req->rounds().end());
+        auto r = store_->DropRounds(p.tenant, req->session_id(), rounds);
+        if (!r.ok()) return r.status();
+        for (uint32_t x : r->dropped) resp->add_dropped(x);
+        for (uint32_t x : r->not_found) resp->add_not_found(x);
+        resp->set_freed_bytes(r->freed_bytes);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* StoreService::RecordRecalls(grpc::CallbackServerContext* ctx,
-                                                      const v1::RecordRecallsRequest* req,
-                                                      v1::RecordRecallsResponse* resp) {
-  return Unary(ctx, "RecordRecalls", true, [this, req, resp](const Principal& p) -> absl::Status {
-    if (req->rounds_size() == 0 || req->rounds_size() > 4096) {
-      return absl::InvalidArgumentError("RecordRecalls takes 1 to 4096 rounds");
-    }
-    std::vector<uint32_t> rounds(req->rounds().begin(), req->rounds().end());
-    auto r = store_->RecordRecalls(p.tenant, req->session_id(), rounds);
-    if (!r.ok()) return r.status();
-    for (uint32_t x : r->counted) resp->add_counted(x);
-    for (uint32_t x : r->not_found) resp->add_not_found(x);
-    return absl::OkStatus();
-  });
+                                                      const grpc::ByteBuffer* raw,
+                                                      grpc::ByteBuffer* out) {
+  return Unary<v1::RecordRecallsRequest, v1::RecordRecallsResponse>(
+      ctx, "RecordRecalls", true, raw, out,
+      [this](const Principal& p, const v1::RecordRecallsRequest* req,
+             v1::RecordRecallsResponse* resp) -> absl::Status {
+        if (req->rounds_size() == 0 || req->rounds_size() > 4096) {
+          return absl::InvalidArgumentError("RecordRecalls takes 1 to 4096 rounds");
+        }
+        std::vector<uint32_t> rounds(req->rounds().begin(), req->rounds().end());
+        auto r = store_->RecordRecalls(p.tenant, req->session_id(), rounds);
+        if (!r.ok()) return r.status();
+        for (uint32_t x : r->counted) resp->add_counted(x);
+        for (uint32_t x : r->not_found) resp->add_not_found(x);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* StoreService::DeleteSession(grpc::CallbackServerContext* ctx,
-                                                      const v1::DeleteSessionRequest* req,
-                                                      v1::DeleteSessionResponse* resp) {
-  return Unary(ctx, "DeleteSession", true, [this, req, resp](const Principal& p) -> absl::Status {
-    auto r = store_->DeleteSession(p.tenant, req->session_id());
-    if (!r.ok()) return r.status();
-    resp->set_freed_bytes(r->freed_bytes);
-    resp->set_rounds_deleted(static_cast<uint32_t>(r->dropped.size()));
-    return absl::OkStatus();
-  });
+                                                      const grpc::ByteBuffer* raw,
+                                                      grpc::ByteBuffer* out) {
+  return Unary<v1::DeleteSessionRequest, v1::DeleteSessionResponse>(
+      ctx, "DeleteSession", true, raw, out,
+      [this](const Principal& p, const v1::DeleteSessionRequest* req,
+             v1::DeleteSessionResponse* resp) -> absl::Status {
+        auto r = store_->DeleteSession(p.tenant, req->session_id());
+        if (!r.ok()) return r.status();
+        resp->set_freed_bytes(r->freed_bytes);
+        resp->set_rounds_deleted(static_cast<uint32_t>(r->dropped.size()));
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* StoreService::PinSession(grpc::CallbackServerContext* ctx,
-                                                   const v1::PinSessionRequest* req,
-                                                   v1::PinSessionResponse*) {
-  return Unary(ctx, "PinSession", true, [this, req](const Principal& p) {
-    return store_->PinSession(p.tenant, req->session_id(), req->pinned());
-  });
+                                                   const grpc::ByteBuffer* raw,
+                                                   grpc::ByteBuffer* out) {
+  return Unary<v1::PinSessionRequest, v1::PinSessionResponse>(
+      ctx, "PinSession", true, raw, out,
+      [this](const Principal& p, const v1::PinSessionRequest* req, v1::PinSessionResponse*) {
+        return store_->PinSession(p.tenant, req->session_id(), req->pinned());
+      });
 }
 
 grpc::ServerUnaryReactor* StoreService::ListSessions(grpc::CallbackServerContext* ctx,
-                                                     const v1::ListSessionsRequest* req,
-                                                     v1::ListSessionsResponse* resp) {
-  return Unary(ctx, "ListSessions", false, [this, req, resp](const Principal& p) -> absl::Status {
-    if (req->limit() > 10000) {
-      return absl::InvalidArgumentError("ListSessions takes a limit of at most 10000");
-    }
-    if (!req->start_after().empty()) {
-      KVT_RETURN_IF_ERROR(ValidateName("start_after", req->start_after()));
-    }
-    const size_t limit = req->limit() == 0 ? 1000 : req->limit();
-    const int64_t min_idle_ms =
-        static_cast<int64_t>(std::min<uint64_t>(req->min_idle_seconds(), uint64_t{1} << 40)) * 1000;
-    cachestore::Store::SessionPage page =
-        store_->ListSessions(p.tenant, min_idle_ms, limit, req->start_after());
-    for (const auto& s : page.sessions) {
-      v1::SessionSummary* out = resp->add_sessions();
-      out->set_session_id(s.session);
-      out->set_idle_seconds(static_cast<uint64_t>(s.idle_ms / 1000));
-      out->set_rounds(s.rounds);
-      out->set_bytes(s.bytes);
-      out->set_pinned(s.pinned);
-      out->set_ttl_seconds(s.ttl_seconds);
-    }
-    resp->set_next_start_after(std::move(page.next_start_after));
-    return absl::OkStatus();
-  });
+                                                     const grpc::ByteBuffer* raw,
+                                                     grpc::ByteBuffer* out) {
+  return Unary<v1::ListSessionsRequest, v1::ListSessionsResponse>(
+      ctx, "ListSessions", false, raw, out,
+      [this](const Principal& p, const v1::ListSessionsRequest* req,
+             v1::ListSessionsResponse* resp) -> absl::Status {
+        if (req->limit() > 10000) {
+          return absl::InvalidArgumentError("ListSessions takes a limit of at most 10000");
+        }
+        if (!req->start_after().empty()) {
+          KVT_RETURN_IF_ERROR(ValidateName("start_after", req->start_after()));
+        }
+        const size_t limit = req->limit() == 0 ? 1000 : req->limit();
+        const int64_t min_idle_ms =
+            static_cast<int64_t>(std::min<uint64_t>(req->min_idle_seconds(), uint64_t{1} << 40)) *
+            1000;
+        cachestore::Store::SessionPage page =
+            store_->ListSessions(p.tenant, min_idle_ms, limit, req->start_after());
+        for (const auto& s : page.sessions) {
+          v1::SessionSummary* out = resp->add_sessions();
+          out->set_session_id(s.session);
+          out->set_idle_seconds(static_cast<uint64_t>(s.idle_ms / 1000));
+          out->set_rounds(s.rounds);
+          out->set_bytes(s.bytes);
+          out->set_pinned(s.pinned);
+          out->set_ttl_seconds(s.ttl_seconds);
+        }
+        resp->set_next_start_after(std::move(page.next_start_after));
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* StoreService::Stats(grpc::CallbackServerContext* ctx,
-                                              const v1::StatsRequest*, v1::StatsResponse* resp) {
-  return Unary(ctx, "Stats", false, [this, resp](const Principal& p) {
-    cachestore::StoreStats s = store_->Stats();
-    auto tier = [&](v1::Tier t, uint64_t bytes, uint64_t segs, uint64_t budget) {
-      v1::TierStats* ts = resp->add_tiers();
-      ts->set_tier(t);
-      ts->set_bytes(bytes);
-      ts->set_segments(segs);
-      ts->set_budget_bytes(budget);
-    };
-    tier(v1::TIER_RAM, s.ram_bytes, s.ram_segments, s.ram_budget_bytes);
-    tier(v1::TIER_DISK, s.disk_bytes, s.disk_segments, s.disk_budget_bytes);
-    resp->set_sessions(s.sessions);
-    resp->set_hits_ram(s.hits_ram);
-    resp->set_hits_disk(s.hits_disk);
-    resp->set_spills(s.spills);
-    resp->set_promotions(s.promotions);
-    resp->set_drops(s.drops);
-    resp->set_expired_sessions(s.expired_sessions);
-    cachestore::TenantUsage u = quotas_->Usage(p.tenant);
-    resp->set_tenant(p.tenant);
-    resp->set_tenant_bytes(u.used_bytes);
-    resp->set_tenant_quota_bytes(u.quota_bytes);
-    resp->set_tenant_sessions(store_->TenantSessions(p.tenant));
-    const ProcessMemory m = ReadProcessMemory();
-    v1::ProcessMemory* pm = resp->mutable_memory();
-    pm->set_resident_bytes(m.resident_bytes);
-    pm->set_peak_resident_bytes(m.peak_resident_bytes);
-    pm->set_heap_in_use_bytes(m.heap_in_use_bytes);
-    pm->set_heap_free_bytes(m.heap_free_bytes);
-    return absl::OkStatus();
-  });
+                                              const grpc::ByteBuffer* raw, grpc::ByteBuffer* out) {
+  return Unary<v1::StatsRequest, v1::StatsResponse>(
+      ctx, "Stats", false, raw, out,
+      [this](const Principal& p, const v1::StatsRequest*, v1::StatsResponse* resp) {
+        cachestore::StoreStats s = store_->Stats();
+        auto tier = [&](v1::Tier t, uint64_t bytes, uint64_t segs, uint64_t budget) {
+          v1::TierStats* ts = resp->add_tiers();
+          ts->set_tier(t);
+          ts->set_bytes(bytes);
+          ts->set_segments(segs);
+          ts->set_budget_bytes(budget);
+        };
+        tier(v1::TIER_RAM, s.ram_bytes, s.ram_segments, s.ram_budget_bytes);
+        tier(v1::TIER_DISK, s.disk_bytes, s.disk_segments, s.disk_budget_bytes);
+        resp->set_sessions(s.sessions);
+        resp->set_hits_ram(s.hits_ram);
+        resp->set_hits_disk(s.hits_disk);
+        resp->set_spills(s.spills);
+        resp->set_promotions(s.promotions);
+        resp->set_drops(s.drops);
+        resp->set_expired_sessions(s.expired_sessions);
+        cachestore::TenantUsage u = quotas_->Usage(p.tenant);
+        resp->set_tenant(p.tenant);
+        resp->set_tenant_bytes(u.used_bytes);
+        resp->set_tenant_quota_bytes(u.quota_bytes);
+        resp->set_tenant_sessions(store_->TenantSessions(p.tenant));
+        const ProcessMemory m = ReadProcessMemory();
+        v1::ProcessMemory* pm = resp->mutable_memory();
+        pm->set_resident_bytes(m.resident_bytes);
+        pm->set_peak_resident_bytes(m.peak_resident_bytes);
+        pm->set_heap_in_use_bytes(m.heap_in_use_bytes);
+        pm->set_heap_free_bytes(m.heap_free_bytes);
+        return absl::OkStatus();
+      });
 }
 
 }  // namespace kvtier

@@ -54,14 +54,24 @@ struct StoreServiceOptions {
 // must outlive the service and every call in flight (shut the server down
 // first).
 //
-// PutSegment(s) and GetSegments are "raw" methods: their messages are framed by
-// hand (rpc/wire_format.h) so payload chunks are neither copied
-// into protobuf objects nor serialized again; GetSegments sends slices that
-// point into the stored payload. The wire format is the proto's.
+// Every method is "raw". PutSegment(s) and GetSegments frame their messages
+// by hand (rpc/wire_format.h) so payload chunks are neither copied into
+// protobuf objects nor serialized again; GetSegments sends slices that point
+// into the stored payload. The unary methods parse their requests here
+// rather than in gRPC, so that bytes which do not parse are INVALID_ARGUMENT
+// naming the message (gRPC's typed handler answers UNIMPLEMENTED with no
+// details). The wire format is the proto's.
 class StoreService final
     : public v1::Store::WithRawCallbackMethod_PutSegment<
-          v1::Store::WithRawCallbackMethod_PutSegments<
-              v1::Store::WithRawCallbackMethod_GetSegments<v1::Store::CallbackService>>> {
+          v1::Store::WithRawCallbackMethod_PutSegments<v1::Store::WithRawCallbackMethod_GetSegments<
+              v1::Store::WithRawCallbackMethod_ListRounds<
+                  v1::Store::WithRawCallbackMethod_DropRounds<
+                      v1::Store::WithRawCallbackMethod_RecordRecalls<
+                          v1::Store::WithRawCallbackMethod_DeleteSession<
+                              v1::Store::WithRawCallbackMethod_PinSession<
+                                  v1::Store::WithRawCallbackMethod_ListSessions<
+                                      v1::Store::WithRawCallbackMethod_Stats<
+                                          v1::Store::CallbackService>>>>>>>>>> {
  public:
   StoreService(cachestore::Store* store, cachestore::QuotaManager* quotas,
                const Authenticator* auth, Executor* executor, StoreMetrics* metrics,
@@ -79,35 +89,37 @@ class StoreService final
   grpc::ServerWriteReactor<grpc::ByteBuffer>* GetSegments(grpc::CallbackServerContext* ctx,
                                                           const grpc::ByteBuffer* request) override;
   grpc::ServerUnaryReactor* ListRounds(grpc::CallbackServerContext* ctx,
-                                       const v1::ListRoundsRequest* request,
-                                       v1::ListRoundsResponse* response) override;
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* DropRounds(grpc::CallbackServerContext* ctx,
-                                       const v1::DropRoundsRequest* request,
-                                       v1::DropRoundsResponse* response) override;
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* RecordRecalls(grpc::CallbackServerContext* ctx,
-                                          const v1::RecordRecallsRequest* request,
-                                          v1::RecordRecallsResponse* response) override;
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* DeleteSession(grpc::CallbackServerContext* ctx,
-                                          const v1::DeleteSessionRequest* request,
-                                          v1::DeleteSessionResponse* response) override;
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* PinSession(grpc::CallbackServerContext* ctx,
-                                       const v1::PinSessionRequest* request,
-                                       v1::PinSessionResponse* response) override;
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* ctx,
-                                         const v1::ListSessionsRequest* request,
-                                         v1::ListSessionsResponse* response) override;
-  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* request,
-                                  v1::StatsResponse* response) override;
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                  grpc::ByteBuffer* response) override;
 
  private:
   class PutReactor;
   class GetReactor;
 
-  // Runs `work` on the executor after authenticating (and, when `write`,
-  // authorizing) the caller, then finishes the unary call with its status.
-  template <typename Work>
+  // Runs work(principal, &request, &response) on the executor after
+  // authenticating (and, when `write`, authorizing) the caller and parsing
+  // `raw` as Req (INVALID_ARGUMENT when it does not parse), then finishes the
+  // unary call with its status and, when OK, the serialized response.
+  template <typename Req, typename Resp, typename Work>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const char* method, bool write,
-                                  Work work);
+                                  const grpc::ByteBuffer* raw, grpc::ByteBuffer* out, Work work);
 
   cachestore::Store* const store_;
   cachestore::QuotaManager* const quotas_;

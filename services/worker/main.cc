@@ -6,6 +6,7 @@
 #include <fstream>
 #include <string>
 #include <system_error>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/time/clock.h"
@@ -21,6 +22,11 @@
 ABSL_FLAG(std::string, listen, "127.0.0.1:7071", "gRPC listen address (port 0 picks one).");
 ABSL_FLAG(std::string, port_file, "", "If set, the bound gRPC port is written here.");
 ABSL_FLAG(std::string, store, "", "kvtier-store address host:port. Required.");
+ABSL_FLAG(std::vector<std::string>, replica_stores, {},
+          "Comma-separated HOST:PORT of other kvtier-stores that a session may name as its "
+          "replicas (OpenSessionRequest.store_addresses) on a worker without --controller; "
+          "with one, the stores the controller lists are allowed too. Any other address is "
+          "refused (PERMISSION_DENIED) and never dialled (docs/security.md).");
 ABSL_FLAG(std::string, store_token, "", "Bearer token for kvtier-store (empty: none).");
 ABSL_FLAG(std::string, store_tls_root_certs, "", "PEM file of the store's CA; empty: plaintext.");
 ABSL_FLAG(std::string, peer_tls_root_certs, "",
@@ -135,6 +141,7 @@ int main(int argc, char** argv) {
   o.io_threads = absl::GetFlag(FLAGS_io_threads);
   o.store.target = absl::GetFlag(FLAGS_store);
   o.store.token = absl::GetFlag(FLAGS_store_token);
+  o.replica_stores = absl::GetFlag(FLAGS_replica_stores);
   if (!absl::GetFlag(FLAGS_store_tls_root_certs).empty()) {
     o.store.tls_root_certs = ReadFile(absl::GetFlag(FLAGS_store_tls_root_certs));
   }

@@ -7,6 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/log.h"
+#include "base/names.h"
+#include "base/status_macros.h"
 
 namespace kvtier {
 namespace {
@@ -43,21 +45,31 @@ constexpr absl::Duration kRerouteDeadline = absl::Seconds(2);
 }  // namespace
 
 ReplicatedSegments::ReplicatedSegments(std::unique_ptr<StoreSegments> primary,
-                                       StoreClientOptions replica_options)
-    : primary_(std::move(primary)), replica_options_(std::move(replica_options)) {}
+                                       StoreClientOptions replica_options,
+                                       std::unique_ptr<KnownStores> known)
+    : primary_(std::move(primary)),
+      replica_options_(std::move(replica_options)),
+      known_(std::move(known)) {}
 
-absl::Status ReplicatedSegments::SetReplicas(const std::string& tenant, const std::string& session,
-                                             const std::vector<std::string>& addresses) {
+absl::Status ReplicatedSegments::CheckReplicas(const std::vector<std::string>& addresses,
+                                               const CallOptions& call) {
   if (addresses.size() > 3) {
     return absl::InvalidArgumentError("at most 3 store replicas per session");
   }
   std::set<std::string> seen;
   for (const std::string& a : addresses) {
     if (a.empty() || !seen.insert(a).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("store replica address '", a, "' is empty or repeated"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "store replica address '", a.substr(0, kMaxAddressLength), "' is empty or repeated"));
     }
   }
+  return known_->Check(addresses, call);
+}
+
+absl::Status ReplicatedSegments::SetReplicas(const std::string& tenant, const std::string& session,
+                                             const std::vector<std::string>& addresses,
+                                             const CallOptions& call) {
+  KVT_RETURN_IF_ERROR(CheckReplicas(addresses, call));
   absl::MutexLock lock(&mu_);
   for (const std::string& a : addresses) {
     if (pool_.count(a) != 0) continue;
@@ -107,7 +119,7 @@ void ReplicatedSegments::RefreshIfStale(const std::string& session, const CallOp
     confirmed_[{call.tenant, session}] = now;
     return;
   }
-  if (SetReplicas(call.tenant, session, *fresh).ok()) {
+  if (SetReplicas(call.tenant, session, *fresh, ask).ok()) {
     reroutes_.fetch_add(1);
     LogWarn("store replicas changed by the controller", {{"session", session},
                                                          {"was", absl::StrJoin(was, ",")},
@@ -227,7 +239,7 @@ std::vector<absl::Status> ReplicatedSegments::PutMany(const std::string& session
     if (!now.ok() || now->empty() || std::find(now->begin(), now->end(), failed_at) != now->end()) {
       return named();
     }
-    if (absl::Status set = SetReplicas(call.tenant, session, *now); !set.ok()) {
+    if (absl::Status set = SetReplicas(call.tenant, session, *now, ask); !set.ok()) {
       return named();
     }
     reroutes_.fetch_add(1);

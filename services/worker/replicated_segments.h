@@ -30,6 +30,7 @@
 #include "client/store_client.h"
 #include "client/store_segments.h"
 #include "kvtier/v1/controller.pb.h"
+#include "services/worker/known_stores.h"
 #include "worker/segment_store.h"
 
 namespace kvtier {
@@ -39,14 +40,18 @@ class ReplicatedSegments : public worker::SegmentStore {
  public:
   // `primary`: the worker's --store, for sessions without replicas of their
   // own. `replica_options`: how to reach the others (token, TLS, deadline);
-  // its target is ignored.
-  ReplicatedSegments(std::unique_ptr<StoreSegments> primary, StoreClientOptions replica_options);
+  // its target is ignored. `known`: the only addresses replicas may have.
+  ReplicatedSegments(std::unique_ptr<StoreSegments> primary, StoreClientOptions replica_options,
+                     std::unique_ptr<KnownStores> known);
 
+  // OK when `addresses` may be a session's replicas: at most 3, none empty
+  // or repeated (INVALID_ARGUMENT otherwise), each a known store
+  // (KnownStores::Check: PERMISSION_DENIED for any other). Connects to none.
+  absl::Status CheckReplicas(const std::vector<std::string>& addresses, const CallOptions& call);
   // The stores that hold (tenant, session); empty: the worker's --store.
-  // INVALID_ARGUMENT for more than 3 addresses, a repeated one or an empty
-  // one.
+  // CheckReplicas first: nothing is dialled unless it passes.
   absl::Status SetReplicas(const std::string& tenant, const std::string& session,
-                           const std::vector<std::string>& addresses);
+                           const std::vector<std::string>& addresses, const CallOptions& call);
   void Forget(const std::string& tenant, const std::string& session);
   // The stores SetReplicas named for (tenant, session); empty when none.
   std::vector<std::string> Replicas(const std::string& tenant, const std::string& session);
@@ -108,6 +113,7 @@ class ReplicatedSegments : public worker::SegmentStore {
 
   std::unique_ptr<StoreSegments> primary_;
   const StoreClientOptions replica_options_;
+  const std::unique_ptr<KnownStores> known_;
   absl::Mutex mu_;
   std::map<std::pair<std::string, std::string>, std::vector<std::string>> replicas_
       ABSL_GUARDED_BY(mu_);

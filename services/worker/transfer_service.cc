@@ -258,13 +258,18 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
       return absl::InvalidArgumentError("the first TransferChunk must carry the header");
     }
     KVT_ASSIGN_OR_RETURN(id_, svc_->Key(*ctx_, chunk_.header().session_id()));
-    KVT_ASSIGN_OR_RETURN(image_, HeaderFromProto(chunk_.header()));
-    tensor_checksums_ = chunk_.header().tensor_checksums();
     stores_.assign(chunk_.header().store_addresses().begin(),
                    chunk_.header().store_addresses().end());
-    if (!stores_.empty() && svc_->replicas_ == nullptr) {
-      return absl::FailedPreconditionError("this worker cannot use per-session store replicas");
+    if (!stores_.empty()) {
+      if (svc_->replicas_ == nullptr) {
+        return absl::FailedPreconditionError("this worker cannot use per-session store replicas");
+      }
+      // Before any layer is taken: a header naming a store this worker does
+      // not know ends the stream here, and nothing is dialled.
+      KVT_RETURN_IF_ERROR(svc_->replicas_->CheckReplicas(stores_, svc_->StoreCall(*ctx_)));
     }
+    KVT_ASSIGN_OR_RETURN(image_, HeaderFromProto(chunk_.header()));
+    tensor_checksums_ = chunk_.header().tensor_checksums();
     if (chunk_.header().has_device()) {
       // Checked again here: the stream, not HeldRounds, is what carries the
       // handles this worker will open.
@@ -490,7 +495,8 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
                                      {"now_us", worker::MonoUs(tail_start)}});
     TailFromProto(chunk_.tail(), &*image_);
     if (!stores_.empty()) {
-      KVT_RETURN_IF_ERROR(svc_->replicas_->SetReplicas(id_->tenant, id_->session, stores_));
+      KVT_RETURN_IF_ERROR(
+          svc_->replicas_->SetReplicas(id_->tenant, id_->session, stores_, svc_->StoreCall(*ctx_)));
     }
     const auto import_start = std::chrono::steady_clock::now();
     absl::Status s = svc_->engine_->ImportSession(*id_, *image_, std::move(layers_), &reused_bytes_,

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
+#include "base/names.h"
 #include "base/status_macros.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "rpc/transport_args.h"
@@ -27,16 +28,37 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
   if (options.store.target.empty()) {
     return absl::InvalidArgumentError("kvtier-worker needs a store target (--store)");
   }
+  for (const std::string& a : options.replica_stores) {
+    KVT_RETURN_IF_ERROR(ValidateAddress("--replica_stores", a));
+  }
   KVT_ASSIGN_OR_RETURN(auto client, StoreClient::Connect(options.store));
   std::shared_ptr<ControllerClient> controller;
-  s->segments_ = std::make_unique<ReplicatedSegments>(
-      std::make_unique<StoreSegments>(std::move(client)), options.store);
   if (!options.cluster.controller.empty()) {
-    // Dead replicas are replaced where the controller now places the session.
     ControllerClientOptions co;
     co.target = options.cluster.controller;
     co.token = options.cluster.controller_token;
     KVT_ASSIGN_OR_RETURN(controller, ControllerClient::Connect(co));
+  }
+  std::vector<std::string> configured = options.replica_stores;
+  configured.push_back(options.store.target);
+  KnownStores::Lister lister;
+  if (controller != nullptr) {
+    lister = [controller](const CallOptions& call) -> absl::StatusOr<std::vector<std::string>> {
+      CallOptions c = call;
+      c.tenant.clear();  // The worker's own question, under its node token.
+      KVT_ASSIGN_OR_RETURN(v1::ListNodesResponse nodes, controller->ListNodes(c));
+      std::vector<std::string> stores;
+      for (const v1::NodeStatus& n : nodes.nodes()) {
+        if (n.kind() == v1::NODE_KIND_STORE) stores.push_back(n.address());
+      }
+      return stores;
+    };
+  }
+  s->segments_ = std::make_unique<ReplicatedSegments>(
+      std::make_unique<StoreSegments>(std::move(client)), options.store,
+      std::make_unique<KnownStores>(std::move(configured), std::move(lister)));
+  if (controller != nullptr) {
+    // Dead replicas are replaced where the controller now places the session.
     s->segments_->SetRerouter(
         [controller](const std::string& tenant, const std::string& session,
                      const CallOptions& call) -> absl::StatusOr<std::vector<std::string>> {

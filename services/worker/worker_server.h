@@ -37,6 +37,13 @@ struct WorkerServerOptions {
   bool allow_unauthenticated = false;
   // kvtier-store to keep rounds in ("host:port"). Required.
   StoreClientOptions store;
+  // Other stores a session may name as its replicas
+  // (OpenSessionRequest.store_addresses) when the worker runs without a
+  // controller (--replica_stores). With a controller, the stores it lists
+  // are allowed as well. Any other address is PERMISSION_DENIED and never
+  // dialled: the worker sends its store token only to these, --store and
+  // the controller's stores. Default: none.
+  std::vector<std::string> replica_stores;
   worker::EngineOptions engine;
   // Store deadline of RPCs whose caller set none, and the chunking of
   // Prefill outputs (worker_service.h).

@@ -149,7 +149,8 @@ absl::Status WorkerService::DoOpenSession(grpc::CallbackServerContext& ctx,
     // Set before the session exists and undone if it cannot open: a
     // session's rounds never go anywhere but its replicas.
     KVT_RETURN_IF_ERROR(replicas_->SetReplicas(
-        id.tenant, id.session, {req.store_addresses().begin(), req.store_addresses().end()}));
+        id.tenant, id.session, {req.store_addresses().begin(), req.store_addresses().end()},
+        StoreCall(ctx)));
   }
   uint32_t next_round = 0;
   absl::Status s;
