@@ -24,8 +24,8 @@ absl::Status ValidateName(std::string_view what, std::string_view name) {
 absl::Status ValidateAddress(std::string_view what, std::string_view address) {
   const std::string w(what);
   if (address.empty() || address.size() > kMaxAddressLength) {
-    return absl::InvalidArgumentError(absl::StrCat(w, " must be 1 to ", kMaxAddressLength,
-                                                   " characters, got ", address.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(w, " must be 1 to ", kMaxAddressLength, " characters, got ", address.size()));
   }
   for (size_t i = 0; i < address.size(); ++i) {
     const unsigned char c = static_cast<unsigned char>(address[i]);
@@ -57,8 +57,8 @@ absl::Status ValidateAddress(std::string_view what, std::string_view address) {
   if (host.front() == '[') {
     if (host.size() < 3 || host.back() != ']') return bad("an IPv6 host must be [ADDRESS]");
     for (char c : host.substr(1, host.size() - 2)) {
-      const bool ok = (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') ||
-                      (c >= 'A' && c <= 'F') || c == ':' || c == '.' || c == '%';
+      const bool ok = (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F') ||
+                      c == ':' || c == '.' || c == '%';
       if (!ok) return bad("an IPv6 host holds only hex digits, ':' and '.'");
     }
     return absl::OkStatus();

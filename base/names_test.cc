@@ -8,9 +8,9 @@ namespace kvtier {
 namespace {
 
 TEST(ValidateAddressTest, TakesHostPortAndUnixPaths) {
-  for (const char* ok : {"127.0.0.1:7070", "localhost:1", "kvtier-store-0.svc.cluster.local:65535",
-                         "[::1]:7070", "[fe80::1]:80", "unix:/run/kvtier/store.sock",
-                         "store_a:7070"}) {
+  for (const char* ok :
+       {"127.0.0.1:7070", "localhost:1", "kvtier-store-0.svc.cluster.local:65535", "[::1]:7070",
+        "[fe80::1]:80", "unix:/run/kvtier/store.sock", "store_a:7070"}) {
     EXPECT_TRUE(ValidateAddress("address", ok).ok()) << ok;
   }
 }

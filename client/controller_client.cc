@@ -10,16 +10,12 @@
 
 namespace kvtier {
 ControllerClient::ControllerClient(ControllerClientOptions options) : options_(std::move(options)) {
-  std::shared_ptr<grpc::ChannelCredentials> creds;
-  if (options_.tls_root_certs.empty()) {
-    creds = grpc::InsecureChannelCredentials();
-  } else {
-    grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = options_.tls_root_certs;
-    creds = grpc::SslCredentials(ssl);
-  }
   grpc::ChannelArguments args;
   ApplyReconnectArgs(&args);
+  std::shared_ptr<grpc::ChannelCredentials> creds =
+      ClientChannelCredentials(ClientTls{options_.tls_root_certs, options_.tls_server_name,
+                                         options_.tls_cert_chain, options_.tls_private_key},
+                               &args);
   for (absl::string_view t : absl::StrSplit(options_.target, ',', absl::SkipEmpty())) {
     stubs_.push_back(
         v1::Controller::NewStub(grpc::CreateCustomChannel(std::string(t), creds, args)));

@@ -30,6 +30,11 @@ struct ControllerClientOptions {
   std::string token;
   // PEM roots to verify the controller; empty = plaintext.
   std::string tls_root_certs;
+  // Expected in the controller's certificate instead of the target's host.
+  std::string tls_server_name;
+  // PEM of this client's certificate chain and key, for a controller that
+  // requires one (--tls_client_ca); empty: none presented.
+  std::string tls_cert_chain, tls_private_key;
   // Deadline of a call whose CallOptions set none. Default: 2 s.
   absl::Duration deadline = absl::Seconds(2);
 };

@@ -26,17 +26,10 @@ absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Connect(StoreClientOpt
   args.SetMaxReceiveMessageSize(8 << 20);
   ApplyBulkTransportArgs(&args);
   ApplyReconnectArgs(&args);
-  std::shared_ptr<grpc::ChannelCredentials> creds;
-  if (options.tls_root_certs.empty()) {
-    creds = grpc::InsecureChannelCredentials();
-  } else {
-    grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = options.tls_root_certs;
-    creds = grpc::SslCredentials(ssl);
-    if (!options.tls_server_name.empty()) {
-      args.SetSslTargetNameOverride(options.tls_server_name);
-    }
-  }
+  std::shared_ptr<grpc::ChannelCredentials> creds =
+      ClientChannelCredentials(ClientTls{options.tls_root_certs, options.tls_server_name,
+                                         options.tls_cert_chain, options.tls_private_key},
+                               &args);
   auto channel = grpc::CreateCustomChannel(options.target, creds, args);
   return std::unique_ptr<StoreClient>(new StoreClient(std::move(options), std::move(channel)));
 }

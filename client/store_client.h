@@ -29,6 +29,9 @@ struct StoreClientOptions {
   std::string tls_root_certs;
   // TLS server name override (tests with self-signed certs). Default: none.
   std::string tls_server_name;
+  // PEM of this client's certificate chain and key, for a store that
+  // requires one (--tls_client_ca); empty: none presented.
+  std::string tls_cert_chain, tls_private_key;
   // Payload bytes per PutSegment chunk. Range [1, 4 MiB]. Default: 1 MiB.
   size_t chunk_bytes = size_t{1} << 20;
   // Deadline of a call whose CallOptions set none (bulk uploads of the CLI

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <numeric>
 #include <random>
@@ -243,6 +244,7 @@ TEST(PolicyTest, LayerProfileFiles) {
     f << "budgets 1 2\n";
   }
   EXPECT_THAT(LoadLayerProfile(path), StatusIs(absl::StatusCode::kInvalidArgument));
+  std::remove(path.c_str());
 }
 
 }  // namespace

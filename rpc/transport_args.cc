@@ -29,14 +29,21 @@ void ApplyReconnectArgs(grpc::ChannelArguments* args) {
   args->SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
 }
 
+std::shared_ptr<grpc::ChannelCredentials> ClientChannelCredentials(const ClientTls& tls,
+                                                                   grpc::ChannelArguments* args) {
+  if (tls.root_certs.empty()) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = tls.root_certs;
+  ssl.pem_cert_chain = tls.cert_chain;
+  ssl.pem_private_key = tls.private_key;
+  if (!tls.server_name.empty()) args->SetSslTargetNameOverride(tls.server_name);
+  return grpc::SslCredentials(ssl);
+}
+
 std::shared_ptr<grpc::ChannelCredentials> ClientChannelCredentials(const std::string& root_certs,
                                                                    const std::string& server_name,
                                                                    grpc::ChannelArguments* args) {
-  if (root_certs.empty()) return grpc::InsecureChannelCredentials();
-  grpc::SslCredentialsOptions ssl;
-  ssl.pem_root_certs = root_certs;
-  if (!server_name.empty()) args->SetSslTargetNameOverride(server_name);
-  return grpc::SslCredentials(ssl);
+  return ClientChannelCredentials(ClientTls{root_certs, server_name, "", ""}, args);
 }
 
 }  // namespace kvtier

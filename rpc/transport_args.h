@@ -26,10 +26,24 @@ void ApplyBulkTransportArgs(grpc::ServerBuilder* builder);
 // second, not minutes later (the failure of LMCache #651).
 void ApplyReconnectArgs(grpc::ChannelArguments* args);
 
-// Credentials of a client channel to a kvtier node: TLS when `root_certs`
-// (PEM of the CA) is set, with `server_name` expected in the certificate
-// instead of the target's host when set (written into `args`); plaintext
-// otherwise.
+// TLS of a client channel to a kvtier node.
+struct ClientTls {
+  // PEM of the CA that signed the server's certificate; empty: plaintext.
+  std::string root_certs;
+  // Expected in the server's certificate instead of the target's host;
+  // empty: the host.
+  std::string server_name;
+  // PEM of the client's own certificate chain and key, for servers that
+  // require one (mutual TLS); empty: none presented.
+  std::string cert_chain, private_key;
+};
+
+// Credentials of a client channel to a kvtier node: TLS when
+// tls.root_certs is set (the server name override written into `args`),
+// plaintext otherwise.
+std::shared_ptr<grpc::ChannelCredentials> ClientChannelCredentials(const ClientTls& tls,
+                                                                   grpc::ChannelArguments* args);
+// The same without a client certificate.
 std::shared_ptr<grpc::ChannelCredentials> ClientChannelCredentials(const std::string& root_certs,
                                                                    const std::string& server_name,
                                                                    grpc::ChannelArguments* args);

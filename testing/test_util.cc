@@ -48,6 +48,75 @@ absl::StatusOr<SelfSignedCert> MakeSelfSignedCert(const std::string& dir) {
   return c;
 }
 
+namespace {
+
+absl::StatusOr<std::string> ReadPem(const std::string& path) {
+  std::ifstream in(path);
+  std::string pem((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (pem.empty()) return absl::InternalError("openssl wrote nothing to " + path);
+  return pem;
+}
+
+}  // namespace
+
+std::string ReadFileOrDie(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    std::fprintf(stderr, "cannot read %s\n", path.c_str());
+    std::abort();
+  }
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+absl::StatusOr<TestCa> TestCa::Make(const std::string& dir, const std::string& name) {
+  if (std::system("command -v openssl >/dev/null 2>&1") != 0) {
+    return absl::UnavailableError("openssl CLI not installed; `make deps` installs it");
+  }
+  TestCa ca;
+  ca.dir_ = dir;
+  ca.ca_.cert = dir + "/" + name + ".pem";
+  ca.ca_.key = dir + "/" + name + ".key";
+  const std::string cmd =
+      "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 "
+      "-nodes -keyout " +
+      ca.ca_.key + " -out " + ca.ca_.cert + " -days 1 -subj /CN=" + name +
+      " -addext basicConstraints=critical,CA:TRUE "
+      "-addext keyUsage=critical,keyCertSign,cRLSign >/dev/null 2>&1";
+  if (std::system(cmd.c_str()) != 0) {
+    return absl::InternalError("openssl could not make a CA in " + dir);
+  }
+  auto pem = ReadPem(ca.ca_.cert);
+  if (!pem.ok()) return pem.status();
+  ca.ca_.pem = *std::move(pem);
+  return ca;
+}
+
+absl::StatusOr<SelfSignedCert> TestCa::Issue(const std::string& name,
+                                             const std::string& san) const {
+  SelfSignedCert c;
+  c.cert = dir_ + "/" + name + ".pem";
+  c.key = dir_ + "/" + name + ".key";
+  const std::string csr = dir_ + "/" + name + ".csr";
+  const std::string ext = dir_ + "/" + name + ".ext";
+  {
+    std::ofstream f(ext);
+    f << "subjectAltName=" << san << "\nbasicConstraints=CA:FALSE\n"
+      << "extendedKeyUsage=serverAuth,clientAuth\n";
+  }
+  const std::string cmd =
+      "openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout " + c.key +
+      " -out " + csr + " -subj /CN=" + name + " >/dev/null 2>&1 && openssl x509 -req -in " + csr +
+      " -CA " + ca_.cert + " -CAkey " + ca_.key + " -CAcreateserial -days 1 -extfile " + ext +
+      " -out " + c.cert + " >/dev/null 2>&1";
+  if (std::system(cmd.c_str()) != 0) {
+    return absl::InternalError("openssl could not issue a certificate for " + name);
+  }
+  auto pem = ReadPem(c.cert);
+  if (!pem.ok()) return pem.status();
+  c.pem = *std::move(pem);
+  return c;
+}
+
 std::string MakePayload(uint64_t target_bytes, uint64_t seed, uint32_t layer_begin) {
   // About 24 bytes of protobuf framing around the raw buffer.
   uint64_t raw = target_bytes > 64 ? target_bytes - 48 : 16;

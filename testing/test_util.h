@@ -58,6 +58,27 @@ struct SelfSignedCert {
 // fails.
 absl::StatusOr<SelfSignedCert> MakeSelfSignedCert(const std::string& dir);
 
+// A whole file's bytes; aborts the test binary when it cannot be read.
+std::string ReadFileOrDie(const std::string& path);
+
+// A certificate authority made by the openssl CLI in a directory, for
+// mutual-TLS tests: it signs leaf certificates (EC P-256, valid a day)
+// whose subjectAltName is what the caller gives.
+class TestCa {
+ public:
+  // UNAVAILABLE when openssl is not installed; INTERNAL when it fails.
+  static absl::StatusOr<TestCa> Make(const std::string& dir, const std::string& name);
+  // A certificate for `name` with subjectAltName `san` ("DNS:localhost,
+  // IP:127.0.0.1", "DNS:store-0"), signed by this CA.
+  absl::StatusOr<SelfSignedCert> Issue(const std::string& name, const std::string& san) const;
+  const std::string& pem() const { return ca_.pem; }
+  const std::string& cert_path() const { return ca_.cert; }
+
+ private:
+  std::string dir_;
+  SelfSignedCert ca_;
+};
+
 // The whole HTTP/1.0 response (status line, headers, body) to GET `path` on
 // 127.0.0.1:`port`, or "" when nothing listens there.
 std::string HttpGet(int port, const std::string& path);

@@ -481,6 +481,11 @@ TEST_F(WorkerEngineTest, RejectsBadShapesPoliciesAndOrder) {
       StatusIs(absl::StatusCode::kFailedPrecondition));
   KVT_ASSERT_OK(
       engine_->PrefillLayer("x", 0, 2, 0, q.data(), kv.data(), kv.data(), out.data()).status());
+  // A new step while this one is in flight (a retry whose first call the
+  // worker has not rolled back yet): UNAVAILABLE, worth retrying.
+  EXPECT_THAT(
+      engine_->PrefillLayer("x", 0, 2, 0, q.data(), kv.data(), kv.data(), out.data()).status(),
+      StatusIs(absl::StatusCode::kUnavailable, ::testing::HasSubstr("retry")));
   EXPECT_THAT(
       engine_->PrefillLayer("x", 1, 1, 0, q.data(), kv.data(), kv.data(), out.data()).status(),
       StatusIs(absl::StatusCode::kFailedPrecondition));
@@ -641,6 +646,59 @@ TEST_F(WorkerEngineTest, PerTenantLimits) {
   KVT_ASSERT_OK(engine.CloseSession(a1, false));
   KVT_ASSERT_OK(engine.OpenSession(a3, kShape, {}));
   KVT_ASSERT_OK(prefill(a3, 8));
+}
+
+// A tenant the tenants file does not list (any tenant a node token acts
+// for) gets default_tenant_limit: a hostile one reaches its share and stops
+// there, RESOURCE_EXHAUSTED naming the limit, while another is served.
+TEST_F(WorkerEngineTest, DefaultTenantLimitBindsUnlistedTenants) {
+  worker::EngineOptions o = ReferenceKernels();
+  o.default_tenant_limit = {3, 10 * 4 * 2 * 16 * 2 * 2};
+  o.tenant_limits["big"] = {5, 0};
+  Engine engine(segments_, o);
+  for (int i = 0; i < 3; ++i)
+    KVT_ASSERT_OK(engine.OpenSession({"evil", std::to_string(i)}, kShape, {}));
+  EXPECT_THAT(engine.OpenSession({"evil", "3"}, kShape, {}),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       ::testing::HasSubstr("--tenant_max_sessions")));
+  for (int i = 0; i < 5; ++i)
+    KVT_ASSERT_OK(engine.OpenSession({"big", std::to_string(i)}, kShape, {}));
+  KVT_ASSERT_OK(engine.OpenSession({"good", "0"}, kShape, {}));
+  std::mt19937 rng(4);
+  KVT_ASSERT_OK(PrefillAll(engine, {"evil", "0"}, 10, &rng));
+  EXPECT_THAT(PrefillAll(engine, {"evil", "1"}, 1, &rng),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       ::testing::HasSubstr("--tenant_max_working_set_mb")));
+  KVT_ASSERT_OK(PrefillAll(engine, {"good", "0"}, 10, &rng));
+  KVT_ASSERT_OK(PrefillAll(engine, {"big", "0"}, 64, &rng));  // Its entry sets no byte limit.
+}
+
+// Bytes of sessions arriving by hand-off count from the first byte: two
+// arrivals in flight cannot together pass the worker's budget or the
+// tenant's, and what a hold took comes back when it goes.
+TEST_F(WorkerEngineTest, IncomingHoldsCountAgainstTheBudgets) {
+  worker::EngineOptions o = ReferenceKernels();
+  o.max_working_set_bytes = 1000;
+  o.tenant_limits["acme"] = {0, 600};
+  Engine engine(segments_, o);
+  auto a = engine.HoldIncoming("acme");
+  auto b = engine.HoldIncoming("acme");
+  auto c = engine.HoldIncoming("bob");
+  KVT_ASSERT_OK(a->Grow(400));
+  EXPECT_THAT(b->Grow(300), StatusIs(absl::StatusCode::kResourceExhausted,
+                                     ::testing::HasSubstr("tenant 'acme'")));
+  KVT_ASSERT_OK(b->Grow(200));
+  EXPECT_EQ(engine.TotalWorkingSetBytes(), 600u);
+  EXPECT_THAT(c->Grow(500), StatusIs(absl::StatusCode::kResourceExhausted,
+                                     ::testing::HasSubstr("--max_working_set_mb")));
+  KVT_ASSERT_OK(c->Grow(400));
+  EXPECT_EQ(c->bytes(), 400u);
+  a.reset();
+  EXPECT_EQ(engine.TotalWorkingSetBytes(), 600u);
+  KVT_ASSERT_OK(b->Grow(400));
+  b.reset();
+  c.reset();
+  EXPECT_EQ(engine.TotalWorkingSetBytes(), 0u);
 }
 
 }  // namespace

@@ -19,8 +19,8 @@
 #include "services/worker/worker_server.h"
 #include "testing/test_util.h"
 #include "tests/util/grpc_health.h"
-#include "tests/util/segment_refs.h"
 #include "tests/util/raw_unary.h"
+#include "tests/util/segment_refs.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/trap_listener.h"
 #include "tests/util/worker_stack.h"
@@ -438,13 +438,15 @@ auto RetryWhile(grpc::StatusCode code, F f) {
 // After a stopped store resumes: it first serves the calls that queued
 // while it was stopped, which on a loaded machine can outlast the worker's
 // store deadline (1 s in these tests) once or twice; a retry then finds it
-// caught up. ABORTED is an attempt still finishing on the worker.
+// caught up. ABORTED is an attempt still finishing on the worker, and
+// UNAVAILABLE a step it has not rolled back yet.
 template <typename F>
 auto RetryWhileResuming(F f) {
   auto st = f();
   for (int attempt = 1;
        attempt < 50 && (st.error_code() == grpc::StatusCode::ABORTED ||
                         st.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
+                        st.error_code() == grpc::StatusCode::UNAVAILABLE ||
                         (attempt < 5 && st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED));
        ++attempt) {
     absl::SleepFor(absl::Milliseconds(20));
@@ -513,13 +515,12 @@ TEST_F(WorkerServiceTest, ATenantCannotPointTheWorkerAtAnAddressOfItsChoosing) {
     const grpc::Status st = stub_->OpenSession(&c, open, &r);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED) << st.error_message();
     EXPECT_THAT(st.error_message(), ::testing::HasSubstr(trap.address()));
-    EXPECT_EQ(PrefillStep(stub_.get(), "steal", 4, &rng).error_code(),
-              grpc::StatusCode::NOT_FOUND);
+    EXPECT_EQ(PrefillStep(stub_.get(), "steal", 4, &rng).error_code(), grpc::StatusCode::NOT_FOUND);
     EXPECT_EQ(EndRound(stub_.get(), "steal", &end, absl::Seconds(2)).error_code(),
               grpc::StatusCode::NOT_FOUND);
   }
-  for (const std::string& bad : {std::string("127.0.0.1:70 70"), std::string("evil\n:1"),
-                                 std::string(10'000, 'x') + ":1"}) {
+  for (const std::string& bad :
+       {std::string("127.0.0.1:70 70"), std::string("evil\n:1"), std::string(10'000, 'x') + ":1"}) {
     v1::OpenSessionRequest open = Open("malformed");
     open.add_store_addresses(bad);
     grpc::ClientContext c;
@@ -707,9 +708,10 @@ TEST_F(WorkerServiceTest, CancelledPrefillRollsBack) {
     c.TryCancel();
     EXPECT_EQ(s->Finish().error_code(), grpc::StatusCode::CANCELLED);
   }
-  // The worker notices the cancellation on its own thread; the rollback is
-  // there by the time a new stream's layer 0 is accepted.
-  const grpc::Status st = RetryWhile(grpc::StatusCode::FAILED_PRECONDITION,
+  // The worker notices the cancellation on its own thread; until it has
+  // rolled the step back, a new stream's layer 0 is UNAVAILABLE (retry),
+  // never FAILED_PRECONDITION.
+  const grpc::Status st = RetryWhile(grpc::StatusCode::UNAVAILABLE,
                                      [&] { return PrefillStep(stub_.get(), "c", 4, &rng); });
   ASSERT_TRUE(st.ok()) << st.error_message();
   v1::EndRoundResponse end;
@@ -818,8 +820,8 @@ TEST_F(WorkerServiceTest, StreamsEndingMidStepRollBack) {
   }
   {  // Decode whose deadline runs out after layer 0. The cancelled stream
      // above is rolled back on the worker's own thread: until then layer 0
-     // is out of order (FAILED_PRECONDITION), so that is retried.
-    grpc::Status end = RetryWhile(grpc::StatusCode::FAILED_PRECONDITION, [&] {
+     // is UNAVAILABLE with a retry hint, so that is retried.
+    grpc::Status end = RetryWhile(grpc::StatusCode::UNAVAILABLE, [&] {
       grpc::ClientContext c;
       c.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(300)));
       auto s = stub_->Decode(&c);
@@ -832,7 +834,7 @@ TEST_F(WorkerServiceTest, StreamsEndingMidStepRollBack) {
     EXPECT_EQ(end.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   }
   // Each step was rolled back: a whole decode step goes through from layer 0.
-  const grpc::Status st = RetryWhile(grpc::StatusCode::FAILED_PRECONDITION, [&] {
+  const grpc::Status st = RetryWhile(grpc::StatusCode::UNAVAILABLE, [&] {
     grpc::ClientContext c;
     auto s = stub_->Decode(&c);
     for (int l = 0; l < kLayers; ++l) {
@@ -1127,6 +1129,128 @@ TEST_F(WorkerServiceTest, MalformedInputIsInvalidArgument) {
   ASSERT_TRUE(PrefillStep(stub_.get(), "p", 3, &rng).ok());
   v1::EndRoundResponse end;
   ASSERT_TRUE(EndRound(stub_.get(), "p", &end).ok());
+}
+
+// Two tenants on one worker, one hostile. The hostile one opens sessions
+// until its default share (--tenant_max_sessions) refuses it, grows one
+// past its working-set share, opens a PutSkew stream and goes silent, and
+// tries a second, then sends more skew bytes than its share: each refusal
+// is RESOURCE_EXHAUSTED naming the limit, and the silent stream ends
+// DEADLINE_EXCEEDED after the idle deadline. The
+// well-behaved tenant's every call meanwhile succeeds at once: its
+// sessions open, step and end rounds, and its skew uploads.
+TEST(WorkerFairnessTest, AHostileTenantTakesOnlyItsShare) {
+  testing::TempDir dir;
+  testing::WriteFile(dir.path() + "/tenants",
+                     "evil-token-00001 evil readwrite\n"
+                     "good-token-00001 good readwrite\n");
+  testing::StoreProcess store(dir.path() + "/db");
+  ASSERT_TRUE(store.Start().ok());
+  WorkerServerOptions wo;
+  wo.listen = "127.0.0.1:0";
+  wo.metrics_listen = "";
+  wo.tenants_file = dir.path() + "/tenants";
+  wo.store.target = store.target();
+  wo.engine.max_sessions = 64;
+  // Shares: 4 sessions and room for 64 tokens of the tests' model (fp16).
+  wo.engine.default_tenant_limit = {4, 64 * kLayers * kKvHeads * kDim * 2 * 2};
+  wo.service.skew_uploads_per_tenant = 1;
+  wo.service.skew_upload_bytes_per_tenant = 1 << 20;
+  wo.service.skew_upload_idle = absl::Milliseconds(500);
+  auto worker = WorkerServer::Start(wo);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  auto stub = v1::Worker::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*worker)->port()),
+                                                      grpc::InsecureChannelCredentials()));
+  const std::string evil = "evil-token-00001", good = "good-token-00001";
+  auto open = [&](const std::string& token, const std::string& id) {
+    grpc::ClientContext c;
+    c.AddMetadata("authorization", "Bearer " + token);
+    v1::OpenSessionResponse r;
+    return stub->OpenSession(&c, OpenRequest(id), &r);
+  };
+  auto upload = [&](const std::string& token, grpc::ClientContext* c, v1::PutSkewResponse* resp) {
+    c->AddMetadata("authorization", "Bearer " + token);
+    c->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    return stub->PutSkew(c, resp);
+  };
+  std::mt19937 rng(21);
+  v1::EndRoundResponse end;
+
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(open(evil, absl::StrCat("e", i)).ok()) << i;
+  const grpc::Status more = open(evil, "e4");
+  EXPECT_EQ(more.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(more.error_message(), ::testing::HasSubstr("--tenant_max_sessions"));
+  ASSERT_TRUE(PrefillStep(stub.get(), "e0", 60, &rng, absl::Seconds(30), evil).ok());
+  const grpc::Status grown = PrefillStep(stub.get(), "e1", 60, &rng, absl::Seconds(30), evil);
+  EXPECT_EQ(grown.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(grown.error_message(), ::testing::HasSubstr("--tenant_max_working_set_mb"));
+  // A skew upload that sends one slice and then nothing; a second refused.
+  grpc::ClientContext silent_ctx;
+  v1::PutSkewResponse silent_resp;
+  auto silent = upload(evil, &silent_ctx, &silent_resp);
+  v1::PutSkewRequest slice;
+  slice.set_data(std::string(1000, 'x'));
+  silent->WaitForInitialMetadata();  // Admitted.
+  ASSERT_TRUE(silent->Write(slice));
+  const absl::Time silent_since = absl::Now();
+  {
+    grpc::ClientContext c;
+    v1::PutSkewResponse r;
+    auto second = upload(evil, &c, &r);
+    second->WritesDone();
+    const grpc::Status st = second->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+    EXPECT_THAT(st.error_message(), ::testing::HasSubstr("--skew_uploads_per_tenant"));
+  }
+
+  // Meanwhile the other tenant is served in full.
+  for (int i = 0; i < 4; ++i) {
+    const std::string id = absl::StrCat("g", i);
+    ASSERT_TRUE(open(good, id).ok()) << id;
+    ASSERT_TRUE(PrefillStep(stub.get(), id, 12, &rng, absl::Seconds(30), good).ok()) << id;
+    ASSERT_TRUE(EndRound(stub.get(), id, &end, absl::Seconds(30), good).ok()) << id;
+  }
+  {
+    grpc::ClientContext c;
+    v1::PutSkewResponse r;
+    auto w = upload(good, &c, &r);
+    v1::PutSkewRequest req;
+    req.set_data(IdentitySkew(kLayers, kQHeads, kKvHeads, kDim, 2));
+    ASSERT_TRUE(w->Write(req));
+    w->WritesDone();
+    const grpc::Status st = w->Finish();
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    EXPECT_FALSE(r.skew_id().empty());
+  }
+
+  // The silent stream ends by the idle deadline, not the call's, and gives
+  // its slot back.
+  const grpc::Status st = silent->Finish();  // Never half-closed.
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << st.error_message();
+  EXPECT_THAT(st.error_message(), ::testing::HasSubstr("PutSkew idle for 500ms"));
+  EXPECT_GE(absl::Now() - silent_since, absl::Milliseconds(500));
+  {
+    grpc::ClientContext c;
+    v1::PutSkewResponse r;
+    auto again = upload(evil, &c, &r);
+    v1::PutSkewRequest req;
+    req.set_data(IdentitySkew(kLayers, kQHeads, kKvHeads, kDim, 1));
+    ASSERT_TRUE(again->Write(req));
+    again->WritesDone();
+    EXPECT_TRUE(again->Finish().ok());
+  }
+  // Bytes in flight are capped per tenant too (1 MiB here).
+  grpc::ClientContext c;
+  v1::PutSkewResponse r;
+  auto big = upload(evil, &c, &r);
+  v1::PutSkewRequest half;
+  half.set_data(std::string(600 << 10, 'x'));
+  big->Write(half);
+  big->Write(half);
+  big->WritesDone();
+  const grpc::Status capped = big->Finish();
+  EXPECT_EQ(capped.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << capped.error_message();
+  EXPECT_THAT(capped.error_message(), ::testing::HasSubstr("--skew_upload_mb_per_tenant"));
 }
 
 // A session opened with store replicas keeps every round on each of them,

@@ -212,6 +212,41 @@ class WorkerSpeculationTest : public ::testing::Test {
   std::unique_ptr<Engine> engine_;
 };
 
+// A tenant's uploads hold at most kMaxSkewsPerTenant slots: past it, its
+// least recently used skew that no session holds makes room; when every one
+// is in use, RESOURCE_EXHAUSTED names the share. Other tenants and the
+// operator's skews (tenant "") are untouched.
+TEST_F(WorkerSpeculationTest, SkewSlotsAreSharedFairlyAndUnusedOnesMakeRoom) {
+  constexpr int kShare = Engine::kMaxSkewsPerTenant;
+  auto skew = [](uint32_t seed) {
+    return spec::SerializeSkew(MakeSkew(0.25, kShape.layers, seed));
+  };
+  KVT_ASSERT_OK_AND_ASSIGN(const std::string kept, engine_->PutSkew(skew(100)));
+  KVT_ASSERT_OK_AND_ASSIGN(const std::string bobs, engine_->PutSkew(skew(200), "bob"));
+  std::vector<std::string> ids;
+  for (int i = 0; i < kShare; ++i) {
+    KVT_ASSERT_OK_AND_ASSIGN(std::string id, engine_->PutSkew(skew(10 + i), "evil"));
+    ids.push_back(id);
+  }
+  // Every one of evil's skews in use by a session.
+  for (int i = 0; i < kShare; ++i) {
+    KVT_ASSERT_OK(engine_->OpenSession({"evil", std::to_string(i)}, kShape, Policy(ids[i], 4)));
+  }
+  EXPECT_THAT(engine_->PutSkew(skew(50), "evil").status(),
+              StatusIs(absl::StatusCode::kResourceExhausted, ::testing::HasSubstr("its share")));
+  // One session closes: its skew is the one to go.
+  KVT_ASSERT_OK(engine_->CloseSession({"evil", "1"}, /*delete_from_store=*/true));
+  KVT_ASSERT_OK_AND_ASSIGN(std::string fresh, engine_->PutSkew(skew(50), "evil"));
+  EXPECT_EQ(engine_->Skew(ids[1]), nullptr);
+  EXPECT_NE(engine_->Skew(fresh), nullptr);
+  EXPECT_NE(engine_->Skew(ids[0]), nullptr);
+  EXPECT_NE(engine_->Skew(kept), nullptr);
+  EXPECT_NE(engine_->Skew(bobs), nullptr);
+  // The same bytes from another tenant are the same skew, held once.
+  KVT_ASSERT_OK_AND_ASSIGN(std::string same, engine_->PutSkew(skew(50), "bob"));
+  EXPECT_EQ(same, fresh);
+}
+
 TEST_F(WorkerSpeculationTest, UploadAndPolicyChecks) {
   const std::string bytes = spec::SerializeSkew(MakeSkew(0.25));
   auto id = engine_->PutSkew(bytes);

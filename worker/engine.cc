@@ -69,12 +69,15 @@ std::string Engine::SkewId(std::string_view bytes) {
   return absl::StrFormat("%08x-%d", Crc32c(bytes.substr(0, bytes.size() - 4)), bytes.size());
 }
 
-absl::StatusOr<std::string> Engine::PutSkew(std::string_view bytes) {
+absl::StatusOr<std::string> Engine::PutSkew(std::string_view bytes, const std::string& tenant) {
   if (bytes.size() < 4) return absl::InvalidArgumentError("skew file: too short");
   const std::string id = SkewId(bytes);
   {
     absl::MutexLock lock(&skews_mu_);
-    if (skews_.count(id) != 0) return id;
+    if (auto it = skews_.find(id); it != skews_.end()) {
+      it->second.last_use = ++skew_tick_;
+      return id;
+    }
   }
   auto parsed = spec::ParseSkew(absl::string_view(bytes.data(), bytes.size()));
   if (!parsed.ok()) {
@@ -83,19 +86,49 @@ absl::StatusOr<std::string> Engine::PutSkew(std::string_view bytes) {
   }
   auto skew = std::make_shared<const spec::SkewModel>(std::move(*parsed));
   absl::MutexLock lock(&skews_mu_);
-  if (skews_.count(id) == 0 && static_cast<int>(skews_.size()) >= kMaxSkews) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("the worker holds its maximum of ", kMaxSkews, " skews"));
+  if (auto it = skews_.find(id); it != skews_.end()) {  // Another upload won.
+    it->second.last_use = ++skew_tick_;
+    return id;
   }
-  skews_.emplace(id, std::move(skew));
-  LogInfo("skew loaded", {{"skew", id}, {"model", skews_[id]->model}});
+  if (!tenant.empty()) {
+    int mine = 0;
+    for (const auto& [k, e] : skews_) mine += e.owner == tenant ? 1 : 0;
+    if (mine >= kMaxSkewsPerTenant && !EvictSkewLocked(tenant, /*only_owner=*/true)) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("tenant '", tenant, "' holds its share of ", kMaxSkewsPerTenant,
+                       " skews on this worker, each in use by a session; close one first"));
+    }
+  }
+  if (static_cast<int>(skews_.size()) >= kMaxSkews && !EvictSkewLocked("", /*only_owner=*/false)) {
+    return absl::ResourceExhaustedError(absl::StrCat("the worker holds its maximum of ", kMaxSkews,
+                                                     " skews, each in use by a session"));
+  }
+  const std::string model = skew->model;
+  skews_[id] = SkewEntry{std::move(skew), tenant, ++skew_tick_};
+  LogInfo("skew loaded", {{"skew", id}, {"model", model}, {"tenant", tenant}});
   return id;
+}
+
+bool Engine::EvictSkewLocked(const std::string& owner, bool only_owner) {
+  auto victim = skews_.end();
+  for (auto it = skews_.begin(); it != skews_.end(); ++it) {
+    const SkewEntry& e = it->second;
+    if (e.owner.empty() || (only_owner && e.owner != owner)) continue;
+    if (e.model.use_count() > 1) continue;  // A session holds it.
+    if (victim == skews_.end() || e.last_use < victim->second.last_use) victim = it;
+  }
+  if (victim == skews_.end()) return false;
+  LogInfo("skew dropped to make room", {{"skew", victim->first}, {"tenant", victim->second.owner}});
+  skews_.erase(victim);
+  return true;
 }
 
 std::shared_ptr<const spec::SkewModel> Engine::Skew(const std::string& id) const {
   absl::MutexLock lock(&skews_mu_);
   auto it = skews_.find(id);
-  return it == skews_.end() ? nullptr : it->second;
+  if (it == skews_.end()) return nullptr;
+  it->second.last_use = ++skew_tick_;
+  return it->second.model;
 }
 
 absl::Status Engine::ResolveSpeculation(const ModelShape& shape, const SessionPolicy& policy,
@@ -325,26 +358,55 @@ absl::Status Engine::CheckRoomLocked(const SessionKey& id) const {
         absl::StrCat("the worker holds its maximum of ", options_.max_sessions,
                      " sessions (--max_sessions); close one first"));
   }
-  auto l = options_.tenant_limits.find(id.tenant);
-  if (l != options_.tenant_limits.end() && l->second.max_sessions > 0) {
+  const EngineOptions::TenantLimit* l = LimitFor(id.tenant);
+  if (l != nullptr && l->max_sessions > 0) {
     auto use = tenants_.find(id.tenant);
-    if (use != tenants_.end() && use->second.sessions >= l->second.max_sessions) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("tenant '", id.tenant, "' holds its maximum of ", l->second.max_sessions,
-                       " sessions (tenants file max_sessions); close one first"));
+    if (use != tenants_.end() && use->second.sessions >= l->max_sessions) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "tenant '", id.tenant, "' holds its maximum of ", l->max_sessions,
+          " sessions (its max_sessions in the tenants file, or --tenant_max_sessions); close one "
+          "first"));
     }
   }
   return absl::OkStatus();
 }
 
+const EngineOptions::TenantLimit* Engine::LimitFor(const std::string& tenant) const {
+  auto l = options_.tenant_limits.find(tenant);
+  if (l != options_.tenant_limits.end()) return &l->second;
+  const EngineOptions::TenantLimit& d = options_.default_tenant_limit;
+  return d.max_sessions > 0 || d.max_working_set_bytes > 0 ? &d : nullptr;
+}
+
+Engine::TenantUse& Engine::UseOf(const std::string& tenant) {
+  TenantUse& use = tenants_[tenant];
+  if (use.limit == nullptr) use.limit = LimitFor(tenant);
+  return use;
+}
+
+std::unique_ptr<Engine::IncomingHold> Engine::HoldIncoming(const std::string& tenant) {
+  absl::MutexLock lock(&mu_);
+  return std::unique_ptr<IncomingHold>(new IncomingHold(this, tenant, &UseOf(tenant)));
+}
+
+absl::Status Engine::IncomingHold::Grow(uint64_t bytes) {
+  auto* use = static_cast<TenantUse*>(use_);
+  KVT_RETURN_IF_ERROR(engine_->CheckBudgetFor(tenant_, use->limit, use->bytes.load(), bytes));
+  use->bytes.fetch_add(static_cast<int64_t>(bytes));
+  engine_->working_set_total_.fetch_add(static_cast<int64_t>(bytes));
+  bytes_ += bytes;
+  return absl::OkStatus();
+}
+
+Engine::IncomingHold::~IncomingHold() {
+  static_cast<TenantUse*>(use_)->bytes.fetch_sub(static_cast<int64_t>(bytes_));
+  engine_->working_set_total_.fetch_sub(static_cast<int64_t>(bytes_));
+}
+
 absl::Status Engine::Insert(const SessionKey& id, std::shared_ptr<Session> s) {
   absl::MutexLock lock(&mu_);
   KVT_RETURN_IF_ERROR(CheckRoomLocked(id));
-  TenantUse& use = tenants_[id.tenant];
-  if (use.limit == nullptr) {
-    auto l = options_.tenant_limits.find(id.tenant);
-    if (l != options_.tenant_limits.end()) use.limit = &l->second;
-  }
+  TenantUse& use = UseOf(id.tenant);
   ++use.sessions;
   s->tenant = &use;
   sessions_.emplace(id, std::move(s));
@@ -474,7 +536,8 @@ absl::Status Engine::CheckBudgetFor(const std::string& tenant,
     if (mine + bytes > limit->max_working_set_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "the step needs ", bytes, " working-set bytes; tenant '", tenant, "' holds ", mine,
-          " of its ", limit->max_working_set_bytes, " (tenants file max_working_set_mb)"));
+          " of its ", limit->max_working_set_bytes,
+          " (its max_working_set_mb in the tenants file, or --tenant_max_working_set_mb)"));
     }
   }
   return absl::OkStatus();

@@ -393,6 +393,11 @@ struct EngineOptions {
     uint64_t max_working_set_bytes = 0;
   };
   std::map<std::string, TenantLimit> tenant_limits;
+  // The limits of every tenant that tenant_limits does not list (a tenant a
+  // node token acts for, say). Default: none (kvtier-worker sets its
+  // --tenant_max_sessions and --tenant_max_working_set_mb here when more
+  // than one tenant may write).
+  TenantLimit default_tenant_limit;
   // The hand-off cache (docs/transfer.md#incremental-hand-off): a session
   // that leaves by hand-off leaves its past rounds here, so that when it
   // comes back only the rounds it gained elsewhere travel. Not part of the
@@ -476,12 +481,19 @@ class Engine {
                            const float* v, float* out, const float* q_next = nullptr);
 
   // Takes a skew file's bytes (kvtier calibrate infinigen; spec::ParseSkew)
-  // and returns its id, which SessionPolicy::speculation.skew names. The
-  // same bytes give the same id (the CRC-32C and size) and are held once.
-  // INVALID_ARGUMENT or DATA_LOSS from parsing; RESOURCE_EXHAUSTED past
-  // kMaxSkews distinct skews.
+  // for `tenant` and returns its id, which SessionPolicy::speculation.skew
+  // names. The same bytes give the same id (the CRC-32C and size) and are
+  // held once, whoever sent them. The engine holds at most kMaxSkews, and
+  // at most kMaxSkewsPerTenant that one tenant uploaded; skews of tenant ""
+  // (the operator's: --skew_dir) are kept for the engine's life and count
+  // against no tenant. When the table or the tenant's share is full, the
+  // least recently used skew that no session holds (the tenant's own, when
+  // its share is full) is dropped to make room. INVALID_ARGUMENT or
+  // DATA_LOSS from parsing; RESOURCE_EXHAUSTED naming the limit when every
+  // skew that could go is in use.
   static constexpr int kMaxSkews = 16;
-  absl::StatusOr<std::string> PutSkew(std::string_view bytes);
+  static constexpr int kMaxSkewsPerTenant = 4;
+  absl::StatusOr<std::string> PutSkew(std::string_view bytes, const std::string& tenant = "");
   // The id PutSkew gives these bytes, without parsing them (empty for fewer
   // than 4 bytes): what `kvtier policy set --speculation_skew=FILE` names.
   static std::string SkewId(std::string_view bytes);
@@ -526,6 +538,33 @@ class Engine {
   // ALREADY_EXISTS when it holds the session, RESOURCE_EXHAUSTED past its
   // session or working-set limits (engine and tenant).
   absl::Status CheckImport(const SessionKey& id, uint64_t bytes) const;
+  // Working-set bytes held on a tenant's behalf outside any session: a
+  // session arriving by hand-off holds each layer's bytes from the moment
+  // the layer is announced until the session is imported or the stream
+  // ends. They count in TotalWorkingSetBytes() and in the tenant's share, so
+  // that arrivals in flight cannot together pass the worker's or the
+  // tenant's budget. Thread-compatible; destroying it gives the bytes back.
+  // Must not outlive the engine.
+  class IncomingHold {
+   public:
+    ~IncomingHold();
+    IncomingHold(const IncomingHold&) = delete;
+    IncomingHold& operator=(const IncomingHold&) = delete;
+    // Takes `bytes` more; RESOURCE_EXHAUSTED (nothing taken) when that
+    // would pass max_working_set_bytes or the tenant's limit.
+    absl::Status Grow(uint64_t bytes);
+    uint64_t bytes() const { return bytes_; }
+
+   private:
+    friend class Engine;
+    IncomingHold(Engine* engine, std::string tenant, void* use)
+        : engine_(engine), tenant_(std::move(tenant)), use_(use) {}
+    Engine* const engine_;
+    const std::string tenant_;
+    void* const use_;  // The tenant's TenantUse.
+    uint64_t bytes_ = 0;
+  };
+  std::unique_ptr<IncomingHold> HoldIncoming(const std::string& tenant);
   // Opens `id` from a transfer: `layers` holds every layer in order. The
   // session is as the sender had it: same past rounds, residency, recall
   // selection and open round, placed by this engine's placement (rounds a
@@ -662,6 +701,11 @@ class Engine {
     int sessions = 0;                                   // Guarded by mu_.
     const EngineOptions::TenantLimit* limit = nullptr;  // Null: none.
   };
+  // The limits of `tenant`: its tenant_limits entry, else
+  // default_tenant_limit; null when neither sets any.
+  const EngineOptions::TenantLimit* LimitFor(const std::string& tenant) const;
+  // The tenant's entry, made on first use (REQUIRES mu_).
+  TenantUse& UseOf(const std::string& tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Brings the engine's and the tenant's totals up to date with `s`
   // (REQUIRES s.mu).
   void Account(Session& s);
@@ -685,8 +729,18 @@ class Engine {
 
   SegmentStore* store_;
   EngineOptions options_;
+  struct SkewEntry {
+    std::shared_ptr<const spec::SkewModel> model;
+    std::string owner;      // The tenant that uploaded it; "": kept.
+    uint64_t last_use = 0;  // skew_tick_ when last put or looked up.
+  };
+  // Drops the least recently used skew that nobody holds, of `owner` when
+  // `only_owner` (REQUIRES skews_mu_); false when none can go.
+  bool EvictSkewLocked(const std::string& owner, bool only_owner)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(skews_mu_);
   mutable absl::Mutex skews_mu_;
-  std::map<std::string, std::shared_ptr<const spec::SkewModel>> skews_ ABSL_GUARDED_BY(skews_mu_);
+  mutable std::map<std::string, SkewEntry> skews_ ABSL_GUARDED_BY(skews_mu_);
+  mutable uint64_t skew_tick_ ABSL_GUARDED_BY(skews_mu_) = 0;
   std::unique_ptr<HandoffCache> handoff_;
   DevicePeerFailures device_failures_;
   LinkPool device_links_;

@@ -158,6 +158,15 @@ absl::Status Engine::Session::CheckStep(int layer, int64_t n, bool prefill) cons
     return absl::FailedPreconditionError("decode before the round's first prefill");
   }
   if (layer == 0 && !in_step) return absl::OkStatus();
+  if (layer == 0) {
+    // A new step while one is in flight: most often a retry whose earlier
+    // call ended (a deadline, a cancel) before the worker rolled its step
+    // back, which it does as it notices. Worth retrying, so not
+    // FAILED_PRECONDITION.
+    return absl::UnavailableError(absl::StrCat(
+        "a ", StateName(state), " step of this session is in flight (next layer ", next_layer,
+        "); a step whose call ended is rolled back as the worker notices: retry shortly"));
+  }
   if (layer != next_layer || !in_step) {
     return absl::FailedPreconditionError(
         absl::StrCat("layer ", layer, " out of order: expected layer ", in_step ? next_layer : 0,

@@ -347,8 +347,7 @@ absl::Status Engine::CheckImport(const SessionKey& id, uint64_t bytes) const {
     auto use = tenants_.find(id.tenant);
     if (use != tenants_.end()) tenant_bytes = use->second.bytes.load();
   }
-  auto l = options_.tenant_limits.find(id.tenant);
-  if (l != options_.tenant_limits.end()) limit = &l->second;
+  limit = LimitFor(id.tenant);
   absl::Status st = CheckBudgetFor(id.tenant, limit, tenant_bytes, bytes);
   if (!st.ok()) {
     return absl::ResourceExhaustedError(

@@ -116,13 +116,15 @@ def speculating(model):
     """The model, its ModelSpec and its skew file's bytes (kvtier calibrate
     infinigen)."""
     m = Llama.load(model)
-    skew = os.path.join(tempfile.mkdtemp(prefix="kvtier-skew-"), "s.skew")
-    subprocess.run([os.path.join(BUILD, "tools/kvtier"), "calibrate", "infinigen",
-                    f"--model={model}", f"--out={skew}"], check=True, capture_output=True)
+    with tempfile.TemporaryDirectory(prefix="kvtier-skew-") as d:
+        skew = os.path.join(d, "s.skew")
+        subprocess.run([os.path.join(BUILD, "tools/kvtier"), "calibrate", "infinigen",
+                        f"--model={model}", f"--out={skew}"], check=True, capture_output=True)
+        with open(skew, "rb") as f:
+            data = f.read()
     c = m.config
     spec = ModelSpec(c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, dtype="float32")
-    with open(skew, "rb") as f:
-        return m, spec, f.read()
+    return m, spec, data
 
 
 @pytest.mark.parametrize("mode", ["remote", "inproc"])

@@ -6,19 +6,26 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "base/log.h"
 #include "base/names.h"
 #include "base/status_macros.h"
+#include "grpcpp/security/auth_context.h"
 
 namespace kvtier {
 
 Authenticator::Authenticator(std::vector<TenantEntry> entries)
     : enabled_(true), entries_(std::move(entries)) {
+  constexpr absl::string_view kCert = "cert:";
   for (const TenantEntry& e : entries_) {
-    by_token_[e.token] = e.principal;
+    if (absl::StartsWith(e.token, kCert)) {
+      by_cert_[e.token.substr(kCert.size())] = e.principal;
+    } else {
+      by_token_[e.token] = e.principal;
+    }
     if (!e.principal.node_id.empty()) bound_nodes_[e.principal.node_id] = e.principal.node_kind;
   }
 }
@@ -52,7 +59,11 @@ absl::StatusOr<Authenticator> Authenticator::FromText(const std::string& text) {
     if (f.size() < 3 || f.size() > 4) {
       return bad("want: token tenant role [quota_bytes] [key=value ...]");
     }
-    if (f[0].size() < 8) return bad("tokens must be at least 8 characters");
+    if (absl::StartsWith(f[0], "cert:")) {
+      if (f[0].size() == 5) return bad("cert: needs the certificate's name after it");
+    } else if (f[0].size() < 8) {
+      return bad("tokens must be at least 8 characters");
+    }
     TenantEntry e;
     e.token = f[0];
     e.principal.tenant = f[1];
@@ -108,8 +119,11 @@ absl::StatusOr<Authenticator> Authenticator::FromText(const std::string& text) {
     if (!seen.emplace(e.token, line_no).second) return bad("duplicate token");
     if (!e.principal.node_id.empty()) {
       for (const TenantEntry& other : entries) {
-        if (other.principal.node_id == e.principal.node_id) {
-          return bad(absl::StrCat("node_id ", e.principal.node_id, " is bound to another token"));
+        // Several tokens may name one node (rotation), as one kind.
+        if (other.principal.node_id == e.principal.node_id &&
+            other.principal.node_kind != e.principal.node_kind) {
+          return bad(absl::StrCat("node_id ", e.principal.node_id, " is bound as a ",
+                                  other.principal.node_kind, " on another line"));
         }
       }
     }
@@ -141,16 +155,15 @@ absl::Status Authenticator::RequireNodeIdentity(const Principal& p, const std::s
   if (!enabled_) return absl::OkStatus();
   if (!p.node_id.empty()) {
     if (p.node_id == node_id && (kind.empty() || p.node_kind == kind)) return absl::OkStatus();
-    return absl::PermissionDeniedError(
-        absl::StrCat("this node token belongs to ", p.node_kind, " node '", p.node_id,
-                     "'; it may not act as ", kind.empty() ? "" : kind + " ", "node '",
-                     node_id.substr(0, kMaxNameLength),
-                     "'"));
+    return absl::PermissionDeniedError(absl::StrCat(
+        "this node token belongs to ", p.node_kind, " node '", p.node_id, "'; it may not act as ",
+        kind.empty() ? "" : kind + " ", "node '", node_id.substr(0, kMaxNameLength), "'"));
   }
   if (auto it = bound_nodes_.find(node_id); it != bound_nodes_.end()) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "node '", node_id, "' is bound to a token of its own (node_id= in the tenants file); "
-        "this token may not act as it"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("node '", node_id,
+                     "' is bound to a token of its own (node_id= in the tenants file); "
+                     "this token may not act as it"));
   }
   return absl::OkStatus();
 }
@@ -188,6 +201,17 @@ absl::StatusOr<Principal> Authenticator::Caller(const grpc::ServerContextBase& c
   const auto& md = ctx.client_metadata();
   auto it = md.find("authorization");
   if (it == md.end()) {
+    // Mutual TLS: the client's verified certificate may name a cert: line.
+    const std::shared_ptr<const grpc::AuthContext> auth = ctx.auth_context();
+    if (auth != nullptr && auth->IsPeerAuthenticated() && !by_cert_.empty()) {
+      for (const grpc::string_ref& name : auth->GetPeerIdentity()) {
+        auto p = by_cert_.find(absl::string_view(name.data(), name.size()));
+        if (p != by_cert_.end()) return p->second;
+      }
+      return absl::UnauthenticatedError(
+          "no 'authorization: Bearer <token>' metadata, and the client certificate names no "
+          "cert: line of the tenants file");
+    }
     return absl::UnauthenticatedError("missing 'authorization: Bearer <token>' metadata");
   }
   absl::string_view v(it->second.data(), it->second.size());

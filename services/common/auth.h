@@ -18,9 +18,19 @@
 // kvtier-controller then takes Register and Heartbeat with that token only
 // for that node id and kind, and no other token may Register or Heartbeat
 // that id (PERMISSION_DENIED), so a node that leaks its token cannot be
-// impersonated by the holder of another. An unbound node token may act for
+// impersonated by the holder of another. Several tokens may be bound to one
+// node (to rotate them), all as the same kind. An unbound node token may act for
 // any node id that no token is bound to (one token shared by a whole
 // cluster); the controller warns at start when it has any.
+//
+// A line whose token is "cert:NAME" names a client certificate instead of a
+// token: on a server that requires client certificates (mutual TLS,
+// --tls_client_ca), a caller without a bearer token whose verified
+// certificate has NAME among its subject alternative names (or as its
+// common name, when it has none) is that line's principal. So a node's
+// certificate is its identity, bound with node_id= like a token:
+//   cert:store-0.kvtier   store-0  node  node_id=store-0 node_kind=store
+// A bearer token never matches a cert: line.
 //
 // Callers send "authorization: Bearer <token>" metadata. Tenant names follow
 // the session-name rule (base/names.h). Without a tenants file authentication
@@ -93,8 +103,8 @@ class Authenticator {
 
   // The caller's principal: the token's tenant, or the delegated end tenant
   // (readwrite) when a node token or auth-off caller names one.
-  // UNAUTHENTICATED when the metadata is missing or the token unknown (auth
-  // on); PERMISSION_DENIED when a non-node token names a tenant;
+  // UNAUTHENTICATED when the metadata is missing (and no verified client
+  // certificate names a cert: line) or the token unknown (auth on); PERMISSION_DENIED when a non-node token names a tenant;
   // INVALID_ARGUMENT when the named tenant breaks the naming rule.
   absl::StatusOr<Principal> Authenticate(const grpc::ServerContextBase& ctx) const;
   // PERMISSION_DENIED unless the principal may write.
@@ -124,6 +134,8 @@ class Authenticator {
   bool enabled_ = false;
   std::vector<TenantEntry> entries_;
   absl::flat_hash_map<std::string, Principal> by_token_;
+  // cert: lines, by certificate name.
+  absl::flat_hash_map<std::string, Principal> by_cert_;
   // node_id= bindings: node id -> its kind.
   absl::flat_hash_map<std::string, std::string> bound_nodes_;
 };

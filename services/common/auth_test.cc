@@ -33,6 +33,8 @@ TEST(Authenticator, RejectsBadLines) {
   EXPECT_THAT(Authenticator::FromText("tok-12345 a readwrite\ntok-12345 b readonly\n"),
               StatusIs(Code::kInvalidArgument));
   EXPECT_THAT(Authenticator::FromText("# nothing\n"), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(Authenticator::FromText("cert: acme readwrite\n"), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(Authenticator::FromText("cert:s0 s0 node\n"), IsOk());  // A name, not a token.
   // Tenant names follow the session-name rule.
   EXPECT_THAT(Authenticator::FromText("tok-12345 acme/eu readwrite\n"),
               StatusIs(Code::kInvalidArgument));
@@ -62,19 +64,25 @@ TEST(Authenticator, NodeTokensBoundToOneNode) {
   EXPECT_THAT(a->RequireNodeIdentity(bound, "store-0", ""), IsOk());
   EXPECT_THAT(a->RequireNodeIdentity(bound, "store-0", "worker"),
               StatusIs(Code::kPermissionDenied));
-  EXPECT_THAT(a->RequireNodeIdentity(bound, "store-1", "store"),
-              StatusIs(Code::kPermissionDenied));
+  EXPECT_THAT(a->RequireNodeIdentity(bound, "store-1", "store"), StatusIs(Code::kPermissionDenied));
   EXPECT_THAT(a->RequireNodeIdentity(shared, "store-0", "store"),
               StatusIs(Code::kPermissionDenied));
   EXPECT_THAT(a->RequireNodeIdentity(shared, "worker-3", "worker"), IsOk());
   EXPECT_THAT(Authenticator().RequireNodeIdentity(shared, "store-0", "store"), IsOk());
+  // Two tokens for one node, while one replaces the other.
+  auto rotating = Authenticator::FromText(
+      "store-0-secret s0 node node_id=store-0 node_kind=store\n"
+      "store-0-newer1 s0 node node_id=store-0 node_kind=store\n");
+  ASSERT_THAT(rotating, IsOk());
+  EXPECT_THAT(rotating->RequireNodeIdentity(rotating->entries()[1].principal, "store-0", "store"),
+              IsOk());
   // Bindings are for node tokens, come in pairs and are unique.
-  for (const char* bad : {"tok-12345 acme readwrite node_id=x node_kind=store\n",
-                          "tok-12345 n node node_id=x\n",
-                          "tok-12345 n node node_id=x node_kind=gpu\n",
-                          "tok-12345 n node node_id=a/b node_kind=store\n",
-                          "tok-12345 n node node_id=x node_kind=store\n"
-                          "tok-67890 m node node_id=x node_kind=worker\n"}) {
+  for (const char* bad :
+       {"tok-12345 acme readwrite node_id=x node_kind=store\n", "tok-12345 n node node_id=x\n",
+        "tok-12345 n node node_id=x node_kind=gpu\n",
+        "tok-12345 n node node_id=a/b node_kind=store\n",
+        "tok-12345 n node node_id=x node_kind=store\n"
+        "tok-67890 m node node_id=x node_kind=worker\n"}) {
     EXPECT_THAT(Authenticator::FromText(bad), StatusIs(Code::kInvalidArgument)) << bad;
   }
 }

@@ -4,6 +4,16 @@
 
 namespace kvtier {
 
+ControllerClientOptions ControllerOptionsOf(const ClusterOptions& cluster) {
+  ControllerClientOptions o;
+  o.target = cluster.controller;
+  o.token = cluster.controller_token;
+  o.tls_root_certs = cluster.controller_tls_root_certs;
+  o.tls_cert_chain = cluster.tls_cert_chain;
+  o.tls_private_key = cluster.tls_private_key;
+  return o;
+}
+
 absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(const ClusterOptions& cluster,
                                                        v1::NodeKind kind, const std::string& listen,
                                                        int bound_port, uint64_t capacity_bytes,
@@ -22,8 +32,7 @@ absl::StatusOr<std::unique_ptr<NodeAgent>> JoinCluster(const ClusterOptions& clu
     advertise = absl::StrCat(host, ":", bound_port);
   }
   NodeAgentOptions o;
-  o.controller.target = cluster.controller;
-  o.controller.token = cluster.controller_token;
+  o.controller = ControllerOptionsOf(cluster);
   o.node.set_node_id(cluster.node_id.empty() ? advertise : cluster.node_id);
   o.node.set_kind(kind);
   o.node.set_address(advertise);

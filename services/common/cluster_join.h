@@ -24,7 +24,16 @@ struct ClusterOptions {
   // host:port others reach this node at; empty: the listen address with the
   // bound port (which must then name a specific host, not 0.0.0.0 or [::]).
   std::string advertise;
+  // TLS to the controller: PEM of its CA (empty: plaintext), and this
+  // node's own certificate chain and key for a controller that requires
+  // client certificates (mutual TLS; the certificate may then stand for
+  // the node token).
+  std::string controller_tls_root_certs;
+  std::string tls_cert_chain, tls_private_key;
 };
+
+// The controller client options of a node in `cluster`.
+ControllerClientOptions ControllerOptionsOf(const ClusterOptions& cluster);
 
 // What the node tells the agent, and hears from it (NodeAgentOptions).
 struct NodeHooks {

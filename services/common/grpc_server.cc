@@ -10,7 +10,8 @@ namespace kvtier {
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(const GrpcServerSpec& spec,
                                                               grpc::Service* service, int* port) {
-  KVT_ASSIGN_OR_RETURN(auto creds, MakeServerCredentials(spec.tls_cert, spec.tls_key));
+  KVT_ASSIGN_OR_RETURN(auto creds,
+                       MakeServerCredentials(spec.tls_cert, spec.tls_key, spec.tls_client_ca));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

@@ -21,6 +21,9 @@ struct GrpcServerSpec {
   std::function<void(grpc::ServerBuilder&)> tune;
   // The service's full name for health checks, e.g. "kvtier.v1.Store".
   std::string health_name;
+  // PEM file of the CA that signs clients' certificates: with TLS, every
+  // client must present one it signed (mutual TLS). Empty: none asked for.
+  std::string tls_client_ca;
 };
 
 // Builds and starts the server with `service` registered, sets its health

@@ -83,7 +83,8 @@ absl::StatusOr<std::unique_ptr<ControllerServer>> ControllerServer::Start(
                                                     options.tls_cert,
                                                     options.tls_key,
                                                     {},
-                                                    v1::Controller::service_full_name()},
+                                                    v1::Controller::service_full_name(),
+                                                    options.tls_client_ca},
                                                    s->service_.get(), &s->port_));
   // Leases are checked twice per heartbeat interval.
   ControllerServer* raw = s.get();

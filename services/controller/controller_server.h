@@ -29,6 +29,9 @@ struct ControllerServerOptions {
   // Listen without a tenants file on a non-loopback address. Default: false.
   bool allow_unauthenticated = false;
   std::string tls_cert, tls_key;
+  // PEM file of the CA that signs clients' certificates: mutual TLS, and a
+  // client's certificate may stand for a token (auth.h). Empty: none.
+  std::string tls_client_ca;
   controller::ControllerOptions controller;
   RepairOptions repair;
   // Where registered policies are kept (the file `policies`), created if

@@ -12,6 +12,7 @@
 #include "testing/store_process.h"
 #include "testing/test_util.h"
 #include "tests/util/raw_unary.h"
+#include "tests/util/status_matchers.h"
 
 namespace kvtier {
 namespace {
@@ -198,8 +199,8 @@ TEST_F(ControllerServiceTest, NodeTokensAreBoundToTheirNodes) {
 // status, where the client would see RESOURCE_EXHAUSTED about metadata).
 TEST_F(ControllerServiceTest, RegisterRefusesMalformedAddresses) {
   for (const std::string& bad :
-       {std::string("10.0.0.1:70 70"), std::string("10.0.0.1:7070\n"),
-        std::string("10.0.0.1"), std::string("10.0.0.1:99999"), std::string(10'000, 'a') + ":1"}) {
+       {std::string("10.0.0.1:70 70"), std::string("10.0.0.1:7070\n"), std::string("10.0.0.1"),
+        std::string("10.0.0.1:99999"), std::string(10'000, 'a') + ":1"}) {
     const grpc::Status st = Register("s1", v1::NODE_KIND_STORE, bad);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
     EXPECT_LT(st.error_message().size(), 400u);
@@ -218,6 +219,99 @@ TEST_F(ControllerServiceTest, UnparseableRequestsAreInvalidArgumentOnEveryMethod
         testing::RawUnary(ch, absl::StrCat("/kvtier.v1.Controller/", m), garbage, kNodeToken);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << m;
     EXPECT_THAT(st.error_message(), ::testing::HasSubstr("does not parse as kvtier.v1.")) << m;
+  }
+}
+
+// Mutual TLS: the controller requires client certificates from its CA, and
+// a node's certificate is its identity (cert: lines, bound with node_id=).
+// A real kvtier-store joins with its certificate and no token; a client
+// with a certificate from another CA, or with none, never gets a call
+// through; a node's certificate cannot register or heartbeat another node;
+// a tenant's certificate is that tenant.
+TEST(ControllerMutualTlsTest, CertificatesAreIdentities) {
+  testing::TempDir dir;
+  auto ca = testing::TestCa::Make(dir.path(), "kvtier-ca");
+  if (absl::IsUnavailable(ca.status())) GTEST_SKIP() << ca.status();
+  ASSERT_TRUE(ca.ok()) << ca.status();
+  auto rogue = testing::TestCa::Make(dir.path(), "rogue-ca");
+  ASSERT_TRUE(rogue.ok()) << rogue.status();
+  auto server = ca->Issue("controller", "DNS:localhost,IP:127.0.0.1");
+  auto s0 = ca->Issue("store-0", "DNS:store-0");
+  auto s1 = ca->Issue("store-1", "DNS:store-1");
+  auto acme = ca->Issue("acme", "DNS:acme");
+  auto fake = rogue->Issue("fake-store-0", "DNS:store-0");
+  for (const auto* c : {&server, &s0, &s1, &acme, &fake}) ASSERT_TRUE(c->ok()) << c->status();
+  testing::WriteFile(dir.path() + "/tenants",
+                     "cert:store-0 store-0 node node_id=store-0 node_kind=store\n"
+                     "cert:store-1 store-1 node node_id=store-1 node_kind=store\n"
+                     "cert:acme    acme    readwrite\n");
+  ControllerServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_listen = "";
+  o.tenants_file = dir.path() + "/tenants";
+  o.tls_cert = server->cert;
+  o.tls_key = server->key;
+  o.tls_client_ca = ca->cert_path();
+  o.controller.membership.heartbeat_interval = absl::Milliseconds(100);
+  o.controller.membership.warmup = absl::ZeroDuration();
+  auto controller = ControllerServer::Start(o);
+  ASSERT_TRUE(controller.ok()) << controller.status();
+  const std::string target = absl::StrCat("127.0.0.1:", (*controller)->port());
+  auto client = [&](const std::string& roots, const testing::SelfSignedCert* me) {
+    ControllerClientOptions co;
+    co.target = target;
+    co.tls_root_certs = roots;
+    if (me != nullptr) {
+      co.tls_cert_chain = me->pem;
+      co.tls_private_key = testing::ReadFileOrDie(me->key);
+    }
+    return std::move(ControllerClient::Connect(co)).value();
+  };
+  auto node = [](const std::string& id, const std::string& address) {
+    v1::RegisterRequest r;
+    r.set_node_id(id);
+    r.set_kind(v1::NODE_KIND_STORE);
+    r.set_address(address);
+    return r;
+  };
+
+  // A real store joins with its certificate as its only credential.
+  testing::StoreProcess store(
+      dir.path() + "/s0",
+      {"--controller=" + target, "--controller_tls_root_certs=" + ca->cert_path(),
+       "--tls_client_cert=" + s0->cert, "--tls_client_key=" + s0->key, "--node_id=store-0"});
+  ASSERT_TRUE(store.Start().ok());
+  auto tenant = client(ca->pem(), &*acme);
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  bool joined = false;
+  while (!joined && absl::Now() < until) {
+    auto nodes = tenant->ListNodes();  // acme's certificate is acme.
+    ASSERT_TRUE(nodes.ok()) << nodes.status();
+    joined = nodes->nodes_size() == 1 && nodes->nodes(0).node_id() == "store-0" &&
+             nodes->nodes(0).live();
+    if (!joined) absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE(joined) << "store-0 did not join over mutual TLS";
+
+  // store-1's certificate may not act as store-0, nor register it elsewhere.
+  auto other = client(ca->pem(), &*s1);
+  EXPECT_THAT(other->Register(node("store-0", "127.0.0.1:1")).status(),
+              testing::StatusIs(absl::StatusCode::kPermissionDenied));
+  v1::HeartbeatRequest beat;
+  beat.set_node_id("store-0");
+  EXPECT_THAT(other->Heartbeat(beat).status(),
+              testing::StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_TRUE(other->Register(node("store-1", "127.0.0.1:2")).ok());
+  // A tenant's certificate is not a node's.
+  EXPECT_THAT(tenant->Register(node("store-9", "127.0.0.1:3")).status(),
+              testing::StatusIs(absl::StatusCode::kPermissionDenied));
+  // A certificate from another CA, or none, never gets a call through.
+  const std::vector<const testing::SelfSignedCert*> strangers = {&*fake, nullptr};
+  for (const testing::SelfSignedCert* me : strangers) {
+    auto c = client(ca->pem(), me);
+    CallOptions call = CallOptions::Within(absl::Seconds(3));
+    EXPECT_THAT(c->ListNodes(call).status(), testing::StatusIs(absl::StatusCode::kUnavailable))
+        << (me == nullptr ? "no certificate" : "rogue CA");
   }
 }
 

@@ -21,6 +21,10 @@ ABSL_FLAG(bool, allow_unauthenticated, false,
           "Listen on a non-loopback address without --tenants_file.");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls_key enables TLS.");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM file of the CA that signs clients' certificates: with TLS, every client must "
+          "present one (mutual TLS), and a tenants-file line cert:NAME names a client by its "
+          "certificate (docs/security.md). Empty: no client certificates asked for.");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9472",
           "Prometheus /metrics address; empty disables it.");
 ABSL_FLAG(std::string, metrics_port_file, "", "If set, the bound metrics port is written here.");
@@ -71,6 +75,7 @@ int main(int argc, char** argv) {
   o.allow_unauthenticated = absl::GetFlag(FLAGS_allow_unauthenticated);
   o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key = absl::GetFlag(FLAGS_tls_key);
+  o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   o.controller.membership.heartbeat_interval =
       absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_interval_ms));
   o.controller.membership.missed_heartbeats = absl::GetFlag(FLAGS_missed_heartbeats);

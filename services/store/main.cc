@@ -59,6 +59,10 @@ ABSL_FLAG(bool, allow_unauthenticated, false,
           "'default'); without it such a start is refused.");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls_key enables TLS.");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM file of the CA that signs clients' certificates: with TLS, every client must "
+          "present one (mutual TLS), and a tenants-file line cert:NAME names a client by its "
+          "certificate (docs/security.md). Empty: no client certificates asked for.");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9470",
           "Prometheus /metrics address; empty disables it.");
 ABSL_FLAG(std::string, metrics_port_file, "", "If set, the bound metrics port is written here.");
@@ -84,6 +88,7 @@ int main(int argc, char** argv) {
   o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key = absl::GetFlag(FLAGS_tls_key);
+  o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   o.tenants_file = absl::GetFlag(FLAGS_tenants_file);
   o.allow_unauthenticated = absl::GetFlag(FLAGS_allow_unauthenticated);
   o.cluster = kvtier::ClusterOptionsFromFlags();

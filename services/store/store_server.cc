@@ -38,7 +38,7 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
                         b.SetMaxReceiveMessageSize(8 << 20);
                         ApplyBulkTransportArgs(&b);
                       },
-                      v1::Store::service_full_name()};
+                      v1::Store::service_full_name(), options.tls_client_ca};
   KVT_ASSIGN_OR_RETURN(s->server_, StartGrpcServer(spec, s->service_.get(), &s->port_));
   {
     cachestore::Store* store = s->store_.get();

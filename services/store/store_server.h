@@ -29,6 +29,9 @@ struct StoreServerOptions {
   // PEM files for TLS; both empty = plaintext.
   std::string tls_cert;
   std::string tls_key;
+  // PEM file of the CA that signs clients' certificates: mutual TLS, and a
+  // client's certificate may stand for a token (auth.h). Empty: none.
+  std::string tls_client_ca;
   // Tenants file (services/common/auth.h); empty = authentication off.
   std::string tenants_file;
   // Listen without a tenants file on a non-loopback address (auth is on by

@@ -163,26 +163,34 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
 
   // For the idle watchdog: since when the stream has waited for the
   // client's next message, or nullopt while the store itself works (a slow
-  // fsync is not the client's idleness).
+  // fsync is not the client's idleness) or once the watchdog took it.
   std::optional<absl::Time> waiting_since() const {
-    const int64_t ns = waiting_since_ns_.load(std::memory_order_relaxed);
-    if (ns == 0) return std::nullopt;
+    const int64_t ns = waiting_since_ns_.load(std::memory_order_acquire);
+    if (ns <= 0) return std::nullopt;
     return absl::FromUnixNanos(ns);
   }
   // Called by the watchdog under upload_mu_, while registered (so before
-  // Done): cancels the call; the pending read then ends.
-  void CancelIdle() {
-    idle_cancelled_.store(true);
-    ctx_->TryCancel();
+  // Done), with what waiting_since() said. Takes the stream when it still
+  // waits for that same message (OnReadDone has not begun) and fails it
+  // DEADLINE_EXCEEDED on the executor; Finish then ends the pending read,
+  // whose OnReadDone does nothing more. Otherwise nothing.
+  void CancelIdle(absl::Time since) {
+    int64_t expected = absl::ToUnixNanos(since);
+    if (!waiting_since_ns_.compare_exchange_strong(expected, kIdleTaken,
+                                                   std::memory_order_acq_rel)) {
+      return;
+    }
+    svc_->executor_->Schedule([this] {
+      Fail(absl::DeadlineExceededError(
+          absl::StrCat("upload idle for ", absl::FormatDuration(svc_->options_.upload_idle_timeout),
+                       " (no message from the client); the store ended it")));
+    });
   }
 
   void OnReadDone(bool ok) override {
-    waiting_since_ns_.store(0, std::memory_order_relaxed);
-    if (!ok && idle_cancelled_.load()) {
-      Fail(absl::DeadlineExceededError(
-          absl::StrCat("upload idle for ", absl::FormatDuration(svc_->options_.upload_idle_timeout),
-                       "; cancelled")));
-      return;
+    if (waiting_since_ns_.exchange(0, std::memory_order_acq_rel) == kIdleTaken) {
+      waiting_since_ns_.store(kIdleTaken, std::memory_order_release);
+      return;  // The watchdog failed the stream; this read ended with it.
     }
     if (!ok) {  // The client half-closed (or the call broke).
       HalfClosed();
@@ -389,7 +397,7 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   }
 
   void Read() {
-    waiting_since_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
+    waiting_since_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_release);
     StartRead(&req_);
   }
 
@@ -559,10 +567,12 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   Principal principal_;
   grpc::ByteBuffer req_;
   v1::PutSegmentHeader header_;
-  cachestore::WriteSpec spec_;                // From header_ (Admit).
-  uint64_t inflight_bytes_ = 0;               // Admitted by svc_->AdmitUpload.
-  std::atomic<int64_t> waiting_since_ns_{0};  // 0: not waiting for the client.
-  std::atomic<bool> idle_cancelled_{false};
+  cachestore::WriteSpec spec_;   // From header_ (Admit).
+  uint64_t inflight_bytes_ = 0;  // Admitted by svc_->AdmitUpload.
+  // Unix ns since the stream waits for the client; 0: not waiting;
+  // kIdleTaken: the watchdog failed it.
+  static constexpr int64_t kIdleTaken = -1;
+  std::atomic<int64_t> waiting_since_ns_{0};
   uint32_t crc_ = 0;  // CRC-32C of buffer_.
   cachestore::WriteTicket ticket_;
   std::string buffer_;
@@ -603,7 +613,7 @@ void StoreService::WatchIdleUploads() {
     absl::MutexLock lock(&upload_mu_);
     for (PutReactor* r : uploads_) {
       std::optional<absl::Time> since = r->waiting_since();
-      if (since.has_value() && now - *since > timeout) r->CancelIdle();
+      if (since.has_value() && now - *since > timeout) r->CancelIdle(*since);
     }
   }
 }

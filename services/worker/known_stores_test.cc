@@ -25,10 +25,11 @@ TEST(KnownStoresTest, WithoutAControllerOnlyTheConfiguredStoresPass) {
 TEST(KnownStoresTest, TheControllersStoresPassAndItIsAskedOnlyOnAMiss) {
   std::vector<std::string> cluster = {"s1:7070"};
   absl::Status down = absl::OkStatus();
-  KnownStores known({"own:7070"}, [&](const CallOptions&) -> absl::StatusOr<std::vector<std::string>> {
-    if (!down.ok()) return down;
-    return cluster;
-  });
+  KnownStores known({"own:7070"},
+                    [&](const CallOptions&) -> absl::StatusOr<std::vector<std::string>> {
+                      if (!down.ok()) return down;
+                      return cluster;
+                    });
   EXPECT_TRUE(known.Check({"own:7070"}, {}).ok());
   EXPECT_EQ(known.lookups(), 0);
   EXPECT_TRUE(known.Check({"s1:7070", "own:7070"}, {}).ok());

@@ -40,6 +40,10 @@ ABSL_FLAG(bool, allow_unauthenticated, false,
           "'default'); without it such a start is refused.");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls_key enables TLS.");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM file of the CA that signs clients' certificates: with TLS, every client must "
+          "present one (mutual TLS), and a tenants-file line cert:NAME names a client by its "
+          "certificate (docs/security.md). Empty: no client certificates asked for.");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9471",
           "Prometheus /metrics address; empty disables it.");
 ABSL_FLAG(std::string, metrics_port_file, "", "If set, the bound metrics port is written here.");
@@ -56,6 +60,23 @@ ABSL_FLAG(int, max_sessions, 1024,
 ABSL_FLAG(int64_t, max_working_set_mb, 0,
           "Working-set MiB over all sessions (encoded past rounds plus open rounds at the "
           "model's dtype); a step that would pass it is RESOURCE_EXHAUSTED. 0: no limit.");
+ABSL_FLAG(int, tenant_max_sessions, 256,
+          "Sessions one tenant may hold at once, unless the tenants file gives it its own "
+          "max_sessions; past it OpenSession is RESOURCE_EXHAUSTED naming the limit. Applies with "
+          "--tenants_file (without one every caller is one tenant). 0: no per-tenant limit.");
+ABSL_FLAG(int64_t, tenant_max_working_set_mb, 4096,
+          "Working-set MiB one tenant's sessions (and hand-offs arriving for it) may hold, unless "
+          "the tenants file gives it its own max_working_set_mb; a step past it is "
+          "RESOURCE_EXHAUSTED. Applies with --tenants_file. 0: no per-tenant limit.");
+ABSL_FLAG(int, skew_uploads_per_tenant, 4,
+          "PutSkew streams one tenant may have open at once (RESOURCE_EXHAUSTED past it); "
+          "applies with --tenants_file. 0: no limit.");
+ABSL_FLAG(int64_t, skew_upload_mb_per_tenant, 256,
+          "MiB one tenant's PutSkew streams may hold together while they arrive "
+          "(RESOURCE_EXHAUSTED past it); applies with --tenants_file. 0: no limit.");
+ABSL_FLAG(int64_t, skew_upload_idle_ms, 30000,
+          "A PutSkew stream that waits this long for its client's next message is ended "
+          "(DEADLINE_EXCEEDED). 0: never.");
 ABSL_FLAG(int64_t, handoff_cache_mb, 512,
           "MiB of past rounds kept for sessions handed off to another worker, so that when one "
           "comes back only its new rounds travel (docs/transfer.md#incremental-hand-off); not "
@@ -113,6 +134,7 @@ int main(int argc, char** argv) {
   o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key = absl::GetFlag(FLAGS_tls_key);
+  o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   o.tenants_file = absl::GetFlag(FLAGS_tenants_file);
   o.allow_unauthenticated = absl::GetFlag(FLAGS_allow_unauthenticated);
   o.cluster = kvtier::ClusterOptionsFromFlags();
@@ -134,6 +156,28 @@ int main(int argc, char** argv) {
                  "be >= 0\n");
     return 2;
   }
+  if (absl::GetFlag(FLAGS_tenant_max_sessions) < 0 ||
+      absl::GetFlag(FLAGS_tenant_max_working_set_mb) < 0) {
+    std::fprintf(stderr,
+                 "kvtier-worker: --tenant_max_sessions and --tenant_max_working_set_mb must be "
+                 ">= 0\n");
+    return 2;
+  }
+  o.engine.default_tenant_limit.max_sessions = absl::GetFlag(FLAGS_tenant_max_sessions);
+  o.engine.default_tenant_limit.max_working_set_bytes =
+      static_cast<uint64_t>(absl::GetFlag(FLAGS_tenant_max_working_set_mb)) << 20;
+  if (absl::GetFlag(FLAGS_skew_uploads_per_tenant) < 0 ||
+      absl::GetFlag(FLAGS_skew_upload_mb_per_tenant) < 0 ||
+      absl::GetFlag(FLAGS_skew_upload_idle_ms) < 0) {
+    std::fprintf(stderr,
+                 "kvtier-worker: --skew_uploads_per_tenant, --skew_upload_mb_per_tenant and "
+                 "--skew_upload_idle_ms must be >= 0\n");
+    return 2;
+  }
+  o.service.skew_uploads_per_tenant = absl::GetFlag(FLAGS_skew_uploads_per_tenant);
+  o.service.skew_upload_bytes_per_tenant =
+      static_cast<uint64_t>(absl::GetFlag(FLAGS_skew_upload_mb_per_tenant)) << 20;
+  o.service.skew_upload_idle = absl::Milliseconds(absl::GetFlag(FLAGS_skew_upload_idle_ms));
   o.engine.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   o.engine.max_working_set_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_max_working_set_mb))
                                    << 20;
@@ -142,6 +186,10 @@ int main(int argc, char** argv) {
   o.store.target = absl::GetFlag(FLAGS_store);
   o.store.token = absl::GetFlag(FLAGS_store_token);
   o.replica_stores = absl::GetFlag(FLAGS_replica_stores);
+  o.store.tls_cert_chain = o.cluster.tls_cert_chain;  // --tls_client_cert: its identity.
+  o.store.tls_private_key = o.cluster.tls_private_key;
+  o.service.peer_tls_cert_chain = o.cluster.tls_cert_chain;
+  o.service.peer_tls_private_key = o.cluster.tls_private_key;
   if (!absl::GetFlag(FLAGS_store_tls_root_certs).empty()) {
     o.store.tls_root_certs = ReadFile(absl::GetFlag(FLAGS_store_tls_root_certs));
   }

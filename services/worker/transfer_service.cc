@@ -2,6 +2,7 @@
 // (sending a session between steps), and the senders the Prefill stream
 // uses for transfer_to (docs/transfer.md).
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <optional>
@@ -32,7 +33,10 @@ std::shared_ptr<grpc::Channel> WorkerService::PeerChannel(const std::string& tar
   ApplyReconnectArgs(&args);
   auto channel = grpc::CreateCustomChannel(
       target,
-      ClientChannelCredentials(options_.peer_tls_root_certs, options_.peer_tls_server_name, &args),
+      ClientChannelCredentials(
+          ClientTls{options_.peer_tls_root_certs, options_.peer_tls_server_name,
+                    options_.peer_tls_cert_chain, options_.peer_tls_private_key},
+          &args),
       args);
   peers_.emplace(target, channel);
   return channel;
@@ -258,6 +262,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
       return absl::InvalidArgumentError("the first TransferChunk must carry the header");
     }
     KVT_ASSIGN_OR_RETURN(id_, svc_->Key(*ctx_, chunk_.header().session_id()));
+    hold_ = svc_->engine_->HoldIncoming(id_->tenant);
     stores_.assign(chunk_.header().store_addresses().begin(),
                    chunk_.header().store_addresses().end());
     if (!stores_.empty()) {
@@ -326,9 +331,10 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     for (const v1::TransferDeviceRound& r : info.device_rounds()) {
       staged += std::min<uint64_t>(r.staged_bytes(), uint64_t{1} << 48);
     }
-    // Refused before anything is allocated for it.
-    KVT_RETURN_IF_ERROR(svc_->engine_->CheckImport(
-        *id_, received_ + device_bytes_ + staged + info.past_bytes() + info.open_bytes()));
+    // Refused before anything is allocated for it. What arrived so far is
+    // in the hold, which the engine counts already.
+    KVT_RETURN_IF_ERROR(
+        svc_->engine_->CheckImport(*id_, staged + info.past_bytes() + info.open_bytes()));
     layer_ = worker::LayerImage();
     const auto copy_start = std::chrono::steady_clock::now();
     absl::Status took = TakeDeviceRounds(info);
@@ -396,6 +402,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
         KVT_ASSIGN_OR_RETURN(d.layer,
                              ipc_->CopyLayer(r.ipc_handle(), r.ipc_offset(), std::move(layout)));
       }
+      KVT_RETURN_IF_ERROR(Hold(r.staged_bytes()));
       device_bytes_ += r.staged_bytes();
       layer_.device_rounds.push_back(std::move(d));
     }
@@ -408,6 +415,15 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     return std::min(absl::FromChrono(ctx_->deadline()), absl::Now() + absl::Seconds(30));
   }
 
+  // Counts `n` bytes received against the worker's and the tenant's
+  // working-set budgets until the session is imported.
+  absl::Status Hold(uint64_t n) {
+    absl::Status st = hold_->Grow(n);
+    if (st.ok()) return st;
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot take session ", id_->ToString(), ": ", st.message()));
+  }
+
   absl::Status TakeData(const char* p, size_t n) {
     if (!gathering_) return absl::InvalidArgumentError("transfer data outside a layer");
     if (past_.size() + layer_.open.size() + n > past_bytes_ + open_bytes_) {
@@ -415,6 +431,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
           absl::StrCat("layer ", layer_.layer, " carries more than the ", past_bytes_ + open_bytes_,
                        " bytes its start announced"));
     }
+    KVT_RETURN_IF_ERROR(Hold(n));
     const size_t to_past = std::min<size_t>(n, past_bytes_ - past_.size());
     // The past part is checked at the layer's end, against its tensors'
     // own checksums, where the sender said so.
@@ -502,6 +519,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     absl::Status s = svc_->engine_->ImportSession(*id_, *image_, std::move(layers_), &reused_bytes_,
                                                   std::move(prep_));
     const double import_ms = worker::MsSince(import_start);
+    hold_.reset();  // Imported: the session's own bytes count now.
     if (!s.ok()) {
       if (!stores_.empty() && !absl::IsAlreadyExists(s)) {
         svc_->replicas_->Forget(id_->tenant, id_->session);
@@ -551,6 +569,12 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     // The sender's allocations are closed before it hears the answer, after
     // which it may free them.
     ipc_.reset();
+    // What arrived and was not imported goes before the sender hears the
+    // answer, and so do the working-set bytes it held.
+    layers_.clear();
+    layer_ = worker::LayerImage();
+    past_ = std::string();
+    hold_.reset();
     svc_->UpdateWorkingSet();
     Finish(svc_->Done("TransferSession", s));
   }
@@ -583,6 +607,8 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
   // EndLayer checks.
   bool tensor_checksums_ = false;
   uint64_t received_ = 0;
+  // What has arrived, counted in the working set (from the header on).
+  std::unique_ptr<worker::Engine::IncomingHold> hold_;
   uint64_t reused_bytes_ = 0;  // Taken from this worker's hand-off cache.
   // The header's sender device: the device path this worker takes its
   // device rounds by, or why none; on the NCCL path, the communicator.
@@ -605,23 +631,62 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
   bool imported_ = false;
 };
 
-// PutSkew: the slices gathered in order, parsed once at the end.
+// PutSkew: the slices gathered in order, parsed once at the end. Admitted
+// per caller tenant (skew_uploads_per_tenant) and watched for idleness
+// (skew_upload_idle) while it waits for its client, as the store watches
+// its uploads. Exactly one Finish(), through End() or Fail().
 class WorkerService::SkewReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   SkewReactor(WorkerService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
       : svc_(svc), ctx_(ctx), resp_(resp) {
     absl::Status s = [&]() -> absl::Status {
       KVT_ASSIGN_OR_RETURN(Principal p, svc_->auth_->Authenticate(*ctx_));
-      return Authenticator::RequireWrite(p);
+      KVT_RETURN_IF_ERROR(Authenticator::RequireWrite(p));
+      // Skew slots are the worker's own: charged to the token's tenant.
+      // Without authentication they are the operator's, never dropped.
+      caller_ = p.caller;
+      tenant_ = svc_->auth_->enabled() ? p.caller : std::string();
+      return svc_->AdmitSkewUpload(this, caller_);
     }();
     if (!s.ok()) {
       Finish(svc_->Done("PutSkew", s));
       return;
     }
-    StartRead(&msg_);
+    admitted_ = true;
+    StartSendInitialMetadata();  // Tells the client it was admitted.
+    Read();
+  }
+
+  // For the idle watchdog: since when the stream has waited for its
+  // client's next message; nullopt while it works, or once the watchdog
+  // took it.
+  std::optional<absl::Time> waiting_since() const {
+    const int64_t ns = waiting_since_ns_.load(std::memory_order_acquire);
+    if (ns <= 0) return std::nullopt;
+    return absl::FromUnixNanos(ns);
+  }
+  // Called by the watchdog under skew_mu_ with what waiting_since() said:
+  // takes the stream when it still waits for that message and fails it
+  // DEADLINE_EXCEEDED on the io executor (Finish ends the pending read,
+  // whose OnReadDone then does nothing).
+  void CancelIdle(absl::Time since) {
+    int64_t expected = absl::ToUnixNanos(since);
+    if (!waiting_since_ns_.compare_exchange_strong(expected, kIdleTaken,
+                                                   std::memory_order_acq_rel)) {
+      return;
+    }
+    svc_->io_->Schedule([this] {
+      Fail(absl::DeadlineExceededError(
+          absl::StrCat("PutSkew idle for ", absl::FormatDuration(svc_->options_.skew_upload_idle),
+                       " (no message from the client); the worker ended it")));
+    });
   }
 
   void OnReadDone(bool ok) override {
+    if (waiting_since_ns_.exchange(0, std::memory_order_acq_rel) == kIdleTaken) {
+      waiting_since_ns_.store(kIdleTaken, std::memory_order_release);
+      return;
+    }
     if (!ok) {
       svc_->io_->Schedule([this] { End(); });
       return;
@@ -635,12 +700,14 @@ class WorkerService::SkewReactor : public grpc::ServerReadReactor<grpc::ByteBuff
     if (s.ok() && bytes_.size() + req_.data().size() > kFileLimit) {
       s = absl::InvalidArgumentError(absl::StrCat("skew file past ", kFileLimit >> 20, " MiB"));
     }
+    if (s.ok()) s = svc_->ChargeSkewBytes(caller_, req_.data().size());
     if (!s.ok()) {
-      Finish(svc_->Done("PutSkew", s));
+      Fail(s);
       return;
     }
+    charged_ += req_.data().size();
     bytes_ += req_.data();
-    StartRead(&msg_);
+    Read();
   }
 
   void OnDone() override { delete this; }
@@ -648,11 +715,17 @@ class WorkerService::SkewReactor : public grpc::ServerReadReactor<grpc::ByteBuff
  private:
   static constexpr size_t kChunkLimit = size_t{1} << 20;
   static constexpr size_t kFileLimit = size_t{256} << 20;
+  static constexpr int64_t kIdleTaken = -1;
+
+  void Read() {
+    waiting_since_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_release);
+    StartRead(&msg_);
+  }
 
   void End() {
     absl::Status s = [&]() -> absl::Status {
       if (bytes_.empty()) return absl::InvalidArgumentError("PutSkew carried no bytes");
-      KVT_ASSIGN_OR_RETURN(std::string id, svc_->engine_->PutSkew(bytes_));
+      KVT_ASSIGN_OR_RETURN(std::string id, svc_->engine_->PutSkew(bytes_, tenant_));
       const std::shared_ptr<const spec::SkewModel> m = svc_->engine_->Skew(id);
       v1::PutSkewResponse resp;
       resp.set_skew_id(id);
@@ -661,16 +734,80 @@ class WorkerService::SkewReactor : public grpc::ServerReadReactor<grpc::ByteBuff
       *resp_ = wire::Serialize(resp);
       return absl::OkStatus();
     }();
+    Fail(s);
+  }
+
+  // Finishes the call with `s` (OK included), after giving back its slot.
+  void Fail(const absl::Status& s) {
+    bytes_.clear();
+    bytes_.shrink_to_fit();
+    if (admitted_) svc_->EndSkewUpload(this, caller_, charged_);
     Finish(svc_->Done("PutSkew", s));
   }
 
   WorkerService* const svc_;
   grpc::CallbackServerContext* const ctx_;
   grpc::ByteBuffer* const resp_;
+  std::string caller_, tenant_;
+  bool admitted_ = false;
+  uint64_t charged_ = 0;  // Bytes counted against the caller's share.
+  // Unix ns since the stream waits for its client; 0: not waiting;
+  // kIdleTaken: the watchdog failed it.
+  std::atomic<int64_t> waiting_since_ns_{0};
   grpc::ByteBuffer msg_;
   v1::PutSkewRequest req_;
   std::string bytes_;
 };
+
+absl::Status WorkerService::AdmitSkewUpload(SkewReactor* r, const std::string& caller) {
+  absl::MutexLock lock(&skew_mu_);
+  SkewUploads& mine = skew_uploads_[caller];
+  // Without authentication every caller is one tenant: no share to keep.
+  if (auth_->enabled() && options_.skew_uploads_per_tenant > 0 &&
+      mine.open >= options_.skew_uploads_per_tenant) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "tenant '", caller, "' has ", mine.open, " PutSkew stream(s) open, its limit of ",
+        options_.skew_uploads_per_tenant, " (--skew_uploads_per_tenant)"));
+  }
+  ++mine.open;
+  skew_reactors_.insert(r);
+  return absl::OkStatus();
+}
+
+absl::Status WorkerService::ChargeSkewBytes(const std::string& caller, uint64_t bytes) {
+  absl::MutexLock lock(&skew_mu_);
+  SkewUploads& mine = skew_uploads_[caller];
+  if (auth_->enabled() && options_.skew_upload_bytes_per_tenant > 0 &&
+      mine.bytes + bytes > options_.skew_upload_bytes_per_tenant) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "tenant '", caller, "' has ", mine.bytes, " bytes of PutSkew streams in flight; ", bytes,
+        " more would pass its limit of ", options_.skew_upload_bytes_per_tenant,
+        " (--skew_upload_mb_per_tenant)"));
+  }
+  mine.bytes += bytes;
+  return absl::OkStatus();
+}
+
+void WorkerService::EndSkewUpload(SkewReactor* r, const std::string& caller, uint64_t bytes) {
+  absl::MutexLock lock(&skew_mu_);
+  SkewUploads& mine = skew_uploads_[caller];
+  mine.bytes -= std::min(mine.bytes, bytes);
+  if (--mine.open <= 0) skew_uploads_.erase(caller);
+  skew_reactors_.erase(r);
+}
+
+void WorkerService::WatchIdleSkewUploads() {
+  const absl::Duration timeout = options_.skew_upload_idle;
+  const absl::Duration tick = std::clamp(timeout / 4, absl::Milliseconds(10), absl::Seconds(1));
+  while (!stop_.WaitForNotificationWithTimeout(tick)) {
+    const absl::Time now = absl::Now();
+    absl::MutexLock lock(&skew_mu_);
+    for (SkewReactor* r : skew_reactors_) {
+      std::optional<absl::Time> since = r->waiting_since();
+      if (since.has_value() && now - *since > timeout) r->CancelIdle(*since);
+    }
+  }
+}
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* WorkerService::PutSkew(grpc::CallbackServerContext* ctx,
                                                                   grpc::ByteBuffer* resp) {

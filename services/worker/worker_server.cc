@@ -34,10 +34,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
   KVT_ASSIGN_OR_RETURN(auto client, StoreClient::Connect(options.store));
   std::shared_ptr<ControllerClient> controller;
   if (!options.cluster.controller.empty()) {
-    ControllerClientOptions co;
-    co.target = options.cluster.controller;
-    co.token = options.cluster.controller_token;
-    KVT_ASSIGN_OR_RETURN(controller, ControllerClient::Connect(co));
+    KVT_ASSIGN_OR_RETURN(controller,
+                         ControllerClient::Connect(ControllerOptionsOf(options.cluster)));
   }
   std::vector<std::string> configured = options.replica_stores;
   configured.push_back(options.store.target);
@@ -73,8 +71,14 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
     s->segments_->SetEpochSource([agent = s->agent_epoch_] { return agent->load(); });
   }
   options.engine.store_deadline = options.service.store_deadline;
+  // Fair shares: without authentication every caller is one tenant, and
+  // the worker's own limits are its only ones.
+  worker::EngineOptions::TenantLimit& fair = options.engine.default_tenant_limit;
+  if (!s->auth_.enabled()) fair = {};
   for (const auto& [tenant, l] : s->auth_.Limits()) {
-    options.engine.tenant_limits[tenant] = {l.max_sessions, l.max_working_set_bytes};
+    options.engine.tenant_limits[tenant] = {
+        l.max_sessions > 0 ? l.max_sessions : fair.max_sessions,
+        l.max_working_set_bytes > 0 ? l.max_working_set_bytes : fair.max_working_set_bytes};
   }
   s->engine_ = std::make_unique<worker::Engine>(s->segments_.get(), options.engine);
   for (const std::string& path : options.skew_files) {
@@ -118,7 +122,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
   KVT_ASSIGN_OR_RETURN(s->server_,
                        StartGrpcServer({options.listen, options.tls_cert, options.tls_key,
                                         [](grpc::ServerBuilder& b) { ApplyBulkTransportArgs(&b); },
-                                        v1::Worker::service_full_name()},
+                                        v1::Worker::service_full_name(), options.tls_client_ca},
                                        s->service_.get(), &s->port_));
   {
     worker::Engine* engine = s->engine_.get();
@@ -160,6 +164,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
                                     {"compute_threads", compute},
                                     {"max_sessions", options.engine.max_sessions},
                                     {"max_working_set_bytes", options.engine.max_working_set_bytes},
+                                    {"tenant_max_sessions", fair.max_sessions},
+                                    {"tenant_max_working_set_bytes", fair.max_working_set_bytes},
                                     {"auth", s->auth_.enabled() ? "on" : "off"}});
   return s;
 }

@@ -31,7 +31,10 @@ struct WorkerServerOptions {
   // Prometheus /metrics address; empty disables it. Default: 127.0.0.1:9471.
   std::string metrics_listen = "127.0.0.1:9471";
   std::string tls_cert, tls_key;  // PEM files; both empty = plaintext.
-  std::string tenants_file;       // services/common/auth.h; empty = auth off.
+  // PEM file of the CA that signs clients' certificates: mutual TLS, and a
+  // client's certificate may stand for a token (auth.h). Empty: none.
+  std::string tls_client_ca;
+  std::string tenants_file;  // services/common/auth.h; empty = auth off.
   // Listen without a tenants file on a non-loopback address (auth is on by
   // default outside loopback). Default: false.
   bool allow_unauthenticated = false;

@@ -39,7 +39,16 @@ WorkerService::WorkerService(worker::Engine* engine, const Authenticator* auth,
       io_(io),
       options_(options),
       replicas_(replicas),
-      policies_(policies) {}
+      policies_(policies) {
+  if (options_.skew_upload_idle > absl::ZeroDuration()) {
+    skew_watchdog_ = std::thread([this] { WatchIdleSkewUploads(); });
+  }
+}
+
+WorkerService::~WorkerService() {
+  stop_.Notify();
+  if (skew_watchdog_.joinable()) skew_watchdog_.join();
+}
 
 absl::StatusOr<worker::SessionKey> WorkerService::Key(const grpc::CallbackServerContext& ctx,
                                                       const std::string& session) const {

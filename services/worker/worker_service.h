@@ -9,10 +9,13 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
+#include <thread>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "base/executor.h"
 #include "grpcpp/support/server_callback.h"
@@ -45,6 +48,20 @@ struct WorkerServiceOptions {
   std::string peer_tls_root_certs;
   // The name expected in peers' certificates, instead of the target's host.
   std::string peer_tls_server_name;
+  // PEM of this worker's own certificate chain and key, presented to peers
+  // that require client certificates (mutual TLS); empty: none.
+  std::string peer_tls_cert_chain, peer_tls_private_key;
+  // PutSkew streams one tenant (the caller's token) may have open at once,
+  // and the bytes they may hold together before each parses; past either,
+  // RESOURCE_EXHAUSTED naming the limit. Both bind only with
+  // authentication (without it every caller is one tenant). 0: no limit.
+  // Defaults: 4 streams, 256 MiB (one skew file of the largest size).
+  int skew_uploads_per_tenant = 4;
+  uint64_t skew_upload_bytes_per_tenant = uint64_t{256} << 20;
+  // A PutSkew stream that waits this long for its client's next message is
+  // ended, DEADLINE_EXCEEDED, and what it gathered is dropped. Zero: never.
+  // Default: 30 s.
+  absl::Duration skew_upload_idle = absl::Seconds(30);
 };
 
 // Thread-safe; the pointers are not owned and must outlive the service (and
@@ -71,6 +88,8 @@ class WorkerService final
   WorkerService(worker::Engine* engine, const Authenticator* auth, WorkerMetrics* metrics,
                 Executor* compute, Executor* io, WorkerServiceOptions options = {},
                 ReplicatedSegments* replicas = nullptr, ControllerPolicies* policies = nullptr);
+  // Stops the idle-upload watchdog. Shut the server down first.
+  ~WorkerService() override;
 
   grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* ctx,
                                         const grpc::ByteBuffer* req,
@@ -147,6 +166,21 @@ class WorkerService final
   // Null outside a cluster: a session opened without a Policy then runs
   // the defaults.
   ControllerPolicies* const policies_;
+  // PutSkew streams open, by caller tenant, and the watchdog that ends idle
+  // ones (skew_upload_idle).
+  absl::Status AdmitSkewUpload(SkewReactor* r, const std::string& caller);
+  absl::Status ChargeSkewBytes(const std::string& caller, uint64_t bytes);
+  void EndSkewUpload(SkewReactor* r, const std::string& caller, uint64_t bytes);
+  void WatchIdleSkewUploads();
+  struct SkewUploads {
+    int open = 0;
+    uint64_t bytes = 0;
+  };
+  absl::Mutex skew_mu_;
+  std::map<std::string, SkewUploads> skew_uploads_ ABSL_GUARDED_BY(skew_mu_);
+  std::set<SkewReactor*> skew_reactors_ ABSL_GUARDED_BY(skew_mu_);
+  absl::Notification stop_;
+  std::thread skew_watchdog_;
   // One channel per peer worker that sessions are handed to.
   absl::Mutex peers_mu_;
   std::map<std::string, std::shared_ptr<grpc::Channel>> peers_ ABSL_GUARDED_BY(peers_mu_);
