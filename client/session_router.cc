@@ -108,7 +108,10 @@ std::shared_ptr<grpc::Channel> SessionRouter::Channel(const std::string& address
     grpc::ChannelArguments args;
     ApplyReconnectArgs(&args);
     ch = grpc::CreateCustomChannel(
-        address, ClientChannelCredentials(workers_.tls_root_certs, workers_.tls_server_name, &args),
+        address,
+        ClientChannelCredentials(ClientTls{workers_.tls_root_certs, workers_.tls_server_name,
+                                           workers_.tls_cert_chain, workers_.tls_private_key},
+                                 &args),
         args);
   }
   return ch;

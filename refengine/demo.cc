@@ -694,7 +694,9 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     co.token = o.token;
     KVT_ASSIGN_OR_RETURN(router,
                          SessionRouter::Connect(co, {.tls_root_certs = o.worker_tls_root_certs,
-                                                     .tls_server_name = o.worker_tls_server_name}));
+                                                     .tls_server_name = o.worker_tls_server_name,
+                                                     .tls_cert_chain = o.tls_cert_chain,
+                                                     .tls_private_key = o.tls_private_key}));
     open = [&](const v1::ModelSpec& spec,
                DemoSession* s) -> absl::StatusOr<std::unique_ptr<TierSession>> {
       KVT_ASSIGN_OR_RETURN(std::unique_ptr<ClusterSession> c,
@@ -705,7 +707,9 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
   } else {
     grpc::ChannelArguments args;
     const std::shared_ptr<grpc::ChannelCredentials> creds =
-        ClientChannelCredentials(o.worker_tls_root_certs, o.worker_tls_server_name, &args);
+        ClientChannelCredentials(ClientTls{o.worker_tls_root_certs, o.worker_tls_server_name,
+                                           o.tls_cert_chain, o.tls_private_key},
+                                 &args);
     channel = grpc::CreateCustomChannel(o.worker, creds, args);
     if (!o.decode_worker.empty()) {
       pd.decode_channel = grpc::CreateCustomChannel(o.decode_worker, creds, args);

@@ -38,6 +38,9 @@ struct DemoOptions {
   // address's host). Empty: plaintext.
   std::string worker_tls_root_certs;
   std::string worker_tls_server_name;
+  // PEM of the engine's own certificate chain and key, presented to
+  // workers that require one (mutual TLS); empty: none.
+  std::string tls_cert_chain, tls_private_key;
   std::string store;  // kvtier-store "host:port": per-tier bytes; optional.
   std::string token;  // Bearer token for both; empty: none.
   std::string model;  // llama2.c checkpoint; empty: the synthetic chat.

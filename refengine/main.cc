@@ -23,6 +23,10 @@ ABSL_FLAG(std::string, worker_tls_root_certs, "",
           "plaintext).");
 ABSL_FLAG(std::string, worker_tls_server_name, "",
           "Name expected in the workers' certificates instead of the address's host.");
+ABSL_FLAG(std::string, tls_client_cert, "",
+          "PEM certificate chain presented to workers that require client certificates "
+          "(mutual TLS); with --tls_client_key and --worker_tls_root_certs.");
+ABSL_FLAG(std::string, tls_client_key, "", "PEM private key of --tls_client_cert.");
 ABSL_FLAG(std::string, model, "",
           "llama2.c checkpoint (e.g. ../shared/models/stories260K.bin); empty runs the embedded "
           "synthetic multi-round chat.");
@@ -97,6 +101,27 @@ int main(int argc, char** argv) {
     }
   }
   o.worker_tls_server_name = absl::GetFlag(FLAGS_worker_tls_server_name);
+  {
+    const std::string cert = absl::GetFlag(FLAGS_tls_client_cert);
+    const std::string key = absl::GetFlag(FLAGS_tls_client_key);
+    if (cert.empty() != key.empty() || (!cert.empty() && o.worker_tls_root_certs.empty())) {
+      std::fprintf(stderr,
+                   "kvtier-engine: --tls_client_cert and --tls_client_key go together, with "
+                   "--worker_tls_root_certs\n");
+      return 2;
+    }
+    std::ifstream c(cert), k(key);
+    if (!cert.empty()) {
+      o.tls_cert_chain.assign(std::istreambuf_iterator<char>(c), {});
+      o.tls_private_key.assign(std::istreambuf_iterator<char>(k), {});
+      if (o.tls_cert_chain.empty() || o.tls_private_key.empty()) {
+        std::fprintf(stderr,
+                     "kvtier-engine: --tls_client_cert or --tls_client_key is missing or "
+                     "empty\n");
+        return 2;
+      }
+    }
+  }
   o.model = absl::GetFlag(FLAGS_model);
   o.conversations = absl::GetFlag(FLAGS_conversations);
   o.sessions = absl::GetFlag(FLAGS_sessions);

@@ -28,6 +28,14 @@ class Args {
   std::vector<std::string> pos_;
 };
 
+// The TLS flags of a subcommand that reaches a server: --tls_ca=FILE (PEM
+// roots: use TLS and verify the server), and for servers that require
+// client certificates --tls_cert=FILE and --tls_key=FILE (this client's
+// PEM chain and key). Fills the files' contents; false with *error set when
+// one cannot be read, or only one of --tls_cert and --tls_key is given.
+bool ReadClientTls(const Args& args, std::string* root_certs, std::string* cert_chain,
+                   std::string* private_key, std::string* error);
+
 }  // namespace kvtier::cli
 
 #endif  // KVTIER_TOOLS_CLI_ARGS_H_

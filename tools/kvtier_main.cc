@@ -1,6 +1,8 @@
 // kvtier: the command-line tool. `kvtier help` lists the commands.
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 #include "absl/strings/numbers.h"
@@ -16,6 +18,27 @@ int PolicyCommand(const Args& args);
 int ConversationsCommand(const Args& args);
 int CalibrateCommand(const Args& args);
 int PlotCommand(const Args& args);
+
+bool ReadClientTls(const Args& args, std::string* root_certs, std::string* cert_chain,
+                   std::string* private_key, std::string* error) {
+  auto read = [&](const char* flag, std::string* out) {
+    if (!args.Has(flag)) return true;
+    std::ifstream in(args.Get(flag), std::ios::binary);
+    if (!in) {
+      *error = std::string("cannot read --") + flag + " " + args.Get(flag);
+      return false;
+    }
+    std::stringstream ss;
+    ss << in.rdbuf();
+    *out = ss.str();
+    return true;
+  };
+  if (args.Has("tls_cert") != args.Has("tls_key")) {
+    *error = "--tls_cert and --tls_key go together";
+    return false;
+  }
+  return read("tls_ca", root_certs) && read("tls_cert", cert_chain) && read("tls_key", private_key);
+}
 
 Args::Args(int argc, char** argv, int first) {
   for (int i = first; i < argc; ++i) {

@@ -24,6 +24,8 @@ constexpr char kHelp[] =
     "  --controller=HOST:PORT  kvtier-controller (default $KVTIER_CONTROLLER or 127.0.0.1:7072)\n"
     "  --token=TOKEN           bearer token (default $KVTIER_TOKEN); set needs a node token\n"
     "  --tls_ca=FILE           PEM roots: use TLS and verify the controller with them\n"
+    "  --tls_cert=FILE, --tls_key=FILE  this client's certificate and key, for a\n"
+    "                          controller that requires one (--tls_client_ca)\n"
     "\n"
     "Subcommands:\n"
     "  set --model=NAME [policy flags]\n"
@@ -96,6 +98,8 @@ int PolicyCommand(const Args& args) {
   const std::vector<std::string> unknown = args.Unknown({"controller",
                                                          "token",
                                                          "tls_ca",
+                                                         "tls_cert",
+                                                         "tls_key",
                                                          "model",
                                                          "codec",
                                                          "bits",
@@ -121,13 +125,9 @@ int PolicyCommand(const Args& args) {
   ControllerClientOptions o;
   o.target = args.Get("controller", Env("KVTIER_CONTROLLER", "127.0.0.1:7072"));
   o.token = args.Get("token", Env("KVTIER_TOKEN", ""));
-  if (args.Has("tls_ca")) {
-    std::FILE* f = std::fopen(args.Get("tls_ca").c_str(), "rb");
-    if (f == nullptr) return Usage("cannot read --tls_ca " + args.Get("tls_ca"));
-    char buf[4096];
-    size_t n;
-    while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) o.tls_root_certs.append(buf, n);
-    std::fclose(f);
+  if (std::string error;
+      !ReadClientTls(args, &o.tls_root_certs, &o.tls_cert_chain, &o.tls_private_key, &error)) {
+    return Usage(error);
   }
   absl::StatusOr<std::unique_ptr<ControllerClient>> c = ControllerClient::Connect(o);
   if (!c.ok()) return Fail(c.status());

@@ -27,6 +27,8 @@ constexpr char kHelp[] =
     "  --target=HOST:PORT   store address (default $KVTIER_STORE or 127.0.0.1:7070)\n"
     "  --token=TOKEN        bearer token (default $KVTIER_TOKEN; none if unset)\n"
     "  --tls_ca=FILE        PEM roots: use TLS and verify the store with them\n"
+    "  --tls_cert=FILE, --tls_key=FILE  this client's certificate and key, for a store\n"
+    "                       that requires one (--tls_client_ca)\n"
     "\n"
     "Subcommands:\n"
     "  put   --session=S --round=R [--segment=G] --layers=B:E\n"
@@ -138,9 +140,9 @@ int StoreCommand(const Args& args) {
   }
   const std::string sub = args.positional()[0];
   std::vector<std::string> unknown = args.Unknown(
-      {"target", "token",    "tls_ca",   "session", "round",           "segment", "layers", "file",
-       "tokens", "kv_heads", "head_dim", "seed",    "question_tokens", "ttl",     "refs",   "out",
-       "rounds", "unpin",    "idle_for", "dry_run", "include_pinned"});
+      {"target", "token", "tls_ca", "tls_cert", "tls_key",  "session", "round",           "segment",
+       "layers", "file",  "tokens", "kv_heads", "head_dim", "seed",    "question_tokens", "ttl",
+       "refs",   "out",   "rounds", "unpin",    "idle_for", "dry_run", "include_pinned"});
   if (!unknown.empty()) return Usage("unknown flag --" + unknown[0]);
 
   StoreClientOptions o;
@@ -148,12 +150,9 @@ int StoreCommand(const Args& args) {
   const char* env_token = std::getenv("KVTIER_TOKEN");
   o.target = args.Get("target", env_target != nullptr ? env_target : "127.0.0.1:7070");
   o.token = args.Get("token", env_token != nullptr ? env_token : "");
-  if (args.Has("tls_ca")) {
-    std::ifstream in(args.Get("tls_ca"));
-    if (!in) return Usage("cannot read --tls_ca file");
-    std::stringstream ss;
-    ss << in.rdbuf();
-    o.tls_root_certs = ss.str();
+  if (std::string error;
+      !ReadClientTls(args, &o.tls_root_certs, &o.tls_cert_chain, &o.tls_private_key, &error)) {
+    return Usage(error);
   }
   auto client_or = StoreClient::Connect(o);
   if (!client_or.ok()) return Fail(client_or.status());

@@ -49,10 +49,19 @@ def dtype_enum(name: str) -> int:
         raise ValueError(f"dtype {name!r}: expected one of {sorted(_DTYPES)}") from None
 
 
-def channel(address: str, tls_root_cert: Optional[bytes] = None) -> grpc.Channel:
-    """A channel to a kvtier server ("host:port"); TLS when given the CA's PEM."""
+def channel(address: str, tls_root_cert: Optional[bytes] = None,
+            tls_cert_chain: Optional[bytes] = None,
+            tls_private_key: Optional[bytes] = None) -> grpc.Channel:
+    """A channel to a kvtier server ("host:port"); TLS when given the CA's PEM,
+    presenting this client's certificate chain and key (PEM) when given, for a
+    server that requires one (--tls_client_ca)."""
+    if (tls_cert_chain is None) != (tls_private_key is None):
+        raise ValueError("tls_cert_chain and tls_private_key go together")
+    if tls_cert_chain is not None and tls_root_cert is None:
+        raise ValueError("a client certificate needs TLS: give tls_root_cert too")
     if tls_root_cert is not None:
-        return grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_root_cert))
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(
+            tls_root_cert, private_key=tls_private_key, certificate_chain=tls_cert_chain))
     return grpc.insecure_channel(address)
 
 

@@ -32,12 +32,15 @@ class ControllerClient:
     comma-separated replicas, tried in order when one is UNAVAILABLE."""
 
     def __init__(self, addresses: str, token: Optional[str] = None, timeout: float = 10.0,
-                 retries: int = 3, tls_root_cert: Optional[bytes] = None):
+                 retries: int = 3, tls_root_cert: Optional[bytes] = None,
+                 tls_cert_chain: Optional[bytes] = None,
+                 tls_private_key: Optional[bytes] = None):
         self.addresses = [a for a in addresses.split(",") if a]
         if not self.addresses:
             raise ValueError("no controller address")
         self.settings = CallSettings(token, timeout, retries)
-        self._channels = [channel(a, tls_root_cert) for a in self.addresses]
+        self._channels = [channel(a, tls_root_cert, tls_cert_chain, tls_private_key)
+                          for a in self.addresses]
         self._stubs = [controller_pb2_grpc.ControllerStub(c) for c in self._channels]
         self._next = 0
 

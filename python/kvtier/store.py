@@ -16,10 +16,12 @@ __all__ = ["StoreClient"]
 
 class StoreClient:
     def __init__(self, address: str, token: Optional[str] = None, timeout: float = 30.0,
-                 retries: int = 3, tls_root_cert: Optional[bytes] = None):
+                 retries: int = 3, tls_root_cert: Optional[bytes] = None,
+                 tls_cert_chain: Optional[bytes] = None,
+                 tls_private_key: Optional[bytes] = None):
         self.address = address
         self.settings = CallSettings(token, timeout, retries)
-        self._channel = channel(address, tls_root_cert)
+        self._channel = channel(address, tls_root_cert, tls_cert_chain, tls_private_key)
         self._stub = store_pb2_grpc.StoreStub(self._channel)
 
     def list_rounds(self, session_id: str) -> store_pb2.ListRoundsResponse:

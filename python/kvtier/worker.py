@@ -350,11 +350,13 @@ class WorkerClient:
 
     def __init__(self, address: str, token: Optional[str] = None, timeout: float = 30.0,
                  round_timeout: float = 300.0, retries: int = 3,
-                 tls_root_cert: Optional[bytes] = None):
+                 tls_root_cert: Optional[bytes] = None,
+                 tls_cert_chain: Optional[bytes] = None,
+                 tls_private_key: Optional[bytes] = None):
         self.address = address
         self.settings = CallSettings(token, timeout, retries)
         self.round_timeout = round_timeout
-        self._channel = channel(address, tls_root_cert)
+        self._channel = channel(address, tls_root_cert, tls_cert_chain, tls_private_key)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 
     def open_session(self, session_id: str, model: ModelSpec, policy: Optional[Policy] = None,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import BUILD, Server
-from kvtier import ControllerClient, KvtierError, ModelSpec, Policy, WorkerClient
+from kvtier import ControllerClient, KvtierError, ModelSpec, Policy, StoreClient, WorkerClient
 
 SPEC = ModelSpec(layers=3, q_heads=4, kv_heads=2, head_dim=8, dtype="float32", name="tiny")
 
@@ -190,3 +190,63 @@ def test_speculation_from_a_controller_policy():
         for s in reversed(servers):
             s.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _issue(ca, name, san, cwd):
+    """A certificate for `name` (subjectAltName `san`) signed by the CA named `ca`."""
+    with open(os.path.join(cwd, f"{name}.ext"), "w") as f:
+        f.write(f"subjectAltName={san}\nextendedKeyUsage=serverAuth,clientAuth\n")
+    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=cwd)
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+             "-CAcreateserial", "-days", "1", "-extfile", f"{name}.ext", "-out", f"{name}.pem",
+             cwd=cwd)
+
+
+def test_clients_present_certificates_to_a_store_that_requires_them():
+    """Mutual TLS from Python: a store that requires client certificates from
+    its CA (--tls_client_ca) serves a StoreClient presenting one, as the
+    tenant its cert: line names; a client with none, or with one from another
+    CA, gets UNAVAILABLE."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not installed (make deps installs it)")
+    with tempfile.TemporaryDirectory(prefix="kvtier-mtls-") as work:
+        for ca in ("ca", "rogue"):
+            _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                     "-nodes", "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days", "1",
+                     "-subj", f"/CN={ca}", "-addext", "basicConstraints=critical,CA:TRUE",
+                     cwd=work)
+        _issue("ca", "server", "DNS:localhost,IP:127.0.0.1", work)
+        _issue("ca", "acme", "DNS:acme-engine", work)
+        _issue("rogue", "fake", "DNS:acme-engine", work)
+        with open(os.path.join(work, "tenants"), "w") as f:
+            f.write("cert:acme-engine acme readwrite\n")
+        store = Server(os.path.join(BUILD, "services/store/kvtier-store"),
+                       [f"--data_dir={work}/db", "--listen=127.0.0.1:0", "--metrics_listen=",
+                        f"--tenants_file={work}/tenants", f"--tls_cert={work}/server.pem",
+                        f"--tls_key={work}/server.key", f"--tls_client_ca={work}/ca.pem"],
+                       work, "store")
+        try:
+            def read(name):
+                with open(os.path.join(work, name), "rb") as f:
+                    return f.read()
+            root = read("ca.pem")
+            acme = StoreClient(store.address, timeout=5, retries=0, tls_root_cert=root,
+                               tls_cert_chain=read("acme.pem"), tls_private_key=read("acme.key"))
+            assert acme.stats().tenant == "acme"
+            strangers = [StoreClient(store.address, timeout=5, retries=0, tls_root_cert=root),
+                         StoreClient(store.address, timeout=5, retries=0, tls_root_cert=root,
+                                     tls_cert_chain=read("fake.pem"),
+                                     tls_private_key=read("fake.key"))]
+            for c in strangers:
+                with pytest.raises(KvtierError) as e:
+                    c.stats()
+                assert e.value.code == grpc.StatusCode.UNAVAILABLE
+            with pytest.raises(ValueError, match="go together"):
+                StoreClient(store.address, tls_root_cert=root, tls_cert_chain=read("acme.pem"))
+        finally:
+            store.stop()
