@@ -33,6 +33,19 @@
 namespace kvtier::refengine {
 namespace {
 
+// The engine's store client: --store, its token and TLS.
+StoreClientOptions StoreOptionsOf(const DemoOptions& o) {
+  StoreClientOptions so;
+  so.target = o.store;
+  so.token = o.token;
+  so.tls_root_certs = o.store_tls_root_certs;
+  if (!so.tls_root_certs.empty()) {
+    so.tls_cert_chain = o.tls_cert_chain;
+    so.tls_private_key = o.tls_private_key;
+  }
+  return so;
+}
+
 // The synthetic chat's watershed layer as `kvtier eval watershed` measures
 // it (the first layer whose round distribution stays within 0.01 nats of
 // every later layer's).
@@ -672,10 +685,7 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
   std::unique_ptr<worker::Engine> inproc;
   if (o.inproc) {
     // The worker engine in this process, its rounds in the store.
-    StoreClientOptions so;
-    so.target = o.store;
-    so.token = o.token;
-    KVT_ASSIGN_OR_RETURN(auto client, StoreClient::Connect(so));
+    KVT_ASSIGN_OR_RETURN(auto client, StoreClient::Connect(StoreOptionsOf(o)));
     inproc_store = std::make_unique<StoreSegments>(std::move(client));
     inproc = std::make_unique<worker::Engine>(inproc_store.get());
     if (!skew_bytes.empty()) {
@@ -692,6 +702,11 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     ControllerClientOptions co;
     co.target = o.controller;
     co.token = o.token;
+    co.tls_root_certs = o.controller_tls_root_certs;
+    if (!co.tls_root_certs.empty()) {
+      co.tls_cert_chain = o.tls_cert_chain;
+      co.tls_private_key = o.tls_private_key;
+    }
     KVT_ASSIGN_OR_RETURN(router,
                          SessionRouter::Connect(co, {.tls_root_certs = o.worker_tls_root_certs,
                                                      .tls_server_name = o.worker_tls_server_name,
@@ -805,10 +820,7 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     }
   }
   if (!o.store.empty()) {
-    StoreClientOptions so;
-    so.target = o.store;
-    so.token = o.token;
-    KVT_ASSIGN_OR_RETURN(auto client, StoreClient::Connect(so));
+    KVT_ASSIGN_OR_RETURN(auto client, StoreClient::Connect(StoreOptionsOf(o)));
     absl::StatusOr<v1::StatsResponse> stats = client->Stats();
     if (!stats.ok()) {
       close_all().IgnoreError();

@@ -39,8 +39,14 @@ struct DemoOptions {
   std::string worker_tls_root_certs;
   std::string worker_tls_server_name;
   // PEM of the engine's own certificate chain and key, presented to
-  // workers that require one (mutual TLS); empty: none.
+  // workers (and the controller) that require one (mutual TLS); empty: none.
   std::string tls_cert_chain, tls_private_key;
+  // PEM of the CA of the controller's certificate: Route over TLS. Empty:
+  // plaintext.
+  std::string controller_tls_root_certs;
+  // PEM of the CA of the store's certificate (`store`, and the in-process
+  // engine's store): TLS. Empty: plaintext.
+  std::string store_tls_root_certs;
   std::string store;  // kvtier-store "host:port": per-tier bytes; optional.
   std::string token;  // Bearer token for both; empty: none.
   std::string model;  // llama2.c checkpoint; empty: the synthetic chat.

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <tuple>
 
 #include "absl/flags/flag.h"
 #include "base/command_line.h"
@@ -27,6 +28,12 @@ ABSL_FLAG(std::string, tls_client_cert, "",
           "PEM certificate chain presented to workers that require client certificates "
           "(mutual TLS); with --tls_client_key and --worker_tls_root_certs.");
 ABSL_FLAG(std::string, tls_client_key, "", "PEM private key of --tls_client_cert.");
+ABSL_FLAG(std::string, store_tls_root_certs, "",
+          "PEM file of the CA of --store's certificate: reach it over TLS (presenting "
+          "--tls_client_cert when given); empty: plaintext.");
+ABSL_FLAG(std::string, controller_tls_root_certs, "",
+          "PEM file of the CA of --controller's certificate: route over TLS (presenting "
+          "--tls_client_cert when given); empty: plaintext.");
 ABSL_FLAG(std::string, model, "",
           "llama2.c checkpoint (e.g. ../shared/models/stories260K.bin); empty runs the embedded "
           "synthetic multi-round chat.");
@@ -104,6 +111,20 @@ int main(int argc, char** argv) {
   {
     const std::string cert = absl::GetFlag(FLAGS_tls_client_cert);
     const std::string key = absl::GetFlag(FLAGS_tls_client_key);
+    for (auto [flag, name, out] :
+         {std::tuple{&FLAGS_controller_tls_root_certs, "controller_tls_root_certs",
+                     &o.controller_tls_root_certs},
+          std::tuple{&FLAGS_store_tls_root_certs, "store_tls_root_certs",
+                     &o.store_tls_root_certs}}) {
+      const std::string f = absl::GetFlag(*flag);
+      if (f.empty()) continue;
+      std::ifstream in(f);
+      out->assign(std::istreambuf_iterator<char>(in), {});
+      if (out->empty()) {
+        std::fprintf(stderr, "kvtier-engine: --%s=%s is missing or empty\n", name, f.c_str());
+        return 2;
+      }
+    }
     if (cert.empty() != key.empty() || (!cert.empty() && o.worker_tls_root_certs.empty())) {
       std::fprintf(stderr,
                    "kvtier-engine: --tls_client_cert and --tls_client_key go together, with "

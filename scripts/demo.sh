@@ -38,6 +38,9 @@
 #             "--device_transfer=grpc" (kvtier-worker --help lists them) [unset]
 #   LOGS      a directory to keep the store's and workers' logs in (they are
 #             deleted with the demo's temporary directory otherwise) [unset]
+#   TLS       1: every connection is mutual TLS, with certificates of a throwaway CA
+#             (scripts/make_test_certs.sh): each server requires a client certificate
+#             and each process presents its own (docs/security.md) [0]
 set -euo pipefail
 BUILD_DIR=${1:-build}
 STORE_BIN="$BUILD_DIR/services/store/kvtier-store"
@@ -93,6 +96,26 @@ cleanup() {
 }
 trap cleanup EXIT
 
+STORE_TLS=() WORKER_TLS=() DECODE_TLS=() ENGINE_TLS=()
+case "${TLS:-0}" in
+  0) ;;
+  1)
+    T="$WORK/tls"
+    "$(dirname "$0")/make_test_certs.sh" "$T" store worker decode engine
+    STORE_TLS=(--tls_cert="$T/store.pem" --tls_key="$T/store.key" --tls_client_ca="$T/ca.pem")
+    for w in worker decode; do
+      declare -n tls="${w^^}_TLS"
+      tls=(--tls_cert="$T/$w.pem" --tls_key="$T/$w.key" --tls_client_ca="$T/ca.pem"
+        --store_tls_root_certs="$T/ca.pem" --peer_tls_root_certs="$T/ca.pem"
+        --tls_client_cert="$T/$w.pem" --tls_client_key="$T/$w.key")
+      unset -n tls
+    done
+    ENGINE_TLS=(--worker_tls_root_certs="$T/ca.pem" --store_tls_root_certs="$T/ca.pem"
+      --tls_client_cert="$T/engine.pem" --tls_client_key="$T/engine.key")
+    ;;
+  *) echo "TLS=$TLS: 0 or 1"; exit 2 ;;
+esac
+
 wait_port() {  # file, log, name
   for _ in $(seq 300); do [ -s "$1" ] && return; sleep 0.05; done
   echo "$3 did not start:"; tail "$2"; exit 1
@@ -113,7 +136,7 @@ fi
 
 step "Starting kvtier-store (RocksDB in $WORK/db, RAM tier ${RAM_MB} MiB)"
 "$STORE_BIN" --data_dir="$WORK/db" --listen=127.0.0.1:0 --port_file="$WORK/store.port" \
-  --metrics_listen=127.0.0.1:0 --ram_budget_mb="$RAM_MB" 2>>"$WORK/store.log" &
+  --metrics_listen=127.0.0.1:0 --ram_budget_mb="$RAM_MB" "${STORE_TLS[@]}" 2>>"$WORK/store.log" &
 PIDS+=($!) NAMES+=(kvtier-store) LOGFILES+=(store.log)
 wait_port "$WORK/store.port" "$WORK/store.log" kvtier-store
 STORE=127.0.0.1:$(cat "$WORK/store.port")
@@ -127,7 +150,8 @@ if [ -n "${DECODE_GPU:-}" ]; then DECODE_ENV=(CUDA_VISIBLE_DEVICES="$DECODE_GPU"
 
 step "Starting kvtier-worker (rounds kept in that store)"
 env "${PREFILL_ENV[@]}" "$WORKER_BIN" --store="$STORE" --listen=127.0.0.1:0 --port_file="$WORK/worker.port" \
-  --metrics_listen=127.0.0.1:0 --metrics_port_file="$WORK/worker.mport" "${WORKER_EXTRA[@]}" 2>>"$WORK/worker.log" &
+  --metrics_listen=127.0.0.1:0 --metrics_port_file="$WORK/worker.mport" "${WORKER_EXTRA[@]}" \
+  "${WORKER_TLS[@]}" 2>>"$WORK/worker.log" &
 PIDS+=($!) NAMES+=(kvtier-worker) LOGFILES+=(worker.log)
 wait_port "$WORK/worker.port" "$WORK/worker.log" kvtier-worker
 WORKER=127.0.0.1:$(cat "$WORK/worker.port")
@@ -137,7 +161,8 @@ DECODE=""
 if [ "${PD:-0}" = 1 ]; then
   step "Starting a second kvtier-worker that decodes (PD=1: prefill/decode disaggregation)"
   env "${DECODE_ENV[@]}" "$WORKER_BIN" --store="$STORE" --listen=127.0.0.1:0 --port_file="$WORK/decode.port" \
-    --metrics_listen=127.0.0.1:0 --metrics_port_file="$WORK/decode.mport" "${WORKER_EXTRA[@]}" 2>>"$WORK/decode.log" &
+    --metrics_listen=127.0.0.1:0 --metrics_port_file="$WORK/decode.mport" "${WORKER_EXTRA[@]}" \
+    "${DECODE_TLS[@]}" 2>>"$WORK/decode.log" &
   PIDS+=($!) NAMES+=("the decode kvtier-worker") LOGFILES+=(decode.log)
   wait_port "$WORK/decode.port" "$WORK/decode.log" kvtier-worker
   DECODE=127.0.0.1:$(cat "$WORK/decode.port")
@@ -158,7 +183,8 @@ if [ -z "$CONVERSATIONS" ]; then
 fi
 echo "policy: CODEC=$CODEC RECALL=$RECALL EVICT=$EVICT${SPEC:+ SPEC=$SPEC}"
 ARGS=(--worker="$WORKER" --store="$STORE" --sessions="$SESSIONS" --rounds="$ROUNDS"
-  --codec="$CODEC" --recall="$RECALL" --evict="$EVICT" --watershed="$WATERSHED")
+  --codec="$CODEC" --recall="$RECALL" --evict="$EVICT" --watershed="$WATERSHED" "${ENGINE_TLS[@]}")
+[ "${TLS:-0}" = 1 ] && echo "mutual TLS: store, workers and engine each present a certificate of $T/ca.pem"
 [ -n "$MODEL" ] && ARGS+=(--model="$MODEL")
 [ -n "$CONVERSATIONS" ] && ARGS+=(--conversations="$CONVERSATIONS")
 [ -n "$REPORT" ] && ARGS+=(--report="$REPORT")

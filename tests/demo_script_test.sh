@@ -37,6 +37,17 @@ grep -q "^outputs, disaggregated: bit-identical to one worker's (digest [0-9a-f]
   { cat "$OUT/pd"; exit 1; }
 grep -q "^prefill -> decode hand-off" "$OUT/pd" || { cat "$OUT/pd"; exit 1; }
 
+# TLS=1 PD=1: the same over mutual TLS (each process presents a certificate
+# of a throwaway CA; the servers require one), still bit-identical.
+TLS=1 PD=1 SESSIONS=2 ROUNDS=3 "$SRC_DIR/scripts/demo.sh" "$BUILD_DIR" >"$OUT/tls" 2>&1 || {
+  cat "$OUT/tls"
+  exit 1
+}
+grep -q "^mutual TLS: store, workers and engine each present a certificate" "$OUT/tls" ||
+  { cat "$OUT/tls"; exit 1; }
+grep -q "^outputs, disaggregated: bit-identical to one worker's" "$OUT/tls" ||
+  { cat "$OUT/tls"; exit 1; }
+
 if command -v gnuplot >/dev/null 2>&1; then
   "$BUILD_DIR/tools/kvtier" plot demo "$OUT/report.json" --out="$OUT/ws.svg" >/dev/null
   grep -q "working set against the full cache, per round" "$OUT/ws.svg"

@@ -37,6 +37,10 @@ ABSL_FLAG(int, placement_idle_hours, 24, "Forget placements unused this long.");
 ABSL_FLAG(std::string, store_token, "",
           "A node token for the stores, used by repair to copy rounds between them.");
 ABSL_FLAG(std::string, store_tls_root_certs, "", "PEM file of the stores' CA; empty: plaintext.");
+ABSL_FLAG(std::string, tls_client_cert, "",
+          "PEM certificate chain the controller presents to stores that require client "
+          "certificates (repairs); with --tls_client_key.");
+ABSL_FLAG(std::string, tls_client_key, "", "PEM private key of --tls_client_cert.");
 ABSL_FLAG(int, repair_parallelism, 2, "Sessions repaired at once.");
 ABSL_FLAG(int, repair_mb_per_s, 64, "Bandwidth cap of all repairs together, MiB/s; 0: none.");
 ABSL_FLAG(std::string, state_dir, "",
@@ -98,6 +102,22 @@ int main(int argc, char** argv) {
       return 2;
     }
     o.repair.store_tls_root_certs = *pem;
+  }
+  if (absl::GetFlag(FLAGS_tls_client_cert).empty() != absl::GetFlag(FLAGS_tls_client_key).empty()) {
+    std::fprintf(stderr, "kvtier-controller: --tls_client_cert and --tls_client_key go together\n");
+    return 2;
+  }
+  if (!absl::GetFlag(FLAGS_tls_client_cert).empty()) {
+    absl::StatusOr<std::string> cert =
+        kvtier::ReadFileToString(absl::GetFlag(FLAGS_tls_client_cert));
+    absl::StatusOr<std::string> key = kvtier::ReadFileToString(absl::GetFlag(FLAGS_tls_client_key));
+    if (!cert.ok() || !key.ok()) {
+      std::fprintf(stderr, "kvtier-controller: %s\n",
+                   (!cert.ok() ? cert.status() : key.status()).ToString().c_str());
+      return 2;
+    }
+    o.repair.store_tls_cert_chain = *cert;
+    o.repair.store_tls_private_key = *key;
   }
   o.repair.parallelism = absl::GetFlag(FLAGS_repair_parallelism);
   o.repair.max_bytes_per_second =

@@ -93,6 +93,8 @@ absl::StatusOr<StoreClient*> Repairer::Client(const std::string& address) {
     o.target = address;
     o.token = options_.store_token;
     o.tls_root_certs = options_.store_tls_root_certs;
+    o.tls_cert_chain = options_.store_tls_cert_chain;
+    o.tls_private_key = options_.store_tls_private_key;
     o.deadline = options_.call_deadline;
     absl::StatusOr<std::unique_ptr<StoreClient>> made = StoreClient::Connect(std::move(o));
     if (!made.ok()) {

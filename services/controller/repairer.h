@@ -41,6 +41,9 @@ struct RepairOptions {
   // their CA; empty: none / plaintext.
   std::string store_token;
   std::string store_tls_root_certs;
+  // PEM of the controller's certificate chain and key, for stores that
+  // require client certificates (mutual TLS); empty: none presented.
+  std::string store_tls_cert_chain, store_tls_private_key;
   // Deadline of each store call. Default: 30 s.
   absl::Duration call_deadline = absl::Seconds(30);
   // A failed task is retried this many times in all. Default: 5.
