@@ -253,6 +253,15 @@ grpc::ServerUnaryReactor* ControllerService::Register(grpc::CallbackServerContex
         if (spec.kind == NodeKind::kStore && spec.role != controller::WorkerRole::kBoth) {
           return absl::InvalidArgumentError("a store has no worker role");
         }
+        // The sessions a worker reports name their stores: checked before any
+        // of them is adopted.
+        for (const v1::HeldSession& h : req->sessions()) {
+          KVT_RETURN_IF_ERROR(ValidateName("held session tenant", h.tenant()));
+          KVT_RETURN_IF_ERROR(ValidateName("held session id", h.session_id()));
+          for (const std::string& a : h.store_addresses()) {
+            KVT_RETURN_IF_ERROR(ValidateAddress("held session store address", a));
+          }
+        }
         KVT_RETURN_IF_ERROR(controller_->membership().Register(spec));
         KVT_RETURN_IF_ERROR(coordination_->NodeRegistered(spec));
         if (spec.kind == NodeKind::kWorker && coordination_->AdoptsReports()) {

@@ -206,6 +206,20 @@ TEST_F(ControllerServiceTest, RegisterRefusesMalformedAddresses) {
     EXPECT_LT(st.error_message().size(), 400u);
   }
   EXPECT_TRUE(Register("s1", v1::NODE_KIND_STORE, "store-1.kvtier.svc:7070").ok());
+  // A worker's reported sessions name their stores: checked as well.
+  v1::RegisterRequest w;
+  w.set_node_id("w1");
+  w.set_kind(v1::NODE_KIND_WORKER);
+  w.set_address("10.0.1.1:7071");
+  v1::HeldSession* h = w.add_sessions();
+  h->set_tenant("acme");
+  h->set_session_id("chat");
+  h->add_store_addresses("10.0.0.1:7070\r\nX-Evil: 1");
+  v1::RegisterResponse resp;
+  auto c = Ctx(kNodeToken);
+  const grpc::Status st = stub_->Register(c.get(), w, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_THAT(st.error_message(), ::testing::HasSubstr("held session store address"));
 }
 
 // Bytes that do not parse, on every method: INVALID_ARGUMENT naming the

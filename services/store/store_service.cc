@@ -16,6 +16,7 @@
 #include "kernels/crc32c.h"
 #include "rpc/grpc_status.h"
 #include "rpc/wire_format.h"
+#include "services/common/idle_read.h"
 
 namespace kvtier {
 namespace {
@@ -161,25 +162,15 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     Read();
   }
 
-  // For the idle watchdog: since when the stream has waited for the
-  // client's next message, or nullopt while the store itself works (a slow
-  // fsync is not the client's idleness) or once the watchdog took it.
-  std::optional<absl::Time> waiting_since() const {
-    const int64_t ns = waiting_since_ns_.load(std::memory_order_acquire);
-    if (ns <= 0) return std::nullopt;
-    return absl::FromUnixNanos(ns);
-  }
+  // For the idle watchdog (services/common/idle_read.h): since when the
+  // stream has waited for the client's next message; nullopt while the
+  // store itself works (a slow fsync is not the client's idleness).
+  std::optional<absl::Time> waiting_since() const { return idle_.since(); }
   // Called by the watchdog under upload_mu_, while registered (so before
-  // Done), with what waiting_since() said. Takes the stream when it still
-  // waits for that same message (OnReadDone has not begun) and fails it
-  // DEADLINE_EXCEEDED on the executor; Finish then ends the pending read,
-  // whose OnReadDone does nothing more. Otherwise nothing.
+  // Done), with what waiting_since() said: when it takes the stream, the
+  // upload fails DEADLINE_EXCEEDED on the executor.
   void CancelIdle(absl::Time since) {
-    int64_t expected = absl::ToUnixNanos(since);
-    if (!waiting_since_ns_.compare_exchange_strong(expected, kIdleTaken,
-                                                   std::memory_order_acq_rel)) {
-      return;
-    }
+    if (!idle_.Take(since)) return;
     svc_->executor_->Schedule([this] {
       Fail(absl::DeadlineExceededError(
           absl::StrCat("upload idle for ", absl::FormatDuration(svc_->options_.upload_idle_timeout),
@@ -188,11 +179,8 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   }
 
   void OnReadDone(bool ok) override {
-    if (waiting_since_ns_.exchange(0, std::memory_order_acq_rel) == kIdleTaken) {
-      waiting_since_ns_.store(kIdleTaken, std::memory_order_release);
-      return;  // The watchdog failed the stream; this read ended with it.
-    }
-    if (!ok) {  // The client half-closed (or the call broke).
+    if (!idle_.ReadDone()) return;  // The watchdog failed the stream.
+    if (!ok) {                      // The client half-closed (or the call broke).
       HalfClosed();
       return;
     }
@@ -397,7 +385,7 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   }
 
   void Read() {
-    waiting_since_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_release);
+    idle_.Waiting();
     StartRead(&req_);
   }
 
@@ -569,10 +557,7 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   v1::PutSegmentHeader header_;
   cachestore::WriteSpec spec_;   // From header_ (Admit).
   uint64_t inflight_bytes_ = 0;  // Admitted by svc_->AdmitUpload.
-  // Unix ns since the stream waits for the client; 0: not waiting;
-  // kIdleTaken: the watchdog failed it.
-  static constexpr int64_t kIdleTaken = -1;
-  std::atomic<int64_t> waiting_since_ns_{0};
+  IdleRead idle_;
   uint32_t crc_ = 0;  // CRC-32C of buffer_.
   cachestore::WriteTicket ticket_;
   std::string buffer_;

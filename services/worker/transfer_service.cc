@@ -17,6 +17,7 @@
 #include "rpc/grpc_status.h"
 #include "rpc/transport_args.h"
 #include "rpc/wire_format.h"
+#include "services/common/idle_read.h"
 #include "services/worker/transfer_proto.h"
 #include "services/worker/worker_service.h"
 #include "worker/device_attention.h"
@@ -657,24 +658,13 @@ class WorkerService::SkewReactor : public grpc::ServerReadReactor<grpc::ByteBuff
     Read();
   }
 
-  // For the idle watchdog: since when the stream has waited for its
-  // client's next message; nullopt while it works, or once the watchdog
-  // took it.
-  std::optional<absl::Time> waiting_since() const {
-    const int64_t ns = waiting_since_ns_.load(std::memory_order_acquire);
-    if (ns <= 0) return std::nullopt;
-    return absl::FromUnixNanos(ns);
-  }
+  // For the idle watchdog (services/common/idle_read.h): since when the
+  // stream has waited for its client's next message.
+  std::optional<absl::Time> waiting_since() const { return idle_.since(); }
   // Called by the watchdog under skew_mu_ with what waiting_since() said:
-  // takes the stream when it still waits for that message and fails it
-  // DEADLINE_EXCEEDED on the io executor (Finish ends the pending read,
-  // whose OnReadDone then does nothing).
+  // when it takes the stream, it fails DEADLINE_EXCEEDED on the io executor.
   void CancelIdle(absl::Time since) {
-    int64_t expected = absl::ToUnixNanos(since);
-    if (!waiting_since_ns_.compare_exchange_strong(expected, kIdleTaken,
-                                                   std::memory_order_acq_rel)) {
-      return;
-    }
+    if (!idle_.Take(since)) return;
     svc_->io_->Schedule([this] {
       Fail(absl::DeadlineExceededError(
           absl::StrCat("PutSkew idle for ", absl::FormatDuration(svc_->options_.skew_upload_idle),
@@ -683,10 +673,7 @@ class WorkerService::SkewReactor : public grpc::ServerReadReactor<grpc::ByteBuff
   }
 
   void OnReadDone(bool ok) override {
-    if (waiting_since_ns_.exchange(0, std::memory_order_acq_rel) == kIdleTaken) {
-      waiting_since_ns_.store(kIdleTaken, std::memory_order_release);
-      return;
-    }
+    if (!idle_.ReadDone()) return;  // The watchdog failed the stream.
     if (!ok) {
       svc_->io_->Schedule([this] { End(); });
       return;
@@ -715,10 +702,9 @@ class WorkerService::SkewReactor : public grpc::ServerReadReactor<grpc::ByteBuff
  private:
   static constexpr size_t kChunkLimit = size_t{1} << 20;
   static constexpr size_t kFileLimit = size_t{256} << 20;
-  static constexpr int64_t kIdleTaken = -1;
 
   void Read() {
-    waiting_since_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_release);
+    idle_.Waiting();
     StartRead(&msg_);
   }
 
@@ -751,9 +737,7 @@ class WorkerService::SkewReactor : public grpc::ServerReadReactor<grpc::ByteBuff
   std::string caller_, tenant_;
   bool admitted_ = false;
   uint64_t charged_ = 0;  // Bytes counted against the caller's share.
-  // Unix ns since the stream waits for its client; 0: not waiting;
-  // kIdleTaken: the watchdog failed it.
-  std::atomic<int64_t> waiting_since_ns_{0};
+  IdleRead idle_;
   grpc::ByteBuffer msg_;
   v1::PutSkewRequest req_;
   std::string bytes_;
