@@ -2,12 +2,12 @@
 // places that take one from a request: kvtier-controller's Register (a real
 // ControllerServer, embedded back end, in this process on 127.0.0.1:0, one
 // per input) and a worker's check of a session's store replicas
-// (KnownStores over that controller's ListNodes, as kvtier-worker builds
+// (KnownNodes over that controller's ListNodes, as kvtier-worker builds
 // it). For every address:
 //   - Register answers OK only for an address that ValidateAddress takes,
 //     and the controller then lists it byte for byte; otherwise
 //     INVALID_ARGUMENT or ALREADY_EXISTS, never another code;
-//   - KnownStores answers OK only for the worker's own store or a store the
+//   - KnownNodes answers OK only for the worker's own store or a store the
 //     controller lists, INVALID_ARGUMENT exactly when ValidateAddress
 //     refuses, PERMISSION_DENIED otherwise;
 //   - no error message is longer than 1 KiB, whatever the address's size.
@@ -28,7 +28,7 @@
 #include "grpcpp/security/credentials.h"
 #include "kvtier/v1/controller.grpc.pb.h"
 #include "services/controller/controller_server.h"
-#include "services/worker/known_stores.h"
+#include "services/worker/known_nodes.h"
 
 namespace {
 
@@ -116,8 +116,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Check(listed == registered, "ListNodes does not list exactly the registered addresses", "");
 
   std::shared_ptr<v1::Controller::Stub> shared = std::move(stub);
-  kvtier::KnownStores known(
-      {kOwnStore},
+  kvtier::KnownNodes known(
+      {"store replica address", "--store or the controller's stores", {kOwnStore}, false},
       [shared](const kvtier::CallOptions& call) -> absl::StatusOr<std::vector<std::string>> {
         grpc::ClientContext ctx;
         ctx.set_deadline(absl::ToChronoTime(call.deadline));
@@ -133,14 +133,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const bool valid = kvtier::ValidateAddress("address", a).ok();
     const bool mine = a == kOwnStore || listed.count(a) != 0;
     if (s.ok()) {
-      Check(valid && mine, "KnownStores took an address that is not a known store", a);
+      Check(valid && mine, "KnownNodes took an address that is not a known store", a);
     } else if (absl::IsInvalidArgument(s)) {
-      Check(!valid, "KnownStores refused a valid address as malformed", a);
+      Check(!valid, "KnownNodes refused a valid address as malformed", a);
     } else {
       Check(absl::IsPermissionDenied(s) && valid && !mine,
-            "KnownStores refused a known store, or with the wrong code", a);
+            "KnownNodes refused a known store, or with the wrong code", a);
     }
-    Check(s.message().size() <= kMaxMessage, "KnownStores' error is too long", a);
+    Check(s.message().size() <= kMaxMessage, "KnownNodes' error is too long", a);
   }
   return 0;
 }

@@ -1403,6 +1403,22 @@ TEST(WorkerReplicationTest, ADeadReplicaIsReplacedThroughTheController) {
     const grpc::Status st = stub->OpenSession(&c, open, &r);
     ASSERT_TRUE(st.ok()) << st.error_message();
   }
+  {
+    // Nor may it hand the session to a "worker" the controller does not
+    // list: refused before anything is dialled.
+    testing::TrapListener trap;
+    ASSERT_TRUE(trap.ok());
+    grpc::ClientContext c;
+    c.AddMetadata("authorization", "Bearer acme-token-00001");
+    v1::SendSessionRequest send;
+    send.set_session_id("chat");
+    send.set_target(trap.address());
+    v1::SendSessionResponse r;
+    const grpc::Status st = stub->SendSession(&c, send, &r);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED) << st.error_message();
+    EXPECT_THAT(st.error_message(), ::testing::HasSubstr("hand-off target"));
+    EXPECT_EQ(trap.Connections(), 0);
+  }
   const std::string token = "acme-token-00001";
   std::mt19937 rng(5);
   v1::EndRoundResponse end;

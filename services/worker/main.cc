@@ -27,6 +27,11 @@ ABSL_FLAG(std::vector<std::string>, replica_stores, {},
           "replicas (OpenSessionRequest.store_addresses) on a worker without --controller; "
           "with one, the stores the controller lists are allowed too. Any other address is "
           "refused (PERMISSION_DENIED) and never dialled (docs/security.md).");
+ABSL_FLAG(std::vector<std::string>, peer_workers, {},
+          "Comma-separated HOST:PORT of workers this one may hand sessions to (transfer_to, "
+          "SendSession) besides the worker nodes --controller lists; others are refused "
+          "(PERMISSION_DENIED). Without --controller and without this list, any target "
+          "(hand-offs carry the caller's own token).");
 ABSL_FLAG(std::string, store_token, "", "Bearer token for kvtier-store (empty: none).");
 ABSL_FLAG(std::string, store_tls_root_certs, "", "PEM file of the store's CA; empty: plaintext.");
 ABSL_FLAG(std::string, peer_tls_root_certs, "",
@@ -186,6 +191,7 @@ int main(int argc, char** argv) {
   o.store.target = absl::GetFlag(FLAGS_store);
   o.store.token = absl::GetFlag(FLAGS_store_token);
   o.replica_stores = absl::GetFlag(FLAGS_replica_stores);
+  o.peer_workers = absl::GetFlag(FLAGS_peer_workers);
   o.store.tls_cert_chain = o.cluster.tls_cert_chain;  // --tls_client_cert: its identity.
   o.store.tls_private_key = o.cluster.tls_private_key;
   o.service.peer_tls_cert_chain = o.cluster.tls_cert_chain;

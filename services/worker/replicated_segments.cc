@@ -46,7 +46,7 @@ constexpr absl::Duration kRerouteDeadline = absl::Seconds(2);
 
 ReplicatedSegments::ReplicatedSegments(std::unique_ptr<StoreSegments> primary,
                                        StoreClientOptions replica_options,
-                                       std::unique_ptr<KnownStores> known)
+                                       std::unique_ptr<KnownNodes> known)
     : primary_(std::move(primary)),
       replica_options_(std::move(replica_options)),
       known_(std::move(known)) {}

@@ -30,7 +30,7 @@
 #include "client/store_client.h"
 #include "client/store_segments.h"
 #include "kvtier/v1/controller.pb.h"
-#include "services/worker/known_stores.h"
+#include "services/worker/known_nodes.h"
 #include "worker/segment_store.h"
 
 namespace kvtier {
@@ -42,11 +42,11 @@ class ReplicatedSegments : public worker::SegmentStore {
   // own. `replica_options`: how to reach the others (token, TLS, deadline);
   // its target is ignored. `known`: the only addresses replicas may have.
   ReplicatedSegments(std::unique_ptr<StoreSegments> primary, StoreClientOptions replica_options,
-                     std::unique_ptr<KnownStores> known);
+                     std::unique_ptr<KnownNodes> known);
 
   // OK when `addresses` may be a session's replicas: at most 3, none empty
   // or repeated (INVALID_ARGUMENT otherwise), each a known store
-  // (KnownStores::Check: PERMISSION_DENIED for any other). Connects to none.
+  // (KnownNodes::Check: PERMISSION_DENIED for any other). Connects to none.
   absl::Status CheckReplicas(const std::vector<std::string>& addresses, const CallOptions& call);
   // The stores that hold (tenant, session); empty: the worker's --store.
   // CheckReplicas first: nothing is dialled unless it passes.
@@ -113,7 +113,7 @@ class ReplicatedSegments : public worker::SegmentStore {
 
   std::unique_ptr<StoreSegments> primary_;
   const StoreClientOptions replica_options_;
-  const std::unique_ptr<KnownStores> known_;
+  const std::unique_ptr<KnownNodes> known_;
   absl::Mutex mu_;
   std::map<std::pair<std::string, std::string>, std::vector<std::string>> replicas_
       ABSL_GUARDED_BY(mu_);

@@ -43,9 +43,10 @@ std::shared_ptr<grpc::Channel> WorkerService::PeerChannel(const std::string& tar
   return channel;
 }
 
-std::unique_ptr<SessionSender> WorkerService::NewSender(const grpc::CallbackServerContext& ctx,
-                                                        const worker::SessionKey& id,
-                                                        const std::string& target) {
+absl::StatusOr<std::unique_ptr<SessionSender>> WorkerService::NewSender(
+    const grpc::CallbackServerContext& ctx, const worker::SessionKey& id,
+    const std::string& target) {
+  if (known_peers_ != nullptr) KVT_RETURN_IF_ERROR(known_peers_->Check({target}, StoreCall(ctx)));
   std::string authorization;
   auto it = ctx.client_metadata().find("authorization");
   if (it != ctx.client_metadata().end()) authorization.assign(it->second.data(), it->second.size());
@@ -62,7 +63,7 @@ absl::Status WorkerService::DoSendSession(grpc::CallbackServerContext& ctx,
   KVT_ASSIGN_OR_RETURN(worker::SessionKey id, Key(ctx, req.session_id()));
   if (req.target().empty()) return absl::InvalidArgumentError("SendSession needs a target");
   KVT_ASSIGN_OR_RETURN(worker::ModelShape shape, engine_->Shape(id));
-  std::unique_ptr<SessionSender> sender = NewSender(ctx, id, req.target());
+  KVT_ASSIGN_OR_RETURN(std::unique_ptr<SessionSender> sender, NewSender(ctx, id, req.target()));
   absl::Status sent = sender->Begin();
   for (int l = 0; sent.ok() && l < shape.layers; ++l) sent = sender->SendLayer(l);
   absl::StatusOr<v1::TransferReport> report =

@@ -37,24 +37,38 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
     KVT_ASSIGN_OR_RETURN(controller,
                          ControllerClient::Connect(ControllerOptionsOf(options.cluster)));
   }
-  std::vector<std::string> configured = options.replica_stores;
-  configured.push_back(options.store.target);
-  KnownStores::Lister lister;
-  if (controller != nullptr) {
-    lister = [controller](const CallOptions& call) -> absl::StatusOr<std::vector<std::string>> {
+  for (const std::string& a : options.peer_workers) {
+    KVT_RETURN_IF_ERROR(ValidateAddress("--peer_workers", a));
+  }
+  // The nodes of one kind the controller lists (none without one).
+  auto nodes_of = [controller](v1::NodeKind kind) -> KnownNodes::Lister {
+    if (controller == nullptr) return nullptr;
+    return [controller, kind](const CallOptions& call) -> absl::StatusOr<std::vector<std::string>> {
       CallOptions c = call;
       c.tenant.clear();  // The worker's own question, under its node token.
       KVT_ASSIGN_OR_RETURN(v1::ListNodesResponse nodes, controller->ListNodes(c));
-      std::vector<std::string> stores;
+      std::vector<std::string> out;
       for (const v1::NodeStatus& n : nodes.nodes()) {
-        if (n.kind() == v1::NODE_KIND_STORE) stores.push_back(n.address());
+        if (n.kind() == kind) out.push_back(n.address());
       }
-      return stores;
+      return out;
     };
-  }
+  };
+  KnownNodesOptions stores{"store replica address",
+                           "the worker's --store, its --replica_stores, and the store nodes its "
+                           "controller lists",
+                           options.replica_stores, /*open_when_unconfigured=*/false};
+  stores.configured.push_back(options.store.target);
   s->segments_ = std::make_unique<ReplicatedSegments>(
       std::make_unique<StoreSegments>(std::move(client)), options.store,
-      std::make_unique<KnownStores>(std::move(configured), std::move(lister)));
+      std::make_unique<KnownNodes>(std::move(stores), nodes_of(v1::NODE_KIND_STORE)));
+  // Hand-off targets: the caller's own token goes there, never the
+  // worker's; a standalone worker without --peer_workers takes any.
+  s->peers_ = std::make_unique<KnownNodes>(
+      KnownNodesOptions{"hand-off target",
+                        "the worker's --peer_workers and the worker nodes its controller lists",
+                        options.peer_workers, /*open_when_unconfigured=*/true},
+      nodes_of(v1::NODE_KIND_WORKER));
   if (controller != nullptr) {
     // Dead replicas are replaced where the controller now places the session.
     s->segments_->SetRerouter(
@@ -113,9 +127,9 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
   if (controller != nullptr) {
     s->policies_ = std::make_unique<ControllerPolicies>(controller, s->engine_.get(), s->io_.get());
   }
-  s->service_ = std::make_unique<WorkerService>(s->engine_.get(), &s->auth_, s->metrics_.get(),
-                                                s->compute_.get(), s->io_.get(), options.service,
-                                                s->segments_.get(), s->policies_.get());
+  s->service_ = std::make_unique<WorkerService>(
+      s->engine_.get(), &s->auth_, s->metrics_.get(), s->compute_.get(), s->io_.get(),
+      options.service, s->segments_.get(), s->policies_.get(), s->peers_.get());
   // gRPC's default 4 MiB receive limit stays: layers travel in chunks. The
   // store's flow-control settings: a session handed here (TransferSession)
   // streams like a segment put.

@@ -47,6 +47,11 @@ struct WorkerServerOptions {
   // dialled: the worker sends its store token only to these, --store and
   // the controller's stores. Default: none.
   std::vector<std::string> replica_stores;
+  // Workers this one may hand sessions to (LayerRequest.transfer_to,
+  // SendSessionRequest.target) besides the worker nodes its controller lists
+  // (--peer_workers). Without a controller and without this list, any
+  // target: hand-offs carry the caller's own token. Default: none.
+  std::vector<std::string> peer_workers;
   worker::EngineOptions engine;
   // Store deadline of RPCs whose caller set none, and the chunking of
   // Prefill outputs (worker_service.h).
@@ -95,6 +100,7 @@ class WorkerServer {
   // the executors (their queued tasks run), then the engine and the store.
   Authenticator auth_;
   std::unique_ptr<ReplicatedSegments> segments_;
+  std::unique_ptr<KnownNodes> peers_;  // Hand-off targets.
   std::unique_ptr<worker::Engine> engine_;
   std::unique_ptr<WorkerMetrics> metrics_;
   std::unique_ptr<ControllerPolicies> policies_;  // Null outside a cluster.

@@ -31,7 +31,7 @@ size_t DtypeBytes(v1::DType t) { return t == v1::DTYPE_FP16 || t == v1::DTYPE_BF
 WorkerService::WorkerService(worker::Engine* engine, const Authenticator* auth,
                              WorkerMetrics* metrics, Executor* compute, Executor* io,
                              WorkerServiceOptions options, ReplicatedSegments* replicas,
-                             ControllerPolicies* policies)
+                             ControllerPolicies* policies, KnownNodes* peers)
     : engine_(engine),
       auth_(auth),
       metrics_(metrics),
@@ -39,7 +39,8 @@ WorkerService::WorkerService(worker::Engine* engine, const Authenticator* auth,
       io_(io),
       options_(options),
       replicas_(replicas),
-      policies_(policies) {
+      policies_(policies),
+      known_peers_(peers) {
   if (options_.skew_upload_idle > absl::ZeroDuration()) {
     skew_watchdog_ = std::thread([this] { WatchIdleSkewUploads(); });
   }
@@ -348,7 +349,7 @@ class WorkerService::PrefillReactor
       if (!transfer_to_.empty()) {
         // The hand-off's stream opens before the step runs: a session that
         // cannot be exported is refused with nothing done.
-        sender_ = svc_->NewSender(*ctx_, *id_, transfer_to_);
+        KVT_ASSIGN_OR_RETURN(sender_, svc_->NewSender(*ctx_, *id_, transfer_to_));
         KVT_RETURN_IF_ERROR(sender_->Begin());
       }
     }

@@ -22,6 +22,7 @@
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "services/common/auth.h"
 #include "services/worker/controller_policies.h"
+#include "services/worker/known_nodes.h"
 #include "services/worker/replicated_segments.h"
 #include "services/worker/session_sender.h"
 #include "services/worker/worker_metrics.h"
@@ -84,10 +85,12 @@ class WorkerService final
                                       v1::Worker::Service>>>>>>>>> {
  public:
   // `replicas`, when set, is the engine's store: sessions opened with
-  // store_addresses keep their rounds on those stores.
+  // store_addresses keep their rounds on those stores. `peers`, when set,
+  // are the only hand-off targets taken (others: PERMISSION_DENIED).
   WorkerService(worker::Engine* engine, const Authenticator* auth, WorkerMetrics* metrics,
                 Executor* compute, Executor* io, WorkerServiceOptions options = {},
-                ReplicatedSegments* replicas = nullptr, ControllerPolicies* policies = nullptr);
+                ReplicatedSegments* replicas = nullptr, ControllerPolicies* policies = nullptr,
+                KnownNodes* peers = nullptr);
   // Stops the idle-upload watchdog. Shut the server down first.
   ~WorkerService() override;
 
@@ -123,8 +126,11 @@ class WorkerService final
   // A sender of session `id` to the worker at `target` (transfer_service.cc),
   // authenticated with the caller's own credentials, bounded by its deadline
   // (or the store deadline when it set none).
-  std::unique_ptr<SessionSender> NewSender(const grpc::CallbackServerContext& ctx,
-                                           const worker::SessionKey& id, const std::string& target);
+  // PERMISSION_DENIED (or the controller's error) when `target` is not a
+  // known peer; nothing is dialled then.
+  absl::StatusOr<std::unique_ptr<SessionSender>> NewSender(const grpc::CallbackServerContext& ctx,
+                                                           const worker::SessionKey& id,
+                                                           const std::string& target);
   std::shared_ptr<grpc::Channel> PeerChannel(const std::string& target);
   // Drops a session that now lives on another worker (no store calls).
   void ForgetMoved(const worker::SessionKey& id);
@@ -166,6 +172,7 @@ class WorkerService final
   // Null outside a cluster: a session opened without a Policy then runs
   // the defaults.
   ControllerPolicies* const policies_;
+  KnownNodes* const known_peers_;  // May be null: any target.
   // PutSkew streams open, by caller tenant, and the watchdog that ends idle
   // ones (skew_upload_idle).
   absl::Status AdmitSkewUpload(SkewReactor* r, const std::string& caller);
