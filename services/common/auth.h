@@ -104,8 +104,8 @@ class Authenticator {
   // The caller's principal: the token's tenant, or the delegated end tenant
   // (readwrite) when a node token or auth-off caller names one.
   // UNAUTHENTICATED when the metadata is missing (and no verified client
-  // certificate names a cert: line) or the token unknown (auth on); PERMISSION_DENIED when a non-node token names a tenant;
-  // INVALID_ARGUMENT when the named tenant breaks the naming rule.
+  // certificate names a cert: line) or the token unknown (auth on); PERMISSION_DENIED when a
+  // non-node token names a tenant; INVALID_ARGUMENT when the named tenant breaks the naming rule.
   absl::StatusOr<Principal> Authenticate(const grpc::ServerContextBase& ctx) const;
   // PERMISSION_DENIED unless the principal may write.
   static absl::Status RequireWrite(const Principal& p);

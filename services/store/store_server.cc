@@ -30,7 +30,9 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
   s->service_ =
       std::make_unique<StoreService>(s->store_.get(), s->quotas_.get(), &s->auth_,
                                      s->executor_.get(), s->metrics_.get(), options.service);
-  GrpcServerSpec spec{options.listen, options.tls_cert, options.tls_key,
+  GrpcServerSpec spec{options.listen,
+                      options.tls_cert,
+                      options.tls_key,
                       [](grpc::ServerBuilder& b) {
                         // Payloads stream in ~1 MiB chunks; 8 MiB leaves room
                         // for framing without letting one message grow
@@ -38,7 +40,8 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(StoreServerOptio
                         b.SetMaxReceiveMessageSize(8 << 20);
                         ApplyBulkTransportArgs(&b);
                       },
-                      v1::Store::service_full_name(), options.tls_client_ca};
+                      v1::Store::service_full_name(),
+                      options.tls_client_ca};
   KVT_ASSIGN_OR_RETURN(s->server_, StartGrpcServer(spec, s->service_.get(), &s->port_));
   {
     cachestore::Store* store = s->store_.get();
