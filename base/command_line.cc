@@ -1,7 +1,11 @@
 #include "base/command_line.h"
 
+#include <cstdlib>
+#include <iostream>
 #include <string>
 
+#include "absl/flags/internal/parse.h"
+#include "absl/flags/internal/usage.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
@@ -56,7 +60,18 @@ std::vector<char*> ParseKvtierCommandLine(int argc, char** argv, const char* usa
   config.normalize_filename = Normalize;
   absl::SetFlagsUsageConfig(config);
   absl::SetProgramUsageMessage(usage);
-  return absl::ParseCommandLine(argc, argv);
+  // absl's own handling exits 1 after --help; asking for help is not a
+  // failure, so it is handled here and exits 0 (as --version does).
+  std::vector<char*> rest = absl::flags_internal::ParseCommandLineImpl(
+      argc, argv, absl::flags_internal::ArgvListAction::kRemoveParsedArgs,
+      absl::flags_internal::UsageFlagsAction::kIgnoreUsage,
+      absl::flags_internal::OnUndefinedFlag::kAbortIfUndefined);
+  const int usage_exit = absl::flags_internal::HandleUsageFlags(std::cout, usage);
+  if (usage_exit >= 0) {
+    std::cout.flush();
+    std::exit(0);
+  }
+  return rest;
 }
 
 }  // namespace kvtier

@@ -14,7 +14,8 @@ namespace kvtier {
 // absl::ParseCommandLine does (an unknown or malformed flag prints one line
 // naming it and exits 1). Returns the positional arguments, argv[0] first.
 // `--version` prints "PROGRAM VERSION (BUILD_TYPE build)", PROGRAM being
-// argv[0]'s last path component.
+// argv[0]'s last path component. Asking for help (`--help` and the other
+// usage flags) or the version prints it and exits 0.
 std::vector<char*> ParseKvtierCommandLine(int argc, char** argv, const char* usage);
 
 }  // namespace kvtier

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # `--help` on every service binary lists that binary's own flags with their
 # defaults (not absl's "No flags matched"), with paths relative to the
-# project; an unknown flag is one line naming it, and a failure exit.
+# project, and exits 0; an unknown flag is one line naming it, and a failure
+# exit.
 set -euo pipefail
 BUILD_DIR=$1
 check() {  # binary, then flags its --help must list
   local bin=$BUILD_DIR/$1
   shift
   local out
-  out=$("$bin" --help 2>&1 || true)
+  local help_rc=0
+  out=$("$bin" --help 2>&1) || help_rc=$?
+  [[ $help_rc -eq 0 ]] || { echo "$bin --help exited $help_rc (asking for help is no failure)"; exit 1; }
   if grep -q "No flags matched" <<<"$out"; then
     echo "$bin --help lists no flags:"; echo "$out"; exit 1
   fi
