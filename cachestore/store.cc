@@ -5,6 +5,8 @@
 #include <system_error>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
 #include "base/status_macros.h"
@@ -135,6 +137,12 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(StoreOptions options, QuotaMa
   if (options.env != nullptr) ro.env = options.env;
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(ro, options.path, &raw);
+  if (!s.ok() && s.IsIOError() && absl::StrContains(absl::AsciiStrToLower(s.ToString()), "lock")) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(options.path, " is in use: another kvtier-store (or this one) holds its "
+                     "RocksDB lock; give each store a --data_dir of its own (",
+                     s.ToString(), ")"));
+  }
   if (!s.ok()) {
     return absl::InternalError(
         absl::StrCat("cannot open RocksDB at ", options.path, ": ", s.ToString()));

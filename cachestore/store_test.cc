@@ -165,6 +165,18 @@ TEST_F(StoreTest, PutThenReadIsBitExact) {
   EXPECT_EQ(st.hits_ram, 2u);
 }
 
+// A second store on the same directory (a second kvtier-store on one
+// --data_dir) is refused with a hint, not RocksDB's bare lock error.
+TEST_F(StoreTest, ASecondStoreOnTheSameDirectoryIsRefusedWithAHint) {
+  Open();
+  QuotaManager other_quotas;
+  auto second = Store::Open(options_, &other_quotas);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition) << second.status();
+  EXPECT_NE(second.status().message().find("is in use"), std::string::npos) << second.status();
+  EXPECT_NE(second.status().message().find("--data_dir"), std::string::npos) << second.status();
+}
+
 TEST_F(StoreTest, SegmentsAreImmutable) {
   Open();
   std::string p = MakePayload(100, 1);
