@@ -139,7 +139,8 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(StoreOptions options, QuotaMa
   rocksdb::Status s = rocksdb::DB::Open(ro, options.path, &raw);
   if (!s.ok() && s.IsIOError() && absl::StrContains(absl::AsciiStrToLower(s.ToString()), "lock")) {
     return absl::FailedPreconditionError(
-        absl::StrCat(options.path, " is in use: another kvtier-store (or this one) holds its "
+        absl::StrCat(options.path,
+                     " is in use: another kvtier-store (or this one) holds its "
                      "RocksDB lock; give each store a --data_dir of its own (",
                      s.ToString(), ")"));
   }
