@@ -95,7 +95,7 @@ absl::StatusOr<CodecRow> EvalCodecOnTrace(const traces::KvTrace& t, const CodecC
 }
 
 absl::StatusOr<std::unique_ptr<StreamAttention>> StreamAttention::Create(
-    const model::LlamaConfig& mc, const CodecConfig& c) {
+    const model::ModelConfig& mc, const CodecConfig& c) {
   auto a = std::unique_ptr<StreamAttention>(new StreamAttention());
   a->mc_ = mc;
   for (int l = 0; l < mc.n_layers; ++l) {
@@ -120,8 +120,8 @@ int64_t StreamAttention::bytes() const {
 }
 
 absl::StatusOr<std::pair<double, double>> EvalCodecOnModel(
-    const model::LlamaModel& m, const std::vector<std::vector<int>>& seqs, const CodecConfig& c) {
-  const model::LlamaConfig& mc = m.config();
+    const model::Model& m, const std::vector<std::vector<int>>& seqs, const CodecConfig& c) {
+  const model::ModelConfig& mc = m.config();
   double kl = 0;
   int64_t agree = 0, n = 0;
   std::vector<float> lr(mc.vocab_size), lc(mc.vocab_size);

@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/codec.h"
 #include "kernels/kv_stream.h"
-#include "model/llama.h"
+#include "model/forward.h"
 #include "traces/trace.h"
 
 namespace kvtier::eval {
@@ -37,20 +37,20 @@ absl::StatusOr<CodecRow> EvalCodecOnTrace(const traces::KvTrace& t, const CodecC
 // the encoded past plus the full-precision tail, exactly as decoding would).
 // Returns {mean KL, top-1 agreement} over all positions.
 absl::StatusOr<std::pair<double, double>> EvalCodecOnModel(
-    const model::LlamaModel& m, const std::vector<std::vector<int>>& seqs, const CodecConfig& c);
+    const model::Model& m, const std::vector<std::vector<int>>& seqs, const CodecConfig& c);
 
 // Attention that keeps each layer's cache in a KvStream (for the model runs
 // above and for anything else that decodes over a compressed cache).
 class StreamAttention : public model::AttentionBackend {
  public:
-  static absl::StatusOr<std::unique_ptr<StreamAttention>> Create(const model::LlamaConfig& mc,
+  static absl::StatusOr<std::unique_ptr<StreamAttention>> Create(const model::ModelConfig& mc,
                                                                  const CodecConfig& c);
   absl::Status Attend(int layer, int pos, const float* q, const float* k, const float* v,
                       float* out) override;
   int64_t bytes() const;
 
  private:
-  model::LlamaConfig mc_;
+  model::ModelConfig mc_;
   std::vector<KvStream> streams_;
 };
 

@@ -8,7 +8,7 @@
 
 namespace kvtier::eval {
 
-EvictingAttention::EvictingAttention(const model::LlamaConfig& c, evict::Policy p, int prompt_len)
+EvictingAttention::EvictingAttention(const model::ModelConfig& c, evict::Policy p, int prompt_len)
     : c_(c),
       p_(std::move(p)),
       prompt_(prompt_len),
@@ -50,10 +50,10 @@ absl::Status EvictingAttention::Attend(int layer, int pos, const float* q, const
   return flat_[layer]->Attend(qh, q, out);
 }
 
-absl::StatusOr<ModelFidelity> EvalEvictionOnModel(const model::LlamaModel& m,
+absl::StatusOr<ModelFidelity> EvalEvictionOnModel(const model::Model& m,
                                                   const std::vector<std::vector<int>>& seqs,
                                                   int prompt_len, const evict::Policy& p) {
-  const model::LlamaConfig& c = m.config();
+  const model::ModelConfig& c = m.config();
   ModelFidelity r;
   int64_t n = 0, agree = 0;
   double kept = 0;

@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/eviction.h"
 #include "kernels/flat_cache.h"
-#include "model/llama.h"
+#include "model/forward.h"
 #include "traces/trace.h"
 
 namespace kvtier::eval {
@@ -22,14 +22,14 @@ namespace kvtier::eval {
 // into a FlatKvCache, which later positions append to and attend over.
 class EvictingAttention : public model::AttentionBackend {
  public:
-  EvictingAttention(const model::LlamaConfig& c, evict::Policy p, int prompt_len);
+  EvictingAttention(const model::ModelConfig& c, evict::Policy p, int prompt_len);
   absl::Status Attend(int layer, int pos, const float* q, const float* k, const float* v,
                       float* out) override;
   // Tokens kept per layer at eviction time (sum over KV heads).
   const std::vector<int64_t>& kept() const { return kept_; }
 
  private:
-  model::LlamaConfig c_;
+  model::ModelConfig c_;
   evict::Policy p_;
   int prompt_;
   model::FullCacheAttention full_;
@@ -45,7 +45,7 @@ struct ModelFidelity {
 };
 
 // Teacher-forced over positions [prompt_len, len - 1) of each sequence.
-absl::StatusOr<ModelFidelity> EvalEvictionOnModel(const model::LlamaModel& m,
+absl::StatusOr<ModelFidelity> EvalEvictionOnModel(const model::Model& m,
                                                   const std::vector<std::vector<int>>& seqs,
                                                   int prompt_len, const evict::Policy& p);
 

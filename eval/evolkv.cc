@@ -54,7 +54,7 @@ std::vector<int64_t> CompleteBudgets(const std::vector<int64_t>& budgets, int64_
 }
 
 absl::StatusOr<EvolKvResult> SearchLayerBudgets(
-    const model::LlamaModel& m, const std::vector<std::vector<int>>& seqs, const EvolKvOptions& o,
+    const model::Model& m, const std::vector<std::vector<int>>& seqs, const EvolKvOptions& o,
     const std::function<void(const std::string&)>& progress) {
   const int layers = m.config().n_layers;
   const int w =

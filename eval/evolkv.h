@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "model/llama.h"
+#include "model/forward.h"
 
 namespace kvtier::eval {
 
@@ -43,7 +43,7 @@ struct EvolKvResult {
 
 // `progress(message)` reports each generation.
 absl::StatusOr<EvolKvResult> SearchLayerBudgets(
-    const model::LlamaModel& m, const std::vector<std::vector<int>>& seqs, const EvolKvOptions& o,
+    const model::Model& m, const std::vector<std::vector<int>>& seqs, const EvolKvOptions& o,
     const std::function<void(const std::string&)>& progress);
 
 }  // namespace kvtier::eval

@@ -12,7 +12,7 @@ namespace {
 // Records every layer's post-RoPE q, k and v on the way to the full cache.
 class Capture : public model::LayerAttention {
  public:
-  explicit Capture(const model::LlamaConfig& c)
+  explicit Capture(const model::ModelConfig& c)
       : c_(c), full_(c), inner_(c, &full_), q_(c.n_layers), k_(c.n_layers), v_(c.n_layers) {}
   absl::Status AttendLayer(int layer, int pos0, int n, const float* q, const float* k,
                            const float* v, float* out) override {
@@ -27,7 +27,7 @@ class Capture : public model::LayerAttention {
   std::vector<std::vector<float>>& v() { return v_; }
 
  private:
-  model::LlamaConfig c_;
+  model::ModelConfig c_;
   model::FullCacheAttention full_;
   model::PerTokenLayerAttention inner_;
   std::vector<std::vector<float>> q_, k_, v_;
@@ -67,7 +67,7 @@ std::vector<double> Causal(const float* q, const float* k, const float* v, int64
 // its cache holds every token for later steps).
 class Speculating : public model::LayerAttention {
  public:
-  Speculating(const model::LlamaConfig& c, const spec::SkewModel& skew,
+  Speculating(const model::ModelConfig& c, const spec::SkewModel& skew,
               const spec::SpeculationParams& p, bool oracle, SpecResult* r)
       : c_(c),
         oracle_(oracle),
@@ -182,7 +182,7 @@ class Speculating : public model::LayerAttention {
   double ref2() const { return ref2_; }
 
  private:
-  model::LlamaConfig c_;
+  model::ModelConfig c_;
   const bool oracle_;
   const spec::SkewModel& skew_;
   spec::SpeculationParams p_;
@@ -195,7 +195,7 @@ class Speculating : public model::LayerAttention {
 };
 
 // Teacher-forced logits at every decode step of a conversation.
-absl::StatusOr<std::vector<std::vector<float>>> Run(const model::LlamaModel& m,
+absl::StatusOr<std::vector<std::vector<float>>> Run(const model::Model& m,
                                                     const std::vector<SpecRound>& conv,
                                                     model::LayerAttention* attn) {
   model::Forward f(m);
@@ -215,11 +215,11 @@ absl::StatusOr<std::vector<std::vector<float>>> Run(const model::LlamaModel& m,
 
 }  // namespace
 
-absl::StatusOr<spec::SkewModel> CalibrateSkew(const model::LlamaModel& m,
+absl::StatusOr<spec::SkewModel> CalibrateSkew(const model::Model& m,
                                               const std::vector<std::vector<int>>& sequences,
                                               double ratio, const std::string& name,
                                               CalibrationReport* report) {
-  const model::LlamaConfig& c = m.config();
+  const model::ModelConfig& c = m.config();
   if (sequences.empty()) return absl::InvalidArgumentError("no calibration sequence");
   const int d = c.head_dim(), hq = c.n_heads, hkv = c.n_kv_heads;
   std::vector<std::vector<float>> q(c.n_layers), k(c.n_layers);
@@ -300,12 +300,12 @@ absl::StatusOr<spec::SkewModel> CalibrateSkew(const model::LlamaModel& m,
   return s;
 }
 
-absl::StatusOr<SpecResult> EvaluateSpeculation(const model::LlamaModel& m,
+absl::StatusOr<SpecResult> EvaluateSpeculation(const model::Model& m,
                                                const spec::SkewModel& skew,
                                                const std::vector<std::vector<SpecRound>>& convs,
                                                const spec::SpeculationParams& p,
                                                bool oracle_query) {
-  const model::LlamaConfig& c = m.config();
+  const model::ModelConfig& c = m.config();
   if (skew.layers != c.n_layers || skew.q_heads != c.n_heads || skew.kv_heads != c.n_kv_heads ||
       skew.head_dim != c.head_dim()) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -12,7 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/speculation.h"
-#include "model/llama.h"
+#include "model/forward.h"
 
 namespace kvtier::eval {
 
@@ -29,7 +29,7 @@ struct CalibrationReport {
 
 // Runs every sequence through the model (full cache), captures each
 // layer's post-RoPE q and k, and calibrates every layer at `ratio`.
-absl::StatusOr<spec::SkewModel> CalibrateSkew(const model::LlamaModel& m,
+absl::StatusOr<spec::SkewModel> CalibrateSkew(const model::Model& m,
                                               const std::vector<std::vector<int>>& sequences,
                                               double ratio, const std::string& name,
                                               CalibrationReport* report);
@@ -67,7 +67,7 @@ struct SpecResult {
 // With `oracle_query`, layer l speculates with its own true query instead of
 // the approximation from layer l - 1's input: what the partial columns and
 // alpha cost alone, apart from the approximation.
-absl::StatusOr<SpecResult> EvaluateSpeculation(const model::LlamaModel& m,
+absl::StatusOr<SpecResult> EvaluateSpeculation(const model::Model& m,
                                                const spec::SkewModel& skew,
                                                const std::vector<std::vector<SpecRound>>& convs,
                                                const spec::SpeculationParams& p,

@@ -7,7 +7,7 @@ namespace kvtier::eval {
 namespace {
 
 struct Fixture {
-  std::unique_ptr<model::LlamaModel> m;
+  std::unique_ptr<model::Model> m;
   std::vector<std::vector<int>> text;
   std::vector<std::vector<SpecRound>> convs;
 };
@@ -15,7 +15,7 @@ struct Fixture {
 // stories260K, two sampled calibration sequences, and a conversation of
 // three rounds from another sample.
 absl::Status Load(const std::string& path, Fixture* f) {
-  auto m = model::LlamaModel::Load(path);
+  auto m = model::Model::Load(path);
   if (!m.ok()) return m.status();
   f->m = std::move(*m);
   for (uint64_t seed : {11, 12}) {

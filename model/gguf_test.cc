@@ -58,7 +58,7 @@ TEST(GgufTest, ReadsWhatTheWriterWrote) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not an integer")));
   KVT_ASSERT_OK_AND_ASSIGN(const GgufTensor* t0, f->Tensor("t0", {4, 2}));
   EXPECT_EQ(t0->rows(), 2);
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(t0->data) % 32, 0u);
+  EXPECT_EQ((t0->data - reinterpret_cast<const uint8_t*>(bytes.data())) % 32, 0);
   std::vector<float> row(4);
   DequantizeRow(t0->type, t0->row(1), row.data(), 4);
   EXPECT_EQ(row, (std::vector<float>{5, 6, 7, 8}));

@@ -22,7 +22,7 @@ absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
 
 class Local : public ConversationBackend {
  public:
-  explicit Local(const model::LlamaConfig& c) : full_(c), layered_(c, &full_) {}
+  explicit Local(const model::ModelConfig& c) : full_(c), layered_(c, &full_) {}
   absl::Status AttendLayer(int layer, int pos0, int n, const float* q, const float* k,
                            const float* v, float* out) override {
     return layered_.AttendLayer(layer, pos0, n, q, k, v, out);
@@ -686,7 +686,7 @@ class Cluster : public ClusterSession {
 
 }  // namespace
 
-std::unique_ptr<ConversationBackend> LocalBackend(const model::LlamaConfig& c) {
+std::unique_ptr<ConversationBackend> LocalBackend(const model::ModelConfig& c) {
   return std::make_unique<Local>(c);
 }
 
@@ -754,7 +754,7 @@ absl::StatusOr<std::unique_ptr<ClusterSession>> ClusterBackend(
   return std::unique_ptr<ClusterSession>(std::move(c));
 }
 
-v1::ModelSpec SpecOf(const model::LlamaConfig& c) {
+v1::ModelSpec SpecOf(const model::ModelConfig& c) {
   v1::ModelSpec spec;
   spec.set_num_layers(c.n_layers);
   spec.set_num_q_heads(c.n_heads);
@@ -777,10 +777,10 @@ struct Rounds {
   const Transcript* teacher = nullptr;
 };
 
-absl::StatusOr<Transcript> RunRounds(const model::LlamaModel& m, const Rounds& in,
+absl::StatusOr<Transcript> RunRounds(const model::Model& m, const Rounds& in,
                                      ConversationBackend* b,
                                      const std::function<void(const std::string&)>& progress) {
-  const model::LlamaConfig& c = m.config();
+  const model::ModelConfig& c = m.config();
   const int rounds = static_cast<int>(in.user.size());
   auto answer_len = [&](int r) {
     return in.forced != nullptr ? static_cast<int>((*in.forced)[r].size()) : in.greedy;
@@ -859,9 +859,9 @@ absl::StatusOr<Transcript> RunRounds(const model::LlamaModel& m, const Rounds& i
 }  // namespace
 
 absl::StatusOr<Transcript> RunConversation(
-    const model::LlamaModel& m, const ConversationOptions& o, ConversationBackend* b,
+    const model::Model& m, const ConversationOptions& o, ConversationBackend* b,
     const Transcript* teacher, const std::function<void(const std::string&)>& progress) {
-  const model::LlamaConfig& c = m.config();
+  const model::ModelConfig& c = m.config();
   const int per_round = o.question_tokens + o.answer_tokens;
   if (o.rounds < 1 || o.question_tokens < 1 || o.answer_tokens < 1) {
     return absl::InvalidArgumentError("rounds, question and answer tokens must be >= 1");
@@ -886,10 +886,10 @@ absl::StatusOr<Transcript> RunConversation(
   return RunRounds(m, in, b, progress);
 }
 
-absl::StatusOr<Transcript> RunScript(const model::LlamaModel& m,
+absl::StatusOr<Transcript> RunScript(const model::Model& m,
                                      const std::vector<ScriptRound>& rounds, ConversationBackend* b,
                                      const std::function<void(const std::string&)>& progress) {
-  const model::LlamaConfig& c = m.config();
+  const model::ModelConfig& c = m.config();
   if (rounds.empty()) return absl::InvalidArgumentError("a conversation needs a round");
   int64_t tokens = 0;
   Rounds in;

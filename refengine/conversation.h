@@ -19,7 +19,7 @@
 #include "client/session_router.h"
 #include "grpcpp/channel.h"
 #include "kvtier/v1/worker.grpc.pb.h"
-#include "model/llama.h"
+#include "model/forward.h"
 
 namespace kvtier::refengine {
 
@@ -57,7 +57,7 @@ class ConversationBackend : public model::LayerAttention {
 };
 
 // Local mode: the full fp32 cache.
-std::unique_ptr<ConversationBackend> LocalBackend(const model::LlamaConfig& c);
+std::unique_ptr<ConversationBackend> LocalBackend(const model::ModelConfig& c);
 
 // What kvtier-worker reported for one round of a tier-mode session.
 struct TierRound {
@@ -210,7 +210,7 @@ class DecodeMux {
 };
 
 // The ModelSpec of a llama2.c checkpoint (fp32, as the reference model runs).
-v1::ModelSpec SpecOf(const model::LlamaConfig& c);
+v1::ModelSpec SpecOf(const model::ModelConfig& c);
 
 // OpenSession with any model spec; q/k/v go over the wire in its dtype. With
 // `decode` (not owned; it must outlive the session), decode steps go through
@@ -257,7 +257,7 @@ absl::StatusOr<std::unique_ptr<ClusterSession>> ClusterBackend(
 // one line per round when set. When a round fails and the backend recovers
 // (ConversationBackend::Recover), the round is sent again from its first
 // token, with the answer tokens already produced (up to 3 times a round).
-absl::StatusOr<Transcript> RunConversation(const model::LlamaModel& m, const ConversationOptions& o,
+absl::StatusOr<Transcript> RunConversation(const model::Model& m, const ConversationOptions& o,
                                            ConversationBackend* b, const Transcript* teacher,
                                            const std::function<void(const std::string&)>& progress);
 
@@ -275,7 +275,7 @@ struct ScriptRound {
 // logits[r] holds [assistant tokens, vocab]. INVALID_ARGUMENT when a round
 // is empty, a token is outside the vocabulary or the conversation does not
 // fit the model's context. Failures are recovered as in RunConversation.
-absl::StatusOr<Transcript> RunScript(const model::LlamaModel& m,
+absl::StatusOr<Transcript> RunScript(const model::Model& m,
                                      const std::vector<ScriptRound>& rounds, ConversationBackend* b,
                                      const std::function<void(const std::string&)>& progress);
 

@@ -76,7 +76,7 @@ absl::Status RunSynthetic(const DemoOptions& o, const OpenTier& open, int index,
   KVT_RETURN_IF_ERROR(traces::ValidateSyntheticChat(co));
   const traces::SyntheticChat chat(co);
   const int per = chat.tokens_per_round(), d = co.head_dim;
-  model::LlamaConfig lc;
+  model::ModelConfig lc;
   lc.n_layers = co.layers;
   lc.n_heads = co.q_heads;
   lc.n_kv_heads = co.kv_heads;
@@ -195,7 +195,7 @@ absl::Status RunSynthetic(const DemoOptions& o, const OpenTier& open, int index,
   return absl::OkStatus();
 }
 
-absl::Status RunModel(const DemoOptions& o, const model::LlamaModel& m, const OpenTier& open,
+absl::Status RunModel(const DemoOptions& o, const model::Model& m, const OpenTier& open,
                       int index, DemoSession* out, std::unique_ptr<TierSession>* session,
                       const std::function<void(const std::string&)>& progress) {
   ConversationOptions co;
@@ -223,7 +223,7 @@ absl::Status RunModel(const DemoOptions& o, const model::LlamaModel& m, const Op
 
 // A conversation from the user's file: teacher-forced on its assistant
 // tokens through the full cache, then through the tier.
-absl::Status RunReplayed(const model::LlamaModel& m, const ReplayConversation& c,
+absl::Status RunReplayed(const model::Model& m, const ReplayConversation& c,
                          const OpenTier& open, DemoSession* out,
                          std::unique_ptr<TierSession>* session,
                          const std::function<void(const std::string&)>& progress) {
@@ -630,7 +630,7 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     }
     KVT_ASSIGN_OR_RETURN(skew_bytes, spec::ReadSkewFile(o.skew));
   }
-  std::unique_ptr<model::LlamaModel> m;
+  std::unique_ptr<model::Model> m;
   DemoReport rep;
   rep.rounds = o.rounds;
   std::vector<ReplayConversation> replay;
@@ -643,7 +643,7 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     rep.conversations = o.conversations;
   }
   if (!o.model.empty()) {
-    KVT_ASSIGN_OR_RETURN(m, model::LlamaModel::Load(o.model));
+    KVT_ASSIGN_OR_RETURN(m, model::Model::Load(o.model));
     rep.workload = o.model;
     rep.layers = m->config().n_layers;
     rep.kv_heads = m->config().n_kv_heads;

@@ -210,7 +210,7 @@ absl::StatusOr<std::vector<ReplayConversation>> LoadConversations(const std::str
 }
 
 absl::Status CheckConversations(const std::vector<ReplayConversation>& cs,
-                                const model::LlamaConfig& config) {
+                                const model::ModelConfig& config) {
   for (const ReplayConversation& c : cs) {
     for (size_t r = 0; r < c.rounds.size(); ++r) {
       for (const char* part : {"user", "assistant"}) {
@@ -306,7 +306,7 @@ std::vector<ReplayRoundScore> ScoreReplay(const ReplayConversation& c, const Tra
   return out;
 }
 
-absl::StatusOr<std::vector<ReplayConversation>> SampleConversations(const model::LlamaModel& m,
+absl::StatusOr<std::vector<ReplayConversation>> SampleConversations(const model::Model& m,
                                                                     int count, uint64_t seed) {
   if (count < 1) return absl::InvalidArgumentError("count must be >= 1");
   const int ctx = m.config().seq_len;

@@ -23,7 +23,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "model/llama.h"
+#include "model/forward.h"
 #include "refengine/conversation.h"
 
 namespace kvtier::refengine {
@@ -52,7 +52,7 @@ absl::StatusOr<std::vector<ReplayConversation>> LoadConversations(const std::str
 // Every token inside the model's vocabulary and every conversation within
 // its context; INVALID_ARGUMENT naming the line, round and token otherwise.
 absl::Status CheckConversations(const std::vector<ReplayConversation>& c,
-                                const model::LlamaConfig& config);
+                                const model::ModelConfig& config);
 
 // `s` as a JSON string literal, quotes included.
 std::string JsonQuote(absl::string_view s);
@@ -87,7 +87,7 @@ std::vector<ReplayRoundScore> ScoreReplay(const ReplayConversation& c, const Tra
 // too small to copy the quoted round back). Round lengths vary (user 3 to
 // 63 tokens, assistant 4 to 28); the conversation ends before the model's
 // context is full.
-absl::StatusOr<std::vector<ReplayConversation>> SampleConversations(const model::LlamaModel& m,
+absl::StatusOr<std::vector<ReplayConversation>> SampleConversations(const model::Model& m,
                                                                     int count, uint64_t seed);
 
 }  // namespace kvtier::refengine

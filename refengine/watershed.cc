@@ -58,7 +58,7 @@ RoundDistributions Distributions(const Capture& c, int min_past) {
 // Records every layer's q and k on their way to the full-cache attention.
 class Recorder : public ConversationBackend {
  public:
-  Recorder(const model::LlamaConfig& c, Capture* cap) : inner_(LocalBackend(c)), cap_(cap) {}
+  Recorder(const model::ModelConfig& c, Capture* cap) : inner_(LocalBackend(c)), cap_(cap) {}
   absl::Status AttendLayer(int layer, int pos0, int n, const float* q, const float* k,
                            const float* v, float* out) override {
     auto& ql = cap_->q[layer];
@@ -107,9 +107,9 @@ RoundDistributions SyntheticChatDistributions(const traces::SyntheticChat& chat,
   return Distributions(c, min_past);
 }
 
-absl::StatusOr<RoundDistributions> ModelDistributions(const model::LlamaModel& m,
+absl::StatusOr<RoundDistributions> ModelDistributions(const model::Model& m,
                                                       const ConversationOptions& o, int min_past) {
-  const model::LlamaConfig& mc = m.config();
+  const model::ModelConfig& mc = m.config();
   Capture c;
   c.layers = mc.n_layers;
   c.q_heads = mc.n_heads;
@@ -126,9 +126,9 @@ absl::StatusOr<RoundDistributions> ModelDistributions(const model::LlamaModel& m
 }
 
 absl::StatusOr<RoundDistributions> ReplayDistributions(
-    const model::LlamaModel& m, const std::vector<ReplayConversation>& conversations,
+    const model::Model& m, const std::vector<ReplayConversation>& conversations,
     int min_past) {
-  const model::LlamaConfig& mc = m.config();
+  const model::ModelConfig& mc = m.config();
   KVT_RETURN_IF_ERROR(CheckConversations(conversations, mc));
   RoundDistributions out;
   out.layers = mc.n_layers;

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "model/llama.h"
+#include "model/forward.h"
 #include "refengine/conversation.h"
 #include "refengine/replay.h"
 #include "traces/synthetic_chat.h"
@@ -29,7 +29,7 @@ struct RoundDistributions {
 RoundDistributions SyntheticChatDistributions(const traces::SyntheticChat& chat, int min_past = 2);
 
 // From a llama2.c model holding a conversation (local mode, greedy answers).
-absl::StatusOr<RoundDistributions> ModelDistributions(const model::LlamaModel& m,
+absl::StatusOr<RoundDistributions> ModelDistributions(const model::Model& m,
                                                       const ConversationOptions& o,
                                                       int min_past = 2);
 
@@ -37,7 +37,7 @@ absl::StatusOr<RoundDistributions> ModelDistributions(const model::LlamaModel& m
 // teacher-forced on their assistant tokens; the probes of every
 // conversation together.
 absl::StatusOr<RoundDistributions> ReplayDistributions(
-    const model::LlamaModel& m, const std::vector<ReplayConversation>& conversations,
+    const model::Model& m, const std::vector<ReplayConversation>& conversations,
     int min_past = 2);
 
 struct WatershedReport {

@@ -23,7 +23,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
-#include "model/llama.h"
+#include "model/forward.h"
 #include "refengine/conversation.h"
 #include "refengine/demo.h"
 #include "testing/store_process.h"
@@ -481,7 +481,7 @@ TEST_F(ClusterTest, ChaosRandomKills) {
 // greedy tokens of a run without the failure.
 TEST_F(ClusterTest, GreedyTokensSurviveAWorkerKill) {
   KVT_REQUIRE_SHARED_MODEL(path);
-  auto m = model::LlamaModel::Load(path);
+  auto m = model::Model::Load(path);
   ASSERT_TRUE(m.ok()) << m.status();
   auto router = AcmeRouter();
   const refengine::ConversationOptions conv = GreedyConversation();
@@ -564,7 +564,7 @@ class DecodeHook : public refengine::ConversationBackend {
 // failed.
 TEST_F(ClusterTest, DecodeWorkerKilledWhileItHoldsTheSession) {
   KVT_REQUIRE_SHARED_MODEL(path);
-  auto m = model::LlamaModel::Load(path);
+  auto m = model::Model::Load(path);
   ASSERT_TRUE(m.ok()) << m.status();
   auto decoder = cluster_->Run(
       6, "decode-1", WorkerBinary(),
@@ -625,7 +625,7 @@ TEST_F(ClusterTest, DecodeWorkerKilledWhileItHoldsTheSession) {
 // host-4 worker doing everything.
 TEST_F(ClusterTest, PrefillOnOneHostDecodeOnAnother) {
   KVT_REQUIRE_SHARED_MODEL(path);
-  auto m = model::LlamaModel::Load(path);
+  auto m = model::Model::Load(path);
   ASSERT_TRUE(m.ok()) << m.status();
   std::vector<std::string> pd;
   for (int i = 0; i < 2; ++i) {

@@ -31,7 +31,7 @@ class EngineE2eTest : public ::testing::Test {
 TEST_F(EngineE2eTest, Stories260KTierModeMatchesLocalMode) {
   KVT_REQUIRE_SHARED_MODEL(path);
   Start();
-  KVT_ASSERT_OK_AND_ASSIGN(auto m, model::LlamaModel::Load(path));
+  KVT_ASSERT_OK_AND_ASSIGN(auto m, model::Model::Load(path));
   const int vocab = m->config().vocab_size;
   refengine::ConversationOptions o;
   o.rounds = 8;

@@ -107,7 +107,7 @@ TEST(ReplayFormatTest, MalformedLinesNameTheLineAndTheField) {
 }
 
 TEST(ReplayFormatTest, ConversationsMustFitTheModel) {
-  model::LlamaConfig c;
+  model::ModelConfig c;
   c.vocab_size = 10;
   c.seq_len = 8;
   KVT_ASSERT_OK_AND_ASSIGN(auto ok, refengine::ParseConversations(kGood, "f"));
@@ -136,7 +136,7 @@ TEST(ReplayFormatTest, ConversationsMustFitTheModel) {
 // are the same computation with the answers given instead of chosen.
 TEST(ReplayModelTest, ScriptOfAGreedyConversationReproducesIt) {
   KVT_REQUIRE_SHARED_MODEL(path);
-  KVT_ASSERT_OK_AND_ASSIGN(auto m, model::LlamaModel::Load(path));
+  KVT_ASSERT_OK_AND_ASSIGN(auto m, model::Model::Load(path));
   refengine::ConversationOptions o;
   o.rounds = 6;
   o.question_tokens = 9;
@@ -166,7 +166,7 @@ TEST(ReplayModelTest, ScriptOfAGreedyConversationReproducesIt) {
 // cache answers, as the generator says.
 TEST(ReplayModelTest, SampleFileIsWhatTheFullCacheAnswers) {
   KVT_REQUIRE_SHARED_MODEL(path);
-  KVT_ASSERT_OK_AND_ASSIGN(auto m, model::LlamaModel::Load(path));
+  KVT_ASSERT_OK_AND_ASSIGN(auto m, model::Model::Load(path));
   KVT_ASSERT_OK_AND_ASSIGN(
       auto cs, refengine::LoadConversations(testing::SourcePath("traces/stories260k_chats.jsonl")));
   ASSERT_EQ(cs.size(), 4u);

@@ -35,7 +35,7 @@ int Check(const Args& args) {
   auto cs = refengine::LoadConversations(path);
   if (!cs.ok()) return Fail(std::string(cs.status().message()), 2);
   if (args.Has("model")) {
-    auto m = model::LlamaModel::Load(args.Get("model"));
+    auto m = model::Model::Load(args.Get("model"));
     if (!m.ok()) return Fail(std::string(m.status().message()), 1);
     if (auto s = refengine::CheckConversations(*cs, (*m)->config()); !s.ok()) {
       return Fail(std::string(s.message()), 2);
@@ -63,7 +63,7 @@ int Check(const Args& args) {
 
 int Sample(const Args& args) {
   if (!args.Has("model")) return Fail("sample needs --model=PATH", 2);
-  auto m = model::LlamaModel::Load(args.Get("model"));
+  auto m = model::Model::Load(args.Get("model"));
   if (!m.ok()) return Fail(std::string(m.status().message()), 1);
   const int count = static_cast<int>(args.GetU64("count", 4));
   auto cs = refengine::SampleConversations(**m, count, args.GetU64("seed", 1));

@@ -72,10 +72,10 @@ int EvalCodecs(const Args& args) {
   }
   const uint64_t seed = args.GetU64("seed", 1);
   std::vector<traces::KvTrace> trace_list;
-  std::unique_ptr<model::LlamaModel> model;
+  std::unique_ptr<model::Model> model;
   std::vector<std::vector<int>> seqs;
   if (args.Has("model")) {
-    auto m = model::LlamaModel::Load(args.Get("model"));
+    auto m = model::Model::Load(args.Get("model"));
     if (!m.ok()) return Usage(std::string(m.status().message()));
     model = std::move(*m);
     const int len = static_cast<int>(args.GetU64("seq_len", model->config().seq_len));
@@ -271,7 +271,7 @@ int EvalEviction(const Args& args) {
   };
   size_t done = 0;
   if (args.Has("model")) {
-    auto m = model::LlamaModel::Load(args.Get("model"));
+    auto m = model::Model::Load(args.Get("model"));
     if (!m.ok()) return Usage(std::string(m.status().message()));
     const int len = static_cast<int>(args.GetU64("seq_len", 512));
     const int prompt = static_cast<int>(args.GetU64("prompt", 384));
@@ -335,7 +335,7 @@ int BudgetsSearch(const Args& args) {
     std::printf("%s", kBudgetsHelp);
     return args.Has("help") ? 0 : 2;
   }
-  auto m = model::LlamaModel::Load(args.Get("model"));
+  auto m = model::Model::Load(args.Get("model"));
   if (!m.ok()) return Usage(std::string(m.status().message()));
   eval::EvolKvOptions o;
   o.mean_budget = static_cast<int64_t>(args.GetU64("budget", 64));

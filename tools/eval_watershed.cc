@@ -65,7 +65,7 @@ int EvalWatershed(const Args& args) {
     return 2;
   }
   if (args.Has("conversations")) {
-    auto m = model::LlamaModel::Load(args.Get("model"));
+    auto m = model::Model::Load(args.Get("model"));
     if (!m.ok()) {
       std::fprintf(stderr, "kvtier eval watershed: %s\n",
                    std::string(m.status().message()).c_str());
@@ -88,7 +88,7 @@ int EvalWatershed(const Args& args) {
     }
     dist = std::move(*d);
   } else if (args.Has("model")) {
-    auto m = model::LlamaModel::Load(args.Get("model"));
+    auto m = model::Model::Load(args.Get("model"));
     if (!m.ok()) {
       std::fprintf(stderr, "kvtier eval watershed: %s\n",
                    std::string(m.status().message()).c_str());

@@ -18,6 +18,7 @@ int PolicyCommand(const Args& args);
 int ConversationsCommand(const Args& args);
 int CalibrateCommand(const Args& args);
 int PlotCommand(const Args& args);
+int ModelCommand(const Args& args);
 
 bool ReadClientTls(const Args& args, std::string* root_certs, std::string* cert_chain,
                    std::string* private_key, std::string* error) {
@@ -45,7 +46,8 @@ Args::Args(int argc, char** argv, int first) {
     std::string a = argv[i];
     if (a.rfind("--", 0) == 0) {
       size_t eq = a.find('=');
-      const bool boolean = a == "--unpin" || a == "--help" || a == "--oracle";
+      const bool boolean = a == "--unpin" || a == "--help" || a == "--oracle" ||
+                           a == "--no_bos" || a == "--special";
       if (eq == std::string::npos && !boolean && i + 1 < argc &&
           std::string(argv[i + 1]).rfind("--", 0) != 0) {
         kv_[a.substr(2)] = argv[++i];  // "--flag value"
@@ -97,6 +99,7 @@ int main(int argc, char** argv) {
   if (cmd == "policy") return kvtier::cli::PolicyCommand(kvtier::cli::Args(argc, argv, 2));
   if (cmd == "calibrate") return kvtier::cli::CalibrateCommand(kvtier::cli::Args(argc, argv, 2));
   if (cmd == "plot") return kvtier::cli::PlotCommand(kvtier::cli::Args(argc, argv, 2));
+  if (cmd == "model") return kvtier::cli::ModelCommand(kvtier::cli::Args(argc, argv, 2));
   if (cmd == "--version" || cmd == "version") {
     std::printf("kvtier %s\n", kvtier::KvtierVersion().c_str());
     return 0;
@@ -121,6 +124,8 @@ int main(int argc, char** argv) {
       "      InfiniGen skew and partial columns       (kvtier calibrate help)\n"
       "  kvtier conversations check FILE [--model=PATH] | sample --model=PATH\n"
       "      conversation files for replay            (kvtier conversations help)\n"
+      "  kvtier model info|tokenize|detokenize|dequant|logits FILE ...\n"
+      "      model files: shape, tokens, tensors, logits (kvtier model help)\n"
       "  kvtier plot codecs|eviction|demo FILE --out=FILE.svg|png\n"
       "      pictures of the tables (gnuplot)         (kvtier plot help)\n"
       "  kvtier --version\n");

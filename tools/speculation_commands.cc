@@ -67,7 +67,7 @@ bool ParseList(const std::string& text, std::vector<double>* out) {
 }
 
 // Calibration text: sampled sequences of the model's context.
-absl::StatusOr<std::vector<std::vector<int>>> SampledText(const model::LlamaModel& m, int n,
+absl::StatusOr<std::vector<std::vector<int>>> SampledText(const model::Model& m, int n,
                                                           uint64_t seed) {
   std::vector<std::vector<int>> out;
   for (int i = 0; i < n; ++i) {
@@ -107,7 +107,7 @@ int CalibrateCommand(const Args& args) {
       (!absl::SimpleAtod(args.Get("partial_ratio"), &ratio) || !(ratio > 0 && ratio <= 1))) {
     return Fail(cmd, "--partial_ratio must be in (0, 1]", 2);
   }
-  auto m = model::LlamaModel::Load(args.Get("model"));
+  auto m = model::Model::Load(args.Get("model"));
   if (!m.ok()) return Fail(cmd, std::string(m.status().message()), 1);
   std::vector<std::vector<int>> seqs;
   std::string what;
@@ -167,7 +167,7 @@ int EvalSpeculation(const Args& args) {
   if (!ParseList(args.Get("alpha", "2,4,6"), &alphas)) {
     return Fail(cmd, "--alpha: a comma-separated list of numbers > 0", 2);
   }
-  auto m = model::LlamaModel::Load(args.Get("model"));
+  auto m = model::Model::Load(args.Get("model"));
   if (!m.ok()) return Fail(cmd, std::string(m.status().message()), 1);
   const std::string file = args.Get("conversations", "traces/stories260k_chats.jsonl");
   auto cs = refengine::LoadConversations(file);

@@ -14,7 +14,7 @@ namespace {
 // Records every layer's q/k/v on the way through a full-precision cache.
 class Capture : public model::AttentionBackend {
  public:
-  explicit Capture(const model::LlamaConfig& c) : c_(c), full_(c), q_(c.n_layers) {}
+  explicit Capture(const model::ModelConfig& c) : c_(c), full_(c), q_(c.n_layers) {}
   absl::Status Attend(int layer, int pos, const float* q, const float* k, const float* v,
                       float* out) override {
     q_[layer].insert(q_[layer].end(), q, q + c_.dim);
@@ -24,7 +24,7 @@ class Capture : public model::AttentionBackend {
   const std::vector<float>& queries(int layer) const { return q_[layer]; }
 
  private:
-  model::LlamaConfig c_;
+  model::ModelConfig c_;
   model::FullCacheAttention full_;
   std::vector<std::vector<float>> q_;
 };
@@ -43,10 +43,10 @@ std::vector<float> UnitVector(std::mt19937_64& rng, int d) {
 
 }  // namespace
 
-absl::StatusOr<KvTrace> CaptureModelTrace(const model::LlamaModel& m,
+absl::StatusOr<KvTrace> CaptureModelTrace(const model::Model& m,
                                           const std::vector<int>& tokens, int n_queries,
                                           const std::string& name) {
-  const model::LlamaConfig& c = m.config();
+  const model::ModelConfig& c = m.config();
   const int64_t n = static_cast<int64_t>(tokens.size());
   if (n_queries < 1 || n_queries >= n) {
     return absl::InvalidArgumentError("a model trace needs 1 <= queries < tokens");

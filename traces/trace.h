@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "model/llama.h"
+#include "model/forward.h"
 
 namespace kvtier::traces {
 
@@ -59,7 +59,7 @@ struct KvTrace {
 // Runs `tokens` through the model with full-precision attention and keeps the
 // first tokens.size() - n_queries positions' K/V and the last n_queries
 // positions' queries (the next decode steps' real queries).
-absl::StatusOr<KvTrace> CaptureModelTrace(const model::LlamaModel& m,
+absl::StatusOr<KvTrace> CaptureModelTrace(const model::Model& m,
                                           const std::vector<int>& tokens, int n_queries,
                                           const std::string& name);
 

@@ -134,7 +134,7 @@ TEST(TraceDumpTest, NpyAndSafetensorsImport) {
 
 TEST(ModelTraceTest, CapturesStories260K) {
   KVT_REQUIRE_SHARED_MODEL(path);
-  KVT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<model::LlamaModel> m, model::LlamaModel::Load(path));
+  KVT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<model::Model> m, model::Model::Load(path));
   KVT_ASSERT_OK_AND_ASSIGN(std::vector<int> tokens, model::SampleTokens(*m, 100, 3));
   KVT_ASSERT_OK_AND_ASSIGN(KvTrace t, CaptureModelTrace(*m, tokens, 10, "stories260K"));
   EXPECT_EQ(t.layers, 5);

@@ -1,10 +1,15 @@
-// A reader for llama2.c checkpoints and a float32 forward pass, token by
-// token, whose attention is pluggable: the full cache (ground truth), an
-// encoded KvStream, or a remote worker. Used by the fidelity harness, the
-// eviction evaluation and the reference engine. Format and forward pass:
-// ../shared/models/README.md (llama2.c "legacy" checkpoint).
-#ifndef KVTIER_MODEL_LLAMA_H_
-#define KVTIER_MODEL_LLAMA_H_
+// The forward pass of the models in model/model.h, float32, token by token
+// or layer by layer, with pluggable attention: the full cache (ground
+// truth), an encoded KvStream, or a remote worker. Used by the fidelity
+// harness, the evaluations and the reference engine. Per architecture
+// (model/architecture.h):
+//   llama   x = embed; per layer x += Wo attn(rope(Wq n(x)), rope(Wk n(x)),
+//           Wv n(x)); x += down(silu(gate n(x)) * up n(x)); logits = out n(x)
+//   gemma3  x = embed * sqrt(dim); per layer, q and k RMS-normed per head
+//           before RoPE, the attention and FFN outputs RMS-normed again
+//           (post-norms) before they join x; GeGLU (tanh GELU) in the FFN.
+#ifndef KVTIER_MODEL_FORWARD_H_
+#define KVTIER_MODEL_FORWARD_H_
 
 #include <cstdint>
 #include <memory>
@@ -14,50 +19,15 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/codec.h"
+#include "model/model.h"
 
 namespace kvtier::model {
-
-struct LlamaConfig {
-  int dim = 0;
-  int hidden_dim = 0;
-  int n_layers = 0;
-  int n_heads = 0;
-  int n_kv_heads = 0;
-  int vocab_size = 0;
-  int seq_len = 0;
-  bool shared_classifier = true;
-  float rope_theta = 10000.0f;
-
-  int head_dim() const { return dim / n_heads; }
-  int kv_dim() const { return head_dim() * n_kv_heads; }
-};
-
-class LlamaModel {
- public:
-  // Reads a checkpoint. INVALID_ARGUMENT for a header out of range or a file
-  // whose size does not match the header; NOT_FOUND when it does not exist.
-  static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(const std::string& path);
-
-  const LlamaConfig& config() const { return config_; }
-  const std::string& path() const { return path_; }
-
- private:
-  friend class Forward;
-  LlamaModel() = default;
-
-  LlamaConfig config_;
-  std::string path_;
-  std::vector<float> weights_;
-  // Offsets into weights_.
-  const float *embed_ = nullptr, *rms_att_ = nullptr, *wq_ = nullptr, *wk_ = nullptr,
-              *wv_ = nullptr, *wo_ = nullptr, *rms_ffn_ = nullptr, *w1_ = nullptr, *w2_ = nullptr,
-              *w3_ = nullptr, *rms_final_ = nullptr, *wcls_ = nullptr;
-};
 
 // Attention for one layer at one position. Implementations keep whatever
 // cache they like; they receive the new token's post-RoPE k and v
 // ([n_kv_heads * head_dim]) and must attend q ([n_heads * head_dim]) over
-// positions [0, pos], writing out ([n_heads * head_dim]).
+// positions [0, pos] (a sliding layer: the last ModelConfig::layer_window
+// of them), writing out ([n_heads * head_dim]).
 class AttentionBackend {
  public:
   virtual ~AttentionBackend() = default;
@@ -66,10 +36,11 @@ class AttentionBackend {
 };
 
 // The full-precision fp32 cache: the ground truth every compressed run is
-// compared with.
+// compared with. Sliding layers attend over their window only (their cache
+// still keeps every position).
 class FullCacheAttention : public AttentionBackend {
  public:
-  explicit FullCacheAttention(const LlamaConfig& c, KernelLevel level = KernelLevel::kBest);
+  explicit FullCacheAttention(const ModelConfig& c, KernelLevel level = KernelLevel::kBest);
   absl::Status Attend(int layer, int pos, const float* q, const float* k, const float* v,
                       float* out) override;
   // Layer l's cache, token-major [tokens, n_kv_heads, head_dim].
@@ -77,7 +48,7 @@ class FullCacheAttention : public AttentionBackend {
   const std::vector<float>& values(int layer) const { return v_[layer]; }
 
  private:
-  LlamaConfig c_;
+  ModelConfig c_;
   KernelLevel level_;
   std::vector<std::vector<float>> k_, v_;
 };
@@ -107,19 +78,19 @@ class LayerAttention {
 // A LayerAttention over any per-token AttentionBackend (token by token).
 class PerTokenLayerAttention : public LayerAttention {
  public:
-  explicit PerTokenLayerAttention(const LlamaConfig& c, AttentionBackend* b) : c_(c), b_(b) {}
+  explicit PerTokenLayerAttention(const ModelConfig& c, AttentionBackend* b) : c_(c), b_(b) {}
   absl::Status AttendLayer(int layer, int pos0, int n, const float* q, const float* k,
                            const float* v, float* out) override;
 
  private:
-  LlamaConfig c_;
+  ModelConfig c_;
   AttentionBackend* b_;
 };
 
 // One sequence's activations; Step() runs one token through every layer.
 class Forward {
  public:
-  explicit Forward(const LlamaModel& m);
+  explicit Forward(const Model& m);
   // Runs `token` at position `pos` (0-based, < seq_len) and writes the
   // logits ([vocab_size]) when `logits` is not null. Positions must be fed in
   // order; the backend holds the cache.
@@ -129,18 +100,27 @@ class Forward {
   // Per token the arithmetic is exactly Step()'s. Writes the last token's
   // logits ([vocab_size]) when `logits` is not null.
   absl::Status Run(const std::vector<int>& tokens, int pos0, LayerAttention* attn, float* logits);
+  // Run, writing every token's logits ([tokens.size(), vocab_size]): the
+  // teacher-forced pass the cross-checks and evaluations score.
+  absl::Status RunAllLogits(const std::vector<int>& tokens, int pos0, LayerAttention* attn,
+                            float* logits);
 
  private:
-  const LlamaModel& m_;
-  std::vector<float> x_, xb_, q_, k_, v_, att_, hb_, hb2_;
+  absl::Status RunTokens(const std::vector<int>& tokens, int pos0, LayerAttention* attn,
+                         float* logits, bool all);
+  // Layer l for the n tokens whose residual streams are x ([n, dim]).
+  absl::Status Layer(int l, int pos0, int n, float* x, LayerAttention* attn);
+
+  const Model& m_;
 };
 
 // Softmax of logits, in float64.
 std::vector<double> Softmax(const float* logits, int n);
 
-// Token ids sampled from the model itself from BOS (id 1), at temperature
-// 1, seeded: realistic sequences for a model shipped without a tokenizer.
-absl::StatusOr<std::vector<int>> SampleTokens(const LlamaModel& m, int n, uint64_t seed);
+// Token ids sampled from the model itself from BOS (the tokenizer's, else
+// id 1), at temperature 1, seeded: realistic sequences for a model shipped
+// without a tokenizer.
+absl::StatusOr<std::vector<int>> SampleTokens(const Model& m, int n, uint64_t seed);
 
 // KL(p || q) in nats and whether the argmaxes agree.
 double KlDivergence(const std::vector<double>& p, const std::vector<double>& q);
@@ -148,4 +128,4 @@ int Argmax(const float* logits, int n);
 
 }  // namespace kvtier::model
 
-#endif  // KVTIER_MODEL_LLAMA_H_
+#endif  // KVTIER_MODEL_FORWARD_H_

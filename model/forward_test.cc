@@ -1,4 +1,4 @@
-#include "model/llama.h"
+#include "model/forward.h"
 
 #include <cmath>
 #include <fstream>
@@ -17,7 +17,7 @@ using ::testing::HasSubstr;
 // Attention written out longhand in float64, independent of kernels/.
 class NaiveAttention : public AttentionBackend {
  public:
-  explicit NaiveAttention(const LlamaConfig& c) : c_(c), k_(c.n_layers), v_(c.n_layers) {}
+  explicit NaiveAttention(const ModelConfig& c) : c_(c), k_(c.n_layers), v_(c.n_layers) {}
   absl::Status Attend(int layer, int pos, const float* q, const float* k, const float* v,
                       float* out) override {
     const int kv = c_.kv_dim(), hd = c_.head_dim(), rep = c_.n_heads / c_.n_kv_heads;
@@ -45,12 +45,12 @@ class NaiveAttention : public AttentionBackend {
   }
 
  private:
-  LlamaConfig c_;
+  ModelConfig c_;
   std::vector<std::vector<float>> k_, v_;
 };
 
 TEST(LlamaLoadTest, ClearErrors) {
-  EXPECT_THAT(LlamaModel::Load("/nonexistent/model.bin"), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(Model::Load("/nonexistent/model.bin"), StatusIs(absl::StatusCode::kNotFound));
   kvtier::testing::TempDir dir;
   const std::string bad = dir.path() + "/bad.bin";
   {
@@ -58,7 +58,7 @@ TEST(LlamaLoadTest, ClearErrors) {
     const int32_t h[7] = {64, 172, 5, 8, 3, 512, 512};  // 8 heads do not split into 3 groups.
     f.write(reinterpret_cast<const char*>(h), sizeof(h));
   }
-  EXPECT_THAT(LlamaModel::Load(bad),
+  EXPECT_THAT(Model::Load(bad),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("header")));
   {
     std::ofstream f(bad, std::ios::binary);
@@ -67,14 +67,14 @@ TEST(LlamaLoadTest, ClearErrors) {
     const float zero[100] = {};
     f.write(reinterpret_cast<const char*>(zero), sizeof(zero));
   }
-  EXPECT_THAT(LlamaModel::Load(bad),
+  EXPECT_THAT(Model::Load(bad),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bytes")));
 }
 
 TEST(LlamaTest, Stories260KForwardMatchesNaiveAttentionAndPredictsWell) {
   KVT_REQUIRE_SHARED_MODEL(path);
-  KVT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<LlamaModel> m, LlamaModel::Load(path));
-  const LlamaConfig& c = m->config();
+  KVT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> m, Model::Load(path));
+  const ModelConfig& c = m->config();
   EXPECT_EQ(c.dim, 64);
   EXPECT_EQ(c.n_layers, 5);
   EXPECT_EQ(c.n_heads, 8);
@@ -117,8 +117,8 @@ namespace {
 // Step() token by token (same arithmetic per token).
 TEST(LlamaTest, RunLayerByLayerEqualsStep) {
   KVT_REQUIRE_SHARED_MODEL(path);
-  KVT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<LlamaModel> m, LlamaModel::Load(path));
-  const LlamaConfig& c = m->config();
+  KVT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Model> m, Model::Load(path));
+  const ModelConfig& c = m->config();
   KVT_ASSERT_OK_AND_ASSIGN(std::vector<int> tokens, SampleTokens(*m, 40, 7));
   FullCacheAttention a(c), b(c);
   PerTokenLayerAttention layered(c, &b);
