@@ -90,13 +90,26 @@ absl::StatusOr<ReplayRound> Round(const At& at, const std::string& field, const 
   }
   const Struct& s = v.struct_value();
   for (const auto& [key, unused] : s.fields()) {
-    if (key != "user" && key != "assistant" && key != "score") {
+    if (key != "user" && key != "assistant" && key != "score" && key != "user_text" &&
+        key != "assistant_text" && key != "expect") {
       return at.Error(field, absl::StrCat("unknown key \"", key,
                                           "\" (a round holds \"user\", \"assistant\" and "
-                                          "optionally \"score\")"));
+                                          "optionally \"score\", \"user_text\", "
+                                          "\"assistant_text\", \"expect\")"));
     }
   }
   ReplayRound r;
+  for (auto [key, out] : {std::pair<const char*, std::string*>{"user_text", &r.user_text},
+                          {"assistant_text", &r.assistant_text},
+                          {"expect", &r.expect}}) {
+    auto it = s.fields().find(key);
+    if (it == s.fields().end()) continue;
+    if (it->second.kind_case() != Value::kStringValue) {
+      return at.Error(absl::StrCat(field, ".", key),
+                      absl::StrCat("expected a string, got ", KindName(it->second)));
+    }
+    *out = it->second.string_value();
+  }
   for (const char* part : {"user", "assistant"}) {
     auto it = s.fields().find(part);
     if (it == s.fields().end()) return at.Error(field, absl::StrCat("missing \"", part, "\""));
@@ -265,6 +278,11 @@ std::string ToJsonl(const std::vector<ReplayConversation>& cs) {
         }
         absl::StrAppend(&s, "]");
       }
+      if (!x.user_text.empty()) absl::StrAppend(&s, ", \"user_text\": ", JsonQuote(x.user_text));
+      if (!x.assistant_text.empty()) {
+        absl::StrAppend(&s, ", \"assistant_text\": ", JsonQuote(x.assistant_text));
+      }
+      if (!x.expect.empty()) absl::StrAppend(&s, ", \"expect\": ", JsonQuote(x.expect));
       absl::StrAppend(&s, "}");
     }
     absl::StrAppend(&s, "]}\n");

