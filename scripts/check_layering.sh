@@ -24,7 +24,7 @@ declare -A ALLOW=(
   [tools]="absl base kernels model traces eval worker rpc client refengine tools kvtier google grpcpp"
   [bench]="bench absl base kernels cachestore rpc client worker controller services testing kvtier google grpcpp benchmark"
   [testing]="absl base kernels testing kvtier google"
-  [fuzz]="absl base kernels worker rpc services refengine fuzz testing kvtier google grpcpp"
+  [fuzz]="absl base kernels model worker rpc services refengine fuzz testing kvtier google grpcpp"
 )
 # Folders whose code must not see gRPC (services are thin; engines are not).
 NO_GRPC="base kernels cachestore worker controller model traces eval testing"
