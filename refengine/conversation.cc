@@ -762,6 +762,9 @@ v1::ModelSpec SpecOf(const model::ModelConfig& c) {
   spec.set_head_dim(c.head_dim());
   spec.set_dtype(v1::DTYPE_FP32);
   spec.set_rope_theta(c.rope_theta);
+  if (c.sliding()) {
+    for (int l = 0; l < c.n_layers; ++l) spec.add_layer_window(c.layer_window(l));
+  }
   return spec;
 }
 

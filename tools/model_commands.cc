@@ -15,6 +15,7 @@
 #include "base/status_macros.h"
 #include "kernels/codec.h"
 #include "model/architecture.h"
+#include "model/export.h"
 #include "model/forward.h"
 #include "model/gguf.h"
 #include "google/protobuf/struct.pb.h"
@@ -40,6 +41,9 @@ constexpr char kHelp[] =
     "  One JSON string for each line of PATH, a JSON array of ids.\n\n"
     "kvtier model dequant FILE TENSOR --out=PATH [--rows=N]\n"
     "  The tensor's first N rows (default all) as little-endian float32.\n\n"
+    "kvtier model export FILE --out=PATH [--arch=llama|gemma3] [--window=N] [--global_every=N]\n"
+    "  The model as a float32 GGUF file (a llama2.c checkpoint becomes a llama GGUF;\n"
+    "  --arch=gemma3 builds a gemma3-shaped test model with sliding windows from it).\n\n"
     "kvtier model logits FILE --tokens=PATH [--out=PATH|-] [--chunk=64]\n"
     "  Teacher-forced logits of the ids in PATH (whitespace-separated), every position,\n"
     "  full fp32 cache: float32 [positions, vocabulary] to --out (default stdout).\n";
@@ -242,6 +246,19 @@ int Logits(const std::string& path, const Args& args) {
   return 0;
 }
 
+int Export(const std::string& path, const Args& args) {
+  if (!args.Has("out")) return Fail("give --out=PATH", 2);
+  auto m = model::Model::Load(path);
+  if (!m.ok()) return Fail(std::string(m.status().message()));
+  model::ExportOptions o;
+  o.arch = args.Get("arch", "llama");
+  o.gemma3_window = static_cast<int>(args.GetU64("window", 0));
+  o.gemma3_global_every = static_cast<int>(args.GetU64("global_every", 0));
+  absl::Status s = model::ExportGguf(**m, o, args.Get("out"));
+  if (!s.ok()) return Fail(std::string(s.message()));
+  return 0;
+}
+
 }  // namespace
 
 int ModelCommand(const Args& args) {
@@ -260,6 +277,7 @@ int ModelCommand(const Args& args) {
     return Dequant(p[1], p[2], args);
   }
   if (sub == "logits") return Logits(p[1], args);
+  if (sub == "export") return Export(p[1], args);
   return Fail(absl::StrCat("unknown subcommand ", sub, "\n", kHelp), 2);
 }
 

@@ -47,6 +47,18 @@ Engine::~Engine() {
 
 absl::Status ValidateRoundPolicy(const ModelShape& shape, const SessionPolicy& policy) {
   KVT_RETURN_IF_ERROR(ValidateCodecConfig(policy.codec));
+  // A sliding layer attends over the positions inside its window; a round
+  // that lost tokens to eviction or to the speculation pool no longer says
+  // where its tokens were.
+  if (shape.sliding() && policy.eviction.method != evict::Method::kNone) {
+    return absl::InvalidArgumentError(
+        "token eviction is not supported yet on a model with sliding-window layers (the kept "
+        "tokens' positions are not recorded); use eviction none");
+  }
+  if (shape.sliding() && !policy.speculation.skew.empty()) {
+    return absl::InvalidArgumentError(
+        "speculation is not supported yet on a model with sliding-window layers");
+  }
   if (policy.eviction.method != evict::Method::kNone) {
     KVT_RETURN_IF_ERROR(evict::ValidateBudget(policy.eviction.budget,
                                               policy.eviction.method == evict::Method::kStreaming
@@ -249,6 +261,14 @@ absl::Status CheckShape(const ModelShape& shape) {
                      ", kv_heads ", shape.kv_heads, " (must divide q_heads), head_dim ",
                      shape.head_dim, ", dtype fp16, bf16 or fp32"));
   }
+  if (!shape.window.empty() && static_cast<int>(shape.window.size()) != shape.layers) {
+    return absl::InvalidArgumentError(absl::StrCat("bad model shape: ", shape.window.size(),
+                                                   " layer windows for ", shape.layers,
+                                                   " layers"));
+  }
+  for (int w : shape.window) {
+    if (w < 0) return absl::InvalidArgumentError("bad model shape: a negative layer window");
+  }
   return absl::OkStatus();
 }
 
@@ -315,7 +335,15 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(
     using Placement = EngineOptions::Placement;
     // A speculating session keeps its past rounds in the host pool; the GPU,
     // if any, speculates and attends over what it gathers (below).
-    const bool tries_device = allow_device && TriesDevice(policy);
+    // Sliding-window layers attend on the host (the device kernels attend
+    // over whole rounds).
+    const bool tries_device = allow_device && TriesDevice(policy) && !shape.sliding();
+    if (shape.sliding() && allow_device && options_.placement == Placement::kDevice) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("session ", id.ToString(),
+                       " cannot have a device working set: its model has sliding-window layers, "
+                       "which attend on the host"));
+    }
     if (tries_device && prepared != nullptr) {
       s->device = std::move(prepared);
       s->stats.on_device = true;

@@ -70,8 +70,18 @@ struct ModelShape {
   // it, and the "full cache" that working-set sizes are compared with is
   // counted in it. Default: fp16.
   v1::DType dtype = v1::DTYPE_FP16;
+  // Per layer, the sliding window (a token attends to itself and the
+  // window - 1 tokens before it), 0 for a global layer. Empty: all global.
+  std::vector<int> window;
   // Bytes per K/V element; 0 for a dtype that is not one of the three.
   int dtype_bytes() const { return DTypeSize(dtype); }
+  int layer_window(int l) const { return window.empty() ? 0 : window[l]; }
+  bool sliding() const {
+    for (int w : window) {
+      if (w > 0) return true;
+    }
+    return false;
+  }
   bool operator==(const ModelShape&) const = default;
 };
 

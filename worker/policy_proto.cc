@@ -29,6 +29,21 @@ absl::StatusOr<worker::ModelShape> ShapeFromProto(const v1::ModelSpec& m) {
         absl::StrCat("bad ModelSpec: layers ", s.layers, ", q_heads ", s.q_heads, ", kv_heads ",
                      s.kv_heads, " (must divide q_heads), head_dim ", s.head_dim));
   }
+  if (m.layer_window_size() != 0) {
+    if (m.layer_window_size() != s.layers) {
+      return absl::InvalidArgumentError(absl::StrCat("bad ModelSpec: ", m.layer_window_size(),
+                                                     " layer_window entries for ", s.layers,
+                                                     " layers"));
+    }
+    for (int l = 0; l < s.layers; ++l) {
+      if (m.layer_window(l) > (1u << 24)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "bad ModelSpec: layer_window[", l, "] = ", m.layer_window(l), " exceeds 2^24"));
+      }
+      s.window.push_back(static_cast<int>(m.layer_window(l)));
+    }
+    if (!s.sliding()) s.window.clear();
+  }
   return s;
 }
 

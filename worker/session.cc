@@ -302,6 +302,33 @@ std::vector<const RoundLayer*> Engine::Session::Visible(int layer) const {
   return out;
 }
 
+std::vector<PlacedRound> Engine::Session::VisiblePlaced(int layer) const {
+  std::vector<int64_t> start(past.size());
+  int64_t at = 0;
+  for (size_t i = 0; i < past.size(); ++i) {
+    start[i] = at;
+    at += past[i].tokens;
+  }
+  std::vector<PlacedRound> out;
+  auto add = [&](size_t i) {
+    out.push_back({past[i].layers[layer].get(), start[i], past[i].tokens});
+  };
+  if (layer <= lw || recall != RecallState::kReady) {
+    for (size_t i = 0; i < past.size(); ++i) {
+      if (past[i].layers[layer] != nullptr) add(i);
+    }
+  } else {
+    for (size_t i : selected) add(i);
+  }
+  return out;
+}
+
+int64_t Engine::Session::PastTokens() const {
+  int64_t n = 0;
+  for (const PastRound& r : past) n += r.tokens;
+  return n;
+}
+
 namespace {
 
 // Grows `x` ([heads][cap][d] elements of `es` bytes, `rows` valid per head)
@@ -449,6 +476,51 @@ absl::Status AttendLayer(const ModelShape& sh, const std::vector<const RoundLaye
       const int es = sh.dtype_bytes();
       blocks.push_back({EncodedView::Raw(sh.dtype, cur.k_head(h, d, es), 1, visible, d, 0, d),
                         EncodedView::Raw(sh.dtype, cur.v_head(h, d, es), 1, visible, d, 0, d)});
+      const int64_t row = i * sh.q_heads * d + static_cast<int64_t>(h) * rep * d;
+      KVT_RETURN_IF_ERROR(DecodeAttention({rep, 1, d}, q + row, blocks, out + row, level));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// AttendLayer at a sliding layer: token i (at position open_start + base +
+// i) attends over the `window` positions up to itself. A past round that
+// the window cuts is decoded from its first position inside the window
+// (its tokens are its positions: sliding models keep every token).
+absl::Status AttendWindowed(const ModelShape& sh,
+                            const std::vector<PlacedRound>& rounds,
+                            const OpenLayer& cur, int64_t open_start, int64_t base, int64_t n,
+                            int64_t window, const float* q, float* out, KernelLevel level) {
+  const int d = sh.head_dim, rep = sh.q_heads / sh.kv_heads, es = sh.dtype_bytes();
+  std::vector<KvBlock> blocks;
+  std::vector<float> ck, cv;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t pos = open_start + base + i, first = pos + 1 - window;
+    for (int h = 0; h < sh.kv_heads; ++h) {
+      blocks.clear();
+      for (const PlacedRound& r : rounds) {
+        const HeadKv& hk = r.layer->heads[h];
+        if (hk.len == 0 || r.start + r.tokens <= first) continue;
+        if (r.start >= first) {
+          blocks.push_back({hk.kview, hk.vview});
+          continue;
+        }
+        if (hk.len != r.tokens) {
+          return absl::InternalError("a sliding layer's round lost tokens; its positions are unknown");
+        }
+        const int64_t from = first - r.start, m = r.tokens - from;
+        ck.resize(static_cast<size_t>(m) * d);
+        cv.resize(ck.size());
+        DecodeRows(hk.kview, 0, from, r.tokens, ck.data(), level);
+        DecodeRows(hk.vview, 0, from, r.tokens, cv.data(), level);
+        blocks.push_back({EncodedView::Raw(v1::DTYPE_FP32, ck.data(), 1, m, d, 0, d),
+                          EncodedView::Raw(v1::DTYPE_FP32, cv.data(), 1, m, d, 0, d)});
+      }
+      const int64_t from = std::max<int64_t>(0, first - open_start), visible = base + i + 1;
+      const int64_t skip = from * d * es;
+      blocks.push_back(
+          {EncodedView::Raw(sh.dtype, cur.k_head(h, d, es) + skip, 1, visible - from, d, 0, d),
+           EncodedView::Raw(sh.dtype, cur.v_head(h, d, es) + skip, 1, visible - from, d, 0, d)});
       const int64_t row = i * sh.q_heads * d + static_cast<int64_t>(h) * rep * d;
       KVT_RETURN_IF_ERROR(DecodeAttention({rep, 1, d}, q + row, blocks, out + row, level));
     }
@@ -722,6 +794,9 @@ absl::Status Engine::Session::Attend(int layer, int64_t n, const float* qs, cons
       stats.speculation_time.sample += absl::Now() - attended;
     }
     gather.layer = -1;
+  } else if (shape.layer_window(layer) > 0) {
+    st = AttendWindowed(shape, VisiblePlaced(layer), open[layer], PastTokens(), tokens, n,
+                        shape.layer_window(layer), qs, out, level);
   } else {
     st = AttendLayer(shape, Visible(layer), open[layer], tokens, n, qs, out, level);
   }

@@ -81,6 +81,13 @@ struct RoundLayer {
   }
 };
 
+// A past round's layer with the round's first position in the conversation
+// and its token count when it ended.
+struct PlacedRound {
+  const RoundLayer* layer;
+  int64_t start, tokens;
+};
+
 // A name for a RoundLayer's partial keys made or changed now (never 0).
 uint64_t NewPartialSerial();
 
@@ -326,6 +333,11 @@ class Engine::Session {
   // The past rounds' layer data a token attends at `layer`: every resident
   // round up to L_w, the recalled ones above it.
   std::vector<const RoundLayer*> Visible(int layer) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // The same with each round's first position in the conversation and its
+  // token count when it ended (a sliding layer's window is in positions).
+  std::vector<PlacedRound> VisiblePlaced(int layer) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Tokens of the past rounds: the open round's first position.
+  int64_t PastTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
   // Appends n tokens' q [n, Hq, d], k and v [n, Hkv, d] (token-major, as
   // they arrive) to the open round at `layer`, scattering them head-major.

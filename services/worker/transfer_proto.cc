@@ -65,6 +65,7 @@ v1::TransferHeader HeaderToProto(const std::string& session_id, const worker::Se
   m->set_num_kv_heads(static_cast<uint32_t>(im.shape.kv_heads));
   m->set_head_dim(static_cast<uint32_t>(im.shape.head_dim));
   m->set_dtype(im.shape.dtype);
+  for (int w : im.shape.window) m->add_layer_window(static_cast<uint32_t>(w));
   v1::TransferPolicy* p = h.mutable_policy();
   const CodecConfig& c = im.policy.codec;
   v1::TransferCodec* tc = p->mutable_codec();
