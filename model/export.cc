@@ -15,7 +15,9 @@ void Add(GgufWriter* w, const std::string& name, const std::vector<float>& v) {
 }
 
 void Add(GgufWriter* w, const std::string& name, const Matrix& m) {
-  w->AddTensor(name, GgmlType::kF32, {m.cols, m.rows}, Bytes(m.data(), m.w.size()));
+  std::vector<float> all(static_cast<size_t>(m.rows) * m.cols);
+  for (int r = 0; r < m.rows; ++r) m.Row(r, all.data() + static_cast<size_t>(r) * m.cols);
+  w->AddTensor(name, GgmlType::kF32, {m.cols, m.rows}, Bytes(all.data(), all.size()));
 }
 
 }  // namespace

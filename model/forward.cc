@@ -113,9 +113,9 @@ absl::Status Forward::Layer(int l, int pos0, int n, float* x, LayerAttention* at
     }
   };
   norm_rows(x, w.attn_norm, xn.data(), d, n);
-  MatMul(xn.data(), n, w.wq.data(), qd, d, q.data());
-  MatMul(xn.data(), n, w.wk.data(), kv, d, k.data());
-  MatMul(xn.data(), n, w.wv.data(), kv, d, v.data());
+  w.wq.Mul(xn.data(), n, q.data());
+  w.wk.Mul(xn.data(), n, k.data());
+  w.wv.Mul(xn.data(), n, v.data());
   if (gemma) {
     norm_rows(q.data(), w.q_norm, q.data(), hd, n * c.n_heads);
     norm_rows(k.data(), w.k_norm, k.data(), hd, n * c.n_kv_heads);
@@ -131,7 +131,7 @@ absl::Status Forward::Layer(int l, int pos0, int n, float* x, LayerAttention* at
     const LayerWeights& nw = m_.layer(l + 1);
     std::vector<float> qn(nn * qd);
     norm_rows(x, nw.attn_norm, xn.data(), d, n);
-    MatMul(xn.data(), n, nw.wq.data(), qd, d, qn.data());
+    nw.wq.Mul(xn.data(), n, qn.data());
     if (gemma) norm_rows(qn.data(), nw.q_norm, qn.data(), hd, n * c.n_heads);
     for (int i = 0; i < n; ++i) {
       Rope(gemma, c.layer_rope(l + 1), pos0 + i, &qn[i * static_cast<size_t>(qd)], c.n_heads, hd);
@@ -139,15 +139,15 @@ absl::Status Forward::Layer(int l, int pos0, int n, float* x, LayerAttention* at
     KVT_RETURN_IF_ERROR(attn->NextLayerQuery(l, pos0, n, qn.data()));
   }
   KVT_RETURN_IF_ERROR(attn->AttendLayer(l, pos0, n, q.data(), k.data(), v.data(), att.data()));
-  MatMul(att.data(), n, w.wo.data(), d, qd, o.data());
+  w.wo.Mul(att.data(), n, o.data());
   if (gemma) norm_rows(o.data(), w.post_attn_norm, o.data(), d, n);
   for (size_t i = 0; i < nn * d; ++i) x[i] += o[i];
   norm_rows(x, w.ffn_norm, xn.data(), d, n);
   std::vector<float> g(nn * hid), u(nn * hid);
-  MatMul(xn.data(), n, w.gate.data(), hid, d, g.data());
-  MatMul(xn.data(), n, w.up.data(), hid, d, u.data());
+  w.gate.Mul(xn.data(), n, g.data());
+  w.up.Mul(xn.data(), n, u.data());
   for (size_t i = 0; i < g.size(); ++i) g[i] = (gemma ? Gelu(g[i]) : Silu(g[i])) * u[i];
-  MatMul(g.data(), n, w.down.data(), d, hid, o.data());
+  w.down.Mul(g.data(), n, o.data());
   if (gemma) norm_rows(o.data(), w.post_ffn_norm, o.data(), d, n);
   for (size_t i = 0; i < nn * d; ++i) x[i] += o[i];
   return absl::OkStatus();
@@ -170,8 +170,9 @@ absl::Status Forward::RunTokens(const std::vector<int>& tokens, int pos0, LayerA
       return absl::InvalidArgumentError(
           absl::StrCat("token id ", tokens[i], " outside vocab ", c.vocab_size));
     }
-    const float* e = m_.embedding().data() + static_cast<int64_t>(tokens[i]) * d;
-    for (int j = 0; j < d; ++j) x[static_cast<size_t>(i) * d + j] = e[j] * scale;
+    float* xi = &x[static_cast<size_t>(i) * d];
+    m_.embedding().Row(tokens[i], xi);
+    for (int j = 0; j < d; ++j) xi[j] *= scale;
   }
   for (int l = 0; l < c.n_layers; ++l) KVT_RETURN_IF_ERROR(Layer(l, pos0, n, x.data(), attn));
   if (logits != nullptr) {
@@ -181,7 +182,7 @@ absl::Status Forward::RunTokens(const std::vector<int>& tokens, int pos0, LayerA
       RmsNorm(&xn[static_cast<size_t>(i) * d], &x[static_cast<size_t>(first + i) * d],
               m_.final_norm().data(), d, c.rms_eps);
     }
-    MatMul(xn.data(), rows, m_.output().data(), c.vocab_size, d, logits);
+    m_.output().Mul(xn.data(), rows, logits);
   }
   return absl::OkStatus();
 }

@@ -1,5 +1,6 @@
 #include "model/model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -8,6 +9,7 @@
 #include "base/status_macros.h"
 #include "model/architecture.h"
 #include "model/gguf.h"
+#include "model/matmul.h"
 
 namespace kvtier::model {
 namespace {
@@ -22,12 +24,19 @@ absl::Status CheckFinite(const std::string& file, const std::string& what,
   return absl::OkStatus();
 }
 
-// Tensor `name` of shape [cols, rows] dequantized into a row-major matrix.
+// Tensor `name` of shape [cols, rows]: its codes when block-quantized,
+// float32 otherwise.
 absl::StatusOr<Matrix> ReadMatrix(const GgufFile& f, const std::string& name, int rows, int cols) {
   KVT_ASSIGN_OR_RETURN(const GgufTensor* t, f.Tensor(name, {cols, rows}));
   Matrix m;
   m.rows = rows;
   m.cols = cols;
+  if (QMatrixHolds(t->type)) {
+    m.codes = ToQMatrix(t->type, t->data, rows, cols);
+    KVT_RETURN_IF_ERROR(CheckFinite(f.name(), name + "'s scales", m.codes.scale));
+    KVT_RETURN_IF_ERROR(CheckFinite(f.name(), name + "'s biases", m.codes.bias));
+    return m;
+  }
   m.w.resize(static_cast<size_t>(rows) * cols);
   for (int r = 0; r < rows; ++r) {
     DequantizeRow(t->type, t->row(r), m.w.data() + static_cast<int64_t>(r) * cols, cols);
@@ -47,6 +56,16 @@ absl::StatusOr<std::vector<float>> ReadVector(const GgufFile& f, const std::stri
 constexpr uint32_t kGgufMagic = 0x46554747;
 
 }  // namespace
+
+void Matrix::Row(int r, float* out) const {
+  if (coded()) return codes.Row(r, out);
+  std::copy_n(w.data() + static_cast<size_t>(r) * cols, cols, out);
+}
+
+void Matrix::Mul(const float* x, int n, float* out, KernelLevel level) const {
+  if (coded()) return QMatMul(x, n, codes, out, level);
+  MatMul(x, n, w.data(), rows, cols, out, level);
+}
 
 absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

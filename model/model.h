@@ -10,17 +10,27 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/codec.h"
 #include "model/config.h"
+#include "model/qmatrix.h"
 #include "model/tokenizer.h"
 
 namespace kvtier::model {
 
-// Row-major [rows][cols]: row r holds the weights of output r.
+// Row-major [rows][cols]: row r holds the weights of output r. Held as
+// float32 (`w`), or, for a block-quantized GGUF tensor, as its exact 8-bit
+// codes (`codes`, model/qmatrix.h; `w` is then empty).
 struct Matrix {
   int rows = 0;
   int cols = 0;
   std::vector<float> w;
-  const float* data() const { return w.data(); }
+  QMatrix codes;
+
+  bool coded() const { return !codes.q.empty(); }
+  // Row r in float32.
+  void Row(int r, float* out) const;
+  // out[t][r] = row r . x[t] for n tokens (model/matmul.h's contract).
+  void Mul(const float* x, int n, float* out, KernelLevel level = KernelLevel::kBest) const;
 };
 
 struct LayerWeights {

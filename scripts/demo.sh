@@ -9,11 +9,15 @@
 #   CODEC     codec of stored rounds: raw, fp16, kivi8, kivi4, kivi2, gear2, ... [raw]
 #   RECALL    all, topk:K, adaptive:LAMBDA, threshold:THETA, mass:P [mass:0.95]
 #   EVICT     none, or METHOD:BUDGET, e.g. snapkv:64, ada-snapkv:32 [none]
-#   MODEL     a llama2.c checkpoint (e.g. ../shared/models/stories260K.bin); unset runs
-#             the embedded synthetic multi-round chat [unset]
+#   MODEL     a GGUF file (llama or gemma3, docs/models.md) or a llama2.c checkpoint
+#             (e.g. ../shared/models/stories260K.bin); "gemma3" installs Gemma 3 270M into
+#             the cache (scripts/kvtier.sh model) and replays traces/gemma3_chats.jsonl
+#             unless CONVERSATIONS says otherwise; unset runs the embedded synthetic
+#             multi-round chat [unset]
 #   CONVERSATIONS  replay your own conversations instead: a JSON Lines file of token ids
 #             of MODEL (docs/replay.md; defaults MODEL to ../shared/models/stories260K.bin),
 #             e.g. traces/stories260k_chats.jsonl [unset]
+#   COUNT     replay only the file's first COUNT conversations [all; 4 with MODEL=gemma3]
 #   MODE      remote: every layer's attention in kvtier-worker over gRPC; inproc: the
 #             worker engine in kvtier-engine's own process, only the store remote (then
 #             the same conversations run remote too, for the per-token cost) [remote]
@@ -51,6 +55,14 @@ RECALL=${RECALL:-mass:0.95}
 EVICT=${EVICT:-none}
 MODEL=${MODEL:-}
 CONVERSATIONS=${CONVERSATIONS:-}
+COUNT=${COUNT:-}
+if [ "$MODEL" = gemma3 ]; then
+  MODEL=$(scripts/kvtier.sh model)
+  if [ -z "$CONVERSATIONS" ]; then
+    CONVERSATIONS=traces/gemma3_chats.jsonl
+    COUNT=${COUNT:-4}  # About 5 minutes on 2 cores; COUNT=20 replays them all.
+  fi
+fi
 if [ -n "$CONVERSATIONS" ]; then
   if [ ! -f "$CONVERSATIONS" ]; then
     echo "CONVERSATIONS=$CONVERSATIONS: no such file (JSON Lines of token ids, docs/replay.md)"
@@ -95,6 +107,10 @@ cleanup() {
   if [ "$failed" = 1 ] && [ "$rc" = 0 ]; then exit 1; fi
 }
 trap cleanup EXIT
+if [ -n "$CONVERSATIONS" ] && [ -n "$COUNT" ]; then
+  head -n "$COUNT" "$CONVERSATIONS" >"$WORK/conversations.jsonl"
+  CONVERSATIONS="$WORK/conversations.jsonl"
+fi
 
 STORE_TLS=() WORKER_TLS=() DECODE_TLS=() ENGINE_TLS=()
 case "${TLS:-0}" in
@@ -123,7 +139,7 @@ wait_port() {  # file, log, name
 step() { printf '\n== %s\n' "$*"; }
 
 if [ -n "$MODEL" ] && [ ! -f "$MODEL" ]; then
-  echo "MODEL=$MODEL: no such file (a llama2.c checkpoint, e.g. ../shared/models/stories260K.bin)"
+  echo "MODEL=$MODEL: no such file (a GGUF file, a llama2.c checkpoint such as ../shared/models/stories260K.bin, or gemma3)"
   exit 2
 fi
 if [ -n "$REPORT" ]; then REPORT=$(realpath -m "$REPORT"); fi

@@ -2,6 +2,7 @@
 // makes of it: the shape and layer types, token ids of a text and back,
 // dequantized tensors and teacher-forced logits (for checking kvtier against
 // other engines, tests/llama_cpp_check.py).
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -44,6 +45,9 @@ constexpr char kHelp[] =
     "kvtier model export FILE --out=PATH [--arch=llama|gemma3] [--window=N] [--global_every=N]\n"
     "  The model as a float32 GGUF file (a llama2.c checkpoint becomes a llama GGUF;\n"
     "  --arch=gemma3 builds a gemma3-shaped test model with sliding windows from it).\n\n"
+    "kvtier model bench FILE [--prefill=512] [--decode=64]\n"
+    "  Prefill and decode speed of kvtier's in-process forward pass (full fp32 cache,\n"
+    "  logits of the last token of each step), tokens/s; the ISA it ran with.\n\n"
     "kvtier model logits FILE --tokens=PATH [--out=PATH|-] [--chunk=64]\n"
     "  Teacher-forced logits of the ids in PATH (whitespace-separated), every position,\n"
     "  full fp32 cache: float32 [positions, vocabulary] to --out (default stdout).\n";
@@ -259,6 +263,43 @@ int Export(const std::string& path, const Args& args) {
   return 0;
 }
 
+int Bench(const std::string& path, const Args& args) {
+  auto m = model::Model::Load(path);
+  if (!m.ok()) return Fail(std::string(m.status().message()));
+  const model::ModelConfig& c = (*m)->config();
+  const int prefill = static_cast<int>(args.GetU64("prefill", 512));
+  const int decode = static_cast<int>(args.GetU64("decode", 64));
+  if (prefill < 1 || prefill + decode > c.seq_len) {
+    return Fail(absl::StrCat("--prefill and --decode must fit the context of ", c.seq_len), 2);
+  }
+  // Deterministic ids spread over the vocabulary (the speed does not depend
+  // on which tokens run).
+  std::vector<int> ids(prefill);
+  for (int i = 0; i < prefill; ++i) ids[i] = static_cast<int>((i * 7919L + 13) % c.vocab_size);
+  model::FullCacheAttention cache(c);
+  model::PerTokenLayerAttention layered(c, &cache);
+  model::Forward fwd(**m);
+  std::vector<float> logits(c.vocab_size);
+  auto t0 = std::chrono::steady_clock::now();
+  absl::Status s = fwd.Run(ids, 0, &layered, logits.data());
+  if (!s.ok()) return Fail(std::string(s.message()));
+  auto t1 = std::chrono::steady_clock::now();
+  int next = model::Argmax(logits.data(), c.vocab_size);
+  for (int i = 0; i < decode; ++i) {
+    s = fwd.Step(next, prefill + i, &cache, logits.data());
+    if (!s.ok()) return Fail(std::string(s.message()));
+    next = model::Argmax(logits.data(), c.vocab_size);
+  }
+  auto t2 = std::chrono::steady_clock::now();
+  const double p_s = std::chrono::duration<double>(t1 - t0).count();
+  const double d_s = std::chrono::duration<double>(t2 - t1).count();
+  std::printf("isa %s\n", VectorIsaName());
+  std::printf("prefill %d tokens %.3f s %.1f tokens/s\n", prefill, p_s, prefill / p_s);
+  std::printf("decode %d tokens %.3f s %.1f tokens/s %.2f ms/token\n", decode, d_s,
+              decode / d_s, 1000 * d_s / std::max(decode, 1));
+  return 0;
+}
+
 }  // namespace
 
 int ModelCommand(const Args& args) {
@@ -278,6 +319,7 @@ int ModelCommand(const Args& args) {
   }
   if (sub == "logits") return Logits(p[1], args);
   if (sub == "export") return Export(p[1], args);
+  if (sub == "bench") return Bench(p[1], args);
   return Fail(absl::StrCat("unknown subcommand ", sub, "\n", kHelp), 2);
 }
 
