@@ -35,14 +35,23 @@ def llama_run(llm, prefill, decode, vocab):
 
 
 def kvtier_run(kvtier, model, prefill, decode, threads):
-    env = dict(os.environ, KVTIER_THREADS=str(threads))
     out = subprocess.run([kvtier, "model", "bench", model, f"--prefill={prefill}",
-                          f"--decode={decode}"], check=True, capture_output=True, text=True,
-                         env=env).stdout
+                          f"--decode={decode}", f"--threads={threads}"], check=True,
+                         capture_output=True, text=True).stdout
     p = float(re.search(r"^prefill .* ([0-9.]+) tokens/s", out, re.M).group(1))
     d = float(re.search(r"^decode .* ([0-9.]+) tokens/s", out, re.M).group(1))
-    isa = re.search(r"^isa (.*)$", out, re.M).group(1)
+    isa = re.search(r"^isa (.*?),", out, re.M).group(1)
     return p, d, isa
+
+
+def cpu_name():
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
 
 
 def main():
@@ -68,7 +77,7 @@ def main():
         rows["kvtier"][0].append(p)
         rows["kvtier"][1].append(d)
     med = {k: (statistics.median(v[0]), statistics.median(v[1])) for k, v in rows.items()}
-    print(f"model {os.path.basename(a.model)}; {a.threads} thread(s); CPU {platform.processor() or '?'}; "
+    print(f"model {os.path.basename(a.model)}; {a.threads} thread(s); CPU {cpu_name()}; "
           f"kvtier ISA {isa}; median of {a.repeat} interleaved runs")
     print(f"| engine | prefill {a.prefill} tokens, tokens/s | decode {a.decode} tokens, tokens/s |")
     print("|---|---|---|")

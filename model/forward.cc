@@ -81,7 +81,7 @@ absl::Status PerTokenLayerAttention::AttendLayer(int layer, int pos0, int n, con
   return absl::OkStatus();
 }
 
-Forward::Forward(const Model& m) : m_(m) {}
+Forward::Forward(const Model& m, ThreadPool* pool) : m_(m), pool_(pool) {}
 
 absl::Status Forward::Step(int token, int pos, AttentionBackend* attn, float* logits) {
   PerTokenLayerAttention layered(m_.config(), attn);
@@ -113,9 +113,9 @@ absl::Status Forward::Layer(int l, int pos0, int n, float* x, LayerAttention* at
     }
   };
   norm_rows(x, w.attn_norm, xn.data(), d, n);
-  w.wq.Mul(xn.data(), n, q.data());
-  w.wk.Mul(xn.data(), n, k.data());
-  w.wv.Mul(xn.data(), n, v.data());
+  w.wq.Mul(xn.data(), n, q.data(), pool_);
+  w.wk.Mul(xn.data(), n, k.data(), pool_);
+  w.wv.Mul(xn.data(), n, v.data(), pool_);
   if (gemma) {
     norm_rows(q.data(), w.q_norm, q.data(), hd, n * c.n_heads);
     norm_rows(k.data(), w.k_norm, k.data(), hd, n * c.n_kv_heads);
@@ -131,7 +131,7 @@ absl::Status Forward::Layer(int l, int pos0, int n, float* x, LayerAttention* at
     const LayerWeights& nw = m_.layer(l + 1);
     std::vector<float> qn(nn * qd);
     norm_rows(x, nw.attn_norm, xn.data(), d, n);
-    nw.wq.Mul(xn.data(), n, qn.data());
+    nw.wq.Mul(xn.data(), n, qn.data(), pool_);
     if (gemma) norm_rows(qn.data(), nw.q_norm, qn.data(), hd, n * c.n_heads);
     for (int i = 0; i < n; ++i) {
       Rope(gemma, c.layer_rope(l + 1), pos0 + i, &qn[i * static_cast<size_t>(qd)], c.n_heads, hd);
@@ -139,15 +139,15 @@ absl::Status Forward::Layer(int l, int pos0, int n, float* x, LayerAttention* at
     KVT_RETURN_IF_ERROR(attn->NextLayerQuery(l, pos0, n, qn.data()));
   }
   KVT_RETURN_IF_ERROR(attn->AttendLayer(l, pos0, n, q.data(), k.data(), v.data(), att.data()));
-  w.wo.Mul(att.data(), n, o.data());
+  w.wo.Mul(att.data(), n, o.data(), pool_);
   if (gemma) norm_rows(o.data(), w.post_attn_norm, o.data(), d, n);
   for (size_t i = 0; i < nn * d; ++i) x[i] += o[i];
   norm_rows(x, w.ffn_norm, xn.data(), d, n);
   std::vector<float> g(nn * hid), u(nn * hid);
-  w.gate.Mul(xn.data(), n, g.data());
-  w.up.Mul(xn.data(), n, u.data());
+  w.gate.Mul(xn.data(), n, g.data(), pool_);
+  w.up.Mul(xn.data(), n, u.data(), pool_);
   for (size_t i = 0; i < g.size(); ++i) g[i] = (gemma ? Gelu(g[i]) : Silu(g[i])) * u[i];
-  w.down.Mul(g.data(), n, o.data());
+  w.down.Mul(g.data(), n, o.data(), pool_);
   if (gemma) norm_rows(o.data(), w.post_ffn_norm, o.data(), d, n);
   for (size_t i = 0; i < nn * d; ++i) x[i] += o[i];
   return absl::OkStatus();
@@ -182,7 +182,7 @@ absl::Status Forward::RunTokens(const std::vector<int>& tokens, int pos0, LayerA
       RmsNorm(&xn[static_cast<size_t>(i) * d], &x[static_cast<size_t>(first + i) * d],
               m_.final_norm().data(), d, c.rms_eps);
     }
-    m_.output().Mul(xn.data(), rows, logits);
+    m_.output().Mul(xn.data(), rows, logits, pool_);
   }
   return absl::OkStatus();
 }

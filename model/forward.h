@@ -90,7 +90,9 @@ class PerTokenLayerAttention : public LayerAttention {
 // One sequence's activations; Step() runs one token through every layer.
 class Forward {
  public:
-  explicit Forward(const Model& m);
+  // With a pool, the matrix products split their rows over its threads
+  // (the logits do not change); the pool must outlive the Forward.
+  explicit Forward(const Model& m, ThreadPool* pool = nullptr);
   // Runs `token` at position `pos` (0-based, < seq_len) and writes the
   // logits ([vocab_size]) when `logits` is not null. Positions must be fed in
   // order; the backend holds the cache.
@@ -112,6 +114,7 @@ class Forward {
   absl::Status Layer(int l, int pos0, int n, float* x, LayerAttention* attn);
 
   const Model& m_;
+  ThreadPool* pool_;
 };
 
 // Softmax of logits, in float64.

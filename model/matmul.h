@@ -12,15 +12,24 @@
 #include <cstdint>
 
 #include "kernels/codec.h"
+#include "model/thread_pool.h"
 
 namespace kvtier::model {
 
-// x [n][cols], w [rows][cols], out [n][rows]; row-major.
+// x [n][cols], w [rows][cols], out [n][rows]; row-major. With a pool of
+// several threads, the rows are split over them (the bits do not change).
 void MatMul(const float* x, int n, const float* w, int rows, int cols, float* out,
-            KernelLevel level = KernelLevel::kBest);
+            KernelLevel level = KernelLevel::kBest, ThreadPool* pool = nullptr);
+
+// Splits rows [0, rows) into pieces of at least 64 rows (an even number)
+// over `pool` and calls run(r0, r1) for each; without a pool, or with too
+// few rows, run(0, rows) on the calling thread.
+void SplitRows(int rows, ThreadPool* pool, const std::function<void(int, int)>& run);
 
 namespace internal {
-void MatMulAvx2(const float* x, int n, const float* w, int rows, int cols, float* out);
+// Rows [r0, r1) of MatMul.
+void MatMulAvx2(const float* x, int n, const float* w, int rows, int cols, int r0, int r1,
+                float* out);
 }  // namespace internal
 
 }  // namespace kvtier::model

@@ -51,16 +51,17 @@ void Rows(const float* x, int n, const float* w, int rows, int cols, float* out,
 
 }  // namespace
 
-void MatMulAvx2(const float* x, int n, const float* w, int rows, int cols, float* out) {
+void MatMulAvx2(const float* x, int n, const float* w, int rows, int cols, int r0, int r1,
+                float* out) {
   // Tokens in chunks whose x fits in L2 beside the weight rows in flight.
   constexpr int kChunk = 64;
   for (int t0 = 0; t0 < n; t0 += kChunk) {
     const int m = n - t0 < kChunk ? n - t0 : kChunk;
     const float* xc = x + static_cast<int64_t>(t0) * cols;
     float* oc = out + static_cast<int64_t>(t0) * rows;
-    int r = 0;
-    for (; r + 2 <= rows; r += 2) Rows<2>(xc, m, w, rows, cols, oc, r);
-    for (; r < rows; ++r) Rows<1>(xc, m, w, rows, cols, oc, r);
+    int r = r0;
+    for (; r + 2 <= r1; r += 2) Rows<2>(xc, m, w, rows, cols, oc, r);
+    for (; r < r1; ++r) Rows<1>(xc, m, w, rows, cols, oc, r);
   }
 }
 

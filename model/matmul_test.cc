@@ -1,6 +1,7 @@
 #include "model/matmul.h"
 
 #include <cmath>
+#include <atomic>
 #include <random>
 #include <vector>
 
@@ -36,6 +37,37 @@ TEST(MatMulTest, PathsAgreeAndBatchingDoesNotChangeBits) {
         }
       }
     }
+  }
+}
+
+}  // namespace
+}  // namespace kvtier::model
+
+namespace kvtier::model {
+namespace {
+
+// Rows split over a pool of threads give the bits of one thread, float32
+// and 8-bit codes alike.
+TEST(MatMulTest, ThreadsDoNotChangeBits) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> g;
+  const int rows = 1000, cols = 256, n = 5;
+  std::vector<float> w(static_cast<size_t>(rows) * cols), x(static_cast<size_t>(n) * cols);
+  for (float& v : w) v = g(rng);
+  for (float& v : x) v = g(rng);
+  ThreadPool pool(3);
+  std::vector<float> one(static_cast<size_t>(n) * rows), three(one.size());
+  MatMul(x.data(), n, w.data(), rows, cols, one.data());
+  for (int rep = 0; rep < 20; ++rep) {
+    std::fill(three.begin(), three.end(), 0.0f);
+    MatMul(x.data(), n, w.data(), rows, cols, three.data(), KernelLevel::kBest, &pool);
+    ASSERT_EQ(one, three);
+  }
+  // Every index of a loop runs exactly once, whatever the count.
+  for (int count : {0, 1, 2, 7, 64}) {
+    std::vector<std::atomic<int>> hits(count);
+    pool.ParallelFor(count, [&](int i) { hits[i].fetch_add(1); });
+    for (auto& h : hits) ASSERT_EQ(h.load(), 1);
   }
 }
 

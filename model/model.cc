@@ -62,9 +62,9 @@ void Matrix::Row(int r, float* out) const {
   std::copy_n(w.data() + static_cast<size_t>(r) * cols, cols, out);
 }
 
-void Matrix::Mul(const float* x, int n, float* out, KernelLevel level) const {
-  if (coded()) return QMatMul(x, n, codes, out, level);
-  MatMul(x, n, w.data(), rows, cols, out, level);
+void Matrix::Mul(const float* x, int n, float* out, ThreadPool* pool, KernelLevel level) const {
+  if (coded()) return QMatMul(x, n, codes, out, level, pool);
+  MatMul(x, n, w.data(), rows, cols, out, level, pool);
 }
 
 absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path) {

@@ -13,6 +13,7 @@
 #include "kernels/codec.h"
 #include "model/config.h"
 #include "model/qmatrix.h"
+#include "model/thread_pool.h"
 #include "model/tokenizer.h"
 
 namespace kvtier::model {
@@ -29,8 +30,10 @@ struct Matrix {
   bool coded() const { return !codes.q.empty(); }
   // Row r in float32.
   void Row(int r, float* out) const;
-  // out[t][r] = row r . x[t] for n tokens (model/matmul.h's contract).
-  void Mul(const float* x, int n, float* out, KernelLevel level = KernelLevel::kBest) const;
+  // out[t][r] = row r . x[t] for n tokens (model/matmul.h's contract), the
+  // rows split over `pool` when given.
+  void Mul(const float* x, int n, float* out, ThreadPool* pool = nullptr,
+           KernelLevel level = KernelLevel::kBest) const;
 };
 
 struct LayerWeights {

@@ -4,6 +4,7 @@
 
 #include "kernels/codec_internal.h"
 #include "kernels/half.h"
+#include "model/matmul.h"
 
 namespace kvtier::model {
 namespace {
@@ -165,7 +166,8 @@ void QMatrix::Row(int r, float* out) const {
   }
 }
 
-void QMatMul(const float* x, int n, const QMatrix& w, float* out, KernelLevel level) {
+void QMatMul(const float* x, int n, const QMatrix& w, float* out, KernelLevel level,
+             ThreadPool* pool) {
   // The bias term of each group is bias * (the sum of x over the group).
   std::vector<float> xsum;
   if (!w.bias.empty()) {
@@ -179,10 +181,14 @@ void QMatMul(const float* x, int n, const QMatrix& w, float* out, KernelLevel le
       }
     }
   }
+  const float* xs = xsum.empty() ? nullptr : xsum.data();
   if (level != KernelLevel::kReference && kvtier::internal::SimdAvailable()) {
-    return internal::QMatMulAvx2(x, n, w, xsum.empty() ? nullptr : xsum.data(), out);
+    return SplitRows(w.rows, pool, [&](int r0, int r1) {
+      internal::QMatMulAvx2(x, n, w, xs, r0, r1, out);
+    });
   }
-  for (int r = 0; r < w.rows; ++r) {
+  SplitRows(w.rows, pool, [&](int r0, int r1) {
+  for (int r = r0; r < r1; ++r) {
     const int8_t* qr = w.q.data() + static_cast<size_t>(r) * w.cols;
     for (int t = 0; t < n; ++t) {
       const float* xt = x + static_cast<size_t>(t) * w.cols;
@@ -198,6 +204,7 @@ void QMatMul(const float* x, int n, const QMatrix& w, float* out, KernelLevel le
       out[static_cast<size_t>(t) * w.rows + r] = acc + bacc;
     }
   }
+  });
 }
 
 }  // namespace kvtier::model

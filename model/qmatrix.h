@@ -15,6 +15,7 @@
 
 #include "kernels/codec.h"
 #include "model/quant.h"
+#include "model/thread_pool.h"
 
 namespace kvtier::model {
 
@@ -38,10 +39,13 @@ bool QMatrixHolds(GgmlType t);
 QMatrix ToQMatrix(GgmlType t, const void* data, int rows, int cols);
 
 void QMatMul(const float* x, int n, const QMatrix& w, float* out,
-             KernelLevel level = KernelLevel::kBest);
+             KernelLevel level = KernelLevel::kBest, ThreadPool* pool = nullptr);
 
 namespace internal {
-void QMatMulAvx2(const float* x, int n, const QMatrix& w, const float* xsum, float* out);
+// Rows [r0, r1) of QMatMul; xsum [n][groups] the sums of x over each group
+// (null when the matrix has no biases).
+void QMatMulAvx2(const float* x, int n, const QMatrix& w, const float* xsum, int r0, int r1,
+                 float* out);
 }  // namespace internal
 
 }  // namespace kvtier::model

@@ -75,25 +75,26 @@ void Rows(const float* x, int t0, int m, const QMatrix& w, const float* xsum, fl
 }
 
 template <int G>
-void Run(const float* x, int n, const QMatrix& w, const float* xsum, float* out) {
+void Run(const float* x, int n, const QMatrix& w, const float* xsum, int r0, int r1, float* out) {
   constexpr int kChunk = 64;
   for (int t0 = 0; t0 < n; t0 += kChunk) {
     const int m = n - t0 < kChunk ? n - t0 : kChunk;
     // Two rows at a time pay off once a tile of tokens shares them; a
     // decode step (one token) goes row by row. The bits are the same.
-    int r = 0;
+    int r = r0;
     if (m >= 4) {
-      for (; r + 2 <= w.rows; r += 2) Rows<G, 2>(x, t0, m, w, xsum, out, r);
+      for (; r + 2 <= r1; r += 2) Rows<G, 2>(x, t0, m, w, xsum, out, r);
     }
-    for (; r < w.rows; ++r) Rows<G, 1>(x, t0, m, w, xsum, out, r);
+    for (; r < r1; ++r) Rows<G, 1>(x, t0, m, w, xsum, out, r);
   }
 }
 
 }  // namespace
 
-void QMatMulAvx2(const float* x, int n, const QMatrix& w, const float* xsum, float* out) {
-  if (w.group == 16) return Run<16>(x, n, w, xsum, out);
-  return Run<32>(x, n, w, xsum, out);
+void QMatMulAvx2(const float* x, int n, const QMatrix& w, const float* xsum, int r0, int r1,
+                 float* out) {
+  if (w.group == 16) return Run<16>(x, n, w, xsum, r0, r1, out);
+  return Run<32>(x, n, w, xsum, r0, r1, out);
 }
 
 }  // namespace kvtier::model::internal

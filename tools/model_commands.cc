@@ -2,6 +2,7 @@
 // makes of it: the shape and layer types, token ids of a text and back,
 // dequantized tensors and teacher-forced logits (for checking kvtier against
 // other engines, tests/llama_cpp_check.py).
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -19,6 +20,7 @@
 #include "model/export.h"
 #include "model/forward.h"
 #include "model/gguf.h"
+#include "model/thread_pool.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "refengine/replay.h"
@@ -45,16 +47,21 @@ constexpr char kHelp[] =
     "kvtier model export FILE --out=PATH [--arch=llama|gemma3] [--window=N] [--global_every=N]\n"
     "  The model as a float32 GGUF file (a llama2.c checkpoint becomes a llama GGUF;\n"
     "  --arch=gemma3 builds a gemma3-shaped test model with sliding windows from it).\n\n"
-    "kvtier model bench FILE [--prefill=512] [--decode=64]\n"
+    "kvtier model bench FILE [--prefill=512] [--decode=64] [--threads=1]\n"
     "  Prefill and decode speed of kvtier's in-process forward pass (full fp32 cache,\n"
     "  logits of the last token of each step), tokens/s; the ISA it ran with.\n\n"
-    "kvtier model logits FILE --tokens=PATH [--out=PATH|-] [--chunk=64]\n"
+    "kvtier model logits FILE --tokens=PATH [--out=PATH|-] [--chunk=64] [--threads=1]\n"
     "  Teacher-forced logits of the ids in PATH (whitespace-separated), every position,\n"
     "  full fp32 cache: float32 [positions, vocabulary] to --out (default stdout).\n";
 
 int Fail(const std::string& msg, int code = 1) {
   std::fprintf(stderr, "kvtier model: %s\n", msg.c_str());
   return code;
+}
+
+// --threads: the forward pass's threads, the caller's included (1 to 256).
+int Threads(const Args& args) {
+  return static_cast<int>(std::clamp<uint64_t>(args.GetU64("threads", 1), 1, 256));
 }
 
 int Info(const std::string& path) {
@@ -232,7 +239,8 @@ int Logits(const std::string& path, const Args& args) {
   const int chunk = static_cast<int>(std::max<uint64_t>(1, args.GetU64("chunk", 64)));
   model::FullCacheAttention cache(c);
   model::PerTokenLayerAttention layered(c, &cache);
-  model::Forward fwd(**m);
+  model::ThreadPool pool(Threads(args));
+  model::Forward fwd(**m, &pool);
   std::vector<float> logits;
   const int n = static_cast<int>(ids->size());
   for (int at = 0; at < n; at += chunk) {
@@ -278,7 +286,8 @@ int Bench(const std::string& path, const Args& args) {
   for (int i = 0; i < prefill; ++i) ids[i] = static_cast<int>((i * 7919L + 13) % c.vocab_size);
   model::FullCacheAttention cache(c);
   model::PerTokenLayerAttention layered(c, &cache);
-  model::Forward fwd(**m);
+  model::ThreadPool pool(Threads(args));
+  model::Forward fwd(**m, &pool);
   std::vector<float> logits(c.vocab_size);
   auto t0 = std::chrono::steady_clock::now();
   absl::Status s = fwd.Run(ids, 0, &layered, logits.data());
@@ -293,7 +302,7 @@ int Bench(const std::string& path, const Args& args) {
   auto t2 = std::chrono::steady_clock::now();
   const double p_s = std::chrono::duration<double>(t1 - t0).count();
   const double d_s = std::chrono::duration<double>(t2 - t1).count();
-  std::printf("isa %s\n", VectorIsaName());
+  std::printf("isa %s, %d thread(s)\n", VectorIsaName(), pool.threads());
   std::printf("prefill %d tokens %.3f s %.1f tokens/s\n", prefill, p_s, prefill / p_s);
   std::printf("decode %d tokens %.3f s %.1f tokens/s %.2f ms/token\n", decode, d_s,
               decode / d_s, 1000 * d_s / std::max(decode, 1));
