@@ -10,11 +10,15 @@
 #include <mutex>
 #include <thread>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "base/status_macros.h"
 #include "client/store_client.h"
 #include "client/store_segments.h"
@@ -241,6 +245,24 @@ absl::Status RunReplayed(const model::Model& m, const ReplayConversation& c,
   const int vocab = m.config().vocab_size;
   out->agreement = Compare(teacher, t, vocab);
   out->replay = ScoreReplay(c, teacher, t, vocab);
+  if (const model::Tokenizer* tok = m.tokenizer(); tok != nullptr) {
+    auto contains = [](std::string text, std::string value) {
+      return absl::StrContains(absl::AsciiStrToLower(text), absl::AsciiStrToLower(value));
+    };
+    for (size_t r = 0; r < c.rounds.size() && r < out->replay.size(); ++r) {
+      if (c.rounds[r].expect.empty()) continue;
+      DemoSession::Answer a;
+      a.round = static_cast<int>(r);
+      // The question: the round's text up to its answer's opening.
+      a.question = std::string(absl::StripAsciiWhitespace(c.rounds[r].user_text));
+      a.expect = c.rounds[r].expect;
+      a.full_cache = tok->Decode(out->replay[r].local_tokens);
+      a.kvtier = tok->Decode(out->replay[r].tier_tokens);
+      a.full_cache_right = contains(a.full_cache, a.expect);
+      a.kvtier_right = contains(a.kvtier, a.expect);
+      out->answers.push_back(std::move(a));
+    }
+  }
   for (const ReplayRound& r : c.rounds)
     out->decode_tokens += static_cast<int64_t>(r.assistant.size());
   out->tier_decode_ms = t.decode_ms_per_token * out->decode_tokens;
@@ -363,6 +385,32 @@ std::string Acc(int64_t correct, int64_t n) {
   return n > 0 ? absl::StrFormat("%.3f", static_cast<double>(correct) / n) : std::string("-");
 }
 
+// Questions about earlier rounds, as text: what the full cache and the tier
+// answer over each scored span, and the totals.
+std::string RenderAnswers(const DemoReport& r) {
+  int n = 0, full = 0, tier = 0;
+  std::string lines;
+  for (size_t i = 0; i < r.sessions.size(); ++i) {
+    for (const DemoSession::Answer& a : r.sessions[i].answers) {
+      ++n;
+      full += a.full_cache_right;
+      tier += a.kvtier_right;
+      if (i >= kReplayRoundsShown) continue;
+      std::string q = absl::StrReplaceAll(a.question, {{"\n", " / "}});
+      absl::StrAppendFormat(&lines, "  %s round %d: %s\n", r.sessions[i].conversation, a.round, q);
+      absl::StrAppendFormat(&lines, "      expect %-12s full cache%-7s %s\n", JsonQuote(a.expect),
+                            a.full_cache_right ? " (right)" : " (wrong)", JsonQuote(a.full_cache));
+      absl::StrAppendFormat(&lines, "      %-19s kvtier%-11s %s\n", "",
+                            a.kvtier_right ? " (right)" : " (wrong)", JsonQuote(a.kvtier));
+    }
+  }
+  if (n == 0) return "";
+  return absl::StrFormat(
+      "\nquestions about earlier rounds (%d): kvtier right %d, full cache right %d (right: the "
+      "greedy tokens over the scored span, teacher-forced, contain the stated value)\n%s",
+      n, tier, full, lines);
+}
+
 // The replay's part of the text report: agreement with the full cache on
 // every assistant token, accuracy on the scored spans for both, then per
 // round what the tier kept and moved.
@@ -415,6 +463,7 @@ std::string RenderReplay(const DemoReport& r) {
         static_cast<long long>(c.assistant), Acc(c.agree, c.assistant), Ratio(c.kl, c.assistant),
         c.scored > 0 ? absl::StrCat(c.tier, "/", c.local, " of ", c.scored) : std::string("-"));
   }
+  s += RenderAnswers(r);
   return s;
 }
 
@@ -1267,6 +1316,20 @@ std::string RenderJson(const DemoReport& r) {
         absl::StrAppend(&s, "}");
       }
       absl::StrAppend(&s, "]");
+      if (!d.answers.empty()) {
+        absl::StrAppend(&s, ", \"answers\": [");
+        for (size_t j = 0; j < d.answers.size(); ++j) {
+          const DemoSession::Answer& a = d.answers[j];
+          absl::StrAppend(&s, j ? ", " : "", "{\"round\": ", a.round,
+                          ", \"question\": ", JsonQuote(a.question),
+                          ", \"expect\": ", JsonQuote(a.expect),
+                          ", \"full_cache\": ", JsonQuote(a.full_cache),
+                          ", \"full_cache_right\": ", a.full_cache_right ? "true" : "false",
+                          ", \"kvtier\": ", JsonQuote(a.kvtier),
+                          ", \"kvtier_right\": ", a.kvtier_right ? "true" : "false", "}");
+        }
+        absl::StrAppend(&s, "]");
+      }
     }
     if (!d.worker.empty()) {
       absl::StrAppend(&s, ", \"worker\": \"", d.worker, "\", \"stores\": [");

@@ -116,6 +116,16 @@ struct DemoSession {
   // Replay: the conversation's id and line, and each round's scores.
   std::string conversation, where;
   std::vector<ReplayRoundScore> replay;
+  // Replay of a file whose rounds say what their answers must contain
+  // ("expect") on a model with a tokenizer: each such answer as text, the
+  // greedy tokens over the round's scored span, and whether it contains the
+  // value (case-insensitive).
+  struct Answer {
+    int round = 0;
+    std::string question, expect, full_cache, kvtier;
+    bool full_cache_right = false, kvtier_right = false;
+  };
+  std::vector<Answer> answers;
 };
 
 struct DemoReport {

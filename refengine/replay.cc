@@ -316,6 +316,8 @@ std::vector<ReplayRoundScore> ScoreReplay(const ReplayConversation& c, const Tra
           ++s.scored;
           s.local_correct += lp == x.assistant[i];
           s.tier_correct += tp == x.assistant[i];
+          s.local_tokens.push_back(lp);
+          s.tier_tokens.push_back(tp);
         }
       }
     }

@@ -74,6 +74,9 @@ struct ReplayRoundScore {
   double kl_sum = 0;   // Sum over positions of KL(full || tier), nats.
   int scored = 0;      // Positions in the round's score spans.
   int tier_correct = 0, local_correct = 0;  // Argmax equal to the given token there.
+  // The greedy tokens there, in order (each predicted after the file's
+  // tokens before it).
+  std::vector<int> tier_tokens, local_tokens;
 };
 
 // Scores a replayed conversation: `local` and `tier` are RunScript's
