@@ -65,6 +65,11 @@ absl::Status StoreSegments::Put(const std::string& session, const Segment& s, ui
   a.segment = s.segment;
   a.layer_begin = layer_begin;
   a.layer_end = layer_end;
+  v1::RoundSummary summary;
+  if (s.model != 0) {
+    summary.set_model_digest(s.model);
+    a.round_summary = &summary;
+  }
   auto r = client_->PutSegment(a, payload, call);
   return PutOutcome(client_.get(), session, s, payload, r.status(), call);
 }
@@ -73,6 +78,7 @@ std::vector<absl::Status> StoreSegments::PutMany(const std::string& session,
                                                  const std::vector<SegmentWrite>& writes,
                                                  const CallOptions& call) {
   std::vector<PutSegmentsItem> items(writes.size());
+  std::vector<v1::RoundSummary> summaries(writes.size());
   for (size_t i = 0; i < writes.size(); ++i) {
     PutSegmentArgs& a = items[i].args;
     a.session_id = session;
@@ -80,6 +86,10 @@ std::vector<absl::Status> StoreSegments::PutMany(const std::string& session,
     a.segment = writes[i].s.segment;
     a.layer_begin = writes[i].layer_begin;
     a.layer_end = writes[i].layer_end;
+    if (writes[i].s.model != 0) {
+      summaries[i].set_model_digest(writes[i].s.model);
+      a.round_summary = &summaries[i];
+    }
     items[i].payload = writes[i].payload;
   }
   auto r = client_->PutSegments(items, call);
@@ -142,6 +152,7 @@ absl::StatusOr<std::vector<worker::SegmentStore::StoredRound>> StoreSegments::Li
   for (const v1::RoundInfo& ri : r->rounds()) {
     StoredRound sr;
     sr.round = ri.round();
+    sr.model = ri.summary().model_digest();
     bool lower = false;
     for (const v1::SegmentInfo& si : ri.segments()) {
       if (si.ref().segment() == 0) {

@@ -765,6 +765,7 @@ v1::ModelSpec SpecOf(const model::ModelConfig& c) {
   if (c.sliding()) {
     for (int l = 0; l < c.n_layers; ++l) spec.add_layer_window(c.layer_window(l));
   }
+  spec.set_model_digest(c.digest);
   return spec;
 }
 

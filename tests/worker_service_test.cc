@@ -1883,4 +1883,44 @@ TEST(WorkerHealthTest, ReadinessFollowsTheStore) {
 }
 
 }  // namespace
+// Rounds record the identity of the model that made them: a worker never
+// resumes a session from rounds of another model of the same shape.
+TEST(WorkerResumeTest, RoundsOfAnotherModelAreNeverResumed) {
+  testing::TempDir dir;
+  testing::StoreProcess store(dir.path() + "/db");
+  ASSERT_TRUE(store.Start().ok());
+  WorkerServerOptions wo;
+  wo.listen = "127.0.0.1:0";
+  wo.metrics_listen = "";
+  wo.store.target = store.target();
+  auto a = std::move(WorkerServer::Start(wo)).value();
+  auto b = std::move(WorkerServer::Start(wo)).value();
+  auto stub_for = [](WorkerServer& w) {
+    return v1::Worker::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", w.port()),
+                                                   grpc::InsecureChannelCredentials()));
+  };
+  auto sa = stub_for(*a), sb = stub_for(*b);
+  auto open = [](v1::Worker::Stub* stub, bool resume, uint64_t model, v1::OpenSessionResponse* r) {
+    v1::OpenSessionRequest req = OpenRequest("m");
+    req.set_resume(resume);
+    req.mutable_model()->set_model_digest(model);
+    grpc::ClientContext c;
+    return stub->OpenSession(&c, req, r);
+  };
+  v1::OpenSessionResponse r;
+  ASSERT_TRUE(open(sa.get(), false, 0x1111, &r).ok());
+  std::mt19937 rng(5);
+  v1::EndRoundResponse end;
+  for (int round = 0; round < 2; ++round) {
+    ASSERT_TRUE(PrefillStep(sa.get(), "m", 5, &rng).ok());
+    ASSERT_TRUE(EndRound(sa.get(), "m", &end).ok());
+  }
+  const grpc::Status other = open(sb.get(), true, 0x2222, &r);
+  EXPECT_EQ(other.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(other.error_message(), ::testing::HasSubstr("holds K/V of model 0000000000001111"));
+  EXPECT_THAT(other.error_message(), ::testing::HasSubstr("this session's model is 0000000000002222"));
+  ASSERT_TRUE(open(sb.get(), true, 0x1111, &r).ok());
+  EXPECT_EQ(r.next_round(), 2u);
+}
+
 }  // namespace kvtier

@@ -493,6 +493,16 @@ absl::StatusOr<uint32_t> Engine::ResumeSession(const SessionKey& id, const Model
     LogWarn("half-stored last round dropped at resume",
             {{"session", id.ToString()}, {"round", half}});
   }
+  // K/V of another model never comes back: a round recorded under another
+  // identity refuses the resume (identities unknown on either side pass).
+  for (const SegmentStore::StoredRound& r : stored) {
+    if (r.model != 0 && shape.model_digest != 0 && r.model != shape.model_digest) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "stored round %d of session %s holds K/V of model %016x; this session's model is "
+          "%016x",
+          r.round, id.ToString(), r.model, shape.model_digest));
+    }
+  }
   std::vector<SegmentStore::Segment> lower;
   for (const SegmentStore::StoredRound& r : stored) {
     if (static_cast<int>(r.lower_layers) != lw + 1 || (lw + 1 < shape.layers && !r.has_upper)) {

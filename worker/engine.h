@@ -73,6 +73,9 @@ struct ModelShape {
   // Per layer, the sliding window (a token attends to itself and the
   // window - 1 tokens before it), 0 for a global layer. Empty: all global.
   std::vector<int> window;
+  // The model's identity (ModelSpec.model_digest), recorded with every
+  // stored round; 0: unknown.
+  uint64_t model_digest = 0;
   // Bytes per K/V element; 0 for a dtype that is not one of the three.
   int dtype_bytes() const { return DTypeSize(dtype); }
   int layer_window(int l) const { return window.empty() ? 0 : window[l]; }

@@ -44,6 +44,7 @@ absl::StatusOr<worker::ModelShape> ShapeFromProto(const v1::ModelSpec& m) {
     }
     if (!s.sliding()) s.window.clear();
   }
+  s.model_digest = m.model_digest();
   return s;
 }
 

@@ -164,9 +164,9 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
   // Both segments in one call where the store allows it (PutMany).
   auto put_both = [&]() -> absl::Status {
     std::vector<SegmentStore::SegmentWrite> writes = {
-        {{plan.round, 0}, 0, static_cast<uint32_t>(lw + 1), *plan.lower}};
+        {{plan.round, 0, sh.model_digest}, 0, static_cast<uint32_t>(lw + 1), *plan.lower}};
     if (lw + 1 < sh.layers) {
-      writes.push_back({{plan.round, 1},
+      writes.push_back({{plan.round, 1, sh.model_digest},
                         static_cast<uint32_t>(lw + 1),
                         static_cast<uint32_t>(sh.layers),
                         *plan.upper});

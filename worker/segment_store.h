@@ -28,6 +28,9 @@ class SegmentStore {
   struct Segment {
     uint32_t round = 0;
     uint32_t segment = 0;  // 0: layers [0, L_w]; 1: (L_w, L).
+    // Put: the identity of the model whose K/V the segment holds, stored
+    // with the round (ModelShape::model_digest); 0: none recorded.
+    uint64_t model = 0;
   };
   // Stores one segment's serialized SegmentPayload. OK; ALREADY_EXISTS
   // (passed through as such) when the segment is stored already;
@@ -77,11 +80,13 @@ class SegmentStore {
                                      const std::vector<uint32_t>& rounds,
                                      const CallOptions& call) = 0;
   // A stored round as resume needs it: its number, and the layers its lower
-  // segment (segment 0) covers; `has_upper` when segment 1 is stored too.
+  // segment (segment 0) covers; `has_upper` when segment 1 is stored too;
+  // `model` the identity recorded with it (0: none).
   struct StoredRound {
     uint32_t round = 0;
     uint32_t lower_layers = 0;
     bool has_upper = false;
+    uint64_t model = 0;
   };
   // The session's stored rounds with a lower segment, ascending. NOT_FOUND
   // (passed through) when the store has no such session.

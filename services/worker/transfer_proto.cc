@@ -66,6 +66,7 @@ v1::TransferHeader HeaderToProto(const std::string& session_id, const worker::Se
   m->set_head_dim(static_cast<uint32_t>(im.shape.head_dim));
   m->set_dtype(im.shape.dtype);
   for (int w : im.shape.window) m->add_layer_window(static_cast<uint32_t>(w));
+  m->set_model_digest(im.shape.model_digest);
   v1::TransferPolicy* p = h.mutable_policy();
   const CodecConfig& c = im.policy.codec;
   v1::TransferCodec* tc = p->mutable_codec();
