@@ -309,17 +309,16 @@ std::vector<PlacedRound> Engine::Session::VisiblePlaced(int layer) const {
     start[i] = at;
     at += past[i].tokens;
   }
-  std::vector<PlacedRound> out;
-  auto add = [&](size_t i) {
-    out.push_back({past[i].layers[layer].get(), start[i], past[i].tokens});
-  };
+  std::vector<size_t> rounds;
   if (layer <= lw || recall != RecallState::kReady) {
     for (size_t i = 0; i < past.size(); ++i) {
-      if (past[i].layers[layer] != nullptr) add(i);
+      if (past[i].layers[layer] != nullptr) rounds.push_back(i);
     }
   } else {
-    for (size_t i : selected) add(i);
+    rounds = selected;
   }
+  std::vector<PlacedRound> out;
+  for (size_t i : rounds) out.push_back({past[i].layers[layer].get(), start[i], past[i].tokens});
   return out;
 }
 
