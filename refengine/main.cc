@@ -34,9 +34,11 @@ ABSL_FLAG(std::string, store_tls_root_certs, "",
 ABSL_FLAG(std::string, controller_tls_root_certs, "",
           "PEM file of the CA of --controller's certificate: route over TLS (presenting "
           "--tls_client_cert when given); empty: plaintext.");
-ABSL_FLAG(std::string, model, "",
-          "llama2.c checkpoint (e.g. ../shared/models/stories260K.bin); empty runs the embedded "
-          "synthetic multi-round chat.");
+ABSL_FLAG(
+    std::string, model, "",
+    "GGUF file (llama, gemma3) or llama2.c checkpoint (e.g. ../shared/models/stories260K.bin); "
+    "empty runs the embedded "
+    "synthetic multi-round chat.");
 ABSL_FLAG(std::string, conversations, "",
           "Replay your own conversations: a JSON Lines file, one conversation a line, rounds of "
           "token ids of --model ({\"rounds\": [{\"user\": [...], \"assistant\": [...], "

@@ -1,4 +1,5 @@
 // `kvtier eval codecs`: the codec fidelity table (docs/codecs.md).
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -23,10 +24,11 @@ constexpr char kHelp[] =
     "  Measures every codec setting on each trace: compression ratio (against fp16, all\n"
     "  metadata included), K and V relative Frobenius error, attention-output error for the\n"
     "  trace's decode queries, and on a model the teacher-forced KL and top-1 agreement.\n\n"
-    "  --model=PATH        llama2.c checkpoint (e.g. ../shared/models/stories260K.bin): adds\n"
+    "  --model=PATH        a GGUF file (llama, gemma3) or llama2.c checkpoint (e.g.\n"
+    "                      ../shared/models/stories260K.bin): adds\n"
     "                      a model trace and the KL/top-1 columns\n"
     "  --sequences=N       sequences sampled from the model for KL (default 4)\n"
-    "  --seq_len=N         tokens per sequence (default: the model's seq_len)\n"
+    "  --seq_len=N         tokens per sequence (default: 512, or the model's context if shorter)\n"
     "  --queries=N         decode queries at the end of the model trace (default 32)\n"
     "  --synthetic=BOOL    include the synthetic-realistic trace (default true)\n"
     "  --synthetic_layers=N, --synthetic_rounds=N, --head_dim=N (defaults 2, 8, 128)\n"
@@ -78,7 +80,8 @@ int EvalCodecs(const Args& args) {
     auto m = model::Model::Load(args.Get("model"));
     if (!m.ok()) return Usage(std::string(m.status().message()));
     model = std::move(*m);
-    const int len = static_cast<int>(args.GetU64("seq_len", model->config().seq_len));
+    const int len =
+        static_cast<int>(args.GetU64("seq_len", std::min(model->config().seq_len, 512)));
     const int nseq = static_cast<int>(args.GetU64("sequences", 4));
     for (int i = 0; i < nseq; ++i) {
       auto s = model::SampleTokens(*model, len, seed + i);
@@ -160,7 +163,8 @@ constexpr char kEvictionHelp[] =
     "  teacher-forced KL and top-1 agreement against the full cache after evicting once at\n"
     "  the end of the prompt; on the synthetic trace, L1 eviction loss and relative\n"
     "  attention-output error for its decode queries.\n\n"
-    "  --model=PATH        llama2.c checkpoint (e.g. ../shared/models/stories260K.bin)\n"
+    "  --model=PATH        a GGUF file or llama2.c checkpoint (e.g. "
+    "../shared/models/stories260K.bin)\n"
     "  --sequences=N       held-out sequences sampled from the model (default 4; seeds\n"
     "                      1000+, disjoint from the EvolKV search's)\n"
     "  --seq_len=N         tokens per sequence (default 512)   --prompt=N (default 384)\n"

@@ -20,7 +20,7 @@ constexpr char kWatershedHelp[] =
     "  layer the mean KL(P_later || P_layer) against every later layer and how many past\n"
     "  rounds hold --mass of the attention, then L_w: the first layer from which the mean\n"
     "  KL stays at or below --kl_threshold at every later layer.\n\n"
-    "  --model=PATH        llama2.c checkpoint (e.g. ../shared/models/stories260K.bin);\n"
+    "  --model=PATH        a GGUF file or llama2.c checkpoint (e.g. stories260K.bin);\n"
     "                      without it, the embedded synthetic chat (traces/synthetic_chat.h)\n"
     "  --conversations=FILE  with --model: your own conversations instead of a generated one\n"
     "                      (JSON Lines of token ids, docs/replay.md; every conversation's\n"
