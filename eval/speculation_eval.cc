@@ -300,8 +300,7 @@ absl::StatusOr<spec::SkewModel> CalibrateSkew(const model::Model& m,
   return s;
 }
 
-absl::StatusOr<SpecResult> EvaluateSpeculation(const model::Model& m,
-                                               const spec::SkewModel& skew,
+absl::StatusOr<SpecResult> EvaluateSpeculation(const model::Model& m, const spec::SkewModel& skew,
                                                const std::vector<std::vector<SpecRound>>& convs,
                                                const spec::SpeculationParams& p,
                                                bool oracle_query) {

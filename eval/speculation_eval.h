@@ -67,8 +67,7 @@ struct SpecResult {
 // With `oracle_query`, layer l speculates with its own true query instead of
 // the approximation from layer l - 1's input: what the partial columns and
 // alpha cost alone, apart from the approximation.
-absl::StatusOr<SpecResult> EvaluateSpeculation(const model::Model& m,
-                                               const spec::SkewModel& skew,
+absl::StatusOr<SpecResult> EvaluateSpeculation(const model::Model& m, const spec::SkewModel& skew,
                                                const std::vector<std::vector<SpecRound>>& convs,
                                                const spec::SpeculationParams& p,
                                                bool oracle_query = false);

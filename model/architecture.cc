@@ -64,9 +64,9 @@ absl::StatusOr<ModelConfig> ConfigFromGguf(const GgufFile& f) {
   KVT_ASSIGN_OR_RETURN(int value_length,
                        IntOr(f, p + "attention.value_length", 2, 4096, c.key_length));
   if (value_length != c.key_length) {
-    return Unsupported(f, p + "attention.value_length",
-                       absl::StrCat("(", value_length, ") differs from the key length ",
-                                    c.key_length));
+    return Unsupported(
+        f, p + "attention.value_length",
+        absl::StrCat("(", value_length, ") differs from the key length ", c.key_length));
   }
   if (c.key_length % 2 != 0) {
     return absl::InvalidArgumentError(absl::StrCat(f.name(), ": odd key length ", c.key_length));
@@ -80,9 +80,9 @@ absl::StatusOr<ModelConfig> ConfigFromGguf(const GgufFile& f) {
   c.rope_theta = static_cast<float>(base);
   KVT_ASSIGN_OR_RETURN(int rope_dims, IntOr(f, p + "rope.dimension_count", 1, 4096, c.key_length));
   if (rope_dims != c.key_length) {
-    return Unsupported(f, p + "rope.dimension_count",
-                       absl::StrCat("= ", rope_dims, " (partial RoPE over a key length of ",
-                                    c.key_length, ")"));
+    return Unsupported(
+        f, p + "rope.dimension_count",
+        absl::StrCat("= ", rope_dims, " (partial RoPE over a key length of ", c.key_length, ")"));
   }
   // RoPE scaling: a factor other than 1 changes the positions' angles.
   if (f.Has(p + "rope.scaling.factor")) {
@@ -112,10 +112,10 @@ absl::StatusOr<ModelConfig> ConfigFromGguf(const GgufFile& f) {
   }
   c.vocab_size = static_cast<int>(embed->dims[1]);
   if (c.arch == Arch::kGemma3) {
-    KVT_ASSIGN_OR_RETURN(int window, IntOr(f, p + "attention.sliding_window", 1, 1 << 24,
-                                           kGemma3DefaultWindow));
-    KVT_ASSIGN_OR_RETURN(int every, IntOr(f, p + "attention.sliding_window_pattern", 1, 1024,
-                                          kGemma3GlobalEvery));
+    KVT_ASSIGN_OR_RETURN(
+        int window, IntOr(f, p + "attention.sliding_window", 1, 1 << 24, kGemma3DefaultWindow));
+    KVT_ASSIGN_OR_RETURN(
+        int every, IntOr(f, p + "attention.sliding_window_pattern", 1, 1024, kGemma3GlobalEvery));
     c.window.resize(c.n_layers);
     c.layer_rope_theta.resize(c.n_layers);
     for (int l = 0; l < c.n_layers; ++l) {

@@ -27,7 +27,7 @@ struct ModelConfig {
   int key_length = 0;  // Per-head width; 0: dim / n_heads (llama2.c).
 
   int vocab_size = 0;
-  int seq_len = 0;     // Context length.
+  int seq_len = 0;                // Context length.
   bool shared_classifier = true;  // Output head tied to the embedding.
   float rope_theta = 10000.0f;    // RoPE base of the global layers.
   float rms_eps = 1e-5f;

@@ -18,9 +18,9 @@ struct ExportOptions {
   // model from the same weights (the norms it lacks set to 1): a different
   // model, with sliding windows, for tests of the tier's shape.
   std::string arch = "llama";
-  std::string name;            // general.name; default: the file's stem.
-  int gemma3_window = 0;       // gemma3.attention.sliding_window (0: default).
-  int gemma3_global_every = 0; // gemma3.attention.sliding_window_pattern (0: default).
+  std::string name;             // general.name; default: the file's stem.
+  int gemma3_window = 0;        // gemma3.attention.sliding_window (0: default).
+  int gemma3_global_every = 0;  // gemma3.attention.sliding_window_pattern (0: default).
 };
 
 // Writes `m` to `path` (atomically). INVALID_ARGUMENT for an unknown arch.

@@ -73,10 +73,9 @@ absl::Status PerTokenLayerAttention::AttendLayer(int layer, int pos0, int n, con
                                                  const float* k, const float* v, float* out) {
   const int qd = c_.q_dim(), kv = c_.kv_dim();
   for (int i = 0; i < n; ++i) {
-    KVT_RETURN_IF_ERROR(b_->Attend(layer, pos0 + i, q + static_cast<int64_t>(i) * qd,
-                                   k + static_cast<int64_t>(i) * kv,
-                                   v + static_cast<int64_t>(i) * kv,
-                                   out + static_cast<int64_t>(i) * qd));
+    KVT_RETURN_IF_ERROR(b_->Attend(
+        layer, pos0 + i, q + static_cast<int64_t>(i) * qd, k + static_cast<int64_t>(i) * kv,
+        v + static_cast<int64_t>(i) * kv, out + static_cast<int64_t>(i) * qd));
   }
   return absl::OkStatus();
 }
@@ -224,9 +223,8 @@ absl::StatusOr<std::vector<int>> SampleTokens(const Model& m, int n, uint64_t se
   FullCacheAttention cache(c);
   Forward f(m);
   std::vector<float> logits(c.vocab_size);
-  std::vector<int> tokens = {m.tokenizer() != nullptr && m.tokenizer()->bos() >= 0
-                                 ? m.tokenizer()->bos()
-                                 : 1};
+  std::vector<int> tokens = {
+      m.tokenizer() != nullptr && m.tokenizer()->bos() >= 0 ? m.tokenizer()->bos() : 1};
   while (static_cast<int>(tokens.size()) < n) {
     const int pos = static_cast<int>(tokens.size()) - 1;
     KVT_RETURN_IF_ERROR(f.Step(tokens.back(), pos, &cache, logits.data()));

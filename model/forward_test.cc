@@ -65,8 +65,7 @@ TEST(LlamaLoadTest, ClearErrors) {
     const int32_t h[7] = {64, 172, 5, 8, 3, 512, 512};  // 8 heads do not split into 3 groups.
     f.write(reinterpret_cast<const char*>(h), sizeof(h));
   }
-  EXPECT_THAT(Model::Load(bad),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("header")));
+  EXPECT_THAT(Model::Load(bad), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("header")));
   {
     std::ofstream f(bad, std::ios::binary);
     const int32_t h[7] = {64, 172, 5, 8, 4, 512, 512};
@@ -74,8 +73,7 @@ TEST(LlamaLoadTest, ClearErrors) {
     const float zero[100] = {};
     f.write(reinterpret_cast<const char*>(zero), sizeof(zero));
   }
-  EXPECT_THAT(Model::Load(bad),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bytes")));
+  EXPECT_THAT(Model::Load(bad), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bytes")));
 }
 
 TEST(LlamaTest, Stories260KForwardMatchesNaiveAttentionAndPredictsWell) {
@@ -239,7 +237,8 @@ TEST(ModelLoadTest, RefusesWhatItCannotRun) {
     w.AddString("general.architecture", "gemma3");
     for (const auto& [k, v] : f->metadata()) {
       if (k == "general.architecture") continue;
-      if (v.type == GgufType::kU32) w.AddU32(k, static_cast<uint32_t>(std::get<uint64_t>(v.scalar)));
+      if (v.type == GgufType::kU32)
+        w.AddU32(k, static_cast<uint32_t>(std::get<uint64_t>(v.scalar)));
       if (v.type == GgufType::kF32) w.AddF32(k, static_cast<float>(std::get<double>(v.scalar)));
       if (v.type == GgufType::kString) w.AddString(k, std::get<std::string>(v.scalar));
     }
@@ -268,4 +267,3 @@ TEST(ModelLoadTest, RefusesWhatItCannotRun) {
 
 }  // namespace
 }  // namespace kvtier::model
-

@@ -235,8 +235,8 @@ GgufFile::~GgufFile() {
 absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
-    return absl::NotFoundError(absl::StrCat("cannot open model file ", path, ": ",
-                                            std::strerror(errno)));
+    return absl::NotFoundError(
+        absl::StrCat("cannot open model file ", path, ": ", std::strerror(errno)));
   }
   struct stat st;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -282,8 +282,8 @@ absl::Status GgufFile::ParseAll() {
   KVT_ASSIGN_OR_RETURN(uint64_t n_kv, r.Get<uint64_t>("the metadata count"));
   // A metadata entry takes at least 13 bytes, a tensor entry at least 28.
   if (n_kv > r.left() / 13 || n_tensors > r.left() / 28) {
-    return r.Error(absl::StrCat(n_kv, " metadata entries and ", n_tensors,
-                                " tensors cannot fit in the file"));
+    return r.Error(
+        absl::StrCat(n_kv, " metadata entries and ", n_tensors, " tensors cannot fit in the file"));
   }
   for (uint64_t i = 0; i < n_kv; ++i) {
     KVT_ASSIGN_OR_RETURN(std::string key, r.String("a metadata key"));
@@ -296,8 +296,8 @@ absl::Status GgufFile::ParseAll() {
   if (Has("general.alignment")) {
     KVT_ASSIGN_OR_RETURN(int64_t a, Int("general.alignment"));
     if (a <= 0 || static_cast<uint64_t>(a) > kMaxAlignment || (a & (a - 1)) != 0) {
-      return r.Error(absl::StrCat("general.alignment ", a, " is not a power of two up to ",
-                                  kMaxAlignment));
+      return r.Error(
+          absl::StrCat("general.alignment ", a, " is not a power of two up to ", kMaxAlignment));
     }
     alignment_ = static_cast<uint64_t>(a);
   }
@@ -317,17 +317,17 @@ absl::Status GgufFile::ParseAll() {
     for (uint32_t d = 0; d < n_dims; ++d) {
       KVT_ASSIGN_OR_RETURN(uint64_t dim, r.Get<uint64_t>("a tensor dimension"));
       if (dim == 0 || dim > limit || elements > limit / dim) {
-        return r.Error(absl::StrCat("tensor ", t.name, " has dimension ", dim,
-                                    ", too large for the file"));
+        return r.Error(
+            absl::StrCat("tensor ", t.name, " has dimension ", dim, ", too large for the file"));
       }
       elements *= dim;
       t.dims.push_back(static_cast<int64_t>(dim));
     }
     KVT_ASSIGN_OR_RETURN(uint32_t type, r.Get<uint32_t>("a tensor type"));
     if (!GgmlTypeSupported(type)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name_, ": tensor ", t.name, " has type ", GgmlTypeName(type), " (", type,
-                       "), which kvtier cannot read"));
+      return absl::InvalidArgumentError(absl::StrCat(name_, ": tensor ", t.name, " has type ",
+                                                     GgmlTypeName(type), " (", type,
+                                                     "), which kvtier cannot read"));
     }
     t.type = static_cast<GgmlType>(type);
     if (t.dims[0] % BlockWeights(t.type) != 0) {
@@ -352,7 +352,8 @@ absl::Status GgufFile::ParseAll() {
   const uint64_t data_bytes = data_start <= bytes_.size() ? bytes_.size() - data_start : 0;
   std::vector<size_t> order(tensors_.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return offsets[a] < offsets[b]; });
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return offsets[a] < offsets[b]; });
   uint64_t end = 0;
   for (size_t i : order) {
     GgufTensor& t = tensors_[i];

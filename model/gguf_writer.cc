@@ -85,8 +85,8 @@ void GgufWriter::AddI32s(const std::string& key, const std::vector<int32_t>& v) 
   ++n_kv_;
 }
 
-void GgufWriter::AddTensor(const std::string& name, GgmlType type,
-                           const std::vector<int64_t>& dims, std::string data) {
+void GgufWriter::AddTensor(const std::string& name, GgmlType type, const std::vector<int64_t>& dims,
+                           std::string data) {
   tensors_.push_back({name, type, dims, std::move(data)});
 }
 

@@ -26,15 +26,15 @@ void MatMul(const float* x, int n, const float* w, int rows, int cols, float* ou
     });
   }
   SplitRows(rows, pool, [&](int r0, int r1) {
-  for (int r = r0; r < r1; ++r) {
-    const float* wr = w + static_cast<int64_t>(r) * cols;
-    for (int t = 0; t < n; ++t) {
-      const float* xt = x + static_cast<int64_t>(t) * cols;
-      float acc = 0;
-      for (int j = 0; j < cols; ++j) acc += wr[j] * xt[j];
-      out[static_cast<int64_t>(t) * rows + r] = acc;
+    for (int r = r0; r < r1; ++r) {
+      const float* wr = w + static_cast<int64_t>(r) * cols;
+      for (int t = 0; t < n; ++t) {
+        const float* xt = x + static_cast<int64_t>(t) * cols;
+        float acc = 0;
+        for (int j = 0; j < cols; ++j) acc += wr[j] * xt[j];
+        out[static_cast<int64_t>(t) * rows + r] = acc;
+      }
     }
-  }
   });
 }
 

@@ -1,7 +1,7 @@
 #include "model/matmul.h"
 
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <random>
 #include <vector>
 

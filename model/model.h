@@ -37,11 +37,11 @@ struct Matrix {
 };
 
 struct LayerWeights {
-  std::vector<float> attn_norm, ffn_norm;             // [dim]
-  std::vector<float> q_norm, k_norm;                  // gemma3: [head_dim]
-  std::vector<float> post_attn_norm, post_ffn_norm;   // gemma3: [dim]
-  Matrix wq, wk, wv, wo;  // [q_dim][dim], [kv_dim][dim] x2, [dim][q_dim]
-  Matrix gate, up, down;  // [hidden][dim] x2, [dim][hidden]
+  std::vector<float> attn_norm, ffn_norm;            // [dim]
+  std::vector<float> q_norm, k_norm;                 // gemma3: [head_dim]
+  std::vector<float> post_attn_norm, post_ffn_norm;  // gemma3: [dim]
+  Matrix wq, wk, wv, wo;                             // [q_dim][dim], [kv_dim][dim] x2, [dim][q_dim]
+  Matrix gate, up, down;                             // [hidden][dim] x2, [dim][hidden]
 };
 
 class Model {

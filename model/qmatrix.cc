@@ -183,27 +183,26 @@ void QMatMul(const float* x, int n, const QMatrix& w, float* out, KernelLevel le
   }
   const float* xs = xsum.empty() ? nullptr : xsum.data();
   if (level != KernelLevel::kReference && kvtier::internal::SimdAvailable()) {
-    return SplitRows(w.rows, pool, [&](int r0, int r1) {
-      internal::QMatMulAvx2(x, n, w, xs, r0, r1, out);
-    });
+    return SplitRows(w.rows, pool,
+                     [&](int r0, int r1) { internal::QMatMulAvx2(x, n, w, xs, r0, r1, out); });
   }
   SplitRows(w.rows, pool, [&](int r0, int r1) {
-  for (int r = r0; r < r1; ++r) {
-    const int8_t* qr = w.q.data() + static_cast<size_t>(r) * w.cols;
-    for (int t = 0; t < n; ++t) {
-      const float* xt = x + static_cast<size_t>(t) * w.cols;
-      float acc = 0, bacc = 0;
-      for (int g = 0; g < w.groups(); ++g) {
-        const size_t gi = static_cast<size_t>(r) * w.groups() + g;
-        const float s = w.scale[gi];
-        for (int j = 0; j < w.group; ++j) {
-          acc += s * static_cast<float>(qr[g * w.group + j]) * xt[g * w.group + j];
+    for (int r = r0; r < r1; ++r) {
+      const int8_t* qr = w.q.data() + static_cast<size_t>(r) * w.cols;
+      for (int t = 0; t < n; ++t) {
+        const float* xt = x + static_cast<size_t>(t) * w.cols;
+        float acc = 0, bacc = 0;
+        for (int g = 0; g < w.groups(); ++g) {
+          const size_t gi = static_cast<size_t>(r) * w.groups() + g;
+          const float s = w.scale[gi];
+          for (int j = 0; j < w.group; ++j) {
+            acc += s * static_cast<float>(qr[g * w.group + j]) * xt[g * w.group + j];
+          }
+          if (!xsum.empty()) bacc += w.bias[gi] * xsum[static_cast<size_t>(t) * w.groups() + g];
         }
-        if (!xsum.empty()) bacc += w.bias[gi] * xsum[static_cast<size_t>(t) * w.groups() + g];
+        out[static_cast<size_t>(t) * w.rows + r] = acc + bacc;
       }
-      out[static_cast<size_t>(t) * w.rows + r] = acc + bacc;
     }
-  }
   });
 }
 

@@ -23,10 +23,19 @@ std::string Rows(GgmlType t, int rows, int cols, uint64_t seed) {
   for (char& c : s) c = static_cast<char>(rng());
   std::vector<int> halves;
   switch (t) {
-    case GgmlType::kQ4_0: case GgmlType::kQ5_0: case GgmlType::kQ8_0: halves = {0}; break;
-    case GgmlType::kQ2_K: halves = {80, 82}; break;
-    case GgmlType::kQ6_K: halves = {208}; break;
-    default: halves = {0, 2};
+    case GgmlType::kQ4_0:
+    case GgmlType::kQ5_0:
+    case GgmlType::kQ8_0:
+      halves = {0};
+      break;
+    case GgmlType::kQ2_K:
+      halves = {80, 82};
+      break;
+    case GgmlType::kQ6_K:
+      halves = {208};
+      break;
+    default:
+      halves = {0, 2};
   }
   std::uniform_real_distribution<float> u(-0.05f, 0.05f);
   for (size_t b = 0; b < s.size() / BlockBytes(t); ++b) {

@@ -170,39 +170,72 @@ void RowQ6_K(const uint8_t* b, float* y, int64_t nb) {
 
 const char* GgmlTypeName(uint32_t type) {
   switch (type) {
-    case 0: return "F32";
-    case 1: return "F16";
-    case 2: return "Q4_0";
-    case 3: return "Q4_1";
-    case 6: return "Q5_0";
-    case 7: return "Q5_1";
-    case 8: return "Q8_0";
-    case 9: return "Q8_1";
-    case 10: return "Q2_K";
-    case 11: return "Q3_K";
-    case 12: return "Q4_K";
-    case 13: return "Q5_K";
-    case 14: return "Q6_K";
-    case 15: return "Q8_K";
-    case 16: return "IQ2_XXS";
-    case 17: return "IQ2_XS";
-    case 18: return "IQ3_XXS";
-    case 19: return "IQ1_S";
-    case 20: return "IQ4_NL";
-    case 21: return "IQ3_S";
-    case 22: return "IQ2_S";
-    case 23: return "IQ4_XS";
-    case 24: return "I8";
-    case 25: return "I16";
-    case 26: return "I32";
-    case 27: return "I64";
-    case 28: return "F64";
-    case 29: return "IQ1_M";
-    case 30: return "BF16";
-    case 34: return "TQ1_0";
-    case 35: return "TQ2_0";
-    case 39: return "MXFP4";
-    default: return "an unknown type";
+    case 0:
+      return "F32";
+    case 1:
+      return "F16";
+    case 2:
+      return "Q4_0";
+    case 3:
+      return "Q4_1";
+    case 6:
+      return "Q5_0";
+    case 7:
+      return "Q5_1";
+    case 8:
+      return "Q8_0";
+    case 9:
+      return "Q8_1";
+    case 10:
+      return "Q2_K";
+    case 11:
+      return "Q3_K";
+    case 12:
+      return "Q4_K";
+    case 13:
+      return "Q5_K";
+    case 14:
+      return "Q6_K";
+    case 15:
+      return "Q8_K";
+    case 16:
+      return "IQ2_XXS";
+    case 17:
+      return "IQ2_XS";
+    case 18:
+      return "IQ3_XXS";
+    case 19:
+      return "IQ1_S";
+    case 20:
+      return "IQ4_NL";
+    case 21:
+      return "IQ3_S";
+    case 22:
+      return "IQ2_S";
+    case 23:
+      return "IQ4_XS";
+    case 24:
+      return "I8";
+    case 25:
+      return "I16";
+    case 26:
+      return "I32";
+    case 27:
+      return "I64";
+    case 28:
+      return "F64";
+    case 29:
+      return "IQ1_M";
+    case 30:
+      return "BF16";
+    case 34:
+      return "TQ1_0";
+    case 35:
+      return "TQ2_0";
+    case 39:
+      return "MXFP4";
+    default:
+      return "an unknown type";
   }
 }
 
@@ -248,18 +281,30 @@ int BlockWeights(GgmlType t) {
 
 int BlockBytes(GgmlType t) {
   switch (t) {
-    case GgmlType::kF32: return 4;
-    case GgmlType::kF16: return 2;
-    case GgmlType::kBF16: return 2;
-    case GgmlType::kQ4_0: return 18;
-    case GgmlType::kQ4_1: return 20;
-    case GgmlType::kQ5_0: return 22;
-    case GgmlType::kQ5_1: return 24;
-    case GgmlType::kQ8_0: return 34;
-    case GgmlType::kQ2_K: return 84;
-    case GgmlType::kQ4_K: return 144;
-    case GgmlType::kQ5_K: return 176;
-    case GgmlType::kQ6_K: return 210;
+    case GgmlType::kF32:
+      return 4;
+    case GgmlType::kF16:
+      return 2;
+    case GgmlType::kBF16:
+      return 2;
+    case GgmlType::kQ4_0:
+      return 18;
+    case GgmlType::kQ4_1:
+      return 20;
+    case GgmlType::kQ5_0:
+      return 22;
+    case GgmlType::kQ5_1:
+      return 24;
+    case GgmlType::kQ8_0:
+      return 34;
+    case GgmlType::kQ2_K:
+      return 84;
+    case GgmlType::kQ4_K:
+      return 144;
+    case GgmlType::kQ5_K:
+      return 176;
+    case GgmlType::kQ6_K:
+      return 210;
   }
   return 0;
 }
@@ -283,15 +328,24 @@ void DequantizeRow(GgmlType t, const void* src, float* dst, int64_t n) {
         dst[i] = BitsFloat(static_cast<uint32_t>(h) << 16);
       }
       return;
-    case GgmlType::kQ4_0: return RowQ4_0(b, dst, nb);
-    case GgmlType::kQ4_1: return RowQ4_1(b, dst, nb);
-    case GgmlType::kQ5_0: return RowQ5(b, dst, nb, false);
-    case GgmlType::kQ5_1: return RowQ5(b, dst, nb, true);
-    case GgmlType::kQ8_0: return RowQ8_0(b, dst, nb);
-    case GgmlType::kQ2_K: return RowQ2_K(b, dst, nb);
-    case GgmlType::kQ4_K: return RowQ4_K(b, dst, nb);
-    case GgmlType::kQ5_K: return RowQ5_K(b, dst, nb);
-    case GgmlType::kQ6_K: return RowQ6_K(b, dst, nb);
+    case GgmlType::kQ4_0:
+      return RowQ4_0(b, dst, nb);
+    case GgmlType::kQ4_1:
+      return RowQ4_1(b, dst, nb);
+    case GgmlType::kQ5_0:
+      return RowQ5(b, dst, nb, false);
+    case GgmlType::kQ5_1:
+      return RowQ5(b, dst, nb, true);
+    case GgmlType::kQ8_0:
+      return RowQ8_0(b, dst, nb);
+    case GgmlType::kQ2_K:
+      return RowQ2_K(b, dst, nb);
+    case GgmlType::kQ4_K:
+      return RowQ4_K(b, dst, nb);
+    case GgmlType::kQ5_K:
+      return RowQ5_K(b, dst, nb);
+    case GgmlType::kQ6_K:
+      return RowQ6_K(b, dst, nb);
   }
 }
 

@@ -117,9 +117,9 @@ TEST(QuantTest, KnownBlocks) {
   uint8_t* sc = reinterpret_cast<uint8_t*>(&q4k[4]);
   sc[0] = 3;
   sc[4] = 2;
-  sc[9] = 1;          // Sub-block 5: low 4 bits of its scale.
-  sc[1] |= 1u << 6;   // ... and bits 4-5 from byte 1's top bits.
-  q4k[16] = 7;        // Weight 0 (low nibble of byte 0 of pair 0).
+  sc[9] = 1;            // Sub-block 5: low 4 bits of its scale.
+  sc[1] |= 1u << 6;     // ... and bits 4-5 from byte 1's top bits.
+  q4k[16] = 7;          // Weight 0 (low nibble of byte 0 of pair 0).
   q4k[16 + 64] = 0x20;  // Weight 160 + 0 (pair 2, high nibble = 2): sub-block 5.
   std::vector<float> yk(256);
   DequantizeRow(GgmlType::kQ4_K, q4k.data(), yk.data(), 256);

@@ -46,18 +46,18 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& f
   }
   KVT_ASSIGN_OR_RETURN(std::string kind, f.String("tokenizer.ggml.model"));
   if (kind != "llama") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        f.name(), ": tokenizer.ggml.model = ", kind,
-        " is not supported (kvtier reads SentencePiece vocabularies, \"llama\")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(f.name(), ": tokenizer.ggml.model = ", kind,
+                     " is not supported (kvtier reads SentencePiece vocabularies, \"llama\")"));
   }
   auto t = std::unique_ptr<Tokenizer>(new Tokenizer());
   KVT_ASSIGN_OR_RETURN(const std::vector<std::string>* pieces, f.Strings("tokenizer.ggml.tokens"));
   KVT_ASSIGN_OR_RETURN(const std::vector<double>* scores, f.Numbers("tokenizer.ggml.scores"));
   KVT_ASSIGN_OR_RETURN(const std::vector<double>* types, f.Numbers("tokenizer.ggml.token_type"));
   if (scores->size() != pieces->size() || types->size() != pieces->size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        f.name(), ": the vocabulary has ", pieces->size(), " pieces, ", scores->size(),
-        " scores and ", types->size(), " types"));
+    return absl::InvalidArgumentError(absl::StrCat(f.name(), ": the vocabulary has ",
+                                                   pieces->size(), " pieces, ", scores->size(),
+                                                   " scores and ", types->size(), " types"));
   }
   const int n = static_cast<int>(pieces->size());
   t->pieces_ = *pieces;
@@ -90,14 +90,12 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& f
   }
   for (int i = 0; i < n; ++i) {
     const int type = t->types_[i];
-    if ((type == kControl || type == kUserDefined || type == kUnknown) &&
-        !t->pieces_[i].empty()) {
+    if ((type == kControl || type == kUserDefined || type == kUnknown) && !t->pieces_[i].empty()) {
       t->specials_.push_back(i);
     }
   }
-  std::stable_sort(t->specials_.begin(), t->specials_.end(), [&](int a, int b) {
-    return t->pieces_[a].size() > t->pieces_[b].size();
-  });
+  std::stable_sort(t->specials_.begin(), t->specials_.end(),
+                   [&](int a, int b) { return t->pieces_[a].size() > t->pieces_[b].size(); });
   return t;
 }
 
@@ -159,8 +157,8 @@ std::vector<int> Tokenizer::Encode(std::string_view text, bool add_bos, bool par
 void Tokenizer::EncodeRun(const std::string& text, std::vector<int>* out) const {
   std::vector<Symbol> sym;
   for (size_t at = 0; at < text.size();) {
-    const size_t len = std::min<size_t>(Utf8Length(static_cast<unsigned char>(text[at])),
-                                        text.size() - at);
+    const size_t len =
+        std::min<size_t>(Utf8Length(static_cast<unsigned char>(text[at])), text.size() - at);
     const int i = static_cast<int>(sym.size());
     sym.push_back({i - 1, i + 1, text.data() + at, len});
     at += len;

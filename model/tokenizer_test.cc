@@ -34,9 +34,13 @@ struct Vocab {
     for (auto [p, s] : std::vector<std::pair<std::string, float>>{{"\xE2\x96\x81", -1.0f},
                                                                   {"a", -2.0f},
                                                                   {"b", -2.0f},
-                                                                  {"\xE2\x96\x81" "a", -1.5f},
+                                                                  {"\xE2\x96\x81"
+                                                                   "a",
+                                                                   -1.5f},
                                                                   {"ab", -0.5f},
-                                                                  {"\xE2\x96\x81" "ab", -0.1f}}) {
+                                                                  {"\xE2\x96\x81"
+                                                                   "ab",
+                                                                   -0.1f}}) {
       pieces.push_back(p);
       scores.push_back(s);
       types.push_back(1);
@@ -74,7 +78,9 @@ TEST(TokenizerTest, MergesByScoreLeftmostFirst) {
   Vocab v;
   const std::string file = v.File(false);
   auto t = Make(file);
-  const int ab = v.id("ab"), sp_ab = v.id("\xE2\x96\x81" "ab");
+  const int ab = v.id("ab"), sp_ab = v.id(
+                                 "\xE2\x96\x81"
+                                 "ab");
   // a b ▁ a b: "ab" (-0.5) merges at 0, then at 3; then "▁ab" (-0.1).
   EXPECT_THAT(t->Encode("ab ab", false), ElementsAre(ab, sp_ab));
   EXPECT_THAT(t->Encode("ab ab", true), ElementsAre(1, ab, sp_ab));

@@ -890,8 +890,8 @@ absl::StatusOr<Transcript> RunConversation(
   return RunRounds(m, in, b, progress);
 }
 
-absl::StatusOr<Transcript> RunScript(const model::Model& m,
-                                     const std::vector<ScriptRound>& rounds, ConversationBackend* b,
+absl::StatusOr<Transcript> RunScript(const model::Model& m, const std::vector<ScriptRound>& rounds,
+                                     ConversationBackend* b,
                                      const std::function<void(const std::string&)>& progress) {
   const model::ModelConfig& c = m.config();
   if (rounds.empty()) return absl::InvalidArgumentError("a conversation needs a round");

@@ -275,8 +275,8 @@ struct ScriptRound {
 // logits[r] holds [assistant tokens, vocab]. INVALID_ARGUMENT when a round
 // is empty, a token is outside the vocabulary or the conversation does not
 // fit the model's context. Failures are recovered as in RunConversation.
-absl::StatusOr<Transcript> RunScript(const model::Model& m,
-                                     const std::vector<ScriptRound>& rounds, ConversationBackend* b,
+absl::StatusOr<Transcript> RunScript(const model::Model& m, const std::vector<ScriptRound>& rounds,
+                                     ConversationBackend* b,
                                      const std::function<void(const std::string&)>& progress);
 
 struct Agreement {

@@ -199,8 +199,8 @@ absl::Status RunSynthetic(const DemoOptions& o, const OpenTier& open, int index,
   return absl::OkStatus();
 }
 
-absl::Status RunModel(const DemoOptions& o, const model::Model& m, const OpenTier& open,
-                      int index, DemoSession* out, std::unique_ptr<TierSession>* session,
+absl::Status RunModel(const DemoOptions& o, const model::Model& m, const OpenTier& open, int index,
+                      DemoSession* out, std::unique_ptr<TierSession>* session,
                       const std::function<void(const std::string&)>& progress) {
   ConversationOptions co;
   co.rounds = o.rounds;
@@ -227,9 +227,8 @@ absl::Status RunModel(const DemoOptions& o, const model::Model& m, const OpenTie
 
 // A conversation from the user's file: teacher-forced on its assistant
 // tokens through the full cache, then through the tier.
-absl::Status RunReplayed(const model::Model& m, const ReplayConversation& c,
-                         const OpenTier& open, DemoSession* out,
-                         std::unique_ptr<TierSession>* session,
+absl::Status RunReplayed(const model::Model& m, const ReplayConversation& c, const OpenTier& open,
+                         DemoSession* out, std::unique_ptr<TierSession>* session,
                          const std::function<void(const std::string&)>& progress) {
   out->conversation = c.id;
   out->where = c.where;
@@ -1320,13 +1319,12 @@ std::string RenderJson(const DemoReport& r) {
         absl::StrAppend(&s, ", \"answers\": [");
         for (size_t j = 0; j < d.answers.size(); ++j) {
           const DemoSession::Answer& a = d.answers[j];
-          absl::StrAppend(&s, j ? ", " : "", "{\"round\": ", a.round,
-                          ", \"question\": ", JsonQuote(a.question),
-                          ", \"expect\": ", JsonQuote(a.expect),
-                          ", \"full_cache\": ", JsonQuote(a.full_cache),
-                          ", \"full_cache_right\": ", a.full_cache_right ? "true" : "false",
-                          ", \"kvtier\": ", JsonQuote(a.kvtier),
-                          ", \"kvtier_right\": ", a.kvtier_right ? "true" : "false", "}");
+          absl::StrAppend(
+              &s, j ? ", " : "", "{\"round\": ", a.round, ", \"question\": ", JsonQuote(a.question),
+              ", \"expect\": ", JsonQuote(a.expect), ", \"full_cache\": ", JsonQuote(a.full_cache),
+              ", \"full_cache_right\": ", a.full_cache_right ? "true" : "false",
+              ", \"kvtier\": ", JsonQuote(a.kvtier),
+              ", \"kvtier_right\": ", a.kvtier_right ? "true" : "false", "}");
         }
         absl::StrAppend(&s, "]");
       }

@@ -126,8 +126,7 @@ absl::StatusOr<RoundDistributions> ModelDistributions(const model::Model& m,
 }
 
 absl::StatusOr<RoundDistributions> ReplayDistributions(
-    const model::Model& m, const std::vector<ReplayConversation>& conversations,
-    int min_past) {
+    const model::Model& m, const std::vector<ReplayConversation>& conversations, int min_past) {
   const model::ModelConfig& mc = m.config();
   KVT_RETURN_IF_ERROR(CheckConversations(conversations, mc));
   RoundDistributions out;

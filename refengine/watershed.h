@@ -37,8 +37,7 @@ absl::StatusOr<RoundDistributions> ModelDistributions(const model::Model& m,
 // teacher-forced on their assistant tokens; the probes of every
 // conversation together.
 absl::StatusOr<RoundDistributions> ReplayDistributions(
-    const model::Model& m, const std::vector<ReplayConversation>& conversations,
-    int min_past = 2);
+    const model::Model& m, const std::vector<ReplayConversation>& conversations, int min_past = 2);
 
 struct WatershedReport {
   // Per layer l < L - 1: mean over probes and later layers l' of

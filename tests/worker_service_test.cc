@@ -1918,7 +1918,8 @@ TEST(WorkerResumeTest, RoundsOfAnotherModelAreNeverResumed) {
   const grpc::Status other = open(sb.get(), true, 0x2222, &r);
   EXPECT_EQ(other.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(other.error_message(), ::testing::HasSubstr("holds K/V of model 0000000000001111"));
-  EXPECT_THAT(other.error_message(), ::testing::HasSubstr("this session's model is 0000000000002222"));
+  EXPECT_THAT(other.error_message(),
+              ::testing::HasSubstr("this session's model is 0000000000002222"));
   ASSERT_TRUE(open(sb.get(), true, 0x1111, &r).ok());
   EXPECT_EQ(r.next_round(), 2u);
 }

@@ -46,8 +46,8 @@ Args::Args(int argc, char** argv, int first) {
     std::string a = argv[i];
     if (a.rfind("--", 0) == 0) {
       size_t eq = a.find('=');
-      const bool boolean = a == "--unpin" || a == "--help" || a == "--oracle" ||
-                           a == "--no_bos" || a == "--special";
+      const bool boolean =
+          a == "--unpin" || a == "--help" || a == "--oracle" || a == "--no_bos" || a == "--special";
       if (eq == std::string::npos && !boolean && i + 1 < argc &&
           std::string(argv[i + 1]).rfind("--", 0) != 0) {
         kv_[a.substr(2)] = argv[++i];  // "--flag value"

@@ -15,14 +15,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "base/status_macros.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
 #include "kernels/codec.h"
 #include "model/architecture.h"
 #include "model/export.h"
 #include "model/forward.h"
 #include "model/gguf.h"
 #include "model/thread_pool.h"
-#include "google/protobuf/struct.pb.h"
-#include "google/protobuf/util/json_util.h"
 #include "refengine/replay.h"
 #include "tools/cli_args.h"
 
@@ -88,7 +88,8 @@ int Info(const std::string& path) {
   auto f = model::GgufFile::Open(path);
   if (f.ok()) {
     std::map<std::string, int> counts;
-    for (const auto& t : (*f)->tensors()) ++counts[model::GgmlTypeName(static_cast<uint32_t>(t.type))];
+    for (const auto& t : (*f)->tensors())
+      ++counts[model::GgmlTypeName(static_cast<uint32_t>(t.type))];
     std::string s;
     for (const auto& [name, n] : counts) absl::StrAppend(&s, s.empty() ? "" : ", ", n, " ", name);
     std::printf("tensors       %s\n", s.c_str());
@@ -304,8 +305,8 @@ int Bench(const std::string& path, const Args& args) {
   const double d_s = std::chrono::duration<double>(t2 - t1).count();
   std::printf("isa %s, %d thread(s)\n", VectorIsaName(), pool.threads());
   std::printf("prefill %d tokens %.3f s %.1f tokens/s\n", prefill, p_s, prefill / p_s);
-  std::printf("decode %d tokens %.3f s %.1f tokens/s %.2f ms/token\n", decode, d_s,
-              decode / d_s, 1000 * d_s / std::max(decode, 1));
+  std::printf("decode %d tokens %.3f s %.1f tokens/s %.2f ms/token\n", decode, d_s, decode / d_s,
+              1000 * d_s / std::max(decode, 1));
   return 0;
 }
 

@@ -43,9 +43,8 @@ std::vector<float> UnitVector(std::mt19937_64& rng, int d) {
 
 }  // namespace
 
-absl::StatusOr<KvTrace> CaptureModelTrace(const model::Model& m,
-                                          const std::vector<int>& tokens, int n_queries,
-                                          const std::string& name) {
+absl::StatusOr<KvTrace> CaptureModelTrace(const model::Model& m, const std::vector<int>& tokens,
+                                          int n_queries, const std::string& name) {
   const model::ModelConfig& c = m.config();
   const int64_t n = static_cast<int64_t>(tokens.size());
   if (n_queries < 1 || n_queries >= n) {

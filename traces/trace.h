@@ -59,9 +59,8 @@ struct KvTrace {
 // Runs `tokens` through the model with full-precision attention and keeps the
 // first tokens.size() - n_queries positions' K/V and the last n_queries
 // positions' queries (the next decode steps' real queries).
-absl::StatusOr<KvTrace> CaptureModelTrace(const model::Model& m,
-                                          const std::vector<int>& tokens, int n_queries,
-                                          const std::string& name);
+absl::StatusOr<KvTrace> CaptureModelTrace(const model::Model& m, const std::vector<int>& tokens,
+                                          int n_queries, const std::string& name);
 
 // The synthetic-realistic generator. Each property is one that published
 // KV-cache analyses report, and each is tunable:

@@ -263,8 +263,7 @@ absl::Status CheckShape(const ModelShape& shape) {
   }
   if (!shape.window.empty() && static_cast<int>(shape.window.size()) != shape.layers) {
     return absl::InvalidArgumentError(absl::StrCat("bad model shape: ", shape.window.size(),
-                                                   " layer windows for ", shape.layers,
-                                                   " layers"));
+                                                   " layer windows for ", shape.layers, " layers"));
   }
   for (int w : shape.window) {
     if (w < 0) return absl::InvalidArgumentError("bad model shape: a negative layer window");

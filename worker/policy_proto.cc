@@ -37,8 +37,8 @@ absl::StatusOr<worker::ModelShape> ShapeFromProto(const v1::ModelSpec& m) {
     }
     for (int l = 0; l < s.layers; ++l) {
       if (m.layer_window(l) > (1u << 24)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "bad ModelSpec: layer_window[", l, "] = ", m.layer_window(l), " exceeds 2^24"));
+        return absl::InvalidArgumentError(absl::StrCat("bad ModelSpec: layer_window[", l,
+                                                       "] = ", m.layer_window(l), " exceeds 2^24"));
       }
       s.window.push_back(static_cast<int>(m.layer_window(l)));
     }

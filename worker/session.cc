@@ -486,8 +486,7 @@ absl::Status AttendLayer(const ModelShape& sh, const std::vector<const RoundLaye
 // i) attends over the `window` positions up to itself. A past round that
 // the window cuts is decoded from its first position inside the window
 // (its tokens are its positions: sliding models keep every token).
-absl::Status AttendWindowed(const ModelShape& sh,
-                            const std::vector<PlacedRound>& rounds,
+absl::Status AttendWindowed(const ModelShape& sh, const std::vector<PlacedRound>& rounds,
                             const OpenLayer& cur, int64_t open_start, int64_t base, int64_t n,
                             int64_t window, const float* q, float* out, KernelLevel level) {
   const int d = sh.head_dim, rep = sh.q_heads / sh.kv_heads, es = sh.dtype_bytes();
@@ -505,7 +504,8 @@ absl::Status AttendWindowed(const ModelShape& sh,
           continue;
         }
         if (hk.len != r.tokens) {
-          return absl::InternalError("a sliding layer's round lost tokens; its positions are unknown");
+          return absl::InternalError(
+              "a sliding layer's round lost tokens; its positions are unknown");
         }
         const int64_t from = first - r.start, m = r.tokens - from;
         ck.resize(static_cast<size_t>(m) * d);
