@@ -1,18 +1,11 @@
 // MatMul's AVX2+FMA version (built with -mavx2 -mfma; called only when the
 // CPU has them).
 #include "kernels/x86_intrinsics.h"
+#include "model/avx2_internal.h"
 #include "model/matmul.h"
 
 namespace kvtier::model::internal {
 namespace {
-
-float Sum8(__m256 v) {
-  const __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  __m128 s = _mm_add_ps(lo, hi);
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // Rows [r, r + R) against tokens [t, t + T): R * T accumulators, each summed
 // in the same order (8 lanes, then the lanes, then the scalar tail).

@@ -5,25 +5,13 @@
 #include "kernels/codec_internal.h"
 #include "kernels/half.h"
 #include "model/matmul.h"
+#include "model/quant_internal.h"
 
 namespace kvtier::model {
 namespace {
 
-float Half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return HalfToFloat(h);
-}
-
-void ScaleMinK4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
-  if (j < 4) {
-    *sc = q[j] & 63;
-    *m = q[j + 4] & 63;
-  } else {
-    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
+using internal::HalfAt;
+using internal::ScaleMinK4;
 
 // One block of type t (BlockWeights(t) weights) into codes q, and per group
 // of `group` weights a scale and a bias, as DequantizeRow computes them.
@@ -31,7 +19,7 @@ void Block(GgmlType t, const uint8_t* b, int8_t* q, float* s, float* bias) {
   switch (t) {
     case GgmlType::kQ8_0:
       std::memcpy(q, b + 2, 32);
-      s[0] = Half(b);
+      s[0] = HalfAt(b);
       bias[0] = 0;
       return;
     case GgmlType::kQ4_0:
@@ -42,8 +30,8 @@ void Block(GgmlType t, const uint8_t* b, int8_t* q, float* s, float* bias) {
         q[j] = static_cast<int8_t>((qs[j] & 0xF) - (min ? 0 : 8));
         q[j + 16] = static_cast<int8_t>((qs[j] >> 4) - (min ? 0 : 8));
       }
-      s[0] = Half(b);
-      bias[0] = min ? Half(b + 2) : 0.0f;
+      s[0] = HalfAt(b);
+      bias[0] = min ? HalfAt(b + 2) : 0.0f;
       return;
     }
     case GgmlType::kQ5_0:
@@ -58,14 +46,14 @@ void Block(GgmlType t, const uint8_t* b, int8_t* q, float* s, float* bias) {
         q[j] = static_cast<int8_t>(((qs[j] & 0xF) | h0) - (min ? 0 : 16));
         q[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | h1) - (min ? 0 : 16));
       }
-      s[0] = Half(b);
-      bias[0] = min ? Half(b + 2) : 0.0f;
+      s[0] = HalfAt(b);
+      bias[0] = min ? HalfAt(b + 2) : 0.0f;
       return;
     }
     case GgmlType::kQ4_K:
     case GgmlType::kQ5_K: {
       const bool five = t == GgmlType::kQ5_K;
-      const float d = Half(b), dmin = Half(b + 2);
+      const float d = HalfAt(b), dmin = HalfAt(b + 2);
       const uint8_t* scales = b + 4;
       const uint8_t* qh = b + 16;
       const uint8_t* ql = b + (five ? 48 : 16);
@@ -87,7 +75,7 @@ void Block(GgmlType t, const uint8_t* b, int8_t* q, float* s, float* bias) {
       const uint8_t* ql = b;
       const uint8_t* qh = b + 128;
       const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-      const float d = Half(b + 208);
+      const float d = HalfAt(b + 208);
       for (int n = 0; n < 2; ++n, ql += 64, qh += 32, sc += 8) {
         int8_t* y = q + n * 128;
         for (int l = 0; l < 32; ++l) {
@@ -108,7 +96,7 @@ void Block(GgmlType t, const uint8_t* b, int8_t* q, float* s, float* bias) {
     case GgmlType::kQ2_K: {
       const uint8_t* scales = b;
       const uint8_t* qs = b + 16;
-      const float d = Half(b + 80), dmin = Half(b + 82);
+      const float d = HalfAt(b + 80), dmin = HalfAt(b + 82);
       int is = 0, at = 0;
       for (int n = 0; n < 2; ++n, qs += 32) {
         for (int j = 0; j < 4; ++j) {

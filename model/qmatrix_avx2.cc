@@ -3,18 +3,11 @@
 // tile of tokens; each token's accumulator sees the same operations in the
 // same order whatever the tile, so batching does not change its bits.
 #include "kernels/x86_intrinsics.h"
+#include "model/avx2_internal.h"
 #include "model/qmatrix.h"
 
 namespace kvtier::model::internal {
 namespace {
-
-float Sum8(__m256 v) {
-  const __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  __m128 s = _mm_add_ps(lo, hi);
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 __m256 Widen8(const int8_t* q) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));

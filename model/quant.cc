@@ -3,33 +3,20 @@
 #include <cstring>
 
 #include "kernels/half.h"
+#include "model/quant_internal.h"
 
 namespace kvtier::model {
 namespace {
 
+using internal::HalfAt;
+using internal::ScaleMinK4;
+
 constexpr int kQK = 32;    // Weights per block of the legacy types.
 constexpr int kQKK = 256;  // Weights per block of the K types.
 
-float Half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return HalfToFloat(h);
-}
-
-// The K types' 6-bit scale and min of sub-block j (0..7), packed in 12 bytes.
-void ScaleMinK4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
-  if (j < 4) {
-    *sc = q[j] & 63;
-    *m = q[j + 4] & 63;
-  } else {
-    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
-
 void RowQ4_0(const uint8_t* b, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, b += 18, y += kQK) {
-    const float d = Half(b);
+    const float d = HalfAt(b);
     const uint8_t* qs = b + 2;
     for (int j = 0; j < 16; ++j) {
       y[j] = static_cast<float>((qs[j] & 0xF) - 8) * d;
@@ -40,7 +27,7 @@ void RowQ4_0(const uint8_t* b, float* y, int64_t nb) {
 
 void RowQ4_1(const uint8_t* b, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, b += 20, y += kQK) {
-    const float d = Half(b), m = Half(b + 2);
+    const float d = HalfAt(b), m = HalfAt(b + 2);
     const uint8_t* qs = b + 4;
     for (int j = 0; j < 16; ++j) {
       y[j] = static_cast<float>(qs[j] & 0xF) * d + m;
@@ -52,7 +39,7 @@ void RowQ4_1(const uint8_t* b, float* y, int64_t nb) {
 void RowQ5(const uint8_t* b, float* y, int64_t nb, bool with_min) {
   const int size = with_min ? 24 : 22;
   for (int64_t i = 0; i < nb; ++i, b += size, y += kQK) {
-    const float d = Half(b), m = with_min ? Half(b + 2) : 0.0f;
+    const float d = HalfAt(b), m = with_min ? HalfAt(b + 2) : 0.0f;
     const uint8_t* p = b + (with_min ? 4 : 2);
     uint32_t qh;
     std::memcpy(&qh, p, 4);
@@ -73,7 +60,7 @@ void RowQ5(const uint8_t* b, float* y, int64_t nb, bool with_min) {
 
 void RowQ8_0(const uint8_t* b, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, b += 34, y += kQK) {
-    const float d = Half(b);
+    const float d = HalfAt(b);
     const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
     for (int j = 0; j < kQK; ++j) y[j] = static_cast<float>(qs[j]) * d;
   }
@@ -83,7 +70,7 @@ void RowQ2_K(const uint8_t* b, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, b += 84) {
     const uint8_t* scales = b;
     const uint8_t* q = b + 16;
-    const float d = Half(b + 80), min = Half(b + 82);
+    const float d = HalfAt(b + 80), min = HalfAt(b + 82);
     int is = 0;
     for (int n = 0; n < kQKK; n += 128) {
       int shift = 0;
@@ -104,7 +91,7 @@ void RowQ2_K(const uint8_t* b, float* y, int64_t nb) {
 
 void RowQ4_K(const uint8_t* b, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, b += 144) {
-    const float d = Half(b), min = Half(b + 2);
+    const float d = HalfAt(b), min = HalfAt(b + 2);
     const uint8_t* scales = b + 4;
     const uint8_t* q = b + 16;
     for (int j = 0, is = 0; j < kQKK; j += 64, is += 2, q += 32) {
@@ -121,7 +108,7 @@ void RowQ4_K(const uint8_t* b, float* y, int64_t nb) {
 
 void RowQ5_K(const uint8_t* b, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, b += 176) {
-    const float d = Half(b), min = Half(b + 2);
+    const float d = HalfAt(b), min = HalfAt(b + 2);
     const uint8_t* scales = b + 4;
     const uint8_t* qh = b + 16;
     const uint8_t* ql = b + 48;
@@ -149,7 +136,7 @@ void RowQ6_K(const uint8_t* b, float* y, int64_t nb) {
     const uint8_t* ql = b;
     const uint8_t* qh = b + 128;
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = Half(b + 208);
+    const float d = HalfAt(b + 208);
     for (int n = 0; n < kQKK; n += 128, y += 128, ql += 64, qh += 32, sc += 8) {
       for (int l = 0; l < 32; ++l) {
         const int is = l / 16;
@@ -319,7 +306,7 @@ void DequantizeRow(GgmlType t, const void* src, float* dst, int64_t n) {
       std::memcpy(dst, b, static_cast<size_t>(n) * 4);
       return;
     case GgmlType::kF16:
-      for (int64_t i = 0; i < n; ++i) dst[i] = Half(b + 2 * i);
+      for (int64_t i = 0; i < n; ++i) dst[i] = HalfAt(b + 2 * i);
       return;
     case GgmlType::kBF16:
       for (int64_t i = 0; i < n; ++i) {

@@ -129,10 +129,16 @@ std::string IdLine(const std::vector<int>& ids) {
   return line;
 }
 
+// The vocabulary of a GGUF file, without loading its weights.
+absl::StatusOr<std::unique_ptr<model::Tokenizer>> LoadTokenizer(const std::string& path) {
+  KVT_ASSIGN_OR_RETURN(std::unique_ptr<model::GgufFile> f, model::GgufFile::Open(path));
+  return model::Tokenizer::FromGguf(*f);
+}
+
 int Tokenize(const std::string& path, const Args& args) {
-  auto m = model::Model::Load(path);
-  if (!m.ok()) return Fail(std::string(m.status().message()));
-  if ((*m)->tokenizer() == nullptr) return Fail(path + " has no tokenizer");
+  auto tok = LoadTokenizer(path);
+  if (!tok.ok()) return Fail(std::string(tok.status().message()));
+  const model::Tokenizer& t = **tok;
   if (args.Has("jsonl")) {
     auto lines = JsonLines(args.Get("jsonl"));
     if (!lines.ok()) return Fail(std::string(lines.status().message()), 2);
@@ -141,9 +147,9 @@ int Tokenize(const std::string& path, const Args& args) {
       auto text = f.find("text");
       auto bos = f.find("bos");
       if (text == f.end()) return Fail("each line needs a \"text\"", 2);
-      const std::vector<int> ids = (*m)->tokenizer()->Encode(
-          text->second.string_value(), bos != f.end() && bos->second.bool_value(),
-          args.Has("special"));
+      const std::vector<int> ids =
+          t.Encode(text->second.string_value(), bos != f.end() && bos->second.bool_value(),
+                   args.Has("special"));
       std::printf("%s\n", IdLine(ids).c_str());
     }
     return 0;
@@ -156,8 +162,7 @@ int Tokenize(const std::string& path, const Args& args) {
   } else if (!args.Has("text")) {
     return Fail("give --text=TEXT or --file=PATH", 2);
   }
-  const std::vector<int> ids =
-      (*m)->tokenizer()->Encode(text, !args.Has("no_bos"), args.Has("special"));
+  const std::vector<int> ids = t.Encode(text, !args.Has("no_bos"), args.Has("special"));
   std::printf("%s\n", IdLine(ids).c_str());
   return 0;
 }
@@ -175,9 +180,9 @@ absl::StatusOr<std::vector<int>> ParseIds(const std::string& text) {
 }
 
 int Detokenize(const std::string& path, const std::vector<std::string>& words, const Args& args) {
-  auto m = model::Model::Load(path);
-  if (!m.ok()) return Fail(std::string(m.status().message()));
-  if ((*m)->tokenizer() == nullptr) return Fail(path + " has no tokenizer");
+  auto tok = LoadTokenizer(path);
+  if (!tok.ok()) return Fail(std::string(tok.status().message()));
+  const model::Tokenizer& t = **tok;
   if (args.Has("jsonl")) {
     auto lines = JsonLines(args.Get("jsonl"));
     if (!lines.ok()) return Fail(std::string(lines.status().message()), 2);
@@ -185,12 +190,12 @@ int Detokenize(const std::string& path, const std::vector<std::string>& words, c
       std::vector<int> ids;
       for (const auto& x : v.list_value().values()) {
         const double id = x.number_value();
-        if (!(id >= 0 && id < (*m)->tokenizer()->size())) {
+        if (!(id >= 0 && id < t.size())) {
           return Fail(absl::StrCat("token id ", id, " is outside the vocabulary"), 2);
         }
         ids.push_back(static_cast<int>(id));
       }
-      std::printf("%s\n", refengine::JsonQuote((*m)->tokenizer()->Decode(ids)).c_str());
+      std::printf("%s\n", refengine::JsonQuote(t.Decode(ids)).c_str());
     }
     return 0;
   }
@@ -199,11 +204,11 @@ int Detokenize(const std::string& path, const std::vector<std::string>& words, c
   auto ids = ParseIds(joined);
   if (!ids.ok()) return Fail(std::string(ids.status().message()), 2);
   for (int id : *ids) {
-    if (id < 0 || id >= (*m)->tokenizer()->size()) {
+    if (id < 0 || id >= t.size()) {
       return Fail(absl::StrCat("token id ", id, " is outside the vocabulary"), 2);
     }
   }
-  std::printf("%s\n", (*m)->tokenizer()->Decode(*ids).c_str());
+  std::printf("%s\n", t.Decode(*ids).c_str());
   return 0;
 }
 
