@@ -83,10 +83,18 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& f
   if (f.Has("tokenizer.ggml.add_space_prefix")) {
     KVT_ASSIGN_OR_RETURN(t->add_space_prefix_, f.Bool("tokenizer.ggml.add_space_prefix"));
   }
+  bool all_bytes = true;
   for (int b = 0; b < 256; ++b) {
     char name[8];
     std::snprintf(name, sizeof(name), "<0x%02X>", b);
     t->byte_ids_[b] = t->Find(name);
+    all_bytes &= t->byte_ids_[b] >= 0;
+  }
+  if (!all_bytes && t->unk_ < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(f.name(),
+                     ": the vocabulary has neither all 256 byte pieces (<0x00> .. <0xFF>) nor an "
+                     "unknown piece (tokenizer.ggml.unknown_token_id): some text has no tokens"));
   }
   for (int i = 0; i < n; ++i) {
     const int type = t->types_[i];
@@ -219,11 +227,20 @@ std::string Tokenizer::Decode(int id, bool special) const {
   if (id < 0 || id >= size()) return "";
   const std::string& p = pieces_[id];
   switch (types_[id]) {
-    case kByte:
-      if (p.size() == 6 && p.compare(0, 3, "<0x") == 0) {
-        return std::string(1, static_cast<char>(std::stoi(p.substr(3, 2), nullptr, 16)));
+    case kByte: {
+      // "<0xAB>": the byte 0xAB. A byte piece spelled otherwise is its text.
+      auto hex = [](char c) {
+        return c >= '0' && c <= '9'   ? c - '0'
+               : c >= 'A' && c <= 'F' ? c - 'A' + 10
+               : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                                      : -1;
+      };
+      if (p.size() == 6 && p.compare(0, 3, "<0x") == 0 && p[5] == '>' && hex(p[3]) >= 0 &&
+          hex(p[4]) >= 0) {
+        return std::string(1, static_cast<char>(hex(p[3]) * 16 + hex(p[4])));
       }
       return p;
+    }
     case kControl:
     case kUnknown:
     case kUnused:

@@ -35,7 +35,8 @@ class Tokenizer {
  public:
   // NOT_FOUND when the file has no vocabulary (tokenizer.ggml.tokens);
   // INVALID_ARGUMENT for another tokenizer model than "llama", arrays of
-  // different lengths, or special ids outside the vocabulary.
+  // different lengths, special ids outside the vocabulary, or a vocabulary
+  // with neither every byte piece nor an unknown piece.
   static absl::StatusOr<std::unique_ptr<Tokenizer>> FromGguf(const GgufFile& f);
 
   // The ids of `text`, after BOS when `add_bos` (and the file adds one).
