@@ -73,10 +73,16 @@ absl::StatusOr<ModelConfig> ConfigFromGguf(const GgufFile& f) {
   }
   KVT_ASSIGN_OR_RETURN(c.seq_len, IntIn(f, p + "context_length", 1, 1 << 24));
   KVT_ASSIGN_OR_RETURN(double eps, FloatOr(f, p + "attention.layer_norm_rms_epsilon", 1e-5));
+  if (!(eps > 0 && eps < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        f.name(), ": ", p, "attention.layer_norm_rms_epsilon = ", eps, " is outside (0, 1)"));
+  }
   c.rms_eps = static_cast<float>(eps);
   KVT_ASSIGN_OR_RETURN(double base,
                        FloatOr(f, p + "rope.freq_base", c.arch == Arch::kGemma3 ? 1e6 : 1e4));
-  if (!(base > 1)) return Unsupported(f, p + "rope.freq_base", absl::StrCat("= ", base));
+  if (!(base > 1 && base < 1e30)) {
+    return Unsupported(f, p + "rope.freq_base", absl::StrCat("= ", base));
+  }
   c.rope_theta = static_cast<float>(base);
   KVT_ASSIGN_OR_RETURN(int rope_dims, IntOr(f, p + "rope.dimension_count", 1, 4096, c.key_length));
   if (rope_dims != c.key_length) {

@@ -1,6 +1,8 @@
 #include "model/tokenizer.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <cstdio>
 #include <map>
 #include <queue>
@@ -61,8 +63,21 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& f
   }
   const int n = static_cast<int>(pieces->size());
   t->pieces_ = *pieces;
-  t->scores_.assign(scores->begin(), scores->end());
-  t->types_.assign(types->begin(), types->end());
+  t->scores_.reserve(n);
+  t->types_.reserve(n);
+  for (int i = 0; i < n; ++i) {
+    const double score = (*scores)[i], type = (*types)[i];
+    if (!(std::abs(score) <= std::numeric_limits<float>::max())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(f.name(), ": piece ", i, " has score ", score, ", not a float"));
+    }
+    if (!(type >= 0 && type <= kByte) || type != std::floor(type)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          f.name(), ": piece ", i, " has type ", type, " (GGUF's token types are 0 to 6)"));
+    }
+    t->scores_.push_back(static_cast<float>(score));
+    t->types_.push_back(static_cast<int>(type));
+  }
   t->ids_.reserve(n);
   for (int i = 0; i < n; ++i) t->ids_.emplace(t->pieces_[i], i);  // First id wins.
   auto special = [&](const char* key, int dflt) -> absl::StatusOr<int> {

@@ -35,8 +35,9 @@ class Tokenizer {
  public:
   // NOT_FOUND when the file has no vocabulary (tokenizer.ggml.tokens);
   // INVALID_ARGUMENT for another tokenizer model than "llama", arrays of
-  // different lengths, special ids outside the vocabulary, or a vocabulary
-  // with neither every byte piece nor an unknown piece.
+  // different lengths, a score that is not a float or a type outside 0..6,
+  // special ids outside the vocabulary, or a vocabulary with neither every
+  // byte piece nor an unknown piece.
   static absl::StatusOr<std::unique_ptr<Tokenizer>> FromGguf(const GgufFile& f);
 
   // The ids of `text`, after BOS when `add_bos` (and the file adds one).
