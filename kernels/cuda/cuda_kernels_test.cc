@@ -69,7 +69,7 @@ TEST(CudaCodecTest, QuantizeAndDequantizeMatchTheReference) {
   SKIP_WITHOUT_GPU();
   for (int bits : {2, 4, 8}) {
     for (bool key : {true, false}) {
-      for (int d : {64, 128}) {
+      for (int d : {64, 128, 256}) {
         QuantDims q;
         q.key = key;
         q.bits = bits;
@@ -177,7 +177,7 @@ TEST(CudaAttentionTest, FusedAttentionMatchesTheCpuReference) {
 // and attention, against the CPU FlatKvCache on the same fp16-rounded values.
 TEST(CudaFlatCacheTest, GatherAppendAttendMatchTheCpuCache) {
   SKIP_WITHOUT_GPU();
-  for (int d : {64, 128}) {
+  for (int d : {64, 128, 256}) {
     const int kvh = 8, qh = 32, appends = 9;
     const int64_t tokens = 1000;
     std::vector<float> k = Random(kvh * tokens * d, 31), v = Random(k.size(), 32);
@@ -454,6 +454,7 @@ TEST(CudaSegmentedAttentionTest, MatchesALonghandReference) {
       {8, 4, 128, 1, 1500},  {12, 4, 96, 1, 500},  // head_dim 96: spans with a channel a lane.
       {12, 1, 96, 2, 300},  // 12 query heads per KV head: one block per head.
       {4, 2, 320, 1, 200},  // head_dim over 256: the same.
+      {4, 1, 256, 1, 1200}, {4, 1, 256, 4, 512},  // Gemma 3 270M: one KV head of 256.
   };
   int seed = 0;
   for (const Case& c : cases) {
