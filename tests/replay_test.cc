@@ -357,6 +357,13 @@ TEST_F(ReplayDemoTest, SlidingWindowModelThroughTheWorker) {
   ASSERT_TRUE(model::ExportGguf(*bin, e, windowed).ok());
   refengine::DemoOptions o = Options(windowed);
   o.recall = "all";
+  // The same weights with windows that never bite, for the working set.
+  e.gemma3_window = 4096;
+  const std::string wide = dir.path() + "/wide.gguf";
+  ASSERT_TRUE(model::ExportGguf(*bin, e, wide).ok());
+  refengine::DemoOptions ow = Options(wide);
+  ow.recall = "all";
+  KVT_ASSERT_OK_AND_ASSIGN(refengine::DemoReport rw, refengine::RunDemo(ow, {}));
   for (bool inproc : {false, true}) {
     SCOPED_TRACE(inproc ? "in process" : "through kvtier-worker");
     if (inproc) {
@@ -365,8 +372,21 @@ TEST_F(ReplayDemoTest, SlidingWindowModelThroughTheWorker) {
     }
     KVT_ASSERT_OK_AND_ASSIGN(refengine::DemoReport r, refengine::RunDemo(o, {}));
     int positions = 0, agree = 0;
-    for (const refengine::DemoSession& s : r.sessions) {
+    ASSERT_EQ(r.sessions.size(), rw.sessions.size());
+    for (size_t i = 0; i < r.sessions.size(); ++i) {
+      const refengine::DemoSession& s = r.sessions[i];
       EXPECT_LT(s.agreement.max_logit_diff, 1e-3) << s.conversation;
+      // Rounds that left layer 0's window leave the working set there
+      // (the store keeps them): at the last round it is smaller than with
+      // windows that never bite, at every round no larger.
+      ASSERT_EQ(s.rounds.size(), rw.sessions[i].rounds.size());
+      for (size_t j = 0; j < s.rounds.size(); ++j) {
+        EXPECT_LE(s.rounds[j].round_working_set_bytes,
+                  rw.sessions[i].rounds[j].round_working_set_bytes);
+      }
+      EXPECT_LT(s.rounds.back().round_working_set_bytes,
+                rw.sessions[i].rounds.back().round_working_set_bytes)
+          << s.conversation;
       for (const refengine::ReplayRoundScore& x : s.replay) {
         positions += x.assistant_tokens;
         agree += x.top1_agree;

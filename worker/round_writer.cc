@@ -234,6 +234,20 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
       for (int l = lw + 1; l < sh.layers; ++l) r.layers[l].reset();
     }
   }
+  // A round that has left a sliding layer's window for good (every later
+  // query stands further on) leaves the working set at that layer; the store
+  // keeps it. Layer L_w stays: recall scores its keys.
+  if (sh.sliding()) {
+    const int64_t next = s->PastTokens();  // The next query's position.
+    int64_t start = 0;
+    for (auto& r : s->past) {
+      for (int l = 0; l < sh.layers; ++l) {
+        const int w = sh.layer_window(l);
+        if (w > 0 && l != lw && start + r.tokens <= next - w + 1) r.layers[l].reset();
+      }
+      start += r.tokens;
+    }
+  }
   if (s->policy.speculation.pool_bytes > 0) {
     // The round is stored whatever happens here: a failed trim (the
     // re-encoding) leaves the pool as it was, above its cap until the next.
