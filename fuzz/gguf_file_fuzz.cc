@@ -56,8 +56,9 @@ std::vector<std::string> Seeds() {
   w.AddU32("gemma3.block_count", 1);
   w.AddF32("gemma3.rope.freq_base", 1e6f);
   w.AddString("tokenizer.ggml.model", "llama");
-  w.AddStrings("tokenizer.ggml.tokens",
-               {"<pad>", "<eos>", "<bos>", "<unk>", "a", "\n\n", "\xE2\x96\x81" "a"});
+  w.AddStrings("tokenizer.ggml.tokens", {"<pad>", "<eos>", "<bos>", "<unk>", "a", "\n\n",
+                                         "\xE2\x96\x81"
+                                         "a"});
   w.AddF32s("tokenizer.ggml.scores", {0, 0, 0, 0, -1, 0, -0.5f});
   w.AddI32s("tokenizer.ggml.token_type", {3, 3, 3, 2, 1, 4, 1});
   w.AddU32("tokenizer.ggml.unknown_token_id", 3);

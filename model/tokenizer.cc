@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <queue>
 
@@ -72,8 +72,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& f
           absl::StrCat(f.name(), ": piece ", i, " has score ", score, ", not a float"));
     }
     if (!(type >= 0 && type <= kByte) || type != std::floor(type)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          f.name(), ": piece ", i, " has type ", type, " (GGUF's token types are 0 to 6)"));
+      return absl::InvalidArgumentError(absl::StrCat(f.name(), ": piece ", i, " has type ", type,
+                                                     " (GGUF's token types are 0 to 6)"));
     }
     t->scores_.push_back(static_cast<float>(score));
     t->types_.push_back(static_cast<int>(type));

@@ -454,7 +454,7 @@ TEST(CudaSegmentedAttentionTest, MatchesALonghandReference) {
       {8, 4, 128, 1, 1500},  {12, 4, 96, 1, 500},  // head_dim 96: spans with a channel a lane.
       {12, 1, 96, 2, 300},  // 12 query heads per KV head: one block per head.
       {4, 2, 320, 1, 200},  // head_dim over 256: the same.
-      {4, 1, 256, 1, 1200}, {4, 1, 256, 4, 512},  // Gemma 3 270M: one KV head of 256.
+      {4, 1, 256, 1, 1200},  {4, 1, 256, 4, 512},  // Gemma 3 270M: one KV head of 256.
   };
   int seed = 0;
   for (const Case& c : cases) {
