@@ -235,15 +235,16 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
     }
   }
   // A round that has left a sliding layer's window for good (every later
-  // query stands further on) leaves the working set at that layer; the store
-  // keeps it. Layer L_w stays: recall scores its keys.
+  // query stands further on) leaves the working set at that layer below L_w;
+  // the store keeps it. Layer L_w stays (recall scores its keys), and the
+  // layers above it come and go with recall (release_after_end_round).
   if (sh.sliding()) {
     const int64_t next = s->PastTokens();  // The next query's position.
     int64_t start = 0;
     for (auto& r : s->past) {
-      for (int l = 0; l < sh.layers; ++l) {
+      for (int l = 0; l < lw; ++l) {
         const int w = sh.layer_window(l);
-        if (w > 0 && l != lw && start + r.tokens <= next - w + 1) r.layers[l].reset();
+        if (w > 0 && start + r.tokens <= next - w + 1) r.layers[l].reset();
       }
       start += r.tokens;
     }

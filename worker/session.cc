@@ -497,8 +497,12 @@ absl::Status AttendWindowed(const ModelShape& sh, const std::vector<PlacedRound>
     for (int h = 0; h < sh.kv_heads; ++h) {
       blocks.clear();
       for (const PlacedRound& r : rounds) {
+        if (r.start + r.tokens <= first) continue;
+        if (r.layer == nullptr) {
+          return absl::InternalError("a past round inside a sliding window is not resident");
+        }
         const HeadKv& hk = r.layer->heads[h];
-        if (hk.len == 0 || r.start + r.tokens <= first) continue;
+        if (hk.len == 0) continue;
         if (r.start >= first) {
           blocks.push_back({hk.kview, hk.vview});
           continue;
