@@ -457,43 +457,22 @@ void Engine::Session::Append(int layer, int64_t n, const float* qs, const float*
 
 namespace {
 
-// Attention of n new tokens (positions base..base+n-1 of the open round) at
-// one layer over the visible past rounds plus the open round, causally.
-absl::Status AttendLayer(const ModelShape& sh, const std::vector<const RoundLayer*>& rounds,
-                         const OpenLayer& cur, int64_t base, int64_t n, const float* q, float* out,
-                         KernelLevel level) {
-  const int d = sh.head_dim, rep = sh.q_heads / sh.kv_heads;
-  std::vector<KvBlock> blocks;
-  for (int64_t i = 0; i < n; ++i) {
-    for (int h = 0; h < sh.kv_heads; ++h) {
-      blocks.clear();
-      for (const RoundLayer* r : rounds) {
-        const HeadKv& hk = r->heads[h];
-        if (hk.len > 0) blocks.push_back({hk.kview, hk.vview});
-      }
-      const int64_t visible = base + i + 1;
-      const int es = sh.dtype_bytes();
-      blocks.push_back({EncodedView::Raw(sh.dtype, cur.k_head(h, d, es), 1, visible, d, 0, d),
-                        EncodedView::Raw(sh.dtype, cur.v_head(h, d, es), 1, visible, d, 0, d)});
-      const int64_t row = i * sh.q_heads * d + static_cast<int64_t>(h) * rep * d;
-      KVT_RETURN_IF_ERROR(DecodeAttention({rep, 1, d}, q + row, blocks, out + row, level));
-    }
-  }
-  return absl::OkStatus();
-}
-
-// AttendLayer at a sliding layer: token i (at position open_start + base +
-// i) attends over the `window` positions up to itself. A past round that
-// the window cuts is decoded from its first position inside the window
-// (its tokens are its positions: sliding models keep every token).
-absl::Status AttendWindowed(const ModelShape& sh, const std::vector<PlacedRound>& rounds,
-                            const OpenLayer& cur, int64_t open_start, int64_t base, int64_t n,
-                            int64_t window, const float* q, float* out, KernelLevel level) {
+// Attention of n new tokens (positions base..base+n-1 of the open round,
+// open_start + base + i in the conversation) at one layer over the visible
+// past rounds plus the open round, causally. With a window (a sliding
+// layer; 0: none), token i attends over the `window` positions up to
+// itself: a past round that the window cuts is decoded from its first
+// position inside it (its tokens are its positions: sliding models keep
+// every token).
+absl::Status AttendRounds(const ModelShape& sh, const std::vector<PlacedRound>& rounds,
+                          const OpenLayer& cur, int64_t open_start, int64_t base, int64_t n,
+                          int64_t window, const float* q, float* out, KernelLevel level) {
   const int d = sh.head_dim, rep = sh.q_heads / sh.kv_heads, es = sh.dtype_bytes();
   std::vector<KvBlock> blocks;
   std::vector<float> ck, cv;
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t pos = open_start + base + i, first = pos + 1 - window;
+    const int64_t pos = open_start + base + i;
+    const int64_t first = window > 0 ? pos + 1 - window : std::numeric_limits<int64_t>::min();
     for (int h = 0; h < sh.kv_heads; ++h) {
       blocks.clear();
       for (const PlacedRound& r : rounds) {
@@ -519,7 +498,8 @@ absl::Status AttendWindowed(const ModelShape& sh, const std::vector<PlacedRound>
         blocks.push_back({EncodedView::Raw(v1::DTYPE_FP32, ck.data(), 1, m, d, 0, d),
                           EncodedView::Raw(v1::DTYPE_FP32, cv.data(), 1, m, d, 0, d)});
       }
-      const int64_t from = std::max<int64_t>(0, first - open_start), visible = base + i + 1;
+      const int64_t from = window > 0 ? std::max<int64_t>(0, first - open_start) : 0;
+      const int64_t visible = base + i + 1;
       const int64_t skip = from * d * es;
       blocks.push_back(
           {EncodedView::Raw(sh.dtype, cur.k_head(h, d, es) + skip, 1, visible - from, d, 0, d),
@@ -747,7 +727,8 @@ absl::Status Engine::Session::DecodeOnDevice(int layer, const float* q, float* o
     mark(&times.sample);
   }
   if (st.ok() && !gathered) {
-    st = AttendLayer(shape, Visible(layer), open[layer], tokens, 1, q, out, level);
+    st = AttendRounds(shape, VisiblePlaced(layer), open[layer], PastTokens(), tokens, 1,
+                      shape.layer_window(layer), q, out, level);
   }
   gather.layer = -1;
   // 4. Layer + 1's tokens gathered from the pool and sent to the device.
@@ -797,11 +778,9 @@ absl::Status Engine::Session::Attend(int layer, int64_t n, const float* qs, cons
       stats.speculation_time.sample += absl::Now() - attended;
     }
     gather.layer = -1;
-  } else if (shape.layer_window(layer) > 0) {
-    st = AttendWindowed(shape, VisiblePlaced(layer), open[layer], PastTokens(), tokens, n,
-                        shape.layer_window(layer), qs, out, level);
   } else {
-    st = AttendLayer(shape, Visible(layer), open[layer], tokens, n, qs, out, level);
+    st = AttendRounds(shape, VisiblePlaced(layer), open[layer], PastTokens(), tokens, n,
+                      shape.layer_window(layer), qs, out, level);
   }
   if (!st.ok()) RollBackStep();
   return st;
