@@ -882,6 +882,68 @@ absl::StatusOr<Store::DropResult> Store::DropRounds(const std::string& tenant,
   return result;
 }
 
+absl::StatusOr<Store::SegmentDropResult> Store::DropSegments(
+    const std::string& tenant, const std::string& session, const std::vector<SegmentId>& segments) {
+  absl::MutexLock order(&removal_mu_);
+  KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
+  for (const SegmentId& id : segments) {
+    if (id.round > kMaxRound) {
+      return absl::InvalidArgumentError(absl::StrCat("round ", id.round, " is outside [0, 2^31)"));
+    }
+    if (id.segment >= kMaxSegmentsPerRound) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("segment ", id.segment, " is outside [0, ", kMaxSegmentsPerRound, ")"));
+    }
+  }
+  SegmentDropResult result;
+  Removal rm;
+  {
+    absl::MutexLock lock(&mu_);
+    rm.session_key = SessionKey(tenant, session);
+    rm.tenant = tenant;
+    SessionEntry* s = FindSessionLocked(rm.session_key);
+    if (s == nullptr) return NoSession(session);
+    for (const SegmentId& id : segments) {
+      auto ri = s->rounds.find(id.round);
+      if (ri == s->rounds.end() || ri->second.segments.count(id.segment) == 0) {
+        result.not_found.push_back(id);
+        continue;
+      }
+      RoundEntry& r = ri->second;
+      result.dropped.push_back(id);
+      UnindexRoundLocked(*s, r);
+      auto it = r.segments.find(id.segment);
+      SegmentEntry& e = it->second;
+      Removal::Round removed{id.round, {}, /*round_keys=*/false};
+      if (e.info.state == SegmentState::kWriting) {
+        e.cancelled = true;  // CommitWrite removes it and its bytes.
+      } else {
+        if (e.info.state == SegmentState::kSealed) {
+          ram_bytes_ -= e.info.payload_bytes;
+          --ram_segments_;
+        }
+        disk_bytes_ -= e.info.payload_bytes;
+        --disk_segments_;
+        result.freed_bytes += e.info.payload_bytes;
+        quotas_->Release(s->tenant, e.info.payload_bytes);
+        removed.segments.push_back({id.segment, e.file_id});
+        r.segments.erase(it);
+        ++counters_.segment_drops;
+      }
+      if (r.segments.empty()) {
+        removed.round_keys = true;
+        s->rounds.erase(ri);
+        ++counters_.drops;
+      } else {
+        IndexRoundLocked(*s, r);
+      }
+      rm.rounds.push_back(std::move(removed));
+    }
+  }
+  KVT_RETURN_IF_ERROR(ApplyRemovals({rm}));
+  return result;
+}
+
 absl::StatusOr<Store::ColdDropResult> Store::DropColdRounds(int64_t min_idle_ms) {
   absl::MutexLock order(&removal_mu_);
   ColdDropResult result;

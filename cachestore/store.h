@@ -164,6 +164,7 @@ struct StoreStats {
   uint64_t drops = 0;           // Rounds dropped (explicit and under pressure).
   uint64_t pressure_drops = 0;  // For disk room (the disk budget).
   uint64_t cold_drops = 0;      // Under memory pressure (DropColdRounds).
+  uint64_t segment_drops = 0;   // Single segments (DropSegments).
   uint64_t expired_sessions = 0;
   uint64_t spare_payload_files = 0;     // Empty payload files ready now.
   uint64_t spare_misses = 0;            // Payload files created on a put (none ready).
@@ -313,6 +314,20 @@ class Store {
   // are dropped once the write finishes (it is aborted).
   absl::StatusOr<DropResult> DropRounds(const std::string& tenant, const std::string& session,
                                         const std::vector<uint32_t>& rounds);
+
+  struct SegmentDropResult {
+    std::vector<SegmentId> dropped;
+    std::vector<SegmentId> not_found;
+    uint64_t freed_bytes = 0;
+  };
+  // Drops single segments, keeping their rounds' other segments and
+  // summaries; a round whose last segment goes is dropped whole. A segment
+  // being written is aborted (its write finishes with ABORTED) and reported
+  // dropped. NOT_FOUND for an unknown session; INVALID_ARGUMENT for a round
+  // outside [0, 2^31) or a segment outside [0, kMaxSegmentsPerRound).
+  absl::StatusOr<SegmentDropResult> DropSegments(const std::string& tenant,
+                                                 const std::string& session,
+                                                 const std::vector<SegmentId>& segments);
 
   struct ColdDropResult {
     uint32_t sessions = 0;  // Sessions that lost rounds.

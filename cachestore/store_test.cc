@@ -257,6 +257,54 @@ TEST_F(StoreTest, QueuedRecallCountersAreKeptAndDieWithTheirRound) {
   EXPECT_EQ(info.rounds[1].summary.recall_count(), 0u);
 }
 
+// A single segment goes, durably, with its quota and its payload file; the
+// round keeps its other segment, summary and counter; the round's last
+// segment takes the round with it.
+TEST_F(StoreTest, DropSegmentsKeepsTheRestOfTheRound) {
+  Open();
+  quota_manager_->SetQuota("t1", 1 << 20);
+  // Segment 1 is over inline_payload_max_bytes: it has a payload file.
+  const std::string p0 = MakePayload(1000, 1), p1 = MakePayload(300'000, 2, 3),
+                    r1 = MakePayload(500, 3);
+  ASSERT_THAT(Put("s", 0, 0, p0), IsOk());
+  ASSERT_THAT(Put("s", 0, 1, p1), IsOk());
+  ASSERT_THAT(Put("s", 1, 0, r1), IsOk());
+  ASSERT_THAT(store_->PrepareRead("t1", "s", {{0, 0}}), IsOk());
+  KVT_ASSERT_OK_AND_ASSIGN(auto d, store_->DropSegments("t1", "s", {{0, 1}, {0, 5}, {9, 0}}));
+  EXPECT_THAT(d.dropped, ElementsAre(SegmentId{0, 1}));
+  EXPECT_THAT(d.not_found, ElementsAre(SegmentId{0, 5}, SegmentId{9, 0}));
+  EXPECT_EQ(d.freed_bytes, p1.size());
+  EXPECT_EQ(quota_manager_->Usage("t1").used_bytes, p0.size() + r1.size());
+  EXPECT_EQ(store_->Stats().segment_drops, 1u);
+  EXPECT_EQ(store_->Stats().drops, 0u);
+  EXPECT_EQ(Get("s", 0, 1).rfind("error: NOT_FOUND", 0), 0u);
+  EXPECT_EQ(Get("s", 0, 0), p0);
+  // A restart finds the same.
+  Open();
+  EXPECT_EQ(Get("s", 0, 1).rfind("error: NOT_FOUND", 0), 0u);
+  KVT_ASSERT_OK_AND_ASSIGN(SessionInfo info, store_->ListRounds("t1", "s"));
+  ASSERT_EQ(info.rounds.size(), 2u);
+  ASSERT_EQ(info.rounds[0].segments.size(), 1u);
+  EXPECT_EQ(info.rounds[0].segments[0].id, (SegmentId{0, 0}));
+  EXPECT_EQ(info.rounds[0].summary.recall_count(), 1u);
+  EXPECT_EQ(Get("s", 0, 0), p0);
+  EXPECT_EQ(store_->Stats().disk_segments, 2u);
+  // The last segment takes its round.
+  KVT_ASSERT_OK_AND_ASSIGN(d, store_->DropSegments("t1", "s", {{0, 0}}));
+  EXPECT_THAT(d.dropped, ElementsAre(SegmentId{0, 0}));
+  EXPECT_EQ(store_->Stats().drops, 1u);
+  Open();
+  KVT_ASSERT_OK_AND_ASSIGN(info, store_->ListRounds("t1", "s"));
+  ASSERT_EQ(info.rounds.size(), 1u);
+  EXPECT_EQ(info.rounds[0].round, 1u);
+  // Bad names and numbers change nothing.
+  EXPECT_THAT(store_->DropSegments("t1", "s", {{1, 64}}), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(store_->DropSegments("t1", "s", {{1u << 31, 0}}), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(store_->DropSegments("t1", "nobody", {{1, 0}}), StatusIs(Code::kNotFound));
+  EXPECT_THAT(store_->DropSegments("t2", "s", {{1, 0}}), StatusIs(Code::kNotFound));
+  EXPECT_EQ(Get("s", 1, 0), r1);
+}
+
 TEST_F(StoreTest, AbandonedTicketRefundsEverything) {
   options_.disk_budget_bytes = 10'000;
   Open();

@@ -316,6 +316,18 @@ absl::StatusOr<v1::DropRoundsResponse> StoreClient::DropRounds(const std::string
   return Finish(s, std::move(resp));
 }
 
+absl::StatusOr<v1::DropSegmentsResponse> StoreClient::DropSegments(
+    const std::string& session_id, const std::vector<v1::SegmentRef>& refs,
+    const CallOptions& call) {
+  auto ctx = NewContext(call);
+  v1::DropSegmentsRequest req;
+  req.set_session_id(session_id);
+  for (const v1::SegmentRef& r : refs) *req.add_segments() = r;
+  v1::DropSegmentsResponse resp;
+  grpc::Status s = stub_->DropSegments(ctx.get(), req, &resp);
+  return Finish(s, std::move(resp));
+}
+
 absl::StatusOr<v1::RecordRecallsResponse> StoreClient::RecordRecalls(
     const std::string& session_id, const std::vector<uint32_t>& rounds, const CallOptions& call) {
   auto ctx = NewContext(call);

@@ -100,6 +100,10 @@ class StoreClient {
   absl::StatusOr<v1::DropRoundsResponse> DropRounds(const std::string& session_id,
                                                     const std::vector<uint32_t>& rounds,
                                                     const CallOptions& call = {});
+  // Drops single segments, keeping their rounds (see store.proto).
+  absl::StatusOr<v1::DropSegmentsResponse> DropSegments(const std::string& session_id,
+                                                        const std::vector<v1::SegmentRef>& refs,
+                                                        const CallOptions& call = {});
   // Counts recalls served without a fetch (see store.proto).
   absl::StatusOr<v1::RecordRecallsResponse> RecordRecalls(const std::string& session_id,
                                                           const std::vector<uint32_t>& rounds,

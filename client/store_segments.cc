@@ -1,5 +1,7 @@
 #include "client/store_segments.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/crc32c.h"
 
@@ -134,6 +136,23 @@ absl::Status StoreSegments::DropRound(const std::string& session, uint32_t round
   return absl::OkStatus();
 }
 
+absl::Status StoreSegments::DropSegments(const std::string& session,
+                                         const std::vector<Segment>& segments,
+                                         const CallOptions& call) {
+  std::vector<v1::SegmentRef> refs;
+  for (const Segment& s : segments) {
+    v1::SegmentRef r;
+    r.set_round(s.round);
+    r.set_segment(s.segment);
+    refs.push_back(r);
+  }
+  auto r = client_->DropSegments(session, refs, call);
+  if (!r.ok() && r.status().code() != absl::StatusCode::kNotFound) {
+    return AsUnavailable(r.status(), "DropSegments");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status StoreSegments::RecordRecalls(const std::string& session,
                                           const std::vector<uint32_t>& rounds,
                                           const CallOptions& call) {
@@ -153,16 +172,12 @@ absl::StatusOr<std::vector<worker::SegmentStore::StoredRound>> StoreSegments::Li
     StoredRound sr;
     sr.round = ri.round();
     sr.model = ri.summary().model_digest();
-    bool lower = false;
     for (const v1::SegmentInfo& si : ri.segments()) {
-      if (si.ref().segment() == 0) {
-        lower = true;
-        sr.lower_layers = si.layer_end();
-      } else if (si.ref().segment() == 1) {
-        sr.has_upper = true;
-      }
+      sr.segments.push_back({si.ref().segment(), si.layer_begin(), si.layer_end()});
     }
-    if (lower) out.push_back(sr);
+    std::sort(sr.segments.begin(), sr.segments.end(),
+              [](const StoredSegment& a, const StoredSegment& b) { return a.segment < b.segment; });
+    out.push_back(std::move(sr));
   }
   return out;
 }

@@ -29,6 +29,8 @@ class StoreSegments : public worker::SegmentStore {
   absl::Status Delete(const std::string& session, const CallOptions& call) override;
   absl::Status DropRound(const std::string& session, uint32_t round,
                          const CallOptions& call) override;
+  absl::Status DropSegments(const std::string& session, const std::vector<Segment>& segments,
+                            const CallOptions& call) override;
   absl::Status RecordRecalls(const std::string& session, const std::vector<uint32_t>& rounds,
                              const CallOptions& call) override;
   absl::StatusOr<std::vector<StoredRound>> List(const std::string& session,

@@ -35,6 +35,10 @@ class SinkStore : public SegmentStore {
   absl::Status DropRound(const std::string&, uint32_t, const kvtier::CallOptions&) override {
     return absl::OkStatus();
   }
+  absl::Status DropSegments(const std::string&, const std::vector<Segment>&,
+                            const kvtier::CallOptions&) override {
+    return absl::OkStatus();
+  }
   absl::Status RecordRecalls(const std::string&, const std::vector<uint32_t>&,
                              const kvtier::CallOptions&) override {
     return absl::OkStatus();

@@ -33,6 +33,10 @@ class DownStore : public SegmentStore {
   absl::Status DropRound(const std::string&, uint32_t, const kvtier::CallOptions&) override {
     return Down();
   }
+  absl::Status DropSegments(const std::string&, const std::vector<Segment>&,
+                            const kvtier::CallOptions&) override {
+    return Down();
+  }
   absl::Status RecordRecalls(const std::string&, const std::vector<uint32_t>&,
                              const kvtier::CallOptions&) override {
     return Down();

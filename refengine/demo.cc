@@ -30,6 +30,7 @@
 #include "kernels/recall.h"
 #include "kernels/speculation.h"
 #include "refengine/inproc.h"
+#include "worker/round_layout.h"
 #include "rpc/transport_args.h"
 #include "traces/synthetic_chat.h"
 #include "worker/engine.h"
@@ -717,6 +718,12 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
   }
   rep.watershed =
       policy.watershed_layer() > 0 ? static_cast<int>(policy.watershed_layer()) : rep.layers / 3;
+  if (m != nullptr) {
+    worker::ModelShape shape;
+    shape.layers = rep.layers;
+    shape.window = m->config().window;
+    rep.segments_per_round = static_cast<int>(worker::RoundLayout(shape, rep.watershed).size());
+  }
   rep.policy = absl::StrCat("codec=", o.codec, " recall=", policy.recall(), " evict=", o.evict,
                             " watershed=", rep.watershed);
   if (!o.speculation.empty()) {
@@ -989,9 +996,9 @@ std::string RenderText(const DemoReport& r) {
   s += RenderMemory(r, t);
   absl::StrAppendFormat(
       &s,
-      "bytes moved per round (mean): %s stored (2 segments, ONE PutSegments), %s recalled "
+      "bytes moved per round (mean): %s stored (%d segments, ONE PutSegments), %s recalled "
       "(%lld of %lld rounds fetched, ONE GetSegments each)\n",
-      Kib(Ratio(t.stored, t.round_count)), Kib(Ratio(t.fetched, t.round_count)),
+      Kib(Ratio(t.stored, t.round_count)), r.segments_per_round, Kib(Ratio(t.fetched, t.round_count)),
       static_cast<long long>(t.fetches), static_cast<long long>(t.round_count));
   absl::StrAppendFormat(&s,
                         "recall at layer %d: %lld recalls; %lld rounds selected of %lld candidates "
@@ -1197,6 +1204,7 @@ std::string RenderJson(const DemoReport& r) {
   absl::StrAppend(&s, "  \"store_memory\": ",
                   r.store_memory.has_value() ? memory(*r.store_memory) : "null", ",\n");
   absl::StrAppend(&s, "  \"bytes_stored_per_round\": ", num(Ratio(t.stored, t.round_count)), ",\n");
+  absl::StrAppend(&s, "  \"segments_per_round\": ", r.segments_per_round, ",\n");
   absl::StrAppend(&s, "  \"bytes_fetched_per_round\": ", num(Ratio(t.fetched, t.round_count)),
                   ",\n");
   absl::StrAppend(&s, "  \"recall_calls\": ", t.recalls, ",\n");

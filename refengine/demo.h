@@ -134,6 +134,8 @@ struct DemoReport {
   std::string policy;         // Human-readable effective policy.
   int layers = 0, watershed = 0, tokens_per_round = 0, rounds = 0;
   int kv_heads = 0;  // The model's (0 for the synthetic chat).
+  // Segments each round is stored as (worker/round_layout.h).
+  int segments_per_round = 2;
   std::vector<DemoSession> sessions;
   std::optional<uint64_t> store_bytes_ram, store_bytes_disk;
   std::optional<v1::ProcessMemory> store_memory;  // From Store.Stats at the end.

@@ -16,6 +16,7 @@ struct Capture {
   std::vector<std::vector<float>> q, k;  // Per layer [T, Hq, d] and [T, Hkv, d].
   std::vector<int64_t> round_begin;      // Plus one end entry.
   std::vector<int> question_tokens;      // Per round.
+  std::vector<int> window;               // Per layer; empty: all global.
 };
 
 RoundDistributions Distributions(const Capture& c, int min_past) {
@@ -25,9 +26,12 @@ RoundDistributions Distributions(const Capture& c, int min_past) {
   const int64_t tokens = c.round_begin.back();
   const size_t qrow = static_cast<size_t>(c.q_heads) * c.d;
   const size_t kvrow = static_cast<size_t>(c.kv_heads) * c.d;
+  out.window = c.window;
   for (int r = std::max(1, min_past); r < rounds; ++r) {
     out.probe_round.push_back(r);
     out.dist.emplace_back(c.layers);
+    out.probe_pos.push_back(c.round_begin[r]);
+    out.round_end.emplace_back(c.round_begin.begin() + 1, c.round_begin.begin() + 1 + r);
   }
   for (int l = 0; l < c.layers; ++l) {
     // Head-major keys [Hkv][T, d], as RoundKeys wants them.
@@ -116,6 +120,7 @@ absl::StatusOr<RoundDistributions> ModelDistributions(const model::Model& m,
   c.kv_heads = mc.n_kv_heads;
   c.d = mc.head_dim();
   c.question_tokens.assign(o.rounds, o.question_tokens);
+  c.window = mc.window;
   c.q.resize(c.layers);
   c.k.resize(c.layers);
   Recorder rec(mc, &c);
@@ -131,12 +136,14 @@ absl::StatusOr<RoundDistributions> ReplayDistributions(
   KVT_RETURN_IF_ERROR(CheckConversations(conversations, mc));
   RoundDistributions out;
   out.layers = mc.n_layers;
+  out.window = mc.window;
   for (const ReplayConversation& conv : conversations) {
     Capture c;
     c.layers = mc.n_layers;
     c.q_heads = mc.n_heads;
     c.kv_heads = mc.n_kv_heads;
     c.d = mc.head_dim();
+    c.window = mc.window;
     c.q.resize(c.layers);
     c.k.resize(c.layers);
     c.round_begin.push_back(0);
@@ -154,6 +161,8 @@ absl::StatusOr<RoundDistributions> ReplayDistributions(
     for (size_t p = 0; p < d.dist.size(); ++p) {
       out.dist.push_back(std::move(d.dist[p]));
       out.probe_round.push_back(d.probe_round[p]);
+      out.probe_pos.push_back(d.probe_pos[p]);
+      out.round_end.push_back(std::move(d.round_end[p]));
     }
   }
   return out;
@@ -180,13 +189,47 @@ WatershedReport AnalyzeWatershed(const RoundDistributions& d, double mass, doubl
     w.past_rounds_mean /= static_cast<double>(probes);
     for (double& x : w.rounds_for_mass_mean) x /= static_cast<double>(probes);
   }
+  // The past rounds of probe p that layer l can attend: every one at a
+  // global layer, at a sliding one those not yet out of its window for the
+  // question's first token (the worker's rule, worker/round_layout.h).
+  auto at_stake = [&](size_t p, int l) {
+    const int win = d.window.empty() ? 0 : d.window[l];
+    std::vector<size_t> out;
+    for (size_t j = 0; j < d.dist[p][l].size(); ++j) {
+      if (win <= 0 || d.round_end[p][j] > d.probe_pos[p] - win + 1) out.push_back(j);
+    }
+    return out;
+  };
+  // P restricted to `keep` and renormalized.
+  auto restrict = [](const std::vector<double>& x, const std::vector<size_t>& keep) {
+    std::vector<double> y;
+    double sum = 0;
+    for (size_t j : keep) sum += x[j];
+    for (size_t j : keep) y.push_back(sum > 0 ? x[j] / sum : 1.0 / static_cast<double>(keep.size()));
+    return y;
+  };
+  w.at_stake_mean.assign(L, 0.0);
+  for (size_t p = 0; p < probes; ++p) {
+    for (int l = 0; l < L; ++l) w.at_stake_mean[l] += static_cast<double>(at_stake(p, l).size());
+  }
+  if (probes > 0) {
+    for (double& x : w.at_stake_mean) x /= static_cast<double>(probes);
+  }
   w.mean_kl.assign(std::max(0, L - 1), 0.0);
   for (int l = 0; l + 1 < L; ++l) {
     double sum = 0;
     int64_t n = 0;
     for (size_t p = 0; p < probes; ++p) {
       for (int l2 = l + 1; l2 < L; ++l2) {
-        sum += model::KlDivergence(d.dist[p][l2], d.dist[p][l]);
+        const bool slides = !d.window.empty() && d.window[l2] > 0;
+        if (!slides) {
+          sum += model::KlDivergence(d.dist[p][l2], d.dist[p][l]);
+          ++n;
+          continue;
+        }
+        const std::vector<size_t> keep = at_stake(p, l2);
+        if (keep.empty()) continue;
+        sum += model::KlDivergence(restrict(d.dist[p][l2], keep), restrict(d.dist[p][l], keep));
         ++n;
       }
     }

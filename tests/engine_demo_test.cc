@@ -220,5 +220,32 @@ TEST(WatershedTest, RuleOnHandmadeDistributions) {
   EXPECT_EQ(refengine::AnalyzeWatershed(d).watershed, -1);
 }
 
+// Sliding layers: only the rounds still inside a later layer's window are
+// at stake there. Layers 2 and 3 (window 16) attend rounds 0 and 1 that
+// have left it; over rounds 2 and 3 they agree with layer 1, so L_w = 1.
+// The same distributions read as global layers put it at 2.
+TEST(WatershedTest, SlidingLayersCountOnlyTheRoundsInsideTheirWindow) {
+  refengine::RoundDistributions d;
+  d.layers = 4;
+  d.dist.push_back({{0.25, 0.25, 0.25, 0.25},
+                    {0.05, 0.05, 0.1, 0.8},
+                    {0.5, 0.05, 0.05, 0.4},
+                    {0.5, 0.05, 0.05, 0.4}});
+  d.probe_round = {4};
+  d.probe_pos = {41};
+  d.round_end = {{10, 20, 30, 40}};  // Rounds 2 and 3 end after 41 - 16 + 1.
+  d.window = {0, 0, 16, 16};
+  refengine::WatershedReport w = refengine::AnalyzeWatershed(d);
+  EXPECT_EQ(w.watershed, 1);
+  EXPECT_NEAR(w.mean_kl[1], 0.0, 1e-12);
+  EXPECT_GT(w.mean_kl[0], 0.1);
+  EXPECT_EQ(w.at_stake_mean[1], 4.0);
+  EXPECT_EQ(w.at_stake_mean[2], 2.0);
+  d.window.clear();
+  w = refengine::AnalyzeWatershed(d);
+  EXPECT_EQ(w.watershed, 2);
+  EXPECT_EQ(w.at_stake_mean[2], 4.0);
+}
+
 }  // namespace
 }  // namespace kvtier

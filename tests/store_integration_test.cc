@@ -393,6 +393,7 @@ TEST_F(StoreIntegrationTest, BadInputGetsPreciseStatusAndChangesNothing) {
   EXPECT_THAT(reader->PutSegment(Args("s", 1), good), StatusIs(Code::kPermissionDenied));
   EXPECT_THAT(reader->DeleteSession("s"), StatusIs(Code::kPermissionDenied));
   EXPECT_THAT(reader->DropRounds("s", {0}), StatusIs(Code::kPermissionDenied));
+  EXPECT_THAT(reader->DropSegments("s", {Ref(0)}), StatusIs(Code::kPermissionDenied));
   EXPECT_THAT(reader->RecordRecalls("s", {0}), StatusIs(Code::kPermissionDenied));
   EXPECT_THAT(reader->ListRounds("s"), IsOk());  // Reading is allowed.
 
@@ -422,8 +423,8 @@ TEST_F(StoreIntegrationTest, BadInputGetsPreciseStatusAndChangesNothing) {
 TEST_F(StoreIntegrationTest, UnparseableRequestsAreInvalidArgumentOnEveryMethod) {
   StartStore();
   const std::string garbage("\xff\xff\xff\xff\x0f\x01\x02", 7);
-  for (const char* m : {"ListRounds", "DropRounds", "RecordRecalls", "DeleteSession", "PinSession",
-                        "ListSessions", "Stats"}) {
+  for (const char* m : {"ListRounds", "DropRounds", "DropSegments", "RecordRecalls",
+                        "DeleteSession", "PinSession", "ListSessions", "Stats"}) {
     const std::string method = absl::StrCat("/kvtier.v1.Store/", m);
     const grpc::Status st = testing::RawUnary(alice_->channel(), method, garbage, kAliceToken);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << m;
@@ -828,6 +829,17 @@ TEST_F(StoreIntegrationTest, DropRecordPinDeleteAndRestart) {
   ASSERT_THAT(dropped, IsOk());
   EXPECT_EQ(dropped->dropped_size(), 1);
   EXPECT_EQ(dropped->not_found(0), 9u);
+  // Single segments: round 0 keeps its segment 0 (and stays listed).
+  ASSERT_THAT(alice_->PutSegment(Args("s", 0, 1), MakePayload(2000, 8, 2)), IsOk());
+  auto segs = alice_->DropSegments("s", {Ref(0, 1), Ref(7)});
+  ASSERT_THAT(segs, IsOk());
+  ASSERT_EQ(segs->dropped_size(), 1);
+  EXPECT_EQ(segs->dropped(0).segment(), 1u);
+  ASSERT_EQ(segs->not_found_size(), 1);
+  EXPECT_EQ(segs->not_found(0).round(), 7u);
+  EXPECT_GT(segs->freed_bytes(), 0u);
+  EXPECT_THAT(alice_->DropSegments("s", {}), StatusIs(Code::kInvalidArgument));
+  EXPECT_THAT(alice_->DropSegments("nope", {Ref(0)}), StatusIs(Code::kNotFound));
   auto counted = alice_->RecordRecalls("s", {2, 2, 1});
   ASSERT_THAT(counted, IsOk());
   EXPECT_EQ(counted->counted_size(), 2);
@@ -849,6 +861,7 @@ TEST_F(StoreIntegrationTest, DropRecordPinDeleteAndRestart) {
   EXPECT_EQ(list->rounds(1).round(), 2u);
   EXPECT_EQ(list->rounds(1).summary().recall_count(), 2u);  // Recorded, and durable.
   EXPECT_EQ(list->rounds(0).summary().recall_count(), 0u);
+  EXPECT_EQ(list->rounds(0).segments_size(), 1);
   EXPECT_THAT(alice_->ListRounds("gone"), StatusIs(Code::kNotFound));
 }
 

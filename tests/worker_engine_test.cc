@@ -46,7 +46,8 @@ std::vector<float> Random(size_t n, std::mt19937* rng, float bias_dim = -1) {
   return x;
 }
 
-// Full attention over a whole token-major history: the ground truth.
+// Full attention over a whole token-major history, within each layer's
+// sliding window where it has one: the ground truth.
 class LocalCache {
  public:
   explicit LocalCache(const ModelShape& s) : s_(s), k_(s.layers), v_(s.layers) {}
@@ -58,9 +59,12 @@ class LocalCache {
     v_[layer].insert(v_[layer].end(), v, v + n * kvr);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = base + i + 1;
-      const KvBlock b{
-          EncodedView::Raw(v1::DTYPE_FP32, k_[layer].data(), s_.kv_heads, t, d, d, kvr),
-          EncodedView::Raw(v1::DTYPE_FP32, v_[layer].data(), s_.kv_heads, t, d, d, kvr)};
+      const int w = s_.layer_window(layer);
+      const int64_t from = w > 0 ? std::max<int64_t>(0, t - w) : 0;
+      const KvBlock b{EncodedView::Raw(v1::DTYPE_FP32, k_[layer].data() + from * kvr, s_.kv_heads,
+                                       t - from, d, d, kvr),
+                      EncodedView::Raw(v1::DTYPE_FP32, v_[layer].data() + from * kvr, s_.kv_heads,
+                                       t - from, d, d, kvr)};
       ASSERT_TRUE(DecodeAttention({s_.q_heads, s_.kv_heads, d}, q + i * qr, {&b, 1}, out + i * qr,
                                   KernelLevel::kReference)
                       .ok());
@@ -85,8 +89,9 @@ class WorkerEngineTest : public ::testing::Test {
   // then `decode` single-token steps, each through every layer, compared with
   // the local cache when `local` is set. Returns the max abs difference.
   double Round(const std::string& id, int64_t n, int64_t question, int decode, std::mt19937* rng,
-               LocalCache* local, int topic = -1) {
-    const ModelShape s = kShape;
+               LocalCache* local, int topic = -1, Engine* engine = nullptr) {
+    const ModelShape& s = shape_;
+    if (engine == nullptr) engine = engine_.get();
     const int d = s.head_dim;
     double worst = 0;
     auto step = [&](int64_t m, bool prefill) {
@@ -96,10 +101,10 @@ class WorkerEngineTest : public ::testing::Test {
         std::vector<float> out(q.size()), ref(q.size());
         if (prefill) {
           auto r =
-              engine_->PrefillLayer(id, l, m, question, q.data(), k.data(), v.data(), out.data());
+              engine->PrefillLayer(id, l, m, question, q.data(), k.data(), v.data(), out.data());
           EXPECT_TRUE(r.ok()) << r.status();
         } else {
-          EXPECT_TRUE(engine_->DecodeLayer(id, l, q.data(), k.data(), v.data(), out.data()).ok());
+          EXPECT_TRUE(engine->DecodeLayer(id, l, q.data(), k.data(), v.data(), out.data()).ok());
         }
         if (local != nullptr) {
           local->Layer(l, m, q.data(), k.data(), v.data(), ref.data());
@@ -113,11 +118,83 @@ class WorkerEngineTest : public ::testing::Test {
     return worst;
   }
 
+  ModelShape shape_ = kShape;  // Round's shape.
   testing::StoreStack stack_;
   testing::StoreProcess* store_ = nullptr;
   StoreSegments* segments_ = nullptr;
   std::unique_ptr<Engine> engine_;
 };
+
+// Gemma 3's shape (head_dim 256, one KV head) with sliding layers below and
+// above L_w: each round is five segments; once a round has left every
+// window of a sliding segment, that segment leaves the store and the
+// working set, and the tier still answers as windowed full attention,
+// before and after a resume on another engine (which fetches only what is
+// stored, and recall never asks for a dropped segment).
+TEST_F(WorkerEngineTest, SlidingSegmentsLeaveTheStoreOnceOutOfEveryWindow) {
+  shape_ = ModelShape{6, 4, 1, 256, v1::DTYPE_FP16};
+  shape_.window = {8, 0, 0, 8, 8, 0};  // L_w = 1: [0] [1] | [2] [3, 5) [5].
+  SessionPolicy p;
+  KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("all"));
+  p.watershed_layer = 1;
+  KVT_ASSERT_OK(engine_->OpenSession("w", shape_, p));
+  LocalCache local(shape_);
+  std::mt19937 rng(5);
+  std::vector<int64_t> ends;  // Each round's end position.
+  for (int r = 0; r < 6; ++r) {
+    EXPECT_LT(Round("w", 3 + r % 2, 2, 2, &rng, &local), 1e-5) << "round " << r;
+    KVT_ASSERT_OK(engine_->EndRound("w").status());
+    ends.push_back((ends.empty() ? 0 : ends.back()) + 3 + r % 2 + 2);
+  }
+  // Which rounds left the windows of 8 for a query at the next position.
+  auto stored_segments = [&]() {
+    std::vector<std::vector<uint32_t>> out;
+    auto listed = segments_->client()->ListRounds("w");
+    EXPECT_THAT(listed, IsOk());
+    if (!listed.ok()) return out;
+    for (const v1::RoundInfo& ri : listed->rounds()) {
+      out.emplace_back();
+      for (const v1::SegmentInfo& si : ri.segments()) out.back().push_back(si.ref().segment());
+      std::sort(out.back().begin(), out.back().end());
+    }
+    return out;
+  };
+  auto expected = [&]() {
+    std::vector<std::vector<uint32_t>> out;
+    for (int64_t end : ends) {
+      const bool left = end <= ends.back() - 8 + 1;
+      out.push_back(left ? std::vector<uint32_t>{1, 2, 4} : std::vector<uint32_t>{0, 1, 2, 3, 4});
+    }
+    return out;
+  };
+  EXPECT_EQ(stored_segments(), expected());
+  EXPECT_EQ(stored_segments().front().size(), 3u);  // Some did leave.
+  // A resume on another engine answers as the first would have.
+  Engine other(segments_, ReferenceKernels());
+  KVT_ASSERT_OK_AND_ASSIGN(uint32_t next, other.ResumeSession("w", shape_, p, {}));
+  EXPECT_EQ(next, 6u);
+  const uint64_t gets = segments_->get_calls();
+  for (int r = 6; r < 9; ++r) {
+    EXPECT_LT(Round("w", 4, 2, 2, &rng, &local, -1, &other), 1e-5) << "round " << r;
+    KVT_ASSERT_OK(other.EndRound("w").status());
+    ends.push_back(ends.back() + 6);
+    KVT_ASSERT_OK_AND_ASSIGN(auto st, other.Stats("w"));
+    EXPECT_TRUE(st.recalls.back().gone.empty()) << "round " << r;
+  }
+  EXPECT_EQ(segments_->get_calls(), gets + 3);  // One fetch per recall.
+  EXPECT_EQ(stored_segments(), expected());
+  // A round with a sliding segment missing inside its window is lost data,
+  // never a silent hole.
+  KVT_ASSERT_OK(segments_->DropSegments("w", {{7, 3}}, {}));
+  Engine third(segments_, ReferenceKernels());
+  EXPECT_THAT(third.ResumeSession("w", shape_, p, {}),
+              StatusIs(absl::StatusCode::kDataLoss, ::testing::HasSubstr("inside its window")));
+  // Under another watershed layer the segments do not fit.
+  p.watershed_layer = 2;
+  EXPECT_THAT(third.ResumeSession("w", shape_, p, {}),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       ::testing::HasSubstr("does not fit this policy")));
+}
 
 TEST_F(WorkerEngineTest, LosslessRecallAllEqualsFullAttention) {
   SessionPolicy p;
@@ -266,6 +343,10 @@ class FlakyStore : public worker::SegmentStore {
       return absl::UnavailableError("drop refused by the test");
     }
     return real_->DropRound(session, round, call);
+  }
+  absl::Status DropSegments(const std::string& session, const std::vector<Segment>& segments,
+                            const CallOptions& call) override {
+    return real_->DropSegments(session, segments, call);
   }
   absl::Status RecordRecalls(const std::string& session, const std::vector<uint32_t>& rounds,
                              const CallOptions& call) override {

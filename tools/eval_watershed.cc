@@ -1,5 +1,6 @@
 // `kvtier eval watershed`: the watershed layer L_w of Round Attention from a
 // conversation's round-attention distributions (refengine/watershed.h).
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -7,6 +8,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "refengine/watershed.h"
 #include "tools/cli_args.h"
 
@@ -19,7 +21,9 @@ constexpr char kWatershedHelp[] =
     "  attention over the past rounds (qAttention, as the worker computes it). Prints per\n"
     "  layer the mean KL(P_later || P_layer) against every later layer and how many past\n"
     "  rounds hold --mass of the attention, then L_w: the first layer from which the mean\n"
-    "  KL stays at or below --kl_threshold at every later layer.\n\n"
+    "  KL stays at or below --kl_threshold at every later layer. On a model with\n"
+    "  sliding-window layers, a later sliding layer is compared only over the rounds still\n"
+    "  inside its window (the ones recall can change there).\n\n"
     "  --model=PATH        a GGUF file or llama2.c checkpoint (e.g. stories260K.bin);\n"
     "                      without it, the embedded synthetic chat (traces/synthetic_chat.h)\n"
     "  --conversations=FILE  with --model: your own conversations instead of a generated one\n"
@@ -132,23 +136,32 @@ int EvalWatershed(const Args& args) {
   const refengine::WatershedReport w = refengine::AnalyzeWatershed(dist, mass, kl_threshold);
   std::printf("%s: %zu questions, %.1f past rounds on average\n\n", what.c_str(), dist.dist.size(),
               w.past_rounds_mean);
-  std::printf("%5s  %14s  %22s\n", "layer", "mean KL (nats)",
-              absl::StrCat("rounds for ", mass * 100, "% mass").c_str());
+  const bool sliding = std::any_of(dist.window.begin(), dist.window.end(), [](int x) { return x > 0; });
+  std::printf("%5s  %14s  %22s%s\n", "layer", "mean KL (nats)",
+              absl::StrCat("rounds for ", mass * 100, "% mass").c_str(),
+              sliding ? "  kind        rounds at stake" : "");
   std::printf("%5s  %14s  %10s %11s\n", "", "vs later", "mean", "max");
   std::unique_ptr<std::ofstream> csv;
   if (args.Has("csv")) {
     csv = std::make_unique<std::ofstream>(args.Get("csv"));
-    *csv << "layer,mean_kl_vs_later,rounds_for_mass_mean,rounds_for_mass_max,mass\n";
+    *csv << "layer,mean_kl_vs_later,rounds_for_mass_mean,rounds_for_mass_max,mass,window,"
+            "rounds_at_stake_mean\n";
   }
   for (int l = 0; l < dist.layers; ++l) {
     const bool has_kl = l < static_cast<int>(w.mean_kl.size());
-    std::printf("%5d  %14s  %10.2f %11d%s\n", l,
+    const int win = dist.window.empty() ? 0 : dist.window[l];
+    const std::string kind =
+        !sliding ? ""
+                 : absl::StrFormat("  %-11s %15.2f", win > 0 ? absl::StrCat("slides ", win) : "global",
+                                   w.at_stake_mean[l]);
+    std::printf("%5d  %14s  %10.2f %11d%s%s\n", l,
                 has_kl ? absl::StrCat(absl::SixDigits(w.mean_kl[l])).c_str() : "-",
-                w.rounds_for_mass_mean[l], w.rounds_for_mass_max[l],
+                w.rounds_for_mass_mean[l], w.rounds_for_mass_max[l], kind.c_str(),
                 l == w.watershed ? "   <- L_w" : "");
     if (csv) {
       *csv << l << "," << (has_kl ? absl::StrCat(w.mean_kl[l]) : "") << ","
-           << w.rounds_for_mass_mean[l] << "," << w.rounds_for_mass_max[l] << "," << mass << "\n";
+           << w.rounds_for_mass_mean[l] << "," << w.rounds_for_mass_max[l] << "," << mass << ","
+           << win << "," << w.at_stake_mean[l] << "\n";
     }
   }
   if (w.watershed < 0) {

@@ -61,6 +61,10 @@ class SizeOnlyStore : public SegmentStore {
   absl::Status DropRound(const std::string&, uint32_t, const CallOptions&) override {
     return absl::OkStatus();
   }
+  absl::Status DropSegments(const std::string&, const std::vector<Segment>&,
+                            const CallOptions&) override {
+    return absl::OkStatus();
+  }
   absl::Status RecordRecalls(const std::string&, const std::vector<uint32_t>&,
                              const CallOptions&) override {
     return absl::OkStatus();

@@ -1,6 +1,7 @@
 #include "worker/engine.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <random>
 
@@ -323,6 +324,11 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(
   KVT_RETURN_IF_ERROR(CheckShape(shape));
   KVT_ASSIGN_OR_RETURN(const int lw, WatershedLayer(shape, policy));
   KVT_RETURN_IF_ERROR(ValidateRoundPolicy(shape, policy));
+  if (const size_t n = RoundLayout(shape, lw).size(); n > kMaxRoundSegments) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the model's sliding and global layers alternate so often that a round would be ", n,
+        " segments (watershed layer ", lw, "); the store takes at most ", kMaxRoundSegments));
+  }
   auto s = std::make_shared<Session>(id, shape, policy, lw);
   {
     absl::MutexLock lock(&s->mu);
@@ -481,16 +487,38 @@ absl::StatusOr<uint32_t> Engine::ResumeSession(const SessionKey& id, const Model
                                                      " earlier rounds of session ", id.ToString()));
     }
   }
-  // A last round with its lower segment and no upper one is a round whose
-  // EndRound never finished (its worker died between the two puts): it was
-  // never acknowledged, so it goes, and the engine sends it again.
-  if (!at_round.has_value() && !stored.empty() && lw + 1 < shape.layers &&
-      !stored.back().has_upper && static_cast<int>(stored.back().lower_layers) == lw + 1) {
-    const uint32_t half = stored.back().round;
-    KVT_RETURN_IF_ERROR(store_->DropRound(id.session, half, store_call));
-    stored.pop_back();
-    LogWarn("half-stored last round dropped at resume",
-            {{"session", id.ToString()}, {"round", half}});
+  // Each stored round against this session's layout (round_layout.h): a
+  // segment of another index or layer range means another watershed layer
+  // or model; a missing one is a round whose EndRound never finished when
+  // it is the last (its worker died between the puts: never acknowledged,
+  // so it goes and the engine sends it again), a sliding segment of a round
+  // that left its window, or lost data.
+  const std::vector<SegmentSpan> layout = RoundLayout(shape, lw);
+  auto missing = [&](const SegmentStore::StoredRound& r) -> absl::StatusOr<uint64_t> {
+    uint64_t absent = 0;
+    for (const SegmentSpan& sp : layout) absent |= uint64_t{1} << sp.index;
+    for (const SegmentStore::StoredSegment& g : r.segments) {
+      if (g.segment >= layout.size() ||
+          g.layer_begin != static_cast<uint32_t>(layout[g.segment].begin) ||
+          g.layer_end != static_cast<uint32_t>(layout[g.segment].end)) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "stored round ", r.round, " does not fit this policy: its segment ", g.segment,
+            " covers layers [", g.layer_begin, ", ", g.layer_end, "), and with L_w = ", lw,
+            " this model's rounds are ", layout.size(), " segments"));
+      }
+      absent &= ~(uint64_t{1} << g.segment);
+    }
+    return absent;
+  };
+  if (!at_round.has_value() && !stored.empty()) {
+    KVT_ASSIGN_OR_RETURN(const uint64_t absent, missing(stored.back()));
+    if (absent != 0) {
+      const uint32_t half = stored.back().round;
+      KVT_RETURN_IF_ERROR(store_->DropRound(id.session, half, store_call));
+      stored.pop_back();
+      LogWarn("half-stored last round dropped at resume",
+              {{"session", id.ToString()}, {"round", half}});
+    }
   }
   // K/V of another model never comes back: a round recorded under another
   // identity refuses the resume (identities unknown on either side pass).
@@ -502,15 +530,21 @@ absl::StatusOr<uint32_t> Engine::ResumeSession(const SessionKey& id, const Model
           r.round, id.ToString(), r.model, shape.model_digest));
     }
   }
+  // Every round's stored lower segments, in one call.
   std::vector<SegmentStore::Segment> lower;
-  for (const SegmentStore::StoredRound& r : stored) {
-    if (static_cast<int>(r.lower_layers) != lw + 1 || (lw + 1 < shape.layers && !r.has_upper)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "stored round ", r.round, " does not fit this policy: its lower segment covers ",
-          r.lower_layers, " layers (L_w = ", lw, " needs ", lw + 1, ")",
-          r.has_upper ? "" : " and it has no upper segment"));
+  std::vector<uint64_t> absent(stored.size());
+  for (size_t i = 0; i < stored.size(); ++i) {
+    KVT_ASSIGN_OR_RETURN(absent[i], missing(stored[i]));
+    for (const SegmentSpan& sp : layout) {
+      if ((absent[i] >> sp.index & 1) == 0) {
+        if (!sp.upper) lower.push_back({stored[i].round, sp.index});
+      } else if (!sp.windowed) {
+        return absl::DataLossError(
+            absl::StrCat("stored round ", stored[i].round, " of session ", id.ToString(),
+                         " lacks its segment ", sp.index, " (layers [", sp.begin, ", ", sp.end,
+                         "))"));
+      }
     }
-    lower.push_back({r.round, 0});
   }
   std::vector<std::string> payloads;
   if (!lower.empty()) {
@@ -518,20 +552,41 @@ absl::StatusOr<uint32_t> Engine::ResumeSession(const SessionKey& id, const Model
   }
   {
     absl::MutexLock lock(&s->mu);
+    size_t next = 0;  // Into lower and payloads.
     for (size_t i = 0; i < stored.size(); ++i) {
-      auto payload = std::make_shared<const std::string>(std::move(payloads[i]));
-      const uint64_t bytes = payload->size();
-      KVT_ASSIGN_OR_RETURN(auto layers,
-                           MakeLayers(std::move(payload), lw + 1, shape.kv_heads, shape.head_dim));
       Session::PastRound pr;
       pr.round = stored[i].round;
-      for (const HeadKv& h : layers[0]->heads) pr.tokens = std::max(pr.tokens, h.len);
-      pr.stored_bytes = bytes;
-      for (int l = 0; l <= lw; ++l) KVT_RETURN_IF_ERROR(s->Place(*layers[l], l));
-      layers.resize(shape.layers);  // Upper layers stay in the store until recalled.
-      pr.layers = std::move(layers);
+      pr.layers.resize(shape.layers);  // Upper layers stay in the store until recalled.
+      for (; next < lower.size() && lower[next].round == pr.round; ++next) {
+        const SegmentSpan& sp = layout[lower[next].segment];
+        auto payload = std::make_shared<const std::string>(std::move(payloads[next]));
+        pr.stored_bytes += payload->size();
+        KVT_ASSIGN_OR_RETURN(auto layers, MakeLayers(std::move(payload), sp.layers(),
+                                                     shape.kv_heads, shape.head_dim));
+        for (int l = sp.begin; l < sp.end; ++l) {
+          KVT_RETURN_IF_ERROR(s->Place(*layers[l - sp.begin], l));
+          pr.layers[l] = std::move(layers[l - sp.begin]);
+        }
+      }
+      // Layer 0 unless it slides and left (then L_w, which never does).
+      const RoundLayer* counted = pr.layers[0] != nullptr ? pr.layers[0].get() : pr.layers[lw].get();
+      for (const HeadKv& h : counted->heads) pr.tokens = std::max(pr.tokens, h.len);
       s->stats.full_cache_bytes += static_cast<uint64_t>(s->TokenBytes(pr.tokens));
       s->past.push_back(std::move(pr));
+    }
+    // Sliding segments not stored must be ones their rounds left; stored
+    // ones that were left (a drop that failed) are dropped at the next
+    // EndRound.
+    s->pending_drops = s->MarkLeftWindows(s->PastTokens());
+    for (size_t i = 0; i < stored.size(); ++i) {
+      if (const uint64_t lost = absent[i] & ~s->past[i].left; lost != 0) {
+        return absl::DataLossError(absl::StrCat(
+            "stored round ", stored[i].round, " of session ", id.ToString(), " lacks segment ",
+            std::countr_zero(lost), ", a sliding segment still inside its window"));
+      }
+      std::erase_if(s->pending_drops, [&](const SegmentStore::Segment& x) {
+        return x.round == stored[i].round && (absent[i] >> x.segment & 1) != 0;
+      });
     }
     s->stats.rounds = stored.empty() ? 0 : stored.back().round + 1;
     s->NotePeak();

@@ -5,7 +5,6 @@
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
 #include "base/status_macros.h"
-#include "kvtier/v1/store.pb.h"
 #include "worker/session.h"
 
 namespace kvtier::worker {
@@ -42,16 +41,20 @@ RecallReport Engine::StartRecall(Session& s, int64_t n, int64_t question_tokens,
              pick.end());
   s.selected.assign(pick.begin(), pick.end());
   std::vector<SegmentStore::Segment> segs;
-  s.fetch_rounds.clear();
+  s.fetch_segments.clear();
   std::vector<uint32_t> resident;
   for (uint32_t i : pick) {
-    rep.selected.push_back(s.past[i].round);
-    if (s.past[i].layers[s.lw + 1] == nullptr) {
-      segs.push_back({s.past[i].round, 1});
-      s.fetch_rounds.push_back(i);
-    } else {
-      resident.push_back(s.past[i].round);
+    const Session::PastRound& r = s.past[i];
+    rep.selected.push_back(r.round);
+    // The round's upper segments not resident, except the sliding ones it
+    // has left (gone from the store; no query here attends them).
+    const size_t before = segs.size();
+    for (const SegmentSpan& sp : s.layout) {
+      if (!sp.upper || (r.left >> sp.index & 1) != 0 || r.layers[sp.begin] != nullptr) continue;
+      segs.push_back({r.round, sp.index});
+      s.fetch_segments.push_back({i, sp.index});
     }
+    if (segs.size() == before) resident.push_back(r.round);
   }
   // Reported at EndRound. Assigned, not appended: a rolled-back first
   // prefill recalls again.
@@ -127,47 +130,52 @@ absl::StatusOr<RecallReport> Engine::InstallFetch(Session& s, const std::shared_
                                  : absl::StatusCode::kUnavailable,
                              absl::StrCat("recall fetch failed: ", st.message())));
   }
-  if (f->result->size() != s.fetch_rounds.size()) {
+  if (f->result->size() != s.fetch_segments.size()) {
     return fail(absl::DataLossError("recall fetch returned a different segment count"));
   }
-  const int upper_layers = sh.layers - s.lw - 1;
-  std::vector<std::vector<std::unique_ptr<RoundLayer>>> parsed;
+  // A round with any segment gone (dropped by the store) is attended up to
+  // L_w only from now on; the others' segments become their layers.
+  std::vector<bool> gone(s.past.size(), false);
+  for (size_t i = 0; i < f->gone.size(); ++i) {
+    if (f->gone[i]) gone[s.fetch_segments[i].round] = true;
+  }
+  std::vector<std::pair<size_t, std::vector<std::unique_ptr<RoundLayer>>>> parsed;
   uint64_t fetched = 0;
   for (size_t i = 0; i < f->result->size(); ++i) {
+    const Session::FetchedSegment& fs = s.fetch_segments[i];
+    if (gone[fs.round]) continue;
     std::string& bytes = (*f->result)[i];
-    if (!f->gone.empty() && f->gone[i]) {
-      parsed.emplace_back();
-      continue;
-    }
+    const SegmentSpan& sp = s.layout[fs.segment];
     fetched += bytes.size();
     // The fetched buffer itself becomes the working set's bytes: views, no
     // copy (its crc32c was checked on arrival).
     auto payload = std::make_shared<const std::string>(std::move(bytes));
-    auto layers = MakeLayers(std::move(payload), upper_layers, sh.kv_heads, sh.head_dim);
+    auto layers = MakeLayers(std::move(payload), sp.layers(), sh.kv_heads, sh.head_dim);
     if (!layers.ok()) {
       return fail(absl::DataLossError(
           absl::StrCat("recalled segment payload is malformed: ", layers.status().message())));
     }
-    for (int l = s.lw + 1; l < sh.layers; ++l) {
-      absl::Status placed = s.Place(*(*layers)[l - s.lw - 1], l);
+    for (int l = sp.begin; l < sp.end; ++l) {
+      absl::Status placed = s.Place(*(*layers)[l - sp.begin], l);
       if (!placed.ok()) return fail(placed);
     }
-    parsed.push_back(*std::move(layers));
+    parsed.emplace_back(i, *std::move(layers));
   }
   RecallReport& rr = s.stats.recalls.back();
-  for (size_t i = 0; i < parsed.size(); ++i) {
-    const size_t index = s.fetch_rounds[i];
+  for (auto& [i, layers] : parsed) {
+    const Session::FetchedSegment& fs = s.fetch_segments[i];
+    const SegmentSpan& sp = s.layout[fs.segment];
+    Session::PastRound& r = s.past[fs.round];
+    for (int l = sp.begin; l < sp.end; ++l) r.layers[l] = std::move(layers[l - sp.begin]);
+  }
+  for (size_t index = 0; index < gone.size(); ++index) {
+    if (!gone[index]) continue;
     Session::PastRound& r = s.past[index];
-    if (parsed[i].empty()) {
-      // Dropped by the store: attended up to L_w only, from now on.
-      r.upper_gone = true;
-      s.selected.erase(std::remove(s.selected.begin(), s.selected.end(), index), s.selected.end());
-      rr.selected.erase(std::remove(rr.selected.begin(), rr.selected.end(), r.round),
-                        rr.selected.end());
-      rr.gone.push_back(r.round);
-      continue;
-    }
-    for (int l = s.lw + 1; l < sh.layers; ++l) r.layers[l] = std::move(parsed[i][l - s.lw - 1]);
+    r.upper_gone = true;
+    s.selected.erase(std::remove(s.selected.begin(), s.selected.end(), index), s.selected.end());
+    rr.selected.erase(std::remove(rr.selected.begin(), rr.selected.end(), r.round),
+                      rr.selected.end());
+    rr.gone.push_back(r.round);
   }
   if (!rr.gone.empty()) {
     LogWarn("recalled rounds were dropped by the store; attending them up to L_w only",

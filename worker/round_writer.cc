@@ -1,5 +1,5 @@
 // EndRound: eviction and encoding of the open round under the session lock
-// (the plan), PutSegment of its two segments without it (the send), and the
+// (the plan), PutSegments of its segments without it (the send), and the
 // round's move into the working set under the lock again (the commit).
 #include <algorithm>
 
@@ -14,11 +14,14 @@ namespace kvtier::worker {
 struct RoundPlan {
   uint32_t round = 0;
   int64_t tokens = 0;
-  // Serialized SegmentPayloads, sent as they are; upper null if L_w = L - 1.
-  std::shared_ptr<const std::string> lower, upper;
+  // Serialized SegmentPayloads, one per segment of the session's layout,
+  // sent as they are.
+  std::vector<std::shared_ptr<const std::string>> segments;
   std::vector<std::unique_ptr<RoundLayer>> layers;  // The round's working-set form.
   uint64_t round_working_set = 0;
   std::vector<uint32_t> recalls;  // Resident recalls to report, older ones first.
+  // Sliding segments of past rounds that have left their windows, to drop.
+  std::vector<SegmentStore::Segment> drops;
 };
 
 absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const CallOptions& call) {
@@ -141,17 +144,22 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
     };
     // Built (and on a GPU uploaded) before the puts, so that a failure of
     // either leaves the round open.
-    KVT_ASSIGN_OR_RETURN(std::string lower, segment(0, lw + 1));
-    plan.lower = std::make_shared<const std::string>(std::move(lower));
-    KVT_ASSIGN_OR_RETURN(plan.layers, MakeLayers(plan.lower, lw + 1, sh.kv_heads, d));
-    if (lw + 1 < sh.layers) {
-      KVT_ASSIGN_OR_RETURN(std::string upper, segment(lw + 1, sh.layers));
-      plan.upper = std::make_shared<const std::string>(std::move(upper));
-      KVT_ASSIGN_OR_RETURN(auto upper_layers,
-                           MakeLayers(plan.upper, sh.layers - lw - 1, sh.kv_heads, d));
-      for (auto& rl : upper_layers) plan.layers.push_back(std::move(rl));
+    for (const SegmentSpan& sp : s->layout) {
+      KVT_ASSIGN_OR_RETURN(std::string bytes, segment(sp.begin, sp.end));
+      auto payload = std::make_shared<const std::string>(std::move(bytes));
+      KVT_ASSIGN_OR_RETURN(auto layers, MakeLayers(payload, sp.layers(), sh.kv_heads, d));
+      for (auto& rl : layers) plan.layers.push_back(std::move(rl));
+      plan.segments.push_back(std::move(payload));
     }
     for (int l = 0; l < sh.layers; ++l) KVT_RETURN_IF_ERROR(s->Place(*plan.layers[l], l));
+    // Rounds that no later query sees at a sliding segment's layers leave
+    // the working set there now (every later position is further on, so
+    // this holds even if the puts fail), and the store after the puts.
+    plan.drops = std::move(s->pending_drops);
+    s->pending_drops.clear();
+    for (const SegmentStore::Segment& x : s->MarkLeftWindows(s->PastTokens() + t)) {
+      plan.drops.push_back(x);
+    }
     plan.recalls = s->unreported_recalls;
     plan.recalls.insert(plan.recalls.end(), s->round_resident.begin(), s->round_resident.end());
     // Steps and other EndRounds are refused until the commit below.
@@ -161,27 +169,34 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
   // Send, without the lock.
   const CallOptions store_call = s->ForStore({StoreDeadline(call), {}});
   const std::string& name = s->key.session;
-  // Both segments in one call where the store allows it (PutMany).
-  auto put_both = [&]() -> absl::Status {
-    std::vector<SegmentStore::SegmentWrite> writes = {
-        {{plan.round, 0, sh.model_digest}, 0, static_cast<uint32_t>(lw + 1), *plan.lower}};
-    if (lw + 1 < sh.layers) {
-      writes.push_back({{plan.round, 1, sh.model_digest},
-                        static_cast<uint32_t>(lw + 1),
-                        static_cast<uint32_t>(sh.layers),
-                        *plan.upper});
+  // Every segment in one call where the store allows it (PutMany).
+  auto put_all = [&]() -> absl::Status {
+    std::vector<SegmentStore::SegmentWrite> writes;
+    for (size_t i = 0; i < s->layout.size(); ++i) {
+      const SegmentSpan& sp = s->layout[i];
+      writes.push_back({{plan.round, sp.index, sh.model_digest},
+                        static_cast<uint32_t>(sp.begin),
+                        static_cast<uint32_t>(sp.end),
+                        *plan.segments[i]});
     }
     const std::vector<absl::Status> st = store_->PutMany(name, writes, store_call);
-    const absl::Status& lower = st.front();
-    const absl::Status upper = st.size() > 1 ? st[1] : absl::OkStatus();
-    if (lower.ok() && upper.ok()) return absl::OkStatus();
-    // Leave no half round behind: a lower segment stored with its upper
-    // refused, or an upper stored with its lower refused (best effort: a
-    // retry of EndRound replaces one anyway). ALREADY_EXISTS is left to the
-    // caller, which replaces the whole round.
-    const bool half = lower.ok() ? upper.code() != absl::StatusCode::kAlreadyExists
-                                 : upper.ok() && lower.code() != absl::StatusCode::kAlreadyExists;
-    if (half) {
+    const absl::Status* failed = nullptr;
+    const absl::Status* exists = nullptr;
+    bool stored_some = false;
+    for (const absl::Status& x : st) {
+      if (x.ok()) {
+        stored_some = true;
+        continue;
+      }
+      if (failed == nullptr) failed = &x;
+      if (exists == nullptr && x.code() == absl::StatusCode::kAlreadyExists) exists = &x;
+    }
+    if (failed == nullptr) return absl::OkStatus();
+    // ALREADY_EXISTS is left to the caller, which replaces the whole round.
+    if (exists != nullptr) return *exists;
+    // Leave no part of a round behind (best effort: a retry of EndRound
+    // replaces one anyway).
+    if (stored_some) {
       absl::Status dropped = store_->DropRound(name, plan.round, store_call);
       if (!dropped.ok()) {
         LogWarn(
@@ -189,17 +204,27 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
             {{"session", s->key.ToString()}, {"round", plan.round}, {"error", dropped.ToString()}});
       }
     }
-    return lower.ok() ? upper : lower;
+    return *failed;
   };
-  absl::Status put = put_both();
+  absl::Status put = put_all();
   if (put.code() == absl::StatusCode::kAlreadyExists) {
-    // An earlier EndRound of this round stored its lower segment and then
-    // failed; the round may have grown since. Replace what is there.
+    // An earlier EndRound of this round stored some of its segments and
+    // then failed; the round may have grown since. Replace what is there.
     put = store_->DropRound(name, plan.round, store_call);
-    if (put.ok()) put = put_both();
+    if (put.ok()) put = put_all();
     if (put.code() == absl::StatusCode::kAlreadyExists) {
       put = absl::InternalError(
           absl::StrCat("round ", plan.round, " is still in the store after a drop"));
+    }
+  }
+  absl::Status dropped = absl::CancelledError("not sent");
+  if (put.ok() && !plan.drops.empty()) {
+    dropped = store_->DropSegments(name, plan.drops, store_call);
+    if (!dropped.ok()) {
+      LogWarn("sliding-window segments that left their windows not dropped; sent again next round",
+              {{"session", s->key.ToString()},
+               {"segments", plan.drops.size()},
+               {"error", dropped.ToString()}});
     }
   }
   absl::Status recorded = absl::CancelledError("not sent");
@@ -215,13 +240,14 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
 
   // Commit.
   absl::MutexLock lock(&s->mu);
+  if (!dropped.ok()) s->pending_drops = std::move(plan.drops);
   if (!put.ok()) {
     s->state = SessionState::kOpen;
     return put;
   }
   EndRoundReport rep;
   rep.round = plan.round;
-  rep.stored_bytes = plan.lower->size() + (plan.upper != nullptr ? plan.upper->size() : 0);
+  for (const auto& seg : plan.segments) rep.stored_bytes += seg->size();
   Session::PastRound pr;
   pr.round = plan.round;
   pr.tokens = plan.tokens;
@@ -232,21 +258,6 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
   if (s->policy.release_after_end_round) {
     for (auto& r : s->past) {
       for (int l = lw + 1; l < sh.layers; ++l) r.layers[l].reset();
-    }
-  }
-  // A round that has left a sliding layer's window for good (every later
-  // query stands further on) leaves the working set at that layer below L_w;
-  // the store keeps it. Layer L_w stays (recall scores its keys), and the
-  // layers above it come and go with recall (release_after_end_round).
-  if (sh.sliding()) {
-    const int64_t next = s->PastTokens();  // The next query's position.
-    int64_t start = 0;
-    for (auto& r : s->past) {
-      for (int l = 0; l < lw; ++l) {
-        const int w = sh.layer_window(l);
-        if (w > 0 && start + r.tokens <= next - w + 1) r.layers[l].reset();
-      }
-      start += r.tokens;
     }
   }
   if (s->policy.speculation.pool_bytes > 0) {

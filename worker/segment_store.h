@@ -27,7 +27,7 @@ class SegmentStore {
   virtual ~SegmentStore() = default;
   struct Segment {
     uint32_t round = 0;
-    uint32_t segment = 0;  // 0: layers [0, L_w]; 1: (L_w, L).
+    uint32_t segment = 0;  // Its index in the round's layout (round_layout.h).
     // Put: the identity of the model whose K/V the segment holds, stored
     // with the round (ModelShape::model_digest); 0: none recorded.
     uint64_t model = 0;
@@ -75,20 +75,30 @@ class SegmentStore {
   // Drops one round (both segments). OK when it was not there.
   virtual absl::Status DropRound(const std::string& session, uint32_t round,
                                  const CallOptions& call) = 0;
+  // Drops single segments of stored rounds, in one call, keeping the rest
+  // of each round. OK when some were not there.
+  virtual absl::Status DropSegments(const std::string& session,
+                                    const std::vector<Segment>& segments,
+                                    const CallOptions& call) = 0;
   // Counts recalls of rounds that were resident (no fetch), in one call.
   virtual absl::Status RecordRecalls(const std::string& session,
                                      const std::vector<uint32_t>& rounds,
                                      const CallOptions& call) = 0;
-  // A stored round as resume needs it: its number, and the layers its lower
-  // segment (segment 0) covers; `has_upper` when segment 1 is stored too;
-  // `model` the identity recorded with it (0: none).
+  // A stored round as resume needs it: its number, its segments (index and
+  // layer range, ascending by index), and `model` the identity recorded
+  // with it (0: none).
+  struct StoredSegment {
+    uint32_t segment = 0;
+    uint32_t layer_begin = 0;
+    uint32_t layer_end = 0;
+    friend bool operator==(const StoredSegment&, const StoredSegment&) = default;
+  };
   struct StoredRound {
     uint32_t round = 0;
-    uint32_t lower_layers = 0;
-    bool has_upper = false;
+    std::vector<StoredSegment> segments;
     uint64_t model = 0;
   };
-  // The session's stored rounds with a lower segment, ascending. NOT_FOUND
+  // The session's stored rounds, ascending. NOT_FOUND
   // (passed through) when the store has no such session.
   virtual absl::StatusOr<std::vector<StoredRound>> List(const std::string& session,
                                                         const CallOptions& call) = 0;

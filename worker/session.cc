@@ -328,6 +328,22 @@ int64_t Engine::Session::PastTokens() const {
   return n;
 }
 
+std::vector<SegmentStore::Segment> Engine::Session::MarkLeftWindows(int64_t next) {
+  std::vector<SegmentStore::Segment> out;
+  int64_t start = 0;
+  for (PastRound& r : past) {
+    start += r.tokens;  // The round's end.
+    for (const SegmentSpan& sp : layout) {
+      if (!sp.windowed || (r.left >> sp.index & 1) != 0) continue;
+      if (!LeftWindow(start, next, sp.window)) continue;
+      r.left |= uint64_t{1} << sp.index;
+      for (int l = sp.begin; l < sp.end; ++l) r.layers[l].reset();
+      out.push_back({r.round, sp.index});
+    }
+  }
+  return out;
+}
+
 namespace {
 
 // Grows `x` ([heads][cap][d] elements of `es` bytes, `rows` valid per head)
@@ -831,7 +847,7 @@ void Engine::Session::RollBackStep() {
     selected.clear();
     round_resident.clear();
     fetch.reset();
-    fetch_rounds.clear();
+    fetch_segments.clear();
   } else if (state == SessionState::kPrefill || state == SessionState::kDecode) {
     state = SessionState::kOpen;
   }
@@ -851,7 +867,7 @@ void Engine::Session::CloseRound() {
   recall = RecallState::kNone;
   selected.clear();
   fetch.reset();
-  fetch_rounds.clear();
+  fetch_segments.clear();
 }
 
 }  // namespace kvtier::worker

@@ -24,6 +24,8 @@
 #include "kernels/speculation.h"
 #include "worker/device_attention.h"
 #include "worker/engine.h"
+#include "worker/round_layout.h"
+#include "worker/segment_store.h"
 
 namespace kvtier::worker {
 
@@ -216,12 +218,17 @@ class Engine::Session {
     // The store dropped the round (memory or disk pressure): its upper
     // layers cannot come back, so recall no longer selects it.
     bool upper_gone = false;
+    // Bit i: the round has left every window of the sliding segment
+    // layout[i]; its layers there are gone from the working set and the
+    // store, and nothing fetches them again.
+    uint64_t left = 0;
   };
 
   Session(SessionKey session_key, const ModelShape& model, const SessionPolicy& p, int watershed)
       : key(std::move(session_key)),
         shape(model),
         lw(watershed),
+        layout(RoundLayout(model, watershed)),
         policy(p),
         round_eviction(p.eviction) {}
 
@@ -244,6 +251,15 @@ class Engine::Session {
   TenantUse* tenant = nullptr;
   const ModelShape shape;
   const int lw;  // The resolved watershed layer L_w.
+  // How each round is stored (at most 64 segments, CreateSession checks).
+  const std::vector<SegmentSpan> layout;
+  // The layout segment that holds a layer.
+  const SegmentSpan& SpanOf(int layer) const {
+    for (const SegmentSpan& sp : layout) {
+      if (layer < sp.end) return sp;
+    }
+    return layout.back();
+  }
   // Steady-clock milliseconds of the last step or EndRound (or the open).
   std::atomic<int64_t> last_active_ms{SteadyNowMs()};
 
@@ -269,9 +285,14 @@ class Engine::Session {
   int64_t step_n ABSL_GUARDED_BY(mu) = 0;
   // Past rounds (indices into `past`) attended above L_w in this round.
   std::vector<size_t> selected ABSL_GUARDED_BY(mu);
-  // The recall fetch (kFetching) and the rounds it brings, in order.
+  // The recall fetch (kFetching) and what it brings, in order: per segment,
+  // the past round (index into `past`) and its layout segment.
   std::shared_ptr<Fetch> fetch ABSL_GUARDED_BY(mu);
-  std::vector<size_t> fetch_rounds ABSL_GUARDED_BY(mu);
+  struct FetchedSegment {
+    size_t round = 0;
+    uint32_t segment = 0;
+  };
+  std::vector<FetchedSegment> fetch_segments ABSL_GUARDED_BY(mu);
   // Set when the working set is on the GPU.
   std::unique_ptr<DeviceSession> device ABSL_GUARDED_BY(mu);
   // Set when a speculating session speculates and attends on the GPU
@@ -281,6 +302,9 @@ class Engine::Session {
   // Rounds the open round recalled without a fetch, and earlier ones whose
   // report to the store failed (one entry per recall).
   std::vector<uint32_t> round_resident ABSL_GUARDED_BY(mu), unreported_recalls ABSL_GUARDED_BY(mu);
+  // Sliding segments of rounds that left their windows and that the store
+  // has not yet confirmed dropped: sent again at the next EndRound.
+  std::vector<SegmentStore::Segment> pending_drops ABSL_GUARDED_BY(mu);
   SessionStats stats ABSL_GUARDED_BY(mu);
   // Speculation (policy.speculation): the skew it names, the gathered K/V
   // of the next layer's speculated tokens, and the round's figures.
@@ -338,6 +362,17 @@ class Engine::Session {
   std::vector<PlacedRound> VisiblePlaced(int layer) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Tokens of the past rounds: the open round's first position.
   int64_t PastTokens() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Marks every sliding segment that a past round has left for queries at
+  // position `next` and later (round_layout.h, LeftWindow), releasing its
+  // layers from the working set. Returns the newly left segments, for the
+  // store to drop. A model with no sliding layer has none.
+  std::vector<SegmentStore::Segment> MarkLeftWindows(int64_t next)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Whether past round `i` is missing layer `l` because it left the window
+  // there (not an error).
+  bool LeftAt(size_t i, int l) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return (past[i].left >> SpanOf(l).index & 1) != 0;
+  }
 
   // Appends n tokens' q [n, Hq, d], k and v [n, Hkv, d] (token-major, as
   // they arrive) to the open round at `layer`, scattering them head-major.

@@ -522,6 +522,10 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
     s->tokens = im.open_tokens;
     s->state = im.open_tokens > 0 ? SessionState::kOpen : SessionState::kIdle;
     s->recall = im.recall_ready ? RecallState::kReady : RecallState::kNone;
+    // The sender released and dropped the sliding segments its rounds left;
+    // marked here too, so that recall never fetches them (a drop that the
+    // sender could not confirm is sent again at the next EndRound).
+    s->pending_drops = s->MarkLeftWindows(s->PastTokens());
     for (uint32_t r : im.selected) {
       auto it = index.find(r);
       if (it == index.end()) {
@@ -529,7 +533,7 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
             absl::StrCat("selected round ", r, " is not in the transfer"));
       }
       for (int l = lw + 1; l < sh.layers; ++l) {
-        if (s->past[it->second].layers[l] == nullptr) {
+        if (s->past[it->second].layers[l] == nullptr && !s->LeftAt(it->second, l)) {
           return absl::InvalidArgumentError(absl::StrCat("selected round ", r, " lacks layer ", l));
         }
       }

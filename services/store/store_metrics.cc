@@ -59,6 +59,10 @@ class StoreMetrics::TierCollector : public prometheus::Collectable {
     add(drops, s.drops - s.pressure_drops - s.cold_drops, {{"reason", "explicit"}});
     add(drops, s.pressure_drops, {{"reason", "disk_pressure"}});
     add(drops, s.cold_drops, {{"reason", "memory_pressure"}});
+    add(family("kvtier_store_segment_drops_total",
+               "Single segments dropped with their round kept (sliding-window layers).",
+               MetricType::Counter),
+        s.segment_drops);
     add(family("kvtier_store_expired_sessions_total", "Sessions expired by TTL.",
                MetricType::Counter),
         s.expired_sessions);

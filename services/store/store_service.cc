@@ -892,6 +892,36 @@ grpc::ServerUnaryReactor* StoreService::DropRounds(grpc::CallbackServerContext* 
       });
 }
 
+grpc::ServerUnaryReactor* StoreService::DropSegments(grpc::CallbackServerContext* ctx,
+                                                     const grpc::ByteBuffer* raw,
+                                                     grpc::ByteBuffer* out) {
+  return Unary<v1::DropSegmentsRequest, v1::DropSegmentsResponse>(
+      ctx, "DropSegments", true, raw, out,
+      [this](const Principal& p, const v1::DropSegmentsRequest* req,
+             v1::DropSegmentsResponse* resp) -> absl::Status {
+        if (req->segments_size() == 0 || req->segments_size() > 4096) {
+          return absl::InvalidArgumentError("DropSegments takes 1 to 4096 segments");
+        }
+        std::vector<cachestore::SegmentId> ids;
+        ids.reserve(req->segments_size());
+        for (const v1::SegmentRef& r : req->segments()) ids.push_back({r.round(), r.segment()});
+        auto r = store_->DropSegments(p.tenant, req->session_id(), ids);
+        if (!r.ok()) return r.status();
+        for (const cachestore::SegmentId& x : r->dropped) {
+          v1::SegmentRef* ref = resp->add_dropped();
+          ref->set_round(x.round);
+          ref->set_segment(x.segment);
+        }
+        for (const cachestore::SegmentId& x : r->not_found) {
+          v1::SegmentRef* ref = resp->add_not_found();
+          ref->set_round(x.round);
+          ref->set_segment(x.segment);
+        }
+        resp->set_freed_bytes(r->freed_bytes);
+        return absl::OkStatus();
+      });
+}
+
 grpc::ServerUnaryReactor* StoreService::RecordRecalls(grpc::CallbackServerContext* ctx,
                                                       const grpc::ByteBuffer* raw,
                                                       grpc::ByteBuffer* out) {

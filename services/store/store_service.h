@@ -66,12 +66,13 @@ class StoreService final
           v1::Store::WithRawCallbackMethod_PutSegments<v1::Store::WithRawCallbackMethod_GetSegments<
               v1::Store::WithRawCallbackMethod_ListRounds<
                   v1::Store::WithRawCallbackMethod_DropRounds<
-                      v1::Store::WithRawCallbackMethod_RecordRecalls<
-                          v1::Store::WithRawCallbackMethod_DeleteSession<
-                              v1::Store::WithRawCallbackMethod_PinSession<
-                                  v1::Store::WithRawCallbackMethod_ListSessions<
-                                      v1::Store::WithRawCallbackMethod_Stats<
-                                          v1::Store::CallbackService>>>>>>>>>> {
+                      v1::Store::WithRawCallbackMethod_DropSegments<
+                          v1::Store::WithRawCallbackMethod_RecordRecalls<
+                              v1::Store::WithRawCallbackMethod_DeleteSession<
+                                  v1::Store::WithRawCallbackMethod_PinSession<
+                                      v1::Store::WithRawCallbackMethod_ListSessions<
+                                          v1::Store::WithRawCallbackMethod_Stats<
+                                              v1::Store::CallbackService>>>>>>>>>>> {
  public:
   StoreService(cachestore::Store* store, cachestore::QuotaManager* quotas,
                const Authenticator* auth, Executor* executor, StoreMetrics* metrics,
@@ -94,6 +95,9 @@ class StoreService final
   grpc::ServerUnaryReactor* DropRounds(grpc::CallbackServerContext* ctx,
                                        const grpc::ByteBuffer* request,
                                        grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* DropSegments(grpc::CallbackServerContext* ctx,
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* RecordRecalls(grpc::CallbackServerContext* ctx,
                                           const grpc::ByteBuffer* request,
                                           grpc::ByteBuffer* response) override;

@@ -302,6 +302,17 @@ absl::Status ReplicatedSegments::DropRound(const std::string& session, uint32_t 
   return first;
 }
 
+absl::Status ReplicatedSegments::DropSegments(const std::string& session,
+                                              const std::vector<Segment>& segments,
+                                              const CallOptions& call) {
+  absl::Status first;
+  for (const auto& [address, store] : For(call, session)) {
+    absl::Status st = store->DropSegments(session, segments, call);
+    if (!st.ok() && first.ok()) first = Named(st, address);
+  }
+  return first;
+}
+
 absl::Status ReplicatedSegments::RecordRecalls(const std::string& session,
                                                const std::vector<uint32_t>& rounds,
                                                const CallOptions& call) {

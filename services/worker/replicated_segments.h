@@ -93,6 +93,9 @@ class ReplicatedSegments : public worker::SegmentStore {
   absl::Status Delete(const std::string& session, const CallOptions& call) override;
   absl::Status DropRound(const std::string& session, uint32_t round,
                          const CallOptions& call) override;
+  // On every replica; the first failure is returned.
+  absl::Status DropSegments(const std::string& session, const std::vector<Segment>& segments,
+                            const CallOptions& call) override;
   absl::Status RecordRecalls(const std::string& session, const std::vector<uint32_t>& rounds,
                              const CallOptions& call) override;
   // From the first replica that knows the session.
