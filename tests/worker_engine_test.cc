@@ -183,9 +183,39 @@ TEST_F(WorkerEngineTest, SlidingSegmentsLeaveTheStoreOnceOutOfEveryWindow) {
   }
   EXPECT_EQ(segments_->get_calls(), gets + 3);  // One fetch per recall.
   EXPECT_EQ(stored_segments(), expected());
+  // The P/D hand-off in the middle of a round, with recall done: the
+  // selected rounds travel without the sliding layers they left, and the
+  // receiver decodes as windowed full attention.
+  EXPECT_LT(Round("w", 2, 2, 0, &rng, &local, -1, &other), 1e-5);
+  Engine fourth(segments_, ReferenceKernels());
+  {
+    KVT_ASSERT_OK_AND_ASSIGN(worker::SessionImage image, other.ExportSession("w"));
+    std::vector<worker::LayerImage> layers;
+    for (int l = 0; l < shape_.layers; ++l) {
+      KVT_ASSERT_OK_AND_ASSIGN(worker::LayerImage li, other.ExportLayer("w", l));
+      layers.push_back(std::move(li));
+    }
+    KVT_ASSERT_OK(other.ExportTail("w", &image));
+    KVT_ASSERT_OK(fourth.ImportSession("w", image, std::move(layers)));
+    KVT_ASSERT_OK(other.ForgetSession("w", /*keep_rounds=*/false));
+  }
+  const int d = shape_.head_dim;
+  for (int step = 0; step < 2; ++step) {
+    for (int l = 0; l < shape_.layers; ++l) {
+      const auto q = Random(shape_.q_heads * d, &rng), k = Random(shape_.kv_heads * d, &rng),
+                 v = Random(shape_.kv_heads * d, &rng);
+      std::vector<float> out(q.size()), ref(q.size());
+      KVT_ASSERT_OK(fourth.DecodeLayer("w", l, q.data(), k.data(), v.data(), out.data()));
+      local.Layer(l, 1, q.data(), k.data(), v.data(), ref.data());
+      for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], ref[i], 1e-5) << l;
+    }
+  }
+  KVT_ASSERT_OK(fourth.EndRound("w").status());
+  ends.push_back(ends.back() + 4);
+  EXPECT_EQ(stored_segments(), expected());
   // A round with a sliding segment missing inside its window is lost data,
   // never a silent hole.
-  KVT_ASSERT_OK(segments_->DropSegments("w", {{7, 3}}, {}));
+  KVT_ASSERT_OK(segments_->DropSegments("w", {{8, 3}}, {}));
   Engine third(segments_, ReferenceKernels());
   EXPECT_THAT(third.ResumeSession("w", shape_, p, {}),
               StatusIs(absl::StatusCode::kDataLoss, ::testing::HasSubstr("inside its window")));

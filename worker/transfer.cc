@@ -413,6 +413,10 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
       pr.layers.resize(sh.layers);
       s->past.push_back(std::move(pr));
     }
+    // The sliding segments the rounds have left (the sender released and
+    // dropped them; a drop it could not confirm is sent again at the next
+    // EndRound here): no layer carries them, and recall never fetches them.
+    s->pending_drops = s->MarkLeftWindows(s->PastTokens());
     for (int l = 0; l < sh.layers; ++l) {
       LayerImage& li = layers[l];
       bytes += li.bytes();
@@ -420,10 +424,23 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
         return absl::InvalidArgumentError(
             absl::StrCat("transfer layer ", li.layer, " arrived where layer ", l, " belongs"));
       }
-      if (l <= lw && li.rounds.size() != s->past.size()) {
-        return absl::InvalidArgumentError(absl::StrCat("layer ", l, " carries ", li.rounds.size(),
-                                                       " past rounds; every one of the ",
-                                                       s->past.size(), " must be resident"));
+      // Up to L_w every past round is resident, except at a sliding layer
+      // the rounds that have left its window (and with it the sender).
+      if (l <= lw) {
+        size_t resident = 0;
+        for (size_t i = 0; i < s->past.size(); ++i) resident += s->LeftAt(i, l) ? 0 : 1;
+        if (li.rounds.size() != resident) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("layer ", l, " carries ", li.rounds.size(), " past rounds; every one of ",
+                           "the ", resident, " inside its window must be resident"));
+        }
+      }
+      for (uint32_t r : li.rounds) {
+        auto it = index.find(r);
+        if (it != index.end() && s->LeftAt(it->second, l)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "layer ", l, " carries round ", r, ", which has left the layer's window"));
+        }
       }
       for (uint32_t r : li.reused) {
         if (std::count(li.reused.begin(), li.reused.end(), r) != 1 ||
@@ -522,10 +539,6 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
     s->tokens = im.open_tokens;
     s->state = im.open_tokens > 0 ? SessionState::kOpen : SessionState::kIdle;
     s->recall = im.recall_ready ? RecallState::kReady : RecallState::kNone;
-    // The sender released and dropped the sliding segments its rounds left;
-    // marked here too, so that recall never fetches them (a drop that the
-    // sender could not confirm is sent again at the next EndRound).
-    s->pending_drops = s->MarkLeftWindows(s->PastTokens());
     for (uint32_t r : im.selected) {
       auto it = index.find(r);
       if (it == index.end()) {
