@@ -748,7 +748,9 @@ TEST_P(AttentionTest, VectorizedMatchesReferenceOverMixedBlocks) {
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTest,
                          ::testing::Values(AttnCase{1, 1, 64, 33}, AttnCase{8, 4, 8, 61},
                                            AttnCase{32, 8, 128, 70}, AttnCase{12, 3, 64, 17},
-                                           AttnCase{6, 6, 128, 1}, AttnCase{10, 2, 64, 129}));
+                                           AttnCase{6, 6, 128, 1}, AttnCase{10, 2, 64, 129},
+                                           // Gemma 3 270M: 4 query heads over 1 KV head of 256.
+                                           AttnCase{4, 1, 256, 90}));
 
 // kBest multiplies 2-, 4- and 8-bit codes as integers against q rounded to
 // int16 and p rounded to int8. Its output is checked against the float64 reference over the same
@@ -857,7 +859,11 @@ INSTANTIATE_TEST_SUITE_P(
         // GEAR: the backbone's codes as integers, the
         // low-rank term and the outliers in fp32.
         IntCase{"gear4", 32, 8, 128, 300, 2.0f}, IntCase{"gear2:r=2:s=0.05", 8, 2, 64, 200, 2.0f},
-        IntCase{"gear4:bb=kcvt", 6, 2, 64, 97, 1.0f}, IntCase{"gearl2:r=4", 8, 4, 128, 150, 2.0f}));
+        IntCase{"gear4:bb=kcvt", 6, 2, 64, 97, 1.0f}, IntCase{"gearl2:r=4", 8, 4, 128, 150, 2.0f},
+        // Gemma 3 270M's shape: 4 query heads over 1 KV head of 256.
+        IntCase{"kivi4", 4, 1, 256, 200, 2.0f}, IntCase{"kivi2", 4, 1, 256, 200, 2.0f},
+        IntCase{"kivi8", 4, 1, 256, 200, 2.0f}, IntCase{"kcvt4", 4, 1, 256, 200, 1.0f},
+        IntCase{"gear2:r=2", 4, 1, 256, 200, 2.0f}));
 
 TEST(AttentionTest, RejectsMismatchedBlocks) {
   const std::vector<float> k(2 * 4 * 8, 1.0f), q(4 * 8, 1.0f);
