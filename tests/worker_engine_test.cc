@@ -88,8 +88,10 @@ class WorkerEngineTest : public ::testing::Test {
   // One round: prefill of n tokens (question_tokens of them the question),
   // then `decode` single-token steps, each through every layer, compared with
   // the local cache when `local` is set. Returns the max abs difference.
+  // `per_layer`, when set, gets each layer's max abs difference too.
   double Round(const std::string& id, int64_t n, int64_t question, int decode, std::mt19937* rng,
-               LocalCache* local, int topic = -1, Engine* engine = nullptr) {
+               LocalCache* local, int topic = -1, Engine* engine = nullptr,
+               std::vector<double>* per_layer = nullptr) {
     const ModelShape& s = shape_;
     if (engine == nullptr) engine = engine_.get();
     const int d = s.head_dim;
@@ -108,8 +110,14 @@ class WorkerEngineTest : public ::testing::Test {
         }
         if (local != nullptr) {
           local->Layer(l, m, q.data(), k.data(), v.data(), ref.data());
-          for (size_t i = 0; i < out.size(); ++i)
-            worst = std::max(worst, std::fabs(double(out[i]) - ref[i]));
+          for (size_t i = 0; i < out.size(); ++i) {
+            const double e = std::fabs(double(out[i]) - ref[i]);
+            worst = std::max(worst, e);
+            if (per_layer != nullptr) {
+              per_layer->resize(s.layers);
+              (*per_layer)[l] = std::max((*per_layer)[l], e);
+            }
+          }
         }
       }
     };
@@ -224,6 +232,35 @@ TEST_F(WorkerEngineTest, SlidingSegmentsLeaveTheStoreOnceOutOfEveryWindow) {
   EXPECT_THAT(third.ResumeSession("w", shape_, p, {}),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        ::testing::HasSubstr("does not fit this policy")));
+}
+
+// Eviction on a model with sliding layers evicts at its global layers only:
+// a sliding layer keeps its window whole (and the round leaves it whole), so
+// its outputs stay those of windowed full attention while the global layers'
+// rounds shrink to the budget.
+TEST_F(WorkerEngineTest, EvictionSparesSlidingLayers) {
+  shape_ = ModelShape{4, 4, 1, 32, v1::DTYPE_FP16};
+  shape_.window = {12, 0, 12, 0};
+  SessionPolicy p;
+  KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("all"));
+  p.watershed_layer = 1;
+  KVT_ASSERT_OK_AND_ASSIGN(p.eviction, evict::ParsePolicy("snapkv:4:w=2"));
+  KVT_ASSERT_OK(engine_->OpenSession("e", shape_, p));
+  LocalCache local(shape_);
+  std::mt19937 rng(9);
+  std::vector<double> worst;
+  for (int r = 0; r < 5; ++r) {
+    Round("e", 8, 3, 2, &rng, &local, -1, nullptr, &worst);
+    KVT_ASSERT_OK(engine_->EndRound("e").status());
+  }
+  ASSERT_EQ(worst.size(), 4u);
+  EXPECT_LT(worst[0], 1e-5);
+  EXPECT_LT(worst[2], 1e-5);
+  EXPECT_GT(worst[1] + worst[3], 1e-3);  // The global layers did lose tokens.
+  // The working set: the global layers' rounds at the budget (4 of 10
+  // tokens), the sliding layers' only while inside their windows.
+  KVT_ASSERT_OK_AND_ASSIGN(auto st, engine_->Stats("e"));
+  EXPECT_LT(st.working_set_bytes, st.full_cache_bytes / 2);
 }
 
 TEST_F(WorkerEngineTest, LosslessRecallAllEqualsFullAttention) {

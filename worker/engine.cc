@@ -49,13 +49,8 @@ Engine::~Engine() {
 absl::Status ValidateRoundPolicy(const ModelShape& shape, const SessionPolicy& policy) {
   KVT_RETURN_IF_ERROR(ValidateCodecConfig(policy.codec));
   // A sliding layer attends over the positions inside its window; a round
-  // that lost tokens to eviction or to the speculation pool no longer says
-  // where its tokens were.
-  if (shape.sliding() && policy.eviction.method != evict::Method::kNone) {
-    return absl::InvalidArgumentError(
-        "token eviction is not supported yet on a model with sliding-window layers (the kept "
-        "tokens' positions are not recorded); use eviction none");
-  }
+  // that lost tokens to the speculation pool no longer says where its tokens
+  // were. (Eviction spares sliding layers: EndRound.)
   if (shape.sliding() && !policy.speculation.skew.empty()) {
     return absl::InvalidArgumentError(
         "speculation is not supported yet on a model with sliding-window layers");

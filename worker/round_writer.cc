@@ -65,6 +65,10 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
     if (evicting) {
       std::vector<float> keys;
       for (int l = 0; l < sh.layers; ++l) {
+        // A sliding layer keeps its window whole: its positions stay those
+        // of the round, and the round leaves it whole once out of the
+        // window (as kvpress treats Gemma 3's sliding layers).
+        if (sh.layer_window(l) > 0) continue;
         // The open round is head-major already; scoring reads fp32 keys, so
         // a 16-bit layer's are widened (one layer at a time).
         const OpenLayer& o = s->open[l];
@@ -88,7 +92,9 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
     // Rows of head h of layer l that the round keeps; all t when eviction
     // keeps them all (attention does not depend on key order).
     auto kept = [&](int l, int h) -> const std::vector<int64_t>* {
-      if (!evicting || static_cast<int64_t>(keep[l][h].size()) == t) return nullptr;
+      if (!evicting || keep[l].empty() || static_cast<int64_t>(keep[l][h].size()) == t) {
+        return nullptr;
+      }
       return &keep[l][h];
     };
     std::vector<uint8_t> gathered;
