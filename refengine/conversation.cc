@@ -779,6 +779,7 @@ struct Rounds {
   const std::vector<std::vector<int>>* forced = nullptr;
   int greedy = 0;
   const Transcript* teacher = nullptr;
+  const RoundSink* sink = nullptr;  // Takes each round's logits when set.
 };
 
 absl::StatusOr<Transcript> RunRounds(const model::Model& m, const Rounds& in,
@@ -851,7 +852,12 @@ absl::StatusOr<Transcript> RunRounds(const model::Model& m, const Rounds& in,
     }
     t.questions.push_back(q);
     t.answers.push_back(std::move(answer));
-    t.logits.push_back(std::move(round_logits));
+    if (in.sink != nullptr && *in.sink) {
+      KVT_RETURN_IF_ERROR((*in.sink)(r, std::move(round_logits)));
+      t.logits.emplace_back();
+    } else {
+      t.logits.push_back(std::move(round_logits));
+    }
     if (progress) {
       progress(absl::StrCat("round ", r, " (", r + 1, " of ", rounds, "): ", pos, " tokens"));
     }
@@ -892,7 +898,8 @@ absl::StatusOr<Transcript> RunConversation(
 
 absl::StatusOr<Transcript> RunScript(const model::Model& m, const std::vector<ScriptRound>& rounds,
                                      ConversationBackend* b,
-                                     const std::function<void(const std::string&)>& progress) {
+                                     const std::function<void(const std::string&)>& progress,
+                                     const RoundSink& sink) {
   const model::ModelConfig& c = m.config();
   if (rounds.empty()) return absl::InvalidArgumentError("a conversation needs a round");
   int64_t tokens = 0;
@@ -923,28 +930,38 @@ absl::StatusOr<Transcript> RunScript(const model::Model& m, const std::vector<Sc
                                                    c.seq_len));
   }
   in.forced = &forced;
+  in.sink = &sink;
   return RunRounds(m, in, b, progress);
 }
 
-Agreement Compare(const Transcript& teacher, const Transcript& t, int vocab) {
-  Agreement a;
-  int64_t n = 0, agree = 0;
-  for (size_t r = 0; r < teacher.logits.size() && r < t.logits.size(); ++r) {
-    const size_t positions = teacher.logits[r].size() / vocab;
-    for (size_t i = 0; i < positions; ++i) {
-      const float* p = teacher.logits[r].data() + i * vocab;
-      const float* q = t.logits[r].data() + i * vocab;
-      agree += model::Argmax(p, vocab) == model::Argmax(q, vocab);
-      a.kl += model::KlDivergence(model::Softmax(p, vocab), model::Softmax(q, vocab));
-      for (int v = 0; v < vocab; ++v) {
-        a.max_logit_diff = std::max(a.max_logit_diff, static_cast<double>(std::fabs(p[v] - q[v])));
-      }
-      ++n;
+void AgreementSum::Add(const float* teacher, const float* t, size_t positions, int vocab) {
+  for (size_t i = 0; i < positions; ++i) {
+    const float* p = teacher + i * vocab;
+    const float* q = t + i * vocab;
+    agree_ += model::Argmax(p, vocab) == model::Argmax(q, vocab);
+    kl_ += model::KlDivergence(model::Softmax(p, vocab), model::Softmax(q, vocab));
+    for (int v = 0; v < vocab; ++v) {
+      max_logit_diff_ = std::max(max_logit_diff_, static_cast<double>(std::fabs(p[v] - q[v])));
     }
+    ++n_;
   }
-  a.top1 = n > 0 ? static_cast<double>(agree) / n : 0;
-  a.kl = n > 0 ? a.kl / n : 0;
+}
+
+Agreement AgreementSum::Result() const {
+  Agreement a;
+  a.top1 = n_ > 0 ? static_cast<double>(agree_) / n_ : 0;
+  a.kl = n_ > 0 ? kl_ / n_ : 0;
+  a.max_logit_diff = max_logit_diff_;
   return a;
+}
+
+Agreement Compare(const Transcript& teacher, const Transcript& t, int vocab) {
+  AgreementSum sum;
+  for (size_t r = 0; r < teacher.logits.size() && r < t.logits.size(); ++r) {
+    sum.Add(teacher.logits[r].data(), t.logits[r].data(),
+            std::min(teacher.logits[r].size(), t.logits[r].size()) / vocab, vocab);
+  }
+  return sum.Result();
 }
 
 }  // namespace kvtier::refengine

@@ -275,9 +275,15 @@ struct ScriptRound {
 // logits[r] holds [assistant tokens, vocab]. INVALID_ARGUMENT when a round
 // is empty, a token is outside the vocabulary or the conversation does not
 // fit the model's context. Failures are recovered as in RunConversation.
+// With `sink`, each round's logits go to it once the round is complete
+// (its EndRound done), in round order, instead of into Transcript.logits
+// (whose entries stay empty): a conversation's logits over a large
+// vocabulary need not all be held. A sink's error ends the run with it.
+using RoundSink = std::function<absl::Status(int round, std::vector<float> logits)>;
 absl::StatusOr<Transcript> RunScript(const model::Model& m, const std::vector<ScriptRound>& rounds,
                                      ConversationBackend* b,
-                                     const std::function<void(const std::string&)>& progress);
+                                     const std::function<void(const std::string&)>& progress,
+                                     const RoundSink& sink = nullptr);
 
 struct Agreement {
   double top1 = 0;  // Fraction of answer positions whose argmax matches.
@@ -285,6 +291,18 @@ struct Agreement {
   double max_logit_diff = 0;
 };
 Agreement Compare(const Transcript& teacher, const Transcript& t, int vocab);
+
+// Compare, a round at a time: Add each round's positions as they come.
+class AgreementSum {
+ public:
+  // `positions` rows of `vocab` logits each, the teacher's and the other's.
+  void Add(const float* teacher, const float* t, size_t positions, int vocab);
+  Agreement Result() const;
+
+ private:
+  int64_t n_ = 0, agree_ = 0;
+  double kl_ = 0, max_logit_diff_ = 0;
+};
 
 }  // namespace kvtier::refengine
 

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -226,25 +227,105 @@ absl::Status RunModel(const DemoOptions& o, const model::Model& m, const OpenTie
   return absl::OkStatus();
 }
 
+// The full cache's rounds of logits, handed from its thread to the tier's
+// scoring as each round completes. At most kAhead rounds wait, so neither
+// side holds a conversation's logits (Gemma 3's are 1 MiB a position).
+class RoundHandover {
+ public:
+  static constexpr size_t kAhead = 2;
+  // The full cache's side: blocks while kAhead rounds wait; CANCELLED once
+  // the tier's side has given up.
+  absl::Status Put(int round, std::vector<float> logits) {
+    absl::MutexLock lock(&mu_);
+    while (waiting_.size() >= kAhead && !cancelled_) cv_.Wait(&mu_);
+    if (cancelled_) return absl::CancelledError("the tier's run of the conversation ended");
+    waiting_.emplace(round, std::move(logits));
+    cv_.SignalAll();
+    return absl::OkStatus();
+  }
+  // The full cache's run ended with `status`.
+  void Finish(const absl::Status& status) {
+    absl::MutexLock lock(&mu_);
+    finished_ = true;
+    status_ = status;
+    cv_.SignalAll();
+  }
+  // The tier's side: round `round`'s logits once they come; the full
+  // cache's error if its run ended without them.
+  absl::StatusOr<std::vector<float>> Take(int round) {
+    absl::MutexLock lock(&mu_);
+    while (waiting_.count(round) == 0 && !finished_) cv_.Wait(&mu_);
+    auto it = waiting_.find(round);
+    if (it == waiting_.end()) {
+      if (!status_.ok()) return status_;
+      return absl::InternalError(absl::StrCat("the full cache's run ended before round ", round));
+    }
+    std::vector<float> out = std::move(it->second);
+    waiting_.erase(it);
+    cv_.SignalAll();
+    return out;
+  }
+  void Cancel() {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    cv_.SignalAll();
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::CondVar cv_;
+  std::map<int, std::vector<float>> waiting_ ABSL_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+};
+
 // A conversation from the user's file: teacher-forced on its assistant
-// tokens through the full cache, then through the tier.
+// tokens through the full cache and through the tier at once, scored a
+// round at a time as both have it.
 absl::Status RunReplayed(const model::Model& m, const ReplayConversation& c, const OpenTier& open,
                          DemoSession* out, std::unique_ptr<TierSession>* session,
                          const std::function<void(const std::string&)>& progress) {
   out->conversation = c.id;
   out->where = c.where;
   const std::vector<ScriptRound> script = c.Script();
+  const int vocab = m.config().vocab_size;
   auto local = LocalBackend(m.config());
-  KVT_ASSIGN_OR_RETURN(Transcript teacher, RunScript(m, script, local.get(), nullptr));
+  RoundHandover handover;
+  absl::StatusOr<Transcript> teacher = absl::UnknownError("the full cache did not run");
+  std::thread full([&] {
+    teacher = RunScript(m, script, local.get(), nullptr, [&](int r, std::vector<float> logits) {
+      return handover.Put(r, std::move(logits));
+    });
+    handover.Finish(teacher.status());
+  });
+  absl::Cleanup join = [&] {
+    handover.Cancel();
+    full.join();
+  };
   KVT_ASSIGN_OR_RETURN(*session, open(SpecOf(m.config()), out));
   TierSession* tier = session->get();
   auto line = [&](const std::string& s) {
     if (progress) progress(absl::StrCat(out->id, " (", c.id, ") ", s));
   };
-  KVT_ASSIGN_OR_RETURN(Transcript t, RunScript(m, script, tier, line));
-  const int vocab = m.config().vocab_size;
-  out->agreement = Compare(teacher, t, vocab);
-  out->replay = ScoreReplay(c, teacher, t, vocab);
+  AgreementSum agreement;
+  out->replay.clear();
+  auto score = [&](int r, std::vector<float> logits) -> absl::Status {
+    KVT_ASSIGN_OR_RETURN(std::vector<float> full_logits, handover.Take(r));
+    const ReplayRound& x = c.rounds[r];
+    const size_t want = x.assistant.size() * static_cast<size_t>(vocab);
+    if (full_logits.size() != want || logits.size() != want) {
+      return absl::InternalError(absl::StrCat("round ", r, ": ", full_logits.size(), " and ",
+                                              logits.size(), " logits for ", want));
+    }
+    agreement.Add(full_logits.data(), logits.data(), x.assistant.size(), vocab);
+    out->replay.push_back(ScoreReplayRound(x, full_logits.data(), logits.data(), vocab));
+    return absl::OkStatus();
+  };
+  KVT_ASSIGN_OR_RETURN(Transcript t, RunScript(m, script, tier, line, score));
+  std::move(join).Invoke();
+  KVT_RETURN_IF_ERROR(teacher.status());
+  out->agreement = agreement.Result();
   if (const model::Tokenizer* tok = m.tokenizer(); tok != nullptr) {
     auto contains = [](std::string text, std::string value) {
       return absl::StrContains(absl::AsciiStrToLower(text), absl::AsciiStrToLower(value));
@@ -266,7 +347,7 @@ absl::Status RunReplayed(const model::Model& m, const ReplayConversation& c, con
   for (const ReplayRound& r : c.rounds)
     out->decode_tokens += static_cast<int64_t>(r.assistant.size());
   out->tier_decode_ms = t.decode_ms_per_token * out->decode_tokens;
-  out->local_decode_ms = teacher.decode_ms_per_token * out->decode_tokens;
+  out->local_decode_ms = teacher->decode_ms_per_token * out->decode_tokens;
   out->rounds = tier->rounds();
   out->on_device = tier->on_device();
   out->speculation_on_device = tier->speculation_on_device();

@@ -290,38 +290,48 @@ std::string ToJsonl(const std::vector<ReplayConversation>& cs) {
   return s;
 }
 
+ReplayRoundScore ScoreReplayRound(const ReplayRound& x, const float* local, const float* tier,
+                                  int vocab) {
+  ReplayRoundScore s;
+  s.user_tokens = static_cast<int>(x.user.size());
+  s.assistant_tokens = static_cast<int>(x.assistant.size());
+  std::vector<bool> scored(x.assistant.size(), false);
+  for (const auto& [b, e] : x.score) {
+    for (int i = b; i < e; ++i) scored[i] = true;
+  }
+  for (size_t i = 0; i < x.assistant.size(); ++i) {
+    const float* p = local + i * vocab;
+    const float* q = tier + i * vocab;
+    const int lp = model::Argmax(p, vocab), tp = model::Argmax(q, vocab);
+    s.top1_agree += lp == tp;
+    s.kl_sum += model::KlDivergence(model::Softmax(p, vocab), model::Softmax(q, vocab));
+    if (scored[i]) {
+      ++s.scored;
+      s.local_correct += lp == x.assistant[i];
+      s.tier_correct += tp == x.assistant[i];
+      s.local_tokens.push_back(lp);
+      s.tier_tokens.push_back(tp);
+    }
+  }
+  return s;
+}
+
 std::vector<ReplayRoundScore> ScoreReplay(const ReplayConversation& c, const Transcript& local,
                                           const Transcript& tier, int vocab) {
   std::vector<ReplayRoundScore> out;
   for (size_t r = 0; r < c.rounds.size(); ++r) {
     const ReplayRound& x = c.rounds[r];
-    ReplayRoundScore s;
-    s.user_tokens = static_cast<int>(x.user.size());
-    s.assistant_tokens = static_cast<int>(x.assistant.size());
     const bool have = r < local.logits.size() && r < tier.logits.size() &&
                       local.logits[r].size() == x.assistant.size() * vocab &&
                       tier.logits[r].size() == x.assistant.size() * vocab;
     if (have) {
-      std::vector<bool> scored(x.assistant.size(), false);
-      for (const auto& [b, e] : x.score) {
-        for (int i = b; i < e; ++i) scored[i] = true;
-      }
-      for (size_t i = 0; i < x.assistant.size(); ++i) {
-        const float* p = local.logits[r].data() + i * vocab;
-        const float* q = tier.logits[r].data() + i * vocab;
-        const int lp = model::Argmax(p, vocab), tp = model::Argmax(q, vocab);
-        s.top1_agree += lp == tp;
-        s.kl_sum += model::KlDivergence(model::Softmax(p, vocab), model::Softmax(q, vocab));
-        if (scored[i]) {
-          ++s.scored;
-          s.local_correct += lp == x.assistant[i];
-          s.tier_correct += tp == x.assistant[i];
-          s.local_tokens.push_back(lp);
-          s.tier_tokens.push_back(tp);
-        }
-      }
+      out.push_back(ScoreReplayRound(x, local.logits[r].data(), tier.logits[r].data(), vocab));
+    } else {
+      ReplayRoundScore s;
+      s.user_tokens = static_cast<int>(x.user.size());
+      s.assistant_tokens = static_cast<int>(x.assistant.size());
+      out.push_back(s);
     }
-    out.push_back(s);
   }
   return out;
 }

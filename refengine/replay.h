@@ -83,6 +83,10 @@ struct ReplayRoundScore {
 // transcripts of c.Script() on the full cache and on the tier.
 std::vector<ReplayRoundScore> ScoreReplay(const ReplayConversation& c, const Transcript& local,
                                           const Transcript& tier, int vocab);
+// One round of it: `local` and `tier` hold x.assistant.size() rows of
+// `vocab` logits each.
+ReplayRoundScore ScoreReplayRound(const ReplayRound& x, const float* local, const float* tier,
+                                  int vocab);
 
 // The sample file's generator (traces/stories260k_chats.jsonl): `count`
 // conversations whose rounds follow the synthetic chat's structure

@@ -35,7 +35,12 @@ worker::EngineOptions ReferenceKernels() {
   return o;
 }
 
-constexpr ModelShape kShape{4, 4, 2, 16, v1::DTYPE_FP16};
+const ModelShape kShape{.layers = 4,
+                        .q_heads = 4,
+                        .kv_heads = 2,
+                        .head_dim = 16,
+                        .dtype = v1::DTYPE_FP16,
+                        .window = {}};
 
 std::vector<float> Random(size_t n, std::mt19937* rng, float bias_dim = -1) {
   std::normal_distribution<float> nd;
@@ -140,8 +145,13 @@ class WorkerEngineTest : public ::testing::Test {
 // before and after a resume on another engine (which fetches only what is
 // stored, and recall never asks for a dropped segment).
 TEST_F(WorkerEngineTest, SlidingSegmentsLeaveTheStoreOnceOutOfEveryWindow) {
-  shape_ = ModelShape{6, 4, 1, 256, v1::DTYPE_FP16};
-  shape_.window = {8, 0, 0, 8, 8, 0};  // L_w = 1: [0] [1] | [2] [3, 5) [5].
+  // L_w = 1: [0] [1] | [2] [3, 5) [5].
+  shape_ = ModelShape{.layers = 6,
+                      .q_heads = 4,
+                      .kv_heads = 1,
+                      .head_dim = 256,
+                      .dtype = v1::DTYPE_FP16,
+                      .window = {8, 0, 0, 8, 8, 0}};
   SessionPolicy p;
   KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("all"));
   p.watershed_layer = 1;
@@ -239,8 +249,12 @@ TEST_F(WorkerEngineTest, SlidingSegmentsLeaveTheStoreOnceOutOfEveryWindow) {
 // its outputs stay those of windowed full attention while the global layers'
 // rounds shrink to the budget.
 TEST_F(WorkerEngineTest, EvictionSparesSlidingLayers) {
-  shape_ = ModelShape{4, 4, 1, 32, v1::DTYPE_FP16};
-  shape_.window = {12, 0, 12, 0};
+  shape_ = ModelShape{.layers = 4,
+                      .q_heads = 4,
+                      .kv_heads = 1,
+                      .head_dim = 32,
+                      .dtype = v1::DTYPE_FP16,
+                      .window = {12, 0, 12, 0}};
   SessionPolicy p;
   KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("all"));
   p.watershed_layer = 1;
@@ -614,7 +628,12 @@ TEST_F(WorkerEngineTest, EndRoundWithTheStoreDownKeepsTheRoundOpen) {
 }
 
 TEST_F(WorkerEngineTest, RejectsBadShapesPoliciesAndOrder) {
-  EXPECT_THAT(engine_->OpenSession("x", ModelShape{4, 6, 4, 16, v1::DTYPE_FP16}, {}),
+  EXPECT_THAT(engine_->OpenSession("x", ModelShape{.layers = 4,
+                                                   .q_heads = 6,
+                                                   .kv_heads = 4,
+                                                   .head_dim = 16,
+                                                   .dtype = v1::DTYPE_FP16,
+                                                   .window = {}}, {}),
               StatusIs(absl::StatusCode::kInvalidArgument));
   SessionPolicy p;
   p.watershed_layer = 3;
