@@ -25,7 +25,7 @@ std::vector<float> Random(size_t n, uint32_t seed) {
 
 TEST(FlatKvCacheTest, GatherAppendAttendMatchPerHeadDenseAttention) {
   for (int slack : {0, 3, 64})
-    for (int d : {8, 64, 128}) {
+    for (int d : {8, 64, 128, 256}) {
       SCOPED_TRACE(::testing::Message() << "slack " << slack << " d " << d);
       const int kvh = 4, qh = 8;
       const int64_t t = 77;

@@ -780,6 +780,9 @@ struct Rounds {
   int greedy = 0;
   const Transcript* teacher = nullptr;
   const RoundSink* sink = nullptr;  // Takes each round's logits when set.
+  // With `forced`: each round's answer goes as one prefill step after the
+  // question's, every position's logits from it (RunScript's options).
+  bool answer_prefill = false;
 };
 
 absl::StatusOr<Transcript> RunRounds(const model::Model& m, const Rounds& in,
@@ -812,6 +815,26 @@ absl::StatusOr<Transcript> RunRounds(const model::Model& m, const Rounds& in,
       KVT_RETURN_IF_ERROR(f.Run(q, pos, b, logits.data()));
       KVT_RETURN_IF_ERROR(b->EndStep());
       pos += question_tokens;
+      if (in.forced != nullptr && in.answer_prefill) {
+        // The logits before each answer token: the question's last, then
+        // the answer's own but the last.
+        const std::vector<int>& given = (*in.forced)[r];
+        std::vector<float> all(given.size() * static_cast<size_t>(c.vocab_size));
+        const auto t0 = std::chrono::steady_clock::now();
+        KVT_RETURN_IF_ERROR(b->BeginStep(true, answer_tokens, 0));
+        KVT_RETURN_IF_ERROR(f.RunAllLogits(given, pos, b, all.data()));
+        KVT_RETURN_IF_ERROR(b->EndStep());
+        decode_ms +=
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                .count();
+        decode_steps += answer_tokens;
+        round_logits.assign(logits.begin(), logits.end());
+        round_logits.insert(round_logits.end(), all.begin(),
+                            all.end() - static_cast<ptrdiff_t>(c.vocab_size));
+        answer = given;
+        pos += answer_tokens;
+        return b->EndRound();
+      }
       for (int a = 0; a < answer_tokens; ++a) {
         round_logits.insert(round_logits.end(), logits.begin(), logits.end());
         int next;
@@ -899,7 +922,7 @@ absl::StatusOr<Transcript> RunConversation(
 absl::StatusOr<Transcript> RunScript(const model::Model& m, const std::vector<ScriptRound>& rounds,
                                      ConversationBackend* b,
                                      const std::function<void(const std::string&)>& progress,
-                                     const RoundSink& sink) {
+                                     const RoundSink& sink, const ScriptOptions& options) {
   const model::ModelConfig& c = m.config();
   if (rounds.empty()) return absl::InvalidArgumentError("a conversation needs a round");
   int64_t tokens = 0;
@@ -931,6 +954,7 @@ absl::StatusOr<Transcript> RunScript(const model::Model& m, const std::vector<Sc
   }
   in.forced = &forced;
   in.sink = &sink;
+  in.answer_prefill = options.answer_prefill;
   return RunRounds(m, in, b, progress);
 }
 

@@ -280,10 +280,19 @@ struct ScriptRound {
 // (whose entries stay empty): a conversation's logits over a large
 // vocabulary need not all be held. A sink's error ends the run with it.
 using RoundSink = std::function<absl::Status(int round, std::vector<float> logits)>;
+struct ScriptOptions {
+  // Each round's answer as one prefill step after the question's (every
+  // position's logits from it) instead of a decode step per token: the same
+  // logits up to rounding for every method but speculation (which acts at
+  // decode steps), at a fraction of the time. Transcript's
+  // decode_ms_per_token is then the answer prefill's time per token.
+  bool answer_prefill = false;
+};
 absl::StatusOr<Transcript> RunScript(const model::Model& m, const std::vector<ScriptRound>& rounds,
                                      ConversationBackend* b,
                                      const std::function<void(const std::string&)>& progress,
-                                     const RoundSink& sink = nullptr);
+                                     const RoundSink& sink = nullptr,
+                                     const ScriptOptions& options = {});
 
 struct Agreement {
   double top1 = 0;  // Fraction of answer positions whose argmax matches.

@@ -284,7 +284,8 @@ class RoundHandover {
 // tokens through the full cache and through the tier at once, scored a
 // round at a time as both have it.
 absl::Status RunReplayed(const model::Model& m, const ReplayConversation& c, const OpenTier& open,
-                         DemoSession* out, std::unique_ptr<TierSession>* session,
+                         const ScriptOptions& options, DemoSession* out,
+                         std::unique_ptr<TierSession>* session,
                          const std::function<void(const std::string&)>& progress) {
   out->conversation = c.id;
   out->where = c.where;
@@ -294,9 +295,10 @@ absl::Status RunReplayed(const model::Model& m, const ReplayConversation& c, con
   RoundHandover handover;
   absl::StatusOr<Transcript> teacher = absl::UnknownError("the full cache did not run");
   std::thread full([&] {
-    teacher = RunScript(m, script, local.get(), nullptr, [&](int r, std::vector<float> logits) {
-      return handover.Put(r, std::move(logits));
-    });
+    teacher = RunScript(
+        m, script, local.get(), nullptr,
+        [&](int r, std::vector<float> logits) { return handover.Put(r, std::move(logits)); },
+        options);
     handover.Finish(teacher.status());
   });
   absl::Cleanup join = [&] {
@@ -322,7 +324,7 @@ absl::Status RunReplayed(const model::Model& m, const ReplayConversation& c, con
     out->replay.push_back(ScoreReplayRound(x, full_logits.data(), logits.data(), vocab));
     return absl::OkStatus();
   };
-  KVT_ASSIGN_OR_RETURN(Transcript t, RunScript(m, script, tier, line, score));
+  KVT_ASSIGN_OR_RETURN(Transcript t, RunScript(m, script, tier, line, score, options));
   std::move(join).Invoke();
   KVT_RETURN_IF_ERROR(teacher.status());
   out->agreement = agreement.Result();
@@ -697,6 +699,11 @@ absl::StatusOr<v1::Policy> DemoPolicy(const DemoOptions& o) {
     return absl::InvalidArgumentError("watershed 0 is not supported on the wire (0 means default)");
   }
   if (lw > 0) p.set_watershed_layer(static_cast<uint32_t>(lw));
+  if (o.answer_prefill && (o.conversations.empty() || !o.speculation.empty())) {
+    return absl::InvalidArgumentError(
+        "--answer_prefill needs --conversations and no --speculation (speculation acts at decode "
+        "steps)");
+  }
   if (!o.speculation.empty()) {
     const std::vector<std::string> parts = absl::StrSplit(o.speculation, ':');
     double alpha = 0;
@@ -771,6 +778,7 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     }
     KVT_ASSIGN_OR_RETURN(replay, LoadConversations(o.conversations));
     rep.conversations = o.conversations;
+    rep.answer_prefill = o.answer_prefill;
   }
   if (!o.model.empty()) {
     KVT_ASSIGN_OR_RETURN(m, model::Model::Load(o.model));
@@ -917,7 +925,8 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     threads.emplace_back([&] {
       for (int i = next++; i < count && !failed; i = next++) {
         status[i] = !replay.empty()
-                        ? RunReplayed(*m, replay[i], open, &rep.sessions[i], &tiers[i], line)
+                        ? RunReplayed(*m, replay[i], open, {.answer_prefill = o.answer_prefill},
+                                      &rep.sessions[i], &tiers[i], line)
                     : m != nullptr ? RunModel(o, *m, open, i, &rep.sessions[i], &tiers[i], line)
                                    : RunSynthetic(o, open, i, &rep.sessions[i], &tiers[i], line);
         if (auto* c = dynamic_cast<ClusterSession*>(tiers[i].get()); c != nullptr) {
@@ -1205,7 +1214,9 @@ std::string RenderText(const DemoReport& r) {
       }
     }
   }
-  absl::StrAppendFormat(&s, "decode: %.3f ms per token %s, %.3f ms in-process full cache\n",
+  absl::StrAppendFormat(&s, "%s: %.3f ms per token %s, %.3f ms in-process full cache\n",
+                        r.answer_prefill ? "answers (one prefill a round, --answer_prefill)"
+                                         : "decode",
                         Ratio(t.tier_ms, t.decode_tokens),
                         r.inproc ? "with the worker engine in this process (the store remote)"
                                  : "through kvtier-worker (every layer over gRPC)",
@@ -1253,6 +1264,7 @@ std::string RenderJson(const DemoReport& r) {
   };
   std::string s = "{\n";
   absl::StrAppend(&s, "  \"workload\": ", JsonQuote(r.workload), ",\n");
+  absl::StrAppend(&s, "  \"answer_prefill\": ", r.answer_prefill ? "true" : "false", ",\n");
   absl::StrAppend(&s, "  \"policy\": \"", r.policy, "\",\n");
   absl::StrAppend(&s, "  \"mode\": \"", r.inproc ? "inproc" : "remote", "\",\n");
   absl::StrAppend(&s, "  \"sessions\": ", r.sessions.size(), ",\n");

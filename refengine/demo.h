@@ -55,6 +55,11 @@ struct DemoOptions {
   // is a session; `sessions` of them run at a time; `rounds`, the token
   // counts and `seed` do not apply.
   std::string conversations;
+  // With `conversations`: each round's answer goes as one prefill step, all
+  // its positions scored from it (ScriptOptions.answer_prefill); the fast
+  // way to score a method, not for speculation (which acts at decode
+  // steps) nor for decode timings. Default: one decode step per token.
+  bool answer_prefill = false;
   int sessions = 4;
   int rounds = 24;
   // Per round; 0 takes the workload's default (synthetic 16 + 16, model
@@ -131,6 +136,7 @@ struct DemoSession {
 struct DemoReport {
   std::string workload;       // "synthetic-chat" or the checkpoint path.
   std::string conversations;  // Replay: the file.
+  bool answer_prefill = false;  // DemoOptions.answer_prefill.
   std::string policy;         // Human-readable effective policy.
   int layers = 0, watershed = 0, tokens_per_round = 0, rounds = 0;
   int kv_heads = 0;  // The model's (0 for the synthetic chat).

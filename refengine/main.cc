@@ -46,6 +46,11 @@ ABSL_FLAG(std::string, conversations, "",
           "assistant tokens are teacher-forced; the report scores the tier against the full cache "
           "and both against the given tokens. --rounds, --question_tokens, --answer_tokens and "
           "--seed do not apply.");
+ABSL_FLAG(bool, answer_prefill, false,
+          "With --conversations: each round's answer as one prefill step after its question, "
+          "every position scored from it, instead of a decode step per token (the same logits up "
+          "to rounding, several times faster; not with --speculation, which acts at decode "
+          "steps). The report's decode times are then the answer prefill's per token.");
 ABSL_FLAG(int, sessions, 4,
           "Concurrent conversations (with --conversations: how many of the file's run at a "
           "time).");
@@ -147,6 +152,7 @@ int main(int argc, char** argv) {
   }
   o.model = absl::GetFlag(FLAGS_model);
   o.conversations = absl::GetFlag(FLAGS_conversations);
+  o.answer_prefill = absl::GetFlag(FLAGS_answer_prefill);
   o.sessions = absl::GetFlag(FLAGS_sessions);
   o.rounds = absl::GetFlag(FLAGS_rounds);
   o.question_tokens = absl::GetFlag(FLAGS_question_tokens);

@@ -18,6 +18,10 @@
 #             of MODEL (docs/replay.md; defaults MODEL to ../shared/models/stories260K.bin),
 #             e.g. traces/stories260k_chats.jsonl [unset]
 #   COUNT     replay only the file's first COUNT conversations [all; 4 with MODEL=gemma3]
+#   ANSWERS   with CONVERSATIONS: decode (one decode step per answer token) or prefill
+#             (each round's answer as one prefill, every position scored from it: the
+#             same figures several times faster, but no decode timings and no SPEC)
+#             [decode]
 #   MODE      remote: every layer's attention in kvtier-worker over gRPC; inproc: the
 #             worker engine in kvtier-engine's own process, only the store remote (then
 #             the same conversations run remote too, for the per-token cost) [remote]
@@ -203,6 +207,14 @@ ARGS=(--worker="$WORKER" --store="$STORE" --sessions="$SESSIONS" --rounds="$ROUN
 [ "${TLS:-0}" = 1 ] && echo "mutual TLS: store, workers and engine each present a certificate of $T/ca.pem"
 [ -n "$MODEL" ] && ARGS+=(--model="$MODEL")
 [ -n "$CONVERSATIONS" ] && ARGS+=(--conversations="$CONVERSATIONS")
+case "${ANSWERS:-decode}" in
+  decode) ;;
+  prefill) ARGS+=(--answer_prefill) ;;
+  *)
+    echo "ANSWERS=$ANSWERS: expected decode or prefill"
+    exit 2
+    ;;
+esac
 [ -n "$REPORT" ] && ARGS+=(--report="$REPORT")
 [ -n "$SPEC" ] && ARGS+=(--speculation="$SPEC" --skew="$SPEC_SKEW")
 [ -n "${SHARED_DECODE_STREAM:-}" ] && ARGS+=(--shared_decode_stream="$SHARED_DECODE_STREAM")
