@@ -56,6 +56,18 @@ absl::Status PutOutcome(StoreClient* client, const std::string& session,
   return AsUnavailable(st, absl::StrCat("PutSegment round ", s.round, " segment ", s.segment));
 }
 
+std::vector<v1::SegmentRef> RefsOf(const std::vector<worker::SegmentStore::Segment>& segments) {
+  std::vector<v1::SegmentRef> refs;
+  refs.reserve(segments.size());
+  for (const worker::SegmentStore::Segment& s : segments) {
+    v1::SegmentRef r;
+    r.set_round(s.round);
+    r.set_segment(s.segment);
+    refs.push_back(r);
+  }
+  return refs;
+}
+
 }  // namespace
 
 absl::Status StoreSegments::Put(const std::string& session, const Segment& s, uint32_t layer_begin,
@@ -107,15 +119,8 @@ std::vector<absl::Status> StoreSegments::PutMany(const std::string& session,
 absl::StatusOr<std::vector<std::string>> StoreSegments::Get(const std::string& session,
                                                             const std::vector<Segment>& segments,
                                                             const CallOptions& call) {
-  std::vector<v1::SegmentRef> refs;
-  for (const Segment& s : segments) {
-    v1::SegmentRef r;
-    r.set_round(s.round);
-    r.set_segment(s.segment);
-    refs.push_back(r);
-  }
   get_calls_.fetch_add(1);
-  auto got = client_->GetSegments(session, refs, call);
+  auto got = client_->GetSegments(session, RefsOf(segments), call);
   if (absl::IsNotFound(got.status())) {
     // A round the store dropped (pressure, or a drop at resume): the caller
     // tells it from an outage.
@@ -139,14 +144,7 @@ absl::Status StoreSegments::DropRound(const std::string& session, uint32_t round
 absl::Status StoreSegments::DropSegments(const std::string& session,
                                          const std::vector<Segment>& segments,
                                          const CallOptions& call) {
-  std::vector<v1::SegmentRef> refs;
-  for (const Segment& s : segments) {
-    v1::SegmentRef r;
-    r.set_round(s.round);
-    r.set_segment(s.segment);
-    refs.push_back(r);
-  }
-  auto r = client_->DropSegments(session, refs, call);
+  auto r = client_->DropSegments(session, RefsOf(segments), call);
   if (!r.ok() && r.status().code() != absl::StatusCode::kNotFound) {
     return AsUnavailable(r.status(), "DropSegments");
   }

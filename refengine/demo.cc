@@ -31,10 +31,10 @@
 #include "kernels/recall.h"
 #include "kernels/speculation.h"
 #include "refengine/inproc.h"
-#include "worker/round_layout.h"
 #include "rpc/transport_args.h"
 #include "traces/synthetic_chat.h"
 #include "worker/engine.h"
+#include "worker/round_layout.h"
 
 namespace kvtier::refengine {
 namespace {
@@ -1088,8 +1088,9 @@ std::string RenderText(const DemoReport& r) {
       &s,
       "bytes moved per round (mean): %s stored (%d segments, ONE PutSegments), %s recalled "
       "(%lld of %lld rounds fetched, ONE GetSegments each)\n",
-      Kib(Ratio(t.stored, t.round_count)), r.segments_per_round, Kib(Ratio(t.fetched, t.round_count)),
-      static_cast<long long>(t.fetches), static_cast<long long>(t.round_count));
+      Kib(Ratio(t.stored, t.round_count)), r.segments_per_round,
+      Kib(Ratio(t.fetched, t.round_count)), static_cast<long long>(t.fetches),
+      static_cast<long long>(t.round_count));
   absl::StrAppendFormat(&s,
                         "recall at layer %d: %lld recalls; %lld rounds selected of %lld candidates "
                         "(%.2f per recall, recent round included)\n",
@@ -1214,13 +1215,13 @@ std::string RenderText(const DemoReport& r) {
       }
     }
   }
-  absl::StrAppendFormat(&s, "%s: %.3f ms per token %s, %.3f ms in-process full cache\n",
-                        r.answer_prefill ? "answers (one prefill a round, --answer_prefill)"
-                                         : "decode",
-                        Ratio(t.tier_ms, t.decode_tokens),
-                        r.inproc ? "with the worker engine in this process (the store remote)"
-                                 : "through kvtier-worker (every layer over gRPC)",
-                        Ratio(t.local_ms, t.decode_tokens));
+  absl::StrAppendFormat(
+      &s, "%s: %.3f ms per token %s, %.3f ms in-process full cache\n",
+      r.answer_prefill ? "answers (one prefill a round, --answer_prefill)" : "decode",
+      Ratio(t.tier_ms, t.decode_tokens),
+      r.inproc ? "with the worker engine in this process (the store remote)"
+               : "through kvtier-worker (every layer over gRPC)",
+      Ratio(t.local_ms, t.decode_tokens));
   if (Synthetic(r)) {
     absl::StrAppendFormat(&s,
                           "fidelity: attention-output relative error %.5f (every layer, every "

@@ -134,10 +134,10 @@ struct DemoSession {
 };
 
 struct DemoReport {
-  std::string workload;       // "synthetic-chat" or the checkpoint path.
-  std::string conversations;  // Replay: the file.
+  std::string workload;         // "synthetic-chat" or the checkpoint path.
+  std::string conversations;    // Replay: the file.
   bool answer_prefill = false;  // DemoOptions.answer_prefill.
-  std::string policy;         // Human-readable effective policy.
+  std::string policy;           // Human-readable effective policy.
   int layers = 0, watershed = 0, tokens_per_round = 0, rounds = 0;
   int kv_heads = 0;  // The model's (0 for the synthetic chat).
   // Segments each round is stored as (worker/round_layout.h).

@@ -205,7 +205,8 @@ WatershedReport AnalyzeWatershed(const RoundDistributions& d, double mass, doubl
     std::vector<double> y;
     double sum = 0;
     for (size_t j : keep) sum += x[j];
-    for (size_t j : keep) y.push_back(sum > 0 ? x[j] / sum : 1.0 / static_cast<double>(keep.size()));
+    for (size_t j : keep)
+      y.push_back(sum > 0 ? x[j] / sum : 1.0 / static_cast<double>(keep.size()));
     return y;
   };
   w.at_stake_mean.assign(L, 0.0);

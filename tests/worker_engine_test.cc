@@ -628,12 +628,14 @@ TEST_F(WorkerEngineTest, EndRoundWithTheStoreDownKeepsTheRoundOpen) {
 }
 
 TEST_F(WorkerEngineTest, RejectsBadShapesPoliciesAndOrder) {
-  EXPECT_THAT(engine_->OpenSession("x", ModelShape{.layers = 4,
-                                                   .q_heads = 6,
-                                                   .kv_heads = 4,
-                                                   .head_dim = 16,
-                                                   .dtype = v1::DTYPE_FP16,
-                                                   .window = {}}, {}),
+  EXPECT_THAT(engine_->OpenSession("x",
+                                   ModelShape{.layers = 4,
+                                              .q_heads = 6,
+                                              .kv_heads = 4,
+                                              .head_dim = 16,
+                                              .dtype = v1::DTYPE_FP16,
+                                              .window = {}},
+                                   {}),
               StatusIs(absl::StatusCode::kInvalidArgument));
   SessionPolicy p;
   p.watershed_layer = 3;

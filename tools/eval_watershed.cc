@@ -136,7 +136,8 @@ int EvalWatershed(const Args& args) {
   const refengine::WatershedReport w = refengine::AnalyzeWatershed(dist, mass, kl_threshold);
   std::printf("%s: %zu questions, %.1f past rounds on average\n\n", what.c_str(), dist.dist.size(),
               w.past_rounds_mean);
-  const bool sliding = std::any_of(dist.window.begin(), dist.window.end(), [](int x) { return x > 0; });
+  const bool sliding =
+      std::any_of(dist.window.begin(), dist.window.end(), [](int x) { return x > 0; });
   std::printf("%5s  %14s  %22s%s\n", "layer", "mean KL (nats)",
               absl::StrCat("rounds for ", mass * 100, "% mass").c_str(),
               sliding ? "  kind        rounds at stake" : "");
@@ -151,9 +152,10 @@ int EvalWatershed(const Args& args) {
     const bool has_kl = l < static_cast<int>(w.mean_kl.size());
     const int win = dist.window.empty() ? 0 : dist.window[l];
     const std::string kind =
-        !sliding ? ""
-                 : absl::StrFormat("  %-11s %15.2f", win > 0 ? absl::StrCat("slides ", win) : "global",
-                                   w.at_stake_mean[l]);
+        !sliding
+            ? ""
+            : absl::StrFormat("  %-11s %15.2f", win > 0 ? absl::StrCat("slides ", win) : "global",
+                              w.at_stake_mean[l]);
     std::printf("%5d  %14s  %10.2f %11d%s%s\n", l,
                 has_kl ? absl::StrCat(absl::SixDigits(w.mean_kl[l])).c_str() : "-",
                 w.rounds_for_mass_mean[l], w.rounds_for_mass_max[l], kind.c_str(),

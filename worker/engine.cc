@@ -534,10 +534,9 @@ absl::StatusOr<uint32_t> Engine::ResumeSession(const SessionKey& id, const Model
       if ((absent[i] >> sp.index & 1) == 0) {
         if (!sp.upper) lower.push_back({stored[i].round, sp.index});
       } else if (!sp.windowed) {
-        return absl::DataLossError(
-            absl::StrCat("stored round ", stored[i].round, " of session ", id.ToString(),
-                         " lacks its segment ", sp.index, " (layers [", sp.begin, ", ", sp.end,
-                         "))"));
+        return absl::DataLossError(absl::StrCat("stored round ", stored[i].round, " of session ",
+                                                id.ToString(), " lacks its segment ", sp.index,
+                                                " (layers [", sp.begin, ", ", sp.end, "))"));
       }
     }
   }
@@ -564,7 +563,8 @@ absl::StatusOr<uint32_t> Engine::ResumeSession(const SessionKey& id, const Model
         }
       }
       // Layer 0 unless it slides and left (then L_w, which never does).
-      const RoundLayer* counted = pr.layers[0] != nullptr ? pr.layers[0].get() : pr.layers[lw].get();
+      const RoundLayer* counted =
+          pr.layers[0] != nullptr ? pr.layers[0].get() : pr.layers[lw].get();
       for (const HeadKv& h : counted->heads) pr.tokens = std::max(pr.tokens, h.len);
       s->stats.full_cache_bytes += static_cast<uint64_t>(s->TokenBytes(pr.tokens));
       s->past.push_back(std::move(pr));

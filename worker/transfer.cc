@@ -430,16 +430,16 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
         size_t resident = 0;
         for (size_t i = 0; i < s->past.size(); ++i) resident += s->LeftAt(i, l) ? 0 : 1;
         if (li.rounds.size() != resident) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("layer ", l, " carries ", li.rounds.size(), " past rounds; every one of ",
-                           "the ", resident, " inside its window must be resident"));
+          return absl::InvalidArgumentError(absl::StrCat(
+              "layer ", l, " carries ", li.rounds.size(), " past rounds; every one of ", "the ",
+              resident, " inside its window must be resident"));
         }
       }
       for (uint32_t r : li.rounds) {
         auto it = index.find(r);
         if (it != index.end() && s->LeftAt(it->second, l)) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "layer ", l, " carries round ", r, ", which has left the layer's window"));
+          return absl::InvalidArgumentError(absl::StrCat("layer ", l, " carries round ", r,
+                                                         ", which has left the layer's window"));
         }
       }
       for (uint32_t r : li.reused) {

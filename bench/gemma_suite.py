@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+"""Every method on Gemma 3 270M through kvtier-store and kvtier-worker.
+
+Replays the first COUNT conversations of traces/gemma3_chats.jsonl once per
+method with `make demo` (MODEL=gemma3, ANSWERS=prefill: each round's answer
+teacher-forced in one prefill), keeps each run's JSON report, and prints one
+table: greedy agreement and KL against the full cache over every answer
+token, accuracy on the questions about earlier rounds (with a bootstrap 95%
+interval over conversations), working set against the naive full cache
+(18 layers x every token) and against the window-aware one (15 sliding layers
+x at most 512 tokens + 3 global layers x every token), what the store ends up
+holding, bytes moved per round, and time per answer token.
+
+  python3 bench/gemma_suite.py [--set subset|full] [--count N] [--out DIR]
+                               [--only NAME,...]
+
+`subset` (the default) runs every method at one setting; `full` adds the
+other budgets and bit widths. Runs already in DIR (a report per method) are
+reused, so an interrupted run goes on where it stopped. Needs what `make demo
+MODEL=gemma3` needs (scripts/kvtier.sh installs the model on first use).
+docs/fidelity.md has the figures and how they were made.
+"""
+
+import argparse
+import csv
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# name -> environment for scripts/demo.sh. Every run: raw fp32 K/V unless the
+# codec says otherwise, recall of every round unless the row is about recall.
+SUBSET = [
+    ("full-tier", {"RECALL": "all"}),
+    ("recall-mass0.95", {"RECALL": "mass:0.95"}),
+    ("recall-adaptive1", {"RECALL": "adaptive:1"}),
+    ("recall-topk4", {"RECALL": "topk:4"}),
+    ("kivi8", {"RECALL": "all", "CODEC": "kivi8"}),
+    ("kivi4", {"RECALL": "all", "CODEC": "kivi4"}),
+    ("kivi2", {"RECALL": "all", "CODEC": "kivi2"}),
+    ("gear4", {"RECALL": "all", "CODEC": "gear4"}),
+    ("gear2", {"RECALL": "all", "CODEC": "gear2"}),
+    ("snapkv32", {"RECALL": "all", "EVICT": "snapkv:32"}),
+    ("pyramidkv32", {"RECALL": "all", "EVICT": "pyramidkv:32"}),
+    ("ada-snapkv32", {"RECALL": "all", "EVICT": "ada-snapkv:32"}),
+    ("mass0.95+kivi4", {"RECALL": "mass:0.95", "CODEC": "kivi4"}),
+    ("snapkv32+kivi4", {"RECALL": "all", "EVICT": "snapkv:32", "CODEC": "kivi4"}),
+]
+FULL = SUBSET + [
+    ("recall-topk2", {"RECALL": "topk:2"}),
+    ("recall-mass0.8", {"RECALL": "mass:0.8"}),
+    ("snapkv16", {"RECALL": "all", "EVICT": "snapkv:16"}),
+    ("snapkv64", {"RECALL": "all", "EVICT": "snapkv:64"}),
+    ("pyramidkv16", {"RECALL": "all", "EVICT": "pyramidkv:16"}),
+    ("pyramidkv64", {"RECALL": "all", "EVICT": "pyramidkv:64"}),
+    ("streaming32", {"RECALL": "all", "EVICT": "streaming:32"}),
+]
+
+LAYERS, GLOBAL_LAYERS, WINDOW = 18, 3, 512
+
+
+def run(name, env, count, out_dir, log):
+    report = os.path.join(out_dir, name + ".json")
+    if os.path.exists(report):
+        return report, 0.0
+    e = dict(os.environ)
+    e.update({"MODEL": "gemma3", "COUNT": str(count), "ANSWERS": "prefill",
+              "REPORT": report})
+    e.update(env)
+    t0 = time.time()
+    with open(os.path.join(out_dir, name + ".log"), "w") as f:
+        rc = subprocess.call(["make", "-s", "demo"], cwd=ROOT, env=e, stdout=f,
+                             stderr=subprocess.STDOUT)
+    if rc != 0 or not os.path.exists(report):
+        log(f"{name}: make demo failed (rc {rc}); see {out_dir}/{name}.log")
+        return None, time.time() - t0
+    return report, time.time() - t0
+
+
+def bootstrap(per_conv, draws=2000, seed=7):
+    """95% interval of sum(right)/sum(asked) over conversations resampled."""
+    rng = random.Random(seed)
+    n = len(per_conv)
+    stats = []
+    for _ in range(draws):
+        pick = [per_conv[rng.randrange(n)] for _ in range(n)]
+        asked = sum(p[1] for p in pick)
+        stats.append(sum(p[0] for p in pick) / asked if asked else 0.0)
+    stats.sort()
+    return stats[int(0.025 * draws)], stats[int(0.975 * draws) - 1]
+
+
+def summarize(name, report):
+    r = json.load(open(report))
+    tier, full_right, asked = [], 0, 0
+    ws_last = ws_full = ws_aware = 0.0
+    ws_sum = full_sum = aware_sum = 0.0
+    for s in r["per_session"]:
+        answers = s.get("answers", [])
+        right = sum(1 for a in answers if a["kvtier_right"])
+        tier.append((right, len(answers)))
+        full_right += sum(1 for a in answers if a["full_cache_right"])
+        asked += len(answers)
+        tokens = 0
+        for rr in s["replay_rounds"]:
+            tokens += rr["user_tokens"] + rr["assistant_tokens"]
+            per_token_layer = rr["full_cache_bytes"] / (LAYERS * tokens)
+            aware = per_token_layer * ((LAYERS - GLOBAL_LAYERS) * min(WINDOW, tokens) +
+                                       GLOBAL_LAYERS * tokens)
+            ws_sum += rr["working_set_bytes"]
+            full_sum += rr["full_cache_bytes"]
+            aware_sum += aware
+        last = s["replay_rounds"][-1]
+        ws_last += last["working_set_bytes"]
+        ws_full += last["full_cache_bytes"]
+        ws_aware += aware
+    lo, hi = bootstrap(tier)
+    written = r["bytes_stored_per_round"] * r["replay"]["rounds"]
+    return {
+        "method": name,
+        "policy": r["policy"],
+        "top1": r["replay"]["top1_agreement"],
+        "kl": r["replay"]["kl_nats"],
+        "right": sum(t[0] for t in tier),
+        "asked": asked,
+        "acc": sum(t[0] for t in tier) / asked if asked else 0.0,
+        "acc_lo": lo,
+        "acc_hi": hi,
+        "full_cache_acc": full_right / asked if asked else 0.0,
+        "ws_naive_last": ws_last / ws_full,
+        "ws_aware_last": ws_last / ws_aware,
+        "ws_naive_mean": ws_sum / full_sum,
+        "ws_aware_mean": ws_sum / aware_sum,
+        "store_end_mib": (r["store_bytes_disk"] or 0) / 2**20,
+        "store_kept": (r["store_bytes_disk"] or 0) / written if written else 0.0,
+        "stored_kib_per_round": r["bytes_stored_per_round"] / 1024,
+        "fetched_kib_per_round": r["bytes_fetched_per_round"] / 1024,
+        "ms_per_answer_token": r["decode_ms_per_token"],
+        "full_ms_per_answer_token": r["local_decode_ms_per_token"],
+    }
+
+
+def recall_floor(report, lw=6, lower_sliding=5, lower_global=2):
+    """The working set round recall could reach at best on these
+    conversations, over the naive full cache, at each session's last round:
+    the open round at every layer; below the watershed every past round at
+    the global layer 5 and at L_w (recall scores its keys), the rounds inside
+    the window at the sliding layers 0-4; above it only the most recent past
+    round (always attended). Recall can save nothing else by construction."""
+    r = json.load(open(report))
+    floor = naive = 0.0
+    for s in r["per_session"]:
+        rounds = [rr["user_tokens"] + rr["assistant_tokens"] for rr in s["replay_rounds"]]
+        past, t_open = rounds[:-1], rounds[-1]
+        start = sum(past)  # The open round's first position.
+        in_window, end = 0, 0
+        for t in past:
+            end += t
+            if end > start - WINDOW + 1:
+                in_window += t
+        upper = LAYERS - lw - 1
+        floor += (LAYERS * t_open + lower_sliding * in_window + lower_global * start +
+                  upper * (past[-1] if past else 0))
+        naive += LAYERS * (start + t_open)
+    return floor / naive if naive else 0.0
+
+
+def table(rows):
+    head = ("| method | top-1 | KL | questions right (95% CI) | full cache | "
+            "ws/naive last (mean) | ws/window-aware last (mean) | store keeps | "
+            "KiB stored / fetched per round | ms per answer token (full cache) |")
+    out = [head, "|" + "---|" * 10]
+    for x in rows:
+        out.append(
+            f"| {x['method']} | {x['top1']:.3f} | {x['kl']:.4f} | "
+            f"{x['right']}/{x['asked']} = {x['acc']:.2f} ({x['acc_lo']:.2f}-{x['acc_hi']:.2f}) | "
+            f"{x['full_cache_acc']:.2f} | {x['ws_naive_last']:.3f} ({x['ws_naive_mean']:.3f}) | "
+            f"{x['ws_aware_last']:.3f} ({x['ws_aware_mean']:.3f}) | "
+            f"{x['store_end_mib']:.1f} MiB ({x['store_kept']:.2f}) | "
+            f"{x['stored_kib_per_round']:.0f} / {x['fetched_kib_per_round']:.0f} | "
+            f"{x['ms_per_answer_token']:.1f} ({x['full_ms_per_answer_token']:.1f}) |")
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--set", choices=["subset", "full"], default="subset")
+    ap.add_argument("--count", type=int, default=8, help="conversations (default 8)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "build", "gemma-suite"))
+    ap.add_argument("--only", default="", help="comma-separated method names")
+    a = ap.parse_args()
+    methods = SUBSET if a.set == "subset" else FULL
+    if a.only:
+        want = set(a.only.split(","))
+        unknown = want - {m[0] for m in FULL}
+        if unknown:
+            ap.error("unknown method(s): " + ", ".join(sorted(unknown)))
+        methods = [m for m in FULL if m[0] in want]
+    os.makedirs(a.out, exist_ok=True)
+    t_all = time.time()
+
+    def log(s):
+        print(f"[{time.time() - t_all:7.1f} s] {s}", file=sys.stderr, flush=True)
+
+    rows = []
+    for i, (name, env) in enumerate(methods):
+        log(f"{i + 1}/{len(methods)} {name}: {' '.join(f'{k}={v}' for k, v in env.items())}")
+        report, secs = run(name, env, a.count, a.out, log)
+        if report is None:
+            continue
+        rows.append(summarize(name, report))
+        x = rows[-1]
+        log(f"  top-1 {x['top1']:.3f}, KL {x['kl']:.4f}, questions {x['right']}/{x['asked']}, "
+            f"ws/naive {x['ws_naive_last']:.3f}" + (f" ({secs:.0f} s)" if secs else " (kept)"))
+    text = table(rows)
+    print(f"Gemma 3 270M, {a.count} conversations of traces/gemma3_chats.jsonl, "
+          f"{a.set} set, through kvtier-store and kvtier-worker\n")
+    if rows:
+        first = os.path.join(a.out, rows[0]["method"] + ".json")
+        print(f"Round recall's floor on these conversations (the working set at the last "
+              f"round if recall kept only the most recent round above L_w = 6), over the "
+              f"naive full cache: {recall_floor(first):.3f}\n")
+    print(text)
+    with open(os.path.join(a.out, "table.md"), "w") as f:
+        f.write(text + "\n")
+    if rows:
+        with open(os.path.join(a.out, "table.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            w.writeheader()
+            w.writerows(rows)
+    log(f"done: {len(rows)} of {len(methods)} methods; {a.out}/table.md, table.csv")
+    return 0 if len(rows) == len(methods) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
