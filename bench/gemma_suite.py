@@ -46,11 +46,13 @@ SUBSET = [
     ("gear2", {"RECALL": "all", "CODEC": "gear2"}),
     ("snapkv32", {"RECALL": "all", "EVICT": "snapkv:32"}),
     ("pyramidkv32", {"RECALL": "all", "EVICT": "pyramidkv:32"}),
-    ("ada-snapkv32", {"RECALL": "all", "EVICT": "ada-snapkv:32"}),
     ("mass0.95+kivi4", {"RECALL": "mass:0.95", "CODEC": "kivi4"}),
     ("snapkv32+kivi4", {"RECALL": "all", "EVICT": "snapkv:32", "CODEC": "kivi4"}),
 ]
 FULL = SUBSET + [
+    # One KV head per layer: Ada-KV's head split is SnapKV's (docs/fidelity.md
+    # shows the two rows equal), so the subset leaves it out.
+    ("ada-snapkv32", {"RECALL": "all", "EVICT": "ada-snapkv:32"}),
     ("recall-topk2", {"RECALL": "topk:2"}),
     ("recall-mass0.8", {"RECALL": "mass:0.8"}),
     ("snapkv16", {"RECALL": "all", "EVICT": "snapkv:16"}),
