@@ -6,14 +6,16 @@
 # truth, and prints the report (docs/demo.md explains every line).
 #
 # Environment (defaults in brackets):
-#   CODEC     codec of stored rounds: raw, fp16, kivi8, kivi4, kivi2, gear2, ... [raw]
-#   RECALL    all, topk:K, adaptive:LAMBDA, threshold:THETA, mass:P [mass:0.95]
+#   CODEC     codec of stored rounds: raw, fp16, kivi8, kivi4, kivi2, gear2, ...
+#             [raw; kivi4 with MODEL=gemma3, the policy docs/fidelity.md recommends]
+#   RECALL    all, topk:K, adaptive:LAMBDA, threshold:THETA, mass:P
+#             [mass:0.95; all with MODEL=gemma3]
 #   EVICT     none, or METHOD:BUDGET, e.g. snapkv:64, ada-snapkv:32 [none]
 #   MODEL     a GGUF file (llama or gemma3, docs/models.md) or a llama2.c checkpoint
 #             (e.g. ../shared/models/stories260K.bin); "gemma3" installs Gemma 3 270M into
 #             the cache (scripts/kvtier.sh model) and replays traces/gemma3_chats.jsonl
-#             unless CONVERSATIONS says otherwise; unset runs the embedded synthetic
-#             multi-round chat [unset]
+#             unless CONVERSATIONS says otherwise; unset or "synthetic" runs the
+#             embedded synthetic multi-round chat [unset here; `make demo`: gemma3]
 #   CONVERSATIONS  replay your own conversations instead: a JSON Lines file of token ids
 #             of MODEL (docs/replay.md; defaults MODEL to ../shared/models/stories260K.bin),
 #             e.g. traces/stories260k_chats.jsonl [unset]
@@ -54,19 +56,23 @@ BUILD_DIR=${1:-build}
 STORE_BIN="$BUILD_DIR/services/store/kvtier-store"
 WORKER_BIN="$BUILD_DIR/services/worker/kvtier-worker"
 ENGINE_BIN="$BUILD_DIR/refengine/kvtier-engine"
-CODEC=${CODEC:-raw}
-RECALL=${RECALL:-mass:0.95}
-EVICT=${EVICT:-none}
 MODEL=${MODEL:-}
+[ "$MODEL" = synthetic ] && MODEL=
 CONVERSATIONS=${CONVERSATIONS:-}
 COUNT=${COUNT:-}
 if [ "$MODEL" = gemma3 ]; then
+  # The policy docs/fidelity.md recommends on this model, unless set.
+  CODEC=${CODEC:-kivi4}
+  RECALL=${RECALL:-all}
   MODEL=$(scripts/kvtier.sh model)
   if [ -z "$CONVERSATIONS" ]; then
     CONVERSATIONS=traces/gemma3_chats.jsonl
-    COUNT=${COUNT:-4}  # About 5 minutes on 2 cores; COUNT=20 replays them all.
+    COUNT=${COUNT:-4}  # About 3 minutes on 2 cores; COUNT=20 replays them all.
   fi
 fi
+CODEC=${CODEC:-raw}
+RECALL=${RECALL:-mass:0.95}
+EVICT=${EVICT:-none}
 if [ -n "$CONVERSATIONS" ]; then
   if [ ! -f "$CONVERSATIONS" ]; then
     echo "CONVERSATIONS=$CONVERSATIONS: no such file (JSON Lines of token ids, docs/replay.md)"
@@ -264,8 +270,9 @@ if command -v curl >/dev/null 2>&1; then
   fi
 fi
 echo
-echo "Try: CODEC=kivi4 make demo, RECALL=all make demo, EVICT=snapkv:24:w=8 make demo,"
-echo "     MODEL=../shared/models/stories260K.bin make demo, REPORT=report.json make demo,"
+echo "Try: CODEC=kivi2 make demo, RECALL=mass:0.95 make demo, EVICT=snapkv:32 make demo,"
+echo "     MODEL=synthetic make demo (the embedded synthetic chat), REPORT=report.json make demo,"
+echo "     MODEL=../shared/models/stories260K.bin make demo, COUNT=20 make demo (Gemma, all 20),"
 echo "     PD=1 make demo (prefill and decode on two workers),"
 echo "     CONVERSATIONS=traces/stories260k_chats.jsonl make demo (replay conversations),"
 echo "     SPEC=4 make demo (InfiniGen speculation on stories260K),"

@@ -127,6 +127,12 @@ case "${1:-}" in
   model) model ;;
   demo)
     build
+    # `make demo` serves Gemma 3 270M unless MODEL says otherwise (MODEL=synthetic:
+    # the embedded synthetic chat; scripts/demo.sh alone keeps that default), or
+    # CONVERSATIONS or SPEC asks for stories260K (their default model).
+    if [ -z "${MODEL+x}" ] && [ -z "${CONVERSATIONS:-}" ] && [ -z "${SPEC:-}" ]; then
+      export MODEL=gemma3
+    fi
     exec scripts/demo.sh "$BUILD_DIR"
     ;;
   *)
