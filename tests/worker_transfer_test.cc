@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -946,6 +947,23 @@ TEST_F(TransferServiceTest, HandOffToAWorkerServingTls) {
   EXPECT_TRUE(tls_router->Answers(Target(*d), absl::Seconds(5)));
 }
 
+// Whether process `pid` is stopped (state T in /proc/PID/stat), waiting up
+// to 5 s for a SIGSTOP to take effect.
+bool Stopped(pid_t pid) {
+  for (int i = 0; i < 500; ++i) {
+    std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+    std::string line;
+    std::getline(in, line);
+    // "PID (COMM) STATE ...": the state follows the last ')'.
+    const size_t close = line.rfind(')');
+    if (close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'T') {
+      return true;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return false;
+}
+
 TEST_F(TransferServiceTest, StalledReceiver) {
   WorkerServerOptions o;
   o.listen = "127.0.0.1:0";
@@ -971,7 +989,8 @@ TEST_F(TransferServiceTest, StalledReceiver) {
     if (connected) {
       ASSERT_TRUE(Prefill(ps.get(), "warm", step, target).status.ok());
     }
-    kill(pid, SIGSTOP);
+    ASSERT_EQ(kill(pid, SIGSTOP), 0) << std::strerror(errno);
+    ASSERT_TRUE(Stopped(pid)) << "kvtier-worker " << pid << " did not stop";
     PrefillResult r = Prefill(ps.get(), "s", step, target);
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);
