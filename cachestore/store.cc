@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <iterator>
 #include <system_error>
 
 #include "absl/container/flat_hash_set.h"
@@ -735,31 +736,35 @@ void Store::TouchSessionLocked(SessionEntry& s, int64_t now_ms) {
 
 // ---- Removal ----
 
+Store::SegmentIt Store::RemoveSegmentLocked(RoundEntry& r, SegmentIt it, Removal::Round* removed,
+                                            uint64_t* freed) {
+  SegmentEntry& e = it->second;
+  if (e.info.state == SegmentState::kWriting) {
+    e.cancelled = true;  // CommitWrite removes it and its bytes.
+    return std::next(it);
+  }
+  if (e.info.state == SegmentState::kSealed) {
+    ram_bytes_ -= e.info.payload_bytes;
+    --ram_segments_;
+  }
+  disk_bytes_ -= e.info.payload_bytes;
+  --disk_segments_;
+  *freed += e.info.payload_bytes;
+  removed->segments.push_back({it->first, e.file_id});
+  return r.segments.erase(it);
+}
+
 uint64_t Store::RemoveRoundLocked(SessionEntry& s, uint32_t round, Removal* removal) {
   auto ri = s.rounds.find(round);
   if (ri == s.rounds.end()) return 0;
   RoundEntry& r = ri->second;
   UnindexRoundLocked(s, r);
   uint64_t freed = 0;
-  std::vector<Removal::Segment> segs;
+  Removal::Round removed{round, {}, /*round_keys=*/true};
   for (auto it = r.segments.begin(); it != r.segments.end();) {
-    SegmentEntry& e = it->second;
-    if (e.info.state == SegmentState::kWriting) {
-      e.cancelled = true;  // CommitWrite removes it and its bytes.
-      ++it;
-      continue;
-    }
-    if (e.info.state == SegmentState::kSealed) {
-      ram_bytes_ -= e.info.payload_bytes;
-      --ram_segments_;
-    }
-    disk_bytes_ -= e.info.payload_bytes;
-    --disk_segments_;
-    freed += e.info.payload_bytes;
-    segs.push_back({it->first, e.file_id});
-    it = r.segments.erase(it);
+    it = RemoveSegmentLocked(r, it, &removed, &freed);
   }
-  removal->rounds.push_back({round, std::move(segs), /*round_keys=*/true});
+  removal->rounds.push_back(std::move(removed));
   if (r.segments.empty()) {
     s.rounds.erase(ri);
   } else {
@@ -912,24 +917,12 @@ absl::StatusOr<Store::SegmentDropResult> Store::DropSegments(
       RoundEntry& r = ri->second;
       result.dropped.push_back(id);
       UnindexRoundLocked(*s, r);
-      auto it = r.segments.find(id.segment);
-      SegmentEntry& e = it->second;
       Removal::Round removed{id.round, {}, /*round_keys=*/false};
-      if (e.info.state == SegmentState::kWriting) {
-        e.cancelled = true;  // CommitWrite removes it and its bytes.
-      } else {
-        if (e.info.state == SegmentState::kSealed) {
-          ram_bytes_ -= e.info.payload_bytes;
-          --ram_segments_;
-        }
-        disk_bytes_ -= e.info.payload_bytes;
-        --disk_segments_;
-        result.freed_bytes += e.info.payload_bytes;
-        quotas_->Release(s->tenant, e.info.payload_bytes);
-        removed.segments.push_back({id.segment, e.file_id});
-        r.segments.erase(it);
-        ++counters_.segment_drops;
-      }
+      uint64_t freed = 0;
+      RemoveSegmentLocked(r, r.segments.find(id.segment), &removed, &freed);
+      if (!removed.segments.empty()) ++counters_.segment_drops;
+      result.freed_bytes += freed;
+      quotas_->Release(s->tenant, freed);
       if (r.segments.empty()) {
         removed.round_keys = true;
         s->rounds.erase(ri);

@@ -537,6 +537,14 @@ class Store {
   void IndexSessionTimesLocked(SessionEntry& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t RemoveRoundLocked(SessionEntry& s, uint32_t round, Removal* removal)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One segment of round `r` (taken out of the orders by the caller): a
+  // sealed or spilled one leaves the index and the tier counters, is added
+  // to `removed` and returns its bytes (the caller releases the quota); one
+  // being written is marked cancelled (CommitWrite removes it), returns 0 and
+  // stays. Returns the iterator past it.
+  using SegmentIt = decltype(std::declval<RoundEntry&>().segments.begin());
+  SegmentIt RemoveSegmentLocked(RoundEntry& r, SegmentIt it, Removal::Round* removed,
+                                uint64_t* freed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes every round and marks the removal whole-session; erases the
   // entry unless uploads still run. Returns the freed bytes and the rounds.
   std::pair<uint64_t, std::vector<uint32_t>> RemoveSessionLocked(const std::string& key,
