@@ -13,6 +13,12 @@ holding, bytes moved per round, and time per answer token.
 
   python3 bench/gemma_suite.py [--set subset|full] [--count N] [--out DIR]
                                [--only NAME,...]
+  python3 bench/gemma_suite.py --protocol kvpress [--count N]
+
+`--protocol kvpress` replays kvpress's protocol instead (bench/kvpress_protocol.py:
+each question's history compressed once, the question appended uncompressed)
+for eviction at equal kept bytes beside bench/kvpress_gemma.py, and prints
+both side by side when that script's results are in build/kvpress-gemma/.
 
 `subset` (the default) runs every method at one setting; `full` adds the
 other budgets and bit widths. Runs already in DIR (a report per method) are
@@ -25,12 +31,13 @@ import argparse
 import csv
 import json
 import os
-import random
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import kvpress_protocol  # noqa: E402
 
 # name -> environment for scripts/demo.sh. Every run: raw fp32 K/V unless the
 # codec says otherwise, recall of every round unless the row is about recall.
@@ -62,16 +69,35 @@ FULL = SUBSET + [
     ("streaming32", {"RECALL": "all", "EVICT": "streaming:32"}),
 ]
 
+# kvpress's protocol (bench/kvpress_protocol.py): B context tokens kept per
+# KV head at each global layer, as bench/kvpress_gemma.py's "snapkv:B".
+KVPRESS = [
+    ("kvpress-full-tier", {"RECALL": "all"}),
+    ("kvpress-snapkv256", {"RECALL": "all", "EVICT": "snapkv:256"}),
+    ("kvpress-snapkv512", {"RECALL": "all", "EVICT": "snapkv:512"}),
+    ("kvpress-pyramidkv256", {"RECALL": "all", "EVICT": "pyramidkv:256"}),
+    ("kvpress-pyramidkv512", {"RECALL": "all", "EVICT": "pyramidkv:512"}),
+    ("kvpress-streaming256", {"RECALL": "all", "EVICT": "streaming:256"}),
+]
+# kvtier's row -> kvpress's press at the same budget.
+PEER = {"kvpress-full-tier": "none", "kvpress-snapkv256": "snapkv:256",
+        "kvpress-snapkv512": "snapkv:512", "kvpress-pyramidkv256": "pyramidkv:256",
+        "kvpress-pyramidkv512": "pyramidkv:512"}
+
 LAYERS, GLOBAL_LAYERS, WINDOW = 18, 3, 512
 
 
-def run(name, env, count, out_dir, log):
+def run(name, env, count, out_dir, log, conversations=None):
     report = os.path.join(out_dir, name + ".json")
     if os.path.exists(report):
         return report, 0.0
     e = dict(os.environ)
+    # Every policy variable set: MODEL=gemma3 alone would default CODEC to
+    # kivi4 (scripts/demo.sh), and a row named raw must be raw.
     e.update({"MODEL": "gemma3", "COUNT": str(count), "ANSWERS": "prefill",
-              "REPORT": report})
+              "REPORT": report, "CODEC": "raw", "RECALL": "all", "EVICT": "none"})
+    if conversations:
+        e["CONVERSATIONS"] = conversations
     e.update(env)
     t0 = time.time()
     with open(os.path.join(out_dir, name + ".log"), "w") as f:
@@ -83,17 +109,7 @@ def run(name, env, count, out_dir, log):
     return report, time.time() - t0
 
 
-def bootstrap(per_conv, draws=2000, seed=7):
-    """95% interval of sum(right)/sum(asked) over conversations resampled."""
-    rng = random.Random(seed)
-    n = len(per_conv)
-    stats = []
-    for _ in range(draws):
-        pick = [per_conv[rng.randrange(n)] for _ in range(n)]
-        asked = sum(p[1] for p in pick)
-        stats.append(sum(p[0] for p in pick) / asked if asked else 0.0)
-    stats.sort()
-    return stats[int(0.025 * draws)], stats[int(0.975 * draws) - 1]
+bootstrap = kvpress_protocol.bootstrap
 
 
 def summarize(name, report):
@@ -146,6 +162,94 @@ def summarize(name, report):
     }
 
 
+def summarize_protocol(name, report):
+    """A kvpress-protocol run: the question round (round 1) of each derived
+    conversation only; questions grouped by their original conversation for
+    the interval."""
+    r = json.load(open(report))
+    rows, full_rows = [], []
+    agree = kl = tokens = 0.0
+    for s in r["per_session"]:
+        conv = s["id"].rsplit("-q", 1)[0]
+        q = s["replay_rounds"][1]
+        a = s["answers"][0]
+        rows.append({"conversation": conv, "right": a["kvtier_right"]})
+        full_rows.append({"conversation": conv, "right": a["full_cache_right"]})
+        agree += q["top1_agree"]
+        kl += q["kl_nats"] * q["assistant_tokens"]
+        tokens += q["assistant_tokens"]
+    lo, hi = bootstrap(kvpress_protocol.by_conversation(rows))
+    right = sum(x["right"] for x in rows)
+    return {"method": name, "policy": r["policy"], "right": right, "asked": len(rows),
+            "acc_lo": lo, "acc_hi": hi, "top1": agree / tokens, "kl": kl / tokens,
+            "full_right": sum(x["right"] for x in full_rows)}
+
+
+def peer_rows(path):
+    """bench/kvpress_gemma.py's results: press -> (right, asked, lo, hi, top1, KL)."""
+    if not os.path.exists(path):
+        return {}
+    out = {}
+    for spec, rows in json.load(open(path))["presses"].items():
+        lo, hi = bootstrap(kvpress_protocol.by_conversation(rows))
+        out[spec] = (sum(x["right"] for x in rows), len(rows), lo, hi,
+                     sum(x.get("top1", 1.0) for x in rows) / len(rows),
+                     sum(x.get("kl", 0.0) for x in rows) / len(rows))
+    return out
+
+
+def protocol_table(rows, peers):
+    head = ("| budget B (tokens kept per global layer) | method | kvtier right (95% CI) | "
+            "kvtier top-1 | kvtier KL | kvpress right (95% CI) | kvpress top-1 | kvpress KL |")
+    out = [head, "|" + "---|" * 8]
+    for x in rows:
+        peer = peers.get(PEER.get(x["method"], ""))
+        budget = x["method"].rsplit("kvpress-", 1)[1]
+        cells = (f"{peer[0]}/{peer[1]} ({peer[2]:.2f}-{peer[3]:.2f}) | {peer[4]:.3f} | "
+                 f"{peer[5]:.4f}" if peer else "- | - | -")
+        out.append(f"| {''.join(c for c in budget if c.isdigit()) or 'all'} | "
+                   f"{budget.rstrip('0123456789')} | {x['right']}/{x['asked']} "
+                   f"({x['acc_lo']:.2f}-{x['acc_hi']:.2f}) | {x['top1']:.3f} | {x['kl']:.4f} | "
+                   f"{cells} |")
+    for spec, p in sorted(peers.items()):
+        if spec not in PEER.values():
+            out.append(f"| {spec.split(':')[1]} | {spec.split(':')[0]} (kvpress only) | - | - | - | "
+                       f"{p[0]}/{p[1]} ({p[2]:.2f}-{p[3]:.2f}) | {p[4]:.3f} | {p[5]:.4f} |")
+    return "\n".join(out)
+
+
+def main_protocol(a, log):
+    qs = kvpress_protocol.questions(
+        os.path.join(ROOT, "traces", "gemma3_chats.jsonl"), a.count)
+    conv = os.path.join(a.out, "kvpress-questions.jsonl")
+    kvpress_protocol.write_conversations(qs, conv)
+    log(f"{len(qs)} questions of {a.count} conversations as {conv}")
+    methods = KVPRESS
+    if a.only:
+        methods = [m for m in KVPRESS if m[0] in set(a.only.split(","))]
+    rows = []
+    for i, (name, env) in enumerate(methods):
+        log(f"{i + 1}/{len(methods)} {name}: {' '.join(f'{k}={v}' for k, v in env.items())}")
+        report, secs = run(name, env, len(qs), a.out, log, conversations=conv)
+        if report is None:
+            continue
+        rows.append(summarize_protocol(name, report))
+        x = rows[-1]
+        log(f"  questions {x['right']}/{x['asked']} (full cache {x['full_right']}), top-1 "
+            f"{x['top1']:.3f}, KL {x['kl']:.4f}" + (f" ({secs:.0f} s)" if secs else " (kept)"))
+    peers = peer_rows(os.path.join(ROOT, "build", "kvpress-gemma", "results-spare.json"))
+    if not peers:
+        log("no kvpress results in build/kvpress-gemma/results-spare.json: run "
+            "bench/kvpress_gemma.py for the peer's columns")
+    print(f"kvpress's protocol on Gemma 3 270M, {len(qs)} questions of {a.count} conversations; "
+          f"kvtier's full cache answers {rows[0]['full_right'] if rows else '-'}\n")
+    text = protocol_table(rows, peers)
+    print(text)
+    with open(os.path.join(a.out, "kvpress-table.md"), "w") as f:
+        f.write(text + "\n")
+    return 0 if len(rows) == len(methods) else 1
+
+
 def recall_floor(report, lw=6, lower_sliding=5, lower_global=2):
     """The working set round recall could reach at best on these
     conversations, over the naive full cache, at each session's last round:
@@ -194,6 +298,8 @@ def main():
     ap.add_argument("--count", type=int, default=8, help="conversations (default 8)")
     ap.add_argument("--out", default=os.path.join(ROOT, "build", "gemma-suite"))
     ap.add_argument("--only", default="", help="comma-separated method names")
+    ap.add_argument("--protocol", choices=["replay", "kvpress"], default="replay",
+                    help="replay the conversations (default) or kvpress's protocol")
     a = ap.parse_args()
     methods = SUBSET if a.set == "subset" else FULL
     if a.only:
@@ -208,6 +314,8 @@ def main():
     def log(s):
         print(f"[{time.time() - t_all:7.1f} s] {s}", file=sys.stderr, flush=True)
 
+    if a.protocol == "kvpress":
+        return main_protocol(a, log)
     rows = []
     for i, (name, env) in enumerate(methods):
         log(f"{i + 1}/{len(methods)} {name}: {' '.join(f'{k}={v}' for k, v in env.items())}")
