@@ -17,12 +17,27 @@ EvictingAttention::EvictingAttention(const model::ModelConfig& c, evict::Policy 
       flat_(c.n_layers),
       kept_(c.n_layers, 0) {}
 
+absl::StatusOr<EvictingAttention> EvictingAttention::WithPolicy(evict::Policy p) const {
+  if (evicted_) {
+    return absl::FailedPreconditionError("WithPolicy: this backend has already evicted");
+  }
+  EvictingAttention e(c_, std::move(p), prompt_);
+  e.full_ = full_;
+  e.q_ = q_;
+  return e;
+}
+
 absl::Status EvictingAttention::Attend(int layer, int pos, const float* q, const float* k,
                                        const float* v, float* out) {
-  if (pos < prompt_) {
-    q_[layer].insert(q_[layer].end(), q, q + c_.dim);
+  const int window = c_.layer_window(layer);
+  if (pos < prompt_ || window > 0) {
+    if (pos < prompt_ && window == 0) q_[layer].insert(q_[layer].end(), q, q + c_.dim);
+    if (pos == prompt_ && window > 0) {
+      kept_[layer] = static_cast<int64_t>(c_.n_kv_heads) * std::min(window, prompt_);
+    }
     return full_.Attend(layer, pos, q, k, v, out);
   }
+  evicted_ = true;
   const int hd = c_.head_dim(), kvh = c_.n_kv_heads, qh = c_.n_heads, kv = c_.kv_dim();
   if (flat_[layer] == nullptr) {
     // Evict once: head-major copies of the prompt's queries and keys.
@@ -50,40 +65,66 @@ absl::Status EvictingAttention::Attend(int layer, int pos, const float* q, const
   return flat_[layer]->Attend(qh, q, out);
 }
 
-absl::StatusOr<ModelFidelity> EvalEvictionOnModel(const model::Model& m,
-                                                  const std::vector<std::vector<int>>& seqs,
-                                                  int prompt_len, const evict::Policy& p) {
+absl::StatusOr<ModelEvictionEval> ModelEvictionEval::Create(
+    const model::Model& m, const std::vector<std::vector<int>>& seqs, int prompt_len) {
   const model::ModelConfig& c = m.config();
-  ModelFidelity r;
-  int64_t n = 0, agree = 0;
-  double kept = 0;
-  std::vector<float> lf(c.vocab_size), le(c.vocab_size);
+  ModelEvictionEval r(m, prompt_len);
+  std::vector<float> logits(c.vocab_size);
   for (const std::vector<int>& seq : seqs) {
     if (static_cast<int>(seq.size()) <= prompt_len + 1) {
       return absl::InvalidArgumentError("sequences must be longer than the prompt");
     }
+    Sequence s{seq, EvictingAttention(c, evict::Policy{}, prompt_len), {}, {}};
     model::FullCacheAttention full(c);
-    EvictingAttention ev(c, p, prompt_len);
-    model::Forward ff(m), fe(m);
+    model::Forward f(m);
     for (size_t pos = 0; pos + 1 < seq.size(); ++pos) {
       const bool scored = static_cast<int>(pos) >= prompt_len;
       KVT_RETURN_IF_ERROR(
-          ff.Step(seq[pos], static_cast<int>(pos), &full, scored ? lf.data() : nullptr));
-      KVT_RETURN_IF_ERROR(
-          fe.Step(seq[pos], static_cast<int>(pos), &ev, scored ? le.data() : nullptr));
+          f.Step(seq[pos], static_cast<int>(pos), &full, scored ? logits.data() : nullptr));
       if (!scored) continue;
-      r.kl += model::KlDivergence(model::Softmax(lf.data(), c.vocab_size),
-                                  model::Softmax(le.data(), c.vocab_size));
-      agree += model::Argmax(lf.data(), c.vocab_size) == model::Argmax(le.data(), c.vocab_size);
+      s.full_p.push_back(model::Softmax(logits.data(), c.vocab_size));
+      s.full_top.push_back(model::Argmax(logits.data(), c.vocab_size));
+    }
+    model::Forward fp(m);
+    for (int pos = 0; pos < prompt_len; ++pos) {
+      KVT_RETURN_IF_ERROR(fp.Step(seq[pos], pos, &s.prompted, nullptr));
+    }
+    r.seqs_.push_back(std::move(s));
+  }
+  return r;
+}
+
+absl::StatusOr<ModelFidelity> ModelEvictionEval::Evaluate(const evict::Policy& p) const {
+  const model::ModelConfig& c = m_->config();
+  ModelFidelity r;
+  int64_t n = 0, agree = 0;
+  double kept = 0;
+  std::vector<float> le(c.vocab_size);
+  for (const Sequence& s : seqs_) {
+    KVT_ASSIGN_OR_RETURN(EvictingAttention ev, s.prompted.WithPolicy(p));
+    model::Forward fe(*m_);
+    for (size_t pos = prompt_; pos + 1 < s.tokens.size(); ++pos) {
+      KVT_RETURN_IF_ERROR(fe.Step(s.tokens[pos], static_cast<int>(pos), &ev, le.data()));
+      const size_t i = pos - prompt_;
+      r.kl += model::KlDivergence(s.full_p[i], model::Softmax(le.data(), c.vocab_size));
+      agree += s.full_top[i] == model::Argmax(le.data(), c.vocab_size);
       ++n;
     }
     for (int64_t k : ev.kept())
-      kept += static_cast<double>(k) / (c.n_kv_heads * c.n_layers * prompt_len);
+      kept += static_cast<double>(k) / (static_cast<double>(c.n_kv_heads) * c.n_layers * prompt_);
   }
+  if (n == 0) return absl::InvalidArgumentError("no sequences to evaluate");
   r.kl /= n;
   r.top1 = static_cast<double>(agree) / n;
-  r.kept_fraction = kept / seqs.size();
+  r.kept_fraction = kept / seqs_.size();
   return r;
+}
+
+absl::StatusOr<ModelFidelity> EvalEvictionOnModel(const model::Model& m,
+                                                  const std::vector<std::vector<int>>& seqs,
+                                                  int prompt_len, const evict::Policy& p) {
+  KVT_ASSIGN_OR_RETURN(ModelEvictionEval e, ModelEvictionEval::Create(m, seqs, prompt_len));
+  return e.Evaluate(p);
 }
 
 absl::StatusOr<TraceFidelity> EvalEvictionOnTrace(const traces::KvTrace& t, const evict::Policy& p,

@@ -56,15 +56,26 @@ std::vector<int64_t> CompleteBudgets(const std::vector<int64_t>& budgets, int64_
 absl::StatusOr<EvolKvResult> SearchLayerBudgets(
     const model::Model& m, const std::vector<std::vector<int>>& seqs, const EvolKvOptions& o,
     const std::function<void(const std::string&)>& progress) {
-  const int layers = m.config().n_layers;
+  const model::ModelConfig& c = m.config();
+  const int layers = c.n_layers;
   const int w =
       o.window > 0 ? o.window : static_cast<int>(std::min<int64_t>(32, o.mean_budget / 4));
   if (o.mean_budget <= w || o.group_layers < 1 || o.lambda <= 0 || !(o.gamma > 0 && o.gamma <= 1)) {
     return absl::InvalidArgumentError(
         "EvolKV needs budget > window, n_g >= 1, lambda > 0, gamma in (0, 1]");
   }
-  const int64_t lo = w + 1, hi = o.prompt;
   EvolKvResult r;
+  for (int l = 0; l < layers; ++l) {
+    if (c.layer_window(l) == 0) r.searched_layers.push_back(l);
+  }
+  if (r.searched_layers.empty()) {
+    return absl::InvalidArgumentError("every layer slides: there is no layer to evict");
+  }
+  const int searched = static_cast<int>(r.searched_layers.size());
+  progress(absl::StrCat("full cache over ", seqs.size(), " sequences; searching layers ",
+                        absl::StrJoin(r.searched_layers, " ")));
+  KVT_ASSIGN_OR_RETURN(ModelEvictionEval eval, ModelEvictionEval::Create(m, seqs, o.prompt));
+  const int64_t lo = w + 1, hi = o.prompt;
   auto kl_of = [&](const std::vector<int64_t>& b) -> absl::StatusOr<double> {
     evict::Policy p;
     p.method = evict::Method::kProfile;
@@ -72,41 +83,53 @@ absl::StatusOr<EvolKvResult> SearchLayerBudgets(
     p.budget = *std::max_element(b.begin(), b.end());
     p.score.window = w;
     p.profile_name = "search";
-    KVT_ASSIGN_OR_RETURN(ModelFidelity f, EvalEvictionOnModel(m, seqs, o.prompt, p));
+    KVT_ASSIGN_OR_RETURN(ModelFidelity f, eval.Evaluate(p));
     ++r.evals;
     return f.kl;
   };
+  // The searched layers' budgets; every other layer keeps the mean (a sliding
+  // layer is never evicted, so its entry is unused).
+  auto searched_of = [&](const std::vector<int64_t>& b) {
+    std::vector<int64_t> s;
+    for (int l : r.searched_layers) s.push_back(b[l]);
+    return s;
+  };
   std::vector<int64_t> budgets(layers, o.mean_budget);
   absl::Status failure;
-  for (int g0 = 0; g0 < layers; g0 += o.group_layers) {
-    const int g1 = std::min(layers, g0 + o.group_layers);
+  for (int g0 = 0; g0 < searched; g0 += o.group_layers) {
+    const int g1 = std::min(searched, g0 + o.group_layers);
+    const int l0 = r.searched_layers[g0], l1 = r.searched_layers[g1 - 1];
     CmaesOptions co;
     co.sigma0 = std::max<double>(2.0, o.mean_budget / 4.0);
     co.max_evals = o.evals_per_group;
-    co.seed = o.seed + static_cast<uint64_t>(g0);
+    co.seed = o.seed + static_cast<uint64_t>(l0);
     co.lower.assign(g1 - g0, static_cast<double>(lo));
     co.upper.assign(g1 - g0, static_cast<double>(hi));
     auto objective = [&](const std::vector<double>& x) {
       std::vector<int64_t> b = budgets;
-      for (int i = g0; i < g1; ++i) b[i] = std::llround(x[i - g0]);
+      for (int i = g0; i < g1; ++i) b[r.searched_layers[i]] = std::llround(x[i - g0]);
       auto kl = kl_of(b);
       if (!kl.ok()) {
         failure = kl.status();
         return 1e9;
       }
-      return *kl + o.lambda * (1.0 - CacheScore(b, o.mean_budget, o.gamma));
+      return *kl + o.lambda * (1.0 - CacheScore(searched_of(b), o.mean_budget, o.gamma));
     };
-    std::vector<double> x0(budgets.begin() + g0, budgets.begin() + g1);
+    std::vector<double> x0;
+    for (int i = g0; i < g1; ++i) x0.push_back(static_cast<double>(budgets[r.searched_layers[i]]));
     const CmaesResult res = CmaesMinimize(objective, x0, co, [&](int gen, double best) {
       progress(absl::StrFormat("layers %d-%d generation %d: best objective %.5f (%d evaluations)",
-                               g0, g1 - 1, gen, best, r.evals));
+                               l0, l1, gen, best, r.evals));
     });
     KVT_RETURN_IF_ERROR(failure);
-    for (int i = g0; i < g1; ++i) budgets[i] = std::llround(res.best_x[i - g0]);
-    progress(
-        absl::StrCat("layers ", g0, "-", g1 - 1, " fixed: budgets ", absl::StrJoin(budgets, " ")));
+    for (int i = g0; i < g1; ++i) budgets[r.searched_layers[i]] = std::llround(res.best_x[i - g0]);
+    progress(absl::StrCat("layers ", l0, "-", l1,
+                          " fixed: budgets ", absl::StrJoin(searched_of(budgets), " ")));
   }
-  r.budgets = CompleteBudgets(budgets, o.mean_budget * layers, lo);
+  const std::vector<int64_t> done =
+      CompleteBudgets(searched_of(budgets), o.mean_budget * searched, lo);
+  r.budgets = budgets;
+  for (int i = 0; i < searched; ++i) r.budgets[r.searched_layers[i]] = done[i];
   KVT_ASSIGN_OR_RETURN(r.kl, kl_of(r.budgets));
   KVT_ASSIGN_OR_RETURN(r.uniform_kl, kl_of(std::vector<int64_t>(layers, o.mean_budget)));
   return r;

@@ -1,7 +1,9 @@
 // EvolKV layer-budget search (ALGORITHMS.md §2): CMA-ES over groups of n_g
 // consecutive layers, bottom group first; objective f(S) - lambda * (1 -
 // CacheScore(S, c)) with f the negative mean teacher-forced KL against the
-// full cache; then budget completion to a total of c * L.
+// full cache; then budget completion to a total of c * L. On a model with
+// sliding-window layers only the global layers are searched (a sliding layer
+// is never evicted): groups, CacheScore and completion run over those.
 #ifndef KVTIER_EVAL_EVOLKV_H_
 #define KVTIER_EVAL_EVOLKV_H_
 
@@ -35,7 +37,8 @@ std::vector<int64_t> CompleteBudgets(const std::vector<int64_t>& budgets, int64_
                                      int64_t min_budget);
 
 struct EvolKvResult {
-  std::vector<int64_t> budgets;  // After completion.
+  std::vector<int64_t> budgets;  // After completion; c at a layer not searched.
+  std::vector<int> searched_layers;  // Every layer, or a sliding model's global ones.
   double kl = 0;                 // Mean KL of the final profile on the search sequences.
   double uniform_kl = 0;         // Mean KL of uniform SnapKV at c on the same sequences.
   int evals = 0;

@@ -1,8 +1,14 @@
 #include "eval/evolkv.h"
 
+#include <memory>
 #include <numeric>
 
+#include "eval/eviction_eval.h"
 #include "gtest/gtest.h"
+#include "model/export.h"
+#include "model/model.h"
+#include "testing/test_util.h"
+#include "tests/util/status_matchers.h"
 
 namespace kvtier::eval {
 namespace {
@@ -25,6 +31,92 @@ TEST(EvolKvTest, CompletionHitsTheTotalExactly) {
   const std::vector<int64_t> c = CompleteBudgets({10, 30}, 80, 1);
   EXPECT_EQ(c[0], 20);
   EXPECT_EQ(c[1], 60);
+}
+
+// stories260K's weights shaped as Gemma 3 (model/forward_test.cc): windows
+// of 16 at layers 0, 2 and 4, layers 1 and 3 global.
+std::unique_ptr<model::Model> SlidingModel(const std::string& path, const testing::TempDir& dir) {
+  auto bin = model::Model::Load(path);
+  if (!bin.ok()) return nullptr;
+  model::ExportOptions o;
+  o.arch = "gemma3";
+  o.gemma3_window = 16;
+  o.gemma3_global_every = 2;
+  if (!model::ExportGguf(**bin, o, dir.path() + "/w16.gguf").ok()) return nullptr;
+  auto m = model::Model::Load(dir.path() + "/w16.gguf");
+  return m.ok() ? std::move(*m) : nullptr;
+}
+
+std::vector<std::vector<int>> Sequences(const model::Model& m, int n, int len) {
+  std::vector<std::vector<int>> out;
+  for (int i = 0; i < n; ++i) out.push_back(*model::SampleTokens(m, len, 11 + i));
+  return out;
+}
+
+evict::Policy Profile(std::vector<int64_t> budgets) {
+  evict::Policy p;
+  p.method = evict::Method::kProfile;
+  p.layer_budgets = std::move(budgets);
+  p.budget = *std::max_element(p.layer_budgets.begin(), p.layer_budgets.end());
+  p.score.window = 2;
+  p.profile_name = "test";
+  return p;
+}
+
+// A sliding layer is never evicted, as the worker spares it: budgets of 3
+// there change nothing while the global layers keep the whole prompt; the
+// same budgets at a global layer do. Evaluate leaves the prompt's state as it
+// was, and EvalEvictionOnModel is the same computation.
+TEST(ModelEvictionEvalTest, SparesSlidingLayersAndReusesThePrompt) {
+  KVT_REQUIRE_SHARED_MODEL(path);
+  testing::TempDir dir;
+  std::unique_ptr<model::Model> m = SlidingModel(path, dir);
+  ASSERT_NE(m, nullptr);
+  ASSERT_EQ(m->config().window, (std::vector<int>{16, 0, 16, 0, 16}));
+  const auto seqs = Sequences(*m, 2, 48);
+  KVT_ASSERT_OK_AND_ASSIGN(ModelEvictionEval e, ModelEvictionEval::Create(*m, seqs, 32));
+  KVT_ASSERT_OK_AND_ASSIGN(ModelFidelity sliding_small, e.Evaluate(Profile({3, 32, 3, 32, 3})));
+  EXPECT_LT(sliding_small.kl, 1e-9) << sliding_small.kl;
+  EXPECT_EQ(sliding_small.top1, 1.0);
+  KVT_ASSERT_OK_AND_ASSIGN(ModelFidelity global_small, e.Evaluate(Profile({32, 3, 32, 3, 32})));
+  EXPECT_GT(global_small.kl, 1e-5);
+  // Kept: 16 of 32 at each sliding layer (its window), 3 at each global one.
+  EXPECT_NEAR(global_small.kept_fraction, (3 * 16.0 + 2 * 3.0) / (5 * 32.0), 1e-9);
+  KVT_ASSERT_OK_AND_ASSIGN(ModelFidelity again, e.Evaluate(Profile({32, 3, 32, 3, 32})));
+  EXPECT_EQ(again.kl, global_small.kl);
+  KVT_ASSERT_OK_AND_ASSIGN(ModelFidelity once,
+                           EvalEvictionOnModel(*m, seqs, 32, Profile({32, 3, 32, 3, 32})));
+  EXPECT_EQ(once.kl, global_small.kl);
+  EXPECT_EQ(once.top1, global_small.top1);
+}
+
+// On a sliding model EvolKV searches the global layers only: the profile
+// keeps the mean at the sliding layers and the global layers sum to c times
+// their count.
+TEST(EvolKvTest, SearchesOnlyTheGlobalLayersOfASlidingModel) {
+  KVT_REQUIRE_SHARED_MODEL(path);
+  testing::TempDir dir;
+  std::unique_ptr<model::Model> m = SlidingModel(path, dir);
+  ASSERT_NE(m, nullptr);
+  EvolKvOptions o;
+  o.mean_budget = 8;
+  o.evals_per_group = 6;
+  o.prompt = 32;
+  std::vector<std::string> log;
+  KVT_ASSERT_OK_AND_ASSIGN(
+      EvolKvResult r, SearchLayerBudgets(*m, Sequences(*m, 2, 48), o,
+                                         [&](const std::string& s) { log.push_back(s); }));
+  EXPECT_EQ(r.searched_layers, (std::vector<int>{1, 3}));
+  ASSERT_EQ(r.budgets.size(), 5u);
+  EXPECT_EQ(r.budgets[0], 8);
+  EXPECT_EQ(r.budgets[2], 8);
+  EXPECT_EQ(r.budgets[4], 8);
+  EXPECT_EQ(r.budgets[1] + r.budgets[3], 16);
+  EXPECT_GT(r.evals, 2);
+  EXPECT_LE(r.evals, 2 * 6 + 2);
+  EXPECT_GT(r.uniform_kl, 0.0);
+  ASSERT_FALSE(log.empty());
+  EXPECT_NE(log.front().find("searching layers 1 3"), std::string::npos) << log.front();
 }
 
 }  // namespace

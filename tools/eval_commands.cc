@@ -14,6 +14,7 @@
 #include "eval/codec_eval.h"
 #include "eval/eviction_eval.h"
 #include "eval/evolkv.h"
+#include "refengine/replay.h"
 #include "tools/cli_args.h"
 
 namespace kvtier::cli {
@@ -328,12 +329,18 @@ constexpr char kBudgetsHelp[] =
     "  --lambda=X --gamma=X   penalty weight (default 1) and CacheScore softness (0.5)\n"
     "  --evals=N           objective evaluations per group (default 60)\n"
     "  --sequences=N       search sequences sampled with seeds 1..N (default 2)\n"
-    "  --seq_len=N --prompt=N  (defaults 512, 384)   --seed=S (default 1)\n";
+    "  --conversations=FILE  search on conversations instead (docs/replay.md's JSON Lines):\n"
+    "                      the first seq_len tokens of --sequences of them, after --skip\n"
+    "  --skip=N            conversations of FILE left out of the search (default 0), e.g.\n"
+    "                      the ones a later check replays\n"
+    "  --seq_len=N --prompt=N  (defaults 512, 384)   --seed=S (default 1)\n"
+    "  On a model with sliding-window layers only the global layers are searched; the\n"
+    "  others keep the mean in the profile (the worker never evicts a sliding layer).\n";
 
 int BudgetsSearch(const Args& args) {
   const std::vector<std::string> unknown =
       args.Unknown({"model", "out", "budget", "group", "lambda", "gamma", "evals", "sequences",
-                    "seq_len", "prompt", "seed", "help"});
+                    "seq_len", "prompt", "seed", "conversations", "skip", "help"});
   if (!unknown.empty()) return Usage("unknown flag --" + unknown[0]);
   if (args.Has("help") || !args.Has("model") || !args.Has("out")) {
     std::printf("%s", kBudgetsHelp);
@@ -354,11 +361,41 @@ int BudgetsSearch(const Args& args) {
   const int len = static_cast<int>(args.GetU64("seq_len", 512));
   if (o.prompt < 8 || o.prompt + 2 > len) return Usage("--prompt must be in [8, seq_len - 2]");
   std::vector<std::vector<int>> seqs;
-  for (uint64_t i = 0; i < args.GetU64("sequences", 2); ++i) {
-    auto s = model::SampleTokens(**m, len, 1 + i);
-    if (!s.ok()) return Usage(std::string(s.status().message()));
-    seqs.push_back(*s);
+  const uint64_t count = args.GetU64("sequences", 2);
+  std::string source = absl::StrCat(count, " sampled sequences");
+  if (args.Has("conversations")) {
+    auto convs = refengine::LoadConversations(args.Get("conversations"));
+    if (!convs.ok()) return Usage(std::string(convs.status().message()));
+    const uint64_t skip = args.GetU64("skip", 0);
+    if (skip + count > convs->size()) {
+      return Usage(absl::StrCat("--skip=", skip, " --sequences=", count, " needs ", skip + count,
+                                " conversations; ", args.Get("conversations"), " has ",
+                                convs->size()));
+    }
+    for (uint64_t i = skip; i < skip + count; ++i) {
+      std::vector<int> s;
+      for (const refengine::ReplayRound& r : (*convs)[i].rounds) {
+        s.insert(s.end(), r.user.begin(), r.user.end());
+        s.insert(s.end(), r.assistant.begin(), r.assistant.end());
+      }
+      if (static_cast<int>(s.size()) < len) {
+        return Usage(absl::StrCat((*convs)[i].where, ": ", s.size(),
+                                  " tokens, shorter than --seq_len=", len));
+      }
+      s.resize(len);
+      seqs.push_back(std::move(s));
+    }
+    source = absl::StrCat("conversations ", skip, "-", skip + count - 1, " of ",
+                          args.Get("conversations"));
+  } else {
+    for (uint64_t i = 0; i < count; ++i) {
+      auto s = model::SampleTokens(**m, len, 1 + i);
+      if (!s.ok()) return Usage(std::string(s.status().message()));
+      seqs.push_back(*s);
+    }
   }
+  std::fprintf(stderr, "EvolKV on %s: %s, %d tokens each, evicted after %d\n",
+               args.Get("model").c_str(), source.c_str(), len, o.prompt);
   auto r = eval::SearchLayerBudgets(
       **m, seqs, o, [](const std::string& msg) { std::fprintf(stderr, "%s\n", msg.c_str()); });
   if (!r.ok()) return Usage(std::string(r.status().message()));
@@ -367,9 +404,10 @@ int BudgetsSearch(const Args& args) {
     return Usage(std::string(s.message()));
   }
   std::printf(
-      "profile %s -> %s\nbudgets %s\nsearch-set KL: profile %.5f, uniform snapkv:%lld %.5f (%d "
-      "evaluations)\n",
-      name.c_str(), args.Get("out").c_str(), absl::StrJoin(r->budgets, " ").c_str(), r->kl,
+      "profile %s -> %s\nbudgets %s (searched layers %s)\nsearch-set KL: profile %.5f, uniform "
+      "snapkv:%lld %.5f (%d evaluations)\n",
+      name.c_str(), args.Get("out").c_str(), absl::StrJoin(r->budgets, " ").c_str(),
+      absl::StrJoin(r->searched_layers, " ").c_str(), r->kl,
       static_cast<long long>(o.mean_budget), r->uniform_kl, r->evals);
   return 0;
 }
