@@ -15,13 +15,17 @@
 namespace kvtier::evict {
 namespace {
 
-absl::Status CheckShape(const LayerQK& x) {
+// `scored`: the caller reads x.q and x.k (every method but none and
+// streaming, which select by position alone).
+absl::Status CheckShape(const LayerQK& x, bool scored = true) {
   if (x.q_heads < 1 || x.kv_heads < 1 || x.q_heads % x.kv_heads != 0 || x.d < 1 || x.tokens < 1 ||
-      x.q == nullptr || x.k == nullptr) {
+      (scored && (x.q == nullptr || x.k == nullptr))) {
     return absl::InvalidArgumentError(
-        absl::StrCat("eviction scoring needs q_heads a multiple of kv_heads, head_dim >= 1 and "
-                     "tokens >= 1; got ",
-                     x.q_heads, "/", x.kv_heads, "/", x.d, "/", x.tokens));
+        absl::StrCat("eviction scoring needs q_heads a multiple of kv_heads, head_dim >= 1, "
+                     "tokens >= 1 and the queries and keys it scores; got q_heads/kv_heads/"
+                     "head_dim/tokens ",
+                     x.q_heads, "/", x.kv_heads, "/", x.d, "/", x.tokens,
+                     x.q == nullptr ? ", no queries" : "", x.k == nullptr ? ", no keys" : ""));
   }
   return absl::OkStatus();
 }
@@ -381,7 +385,8 @@ std::string PolicyName(const Policy& p) {
 
 absl::StatusOr<std::vector<std::vector<int64_t>>> SelectTokens(const Policy& p, int layer,
                                                                int layers, const LayerQK& x) {
-  KVT_RETURN_IF_ERROR(CheckShape(x));
+  KVT_RETURN_IF_ERROR(
+      CheckShape(x, p.method != Method::kNone && p.method != Method::kStreaming));
   const int heads = x.kv_heads;
   std::vector<std::vector<int64_t>> keep(heads);
   const int64_t layer_budget =

@@ -134,7 +134,9 @@ std::string PolicyName(const Policy& p);
 
 // Which tokens each KV head of `layer` (of `layers`) keeps after a round's
 // prefill. x holds the round's queries for every position (H2O uses all,
-// SnapKV-family the last w). Returns ascending indices per KV head.
+// SnapKV-family the last w); none and streaming select by position and read
+// neither x.q nor x.k, which may then be null. Returns ascending indices per
+// KV head.
 absl::StatusOr<std::vector<std::vector<int64_t>>> SelectTokens(const Policy& p, int layer,
                                                                int layers, const LayerQK& x);
 

@@ -19,6 +19,7 @@ namespace {
 
 using ::kvtier::testing::StatusIs;
 using ::testing::ElementsAre;
+using ::testing::HasSubstr;
 
 TEST(BudgetTest, Validation) {
   EXPECT_THAT(ValidateBudget(0, 0), StatusIs(absl::StatusCode::kInvalidArgument));
@@ -230,6 +231,16 @@ TEST(PolicyTest, ParsesSelectsAndRejects) {
   KVT_ASSERT_OK_AND_ASSIGN(Policy big, ParsePolicy("snapkv:100:w=4"));
   KVT_ASSERT_OK_AND_ASSIGN(auto all, SelectTokens(big, 0, layers, x));
   EXPECT_EQ(all[0].size(), static_cast<size_t>(t));
+  // Streaming and none select by position: a holder that kept no queries
+  // or keys (QueriesRead is 0) passes none. A scoring method needs them.
+  const LayerQK bare{qh, kvh, d, t, nullptr, nullptr};
+  KVT_ASSERT_OK_AND_ASSIGN(Policy streaming, ParsePolicy("streaming:20"));
+  KVT_ASSERT_OK_AND_ASSIGN(auto by_position, SelectTokens(streaming, 0, layers, bare));
+  KVT_ASSERT_OK_AND_ASSIGN(auto with_data, SelectTokens(streaming, 0, layers, x));
+  EXPECT_EQ(by_position, with_data);
+  KVT_ASSERT_OK_AND_ASSIGN(Policy snap, ParsePolicy("snapkv:20:w=4"));
+  EXPECT_THAT(SelectTokens(snap, 0, layers, bare).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no queries, no keys")));
 }
 
 TEST(PolicyTest, LayerProfileFiles) {

@@ -7,6 +7,7 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "client/store_segments.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -275,6 +276,31 @@ TEST_F(WorkerEngineTest, EvictionSparesSlidingLayers) {
   // tokens), the sliding layers' only while inside their windows.
   KVT_ASSERT_OK_AND_ASSIGN(auto st, engine_->Stats("e"));
   EXPECT_LT(st.working_set_bytes, st.full_cache_bytes / 2);
+}
+
+// Every eviction method ends a round through the engine, including those
+// that read no queries (streaming keeps none for its EndRound).
+TEST_F(WorkerEngineTest, EveryEvictionMethodEndsRounds) {
+  int n = 0;
+  for (const char* method : {"streaming:8", "h2o:8", "snapkv:8:w=2", "pyramidkv:8:w=2",
+                             "ada-snapkv:8:w=2", "ada-pyramid:8:w=2"}) {
+    SCOPED_TRACE(method);
+    const std::string id = absl::StrCat("evict-", n++);
+    SessionPolicy p;
+    KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("all"));
+    p.watershed_layer = 1;
+    KVT_ASSERT_OK_AND_ASSIGN(p.eviction, evict::ParsePolicy(method));
+    KVT_ASSERT_OK(engine_->OpenSession(id, kShape, p));
+    LocalCache local(kShape);
+    std::mt19937 rng(5);
+    for (int r = 0; r < 2; ++r) {
+      Round(id, 16, 2, 2, &rng, &local);
+      KVT_ASSERT_OK(engine_->EndRound(id).status());
+    }
+    KVT_ASSERT_OK_AND_ASSIGN(auto st, engine_->Stats(id));
+    EXPECT_EQ(st.rounds, 2u);
+    EXPECT_LT(st.working_set_bytes, st.full_cache_bytes);
+  }
 }
 
 TEST_F(WorkerEngineTest, LosslessRecallAllEqualsFullAttention) {

@@ -56,10 +56,13 @@ absl::Status ValidateRoundPolicy(const ModelShape& shape, const SessionPolicy& p
         "speculation is not supported yet on a model with sliding-window layers");
   }
   if (policy.eviction.method != evict::Method::kNone) {
-    KVT_RETURN_IF_ERROR(evict::ValidateBudget(policy.eviction.budget,
-                                              policy.eviction.method == evict::Method::kStreaming
-                                                  ? policy.eviction.sinks
-                                                  : policy.eviction.score.window));
+    // What the budget must exceed: StreamingLLM's sinks, SnapKV-family's
+    // observation window; H2O reads no window (as ParsePolicy validates).
+    const evict::Method m = policy.eviction.method;
+    KVT_RETURN_IF_ERROR(evict::ValidateBudget(
+        policy.eviction.budget, m == evict::Method::kStreaming ? policy.eviction.sinks
+                                : m == evict::Method::kH2o     ? 0
+                                                               : policy.eviction.score.window));
     if (policy.eviction.method == evict::Method::kProfile &&
         static_cast<int>(policy.eviction.layer_budgets.size()) != shape.layers) {
       return absl::InvalidArgumentError(
