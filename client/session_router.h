@@ -36,7 +36,7 @@ struct WorkerChannelOptions {
   std::string tls_server_name;
   // PEM of the engine's own certificate chain and key, for workers that
   // require client certificates (mutual TLS); empty: none presented.
-  std::string tls_cert_chain, tls_private_key;
+  std::string tls_cert_chain = {}, tls_private_key = {};
 };
 
 // Thread-safe: one router serves every session of an engine.

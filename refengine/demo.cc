@@ -663,7 +663,15 @@ absl::StatusOr<v1::Policy> DemoPolicy(const DemoOptions& o) {
   *p.mutable_codec_params() = ToParams(c);
   KVT_ASSIGN_OR_RETURN(RecallStrategy rs, ParseRecall(o.recall));
   p.set_recall(RecallName(rs));
-  if (!o.evict.empty() && o.evict != "none") {
+  if (absl::StartsWith(o.evict, "profile:")) {
+    // The engine reads the profile; its budgets go on the wire (a worker
+    // reads no file a client names).
+    KVT_ASSIGN_OR_RETURN(evict::Policy e, evict::ParsePolicy(o.evict));
+    p.set_eviction(absl::StrCat("profile:", e.profile_name));
+    for (int64_t b : e.layer_budgets) p.add_layer_budgets(static_cast<uint32_t>(b));
+    p.set_window(static_cast<uint32_t>(e.score.window));
+    p.set_pool_kernel(static_cast<uint32_t>(e.score.kernel));
+  } else if (!o.evict.empty() && o.evict != "none") {
     KVT_RETURN_IF_ERROR(evict::ParsePolicy(o.evict).status());
     const std::vector<std::string> parts = absl::StrSplit(o.evict, ':');
     uint32_t budget = 0;

@@ -68,7 +68,9 @@ struct DemoOptions {
   int answer_tokens = 0;
   std::string codec = "raw";         // kernels/codec.h ParseCodecSetting.
   std::string recall = "mass:0.95";  // kernels/recall.h ParseRecall.
-  std::string evict = "none";        // "none" or "METHOD:BUDGET[:k=v...]".
+  // "none", "METHOD:BUDGET[:k=v...]" or "profile:FILE[:w=...]" (an EvolKV
+  // layer profile, read here; its budgets go on the wire).
+  std::string evict = "none";
   // L_w; -1: the synthetic chat's measured one (6, `kvtier eval watershed`),
   // or the worker's default (L / 3) for a model.
   int watershed = -1;

@@ -10,7 +10,8 @@
 #             [raw; kivi4 with MODEL=gemma3, the policy docs/fidelity.md recommends]
 #   RECALL    all, topk:K, adaptive:LAMBDA, threshold:THETA, mass:P
 #             [mass:0.95; all with MODEL=gemma3]
-#   EVICT     none, or METHOD:BUDGET, e.g. snapkv:64, ada-snapkv:32 [none]
+#   EVICT     none, METHOD:BUDGET, e.g. snapkv:64, ada-snapkv:32, or profile:FILE (an
+#             EvolKV layer profile, e.g. docs/evolkv-gemma-c32.profile) [none]
 #   MODEL     a GGUF file (llama or gemma3, docs/models.md) or a llama2.c checkpoint
 #             (e.g. ../shared/models/stories260K.bin); "gemma3" installs Gemma 3 270M into
 #             the cache (scripts/kvtier.sh model) and replays traces/gemma3_chats.jsonl

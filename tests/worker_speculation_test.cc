@@ -417,6 +417,79 @@ TEST_F(WorkerSpeculationTest, AlphaThatKeepsEverythingIsDense) {
   }
 }
 
+// On a model with sliding-window layers speculation runs at the global
+// layers only: a sliding layer attends over its window, dense, exactly as a
+// session that does not speculate, and records no speculation step; a global
+// layer attends over the speculated tokens (all of them when alpha keeps
+// everything: the dense output). A speculation pool is refused there.
+TEST_F(WorkerSpeculationTest, OnASlidingModelOnlyGlobalLayersSpeculate) {
+  ModelShape shape = kShape;
+  shape.window = {20, 0, 20, 0};  // Cuts the previous round at every decode step.
+  const spec::SkewModel skew = MakeSkew(0.25);
+  auto skew_id = engine_->PutSkew(spec::SerializeSkew(skew));
+  ASSERT_TRUE(skew_id.ok());
+  const int d = kShape.head_dim, hq = kShape.q_heads, hkv = kShape.kv_heads;
+  for (float alpha : {1e6f, 0.5f}) {
+    SCOPED_TRACE(alpha);
+    const int tag = alpha > 1e5f ? 0 : 1;
+    const worker::SessionKey dense(absl::StrCat("dense-", tag)), spec(absl::StrCat("spec-", tag));
+    KVT_ASSERT_OK(engine_->OpenSession(dense, shape, Policy("", 0)));
+    KVT_ASSERT_OK(engine_->OpenSession(spec, shape, Policy(*skew_id, alpha)));
+    std::mt19937 rng(13);
+    std::vector<double> worst(kShape.layers, 0.0);
+    worker::EndRoundReport last;
+    for (int r = 0; r < 3; ++r) {
+      for (int l = 0; l < kShape.layers; ++l) {
+        const auto q = Random(10 * hq * d, &rng), k = Random(10 * hkv * d, &rng),
+                   v = Random(10 * hkv * d, &rng);
+        std::vector<float> out(q.size());
+        for (const auto* id : {&dense, &spec}) {
+          ASSERT_THAT(
+              engine_->PrefillLayer(*id, l, 10, 0, q.data(), k.data(), v.data(), out.data())
+                  .status(),
+              IsOk());
+        }
+      }
+      for (int step = 0; step < 4; ++step) {
+        for (int l = 0; l < kShape.layers; ++l) {
+          const auto q = Random(hq * d, &rng), k = Random(hkv * d, &rng), v = Random(hkv * d, &rng),
+                     next = Random(hq * d, &rng);
+          const float* qn = l + 1 < kShape.layers ? next.data() : nullptr;
+          std::vector<float> a(q.size()), b(q.size());
+          KVT_ASSERT_OK(engine_->DecodeLayer(dense, l, q.data(), k.data(), v.data(), a.data(), qn));
+          KVT_ASSERT_OK(engine_->DecodeLayer(spec, l, q.data(), k.data(), v.data(), b.data(), qn));
+          for (size_t i = 0; i < a.size(); ++i) {
+            worst[l] = std::max(worst[l], std::fabs(double(a[i]) - b[i]));
+          }
+        }
+      }
+      KVT_ASSERT_OK(engine_->EndRound(dense).status());
+      auto rep = engine_->EndRound(spec);
+      ASSERT_TRUE(rep.ok()) << rep.status();
+      last = *rep;
+    }
+    EXPECT_LT(worst[0], 1e-5);  // Sliding: dense on both sessions.
+    EXPECT_LT(worst[2], 1e-5);
+    if (alpha > 1e5f) {
+      EXPECT_LT(worst[1], 1e-4);  // Everything kept: the dense output.
+      EXPECT_LT(worst[3], 1e-4);
+    } else {
+      EXPECT_GT(worst[1] + worst[3], 1e-3);  // Speculation dropped tokens.
+    }
+    ASSERT_EQ(last.speculation.size(), static_cast<size_t>(kShape.layers));
+    EXPECT_EQ(last.speculation[0].steps, 0u);
+    EXPECT_EQ(last.speculation[2].steps, 0u);
+    EXPECT_GT(last.speculation[1].steps, 0u);
+    EXPECT_GT(last.speculation[3].steps, 0u);
+    KVT_ASSERT_OK(engine_->CloseSession(dense, /*delete_from_store=*/true));
+    KVT_ASSERT_OK(engine_->CloseSession(spec, /*delete_from_store=*/true));
+  }
+  SessionPolicy pooled = Policy(*skew_id, 4);
+  pooled.speculation.pool_bytes = 1 << 20;
+  EXPECT_THAT(engine_->OpenSession(worker::SessionKey("pooled"), shape, pooled),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("sliding")));
+}
+
 TEST_F(WorkerSpeculationTest, BadNextQueryIsRefused) {
   auto id = engine_->PutSkew(spec::SerializeSkew(MakeSkew(0.25)));
   ASSERT_TRUE(id.ok());

@@ -48,12 +48,15 @@ Engine::~Engine() {
 
 absl::Status ValidateRoundPolicy(const ModelShape& shape, const SessionPolicy& policy) {
   KVT_RETURN_IF_ERROR(ValidateCodecConfig(policy.codec));
-  // A sliding layer attends over the positions inside its window; a round
-  // that lost tokens to the speculation pool no longer says where its tokens
-  // were. (Eviction spares sliding layers: EndRound.)
-  if (shape.sliding() && !policy.speculation.skew.empty()) {
+  // On a sliding model speculation runs at the global layers only
+  // (DecodeLayer); a sliding layer attends over the positions inside its
+  // window, which a round that lost tokens to the speculation pool no longer
+  // records. (Eviction spares sliding layers: EndRound.)
+  if (shape.sliding() && policy.speculation.pool_bytes > 0) {
     return absl::InvalidArgumentError(
-        "speculation is not supported yet on a model with sliding-window layers");
+        "speculation_pool_bytes is not supported on a model with sliding-window layers: the "
+        "pool drops tokens from rounds, and a sliding layer needs every token's position; "
+        "speculate without a pool (0)");
   }
   if (policy.eviction.method != evict::Method::kNone) {
     // What the budget must exceed: StreamingLLM's sinks, SnapKV-family's
@@ -709,7 +712,10 @@ absl::Status Engine::DecodeLayer(const SessionKey& id, int layer, const float* q
   absl::MutexLock lock(&s->mu);
   KVT_RETURN_IF_ERROR(s->CheckStep(layer, 1, /*prefill=*/false));
   KVT_RETURN_IF_ERROR(s->CheckValues(layer, 1, q, k, v));
-  const bool speculate = q_next != nullptr && s->skew != nullptr && layer + 1 < s->shape.layers;
+  // Layer + 1's tokens are speculated only when it is a global layer: a
+  // sliding layer attends over its window, dense.
+  const bool speculate = q_next != nullptr && s->skew != nullptr &&
+                         layer + 1 < s->shape.layers && s->shape.layer_window(layer + 1) == 0;
   if (speculate) {
     const int64_t count = int64_t{s->shape.q_heads} * s->shape.head_dim;
     for (int64_t i = 0; i < count; ++i) {

@@ -72,7 +72,7 @@ struct ModelShape {
   v1::DType dtype = v1::DTYPE_FP16;
   // Per layer, the sliding window (a token attends to itself and the
   // window - 1 tokens before it), 0 for a global layer. Empty: all global.
-  std::vector<int> window;
+  std::vector<int> window = {};
   // The model's identity (ModelSpec.model_digest), recorded with every
   // stored round; 0: unknown.
   uint64_t model_digest = 0;
@@ -488,8 +488,9 @@ class Engine {
   // for a layer out of order, or while EndRound runs.
   // q_next (optional, [q_heads, d]): layer + 1's approximate post-RoPE
   // query, for speculation (SessionPolicy::speculation); ignored when the
-  // session does not speculate or at the last layer. It must be finite
-  // (INVALID_ARGUMENT).
+  // session does not speculate, at the last layer, or when layer + 1 slides
+  // (a sliding layer attends over its window, dense). It must be finite
+  // (INVALID_ARGUMENT) where it is used.
   absl::Status DecodeLayer(const SessionKey& id, int layer, const float* q, const float* k,
                            const float* v, float* out, const float* q_next = nullptr);
 

@@ -1,6 +1,7 @@
 #include "worker/policy_proto.h"
 
 #include <algorithm>
+#include <string_view>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -85,8 +86,20 @@ absl::StatusOr<evict::Policy> EvictionFromProto(const v1::Policy& p) {
   if (name.empty() || name == "none") return worker::SessionPolicy::NoEviction();
   evict::Policy e;
   if (absl::StartsWith(name, "profile:")) {
-    // The layer profile carries its own budgets.
-    KVT_ASSIGN_OR_RETURN(e, evict::ParsePolicy(name));
+    // A layer profile travels as its budgets: the worker (and the
+    // controller, validating) opens no file a client names.
+    if (p.layer_budgets().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "eviction '", name,
+          "' needs layer_budgets: a layer profile travels as its per-layer budgets (the name is "
+          "only a label; no file is read)"));
+    }
+    e.method = evict::Method::kProfile;
+    e.profile_name = name.substr(std::string_view("profile:").size());
+    e.layer_budgets.assign(p.layer_budgets().begin(), p.layer_budgets().end());
+    e.budget = *std::max_element(e.layer_budgets.begin(), e.layer_budgets.end());
+    e.score.window = evict::DefaultWindow(
+        *std::min_element(e.layer_budgets.begin(), e.layer_budgets.end()));
   } else {
     if (p.budget_tokens() == 0) {
       return absl::InvalidArgumentError(
@@ -103,6 +116,7 @@ absl::StatusOr<evict::Policy> EvictionFromProto(const v1::Policy& p) {
   if (p.pool_kernel() != 0) e.score.kernel = static_cast<int>(p.pool_kernel());
   if (p.ada_alpha() != 0) e.alpha = p.ada_alpha();
   if (p.pyramid_beta() != 0) e.beta = p.pyramid_beta();
+  for (int64_t b : e.layer_budgets) KVT_RETURN_IF_ERROR(evict::ValidateBudget(b, e.score.window));
   return e;
 }
 

@@ -22,7 +22,9 @@ absl::StatusOr<worker::ModelShape> ShapeFromProto(const v1::ModelSpec& m);
 // Converts the wire policy to the engine's: unset fields (zero scalars,
 // absent optionals) take the published defaults (ALGORITHMS.md); the
 // presence-aware booleans keep an explicit false. INVALID_ARGUMENT for an
-// unknown method, codec or recall strategy, or a bad parameter. CODEC_RAW
+// unknown method, codec or recall strategy, or a bad parameter; for an
+// eviction "profile:<name>" without layer_budgets (a profile travels as its
+// budgets: nothing here opens a file a client names). CODEC_RAW
 // (and unset) stores the model's own dtype (`model_dtype`; fp32 when
 // unspecified): lossless.
 absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p,
