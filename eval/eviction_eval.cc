@@ -31,7 +31,7 @@ absl::Status EvictingAttention::Attend(int layer, int pos, const float* q, const
                                        const float* v, float* out) {
   const int window = c_.layer_window(layer);
   if (pos < prompt_ || window > 0) {
-    if (pos < prompt_ && window == 0) q_[layer].insert(q_[layer].end(), q, q + c_.dim);
+    if (pos < prompt_ && window == 0) q_[layer].insert(q_[layer].end(), q, q + c_.q_dim());
     if (pos == prompt_ && window > 0) {
       kept_[layer] = static_cast<int64_t>(c_.n_kv_heads) * std::min(window, prompt_);
     }
@@ -46,7 +46,7 @@ absl::Status EvictingAttention::Attend(int layer, int pos, const float* q, const
         vm(km.size());
     for (int64_t t = 0; t < n; ++t) {
       for (int h = 0; h < qh; ++h)
-        std::copy_n(q_[layer].begin() + t * c_.dim + h * hd, hd, qm.begin() + (h * n + t) * hd);
+        std::copy_n(q_[layer].begin() + t * c_.q_dim() + h * hd, hd, qm.begin() + (h * n + t) * hd);
       for (int h = 0; h < kvh; ++h) {
         std::copy_n(full_.keys(layer).begin() + t * kv + h * hd, hd, km.begin() + (h * n + t) * hd);
         std::copy_n(full_.values(layer).begin() + t * kv + h * hd, hd,

@@ -1,7 +1,9 @@
 #include "eval/evolkv.h"
 
+#include <cmath>
 #include <memory>
 #include <numeric>
+#include <random>
 
 #include "eval/eviction_eval.h"
 #include "gtest/gtest.h"
@@ -88,6 +90,60 @@ TEST(ModelEvictionEvalTest, SparesSlidingLayersAndReusesThePrompt) {
                            EvalEvictionOnModel(*m, seqs, 32, Profile({32, 3, 32, 3, 32})));
   EXPECT_EQ(once.kl, global_small.kl);
   EXPECT_EQ(once.top1, global_small.top1);
+}
+
+// Gemma 3's heads are wider than its residual stream (4 x 256 > 640): the
+// harness keeps each position's q_dim query values, and evicts with the
+// same tokens SelectTokens picks from the head-major queries and keys.
+TEST(ModelEvictionEvalTest, QueriesWiderThanTheResidualStream) {
+  model::ModelConfig c;
+  c.dim = 8;
+  c.n_heads = 2;
+  c.n_kv_heads = 1;
+  c.key_length = 16;  // q_dim 32, four times dim.
+  c.n_layers = 1;
+  const int n = 24, qd = c.q_dim(), hd = c.head_dim();
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  std::vector<float> q(static_cast<size_t>(n + 1) * qd), k(static_cast<size_t>(n + 1) * hd),
+      v(k.size());
+  for (float& x : q) x = nd(rng);
+  for (float& x : k) x = nd(rng);
+  for (float& x : v) x = nd(rng);
+  KVT_ASSERT_OK_AND_ASSIGN(evict::Policy p, evict::ParsePolicy("snapkv:6:w=2:k=1"));
+  EvictingAttention ev(c, p, n);
+  std::vector<float> out(qd);
+  for (int t = 0; t <= n; ++t) {
+    ASSERT_TRUE(ev.Attend(0, t, &q[t * qd], &k[t * hd], &v[t * hd], out.data()).ok());
+  }
+  std::vector<float> qm(static_cast<size_t>(c.n_heads) * n * hd);
+  for (int t = 0; t < n; ++t) {
+    for (int h = 0; h < c.n_heads; ++h) {
+      std::copy_n(&q[t * qd + h * hd], hd, &qm[(h * n + t) * hd]);
+    }
+  }
+  KVT_ASSERT_OK_AND_ASSIGN(auto keep,
+                           evict::SelectTokens(p, 0, 1, {c.n_heads, 1, hd, n, qm.data(), k.data()}));
+  EXPECT_EQ(ev.kept()[0], static_cast<int64_t>(keep[0].size()));
+  // The output over the kept tokens plus the new one, in float64.
+  std::vector<int64_t> toks = keep[0];
+  toks.push_back(n);
+  for (int h = 0; h < c.n_heads; ++h) {
+    std::vector<double> w;
+    double best = -INFINITY, z = 0;
+    for (int64_t t : toks) {
+      double acc = 0;
+      for (int i = 0; i < hd; ++i) acc += double(q[n * qd + h * hd + i]) * k[t * hd + i];
+      w.push_back(acc / std::sqrt(double(hd)));
+      best = std::max(best, w.back());
+    }
+    for (double& x : w) z += (x = std::exp(x - best));
+    for (int i = 0; i < hd; ++i) {
+      double o = 0;
+      for (size_t j = 0; j < toks.size(); ++j) o += w[j] / z * v[toks[j] * hd + i];
+      EXPECT_NEAR(out[h * hd + i], o, 1e-4) << "head " << h << " column " << i;
+    }
+  }
 }
 
 // On a sliding model EvolKV searches the global layers only: the profile

@@ -17,7 +17,7 @@ class Capture : public model::AttentionBackend {
   explicit Capture(const model::ModelConfig& c) : c_(c), full_(c), q_(c.n_layers) {}
   absl::Status Attend(int layer, int pos, const float* q, const float* k, const float* v,
                       float* out) override {
-    q_[layer].insert(q_[layer].end(), q, q + c_.dim);
+    q_[layer].insert(q_[layer].end(), q, q + c_.q_dim());
     return full_.Attend(layer, pos, q, k, v, out);
   }
   const model::FullCacheAttention& full() const { return full_; }
@@ -84,12 +84,12 @@ absl::StatusOr<KvTrace> CaptureModelTrace(const model::Model& m, const std::vect
     for (int h = 0; h < t.q_heads; ++h) {
       float* qt = t.q_tokens.data() + ((static_cast<int64_t>(l) * t.q_heads + h) * t.tokens) * hd;
       for (int64_t p = 0; p < t.tokens; ++p)
-        std::copy_n(qc.begin() + p * c.dim + h * hd, hd, qt + p * hd);
+        std::copy_n(qc.begin() + p * c.q_dim() + h * hd, hd, qt + p * hd);
     }
     for (int h = 0; h < t.q_heads; ++h) {
       float* qd = t.q.data() + ((static_cast<int64_t>(l) * t.q_heads + h) * t.queries) * hd;
       for (int64_t i = 0; i < t.queries; ++i) {
-        std::copy_n(qc.begin() + (t.tokens + i) * c.dim + h * hd, hd, qd + i * hd);
+        std::copy_n(qc.begin() + (t.tokens + i) * c.q_dim() + h * hd, hd, qd + i * hd);
       }
     }
   }
