@@ -56,8 +56,10 @@ SUBSET = [
     ("evolkv32", {"RECALL": "all", "EVICT": "profile:docs/evolkv-gemma-c32.profile"}),
     # Speculation acts on decode steps only, so this row decodes each answer
     # token (ANSWERS=decode); the skew was calibrated on conversations 8-11.
+    # Two sessions at a time: with four, a decode step of Gemma fails "layer
+    # out of order" (docs/fidelity.md, not understood yet).
     ("infinigen4", {"RECALL": "all", "SPEC": "4", "SPEC_SKEW": "traces/gemma3_infinigen.skew",
-                    "ANSWERS": "decode"}),
+                    "ANSWERS": "decode", "SESSIONS": "2"}),
     ("mass0.95+kivi4", {"RECALL": "mass:0.95", "CODEC": "kivi4"}),
     ("snapkv32+kivi4", {"RECALL": "all", "EVICT": "snapkv:32", "CODEC": "kivi4"}),
 ]
@@ -312,7 +314,7 @@ def main():
     methods = SUBSET if a.set == "subset" else FULL
     if a.only:
         want = set(a.only.split(","))
-        unknown = want - {m[0] for m in FULL}
+        unknown = want - {m[0] for m in (KVPRESS if a.protocol == "kvpress" else FULL)}
         if unknown:
             ap.error("unknown method(s): " + ", ".join(sorted(unknown)))
         methods = [m for m in FULL if m[0] in want]
