@@ -123,8 +123,8 @@ absl::StatusOr<EvolKvResult> SearchLayerBudgets(
     });
     KVT_RETURN_IF_ERROR(failure);
     for (int i = g0; i < g1; ++i) budgets[r.searched_layers[i]] = std::llround(res.best_x[i - g0]);
-    progress(absl::StrCat("layers ", l0, "-", l1,
-                          " fixed: budgets ", absl::StrJoin(searched_of(budgets), " ")));
+    progress(absl::StrCat("layers ", l0, "-", l1, " fixed: budgets ",
+                          absl::StrJoin(searched_of(budgets), " ")));
   }
   const std::vector<int64_t> done =
       CompleteBudgets(searched_of(budgets), o.mean_budget * searched, lo);

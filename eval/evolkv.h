@@ -37,10 +37,10 @@ std::vector<int64_t> CompleteBudgets(const std::vector<int64_t>& budgets, int64_
                                      int64_t min_budget);
 
 struct EvolKvResult {
-  std::vector<int64_t> budgets;  // After completion; c at a layer not searched.
+  std::vector<int64_t> budgets;      // After completion; c at a layer not searched.
   std::vector<int> searched_layers;  // Every layer, or a sliding model's global ones.
-  double kl = 0;                 // Mean KL of the final profile on the search sequences.
-  double uniform_kl = 0;         // Mean KL of uniform SnapKV at c on the same sequences.
+  double kl = 0;                     // Mean KL of the final profile on the search sequences.
+  double uniform_kl = 0;             // Mean KL of uniform SnapKV at c on the same sequences.
   int evals = 0;
 };
 

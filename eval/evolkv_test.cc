@@ -122,8 +122,8 @@ TEST(ModelEvictionEvalTest, QueriesWiderThanTheResidualStream) {
       std::copy_n(&q[t * qd + h * hd], hd, &qm[(h * n + t) * hd]);
     }
   }
-  KVT_ASSERT_OK_AND_ASSIGN(auto keep,
-                           evict::SelectTokens(p, 0, 1, {c.n_heads, 1, hd, n, qm.data(), k.data()}));
+  KVT_ASSERT_OK_AND_ASSIGN(
+      auto keep, evict::SelectTokens(p, 0, 1, {c.n_heads, 1, hd, n, qm.data(), k.data()}));
   EXPECT_EQ(ev.kept()[0], static_cast<int64_t>(keep[0].size()));
   // The output over the kept tokens plus the new one, in float64.
   std::vector<int64_t> toks = keep[0];
@@ -159,9 +159,9 @@ TEST(EvolKvTest, SearchesOnlyTheGlobalLayersOfASlidingModel) {
   o.evals_per_group = 6;
   o.prompt = 32;
   std::vector<std::string> log;
-  KVT_ASSERT_OK_AND_ASSIGN(
-      EvolKvResult r, SearchLayerBudgets(*m, Sequences(*m, 2, 48), o,
-                                         [&](const std::string& s) { log.push_back(s); }));
+  KVT_ASSERT_OK_AND_ASSIGN(EvolKvResult r,
+                           SearchLayerBudgets(*m, Sequences(*m, 2, 48), o,
+                                              [&](const std::string& s) { log.push_back(s); }));
   EXPECT_EQ(r.searched_layers, (std::vector<int>{1, 3}));
   ASSERT_EQ(r.budgets.size(), 5u);
   EXPECT_EQ(r.budgets[0], 8);

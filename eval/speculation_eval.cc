@@ -16,7 +16,8 @@ class Capture : public model::LayerAttention {
       : c_(c), full_(c), inner_(c, &full_), q_(c.n_layers), k_(c.n_layers), v_(c.n_layers) {}
   absl::Status AttendLayer(int layer, int pos0, int n, const float* q, const float* k,
                            const float* v, float* out) override {
-    const size_t qn = static_cast<size_t>(n) * c_.q_dim(), kvn = static_cast<size_t>(n) * c_.kv_dim();
+    const size_t qn = static_cast<size_t>(n) * c_.q_dim(),
+                 kvn = static_cast<size_t>(n) * c_.kv_dim();
     q_[layer].insert(q_[layer].end(), q, q + qn);
     k_[layer].insert(k_[layer].end(), k, k + kvn);
     v_[layer].insert(v_[layer].end(), v, v + kvn);

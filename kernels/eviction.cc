@@ -385,8 +385,7 @@ std::string PolicyName(const Policy& p) {
 
 absl::StatusOr<std::vector<std::vector<int64_t>>> SelectTokens(const Policy& p, int layer,
                                                                int layers, const LayerQK& x) {
-  KVT_RETURN_IF_ERROR(
-      CheckShape(x, p.method != Method::kNone && p.method != Method::kStreaming));
+  KVT_RETURN_IF_ERROR(CheckShape(x, p.method != Method::kNone && p.method != Method::kStreaming));
   const int heads = x.kv_heads;
   std::vector<std::vector<int64_t>> keep(heads);
   const int64_t layer_budget =

@@ -444,10 +444,9 @@ TEST_F(WorkerSpeculationTest, OnASlidingModelOnlyGlobalLayersSpeculate) {
                    v = Random(10 * hkv * d, &rng);
         std::vector<float> out(q.size());
         for (const auto* id : {&dense, &spec}) {
-          ASSERT_THAT(
-              engine_->PrefillLayer(*id, l, 10, 0, q.data(), k.data(), v.data(), out.data())
-                  .status(),
-              IsOk());
+          ASSERT_THAT(engine_->PrefillLayer(*id, l, 10, 0, q.data(), k.data(), v.data(), out.data())
+                          .status(),
+                      IsOk());
         }
       }
       for (int step = 0; step < 4; ++step) {

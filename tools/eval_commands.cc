@@ -407,8 +407,8 @@ int BudgetsSearch(const Args& args) {
       "profile %s -> %s\nbudgets %s (searched layers %s)\nsearch-set KL: profile %.5f, uniform "
       "snapkv:%lld %.5f (%d evaluations)\n",
       name.c_str(), args.Get("out").c_str(), absl::StrJoin(r->budgets, " ").c_str(),
-      absl::StrJoin(r->searched_layers, " ").c_str(), r->kl,
-      static_cast<long long>(o.mean_budget), r->uniform_kl, r->evals);
+      absl::StrJoin(r->searched_layers, " ").c_str(), r->kl, static_cast<long long>(o.mean_budget),
+      r->uniform_kl, r->evals);
   return 0;
 }
 

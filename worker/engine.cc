@@ -714,8 +714,8 @@ absl::Status Engine::DecodeLayer(const SessionKey& id, int layer, const float* q
   KVT_RETURN_IF_ERROR(s->CheckValues(layer, 1, q, k, v));
   // Layer + 1's tokens are speculated only when it is a global layer: a
   // sliding layer attends over its window, dense.
-  const bool speculate = q_next != nullptr && s->skew != nullptr &&
-                         layer + 1 < s->shape.layers && s->shape.layer_window(layer + 1) == 0;
+  const bool speculate = q_next != nullptr && s->skew != nullptr && layer + 1 < s->shape.layers &&
+                         s->shape.layer_window(layer + 1) == 0;
   if (speculate) {
     const int64_t count = int64_t{s->shape.q_heads} * s->shape.head_dim;
     for (int64_t i = 0; i < count; ++i) {

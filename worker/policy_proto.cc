@@ -98,8 +98,8 @@ absl::StatusOr<evict::Policy> EvictionFromProto(const v1::Policy& p) {
     e.profile_name = name.substr(std::string_view("profile:").size());
     e.layer_budgets.assign(p.layer_budgets().begin(), p.layer_budgets().end());
     e.budget = *std::max_element(e.layer_budgets.begin(), e.layer_budgets.end());
-    e.score.window = evict::DefaultWindow(
-        *std::min_element(e.layer_budgets.begin(), e.layer_budgets.end()));
+    e.score.window =
+        evict::DefaultWindow(*std::min_element(e.layer_budgets.begin(), e.layer_budgets.end()));
   } else {
     if (p.budget_tokens() == 0) {
       return absl::InvalidArgumentError(

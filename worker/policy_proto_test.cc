@@ -34,8 +34,8 @@ TEST(PolicyProtoTest, ProfileTravelsAsBudgetsAndNoFileIsRead) {
     v1::Policy p;
     p.set_eviction("profile:" + path);
     absl::StatusOr<worker::SessionPolicy> s = PolicyFromProto(p, v1::DTYPE_FP16);
-    EXPECT_THAT(s.status(), StatusIs(absl::StatusCode::kInvalidArgument,
-                                     HasSubstr("needs layer_budgets")));
+    EXPECT_THAT(s.status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("needs layer_budgets")));
     EXPECT_THAT(std::string(s.status().message()), Not(HasSubstr("s3cr3t")));
     EXPECT_THAT(std::string(s.status().message()), Not(HasSubstr("budgets 40")));
   }
