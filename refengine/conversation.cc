@@ -1,8 +1,10 @@
 #include "refengine/conversation.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
@@ -55,13 +57,23 @@ struct DecodeMux::Pending {
   v1::DecodeItem item;
   float* out = nullptr;
   size_t out_floats = 0;
+  bool ends_step = false;
   absl::Status status;
   bool done = false;
 };
 
+struct DecodeMux::Stream {
+  std::unique_ptr<grpc::ClientContext> ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> rw;
+  absl::Time opened;
+};
+
 DecodeMux::DecodeMux(std::shared_ptr<grpc::Channel> channel, std::string token,
-                     absl::Duration deadline)
-    : stub_(v1::Worker::NewStub(channel)), token_(std::move(token)), deadline_(deadline) {
+                     absl::Duration deadline, std::optional<absl::Duration> rotate_after)
+    : stub_(v1::Worker::NewStub(channel)),
+      token_(std::move(token)),
+      deadline_(deadline),
+      rotate_after_(rotate_after.value_or(deadline / 2)) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -83,11 +95,12 @@ uint64_t DecodeMux::items() const {
   return items_;
 }
 
-absl::Status DecodeMux::Attend(v1::DecodeItem item, float* out, size_t out_floats) {
+absl::Status DecodeMux::Attend(v1::DecodeItem item, float* out, size_t out_floats, bool ends_step) {
   Pending p;
   p.item = std::move(item);
   p.out = out;
   p.out_floats = out_floats;
+  p.ends_step = ends_step;
   absl::MutexLock lock(&mu_);
   queue_.push_back(&p);
   mu_.Await(absl::Condition(&p.done));
@@ -95,16 +108,63 @@ absl::Status DecodeMux::Attend(v1::DecodeItem item, float* out, size_t out_float
 }
 
 void DecodeMux::Loop() {
-  std::unique_ptr<grpc::ClientContext> ctx;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> stream;
-  absl::Time opened;
-  auto close = [&](bool cancel) {
-    if (stream == nullptr) return grpc::Status::OK;
-    if (cancel) ctx->TryCancel();
-    stream->WritesDone();
-    grpc::Status st = stream->Finish();
-    stream.reset();
+  // `cur` takes new steps; `old`, once `cur` was rotated, finishes the steps
+  // begun on it. A session stays in `mid_step` (with its step's stream)
+  // from its step's first item to its last.
+  std::unique_ptr<Stream> cur, old;
+  std::map<std::string, const Stream*> mid_step;
+  auto forget = [&mid_step](const Stream* s) {
+    for (auto it = mid_step.begin(); it != mid_step.end();) {
+      it = it->second == s ? mid_step.erase(it) : std::next(it);
+    }
+  };
+  auto close = [&](std::unique_ptr<Stream>* s, bool cancel) {
+    if (*s == nullptr) return grpc::Status::OK;
+    if (cancel) (*s)->ctx->TryCancel();
+    (*s)->rw->WritesDone();
+    grpc::Status st = (*s)->rw->Finish();
+    forget(s->get());
+    s->reset();
     return st;
+  };
+  // One request on *s with `part`'s items; fills their statuses and outputs.
+  auto send = [&](std::unique_ptr<Stream>* s, const std::vector<Pending*>& part) {
+    if (*s == nullptr) {
+      *s = std::make_unique<Stream>();
+      (*s)->ctx = std::make_unique<grpc::ClientContext>();
+      if (!token_.empty()) (*s)->ctx->AddMetadata("authorization", "Bearer " + token_);
+      (*s)->ctx->set_deadline(absl::ToChronoTime(absl::Now() + deadline_));
+      (*s)->rw = stub_->Decode((*s)->ctx.get());
+      (*s)->opened = absl::Now();
+    }
+    const Stream* on = s->get();
+    v1::DecodeRequest req;
+    std::vector<std::string> ids;
+    for (Pending* p : part) {
+      ids.push_back(p->item.session_id());
+      *req.add_items() = std::move(p->item);
+    }
+    v1::DecodeResponse resp;
+    absl::Status st;
+    if (!(*s)->rw->Write(req) || !(*s)->rw->Read(&resp)) {
+      st = FromGrpc(close(s, false), "Decode");
+      if (st.ok()) st = absl::UnavailableError("Decode: the stream ended");
+    } else if (resp.o_size() != static_cast<int>(part.size())) {
+      st = absl::InternalError("Decode: the response does not hold one output per item");
+      close(s, true).IgnoreError();
+    }
+    for (size_t i = 0; i < part.size(); ++i) {
+      Pending* p = part[i];
+      p->status = st;
+      if (st.ok()) {
+        p->status = ReadFloats(resp.o(static_cast<int>(i)), p->out, p->out_floats, "Decode");
+      }
+      if (st.ok() && !p->ends_step) {
+        mid_step[ids[i]] = on;
+      } else {
+        mid_step.erase(ids[i]);
+      }
+    }
   };
   for (;;) {
     std::vector<Pending*> batch;
@@ -119,35 +179,32 @@ void DecodeMux::Loop() {
       ++requests_;
       items_ += batch.size();
     }
-    if (stream != nullptr && absl::Now() - opened > deadline_ / 2) close(false).IgnoreError();
-    if (stream == nullptr) {
-      ctx = std::make_unique<grpc::ClientContext>();
-      if (!token_.empty()) ctx->AddMetadata("authorization", "Bearer " + token_);
-      ctx->set_deadline(absl::ToChronoTime(absl::Now() + deadline_));
-      stream = stub_->Decode(ctx.get());
-      opened = absl::Now();
+    // A stream past 9/10 of its deadline is closed whatever is left on it
+    // (those steps are rolled back); one past rotate_after takes no new step.
+    if (old != nullptr && absl::Now() - old->opened > deadline_ * 9 / 10) {
+      close(&old, false).IgnoreError();
     }
-    v1::DecodeRequest req;
-    for (Pending* p : batch) *req.add_items() = std::move(p->item);
-    v1::DecodeResponse resp;
-    absl::Status st;
-    if (!stream->Write(req) || !stream->Read(&resp)) {
-      st = FromGrpc(close(false), "Decode");
-      if (st.ok()) st = absl::UnavailableError("Decode: the stream ended");
-    } else if (resp.o_size() != static_cast<int>(batch.size())) {
-      st = absl::InternalError("Decode: the response does not hold one output per item");
-      close(true).IgnoreError();
+    if (cur != nullptr && old == nullptr && absl::Now() - cur->opened >= rotate_after_) {
+      old = std::move(cur);
+    }
+    std::vector<Pending*> on_old, on_cur;
+    for (Pending* p : batch) {
+      auto it = mid_step.find(p->item.session_id());
+      const bool continues_on_old =
+          old != nullptr && it != mid_step.end() && it->second == old.get();
+      (continues_on_old ? on_old : on_cur).push_back(p);
+    }
+    if (!on_old.empty()) send(&old, on_old);
+    if (!on_cur.empty()) send(&cur, on_cur);
+    if (old != nullptr && std::none_of(mid_step.begin(), mid_step.end(),
+                                       [&](const auto& e) { return e.second == old.get(); })) {
+      close(&old, false).IgnoreError();
     }
     absl::MutexLock lock(&mu_);
-    for (size_t i = 0; i < batch.size(); ++i) {
-      Pending* p = batch[i];
-      p->status = st;
-      if (st.ok())
-        p->status = ReadFloats(resp.o(static_cast<int>(i)), p->out, p->out_floats, "Decode");
-      p->done = true;
-    }
+    for (Pending* p : batch) p->done = true;
   }
-  close(false).IgnoreError();
+  close(&old, false).IgnoreError();
+  close(&cur, false).IgnoreError();
 }
 
 namespace {
@@ -338,7 +395,8 @@ class Tier : public TierSession {
       q_next_layer_ = -1;
     }
     if (mux_ != nullptr) {
-      return mux_->Attend(std::move(*item), out, static_cast<size_t>(q_heads_) * hd);
+      return mux_->Attend(std::move(*item), out, static_cast<size_t>(q_heads_) * hd,
+                          layer + 1 == static_cast<int>(spec_.num_layers()));
     }
     v1::DecodeResponse resp;
     if (!dstream_->Write(req) || !dstream_->Read(&resp)) {

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -177,19 +178,24 @@ class ClusterSession : public TierSession {
 // concurrent conversations cost one hop per round trip instead of N. One
 // request is in flight at a time; a session waits for its own output, so its
 // layers stay in order. Thread-safe. A broken stream fails the requests on it
-// and is opened again for the next ones; each stream lives at most
-// `deadline` (then it is replaced between requests).
+// and is opened again for the next ones. Each stream lives at most
+// `deadline`: once it is `rotate_after` old (default: half the deadline), new
+// steps start on a fresh stream while the steps under way finish on the old
+// one (the worker rolls back a session whose step's stream ends), which is
+// closed once none is left on it, or at 9/10 of its deadline.
 class DecodeMux {
  public:
   DecodeMux(std::shared_ptr<grpc::Channel> channel, std::string token,
-            absl::Duration deadline = absl::Seconds(300));
+            absl::Duration deadline = absl::Seconds(300),
+            std::optional<absl::Duration> rotate_after = std::nullopt);
   ~DecodeMux();
   DecodeMux(const DecodeMux&) = delete;
   DecodeMux& operator=(const DecodeMux&) = delete;
 
   // Sends `item` in the next request and waits for its output (fp32, `out`
-  // holds out_floats). The worker's status on failure.
-  absl::Status Attend(v1::DecodeItem item, float* out, size_t out_floats);
+  // holds out_floats). `ends_step`: the item is its step's last layer. The
+  // worker's status on failure.
+  absl::Status Attend(v1::DecodeItem item, float* out, size_t out_floats, bool ends_step);
 
   // Requests sent and items carried so far (items / requests = mean batch).
   uint64_t requests() const;
@@ -197,11 +203,12 @@ class DecodeMux {
 
  private:
   struct Pending;
+  struct Stream;
   void Loop();
 
   std::unique_ptr<v1::Worker::Stub> stub_;
   const std::string token_;
-  const absl::Duration deadline_;
+  const absl::Duration deadline_, rotate_after_;
   mutable absl::Mutex mu_;
   std::vector<Pending*> queue_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

@@ -885,8 +885,8 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     }
     // Every session's decode layers share one long-lived stream, batched (on
     // the decode worker when there is one).
-    mux =
-        std::make_unique<DecodeMux>(o.decode_worker.empty() ? channel : pd.decode_channel, o.token);
+    mux = std::make_unique<DecodeMux>(o.decode_worker.empty() ? channel : pd.decode_channel,
+                                      o.token, absl::Seconds(300), o.decode_stream_rotate);
     if (!skew_bytes.empty()) {
       // Each worker that runs a step needs the skew (the decode worker too).
       for (const auto& ch : {channel, pd.decode_channel}) {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "kvtier/v1/worker.pb.h"
 #include "refengine/conversation.h"
 #include "refengine/replay.h"
@@ -79,6 +80,9 @@ struct DemoOptions {
   // (DecodeMux); false: a stream per session and round, one item each.
   // Default: true.
   bool shared_decode_stream = true;
+  // How old the shared stream gets before new steps move to a fresh one
+  // (DecodeMux's rotate_after); unset: half its deadline.
+  std::optional<absl::Duration> decode_stream_rotate;
   // Session ids are "<prefix><i>"; empty picks "chat-<run id>-" so that
   // runs against the same store do not collide.
   std::string session_prefix;

@@ -38,6 +38,22 @@ class EngineDemoTest : public ::testing::Test {
   testing::WorkerStack stack_;
 };
 
+// The shared Decode stream replaced before every request: steps under way
+// finish on the stream they began on (the worker rolls back a session whose
+// step's stream ends), so concurrent sessions with interleaved steps decode
+// as on one stream.
+TEST_F(EngineDemoTest, SharedDecodeStreamRotatesBetweenSteps) {
+  refengine::DemoOptions o = Options();
+  o.sessions = 3;
+  o.rounds = 4;
+  KVT_ASSERT_OK_AND_ASSIGN(refengine::DemoReport steady, refengine::RunDemo(o, {}));
+  o.decode_stream_rotate = absl::ZeroDuration();
+  KVT_ASSERT_OK_AND_ASSIGN(refengine::DemoReport rotated, refengine::RunDemo(o, {}));
+  ASSERT_EQ(rotated.sessions.size(), 3u);
+  EXPECT_GT(rotated.decode_requests, 0u);
+  EXPECT_EQ(refengine::OutputsDigest(rotated), refengine::OutputsDigest(steady));
+}
+
 double Ratio(const refengine::DemoSession& s) {
   return static_cast<double>(s.rounds.back().round_working_set_bytes) /
          static_cast<double>(s.rounds.back().full_cache_bytes);
