@@ -2,9 +2,11 @@
 # The one script behind `make test` and `make demo`: installs the Debian
 # packages kvtier needs when they are missing, configures, builds, then runs.
 #   scripts/kvtier.sh deps    install missing packages only
-#   scripts/kvtier.sh build   deps + configure + build
+#   scripts/kvtier.sh build [TARGET...]  deps + configure + build (every target
+#                             unless named)
+#   scripts/kvtier.sh build-demo  deps + configure + what the demo runs
 #   scripts/kvtier.sh test    build + ctest (default labels; not soak)
-#   scripts/kvtier.sh demo    build + the demo
+#   scripts/kvtier.sh demo    build-demo + the demo
 #   scripts/kvtier.sh venv    the evaluation venv (scripts/requirements-eval.txt)
 #   scripts/kvtier.sh model   venv + Gemma 3 270M's GGUF file; prints its path
 #   scripts/kvtier.sh kvpress-venv  the peer venv (scripts/requirements-kvpress.txt);
@@ -108,12 +110,18 @@ build() {
   [ -n "${KVTIER_SANITIZE:-}" ] && args+=(-DKVTIER_SANITIZE="$KVTIER_SANITIZE")
   [ -n "${KVTIER_CUDA:-}" ] && args+=(-DKVTIER_CUDA="$KVTIER_CUDA")
   cmake -S . -B "$BUILD_DIR" "${args[@]}"
-  cmake --build "$BUILD_DIR" -j "$JOBS"
+  local targets=()
+  for t in "$@"; do targets+=(--target "$t"); done
+  cmake --build "$BUILD_DIR" -j "$JOBS" "${targets[@]}"
 }
+
+# What scripts/demo.sh runs: a demo needs neither the tests nor the benches.
+DEMO_TARGETS=(kvtier-store kvtier-worker kvtier-engine kvtier)
 
 case "${1:-}" in
   deps) deps ;;
-  build) build ;;
+  build) shift; build "$@" ;;
+  build-demo) build "${DEMO_TARGETS[@]}" ;;
   test)
     build
     # The llama.cpp cross-check (tests/llama_cpp_check.sh) needs the
@@ -147,7 +155,7 @@ case "${1:-}" in
   model) model ;;
   kvpress-venv) kvpress_venv ;;
   demo)
-    build
+    build "${DEMO_TARGETS[@]}"
     # `make demo` serves Gemma 3 270M unless MODEL says otherwise (MODEL=synthetic:
     # the embedded synthetic chat; scripts/demo.sh alone keeps that default), or
     # CONVERSATIONS or SPEC asks for stories260K (their default model).
@@ -157,7 +165,7 @@ case "${1:-}" in
     exec scripts/demo.sh "$BUILD_DIR"
     ;;
   *)
-    echo "usage: $0 deps|build|test|demo|venv|model|kvpress-venv" >&2
+    echo "usage: $0 deps|build [TARGET...]|build-demo|test|demo|venv|model|kvpress-venv" >&2
     exit 2
     ;;
 esac
