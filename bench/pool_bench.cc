@@ -111,7 +111,7 @@ int PoolBench(int argc, char** argv) {
     }
     skew.heads.push_back(*heads);
   }
-  auto skew_id = engine.PutSkew(spec::SerializeSkew(skew));
+  auto skew_id = engine.skews().Put(spec::SerializeSkew(skew));
   if (!skew_id.ok()) {
     std::fprintf(stderr, "kvtier-bench pool: %s\n", skew_id.status().ToString().c_str());
     return 1;

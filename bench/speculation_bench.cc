@@ -118,7 +118,7 @@ int SpeculationBench(int argc, char** argv) {
   const std::string skew_bytes = spec::SerializeSkew(skew);
   std::string skew_id;
   for (worker::Engine* e : {&host, &device}) {
-    auto id = e->PutSkew(skew_bytes);
+    auto id = e->skews().Put(skew_bytes);
     if (!id.ok()) {
       std::fprintf(stderr, "kvtier-bench speculation: %s\n", id.status().ToString().c_str());
       return 1;

@@ -13,41 +13,9 @@
 #include "kvtier/v1/worker.pb.h"
 #include "services/worker/transfer_proto.h"
 #include "worker/engine.h"
+#include "worker/memory_store.h"
 
 namespace {
-
-using kvtier::worker::SegmentStore;
-
-// Takes every put and keeps nothing (reads find nothing).
-class SinkStore : public SegmentStore {
- public:
-  absl::Status Put(const std::string&, const Segment&, uint32_t, uint32_t, std::string_view,
-                   const kvtier::CallOptions&) override {
-    return absl::OkStatus();
-  }
-  absl::StatusOr<std::vector<std::string>> Get(const std::string&, const std::vector<Segment>&,
-                                               const kvtier::CallOptions&) override {
-    return absl::NotFoundError("keeps nothing");
-  }
-  absl::Status Delete(const std::string&, const kvtier::CallOptions&) override {
-    return absl::OkStatus();
-  }
-  absl::Status DropRound(const std::string&, uint32_t, const kvtier::CallOptions&) override {
-    return absl::OkStatus();
-  }
-  absl::Status DropSegments(const std::string&, const std::vector<Segment>&,
-                            const kvtier::CallOptions&) override {
-    return absl::OkStatus();
-  }
-  absl::Status RecordRecalls(const std::string&, const std::vector<uint32_t>&,
-                             const kvtier::CallOptions&) override {
-    return absl::OkStatus();
-  }
-  absl::StatusOr<std::vector<StoredRound>> List(const std::string&,
-                                                const kvtier::CallOptions&) override {
-    return absl::NotFoundError("keeps nothing");
-  }
-};
 
 kvtier::worker::EngineOptions Options() {
   kvtier::worker::EngineOptions eo;
@@ -88,7 +56,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     li.q_rows = info.q_rows();
     layers.push_back(std::move(li));
   }
-  SinkStore store;
+  kvtier::worker::MemorySegmentStore store;
   kvtier::worker::Engine engine(&store, Options());
   const kvtier::worker::SessionKey key("tenant", "s");
   if (!engine.ImportSession(key, *image, std::move(layers)).ok()) return 0;
@@ -114,7 +82,7 @@ namespace kvtier::fuzz {
 std::vector<std::string> Seeds() {
   std::vector<std::string> seeds;
   for (const char* codec : {"fp16", "kivi4"}) {
-    SinkStore store;
+    kvtier::worker::MemorySegmentStore store;
     worker::Engine engine(&store, Options());
     const worker::ModelShape shape{3, 2, 1, 8, v1::DTYPE_FP16};
     worker::SessionPolicy p;

@@ -12,43 +12,11 @@
 #include "fuzz/fuzz_target.h"
 #include "kvtier/v1/worker.pb.h"
 #include "rpc/dense_tensor.h"
+#include "rpc/policy_proto.h"
 #include "worker/engine.h"
-#include "worker/policy_proto.h"
+#include "worker/memory_store.h"
 
 namespace {
-
-using kvtier::worker::SegmentStore;
-
-class DownStore : public SegmentStore {
- public:
-  absl::Status Put(const std::string&, const Segment&, uint32_t, uint32_t, std::string_view,
-                   const kvtier::CallOptions&) override {
-    return Down();
-  }
-  absl::StatusOr<std::vector<std::string>> Get(const std::string&, const std::vector<Segment>&,
-                                               const kvtier::CallOptions&) override {
-    return Down();
-  }
-  absl::Status Delete(const std::string&, const kvtier::CallOptions&) override { return Down(); }
-  absl::Status DropRound(const std::string&, uint32_t, const kvtier::CallOptions&) override {
-    return Down();
-  }
-  absl::Status DropSegments(const std::string&, const std::vector<Segment>&,
-                            const kvtier::CallOptions&) override {
-    return Down();
-  }
-  absl::Status RecordRecalls(const std::string&, const std::vector<uint32_t>&,
-                             const kvtier::CallOptions&) override {
-    return Down();
-  }
-  absl::StatusOr<std::vector<StoredRound>> List(const std::string&,
-                                                const kvtier::CallOptions&) override {
-    return Down();
-  }
-
- private:
-  static absl::Status Down() { return absl::UnavailableError("the store is down"); }
-};
 
 // Bounds that keep one input cheap: the engine itself allows far more.
 bool Small(const kvtier::worker::ModelShape& s) {
@@ -66,7 +34,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   absl::StatusOr<kvtier::worker::SessionPolicy> policy =
       kvtier::PolicyFromProto(open.policy(), open.model().dtype());
   if (!shape.ok() || !policy.ok() || !Small(*shape)) return 0;
-  DownStore store;
+  kvtier::worker::MemorySegmentStore store;
+  store.FailAll(absl::UnavailableError("the store is down"));
   kvtier::worker::EngineOptions eo;
   eo.level = kvtier::KernelLevel::kReference;
   eo.store_deadline = absl::Milliseconds(50);

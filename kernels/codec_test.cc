@@ -22,7 +22,6 @@ namespace {
 using ::kvtier::testing::IsOk;
 using ::kvtier::testing::StatusIs;
 using ::testing::HasSubstr;
-#define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), IsOk())
 
 std::vector<float> Random(int64_t n, uint32_t seed, float scale = 1.0f) {
   std::mt19937 rng(seed);

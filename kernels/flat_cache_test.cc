@@ -13,7 +13,6 @@ namespace {
 
 using ::kvtier::testing::IsOk;
 using ::kvtier::testing::StatusIs;
-#define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), IsOk())
 
 std::vector<float> Random(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "base/status_macros.h"
-#include "worker/policy_proto.h"
+#include "rpc/policy_proto.h"
 
 namespace kvtier::refengine {
 namespace {

@@ -17,7 +17,7 @@
 namespace kvtier::refengine {
 
 // A session of `engine` (not owned; it must outlive the session) with the
-// wire `policy` (worker/policy_proto.h converts it as kvtier-worker does):
+// wire `policy` (rpc/policy_proto.h converts it as kvtier-worker does):
 // the same TierSession as TierBackend, every call in process. The worker's
 // statuses come back unchanged.
 absl::StatusOr<std::unique_ptr<TierSession>> InProcessBackend(worker::Engine* engine,

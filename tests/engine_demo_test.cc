@@ -22,7 +22,6 @@ namespace {
 
 using ::kvtier::testing::IsOk;
 using ::kvtier::testing::StatusIs;
-#define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), IsOk())
 
 class EngineDemoTest : public ::testing::Test {
  protected:

@@ -15,7 +15,6 @@ namespace kvtier {
 namespace {
 
 using ::kvtier::testing::IsOk;
-#define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), IsOk())
 
 class EngineE2eTest : public ::testing::Test {
  protected:

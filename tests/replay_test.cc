@@ -23,7 +23,6 @@ namespace {
 using ::kvtier::testing::IsOk;
 using ::kvtier::testing::StatusIs;
 using ::testing::HasSubstr;
-#define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), IsOk())
 
 constexpr char kGood[] =
     R"({"id": "a", "rounds": [{"user": [1, 2, 3], "assistant": [4, 5], "score": [[0, 2]]}]})";

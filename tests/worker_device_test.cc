@@ -39,7 +39,6 @@ using worker::EngineOptions;
 using worker::ModelShape;
 using worker::SessionPolicy;
 using Placement = worker::EngineOptions::Placement;
-#define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), IsOk())
 
 constexpr ModelShape kShape{6, 8, 2, 64, v1::DTYPE_FP16};
 

@@ -1,32 +1,32 @@
-// The worker engine against a real kvtier-store process: lossless
+// The worker engine over an in-memory store (worker/memory_store.h): lossless
 // equivalence with full attention, recall selection against the reference,
-// one GetSegments per recall, a store that dies mid-recall, and 16 sessions
-// at once.
+// one GetSegments per recall, a store that fails mid-recall or under
+// EndRound, and 16 sessions at once. No kvtier-store process: the store's
+// own behaviour is tested in cachestore/ and tests/store_integration_test.cc.
 #include <cmath>
 #include <limits>
 #include <random>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "client/store_segments.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/attention.h"
 #include "kernels/codec.h"
 #include "kernels/half.h"
 #include "tests/util/status_matchers.h"
-#include "tests/util/worker_stack.h"
 #include "worker/engine.h"
+#include "worker/memory_store.h"
 
 namespace kvtier {
 namespace {
 
 using ::kvtier::testing::IsOk;
 using ::kvtier::testing::StatusIs;
+using Op = worker::MemorySegmentStore::Op;
 using worker::Engine;
 using worker::ModelShape;
 using worker::SessionPolicy;
-#define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), IsOk())
 
 // Engine options with the reference (float64) kernels, everything else at
 // its default.
@@ -84,12 +84,7 @@ class LocalCache {
 
 class WorkerEngineTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    KVT_ASSERT_OK(stack_.Start());
-    store_ = stack_.store();
-    segments_ = stack_.segments();
-    engine_ = std::make_unique<Engine>(segments_, ReferenceKernels());
-  }
+  void SetUp() override { engine_ = std::make_unique<Engine>(&store_, ReferenceKernels()); }
 
   // One round: prefill of n tokens (question_tokens of them the question),
   // then `decode` single-token steps, each through every layer, compared with
@@ -133,9 +128,8 @@ class WorkerEngineTest : public ::testing::Test {
   }
 
   ModelShape shape_ = kShape;  // Round's shape.
-  testing::StoreStack stack_;
-  testing::StoreProcess* store_ = nullptr;
-  StoreSegments* segments_ = nullptr;
+  // The store outlives every engine over it.
+  worker::MemorySegmentStore store_;
   std::unique_ptr<Engine> engine_;
 };
 
@@ -168,12 +162,12 @@ TEST_F(WorkerEngineTest, SlidingSegmentsLeaveTheStoreOnceOutOfEveryWindow) {
   // Which rounds left the windows of 8 for a query at the next position.
   auto stored_segments = [&]() {
     std::vector<std::vector<uint32_t>> out;
-    auto listed = segments_->client()->ListRounds("w");
+    auto listed = store_.List("w", {});
     EXPECT_THAT(listed, IsOk());
     if (!listed.ok()) return out;
-    for (const v1::RoundInfo& ri : listed->rounds()) {
+    for (const worker::SegmentStore::StoredRound& ri : *listed) {
       out.emplace_back();
-      for (const v1::SegmentInfo& si : ri.segments()) out.back().push_back(si.ref().segment());
+      for (const auto& si : ri.segments) out.back().push_back(si.segment);
       std::sort(out.back().begin(), out.back().end());
     }
     return out;
@@ -189,10 +183,10 @@ TEST_F(WorkerEngineTest, SlidingSegmentsLeaveTheStoreOnceOutOfEveryWindow) {
   EXPECT_EQ(stored_segments(), expected());
   EXPECT_EQ(stored_segments().front().size(), 3u);  // Some did leave.
   // A resume on another engine answers as the first would have.
-  Engine other(segments_, ReferenceKernels());
+  Engine other(&store_, ReferenceKernels());
   KVT_ASSERT_OK_AND_ASSIGN(uint32_t next, other.ResumeSession("w", shape_, p, {}));
   EXPECT_EQ(next, 6u);
-  const uint64_t gets = segments_->get_calls();
+  const uint64_t gets = store_.counts().get_calls;
   for (int r = 6; r < 9; ++r) {
     EXPECT_LT(Round("w", 4, 2, 2, &rng, &local, -1, &other), 1e-5) << "round " << r;
     KVT_ASSERT_OK(other.EndRound("w").status());
@@ -200,13 +194,13 @@ TEST_F(WorkerEngineTest, SlidingSegmentsLeaveTheStoreOnceOutOfEveryWindow) {
     KVT_ASSERT_OK_AND_ASSIGN(auto st, other.Stats("w"));
     EXPECT_TRUE(st.recalls.back().gone.empty()) << "round " << r;
   }
-  EXPECT_EQ(segments_->get_calls(), gets + 3);  // One fetch per recall.
+  EXPECT_EQ(store_.counts().get_calls, gets + 3);  // One fetch per recall.
   EXPECT_EQ(stored_segments(), expected());
   // The P/D hand-off in the middle of a round, with recall done: the
   // selected rounds travel without the sliding layers they left, and the
   // receiver decodes as windowed full attention.
   EXPECT_LT(Round("w", 2, 2, 0, &rng, &local, -1, &other), 1e-5);
-  Engine fourth(segments_, ReferenceKernels());
+  Engine fourth(&store_, ReferenceKernels());
   {
     KVT_ASSERT_OK_AND_ASSIGN(worker::SessionImage image, other.ExportSession("w"));
     std::vector<worker::LayerImage> layers;
@@ -234,8 +228,8 @@ TEST_F(WorkerEngineTest, SlidingSegmentsLeaveTheStoreOnceOutOfEveryWindow) {
   EXPECT_EQ(stored_segments(), expected());
   // A round with a sliding segment missing inside its window is lost data,
   // never a silent hole.
-  KVT_ASSERT_OK(segments_->DropSegments("w", {{8, 3}}, {}));
-  Engine third(segments_, ReferenceKernels());
+  KVT_ASSERT_OK(store_.DropSegments("w", {{8, 3}}, {}));
+  Engine third(&store_, ReferenceKernels());
   EXPECT_THAT(third.ResumeSession("w", shape_, p, {}),
               StatusIs(absl::StatusCode::kDataLoss, ::testing::HasSubstr("inside its window")));
   // Under another watershed layer the segments do not fit.
@@ -321,7 +315,7 @@ TEST_F(WorkerEngineTest, LosslessRecallAllEqualsFullAttention) {
   ASSERT_EQ(st.recalls.size(), 4u);  // Rounds 1..4 recall; round 0 has no past.
   for (const auto& rc : st.recalls) EXPECT_EQ(rc.selected.size(), rc.round);
   // Each recall fetched every past round's upper segment in one call.
-  EXPECT_EQ(segments_->get_calls(), 4u);
+  EXPECT_EQ(store_.counts().get_calls, 4u);
   // Between rounds only the lower segments stay: 2 of 4 layers, but raw fp32
   // against the fp16 full cache, so about the same bytes plus metadata.
   EXPECT_GE(st.working_set_bytes, st.full_cache_bytes);
@@ -342,7 +336,7 @@ TEST_F(WorkerEngineTest, RecallSelectsTheReferenceRoundsInOneCall) {
     Round("s", 10, 4, 0, &rng, nullptr, r);
     KVT_ASSERT_OK(engine_->EndRound("s").status());
   }
-  const uint64_t calls = segments_->get_calls();
+  const uint64_t calls = store_.counts().get_calls;
   // Round 6 by hand, keeping layer L_w's inputs for the reference.
   const ModelShape s = kShape;
   const int d = s.head_dim;
@@ -358,20 +352,15 @@ TEST_F(WorkerEngineTest, RecallSelectsTheReferenceRoundsInOneCall) {
       ASSERT_TRUE(rep.has_value());
       at_lw = rep;
       // Reference: QAttention over the past rounds' layer-1 keys as stored.
-      std::vector<v1::SegmentRef> refs;
-      for (uint32_t r = 0; r < 6; ++r) {
-        v1::SegmentRef ref;
-        ref.set_round(r);
-        ref.set_segment(0);
-        refs.push_back(ref);
-      }
-      KVT_ASSERT_OK_AND_ASSIGN(auto got, segments_->client()->GetSegments("s", refs));
+      std::vector<worker::SegmentStore::Segment> refs;
+      for (uint32_t r = 0; r < 6; ++r) refs.push_back({r, 0});
+      KVT_ASSERT_OK_AND_ASSIGN(auto got, store_.Get("s", refs, {}));
       std::vector<std::vector<float>> keys;
       std::vector<RoundKeys> rk(6);
       keys.reserve(12);
       for (int r = 0; r < 6; ++r) {
         v1::SegmentPayload pl;
-        ASSERT_TRUE(pl.ParseFromString(got[r].payload));
+        ASSERT_TRUE(pl.ParseFromString(got[r]));
         for (int h = 0; h < s.kv_heads; ++h) {
           // Layer 1, head h, K: tensor index (1 * kv_heads + h) * 2.
           KVT_ASSERT_OK_AND_ASSIGN(auto dec, Decode(pl.tensors((1 * s.kv_heads + h) * 2)));
@@ -394,89 +383,13 @@ TEST_F(WorkerEngineTest, RecallSelectsTheReferenceRoundsInOneCall) {
   ASSERT_TRUE(at_next.has_value());
   EXPECT_EQ(at_next->fetched_segments, static_cast<int>(at_lw->selected.size()));
   EXPECT_GT(at_next->bytes_fetched, 0u);
-  // Exactly one GetSegments for the recall (the reference read above is one more).
-  EXPECT_EQ(segments_->get_calls(), calls + 1);
+  // Exactly one GetSegments for the recall, and the test's own reference
+  // read above.
+  EXPECT_EQ(store_.counts().get_calls, calls + 2);
 }
 
-// The real store, with RecordRecalls or upper-segment puts failing on demand.
-class FlakyStore : public worker::SegmentStore {
- public:
-  explicit FlakyStore(worker::SegmentStore* real) : real_(real) {}
-  absl::Status Put(const std::string& session, const Segment& s, uint32_t b, uint32_t e,
-                   std::string_view payload, const CallOptions& call) override {
-    if (s.segment == 1 && fail_upper_puts > 0) {
-      --fail_upper_puts;
-      return absl::UnavailableError("upper put refused by the test");
-    }
-    return real_->Put(session, s, b, e, payload, call);
-  }
-  // The real store's batch (one PutSegments call) for the writes the test
-  // lets through; the others refused as Put refuses them, or the lower one
-  // (fail_lower_puts) while its upper is stored.
-  std::vector<absl::Status> PutMany(const std::string& session,
-                                    const std::vector<SegmentWrite>& writes,
-                                    const CallOptions& call) override {
-    std::vector<absl::Status> out(writes.size());
-    std::vector<SegmentWrite> pass;
-    std::vector<size_t> at;
-    for (size_t i = 0; i < writes.size(); ++i) {
-      int& refuse = writes[i].s.segment == 0 ? fail_lower_puts : fail_upper_puts;
-      if (refuse > 0) {
-        --refuse;
-        out[i] = absl::UnavailableError("put refused by the test");
-        continue;
-      }
-      pass.push_back(writes[i]);
-      at.push_back(i);
-    }
-    if (!pass.empty()) {
-      std::vector<absl::Status> st = real_->PutMany(session, pass, call);
-      for (size_t j = 0; j < at.size(); ++j) out[at[j]] = st[j];
-    }
-    return out;
-  }
-  absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
-                                               const std::vector<Segment>& segs,
-                                               const CallOptions& call) override {
-    return real_->Get(session, segs, call);
-  }
-  absl::Status Delete(const std::string& session, const CallOptions& call) override {
-    return real_->Delete(session, call);
-  }
-  absl::Status DropRound(const std::string& session, uint32_t round,
-                         const CallOptions& call) override {
-    if (fail_drops > 0) {
-      --fail_drops;
-      return absl::UnavailableError("drop refused by the test");
-    }
-    return real_->DropRound(session, round, call);
-  }
-  absl::Status DropSegments(const std::string& session, const std::vector<Segment>& segments,
-                            const CallOptions& call) override {
-    return real_->DropSegments(session, segments, call);
-  }
-  absl::Status RecordRecalls(const std::string& session, const std::vector<uint32_t>& rounds,
-                             const CallOptions& call) override {
-    if (fail_counters) return absl::UnavailableError("counters refused by the test");
-    return real_->RecordRecalls(session, rounds, call);
-  }
-  absl::StatusOr<std::vector<StoredRound>> List(const std::string& session,
-                                                const CallOptions& call) override {
-    return real_->List(session, call);
-  }
-  bool fail_counters = false;
-  int fail_upper_puts = 0;
-  int fail_lower_puts = 0;
-  int fail_drops = 0;
-
- private:
-  worker::SegmentStore* real_;
-};
-
 TEST_F(WorkerEngineTest, ResidentRecallsAreCountedInTheStore) {
-  FlakyStore store(segments_);
-  Engine engine(&store, ReferenceKernels());
-  engine_.reset();
+  Engine& engine = *engine_;
   SessionPolicy p;
   KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("topk:1"));
   p.watershed_layer = 1;
@@ -487,7 +400,7 @@ TEST_F(WorkerEngineTest, ResidentRecallsAreCountedInTheStore) {
   const int d = kShape.head_dim;
   for (int r = 0; r < 7; ++r) {
     // Round r's question leans on round r / 2's channel.
-    store.fail_counters = (r == 3);
+    if (r == 3) store_.FailNext(Op::kRecordRecalls, absl::UnavailableError("refused by the test"));
     for (int l = 0; l < kShape.layers; ++l) {
       const int64_t n = 6;
       const auto q = Random(n * kShape.q_heads * d, &rng, r / 2),
@@ -516,14 +429,13 @@ TEST_F(WorkerEngineTest, ResidentRecallsAreCountedInTheStore) {
   }
   // Nothing was fetched: every recall was served from the working set, and
   // the store's round counters still count each one.
-  EXPECT_EQ(segments_->get_calls(), 0u);
-  // Rounds 1..6 report, round 3's refused before reaching the store.
-  EXPECT_EQ(segments_->record_calls(), 5u);
-  KVT_ASSERT_OK_AND_ASSIGN(auto list, segments_->client()->ListRounds("s"));
-  ASSERT_EQ(list.rounds_size(), 7);
+  EXPECT_EQ(store_.counts().get_calls, 0u);
+  // Rounds 1..6 report (round 3's report refused).
+  EXPECT_EQ(store_.counts().record_calls, 6u);
+  EXPECT_EQ(store_.Rounds("s").size(), 7u);
   uint64_t total = 0;
   for (int r = 0; r < 7; ++r) {
-    EXPECT_EQ(list.rounds(r).summary().recall_count(), want[r]) << "round " << r;
+    EXPECT_EQ(store_.Recalls("s", r), want[r]) << "round " << r;
     total += want[r];
   }
   EXPECT_GT(total, 6u);  // topk:1 plus the most recent round, when they differ.
@@ -531,9 +443,18 @@ TEST_F(WorkerEngineTest, ResidentRecallsAreCountedInTheStore) {
 }
 
 TEST_F(WorkerEngineTest, EndRoundAfterAPartialPutReplacesTheStoredPart) {
-  FlakyStore store(segments_);
-  Engine engine(&store, ReferenceKernels());
-  engine_.reset();
+  Engine& engine = *engine_;
+  const absl::Status refused = absl::UnavailableError("refused by the test");
+  // The store's segments of `session`, per stored round.
+  auto listed = [&](const std::string& session) {
+    std::vector<size_t> out;
+    auto list = store_.List(session, {});
+    EXPECT_THAT(list, IsOk());
+    if (list.ok()) {
+      for (const auto& r : *list) out.push_back(r.segments.size());
+    }
+    return out;
+  };
   SessionPolicy p;
   p.watershed_layer = 1;
   KVT_ASSERT_OK(engine.OpenSession("s", kShape, p));
@@ -557,30 +478,22 @@ TEST_F(WorkerEngineTest, EndRoundAfterAPartialPutReplacesTheStoredPart) {
   step(6);
   // The lower segment is stored, the upper one is refused: the round stays
   // open, and the half round is dropped from the store.
-  store.fail_upper_puts = 1;
+  store_.FailNext(Op::kPut, refused, 1, /*segment=*/1);
   EXPECT_THAT(engine.EndRound("s").status(), StatusIs(absl::StatusCode::kUnavailable));
-  KVT_ASSERT_OK_AND_ASSIGN(auto list, segments_->client()->ListRounds("s"));
-  EXPECT_EQ(list.rounds_size(), 0);
+  EXPECT_EQ(listed("s"), std::vector<size_t>{});
   // Again, and this time the drop fails too: the half round stays.
-  store.fail_upper_puts = 1;
-  store.fail_drops = 1;
+  store_.FailNext(Op::kPut, refused, 1, /*segment=*/1);
+  store_.FailNext(Op::kDropRound, refused);
   EXPECT_THAT(engine.EndRound("s").status(), StatusIs(absl::StatusCode::kUnavailable));
-  KVT_ASSERT_OK_AND_ASSIGN(list, segments_->client()->ListRounds("s"));
-  ASSERT_EQ(list.rounds_size(), 1);
-  EXPECT_EQ(list.rounds(0).segments_size(), 1);
+  EXPECT_EQ(listed("s"), std::vector<size_t>{1});
   // The round grows by one token, then EndRound replaces the stale part.
   step(1);
   KVT_ASSERT_OK_AND_ASSIGN(auto end, engine.EndRound("s"));
   EXPECT_EQ(end.round, 0u);
-  KVT_ASSERT_OK_AND_ASSIGN(list, segments_->client()->ListRounds("s"));
-  ASSERT_EQ(list.rounds_size(), 1);
-  EXPECT_EQ(list.rounds(0).segments_size(), 2);
-  v1::SegmentRef ref;
-  ref.set_round(0);
-  ref.set_segment(0);
-  KVT_ASSERT_OK_AND_ASSIGN(auto got, segments_->client()->GetSegments("s", {ref}));
+  EXPECT_EQ(listed("s"), std::vector<size_t>{2});
+  KVT_ASSERT_OK_AND_ASSIGN(auto got, store_.Get("s", {{0, 0}}, {}));
   v1::SegmentPayload payload;
-  ASSERT_TRUE(payload.ParseFromString(got[0].payload));
+  ASSERT_TRUE(payload.ParseFromString(got[0]));
   KVT_ASSERT_OK_AND_ASSIGN(EncodedView view, ParseEncoded(payload.tensors(0)));
   EXPECT_EQ(view.tokens, 7);  // Both steps, not the 6 of the failed attempt.
   // And the session goes on.
@@ -589,15 +502,12 @@ TEST_F(WorkerEngineTest, EndRoundAfterAPartialPutReplacesTheStoredPart) {
   // Both segments go in one call, so the upper one can be stored while the
   // lower one is refused: that half is dropped too, and the round stays open.
   step(3);
-  store.fail_lower_puts = 1;
+  store_.FailNext(Op::kPut, refused, 1, /*segment=*/0);
   EXPECT_THAT(engine.EndRound("s").status(), StatusIs(absl::StatusCode::kUnavailable));
-  KVT_ASSERT_OK_AND_ASSIGN(list, segments_->client()->ListRounds("s"));
-  EXPECT_EQ(list.rounds_size(), 2);  // Rounds 0 and 1; nothing of round 2.
+  EXPECT_EQ(listed("s"), (std::vector<size_t>{2, 2}));  // Nothing of round 2.
   KVT_ASSERT_OK_AND_ASSIGN(auto again, engine.EndRound("s"));
   EXPECT_EQ(again.round, 2u);
-  KVT_ASSERT_OK_AND_ASSIGN(list, segments_->client()->ListRounds("s"));
-  ASSERT_EQ(list.rounds_size(), 3);
-  EXPECT_EQ(list.rounds(2).segments_size(), 2);
+  EXPECT_EQ(listed("s"), (std::vector<size_t>{2, 2, 2}));
 }
 
 TEST_F(WorkerEngineTest, StoreDeathMidRecallLeavesTheSessionConsistent) {
@@ -611,7 +521,7 @@ TEST_F(WorkerEngineTest, StoreDeathMidRecallLeavesTheSessionConsistent) {
     KVT_ASSERT_OK(engine_->EndRound("s").status());
   }
   KVT_ASSERT_OK_AND_ASSIGN(auto before, engine_->Stats("s"));
-  store_->Kill();
+  store_.FailAll(absl::UnavailableError("kvtier-store is down (the test)"));
   const int d = kShape.head_dim;
   for (int attempt = 0; attempt < 2; ++attempt) {
     absl::Status failed;
@@ -644,7 +554,7 @@ TEST_F(WorkerEngineTest, EndRoundWithTheStoreDownKeepsTheRoundOpen) {
   KVT_ASSERT_OK(engine_->OpenSession("s", kShape, SessionPolicy{}));
   std::mt19937 rng(4);
   Round("s", 6, 3, 0, &rng, nullptr);
-  store_->Kill();
+  store_.FailAll(absl::UnavailableError("kvtier-store is down (the test)"));
   EXPECT_THAT(engine_->EndRound("s").status(), StatusIs(absl::StatusCode::kUnavailable));
   KVT_ASSERT_OK_AND_ASSIGN(auto st, engine_->Stats("s"));
   EXPECT_EQ(st.rounds, 0u);
@@ -786,7 +696,7 @@ TEST_F(WorkerEngineTest, SessionCapAndWorkingSetBudget) {
   o.max_sessions = 2;
   // Room for 10 tokens of kShape (10 * 4 layers * 2 heads * 16 * 2 * 2 bytes).
   o.max_working_set_bytes = 10 * 4 * 2 * 16 * 2 * 2;
-  Engine engine(segments_, o);
+  Engine engine(&store_, o);
   KVT_ASSERT_OK(engine.OpenSession("a", kShape, {}));
   KVT_ASSERT_OK(engine.OpenSession("b", kShape, {}));
   EXPECT_THAT(engine.OpenSession("c", kShape, {}), StatusIs(absl::StatusCode::kResourceExhausted));
@@ -821,7 +731,7 @@ TEST_F(WorkerEngineTest, PerTenantLimits) {
   worker::EngineOptions o = ReferenceKernels();
   // acme: 2 sessions, room for 10 tokens of kShape.
   o.tenant_limits["acme"] = {2, 10 * 4 * 2 * 16 * 2 * 2};
-  Engine engine(segments_, o);
+  Engine engine(&store_, o);
   const worker::SessionKey a1("acme", "1"), a2("acme", "2"), a3("acme", "3"), b1("bob", "1");
   KVT_ASSERT_OK(engine.OpenSession(a1, kShape, {}));
   KVT_ASSERT_OK(engine.OpenSession(a2, kShape, {}));
@@ -850,7 +760,7 @@ TEST_F(WorkerEngineTest, DefaultTenantLimitBindsUnlistedTenants) {
   worker::EngineOptions o = ReferenceKernels();
   o.default_tenant_limit = {3, 10 * 4 * 2 * 16 * 2 * 2};
   o.tenant_limits["big"] = {5, 0};
-  Engine engine(segments_, o);
+  Engine engine(&store_, o);
   for (int i = 0; i < 3; ++i)
     KVT_ASSERT_OK(engine.OpenSession({"evil", std::to_string(i)}, kShape, {}));
   EXPECT_THAT(engine.OpenSession({"evil", "3"}, kShape, {}),
@@ -875,7 +785,7 @@ TEST_F(WorkerEngineTest, IncomingHoldsCountAgainstTheBudgets) {
   worker::EngineOptions o = ReferenceKernels();
   o.max_working_set_bytes = 1000;
   o.tenant_limits["acme"] = {0, 600};
-  Engine engine(segments_, o);
+  Engine engine(&store_, o);
   auto a = engine.HoldIncoming("acme");
   auto b = engine.HoldIncoming("acme");
   auto c = engine.HoldIncoming("bob");
@@ -960,7 +870,7 @@ TEST_F(WorkerEngineTest, OpenRoundKeepsTheModelDtypeAndOnlyTheWindowsQueries) {
             2 * kv75 + static_cast<uint64_t>(2 * 8 + 16) * s.layers * s.q_heads * d * 4);
   KVT_ASSERT_OK(engine_->EndRound("w").status());
 
-  KVT_ASSERT_OK_AND_ASSIGN(auto payloads, segments_->Get("w", {{0, 0}, {0, 1}}, {}));
+  KVT_ASSERT_OK_AND_ASSIGN(auto payloads, store_.Get("w", {{0, 0}, {0, 1}}, {}));
   std::vector<TensorParts> tensors;
   for (const std::string& payload : payloads) {
     KVT_ASSERT_OK_AND_ASSIGN(auto parts, SplitPayload(payload));

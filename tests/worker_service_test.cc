@@ -31,7 +31,6 @@ namespace {
 using ::kvtier::testing::IsOk;
 using ::kvtier::testing::RawUnary;
 using ::kvtier::testing::StatusIs;
-#define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), IsOk())
 
 constexpr int kLayers = 3, kQHeads = 4, kKvHeads = 2, kDim = 8;
 

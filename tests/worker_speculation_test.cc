@@ -30,7 +30,6 @@ using ::kvtier::testing::StatusIs;
 using worker::Engine;
 using worker::ModelShape;
 using worker::SessionPolicy;
-#define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), IsOk())
 
 constexpr ModelShape kShape{4, 4, 2, 16, v1::DTYPE_FP16};
 
@@ -217,54 +216,54 @@ class WorkerSpeculationTest : public ::testing::Test {
 // is in use, RESOURCE_EXHAUSTED names the share. Other tenants and the
 // operator's skews (tenant "") are untouched.
 TEST_F(WorkerSpeculationTest, SkewSlotsAreSharedFairlyAndUnusedOnesMakeRoom) {
-  constexpr int kShare = Engine::kMaxSkewsPerTenant;
+  constexpr int kShare = worker::SkewRegistry::kMaxPerTenant;
   auto skew = [](uint32_t seed) {
     return spec::SerializeSkew(MakeSkew(0.25, kShape.layers, seed));
   };
-  KVT_ASSERT_OK_AND_ASSIGN(const std::string kept, engine_->PutSkew(skew(100)));
-  KVT_ASSERT_OK_AND_ASSIGN(const std::string bobs, engine_->PutSkew(skew(200), "bob"));
+  KVT_ASSERT_OK_AND_ASSIGN(const std::string kept, engine_->skews().Put(skew(100)));
+  KVT_ASSERT_OK_AND_ASSIGN(const std::string bobs, engine_->skews().Put(skew(200), "bob"));
   std::vector<std::string> ids;
   for (int i = 0; i < kShare; ++i) {
-    KVT_ASSERT_OK_AND_ASSIGN(std::string id, engine_->PutSkew(skew(10 + i), "evil"));
+    KVT_ASSERT_OK_AND_ASSIGN(std::string id, engine_->skews().Put(skew(10 + i), "evil"));
     ids.push_back(id);
   }
   // Every one of evil's skews in use by a session.
   for (int i = 0; i < kShare; ++i) {
     KVT_ASSERT_OK(engine_->OpenSession({"evil", std::to_string(i)}, kShape, Policy(ids[i], 4)));
   }
-  EXPECT_THAT(engine_->PutSkew(skew(50), "evil").status(),
+  EXPECT_THAT(engine_->skews().Put(skew(50), "evil").status(),
               StatusIs(absl::StatusCode::kResourceExhausted, ::testing::HasSubstr("its share")));
   // One session closes: its skew is the one to go.
   KVT_ASSERT_OK(engine_->CloseSession({"evil", "1"}, /*delete_from_store=*/true));
-  KVT_ASSERT_OK_AND_ASSIGN(std::string fresh, engine_->PutSkew(skew(50), "evil"));
-  EXPECT_EQ(engine_->Skew(ids[1]), nullptr);
-  EXPECT_NE(engine_->Skew(fresh), nullptr);
-  EXPECT_NE(engine_->Skew(ids[0]), nullptr);
-  EXPECT_NE(engine_->Skew(kept), nullptr);
-  EXPECT_NE(engine_->Skew(bobs), nullptr);
+  KVT_ASSERT_OK_AND_ASSIGN(std::string fresh, engine_->skews().Put(skew(50), "evil"));
+  EXPECT_EQ(engine_->skews().Find(ids[1]), nullptr);
+  EXPECT_NE(engine_->skews().Find(fresh), nullptr);
+  EXPECT_NE(engine_->skews().Find(ids[0]), nullptr);
+  EXPECT_NE(engine_->skews().Find(kept), nullptr);
+  EXPECT_NE(engine_->skews().Find(bobs), nullptr);
   // The same bytes from another tenant are the same skew, held once.
-  KVT_ASSERT_OK_AND_ASSIGN(std::string same, engine_->PutSkew(skew(50), "bob"));
+  KVT_ASSERT_OK_AND_ASSIGN(std::string same, engine_->skews().Put(skew(50), "bob"));
   EXPECT_EQ(same, fresh);
 }
 
 TEST_F(WorkerSpeculationTest, UploadAndPolicyChecks) {
   const std::string bytes = spec::SerializeSkew(MakeSkew(0.25));
-  auto id = engine_->PutSkew(bytes);
+  auto id = engine_->skews().Put(bytes);
   ASSERT_TRUE(id.ok()) << id.status();
-  auto again = engine_->PutSkew(bytes);
+  auto again = engine_->skews().Put(bytes);
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(*id, *again);  // Held once.
   // Another skew of the same size gets another id.
   const std::string other_bytes = spec::SerializeSkew(MakeSkew(0.25, kShape.layers, 8));
   ASSERT_EQ(other_bytes.size(), bytes.size());
-  auto third = engine_->PutSkew(other_bytes);
+  auto third = engine_->skews().Put(other_bytes);
   ASSERT_TRUE(third.ok());
   EXPECT_NE(*third, *id);
 
   std::string bad = bytes;
   bad[bad.size() / 2] ^= 1;
-  EXPECT_THAT(engine_->PutSkew(bad).status(), StatusIs(absl::StatusCode::kDataLoss));
-  EXPECT_THAT(engine_->PutSkew("not a skew").status(),
+  EXPECT_THAT(engine_->skews().Put(bad).status(), StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_THAT(engine_->skews().Put("not a skew").status(),
               StatusIs(absl::StatusCode::kInvalidArgument));
 
   EXPECT_THAT(engine_->OpenSession(worker::SessionKey("a"), kShape, Policy("00000000-1", 4)),
@@ -273,7 +272,7 @@ TEST_F(WorkerSpeculationTest, UploadAndPolicyChecks) {
               StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("alpha")));
   EXPECT_THAT(engine_->OpenSession(worker::SessionKey("a"), kShape, Policy(*id, 4, -1)),
               StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("budget")));
-  auto other = engine_->PutSkew(spec::SerializeSkew(MakeSkew(0.25, 3)));
+  auto other = engine_->skews().Put(spec::SerializeSkew(MakeSkew(0.25, 3)));
   ASSERT_TRUE(other.ok());
   EXPECT_THAT(engine_->OpenSession(worker::SessionKey("a"), kShape, Policy(*other, 4)),
               StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("3 layers")));
@@ -358,7 +357,7 @@ std::vector<worker::EndRoundReport> RunAndCheck(Engine* engine, const spec::Skew
 
 TEST_F(WorkerSpeculationTest, AttendsTheLonghandSelection) {
   const spec::SkewModel skew = MakeSkew(0.25);
-  auto id = engine_->PutSkew(spec::SerializeSkew(skew));
+  auto id = engine_->skews().Put(spec::SerializeSkew(skew));
   ASSERT_TRUE(id.ok()) << id.status();
   double worst = 0;
   const auto reps = RunAndCheck(engine_.get(), skew, Policy(*id, 0.5f), 3, 12, 20, &worst);
@@ -392,7 +391,7 @@ TEST_F(WorkerSpeculationTest, AttendsTheLonghandSelection) {
 
 TEST_F(WorkerSpeculationTest, BudgetCapsTheTokens) {
   const spec::SkewModel skew = MakeSkew(0.25);
-  auto id = engine_->PutSkew(spec::SerializeSkew(skew));
+  auto id = engine_->skews().Put(spec::SerializeSkew(skew));
   ASSERT_TRUE(id.ok());
   double worst = 0;
   const auto reps = RunAndCheck(engine_.get(), skew, Policy(*id, 8.0f, 3), 2, 8, 6, &worst);
@@ -403,7 +402,7 @@ TEST_F(WorkerSpeculationTest, BudgetCapsTheTokens) {
 
 TEST_F(WorkerSpeculationTest, AlphaThatKeepsEverythingIsDense) {
   const spec::SkewModel skew = MakeSkew(0.25);
-  auto id = engine_->PutSkew(spec::SerializeSkew(skew));
+  auto id = engine_->skews().Put(spec::SerializeSkew(skew));
   ASSERT_TRUE(id.ok());
   double worst = 0;
   const auto reps = RunAndCheck(engine_.get(), skew, Policy(*id, 1e6f), 3, 10, 8, &worst);
@@ -426,7 +425,7 @@ TEST_F(WorkerSpeculationTest, OnASlidingModelOnlyGlobalLayersSpeculate) {
   ModelShape shape = kShape;
   shape.window = {20, 0, 20, 0};  // Cuts the previous round at every decode step.
   const spec::SkewModel skew = MakeSkew(0.25);
-  auto skew_id = engine_->PutSkew(spec::SerializeSkew(skew));
+  auto skew_id = engine_->skews().Put(spec::SerializeSkew(skew));
   ASSERT_TRUE(skew_id.ok());
   const int d = kShape.head_dim, hq = kShape.q_heads, hkv = kShape.kv_heads;
   for (float alpha : {1e6f, 0.5f}) {
@@ -490,7 +489,7 @@ TEST_F(WorkerSpeculationTest, OnASlidingModelOnlyGlobalLayersSpeculate) {
 }
 
 TEST_F(WorkerSpeculationTest, BadNextQueryIsRefused) {
-  auto id = engine_->PutSkew(spec::SerializeSkew(MakeSkew(0.25)));
+  auto id = engine_->skews().Put(spec::SerializeSkew(MakeSkew(0.25)));
   ASSERT_TRUE(id.ok());
   const worker::SessionKey s("s");
   KVT_ASSERT_OK(engine_->OpenSession(s, kShape, Policy(*id, 4)));
@@ -635,7 +634,7 @@ class WorkerPoolTrimTest : public WorkerSpeculationTest,
 
 TEST_P(WorkerPoolTrimTest, PoolCapEvictsTheLeastFetchedOfTheOlderHalf) {
   const spec::SkewModel skew = MakeSkew(0.25);
-  auto id = engine_->PutSkew(spec::SerializeSkew(skew));
+  auto id = engine_->skews().Put(spec::SerializeSkew(skew));
   ASSERT_TRUE(id.ok());
   SessionPolicy policy = Policy(*id, 1.0f);
   constexpr uint64_t kCap = 20000;
@@ -729,7 +728,7 @@ INSTANTIATE_TEST_SUITE_P(LowMark, WorkerPoolTrimTest, ::testing::Values(0u, 1200
 // A quantizing codec: the pool is re-encoded under its cap, and the session
 // goes on decoding over it.
 TEST_F(WorkerSpeculationTest, PoolCapWithKivi) {
-  auto id = engine_->PutSkew(spec::SerializeSkew(MakeSkew(0.25)));
+  auto id = engine_->skews().Put(spec::SerializeSkew(MakeSkew(0.25)));
   ASSERT_TRUE(id.ok());
   SessionPolicy policy = Policy(*id, 4.0f);
   auto kivi = ParseCodecSetting("kivi4:g=8");
@@ -781,7 +780,7 @@ TEST_F(WorkerSpeculationTest, SpeculatingSessionsUseTheGpuWhenThereIsOne) {
     o.level = KernelLevel::kReference;
     o.placement = placement;
     Engine engine(stack_.segments(), o);
-    auto id = engine.PutSkew(bytes);
+    auto id = engine.skews().Put(bytes);
     ASSERT_TRUE(id.ok()) << id.status();
     const worker::SessionKey sid(absl::StrCat("place-", static_cast<int>(placement)));
     const absl::Status st = engine.OpenSession(sid, kShape, Policy(*id, 4));
@@ -821,9 +820,9 @@ TEST_F(WorkerSpeculationTest, AttendsTheLonghandSelectionOnTheGpu) {
   o.level = KernelLevel::kReference;
   o.placement = worker::EngineOptions::Placement::kDevice;
   Engine gpu(stack_.segments(), o);
-  auto id = gpu.PutSkew(spec::SerializeSkew(skew));
+  auto id = gpu.skews().Put(spec::SerializeSkew(skew));
   ASSERT_TRUE(id.ok()) << id.status();
-  ASSERT_EQ(*engine_->PutSkew(spec::SerializeSkew(skew)), *id);
+  ASSERT_EQ(*engine_->skews().Put(spec::SerializeSkew(skew)), *id);
   for (float alpha : {0.5f, 4.0f}) {
     double worst_gpu = 0, worst_cpu = 0;
     const std::string tag = absl::StrCat(alpha);
@@ -858,9 +857,9 @@ TEST_F(WorkerSpeculationTest, MatchesTheCpuWithKiviBudgetAndPoolOnTheGpu) {
   o.placement = worker::EngineOptions::Placement::kAuto;
   Engine gpu(stack_.segments(), o);
   const std::string bytes = spec::SerializeSkew(MakeSkew(0.25));
-  auto id = gpu.PutSkew(bytes);
+  auto id = gpu.skews().Put(bytes);
   ASSERT_TRUE(id.ok()) << id.status();
-  ASSERT_TRUE(engine_->PutSkew(bytes).ok());
+  ASSERT_TRUE(engine_->skews().Put(bytes).ok());
   SessionPolicy policy = Policy(*id, 4.0f, /*budget=*/6);
   auto kivi = ParseCodecSetting("kivi4:g=8");
   ASSERT_TRUE(kivi.ok());

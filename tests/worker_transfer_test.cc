@@ -37,7 +37,6 @@ using ::kvtier::testing::StatusIs;
 using worker::Engine;
 using worker::ModelShape;
 using worker::SessionPolicy;
-#define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), IsOk())
 
 constexpr ModelShape kShape{4, 4, 2, 16, v1::DTYPE_FP16};
 
@@ -301,7 +300,7 @@ TEST_F(WorkerTransferTest, HandBackSendsTrimmedLayersInFull) {
   const std::string bytes = spec::SerializeSkew(skew);
   std::string id;
   for (auto* e : {&prefill_, &decode_, &single_}) {
-    KVT_ASSERT_OK_AND_ASSIGN(id, (*e)->PutSkew(bytes));
+    KVT_ASSERT_OK_AND_ASSIGN(id, (*e)->skews().Put(bytes));
   }
   SessionPolicy p;
   p.codec = *ParseCodecSetting("fp16");

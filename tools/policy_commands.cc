@@ -188,7 +188,7 @@ int PolicyCommand(const Args& args) {
       if (absl::StatusOr<spec::SkewModel> m = spec::ParseSkew(bytes); !m.ok()) {
         return Fail(absl::Status(m.status().code(), v + ": " + std::string(m.status().message())));
       }
-      id = worker::Engine::SkewId(bytes);
+      id = worker::SkewRegistry::Id(bytes);
       std::printf("skew %s is %s\n", v.c_str(), id.c_str());
     }
     p.set_speculation_skew(id);

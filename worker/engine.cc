@@ -33,6 +33,8 @@ Engine::Engine(SegmentStore* store, EngineOptions options)
     : store_(store),
       options_(options),
       handoff_(std::make_unique<HandoffCache>(options.handoff_cache_bytes)),
+      own_skews_(options.skews == nullptr ? std::make_unique<SkewRegistry>() : nullptr),
+      skews_(options.skews != nullptr ? options.skews : own_skews_.get()),
       fetch_executor_(options.fetch_executor) {
   if (fetch_executor_ == nullptr) {
     own_fetch_executor_ = std::make_unique<Executor>(std::max(1, options_.fetch_threads));
@@ -76,75 +78,6 @@ absl::Status ValidateRoundPolicy(const ModelShape& shape, const SessionPolicy& p
   return absl::OkStatus();
 }
 
-std::string Engine::SkewId(std::string_view bytes) {
-  // The CRC-32C of the content (not of the whole file, whose own trailing
-  // CRC makes that a constant) and the size.
-  if (bytes.size() < 4) return "";
-  return absl::StrFormat("%08x-%d", Crc32c(bytes.substr(0, bytes.size() - 4)), bytes.size());
-}
-
-absl::StatusOr<std::string> Engine::PutSkew(std::string_view bytes, const std::string& tenant) {
-  if (bytes.size() < 4) return absl::InvalidArgumentError("skew file: too short");
-  const std::string id = SkewId(bytes);
-  {
-    absl::MutexLock lock(&skews_mu_);
-    if (auto it = skews_.find(id); it != skews_.end()) {
-      it->second.last_use = ++skew_tick_;
-      return id;
-    }
-  }
-  auto parsed = spec::ParseSkew(absl::string_view(bytes.data(), bytes.size()));
-  if (!parsed.ok()) {
-    return absl::Status(parsed.status().code(),
-                        absl::StrCat("skew file: ", parsed.status().message()));
-  }
-  auto skew = std::make_shared<const spec::SkewModel>(std::move(*parsed));
-  absl::MutexLock lock(&skews_mu_);
-  if (auto it = skews_.find(id); it != skews_.end()) {  // Another upload won.
-    it->second.last_use = ++skew_tick_;
-    return id;
-  }
-  if (!tenant.empty()) {
-    int mine = 0;
-    for (const auto& [k, e] : skews_) mine += e.owner == tenant ? 1 : 0;
-    if (mine >= kMaxSkewsPerTenant && !EvictSkewLocked(tenant, /*only_owner=*/true)) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("tenant '", tenant, "' holds its share of ", kMaxSkewsPerTenant,
-                       " skews on this worker, each in use by a session; close one first"));
-    }
-  }
-  if (static_cast<int>(skews_.size()) >= kMaxSkews && !EvictSkewLocked("", /*only_owner=*/false)) {
-    return absl::ResourceExhaustedError(absl::StrCat("the worker holds its maximum of ", kMaxSkews,
-                                                     " skews, each in use by a session"));
-  }
-  const std::string model = skew->model;
-  skews_[id] = SkewEntry{std::move(skew), tenant, ++skew_tick_};
-  LogInfo("skew loaded", {{"skew", id}, {"model", model}, {"tenant", tenant}});
-  return id;
-}
-
-bool Engine::EvictSkewLocked(const std::string& owner, bool only_owner) {
-  auto victim = skews_.end();
-  for (auto it = skews_.begin(); it != skews_.end(); ++it) {
-    const SkewEntry& e = it->second;
-    if (e.owner.empty() || (only_owner && e.owner != owner)) continue;
-    if (e.model.use_count() > 1) continue;  // A session holds it.
-    if (victim == skews_.end() || e.last_use < victim->second.last_use) victim = it;
-  }
-  if (victim == skews_.end()) return false;
-  LogInfo("skew dropped to make room", {{"skew", victim->first}, {"tenant", victim->second.owner}});
-  skews_.erase(victim);
-  return true;
-}
-
-std::shared_ptr<const spec::SkewModel> Engine::Skew(const std::string& id) const {
-  absl::MutexLock lock(&skews_mu_);
-  auto it = skews_.find(id);
-  if (it == skews_.end()) return nullptr;
-  it->second.last_use = ++skew_tick_;
-  return it->second.model;
-}
-
 absl::Status Engine::ResolveSpeculation(const ModelShape& shape, const SessionPolicy& policy,
                                         bool on_device,
                                         std::shared_ptr<const spec::SkewModel>* skew) const {
@@ -180,7 +113,7 @@ absl::Status Engine::ResolveSpeculation(const ModelShape& shape, const SessionPo
         "this session's past rounds are in device memory; speculation keeps them in the host "
         "pool and speculates on the GPU: open the session with speculation on");
   }
-  *skew = Skew(sp.skew);
+  *skew = skews_->Find(sp.skew);
   if (*skew == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         "unknown skew ", sp.skew, ": upload the skew file to this worker first (PutSkew)"));

@@ -56,6 +56,7 @@
 #include "worker/link_pool.h"
 #include "worker/segment_store.h"
 #include "worker/session_key.h"
+#include "worker/skew_registry.h"
 
 namespace kvtier::worker {
 
@@ -110,9 +111,10 @@ struct SessionPolicy {
   // Speculative token selection (InfiniGen, docs/speculation.md) at decode
   // steps that carry the next layer's approximate query: layer l + 1 attends
   // only the past rounds' tokens speculated from it, plus the open round in
-  // full. `skew` names a skew uploaded with Engine::PutSkew; empty: off
-  // (the default). alpha > 0 (default 4, softmax-logit units); budget caps
-  // the tokens per head (0: none). Host working sets only.
+  // full. `skew` names a skew uploaded with SkewRegistry::Put
+  // (Engine::skews()); empty: off (the default). alpha > 0 (default 4,
+  // softmax-logit units); budget caps the tokens per head (0: none). Host
+  // working sets only.
   //   pool_bytes caps the host pool: the past rounds' resident K/V at the
   //   layers speculation serves (1 to L - 1), in encoded bytes. At EndRound
   //   a pool above it loses tokens, fewest fetches (gathers) first among
@@ -417,6 +419,10 @@ struct EngineOptions {
   // working set; whole sessions are dropped past the cap, the least
   // recently used first. 0: off. Default: 512 MiB.
   uint64_t handoff_cache_bytes = uint64_t{512} << 20;
+  // The skews sessions speculate with (not owned; it must outlive the
+  // engine): a worker's service uploads into it (Worker.PutSkew, --skew_dir).
+  // Null: the engine keeps a registry of its own (Engine::skews()).
+  SkewRegistry* skews = nullptr;
 };
 
 // Thread-safe: any method may be called from any thread. Calls on one
@@ -494,25 +500,9 @@ class Engine {
   absl::Status DecodeLayer(const SessionKey& id, int layer, const float* q, const float* k,
                            const float* v, float* out, const float* q_next = nullptr);
 
-  // Takes a skew file's bytes (kvtier calibrate infinigen; spec::ParseSkew)
-  // for `tenant` and returns its id, which SessionPolicy::speculation.skew
-  // names. The same bytes give the same id (the CRC-32C and size) and are
-  // held once, whoever sent them. The engine holds at most kMaxSkews, and
-  // at most kMaxSkewsPerTenant that one tenant uploaded; skews of tenant ""
-  // (the operator's: --skew_dir) are kept for the engine's life and count
-  // against no tenant. When the table or the tenant's share is full, the
-  // least recently used skew that no session holds (the tenant's own, when
-  // its share is full) is dropped to make room. INVALID_ARGUMENT or
-  // DATA_LOSS from parsing; RESOURCE_EXHAUSTED naming the limit when every
-  // skew that could go is in use.
-  static constexpr int kMaxSkews = 16;
-  static constexpr int kMaxSkewsPerTenant = 4;
-  absl::StatusOr<std::string> PutSkew(std::string_view bytes, const std::string& tenant = "");
-  // The id PutSkew gives these bytes, without parsing them (empty for fewer
-  // than 4 bytes): what `kvtier policy set --speculation_skew=FILE` names.
-  static std::string SkewId(std::string_view bytes);
-  // The skew PutSkew returned `id` for; null when the engine holds none.
-  std::shared_ptr<const spec::SkewModel> Skew(const std::string& id) const;
+  // The skews that SessionPolicy::speculation.skew names (the options' or
+  // the engine's own).
+  SkewRegistry& skews() const { return *skews_; }
 
   // Abandons the step in flight (layers sent, not all of them): the open
   // round goes back to where it was before the step; a round whose first
@@ -743,19 +733,9 @@ class Engine {
 
   SegmentStore* store_;
   EngineOptions options_;
-  struct SkewEntry {
-    std::shared_ptr<const spec::SkewModel> model;
-    std::string owner;      // The tenant that uploaded it; "": kept.
-    uint64_t last_use = 0;  // skew_tick_ when last put or looked up.
-  };
-  // Drops the least recently used skew that nobody holds, of `owner` when
-  // `only_owner` (REQUIRES skews_mu_); false when none can go.
-  bool EvictSkewLocked(const std::string& owner, bool only_owner)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(skews_mu_);
-  mutable absl::Mutex skews_mu_;
-  mutable std::map<std::string, SkewEntry> skews_ ABSL_GUARDED_BY(skews_mu_);
-  mutable uint64_t skew_tick_ ABSL_GUARDED_BY(skews_mu_) = 0;
   std::unique_ptr<HandoffCache> handoff_;
+  std::unique_ptr<SkewRegistry> own_skews_;  // When the options name none.
+  SkewRegistry* skews_;
   DevicePeerFailures device_failures_;
   LinkPool device_links_;
   std::unique_ptr<Executor> own_fetch_executor_;

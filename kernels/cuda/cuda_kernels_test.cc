@@ -29,8 +29,6 @@ namespace {
     GTEST_SKIP() << "no CUDA device: GPU tests run only on a machine with one"; \
   }
 
-#define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), ::kvtier::testing::IsOk())
-
 #define CUDA_OK(expr)                                         \
   do {                                                        \
     const int err_ = static_cast<int>(expr);                  \

@@ -17,8 +17,8 @@
 #include "client/store_client.h"
 #include "client/store_segments.h"
 #include "kvtier/v1/worker.pb.h"
+#include "rpc/policy_proto.h"
 #include "worker/engine.h"
-#include "worker/policy_proto.h"
 
 namespace py = pybind11;
 
@@ -70,7 +70,7 @@ class InProcessEngine {
   std::string PutSkew(const py::bytes& data) {
     std::string bytes = data;
     py::gil_scoped_release nogil;
-    return Check(engine_->PutSkew(bytes));
+    return Check(engine_->skews().Put(bytes));
   }
 
   // Opens a session from a serialized ModelSpec and Policy; returns the

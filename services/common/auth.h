@@ -70,11 +70,11 @@ struct Principal {
   // The tenant of the token that made the call (== tenant unless a node
   // delegates): the one that shares of the service's own resources, such as
   // upload buffers, are charged to.
-  std::string caller;
+  std::string caller{};
   // For a node token bound to one node (node_id=, node_kind=): that node's
   // id and kind ("worker" or "store"); empty otherwise.
-  std::string node_id;
-  std::string node_kind;
+  std::string node_id{};
+  std::string node_kind{};
 };
 
 struct TenantLimits {

@@ -13,7 +13,7 @@
 #include "base/names.h"
 #include "base/status_macros.h"
 #include "kernels/crc32c.h"
-#include "worker/policy_proto.h"
+#include "rpc/policy_proto.h"
 
 namespace kvtier {
 namespace {

@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "worker/policy_proto.h"
+#include "rpc/policy_proto.h"
 
 namespace kvtier {
 

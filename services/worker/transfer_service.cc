@@ -712,8 +712,8 @@ class WorkerService::SkewReactor : public grpc::ServerReadReactor<grpc::ByteBuff
   void End() {
     absl::Status s = [&]() -> absl::Status {
       if (bytes_.empty()) return absl::InvalidArgumentError("PutSkew carried no bytes");
-      KVT_ASSIGN_OR_RETURN(std::string id, svc_->engine_->PutSkew(bytes_, tenant_));
-      const std::shared_ptr<const spec::SkewModel> m = svc_->engine_->Skew(id);
+      KVT_ASSIGN_OR_RETURN(std::string id, svc_->engine_->skews().Put(bytes_, tenant_));
+      const std::shared_ptr<const spec::SkewModel> m = svc_->engine_->skews().Find(id);
       v1::PutSkewResponse resp;
       resp.set_skew_id(id);
       resp.set_layers(static_cast<uint32_t>(m->layers));

@@ -94,12 +94,14 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
         l.max_sessions > 0 ? l.max_sessions : fair.max_sessions,
         l.max_working_set_bytes > 0 ? l.max_working_set_bytes : fair.max_working_set_bytes};
   }
+  s->skews_ = std::make_unique<worker::SkewRegistry>();
+  options.engine.skews = s->skews_.get();
   s->engine_ = std::make_unique<worker::Engine>(s->segments_.get(), options.engine);
   for (const std::string& path : options.skew_files) {
     std::ifstream f(path, std::ios::binary);
     if (!f) return absl::NotFoundError(absl::StrCat("cannot read skew file ", path));
     const std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    absl::StatusOr<std::string> id = s->engine_->PutSkew(bytes);
+    absl::StatusOr<std::string> id = s->skews_->Put(bytes);
     if (!id.ok()) {
       return absl::Status(id.status().code(), absl::StrCat(path, ": ", id.status().message()));
     }

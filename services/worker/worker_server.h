@@ -16,12 +16,12 @@
 #include "base/executor.h"
 #include "client/store_segments.h"
 #include "grpcpp/server.h"
+#include "rpc/policy_proto.h"
 #include "services/common/auth.h"
 #include "services/common/cluster_join.h"
 #include "services/worker/replicated_segments.h"
 #include "services/worker/worker_service.h"
 #include "worker/engine.h"
-#include "worker/policy_proto.h"
 
 namespace kvtier {
 
@@ -101,6 +101,8 @@ class WorkerServer {
   Authenticator auth_;
   std::unique_ptr<ReplicatedSegments> segments_;
   std::unique_ptr<KnownNodes> peers_;  // Hand-off targets.
+  // The skews (--skew_dir's and uploaded ones) the engine's sessions use.
+  std::unique_ptr<worker::SkewRegistry> skews_;
   std::unique_ptr<worker::Engine> engine_;
   std::unique_ptr<WorkerMetrics> metrics_;
   std::unique_ptr<ControllerPolicies> policies_;  // Null outside a cluster.

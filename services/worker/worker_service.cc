@@ -14,8 +14,8 @@
 #include "base/status_macros.h"
 #include "rpc/dense_tensor.h"
 #include "rpc/grpc_status.h"
+#include "rpc/policy_proto.h"
 #include "rpc/wire_format.h"
-#include "worker/policy_proto.h"
 
 namespace kvtier {
 namespace {

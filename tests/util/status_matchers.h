@@ -40,6 +40,10 @@ MATCHER(IsOk, "is OK") {
 
 }  // namespace kvtier::testing
 
+// The test stops unless `expr` (a Status or StatusOr) is OK, printing it.
+#define KVT_ASSERT_OK(expr) ASSERT_THAT((expr), ::kvtier::testing::IsOk())
+#define KVT_EXPECT_OK(expr) EXPECT_THAT((expr), ::kvtier::testing::IsOk())
+
 #define KVT_ASSERT_OK_AND_ASSIGN(lhs, expr)                       \
   auto KVT_CONCAT_(kvt_test_so_, __LINE__) = (expr);              \
   ASSERT_TRUE(KVT_CONCAT_(kvt_test_so_, __LINE__).ok())           \

@@ -1,4 +1,4 @@
-#include "worker/policy_proto.h"
+#include "rpc/policy_proto.h"
 
 #include <algorithm>
 #include <string_view>

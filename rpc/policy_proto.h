@@ -2,8 +2,8 @@
 // edge: ModelSpec -> ModelShape, Policy -> SessionPolicy (a struct, never
 // text). Used by the worker service and by engines that host the worker
 // engine in process (refengine/inproc.h).
-#ifndef KVTIER_WORKER_POLICY_PROTO_H_
-#define KVTIER_WORKER_POLICY_PROTO_H_
+#ifndef KVTIER_RPC_POLICY_PROTO_H_
+#define KVTIER_RPC_POLICY_PROTO_H_
 
 #include <cstdint>
 #include <string>
@@ -52,4 +52,4 @@ v1::RecallDecision RecallToProto(const worker::RecallReport& r);
 
 }  // namespace kvtier
 
-#endif  // KVTIER_WORKER_POLICY_PROTO_H_
+#endif  // KVTIER_RPC_POLICY_PROTO_H_
