@@ -14,8 +14,14 @@
 #include "services/worker/transfer_proto.h"
 #include "worker/engine.h"
 #include "worker/memory_store.h"
+#include "worker/transfer.h"
 
 namespace {
+
+// The hand-off half of an engine's API (worker/transfer.h).
+kvtier::worker::SessionTransfer Handoff(kvtier::worker::Engine& e) {
+  return kvtier::worker::SessionTransfer(&e);
+}
 
 kvtier::worker::EngineOptions Options() {
   kvtier::worker::EngineOptions eo;
@@ -59,7 +65,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   kvtier::worker::MemorySegmentStore store;
   kvtier::worker::Engine engine(&store, Options());
   const kvtier::worker::SessionKey key("tenant", "s");
-  if (!engine.ImportSession(key, *image, std::move(layers)).ok()) return 0;
+  if (!Handoff(engine).ImportSession(key, *image, std::move(layers)).ok()) return 0;
   const kvtier::worker::ModelShape& sh = image->shape;
   std::vector<float> q(static_cast<size_t>(sh.q_heads) * sh.head_dim, 0.25f),
       kv(static_cast<size_t>(sh.kv_heads) * sh.head_dim, -0.5f), out(q.size());
@@ -101,12 +107,12 @@ std::vector<std::string> Seeds() {
       }
       if (round < 2) (void)engine.EndRound(key);
     }
-    auto image = engine.ExportSession(key);
-    if (!image.ok() || !engine.ExportTail(key, &*image).ok()) continue;
+    auto image = Handoff(engine).ExportSession(key);
+    if (!image.ok() || !Handoff(engine).ExportTail(key, &*image).ok()) continue;
     std::vector<std::string> parts = {HeaderToProto("s", *image).SerializeAsString(),
                                       TailToProto(*image).SerializeAsString()};
     for (int l = 0; l < shape.layers; ++l) {
-      auto li = engine.ExportLayer(key, l);
+      auto li = Handoff(engine).ExportLayer(key, l);
       if (!li.ok()) break;
       v1::TransferLayer info;
       for (uint32_t r : li->rounds) info.add_rounds(r);

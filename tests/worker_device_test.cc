@@ -28,9 +28,13 @@
 #include "worker/engine.h"
 #include "worker/link_pool.h"
 #include "worker/session.h"
+#include "worker/transfer.h"
 
 namespace kvtier {
 namespace {
+
+// The hand-off half of an engine's API (worker/transfer.h).
+worker::SessionTransfer Handoff(worker::Engine& e) { return worker::SessionTransfer(&e); }
 
 using ::kvtier::testing::IsOk;
 using ::kvtier::testing::StatusIs;
@@ -165,7 +169,7 @@ TEST_F(WorkerDeviceTest, PlacementFollowsTheBuildAndTheDevice) {
   // A transfer's receiver prepares a device side (BeginImport) exactly
   // where the session will live on its GPU.
   auto device_side = [&](Engine& e) {
-    std::unique_ptr<worker::PreparedImport> prep = e.BeginImport(kShape, p);
+    std::unique_ptr<worker::PreparedImport> prep = Handoff(e).BeginImport(kShape, p);
     return prep != nullptr && prep->device != nullptr;
   };
   EXPECT_TRUE(device_side(automatic));
@@ -434,17 +438,18 @@ double Worst(const std::vector<float>& want, const std::vector<float>& got) {
 // A session moved between engines the way kvtier-worker's TransferSession
 // moves it (export, layer by layer, then import), in process.
 absl::Status Move(Engine& from, Engine& to, const std::string& id) {
-  auto image = from.ExportSession(id);
+  auto image = Handoff(from).ExportSession(id);
   if (!image.ok()) return image.status();
   std::vector<worker::LayerImage> layers;
   for (int l = 0; l < kShape.layers; ++l) {
-    auto li = from.ExportLayer(id, l);
+    auto li = Handoff(from).ExportLayer(id, l);
     if (!li.ok()) return li.status();
     layers.push_back(*std::move(li));
   }
-  if (absl::Status st = from.ExportTail(id, &*image); !st.ok()) return st;
-  if (absl::Status st = to.ImportSession(id, *image, std::move(layers)); !st.ok()) return st;
-  return from.ForgetSession(id, /*keep_rounds=*/false);
+  if (absl::Status st = Handoff(from).ExportTail(id, &*image); !st.ok()) return st;
+  if (absl::Status st = Handoff(to).ImportSession(id, *image, std::move(layers)); !st.ok())
+    return st;
+  return Handoff(from).ForgetSession(id, /*keep_rounds=*/false);
 }
 
 // Move as kvtier-worker's receiver does it for a session it places on its
@@ -454,27 +459,29 @@ absl::Status Move(Engine& from, Engine& to, const std::string& id) {
 // says whether the receiver prepared a device side (it does not for a host
 // placement: only the open rounds).
 absl::Status MovePrepared(Engine& from, Engine& to, const std::string& id, bool* prepared) {
-  auto image = from.ExportSession(id);
+  auto image = Handoff(from).ExportSession(id);
   if (!image.ok()) return image.status();
-  std::unique_ptr<worker::PreparedImport> prep = to.BeginImport(image->shape, image->policy);
+  std::unique_ptr<worker::PreparedImport> prep =
+      Handoff(to).BeginImport(image->shape, image->policy);
   if (prep == nullptr) return absl::InternalError("BeginImport prepared nothing");
   *prepared = prep->device != nullptr;
   std::vector<worker::LayerImage> layers;
   for (int l = 0; l < kShape.layers; ++l) {
-    auto li = from.ExportLayer(id, l);
+    auto li = Handoff(from).ExportLayer(id, l);
     if (!li.ok()) return li.status();
     li->past = std::make_shared<const std::string>(li->PastBytes());
     li->past_pieces.clear();
     if (absl::Status st = li->CheckPast(kShape.kv_heads, kShape.head_dim); !st.ok()) return st;
-    if (absl::Status st = to.PrepareLayer(*prep, *li); !st.ok()) return st;
+    if (absl::Status st = Handoff(to).PrepareLayer(*prep, *li); !st.ok()) return st;
     layers.push_back(*std::move(li));
   }
-  if (absl::Status st = from.ExportTail(id, &*image); !st.ok()) return st;
-  if (absl::Status st = to.ImportSession(id, *image, std::move(layers), nullptr, std::move(prep));
+  if (absl::Status st = Handoff(from).ExportTail(id, &*image); !st.ok()) return st;
+  if (absl::Status st =
+          Handoff(to).ImportSession(id, *image, std::move(layers), nullptr, std::move(prep));
       !st.ok()) {
     return st;
   }
-  return from.ForgetSession(id, /*keep_rounds=*/false);
+  return Handoff(from).ForgetSession(id, /*keep_rounds=*/false);
 }
 
 // The same with the layers on the GPU lent as they are, as the CUDA IPC
@@ -487,14 +494,14 @@ absl::Status MovePrepared(Engine& from, Engine& to, const std::string& id, bool*
 // gets their bytes.
 absl::Status MoveLent(Engine& from, Engine& to, const std::string& id, int* lent,
                       uint64_t* reused = nullptr) {
-  auto image = from.ExportSession(id);
+  auto image = Handoff(from).ExportSession(id);
   if (!image.ok()) return image.status();
   std::vector<worker::HandoffCache::Held> held;
   if (reused != nullptr)
-    held = to.HeldRounds(id, image->incarnation, absl::Now() + absl::Minutes(1));
+    held = Handoff(to).HeldRounds(id, image->incarnation, absl::Now() + absl::Minutes(1));
   std::vector<worker::LayerImage> layers;
   for (int l = 0; l < kShape.layers; ++l) {
-    auto li = from.ExportLayer(id, l, /*device_rounds=*/true);
+    auto li = Handoff(from).ExportLayer(id, l, /*device_rounds=*/true);
     if (!li.ok()) return li.status();
     li->LeaveOut(held);
     for (worker::LayerImage::DeviceRound& d : li->device_rounds) {
@@ -508,11 +515,12 @@ absl::Status MoveLent(Engine& from, Engine& to, const std::string& id, int* lent
     li->past = std::make_shared<const std::string>(li->PastBytes());
     layers.push_back(*std::move(li));
   }
-  if (absl::Status st = from.ExportTail(id, &*image); !st.ok()) return st;
-  if (absl::Status st = to.ImportSession(id, *image, std::move(layers), reused); !st.ok()) {
+  if (absl::Status st = Handoff(from).ExportTail(id, &*image); !st.ok()) return st;
+  if (absl::Status st = Handoff(to).ImportSession(id, *image, std::move(layers), reused);
+      !st.ok()) {
     return st;
   }
-  return from.ForgetSession(id, /*keep_rounds=*/true);
+  return Handoff(from).ForgetSession(id, /*keep_rounds=*/true);
 }
 
 // A device session hands off like a host one (docs/transfer.md): the past
@@ -555,8 +563,8 @@ TEST_F(WorkerDeviceTest, DeviceSessionsHandOffByteForByte) {
     KVT_ASSERT_OK_AND_ASSIGN(auto st, device_->Stats(id));
     ASSERT_TRUE(st.on_device);
     for (int l = 0; l < kShape.layers; ++l) {
-      KVT_ASSERT_OK_AND_ASSIGN(worker::LayerImage hl, host_->ExportLayer(id, l));
-      KVT_ASSERT_OK_AND_ASSIGN(worker::LayerImage dl, device_->ExportLayer(id, l));
+      KVT_ASSERT_OK_AND_ASSIGN(worker::LayerImage hl, Handoff(*host_).ExportLayer(id, l));
+      KVT_ASSERT_OK_AND_ASSIGN(worker::LayerImage dl, Handoff(*device_).ExportLayer(id, l));
       EXPECT_EQ(hl.rounds, dl.rounds) << "layer " << l;
       EXPECT_EQ(hl.rounds.size(), 2u) << "layer " << l;
       EXPECT_TRUE(hl.PastBytes() == dl.PastBytes()) << "layer " << l;
@@ -585,8 +593,8 @@ TEST_F(WorkerDeviceTest, DeviceSessionsHandOffByteForByte) {
     // Handed on again from the prepared session: its past tensors, read
     // back from the GPU, are those of the host session.
     for (int l = 0; l < kShape.layers; ++l) {
-      KVT_ASSERT_OK_AND_ASSIGN(worker::LayerImage hl, ref.ExportLayer(id, l));
-      KVT_ASSERT_OK_AND_ASSIGN(worker::LayerImage dl, prepared_gpu.ExportLayer(id, l));
+      KVT_ASSERT_OK_AND_ASSIGN(worker::LayerImage hl, Handoff(ref).ExportLayer(id, l));
+      KVT_ASSERT_OK_AND_ASSIGN(worker::LayerImage dl, Handoff(prepared_gpu).ExportLayer(id, l));
       EXPECT_TRUE(hl.PastBytes() == dl.PastBytes()) << "layer " << l;
       EXPECT_TRUE(hl.open == dl.open) << "layer " << l;
     }
@@ -687,7 +695,7 @@ TEST_F(WorkerDeviceTest, NcclLinksCarryDeviceRoundsBetweenTwoGpusAndServeAgain) 
   // Layers 0 and 1 (not L_w, which keeps host tensors): their device rounds.
   std::vector<std::vector<std::shared_ptr<worker::DeviceLayer>>> layers(2);
   for (int l = 0; l < 2; ++l) {
-    KVT_ASSERT_OK_AND_ASSIGN(worker::LayerImage li, device_->ExportLayer(id, l, true));
+    KVT_ASSERT_OK_AND_ASSIGN(worker::LayerImage li, Handoff(*device_).ExportLayer(id, l, true));
     ASSERT_EQ(li.device_rounds.size(), 2u) << "layer " << l;
     for (auto& d : li.device_rounds) layers[l].push_back(d.layer);
   }

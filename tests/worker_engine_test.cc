@@ -17,9 +17,13 @@
 #include "tests/util/status_matchers.h"
 #include "worker/engine.h"
 #include "worker/memory_store.h"
+#include "worker/transfer.h"
 
 namespace kvtier {
 namespace {
+
+// The hand-off half of an engine's API (worker/transfer.h).
+worker::SessionTransfer Handoff(worker::Engine& e) { return worker::SessionTransfer(&e); }
 
 using ::kvtier::testing::IsOk;
 using ::kvtier::testing::StatusIs;
@@ -202,15 +206,15 @@ TEST_F(WorkerEngineTest, SlidingSegmentsLeaveTheStoreOnceOutOfEveryWindow) {
   EXPECT_LT(Round("w", 2, 2, 0, &rng, &local, -1, &other), 1e-5);
   Engine fourth(&store_, ReferenceKernels());
   {
-    KVT_ASSERT_OK_AND_ASSIGN(worker::SessionImage image, other.ExportSession("w"));
+    KVT_ASSERT_OK_AND_ASSIGN(worker::SessionImage image, Handoff(other).ExportSession("w"));
     std::vector<worker::LayerImage> layers;
     for (int l = 0; l < shape_.layers; ++l) {
-      KVT_ASSERT_OK_AND_ASSIGN(worker::LayerImage li, other.ExportLayer("w", l));
+      KVT_ASSERT_OK_AND_ASSIGN(worker::LayerImage li, Handoff(other).ExportLayer("w", l));
       layers.push_back(std::move(li));
     }
-    KVT_ASSERT_OK(other.ExportTail("w", &image));
-    KVT_ASSERT_OK(fourth.ImportSession("w", image, std::move(layers)));
-    KVT_ASSERT_OK(other.ForgetSession("w", /*keep_rounds=*/false));
+    KVT_ASSERT_OK(Handoff(other).ExportTail("w", &image));
+    KVT_ASSERT_OK(Handoff(fourth).ImportSession("w", image, std::move(layers)));
+    KVT_ASSERT_OK(Handoff(other).ForgetSession("w", /*keep_rounds=*/false));
   }
   const int d = shape_.head_dim;
   for (int step = 0; step < 2; ++step) {
@@ -786,9 +790,9 @@ TEST_F(WorkerEngineTest, IncomingHoldsCountAgainstTheBudgets) {
   o.max_working_set_bytes = 1000;
   o.tenant_limits["acme"] = {0, 600};
   Engine engine(&store_, o);
-  auto a = engine.HoldIncoming("acme");
-  auto b = engine.HoldIncoming("acme");
-  auto c = engine.HoldIncoming("bob");
+  auto a = Handoff(engine).HoldIncoming("acme");
+  auto b = Handoff(engine).HoldIncoming("acme");
+  auto c = Handoff(engine).HoldIncoming("bob");
   KVT_ASSERT_OK(a->Grow(400));
   EXPECT_THAT(b->Grow(300), StatusIs(absl::StatusCode::kResourceExhausted,
                                      ::testing::HasSubstr("tenant 'acme'")));

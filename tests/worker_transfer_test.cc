@@ -28,9 +28,13 @@
 #include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
 #include "worker/engine.h"
+#include "worker/transfer.h"
 
 namespace kvtier {
 namespace {
+
+// The hand-off half of an engine's API (worker/transfer.h).
+worker::SessionTransfer Handoff(worker::Engine& e) { return worker::SessionTransfer(&e); }
 
 using ::kvtier::testing::IsOk;
 using ::kvtier::testing::StatusIs;
@@ -96,29 +100,30 @@ bool Same(const std::vector<float>& a, const std::vector<float>& b) {
 absl::Status MoveReusing(Engine& from, Engine& to, const std::string& id, uint64_t* left_out,
                          uint64_t* sent, bool reuse = true) {
   *left_out = *sent = 0;
-  auto image = from.ExportSession(id);
+  auto image = Handoff(from).ExportSession(id);
   if (!image.ok()) return image.status();
   const std::vector<worker::HandoffCache::Held> held =
-      reuse ? to.HeldRounds(id, image->incarnation, absl::Now() + absl::Minutes(1))
+      reuse ? Handoff(to).HeldRounds(id, image->incarnation, absl::Now() + absl::Minutes(1))
             : std::vector<worker::HandoffCache::Held>();
   std::vector<worker::LayerImage> layers;
   for (int l = 0; l < kShape.layers; ++l) {
-    auto li = from.ExportLayer(id, l);
+    auto li = Handoff(from).ExportLayer(id, l);
     if (!li.ok()) return li.status();
     *left_out += li->LeaveOut(held);
     *sent += li->past_size();
     layers.push_back(std::move(*li));
   }
-  if (absl::Status st = from.ExportTail(id, &*image); !st.ok()) return st;
+  if (absl::Status st = Handoff(from).ExportTail(id, &*image); !st.ok()) return st;
   uint64_t reused = 0;
-  if (absl::Status st = to.ImportSession(id, *image, std::move(layers), &reused); !st.ok()) {
+  if (absl::Status st = Handoff(to).ImportSession(id, *image, std::move(layers), &reused);
+      !st.ok()) {
     return st;
   }
   if (*left_out != reused) {
     return absl::InternalError(absl::StrCat(*left_out, " bytes left out, ", reused,
                                             " bytes taken from the receiver's cache"));
   }
-  return from.ForgetSession(id, /*keep_rounds=*/reuse);
+  return Handoff(from).ForgetSession(id, /*keep_rounds=*/reuse);
 }
 
 absl::Status Move(Engine& from, Engine& to, const std::string& id) {
@@ -166,23 +171,23 @@ TEST_F(WorkerTransferTest, HandOffEveryRoundMatchesOneWorker) {
       SCOPED_TRACE(round);
       const Step prompt = MakeStep(40 + round * 9, &rng);
       // The prefill, each layer exported as soon as it is done.
-      KVT_ASSERT_OK_AND_ASSIGN(auto image, prefill_->ExportSession(moved));
+      KVT_ASSERT_OK_AND_ASSIGN(auto image, Handoff(*prefill_).ExportSession(moved));
       std::vector<worker::LayerImage> layers;
       const std::vector<float> got = RunStep(*prefill_, moved, prompt, true, [&](int l) {
-        auto li = prefill_->ExportLayer(moved, l);
+        auto li = Handoff(*prefill_).ExportLayer(moved, l);
         ASSERT_TRUE(li.ok()) << li.status();
         if (l + 1 < kShape.layers) {
           // The next layer is not done yet.
-          EXPECT_THAT(prefill_->ExportLayer(moved, l + 1).status(),
+          EXPECT_THAT(Handoff(*prefill_).ExportLayer(moved, l + 1).status(),
                       StatusIs(absl::StatusCode::kFailedPrecondition));
         }
         layers.push_back(std::move(*li));
       });
       const std::vector<float> want = RunStep(*single_, alone, prompt, true);
       EXPECT_TRUE(Same(got, want));
-      KVT_ASSERT_OK(prefill_->ExportTail(moved, &image));
-      KVT_ASSERT_OK(decode_->ImportSession(moved, image, std::move(layers)));
-      KVT_ASSERT_OK(prefill_->ForgetSession(moved));
+      KVT_ASSERT_OK(Handoff(*prefill_).ExportTail(moved, &image));
+      KVT_ASSERT_OK(Handoff(*decode_).ImportSession(moved, image, std::move(layers)));
+      KVT_ASSERT_OK(Handoff(*prefill_).ForgetSession(moved));
       EXPECT_THAT(prefill_->Stats(moved).status(), StatusIs(absl::StatusCode::kNotFound));
       EXPECT_EQ(prefill_->TotalWorkingSetBytes(), 0u);
       // Decode on the other worker.
@@ -262,7 +267,7 @@ TEST_F(WorkerTransferTest, HandBackReusesTheRoundsEachWorkerKept) {
         }
         EXPECT_LT(sent, left_out + sent);
       }
-      EXPECT_GT(decode_->HandoffTotals().bytes, 0u);
+      EXPECT_GT(Handoff(*decode_).HandoffTotals().bytes, 0u);
       KVT_ASSERT_OK_AND_ASSIGN(auto sa, prefill_->Stats(moved));
       KVT_ASSERT_OK_AND_ASSIGN(auto sb, single_->Stats(alone));
       EXPECT_EQ(sa.working_set_bytes, sb.working_set_bytes);
@@ -353,22 +358,23 @@ TEST_F(WorkerTransferTest, ReuseOfARoundNoLongerHeldIsRefused) {
   RunStep(*prefill_, "r", MakeStep(30, &rng), true);
   // What decode_ kept, asked for; then the cache loses it (a new life of
   // the name opens and closes there) before the import.
-  KVT_ASSERT_OK_AND_ASSIGN(auto image, prefill_->ExportSession("r"));
-  const auto held = decode_->HeldRounds("r", image.incarnation, absl::Now() + absl::Minutes(1));
+  KVT_ASSERT_OK_AND_ASSIGN(auto image, Handoff(*prefill_).ExportSession("r"));
+  const auto held =
+      Handoff(*decode_).HeldRounds("r", image.incarnation, absl::Now() + absl::Minutes(1));
   ASSERT_EQ(held.size(), 1u);
   EXPECT_EQ(held[0].round, 0u);
-  EXPECT_TRUE(decode_->HeldRounds("r", image.incarnation + 1, absl::Now()).empty());
+  EXPECT_TRUE(Handoff(*decode_).HeldRounds("r", image.incarnation + 1, absl::Now()).empty());
   KVT_ASSERT_OK(decode_->OpenSession("r", kShape, p));
   KVT_ASSERT_OK(decode_->CloseSession("r", false));
   std::vector<worker::LayerImage> layers;
   for (int l = 0; l < kShape.layers; ++l) {
-    KVT_ASSERT_OK_AND_ASSIGN(auto li, prefill_->ExportLayer("r", l));
+    KVT_ASSERT_OK_AND_ASSIGN(auto li, Handoff(*prefill_).ExportLayer("r", l));
     li.LeaveOut(held);
     layers.push_back(std::move(li));
   }
   EXPECT_FALSE(layers[0].reused.empty());
-  KVT_ASSERT_OK(prefill_->ExportTail("r", &image));
-  absl::Status refused = decode_->ImportSession("r", image, std::move(layers));
+  KVT_ASSERT_OK(Handoff(*prefill_).ExportTail("r", &image));
+  absl::Status refused = Handoff(*decode_).ImportSession("r", image, std::move(layers));
   EXPECT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition));
   EXPECT_THAT(refused.message(), ::testing::HasSubstr("no longer holds"));
   EXPECT_EQ(decode_->SessionCount(), 0);
@@ -384,7 +390,7 @@ TEST_F(WorkerTransferTest, ReuseOfARoundNoLongerHeldIsRefused) {
   Engine none(stack_.segments(), o);
   KVT_ASSERT_OK(MoveReusing(*decode_, none, "r", &left_out, &sent));
   KVT_ASSERT_OK(MoveReusing(none, *decode_, "r", &left_out, &sent));
-  EXPECT_EQ(none.HandoffTotals().bytes, 0u);
+  EXPECT_EQ(Handoff(none).HandoffTotals().bytes, 0u);
   EXPECT_GT(left_out, 0u);  // decode_ kept its own.
   KVT_ASSERT_OK(decode_->CloseSession("r", true));
 }
@@ -399,13 +405,13 @@ TEST_F(WorkerTransferTest, RevertPrefillUndoesTheStep) {
   for (int round = 0; round < 2; ++round) {
     const Step prompt = MakeStep(30, &rng), more = MakeStep(6, &rng);
     RunStep(*prefill_, "s", prompt, true);
-    KVT_ASSERT_OK(prefill_->RevertPrefill("s", prompt.n));
-    EXPECT_THAT(prefill_->RevertPrefill("s", prompt.n),
+    KVT_ASSERT_OK(Handoff(*prefill_).RevertPrefill("s", prompt.n));
+    EXPECT_THAT(Handoff(*prefill_).RevertPrefill("s", prompt.n),
                 StatusIs(absl::StatusCode::kFailedPrecondition));
     EXPECT_TRUE(Same(RunStep(*prefill_, "s", prompt, true), RunStep(*single_, "s", prompt, true)));
     // A second prefill of the round, undone alone.
     RunStep(*prefill_, "s", more, true);
-    KVT_ASSERT_OK(prefill_->RevertPrefill("s", more.n));
+    KVT_ASSERT_OK(Handoff(*prefill_).RevertPrefill("s", more.n));
     EXPECT_TRUE(Same(RunStep(*prefill_, "s", more, true), RunStep(*single_, "s", more, true)));
     KVT_ASSERT_OK(prefill_->EndRound("s").status());
     KVT_ASSERT_OK(single_->EndRound("s").status());
@@ -421,15 +427,16 @@ TEST_F(WorkerTransferTest, ImportRefusals) {
   RunStep(*prefill_, "s", MakeStep(20, &rng), true);
   auto export_all = [&]() {
     std::vector<worker::LayerImage> layers;
-    for (int l = 0; l < kShape.layers; ++l) layers.push_back(*prefill_->ExportLayer("s", l));
+    for (int l = 0; l < kShape.layers; ++l)
+      layers.push_back(*Handoff(*prefill_).ExportLayer("s", l));
     return layers;
   };
-  KVT_ASSERT_OK_AND_ASSIGN(auto image, prefill_->ExportSession("s"));
-  KVT_ASSERT_OK(prefill_->ExportTail("s", &image));
+  KVT_ASSERT_OK_AND_ASSIGN(auto image, Handoff(*prefill_).ExportSession("s"));
+  KVT_ASSERT_OK(Handoff(*prefill_).ExportTail("s", &image));
 
   // Already held.
   KVT_ASSERT_OK(decode_->OpenSession("s", kShape, p));
-  EXPECT_THAT(decode_->ImportSession("s", image, export_all()),
+  EXPECT_THAT(Handoff(*decode_).ImportSession("s", image, export_all()),
               StatusIs(absl::StatusCode::kAlreadyExists));
   KVT_ASSERT_OK(decode_->CloseSession("s", false));
 
@@ -441,21 +448,21 @@ TEST_F(WorkerTransferTest, ImportRefusals) {
   bad.resize(bad.size() - 3);
   layers[0].past = std::make_shared<const std::string>(bad);
   layers[0].past_pieces.clear();
-  EXPECT_THAT(decode_->ImportSession("s", image, std::move(layers)),
+  EXPECT_THAT(Handoff(*decode_).ImportSession("s", image, std::move(layers)),
               StatusIs(absl::StatusCode::kDataLoss));
 
   // An open round of the wrong size, a missing layer, an unknown selection.
   layers = export_all();
   layers[2].open.pop_back();
-  EXPECT_THAT(decode_->ImportSession("s", image, std::move(layers)),
+  EXPECT_THAT(Handoff(*decode_).ImportSession("s", image, std::move(layers)),
               StatusIs(absl::StatusCode::kInvalidArgument));
   layers = export_all();
   layers.pop_back();
-  EXPECT_THAT(decode_->ImportSession("s", image, std::move(layers)),
+  EXPECT_THAT(Handoff(*decode_).ImportSession("s", image, std::move(layers)),
               StatusIs(absl::StatusCode::kInvalidArgument));
   auto wrong = image;
   wrong.selected = {9};
-  EXPECT_THAT(decode_->ImportSession("s", wrong, export_all()),
+  EXPECT_THAT(Handoff(*decode_).ImportSession("s", wrong, export_all()),
               StatusIs(absl::StatusCode::kInvalidArgument));
 
   // Out of budget.
@@ -464,8 +471,9 @@ TEST_F(WorkerTransferTest, ImportRefusals) {
     o.placement = worker::EngineOptions::Placement::kHost;
     o.max_working_set_bytes = 1000;
     Engine small(stack_.segments(), o);
-    EXPECT_THAT(small.CheckImport("s", 5000), StatusIs(absl::StatusCode::kResourceExhausted));
-    EXPECT_THAT(small.ImportSession("s", image, export_all()),
+    EXPECT_THAT(Handoff(small).CheckImport("s", 5000),
+                StatusIs(absl::StatusCode::kResourceExhausted));
+    EXPECT_THAT(Handoff(small).ImportSession("s", image, export_all()),
                 StatusIs(absl::StatusCode::kResourceExhausted));
     EXPECT_EQ(small.SessionCount(), 0);
     EXPECT_EQ(small.TotalWorkingSetBytes(), 0u);
@@ -473,7 +481,7 @@ TEST_F(WorkerTransferTest, ImportRefusals) {
   // None of it touched the receiver, which still takes the session.
   EXPECT_EQ(decode_->SessionCount(), 0);
   EXPECT_EQ(decode_->TotalWorkingSetBytes(), 0u);
-  KVT_ASSERT_OK(decode_->ImportSession("s", image, export_all()));
+  KVT_ASSERT_OK(Handoff(*decode_).ImportSession("s", image, export_all()));
   KVT_ASSERT_OK_AND_ASSIGN(auto a, decode_->Stats("s"));
   KVT_ASSERT_OK_AND_ASSIGN(auto b, prefill_->Stats("s"));
   EXPECT_EQ(a.working_set_bytes, b.working_set_bytes);
@@ -486,7 +494,8 @@ TEST_F(WorkerTransferTest, ImportRefusals) {
   KVT_ASSERT_OK(
       prefill_->PrefillLayer("s", 0, 4, 0, s.q[0].data(), s.k[0].data(), s.v[0].data(), out.data())
           .status());
-  EXPECT_THAT(prefill_->ExportTail("s", &image), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(Handoff(*prefill_).ExportTail("s", &image),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
   KVT_ASSERT_OK(prefill_->AbortStep("s"));
 }
 
@@ -1027,8 +1036,8 @@ TEST_F(TransferServiceTest, ReceiverRefusesCorruptAndUnfinishedStreams) {
   RunStep(src, "c", MakeStep(30, &rng), true);
   ASSERT_THAT(src.EndRound("c").status(), IsOk());
   RunStep(src, "c", MakeStep(30, &rng), true);
-  KVT_ASSERT_OK_AND_ASSIGN(auto image, src.ExportSession("c"));
-  KVT_ASSERT_OK(src.ExportTail("c", &image));
+  KVT_ASSERT_OK_AND_ASSIGN(auto image, Handoff(src).ExportSession("c"));
+  KVT_ASSERT_OK(Handoff(src).ExportTail("c", &image));
 
   // Writes header, layers (the `corrupt` one with the byte at `flip(past,
   // open)` of its data flipped after its crc, a third of the way by default)
@@ -1049,7 +1058,7 @@ TEST_F(TransferServiceTest, ReceiverRefusesCorruptAndUnfinishedStreams) {
     h.mutable_header()->set_tensor_checksums(tensor_checksums);
     w->Write(h);
     for (int l = 0; l < layers; ++l) {
-      auto li = src.ExportLayer("c", l);
+      auto li = Handoff(src).ExportLayer("c", l);
       EXPECT_TRUE(li.ok());
       v1::TransferChunk ch;
       ch.set_layer(l);
@@ -1231,8 +1240,8 @@ TEST_F(TransferServiceTest, DeviceRoundsNeedAnAcceptedSenderDevice) {
   std::mt19937 rng(23);
   RunStep(src, "g", MakeStep(20, &rng), true);
   ASSERT_THAT(src.EndRound("g").status(), IsOk());
-  KVT_ASSERT_OK_AND_ASSIGN(auto image, src.ExportSession("g"));
-  KVT_ASSERT_OK(src.ExportTail("g", &image));
+  KVT_ASSERT_OK_AND_ASSIGN(auto image, Handoff(src).ExportSession("g"));
+  KVT_ASSERT_OK(Handoff(src).ExportTail("g", &image));
   ASSERT_EQ(image.past.size(), 1u);
   auto send = [&](WorkerServer* w, bool with_device) {
     grpc::ClientContext c;

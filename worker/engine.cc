@@ -184,9 +184,6 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(
   return CreateSession(id, shape, policy, /*allow_device=*/true);
 }
 
-namespace {
-
-// INVALID_ARGUMENT for a shape no session can have.
 absl::Status CheckShape(const ModelShape& shape) {
   if (shape.layers < 1 || shape.q_heads < 1 || shape.kv_heads < 1 ||
       shape.q_heads % shape.kv_heads != 0 || shape.head_dim < 1 || shape.head_dim > 1024 ||
@@ -206,7 +203,6 @@ absl::Status CheckShape(const ModelShape& shape) {
   return absl::OkStatus();
 }
 
-// The watershed layer L_w of a session of `shape` under `policy`.
 absl::StatusOr<int> WatershedLayer(const ModelShape& shape, const SessionPolicy& policy) {
   const int lw = policy.watershed_layer >= 0 ? policy.watershed_layer : shape.layers / 3;
   if (lw >= shape.layers || (shape.layers > 1 && lw == shape.layers - 1)) {
@@ -216,8 +212,6 @@ absl::StatusOr<int> WatershedLayer(const ModelShape& shape, const SessionPolicy&
   return lw;
 }
 
-}  // namespace
-
 bool Engine::TriesDevice(const SessionPolicy& policy) const {
   return options_.placement != EngineOptions::Placement::kHost && policy.speculation.skew.empty();
 }
@@ -225,29 +219,6 @@ bool Engine::TriesDevice(const SessionPolicy& policy) const {
 absl::Status Engine::DeviceReads(const SessionPolicy& policy) {
   KVT_RETURN_IF_ERROR(DeviceStatus());
   return DeviceSupportsCodec(policy.codec);
-}
-
-std::unique_ptr<PreparedImport> Engine::BeginImport(const ModelShape& shape,
-                                                    const SessionPolicy& policy) const {
-  // A shape or policy CreateSession would refuse is left to it. No model has
-  // thousands of layers: a header that says so gets nothing made for it
-  // before its bytes are counted.
-  constexpr int kMaxPreparedLayers = 4096;
-  if (!CheckShape(shape).ok() || shape.layers > kMaxPreparedLayers) return nullptr;
-  absl::StatusOr<int> lw = WatershedLayer(shape, policy);
-  if (!lw.ok()) return nullptr;
-  auto prep = std::make_unique<PreparedImport>();
-  prep->shape = shape;
-  prep->lw = *lw;
-  prep->open.resize(static_cast<size_t>(shape.layers));
-  // The device working set, as CreateSession decides for an imported
-  // session; without one (or when it cannot be made: ImportSession tries
-  // again and says why) only the open rounds are prepared.
-  if (TriesDevice(policy) && DeviceReads(policy).ok()) {
-    auto dev = NewDeviceSession(shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim);
-    if (dev.ok()) prep->device = *std::move(dev);
-  }
-  return prep;
 }
 
 absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(
@@ -349,11 +320,6 @@ Engine::TenantUse& Engine::UseOf(const std::string& tenant) {
   TenantUse& use = tenants_[tenant];
   if (use.limit == nullptr) use.limit = LimitFor(tenant);
   return use;
-}
-
-std::unique_ptr<Engine::IncomingHold> Engine::HoldIncoming(const std::string& tenant) {
-  absl::MutexLock lock(&mu_);
-  return std::unique_ptr<IncomingHold>(new IncomingHold(this, tenant, &UseOf(tenant)));
 }
 
 absl::Status Engine::IncomingHold::Grow(uint64_t bytes) {

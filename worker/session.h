@@ -1,6 +1,6 @@
 // One session of the worker engine: its state machine, working set and the
 // attention of one step. Private to worker/ (engine.cc, recall_fetch.cc,
-// round_writer.cc).
+// round_writer.cc, transfer.cc).
 #ifndef KVTIER_WORKER_SESSION_H_
 #define KVTIER_WORKER_SESSION_H_
 
@@ -89,6 +89,13 @@ struct PlacedRound {
   const RoundLayer* layer;
   int64_t start, tokens;
 };
+
+// INVALID_ARGUMENT for a shape no session can have.
+absl::Status CheckShape(const ModelShape& shape);
+
+// The watershed layer L_w of a session of `shape` under `policy` (the
+// policy's, or L / 3); INVALID_ARGUMENT unless it is below the last layer.
+absl::StatusOr<int> WatershedLayer(const ModelShape& shape, const SessionPolicy& policy);
 
 // A name for a RoundLayer's partial keys made or changed now (never 0).
 uint64_t NewPartialSerial();

@@ -1,6 +1,5 @@
-// Engine::ExportSession .. RevertPrefill: a session moving to another worker
-// (the prefill -> decode hand-off). The past rounds' tensors travel as the
-// codec left them; the open round travels in the model's dtype, as held.
+#include "worker/transfer.h"
+
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -68,7 +67,7 @@ absl::Status LoadOpenMirror(DeviceSession& device, const ModelShape& sh, int lay
 
 }  // namespace
 
-absl::Status Engine::PrepareLayer(PreparedImport& prep, LayerImage& li) const {
+absl::Status SessionTransfer::PrepareLayer(PreparedImport& prep, LayerImage& li) const {
   const ModelShape& sh = prep.shape;
   // Out of place: ImportSession refuses it at the tail.
   if (li.layer < 0 || li.layer >= sh.layers || prep.open[li.layer].has_value()) {
@@ -91,8 +90,8 @@ absl::Status Engine::PrepareLayer(PreparedImport& prep, LayerImage& li) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<SessionImage> Engine::ExportSession(const SessionKey& id) const {
-  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
+absl::StatusOr<SessionImage> SessionTransfer::ExportSession(const SessionKey& id) const {
+  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, e_.Find(id));
   absl::MutexLock lock(&s->mu);
   KVT_RETURN_IF_ERROR(CheckExportable(id, s->state));
   SessionImage im;
@@ -107,9 +106,9 @@ absl::StatusOr<SessionImage> Engine::ExportSession(const SessionKey& id) const {
   return im;
 }
 
-absl::StatusOr<LayerImage> Engine::ExportLayer(const SessionKey& id, int layer,
-                                               bool device_rounds) const {
-  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
+absl::StatusOr<LayerImage> SessionTransfer::ExportLayer(const SessionKey& id, int layer,
+                                                        bool device_rounds) const {
+  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, e_.Find(id));
   absl::MutexLock lock(&s->mu);
   KVT_RETURN_IF_ERROR(CheckExportable(id, s->state));
   const ModelShape& sh = s->shape;
@@ -312,8 +311,8 @@ std::string LayerImage::PastBytes() const {
   return out;
 }
 
-absl::Status Engine::ExportTail(const SessionKey& id, SessionImage* im) const {
-  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
+absl::Status SessionTransfer::ExportTail(const SessionKey& id, SessionImage* im) const {
+  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, e_.Find(id));
   absl::MutexLock lock(&s->mu);
   KVT_RETURN_IF_ERROR(CheckExportable(id, s->state));
   if (s->state == SessionState::kPrefill || s->state == SessionState::kDecode ||
@@ -338,17 +337,17 @@ absl::Status Engine::ExportTail(const SessionKey& id, SessionImage* im) const {
   return absl::OkStatus();
 }
 
-absl::Status Engine::CheckImport(const SessionKey& id, uint64_t bytes) const {
+absl::Status SessionTransfer::CheckImport(const SessionKey& id, uint64_t bytes) const {
   const EngineOptions::TenantLimit* limit = nullptr;
   int64_t tenant_bytes = 0;
   {
-    absl::MutexLock lock(&mu_);
-    KVT_RETURN_IF_ERROR(CheckRoomLocked(id));
-    auto use = tenants_.find(id.tenant);
-    if (use != tenants_.end()) tenant_bytes = use->second.bytes.load();
+    absl::MutexLock lock(&e_.mu_);
+    KVT_RETURN_IF_ERROR(e_.CheckRoomLocked(id));
+    auto use = e_.tenants_.find(id.tenant);
+    if (use != e_.tenants_.end()) tenant_bytes = use->second.bytes.load();
   }
-  limit = LimitFor(id.tenant);
-  absl::Status st = CheckBudgetFor(id.tenant, limit, tenant_bytes, bytes);
+  limit = e_.LimitFor(id.tenant);
+  absl::Status st = e_.CheckBudgetFor(id.tenant, limit, tenant_bytes, bytes);
   if (!st.ok()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot take session ", id.ToString(), ": ", st.message()));
@@ -356,14 +355,14 @@ absl::Status Engine::CheckImport(const SessionKey& id, uint64_t bytes) const {
   return absl::OkStatus();
 }
 
-absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
-                                   std::vector<LayerImage> layers, uint64_t* reused_out) {
+absl::Status SessionTransfer::ImportSession(const SessionKey& id, const SessionImage& im,
+                                            std::vector<LayerImage> layers, uint64_t* reused_out) {
   return ImportSession(id, im, std::move(layers), reused_out, nullptr);
 }
 
-absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
-                                   std::vector<LayerImage> layers, uint64_t* reused_out,
-                                   std::unique_ptr<PreparedImport> prepared) {
+absl::Status SessionTransfer::ImportSession(const SessionKey& id, const SessionImage& im,
+                                            std::vector<LayerImage> layers, uint64_t* reused_out,
+                                            std::unique_ptr<PreparedImport> prepared) {
   if (prepared != nullptr && prepared->shape != im.shape) {
     return absl::InternalError("the transfer's import was prepared for another model shape");
   }
@@ -371,8 +370,8 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
   // rounds are there already).
   const bool prepared_device = prepared != nullptr && prepared->device != nullptr;
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
-                       CreateSession(id, im.shape, im.policy, /*allow_device=*/true,
-                                     prepared_device ? std::move(prepared->device) : nullptr));
+                       e_.CreateSession(id, im.shape, im.policy, /*allow_device=*/true,
+                                        prepared_device ? std::move(prepared->device) : nullptr));
   const ModelShape& sh = s->shape;
   const int d = sh.head_dim, lw = s->lw;
   if (prepared_device) {
@@ -396,7 +395,7 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
   int64_t working_set = 0;
   // What this worker kept of the session when it last handed it off: the
   // layers reuse from it; the rest is dropped (the session lives here now).
-  std::optional<KeptRounds> kept = handoff_->Take(id, im.incarnation);
+  std::optional<KeptRounds> kept = e_.handoff_->Take(id, im.incarnation);
   {
     absl::MutexLock lock(&s->mu);
     s->incarnation = im.incarnation != 0 ? im.incarnation : s->incarnation;
@@ -567,10 +566,10 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
     working_set = s->WorkingSetBytes();
   }
   KVT_RETURN_IF_ERROR(CheckImport(id, static_cast<uint64_t>(working_set)));
-  KVT_RETURN_IF_ERROR(Insert(id, s));
+  KVT_RETURN_IF_ERROR(e_.Insert(id, s));
   if (reused_out != nullptr) *reused_out = reused_bytes;
   absl::MutexLock lock(&s->mu);
-  Account(*s);
+  e_.Account(*s);
   LogDebug("session imported", {{"session", id.ToString()},
                                 {"past_rounds", s->past.size()},
                                 {"open_tokens", s->tokens},
@@ -579,30 +578,30 @@ absl::Status Engine::ImportSession(const SessionKey& id, const SessionImage& im,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> Engine::AcceptsDeviceRounds(const DeviceIdentity& peer) const {
-  if (!options_.device_transfer) {
+absl::StatusOr<std::string> SessionTransfer::AcceptsDeviceRounds(const DeviceIdentity& peer) const {
+  if (!e_.options_.device_transfer) {
     return absl::FailedPreconditionError("this worker runs with --device_transfer=grpc");
   }
-  if (options_.placement == EngineOptions::Placement::kHost) {
+  if (e_.options_.placement == EngineOptions::Placement::kHost) {
     return absl::FailedPreconditionError(
         "this worker keeps sessions in host memory (--placement=host)");
   }
   KVT_ASSIGN_OR_RETURN(DeviceIdentity local, LocalDeviceIdentity());
   KVT_ASSIGN_OR_RETURN(std::string path, ChooseDevicePath(local, peer));
-  KVT_RETURN_IF_ERROR(device_failures_.Check(peer, path));
+  KVT_RETURN_IF_ERROR(e_.device_failures_.Check(peer, path));
   if (path == "cuda_ipc") KVT_RETURN_IF_ERROR(ProbeIpcPeer(peer));
   return path;
 }
 
-absl::StatusOr<DeviceIdentity> Engine::OffersDeviceRounds() const {
-  if (!options_.device_transfer) {
+absl::StatusOr<DeviceIdentity> SessionTransfer::OffersDeviceRounds() const {
+  if (!e_.options_.device_transfer) {
     return absl::FailedPreconditionError("the sending worker runs with --device_transfer=grpc");
   }
   return LocalDeviceIdentity();
 }
 
-absl::Status Engine::ForgetSession(const SessionKey& id, bool keep_rounds) {
-  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Remove(id));
+absl::Status SessionTransfer::ForgetSession(const SessionKey& id, bool keep_rounds) {
+  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, e_.Remove(id));
   if (!keep_rounds) return absl::OkStatus();
   KeptRounds kept;
   {
@@ -615,17 +614,18 @@ absl::Status Engine::ForgetSession(const SessionKey& id, bool keep_rounds) {
       kept.rounds.emplace(r.round, std::move(r.layers));
     }
   }
-  handoff_->Keep(id, std::move(kept));
+  e_.handoff_->Keep(id, std::move(kept));
   return absl::OkStatus();
 }
 
-std::vector<HandoffCache::Held> Engine::HeldRounds(const SessionKey& id, uint64_t incarnation,
-                                                   absl::Time lease_until) {
-  return handoff_->Lookup(id, incarnation, lease_until);
+std::vector<HandoffCache::Held> SessionTransfer::HeldRounds(const SessionKey& id,
+                                                            uint64_t incarnation,
+                                                            absl::Time lease_until) {
+  return e_.handoff_->Lookup(id, incarnation, lease_until);
 }
 
-absl::Status Engine::RevertPrefill(const SessionKey& id, int64_t n) {
-  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
+absl::Status SessionTransfer::RevertPrefill(const SessionKey& id, int64_t n) {
+  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, e_.Find(id));
   absl::MutexLock lock(&s->mu);
   if (s->state != SessionState::kOpen || s->tokens < n || n < 1) {
     return absl::FailedPreconditionError(
@@ -639,8 +639,48 @@ absl::Status Engine::RevertPrefill(const SessionKey& id, int64_t n) {
   s->step_n = n;
   s->RollBackStep();
   s->NotePeak();
-  Account(*s);
+  e_.Account(*s);
   return absl::OkStatus();
 }
+
+std::unique_ptr<PreparedImport> SessionTransfer::BeginImport(const ModelShape& shape,
+                                                             const SessionPolicy& policy) const {
+  // A shape or policy CreateSession would refuse is left to it. No model has
+  // thousands of layers: a header that says so gets nothing made for it
+  // before its bytes are counted.
+  constexpr int kMaxPreparedLayers = 4096;
+  if (!CheckShape(shape).ok() || shape.layers > kMaxPreparedLayers) return nullptr;
+  absl::StatusOr<int> lw = WatershedLayer(shape, policy);
+  if (!lw.ok()) return nullptr;
+  auto prep = std::make_unique<PreparedImport>();
+  prep->shape = shape;
+  prep->lw = *lw;
+  prep->open.resize(static_cast<size_t>(shape.layers));
+  // The device working set, as CreateSession decides for an imported
+  // session; without one (or when it cannot be made: ImportSession tries
+  // again and says why) only the open rounds are prepared.
+  if (e_.TriesDevice(policy) && e_.DeviceReads(policy).ok()) {
+    auto dev = NewDeviceSession(shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim);
+    if (dev.ok()) prep->device = *std::move(dev);
+  }
+  return prep;
+}
+
+std::unique_ptr<Engine::IncomingHold> SessionTransfer::HoldIncoming(const std::string& tenant) {
+  absl::MutexLock lock(&e_.mu_);
+  return std::unique_ptr<Engine::IncomingHold>(
+      new Engine::IncomingHold(&e_, tenant, &e_.UseOf(tenant)));
+}
+
+void SessionTransfer::DeviceRoundsFailed(const DeviceIdentity& peer, const std::string& path,
+                                         const absl::Status& why) {
+  e_.device_failures_.Record(peer, path, why);
+}
+
+LinkPool& SessionTransfer::device_links() { return e_.device_links_; }
+
+uint64_t SessionTransfer::ipc_pack_bytes() const { return e_.options_.ipc_pack_bytes; }
+
+HandoffCache::Totals SessionTransfer::HandoffTotals() const { return e_.handoff_->totals(); }
 
 }  // namespace kvtier::worker

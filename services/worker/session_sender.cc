@@ -17,7 +17,7 @@ namespace kvtier {
 SessionSender::SessionSender(worker::Engine* engine, worker::SessionKey id,
                              std::shared_ptr<grpc::Channel> channel, std::string target,
                              std::string authorization, absl::Time deadline, size_t chunk_bytes)
-    : engine_(engine),
+    : transfer_(engine),
       id_(std::move(id)),
       target_(std::move(target)),
       authorization_(std::move(authorization)),
@@ -76,12 +76,12 @@ void SessionSender::CancelLocked() {
 }
 
 absl::Status SessionSender::Begin() {
-  KVT_ASSIGN_OR_RETURN(image_, engine_->ExportSession(id_));
+  KVT_ASSIGN_OR_RETURN(image_, transfer_.ExportSession(id_));
   incarnation_ = image_.incarnation;
   has_past_ = !image_.past.empty();
   on_device_ = image_.on_device;
   if (on_device_ && has_past_) {
-    absl::StatusOr<worker::DeviceIdentity> offer = engine_->OffersDeviceRounds();
+    absl::StatusOr<worker::DeviceIdentity> offer = transfer_.OffersDeviceRounds();
     if (offer.ok()) {
       offer_ = IdentityToProto(*offer);
     } else {
@@ -105,7 +105,7 @@ absl::Status SessionSender::SendLayer(int layer) {
   // A layer on the GPU is lent as it is: the thread copies it out over
   // gRPC, or names it for the receiver to copy (CUDA IPC).
   KVT_ASSIGN_OR_RETURN(worker::LayerImage li,
-                       engine_->ExportLayer(id_, layer, /*device_rounds=*/on_device_));
+                       transfer_.ExportLayer(id_, layer, /*device_rounds=*/on_device_));
   absl::MutexLock lock(&mu_);
   if (!sent_layer_) {
     first_layer_ = std::chrono::steady_clock::now();
@@ -117,7 +117,7 @@ absl::Status SessionSender::SendLayer(int layer) {
 
 absl::StatusOr<v1::TransferReport> SessionSender::Finish() {
   const auto wait_start = std::chrono::steady_clock::now();
-  absl::Status tail = engine_->ExportTail(id_, &image_);
+  absl::Status tail = transfer_.ExportTail(id_, &image_);
   absl::MutexLock lock(&mu_);
   if (!tail.ok()) {
     // The receiver must not take a session whose state we cannot send.
@@ -137,7 +137,7 @@ absl::StatusOr<v1::TransferReport> SessionSender::Finish() {
   if (link_ != nullptr) {
     // Both sides' operations on it have completed: it is kept for the next
     // hand-off to this receiver (a failed transfer destroys it with us).
-    engine_->device_links().Put(target_, nccl_id_, std::move(link_));
+    transfer_.device_links().Put(target_, nccl_id_, std::move(link_));
     report_.set_device_link_reused(link_reused_);
   }
   report_.set_transfer_ms(worker::MsSince(first_layer_));
@@ -170,12 +170,12 @@ void SessionSender::AskHeld() {
   // communicator the receiver no longer holds is never used).
   std::optional<worker::LinkPool::Link> idle;
   if (offer_.has_value() && offer_->nccl()) {
-    idle = engine_->device_links().Take(target_);
+    idle = transfer_.device_links().Take(target_);
     if (idle.has_value()) req.set_nccl_link(idle->id);
   }
   auto put_back = [&] {
     if (idle.has_value()) {
-      engine_->device_links().Put(target_, std::move(idle->id), std::move(idle->link));
+      transfer_.device_links().Put(target_, std::move(idle->id), std::move(idle->link));
     }
   };
   if (offer_.has_value()) *req.mutable_device() = *offer_;
@@ -195,7 +195,7 @@ void SessionSender::AskHeld() {
     };
     if (offered("cuda_ipc")) {
       device_path_ = "cuda_ipc";
-      packs_ = resp.ipc_offsets() && engine_->ipc_pack_bytes() > 0;
+      packs_ = resp.ipc_offsets() && transfer_.ipc_pack_bytes() > 0;
       put_back();
     } else if (offered("nccl") && idle.has_value() && resp.nccl_link() == idle->id) {
       device_path_ = "nccl";
@@ -253,7 +253,7 @@ bool SessionSender::PlaceDeviceRounds(worker::LayerImage* li, v1::TransferLayer*
     const bool nccl = device_path_ == "nccl";
     if (packs_ && pack_ == nullptr && !pack_refused_) {
       absl::StatusOr<std::unique_ptr<worker::IpcPack>> pack =
-          worker::NewIpcPack(engine_->ipc_pack_bytes());
+          worker::NewIpcPack(transfer_.ipc_pack_bytes());
       if (pack.ok()) {
         pack_ = *std::move(pack);
         lent_.push_back(pack_);

@@ -24,6 +24,7 @@
 #include "rpc/raw_call.h"
 #include "worker/device_attention.h"
 #include "worker/engine.h"
+#include "worker/transfer.h"
 
 namespace kvtier {
 
@@ -88,7 +89,7 @@ class SessionSender {
   // broke. Rounds the receiver holds at this layer are named, not sent.
   bool WriteLayer(worker::LayerImage li);
 
-  worker::Engine* const engine_;
+  worker::SessionTransfer transfer_;  // Over the engine.
   const worker::SessionKey id_;
   const std::string target_;
   const std::string authorization_;

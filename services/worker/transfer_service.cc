@@ -79,7 +79,7 @@ absl::Status WorkerService::DoSendSession(grpc::CallbackServerContext& ctx,
 void WorkerService::ForgetMoved(const worker::SessionKey& id) {
   // Deliberately ignored: NOT_FOUND only if it was closed meanwhile. Its
   // past rounds stay in the hand-off cache for when it comes back.
-  engine_->ForgetSession(id, /*keep_rounds=*/true).IgnoreError();
+  transfer_.ForgetSession(id, /*keep_rounds=*/true).IgnoreError();
   if (policies_ != nullptr) policies_->Forget(id);
   if (replicas_ != nullptr) replicas_->Forget(id.tenant, id.session);
   LogDebug("session handed off", {{"session", id.ToString()}});
@@ -92,21 +92,21 @@ absl::Status WorkerService::DoHeldRounds(grpc::CallbackServerContext& ctx,
   // Kept for the hand-off that asks: until its deadline, at most 10 minutes.
   const absl::Time lease =
       std::min(absl::FromChrono(ctx.deadline()), absl::Now() + absl::Minutes(10));
-  for (const worker::HandoffCache::Held& h : engine_->HeldRounds(id, req.incarnation(), lease)) {
+  for (const worker::HandoffCache::Held& h : transfer_.HeldRounds(id, req.incarnation(), lease)) {
     v1::HeldRoundsResponse::Round* r = resp->add_rounds();
     r->set_round(h.round);
     for (uint32_t l : h.layers) r->add_layers(l);
   }
   if (req.has_device()) {
     const worker::DeviceIdentity peer = IdentityFromProto(req.device());
-    const absl::StatusOr<std::string> path = engine_->AcceptsDeviceRounds(peer);
+    const absl::StatusOr<std::string> path = transfer_.AcceptsDeviceRounds(peer);
     if (path.ok()) {
       resp->add_device_paths(*path);
       resp->set_ipc_offsets(*path == "cuda_ipc");
       // A communicator of an earlier hand-off from this sender, reserved
       // for its next transfer when this worker holds it too.
       if (*path == "nccl" && !req.nccl_link().empty() &&
-          engine_->device_links().Promise(worker::ProcessKey(peer), req.nccl_link())) {
+          transfer_.device_links().Promise(worker::ProcessKey(peer), req.nccl_link())) {
         resp->set_nccl_link(req.nccl_link());
       }
     } else {
@@ -264,7 +264,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
       return absl::InvalidArgumentError("the first TransferChunk must carry the header");
     }
     KVT_ASSIGN_OR_RETURN(id_, svc_->Key(*ctx_, chunk_.header().session_id()));
-    hold_ = svc_->engine_->HoldIncoming(id_->tenant);
+    hold_ = svc_->transfer_.HoldIncoming(id_->tenant);
     stores_.assign(chunk_.header().store_addresses().begin(),
                    chunk_.header().store_addresses().end());
     if (!stores_.empty()) {
@@ -282,7 +282,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
       // handles this worker will open.
       peer_ = IdentityFromProto(chunk_.header().device());
       ipc_packed_ = chunk_.header().ipc_packed();
-      device_path_ = svc_->engine_->AcceptsDeviceRounds(*peer_);
+      device_path_ = svc_->transfer_.AcceptsDeviceRounds(*peer_);
       if (device_path_->ok() && **device_path_ == "nccl") {
         nccl_id_ = chunk_.header().nccl_id();
         if (nccl_id_.empty()) {
@@ -291,7 +291,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
           // Promised on HeldRounds; when it is gone, the sender's sends
           // find no receive and its transfer fails by its deadline.
           absl::StatusOr<std::unique_ptr<worker::DeviceLink>> link =
-              svc_->engine_->device_links().TakePromised(worker::ProcessKey(*peer_), nccl_id_);
+              svc_->transfer_.device_links().TakePromised(worker::ProcessKey(*peer_), nccl_id_);
           if (link.ok()) {
             link_ = *std::move(link);
           } else {
@@ -305,16 +305,16 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
             link_ = *std::move(link);
           } else {
             device_path_ = link.status();
-            svc_->engine_->DeviceRoundsFailed(*peer_, "nccl", link.status());
+            svc_->transfer_.DeviceRoundsFailed(*peer_, "nccl", link.status());
           }
         }
       }
     }
-    KVT_RETURN_IF_ERROR(svc_->engine_->CheckImport(*id_, 0));
+    KVT_RETURN_IF_ERROR(svc_->transfer_.CheckImport(*id_, 0));
     // The import is done layer by layer as they arrive (open rounds, and
     // for a session going on this worker's GPU its device side), rather
     // than all at the tail.
-    prep_ = svc_->engine_->BeginImport(image_->shape, image_->policy);
+    prep_ = svc_->transfer_.BeginImport(image_->shape, image_->policy);
     return absl::OkStatus();
   }
 
@@ -336,7 +336,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     // Refused before anything is allocated for it. What arrived so far is
     // in the hold, which the engine counts already.
     KVT_RETURN_IF_ERROR(
-        svc_->engine_->CheckImport(*id_, staged + info.past_bytes() + info.open_bytes()));
+        svc_->transfer_.CheckImport(*id_, staged + info.past_bytes() + info.open_bytes()));
     layer_ = worker::LayerImage();
     const auto copy_start = std::chrono::steady_clock::now();
     absl::Status took = TakeDeviceRounds(info);
@@ -346,7 +346,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
       // (its next hand-offs go over gRPC), unless memory ran out.
       if (peer_.has_value() && device_path_.has_value() && device_path_->ok() &&
           !absl::IsResourceExhausted(st)) {
-        svc_->engine_->DeviceRoundsFailed(*peer_, **device_path_, st);
+        svc_->transfer_.DeviceRoundsFailed(*peer_, **device_path_, st);
       }
       return st;
     }
@@ -479,7 +479,7 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
     }
     if (prep_ != nullptr) {
       const auto start = std::chrono::steady_clock::now();
-      absl::Status st = svc_->engine_->PrepareLayer(*prep_, layer_);
+      absl::Status st = svc_->transfer_.PrepareLayer(*prep_, layer_);
       if (prep_->device != nullptr) device_copy_ms_ += worker::MsSince(start);
       if (!st.ok()) {
         return absl::Status(st.code(),
@@ -518,8 +518,8 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
           svc_->replicas_->SetReplicas(id_->tenant, id_->session, stores_, svc_->StoreCall(*ctx_)));
     }
     const auto import_start = std::chrono::steady_clock::now();
-    absl::Status s = svc_->engine_->ImportSession(*id_, *image_, std::move(layers_), &reused_bytes_,
-                                                  std::move(prep_));
+    absl::Status s = svc_->transfer_.ImportSession(*id_, *image_, std::move(layers_),
+                                                   &reused_bytes_, std::move(prep_));
     const double import_ms = worker::MsSince(import_start);
     hold_.reset();  // Imported: the session's own bytes count now.
     if (!s.ok()) {
@@ -564,8 +564,8 @@ class WorkerService::TransferReactor : public grpc::ServerReadReactor<grpc::Byte
       // Every receive on it has completed: it is kept for this sender's
       // next hand-off (put back before the sender hears the answer, so
       // that its next offer finds it).
-      svc_->engine_->device_links().Put(worker::ProcessKey(*peer_), std::move(nccl_id_),
-                                        std::move(link_));
+      svc_->transfer_.device_links().Put(worker::ProcessKey(*peer_), std::move(nccl_id_),
+                                         std::move(link_));
     }
     link_.reset();
     // The sender's allocations are closed before it hears the answer, after

@@ -33,6 +33,7 @@ WorkerService::WorkerService(worker::Engine* engine, const Authenticator* auth,
                              WorkerServiceOptions options, ReplicatedSegments* replicas,
                              ControllerPolicies* policies, KnownNodes* peers)
     : engine_(engine),
+      transfer_(engine),
       auth_(auth),
       metrics_(metrics),
       compute_(compute),
@@ -74,7 +75,7 @@ CallOptions WorkerService::StoreCall(const grpc::CallbackServerContext& ctx) con
 void WorkerService::UpdateWorkingSet() {
   metrics_->WorkingSet(static_cast<double>(engine_->TotalWorkingSetBytes()));
   metrics_->Sessions(static_cast<double>(engine_->SessionCount()));
-  metrics_->HandoffCache(static_cast<double>(engine_->HandoffTotals().bytes));
+  metrics_->HandoffCache(static_cast<double>(transfer_.HandoffTotals().bytes));
 }
 
 grpc::Status WorkerService::Done(const char* method, const absl::Status& s) {
@@ -375,7 +376,7 @@ class WorkerService::PrefillReactor
         sender_.reset();
         if (!report.ok()) {
           // The step committed here; undone, so that it can be sent again.
-          absl::Status undo = svc_->engine_->RevertPrefill(*id_, n);
+          absl::Status undo = svc_->transfer_.RevertPrefill(*id_, n);
           return absl::Status(
               report.status().code(),
               absl::StrCat(report.status().message(),

@@ -27,6 +27,7 @@
 #include "services/worker/session_sender.h"
 #include "services/worker/worker_metrics.h"
 #include "worker/engine.h"
+#include "worker/transfer.h"
 
 namespace kvtier {
 
@@ -163,6 +164,7 @@ class WorkerService final
   grpc::Status Done(const char* method, const absl::Status& s);
 
   worker::Engine* engine_;
+  worker::SessionTransfer transfer_;  // Over engine_.
   const Authenticator* auth_;
   WorkerMetrics* metrics_;
   Executor* compute_;
