@@ -3,7 +3,7 @@
 // bandwidth, measured in the same run with a large device-to-device copy.
 //
 // Per codec and context length it encodes K and V with the CPU codec,
-// stages them as kvtier-worker does (worker/device_layout.h), times the
+// stages them as kvtier-worker does (worker/device/layout.h), times the
 // kernel with CUDA events (median of --reps launches after warm-up) and
 // checks its output against a float64 attention over the codec's own
 // reconstruction of the same K/V. The floor is the fewest bytes the kernel
@@ -40,7 +40,7 @@
 #include "kernels/codec.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "testing/test_util.h"
-#include "worker/device_layout.h"
+#include "worker/device/layout.h"
 
 namespace kvtier::bench {
 namespace {

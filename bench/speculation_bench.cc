@@ -28,7 +28,7 @@
 #include "bench/benches.h"
 #include "bench/engine_store.h"
 #include "kernels/speculation.h"
-#include "worker/device_attention.h"
+#include "worker/device/attention.h"
 #include "worker/engine.h"
 
 namespace kvtier::bench {

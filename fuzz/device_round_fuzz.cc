@@ -17,8 +17,8 @@
 #include "kernels/encoded_tensor.h"
 #include "kvtier/v1/worker.pb.h"
 #include "services/worker/transfer_proto.h"
-#include "worker/device_layout.h"
-#include "worker/device_transfer.h"
+#include "worker/device/layout.h"
+#include "worker/device/transfer.h"
 #include "worker/session.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

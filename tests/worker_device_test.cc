@@ -23,10 +23,10 @@
 #include "testing/test_util.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
-#include "worker/device_attention.h"
-#include "worker/device_transfer.h"
+#include "worker/device/attention.h"
+#include "worker/device/transfer.h"
 #include "worker/engine.h"
-#include "worker/link_pool.h"
+#include "worker/device/link_pool.h"
 #include "worker/session.h"
 #include "worker/transfer.h"
 
@@ -217,7 +217,7 @@ TEST_F(WorkerDeviceTest, DeviceAttentionMatchesHostForEveryCodec) {
   }
 }
 
-// Freed device blocks are reused (worker/block_cache.h): a second session
+// Freed device blocks are reused (worker/device/block_cache.h): a second session
 // like the first allocates less than it did, as its layers take the blocks
 // the first one's gave back, and attends as exactly over blocks that held
 // another session's bytes. A cap of 0 frees what is held.

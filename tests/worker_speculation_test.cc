@@ -19,7 +19,7 @@
 #include "kernels/speculation.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
-#include "worker/device_attention.h"
+#include "worker/device/attention.h"
 #include "worker/engine.h"
 
 namespace kvtier {

@@ -11,7 +11,7 @@
 #include "base/names.h"
 #include "base/status_macros.h"
 #include "kernels/crc32c.h"
-#include "worker/device_attention.h"
+#include "worker/device/attention.h"
 #include "worker/session.h"
 
 namespace kvtier::worker {

@@ -13,7 +13,7 @@
 //  - with speculation, the partial skewed keys of the rounds it scored
 //    (r floats per token and KV head, beside each round's layer).
 // With a GPU (EngineOptions::placement) the past rounds' encoded K/V live in
-// device memory instead and attention runs there (worker/device_attention.h);
+// device memory instead and attention runs there (worker/device/attention.h);
 // the open round is mirrored to the device layer by layer.
 // Recalls fetched with GetSegments are counted by the store itself; recalls of
 // rounds still resident are reported with RecordRecalls at EndRound, so the
@@ -25,7 +25,10 @@
 //
 // The files: engine.cc (sessions, steps, stats), session.{h,cc} (one
 // session's state and attention), recall_fetch.cc (recall at L_w and the
-// fetch), round_writer.cc (EndRound: plan, send, commit).
+// fetch), round_writer.cc (EndRound: plan, send, commit). A session's
+// hand-off to another worker is SessionTransfer's (transfer.h), the skews
+// sessions speculate with are a SkewRegistry's (skew_registry.h), and the
+// GPU working set is in device/.
 #ifndef KVTIER_WORKER_ENGINE_H_
 #define KVTIER_WORKER_ENGINE_H_
 
@@ -51,16 +54,16 @@
 #include "kernels/eviction.h"
 #include "kernels/recall.h"
 #include "kernels/speculation.h"
-#include "worker/device_transfer.h"
+#include "worker/device/transfer.h"
 #include "worker/handoff_cache.h"
-#include "worker/link_pool.h"
+#include "worker/device/link_pool.h"
 #include "worker/segment_store.h"
 #include "worker/session_key.h"
 #include "worker/skew_registry.h"
 
 namespace kvtier::worker {
 
-class DeviceLayer;  // worker/device_attention.h
+class DeviceLayer;  // worker/device/attention.h
 
 struct ModelShape {
   int layers = 0;

@@ -22,7 +22,7 @@
 #include "kernels/codec.h"
 #include "kernels/encoded_tensor.h"
 #include "kernels/speculation.h"
-#include "worker/device_attention.h"
+#include "worker/device/attention.h"
 #include "worker/engine.h"
 #include "worker/round_layout.h"
 #include "worker/segment_store.h"

@@ -102,7 +102,7 @@ int FlatDecodeAttention(const FlatDims& f, const float* q, const uint16_t* k_fla
                         float* scratch, float* out, void* stream);
 
 // Attention over a list of blocks per KV head, each in its own encoding: the
-// worker's device working set (worker/device_attention.h). One K or V of one
+// worker's device working set (worker/device/attention.h). One K or V of one
 // block: raw (fp32/fp16/bf16 elements at raw + t * token_stride + c) or
 // KIVI/KCVT-quantized (one slab as in QuantDims, then `tokens - quantized`
 // dense residual rows of `dtype`).

@@ -17,7 +17,7 @@
 #include "services/common/cluster_flags.h"
 #include "services/common/serve_main.h"
 #include "services/worker/worker_server.h"
-#include "worker/device_attention.h"
+#include "worker/device/attention.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7071", "gRPC listen address (port 0 picks one).");
 ABSL_FLAG(std::string, port_file, "", "If set, the bound gRPC port is written here.");

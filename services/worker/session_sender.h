@@ -22,7 +22,7 @@
 #include "grpcpp/client_context.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "rpc/raw_call.h"
-#include "worker/device_attention.h"
+#include "worker/device/attention.h"
 #include "worker/engine.h"
 #include "worker/transfer.h"
 

@@ -20,7 +20,7 @@
 #include "services/common/idle_read.h"
 #include "services/worker/transfer_proto.h"
 #include "services/worker/worker_service.h"
-#include "worker/device_attention.h"
+#include "worker/device/attention.h"
 #include "worker/session.h"
 
 namespace kvtier {

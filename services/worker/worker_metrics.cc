@@ -1,7 +1,7 @@
 #include "services/worker/worker_metrics.h"
 
 #include "prometheus/text_serializer.h"
-#include "worker/device_attention.h"
+#include "worker/device/attention.h"
 
 namespace kvtier {
 
@@ -29,7 +29,7 @@ std::vector<prometheus::MetricFamily> WorkerMetrics::DeviceCalls::Collect() cons
     seconds.metric.push_back(std::move(c));
   }
   if (calls.metric.empty()) return {};
-  // The device block cache (worker/block_cache.h): where allocations came
+  // The device block cache (worker/device/block_cache.h): where allocations came
   // from, and what it holds for reuse.
   const worker::BlockCache::Stats cache = worker::DeviceCacheState();
   prometheus::MetricFamily takes, held;

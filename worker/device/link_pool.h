@@ -14,8 +14,8 @@
 // A communicator serves one transfer at a time (NCCL matches sends and
 // receives by order), which taking it out of the pool guarantees. Plain
 // C++, built with or without CUDA (worker/link_pool_test.cc).
-#ifndef KVTIER_WORKER_LINK_POOL_H_
-#define KVTIER_WORKER_LINK_POOL_H_
+#ifndef KVTIER_WORKER_DEVICE_LINK_POOL_H_
+#define KVTIER_WORKER_DEVICE_LINK_POOL_H_
 
 #include <cstddef>
 #include <functional>
@@ -29,7 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "worker/device_attention.h"
+#include "worker/device/attention.h"
 
 namespace kvtier::worker {
 
@@ -100,4 +100,4 @@ class LinkPool {
 
 }  // namespace kvtier::worker
 
-#endif  // KVTIER_WORKER_LINK_POOL_H_
+#endif  // KVTIER_WORKER_DEVICE_LINK_POOL_H_

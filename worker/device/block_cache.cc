@@ -1,4 +1,4 @@
-#include "worker/block_cache.h"
+#include "worker/device/block_cache.h"
 
 #include <algorithm>
 #include <bit>

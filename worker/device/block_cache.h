@@ -13,8 +13,8 @@
 // that reads or writes it is in flight (every user synchronizes its stream
 // before a buffer changes hands; see DeviceBuffer). Its next owner may
 // write it at once.
-#ifndef KVTIER_WORKER_BLOCK_CACHE_H_
-#define KVTIER_WORKER_BLOCK_CACHE_H_
+#ifndef KVTIER_WORKER_DEVICE_BLOCK_CACHE_H_
+#define KVTIER_WORKER_DEVICE_BLOCK_CACHE_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -88,4 +88,4 @@ class BlockCache {
 
 }  // namespace kvtier::worker
 
-#endif  // KVTIER_WORKER_BLOCK_CACHE_H_
+#endif  // KVTIER_WORKER_DEVICE_BLOCK_CACHE_H_

@@ -1,4 +1,4 @@
-#include "worker/device_transfer.h"
+#include "worker/device/transfer.h"
 
 #include <unistd.h>
 

@@ -4,7 +4,7 @@
 // DecodeRows gives, for every codec the device path reads, K and V, with and
 // without residual rows. Runs on every machine; the GPU test
 // (tests/worker_device_test.cc) covers the rest of the device path.
-#include "worker/device_layout.h"
+#include "worker/device/layout.h"
 
 #include <unistd.h>
 
@@ -17,7 +17,7 @@
 #include "kernels/encoded_tensor.h"
 #include "kernels/half.h"
 #include "tests/util/status_matchers.h"
-#include "worker/device_transfer.h"
+#include "worker/device/transfer.h"
 #include "worker/session.h"
 
 namespace kvtier::worker {
@@ -205,7 +205,7 @@ TEST(DeviceLayoutTest, GearAndMisshapenTensorsAreRefused) {
   EXPECT_THAT(StageView(view, 128, &host), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
-// ---- The CUDA IPC path's host side (worker/device_transfer.h) ----
+// ---- The CUDA IPC path's host side (worker/device/transfer.h) ----
 
 // One past round's layer as a sender holds it on its GPU: the serialized
 // tensors (K, V per head, heads of the given lengths), the staged array the

@@ -2,7 +2,7 @@
 // after an allocation refused for memory, and many threads at once. The
 // allocator here is a counted heap with a limit, standing in for the
 // device's memory (the cache never reads its blocks).
-#include "worker/block_cache.h"
+#include "worker/device/block_cache.h"
 
 #include <cstdlib>
 #include <map>

@@ -1,6 +1,6 @@
 // LinkPool: which communicator a sender takes, what a receiver promises and
 // hands out, and what is destroyed (expired, past the caps, replaced).
-#include "worker/link_pool.h"
+#include "worker/device/link_pool.h"
 
 #include <set>
 

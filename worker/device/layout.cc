@@ -1,11 +1,11 @@
-#include "worker/device_layout.h"
+#include "worker/device/layout.h"
 
 #include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "worker/device_attention.h"
+#include "worker/device/attention.h"
 
 namespace kvtier::worker {
 namespace {

@@ -18,7 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "worker/device_layout.h"
+#include "worker/device/layout.h"
 
 namespace kvtier::worker {
 

@@ -1,7 +1,7 @@
-// worker/device_attention.h in a build without CUDA: there is no device path,
+// worker/device/attention.h in a build without CUDA: there is no device path,
 // and every entry point says so. The engine then keeps working sets in host
 // memory (EngineOptions::placement kAuto), or refuses kDevice sessions.
-#include "worker/device_attention.h"
+#include "worker/device/attention.h"
 
 namespace kvtier::worker {
 namespace {

@@ -25,9 +25,9 @@
 #include "absl/time/time.h"
 #include "kernels/codec.h"
 #include "kernels/speculation.h"
-#include "worker/block_cache.h"
-#include "worker/device_layout.h"
-#include "worker/device_transfer.h"
+#include "worker/device/block_cache.h"
+#include "worker/device/layout.h"
+#include "worker/device/transfer.h"
 
 namespace kvtier::worker {
 
@@ -165,7 +165,7 @@ struct DeviceCallTime {
 std::vector<DeviceCallTime> DeviceCallTimes();
 
 // Device blocks freed by working sets, received rounds and kernel scratch
-// are kept for reuse, up to a cap (worker/block_cache.h; docs/gpu.md,
+// are kept for reuse, up to a cap (worker/device/block_cache.h; docs/gpu.md,
 // "Device memory"): cudaMalloc and cudaFree cost more than most copies they
 // serve. kvtier-worker's --device_cache_mib sets the cap (0 turns reuse
 // off); DeviceCacheState gives what is held, for /metrics. Without CUDA

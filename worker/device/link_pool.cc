@@ -1,4 +1,4 @@
-#include "worker/link_pool.h"
+#include "worker/device/link_pool.h"
 
 #include <map>
 #include <utility>
