@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/time/clock.h"
 #include "client/store_segments.h"
 #include "grpcpp/create_channel.h"
 #include "services/worker/worker_server.h"
@@ -35,6 +36,18 @@ class StoreStack {
     o.deadline = absl::Seconds(10);
     auto client = StoreClient::Connect(o);
     if (!client.ok()) return client.status();
+    // The store answers once before the test's first call: on a loaded
+    // machine a fresh process can take longer than one connection attempt
+    // to finish the HTTP/2 handshake, and the first put would fail
+    // UNAVAILABLE. Each Stats call waits for the connection up to its
+    // deadline; the process is real, so this waits on it, not on a clock.
+    absl::Status ready;
+    for (int attempt = 0; attempt < 30; ++attempt) {
+      ready = (*client)->Stats(CallOptions::Within(absl::Seconds(1))).status();
+      if (ready.ok()) break;
+      absl::SleepFor(absl::Milliseconds(100));  // A failed attempt may return at once.
+    }
+    if (!ready.ok()) return ready;
     segments_ = std::make_unique<StoreSegments>(std::move(*client));
     return absl::OkStatus();
   }
