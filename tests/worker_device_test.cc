@@ -24,9 +24,9 @@
 #include "tests/util/status_matchers.h"
 #include "tests/util/worker_stack.h"
 #include "worker/device/attention.h"
+#include "worker/device/link_pool.h"
 #include "worker/device/transfer.h"
 #include "worker/engine.h"
-#include "worker/device/link_pool.h"
 #include "worker/session.h"
 #include "worker/transfer.h"
 

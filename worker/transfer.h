@@ -16,10 +16,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "worker/device/link_pool.h"
 #include "worker/device/transfer.h"
 #include "worker/engine.h"
 #include "worker/handoff_cache.h"
-#include "worker/device/link_pool.h"
 
 namespace kvtier::worker {
 
