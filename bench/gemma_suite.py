@@ -25,7 +25,10 @@ both side by side when that script's results are in build/kvpress-gemma/.
 KIVI-4, GEAR-2, SnapKV, PyramidKV, the EvolKV profile, InfiniGen); `full` adds
 the combinations with KIVI-4, the other budgets, bit widths and recall
 strategies, GEAR-4 and Ada-SnapKV. Runs already in DIR (a report per method) are
-reused, so an interrupted run goes on where it stopped. Needs what `make demo
+reused, so an interrupted run goes on where it stopped. The full cache runs
+once per conversation and answer mode: its logits are kept in DIR/teacher
+(about 1 MiB an answer token, 8.6 GiB for 8 conversations), read by every
+later method, and removed once every method has its report. Needs what `make demo
 MODEL=gemma3` needs (scripts/kvtier.sh installs the model on first use).
 docs/fidelity.md has the figures and how they were made.
 """
@@ -34,6 +37,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -109,6 +113,9 @@ def run(name, env, count, out_dir, log, conversations=None):
               "REPORT": report, "CODEC": "raw", "RECALL": "all", "EVICT": "none"})
     if conversations:
         e["CONVERSATIONS"] = conversations
+    # The full cache's logits, computed by the first method that replays a
+    # conversation and read by the others (kvtier-engine --teacher_cache).
+    e["TEACHER_CACHE"] = os.path.join(out_dir, "teacher")
     e.update(env)
     t0 = time.time()
     with open(os.path.join(out_dir, name + ".log"), "w") as f:
@@ -258,7 +265,10 @@ def main_protocol(a, log):
     print(text)
     with open(os.path.join(a.out, "kvpress-table.md"), "w") as f:
         f.write(text + "\n")
-    return 0 if len(rows) == len(methods) else 1
+    if len(rows) != len(methods):
+        return 1
+    remove_teachers(a.out, log)
+    return 0
 
 
 def recall_floor(report, lw=6, lower_sliding=5, lower_global=2):
@@ -369,7 +379,20 @@ def main():
             w.writeheader()
             w.writerows(rows)
     log(f"done: {len(rows)} of {len(methods)} methods; {a.out}/table.md, table.csv")
-    return 0 if len(rows) == len(methods) else 1
+    if len(rows) != len(methods):
+        return 1
+    remove_teachers(a.out, log)
+    return 0
+
+
+def remove_teachers(out_dir, log):
+    """Every method has its report: the full cache's logits are no longer
+    needed (a later --only run computes them again)."""
+    d = os.path.join(out_dir, "teacher")
+    if os.path.isdir(d):
+        size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+        shutil.rmtree(d)
+        log(f"removed {d} ({size / 2**30:.1f} GiB of the full cache's logits)")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "absl/cleanup/cleanup.h"
@@ -29,6 +30,7 @@
 #include "kernels/recall.h"
 #include "kernels/speculation.h"
 #include "refengine/inproc.h"
+#include "refengine/teacher_cache.h"
 #include "rpc/transport_args.h"
 #include "traces/synthetic_chat.h"
 #include "worker/engine.h"
@@ -281,22 +283,52 @@ class RoundHandover {
 // A conversation from the user's file: teacher-forced on its assistant
 // tokens through the full cache and through the tier at once, scored a
 // round at a time as both have it.
+// With `cache`, the full cache's logits are read from it when it has the
+// conversation and written to it when not.
 absl::Status RunReplayed(const model::Model& m, const ReplayConversation& c, const OpenTier& open,
-                         const ScriptOptions& options, DemoSession* out,
+                         const ScriptOptions& options, const TeacherCache* cache, DemoSession* out,
                          std::unique_ptr<TierSession>* session,
                          const std::function<void(const std::string&)>& progress) {
   out->conversation = c.id;
   out->where = c.where;
   const std::vector<ScriptRound> script = c.Script();
   const int vocab = m.config().vocab_size;
+  std::optional<TeacherCache::Reader> cached;
+  std::optional<TeacherCache::Writer> writer;
+  if (cache != nullptr) {
+    KVT_ASSIGN_OR_RETURN(cached, cache->Find(script, options, vocab));
+    if (!cached.has_value()) {
+      KVT_ASSIGN_OR_RETURN(TeacherCache::Writer w, cache->Create(script, options, vocab));
+      writer.emplace(std::move(w));
+    }
+  }
+  out->teacher_cached = cached.has_value();
   auto local = LocalBackend(m.config());
   RoundHandover handover;
   absl::StatusOr<Transcript> teacher = absl::UnknownError("the full cache did not run");
   std::thread full([&] {
-    teacher = RunScript(
-        m, script, local.get(), nullptr,
-        [&](int r, std::vector<float> logits) { return handover.Put(r, std::move(logits)); },
-        options);
+    if (cached.has_value()) {
+      Transcript t;
+      t.decode_ms_per_token = cached->decode_ms_per_token();
+      teacher = std::move(t);
+      for (int r = 0; r < static_cast<int>(script.size()) && teacher.ok(); ++r) {
+        absl::StatusOr<std::vector<float>> logits = cached->Round(r);
+        absl::Status put = logits.ok() ? handover.Put(r, *std::move(logits)) : logits.status();
+        if (!put.ok()) teacher = put;
+      }
+    } else {
+      teacher = RunScript(
+          m, script, local.get(), nullptr,
+          [&](int r, std::vector<float> logits) {
+            if (writer.has_value()) KVT_RETURN_IF_ERROR(writer->Append(r, logits));
+            return handover.Put(r, std::move(logits));
+          },
+          options);
+      if (teacher.ok() && writer.has_value()) {
+        absl::Status s = writer->Commit(teacher->decode_ms_per_token);
+        if (!s.ok()) teacher = s;
+      }
+    }
     handover.Finish(teacher.status());
   });
   absl::Cleanup join = [&] {
@@ -488,6 +520,20 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
     rep.conversations = o.conversations;
     rep.answer_prefill = o.answer_prefill;
   }
+  std::optional<TeacherCache> teachers;
+  if (!o.teacher_cache.empty()) {
+    if (o.conversations.empty()) {
+      return absl::InvalidArgumentError(
+          "--teacher_cache keeps the full cache of replayed conversations: it needs "
+          "--conversations");
+    }
+    // The logits depend on the model file and on the code that computes
+    // them: an entry is found only by the same file and the same binary.
+    KVT_ASSIGN_OR_RETURN(std::string model_id, FileIdentity(o.model));
+    KVT_ASSIGN_OR_RETURN(std::string binary_id, FileIdentity("/proc/self/exe"));
+    KVT_ASSIGN_OR_RETURN(
+        teachers, TeacherCache::Open(o.teacher_cache, absl::StrCat(model_id, "\n", binary_id)));
+  }
   if (!o.model.empty()) {
     KVT_ASSIGN_OR_RETURN(m, model::Model::Load(o.model));
     rep.workload = o.model;
@@ -632,11 +678,12 @@ absl::StatusOr<DemoReport> RunDemo(const DemoOptions& o,
   for (int p = 0; p < parallel; ++p) {
     threads.emplace_back([&] {
       for (int i = next++; i < count && !failed; i = next++) {
-        status[i] = !replay.empty()
-                        ? RunReplayed(*m, replay[i], open, {.answer_prefill = o.answer_prefill},
-                                      &rep.sessions[i], &tiers[i], line)
-                    : m != nullptr ? RunModel(o, *m, open, i, &rep.sessions[i], &tiers[i], line)
-                                   : RunSynthetic(o, open, i, &rep.sessions[i], &tiers[i], line);
+        status[i] =
+            !replay.empty()
+                ? RunReplayed(*m, replay[i], open, {.answer_prefill = o.answer_prefill},
+                              teachers ? &*teachers : nullptr, &rep.sessions[i], &tiers[i], line)
+            : m != nullptr ? RunModel(o, *m, open, i, &rep.sessions[i], &tiers[i], line)
+                           : RunSynthetic(o, open, i, &rep.sessions[i], &tiers[i], line);
         if (auto* c = dynamic_cast<ClusterSession*>(tiers[i].get()); c != nullptr) {
           c->RefreshRoute().IgnoreError();  // The report says where it is, not where it was.
           rep.sessions[i].worker = c->worker_node_id();

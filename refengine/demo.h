@@ -61,6 +61,12 @@ struct DemoOptions {
   // way to score a method, not for speculation (which acts at decode
   // steps) nor for decode timings. Default: one decode step per token.
   bool answer_prefill = false;
+  // With `conversations`: a directory of the full cache's logits
+  // (refengine/teacher_cache.h). A conversation found there is scored
+  // against them instead of running the full cache again; one that is not
+  // is run and added. For replays of the same conversations under several
+  // policies. Empty: the full cache runs beside the tier every time.
+  std::string teacher_cache;
   int sessions = 4;
   int rounds = 24;
   // Per round; 0 takes the workload's default (synthetic 16 + 16, model
@@ -127,6 +133,9 @@ struct DemoSession {
   // Replay: the conversation's id and line, and each round's scores.
   std::string conversation, where;
   std::vector<ReplayRoundScore> replay;
+  // The full cache's logits came from DemoOptions.teacher_cache (its
+  // local_decode_ms is then the time measured when they were written).
+  bool teacher_cached = false;
   // Replay of a file whose rounds say what their answers must contain
   // ("expect") on a model with a tokenizer: each such answer as text, the
   // greedy tokens over the round's scored span, and whether it contains the

@@ -552,6 +552,14 @@ std::string RenderText(const DemoReport& r) {
       r.inproc ? "with the worker engine in this process (the store remote)"
                : "through kvtier-worker (every layer over gRPC)",
       Ratio(t.local_ms, t.decode_tokens));
+  int cached = 0;
+  for (const DemoSession& d : r.sessions) cached += d.teacher_cached ? 1 : 0;
+  if (cached > 0) {
+    absl::StrAppendFormat(&s,
+                          "full cache: read from --teacher_cache for %d of %zu conversations "
+                          "(its time is the one measured when they were written)\n",
+                          cached, r.sessions.size());
+  }
   if (Synthetic(r)) {
     absl::StrAppendFormat(&s,
                           "fidelity: attention-output relative error %.5f (every layer, every "
@@ -726,8 +734,9 @@ std::string RenderJson(const DemoReport& r) {
     }
     absl::StrAppend(&s, "]");
     if (!d.replay.empty()) {
-      absl::StrAppend(&s, ", \"conversation\": ", JsonQuote(d.conversation),
-                      ", \"line\": ", JsonQuote(d.where), ", \"replay_rounds\": [");
+      absl::StrAppend(
+          &s, ", \"conversation\": ", JsonQuote(d.conversation), ", \"line\": ", JsonQuote(d.where),
+          ", \"teacher_cached\": ", d.teacher_cached ? "true" : "false", ", \"replay_rounds\": [");
       for (size_t j = 0; j < d.replay.size(); ++j) {
         const ReplayRoundScore& x = d.replay[j];
         const TierRound* tr = j < d.rounds.size() ? &d.rounds[j] : nullptr;

@@ -25,6 +25,10 @@
 #             (each round's answer as one prefill, every position scored from it: the
 #             same figures several times faster, but no decode timings and no SPEC)
 #             [decode]
+#   TEACHER_CACHE  with CONVERSATIONS: a directory that keeps the full cache's logits
+#             of each conversation (kvtier-engine --teacher_cache), so that replays of the
+#             same conversations under other policies skip the full cache; about 1 MiB a
+#             Gemma 3 answer token; yours to remove [unset]
 #   MODE      remote: every layer's attention in kvtier-worker over gRPC; inproc: the
 #             worker engine in kvtier-engine's own process, only the store remote (then
 #             the same conversations run remote too, for the per-token cost) [remote]
@@ -223,6 +227,7 @@ case "${ANSWERS:-decode}" in
     ;;
 esac
 [ -n "$REPORT" ] && ARGS+=(--report="$REPORT")
+[ -n "${TEACHER_CACHE:-}" ] && ARGS+=(--teacher_cache="$(realpath -m "$TEACHER_CACHE")")
 [ -n "$SPEC" ] && ARGS+=(--speculation="$SPEC" --skew="$SPEC_SKEW")
 [ -n "${SHARED_DECODE_STREAM:-}" ] && ARGS+=(--shared_decode_stream="$SHARED_DECODE_STREAM")
 MODE=${MODE:-remote}

@@ -4,6 +4,7 @@
 // real kvtier-worker and kvtier-store with the report's figures.
 #include "refengine/replay.h"
 
+#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -300,6 +301,52 @@ TEST_F(ReplayDemoTest, SampleFileThroughTheWorker) {
   EXPECT_EQ(local, n);  // The full cache is the same run whatever the tier does.
   EXPECT_LT(tier, n * 9 / 10);
   EXPECT_EQ(StoreSessions(), 0u);  // The demo deletes its sessions at the end.
+}
+
+// With a teacher cache, the first replay computes the full cache and keeps
+// its logits; the second reads them and scores every round exactly as the
+// first did; a copy of the model file is another identity and computes again.
+TEST_F(ReplayDemoTest, TeacherCacheScoresAsTheFullCacheDid) {
+  KVT_REQUIRE_SHARED_MODEL(path);
+  testing::TempDir dir;
+  refengine::DemoOptions o = Options(path);
+  o.codec = "kivi2";
+  o.recall = "mass:0.95";
+  o.teacher_cache = dir.path() + "/teachers";
+  KVT_ASSERT_OK_AND_ASSIGN(refengine::DemoReport first, refengine::RunDemo(o, {}));
+  KVT_ASSERT_OK_AND_ASSIGN(refengine::DemoReport second, refengine::RunDemo(o, {}));
+  ASSERT_EQ(first.sessions.size(), 4u);
+  ASSERT_EQ(second.sessions.size(), 4u);
+  for (size_t i = 0; i < first.sessions.size(); ++i) {
+    const refengine::DemoSession& a = first.sessions[i];
+    const refengine::DemoSession& b = second.sessions[i];
+    EXPECT_FALSE(a.teacher_cached);
+    EXPECT_TRUE(b.teacher_cached);
+    EXPECT_EQ(b.local_decode_ms, a.local_decode_ms);  // The time measured when written.
+    EXPECT_EQ(b.agreement.top1, a.agreement.top1);
+    EXPECT_EQ(b.agreement.kl, a.agreement.kl);
+    ASSERT_EQ(a.replay.size(), b.replay.size());
+    for (size_t r = 0; r < a.replay.size(); ++r) {
+      EXPECT_EQ(a.replay[r].local_tokens, b.replay[r].local_tokens) << i << " round " << r;
+      EXPECT_EQ(a.replay[r].local_correct, b.replay[r].local_correct);
+      EXPECT_EQ(a.replay[r].kl_sum, b.replay[r].kl_sum) << i << " round " << r;
+    }
+  }
+  EXPECT_THAT(refengine::RenderText(second),
+              HasSubstr("full cache: read from --teacher_cache for 4 of 4 conversations"));
+  EXPECT_THAT(refengine::RenderJson(second), HasSubstr("\"teacher_cached\": true"));
+  EXPECT_THAT(refengine::RenderText(first), ::testing::Not(HasSubstr("--teacher_cache")));
+
+  const std::string copy = dir.path() + "/copy.bin";
+  std::filesystem::copy_file(path, copy);
+  o.model = copy;
+  o.sessions = 4;
+  KVT_ASSERT_OK_AND_ASSIGN(refengine::DemoReport other, refengine::RunDemo(o, {}));
+  for (const refengine::DemoSession& s : other.sessions) EXPECT_FALSE(s.teacher_cached);
+
+  o.conversations.clear();
+  EXPECT_THAT(refengine::RunDemo(o, {}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("needs --conversations")));
 }
 
 // In-process mode (the worker engine inside the engine, the store remote):
