@@ -27,7 +27,7 @@ the combinations with KIVI-4, the other budgets, bit widths and recall
 strategies, GEAR-4 and Ada-SnapKV. Runs already in DIR (a report per method) are
 reused, so an interrupted run goes on where it stopped. The full cache runs
 once per conversation and answer mode: its logits are kept in DIR/teacher
-(about 1 MiB an answer token, 8.6 GiB for 8 conversations), read by every
+(about 1 MiB an answer token: 6.3 GiB for 8 conversations and one mode), read by every
 later method, and removed once every method has its report. Needs what `make demo
 MODEL=gemma3` needs (scripts/kvtier.sh installs the model on first use).
 docs/fidelity.md has the figures and how they were made.
