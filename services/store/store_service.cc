@@ -13,6 +13,7 @@
 #include "base/memory.h"
 #include "base/status_macros.h"
 #include "cachestore/names.h"
+#include "cachestore/upload.h"
 #include "kernels/crc32c.h"
 #include "rpc/grpc_status.h"
 #include "rpc/wire_format.h"
@@ -119,60 +120,92 @@ uint64_t StoreService::InflightUploadBytes(const std::string& tenant) const {
 
 // ---- PutSegment, PutSegments ----
 
-// Reads the header and reserves room, then accumulates chunks on the
-// callback thread (a memcpy, never blocking) and commits. The reservation and
-// the commit run on the callback thread when the store can do them without
-// waiting (Store::TryBeginWrite, Store::TryCommitWrite: no lock held by
-// another call's removals, no disk room to make; a commit that is one
-// RocksDB write without fsync and does not stall), else on the executor. A
-// small put thus skips two hand-offs between threads.
-// A payload that goes to a file of its own is also written to that file as it
-// arrives, by one writer task at a time on the executor (WriteChunks), so the
-// disk works while the rest is received; the commit, and any failure after
-// the header, wait for that task (RunAfterWrites). Exactly one Finish() is
-// called on every path; nothing touches `this` after it, since OnDone() may
-// delete the reactor at once.
-//
-// PutSegments (`batch_`) runs the same steps for each segment in turn: a
-// segment commits when its last byte arrives (not at the half-close), its
-// outcome goes into the reply (EndSegment) and the next message is read
-// once it has committed. A segment refused at its header has its bytes read
-// and dropped (skip_). Errors of the stream itself end the call (Done).
-// With sync_writes, the commits are not synced one by one (defer_sync, so a
-// small one may commit on the callback thread too): one WAL sync at the
-// half-close makes them all durable before the reply.
-class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+namespace {
+
+cachestore::WriteSpec SpecOf(const std::string& tenant, const v1::PutSegmentHeader& h) {
+  cachestore::WriteSpec spec;
+  spec.tenant = tenant;
+  spec.session = h.session_id();
+  spec.id = {h.ref().round(), h.ref().segment()};
+  spec.layer_begin = h.layer_begin();
+  spec.layer_end = h.layer_end();
+  spec.payload_bytes = h.payload_bytes();
+  spec.payload_crc32c = h.payload_crc32c();
+  spec.has_round_summary = h.has_round_summary();
+  if (h.has_round_summary()) spec.round_summary = h.round_summary();
+  if (h.has_session_ttl_seconds()) spec.session_ttl_seconds = h.session_ttl_seconds();
+  return spec;
+}
+
+// A successful upload's reply: PutSegmentsResponse with every segment's
+// outcome, or PutSegment's one committed segment.
+grpc::ByteBuffer ReplyOf(const std::vector<cachestore::UploadResult>& results, bool batch) {
+  if (!batch) {
+    v1::PutSegmentResponse reply;
+    if (!results.empty() && results[0].info.has_value()) {
+      *reply.mutable_segment() = kvtier::ToProto(*results[0].info);
+      reply.set_charged_bytes(results[0].charged_bytes);
+    }
+    return wire::Serialize(reply);
+  }
+  v1::PutSegmentsResponse reply;
+  for (const cachestore::UploadResult& x : results) {
+    v1::PutSegmentsResult* r = reply.add_results();
+    r->mutable_ref()->set_round(x.id.round);
+    r->mutable_ref()->set_segment(x.id.segment);
+    r->set_code(static_cast<int>(x.status.code()));
+    r->set_message(std::string(x.status.message()));
+    if (x.info.has_value()) {
+      *r->mutable_segment() = kvtier::ToProto(*x.info);
+      r->set_charged_bytes(x.charged_bytes);
+    }
+  }
+  return wire::Serialize(reply);
+}
+
+}  // namespace
+
+// The transport of one upload (cachestore/upload.h holds its logic): checks
+// the caller, turns each message into the upload's event (parsing only the
+// header; a chunk's bytes are appended from gRPC's slices), runs what the
+// upload schedules on the executor, and answers. The idle watchdog
+// (services/common/idle_read.h) fails a stream whose client went silent.
+class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer>,
+                                 private cachestore::UploadCall {
  public:
   PutReactor(StoreService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp,
              bool batch)
       : svc_(svc),
-        ctx_(ctx),
         resp_(resp),
         start_(absl::Now()),
         batch_(batch),
-        method_(batch ? "PutSegments" : "PutSegment") {
-    absl::StatusOr<Principal> p = svc_->auth_->Authenticate(*ctx_);
+        method_(batch ? "PutSegments" : "PutSegment"),
+        upload_(
+            svc->store_, this,
+            {.batch = batch, .method = method_, .max_chunk_bytes = svc->options_.max_chunk_bytes}) {
+    absl::StatusOr<Principal> p = svc_->auth_->Authenticate(*ctx);
     absl::Status allowed = p.ok() ? Authenticator::RequireWrite(*p) : p.status();
     if (!allowed.ok()) {
-      Done(allowed);
+      Answer(allowed, {});
       return;
     }
     principal_ = *std::move(p);
     svc_->Register(this);
-    Read();
+    registered_ = true;
+    upload_.Start();
   }
 
-  // For the idle watchdog (services/common/idle_read.h): since when the
-  // stream has waited for the client's next message; nullopt while the
-  // store itself works (a slow fsync is not the client's idleness).
+  // For the watchdog: since when the stream has waited for the client's
+  // next message; nullopt while the store itself works (a slow fsync is not
+  // the client's idleness).
   std::optional<absl::Time> waiting_since() const { return idle_.since(); }
   // Called by the watchdog under upload_mu_, while registered (so before
-  // Done), with what waiting_since() said: when it takes the stream, the
-  // upload fails DEADLINE_EXCEEDED on the executor.
+  // the answer), with what waiting_since() said: when it takes the stream,
+  // the upload fails DEADLINE_EXCEEDED on the executor.
   void CancelIdle(absl::Time since) {
     if (!idle_.Take(since)) return;
     svc_->executor_->Schedule([this] {
-      Fail(absl::DeadlineExceededError(
+      upload_.Fail(absl::DeadlineExceededError(
           absl::StrCat("upload idle for ", absl::FormatDuration(svc_->options_.upload_idle_timeout),
                        " (no message from the client); the store ended it")));
     });
@@ -181,7 +214,7 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   void OnReadDone(bool ok) override {
     if (!idle_.ReadDone()) return;  // The watchdog failed the stream.
     if (!ok) {                      // The client half-closed (or the call broke).
-      HalfClosed();
+      upload_.OnHalfClose();
       return;
     }
     // Fast path: the message is one field (1 = header, 2 = chunk); anything
@@ -190,394 +223,79 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
     v1::PutSegmentRequest parsed;
     if (!field.ok()) {
       if (absl::Status s = wire::Parse(req_, &parsed); !s.ok()) {
-        Fail(s);
+        upload_.Fail(s);
         return;
       }
     }
-    const bool is_header = field.ok() ? field->number == 1 : parsed.has_header();
-    const bool is_chunk = field.ok() ? field->number == 2 : parsed.has_chunk();
-    if (!ticket_.valid() && !skipping_) {
-      if (!is_header) {
-        Done(absl::InvalidArgumentError(
-            segments_ == 0 ? absl::StrCat("the first ", method_, " message must be the header")
-                           : absl::StrCat("after segment ", segments_,
-                                          "'s last byte the next message must be a header")));
+    if (field.ok() ? field->number == 1 : parsed.has_header()) {
+      v1::PutSegmentHeader h;
+      if (field.ok() && !h.ParseFromString(field->ToString())) {
+        upload_.OnHeader(absl::InvalidArgumentError("not a PutSegmentHeader"));
         return;
       }
-      if (batch_ && segments_ == kMaxBatchSegments) {
-        Done(absl::InvalidArgumentError(
-            absl::StrCat("PutSegments takes at most ", kMaxBatchSegments, " segments a call")));
-        return;
-      }
-      if (field.ok() && !header_.ParseFromString(field->ToString())) {
-        Done(absl::InvalidArgumentError(absl::StrCat(method_, " header does not parse")));
-        return;
-      }
-      if (!field.ok()) header_ = parsed.header();
-      ++segments_;
-      if (!Admit()) return;
-      std::optional<absl::StatusOr<cachestore::WriteTicket>> t = svc_->store_->TryBeginWrite(spec_);
-      if (t.has_value()) {
-        Started(*std::move(t));
-      } else {
-        svc_->executor_->Schedule([this] { Started(svc_->store_->BeginWrite(spec_)); });
-      }
-      return;
-    }
-    if (!is_chunk) {
-      Fail(absl::InvalidArgumentError(
-          batch_ ? absl::StrCat("a header came before segment ", segments_, "'s last byte")
-                 : "only one header is allowed per PutSegment stream"));
-      return;
-    }
-    const size_t size = field.ok() ? field->size : parsed.chunk().size();
-    if (size > svc_->options_.max_chunk_bytes) {
-      Fail(absl::InvalidArgumentError(
-          absl::StrCat("chunk of ", size, " bytes exceeds ", svc_->options_.max_chunk_bytes)));
-      return;
-    }
-    if (skipping_) {  // A refused segment's bytes (PutSegments).
-      if (size > skip_) {
-        Done(absl::OutOfRangeError(absl::StrCat("oversize stream: segment ", segments_,
-                                                " has fewer declared payload bytes left")));
-        return;
-      }
-      skip_ -= size;
-      skipping_ = skip_ != 0;
-      Read();
-      return;
-    }
-    if (buffer_.size() + size > ticket_.spec().payload_bytes) {
-      Fail(absl::OutOfRangeError(absl::StrCat("oversize stream: more than the declared ",
-                                              ticket_.spec().payload_bytes, " payload bytes")));
-      return;
-    }
-    // Checksum each chunk as it lands, while it is still in cache.
-    const size_t at = buffer_.size();
-    if (field.ok()) {
-      field->AppendTo(&buffer_);
+      upload_.OnHeader(SpecOf(principal_.tenant, field.ok() ? h : parsed.header()));
+    } else if (field.ok() ? field->number == 2 : parsed.has_chunk()) {
+      upload_.OnChunk(field.ok() ? field->size : parsed.chunk().size(), [&](std::string* out) {
+        if (field.ok()) {
+          field->AppendTo(out);
+        } else {
+          out->append(parsed.chunk());
+        }
+      });
     } else {
-      buffer_.append(parsed.chunk());
+      upload_.OnOtherMessage();
     }
-    crc_ = Crc32cExtend(crc_, buffer_.data() + at, buffer_.size() - at);
-    if (streaming_) {
-      received_.store(buffer_.size(), std::memory_order_release);
-      KickWriter();
-    }
-    if (batch_ && buffer_.size() == payload_bytes_) {
-      CommitSegment();  // Reads on once it has committed.
-      return;
-    }
-    Read();
   }
 
   void OnDone() override { delete this; }
 
  private:
-  static constexpr int kMaxBatchSegments = 4096;
-
-  void HalfClosed() {
-    if (batch_) {
-      if (ticket_.valid() || skipping_) {
-        const uint64_t got = skipping_ ? header_.payload_bytes() - skip_ : buffer_.size();
-        Fail(absl::OutOfRangeError(absl::StrCat("truncated stream: segment ", segments_, " got ",
-                                                got, " of ", header_.payload_bytes(),
-                                                " payload bytes")));
-      } else if (segments_ == 0) {
-        Done(absl::InvalidArgumentError("PutSegments stream ended without a header"));
-      } else if (svc_->store_->options().sync_writes) {
-        // The batch's commits were not synced one by one: one WAL sync for
-        // all of them before any is acknowledged.
-        svc_->executor_->Schedule([this] { Answer(svc_->store_->SyncWrites()); });
-      } else {
-        Answer(absl::OkStatus());
-      }
-      return;
-    }
-    if (!ticket_.valid()) {
-      Done(absl::InvalidArgumentError("PutSegment stream ended without a header"));
-    } else if (buffer_.size() != ticket_.spec().payload_bytes) {
-      Fail(absl::OutOfRangeError(absl::StrCat("truncated stream: got ", buffer_.size(), " of ",
-                                              ticket_.spec().payload_bytes, " payload bytes")));
-    } else {
-      CommitSegment();
-    }
-  }
-
-  // PutSegments' reply, once its segments are durable.
-  void Answer(const absl::Status& synced) {
-    if (synced.ok()) *resp_ = wire::Serialize(batch_reply_);
-    Done(synced);
-  }
-
-  // The payload is complete: commits it here when the store can do it
-  // without waiting, else on the executor once no writer task runs.
-  void CommitSegment() {
-    if (!streaming_ && TryCommitNow()) return;  // No writer task ever ran for an inline payload.
-    RunAfterWrites([this] { Commit(); });
-  }
-
-  // The header's spec into spec_, its size checked and admitted against the
-  // caller's uploads in flight; on failure the segment is refused (false).
-  bool Admit() {
-    const v1::PutSegmentHeader& h = header_;
-    cachestore::WriteSpec& spec = spec_;
-    spec.tenant = principal_.tenant;
-    spec.session = h.session_id();
-    spec.id = {h.ref().round(), h.ref().segment()};
-    spec.layer_begin = h.layer_begin();
-    spec.layer_end = h.layer_end();
-    spec.payload_bytes = h.payload_bytes();
-    spec.payload_crc32c = h.payload_crc32c();
-    spec.has_round_summary = h.has_round_summary();
-    spec.round_summary = h.has_round_summary() ? h.round_summary() : v1::RoundSummary();
-    spec.session_ttl_seconds.reset();
-    if (h.has_session_ttl_seconds()) spec.session_ttl_seconds = h.session_ttl_seconds();
-    // The size's range first: a header declaring 2^64 - 1 bytes is out of
-    // range, not a request that merely does not fit right now.
-    const uint64_t max_segment = svc_->store_->options().max_segment_bytes;
-    if (spec.payload_bytes == 0 || spec.payload_bytes > max_segment) {
-      Refused(absl::OutOfRangeError(
-          absl::StrCat("payload_bytes ", spec.payload_bytes, " outside [1, ", max_segment, "]")));
-      return false;
-    }
-    if (absl::Status s = svc_->AdmitUpload(principal_.caller, spec.payload_bytes); !s.ok()) {
-      Refused(s);
-      return false;
-    }
-    inflight_bytes_ = spec.payload_bytes;
-    return true;
-  }
-
-  // BeginWrite's answer: the payload is read next.
-  void Started(absl::StatusOr<cachestore::WriteTicket> t) {
-    const cachestore::WriteSpec& spec = spec_;
-    if (!t.ok()) {
-      Refused(t.status());
-      return;
-    }
-    ticket_ = *std::move(t);
-    buffer_.reserve(spec.payload_bytes);
-    // buffer_ never reallocates from here on (appends stay within the
-    // declared size), so the writer task reads the received bytes through
-    // base_ while the callback thread appends after them.
-    base_ = buffer_.data();
-    payload_bytes_ = spec.payload_bytes;
-    streaming_ = spec.payload_bytes > svc_->store_->options().inline_payload_max_bytes;
-    // Initial metadata tells the client the header was accepted (quota and
-    // room reserved) before it streams the payload. A batch's client streams
-    // without waiting: its metadata comes with the reply.
-    if (!batch_) StartSendInitialMetadata();
-    Read();
-  }
-
-  // A segment refused at its header (nothing reserved is kept): PutSegment
-  // ends; PutSegments records it and drops its bytes as they come.
-  void Refused(const absl::Status& s) {
-    if (!batch_) {
-      Done(s);
-      return;
-    }
-    EndSegment(s);
-    skip_ = header_.payload_bytes();
-    skipping_ = skip_ != 0;
-    Read();
-  }
-
-  void Read() {
+  // cachestore::UploadCall.
+  void Read() override {
     idle_.Waiting();
     StartRead(&req_);
   }
-
-  // Starts the writer task when enough has arrived and none runs.
-  void KickWriter() {
-    {
-      absl::MutexLock lock(&write_mu_);
-      if (writer_running_) return;
-      const size_t received = received_.load(std::memory_order_acquire);
-      if (received - streamed_ < kWriteBatch && received != payload_bytes_) return;
-      writer_running_ = true;
-    }
-    svc_->executor_->Schedule([this] { WriteChunks(); });
+  void HeaderAccepted() override { StartSendInitialMetadata(); }
+  void Schedule(std::function<void()> task) override { svc_->executor_->Schedule(std::move(task)); }
+  absl::Status Admit(uint64_t bytes) override {
+    return svc_->AdmitUpload(principal_.caller, bytes);
   }
-
-  // The writer task: writes what has arrived until it has caught up, then
-  // runs what waited for it.
-  void WriteChunks() {
-    std::function<void()> then;
-    for (;;) {
-      size_t from, to;
-      {
-        absl::MutexLock lock(&write_mu_);
-        from = streamed_;
-        to = received_.load(std::memory_order_acquire);
-        if (from == to || !write_status_.ok()) {
-          writer_running_ = false;
-          then = std::move(after_writes_);
-          after_writes_ = nullptr;
-          break;
-        }
-      }
-      absl::Status s = svc_->store_->WriteChunk(ticket_, std::string_view(base_ + from, to - from));
-      absl::MutexLock lock(&write_mu_);
-      streamed_ = to;
-      if (!s.ok()) write_status_ = s;
-    }
-    if (then) then();
-  }
-
-  // Runs `fn` on the executor once no writer task runs: at the writer's
-  // end, or scheduled now when none runs.
-  void RunAfterWrites(std::function<void()> fn) {
-    {
-      absl::MutexLock lock(&write_mu_);
-      if (writer_running_) {
-        after_writes_ = std::move(fn);
-        return;
-      }
-    }
-    svc_->executor_->Schedule(std::move(fn));
-  }
-
-  // A failure after the header: the writer task may be using the ticket.
-  void Fail(const absl::Status& s) {
-    if (!ticket_.valid()) {
-      Done(s);
-      return;
-    }
-    RunAfterWrites([this, s] { Done(s); });
-  }
-
-  void Commit() {
-    absl::Status streamed;
-    {
-      absl::MutexLock lock(&write_mu_);
-      streamed = write_status_;
-    }
-    if (!streamed.ok()) {
-      Committed(streamed, 0);
-      return;
-    }
-    const uint64_t bytes = ticket_.spec().payload_bytes;
-    Committed(svc_->store_->CommitWrite(std::move(ticket_), std::move(buffer_), crc_,
-                                        /*defer_sync=*/batch_),
-              bytes);
-  }
-
-  // The commit on this (callback) thread, when the store can do it without
-  // waiting; false (nothing done) when it declines.
-  bool TryCommitNow() {
-    const uint64_t bytes = ticket_.spec().payload_bytes;
-    std::optional<absl::StatusOr<cachestore::SegmentInfo>> info =
-        svc_->store_->TryCommitWrite(ticket_, buffer_, crc_, /*defer_sync=*/batch_);
-    if (!info.has_value()) return false;
-    Committed(*std::move(info), bytes);
-    return true;
-  }
-
-  void Committed(const absl::StatusOr<cachestore::SegmentInfo>& info, uint64_t bytes) {
-    if (batch_) {
-      EndSegment(info.status(), info.ok() ? &*info : nullptr, bytes);
-      Read();
-      return;
-    }
-    if (info.ok()) {
-      v1::PutSegmentResponse resp;
-      *resp.mutable_segment() = ToProto(*info);
-      resp.set_charged_bytes(bytes);
-      *resp_ = wire::Serialize(resp);
-    }
-    Done(info.status());
-  }
-
-  // Gives back what the current segment holds (its reservation, in-flight
-  // share and buffer) and readies the reactor for the next; in a batch, also
-  // records the segment's outcome in the reply.
-  void EndSegment(const absl::Status& s, const cachestore::SegmentInfo* info = nullptr,
-                  uint64_t bytes = 0) {
-    // Abort a pending write before the client hears the outcome, so that a
-    // retry never meets the failed upload's reservation (ALREADY_EXISTS).
-    ticket_ = cachestore::WriteTicket();
-    svc_->RefundUpload(principal_.caller, inflight_bytes_);
-    inflight_bytes_ = 0;
-    std::string().swap(buffer_);
-    crc_ = 0;
-    base_ = nullptr;
-    payload_bytes_ = 0;
-    streaming_ = false;
-    received_.store(0, std::memory_order_relaxed);
-    {
-      absl::MutexLock lock(&write_mu_);
-      streamed_ = 0;
-      write_status_ = absl::OkStatus();
-    }
+  void Refund(uint64_t bytes) override { svc_->RefundUpload(principal_.caller, bytes); }
+  void SegmentDone(const absl::Status& s) override {
+    svc_->metrics_->CountSegmentPut(method_, s.ok());
     if (!s.ok()) {
       LogInfo(absl::StrCat(method_, " rejected"), {{"tenant", principal_.tenant},
                                                    {"code", absl::StatusCodeToString(s.code())},
                                                    {"error", std::string(s.message())}});
     }
-    if (segments_ == 0) return;  // No header yet: no segment.
-    svc_->metrics_->CountSegmentPut(method_, s.ok());
-    if (!batch_) return;
-    v1::PutSegmentsResult* r = batch_reply_.add_results();
-    *r->mutable_ref() = header_.ref();
-    r->set_code(static_cast<int>(s.code()));
-    r->set_message(std::string(s.message()));
-    if (info != nullptr) {
-      *r->mutable_segment() = ToProto(*info);
-      r->set_charged_bytes(bytes);
-    }
+  }
+  void Finish(const absl::Status& s, std::vector<cachestore::UploadResult> results) override {
+    Answer(s, std::move(results));
   }
 
-  void Done(const absl::Status& s) {
-    if (batch_) {
-      if (ticket_.valid() || inflight_bytes_ != 0) EndSegment(absl::CancelledError("call failed"));
-    } else {
-      EndSegment(s);
+  void Answer(const absl::Status& s, std::vector<cachestore::UploadResult> results) {
+    if (s.ok()) *resp_ = ReplyOf(results, batch_);
+    if (!s.ok() && (batch_ || upload_.segments() == 0)) {
+      LogInfo(absl::StrCat(method_, " failed"), {{"tenant", principal_.tenant},
+                                                 {"code", absl::StatusCodeToString(s.code())},
+                                                 {"error", std::string(s.message())},
+                                                 {"results_lost", absl::StrCat(results.size())}});
     }
-    if (batch_ && !s.ok()) {
-      LogInfo("PutSegments failed", {{"tenant", principal_.tenant},
-                                     {"code", absl::StatusCodeToString(s.code())},
-                                     {"error", std::string(s.message())},
-                                     {"results_lost", absl::StrCat(batch_reply_.results_size())}});
-    }
-    svc_->Unregister(this);
+    if (registered_) svc_->Unregister(this);
     svc_->metrics_->ObserveRequest(method_, absl::Now() - start_, s.ok());
-    Finish(ToGrpc(s));
+    grpc::ServerReadReactor<grpc::ByteBuffer>::Finish(ToGrpc(s));
   }
 
   StoreService* const svc_;
-  grpc::CallbackServerContext* const ctx_;
   grpc::ByteBuffer* const resp_;
   const absl::Time start_;
   const bool batch_;          // PutSegments.
   const std::string method_;  // For errors, logs and metrics.
   Principal principal_;
+  bool registered_ = false;  // With the watchdog.
   grpc::ByteBuffer req_;
-  v1::PutSegmentHeader header_;
-  cachestore::WriteSpec spec_;   // From header_ (Admit).
-  uint64_t inflight_bytes_ = 0;  // Admitted by svc_->AdmitUpload.
   IdleRead idle_;
-  uint32_t crc_ = 0;  // CRC-32C of buffer_.
-  cachestore::WriteTicket ticket_;
-  std::string buffer_;
-  // PutSegments: headers read so far, the reply, a refused segment's bytes
-  // still to drop.
-  int segments_ = 0;
-  v1::PutSegmentsResponse batch_reply_;
-  bool skipping_ = false;
-  uint64_t skip_ = 0;
-  // Streaming to the payload file (set in Begin).
-  static constexpr size_t kWriteBatch = size_t{1} << 20;
-  bool streaming_ = false;
-  const char* base_ = nullptr;  // buffer_.data(), stable once reserved.
-  uint64_t payload_bytes_ = 0;
-  std::atomic<size_t> received_{0};  // Bytes of buffer_ the writer may read.
-  absl::Mutex write_mu_;
-  bool writer_running_ ABSL_GUARDED_BY(write_mu_) = false;
-  size_t streamed_ ABSL_GUARDED_BY(write_mu_) = 0;
-  absl::Status write_status_ ABSL_GUARDED_BY(write_mu_);
-  std::function<void()> after_writes_ ABSL_GUARDED_BY(write_mu_);
+  cachestore::Upload upload_;
 };
 
 void StoreService::Register(PutReactor* r) {
