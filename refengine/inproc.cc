@@ -108,9 +108,8 @@ absl::StatusOr<std::unique_ptr<TierSession>> InProcessBackend(worker::Engine* en
   KVT_ASSIGN_OR_RETURN(worker::SessionPolicy p, PolicyFromProto(policy, spec.dtype()));
   worker::SessionKey key(session);
   KVT_RETURN_IF_ERROR(engine->OpenSession(key, shape, p));
-  KVT_ASSIGN_OR_RETURN(worker::SessionPolicy eff, engine->Policy(key));
-  auto s = std::make_unique<InProcess>(engine, key, shape, EffectivePolicy(policy, eff));
   KVT_ASSIGN_OR_RETURN(worker::SessionStats st, engine->Stats(key));
+  auto s = std::make_unique<InProcess>(engine, key, shape, EffectivePolicy(policy, st.policy));
   s->set_on_device(st.on_device);
   s->set_speculation_on_device(st.speculation_on_device);
   return std::unique_ptr<TierSession>(std::move(s));

@@ -708,7 +708,7 @@ TEST_F(WorkerEngineTest, SessionCapAndWorkingSetBudget) {
   const int d = kShape.head_dim;
   auto prefill = [&](const std::string& id, int64_t n) { return PrefillAll(engine, id, n, &rng); };
   KVT_ASSERT_OK(prefill("a", 6));
-  EXPECT_EQ(engine.TotalWorkingSetBytes(), 6u * 4 * 2 * 16 * 2 * 2);
+  EXPECT_EQ(engine.totals().working_set_bytes, 6u * 4 * 2 * 16 * 2 * 2);
   EXPECT_THAT(prefill("b", 6), StatusIs(absl::StatusCode::kResourceExhausted));
   KVT_ASSERT_OK_AND_ASSIGN(auto stats, engine.Stats("b"));
   EXPECT_EQ(stats.tokens, 0u);
@@ -717,7 +717,7 @@ TEST_F(WorkerEngineTest, SessionCapAndWorkingSetBudget) {
   EXPECT_THAT(engine.DecodeLayer("a", 0, q.data(), kv.data(), kv.data(), out.data()),
               StatusIs(absl::StatusCode::kResourceExhausted));
   KVT_ASSERT_OK(engine.CloseSession("b", /*delete_from_store=*/true));
-  EXPECT_EQ(engine.TotalWorkingSetBytes(), 6u * 4 * 2 * 16 * 2 * 2);
+  EXPECT_EQ(engine.totals().working_set_bytes, 6u * 4 * 2 * 16 * 2 * 2);
   KVT_ASSERT_OK(engine.OpenSession("c", kShape, {}));
   for (int l = 0; l < kShape.layers; ++l) {
     KVT_ASSERT_OK(engine.DecodeLayer("a", l, q.data(), kv.data(), kv.data(), out.data()));
@@ -726,7 +726,7 @@ TEST_F(WorkerEngineTest, SessionCapAndWorkingSetBudget) {
   EXPECT_EQ(stats.tokens, 7u);
   KVT_ASSERT_OK(engine.CloseSession("a", true));
   KVT_ASSERT_OK(engine.CloseSession("c", true));
-  EXPECT_EQ(engine.TotalWorkingSetBytes(), 0u);
+  EXPECT_EQ(engine.totals().working_set_bytes, 0u);
 }
 
 // Issue 14 #2, per tenant: the tenants file's max_sessions and
@@ -797,17 +797,17 @@ TEST_F(WorkerEngineTest, IncomingHoldsCountAgainstTheBudgets) {
   EXPECT_THAT(b->Grow(300), StatusIs(absl::StatusCode::kResourceExhausted,
                                      ::testing::HasSubstr("tenant 'acme'")));
   KVT_ASSERT_OK(b->Grow(200));
-  EXPECT_EQ(engine.TotalWorkingSetBytes(), 600u);
+  EXPECT_EQ(engine.totals().working_set_bytes, 600u);
   EXPECT_THAT(c->Grow(500), StatusIs(absl::StatusCode::kResourceExhausted,
                                      ::testing::HasSubstr("--max_working_set_mb")));
   KVT_ASSERT_OK(c->Grow(400));
   EXPECT_EQ(c->bytes(), 400u);
   a.reset();
-  EXPECT_EQ(engine.TotalWorkingSetBytes(), 600u);
+  EXPECT_EQ(engine.totals().working_set_bytes, 600u);
   KVT_ASSERT_OK(b->Grow(400));
   b.reset();
   c.reset();
-  EXPECT_EQ(engine.TotalWorkingSetBytes(), 0u);
+  EXPECT_EQ(engine.totals().working_set_bytes, 0u);
 }
 
 }  // namespace

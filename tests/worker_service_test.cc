@@ -1704,9 +1704,9 @@ TEST(WorkerPressureTest, ColdSessionsGetTighterPoliciesAndLoseUnrecalledRounds) 
   }
   worker::Engine* engine = pc.worker->engine();
   const worker::SessionKey key("", "p");
-  auto policy = engine->Policy(key);
-  ASSERT_TRUE(policy.ok());
-  EXPECT_EQ(policy->codec.codec, v1::CODEC_RAW);
+  auto stats = engine->Stats(key);
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->policy.codec.codec, v1::CODEC_RAW);
 
   StoreClientOptions so;
   so.target = pc.store->target();
@@ -1716,8 +1716,9 @@ TEST(WorkerPressureTest, ColdSessionsGetTighterPoliciesAndLoseUnrecalledRounds) 
   while ((!tightened || !dropped) && absl::Now() < until) {
     // ListRounds is a use of the session: poll slower than it goes cold.
     absl::SleepFor(absl::Milliseconds(700));
-    policy = engine->Policy(key);
-    tightened = policy.ok() && policy->codec.codec == v1::CODEC_KIVI && policy->codec.bits == 4;
+    stats = engine->Stats(key);
+    tightened =
+        stats.ok() && stats->policy.codec.codec == v1::CODEC_KIVI && stats->policy.codec.bits == 4;
     auto listed = client->ListRounds("p");
     // Round 1 goes; round 2 is the newest.
     dropped = listed.ok() && listed->rounds_size() >= 1 &&
@@ -1728,7 +1729,7 @@ TEST(WorkerPressureTest, ColdSessionsGetTighterPoliciesAndLoseUnrecalledRounds) 
   }
   EXPECT_TRUE(tightened) << "the worker never applied the tightened policy";
   EXPECT_TRUE(dropped) << "the store never dropped round 1";
-  EXPECT_EQ(policy->watershed_layer, 1);  // Stored rounds stay split where they were.
+  EXPECT_EQ(stats->policy.watershed_layer, 1);  // Stored rounds stay split where they were.
 
   // GetPolicy says why, and the metrics count it.
   v1::GetPolicyRequest q;

@@ -189,7 +189,7 @@ TEST_F(WorkerTransferTest, HandOffEveryRoundMatchesOneWorker) {
       KVT_ASSERT_OK(Handoff(*decode_).ImportSession(moved, image, std::move(layers)));
       KVT_ASSERT_OK(Handoff(*prefill_).ForgetSession(moved));
       EXPECT_THAT(prefill_->Stats(moved).status(), StatusIs(absl::StatusCode::kNotFound));
-      EXPECT_EQ(prefill_->TotalWorkingSetBytes(), 0u);
+      EXPECT_EQ(prefill_->totals().working_set_bytes, 0u);
       // Decode on the other worker.
       for (int t = 0; t < 5; ++t) {
         const Step tok = MakeStep(1, &rng);
@@ -211,7 +211,7 @@ TEST_F(WorkerTransferTest, HandOffEveryRoundMatchesOneWorker) {
       }
       // Back to the prefill worker, idle, for the next round.
       KVT_ASSERT_OK(Move(*decode_, *prefill_, moved));
-      EXPECT_EQ(decode_->TotalWorkingSetBytes(), 0u);
+      EXPECT_EQ(decode_->totals().working_set_bytes, 0u);
     }
     KVT_ASSERT_OK(prefill_->CloseSession(moved, true));
     KVT_ASSERT_OK(single_->CloseSession(alone, true));
@@ -244,7 +244,7 @@ TEST_F(WorkerTransferTest, HandBackReusesTheRoundsEachWorkerKept) {
       } else {
         EXPECT_EQ(left_out, 0u);
       }
-      EXPECT_EQ(prefill_->TotalWorkingSetBytes(), 0u);
+      EXPECT_EQ(prefill_->totals().working_set_bytes, 0u);
       for (int t = 0; t < 3; ++t) {
         const Step tok = MakeStep(1, &rng);
         EXPECT_TRUE(
@@ -377,8 +377,8 @@ TEST_F(WorkerTransferTest, ReuseOfARoundNoLongerHeldIsRefused) {
   absl::Status refused = Handoff(*decode_).ImportSession("r", image, std::move(layers));
   EXPECT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition));
   EXPECT_THAT(refused.message(), ::testing::HasSubstr("no longer holds"));
-  EXPECT_EQ(decode_->SessionCount(), 0);
-  EXPECT_EQ(decode_->TotalWorkingSetBytes(), 0u);
+  EXPECT_EQ(decode_->totals().sessions, 0);
+  EXPECT_EQ(decode_->totals().working_set_bytes, 0u);
   KVT_ASSERT_OK(MoveReusing(*prefill_, *decode_, "r", &left_out, &sent));
   EXPECT_EQ(left_out, 0u);
   EXPECT_GT(sent, 0u);
@@ -475,12 +475,12 @@ TEST_F(WorkerTransferTest, ImportRefusals) {
                 StatusIs(absl::StatusCode::kResourceExhausted));
     EXPECT_THAT(Handoff(small).ImportSession("s", image, export_all()),
                 StatusIs(absl::StatusCode::kResourceExhausted));
-    EXPECT_EQ(small.SessionCount(), 0);
-    EXPECT_EQ(small.TotalWorkingSetBytes(), 0u);
+    EXPECT_EQ(small.totals().sessions, 0);
+    EXPECT_EQ(small.totals().working_set_bytes, 0u);
   }
   // None of it touched the receiver, which still takes the session.
-  EXPECT_EQ(decode_->SessionCount(), 0);
-  EXPECT_EQ(decode_->TotalWorkingSetBytes(), 0u);
+  EXPECT_EQ(decode_->totals().sessions, 0);
+  EXPECT_EQ(decode_->totals().working_set_bytes, 0u);
   KVT_ASSERT_OK(Handoff(*decode_).ImportSession("s", image, export_all()));
   KVT_ASSERT_OK_AND_ASSIGN(auto a, decode_->Stats("s"));
   KVT_ASSERT_OK_AND_ASSIGN(auto b, prefill_->Stats("s"));
@@ -792,8 +792,8 @@ TEST_F(TransferServiceTest, FailedHandOffsUndoTheStep) {
   // Out of budget at the receiver.
   expect_undone(Prefill(ps.get(), "s", prompt, Target(*small)),
                 grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_EQ(small->engine()->SessionCount(), 0);
-  EXPECT_EQ(small->engine()->TotalWorkingSetBytes(), 0u);
+  EXPECT_EQ(small->engine()->totals().sessions, 0);
+  EXPECT_EQ(small->engine()->totals().working_set_bytes, 0u);
   // The receiver holds a session of that name already.
   ASSERT_TRUE(Open(ds.get(), "s").ok());
   expect_undone(Prefill(ps.get(), "s", prompt, Target(*d)), grpc::StatusCode::ALREADY_EXISTS);
@@ -867,10 +867,10 @@ TEST_F(TransferServiceTest, FailedHandOffsUndoTheStep) {
     absl::SleepFor(absl::Milliseconds(10));
   }
   EXPECT_EQ(p->engine()->Stats("s")->tokens, 0u);
-  for (int i = 0; i < 100 && d->engine()->SessionCount() != 0; ++i) {
+  for (int i = 0; i < 100 && d->engine()->totals().sessions != 0; ++i) {
     absl::SleepFor(absl::Milliseconds(10));
   }
-  EXPECT_EQ(d->engine()->SessionCount(), 0);
+  EXPECT_EQ(d->engine()->totals().sessions, 0);
   {
     // A real kvtier-worker process, killed (-9) half way through the step.
     testing::TempDir dir;
@@ -937,7 +937,7 @@ TEST_F(TransferServiceTest, HandOffToAWorkerServingTls) {
   const PrefillResult refused = Prefill(plain_stub.get(), "s", prompt, Target(*d));
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE)
       << refused.status.error_message();
-  EXPECT_EQ(d->engine()->SessionCount(), 0);
+  EXPECT_EQ(d->engine()->totals().sessions, 0);
   const PrefillResult sent = Prefill(tls_stub.get(), "s", prompt, Target(*d));
   ASSERT_TRUE(sent.status.ok()) << sent.status.error_message();
   ASSERT_TRUE(sent.transfer.has_value());
@@ -1117,8 +1117,8 @@ TEST_F(TransferServiceTest, ReceiverRefusesCorruptAndUnfinishedStreams) {
   EXPECT_EQ(st.error_code(), grpc::StatusCode::ABORTED) << st.error_message();
   st = send(-1, 2, true);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
-  EXPECT_EQ(d->engine()->SessionCount(), 0);
-  EXPECT_EQ(d->engine()->TotalWorkingSetBytes(), 0u);
+  EXPECT_EQ(d->engine()->totals().sessions, 0);
+  EXPECT_EQ(d->engine()->totals().working_set_bytes, 0u);
   {
     grpc::ClientContext c;
     v1::TransferSessionResponse resp;
@@ -1154,7 +1154,7 @@ TEST_F(TransferServiceTest, ReceiverRefusesCorruptAndUnfinishedStreams) {
     EXPECT_EQ(st.error_code(), grpc::StatusCode::DATA_LOSS) << st.error_message();
     EXPECT_THAT(st.error_message(), ::testing::HasSubstr("layer 1 of the transfer is corrupt"));
   }
-  EXPECT_EQ(d->engine()->SessionCount(), 0);
+  EXPECT_EQ(d->engine()->totals().sessions, 0);
   // The same stream whole is taken, with either checksum, and the session
   // decodes as the source.
   st = send(-1, kShape.layers, true, /*tensor_checksums=*/true);
@@ -1174,10 +1174,10 @@ TEST_F(TransferServiceTest, ReceiverRefusesCorruptAndUnfinishedStreams) {
   st = send(-1, kShape.layers, true, true, nullptr, /*apart=*/true, /*oversize=*/1);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
   EXPECT_THAT(st.error_message(), ::testing::HasSubstr("carries more than"));
-  EXPECT_EQ(d->engine()->SessionCount(), 0);
+  EXPECT_EQ(d->engine()->totals().sessions, 0);
   st = send(-1, kShape.layers, true);
   ASSERT_TRUE(st.ok()) << st.error_message();
-  EXPECT_EQ(d->engine()->SessionCount(), 1);
+  EXPECT_EQ(d->engine()->totals().sessions, 1);
   {
     grpc::ClientContext c;
     v1::CloseSessionRequest req;
@@ -1270,7 +1270,7 @@ TEST_F(TransferServiceTest, DeviceRoundsNeedAnAcceptedSenderDevice) {
     st = send(w, true);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
     EXPECT_THAT(st.error_message(), ::testing::HasSubstr("cannot take"));
-    EXPECT_EQ(w->engine()->SessionCount(), 0);
+    EXPECT_EQ(w->engine()->totals().sessions, 0);
   }
 
   // A host session's hand-off says nothing of devices.

@@ -169,12 +169,12 @@ absl::Status Engine::UpdatePolicy(const SessionKey& id, SessionPolicy policy) {
   return absl::OkStatus();
 }
 
-std::vector<std::pair<SessionKey, int64_t>> Engine::IdleTimes() const {
-  std::vector<std::pair<SessionKey, int64_t>> out;
+std::vector<Engine::SessionEntry> Engine::Sessions() const {
+  std::vector<SessionEntry> out;
   const int64_t now = Session::SteadyNowMs();
   absl::MutexLock lock(&mu_);
   for (const auto& [key, s] : sessions_) {
-    out.emplace_back(key, std::max<int64_t>(0, now - s->last_active_ms.load()));
+    out.push_back({key, std::max<int64_t>(0, now - s->last_active_ms.load())});
   }
   return out;
 }
@@ -703,15 +703,9 @@ absl::StatusOr<SessionStats> Engine::Stats(const SessionKey& id) const {
   st.working_set_bytes = static_cast<uint64_t>(s->WorkingSetBytes());
   st.device_bytes = s->DeviceBytes();
   st.full_cache_bytes += static_cast<uint64_t>(s->TokenBytes(s->tokens));
+  st.policy = s->policy;
+  st.policy.watershed_layer = s->lw;
   return st;
-}
-
-absl::StatusOr<SessionPolicy> Engine::Policy(const SessionKey& id) const {
-  KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
-  absl::MutexLock lock(&s->mu);
-  SessionPolicy p = s->policy;
-  p.watershed_layer = s->lw;
-  return p;
 }
 
 absl::StatusOr<ModelShape> Engine::Shape(const SessionKey& id) const {
@@ -719,20 +713,12 @@ absl::StatusOr<ModelShape> Engine::Shape(const SessionKey& id) const {
   return s->shape;
 }
 
-uint64_t Engine::TotalWorkingSetBytes() const {
-  return static_cast<uint64_t>(std::max<int64_t>(0, working_set_total_.load()));
-}
-
-int Engine::SessionCount() const {
+Engine::Totals Engine::totals() const {
+  Totals t;
+  t.working_set_bytes = static_cast<uint64_t>(std::max<int64_t>(0, working_set_total_.load()));
   absl::MutexLock lock(&mu_);
-  return static_cast<int>(sessions_.size());
-}
-
-std::vector<SessionKey> Engine::Sessions() const {
-  absl::MutexLock lock(&mu_);
-  std::vector<SessionKey> ids;
-  for (const auto& [id, s] : sessions_) ids.push_back(id);
-  return ids;
+  t.sessions = static_cast<int>(sessions_.size());
+  return t;
 }
 
 }  // namespace kvtier::worker

@@ -203,6 +203,8 @@ struct EndRoundReport {
 };
 
 struct SessionStats {
+  // The policy the session runs under (watershed_layer resolved).
+  SessionPolicy policy;
   uint32_t rounds = 0;             // Completed rounds.
   uint64_t tokens = 0;             // All tokens, the open round's included.
   uint64_t working_set_bytes = 0;  // Now.
@@ -532,7 +534,7 @@ class Engine {
   // Working-set bytes held on a tenant's behalf outside any session: a
   // session arriving by hand-off holds each layer's bytes from the moment
   // the layer is announced until the session is imported or the stream
-  // ends. They count in TotalWorkingSetBytes() and in the tenant's share, so
+  // ends. They count in totals().working_set_bytes and in the tenant's share, so
   // that arrivals in flight cannot together pass the worker's or the
   // tenant's budget. Thread-compatible; destroying it gives the bytes back.
   // Must not outlive the engine.
@@ -559,11 +561,13 @@ class Engine {
 
   // NOT_FOUND for an unknown session.
   absl::StatusOr<SessionStats> Stats(const SessionKey& id) const;
-  absl::StatusOr<SessionPolicy> Policy(const SessionKey& id) const;
   absl::StatusOr<ModelShape> Shape(const SessionKey& id) const;
-  std::vector<SessionKey> Sessions() const;
-  // Each session with the milliseconds since its last step or EndRound.
-  std::vector<std::pair<SessionKey, int64_t>> IdleTimes() const;
+  // Every session, with the milliseconds since its last step or EndRound.
+  struct SessionEntry {
+    SessionKey key;
+    int64_t idle_ms = 0;
+  };
+  std::vector<SessionEntry> Sessions() const;
 
   // Replaces what EndRound applies to the session's next rounds (codec,
   // eviction) and how it recalls; the watershed layer stays (stored rounds
@@ -571,10 +575,14 @@ class Engine {
   // NOT_FOUND; INVALID_ARGUMENT as OpenSession; FAILED_PRECONDITION when the
   // session's working set is on the GPU and the device cannot read the codec.
   absl::Status UpdatePolicy(const SessionKey& id, SessionPolicy policy);
-  // Working-set bytes over all sessions, as last accounted (each session
-  // accounts at the end of every step, EndRound, recall and rollback).
-  uint64_t TotalWorkingSetBytes() const;
-  int SessionCount() const;
+  // The sessions open now, and their working-set bytes as last accounted
+  // (each session accounts at the end of every step, EndRound, recall and
+  // rollback; arrivals in flight count too).
+  struct Totals {
+    int sessions = 0;
+    uint64_t working_set_bytes = 0;
+  };
+  Totals totals() const;
 
  private:
   friend class SessionTransfer;

@@ -89,7 +89,7 @@ class InProcessEngine {
     {
       py::gil_scoped_release nogil;
       Check(engine_->OpenSession(worker::SessionKey(id), shape, p));
-      eff = Check(engine_->Policy(worker::SessionKey(id)));
+      eff = Check(engine_->Stats(worker::SessionKey(id))).policy;
     }
     return py::bytes(EffectivePolicy(policy, eff).SerializeAsString());
   }

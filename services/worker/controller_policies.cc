@@ -91,7 +91,7 @@ void ControllerPolicies::Pass(v1::PressureLevel level, int64_t cold_idle_ms) {
     followed = followed_;
     node_id = node_id_;
   }
-  for (const auto& [id, idle] : engine_->IdleTimes()) {
+  for (const auto& [id, idle] : engine_->Sessions()) {
     auto it = followed.find(id);
     if (it == followed.end()) continue;
     const bool cold = cold_idle_ms > 0 && idle >= cold_idle_ms;

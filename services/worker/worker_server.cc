@@ -148,8 +148,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerServerOp
                     options.engine.max_working_set_bytes,
                     {.usage =
                          [engine] {
-                           return NodeUsage{engine->TotalWorkingSetBytes(),
-                                            static_cast<uint32_t>(engine->SessionCount())};
+                           const worker::Engine::Totals t = engine->totals();
+                           return NodeUsage{t.working_set_bytes, static_cast<uint32_t>(t.sessions)};
                          },
                      .sessions = [segments = s->segments_.get()] { return segments->Held(); },
                      .epoch = s->agent_epoch_,

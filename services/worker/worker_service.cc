@@ -73,8 +73,9 @@ CallOptions WorkerService::StoreCall(const grpc::CallbackServerContext& ctx) con
 }
 
 void WorkerService::UpdateWorkingSet() {
-  metrics_->WorkingSet(static_cast<double>(engine_->TotalWorkingSetBytes()));
-  metrics_->Sessions(static_cast<double>(engine_->SessionCount()));
+  const worker::Engine::Totals t = engine_->totals();
+  metrics_->WorkingSet(static_cast<double>(t.working_set_bytes));
+  metrics_->Sessions(static_cast<double>(t.sessions));
   metrics_->HandoffCache(static_cast<double>(transfer_.HandoffTotals().bytes));
 }
 
@@ -181,9 +182,8 @@ absl::Status WorkerService::DoOpenSession(grpc::CallbackServerContext& ctx,
     return s;
   }
   if (follow) policies_->Follow(id, req.model());
-  KVT_ASSIGN_OR_RETURN(worker::SessionPolicy eff, engine_->Policy(id));
-  *resp->mutable_effective_policy() = EffectivePolicy(requested, eff);
   KVT_ASSIGN_OR_RETURN(worker::SessionStats st, engine_->Stats(id));
+  *resp->mutable_effective_policy() = EffectivePolicy(requested, st.policy);
   resp->set_on_device(st.on_device);
   resp->set_speculation_on_device(st.speculation_on_device);
   resp->set_next_round(next_round);
