@@ -16,6 +16,7 @@
 #include "testing/test_util.h"
 #include "tests/util/failing_fs.h"
 #include "tests/util/status_matchers.h"
+#include "tests/util/store_fixture.h"
 
 namespace kvtier::cachestore {
 namespace {
@@ -63,18 +64,11 @@ class RecordingCall : public UploadCall {
   std::vector<UploadResult> results;
 };
 
-class UploadTest : public ::testing::Test {
+class UploadTest : public StoreTest {
  protected:
   void SetUp() override {
-    options_.path = dir_.path() + "/db";
-    options_.clock = &clock_;
-    options_.sync_writes = false;
+    StoreTest::SetUp();
     options_.inline_payload_max_bytes = 4096;
-  }
-
-  void Open() {
-    quotas_ = std::make_unique<QuotaManager>();
-    KVT_ASSERT_OK_AND_ASSIGN(store_, Store::Open(options_, quotas_.get()));
   }
 
   std::unique_ptr<Upload> MakeUpload(bool batch) {
@@ -87,18 +81,6 @@ class UploadTest : public ::testing::Test {
     return u;
   }
 
-  static WriteSpec Spec(const std::string& payload, uint32_t round, uint32_t segment = 0) {
-    WriteSpec w;
-    w.tenant = "t1";
-    w.session = "s";
-    w.id = {round, segment};
-    w.layer_begin = 0;
-    w.layer_end = 3;
-    w.payload_bytes = payload.size();
-    w.payload_crc32c = Crc32c(payload);
-    return w;
-  }
-
   // Sends `payload` as chunks of `chunk` bytes, running scheduled tasks
   // after each when `run_tasks`.
   void SendPayload(Upload* u, const std::string& payload, size_t chunk, bool run_tasks = true) {
@@ -109,26 +91,6 @@ class UploadTest : public ::testing::Test {
     }
   }
 
-  std::string Read(uint32_t round) {
-    absl::StatusOr<ReadResult> r = store_->ReadSegment("t1", "s", {round, 0});
-    return r.ok() ? *r->payload : r.status().ToString();
-  }
-
-  // A disk that fails on demand under the store Open() opens next.
-  FailingFs* UseFailingDisk() {
-    fs_ = std::make_shared<FailingFs>();
-    env_ = rocksdb::NewCompositeEnv(fs_);
-    options_.env = env_.get();
-    return fs_.get();
-  }
-
-  testing::TempDir dir_;
-  FakeClock clock_;
-  StoreOptions options_;
-  std::shared_ptr<FailingFs> fs_;
-  std::unique_ptr<rocksdb::Env> env_;
-  std::unique_ptr<QuotaManager> quotas_;
-  std::unique_ptr<Store> store_;
   RecordingCall call_;
 };
 
@@ -139,7 +101,7 @@ TEST_F(UploadTest, SmallPutNeedsNoOtherThread) {
   Open();
   const std::string first = MakePayload(1000, 9);
   auto u0 = MakeUpload(false);
-  u0->OnHeader(Spec(first, 0));
+  u0->OnHeader(Spec("s", 0, 0, first));
   SendPayload(u0.get(), first, 1000);
   u0->OnHalfClose();
   EXPECT_EQ(u0->state(), State::kCommitting);
@@ -151,7 +113,7 @@ TEST_F(UploadTest, SmallPutNeedsNoOtherThread) {
   const std::string p = MakePayload(1000, 1);
   auto u = MakeUpload(false);
   EXPECT_EQ(call_.reads, 1);
-  u->OnHeader(Spec(p, 1));
+  u->OnHeader(Spec("s", 1, 0, p));
   EXPECT_EQ(u->state(), State::kPayload);
   EXPECT_EQ(call_.accepted, 1);
   SendPayload(u.get(), p, 300, /*run_tasks=*/false);
@@ -163,7 +125,7 @@ TEST_F(UploadTest, SmallPutNeedsNoOtherThread) {
   ASSERT_TRUE(call_.results[0].info.has_value());
   EXPECT_EQ(call_.results[0].charged_bytes, p.size());
   EXPECT_EQ(u->state(), State::kDone);
-  EXPECT_EQ(Read(1), p);
+  EXPECT_EQ(Get("s", 1, 0), p);
   EXPECT_EQ(call_.inflight, 0u);
   EXPECT_EQ(call_.segments, std::vector<Code>{Code::kOk});
 }
@@ -174,7 +136,7 @@ TEST_F(UploadTest, LargePayloadIsWrittenWhileItArrives) {
   Open();
   const std::string p = MakePayload(3 << 20, 2);
   auto u = MakeUpload(false);
-  u->OnHeader(Spec(p, 0));
+  u->OnHeader(Spec("s", 0, 0, p));
   int writer_runs = 0;
   for (size_t at = 0; at < p.size(); at += 256 << 10) {
     const std::string_view piece = std::string_view(p).substr(at, 256 << 10);
@@ -189,7 +151,7 @@ TEST_F(UploadTest, LargePayloadIsWrittenWhileItArrives) {
   call_.RunTasks();
   ASSERT_EQ(call_.finished, 1);
   KVT_EXPECT_OK(call_.status);
-  EXPECT_EQ(Read(0), p);
+  EXPECT_EQ(Get("s", 0, 0), p);
 }
 
 // The commit waits for a writer task still running, and a failure after the
@@ -198,7 +160,7 @@ TEST_F(UploadTest, FailureAfterTheHeaderWaitsForTheWriter) {
   Open();
   const std::string p = MakePayload(2 << 20, 3);
   auto u = MakeUpload(false);
-  u->OnHeader(Spec(p, 0));
+  u->OnHeader(Spec("s", 0, 0, p));
   SendPayload(u.get(), p.substr(0, 1 << 20), 1 << 20, /*run_tasks=*/false);
   ASSERT_EQ(call_.tasks.size(), 1u);  // The writer task, not yet run.
   u->Fail(absl::DeadlineExceededError("idle"));
@@ -210,11 +172,11 @@ TEST_F(UploadTest, FailureAfterTheHeaderWaitsForTheWriter) {
   EXPECT_TRUE(call_.results.empty());
   EXPECT_EQ(call_.inflight, 0u);
   // Nothing of it is kept, and the key is free for a retry.
-  EXPECT_EQ(quotas_->Usage("t1").reserved_bytes, 0u);
+  EXPECT_EQ(quota_manager_->Usage("t1").reserved_bytes, 0u);
   RecordingCall again;
   Upload retry(store_.get(), &again, {.method = "PutSegment", .max_chunk_bytes = 1 << 20});
   retry.Start();
-  retry.OnHeader(Spec(p, 0));
+  retry.OnHeader(Spec("s", 0, 0, p));
   for (size_t at = 0; at < p.size(); at += 1 << 20) {
     const std::string_view piece = std::string_view(p).substr(at, 1 << 20);
     retry.OnChunk(piece.size(), [&](std::string* out) { out->append(piece); });
@@ -223,7 +185,7 @@ TEST_F(UploadTest, FailureAfterTheHeaderWaitsForTheWriter) {
   retry.OnHalfClose();
   again.RunTasks();
   KVT_EXPECT_OK(again.status);
-  EXPECT_EQ(Read(0), p);
+  EXPECT_EQ(Get("s", 0, 0), p);
 }
 
 // PutSegments: each segment commits when its last byte arrives; a refused
@@ -236,16 +198,16 @@ TEST_F(UploadTest, BatchRecordsEverySegmentAndDropsRefusedBytes) {
                     b = MakePayload(3000, 5), c = MakePayload(5000, 6);
   call_.budget = 4000;
   auto u = MakeUpload(true);
-  u->OnHeader(Spec(a, 0));
+  u->OnHeader(Spec("s", 0, 0, a));
   EXPECT_EQ(call_.accepted, 0);  // A batch's client does not wait for it.
   SendPayload(u.get(), a, 700);
   EXPECT_EQ(u->state(), State::kHeader);
-  u->OnHeader(Spec(big, 1));
+  u->OnHeader(Spec("s", 1, 0, big));
   EXPECT_EQ(u->state(), State::kSkipping);
   SendPayload(u.get(), big, 30 << 10);
-  u->OnHeader(Spec(b, 2));
+  u->OnHeader(Spec("s", 2, 0, b));
   SendPayload(u.get(), b, 3000);
-  u->OnHeader(Spec(c, 3));  // 5000: over the budget of 4000.
+  u->OnHeader(Spec("s", 3, 0, c));  // 5000: over the budget of 4000.
   SendPayload(u.get(), c, 5000);
   u->OnHalfClose();
   ASSERT_EQ(call_.finished, 1);
@@ -257,8 +219,8 @@ TEST_F(UploadTest, BatchRecordsEverySegmentAndDropsRefusedBytes) {
   EXPECT_EQ(call_.results[2].status.code(), Code::kOk);
   EXPECT_EQ(call_.results[3].status.code(), Code::kResourceExhausted);
   EXPECT_EQ(call_.results[2].id.round, 2u);
-  EXPECT_EQ(Read(0), a);
-  EXPECT_EQ(Read(2), b);
+  EXPECT_EQ(Get("s", 0, 0), a);
+  EXPECT_EQ(Get("s", 2, 0), b);
   EXPECT_THAT(store_->ReadSegment("t1", "s", {3, 0}).status(), StatusIs(Code::kNotFound));
   EXPECT_EQ(call_.inflight, 0u);
   EXPECT_EQ(call_.segments,
@@ -268,14 +230,14 @@ TEST_F(UploadTest, BatchRecordsEverySegmentAndDropsRefusedBytes) {
 // With sync_writes, a batch's commits are synced once, at the half-close, on
 // a task: the call finishes after that sync.
 TEST_F(UploadTest, BatchIsSyncedOnceAtTheHalfClose) {
-  FailingFs* fs = UseFailingDisk();
+  std::shared_ptr<FailingFs> fs = UseFailingDisk();
   options_.sync_writes = true;
   Open();
   const int before = fs->wal_syncs.load();
   auto u = MakeUpload(true);
   for (uint32_t r = 0; r < 3; ++r) {
     const std::string p = MakePayload(1000, 10 + r);
-    u->OnHeader(Spec(p, r));
+    u->OnHeader(Spec("s", r, 0, p));
     SendPayload(u.get(), p, 1000);
   }
   EXPECT_EQ(fs->wal_syncs.load(), before);
@@ -292,11 +254,11 @@ TEST_F(UploadTest, BatchIsSyncedOnceAtTheHalfClose) {
 // A disk that fails while a large payload streams to its file: the segment
 // fails with the disk's error, and everything it held is given back.
 TEST_F(UploadTest, FailingDiskFailsTheSegment) {
-  FailingFs* fs = UseFailingDisk();
+  std::shared_ptr<FailingFs> fs = UseFailingDisk();
   Open();
   const std::string p = MakePayload(2 << 20, 7);
   auto u = MakeUpload(false);
-  u->OnHeader(Spec(p, 0));
+  u->OnHeader(Spec("s", 0, 0, p));
   fs->fail = true;
   SendPayload(u.get(), p, 1 << 20);
   u->OnHalfClose();
@@ -305,7 +267,7 @@ TEST_F(UploadTest, FailingDiskFailsTheSegment) {
   ASSERT_EQ(call_.finished, 1);
   EXPECT_FALSE(call_.status.ok());
   EXPECT_EQ(call_.inflight, 0u);
-  EXPECT_EQ(quotas_->Usage("t1").reserved_bytes, 0u);
+  EXPECT_EQ(quota_manager_->Usage("t1").reserved_bytes, 0u);
   EXPECT_EQ(call_.segments, std::vector<Code>{call_.status.code()});
 }
 
@@ -335,46 +297,46 @@ TEST_F(UploadTest, MalformedStreamsEndTheCall) {
        Code::kInvalidArgument, "PutSegment header does not parse: not a PutSegmentHeader"},
       {"two headers", false,
        [&](Upload* u) {
-         u->OnHeader(Spec(p, 0));
-         u->OnHeader(Spec(p, 0));
+         u->OnHeader(Spec("s", 0, 0, p));
+         u->OnHeader(Spec("s", 0, 0, p));
        },
        Code::kInvalidArgument, "only one header is allowed per PutSegment stream"},
       {"header mid-segment", true,
        [&](Upload* u) {
-         u->OnHeader(Spec(p, 0));
+         u->OnHeader(Spec("s", 0, 0, p));
          chunk(u, p.substr(0, 10));
-         u->OnHeader(Spec(p, 1));
+         u->OnHeader(Spec("s", 1, 0, p));
        },
        Code::kInvalidArgument, "a header came before segment 1's last byte"},
       {"oversize", false,
        [&](Upload* u) {
-         u->OnHeader(Spec(p, 0));
+         u->OnHeader(Spec("s", 0, 0, p));
          chunk(u, p + "x");
        },
        Code::kOutOfRange, "oversize stream: more than the declared"},
       {"truncated", false,
        [&](Upload* u) {
-         u->OnHeader(Spec(p, 0));
+         u->OnHeader(Spec("s", 0, 0, p));
          chunk(u, p.substr(0, 10));
          u->OnHalfClose();
        },
        Code::kOutOfRange, "truncated stream: got 10 of"},
       {"truncated batch", true,
        [&](Upload* u) {
-         u->OnHeader(Spec(p, 0));
+         u->OnHeader(Spec("s", 0, 0, p));
          chunk(u, p.substr(0, 10));
          u->OnHalfClose();
        },
        Code::kOutOfRange, "truncated stream: segment 1 got 10 of"},
       {"chunk too large", false,
        [&](Upload* u) {
-         u->OnHeader(Spec(p, 0));
+         u->OnHeader(Spec("s", 0, 0, p));
          chunk(u, std::string((1 << 20) + 1, 'x'));
        },
        Code::kInvalidArgument, "exceeds 1048576"},
       {"neither", true,
        [&](Upload* u) {
-         u->OnHeader(Spec(p, 0));
+         u->OnHeader(Spec("s", 0, 0, p));
          u->OnOtherMessage();
        },
        Code::kInvalidArgument, "neither header nor chunk"},
@@ -390,10 +352,10 @@ TEST_F(UploadTest, MalformedStreamsEndTheCall) {
     EXPECT_EQ(call_.inflight, 0u);
   }
   // None of them left a reservation behind: the key takes a put.
-  EXPECT_EQ(quotas_->Usage("t1").reserved_bytes, 0u);
+  EXPECT_EQ(quota_manager_->Usage("t1").reserved_bytes, 0u);
   call_ = RecordingCall();
   auto u = MakeUpload(false);
-  u->OnHeader(Spec(p, 0));
+  u->OnHeader(Spec("s", 0, 0, p));
   SendPayload(u.get(), p, 1000);
   u->OnHalfClose();
   KVT_EXPECT_OK(call_.status);
