@@ -7,9 +7,7 @@
 #include <numeric>
 #include <type_traits>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "base/status_macros.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/wire_format_lite.h"
@@ -22,7 +20,7 @@ namespace kvtier {
 
 using internal::QuantShape;
 
-namespace {
+namespace internal {
 
 bool IsGear(v1::Codec c) { return c == v1::CODEC_GEAR || c == v1::CODEC_GEAR_L; }
 bool IsQuantized(v1::Codec c) { return c != v1::CODEC_RAW; }
@@ -41,28 +39,6 @@ const char* DTypeName(v1::DType d) {
       return "fp16";
   }
 }
-
-// Everything the sizes of a tensor's buffers depend on.
-struct Layout {
-  v1::Codec codec = v1::CODEC_RAW;
-  v1::Codec backbone = v1::CODEC_RAW;
-  bool key = true;
-  int dsize = 2;
-  int64_t slabs = 0, tokens = 0, tq = 0, res = 0;
-  int d = 0;
-  QuantShape q;
-  int rank = 0;
-  int outliers_per_row = 0;
-  int64_t sparse_rows = 0, sparse_row_len = 0;
-  int index_bytes = 2;
-
-  int64_t code_bytes() const { return slabs * internal::CodeWords(q) * 4; }
-  int64_t scale_bytes() const { return slabs * internal::ScaleCount(q) * 2; }
-  int64_t residual_bytes() const { return slabs * res * d * dsize; }
-  int64_t a_bytes() const { return slabs * tq * rank * 2; }
-  int64_t b_bytes() const { return slabs * rank * d * 2; }
-  int64_t sparse_count() const { return slabs * sparse_rows * outliers_per_row; }
-};
 
 absl::StatusOr<Layout> MakeLayout(v1::Codec codec, v1::Codec backbone, v1::TensorRole role,
                                   v1::DType dtype, int bits, int group, int64_t residual, int rank,
@@ -128,6 +104,24 @@ absl::StatusOr<Layout> MakeLayout(v1::Codec codec, v1::Codec backbone, v1::Tenso
   }
   return l;
 }
+
+void Dequant(const QuantShape& q, const uint8_t* codes, const uint16_t* scales,
+             const uint16_t* zeros, int64_t t0, int64_t t1, float* out, KernelLevel level) {
+  if (UseSimd(level) && internal::DequantRowsSimd(q, codes, scales, zeros, t0, t1, out)) return;
+  internal::DequantRowsRef(q, codes, scales, zeros, t0, t1, out);
+}
+
+}  // namespace internal
+
+namespace {
+
+using internal::Dequant;
+using internal::DTypeName;
+using internal::IsGear;
+using internal::IsQuantized;
+using internal::Layout;
+using internal::MakeLayout;
+using internal::UseSimd;
 
 absl::StatusOr<Layout> LayoutFor(const CodecConfig& c, v1::TensorRole role,
                                  absl::Span<const int64_t> shape) {
@@ -349,152 +343,7 @@ bool Quantize(const QuantShape& q, const float* x, uint8_t* codes, uint16_t* sca
   return false;
 }
 
-void Dequant(const QuantShape& q, const uint8_t* codes, const uint16_t* scales,
-             const uint16_t* zeros, int64_t t0, int64_t t1, float* out, KernelLevel level) {
-  if (UseSimd(level) && internal::DequantRowsSimd(q, codes, scales, zeros, t0, t1, out)) return;
-  internal::DequantRowsRef(q, codes, scales, zeros, t0, t1, out);
-}
-
 }  // namespace
-
-absl::StatusOr<CodecConfig> ParseCodecSetting(const std::string& setting) {
-  std::vector<std::string> parts = absl::StrSplit(setting, ':');
-  CodecConfig c;
-  const std::string& name = parts[0];
-  auto bits_of = [&](size_t prefix) -> absl::StatusOr<int> {
-    int b = 0;
-    if (!absl::SimpleAtoi(name.substr(prefix), &b)) {
-      return absl::InvalidArgumentError(absl::StrCat("codec '", name, "' needs bits, e.g. kivi4"));
-    }
-    return b;
-  };
-  if (name == "raw" || name == "fp16" || name == "bf16" || name == "fp32") {
-    c.codec = v1::CODEC_RAW;
-    c.dtype = name == "fp32" ? v1::DTYPE_FP32 : name == "bf16" ? v1::DTYPE_BF16 : v1::DTYPE_FP16;
-  } else if (name.rfind("kivi", 0) == 0) {
-    c.codec = v1::CODEC_KIVI;
-    KVT_ASSIGN_OR_RETURN(c.bits, bits_of(4));
-  } else if (name.rfind("kcvt", 0) == 0) {
-    c.codec = v1::CODEC_KCVT;
-    KVT_ASSIGN_OR_RETURN(c.bits, bits_of(4));
-  } else if (name.rfind("gearl", 0) == 0) {
-    c.codec = v1::CODEC_GEAR_L;
-    c.outlier_fraction = 0.0f;
-    KVT_ASSIGN_OR_RETURN(c.bits, bits_of(5));
-  } else if (name.rfind("gear", 0) == 0) {
-    c.codec = v1::CODEC_GEAR;
-    KVT_ASSIGN_OR_RETURN(c.bits, bits_of(4));
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "unknown codec '", name, "' (raw, fp16, bf16, fp32, kiviB, kcvtB, gearB, gearlB)"));
-  }
-  for (size_t i = 1; i < parts.size(); ++i) {
-    std::pair<std::string, std::string> kv = absl::StrSplit(parts[i], absl::MaxSplits('=', 1));
-    const std::string& k = kv.first;
-    const std::string& v = kv.second;
-    int iv = 0;
-    float fv = 0;
-    const bool is_int = absl::SimpleAtoi(v, &iv);
-    if (k == "g" && is_int) {
-      c.group_size = iv;
-    } else if (k == "R" && is_int) {
-      c.residual_tokens = iv;
-    } else if (k == "r" && is_int) {
-      c.rank = iv;
-    } else if (k == "nb" && is_int) {
-      c.block_tokens = iv;
-    } else if (k == "s" && absl::SimpleAtof(v, &fv)) {
-      c.outlier_fraction = fv;
-    } else if (k == "bb" && (v == "kivi" || v == "kcvt")) {
-      c.backbone = v == "kivi" ? v1::CODEC_KIVI : v1::CODEC_KCVT;
-    } else if (k == "dt" && (v == "fp16" || v == "bf16" || v == "fp32")) {
-      c.dtype = v == "fp32" ? v1::DTYPE_FP32 : v == "bf16" ? v1::DTYPE_BF16 : v1::DTYPE_FP16;
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "bad codec option '", parts[i], "' in '", setting,
-          "' (g=INT, R=INT, r=INT, s=FLOAT, nb=INT, bb=kivi|kcvt, dt=fp16|bf16|fp32)"));
-    }
-  }
-  KVT_RETURN_IF_ERROR(ValidateCodecConfig(c));
-  return c;
-}
-
-std::string CodecSettingName(const CodecConfig& c) {
-  switch (c.codec) {
-    case v1::CODEC_RAW:
-      return DTypeName(c.dtype);
-    case v1::CODEC_KIVI:
-      return absl::StrCat("kivi", c.bits, ":g=", c.group_size);
-    case v1::CODEC_KCVT:
-      return absl::StrCat("kcvt", c.bits);
-    default: {
-      std::string s = absl::StrCat(c.codec == v1::CODEC_GEAR ? "gear" : "gearl", c.bits);
-      if (c.backbone == v1::CODEC_KCVT) {
-        absl::StrAppend(&s, ":bb=kcvt");
-      } else {
-        absl::StrAppend(&s, ":g=", c.group_size);
-      }
-      absl::StrAppend(&s, ":r=", c.rank);
-      if (c.codec == v1::CODEC_GEAR) absl::StrAppend(&s, ":s=", c.outlier_fraction);
-      return s;
-    }
-  }
-}
-
-absl::Status ValidateCodecConfig(const CodecConfig& c) {
-  if (DTypeSize(c.dtype) == 0) return absl::InvalidArgumentError("codec dtype must be set");
-  if (c.residual_tokens < 0) return absl::InvalidArgumentError("residual_tokens must be >= 0");
-  if (c.block_tokens < 0) return absl::InvalidArgumentError("block_tokens must be >= 0");
-  switch (c.codec) {
-    case v1::CODEC_RAW:
-      return absl::OkStatus();
-    case v1::CODEC_KIVI:
-    case v1::CODEC_KCVT:
-      if (c.bits != 2 && c.bits != 4 && c.bits != 8) {
-        return absl::InvalidArgumentError(absl::StrCat("bits must be 2, 4 or 8, got ", c.bits));
-      }
-      break;
-    case v1::CODEC_GEAR:
-    case v1::CODEC_GEAR_L:
-      if (c.bits != 2 && c.bits != 4) {
-        return absl::InvalidArgumentError(absl::StrCat("GEAR bits must be 2 or 4, got ", c.bits));
-      }
-      if (c.backbone != v1::CODEC_KIVI && c.backbone != v1::CODEC_KCVT) {
-        return absl::InvalidArgumentError("GEAR backbone must be KIVI or KCVT");
-      }
-      if (c.rank < 0) return absl::InvalidArgumentError("rank must be >= 0");
-      if (!(c.outlier_fraction >= 0.0f && c.outlier_fraction <= 0.5f)) {
-        return absl::InvalidArgumentError("outlier fraction s must be in [0, 0.5]");
-      }
-      if (c.codec == v1::CODEC_GEAR_L && c.outlier_fraction != 0.0f) {
-        return absl::InvalidArgumentError("GEAR-L has no outliers: s must be 0");
-      }
-      break;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("unknown codec ", c.codec));
-  }
-  const bool grouped =
-      c.codec == v1::CODEC_KIVI || (IsGear(c.codec) && c.backbone == v1::CODEC_KIVI);
-  if (grouped && c.group_size < 1) return absl::InvalidArgumentError("group_size must be >= 1");
-  return absl::OkStatus();
-}
-
-v1::CodecParams ToParams(const CodecConfig& c) {
-  v1::CodecParams p;
-  if (c.codec == v1::CODEC_RAW) return p;
-  p.set_bits(c.bits);
-  const bool grouped =
-      c.codec == v1::CODEC_KIVI || (IsGear(c.codec) && c.backbone == v1::CODEC_KIVI);
-  if (grouped) p.set_group_size(c.group_size);
-  p.set_residual_tokens(c.residual_tokens);
-  p.set_block_tokens(c.block_tokens);
-  if (IsGear(c.codec)) {
-    p.set_rank(c.rank);
-    p.set_backbone(c.backbone);
-    if (c.codec == v1::CODEC_GEAR) p.set_outlier_fraction(c.outlier_fraction);
-  }
-  return p;
-}
 
 namespace {
 
@@ -929,239 +778,6 @@ EncodedView EncodedView::Raw(v1::DType dtype, const void* data, int64_t slabs, i
   v.slab_stride = slab_stride;
   v.token_stride = token_stride;
   return v;
-}
-
-namespace {
-
-// ParseEncoded over metadata `t` (format-validated) and its buffers `bufs`.
-absl::StatusOr<EncodedView> ParseEncodedParts(const v1::EncodedTensor& t,
-                                              const std::vector<BufferView>& bufs) {
-  const v1::CodecParams& p = t.params();
-  KVT_ASSIGN_OR_RETURN(
-      Layout l, MakeLayout(t.codec(), p.backbone(), t.role(), t.dtype(), static_cast<int>(p.bits()),
-                           static_cast<int>(p.group_size()), p.residual_tokens(),
-                           static_cast<int>(p.rank()), p.outlier_fraction(), t.shape()));
-  auto buf = [&](int i) { return reinterpret_cast<const uint8_t*>(bufs[i].data.data()); };
-  if (t.codec() == v1::CODEC_RAW) {
-    return EncodedView::Raw(t.dtype(), buf(0), l.slabs, l.tokens, l.d, l.tokens * l.d, l.d);
-  }
-  const bool grouped =
-      t.codec() == v1::CODEC_KIVI || (IsGear(t.codec()) && p.backbone() == v1::CODEC_KIVI);
-  if (!grouped && p.group_size() != 0) {
-    return absl::InvalidArgumentError("KCVT takes no group_size");
-  }
-  if (p.residual_tokens() > l.tokens) {
-    return absl::InvalidArgumentError("residual_tokens exceeds the tensor's tokens");
-  }
-  if (!IsGear(t.codec()) && (p.rank() != 0 || p.backbone() != v1::CODEC_UNSPECIFIED)) {
-    return absl::InvalidArgumentError("KIVI/KCVT take no rank or backbone");
-  }
-  struct Want {
-    v1::BufferKind kind;
-    int64_t bytes;
-  };
-  std::vector<Want> want = {{v1::BUFFER_CODES, l.code_bytes()},
-                            {v1::BUFFER_SCALES, l.scale_bytes()},
-                            {v1::BUFFER_ZEROS, l.scale_bytes()}};
-  if (l.res > 0) want.push_back({v1::BUFFER_RESIDUAL, l.residual_bytes()});
-  if (IsGear(t.codec()) && l.rank > 0) {
-    want.push_back({v1::BUFFER_LOWRANK_A, l.a_bytes()});
-    want.push_back({v1::BUFFER_LOWRANK_B, l.b_bytes()});
-  }
-  if (t.codec() == v1::CODEC_GEAR) {
-    want.push_back({v1::BUFFER_SPARSE_INDEX, l.sparse_count() * l.index_bytes});
-    want.push_back({v1::BUFFER_SPARSE_VALUE, l.sparse_count() * l.dsize});
-  }
-  if (bufs.size() != want.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("codec ", v1::Codec_Name(t.codec()), " needs ",
-                                                   want.size(), " buffers, tensor has ",
-                                                   bufs.size()));
-  }
-  for (size_t i = 0; i < want.size(); ++i) {
-    const BufferView& b = bufs[i];
-    if (b.kind != want[i].kind || static_cast<int64_t>(b.data.size()) != want[i].bytes) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("buffer ", i, " is ", v1::BufferKind_Name(b.kind), " of ", b.data.size(),
-                       " bytes; the shape and parameters need ", v1::BufferKind_Name(want[i].kind),
-                       " of ", want[i].bytes));
-    }
-  }
-  EncodedView v;
-  v.codec = t.codec();
-  v.role = t.role();
-  v.dtype = t.dtype();
-  v.bits = l.q.bits;
-  v.group = l.q.group;
-  v.slabs = l.slabs;
-  v.tokens = l.tokens;
-  v.head_dim = l.d;
-  v.quantized = l.tq;
-  v.residual = l.res;
-  v.codes = buf(0);
-  v.words_per_slab = internal::CodeWords(l.q);
-  v.scales = reinterpret_cast<const uint16_t*>(buf(1));
-  v.zeros = reinterpret_cast<const uint16_t*>(buf(2));
-  v.groups_per_slab = internal::ScaleCount(l.q);
-  int next = 3;
-  if (l.res > 0) v.residual_data = buf(next++);
-  v.slab_stride = l.res * l.d;
-  v.token_stride = l.d;
-  if (IsGear(t.codec()) && l.rank > 0) {
-    v.rank = l.rank;
-    v.lowrank_a = reinterpret_cast<const uint16_t*>(buf(next++));
-    v.lowrank_b = reinterpret_cast<const uint16_t*>(buf(next++));
-  }
-  if (t.codec() == v1::CODEC_GEAR) {
-    v.outliers_per_row = l.outliers_per_row;
-    v.sparse_rows_per_slab = l.sparse_rows;
-    v.sparse_index_bytes = l.index_bytes;
-    v.sparse_index = buf(next++);
-    v.sparse_value = buf(next++);
-    // Positions must be strictly increasing within each row and inside it.
-    const int64_t rows = l.slabs * l.sparse_rows;
-    for (int64_t r = 0; r < rows; ++r) {
-      int64_t prev = -1;
-      for (int k = 0; k < l.outliers_per_row; ++k) {
-        const int64_t j =
-            internal::ReadSparseIndex(v.sparse_index, l.index_bytes, r * l.outliers_per_row + k);
-        if (j <= prev || j >= l.sparse_row_len) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("sparse outlier position ", j, " in row ", r,
-                           " is out of order or outside the row of ", l.sparse_row_len));
-        }
-        prev = j;
-      }
-    }
-  }
-  return v;
-}
-
-}  // namespace
-
-absl::StatusOr<EncodedView> ParseEncoded(const v1::EncodedTensor& t, bool verify_crc) {
-  KVT_RETURN_IF_ERROR(ValidateTensor(t, verify_crc));
-  std::vector<BufferView> bufs;
-  bufs.reserve(t.buffers_size());
-  for (const auto& b : t.buffers()) bufs.push_back({b.kind(), b.data()});
-  return ParseEncodedParts(t, bufs);
-}
-
-absl::StatusOr<EncodedView> ParseEncoded(const TensorParts& t) {
-  return ParseEncodedParts(t.meta, t.buffers);
-}
-
-void DecodeRows(const EncodedView& v, int64_t s, int64_t t0, int64_t t1, float* out,
-                KernelLevel level) {
-  const int d = v.head_dim;
-  if (v.codec == v1::CODEC_RAW) {
-    const int64_t base = s * v.slab_stride;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t at = base + t * v.token_stride;
-      float* o = out + (t - t0) * d;
-      // Whole rows at once (raw rows need not be aligned: byte offsets, and
-      // WidenSimd reads with unaligned loads).
-      const auto* bytes = static_cast<const uint8_t*>(v.raw);
-      if (v.dtype == v1::DTYPE_FP32) {
-        std::memcpy(o, bytes + at * sizeof(float), sizeof(float) * d);
-        continue;
-      }
-      if (UseSimd(level) && internal::WidenSimd(reinterpret_cast<const uint16_t*>(bytes + at * 2),
-                                                v.dtype == v1::DTYPE_BF16, d, o)) {
-        continue;
-      }
-      for (int c = 0; c < d; ++c) {
-        out[(t - t0) * d + c] =
-            internal::LoadElement(v.dtype, v.raw, base + t * v.token_stride + c);
-      }
-    }
-    return;
-  }
-  // Quantized rows [t0, min(t1, Tq)).
-  const int64_t qe = std::min(t1, v.quantized);
-  if (t0 < qe) {
-    QuantShape q;
-    q.key = v.role != v1::TENSOR_ROLE_VALUE;
-    q.bits = v.bits;
-    q.group = v.group;
-    q.tq = v.quantized;
-    q.d = d;
-    Dequant(q, v.codes + s * v.words_per_slab * 4, v.scales + s * v.groups_per_slab,
-            v.zeros + s * v.groups_per_slab, t0, qe, out, level);
-    if (v.rank > 0) {
-      const uint16_t* a = v.lowrank_a + s * v.quantized * v.rank;
-      const uint16_t* b16 = v.lowrank_b + s * v.rank * d;
-      // B widened once; each row adds r scaled rows of it.
-      std::vector<float> b(static_cast<size_t>(v.rank * d));
-      for (size_t i = 0; i < b.size(); ++i) b[i] = HalfToFloat(internal::LoadU16(b16, i));
-      for (int64_t t = t0; t < qe; ++t) {
-        float* o = out + (t - t0) * d;
-        for (int j = 0; j < v.rank; ++j) {
-          const float aj = HalfToFloat(internal::LoadU16(a, t * v.rank + j));
-          const float* bj = b.data() + j * d;
-          if (!UseSimd(level) || !internal::AxpySimd(aj, bj, d, o)) {
-            for (int c = 0; c < d; ++c) o[c] += aj * bj[c];
-          }
-        }
-      }
-    }
-    if (v.outliers_per_row > 0) {
-      const int opr = v.outliers_per_row;
-      const bool key = v.role != v1::TENSOR_ROLE_VALUE;
-      const int64_t rows = v.sparse_rows_per_slab;
-      auto value = [&](int64_t k) { return internal::LoadElement(v.dtype, v.sparse_value, k); };
-      if (key) {  // Rows are channels; positions are tokens, in order.
-        for (int c = 0; c < rows; ++c) {
-          const int64_t base = (s * rows + c) * opr;
-          // The first position at or after t0.
-          int lo = 0, hi = opr;
-          while (lo < hi) {
-            const int mid = (lo + hi) / 2;
-            if (internal::ReadSparseIndex(v.sparse_index, v.sparse_index_bytes, base + mid) < t0) {
-              lo = mid + 1;
-            } else {
-              hi = mid;
-            }
-          }
-          for (int k = lo; k < opr; ++k) {
-            const int64_t t =
-                internal::ReadSparseIndex(v.sparse_index, v.sparse_index_bytes, base + k);
-            if (t >= qe) break;
-            out[(t - t0) * d + c] = value(base + k);
-          }
-        }
-      } else {  // Rows are tokens; positions are channels.
-        for (int64_t t = t0; t < qe; ++t) {
-          const int64_t base = (s * rows + t) * opr;
-          for (int k = 0; k < opr; ++k) {
-            const int64_t c =
-                internal::ReadSparseIndex(v.sparse_index, v.sparse_index_bytes, base + k);
-            out[(t - t0) * d + c] = value(base + k);
-          }
-        }
-      }
-    }
-  }
-  // Residual rows.
-  for (int64_t t = std::max(t0, v.quantized); t < t1; ++t) {
-    const int64_t r = t - v.quantized;
-    for (int c = 0; c < d; ++c) {
-      out[(t - t0) * d + c] = internal::LoadElement(v.dtype, v.residual_data,
-                                                    s * v.slab_stride + r * v.token_stride + c);
-    }
-  }
-}
-
-absl::StatusOr<std::vector<float>> Decode(const v1::EncodedTensor& t, KernelLevel level) {
-  KVT_ASSIGN_OR_RETURN(EncodedView v, ParseEncoded(t));
-  std::vector<float> out(static_cast<size_t>(v.slabs * v.tokens * v.head_dim));
-  for (int64_t s = 0; s < v.slabs; ++s) {
-    DecodeRows(v, s, 0, v.tokens, out.data() + s * v.tokens * v.head_dim, level);
-  }
-  return out;
-}
-
-int64_t EncodedTotalBytes(const v1::EncodedTensor& t) {
-  return static_cast<int64_t>(t.ByteSizeLong());
 }
 
 }  // namespace kvtier

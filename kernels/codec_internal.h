@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kernels/codec.h"
 #include "kernels/half.h"
 
@@ -147,6 +149,45 @@ inline int64_t ReadSparseIndex(const uint8_t* p, int bytes, int64_t i) {
 // Stores element i of a 16-bit array that may be unaligned (buffers encoded
 // in place inside a serialized segment sit at any address).
 inline void StoreU16(uint16_t* p, int64_t i, uint16_t v) { std::memcpy(p + i, &v, 2); }
+
+// Shared by kernels/codec.cc, codec_decode.cc and codec_setting.cc.
+bool IsGear(v1::Codec c);
+bool IsQuantized(v1::Codec c);
+// The vectorized kernels run at `level` on this CPU.
+bool UseSimd(KernelLevel level);
+const char* DTypeName(v1::DType d);
+
+// Everything the sizes of a tensor's buffers depend on.
+struct Layout {
+  v1::Codec codec = v1::CODEC_RAW;
+  v1::Codec backbone = v1::CODEC_RAW;
+  bool key = true;
+  int dsize = 2;
+  int64_t slabs = 0, tokens = 0, tq = 0, res = 0;
+  int d = 0;
+  QuantShape q;
+  int rank = 0;
+  int outliers_per_row = 0;
+  int64_t sparse_rows = 0, sparse_row_len = 0;
+  int index_bytes = 2;
+
+  int64_t code_bytes() const { return slabs * internal::CodeWords(q) * 4; }
+  int64_t scale_bytes() const { return slabs * internal::ScaleCount(q) * 2; }
+  int64_t residual_bytes() const { return slabs * res * d * dsize; }
+  int64_t a_bytes() const { return slabs * tq * rank * 2; }
+  int64_t b_bytes() const { return slabs * rank * d * 2; }
+  int64_t sparse_count() const { return slabs * sparse_rows * outliers_per_row; }
+};
+
+// The layout of a tensor of `shape` under these parameters;
+// INVALID_ARGUMENT naming what does not fit.
+absl::StatusOr<Layout> MakeLayout(v1::Codec codec, v1::Codec backbone, v1::TensorRole role,
+                                  v1::DType dtype, int bits, int group, int64_t residual, int rank,
+                                  float outlier_fraction, absl::Span<const int64_t> shape);
+
+// Rows [t0, t1) of one quantized slab, dequantized into `out`.
+void Dequant(const QuantShape& q, const uint8_t* codes, const uint16_t* scales,
+             const uint16_t* zeros, int64_t t0, int64_t t1, float* out, KernelLevel level);
 
 }  // namespace kvtier::internal
 
