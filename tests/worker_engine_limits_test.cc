@@ -22,12 +22,10 @@
 namespace kvtier {
 namespace {
 
-// The hand-off half of an engine's API (worker/transfer.h).
-worker::SessionTransfer Handoff(worker::Engine& e) { return worker::SessionTransfer(&e); }
-
 using ::kvtier::testing::IsOk;
 using ::kvtier::testing::StatusIs;
 using Op = worker::MemorySegmentStore::Op;
+using ::kvtier::engine_test::Handoff;
 using ::kvtier::engine_test::kShape;
 using ::kvtier::engine_test::LocalCache;
 using ::kvtier::engine_test::Random;

@@ -23,9 +23,6 @@
 namespace kvtier {
 namespace {
 
-// The hand-off half of an engine's API (worker/transfer.h).
-worker::SessionTransfer Handoff(worker::Engine& e) { return worker::SessionTransfer(&e); }
-
 using ::kvtier::testing::IsOk;
 using ::kvtier::testing::StatusIs;
 using Op = worker::MemorySegmentStore::Op;
@@ -33,6 +30,7 @@ using worker::Engine;
 using worker::ModelShape;
 using worker::SessionPolicy;
 
+using ::kvtier::engine_test::Handoff;
 using ::kvtier::engine_test::kShape;
 using ::kvtier::engine_test::LocalCache;
 using ::kvtier::engine_test::Random;

@@ -16,11 +16,15 @@
 #include "kernels/half.h"
 #include "worker/engine.h"
 #include "worker/memory_store.h"
+#include "worker/transfer.h"
 
 namespace kvtier::engine_test {
 
 using worker::Engine;
 using worker::ModelShape;
+
+// The hand-off half of an engine's API (worker/transfer.h).
+inline worker::SessionTransfer Handoff(Engine& e) { return worker::SessionTransfer(&e); }
 
 // Engine options with the reference (float64) kernels, everything else at
 // its default.
