@@ -44,7 +44,6 @@ using ::kvtier::testing::Step;
 using worker::Engine;
 using worker::SessionPolicy;
 
-
 // Moves `id` from `from` to `to` between steps. With `reuse`, as a sending
 // worker does: it leaves out what `to` kept of it (HeldRounds), and `from`
 // keeps what it had. `left_out`: the past bytes not moved; `sent`: the past
