@@ -7,10 +7,14 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "client/controller_client.h"
 #include "google/protobuf/text_format.h"
+#include "kernels/codec.h"
 #include "kernels/eviction.h"
+#include "kernels/recall.h"
 #include "kernels/speculation.h"
+#include "rpc/policy_proto.h"
 #include "tools/cli_args.h"
 #include "worker/engine.h"
 
@@ -31,9 +35,14 @@ constexpr char kHelp[] =
     "  set --model=NAME [policy flags]\n"
     "      Registers what sessions of model NAME (ModelSpec.name) get when they open\n"
     "      without a Policy. Replaces the model's earlier policy. Policy flags:\n"
-    "        --codec=raw|kivi|kcvt|gear|gear-l  --bits=N  --group_size=N  --residual_tokens=N\n"
-    "        --eviction=none|snapkv|pyramidkv|ada-snapkv|ada-pyramid|h2o|streamingllm\n"
-    "        --budget_tokens=B  --window=W  --recall=all|topk:K|adaptive:L|threshold:T\n"
+    "        --codec=SETTING  as CODEC in make demo and Policy(codec=...) in Python:\n"
+    "                         raw, fp16, kivi4, kivi2, gear2, kcvt4, gear2:r=2 ...; or a\n"
+    "                         family (raw|kivi|kcvt|gear|gear-l) with --bits\n"
+    "        --bits=N  --group_size=N  --residual_tokens=N  (override the setting's)\n"
+    "        --eviction=none|streaming|h2o|snapkv|pyramidkv|ada-snapkv|ada-pyramidkv\n"
+    "                         (also ada-pyramid, streamingllm) with --budget_tokens\n"
+    "        --budget_tokens=B  --window=W\n"
+    "        --recall=all|topk:K|adaptive:L|threshold:T|mass:P\n"
     "        --watershed_layer=L  --keep_recent_round=true|false\n"
     "        --release_after_end_round=true|false\n"
     "        --profile=FILE   an EvolKV layer profile (kvtier budgets search --out=FILE)\n"
@@ -47,12 +56,14 @@ constexpr char kHelp[] =
     "                         tokens of the older half above it, 0 = no cap [0]\n"
     "        --speculation_pool_low_bytes=N  where such a trim stops (at most the cap):\n"
     "                         room for the next rounds, so fewer trims; 0 = the cap [0]\n"
-    "  get --model=NAME [--session=S] [--idle_ms=N]\n"
+    "  get --model=NAME [--session=S] [--idle_ms=N] [--format=summary|proto]\n"
     "      What GetPolicy answers for a session of that model idle N ms: the registered\n"
-    "      policy, or the tightened one for a cold session under memory pressure.\n";
+    "      policy, or the tightened one for a cold session under memory pressure,\n"
+    "      with every default filled in (summary, the default), or the answer as\n"
+    "      protobuf text (proto).\n";
 
 int Usage(const std::string& why) {
-  std::fprintf(stderr, "kvtier policy: %s\n\n%s", why.c_str(), kHelp);
+  std::fprintf(stderr, "kvtier policy: %s (kvtier policy help lists the flags)\n", why.c_str());
   return 2;
 }
 
@@ -74,6 +85,30 @@ bool ParseCodec(const std::string& name, v1::Codec* out) {
     }
   }
   return false;
+}
+
+// One line of what a session of the model runs with, every default filled
+// in, in the names --codec, --eviction and --recall take.
+std::string Summary(const v1::GetPolicyResponse& r) {
+  absl::StatusOr<worker::SessionPolicy> p = PolicyFromAnswer(r);
+  if (!p.ok()) return "the answer does not convert: " + p.status().ToString();
+  std::string s = absl::StrCat(
+      "codec=", CodecSettingName(p->codec), " recall=", RecallName(p->recall),
+      " eviction=", evict::PolicyName(p->eviction), " watershed_layer=",
+      p->watershed_layer < 0 ? std::string("default (L/3)") : absl::StrCat(p->watershed_layer),
+      " keep_recent_round=", p->keep_recent_round ? "true" : "false",
+      " release_after_end_round=", p->release_after_end_round ? "true" : "false");
+  if (!p->speculation.skew.empty()) {
+    absl::StrAppend(&s, " speculation=", p->speculation.skew, " alpha=", p->speculation.alpha,
+                    " budget=", p->speculation.budget);
+  }
+  std::string level = absl::AsciiStrToLower(v1::PressureLevel_Name(r.pressure()));
+  if (level.rfind("pressure_", 0) == 0) level = level.substr(9);
+  absl::StrAppend(&s, "\npressure: ", level,
+                  r.tightened() ? "; tightened (a cold session under pressure: fewer bits, half "
+                                  "the eviction budgets)"
+                                : "");
+  return s + "\n";
 }
 
 bool ParseBool(const std::string& v, bool* out) {
@@ -119,7 +154,8 @@ int PolicyCommand(const Args& args) {
                                                          "speculation_alpha",
                                                          "speculation_budget",
                                                          "speculation_pool_bytes",
-                                                         "speculation_pool_low_bytes"});
+                                                         "speculation_pool_low_bytes",
+                                                         "format"});
   if (!unknown.empty()) return Usage("unknown flag --" + unknown.front());
   if (!args.Has("model")) return Usage("--model=NAME is required");
   ControllerClientOptions o;
@@ -139,9 +175,16 @@ int PolicyCommand(const Args& args) {
     req.set_idle_ms(args.GetU64("idle_ms", 0));
     absl::StatusOr<v1::GetPolicyResponse> r = (*c)->GetPolicy(req);
     if (!r.ok()) return Fail(r.status());
-    std::string text;
-    google::protobuf::TextFormat::PrintToString(*r, &text);
-    std::printf("%s", text.c_str());
+    const std::string format = args.Get("format", "summary");
+    if (format == "proto") {
+      std::string text;
+      google::protobuf::TextFormat::PrintToString(*r, &text);
+      std::printf("%s", text.c_str());
+    } else if (format == "summary") {
+      std::printf("model %s: %s", args.Get("model").c_str(), Summary(*r).c_str());
+    } else {
+      return Usage("--format is summary or proto, not " + format);
+    }
     return 0;
   }
   if (sub != "set") return Usage("unknown subcommand '" + sub + "'");
@@ -149,21 +192,50 @@ int PolicyCommand(const Args& args) {
   v1::SetPolicyRequest req;
   req.set_model_name(args.Get("model"));
   v1::Policy& p = *req.mutable_policy();
-  if (args.Has("codec")) {
-    v1::Codec codec;
-    if (!ParseCodec(args.Get("codec"), &codec)) {
-      return Usage("unknown --codec " + args.Get("codec"));
-    }
-    p.set_codec(codec);
-  }
   v1::CodecParams& cp = *p.mutable_codec_params();
-  cp.set_bits(static_cast<uint32_t>(args.GetU64("bits", 0)));
-  cp.set_group_size(static_cast<uint32_t>(args.GetU64("group_size", 0)));
-  cp.set_residual_tokens(static_cast<uint32_t>(args.GetU64("residual_tokens", 0)));
-  if (args.Has("eviction")) p.set_eviction(args.Get("eviction"));
+  if (args.Has("codec")) {
+    // A family name (its bits from --bits), or a setting as the demo and
+    // the Python client take it (kivi4, gear2:r=2, fp16, ...).
+    v1::Codec codec;
+    if (ParseCodec(args.Get("codec"), &codec)) {
+      p.set_codec(codec);
+    } else {
+      absl::StatusOr<CodecConfig> c = ParseCodecSetting(args.Get("codec"));
+      if (!c.ok()) return Usage("--codec: " + std::string(c.status().message()));
+      p.set_codec(c->codec);
+      cp = ToParams(*c);
+    }
+  }
+  if (args.Has("bits")) cp.set_bits(static_cast<uint32_t>(args.GetU64("bits", 0)));
+  if (args.Has("group_size")) {
+    cp.set_group_size(static_cast<uint32_t>(args.GetU64("group_size", 0)));
+  }
+  if (args.Has("residual_tokens")) {
+    cp.set_residual_tokens(static_cast<uint32_t>(args.GetU64("residual_tokens", 0)));
+  }
+  if (args.Has("eviction")) {
+    const std::string e = args.Get("eviction");
+    // Checked here as the worker checks it, so a typo fails before the call.
+    if (e.rfind("profile", 0) == 0) {
+      return Usage("--eviction: a layer profile is --profile=FILE (kvtier budgets search --out)");
+    }
+    if (e != "none") {
+      const std::string as_parsed = e == "streamingllm" ? "streaming" : e;
+      if (absl::StatusOr<evict::Policy> m = evict::ParsePolicy(as_parsed + ":64"); !m.ok()) {
+        return Usage("--eviction: " + std::string(m.status().message()));
+      }
+      if (!args.Has("budget_tokens")) return Usage("--eviction=" + e + " needs --budget_tokens");
+    }
+    p.set_eviction(e);
+  }
   p.set_budget_tokens(static_cast<uint32_t>(args.GetU64("budget_tokens", 0)));
   p.set_window(static_cast<uint32_t>(args.GetU64("window", 0)));
-  if (args.Has("recall")) p.set_recall(args.Get("recall"));
+  if (args.Has("recall")) {
+    if (absl::StatusOr<RecallStrategy> r = ParseRecall(args.Get("recall")); !r.ok()) {
+      return Usage("--recall: " + std::string(r.status().message()));
+    }
+    p.set_recall(args.Get("recall"));
+  }
   p.set_watershed_layer(static_cast<uint32_t>(args.GetU64("watershed_layer", 0)));
   for (const char* flag : {"keep_recent_round", "release_after_end_round"}) {
     if (!args.Has(flag)) continue;

@@ -64,8 +64,9 @@ for _bits in (2, 4):
 class Policy:
     """A session's policy (docs/worker.md). Unset fields take the worker's
     published defaults. codec: "raw", "kivi2|4|8", "kcvt2|4|8", "gear2|4";
-    eviction: "none", "snapkv", "pyramidkv", "ada-snapkv", "ada-pyramid", "h2o",
-    "streamingllm" with budget_tokens; recall: "all", "topk:K",
+    eviction: "none", "streaming", "h2o", "snapkv", "pyramidkv", "ada-snapkv",
+    "ada-pyramidkv" (also "streamingllm", "ada-pyramid") with budget_tokens;
+    recall: "all", "topk:K",
     "adaptive:LAMBDA", "threshold:THETA", "mass:P"; speculation_skew: an id from
     WorkerClient.put_skew (docs/speculation.md); speculation_pool_bytes caps
     the host pool of a speculating session (0: none), and a trim takes it
