@@ -509,8 +509,9 @@ TEST_F(StoreIntegrationTest, MetricsHealthAndReflection) {
                                  "outcome=\"ok\"} 1"));
   EXPECT_THAT(metrics, HasSubstr("kvtier_store_segment_puts_total{method=\"PutSegments\","
                                  "outcome=\"ok\"} 2"));
+  // ALREADY_EXISTS is the caller's: a client error, not the store's.
   EXPECT_THAT(metrics, HasSubstr("kvtier_store_segment_puts_total{method=\"PutSegments\","
-                                 "outcome=\"error\"} 1"));
+                                 "outcome=\"client_error\"} 1"));
   EXPECT_THAT(metrics, HasSubstr("kvtier_store_requests_total{method=\"PutSegments\","
                                  "outcome=\"ok\"} 1"));
   // Every server's process memory, read at the scrape, and the same in Stats.

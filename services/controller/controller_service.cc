@@ -8,6 +8,7 @@
 #include "base/status_macros.h"
 #include "rpc/grpc_status.h"
 #include "rpc/wire_format.h"
+#include "services/common/request_outcome.h"
 
 namespace kvtier {
 namespace {
@@ -166,8 +167,8 @@ void ControllerMetrics::Update(controller::Controller& c) {
   epoch_.Set(static_cast<double>(c.membership().epoch()));
 }
 
-void ControllerMetrics::Request(const char* method, bool ok) {
-  requests_.Add({{"method", method}, {"outcome", ok ? "ok" : "error"}}).Increment();
+void ControllerMetrics::Request(const char* method, const absl::Status& s) {
+  requests_.Add({{"method", method}, {"outcome", RequestOutcome(s)}}).Increment();
 }
 
 ControllerService::ControllerService(controller::Controller* controller, Coordination* coordination,
@@ -190,7 +191,7 @@ grpc::ServerUnaryReactor* ControllerService::Run(grpc::CallbackServerContext* ct
   grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
   auto finish = [this, r, method, body = std::move(body)] {
     const absl::Status s = body();
-    metrics_->Request(method, s.ok());
+    metrics_->Request(method, s);
     r->Finish(ToGrpc(s));
   };
   if (blocking_ == nullptr) {

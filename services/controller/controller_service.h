@@ -28,7 +28,9 @@ class ControllerMetrics {
   ControllerMetrics();
   // Refreshes the gauges from the controller's state.
   void Update(controller::Controller& c);
-  void Request(const char* method, bool ok);
+  // One finished RPC, its outcome by RequestOutcome(s)
+  // (services/common/request_outcome.h).
+  void Request(const char* method, const absl::Status& s);
   void Placed() { placed_.Increment(); }
   void DeclaredDead(size_t n) { dead_.Increment(static_cast<double>(n)); }
   // A GetPolicy answer: "registered", "tightened" or "not_found".

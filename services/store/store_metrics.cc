@@ -5,6 +5,7 @@
 #include "prometheus/collectable.h"
 #include "prometheus/counter.h"
 #include "prometheus/text_serializer.h"
+#include "services/common/request_outcome.h"
 
 namespace kvtier {
 
@@ -113,16 +114,17 @@ absl::StatusOr<int> StoreMetrics::Serve(const std::string& address) {
   return endpoint_.port;
 }
 
-void StoreMetrics::ObserveRequest(const std::string& method, absl::Duration latency, bool ok) {
+void StoreMetrics::ObserveRequest(const std::string& method, absl::Duration latency,
+                                  const absl::Status& s) {
   static const prometheus::Histogram::BucketBoundaries kBuckets = {
       0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
       0.05,   0.1,     0.25,   0.5,   1,      2.5,   5,    10};
   latency_->Add({{"method", method}}, kBuckets).Observe(absl::ToDoubleSeconds(latency));
-  requests_->Add({{"method", method}, {"outcome", ok ? "ok" : "error"}}).Increment();
+  requests_->Add({{"method", method}, {"outcome", RequestOutcome(s)}}).Increment();
 }
 
-void StoreMetrics::CountSegmentPut(const std::string& method, bool ok) {
-  segment_puts_->Add({{"method", method}, {"outcome", ok ? "ok" : "error"}}).Increment();
+void StoreMetrics::CountSegmentPut(const std::string& method, const absl::Status& s) {
+  segment_puts_->Add({{"method", method}, {"outcome", RequestOutcome(s)}}).Increment();
 }
 
 std::string StoreMetrics::Render() const {

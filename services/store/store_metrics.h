@@ -28,11 +28,12 @@ class StoreMetrics {
   // bound port, or UNAVAILABLE when the address cannot be bound.
   absl::StatusOr<int> Serve(const std::string& address);
 
-  // Records one finished RPC.
-  void ObserveRequest(const std::string& method, absl::Duration latency, bool ok);
+  // Records one finished RPC, its outcome by RequestOutcome(s)
+  // (services/common/request_outcome.h).
+  void ObserveRequest(const std::string& method, absl::Duration latency, const absl::Status& s);
   // One segment's upload ended (`method`: PutSegment or PutSegments, whose
   // segments each have their own outcome).
-  void CountSegmentPut(const std::string& method, bool ok);
+  void CountSegmentPut(const std::string& method, const absl::Status& s);
 
   // The text exposition of every metric (what /metrics returns).
   std::string Render() const;

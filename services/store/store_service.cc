@@ -262,7 +262,7 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
   }
   void Refund(uint64_t bytes) override { svc_->RefundUpload(principal_.caller, bytes); }
   void SegmentDone(const absl::Status& s) override {
-    svc_->metrics_->CountSegmentPut(method_, s.ok());
+    svc_->metrics_->CountSegmentPut(method_, s);
     if (!s.ok()) {
       LogInfo(absl::StrCat(method_, " rejected"), {{"tenant", principal_.tenant},
                                                    {"code", absl::StatusCodeToString(s.code())},
@@ -282,7 +282,7 @@ class StoreService::PutReactor : public grpc::ServerReadReactor<grpc::ByteBuffer
                                                  {"results_lost", absl::StrCat(results.size())}});
     }
     if (registered_) svc_->Unregister(this);
-    svc_->metrics_->ObserveRequest(method_, absl::Now() - start_, s.ok());
+    svc_->metrics_->ObserveRequest(method_, absl::Now() - start_, s);
     grpc::ServerReadReactor<grpc::ByteBuffer>::Finish(ToGrpc(s));
   }
 
@@ -515,7 +515,7 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
   }
 
   void Done(const absl::Status& s) {
-    svc_->metrics_->ObserveRequest("GetSegments", absl::Now() - start_, s.ok());
+    svc_->metrics_->ObserveRequest("GetSegments", absl::Now() - start_, s);
     Finish(ToGrpc(s));
   }
 
@@ -551,7 +551,7 @@ grpc::ServerUnaryReactor* StoreService::Unary(grpc::CallbackServerContext* ctx, 
   absl::StatusOr<Principal> p = auth_->Authenticate(*ctx);
   absl::Status denied = p.ok() && write ? Authenticator::RequireWrite(*p) : p.status();
   if (!denied.ok()) {
-    metrics_->ObserveRequest(method, absl::Now() - start, false);
+    metrics_->ObserveRequest(method, absl::Now() - start, denied);
     reactor->Finish(ToGrpc(denied));
     return reactor;
   }
@@ -562,7 +562,7 @@ grpc::ServerUnaryReactor* StoreService::Unary(grpc::CallbackServerContext* ctx, 
     absl::Status s = wire::Parse(*raw, &req);
     if (s.ok()) s = work(principal, &req, &resp);
     if (s.ok()) *out = wire::Serialize(resp);
-    metrics_->ObserveRequest(method, absl::Now() - start, s.ok());
+    metrics_->ObserveRequest(method, absl::Now() - start, s);
     reactor->Finish(ToGrpc(s));
   });
   return reactor;

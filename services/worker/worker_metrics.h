@@ -17,6 +17,7 @@
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "services/common/metrics_exposer.h"
+#include "services/common/request_outcome.h"
 #include "worker/engine.h"
 
 namespace kvtier {
@@ -145,8 +146,9 @@ class WorkerMetrics {
         0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5};
     layer_latency_->Add({{"kind", kind}}, kBuckets).Observe(seconds);
   }
-  void Request(const char* method, bool ok) {
-    requests_->Add({{"method", method}, {"outcome", ok ? "ok" : "error"}}).Increment();
+  // One finished RPC, its outcome by RequestOutcome(s).
+  void Request(const char* method, const absl::Status& s) {
+    requests_->Add({{"method", method}, {"outcome", RequestOutcome(s)}}).Increment();
   }
   void Recall(const worker::RecallReport& r, bool completed) {
     if (completed) {

@@ -80,7 +80,7 @@ void WorkerService::UpdateWorkingSet() {
 }
 
 grpc::Status WorkerService::Done(const char* method, const absl::Status& s) {
-  metrics_->Request(method, s.ok());
+  metrics_->Request(method, s);
   return ToGrpc(s);
 }
 
