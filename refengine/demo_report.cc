@@ -439,7 +439,7 @@ std::string RenderText(const DemoReport& r) {
                           "behind layer %d's attention and the engine's own work before layer "
                           "%d)\n",
                           t.fetch_ms / t.fetches, t.exposed_ms / t.fetches,
-                          100.0 * (1.0 - Ratio(t.exposed_ms, t.fetch_ms)), r.watershed,
+                          100.0 * std::max(0.0, 1.0 - Ratio(t.exposed_ms, t.fetch_ms)), r.watershed,
                           r.watershed + 1);
   }
   if (!r.sessions.empty()) {
@@ -514,8 +514,9 @@ std::string RenderText(const DemoReport& r) {
           "%.2f ms\n",
           path, Kib(Ratio(wire, handed)), Kib(Ratio(wire + reused, handed)),
           Kib(Ratio(reused, handed)), Kib(Ratio(raw, handed)), Ratio(raw, wire + reused),
-          xfer_ms / handed, exposed_ms / handed, 100.0 * (1.0 - Ratio(exposed_ms, xfer_ms)),
-          Kib(Ratio(back, handed)), Kib(Ratio(back_reused, handed)), back_ms / handed);
+          xfer_ms / handed, exposed_ms / handed,
+          100.0 * std::max(0.0, 1.0 - Ratio(exposed_ms, xfer_ms)), Kib(Ratio(back, handed)),
+          Kib(Ratio(back_reused, handed)), back_ms / handed);
       absl::StrAppendFormat(&s,
                             "  of the exposed part (mean): %.2f ms until the stream caught up "
                             "with the prefill, %.2f ms the tail waited behind layers the decode "

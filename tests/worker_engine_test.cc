@@ -227,6 +227,45 @@ TEST_F(WorkerEngineTest, LosslessRecallAllEqualsFullAttention) {
       << "working set " << st.working_set_bytes << " full " << st.full_cache_bytes;
 }
 
+// A recall's fetch is timed from its start at layer L_w, so the part layer
+// L_w + 1 waits for is never more than the whole: held in the store until
+// that layer waits, the fetch's time covers the wait.
+TEST_F(WorkerEngineTest, TheExposedPartOfAFetchIsWithinIt) {
+  SessionPolicy p;
+  KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("all"));
+  p.watershed_layer = 1;
+  KVT_ASSERT_OK(engine_->OpenSession("s", kShape, p));
+  std::mt19937 rng(3);
+  for (int r = 0; r < 3; ++r) {
+    Round("s", 6, 2, 0, &rng, nullptr);
+    KVT_ASSERT_OK(engine_->EndRound("s").status());
+  }
+  const ModelShape s = kShape;
+  const int64_t n = 4;
+  auto layer = [&](int l) -> absl::StatusOr<std::optional<worker::RecallReport>> {
+    const auto q = Random(n * s.q_heads * s.head_dim, &rng),
+               k = Random(n * s.kv_heads * s.head_dim, &rng),
+               v = Random(n * s.kv_heads * s.head_dim, &rng);
+    std::vector<float> out(q.size());
+    return engine_->PrefillLayer("s", l, n, 2, q.data(), k.data(), v.data(), out.data());
+  };
+  store_.HoldGets();
+  KVT_ASSERT_OK(layer(0).status());
+  KVT_ASSERT_OK(layer(1).status());  // Starts the fetch.
+  store_.AwaitHeldGets(1);
+  absl::StatusOr<std::optional<worker::RecallReport>> at_next;
+  std::thread next([&] { at_next = layer(2); });  // Waits for the fetch.
+  store_.ReleaseGets();
+  next.join();
+  KVT_ASSERT_OK(at_next.status());
+  ASSERT_TRUE(at_next->has_value());
+  const worker::RecallReport& r = **at_next;
+  EXPECT_GT(r.fetched_segments, 0);
+  EXPECT_GT(r.fetch_ms, 0.0);
+  EXPECT_LE(r.exposed_ms, r.fetch_ms);
+  KVT_ASSERT_OK(layer(3).status());
+}
+
 TEST_F(WorkerEngineTest, RecallSelectsTheReferenceRoundsInOneCall) {
   SessionPolicy p;
   KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("topk:2"));

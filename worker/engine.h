@@ -149,8 +149,10 @@ struct RecallReport {
   std::vector<double> scores;  // Normalized qAttention per past round.
   uint64_t bytes_fetched = 0;  // Payload bytes of the one GetSegments.
   int fetched_segments = 0;    // 0 when everything was resident.
-  double fetch_ms = 0;         // The call's own duration.
-  double exposed_ms = 0;       // How long layer L_w + 1 waited for it.
+  // From the fetch's start at layer L_w (its wait for a fetch thread
+  // included) to its end.
+  double fetch_ms = 0;
+  double exposed_ms = 0;  // How long layer L_w + 1 waited for it (<= fetch_ms).
 };
 
 // What speculation did at one layer during a round (decode steps that

@@ -73,9 +73,11 @@ RecallReport Engine::StartRecall(Session& s, int64_t n, int64_t question_tokens,
       absl::MutexLock lock(&fetches_mu_);
       ++fetches_in_flight_;
     }
+    // Timed from here, its wait for a fetch thread included: layer L_w + 1
+    // starts waiting after this, so the part it waits never exceeds it.
     fetch_executor_->Schedule([this, f, sid = s.key.session, segs = std::move(segs),
-                               store_call = s.ForStore({StoreDeadline(call), {}})] {
-      const auto t0 = std::chrono::steady_clock::now();
+                               store_call = s.ForStore({StoreDeadline(call), {}}),
+                               t0 = std::chrono::steady_clock::now()] {
       f->result = store_->Get(sid, segs, store_call);
       if (absl::IsNotFound(f->result.status())) {
         // Some rounds were dropped by the store (pressure): fetch the rest
@@ -183,8 +185,9 @@ absl::StatusOr<RecallReport> Engine::InstallFetch(Session& s, const std::shared_
   }
   s.recall = RecallState::kReady;
   s.fetch.reset();
-  rr.exposed_ms = exposed_ms;
   rr.fetch_ms = f->ms;
+  // The waiter wakes a moment after the fetch ends: never more than all of it.
+  rr.exposed_ms = std::min(exposed_ms, f->ms);
   rr.bytes_fetched += fetched;
   return rr;
 }
