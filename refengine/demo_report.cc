@@ -153,6 +153,19 @@ std::string RenderAnswers(const DemoReport& r) {
       n, tier, full, lines);
 }
 
+// Below this top-1 agreement with the full cache the report says, in a line
+// of its own, that the policy changes the model's answers.
+constexpr double kFidelityWarnBelow = 0.95;
+
+// That line, or nothing.
+std::string FidelityWarning(double top1) {
+  if (!(top1 < kFidelityWarnBelow)) return "";
+  return absl::StrFormat(
+      "warning: top-1 agreement %.3f is below %.2f: this policy changes the model's next token "
+      "at %.1f%% of positions (docs/fidelity.md gives each method's cost on a real model)\n",
+      top1, kFidelityWarnBelow, 100.0 * (1.0 - top1));
+}
+
 // The replay's part of the text report: agreement with the full cache on
 // every assistant token, accuracy on the scored spans for both, then per
 // round what the tier kept and moved.
@@ -163,6 +176,7 @@ std::string RenderReplay(const DemoReport& r) {
                         "fidelity against the full cache, every assistant token (teacher-forced "
                         "on the file's): top-1 agreement %s, KL %.4f nats\n",
                         Acc(t.agree, t.assistant), Ratio(t.kl, t.assistant));
+  if (t.assistant > 0) s += FidelityWarning(Ratio(t.agree, t.assistant));
   if (t.scored > 0) {
     absl::StrAppendFormat(&s,
                           "accuracy on the scored spans (%lld tokens): kvtier %s, full cache %s "
@@ -576,6 +590,7 @@ std::string RenderText(const DemoReport& r) {
                           "fidelity: top-1 agreement %.3f, KL %.4f nats (teacher-forced on the "
                           "local greedy answers)\n",
                           t.top1, t.kl);
+    s += FidelityWarning(t.top1);
   } else {
     s += RenderReplay(r);
   }

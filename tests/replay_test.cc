@@ -301,6 +301,9 @@ TEST_F(ReplayDemoTest, SampleFileThroughTheWorker) {
   EXPECT_EQ(local, n);  // The full cache is the same run whatever the tier does.
   EXPECT_LT(tier, n * 9 / 10);
   EXPECT_EQ(StoreSessions(), 0u);  // The demo deletes its sessions at the end.
+  // A policy that changes the answers says so; a lossless one does not.
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("warning: top-1 agreement")));
+  EXPECT_THAT(refengine::RenderText(k2), HasSubstr("warning: top-1 agreement 0."));
 }
 
 // With a teacher cache, the first replay computes the full cache and keeps
