@@ -113,11 +113,13 @@ TEST_F(RepairerTest, RoundsGoInBatchesAndArriveByteForByte) {
   auto repairer = Repairer::Start(&ctl, ro);
   ASSERT_THAT(repairer.status(), IsOk());
   const double before = std::max(0.0, TargetPutCalls());
-  ASSERT_THAT((*repairer)->Repair(Task("many")), IsOk());
+  bool empty = true;
+  ASSERT_THAT((*repairer)->Repair(Task("many"), &empty), IsOk());
+  EXPECT_FALSE(empty);
   EXPECT_EQ(Listed(1, "many"), Listed(0, "many"));
   EXPECT_EQ(Listed(1, "many").size(), 400u);
   EXPECT_EQ(TargetPutCalls() - before, 2) << "400 segments in batches of at most 256";
-  ASSERT_THAT((*repairer)->Repair(Task("large")), IsOk());
+  ASSERT_THAT((*repairer)->Repair(Task("large"), &empty), IsOk());
   EXPECT_EQ(Listed(1, "large"), Listed(0, "large"));
   EXPECT_EQ(TargetPutCalls() - before, 5) << "19 MiB in batches of at most 8 MiB";
   // The bytes too, not only the listed checksums.
@@ -149,12 +151,18 @@ TEST_F(RepairerTest, SegmentsTheTargetHoldsAreLeftAlone) {
   ro.max_bytes_per_second = 0;
   auto repairer = Repairer::Start(&ctl, ro);
   ASSERT_THAT(repairer.status(), IsOk());
-  ASSERT_THAT((*repairer)->Repair(Task("part")), IsOk());
+  bool empty = true;
+  ASSERT_THAT((*repairer)->Repair(Task("part"), &empty), IsOk());
+  EXPECT_FALSE(empty);
   EXPECT_EQ(Listed(1, "part"), Listed(0, "part"));
   const RepairStats st = (*repairer)->stats();
   EXPECT_EQ(st.segments_copied, 12u);
   EXPECT_EQ(st.segments_present, 8u);
   for (const auto& [ref, crc] : held) EXPECT_EQ(Listed(1, "part").at(ref), crc);
+  // A session no replica holds yet: done, with nothing copied, and said so.
+  ASSERT_THAT((*repairer)->Repair(Task("never-stored"), &empty), IsOk());
+  EXPECT_TRUE(empty);
+  EXPECT_EQ((*repairer)->stats().segments_copied, 12u);
 }
 
 }  // namespace

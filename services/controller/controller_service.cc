@@ -131,6 +131,7 @@ void ControllerMetrics::UpdateRepair(const RepairStats& now) {
   };
   absl::MutexLock lock(&mu_);
   add("sessions_ok", now.sessions_repaired, last_repair_.sessions_repaired);
+  add("sessions_empty", now.sessions_empty, last_repair_.sessions_empty);
   add("sessions_failed", now.sessions_failed, last_repair_.sessions_failed);
   add("segments_copied", now.segments_copied, last_repair_.segments_copied);
   add("segments_present", now.segments_present, last_repair_.segments_present);

@@ -44,11 +44,14 @@ void Repairer::Loop() {
       continue;
     }
     const absl::Time t0 = absl::Now();
-    absl::Status s = Repair(*task);
+    bool empty = false;
+    absl::Status s = Repair(*task, &empty);
     {
       absl::MutexLock lock(&mu_);
       stats_.busy += absl::Now() - t0;
-      if (s.ok()) {
+      if (s.ok() && empty) {
+        ++stats_.sessions_empty;
+      } else if (s.ok()) {
         ++stats_.sessions_repaired;
       } else {
         ++stats_.sessions_failed;
@@ -106,7 +109,8 @@ absl::StatusOr<StoreClient*> Repairer::Client(const std::string& address) {
   return c.get();
 }
 
-absl::Status Repairer::Repair(const RepairTask& task) {
+absl::Status Repairer::Repair(const RepairTask& task, bool* empty) {
+  *empty = false;
   auto call = [&] {
     CallOptions c = CallOptions::Within(options_.call_deadline);
     c.tenant = task.tenant;
@@ -139,6 +143,7 @@ absl::Status Repairer::Repair(const RepairTask& task) {
     if (!all_not_found) return last;
     LogInfo("repair skipped: no replica holds the session yet",
             {{"tenant", task.tenant}, {"session", task.session}, {"to", task.target.spec.id}});
+    *empty = true;
     return absl::OkStatus();
   }
 

@@ -51,7 +51,10 @@ struct RepairOptions {
 };
 
 struct RepairStats {
-  uint64_t sessions_repaired = 0;
+  uint64_t sessions_repaired = 0;  // Copied to their new replica ("repair done").
+  // Held by no replica yet (no round stored): nothing to copy ("repair
+  // skipped"); the task is done all the same.
+  uint64_t sessions_empty = 0;
   uint64_t sessions_failed = 0;  // Attempts that failed (each is retried).
   uint64_t segments_copied = 0;
   uint64_t bytes_copied = 0;
@@ -75,7 +78,8 @@ class Repairer {
   // missing segments go in batches of whole rounds, one GetSegments and one
   // PutSegments a batch, of at most kBatchBytes and kBatchSegments (a round
   // larger than that goes alone).
-  absl::Status Repair(const controller::RepairTask& task);
+  // OK with *empty set when no replica holds the session yet.
+  absl::Status Repair(const controller::RepairTask& task, bool* empty);
   static constexpr uint64_t kBatchBytes = uint64_t{8} << 20;
   static constexpr size_t kBatchSegments = 256;
 
