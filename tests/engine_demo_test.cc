@@ -216,6 +216,21 @@ TEST(WatershedTest, SyntheticChatWatershedIsSix) {
   EXPECT_GT(w.rounds_for_mass_mean[0], 8.0);
 }
 
+// The report explains a tier faster than its own full-cache reference, and
+// only then.
+TEST(DemoReportTest, SaysWhyTheTierBeatsTheFullCache) {
+  refengine::DemoReport r;
+  r.workload = "synthetic-chat";
+  r.sessions.resize(1);
+  r.sessions[0].decode_tokens = 10;
+  r.sessions[0].tier_decode_ms = 10;
+  r.sessions[0].local_decode_ms = 30;
+  const std::string why = "(the full cache is the reference: fp32, every token";
+  EXPECT_NE(refengine::RenderText(r).find(why), std::string::npos);
+  r.sessions[0].tier_decode_ms = 60;
+  EXPECT_EQ(refengine::RenderText(r).find(why), std::string::npos);
+}
+
 TEST(WatershedTest, RuleOnHandmadeDistributions) {
   refengine::RoundDistributions d;
   d.layers = 4;
