@@ -322,7 +322,8 @@ int Replication(int rounds) {
   task.sources.push_back({{"s1", controller::NodeKind::kStore, stores[1]->target()}});
   task.target = {{"s2", controller::NodeKind::kStore, stores[2]->target()}};
   auto t0 = std::chrono::steady_clock::now();
-  absl::Status rs = (*repairer)->Repair(task);
+  bool empty = false;
+  absl::Status rs = (*repairer)->Repair(task, &empty);
   const double repair_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!rs.ok()) {
@@ -412,7 +413,7 @@ int Replication(int rounds) {
   task.session = "small";
   const uint64_t copied_before = (*repairer)->stats().bytes_copied;
   t0 = std::chrono::steady_clock::now();
-  rs = (*repairer)->Repair(task);
+  rs = (*repairer)->Repair(task, &empty);
   const double small_repair_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!rs.ok()) {
