@@ -285,10 +285,13 @@ class Store {
   // for repair, not a use), and returns their infos in order. NOT_FOUND
   // if the session or any segment is missing; INVALID_ARGUMENT on bad names;
   // OUT_OF_RANGE (nothing counted) when the payloads together pass
-  // `max_bytes`.
+  // `max_bytes`. With `missing`, a segment that is not stored is marked
+  // there (one flag per id; its info left default, nothing counted for it)
+  // instead of failing the call; the session must still exist.
   absl::StatusOr<std::vector<SegmentInfo>> PrepareRead(
       const std::string& tenant, const std::string& session, const std::vector<SegmentId>& ids,
-      uint64_t max_bytes = std::numeric_limits<uint64_t>::max(), bool count_recalls = true);
+      uint64_t max_bytes = std::numeric_limits<uint64_t>::max(), bool count_recalls = true,
+      std::vector<bool>* missing = nullptr);
 
   // Returns one segment's bytes from RAM or RocksDB, promoting it when hot.
   // NOT_FOUND when it is gone; DATA_LOSS when the stored bytes fail their

@@ -147,6 +147,21 @@ TEST_F(StoreTest, PrepareReadChecksEveryRefFirst) {
   EXPECT_THAT(store_->PrepareRead("t1", "s", {{0, 0}, {5, 0}}), StatusIs(Code::kNotFound));
   KVT_ASSERT_OK_AND_ASSIGN(SessionInfo info, store_->ListRounds("t1", "s"));
   EXPECT_EQ(info.rounds[0].summary.recall_count(), 0u);  // The failed call counted nothing.
+  // With `missing`: the absent segment is marked in its place, the present
+  // one counted; an unknown session is still NOT_FOUND.
+  std::vector<bool> missing;
+  KVT_ASSERT_OK_AND_ASSIGN(
+      std::vector<SegmentInfo> infos,
+      store_->PrepareRead("t1", "s", {{5, 0}, {0, 0}, {0, 1}}, UINT64_MAX, true, &missing));
+  EXPECT_EQ(missing, (std::vector<bool>{true, false, true}));
+  ASSERT_EQ(infos.size(), 3u);
+  EXPECT_EQ(infos[1].id, (SegmentId{0, 0}));
+  EXPECT_EQ(infos[1].payload_bytes, MakePayload(100, 1).size());
+  KVT_ASSERT_OK_AND_ASSIGN(info, store_->ListRounds("t1", "s"));
+  EXPECT_EQ(info.rounds.size(), 1u);  // No round was made for the absent ones.
+  EXPECT_EQ(info.rounds[0].summary.recall_count(), 1u);
+  EXPECT_THAT(store_->PrepareRead("t1", "nobody", {{0, 0}}, UINT64_MAX, true, &missing),
+              StatusIs(Code::kNotFound));
 }
 
 TEST_F(StoreTest, FailingDiskRejectsTheWriteAndChangesNothing) {

@@ -26,8 +26,8 @@ using detail::NoSession;
 absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& tenant,
                                                             const std::string& session,
                                                             const std::vector<SegmentId>& ids,
-                                                            uint64_t max_bytes,
-                                                            bool count_recalls) {
+                                                            uint64_t max_bytes, bool count_recalls,
+                                                            std::vector<bool>* missing) {
   KVT_RETURN_IF_ERROR(ValidateName("session_id", session));
   const std::string key = SessionKey(tenant, session);
   std::vector<SegmentInfo> out;
@@ -37,7 +37,11 @@ absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& t
     SessionEntry* s = FindSessionLocked(key);
     if (s == nullptr) return NoSession(session);
     uint64_t total = 0;
-    for (const SegmentId& id : ids) {
+    std::vector<bool> gone(ids.size(), false);
+    std::vector<SegmentId> present;
+    present.reserve(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const SegmentId& id = ids[i];
       auto r = s->rounds.find(id.round);
       const SegmentEntry* e = nullptr;
       if (r != s->rounds.end()) {
@@ -47,10 +51,15 @@ absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& t
         }
       }
       if (e == nullptr) {
+        if (missing != nullptr) {
+          gone[i] = true;
+          continue;
+        }
         return absl::NotFoundError(absl::StrCat("session '", session, "' has no round ", id.round,
                                                 " segment ", id.segment));
       }
       total += e->info.payload_bytes;
+      present.push_back(id);
     }
     if (total > max_bytes) {
       return absl::OutOfRangeError(absl::StrCat("the segments asked for hold ", total,
@@ -71,7 +80,7 @@ absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& t
     };
     std::vector<Moved> moved;
     if (count_recalls) {
-      for (const SegmentId& id : ids) {
+      for (const SegmentId& id : present) {
         RoundEntry* r = &s->rounds[id.round];
         if (std::find(rekeyed.begin(), rekeyed.end(), r) != rekeyed.end()) continue;
         rekeyed.push_back(r);
@@ -81,7 +90,7 @@ absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& t
         }
       }
     }
-    for (const SegmentId& id : ids) {
+    for (const SegmentId& id : present) {
       RoundEntry& r = s->rounds[id.round];
       SegmentEntry& e = r.segments[id.segment];
       if (!count_recalls) {
@@ -104,6 +113,16 @@ absl::StatusOr<std::vector<SegmentInfo>> Store::PrepareRead(const std::string& t
     // Queued under mu_: a drop of these rounds comes after, and takes their
     // records out of the queue (ApplyRemovals).
     QueueRecallCounters(std::move(counters));
+    if (missing != nullptr) {
+      // Back in request order, a default info where a segment is gone.
+      std::vector<SegmentInfo> all(ids.size());
+      size_t j = 0;
+      for (size_t i = 0; i < ids.size(); ++i) {
+        if (!gone[i]) all[i] = std::move(out[j++]);
+      }
+      out = std::move(all);
+      *missing = std::move(gone);
+    }
   }
   return out;
 }

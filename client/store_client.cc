@@ -142,7 +142,7 @@ absl::StatusOr<std::vector<absl::StatusOr<v1::PutSegmentResponse>>> StoreClient:
 
 absl::StatusOr<std::vector<FetchedSegment>> StoreClient::GetSegments(
     const std::string& session_id, const std::vector<v1::SegmentRef>& refs,
-    const CallOptions& call_options, bool uncounted) {
+    const CallOptions& call_options, bool uncounted, bool missing_ok) {
   auto ctx = NewContext(call_options);
   RawCall call(channel_, ctx.get(), "/kvtier.v1.Store/GetSegments");
   v1::GetSegmentsRequest req;
@@ -150,6 +150,7 @@ absl::StatusOr<std::vector<FetchedSegment>> StoreClient::GetSegments(
   for (const auto& r : refs) *req.add_refs() = r;
   req.set_uncounted(uncounted);
   req.set_accept_batches(true);
+  req.set_missing_ok(missing_ok);
   std::vector<FetchedSegment> out;
   std::vector<uint32_t> crcs;  // Running CRC-32C of each segment's payload.
   absl::Status protocol;
@@ -159,6 +160,11 @@ absl::StatusOr<std::vector<FetchedSegment>> StoreClient::GetSegments(
     FetchedSegment f;
     f.info = header.segment();
     f.served_from = header.served_from();
+    if (header.missing() && (!missing_ok || f.info.payload_bytes() != 0)) {
+      protocol = absl::InternalError("GetSegments sent a missing segment that was not asked for");
+      return false;
+    }
+    f.missing = header.missing();
     if (f.info.payload_bytes() > (uint64_t{4} << 30)) {
       protocol = absl::InternalError("GetSegments announced an implausible segment size");
       return false;

@@ -63,6 +63,9 @@ struct FetchedSegment {
   v1::SegmentInfo info;
   v1::Tier served_from = v1::TIER_UNSPECIFIED;
   std::string payload;  // Serialized SegmentPayload; crc32c checked.
+  // GetSegments with `missing_ok`: the store does not hold it (only
+  // info.ref is set, the payload is empty).
+  bool missing = false;
 };
 
 class StoreClient {
@@ -89,11 +92,14 @@ class StoreClient {
   // Fetches segments of one session in ONE call. DATA_LOSS if a payload
   // arrives with a wrong checksum; INTERNAL if the stream is malformed.
   // `uncounted`: a copy (repair), not a recall; the store's recall counters
-  // stay as they are.
+  // stay as they are. `missing_ok`: a segment the store does not hold comes
+  // back in its place with `missing` set, instead of failing the call with
+  // NOT_FOUND (an unknown session still does).
   absl::StatusOr<std::vector<FetchedSegment>> GetSegments(const std::string& session_id,
                                                           const std::vector<v1::SegmentRef>& refs,
                                                           const CallOptions& call = {},
-                                                          bool uncounted = false);
+                                                          bool uncounted = false,
+                                                          bool missing_ok = false);
 
   absl::StatusOr<v1::ListRoundsResponse> ListRounds(const std::string& session_id,
                                                     const CallOptions& call = {});

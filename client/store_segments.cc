@@ -132,6 +132,28 @@ absl::StatusOr<std::vector<std::string>> StoreSegments::Get(const std::string& s
   return out;
 }
 
+absl::StatusOr<std::vector<std::optional<std::string>>> StoreSegments::GetPresent(
+    const std::string& session, const std::vector<Segment>& segments, const CallOptions& call) {
+  get_calls_.fetch_add(1);
+  auto got = client_->GetSegments(session, RefsOf(segments), call, /*uncounted=*/false,
+                                  /*missing_ok=*/true);
+  if (absl::IsNotFound(got.status())) {
+    // The session itself is not stored: none of its segments is.
+    return std::vector<std::optional<std::string>>(segments.size());
+  }
+  if (!got.ok()) return AsUnavailable(got.status(), "GetSegments");
+  std::vector<std::optional<std::string>> out;
+  out.reserve(got->size());
+  for (FetchedSegment& f : *got) {
+    if (f.missing) {
+      out.emplace_back(std::nullopt);
+    } else {
+      out.emplace_back(std::move(f.payload));
+    }
+  }
+  return out;
+}
+
 absl::Status StoreSegments::DropRound(const std::string& session, uint32_t round,
                                       const CallOptions& call) {
   auto r = client_->DropRounds(session, {round}, call);

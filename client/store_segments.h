@@ -23,6 +23,10 @@ class StoreSegments : public worker::SegmentStore {
   std::vector<absl::Status> PutMany(const std::string& session,
                                     const std::vector<SegmentWrite>& writes,
                                     const CallOptions& call) override;
+  // One GetSegments call with missing_ok.
+  absl::StatusOr<std::vector<std::optional<std::string>>> GetPresent(
+      const std::string& session, const std::vector<Segment>& segments,
+      const CallOptions& call) override;
   absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
                                                const std::vector<Segment>& segments,
                                                const CallOptions& call) override;

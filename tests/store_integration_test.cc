@@ -46,6 +46,33 @@ using ::kvtier::store_test::kCarolToken;
 using ::kvtier::store_test::kNodeToken;
 using ::kvtier::store_test::StoreIntegrationTest;
 
+// GetSegments with missing_ok answers a segment the store does not hold in
+// its place, flagged, in the same call; without it the call is NOT_FOUND;
+// an unknown session is NOT_FOUND either way. The missing ones come batched,
+// beside a large segment sent as a header and chunks.
+TEST_F(StoreIntegrationTest, MissingSegmentsAnswerInTheirPlace) {
+  StartStore();
+  const std::string small = MakePayload(2000, 1), large = MakePayload(3 << 20, 2);
+  ASSERT_THAT(alice_->PutSegment(Args("s", 0), small), IsOk());
+  ASSERT_THAT(alice_->PutSegment(Args("s", 2), large), IsOk());
+  const std::vector<v1::SegmentRef> refs = {Ref(0), Ref(1), Ref(2), Ref(2, 1)};
+  EXPECT_THAT(alice_->GetSegments("s", refs), StatusIs(Code::kNotFound));
+  auto got = alice_->GetSegments("s", refs, {}, /*uncounted=*/false, /*missing_ok=*/true);
+  ASSERT_THAT(got, IsOk());
+  ASSERT_EQ(got->size(), 4u);
+  EXPECT_FALSE((*got)[0].missing);
+  EXPECT_EQ((*got)[0].payload, small);
+  EXPECT_TRUE((*got)[1].missing);
+  EXPECT_EQ((*got)[1].info.ref().round(), 1u);
+  EXPECT_TRUE((*got)[1].payload.empty());
+  EXPECT_FALSE((*got)[2].missing);
+  EXPECT_EQ((*got)[2].payload, large);
+  EXPECT_TRUE((*got)[3].missing);
+  EXPECT_EQ((*got)[3].info.ref().segment(), 1u);
+  EXPECT_THAT(alice_->GetSegments("nobody", refs, {}, false, /*missing_ok=*/true),
+              StatusIs(Code::kNotFound));
+}
+
 TEST_F(StoreIntegrationTest, RoundTripsFrom1KiBTo64MiBInOneBatchedCall) {
   StartStore();
   const std::vector<uint64_t> sizes = {1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20};

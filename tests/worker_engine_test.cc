@@ -227,6 +227,30 @@ TEST_F(WorkerEngineTest, LosslessRecallAllEqualsFullAttention) {
       << "working set " << st.working_set_bytes << " full " << st.full_cache_bytes;
 }
 
+// A round the store dropped under pressure costs a recall nothing more: the
+// one GetSegments call brings the other rounds and says which is gone, and
+// the gone round is attended up to L_w from then on.
+TEST_F(WorkerEngineTest, ADroppedRoundCostsTheRecallNoSecondCall) {
+  SessionPolicy p;
+  KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("all"));
+  p.watershed_layer = 1;
+  KVT_ASSERT_OK(engine_->OpenSession("s", kShape, p));
+  std::mt19937 rng(4);
+  for (int r = 0; r < 4; ++r) {
+    Round("s", 6, 2, 0, &rng, nullptr);
+    KVT_ASSERT_OK(engine_->EndRound("s").status());
+  }
+  KVT_ASSERT_OK(store_.DropRound("s", 1, {}));
+  const uint64_t calls = store_.counts().get_calls;
+  Round("s", 4, 2, 0, &rng, nullptr);
+  EXPECT_EQ(store_.counts().get_calls, calls + 1);
+  KVT_ASSERT_OK_AND_ASSIGN(worker::SessionStats st, engine_->Stats("s"));
+  ASSERT_FALSE(st.recalls.empty());
+  EXPECT_EQ(st.recalls.back().gone, std::vector<uint32_t>{1});
+  EXPECT_GT(st.recalls.back().bytes_fetched, 0u);
+  KVT_ASSERT_OK(engine_->EndRound("s").status());
+}
+
 // A recall's fetch is timed from its start at layer L_w, so the part layer
 // L_w + 1 waits for is never more than the whole: held in the store until
 // that layer waits, the fetch's time covers the wait.

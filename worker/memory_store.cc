@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/status_macros.h"
 
 namespace kvtier::worker {
 
@@ -57,6 +58,31 @@ std::vector<absl::Status> MemorySegmentStore::PutMany(const std::string& session
 
 absl::StatusOr<std::vector<std::string>> MemorySegmentStore::Get(
     const std::string& session, const std::vector<Segment>& segments, const CallOptions& call) {
+  KVT_ASSIGN_OR_RETURN(std::vector<std::optional<std::string>> got,
+                       GetCall(session, segments, call));
+  std::vector<std::string> out;
+  out.reserve(got.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!got[i].has_value()) {
+      return absl::NotFoundError(absl::StrCat("segment ", segments[i].round, "/",
+                                              segments[i].segment, " of '", session,
+                                              "' not found"));
+    }
+    out.push_back(*std::move(got[i]));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<std::optional<std::string>>> MemorySegmentStore::GetPresent(
+    const std::string& session, const std::vector<Segment>& segments, const CallOptions& call) {
+  absl::StatusOr<std::vector<std::optional<std::string>>> got = GetCall(session, segments, call);
+  if (absl::IsNotFound(got.status()))
+    return std::vector<std::optional<std::string>>(segments.size());
+  return got;
+}
+
+absl::StatusOr<std::vector<std::optional<std::string>>> MemorySegmentStore::GetCall(
+    const std::string& session, const std::vector<Segment>& segments, const CallOptions& call) {
   absl::MutexLock lock(&mu_);
   ++counts_.get_calls;
   if (hold_gets_) {
@@ -71,7 +97,7 @@ absl::StatusOr<std::vector<std::string>> MemorySegmentStore::Get(
   if (s == sessions_.end()) {
     return absl::NotFoundError(absl::StrCat("session '", session, "' not found"));
   }
-  std::vector<std::string> out;
+  std::vector<std::optional<std::string>> out;
   out.reserve(segments.size());
   for (const Segment& seg : segments) {
     auto r = s->second.find(seg.round);
@@ -81,10 +107,10 @@ absl::StatusOr<std::vector<std::string>> MemorySegmentStore::Get(
       if (it != r->second.segments.end()) found = &it->second;
     }
     if (found == nullptr) {
-      return absl::NotFoundError(
-          absl::StrCat("segment ", seg.round, "/", seg.segment, " of '", session, "' not found"));
+      out.emplace_back(std::nullopt);
+    } else {
+      out.emplace_back(found->payload);
     }
-    out.push_back(found->payload);
   }
   return out;
 }

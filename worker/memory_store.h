@@ -44,6 +44,10 @@ class MemorySegmentStore : public SegmentStore {
   absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
                                                const std::vector<Segment>& segments,
                                                const CallOptions& call) override;
+  // One call, as kvtier-store's GetSegments with missing_ok.
+  absl::StatusOr<std::vector<std::optional<std::string>>> GetPresent(
+      const std::string& session, const std::vector<Segment>& segments,
+      const CallOptions& call) override;
   absl::Status Delete(const std::string& session, const CallOptions& call) override;
   absl::Status DropRound(const std::string& session, uint32_t round,
                          const CallOptions& call) override;
@@ -84,6 +88,10 @@ class MemorySegmentStore : public SegmentStore {
   uint64_t Recalls(const std::string& session, uint32_t round) const;
 
  private:
+  // Get and GetPresent: one call, counted, held and failed as a get; a
+  // segment not stored is nullopt (NOT_FOUND: the session is not).
+  absl::StatusOr<std::vector<std::optional<std::string>>> GetCall(
+      const std::string& session, const std::vector<Segment>& segments, const CallOptions& call);
   struct Stored {
     uint32_t layer_begin = 0, layer_end = 0;
     std::string payload;

@@ -78,29 +78,26 @@ RecallReport Engine::StartRecall(Session& s, int64_t n, int64_t question_tokens,
     fetch_executor_->Schedule([this, f, sid = s.key.session, segs = std::move(segs),
                                store_call = s.ForStore({StoreDeadline(call), {}}),
                                t0 = std::chrono::steady_clock::now()] {
-      f->result = store_->Get(sid, segs, store_call);
-      if (absl::IsNotFound(f->result.status())) {
-        // Some rounds were dropped by the store (pressure): fetch the rest
-        // one by one, and note which are gone.
-        std::vector<std::string> got(segs.size());
-        f->gone.assign(segs.size(), false);
-        absl::Status failed;
-        for (size_t i = 0; i < segs.size() && failed.ok(); ++i) {
-          absl::StatusOr<std::vector<std::string>> one = store_->Get(sid, {segs[i]}, store_call);
-          if (one.ok() && one->size() == 1) {
-            got[i] = std::move(one->front());
-          } else if (absl::IsNotFound(one.status())) {
-            f->gone[i] = true;
+      // A round the store dropped (pressure) comes back as nullopt in the
+      // same call: noted as gone, its other segments used.
+      absl::StatusOr<std::vector<std::optional<std::string>>> got =
+          store_->GetPresent(sid, segs, store_call);
+      if (got.ok() && got->size() != segs.size()) {
+        got = absl::DataLossError("GetSegments returned another count");
+      }
+      if (got.ok()) {
+        std::vector<std::string> payloads(segs.size());
+        for (size_t i = 0; i < segs.size(); ++i) {
+          if ((*got)[i].has_value()) {
+            payloads[i] = *std::move((*got)[i]);
           } else {
-            failed =
-                one.ok() ? absl::DataLossError("GetSegments returned another count") : one.status();
+            if (f->gone.empty()) f->gone.assign(segs.size(), false);
+            f->gone[i] = true;
           }
         }
-        if (failed.ok()) {
-          f->result = std::move(got);
-        } else {
-          f->result = failed;
-        }
+        f->result = std::move(payloads);
+      } else {
+        f->result = got.status();
       }
       f->ms = MsSince(t0);
       f->done.Notify();

@@ -5,6 +5,7 @@
 #define KVTIER_WORKER_SEGMENT_STORE_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -70,6 +71,36 @@ class SegmentStore {
   virtual absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
                                                        const std::vector<Segment>& segments,
                                                        const CallOptions& call) = 0;
+  // Get, except that a segment the store does not hold (its round dropped
+  // under pressure; or the whole session) comes back as nullopt in its
+  // place instead of failing the call. DEADLINE_EXCEEDED; UNAVAILABLE
+  // otherwise. Stores that can answer it in one call override it; the
+  // default calls Get, and after a NOT_FOUND Get for each segment alone.
+  virtual absl::StatusOr<std::vector<std::optional<std::string>>> GetPresent(
+      const std::string& session, const std::vector<Segment>& segments, const CallOptions& call) {
+    absl::StatusOr<std::vector<std::string>> all = Get(session, segments, call);
+    std::vector<std::optional<std::string>> out;
+    out.reserve(segments.size());
+    if (all.ok()) {
+      if (all->size() != segments.size()) {
+        return absl::DataLossError("GetSegments returned another count");
+      }
+      for (std::string& p : *all) out.emplace_back(std::move(p));
+      return out;
+    }
+    if (!absl::IsNotFound(all.status())) return all.status();
+    for (const Segment& s : segments) {
+      absl::StatusOr<std::vector<std::string>> one = Get(session, {s}, call);
+      if (one.ok() && one->size() == 1) {
+        out.emplace_back(std::move(one->front()));
+      } else if (absl::IsNotFound(one.status())) {
+        out.emplace_back(std::nullopt);
+      } else {
+        return one.ok() ? absl::DataLossError("GetSegments returned another count") : one.status();
+      }
+    }
+    return out;
+  }
   // Deletes every stored round of the session. OK when it had none.
   virtual absl::Status Delete(const std::string& session, const CallOptions& call) = 0;
   // Drops one round (both segments). OK when it was not there.

@@ -389,9 +389,9 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     std::vector<SegmentId> ids;
     ids.reserve(request_.refs_size());
     for (const auto& r : request_.refs()) ids.push_back({r.round(), r.segment()});
-    absl::StatusOr<std::vector<cachestore::SegmentInfo>> infos =
-        svc_->store_->PrepareRead(principal_.tenant, request_.session_id(), ids,
-                                  svc_->options_.max_get_bytes, !request_.uncounted());
+    absl::StatusOr<std::vector<cachestore::SegmentInfo>> infos = svc_->store_->PrepareRead(
+        principal_.tenant, request_.session_id(), ids, svc_->options_.max_get_bytes,
+        !request_.uncounted(), request_.missing_ok() ? &missing_ : nullptr);
     if (!infos.ok()) {
       Done(infos.status());
       return;
@@ -419,6 +419,9 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
         Done(absl::OkStatus());
         return;
       }
+      if (!loaded.has_value() && !missing_.empty() && missing_[next_]) {
+        loaded = absl::NotFoundError("not stored");  // Answered as missing below.
+      }
       if (!loaded.has_value()) {
         loaded =
             svc_->store_->TryReadSegment(principal_.tenant, request_.session_id(), ids_[next_]);
@@ -436,6 +439,16 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       }
       absl::StatusOr<cachestore::ReadResult> r = *std::move(loaded);
       loaded.reset();
+      bool gone = false;
+      if (!r.ok() && absl::IsNotFound(r.status()) && request_.missing_ok()) {
+        // Not stored (or dropped since PrepareRead): a header saying so,
+        // and no bytes.
+        cachestore::ReadResult m;
+        m.info.id = ids_[next_];
+        m.payload = std::make_shared<const std::string>();
+        r = std::move(m);
+        gone = true;
+      }
       if (!r.ok()) {
         Done(r.status());
         return;
@@ -444,7 +457,7 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       bytes_sent_ += r->payload->size();
       if (request_.accept_batches() &&
           r->payload->size() <= std::min(kBatchSegmentMax, svc_->options_.chunk_bytes)) {
-        AddToBatch(*r);
+        AddToBatch(*r, gone);
         if (batch_bytes_ >= svc_->options_.chunk_bytes) {
           WriteBatch();
           return;
@@ -452,6 +465,7 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
         continue;
       }
       current_ = *std::move(r);
+      current_missing_ = gone;
       header_sent_ = false;
       offset_ = 0;
       if (!batch_.empty()) {
@@ -461,8 +475,15 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     }
   }
 
-  v1::GetSegmentsHeader HeaderOf(const cachestore::ReadResult& r) const {
+  // `missing`: only the ref, flagged (GetSegmentsRequest.missing_ok).
+  v1::GetSegmentsHeader HeaderOf(const cachestore::ReadResult& r, bool missing) const {
     v1::GetSegmentsHeader h;
+    if (missing) {
+      h.mutable_segment()->mutable_ref()->set_round(r.info.id.round);
+      h.mutable_segment()->mutable_ref()->set_segment(r.info.id.segment);
+      h.set_missing(true);
+      return h;
+    }
     *h.mutable_segment() = ToProto(r.info);
     h.set_served_from(r.served_from == cachestore::Tier::kRam ? v1::TIER_RAM : v1::TIER_DISK);
     return h;
@@ -474,7 +495,7 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     if (!header_sent_) {
       header_sent_ = true;
       v1::GetSegmentsResponse header;
-      *header.mutable_header() = HeaderOf(current_);
+      *header.mutable_header() = HeaderOf(current_, current_missing_);
       msg_ = wire::Serialize(header);
       StartWrite(&msg_);
       return true;
@@ -491,8 +512,8 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
 
   // A GetSegmentsBatchItem of `r` into the batch being built: its framing
   // and header (small, copied into the message) and its payload (referenced).
-  void AddToBatch(const cachestore::ReadResult& r) {
-    const std::string header = HeaderOf(r).SerializeAsString();
+  void AddToBatch(const cachestore::ReadResult& r, bool missing) {
+    const std::string header = HeaderOf(r, missing).SerializeAsString();
     const size_t payload = r.payload->size();
     std::string item;  // Item.header, then the head of Item.payload.
     wire::AppendLengthDelimitedHead(1, header.size(), &item);
@@ -527,6 +548,8 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
   std::vector<SegmentId> ids_;
   size_t next_ = 0;                 // The next segment to load.
   cachestore::ReadResult current_;  // A segment sent as a header and chunks.
+  bool current_missing_ = false;    // current_ is not stored: its header says so.
+  std::vector<bool> missing_;       // Per id, with missing_ok: not stored.
   bool header_sent_ = false;
   size_t offset_ = 0;
   std::vector<wire::BytesPiece> batch_;  // The batch being built.
