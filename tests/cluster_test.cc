@@ -171,6 +171,7 @@ class ClusterTest : public ::testing::Test {
         for (const auto& x : nodes->nodes()) live += x.live() ? 1 : 0;
         if (live == n) return true;
       }
+      // Timed: heartbeats of real processes reach the controller.
       absl::SleepFor(absl::Milliseconds(50));
     }
     return false;
@@ -199,6 +200,7 @@ class ClusterTest : public ::testing::Test {
     auto route = client_->Route(rq);
     for (const absl::Time until = absl::Now() + absl::Seconds(30);
          absl::IsUnavailable(route.status()) && absl::Now() < until;) {
+      // Timed: a real worker process re-registers with its next heartbeat.
       absl::SleepFor(absl::Milliseconds(100));
       route = client_->Route(rq);
     }
@@ -216,6 +218,7 @@ class ClusterTest : public ::testing::Test {
       while (absl::Now() < until) {
         listed = store->ListRounds(session);
         if (listed.ok() && listed->rounds_size() == rounds) break;
+        // Timed: a real worker process writes the rounds to its store replicas.
         absl::SleepFor(absl::Milliseconds(100));
       }
       ASSERT_TRUE(listed.ok()) << session << " on " << address << ": " << listed.status();
@@ -729,6 +732,7 @@ TEST_F(EtcdClusterTest, LossOfTheLeaderControllerFailsNoSession) {
   const absl::Time by = absl::Now() + absl::Seconds(20);
   while (!absl::StrContains(controller_b_->Tail(), "elected leader controller") &&
          absl::Now() < by) {
+    // Timed: the etcd lease of the killed leader must expire.
     absl::SleepFor(absl::Milliseconds(100));
   }
   EXPECT_THAT(controller_b_->Tail(), ::testing::HasSubstr("elected leader controller"));

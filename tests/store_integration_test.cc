@@ -418,6 +418,7 @@ TEST_F(StoreIntegrationTest, OrphansExpireAndGcRemovesIdleSessions) {
   // Stats, unlike ListRounds, touches no session.
   const absl::Time deadline = absl::Now() + absl::Seconds(15);
   while (Stats().expired_sessions() == 0 && absl::Now() < deadline) {
+    // Timed: the store process's expiry thread runs on its real clock.
     absl::SleepFor(absl::Milliseconds(100));
   }
   EXPECT_EQ(Stats().expired_sessions(), 1u);
@@ -429,6 +430,7 @@ TEST_F(StoreIntegrationTest, OrphansExpireAndGcRemovesIdleSessions) {
   pinned.session_ttl_seconds = 0;
   ASSERT_THAT(alice_->PutSegment(pinned, MakePayload(2000, 3)), IsOk());
   ASSERT_THAT(alice_->PinSession("pinned", true), IsOk());
+  // Timed: the store process's TTL counts whole seconds of its real clock.
   absl::SleepFor(absl::Milliseconds(1100));
   PutSegmentArgs fresh = Args("fresh", 0);
   fresh.session_ttl_seconds = 0;

@@ -229,6 +229,7 @@ TEST_F(StoreIntegrationTest, StreamedUploadsFailCleanlyAndCommitWhole) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   while ((files() != 0 || alice_->ListRounds("s").ok() || Stats().tenant_bytes() != 0) &&
          std::chrono::steady_clock::now() < deadline) {
+    // Timed: the store process tears the upload down after the client hears of it.
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_EQ(files(), 0);
@@ -267,6 +268,7 @@ TEST_F(StoreIntegrationTest, CancelledAndCappedUploadsStoreNothing) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   while ((alice_->ListRounds("s").ok() || Stats().tenant_bytes() != 0) &&
          std::chrono::steady_clock::now() < deadline) {
+    // Timed: the store process tears the cancelled upload down on its own threads.
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_THAT(alice_->ListRounds("s"), StatusIs(Code::kNotFound));

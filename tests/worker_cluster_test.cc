@@ -159,6 +159,7 @@ TEST(WorkerReplicationTest, ADeadReplicaIsReplacedThroughTheController) {
   const absl::Time until = absl::Now() + absl::Seconds(10);
   while ((live(controller::NodeKind::kStore) < 3 || live(controller::NodeKind::kWorker) < 1) &&
          absl::Now() < until) {
+    // Timed: store and worker processes register with the controller.
     absl::SleepFor(absl::Milliseconds(20));
   }
   ASSERT_EQ(live(controller::NodeKind::kStore), 3u);
@@ -232,6 +233,7 @@ TEST(WorkerReplicationTest, ADeadReplicaIsReplacedThroughTheController) {
   primary->Kill();
   const absl::Time dead_by = absl::Now() + absl::Seconds(10);
   while (live(controller::NodeKind::kStore) != 2 && absl::Now() < dead_by) {
+    // Timed: the killed store's lease must expire at the controller.
     absl::SleepFor(absl::Milliseconds(20));
   }
   ASSERT_EQ(live(controller::NodeKind::kStore), 2u);
@@ -262,6 +264,7 @@ TEST(WorkerReplicationTest, ADeadReplicaIsReplacedThroughTheController) {
   // Repair copies round 0 from the survivor to the spare.
   const absl::Time repaired_by = absl::Now() + absl::Seconds(20);
   while ((ctl->RepairsPending() > 0 || rounds_on(spare).size() < 2) && absl::Now() < repaired_by) {
+    // Timed: the controller's repair threads copy between store processes.
     absl::SleepFor(absl::Milliseconds(20));
   }
   EXPECT_EQ(ctl->RepairsPending(), 0u);
@@ -569,6 +572,7 @@ TEST(WorkerPressureTest, WritesPastTheBudgetAreRefusedOnlyWhenNothingCanBeFreed)
   const absl::Time until = absl::Now() + absl::Seconds(5);
   const std::string high = "kvtier_controller_node_pressure{kind=\"store\",node=\"store-b\"} 2";
   while (!absl::StrContains(pc.controller->RenderMetrics(), high) && absl::Now() < until) {
+    // Timed: pressure comes with the next heartbeats of real processes.
     absl::SleepFor(absl::Milliseconds(50));
   }
   EXPECT_THAT(pc.controller->RenderMetrics(), ::testing::HasSubstr(high));

@@ -168,6 +168,7 @@ TEST_F(WorkerDeadlineTest, StoppedStoreGivesDeadlineExceeded) {
     t0 = absl::Now();
     direct = engine->EndRound("s", CallOptions::Within(absl::Milliseconds(300))).status();
     if (!absl::IsAborted(direct)) break;
+    // Timed: the abandoned call still finishing on the worker's threads (ABORTED meanwhile).
     absl::SleepFor(absl::Milliseconds(20));
   }
   EXPECT_THAT(direct, StatusIs(absl::StatusCode::kDeadlineExceeded));

@@ -198,6 +198,7 @@ class TransferServiceTest : public ::testing::Test {
          "--metrics_listen=", "--placement=host", "--store=" + stack_.store()->target()},
         dir + "/worker.log");
     for (int i = 0; pid > 0 && i < 300 && port->empty(); ++i) {
+      // Timed: a kvtier-worker process writes its port file once started.
       absl::SleepFor(absl::Milliseconds(20));
       std::ifstream in(port_file);
       std::getline(in, *port);
@@ -408,10 +409,12 @@ TEST_F(TransferServiceTest, FailedHandOffsUndoTheStep) {
       Target(*d), [] {}, /*cancel=*/true);
   EXPECT_EQ(cancelled.error_code(), grpc::StatusCode::CANCELLED);
   for (int i = 0; i < 100 && p->engine()->Stats("s")->tokens != 0; ++i) {
+    // Timed: the receiver rolls the cancelled step back on its own threads.
     absl::SleepFor(absl::Milliseconds(10));
   }
   EXPECT_EQ(p->engine()->Stats("s")->tokens, 0u);
   for (int i = 0; i < 100 && d->engine()->totals().sessions != 0; ++i) {
+    // Timed: as above, for the session the decode worker drops.
     absl::SleepFor(absl::Milliseconds(10));
   }
   EXPECT_EQ(d->engine()->totals().sessions, 0);
@@ -511,6 +514,7 @@ bool Stopped(pid_t pid) {
     if (close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'T') {
       return true;
     }
+    // Timed: the kernel stops the process (SIGSTOP) when it gets to it.
     absl::SleepFor(absl::Milliseconds(10));
   }
   return false;

@@ -128,6 +128,7 @@ TEST_F(ControllerServiceTest, MembershipAndRoutes) {
         ASSERT_TRUE(Beat(id).ok()) << id;
       }
     }
+    // Timed: leases run on the controller's real clock.
     absl::SleepFor(absl::Milliseconds(50));
     dead = Epoch() != epoch;
   }
@@ -303,6 +304,7 @@ TEST(ControllerMutualTlsTest, CertificatesAreIdentities) {
     ASSERT_TRUE(nodes.ok()) << nodes.status();
     joined = nodes->nodes_size() == 1 && nodes->nodes(0).node_id() == "store-0" &&
              nodes->nodes(0).live();
+    // Timed: a store process joins with its first heartbeat.
     if (!joined) absl::SleepFor(absl::Milliseconds(20));
   }
   ASSERT_TRUE(joined) << "store-0 did not join over mutual TLS";
@@ -499,6 +501,7 @@ TEST_F(ControllerServiceTest, NodesJoinAndLeaveByThemselves) {
   };
   auto wait_for = [&](const std::string& id, bool want) {
     const absl::Time until = absl::Now() + absl::Seconds(10);
+    // Timed: leases run on the controller's real clock.
     while (live(id) != want && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
     return live(id) == want;
   };

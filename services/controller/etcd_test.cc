@@ -123,6 +123,7 @@ TEST_F(EtcdTest, ReplicasShareTheViewAndOneLeads) {
         hb.set_node_id(id);
         (void)both->Heartbeat(hb);
       }
+      // Timed: heartbeats keep a real etcd's leases alive.
       absl::SleepFor(absl::Milliseconds(100));
     }
   });
@@ -133,6 +134,7 @@ TEST_F(EtcdTest, ReplicasShareTheViewAndOneLeads) {
   absl::StatusOr<v1::RouteResponse> at_b;
   const absl::Time until = absl::Now() + absl::Seconds(10);
   while (!(at_b = cb->Route(rq)).ok() && absl::Now() < until)
+    // Timed: the other replica learns the placement through etcd.
     absl::SleepFor(absl::Milliseconds(50));
   ASSERT_TRUE(at_b.ok()) << at_b.status();
   EXPECT_EQ(at_b->worker_node_id(), "w1");
@@ -157,6 +159,7 @@ TEST_F(EtcdTest, ReplicasShareTheViewAndOneLeads) {
   // The leader goes: b takes over within its lease, and the session stays.
   a->reset();
   const absl::Time by = absl::Now() + absl::Seconds(15);
+  // Timed: the leader's etcd lease must expire.
   while (!(*b)->leader() && absl::Now() < by) absl::SleepFor(absl::Milliseconds(50));
   EXPECT_TRUE((*b)->leader());
   auto after = both->Route(rq);

@@ -124,6 +124,7 @@ template <typename F>
 auto RetryWhile(grpc::StatusCode code, F f) {
   auto st = f();
   for (int attempt = 1; attempt < 50 && st.error_code() == code; ++attempt) {
+    // Timed: the worker finishes an abandoned call on its own threads; no hook reaches them.
     absl::SleepFor(absl::Milliseconds(20));
     st = f();
   }
@@ -144,6 +145,7 @@ auto RetryWhileResuming(F f) {
                         st.error_code() == grpc::StatusCode::UNAVAILABLE ||
                         (attempt < 5 && st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED));
        ++attempt) {
+    // Timed: a resumed store process serves its backlog first (a real process).
     absl::SleepFor(absl::Milliseconds(20));
     st = f();
   }
@@ -195,6 +197,7 @@ inline grpc::Status EndRound(v1::Worker::Stub* stub, const std::string& id,
 inline bool Eventually(const std::function<bool()>& pred) {
   for (int i = 0; i < 150; ++i) {
     if (pred()) return true;
+    // Timed: polls real processes (a stopped and resumed store, HTTP probes).
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   return pred();

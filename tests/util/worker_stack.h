@@ -45,6 +45,7 @@ class StoreStack {
     for (int attempt = 0; attempt < 30; ++attempt) {
       ready = (*client)->Stats(CallOptions::Within(absl::Seconds(1))).status();
       if (ready.ok()) break;
+      // Timed: a real kvtier-store process that is starting.
       absl::SleepFor(absl::Milliseconds(100));  // A failed attempt may return at once.
     }
     if (!ready.ok()) return ready;
