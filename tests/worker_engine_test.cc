@@ -231,15 +231,8 @@ TEST_F(WorkerEngineTest, LosslessRecallAllEqualsFullAttention) {
 // one GetSegments call brings the other rounds and says which is gone, and
 // the gone round is attended up to L_w from then on.
 TEST_F(WorkerEngineTest, ADroppedRoundCostsTheRecallNoSecondCall) {
-  SessionPolicy p;
-  KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("all"));
-  p.watershed_layer = 1;
-  KVT_ASSERT_OK(engine_->OpenSession("s", kShape, p));
   std::mt19937 rng(4);
-  for (int r = 0; r < 4; ++r) {
-    Round("s", 6, 2, 0, &rng, nullptr);
-    KVT_ASSERT_OK(engine_->EndRound("s").status());
-  }
+  ASSERT_NO_FATAL_FAILURE(StoredRounds(4, &rng));
   KVT_ASSERT_OK(store_.DropRound("s", 1, {}));
   const uint64_t calls = store_.counts().get_calls;
   Round("s", 4, 2, 0, &rng, nullptr);
@@ -255,15 +248,8 @@ TEST_F(WorkerEngineTest, ADroppedRoundCostsTheRecallNoSecondCall) {
 // L_w + 1 waits for is never more than the whole: held in the store until
 // that layer waits, the fetch's time covers the wait.
 TEST_F(WorkerEngineTest, TheExposedPartOfAFetchIsWithinIt) {
-  SessionPolicy p;
-  KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("all"));
-  p.watershed_layer = 1;
-  KVT_ASSERT_OK(engine_->OpenSession("s", kShape, p));
   std::mt19937 rng(3);
-  for (int r = 0; r < 3; ++r) {
-    Round("s", 6, 2, 0, &rng, nullptr);
-    KVT_ASSERT_OK(engine_->EndRound("s").status());
-  }
+  ASSERT_NO_FATAL_FAILURE(StoredRounds(3, &rng));
   const ModelShape s = kShape;
   const int64_t n = 4;
   auto layer = [&](int l) -> absl::StatusOr<std::optional<worker::RecallReport>> {

@@ -14,6 +14,8 @@
 #include "gtest/gtest.h"
 #include "kernels/attention.h"
 #include "kernels/half.h"
+#include "kernels/recall.h"
+#include "tests/util/status_matchers.h"
 #include "worker/engine.h"
 #include "worker/memory_store.h"
 #include "worker/transfer.h"
@@ -83,6 +85,20 @@ class LocalCache {
 class WorkerEngineTest : public ::testing::Test {
  protected:
   void SetUp() override { engine_ = std::make_unique<Engine>(&store_, ReferenceKernels()); }
+
+  // Opens session "s" recalling every round at L_w = 1 and stores `rounds`
+  // rounds (released from the working set after EndRound, so a recall
+  // fetches them). Fails the test (ASSERT) on an error.
+  void StoredRounds(int rounds, std::mt19937* rng) {
+    worker::SessionPolicy p;
+    KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("all"));
+    p.watershed_layer = 1;
+    KVT_ASSERT_OK(engine_->OpenSession("s", kShape, p));
+    for (int r = 0; r < rounds; ++r) {
+      Round("s", 6, 2, 0, rng, nullptr);
+      KVT_ASSERT_OK(engine_->EndRound("s").status());
+    }
+  }
 
   // One round: prefill of n tokens (question_tokens of them the question),
   // then `decode` single-token steps, each through every layer, compared with
