@@ -276,6 +276,7 @@ absl::StatusOr<Policy> ParsePolicy(const std::string& text) {
   const std::string& name = parts[0];
   static const std::pair<const char*, Method> kNames[] = {{"none", Method::kNone},
                                                           {"streaming", Method::kStreaming},
+                                                          {"streamingllm", Method::kStreaming},
                                                           {"h2o", Method::kH2o},
                                                           {"snapkv", Method::kSnapKv},
                                                           {"pyramidkv", Method::kPyramidKv},

@@ -106,7 +106,8 @@ absl::StatusOr<EvictionError> EvictionLoss(int q_heads, int kv_heads, int d, int
 //   file, SnapKV selection), with options ":w=", ":k=", ":pool=max|avg|none",
 //   ":gqa=mean|max", ":alpha=", ":beta=". B is the per-head budget in tokens,
 //   the observation window included; without ":w=" the window is
-//   DefaultWindow(B). "ada-pyramidkv" is accepted for "ada-pyramid".
+//   DefaultWindow(B). "ada-pyramidkv" is accepted for "ada-pyramid",
+//   "streamingllm" for "streaming".
 enum class Method {
   kNone,
   kStreaming,

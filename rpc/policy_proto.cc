@@ -108,9 +108,7 @@ absl::StatusOr<evict::Policy> EvictionFromProto(const v1::Policy& p) {
                        "with eviction unset or \"none\")"));
     }
     // The method's name; its parameters are set field by field below.
-    KVT_ASSIGN_OR_RETURN(
-        e, evict::ParsePolicy(
-               absl::StrCat(name == "streamingllm" ? "streaming" : name, ":", p.budget_tokens())));
+    KVT_ASSIGN_OR_RETURN(e, evict::ParsePolicy(absl::StrCat(name, ":", p.budget_tokens())));
   }
   if (p.window() != 0) e.score.window = static_cast<int>(p.window());
   if (p.pool_kernel() != 0) e.score.kernel = static_cast<int>(p.pool_kernel());

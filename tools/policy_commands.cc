@@ -220,8 +220,7 @@ int PolicyCommand(const Args& args) {
       return Usage("--eviction: a layer profile is --profile=FILE (kvtier budgets search --out)");
     }
     if (e != "none") {
-      const std::string as_parsed = e == "streamingllm" ? "streaming" : e;
-      if (absl::StatusOr<evict::Policy> m = evict::ParsePolicy(as_parsed + ":64"); !m.ok()) {
+      if (absl::StatusOr<evict::Policy> m = evict::ParsePolicy(e + ":64"); !m.ok()) {
         return Usage("--eviction: " + std::string(m.status().message()));
       }
       if (!args.Has("budget_tokens")) return Usage("--eviction=" + e + " needs --budget_tokens");
