@@ -136,7 +136,8 @@ class IpcSource {
   // A round layer copied out of the allocation behind `ipc_handle`: its
   // staged array of layout.staged_bytes at `offset` (a multiple of 256),
   // which must lie inside the allocation (checked before the copy), copied
-  // device to device into an allocation of this process.
+  // device to device into an allocation of this process; the copy is done
+  // when this returns.
   virtual absl::StatusOr<std::unique_ptr<DeviceLayer>> CopyLayer(std::string_view ipc_handle,
                                                                  uint64_t offset,
                                                                  DeviceRoundLayout layout) = 0;

@@ -69,6 +69,16 @@ inline absl::Status CudaError(cudaError_t e, const char* what) {
     if (!st_.ok()) return st_;                  \
   } while (0)
 
+// Copies host memory to the device and returns when the device holds it. A
+// plain cudaMemcpy from pageable memory may return while its last piece is
+// still on its way, on the legacy stream, which the workers' non-blocking
+// streams do not wait for.
+inline absl::Status CopyToDevice(void* dst, const void* src, size_t bytes, const char* what) {
+  KVT_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), what);
+  KVT_CUDA(cudaStreamSynchronize(cudaStreamLegacy), what);
+  return absl::OkStatus();
+}
+
 // Device blocks freed by DeviceBuffers, kept for reuse (worker/device/block_cache.h):
 // cudaMalloc and cudaFree (which waits for the whole device) cost more than
 // most copies they serve. Process-wide; kvtier-worker's --device_cache_mib

@@ -118,8 +118,7 @@ absl::StatusOr<DeviceIdentity> MakeIdentity(void** buffer) {
   id.probe_nonce.resize(kNonceBytes);
   for (char& c : id.probe_nonce) c = static_cast<char>(rd());
   KVT_CUDA(cudaMalloc(buffer, 256), "cudaMalloc probe");
-  KVT_CUDA(cudaMemcpy(*buffer, id.probe_nonce.data(), kNonceBytes, cudaMemcpyHostToDevice),
-           "write probe");
+  KVT_RETURN_IF_ERROR(CopyToDevice(*buffer, id.probe_nonce.data(), kNonceBytes, "write probe"));
   cudaIpcMemHandle_t h;
   KVT_CUDA(cudaIpcGetMemHandle(&h, *buffer), "cudaIpcGetMemHandle probe");
   id.probe_handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
@@ -248,6 +247,9 @@ class CudaIpcPack : public IpcPack {
 class CudaIpcSource : public IpcSource {
  public:
   explicit CudaIpcSource(bool keep_open) : keep_open_(keep_open) {}
+  ~CudaIpcSource() override {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);  // Every copy was waited for.
+  }
   absl::StatusOr<std::unique_ptr<DeviceLayer>> CopyLayer(std::string_view ipc_handle,
                                                          uint64_t offset,
                                                          DeviceRoundLayout layout) override {
@@ -270,12 +272,20 @@ class CudaIpcSource : public IpcSource {
                                                      layout.staged_bytes, " at offset ", offset));
     }
     KVT_ASSIGN_OR_RETURN(std::unique_ptr<CudaLayer> layer, NewReceivedLayer(layout));
+    if (stream_ == nullptr) {
+      KVT_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    }
     {
+      // A device-to-device cudaMemcpy returns before the copy is done, and
+      // the legacy stream it runs on does not order the session's
+      // non-blocking streams: wait for the copy here, before the layer is
+      // attended and before the sender may reuse its memory.
       CallTimer timer(kCopy);
-      KVT_CUDA(
-          cudaMemcpy(layer->buf.as<void>(), static_cast<const uint8_t*>(src.handle.get()) + offset,
-                     layout.staged_bytes, cudaMemcpyDeviceToDevice),
-          "copy device round");
+      KVT_CUDA(cudaMemcpyAsync(layer->buf.as<void>(),
+                               static_cast<const uint8_t*>(src.handle.get()) + offset,
+                               layout.staged_bytes, cudaMemcpyDeviceToDevice, stream_),
+               "copy device round");
+      KVT_CUDA(cudaStreamSynchronize(stream_), "copy device round");
     }
     // Closed before the sender may free it: now, unless the sender packs.
     if (!keep_open_) open_.erase(it);
@@ -290,6 +300,7 @@ class CudaIpcSource : public IpcSource {
     size_t size = 0;
   };
   const bool keep_open_;
+  cudaStream_t stream_ = nullptr;  // The copies' own, made at the first.
   std::map<std::string, std::unique_ptr<Opened>, std::less<>> open_;
   int opened_ = 0;
 };

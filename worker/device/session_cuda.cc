@@ -45,8 +45,8 @@ class CudaSession : public DeviceSession {
     KVT_RETURN_IF_ERROR(k_[layer].Reserve(bytes));
     KVT_RETURN_IF_ERROR(v_[layer].Reserve(bytes));
     CallTimer timer(kUpload);
-    KVT_CUDA(cudaMemcpy(k_[layer].as<uint8_t>(), k, bytes, cudaMemcpyHostToDevice), "load open K");
-    KVT_CUDA(cudaMemcpy(v_[layer].as<uint8_t>(), v, bytes, cudaMemcpyHostToDevice), "load open V");
+    KVT_RETURN_IF_ERROR(CopyToDevice(k_[layer].as<uint8_t>(), k, bytes, "load open K"));
+    KVT_RETURN_IF_ERROR(CopyToDevice(v_[layer].as<uint8_t>(), v, bytes, "load open V"));
     return absl::OkStatus();
   }
 
@@ -179,8 +179,8 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(
   KVT_RETURN_IF_ERROR(layer->buf.Reserve(std::max<size_t>(host.size(), 1)));
   {
     CallTimer timer(kUpload);
-    KVT_CUDA(cudaMemcpy(layer->buf.as<uint8_t>(), host.data(), host.size(), cudaMemcpyHostToDevice),
-             "upload layer");
+    KVT_RETURN_IF_ERROR(
+        CopyToDevice(layer->buf.as<uint8_t>(), host.data(), host.size(), "upload layer"));
   }
   for (const auto& [pk, pv] : plans) {
     layer->heads.emplace_back(PlaceStaged(pk, layer->buf.as<uint8_t>()),

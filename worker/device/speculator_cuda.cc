@@ -68,11 +68,10 @@ class CudaSpeculator : public DeviceSpeculator {
     pk_key_[layer].clear();
     KVT_RETURN_IF_ERROR(pk_[layer].Reserve(std::max<size_t>(bytes, 1)));
     KVT_RETURN_IF_ERROR(pk_meta_[layer].Reserve(meta.size() * sizeof(int64_t)));
-    KVT_CUDA(cudaMemcpy(pk_[layer].as<void>(), host.data(), bytes, cudaMemcpyHostToDevice),
-             "upload partial keys");
-    KVT_CUDA(cudaMemcpy(pk_meta_[layer].as<void>(), meta.data(), meta.size() * sizeof(int64_t),
-                        cudaMemcpyHostToDevice),
-             "upload partial key offsets");
+    KVT_RETURN_IF_ERROR(
+        CopyToDevice(pk_[layer].as<void>(), host.data(), bytes, "upload partial keys"));
+    KVT_RETURN_IF_ERROR(CopyToDevice(pk_meta_[layer].as<void>(), meta.data(),
+                                     meta.size() * sizeof(int64_t), "upload partial key offsets"));
     pk_lens_[layer].assign(meta.begin() + kv_heads_, meta.end());
     pk_key_[layer] = key;
     return absl::OkStatus();
