@@ -6,6 +6,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/mma_tiles.cuh"
 #include "kernels/cuda/seg_load.h"
 
 namespace kvtier::cuda {
@@ -697,6 +698,23 @@ __device__ __forceinline__ void ForSpanVec(const SegDims& g, const SegBlock* blo
   }
 }
 
+// Calls f(kv, off, a, e) for each block of KV head h with visible rows in
+// the span [lo, hi) for query i: its K (`key`) or V, the block's first
+// position `off`, and the span's part of it [a, e).
+template <typename F>
+__device__ __forceinline__ void ForSpanBlocks(const SegDims& g, const SegBlock* blocks,
+                                              const int* head_first, int h, int i, int64_t lo,
+                                              int64_t hi, bool key, F f) {
+  int64_t off = 0;
+  for (int b = head_first[h]; b < head_first[h + 1] && off < hi; ++b) {
+    const SegBlock& blk = blocks[b];
+    const int64_t len = Visible(blk, g, i);
+    const int64_t a = max(lo, off), e = min(hi, off + len);
+    if (a < e) f(key ? blk.k : blk.v, off, a, e);
+    off += len;
+  }
+}
+
 // ---- Quantized K a token a lane ----
 //
 // KIVI's K has its scale and zero per (group of tokens, channel), so for the
@@ -838,10 +856,12 @@ __device__ __forceinline__ float RowReduce(float (&v)[REP], int lane, int* head)
   return sum;
 }
 
-template <int L, int REP>
-__global__ void __launch_bounds__(32 * kSplitWarps)
-    SplitVecKernel(SegDims g, const SegBlock* blocks, const int* head_first, const float* q,
-                   int split, float* part_o, float* part_ml) {
+// MMA: the rows the tensor-core tiles take (mma_tiles.cuh: fp16, 2/4-bit
+// KIVI) go through them first, the rest through the 8-channel loop.
+template <int L, int REP, bool MMA>
+__device__ __forceinline__ void SplitVecBody(SegDims g, const SegBlock* blocks,
+                                             const int* head_first, const float* q, int split,
+                                             float* part_o, float* part_ml) {
   constexpr int T = 32 / L;  // Tokens a warp pass.
   constexpr int D = 8 * L;
   // Passes at a time. Four, with the queries in shared memory and at most
@@ -851,27 +871,47 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
   // Quantized K a token a lane (KeyChunks) where its tables fit in shared
   // memory beside the rest: 2 KB a warp at most.
   constexpr bool kChunks = REP * D <= kChunkTable;
+  constexpr bool kQs = kChunks || MMA;  // The queries in shared memory.
   extern __shared__ float sh[];
   const int span = blockIdx.x, i = blockIdx.y, h = blockIdx.z;
   float* s = sh;                 // [REP, split]
   float* red = s + REP * split;  // [REP, D]
-  float* qs = red + REP * D;     // [REP, D] with kChunks
+  float* qs = red + REP * D;     // [REP, D] with kQs
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* table = qs + (1 + warp) * REP * D;  // [REP, D] a warp, with kChunks
   const int slot = lane / L, c0 = (lane % L) * 8;
   const float* qrow = q + (static_cast<int64_t>(i) * g.q_heads + h * REP) * D;
   for (int x = threadIdx.x; x < REP * D; x += blockDim.x) {
     red[x] = 0.0f;
-    if (kChunks) qs[x] = qrow[x];
+    if (kQs) qs[x] = qrow[x];
   }
-  // The lane's 8 channels of each of the group's query heads, in registers.
+  // The lane's 8 channels of each of the group's query heads, in registers
+  // (from shared memory with MMA, where the loop takes few rows).
   float qr[REP][8];
+  if constexpr (!MMA) {
 #pragma unroll
-  for (int r = 0; r < REP; ++r)
+    for (int r = 0; r < REP; ++r)
 #pragma unroll
-    for (int e = 0; e < 8; ++e) qr[r][e] = qrow[r * D + c0 + e];
+      for (int e = 0; e < 8; ++e) qr[r][e] = qrow[r * D + c0 + e];
+  }
   __syncthreads();
   const int64_t lo = static_cast<int64_t>(span) * split, hi = lo + split;
+  if constexpr (MMA) {
+    ForSpanBlocks(
+        g, blocks, head_first, h, i, lo, hi, true,
+        [&](const SegKv& kv, int64_t off, int64_t a, int64_t e) {
+          const int64_t end = KeyTileEnd(kv, off, a, e);
+          if (end == a) return;
+          const int64_t la = a - off, lq = end - off, pos0 = off - lo;
+          if (kv.quantized_kind == 0) {
+            KeyTiles<D, REP, 16, kSplitWarps>(kv, la, lq, pos0, g.scale, warp, lane, qs, s, split);
+          } else if (kv.bits == 4) {
+            KeyTiles<D, REP, 4, kSplitWarps>(kv, la, lq, pos0, g.scale, warp, lane, qs, s, split);
+          } else {
+            KeyTiles<D, REP, 2, kSplitWarps>(kv, la, lq, pos0, g.scale, warp, lane, qs, s, split);
+          }
+        });
+  }
   ForSpanVec<T, U, D>(
       g, blocks, head_first, h, i, lo, hi, warp, slot, c0, true,
       [&](const float* x, int64_t pos, bool valid) {
@@ -880,13 +920,17 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
         for (int r = 0; r < REP; ++r) {
           part[r] = 0.0f;
 #pragma unroll
-          for (int e = 0; e < 8; ++e) part[r] += qr[r][e] * x[e];
+          for (int e = 0; e < 8; ++e) part[r] += (MMA ? qs[r * D + c0 + e] : qr[r][e]) * x[e];
         }
         int r = 0;
         const float sum = RowReduce<L, REP>(part, lane, &r);
         if (valid && (lane & (L / REP - 1)) == 0) s[r * split + pos] = sum * g.scale;
       },
-      [&](const SegKv& kv, int64_t off, int64_t a, int64_t e) {
+      [&](const SegKv& kv, int64_t off, int64_t a, int64_t e) -> int64_t {
+        if constexpr (MMA) {
+          // The tiles took these rows above.
+          if (const int64_t end = KeyTileEnd(kv, off, a, e); end != a) return end;
+        }
         if constexpr (kChunks) {
           return KeyChunks<D, REP>(kv, off, a, e, lo, g.scale, warp, lane, qs, table, s, split);
         } else {
@@ -897,6 +941,26 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
   SpanSoftmax(g, blocks, head_first, h, i, lo, hi, REP, split, s,
               part_ml + ((static_cast<int64_t>(span) * g.n + i) * g.q_heads + h * REP) * 2);
   __syncthreads();
+  if constexpr (MMA) {
+    ForSpanBlocks(
+        g, blocks, head_first, h, i, lo, hi, false,
+        [&](const SegKv& kv, int64_t off, int64_t a, int64_t e) {
+          const int64_t end = ValueTileEnd<D>(kv, off, a, e);
+          if (end == a) return;
+          const int64_t la = a - off, lv = end - off, pos0 = off - lo;
+          if (kv.quantized_kind == 0) {
+            ValueTiles<D, REP, 16, 32, kSplitWarps>(kv, la, lv, pos0, warp, lane, s, split, red);
+          } else if (kv.bits == 4 && kv.group == 32) {
+            ValueTiles<D, REP, 4, 32, kSplitWarps>(kv, la, lv, pos0, warp, lane, s, split, red);
+          } else if (kv.bits == 4) {
+            ValueTiles<D, REP, 4, 64, kSplitWarps>(kv, la, lv, pos0, warp, lane, s, split, red);
+          } else if (kv.group == 32) {
+            ValueTiles<D, REP, 2, 32, kSplitWarps>(kv, la, lv, pos0, warp, lane, s, split, red);
+          } else {
+            ValueTiles<D, REP, 2, 64, kSplitWarps>(kv, la, lv, pos0, warp, lane, s, split, red);
+          }
+        });
+  }
   float acc[REP][8];
 #pragma unroll
   for (int r = 0; r < REP; ++r)
@@ -913,7 +977,13 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
           for (int e = 0; e < 8; ++e) acc[r][e] += w * x[e];
         }
       },
-      [](const SegKv&, int64_t, int64_t a, int64_t) { return a; });
+      [&](const SegKv& kv, int64_t off, int64_t a, int64_t e) -> int64_t {
+        if constexpr (MMA) {
+          return ValueTileEnd<D>(kv, off, a, e);  // The tiles took these rows above.
+        } else {
+          return a;
+        }
+      });
   // The warp's token slots together, then the warps (shared atomics).
 #pragma unroll
   for (int r = 0; r < REP; ++r) {
@@ -930,41 +1000,74 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
   for (int x = threadIdx.x; x < REP * D; x += blockDim.x) o[x] = red[x];
 }
 
-// The SplitVecKernel instance for (d, rep), or null when there is none.
+template <int L, int REP>
+__global__ void __launch_bounds__(32 * kSplitWarps)
+    SplitVecKernel(SegDims g, const SegBlock* blocks, const int* head_first, const float* q,
+                   int split, float* part_o, float* part_ml) {
+  SplitVecBody<L, REP, false>(g, blocks, head_first, q, split, part_o, part_ml);
+}
+// At most 128 registers a thread: two blocks an SM.
+template <int L, int REP>
+__global__ void __launch_bounds__(32 * kSplitWarps, 2)
+    SplitMmaKernel(SegDims g, const SegBlock* blocks, const int* head_first, const float* q,
+                   int split, float* part_o, float* part_ml) {
+  SplitVecBody<L, REP, true>(g, blocks, head_first, q, split, part_o, part_ml);
+}
+
+// The SplitVecKernel or SplitMmaKernel instance for (d, rep), or null when
+// there is none.
 using SplitFn = void (*)(SegDims, const SegBlock*, const int*, const float*, int, float*, float*);
-template <int L>
+template <int L, bool MMA>
 SplitFn VecForRep(int rep) {
-  switch (rep) {
-    case 1:
-      return SplitVecKernel<L, 1>;
-    case 2:
-      return SplitVecKernel<L, 2>;
-    case 4:
-      return SplitVecKernel<L, 4>;
-    case 8:
-      return SplitVecKernel<L, 8>;
-    default:
-      return nullptr;
+  if constexpr (MMA) {
+    switch (rep) {
+      case 1:
+        return SplitMmaKernel<L, 1>;
+      case 2:
+        return SplitMmaKernel<L, 2>;
+      case 4:
+        return SplitMmaKernel<L, 4>;
+      case 8:
+        return SplitMmaKernel<L, 8>;
+      default:
+        return nullptr;
+    }
+  } else {
+    switch (rep) {
+      case 1:
+        return SplitVecKernel<L, 1>;
+      case 2:
+        return SplitVecKernel<L, 2>;
+      case 4:
+        return SplitVecKernel<L, 4>;
+      case 8:
+        return SplitVecKernel<L, 8>;
+      default:
+        return nullptr;
+    }
   }
 }
+// Whether path 0 runs the tensor-core tiles for g: head_dim 64 or 128 (at
+// 256 the accumulators would not fit two blocks an SM).
+bool VecMma(const SegDims& g) { return g.path == 0 && (g.d == 64 || g.d == 128); }
 SplitFn VecKernel(const SegDims& g) {
-  if (g.path != 0) return nullptr;
+  if (g.path != 0 && g.path != 3) return nullptr;
   const int rep = g.q_heads / g.kv_heads;
+  const bool mma = VecMma(g);
   switch (g.d) {
     case 64:
-      return VecForRep<8>(rep);
+      return mma ? VecForRep<8, true>(rep) : VecForRep<8, false>(rep);
     case 128:
-      return VecForRep<16>(rep);
+      return mma ? VecForRep<16, true>(rep) : VecForRep<16, false>(rep);
     case 256:
-      return VecForRep<32>(rep);
+      return VecForRep<32, false>(rep);  // No SplitMmaKernel<32, .> is built.
     default:
       return nullptr;
   }
 }
 
 bool SplitFits(const SegDims& g) {
-  return (g.path == 0 || g.path == 2) && g.q_heads / g.kv_heads <= kSplitMaxRep &&
-         g.d <= 32 * kSplitMaxLaneCh;
+  return g.path != 1 && g.q_heads / g.kv_heads <= kSplitMaxRep && g.d <= 32 * kSplitMaxLaneCh;
 }
 
 // Tokens per span: enough spans to give every SM a few blocks, at least 64
@@ -1129,7 +1232,7 @@ int SegmentedAttention(const SegDims& dims, const SegBlock* blocks, const int* h
                        const float* q, float* scratch, float* out, void* stream) {
   if (dims.n < 0 || dims.q_heads <= 0 || dims.kv_heads <= 0 || dims.q_heads % dims.kv_heads != 0 ||
       dims.d <= 0 || dims.d > 1024 || dims.max_tokens < 0 || dims.base < 0 || dims.path < 0 ||
-      dims.path > 2) {
+      dims.path > 3) {
     return cudaErrorInvalidValue;
   }
   if (dims.n == 0) return 0;
@@ -1151,10 +1254,12 @@ int SegmentedAttention(const SegDims& dims, const SegBlock* blocks, const int* h
   const dim3 grid(static_cast<unsigned>(spans), static_cast<unsigned>(g.n),
                   static_cast<unsigned>(g.kv_heads));
   if (SplitFn vec = VecKernel(g); vec != nullptr) {
+    // SplitVecKernel's layout: scores, output sums, then the queries (with
+    // KeyChunks' tables or the tensor-core tiles) and the tables.
+    const bool chunks = rep * g.d <= kChunkTable;
     size_t shared = static_cast<size_t>(rep) * (g.d + split) * sizeof(float);
-    if (rep * g.d <= kChunkTable) {
-      shared += static_cast<size_t>(1 + kSplitWarps) * rep * g.d * sizeof(float);
-    }
+    if (chunks || VecMma(g)) shared += static_cast<size_t>(rep) * g.d * sizeof(float);
+    if (chunks) shared += static_cast<size_t>(kSplitWarps) * rep * g.d * sizeof(float);
     vec<<<grid, 32 * kSplitWarps, shared, st>>>(g, blocks, head_first, q, split, part_o, part_ml);
   } else {
     const size_t shared = static_cast<size_t>(rep) * (2 * g.d + split) * sizeof(float);

@@ -431,9 +431,10 @@ SegKvAt RandomRaw(SegArena* a, int dtype, int64_t tokens, int64_t stride, int d,
   return s;
 }
 
-// Every path of SegmentedAttention (spans read 8 channels a lane, quantized
-// K of groups of 32 a token a lane, with and without their L2 prefetch; or a
-// channel a lane; and merged; one block per query head when the group or
+// Every path of SegmentedAttention (spans read 8 channels a lane, with fp16
+// and 2/4-bit KIVI rows on the tensor cores or not, quantized K of groups of
+// 32 a token a lane, with and without their L2 prefetch; or a channel a
+// lane; and merged; one block per query head when the group or
 // head_dim is too large for spans) against a float64 longhand over the same
 // blocks: quantized K (2, 4 and 8 bits, groups of 16 and 32) and V with
 // residual rows, quantized rows starting on and off a multiple of 32, raw
@@ -488,8 +489,15 @@ TEST(CudaSegmentedAttentionTest, MatchesALonghandReference) {
                                          : h % 2 == 0 ? 4
                                                       : 2,
                                          h % 3 == 1 ? 16 : 32, past, past - resid, d, &rng),
-                         // V groups of 12 channels: scales change inside 8 channels.
-                         RandomQuantized(&arena, false, h % 2 == 0 ? 4 : 8, h % 3 == 2 ? 12 : 32,
+                         // V groups of 12 channels: scales change inside 8 channels;
+                         // 2 and 4 bits in groups of 32 and 64: the tensor-core tiles.
+                         RandomQuantized(&arena, false,
+                                         h % 2 == 0   ? 4
+                                         : h % 4 == 1 ? 2
+                                                      : 8,
+                                         h % 3 == 2   ? 12
+                                         : h % 4 == 0 ? 64
+                                                      : 32,
                                          past, past - resid, d, &rng)}});
       if (h % 2 == 0) raw();
       SegBlock open;
@@ -566,7 +574,8 @@ TEST(CudaSegmentedAttentionTest, MatchesALonghandReference) {
     };
     for (const Run& run : {Run{0, -1, "fastest kernel"}, Run{0, 0, "fastest, no prefetch"},
                            Run{0, 1, "fastest, prefetch 1"}, Run{0, 64, "fastest, prefetch 64"},
-                           Run{1, -1, "general kernel"}, Run{2, -1, "spans, a channel a lane"}}) {
+                           Run{1, -1, "general kernel"}, Run{2, -1, "spans, a channel a lane"},
+                           Run{3, -1, "spans, CUDA cores only"}}) {
       SCOPED_TRACE(run.what);
       g.path = run.path;
       g.prefetch = run.prefetch;
