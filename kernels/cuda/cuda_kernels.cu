@@ -434,15 +434,17 @@ __global__ void SplitAttentionKernel(SegDims g, const SegBlock* blocks, const in
               }
             }
           });
+  // The warps' sums in warp order: the same bits every launch.
+  InWarpOrder<kSplitWarps>(warp, [&] {
 #pragma unroll
-  for (int r = 0; r < kSplitMaxRep; ++r) {
+    for (int r = 0; r < kSplitMaxRep; ++r) {
 #pragma unroll
-    for (int ch = 0; ch < kSplitMaxLaneCh; ++ch) {
-      const int c = ch * 32 + lane;
-      if (r < rep && ch < nch && c < d) atomicAdd(&red[r * d + c], acc[r][ch]);
+      for (int ch = 0; ch < kSplitMaxLaneCh; ++ch) {
+        const int c = ch * 32 + lane;
+        if (r < rep && ch < nch && c < d) red[r * d + c] += acc[r][ch];
+      }
     }
-  }
-  __syncthreads();
+  });
   float* o = part_o + ((static_cast<int64_t>(span) * g.n + i) * g.q_heads + h * rep) * d;
   for (int x = threadIdx.x; x < rep * d; x += blockDim.x) o[x] = red[x];
 }
@@ -856,9 +858,29 @@ __device__ __forceinline__ float RowReduce(float (&v)[REP], int lane, int* head)
   return sum;
 }
 
-// MMA: the rows the tensor-core tiles take (mma_tiles.cuh: fp16, 2/4-bit
-// KIVI) go through them first, the rest through the 8-channel loop.
-template <int L, int REP, bool MMA>
+// SplitVecBody's shared memory, in floats: the span's scores [rep, split +
+// 1] (rows one float longer than the span, so that lanes reading one token
+// of several query heads hit different banks), rounded up to 4 floats; the
+// output sums [rep, d]; the queries [rep, d] (for KeyChunks or the tiles);
+// KeyChunks' tables, [rep, d] a warp (chunks); the queries lane-major,
+// [d / 4, 32] (tiles over codes, KeyB).
+struct VecShared {
+  int64_t stride, red, qs, tables, qt, total;
+};
+__host__ __device__ inline VecShared VecLayout(int rep, int d, int split, bool chunks, int rows) {
+  VecShared v;
+  v.stride = split + 1;
+  v.red = (rep * v.stride + 3) / 4 * 4;
+  v.qs = v.red + static_cast<int64_t>(rep) * d;
+  v.tables = v.qs + (chunks || rows != kNoTiles ? static_cast<int64_t>(rep) * d : 0);
+  v.qt = v.tables + (chunks ? static_cast<int64_t>(kSplitWarps) * rep * d : 0);
+  v.total = v.qt + (rows == kAllTiles ? static_cast<int64_t>(d) * 8 : 0);
+  return v;
+}
+
+// ROWS (TileRows): the rows the tensor-core tiles take (mma_tiles.cuh) go
+// through them first, the rest through the 8-channel loop.
+template <int L, int REP, int ROWS>
 __device__ __forceinline__ void SplitVecBody(SegDims g, const SegBlock* blocks,
                                              const int* head_first, const float* q, int split,
                                              float* part_o, float* part_ml) {
@@ -871,24 +893,33 @@ __device__ __forceinline__ void SplitVecBody(SegDims g, const SegBlock* blocks,
   // Quantized K a token a lane (KeyChunks) where its tables fit in shared
   // memory beside the rest: 2 KB a warp at most.
   constexpr bool kChunks = REP * D <= kChunkTable;
-  constexpr bool kQs = kChunks || MMA;  // The queries in shared memory.
+  constexpr bool kTiles = ROWS != kNoTiles;
   extern __shared__ float sh[];
   const int span = blockIdx.x, i = blockIdx.y, h = blockIdx.z;
-  float* s = sh;                 // [REP, split]
-  float* red = s + REP * split;  // [REP, D]
-  float* qs = red + REP * D;     // [REP, D] with kQs
+  const VecShared layout = VecLayout(REP, D, split, kChunks, ROWS);
+  const int stride = static_cast<int>(layout.stride);
+  float* s = sh;                     // [REP, stride]
+  float* red = sh + layout.red;      // [REP, D]
+  float* qs = sh + layout.qs;        // [REP, D] with kChunks or kTiles
+  const float* qt = sh + layout.qt;  // [D / 4, 32] with kAllTiles
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* table = qs + (1 + warp) * REP * D;  // [REP, D] a warp, with kChunks
+  float* table = sh + layout.tables + warp * REP * D;  // [REP, D] a warp, with kChunks
   const int slot = lane / L, c0 = (lane % L) * 8;
   const float* qrow = q + (static_cast<int64_t>(i) * g.q_heads + h * REP) * D;
   for (int x = threadIdx.x; x < REP * D; x += blockDim.x) {
     red[x] = 0.0f;
-    if (kQs) qs[x] = qrow[x];
+    if (kChunks || kTiles) qs[x] = qrow[x];
+  }
+  if constexpr (ROWS == kAllTiles) {
+    for (int x = threadIdx.x; x < D * 8; x += blockDim.x) {
+      const int j = x >> 5, ln = x & 31, gid = ln >> 2, tid = ln & 3;
+      sh[layout.qt + x] = gid < REP ? qrow[gid * D + tid * (D / 4) + j] : 0.0f;
+    }
   }
   // The lane's 8 channels of each of the group's query heads, in registers
-  // (from shared memory with MMA, where the loop takes few rows).
+  // (from shared memory with the tiles, where the loop takes few rows).
   float qr[REP][8];
-  if constexpr (!MMA) {
+  if constexpr (!kTiles) {
 #pragma unroll
     for (int r = 0; r < REP; ++r)
 #pragma unroll
@@ -896,21 +927,23 @@ __device__ __forceinline__ void SplitVecBody(SegDims g, const SegBlock* blocks,
   }
   __syncthreads();
   const int64_t lo = static_cast<int64_t>(span) * split, hi = lo + split;
-  if constexpr (MMA) {
-    ForSpanBlocks(
-        g, blocks, head_first, h, i, lo, hi, true,
-        [&](const SegKv& kv, int64_t off, int64_t a, int64_t e) {
-          const int64_t end = KeyTileEnd(kv, off, a, e);
-          if (end == a) return;
-          const int64_t la = a - off, lq = end - off, pos0 = off - lo;
-          if (kv.quantized_kind == 0) {
-            KeyTiles<D, REP, 16, kSplitWarps>(kv, la, lq, pos0, g.scale, warp, lane, qs, s, split);
-          } else if (kv.bits == 4) {
-            KeyTiles<D, REP, 4, kSplitWarps>(kv, la, lq, pos0, g.scale, warp, lane, qs, s, split);
-          } else {
-            KeyTiles<D, REP, 2, kSplitWarps>(kv, la, lq, pos0, g.scale, warp, lane, qs, s, split);
-          }
-        });
+  if constexpr (kTiles) {
+    ForSpanBlocks(g, blocks, head_first, h, i, lo, hi, true,
+                  [&](const SegKv& kv, int64_t off, int64_t a, int64_t e) {
+                    const int64_t end = KeyTileEnd(kv, ROWS, off, a, e);
+                    if (end == a) return;
+                    const int64_t la = a - off, lq = end - off, pos0 = off - lo;
+                    if (kv.quantized_kind == 0) {
+                      KeyTiles<D, REP, 16, kSplitWarps>(kv, la, lq, pos0, g.scale, warp, lane, qs,
+                                                        qt, s, stride);
+                    } else if (kv.bits == 4) {
+                      KeyTiles<D, REP, 4, kSplitWarps>(kv, la, lq, pos0, g.scale, warp, lane, qs,
+                                                       qt, s, stride);
+                    } else {
+                      KeyTiles<D, REP, 2, kSplitWarps>(kv, la, lq, pos0, g.scale, warp, lane, qs,
+                                                       qt, s, stride);
+                    }
+                  });
   }
   ForSpanVec<T, U, D>(
       g, blocks, head_first, h, i, lo, hi, warp, slot, c0, true,
@@ -920,44 +953,44 @@ __device__ __forceinline__ void SplitVecBody(SegDims g, const SegBlock* blocks,
         for (int r = 0; r < REP; ++r) {
           part[r] = 0.0f;
 #pragma unroll
-          for (int e = 0; e < 8; ++e) part[r] += (MMA ? qs[r * D + c0 + e] : qr[r][e]) * x[e];
+          for (int e = 0; e < 8; ++e) part[r] += (kTiles ? qs[r * D + c0 + e] : qr[r][e]) * x[e];
         }
         int r = 0;
         const float sum = RowReduce<L, REP>(part, lane, &r);
-        if (valid && (lane & (L / REP - 1)) == 0) s[r * split + pos] = sum * g.scale;
+        if (valid && (lane & (L / REP - 1)) == 0) s[r * stride + pos] = sum * g.scale;
       },
       [&](const SegKv& kv, int64_t off, int64_t a, int64_t e) -> int64_t {
-        if constexpr (MMA) {
+        if constexpr (kTiles) {
           // The tiles took these rows above.
-          if (const int64_t end = KeyTileEnd(kv, off, a, e); end != a) return end;
+          if (const int64_t end = KeyTileEnd(kv, ROWS, off, a, e); end != a) return end;
         }
         if constexpr (kChunks) {
-          return KeyChunks<D, REP>(kv, off, a, e, lo, g.scale, warp, lane, qs, table, s, split);
+          return KeyChunks<D, REP>(kv, off, a, e, lo, g.scale, warp, lane, qs, table, s, stride);
         } else {
           return a;
         }
       });
   __syncthreads();
-  SpanSoftmax(g, blocks, head_first, h, i, lo, hi, REP, split, s,
+  SpanSoftmax(g, blocks, head_first, h, i, lo, hi, REP, stride, s,
               part_ml + ((static_cast<int64_t>(span) * g.n + i) * g.q_heads + h * REP) * 2);
   __syncthreads();
-  if constexpr (MMA) {
+  if constexpr (kTiles) {
     ForSpanBlocks(
         g, blocks, head_first, h, i, lo, hi, false,
         [&](const SegKv& kv, int64_t off, int64_t a, int64_t e) {
-          const int64_t end = ValueTileEnd<D>(kv, off, a, e);
+          const int64_t end = ValueTileEnd<D>(kv, ROWS, off, a, e);
           if (end == a) return;
           const int64_t la = a - off, lv = end - off, pos0 = off - lo;
           if (kv.quantized_kind == 0) {
-            ValueTiles<D, REP, 16, 32, kSplitWarps>(kv, la, lv, pos0, warp, lane, s, split, red);
+            ValueTiles<D, REP, 16, 32, kSplitWarps>(kv, la, lv, pos0, warp, lane, s, stride, red);
           } else if (kv.bits == 4 && kv.group == 32) {
-            ValueTiles<D, REP, 4, 32, kSplitWarps>(kv, la, lv, pos0, warp, lane, s, split, red);
+            ValueTiles<D, REP, 4, 32, kSplitWarps>(kv, la, lv, pos0, warp, lane, s, stride, red);
           } else if (kv.bits == 4) {
-            ValueTiles<D, REP, 4, 64, kSplitWarps>(kv, la, lv, pos0, warp, lane, s, split, red);
+            ValueTiles<D, REP, 4, 64, kSplitWarps>(kv, la, lv, pos0, warp, lane, s, stride, red);
           } else if (kv.group == 32) {
-            ValueTiles<D, REP, 2, 32, kSplitWarps>(kv, la, lv, pos0, warp, lane, s, split, red);
+            ValueTiles<D, REP, 2, 32, kSplitWarps>(kv, la, lv, pos0, warp, lane, s, stride, red);
           } else {
-            ValueTiles<D, REP, 2, 64, kSplitWarps>(kv, la, lv, pos0, warp, lane, s, split, red);
+            ValueTiles<D, REP, 2, 64, kSplitWarps>(kv, la, lv, pos0, warp, lane, s, stride, red);
           }
         });
   }
@@ -972,30 +1005,34 @@ __device__ __forceinline__ void SplitVecBody(SegDims g, const SegBlock* blocks,
         if (!valid) return;
 #pragma unroll
         for (int r = 0; r < REP; ++r) {
-          const float w = s[r * split + pos];
+          const float w = s[r * stride + pos];
 #pragma unroll
           for (int e = 0; e < 8; ++e) acc[r][e] += w * x[e];
         }
       },
       [&](const SegKv& kv, int64_t off, int64_t a, int64_t e) -> int64_t {
-        if constexpr (MMA) {
-          return ValueTileEnd<D>(kv, off, a, e);  // The tiles took these rows above.
+        if constexpr (kTiles) {
+          return ValueTileEnd<D>(kv, ROWS, off, a, e);  // The tiles took these rows above.
         } else {
           return a;
         }
       });
-  // The warp's token slots together, then the warps (shared atomics).
+  // The warp's token slots together, then the warps in order.
 #pragma unroll
   for (int r = 0; r < REP; ++r) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      float v = acc[r][e];
 #pragma unroll
-      for (int o = L; o < 32; o *= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (slot == 0) atomicAdd(&red[r * D + c0 + e], v);
+      for (int o = L; o < 32; o *= 2) acc[r][e] += __shfl_xor_sync(0xffffffffu, acc[r][e], o);
     }
   }
-  __syncthreads();
+  InWarpOrder<kSplitWarps>(warp, [&] {
+    if (slot != 0) return;
+#pragma unroll
+    for (int r = 0; r < REP; ++r)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) red[r * D + c0 + e] += acc[r][e];
+  });
   float* o = part_o + ((static_cast<int64_t>(span) * g.n + i) * g.q_heads + h * REP) * D;
   for (int x = threadIdx.x; x < REP * D; x += blockDim.x) o[x] = red[x];
 }
@@ -1004,35 +1041,22 @@ template <int L, int REP>
 __global__ void __launch_bounds__(32 * kSplitWarps)
     SplitVecKernel(SegDims g, const SegBlock* blocks, const int* head_first, const float* q,
                    int split, float* part_o, float* part_ml) {
-  SplitVecBody<L, REP, false>(g, blocks, head_first, q, split, part_o, part_ml);
+  SplitVecBody<L, REP, kNoTiles>(g, blocks, head_first, q, split, part_o, part_ml);
 }
 // At most 128 registers a thread: two blocks an SM.
-template <int L, int REP>
+template <int L, int REP, int ROWS>
 __global__ void __launch_bounds__(32 * kSplitWarps, 2)
     SplitMmaKernel(SegDims g, const SegBlock* blocks, const int* head_first, const float* q,
                    int split, float* part_o, float* part_ml) {
-  SplitVecBody<L, REP, true>(g, blocks, head_first, q, split, part_o, part_ml);
+  SplitVecBody<L, REP, ROWS>(g, blocks, head_first, q, split, part_o, part_ml);
 }
 
-// The SplitVecKernel or SplitMmaKernel instance for (d, rep), or null when
-// there is none.
+// The SplitVecKernel or SplitMmaKernel instance for (d, rep) and the rows
+// its tiles take, or null when there is none.
 using SplitFn = void (*)(SegDims, const SegBlock*, const int*, const float*, int, float*, float*);
-template <int L, bool MMA>
+template <int L, int ROWS>
 SplitFn VecForRep(int rep) {
-  if constexpr (MMA) {
-    switch (rep) {
-      case 1:
-        return SplitMmaKernel<L, 1>;
-      case 2:
-        return SplitMmaKernel<L, 2>;
-      case 4:
-        return SplitMmaKernel<L, 4>;
-      case 8:
-        return SplitMmaKernel<L, 8>;
-      default:
-        return nullptr;
-    }
-  } else {
+  if constexpr (ROWS == kNoTiles) {
     switch (rep) {
       case 1:
         return SplitVecKernel<L, 1>;
@@ -1045,22 +1069,43 @@ SplitFn VecForRep(int rep) {
       default:
         return nullptr;
     }
+  } else {
+    switch (rep) {
+      case 1:
+        return SplitMmaKernel<L, 1, ROWS>;
+      case 2:
+        return SplitMmaKernel<L, 2, ROWS>;
+      case 4:
+        return SplitMmaKernel<L, 4, ROWS>;
+      case 8:
+        return SplitMmaKernel<L, 8, ROWS>;
+      default:
+        return nullptr;
+    }
   }
 }
-// Whether path 0 runs the tensor-core tiles for g: head_dim 64 or 128 (at
-// 256 the accumulators would not fit two blocks an SM).
-bool VecMma(const SegDims& g) { return g.path == 0 && (g.d == 64 || g.d == 128); }
+// The rows the tensor-core tiles take for g: fp16 on path 0, fp16 and KIVI
+// on path 4, for head_dim 64 and 128 (at 256 the accumulators would not fit
+// two blocks an SM); none on path 3.
+int VecRows(const SegDims& g) {
+  if (g.d != 64 && g.d != 128) return kNoTiles;
+  return g.path == 0 ? kFp16Tiles : g.path == 4 ? kAllTiles : kNoTiles;
+}
 SplitFn VecKernel(const SegDims& g) {
-  if (g.path != 0 && g.path != 3) return nullptr;
+  if (g.path != 0 && g.path != 3 && g.path != 4) return nullptr;
   const int rep = g.q_heads / g.kv_heads;
-  const bool mma = VecMma(g);
+  const int rows = VecRows(g);
   switch (g.d) {
     case 64:
-      return mma ? VecForRep<8, true>(rep) : VecForRep<8, false>(rep);
+      return rows == kAllTiles    ? VecForRep<8, kAllTiles>(rep)
+             : rows == kFp16Tiles ? VecForRep<8, kFp16Tiles>(rep)
+                                  : VecForRep<8, kNoTiles>(rep);
     case 128:
-      return mma ? VecForRep<16, true>(rep) : VecForRep<16, false>(rep);
+      return rows == kAllTiles    ? VecForRep<16, kAllTiles>(rep)
+             : rows == kFp16Tiles ? VecForRep<16, kFp16Tiles>(rep)
+                                  : VecForRep<16, kNoTiles>(rep);
     case 256:
-      return VecForRep<32, false>(rep);  // No SplitMmaKernel<32, .> is built.
+      return VecForRep<32, kNoTiles>(rep);
     default:
       return nullptr;
   }
@@ -1232,7 +1277,7 @@ int SegmentedAttention(const SegDims& dims, const SegBlock* blocks, const int* h
                        const float* q, float* scratch, float* out, void* stream) {
   if (dims.n < 0 || dims.q_heads <= 0 || dims.kv_heads <= 0 || dims.q_heads % dims.kv_heads != 0 ||
       dims.d <= 0 || dims.d > 1024 || dims.max_tokens < 0 || dims.base < 0 || dims.path < 0 ||
-      dims.path > 3) {
+      dims.path > 4) {
     return cudaErrorInvalidValue;
   }
   if (dims.n == 0) return 0;
@@ -1254,12 +1299,10 @@ int SegmentedAttention(const SegDims& dims, const SegBlock* blocks, const int* h
   const dim3 grid(static_cast<unsigned>(spans), static_cast<unsigned>(g.n),
                   static_cast<unsigned>(g.kv_heads));
   if (SplitFn vec = VecKernel(g); vec != nullptr) {
-    // SplitVecKernel's layout: scores, output sums, then the queries (with
-    // KeyChunks' tables or the tensor-core tiles) and the tables.
-    const bool chunks = rep * g.d <= kChunkTable;
-    size_t shared = static_cast<size_t>(rep) * (g.d + split) * sizeof(float);
-    if (chunks || VecMma(g)) shared += static_cast<size_t>(rep) * g.d * sizeof(float);
-    if (chunks) shared += static_cast<size_t>(kSplitWarps) * rep * g.d * sizeof(float);
+    const size_t shared =
+        static_cast<size_t>(
+            VecLayout(rep, g.d, split, rep * g.d <= kChunkTable, VecRows(g)).total) *
+        sizeof(float);
     vec<<<grid, 32 * kSplitWarps, shared, st>>>(g, blocks, head_first, q, split, part_o, part_ml);
   } else {
     const size_t shared = static_cast<size_t>(rep) * (2 * g.d + split) * sizeof(float);
