@@ -44,9 +44,9 @@ fuzz:
 	scripts/fuzz.sh
 
 # The GPU checks packed for a machine with a GPU but without kvtier's Debian
-# libraries: gpu-bundle.tar.gz (docs/gpu.md).
+# libraries: gpu-bundle.tar.xz (docs/gpu.md).
 gpu-bundle: build
 	scripts/gpu_bundle.sh build
 
 clean:
-	rm -rf build build-asan build-fuzz gpu-bundle gpu-bundle.tar.gz
+	rm -rf build build-asan build-fuzz gpu-bundle gpu-bundle.tar.xz

@@ -3,16 +3,16 @@
 # kvtier's Debian libraries (and no package registry to fetch them): the
 # binaries built here, stripped, with every shared library they load except
 # the C/C++ runtime and the CUDA driver, the demo script and the runner
-# (scripts/gpu_check.sh, as run.sh). Writes gpu-bundle.tar.gz in the
+# (scripts/gpu_check.sh, as run.sh). Writes gpu-bundle.tar.xz in the
 # repository root (ignored by git). On the GPU machine:
 #
-#   tar xzf gpu-bundle.tar.gz && gpu-bundle/run.sh
+#   tar xJf gpu-bundle.tar.xz && gpu-bundle/run.sh
 #
 # docs/gpu.md says what it runs and how to read it.
 #
 # Usage: scripts/gpu_bundle.sh [BUILD_DIR [DEST]]
 #   BUILD_DIR  a build configured with CUDA [build]
-#   DEST       where gpu-bundle/ and gpu-bundle.tar.gz go [the repository root]
+#   DEST       where gpu-bundle/ and gpu-bundle.tar.xz go [the repository root]
 set -euo pipefail
 BUILD_DIR=$(realpath -m "${1:-build}")
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -42,7 +42,7 @@ echo "Building ${targets[*]}"
 cmake --build "$BUILD_DIR" -j"$(nproc)" --target "${targets[@]}" >/dev/null
 
 B="$DEST/gpu-bundle"
-rm -rf "$B" "$B.tar.gz"
+rm -rf "$B" "$B.tar.xz"
 mkdir -p "$B/lib" "$B/scripts"
 for b in "${BINARIES[@]}"; do
   mkdir -p "$B/build/$(dirname "$b")"
@@ -65,6 +65,7 @@ if [ -n "$missing" ]; then
   exit 1
 fi
 git rev-parse --short HEAD >"$B/COMMIT" 2>/dev/null || echo unknown >"$B/COMMIT"
-tar czf "$B.tar.gz" -C "$DEST" gpu-bundle
-echo "$B.tar.gz: $(du -h "$B.tar.gz" | cut -f1) ($(ls "$B/lib" | wc -l) libraries," \
-  "commit $(cat "$B/COMMIT")); on the GPU machine: tar xzf gpu-bundle.tar.gz && gpu-bundle/run.sh"
+# xz: a third smaller than gzip (42 MB against 64 MB on 2026-11-28).
+tar cf - -C "$DEST" gpu-bundle | xz -T0 -6 >"$B.tar.xz"
+echo "$B.tar.xz: $(du -h "$B.tar.xz" | cut -f1) ($(ls "$B/lib" | wc -l) libraries," \
+  "commit $(cat "$B/COMMIT")); on the GPU machine: tar xJf gpu-bundle.tar.xz && gpu-bundle/run.sh"

@@ -26,7 +26,7 @@ if [ -n "${3:-}" ]; then
 else
   SKIP=4
 fi
-exec "$NCU" -k "regex:Split(Vec|Mma)Kernel" --launch-skip "$SKIP" --launch-count 1 \
+exec "$NCU" --clock-control none -k "regex:Split(Vec|Mma)Kernel" --launch-skip "$SKIP" --launch-count 1 \
   --section SpeedOfLight --section Occupancy --section LaunchStats \
   --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
   --section InstructionStats --section SourceCounters \

@@ -15,9 +15,9 @@ fi
 T=$(mktemp -d /tmp/kvtier-gpu-bundle-test-XXXXXX)
 trap 'rm -rf "$T"' EXIT
 "$SRC_DIR/scripts/gpu_bundle.sh" "$BUILD_DIR" "$T/made" >"$T/bundle.log"
-grep -q "gpu-bundle.tar.gz" "$T/bundle.log"
+grep -q "gpu-bundle.tar.xz" "$T/bundle.log"
 mkdir "$T/there"
-tar xzf "$T/made/gpu-bundle.tar.gz" -C "$T/there"
+tar xJf "$T/made/gpu-bundle.tar.xz" -C "$T/there"
 B="$T/there/gpu-bundle"
 for bin in "$B"/build/*/kvtier-* "$B"/build/*/*/kvtier-* "$B"/build/*/*_test; do
   [ -x "$bin" ] || continue
