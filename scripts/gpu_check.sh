@@ -8,14 +8,16 @@
 #      CUDA IPC), and with two GPUs PD=1 with a worker on each (NCCL);
 #   3. kvtier-gpu-bench: the attention kernel against the device's copy
 #      bandwidth, checked against a float64 reference; kvtier-bench
-#      speculation: a speculating layer's time on the GPU against dense.
+#      speculation: a speculating layer's time on the GPU against dense; the
+#      PD demo with IPC packing and without (ab.sh), three runs each.
+# The summary ends with the measurements against their targets.
 # Each step's log goes to $OUT when set (the device tool's folder), else to
 # out/ beside this script; the last lines of each are printed, then a
 # summary. Exits 1 when a step fails, or when a GPU test skipped (the device
 # was not usable). DEMO_ROUNDS (default 8) sets the demo's rounds;
 # STEP_TIMEOUT (default 180) the seconds a step may run before it is killed
 # and counted as failed (exit 124), so that one hang leaves time for the rest.
-# BENCH=0 leaves out the two benches (about 70 s on an H100).
+# BENCH=0 leaves out the benches and the A/B (about 130 s on an H200).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 export LD_LIBRARY_PATH="$HERE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -112,8 +114,29 @@ else
   run gpu_bench "$HERE/build/bench/kvtier-gpu-bench" --csv="$LOGS/gpu_bench.csv"
   # Speculation's per-layer time on the GPU against dense attention there.
   run spec_bench "$HERE/build/bench/kvtier-bench" speculation --cpu=false
+  # IPC packing A/B: the PD demo with the hand-offs' round layers packed
+  # into a few allocations and not, three runs each, interleaved.
+  if [ "${GPUS:-0}" -ge 1 ]; then
+    run ipc_pack_ab bash "$HERE/ab.sh" --ipc_pack_mib=0 --ipc_pack_mib=256 3
+  else
+    SUMMARY+=("ipc_pack_ab: not run (no GPU; it measures the CUDA IPC path)")
+  fi
 fi
 echo
 echo "== summary"
 printf '%s\n' "${SUMMARY[@]}"
+# The measurements against their targets (docs/gpu.md), where they ran.
+if [ -f "$LOGS/gpu_bench.log" ] && grep -q '^Targets' "$LOGS/gpu_bench.log"; then
+  echo
+  sed -n '/^Targets/,/^$/p' "$LOGS/gpu_bench.log"
+fi
+if [ -f "$LOGS/spec_bench.log" ] && grep -q '^| gpu speculation |' "$LOGS/spec_bench.log"; then
+  echo "speculating layer against dense on the GPU (target <= 1.3x):"
+  grep -E '^\| (gpu dense|gpu speculation) \|' "$LOGS/spec_bench.log"
+fi
+if [ -f "$LOGS/ipc_pack_ab.log" ] && grep -q '^A: ' "$LOGS/ipc_pack_ab.log"; then
+  echo
+  echo "IPC packing A/B (B packs; outputs must match one worker's in both):"
+  sed -n '/^A: /,$p' "$LOGS/ipc_pack_ab.log"
+fi
 exit "$STATUS"
