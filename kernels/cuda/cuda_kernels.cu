@@ -1084,12 +1084,12 @@ SplitFn VecForRep(int rep) {
     }
   }
 }
-// The rows the tensor-core tiles take for g: fp16 on path 0, fp16 and KIVI
-// on path 4, for head_dim 64 and 128 (at 256 the accumulators would not fit
-// two blocks an SM); none on path 3.
+// The rows the tensor-core tiles take for g: fp16 and KIVI on path 0, fp16
+// only on path 4, for head_dim 64 and 128 (at 256 the accumulators would not
+// fit two blocks an SM); none on path 3.
 int VecRows(const SegDims& g) {
   if (g.d != 64 && g.d != 128) return kNoTiles;
-  return g.path == 0 ? kFp16Tiles : g.path == 4 ? kAllTiles : kNoTiles;
+  return g.path == 0 ? kAllTiles : g.path == 4 ? kFp16Tiles : kNoTiles;
 }
 SplitFn VecKernel(const SegDims& g) {
   if (g.path != 0 && g.path != 3 && g.path != 4) return nullptr;

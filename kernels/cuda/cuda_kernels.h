@@ -140,8 +140,8 @@ struct SegDims {
   // over all its tokens (the general kernel); 2: spans with a channel a lane
   // (what path 0 runs when head_dim is not 64, 128 or 256 or the group not 1,
   // 2, 4 or 8 query heads); 3: spans with 8 channels a lane on the CUDA cores
-  // only; 4: path 0 with 2/4-bit KIVI rows on the tensor cores too. Path 0
-  // takes fp16 rows on the tensor cores for head_dim 64 and 128
+  // only; 4: path 0 with only fp16 rows on the tensor cores. Path 0 takes
+  // fp16 and 2/4-bit KIVI rows on the tensor cores for head_dim 64 and 128
   // (kernels/cuda/mma_tiles.cuh). Tests and benchmarks compare them.
   int path = 0;
   // The 8-channel span kernel's L2 prefetch distance, in loop iterations

@@ -576,7 +576,7 @@ TEST(CudaSegmentedAttentionTest, MatchesALonghandReference) {
                            Run{0, 1, "fastest, prefetch 1"}, Run{0, 64, "fastest, prefetch 64"},
                            Run{1, -1, "general kernel"}, Run{2, -1, "spans, a channel a lane"},
                            Run{3, -1, "spans, CUDA cores only"},
-                           Run{4, -1, "spans, KIVI rows on the tensor cores too"}}) {
+                           Run{4, -1, "spans, only fp16 rows on the tensor cores"}}) {
       SCOPED_TRACE(run.what);
       g.path = run.path;
       g.prefetch = run.prefetch;

@@ -69,6 +69,31 @@ KVT_HOST_DEVICE inline uint32_t CodePair(uint32_t x, uint32_t mask) {
 #endif
 }
 
+// CodePair's codes less `mid` (half the largest code: 7.5 for 4 bits, 1.5
+// for 2), exact in fp16: values centred on zero, so that the sums over many
+// tokens do not cancel against the zero-point term (ValueAQ).
+KVT_HOST_DEVICE inline uint32_t CenteredCodePair(uint32_t x, uint32_t mask, float mid) {
+  const uint32_t biased = (x & mask) | 0x64006400u;
+#ifdef __CUDA_ARCH__
+  union {
+    uint32_t u;
+    __half2 h;
+  } v;
+  v.u = biased;
+  v.h = __hsub2(__hsub2(v.h, __float2half2_rn(1024.0f)), __float2half2_rn(mid));
+  return v.u;
+#else
+  const auto lo = static_cast<uint16_t>(biased & 0xffffu);
+  const auto hi = static_cast<uint16_t>(biased >> 16);
+  const uint32_t l = ::kvtier::FloatToHalf(::kvtier::HalfToFloat(lo) - 1024.0f - mid);
+  const uint32_t h = ::kvtier::FloatToHalf(::kvtier::HalfToFloat(hi) - 1024.0f - mid);
+  return l | (h << 16);
+#endif
+}
+
+// Half the largest code of `bits`: what CenteredCodePair takes away.
+KVT_HOST_DEVICE constexpr float CodeMid(int bits) { return ((1 << bits) - 1) * 0.5f; }
+
 // a and b rounded to fp16, a in the low half.
 KVT_HOST_DEVICE inline uint32_t Pack(float a, float b) {
 #ifdef __CUDA_ARCH__
@@ -211,7 +236,8 @@ KVT_HOST_DEVICE constexpr int ValueShiftQ(int bits, int g_size, int gid) {
 
 // m-tile m's A registers from the lane's shifted code word of the tile's
 // group in each of its four tokens (h = m % (G / 16), the tile's place in its
-// group).
+// group): the codes less CodeMid(BITS), so v = scale * (code - mid) + (zero +
+// scale * mid).
 template <int BITS>
 KVT_HOST_DEVICE inline void ValueAQ(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, int h,
                                     uint32_t* a) {
@@ -220,10 +246,11 @@ KVT_HOST_DEVICE inline void ValueAQ(uint32_t w0, uint32_t w1, uint32_t w2, uint3
   const uint32_t sel = static_cast<uint32_t>(byte) | (static_cast<uint32_t>(4 + byte) << 8);
   const uint32_t x01 = Prmt(w0, w1, sel) >> shift;
   const uint32_t x23 = Prmt(w2, w3, sel) >> shift;
-  a[0] = CodePair(x01, kMask);
-  a[1] = CodePair(x01 >> BITS, kMask);
-  a[2] = CodePair(x23, kMask);
-  a[3] = CodePair(x23 >> BITS, kMask);
+  constexpr float kMid = CodeMid(BITS);
+  a[0] = CenteredCodePair(x01, kMask, kMid);
+  a[1] = CenteredCodePair(x01 >> BITS, kMask, kMid);
+  a[2] = CenteredCodePair(x23, kMask, kMid);
+  a[3] = CenteredCodePair(x23 >> BITS, kMask, kMid);
 }
 
 // ---- Accumulators (both products) ----

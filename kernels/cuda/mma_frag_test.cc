@@ -144,9 +144,10 @@ TEST(MmaFragTest, ScoresOfFp16AndCodeRowsMatchTheirDotProducts) {
   }
 }
 
-// The output's accumulators, m-tile by m-tile, against sum_t p[h][t] v[t][c].
+// The output's accumulators, m-tile by m-tile, against sum_t p[h][t] (v[t][c]
+// - mid).
 void CheckOutput(const Rows& v, const std::vector<float>& p, const std::vector<Warp>& tiles,
-                 int (*channel)(int m, int gid, int upper)) {
+                 int (*channel)(int m, int gid, int upper), double mid = 0) {
   const int d = v.d;
   for (int m = 0; m < d / 16; ++m) {
     for (int lane = 0; lane < 32; ++lane) {
@@ -155,8 +156,8 @@ void CheckOutput(const Rows& v, const std::vector<float>& p, const std::vector<W
         const int c = channel(m, gid, r >= 2 ? 1 : 0), head = 2 * tid + r % 2;
         double want = 0, mag = 0;
         for (int t = 0; t < 16; ++t) {
-          want += p[head * 16 + t] * v.at(t, c);
-          mag += std::fabs(p[head * 16 + t] * v.at(t, c));
+          want += p[head * 16 + t] * (v.at(t, c) - mid);
+          mag += std::fabs(p[head * 16 + t] * (v.at(t, c) - mid));
         }
         ASSERT_NEAR(tiles[m].c[lane][r], want, 2e-6 * (mag + 1))
             << "m-tile " << m << " channel " << c << " head " << head;
@@ -225,11 +226,12 @@ void CheckQuantizedOutput(int d, std::mt19937& rng) {
     for (int lane = 0; lane < 32; ++lane)
       for (int r = 0; r < 4; ++r) tiles[m].c[lane][r] += lo_w.c[lane][r];
   }
-  CheckOutput(v, p, tiles,
-              [](int m, int gid, int upper) { return ValueChannelQ(G, m, gid, upper); });
+  CheckOutput(
+      v, p, tiles, [](int m, int gid, int upper) { return ValueChannelQ(G, m, gid, upper); },
+      CodeMid(BITS));
 }
 
-TEST(MmaFragTest, OutputOfCodesMatchesTheWeightedSum) {
+TEST(MmaFragTest, OutputOfCentredCodesMatchesTheWeightedSum) {
   std::mt19937 rng(13);
   for (int d : {64, 128, 256}) {
     CheckQuantizedOutput<4, 32>(d, rng);

@@ -16,10 +16,12 @@
 // Output. sum_t p_t v_tc over a permutation of the tokens: m-tiles of 16
 // channels, each lane gives 2 channels of 4 tokens a tile. KIVI's V has a
 // scale and a zero per (token, group of G channels); with every m-tile inside
-// one group,
-//   sum_t p_t v_tc = sum_t (p_t * scale_t) * code_tc + sum_t p_t * zero_t,
+// one group and mid half the largest code,
+//   sum_t p_t v_tc = sum_t (p_t * scale_t) * (code_tc - mid)
+//                    + sum_t p_t * (zero_t + scale_t * mid),
 // the first factor the B operand (per group), the second one number per query
-// head and group, added when the block's rows are done.
+// head and group, added when the block's rows are done. Centred codes keep
+// the two sums from cancelling when the softmax is flat over many tokens.
 //
 // fp32 operands (queries, weights) go as hi + lo fp16 pairs (mma_frag.h): two
 // products each, so the sums keep about 22 bits of them.
@@ -338,8 +340,10 @@ __device__ __forceinline__ void ValueTiles(const SegKv& kv, int64_t la, int64_t 
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
           w[u] = __ldg(kv.codes + row[u] * kRowWords + grp * (G * BITS / 32) + word) >> shift;
+          // The codes go less their midpoint (mma_frag.h's ValueAQ), the
+          // zero term gains scale * mid.
           x[u] = p[u] * sc[u][grp];
-          zsum[grp] += p[u] * ze[u][grp];
+          zsum[grp] += p[u] * fmaf(sc[u][grp], mma::CodeMid(BITS), ze[u][grp]);
         }
         uint32_t bh0, bl0, bh1, bl1;
         mma::Split(x[0], x[1], &bh0, &bl0);
@@ -374,6 +378,7 @@ __device__ __forceinline__ void ValueTiles(const SegKv& kv, int64_t la, int64_t 
       }
     }
     if constexpr (BITS != 16) {
+      __syncwarp();  // Lanes of the warp add to the same sums below.
       // A quarter of each group's channels a lane.
       if (head) {
 #pragma unroll
