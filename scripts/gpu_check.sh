@@ -59,8 +59,8 @@ fi
 # Speculation on the GPU (InfiniGen's two streams) against the CPU's.
 run worker_speculation_gpu "$HERE/build/tests/worker_speculation_test" --gtest_filter=*OnTheGpu
 run demo env ROUNDS="${DEMO_ROUNDS:-8}" bash "$HERE/scripts/demo.sh" "$HERE/build"
-# With the hand-off's round layers packed (--ipc_pack_mib, off by default
-# until this has passed on a GPU); demo_pd_1 below runs the default.
+# With the hand-off's round layers packed (--ipc_pack_mib=256, the default;
+# named so that the step packs whatever the default becomes).
 run demo_pd env PD=1 ROUNDS="${DEMO_ROUNDS:-8}" WORKER_ARGS="--ipc_pack_mib=256 ${WORKER_ARGS:-}" \
   bash "$HERE/scripts/demo.sh" "$HERE/build"
 # One conversation at a time: a hand-off's exposed part without the other

@@ -382,9 +382,9 @@ struct EngineOptions {
   // hand-off's round layers are packed into a few allocations (IpcPack), so
   // that the receiver opens one handle for many; they are device memory held
   // beside the session's own until the receiver answers. 0: every round
-  // layer is named as it is (a handle each). Default: 0, until packing has
-  // run on a GPU (kvtier-worker --ipc_pack_mib=256 turns it on).
-  uint64_t ipc_pack_bytes = 0;
+  // layer is named as it is (a handle each). Default: 256 MiB (kvtier-worker
+  // --ipc_pack_mib).
+  uint64_t ipc_pack_bytes = uint64_t{256} << 20;
   // Runs the recall fetches (one GetSegments each), so that they overlap the
   // layers between L_w and L_w + 1. Not owned; it must outlive the engine,
   // and must not be the pool that runs the engine's callers (a caller at

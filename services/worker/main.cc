@@ -101,11 +101,11 @@ ABSL_FLAG(std::string, placement, "auto",
           "Where working sets live: auto (the GPU when this build has CUDA and a device is "
           "visible, for raw/KIVI/KCVT sessions; host memory otherwise), host, or device "
           "(sessions that cannot be placed on the GPU are refused).");
-ABSL_FLAG(int64_t, ipc_pack_mib, 0,
+ABSL_FLAG(int64_t, ipc_pack_mib, 256,
           "CUDA IPC hand-offs from this worker: MiB of a hand-off's round layers copied into a "
           "few shared allocations, so that the receiver opens one handle for many (0: off, a "
-          "handle per round layer). Held on the GPU until the receiver answers. Off by default "
-          "until it has run on a GPU (docs/transfer.md).");
+          "handle per round layer). Held on the GPU until the receiver answers "
+          "(docs/transfer.md).");
 ABSL_FLAG(int64_t, device_cache_mib, 512,
           "Freed GPU memory kept for reuse, MiB (0: every free goes back to CUDA). cudaMalloc and "
           "cudaFree cost more than most copies of a round's layer; the cache is emptied when an "
