@@ -456,10 +456,11 @@ int main(int argc, char** argv) {
       etcd = a.substr(7);
       continue;
     }
-    std::fprintf(stderr,
+    const bool help = a == "--help" || a == "-h";  // Asked for: stdout, exit 0.
+    std::fprintf(help ? stdout : stderr,
                  "usage: kvtier-cluster-bench [--sessions=N] [--routes=N] [--rounds=N] "
                  "[--etcd=http://HOST:2379]\n");
-    return 2;
+    return help ? 0 : 2;
   }
   kvtier::Movement(sessions);
   if (int rc = kvtier::RouteLatency(routes, etcd); rc != 0) return rc;

@@ -408,21 +408,17 @@ Row Measure(const std::string& setting, int64_t t, double copy_gbps, const Optio
     row.sweep.push_back(sw);
   }
   g.prefetch = -1;
-  if (o.general) {
-    g.path = 1;
-    row.block_rel_error = check();
-    row.block_ms = MedianMs(reps, launch, flush);
-  }
-  g.path = 2;
-  row.lane_rel_error = check();
-  row.lane_ms = MedianMs(reps, launch, flush);
-  g.path = 3;
-  row.cores_rel_error = check();
-  row.cores_ms = MedianMs(reps, launch, flush);
-  g.path = 4;
-  row.tiles_rel_error = check();
-  row.tiles_ms = MedianMs(reps, launch, flush);
-  g.path = 0;
+  // The other paths on the same inputs (SegDims::path), each checked first.
+  auto other = [&](int path, double* ms, double* rel_error) {
+    g.path = path;
+    *rel_error = check();
+    *ms = MedianMs(reps, launch, flush);
+    g.path = 0;
+  };
+  if (o.general) other(1, &row.block_ms, &row.block_rel_error);
+  other(2, &row.lane_ms, &row.lane_rel_error);
+  other(3, &row.cores_ms, &row.cores_rel_error);
+  other(4, &row.tiles_ms, &row.tiles_rel_error);
   row.read_bytes = FloorBytes(st);
   row.floor_ms = row.read_bytes / (copy_gbps * 1e6);
   for (void* p :

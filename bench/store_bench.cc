@@ -501,13 +501,15 @@ int main(int argc, char** argv) {
   if (what == "transfer") return kvtier::bench::TransferBench(argc - 2, argv + 2);
   if (what == "pool") return kvtier::bench::PoolBench(argc - 2, argv + 2);
   if (what == "speculation") return kvtier::bench::SpeculationBench(argc - 2, argv + 2);
+  // --help asks for the usage: on stdout, exit 0; anything else is an error.
+  const bool help = what == "--help" || what == "-h" || what == "help";
   std::fprintf(
-      stderr,
+      help ? stdout : stderr,
       "usage: kvtier-bench store [--csv=FILE] ...        (kvtier-bench store --help)\n"
       "       kvtier-bench store-scale [--counts=...] ...  (kvtier-bench store-scale "
       "--help)\n"
       "       kvtier-bench transfer [--tokens=N] ...       (kvtier-bench transfer --help)\n"
       "       kvtier-bench pool [--codec=C] [--cap=F] ...   (kvtier-bench pool --help)\n"
       "       kvtier-bench speculation [--tokens=N] ...   (kvtier-bench speculation --help)\n");
-  return 2;
+  return help ? 0 : 2;
 }

@@ -1,21 +1,35 @@
-# `cmake --install`: the binaries, the systemd units (their paths filled in
-# for this prefix) and example flag files. The units run as user kvtier; see
-# deploy/README.md for the steps around them.
+# `cmake --install`: the binaries, the systemd units and example flag files
+# (their paths filled in for the prefix of this install), the Python package
+# and the C++ client SDK. The units run as user kvtier; see deploy/README.md
+# for the steps around them.
 include(GNUInstallDirs)
 install(TARGETS kvtier-store kvtier-worker kvtier-controller kvtier-engine kvtier
   RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-set(KVTIER_BINDIR ${CMAKE_INSTALL_FULL_BINDIR})
-set(KVTIER_CONFDIR ${CMAKE_INSTALL_FULL_SYSCONFDIR}/kvtier)
-foreach(unit kvtier-store kvtier-worker kvtier-controller)
-  configure_file(${PROJECT_SOURCE_DIR}/deploy/systemd/${unit}.service.in
-    ${PROJECT_BINARY_DIR}/deploy/${unit}.service @ONLY)
-  install(FILES ${PROJECT_BINARY_DIR}/deploy/${unit}.service
-    DESTINATION ${CMAKE_INSTALL_PREFIX}/lib/systemd/system)
-  install(FILES ${PROJECT_SOURCE_DIR}/deploy/${unit}.conf
-    DESTINATION ${CMAKE_INSTALL_FULL_SYSCONFDIR}/kvtier)
-endforeach()
-install(FILES ${PROJECT_SOURCE_DIR}/deploy/tenants.example
-  DESTINATION ${CMAKE_INSTALL_FULL_SYSCONFDIR}/kvtier)
+# The units name the installed binaries and flag files, and the flag files
+# the configuration directory: `cmake --install --prefix` may change the
+# prefix after configuring, so they are written when installing, for the
+# prefix of that install (/etc/kvtier for /usr, PREFIX/etc/kvtier for any
+# other). DESTDIR applies as to every other file.
+install(CODE "set(_kvt_src \"${PROJECT_SOURCE_DIR}\")\nset(_kvt_out \"${PROJECT_BINARY_DIR}/deploy\")")
+install(CODE [[
+  if(CMAKE_INSTALL_PREFIX STREQUAL "/usr")
+    set(KVTIER_CONFDIR "/etc/kvtier")
+  else()
+    set(KVTIER_CONFDIR "${CMAKE_INSTALL_PREFIX}/etc/kvtier")
+  endif()
+  set(KVTIER_BINDIR "${CMAKE_INSTALL_PREFIX}/bin")
+  foreach(unit kvtier-store kvtier-worker kvtier-controller)
+    configure_file("${_kvt_src}/deploy/systemd/${unit}.service.in" "${_kvt_out}/${unit}.service"
+      @ONLY)
+    file(INSTALL "${_kvt_out}/${unit}.service" DESTINATION
+      "${CMAKE_INSTALL_PREFIX}/lib/systemd/system")
+    file(READ "${_kvt_src}/deploy/${unit}.conf" _kvt_conf)
+    string(REPLACE "/etc/kvtier/" "${KVTIER_CONFDIR}/" _kvt_conf "${_kvt_conf}")
+    file(WRITE "${_kvt_out}/${unit}.conf" "${_kvt_conf}")
+    file(INSTALL "${_kvt_out}/${unit}.conf" DESTINATION "${KVTIER_CONFDIR}")
+  endforeach()
+  file(INSTALL "${_kvt_src}/deploy/tenants.example" DESTINATION "${KVTIER_CONFDIR}")
+]])
 # The Python package (docs/python.md), stubs included, where Debian's python3
 # looks: /usr/lib/python3/dist-packages for the /usr prefix, else
 # <prefix>/lib/python3.X/dist-packages.

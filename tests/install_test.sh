@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# `cmake --install` of the build tree into a staging root (DESTDIR): the
-# binaries run from there, every systemd unit points at an installed binary
-# and flag file and passes `systemd-analyze verify`, and every flag in the
-# example flag files is one the binary knows.
+# `cmake --install` of the build tree into a staging root (DESTDIR) and
+# into a prefix given at install time: the binaries run from there, every
+# systemd unit points at an installed binary and flag file and passes
+# `systemd-analyze verify`, nothing lands outside the prefix, and every flag
+# in the example flag files is one the binary knows.
 set -euo pipefail
 BUILD_DIR=$1
 ROOT=$(mktemp -d /tmp/kvtier-install-XXXXXX)
@@ -34,6 +35,32 @@ for unit in $units; do
   grep -q '^User=kvtier' "$unit" || fail "$name: does not run as user kvtier"
   grep -q '^NoNewPrivileges=yes' "$unit" || fail "$name: no hardening"
 done
+# --prefix given at install time, not at configure time: every file lands
+# under it (cmake's manifest lists them), the units name the binaries and
+# flag files installed there, and the flag files name its configuration
+# directory.
+P=$ROOT/prefix
+cmake --install "$BUILD_DIR" --prefix "$P" >"$ROOT/install-prefix.log" 2>&1 ||
+  { cat "$ROOT/install-prefix.log"; fail "cmake --install --prefix failed"; }
+manifest=$BUILD_DIR/install_manifest.txt
+[[ -s $manifest ]] || fail "cmake --install wrote no $manifest"
+outside=$(grep -v "^$P/" "$manifest" || true)
+[[ -z $outside ]] || fail "installed outside --prefix $P: $outside"
+units=$(find "$P/lib/systemd/system" -name 'kvtier-*.service' 2>/dev/null || true)
+[[ $(wc -w <<<"$units") -eq 3 ]] || fail "--prefix: expected 3 units under $P, got: $units"
+for unit in $units; do
+  name=$(basename "$unit" .service)
+  exec_line=$(grep '^ExecStart=' "$unit")
+  bin=$(sed -E 's/^ExecStart=([^ ]+) .*/\1/' <<<"$exec_line")
+  conf=$(sed -E 's/.*--flagfile=([^ ]+).*/\1/' <<<"$exec_line")
+  [[ $bin == "$P/bin/$name" && -x $bin ]] || fail "--prefix: $name runs $bin"
+  [[ $conf == "$P/etc/kvtier/$name.conf" && -f $conf ]] || fail "--prefix: $name reads $conf"
+  if grep -nE '(^|[= ])/etc/kvtier' "$conf"; then fail "--prefix: $conf names /etc/kvtier"; fi
+  systemd-analyze verify --man=no "$unit" 2>"$ROOT/verify.txt" ||
+    { cat "$ROOT/verify.txt"; fail "--prefix: $name: systemd-analyze verify failed"; }
+  if [[ -s $ROOT/verify.txt ]]; then cat "$ROOT/verify.txt"; fail "--prefix: $name: verify warned"; fi
+done
+[[ -f $P/etc/kvtier/tenants.example ]] || fail "--prefix: no tenants.example beside the flag files"
 # The Python package, stubs included, imports from where it was installed.
 pkg=$(find "$ROOT" -path '*/dist-packages/kvtier/__init__.py' | head -1)
 [[ -n $pkg ]] || fail "the Python package is not installed"
@@ -63,4 +90,4 @@ for _ in $(seq 200); do [ -s "$ROOT/store.port" ] && break; sleep 0.05; done
 "$ROOT/sdk-build/store_stats" "127.0.0.1:$(cat "$ROOT/store.port")" >"$ROOT/stats.txt" 2>&1 ||
   { cat "$ROOT/stats.txt"; fail "the SDK program cannot talk to the store"; }
 grep -q "^sessions 0 tenant " "$ROOT/stats.txt" || { cat "$ROOT/stats.txt"; fail "unexpected answer"; }
-echo "install_test: 3 units verified; binaries, flag files, the Python package and the C++ client SDK installed and used"
+echo "install_test: 3 units verified under DESTDIR and under --prefix (nothing outside it); binaries, flag files, the Python package and the C++ client SDK installed and used"

@@ -47,48 +47,36 @@ KVT_HOST_DEVICE inline uint32_t Prmt(uint32_t a, uint32_t b, uint32_t sel) {
 #endif
 }
 
-// Two codes, the low bits of x's halves under `mask` (0x000f000f for 4-bit
-// codes, 0x00030003 for 2-bit), as a pair of fp16 values: placed in the
-// mantissa of 1024.0 (0x6400), then 1024 taken away, both exact.
-KVT_HOST_DEVICE inline uint32_t CodePair(uint32_t x, uint32_t mask) {
-  const uint32_t biased = (x & mask) | 0x64006400u;
+// a, less c in both halves, an fp16 pair (exact for the values below).
+KVT_HOST_DEVICE inline uint32_t SubPair(uint32_t a, float c) {
 #ifdef __CUDA_ARCH__
   union {
     uint32_t u;
     __half2 h;
   } v;
-  v.u = biased;
-  v.h = __hsub2(v.h, __float2half2_rn(1024.0f));
+  v.u = a;
+  v.h = __hsub2(v.h, __float2half2_rn(c));
   return v.u;
 #else
-  const auto lo = static_cast<uint16_t>(biased & 0xffffu);
-  const auto hi = static_cast<uint16_t>(biased >> 16);
-  const uint32_t l = ::kvtier::FloatToHalf(::kvtier::HalfToFloat(lo) - 1024.0f);
-  const uint32_t h = ::kvtier::FloatToHalf(::kvtier::HalfToFloat(hi) - 1024.0f);
-  return l | (h << 16);
+  const auto lo = static_cast<uint16_t>(a & 0xffffu);
+  const auto hi = static_cast<uint16_t>(a >> 16);
+  return static_cast<uint32_t>(::kvtier::FloatToHalf(::kvtier::HalfToFloat(lo) - c)) |
+         (static_cast<uint32_t>(::kvtier::FloatToHalf(::kvtier::HalfToFloat(hi) - c)) << 16);
 #endif
+}
+
+// Two codes, the low bits of x's halves under `mask` (0x000f000f for 4-bit
+// codes, 0x00030003 for 2-bit), as a pair of fp16 values: placed in the
+// mantissa of 1024.0 (0x6400), then 1024 taken away, both exact.
+KVT_HOST_DEVICE inline uint32_t CodePair(uint32_t x, uint32_t mask) {
+  return SubPair((x & mask) | 0x64006400u, 1024.0f);
 }
 
 // CodePair's codes less `mid` (half the largest code: 7.5 for 4 bits, 1.5
 // for 2), exact in fp16: values centred on zero, so that the sums over many
 // tokens do not cancel against the zero-point term (ValueAQ).
 KVT_HOST_DEVICE inline uint32_t CenteredCodePair(uint32_t x, uint32_t mask, float mid) {
-  const uint32_t biased = (x & mask) | 0x64006400u;
-#ifdef __CUDA_ARCH__
-  union {
-    uint32_t u;
-    __half2 h;
-  } v;
-  v.u = biased;
-  v.h = __hsub2(__hsub2(v.h, __float2half2_rn(1024.0f)), __float2half2_rn(mid));
-  return v.u;
-#else
-  const auto lo = static_cast<uint16_t>(biased & 0xffffu);
-  const auto hi = static_cast<uint16_t>(biased >> 16);
-  const uint32_t l = ::kvtier::FloatToHalf(::kvtier::HalfToFloat(lo) - 1024.0f - mid);
-  const uint32_t h = ::kvtier::FloatToHalf(::kvtier::HalfToFloat(hi) - 1024.0f - mid);
-  return l | (h << 16);
-#endif
+  return SubPair(CodePair(x, mask), mid);
 }
 
 // Half the largest code of `bits`: what CenteredCodePair takes away.

@@ -51,6 +51,15 @@ void Mma(Warp& w) {
   }
 }
 
+// hi's product plus lo's (same A registers, lo's B), into hi's accumulators.
+void MmaHiLo(Warp& hi, Warp& lo) {
+  for (int lane = 0; lane < 32; ++lane) std::copy(hi.a[lane], hi.a[lane] + 4, lo.a[lane]);
+  Mma(hi);
+  Mma(lo);
+  for (int lane = 0; lane < 32; ++lane)
+    for (int r = 0; r < 4; ++r) hi.c[lane][r] += lo.c[lane][r];
+}
+
 // Rows of 16 tokens: fp16 values (bits 16) or codes, as the kernel reads them.
 struct Rows {
   int bits, d;
@@ -188,13 +197,9 @@ TEST(MmaFragTest, OutputOfFp16ValuesMatchesTheWeightedSum) {
         for (int u = 0; u < 4; ++u)
           w[u] = v.words[(4 * tid + u) * v.per_row() + ValueWordAt16(gid, m)];
         ValueA16(w[0], w[1], w[2], w[3], tiles[m].a[lane]);
-        std::copy(tiles[m].a[lane], tiles[m].a[lane] + 4, lo_w.a[lane]);
         WeightB(p, gid, tid, tiles[m].b[lane], lo_w.b[lane]);
       }
-      Mma(tiles[m]);
-      Mma(lo_w);
-      for (int lane = 0; lane < 32; ++lane)
-        for (int r = 0; r < 4; ++r) tiles[m].c[lane][r] += lo_w.c[lane][r];
+      MmaHiLo(tiles[m], lo_w);
     }
     CheckOutput(v, p, tiles,
                 [](int m, int gid, int upper) { return ValueChannel16(m, gid, upper); });
@@ -218,13 +223,9 @@ void CheckQuantizedOutput(int d, std::mt19937& rng) {
                ValueShiftQ(BITS, G, gid);
       }
       ValueAQ<BITS>(w[0], w[1], w[2], w[3], h, tiles[m].a[lane]);
-      std::copy(tiles[m].a[lane], tiles[m].a[lane] + 4, lo_w.a[lane]);
       WeightB(p, gid, tid, tiles[m].b[lane], lo_w.b[lane]);
     }
-    Mma(tiles[m]);
-    Mma(lo_w);
-    for (int lane = 0; lane < 32; ++lane)
-      for (int r = 0; r < 4; ++r) tiles[m].c[lane][r] += lo_w.c[lane][r];
+    MmaHiLo(tiles[m], lo_w);
   }
   CheckOutput(
       v, p, tiles, [](int m, int gid, int upper) { return ValueChannelQ(G, m, gid, upper); },
