@@ -105,15 +105,53 @@ model() {
   echo "$out"
 }
 
+# Configures (only when the tree has no cache or the options changed; a
+# build reruns CMake itself when a CMake input changed) and builds TARGETs
+# (all without). The output goes to $BUILD_DIR/build.log; a terminal sees
+# one progress line, a log one line per tenth; nothing when up to date. A
+# failure prints the log's last lines and where the rest is.
 build() {
   deps
   local args=(-DCMAKE_BUILD_TYPE=${BUILD_TYPE:-RelWithDebInfo})
   [ -n "${KVTIER_SANITIZE:-}" ] && args+=(-DKVTIER_SANITIZE="$KVTIER_SANITIZE")
   [ -n "${KVTIER_CUDA:-}" ] && args+=(-DKVTIER_CUDA="$KVTIER_CUDA")
-  cmake -S . -B "$BUILD_DIR" "${args[@]}"
+  mkdir -p "$BUILD_DIR"
+  local log="$BUILD_DIR/build.log" stamp="$BUILD_DIR/kvtier-configure.args" rc=0
+  : >"$log"
+  if [ ! -f "$BUILD_DIR/CMakeCache.txt" ] || [ "$(cat "$stamp" 2>/dev/null)" != "${args[*]}" ]; then
+    echo "kvtier: configuring $BUILD_DIR (log: $log)"
+    cmake -S . -B "$BUILD_DIR" "${args[@]}" >>"$log" 2>&1 || rc=$?
+    if [ "$rc" -ne 0 ]; then
+      tail -n 40 "$log" >&2
+      echo "kvtier: configuring failed; the whole log: $log" >&2
+      return "$rc"
+    fi
+    echo "${args[*]}" >"$stamp"
+  fi
   local targets=()
   for t in "$@"; do targets+=(--target "$t"); done
-  cmake --build "$BUILD_DIR" -j "$JOBS" "${targets[@]}"
+  local start=$SECONDS tty=0
+  [ -t 1 ] && tty=1
+  # pipefail: the pipeline fails with cmake's status (tee and awk succeed).
+  cmake --build "$BUILD_DIR" -j "$JOBS" "${targets[@]}" 2>&1 | tee -a "$log" |
+    awk -v tty="$tty" '
+      /^\[ *[0-9]+%\] (Building|Linking)/ {
+        match($0, /[0-9]+%/)
+        p = substr($0, RSTART, RLENGTH - 1) + 0
+        shown = 1
+        if (tty) { printf "\rkvtier: building %3d%%", p; fflush() }
+        else if (p >= next_p) { printf "kvtier: building %d%%\n", p; fflush(); next_p = p - p % 10 + 10 }
+      }
+      END { if (tty && shown) printf "\r%24s\r", "" }' || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    grep -E 'error|Error' "$log" | tail -n 20 >&2 || true
+    tail -n 20 "$log" >&2
+    echo "kvtier: the build failed; the whole log: $log" >&2
+    return "$rc"
+  fi
+  if grep -qE 'Building|Linking' "$log"; then
+    echo "kvtier: built in $((SECONDS - start)) s (log: $log)"
+  fi
 }
 
 # What scripts/demo.sh runs: a demo needs neither the tests nor the benches.
