@@ -8,7 +8,8 @@
 #      CUDA IPC), and with two GPUs PD=1 with a worker on each (NCCL);
 #   3. kvtier-gpu-bench: the attention kernel against the device's copy
 #      bandwidth, checked against a float64 reference; kvtier-bench
-#      speculation: a speculating layer's time on the GPU against dense; the
+#      speculation: a speculating layer's time on the GPU against dense; 16
+#      sessions decoded in one launch against one launch each; the
 #      PD demo with IPC packing and without (ab.sh), three runs each.
 # The summary ends with the measurements against their targets.
 # Each step's log goes to $OUT when set (the device tool's folder), else to
@@ -112,6 +113,8 @@ if [ "${BENCH:-1}" = 0 ]; then
   SUMMARY+=("gpu_bench, spec_bench: not run (BENCH=0)")
 else
   run gpu_bench "$HERE/build/bench/kvtier-gpu-bench" --csv="$LOGS/gpu_bench.csv"
+  # 16 sessions' decode step in one launch against one launch a session.
+  run gpu_batch "$HERE/build/bench/kvtier-gpu-bench" --batch=16x8192
   # Speculation's per-layer time on the GPU against dense attention there.
   run spec_bench "$HERE/build/bench/kvtier-bench" speculation --cpu=false
   # IPC packing A/B: the PD demo with the hand-offs' round layers packed
@@ -126,10 +129,12 @@ echo
 echo "== summary"
 printf '%s\n' "${SUMMARY[@]}"
 # The measurements against their targets (docs/gpu.md), where they ran.
-if [ -f "$LOGS/gpu_bench.log" ] && grep -q '^Targets' "$LOGS/gpu_bench.log"; then
-  echo
-  sed -n '/^Targets/,/^$/p' "$LOGS/gpu_bench.log"
-fi
+for log in gpu_bench gpu_batch; do
+  if [ -f "$LOGS/$log.log" ] && grep -q '^Targets' "$LOGS/$log.log"; then
+    echo
+    sed -n '/^Targets/,/^$/p' "$LOGS/$log.log"
+  fi
+done
 if [ -f "$LOGS/spec_bench.log" ] && grep -q '^| gpu speculation |' "$LOGS/spec_bench.log"; then
   echo "speculating layer against dense on the GPU (target <= 1.3x):"
   grep -E '^\| (gpu dense|gpu speculation) \|' "$LOGS/spec_bench.log"
