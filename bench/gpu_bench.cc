@@ -17,7 +17,9 @@
 // device, beside a copy between two of its own buffers of the same size,
 // and times what the worker does per round: open, copy, close.
 //
-// Built only with CUDA. Without a device it says so and exits 0.
+// --batch=SxT measures instead S sessions decoded in one launch
+// (gpu_batch.cc). Built only with CUDA. Without a device it says so and
+// exits 0.
 #include <cuda_runtime.h>
 #include <unistd.h>
 
@@ -36,6 +38,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "bench/benches.h"
+#include "bench/gpu_step.h"
 #include "kernels/attention.h"
 #include "kernels/codec.h"
 #include "kernels/cuda/cuda_kernels.h"
@@ -45,29 +48,18 @@
 namespace kvtier::bench {
 namespace {
 
-constexpr int kQHeads = 32, kKvHeads = 8, kDim = 128;
-
-#define GPU_CHECK(expr)                                                                  \
-  do {                                                                                   \
-    const cudaError_t e_ = (expr);                                                       \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "kvtier-gpu-bench: %s: %s\n", #expr, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                      \
-    }                                                                                    \
-  } while (0)
-
-struct Options {
-  std::vector<int64_t> tokens = {4096, 32768, 131072};
-  std::vector<std::string> codecs = {"fp16", "kivi4", "kivi2"};
-  int reps = 20;
-  std::string csv;
-  bool cpu_check = false;
-  bool general = true;        // Also time the general kernel (slow at 128K).
-  bool flush = true;          // Write over 256 MiB before each timed launch.
-  std::vector<int> prefetch;  // Prefetch distances to time the span kernel at.
-  int batch_sessions = 0;     // --batch=SxT: only the batched-decode table.
-  int64_t batch_tokens = 0;
-};
+using gpu::Die;
+using gpu::FloorBytes;
+using gpu::FlushL2;
+using gpu::kDim;
+using gpu::kKvHeads;
+using gpu::kQHeads;
+using gpu::MedianMs;
+using gpu::Options;
+using gpu::Prepare;
+using gpu::Reference;
+using gpu::RelError;
+using gpu::Step;
 
 void Usage() {
   std::fprintf(
@@ -87,50 +79,6 @@ void Usage() {
       "                   (SegDims::prefetch; 0 = off), each checked, in a second table\n"
       "  --batch=SxT      instead: S sessions of T tokens decoded in one launch (their\n"
       "                   heads side by side) against S launches, per codec\n");
-}
-
-// A deterministic stream of roughly normal values (sum of uniforms).
-class Noise {
- public:
-  explicit Noise(uint64_t seed) : s_(seed * 0x9e3779b97f4a7c15ULL + 1) {}
-  float Next() {
-    float sum = 0;
-    for (int i = 0; i < 4; ++i) {
-      s_ ^= s_ << 13;
-      s_ ^= s_ >> 7;
-      s_ ^= s_ << 17;
-      sum += static_cast<float>(s_ >> 40) / static_cast<float>(1 << 24);
-    }
-    return (sum - 2.0f) * 1.7f;
-  }
-
- private:
-  uint64_t s_;
-};
-
-// Median of `reps` timed calls of fn (after 3 warm-up calls), in ms.
-template <typename Fn>
-double MedianMs(int reps, Fn fn, const std::function<void()>& before = nullptr) {
-  cudaEvent_t a, b;
-  GPU_CHECK(cudaEventCreate(&a));
-  GPU_CHECK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) fn();
-  GPU_CHECK(cudaDeviceSynchronize());
-  std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
-    if (before) before();
-    GPU_CHECK(cudaEventRecord(a));
-    fn();
-    GPU_CHECK(cudaEventRecord(b));
-    GPU_CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    GPU_CHECK(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  GPU_CHECK(cudaEventDestroy(a));
-  GPU_CHECK(cudaEventDestroy(b));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
 }
 
 // GB/s of a device-to-device copy, counting bytes read and written.
@@ -166,124 +114,6 @@ struct Row {
   std::vector<Sweep> sweep;
 };
 
-// Writes over a buffer larger than the L2 cache before each timed launch, so
-// that a step reads its K/V from device memory, as a decode step does after
-// the other layers' steps (a 4K-token fp16 layer would otherwise sit in L2).
-void FlushL2() {
-  static void* buf = [] {
-    void* p = nullptr;
-    GPU_CHECK(cudaMalloc(&p, size_t{256} << 20));
-    return p;
-  }();
-  GPU_CHECK(cudaMemsetAsync(buf, 0, size_t{256} << 20));
-}
-
-// One decode step's inputs: K and V encoded with the CPU codec and staged as
-// kvtier-worker stages them, the codec's reconstruction of them (for the
-// reference), the query and the open round's one row.
-struct Step {
-  int64_t tokens = 0;
-  std::vector<uint8_t> staged;
-  std::vector<std::pair<worker::StagedKv, worker::StagedKv>> heads;
-  std::vector<v1::EncodedTensor> tensors;  // K, V per KV head: what `views` point into.
-  std::vector<std::pair<EncodedView, EncodedView>> views;
-  std::vector<std::vector<float>> k_dec, v_dec;
-  std::vector<float> q, open_k, open_v;  // Token-major, fp32.
-};
-
-[[noreturn]] void Die(const char* what, const absl::Status& st) {
-  std::fprintf(stderr, "kvtier-gpu-bench: %s: %s\n", what, st.ToString().c_str());
-  std::exit(2);
-}
-
-// `salt` varies the values (the sessions of a batch differ).
-Step Prepare(const std::string& setting, int64_t t, uint64_t salt = 0) {
-  auto codec = ParseCodecSetting(setting);
-  if (!codec.ok()) Die("--codecs", codec.status());
-  const int d = kDim;
-  Noise noise(static_cast<uint64_t>(t) * 31 + setting.size() + salt * 7919);
-  Step st;
-  st.tokens = t;
-  st.tensors.reserve(2 * kKvHeads);  // Views point into them: no reallocation.
-  st.k_dec.resize(kKvHeads);
-  st.v_dec.resize(kKvHeads);
-  std::vector<float> x(static_cast<size_t>(t) * d);
-  for (int h = 0; h < kKvHeads; ++h) {
-    worker::StagedKv parts[2];
-    EncodedView views[2];
-    for (int role = 0; role < 2; ++role) {
-      for (size_t i = 0; i < x.size(); ++i) {
-        x[i] = noise.Next() + (role == 0 && i % d == static_cast<size_t>(h) ? 3.0f : 0.0f);
-      }
-      const int64_t shape[3] = {1, t, d};
-      auto enc =
-          Encode(*codec, role == 0 ? v1::TENSOR_ROLE_KEY : v1::TENSOR_ROLE_VALUE, shape, x.data());
-      if (!enc.ok()) Die("encode", enc.status());
-      st.tensors.push_back(*std::move(enc));
-      auto view = ParseEncoded(st.tensors.back());
-      if (!view.ok()) Die("parse", view.status());
-      auto staged = worker::StageView(*view, d, &st.staged);
-      if (!staged.ok()) Die("stage", staged.status());
-      parts[role] = *std::move(staged);
-      views[role] = *view;
-      std::vector<float>& dec = role == 0 ? st.k_dec[h] : st.v_dec[h];
-      dec.resize(x.size());
-      DecodeRows(*view, 0, 0, t, dec.data());
-    }
-    st.heads.emplace_back(std::move(parts[0]), std::move(parts[1]));
-    st.views.emplace_back(views[0], views[1]);
-  }
-  st.q.resize(static_cast<size_t>(kQHeads) * d);
-  st.open_k.resize(static_cast<size_t>(kKvHeads) * d);
-  st.open_v.resize(st.open_k.size());
-  for (float& v : st.q) v = noise.Next() * 0.3f;
-  for (float& v : st.open_k) v = noise.Next();
-  for (float& v : st.open_v) v = noise.Next();
-  return st;
-}
-
-// Attention of the step in float64 over the reconstruction plus the open
-// row: [q_heads, d].
-std::vector<double> Reference(const Step& st) {
-  const int d = kDim, rep = kQHeads / kKvHeads;
-  const int64_t t = st.tokens;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  std::vector<double> out(static_cast<size_t>(kQHeads) * d), s(static_cast<size_t>(t) + 1);
-  for (int j = 0; j < kQHeads; ++j) {
-    const int h = j / rep;
-    const float* qj = st.q.data() + j * d;
-    double mx = -1e300;
-    for (int64_t i = 0; i <= t; ++i) {
-      const float* k = i < t ? st.k_dec[h].data() + i * d : st.open_k.data() + h * d;
-      double dot = 0;
-      for (int c = 0; c < d; ++c) dot += static_cast<double>(qj[c]) * k[c];
-      s[i] = dot * scale;
-      mx = std::max(mx, s[i]);
-    }
-    double sum = 0;
-    double* o = out.data() + j * d;
-    for (int64_t i = 0; i <= t; ++i) {
-      const double p = std::exp(s[i] - mx);
-      sum += p;
-      const float* v = i < t ? st.v_dec[h].data() + i * d : st.open_v.data() + h * d;
-      for (int c = 0; c < d; ++c) o[c] += p * v[c];
-    }
-    for (int c = 0; c < d; ++c) o[c] /= sum;
-  }
-  return out;
-}
-
-// ||got - want|| / ||want||; infinite when `got` holds a non-finite value.
-double RelError(const std::vector<float>& got, const std::vector<double>& want) {
-  double err2 = 0, ref2 = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!std::isfinite(got[i])) return INFINITY;
-    err2 += (got[i] - want[i]) * (got[i] - want[i]);
-    ref2 += want[i] * want[i];
-  }
-  return std::sqrt(err2 / std::max(ref2, 1e-300));
-}
-
 // The CPU attention (kernels/attention.h) over the same encoded views and
 // open row, per KV head: checks the inputs and the reference themselves,
 // on any machine (--cpu_check).
@@ -305,18 +135,6 @@ std::vector<float> CpuAttention(const Step& st) {
     if (!s.ok()) Die("CPU attention", s);
   }
   return out;
-}
-
-// The fewest bytes the kernel must move: the encoded K/V (the staged array,
-// alignment padding aside), the open rows and the query once, the output once.
-double FloorBytes(const Step& st) {
-  size_t encoded = 0;
-  for (const auto& [k, v] : st.heads) {
-    for (const worker::StagedRegion& r : k.regions) encoded += r.size;
-    for (const worker::StagedRegion& r : v.regions) encoded += r.size;
-  }
-  return static_cast<double>(encoded + 2 * st.open_k.size() * sizeof(float) +
-                             2 * st.q.size() * sizeof(float));
 }
 
 // The kernel on the device: its first output (written over a poisoned
@@ -433,141 +251,6 @@ Row Measure(const std::string& setting, int64_t t, double copy_gbps, const Optio
     GPU_CHECK(cudaFree(p));
   }
   return row;
-}
-
-// One decode step of `sessions` sessions of `t` tokens each: S launches of
-// SegmentedAttention (one a session, as a worker decoding them one by one
-// makes) against one launch over all of them, their KV heads side by side
-// (kv_heads S * 8, query heads S * 32: the kernel takes each head's blocks
-// as they are, whatever its session, token count or codec). Both checked
-// against each session's float64 reference; prints one table row.
-struct BatchRow {
-  std::string codec;
-  double separate_ms = 0, one_ms = 0, x_copy = 0, rel_error = 0;
-};
-BatchRow MeasureBatch(const std::string& setting, int sessions, int64_t t, double copy_gbps,
-                      const Options& o) {
-  const std::function<void()> flush = o.flush ? std::function<void()>(FlushL2) : nullptr;
-  const int d = kDim;
-  std::vector<Step> steps;
-  for (int s = 0; s < sessions; ++s) steps.push_back(Prepare(setting, t, 1 + s));
-  const size_t q_per = static_cast<size_t>(kQHeads) * d,
-               open_per = static_cast<size_t>(kKvHeads) * d;
-  float *dev_q = nullptr, *dev_out = nullptr, *dev_open = nullptr, *dev_scratch = nullptr;
-  const size_t qbytes = sessions * q_per * sizeof(float);
-  GPU_CHECK(cudaMalloc(&dev_q, qbytes));
-  GPU_CHECK(cudaMalloc(&dev_out, qbytes));
-  GPU_CHECK(cudaMalloc(&dev_open, sessions * 2 * open_per * sizeof(float)));
-  std::vector<uint8_t*> staged(sessions);
-  std::vector<cuda::SegBlock> all;  // Every session's blocks, session by session.
-  std::vector<int> all_first;
-  std::vector<std::vector<cuda::SegBlock>> one(sessions);
-  double bytes = 0;
-  for (int s = 0; s < sessions; ++s) {
-    const Step& st = steps[s];
-    bytes += FloorBytes(st);
-    GPU_CHECK(cudaMalloc(&staged[s], st.staged.size()));
-    GPU_CHECK(cudaMemcpy(staged[s], st.staged.data(), st.staged.size(), cudaMemcpyHostToDevice));
-    GPU_CHECK(
-        cudaMemcpy(dev_q + s * q_per, st.q.data(), q_per * sizeof(float), cudaMemcpyHostToDevice));
-    float* open = dev_open + s * 2 * open_per;
-    GPU_CHECK(cudaMemcpy(open, st.open_k.data(), open_per * sizeof(float), cudaMemcpyHostToDevice));
-    GPU_CHECK(cudaMemcpy(open + open_per, st.open_v.data(), open_per * sizeof(float),
-                         cudaMemcpyHostToDevice));
-    for (int h = 0; h < kKvHeads; ++h) {
-      all_first.push_back(static_cast<int>(all.size()));
-      cuda::SegBlock past;
-      past.tokens = t;
-      past.k = worker::PlaceStaged(st.heads[h].first, staged[s]);
-      past.v = worker::PlaceStaged(st.heads[h].second, staged[s]);
-      cuda::SegBlock cur;  // The open round's row, fp32, as the worker's mirror.
-      cur.tokens = 1;
-      cur.causal = 1;
-      cur.k.token_stride = cur.v.token_stride = static_cast<int64_t>(kKvHeads) * d;
-      cur.k.raw = open + h * d;
-      cur.v.raw = open + open_per + h * d;
-      for (const cuda::SegBlock& b : {past, cur}) {
-        all.push_back(b);
-        one[s].push_back(b);
-      }
-    }
-  }
-  all_first.push_back(static_cast<int>(all.size()));
-  std::vector<int> one_first;
-  for (int h = 0; h <= kKvHeads; ++h) one_first.push_back(2 * h);
-  auto upload = [](const auto& v) {
-    using T = typename std::decay_t<decltype(v)>::value_type;
-    T* p = nullptr;
-    GPU_CHECK(cudaMalloc(&p, v.size() * sizeof(T)));
-    GPU_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return p;
-  };
-  cuda::SegBlock* dev_all = upload(all);
-  int* dev_all_first = upload(all_first);
-  int* dev_one_first = upload(one_first);
-  std::vector<cuda::SegBlock*> dev_one;
-  for (const auto& b : one) dev_one.push_back(upload(b));
-  cuda::SegDims g1;  // One session.
-  g1.n = 1;
-  g1.q_heads = kQHeads;
-  g1.kv_heads = kKvHeads;
-  g1.d = d;
-  g1.max_tokens = t + 1;
-  cuda::SegDims gb = g1;  // The batch.
-  gb.q_heads = sessions * kQHeads;
-  gb.kv_heads = sessions * kKvHeads;
-  GPU_CHECK(
-      cudaMalloc(&dev_scratch, static_cast<size_t>(std::max(cuda::SegmentedScratchFloats(g1),
-                                                            cuda::SegmentedScratchFloats(gb))) *
-                                   sizeof(float)));
-  auto run = [](int err) {
-    if (err != 0) {
-      std::fprintf(stderr, "kvtier-gpu-bench: SegmentedAttention: %s\n", cuda::ErrorString(err));
-      std::exit(2);
-    }
-  };
-  auto separate = [&] {
-    for (int s = 0; s < sessions; ++s) {
-      run(cuda::SegmentedAttention(g1, dev_one[s], dev_one_first, dev_q + s * q_per, dev_scratch,
-                                   dev_out + s * q_per, nullptr));
-    }
-  };
-  auto batched = [&] {
-    run(cuda::SegmentedAttention(gb, dev_all, dev_all_first, dev_q, dev_scratch, dev_out, nullptr));
-  };
-  std::vector<std::vector<double>> want;
-  for (const Step& st : steps) want.push_back(Reference(st));
-  auto check = [&](const std::function<void()>& launch) {
-    GPU_CHECK(cudaMemset(dev_out, 0xff, qbytes));  // NaN: every element must be written.
-    launch();
-    GPU_CHECK(cudaGetLastError());
-    GPU_CHECK(cudaDeviceSynchronize());
-    std::vector<float> out(sessions * q_per);
-    GPU_CHECK(cudaMemcpy(out.data(), dev_out, qbytes, cudaMemcpyDeviceToHost));
-    double worst = 0;
-    for (int s = 0; s < sessions; ++s) {
-      const std::vector<float> part(out.begin() + s * q_per, out.begin() + (s + 1) * q_per);
-      worst = std::max(worst, RelError(part, want[s]));
-    }
-    return worst;
-  };
-  const double sep_error = check(separate), one_error = check(batched);
-  const double sep_ms = MedianMs(o.reps, separate, flush);
-  const double one_ms = MedianMs(o.reps, batched, flush);
-  const double gbps = bytes / (one_ms * 1e6);
-  std::printf("| %s | %d x %lld | %.4f | %.4f | %.2f | %.0f | %.0f | %.2f | %.2e | %.2e |\n",
-              setting.c_str(), sessions, static_cast<long long>(t), sep_ms, one_ms, sep_ms / one_ms,
-              bytes, gbps, gbps / copy_gbps, sep_error, one_error);
-  std::fflush(stdout);
-  for (uint8_t* p : staged) GPU_CHECK(cudaFree(p));
-  for (cuda::SegBlock* p : dev_one) GPU_CHECK(cudaFree(p));
-  for (void* p :
-       {static_cast<void*>(dev_q), static_cast<void*>(dev_out), static_cast<void*>(dev_open),
-        static_cast<void*>(dev_scratch), static_cast<void*>(dev_all),
-        static_cast<void*>(dev_all_first), static_cast<void*>(dev_one_first)}) {
-    GPU_CHECK(cudaFree(p));
-  }
-  return BatchRow{setting, sep_ms, one_ms, gbps / copy_gbps, std::max(sep_error, one_error)};
 }
 
 // Issue 53's targets for the rows measured: fp16 at 32K tokens and more
@@ -793,41 +476,7 @@ int GpuBench(int argc, char** argv) {
               static_cast<double>(prop.totalGlobalMem) / (1 << 30));
   const double copy = CopyGbps(o.reps);
   std::printf("device-to-device copy of 1 GiB (read + written): %.0f GB/s\n\n", copy);
-  if (o.batch_sessions > 0) {
-    std::printf(
-        "Batched decode: %d sessions of %lld tokens (32 q / 8 kv heads each, head_dim 128), "
-        "one decode step: %d launches (one a session) against one launch over all their "
-        "heads; median of %d, %s\n",
-        o.batch_sessions, static_cast<long long>(o.batch_tokens), o.batch_sessions, o.reps,
-        o.flush ? "L2 flushed before each" : "L2 not flushed");
-    std::printf(
-        "| codec | sessions x tokens | separate ms | one launch ms | separate / one | bytes "
-        "read (floor) | GB/s, one launch | x copy bandwidth | rel error, separate | rel "
-        "error, one launch |\n|---|---|---|---|---|---|---|---|---|---|\n");
-    std::vector<BatchRow> rows;
-    for (const std::string& c : o.codecs) {
-      std::fprintf(stderr, "%s, %d x %lld tokens...\n", c.c_str(), o.batch_sessions,
-                   static_cast<long long>(o.batch_tokens));
-      rows.push_back(MeasureBatch(c, o.batch_sessions, o.batch_tokens, copy, o));
-    }
-    // Issue 53's: one launch at 0.8x the copy bandwidth or more, and 4x the
-    // separate launches or more.
-    std::printf(
-        "\nTargets (issue 53, batched decode), this run\n| target | figure | met |\n"
-        "|---|---|---|\n");
-    bool right = true;
-    for (const BatchRow& r : rows) {
-      std::printf("| %s, one launch: x copy bandwidth, >= 0.8 | %.2f | %s |\n", r.codec.c_str(),
-                  r.x_copy, r.x_copy >= 0.8 ? "yes" : "NO");
-      const double faster = r.separate_ms / r.one_ms;
-      std::printf("| %s: separate ms / one launch ms, >= 4 | %.2f | %s |\n", r.codec.c_str(),
-                  faster, faster >= 4.0 ? "yes" : "NO");
-      if (!(r.rel_error <= 1e-3)) right = false;
-    }
-    std::printf("\n");
-    if (!right) std::printf("FAILED: a relative error over 1e-3\n");
-    return right ? 0 : 1;
-  }
+  if (o.batch_sessions > 0) return gpu::RunBatch(o, copy);
   std::FILE* csv = o.csv.empty() ? nullptr : std::fopen(o.csv.c_str(), "w");
   if (!o.csv.empty() && csv == nullptr) {
     std::fprintf(stderr, "cannot write %s\n", o.csv.c_str());
