@@ -32,20 +32,27 @@ install(CODE [[
 ]])
 # The Python package (docs/python.md), stubs included, where Debian's python3
 # looks: /usr/lib/python3/dist-packages for the /usr prefix, else
-# <prefix>/lib/python3.X/dist-packages.
+# <prefix>/lib/python3.X/dist-packages; chosen when installing, for the
+# prefix of that install, as the units are.
 execute_process(COMMAND /usr/bin/python3 -c
   "import sys; print(f'python{sys.version_info[0]}.{sys.version_info[1]}')"
   OUTPUT_VARIABLE _kvt_pyver OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
-if(CMAKE_INSTALL_PREFIX STREQUAL "/usr" OR _kvt_pyver STREQUAL "")
-  set(KVTIER_PYTHON_DIR lib/python3/dist-packages)
-else()
-  set(KVTIER_PYTHON_DIR lib/${_kvt_pyver}/dist-packages)
-endif()
-install(DIRECTORY ${PROJECT_BINARY_DIR}/python/kvtier DESTINATION ${KVTIER_PYTHON_DIR}
-  FILES_MATCHING PATTERN "*.py")
+set(_kvt_module "")
 if(TARGET kvtier_inproc_module)
-  install(TARGETS kvtier_inproc_module LIBRARY DESTINATION ${KVTIER_PYTHON_DIR}/kvtier)
+  set(_kvt_module "$<TARGET_FILE:kvtier_inproc_module>")
 endif()
+install(CODE "set(_kvt_pyver \"${_kvt_pyver}\")\nset(_kvt_pkg \"${PROJECT_BINARY_DIR}/python/kvtier\")\nset(_kvt_module \"${_kvt_module}\")")
+install(CODE [[
+  if(CMAKE_INSTALL_PREFIX STREQUAL "/usr" OR _kvt_pyver STREQUAL "")
+    set(_kvt_pydir "${CMAKE_INSTALL_PREFIX}/lib/python3/dist-packages")
+  else()
+    set(_kvt_pydir "${CMAKE_INSTALL_PREFIX}/lib/${_kvt_pyver}/dist-packages")
+  endif()
+  file(INSTALL "${_kvt_pkg}" DESTINATION "${_kvt_pydir}" FILES_MATCHING PATTERN "*.py")
+  if(NOT _kvt_module STREQUAL "")
+    file(INSTALL "${_kvt_module}" DESTINATION "${_kvt_pydir}/kvtier")
+  endif()
+]])
 
 # The C++ client SDK: libkvtier_client.so, the headers its API needs, and a
 # CMake package (find_package(kvtier) gives kvtier::client).
