@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "benchmark/benchmark.h"
+#include "encoded/encode.h"
 #include "kernels/attention.h"
 #include "kernels/codec.h"
 #include "kernels/codec_internal.h"
@@ -155,7 +156,7 @@ void BM_EncodeApi(benchmark::State& state) {
   const std::vector<float> x = Random(kHeads * kCodecTokens * kDim, 3);
   const int64_t shape[] = {kHeads, kCodecTokens, kDim};
   for (auto _ : state) {
-    auto t = kvtier::Encode(*c, v1::TENSOR_ROLE_KEY, shape, x.data());
+    auto t = kvtier::Encode(*c, kvtier::TensorRole::kKey, shape, x.data());
     benchmark::DoNotOptimize(t);
   }
   SetRatio(state, static_cast<double>(x.size()) * 4);
@@ -173,7 +174,7 @@ void BM_EncodeTo16(benchmark::State& state) {
   std::vector<uint16_t> h(x.size());
   for (size_t i = 0; i < x.size(); ++i) h[i] = kvtier::FloatToHalf(x[i]);
   const int64_t shape[] = {kHeads, kCodecTokens, kDim};
-  auto enc = kvtier::TensorEncoder::Make(*c, v1::TENSOR_ROLE_KEY, shape);
+  auto enc = kvtier::TensorEncoder::Make(*c, kvtier::TensorRole::kKey, shape);
   std::string out(enc->SerializedSize(), '\0');
   std::vector<float> scratch(x.size());
   auto* o = reinterpret_cast<uint8_t*>(out.data());
@@ -186,7 +187,7 @@ void BM_EncodeTo16(benchmark::State& state) {
       }
       benchmark::DoNotOptimize(enc->EncodeTo(scratch.data(), o));
     } else {
-      benchmark::DoNotOptimize(enc->EncodeTo(h.data(), v1::DTYPE_FP16, o, &scratch));
+      benchmark::DoNotOptimize(enc->EncodeTo(h.data(), kvtier::DType::kFp16, o, &scratch));
     }
     benchmark::ClobberMemory();
   }
@@ -213,8 +214,8 @@ AttnData* GetAttnData(const std::string& setting, int64_t tokens) {
     const std::vector<float> k = Random(kHeads * chunk * kDim, static_cast<uint32_t>(t0 + 1));
     const std::vector<float> v = Random(kHeads * chunk * kDim, static_cast<uint32_t>(t0 + 2));
     const int64_t shape[] = {kHeads, chunk, kDim};
-    d.tensors.push_back(*kvtier::Encode(*c, v1::TENSOR_ROLE_KEY, shape, k.data()));
-    d.tensors.push_back(*kvtier::Encode(*c, v1::TENSOR_ROLE_VALUE, shape, v.data()));
+    d.tensors.push_back(*kvtier::Encode(*c, kvtier::TensorRole::kKey, shape, k.data()));
+    d.tensors.push_back(*kvtier::Encode(*c, kvtier::TensorRole::kValue, shape, v.data()));
   }
   for (size_t i = 0; i < d.tensors.size(); i += 2) {
     d.blocks.push_back(
@@ -278,10 +279,10 @@ void BM_DenseFp32Attention(benchmark::State& state) {
   const std::vector<float> k = Random(kHeads * kFlatTokens * kDim, 11), v = Random(k.size(), 12);
   const std::vector<float> q = Random(kQHeads * kDim, 13);
   std::vector<float> out(q.size());
-  const kvtier::KvBlock b{kvtier::EncodedView::Raw(v1::DTYPE_FP32, k.data(), kHeads, kFlatTokens,
-                                                   kDim, kFlatTokens * kDim, kDim),
-                          kvtier::EncodedView::Raw(v1::DTYPE_FP32, v.data(), kHeads, kFlatTokens,
-                                                   kDim, kFlatTokens * kDim, kDim)};
+  const kvtier::KvBlock b{kvtier::EncodedView::Raw(kvtier::DType::kFp32, k.data(), kHeads,
+                                                   kFlatTokens, kDim, kFlatTokens * kDim, kDim),
+                          kvtier::EncodedView::Raw(kvtier::DType::kFp32, v.data(), kHeads,
+                                                   kFlatTokens, kDim, kFlatTokens * kDim, kDim)};
   for (auto _ : state) {
     benchmark::DoNotOptimize(
         kvtier::DecodeAttention({kQHeads, kHeads, kDim}, q.data(), {&b, 1}, out.data()));

@@ -124,8 +124,8 @@ std::vector<float> CpuAttention(const Step& st) {
     const int64_t stride = static_cast<int64_t>(kKvHeads) * d;
     const KvBlock blocks[2] = {
         {st.views[h].first, st.views[h].second},
-        {EncodedView::Raw(v1::DTYPE_FP32, st.open_k.data() + h * d, 1, 1, d, stride, stride),
-         EncodedView::Raw(v1::DTYPE_FP32, st.open_v.data() + h * d, 1, 1, d, stride, stride)}};
+        {EncodedView::Raw(DType::kFp32, st.open_k.data() + h * d, 1, 1, d, stride, stride),
+         EncodedView::Raw(DType::kFp32, st.open_v.data() + h * d, 1, 1, d, stride, stride)}};
     AttentionShape shape;
     shape.q_heads = rep;
     shape.kv_heads = 1;

@@ -64,12 +64,11 @@ Step Prepare(const std::string& setting, int64_t t, uint64_t salt) {
         x[i] = noise.Next() + (role == 0 && i % d == static_cast<size_t>(h) ? 3.0f : 0.0f);
       }
       const int64_t shape[3] = {1, t, d};
-      auto enc =
-          Encode(*codec, role == 0 ? v1::TENSOR_ROLE_KEY : v1::TENSOR_ROLE_VALUE, shape, x.data());
+      auto enc = EncodedBlock::Encode(*codec, role == 0 ? TensorRole::kKey : TensorRole::kValue,
+                                      shape, x.data());
       if (!enc.ok()) Die("encode", enc.status());
       st.tensors.push_back(*std::move(enc));
-      auto view = ParseEncoded(st.tensors.back());
-      if (!view.ok()) Die("parse", view.status());
+      const EncodedView* view = &st.tensors.back().view();
       auto staged = worker::StageView(*view, d, &st.staged);
       if (!staged.ok()) Die("stage", staged.status());
       parts[role] = *std::move(staged);

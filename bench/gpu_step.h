@@ -82,7 +82,7 @@ struct Step {
   int64_t tokens = 0;
   std::vector<uint8_t> staged;
   std::vector<std::pair<worker::StagedKv, worker::StagedKv>> heads;
-  std::vector<v1::EncodedTensor> tensors;  // K, V per KV head: what `views` point into.
+  std::vector<EncodedBlock> tensors;  // K, V per KV head: what `views` point into.
   std::vector<std::pair<EncodedView, EncodedView>> views;
   std::vector<std::vector<float>> k_dec, v_dec;
   std::vector<float> q, open_k, open_v;  // Token-major, fp32.

@@ -138,7 +138,7 @@ class Bench {
   // Opens `n` sessions named prefix0.. and prefills `context_` tokens each,
   // directly in the engine (setup, not measured).
   absl::Status Sessions(const std::string& prefix, int n) {
-    worker::ModelShape shape{kLayers, kQHeads, kKvHeads, kDim, v1::DTYPE_FP32};
+    worker::ModelShape shape{kLayers, kQHeads, kKvHeads, kDim, DType::kFp32};
     std::mt19937 rng(7);
     std::normal_distribution<float> nd;
     std::vector<float> q(static_cast<size_t>(context_) * kQHeads * kDim),

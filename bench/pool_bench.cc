@@ -42,7 +42,7 @@ void Usage() {
 }  // namespace
 
 int PoolBench(int argc, char** argv) {
-  worker::ModelShape shape{32, 8, 8, 128, v1::DTYPE_FP16};
+  worker::ModelShape shape{32, 8, 8, 128, DType::kFp16};
   int64_t tokens = 128;
   int rounds = 8, decode = 4;
   std::string codec = "kivi4";

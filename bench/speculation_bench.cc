@@ -63,7 +63,7 @@ struct Session {
 }  // namespace
 
 int SpeculationBench(int argc, char** argv) {
-  worker::ModelShape shape{8, 32, 8, 128, v1::DTYPE_FP16};
+  worker::ModelShape shape{8, 32, 8, 128, DType::kFp16};
   int64_t tokens = 4096;
   int budget = 256, partial = 26, decode = 8;
   std::string codec = "kivi4";

@@ -6,7 +6,6 @@
 #include "absl/strings/str_format.h"
 #include "base/status_macros.h"
 #include "kernels/attention.h"
-#include "kernels/encoded_tensor.h"
 
 namespace kvtier::eval {
 std::string CsvCell(double x, const char* fmt) {
@@ -71,8 +70,8 @@ absl::StatusOr<CodecRow> EvalCodecOnTrace(const traces::KvTrace& t, const CodecC
     // Attention output error for the real decode queries.
     if (!t.q.empty()) {
       const AttentionShape shape{t.q_heads, t.kv_heads, d};
-      KvBlock full{EncodedView::Raw(v1::DTYPE_FP32, t.K(l, 0), h, t.tokens, d, t.tokens * d, d),
-                   EncodedView::Raw(v1::DTYPE_FP32, t.V(l, 0), h, t.tokens, d, t.tokens * d, d)};
+      KvBlock full{EncodedView::Raw(DType::kFp32, t.K(l, 0), h, t.tokens, d, t.tokens * d, d),
+                   EncodedView::Raw(DType::kFp32, t.V(l, 0), h, t.tokens, d, t.tokens * d, d)};
       std::vector<float> q(static_cast<size_t>(t.q_heads) * d), o_ref(q.size()), o(q.size());
       for (int64_t i = 0; i < t.queries; ++i) {
         for (int qh = 0; qh < t.q_heads; ++qh)
@@ -149,15 +148,15 @@ std::string CsvHeader() {
 
 std::string CsvRow(const CodecRow& r) {
   const CodecConfig& c = r.config;
-  const bool raw = c.codec == v1::CODEC_RAW;
+  const bool raw = c.codec == Codec::kRaw;
   const bool grouped =
-      c.codec == v1::CODEC_KIVI ||
-      ((c.codec == v1::CODEC_GEAR || c.codec == v1::CODEC_GEAR_L) && c.backbone == v1::CODEC_KIVI);
-  const bool gear = c.codec == v1::CODEC_GEAR || c.codec == v1::CODEC_GEAR_L;
+      c.codec == Codec::kKivi ||
+      ((c.codec == Codec::kGear || c.codec == Codec::kGearL) && c.backbone == Codec::kKivi);
+  const bool gear = c.codec == Codec::kGear || c.codec == Codec::kGearL;
   return absl::StrCat(r.trace, ",", r.setting, ",", raw ? 8 * DTypeSize(c.dtype) : c.bits, ",",
                       grouped ? absl::StrCat(c.group_size) : std::string(), ",",
                       gear ? absl::StrCat(c.rank) : std::string(), ",",
-                      c.codec == v1::CODEC_GEAR ? absl::StrCat(c.outlier_fraction) : std::string(),
+                      c.codec == Codec::kGear ? absl::StrCat(c.outlier_fraction) : std::string(),
                       ",", CsvCell(r.compression_ratio, "%.4f"), ",", CsvCell(r.k_rel_err), ",",
                       CsvCell(r.v_rel_err), ",", CsvCell(r.attn_rel_err), ",", CsvCell(r.kl), ",",
                       CsvCell(r.top1_agree, "%.4f"));

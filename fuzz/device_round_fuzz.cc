@@ -12,9 +12,10 @@
 #include <string>
 #include <vector>
 
+#include "encoded/encode.h"
+#include "encoded/encoded_tensor.h"
 #include "fuzz/fuzz_target.h"
 #include "kernels/codec.h"
-#include "kernels/encoded_tensor.h"
 #include "kvtier/v1/worker.pb.h"
 #include "services/worker/transfer_proto.h"
 #include "worker/device/layout.h"
@@ -74,7 +75,7 @@ std::vector<std::string> Seeds() {
           const int64_t shape[3] = {1, t, d};
           std::vector<float> x(static_cast<size_t>(t) * d);
           for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 7 + h) % 13) / 4;
-          for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+          for (TensorRole role : {TensorRole::kKey, TensorRole::kValue}) {
             auto enc = Encode(*codec, role, shape, x.data(), KernelLevel::kReference);
             if (enc.ok()) *payload.add_tensors() = *std::move(enc);
           }

@@ -4,10 +4,11 @@
 #include <string>
 #include <vector>
 
+#include "encoded/encode.h"
+#include "encoded/encoded_tensor.h"
 #include "fuzz/fuzz_target.h"
 #include "kernels/codec.h"
 #include "kernels/crc32c.h"
-#include "kernels/encoded_tensor.h"
 #include "testing/test_util.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -71,7 +72,7 @@ std::vector<std::string> Seeds() {
     if (!c.ok()) continue;
     const int64_t shape[3] = {2, 16, 8};
     v1::SegmentPayload p;
-    for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+    for (TensorRole role : {TensorRole::kKey, TensorRole::kValue}) {
       absl::StatusOr<v1::EncodedTensor> t = Encode(*c, role, shape, x.data());
       if (t.ok()) *p.add_tensors() = *std::move(t);
     }

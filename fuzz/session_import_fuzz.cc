@@ -90,7 +90,7 @@ std::vector<std::string> Seeds() {
   for (const char* codec : {"fp16", "kivi4"}) {
     kvtier::worker::MemorySegmentStore store;
     worker::Engine engine(&store, Options());
-    const worker::ModelShape shape{3, 2, 1, 8, v1::DTYPE_FP16};
+    const worker::ModelShape shape{3, 2, 1, 8, DType::kFp16};
     worker::SessionPolicy p;
     p.codec = *ParseCodecSetting(codec);
     p.eviction = *evict::ParsePolicy("snapkv:6:w=2");

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "encoded/encode.h"
 #include "fuzz/fuzz_target.h"
 #include "kvtier/v1/worker.pb.h"
 #include "rpc/dense_tensor.h"
@@ -32,7 +33,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!open.ParseFromString(parts[0])) return 0;
   absl::StatusOr<kvtier::worker::ModelShape> shape = kvtier::ShapeFromProto(open.model());
   absl::StatusOr<kvtier::worker::SessionPolicy> policy =
-      kvtier::PolicyFromProto(open.policy(), open.model().dtype());
+      kvtier::PolicyFromProto(open.policy(), kvtier::FromProto(open.model().dtype()));
   if (!shape.ok() || !policy.ok() || !Small(*shape)) return 0;
   kvtier::worker::MemorySegmentStore store;
   store.FailAll(absl::UnavailableError("the store is down"));

@@ -9,7 +9,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/codec_internal.h"
-#include "kernels/encoded_tensor.h"
 
 namespace kvtier {
 namespace {
@@ -27,9 +26,8 @@ absl::Status CheckBlock(const AttentionShape& shape, const KvBlock& b, size_t i)
     return bad("head_dim does not match");
   }
   if (b.k.tokens != b.v.tokens) return bad("K and V hold different token counts");
-  if (b.k.codec != v1::CODEC_RAW && b.k.role != v1::TENSOR_ROLE_KEY)
-    return bad("K is not a KEY tensor");
-  if (b.v.codec != v1::CODEC_RAW && b.v.role != v1::TENSOR_ROLE_VALUE) {
+  if (b.k.codec != Codec::kRaw && b.k.role != TensorRole::kKey) return bad("K is not a KEY tensor");
+  if (b.v.codec != Codec::kRaw && b.v.role != TensorRole::kValue) {
     return bad("V is not a VALUE tensor");
   }
   return absl::OkStatus();
@@ -82,7 +80,7 @@ void TiledScore(const EncodedView& k, int64_t s, const float* const* q, int rep,
   for (int64_t t0 = 0; t0 < k.tokens; t0 += kTileTokens) {
     const int64_t n = std::min(kTileTokens, k.tokens - t0);
     DecodeRows(k, s, t0, t0 + n, tile->data(), KernelLevel::kVectorized);
-    const EncodedView tv = EncodedView::Raw(v1::DTYPE_FP32, tile->data(), 1, n, d, n * d, d);
+    const EncodedView tv = EncodedView::Raw(DType::kFp32, tile->data(), 1, n, d, n * d, d);
     for (int r = 0; r < rep; ++r) sc[r] = scores[r] + t0;
     if (!internal::ScoreBlockSimd(tv, 0, q, rep, scale, sc.data())) {
       for (int r = 0; r < rep; ++r) {
@@ -104,7 +102,7 @@ void TiledAccumulate(const EncodedView& v, int64_t s, const float* const* p, int
   for (int64_t t0 = 0; t0 < v.tokens; t0 += kTileTokens) {
     const int64_t n = std::min(kTileTokens, v.tokens - t0);
     DecodeRows(v, s, t0, t0 + n, tile->data(), KernelLevel::kVectorized);
-    const EncodedView tv = EncodedView::Raw(v1::DTYPE_FP32, tile->data(), 1, n, d, n * d, d);
+    const EncodedView tv = EncodedView::Raw(DType::kFp32, tile->data(), 1, n, d, n * d, d);
     for (int r = 0; r < rep; ++r) pp[r] = p[r] + t0;
     if (!internal::AccumulateBlockSimd(tv, 0, pp.data(), rep, out)) {
       for (int r = 0; r < rep; ++r) {
@@ -125,14 +123,12 @@ void TiledAccumulate(const EncodedView& v, int64_t s, const float* const* p, int
 //   Σ p_t v_t += Σ_t p_t A_t·B = (Σ_t p_t A_t)·B  r per token, r·D at the end
 // and at an outlier (t, c) the difference between its value and D + A·B
 // there, which is what DecodeRows' replacement amounts to.
-bool IsGear(const EncodedView& v) {
-  return v.codec == v1::CODEC_GEAR || v.codec == v1::CODEC_GEAR_L;
-}
+bool IsGear(const EncodedView& v) { return v.codec == Codec::kGear || v.codec == Codec::kGearL; }
 
 EncodedView GearBackbone(const EncodedView& v) {
   EncodedView b = v;
   // KIVI and KCVT share the layout; the effective group tells them apart.
-  b.codec = v1::CODEC_KIVI;
+  b.codec = Codec::kKivi;
   b.rank = 0;
   b.lowrank_a = b.lowrank_b = nullptr;
   b.outliers_per_row = 0;
@@ -186,7 +182,7 @@ class GearSlab {
     const int opr = v_.outliers_per_row;
     const int64_t rows = v_.sparse_rows_per_slab;
     const int64_t first = s_ * rows * opr;
-    if (v_.role == v1::TENSOR_ROLE_VALUE) {
+    if (v_.role == TensorRole::kValue) {
       for (int64_t t = 0; t < rows; ++t) {
         for (int k = 0; k < opr; ++k) {
           const int64_t i = first + t * opr + k;
@@ -213,7 +209,7 @@ class GearSlab {
  private:
   static internal::QuantShape Shape(const EncodedView& v) {
     internal::QuantShape q;
-    q.key = v.role != v1::TENSOR_ROLE_VALUE;
+    q.key = v.role != TensorRole::kValue;
     q.bits = v.bits;
     q.group = v.group;
     q.tq = v.quantized;
@@ -225,7 +221,7 @@ class GearSlab {
     for (size_t i = 0; i < out.size(); ++i) out[i] = HalfToFloat(internal::LoadU16(h, i));
   }
   float Value(int64_t i) const {
-    if (v_.dtype == v1::DTYPE_FP16) {
+    if (v_.dtype == DType::kFp16) {
       return HalfToFloat(internal::LoadU16(reinterpret_cast<const uint16_t*>(v_.sparse_value), i));
     }
     return internal::LoadElement(v_.dtype, v_.sparse_value, i);
@@ -389,7 +385,7 @@ EncodedView SliceSlabs(const EncodedView& v, int64_t first, int64_t count) {
   EncodedView o = v;
   o.slabs = count;
   const int64_t dsize = DTypeSize(v.dtype);
-  if (v.codec == v1::CODEC_RAW) {
+  if (v.codec == Codec::kRaw) {
     o.raw = static_cast<const uint8_t*>(v.raw) + first * v.slab_stride * dsize;
     return o;
   }

@@ -308,8 +308,8 @@ void AccumKiviIntG(const EncodedView& v, int64_t s, const float* const* p, float
 
 // Whether ScoreKiviInt16 takes the quantized part of a K slab.
 bool IntKeyPath(const EncodedView& k) {
-  if (k.codec != v1::CODEC_KIVI && k.codec != v1::CODEC_KCVT) return false;
-  if (k.role == v1::TENSOR_ROLE_VALUE || k.group < 1) return false;
+  if (k.codec != Codec::kKivi && k.codec != Codec::kKcvt) return false;
+  if (k.role == TensorRole::kValue || k.group < 1) return false;
   if (k.bits == 8) return k.head_dim % 16 == 0 && k.head_dim <= 256;
   return (k.bits == 2 || k.bits == 4) && k.head_dim % 32 == 0 && k.head_dim <= 1024;
 }
@@ -317,9 +317,9 @@ bool IntKeyPath(const EncodedView& k) {
 // Whether AccumKivi8Int takes the quantized part of a V slab: 8-bit codes,
 // head_dim a multiple of 16, channel groups of a multiple of 16.
 bool Int16ValuePath(const EncodedView& v) {
-  if (v.codec != v1::CODEC_KIVI && v.codec != v1::CODEC_KCVT) return false;
-  return v.bits == 8 && v.role == v1::TENSOR_ROLE_VALUE && v.head_dim % 16 == 0 &&
-         v.group % 16 == 0 && v.head_dim <= 1024;
+  if (v.codec != Codec::kKivi && v.codec != Codec::kKcvt) return false;
+  return v.bits == 8 && v.role == TensorRole::kValue && v.head_dim % 16 == 0 && v.group % 16 == 0 &&
+         v.head_dim <= 1024;
 }
 
 template <int R>

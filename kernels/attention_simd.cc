@@ -15,8 +15,8 @@ namespace {
 
 // scores[r][t] = scale * q[r] . row_t over `n` raw rows, R query heads at once.
 template <int R>
-void ScoreRaw(v1::DType dtype, const void* base, int64_t first, int64_t token_stride, int64_t n,
-              int d, const float* const* q, float scale, float* const* scores) {
+void ScoreRaw(DType dtype, const void* base, int64_t first, int64_t token_stride, int64_t n, int d,
+              const float* const* q, float scale, float* const* scores) {
   for (int64_t t = 0; t < n; ++t) {
     __m256 acc[R];
 #pragma GCC unroll 4
@@ -75,8 +75,8 @@ void ScoreKivi(const EncodedView& k, int64_t s, const float* const* q, float sca
 }
 
 template <int R>
-void AccumRaw(v1::DType dtype, const void* base, int64_t first, int64_t token_stride, int64_t n,
-              int d, const float* const* p, float* const* out) {
+void AccumRaw(DType dtype, const void* base, int64_t first, int64_t token_stride, int64_t n, int d,
+              const float* const* p, float* const* out) {
   for (int64_t t0 = 0; t0 < n; t0 += kAccumTile) {
     const int64_t t1 = std::min(n, t0 + kAccumTile);
     int c = 0;
@@ -168,10 +168,10 @@ void AccumKivi(const EncodedView& v, int64_t s, const float* const* p, float* co
 
 bool FastPath(const EncodedView& b) {
   if (b.head_dim % 8 != 0) return false;
-  if (b.codec == v1::CODEC_RAW) return true;
-  if (b.codec != v1::CODEC_KIVI && b.codec != v1::CODEC_KCVT) return false;
+  if (b.codec == Codec::kRaw) return true;
+  if (b.codec != Codec::kKivi && b.codec != Codec::kKcvt) return false;
   QuantShape q;
-  q.key = b.role != v1::TENSOR_ROLE_VALUE;
+  q.key = b.role != TensorRole::kValue;
   q.bits = b.bits;
   q.group = b.group;
   q.d = b.head_dim;
@@ -181,7 +181,7 @@ bool FastPath(const EncodedView& b) {
 template <int R>
 void ScoreBlock(const EncodedView& k, int64_t s, const float* const* q, float scale,
                 float* const* scores, bool integer) {
-  if (k.codec == v1::CODEC_RAW) {
+  if (k.codec == Codec::kRaw) {
     ScoreRaw<R>(k.dtype, k.raw, s * k.slab_stride, k.token_stride, k.tokens, k.head_dim, q, scale,
                 scores);
     return;
@@ -206,7 +206,7 @@ void ScoreBlock(const EncodedView& k, int64_t s, const float* const* q, float sc
 template <int R>
 void AccumBlock(const EncodedView& v, int64_t s, const float* const* p, float* const* out,
                 bool integer) {
-  if (v.codec == v1::CODEC_RAW) {
+  if (v.codec == Codec::kRaw) {
     AccumRaw<R>(v.dtype, v.raw, s * v.slab_stride, v.token_stride, v.tokens, v.head_dim, p, out);
     return;
   }

@@ -13,7 +13,6 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/codec_internal.h"
-#include "kernels/encoded_tensor.h"
 #include "kernels/half.h"
 #include "kernels/kv_stream.h"
 #include "tests/util/kv_data.h"
@@ -41,7 +40,7 @@ TEST_P(AttentionTest, VectorizedMatchesReferenceOverMixedBlocks) {
   std::vector<std::string> settings = {"fp16",  "kivi4:R=9",         "kivi2:g=32",
                                        "kcvt4", "gear2:r=2:R=3",     "kivi8:g=16",
                                        "bf16",  "gearl2:r=1:bb=kcvt"};
-  std::vector<v1::EncodedTensor> keep;
+  std::vector<EncodedBlock> keep;
   std::vector<std::vector<float>> raw_keep;
   std::vector<KvBlock> blocks, decoded_blocks;
   uint32_t seed = 100;
@@ -52,35 +51,32 @@ TEST_P(AttentionTest, VectorizedMatchesReferenceOverMixedBlocks) {
     AddOutlierChannels(&k, ac.d);
     const std::vector<float> v = Random(ac.kv_heads * n * ac.d, seed++);
     KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting(s));
-    KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor kt, Encode(c, v1::TENSOR_ROLE_KEY, shp, k.data()));
-    KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor vt, Encode(c, v1::TENSOR_ROLE_VALUE, shp, v.data()));
-    keep.push_back(kt);
-    keep.push_back(vt);
+    KVT_ASSERT_OK_AND_ASSIGN(EncodedBlock kt,
+                             EncodedBlock::Encode(c, TensorRole::kKey, shp, k.data()));
+    KVT_ASSERT_OK_AND_ASSIGN(EncodedBlock vt,
+                             EncodedBlock::Encode(c, TensorRole::kValue, shp, v.data()));
+    keep.push_back(std::move(kt));
+    keep.push_back(std::move(vt));
   }
   // A raw fp32 strided tail, token-major like an engine's.
   const int64_t tail = 5;
   raw_keep.push_back(Random(tail * ac.kv_heads * ac.d, 7));
   raw_keep.push_back(Random(tail * ac.kv_heads * ac.d, 8));
-  for (size_t i = 0; i < keep.size(); i += 2) {
-    KVT_ASSERT_OK_AND_ASSIGN(EncodedView kv, ParseEncoded(keep[i]));
-    KVT_ASSERT_OK_AND_ASSIGN(EncodedView vv, ParseEncoded(keep[i + 1]));
-    blocks.push_back({kv, vv});
-  }
+  for (size_t i = 0; i < keep.size(); i += 2)
+    blocks.push_back({keep[i].view(), keep[i + 1].view()});
   const int64_t row = ac.kv_heads * ac.d;
   blocks.push_back(
-      {EncodedView::Raw(v1::DTYPE_FP32, raw_keep[0].data(), ac.kv_heads, tail, ac.d, ac.d, row),
-       EncodedView::Raw(v1::DTYPE_FP32, raw_keep[1].data(), ac.kv_heads, tail, ac.d, ac.d, row)});
+      {EncodedView::Raw(DType::kFp32, raw_keep[0].data(), ac.kv_heads, tail, ac.d, ac.d, row),
+       EncodedView::Raw(DType::kFp32, raw_keep[1].data(), ac.kv_heads, tail, ac.d, ac.d, row)});
   // The same tokens decoded to raw fp32, for the fused-vs-decoded check.
   for (size_t i = 0; i < keep.size(); i += 2) {
-    KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> kd, Decode(keep[i]));
-    KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> vd, Decode(keep[i + 1]));
-    raw_keep.push_back(std::move(kd));
-    raw_keep.push_back(std::move(vd));
-    const int64_t n = keep[i].shape(1);
-    decoded_blocks.push_back({EncodedView::Raw(v1::DTYPE_FP32, raw_keep[raw_keep.size() - 2].data(),
+    raw_keep.push_back(DecodeAll(keep[i].view()));
+    raw_keep.push_back(DecodeAll(keep[i + 1].view()));
+    const int64_t n = keep[i].header().shape[1];
+    decoded_blocks.push_back({EncodedView::Raw(DType::kFp32, raw_keep[raw_keep.size() - 2].data(),
                                                ac.kv_heads, n, ac.d, n * ac.d, ac.d),
-                              EncodedView::Raw(v1::DTYPE_FP32, raw_keep.back().data(), ac.kv_heads,
-                                               n, ac.d, n * ac.d, ac.d)});
+                              EncodedView::Raw(DType::kFp32, raw_keep.back().data(), ac.kv_heads, n,
+                                               ac.d, n * ac.d, ac.d)});
   }
   decoded_blocks.push_back(blocks.back());
   const std::vector<float> q = Random(ac.q_heads * ac.d, 3, 2.0f);
@@ -121,7 +117,7 @@ TEST_P(IntegerAttentionTest, ErrorIsSmallAgainstTheCodecs) {
   if (!Int8AttentionEnabled()) GTEST_SKIP() << "no AVX2 here (or KVTIER_INT8_ATTENTION=off)";
   const AttentionShape shape{ic.q_heads, ic.kv_heads, ic.d};
   KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting(ic.setting));
-  std::vector<v1::EncodedTensor> keep;
+  std::vector<EncodedBlock> keep;
   std::vector<std::vector<float>> raw;
   std::vector<KvBlock> blocks, exact_blocks;
   // Two blocks, the second with an odd token count, and K with outlier channels.
@@ -131,22 +127,19 @@ TEST_P(IntegerAttentionTest, ErrorIsSmallAgainstTheCodecs) {
     AddOutlierChannels(&k, ic.d);
     raw.push_back(std::move(k));
     raw.push_back(Random(ic.kv_heads * n * ic.d, 41 + static_cast<uint32_t>(n)));
-    KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor kt,
-                             Encode(c, v1::TENSOR_ROLE_KEY, shp, raw[raw.size() - 2].data()));
-    KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor vt,
-                             Encode(c, v1::TENSOR_ROLE_VALUE, shp, raw.back().data()));
+    KVT_ASSERT_OK_AND_ASSIGN(EncodedBlock kt, EncodedBlock::Encode(c, TensorRole::kKey, shp,
+                                                                   raw[raw.size() - 2].data()));
+    KVT_ASSERT_OK_AND_ASSIGN(EncodedBlock vt,
+                             EncodedBlock::Encode(c, TensorRole::kValue, shp, raw.back().data()));
     keep.push_back(std::move(kt));
     keep.push_back(std::move(vt));
-    exact_blocks.push_back({EncodedView::Raw(v1::DTYPE_FP32, raw[raw.size() - 2].data(),
-                                             ic.kv_heads, n, ic.d, n * ic.d, ic.d),
-                            EncodedView::Raw(v1::DTYPE_FP32, raw.back().data(), ic.kv_heads, n,
-                                             ic.d, n * ic.d, ic.d)});
+    exact_blocks.push_back(
+        {EncodedView::Raw(DType::kFp32, raw[raw.size() - 2].data(), ic.kv_heads, n, ic.d, n * ic.d,
+                          ic.d),
+         EncodedView::Raw(DType::kFp32, raw.back().data(), ic.kv_heads, n, ic.d, n * ic.d, ic.d)});
   }
-  for (size_t i = 0; i < keep.size(); i += 2) {
-    KVT_ASSERT_OK_AND_ASSIGN(EncodedView kv, ParseEncoded(keep[i]));
-    KVT_ASSERT_OK_AND_ASSIGN(EncodedView vv, ParseEncoded(keep[i + 1]));
-    blocks.push_back({kv, vv});
-  }
+  for (size_t i = 0; i < keep.size(); i += 2)
+    blocks.push_back({keep[i].view(), keep[i + 1].view()});
   const std::vector<float> q = Random(ic.q_heads * ic.d, 5, ic.q_scale);
   const size_t n = q.size();
   std::vector<float> exact(n), ref(n), vec(n), best(n);
@@ -219,8 +212,8 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(AttentionTest, RejectsMismatchedBlocks) {
   const std::vector<float> k(2 * 4 * 8, 1.0f), q(4 * 8, 1.0f);
   std::vector<float> out(4 * 8);
-  KvBlock b{EncodedView::Raw(v1::DTYPE_FP32, k.data(), 2, 4, 8, 32, 8),
-            EncodedView::Raw(v1::DTYPE_FP32, k.data(), 2, 3, 8, 32, 8)};
+  KvBlock b{EncodedView::Raw(DType::kFp32, k.data(), 2, 4, 8, 32, 8),
+            EncodedView::Raw(DType::kFp32, k.data(), 2, 3, 8, 32, 8)};
   EXPECT_THAT(DecodeAttention({4, 2, 8}, q.data(), {&b, 1}, out.data()),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("token counts")));
   b.v.tokens = 4;
@@ -239,12 +232,12 @@ TEST(KvStreamTest, EncodesWholeBlocksAndNeverReencodes) {
     KVT_ASSERT_OK(s.Append(k.data() + t * 128, v.data() + t * 128, 1));
     EXPECT_LT(s.tail_tokens(), 8 + 16);
     EXPECT_GE(s.tail_tokens(), std::min(t + 1, 8));
-    if (t == 30) first = s.key_blocks()[0]->SerializeAsString();
+    if (t == 30) first = std::string(s.key_blocks()[0]->bytes());
   }
   EXPECT_EQ(s.tokens(), 100);
   EXPECT_EQ(s.key_blocks().size(), 5u);  // (100 - 8) / 16 whole blocks.
-  EXPECT_EQ(s.key_blocks()[0]->SerializeAsString(), first);
-  EXPECT_EQ(s.key_blocks()[0]->params().block_tokens(), 16u);
+  EXPECT_EQ(s.key_blocks()[0]->bytes(), first);
+  EXPECT_EQ(s.key_blocks()[0]->header().block_tokens, 16);
   // Attention over the stream equals attention over its decoded tokens.
   const std::vector<float> q = Random(4 * 64, 3);
   std::vector<float> a(4 * 64), b(4 * 64);

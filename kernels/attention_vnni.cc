@@ -249,7 +249,7 @@ KVT_VNNI_TARGET void AccumKiviVnniG(const EncodedView& v, int64_t s, const float
 // shapes with head_dim a multiple of one block (256 / bits channels: 32
 // bytes of codes).
 bool VnniKeyPath(const EncodedView& k) {
-  return IntPath(k) && k.role != v1::TENSOR_ROLE_VALUE && k.head_dim % (256 / k.bits) == 0;
+  return IntPath(k) && k.role != TensorRole::kValue && k.head_dim % (256 / k.bits) == 0;
 }
 
 // Whether AccumKiviVnni takes the quantized part of a V slab: IntPath's

@@ -4,16 +4,13 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/wire_format_lite.h"
 #include "kernels/codec_internal.h"
-#include "kernels/crc32c.h"
-#include "kernels/encoded_tensor.h"
 #include "kernels/half.h"
 
 namespace kvtier {
@@ -22,31 +19,20 @@ using internal::QuantShape;
 
 namespace internal {
 
-bool IsGear(v1::Codec c) { return c == v1::CODEC_GEAR || c == v1::CODEC_GEAR_L; }
-bool IsQuantized(v1::Codec c) { return c != v1::CODEC_RAW; }
+bool IsGear(Codec c) { return c == Codec::kGear || c == Codec::kGearL; }
+bool IsQuantized(Codec c) { return c != Codec::kRaw; }
 
 bool UseSimd(KernelLevel level) {
   return level != KernelLevel::kReference && internal::SimdAvailable();
 }
 
-const char* DTypeName(v1::DType d) {
-  switch (d) {
-    case v1::DTYPE_FP32:
-      return "fp32";
-    case v1::DTYPE_BF16:
-      return "bf16";
-    default:
-      return "fp16";
-  }
-}
-
-absl::StatusOr<Layout> MakeLayout(v1::Codec codec, v1::Codec backbone, v1::TensorRole role,
-                                  v1::DType dtype, int bits, int group, int64_t residual, int rank,
+absl::StatusOr<Layout> MakeLayout(Codec codec, Codec backbone, TensorRole role, DType dtype,
+                                  int bits, int group, int64_t residual, int rank,
                                   float outlier_fraction, absl::Span<const int64_t> shape) {
   Layout l;
   l.codec = codec;
   l.backbone = IsGear(codec) ? backbone : codec;
-  l.key = role != v1::TENSOR_ROLE_VALUE;
+  l.key = role != TensorRole::kValue;
   l.dsize = DTypeSize(dtype);
   if (l.dsize == 0) return absl::InvalidArgumentError("dtype is unspecified or unknown");
   if (shape.size() < 2 || shape.size() > 8) {
@@ -81,7 +67,7 @@ absl::StatusOr<Layout> MakeLayout(v1::Codec codec, v1::Codec backbone, v1::Tenso
   l.q.bits = bits;
   l.q.tq = l.tq;
   l.q.d = l.d;
-  if (l.backbone == v1::CODEC_KCVT) {
+  if (l.backbone == Codec::kKcvt) {
     l.q.group = l.key ? static_cast<int>(std::max<int64_t>(l.tq, 1)) : l.d;
   } else {
     if (group < 1) return absl::InvalidArgumentError("group_size must be >= 1");
@@ -93,7 +79,7 @@ absl::StatusOr<Layout> MakeLayout(v1::Codec codec, v1::Codec backbone, v1::Tenso
           absl::StrCat("rank must be in [0, head_dim=", l.d, "], got ", rank));
     }
     l.rank = rank;
-    if (codec == v1::CODEC_GEAR) {
+    if (codec == Codec::kGear) {
       l.sparse_rows = l.key ? l.d : l.tq;
       l.sparse_row_len = l.key ? l.tq : l.d;
       int64_t m = std::llround(static_cast<double>(outlier_fraction) * l.sparse_row_len / 2.0);
@@ -116,27 +102,26 @@ void Dequant(const QuantShape& q, const uint8_t* codes, const uint16_t* scales,
 namespace {
 
 using internal::Dequant;
-using internal::DTypeName;
 using internal::IsGear;
 using internal::IsQuantized;
 using internal::Layout;
 using internal::MakeLayout;
 using internal::UseSimd;
 
-absl::StatusOr<Layout> LayoutFor(const CodecConfig& c, v1::TensorRole role,
+absl::StatusOr<Layout> LayoutFor(const CodecConfig& c, TensorRole role,
                                  absl::Span<const int64_t> shape) {
   return MakeLayout(c.codec, c.backbone, role, c.dtype, c.bits, c.group_size, c.residual_tokens,
                     c.rank, c.outlier_fraction, shape);
 }
 
-void StoreElement(v1::DType dtype, float x, uint8_t* out, int64_t index) {
+void StoreElement(DType dtype, float x, uint8_t* out, int64_t index) {
   switch (dtype) {
-    case v1::DTYPE_FP16: {
+    case DType::kFp16: {
       const uint16_t h = FloatToHalf(x);
       std::memcpy(out + index * 2, &h, 2);
       break;
     }
-    case v1::DTYPE_BF16: {
+    case DType::kBf16: {
       const uint16_t h = FloatToBf16(x);
       std::memcpy(out + index * 2, &h, 2);
       break;
@@ -144,13 +129,6 @@ void StoreElement(v1::DType dtype, float x, uint8_t* out, int64_t index) {
     default:
       std::memcpy(out + index * 4, &x, 4);
   }
-}
-
-uint8_t* AddBuffer(v1::EncodedTensor* t, v1::BufferKind kind, int64_t bytes) {
-  v1::Buffer* b = t->add_buffers();
-  b->set_kind(kind);
-  b->mutable_data()->assign(static_cast<size_t>(bytes), '\0');
-  return reinterpret_cast<uint8_t*>(b->mutable_data()->data());
 }
 
 // SplitMix64: the deterministic source of the power iteration's start.
@@ -362,55 +340,55 @@ struct BufferPtrs {
 
 // The buffers a tensor of this layout has, in the format's order, with their
 // sizes in bytes.
-std::vector<std::pair<v1::BufferKind, int64_t>> BufferList(const CodecConfig& c, const Layout& l) {
-  std::vector<std::pair<v1::BufferKind, int64_t>> out;
-  if (c.codec == v1::CODEC_RAW) {
-    out.emplace_back(v1::BUFFER_RAW, l.slabs * l.tokens * l.d * l.dsize);
+std::vector<BufferSize> BufferList(const CodecConfig& c, const Layout& l) {
+  std::vector<BufferSize> out;
+  if (c.codec == Codec::kRaw) {
+    out.push_back({BufferKind::kRaw, l.slabs * l.tokens * l.d * l.dsize});
     return out;
   }
-  out.emplace_back(v1::BUFFER_CODES, l.code_bytes());
-  out.emplace_back(v1::BUFFER_SCALES, l.scale_bytes());
-  out.emplace_back(v1::BUFFER_ZEROS, l.scale_bytes());
-  if (l.res > 0) out.emplace_back(v1::BUFFER_RESIDUAL, l.residual_bytes());
+  out.push_back({BufferKind::kCodes, l.code_bytes()});
+  out.push_back({BufferKind::kScales, l.scale_bytes()});
+  out.push_back({BufferKind::kZeros, l.scale_bytes()});
+  if (l.res > 0) out.push_back({BufferKind::kResidual, l.residual_bytes()});
   if (IsGear(c.codec) && l.rank > 0) {
-    out.emplace_back(v1::BUFFER_LOWRANK_A, l.a_bytes());
-    out.emplace_back(v1::BUFFER_LOWRANK_B, l.b_bytes());
+    out.push_back({BufferKind::kLowrankA, l.a_bytes()});
+    out.push_back({BufferKind::kLowrankB, l.b_bytes()});
   }
-  if (c.codec == v1::CODEC_GEAR) {
-    out.emplace_back(v1::BUFFER_SPARSE_INDEX, l.sparse_count() * l.index_bytes);
-    out.emplace_back(v1::BUFFER_SPARSE_VALUE, l.sparse_count() * l.dsize);
+  if (c.codec == Codec::kGear) {
+    out.push_back({BufferKind::kSparseIndex, l.sparse_count() * l.index_bytes});
+    out.push_back({BufferKind::kSparseValue, l.sparse_count() * l.dsize});
   }
   return out;
 }
 
 // Points `out`'s member for `kind` at p.
-void SetBuffer(v1::BufferKind kind, uint8_t* p, BufferPtrs* out) {
+void SetBuffer(BufferKind kind, uint8_t* p, BufferPtrs* out) {
   switch (kind) {
-    case v1::BUFFER_RAW:
+    case BufferKind::kRaw:
       out->raw = p;
       break;
-    case v1::BUFFER_CODES:
+    case BufferKind::kCodes:
       out->codes = p;
       break;
-    case v1::BUFFER_SCALES:
+    case BufferKind::kScales:
       out->scales = reinterpret_cast<uint16_t*>(p);
       break;
-    case v1::BUFFER_ZEROS:
+    case BufferKind::kZeros:
       out->zeros = reinterpret_cast<uint16_t*>(p);
       break;
-    case v1::BUFFER_RESIDUAL:
+    case BufferKind::kResidual:
       out->residual = p;
       break;
-    case v1::BUFFER_LOWRANK_A:
+    case BufferKind::kLowrankA:
       out->a = reinterpret_cast<uint16_t*>(p);
       break;
-    case v1::BUFFER_LOWRANK_B:
+    case BufferKind::kLowrankB:
       out->b = reinterpret_cast<uint16_t*>(p);
       break;
-    case v1::BUFFER_SPARSE_INDEX:
+    case BufferKind::kSparseIndex:
       out->sparse_index = p;
       break;
-    case v1::BUFFER_SPARSE_VALUE:
+    case BufferKind::kSparseValue:
       out->sparse_value = p;
       break;
     default:
@@ -420,10 +398,10 @@ void SetBuffer(v1::BufferKind kind, uint8_t* p, BufferPtrs* out) {
 
 // The layout of a tensor Encode accepts: a valid config, a role for a
 // quantized tensor, a valid shape.
-absl::StatusOr<Layout> EncodableLayout(const CodecConfig& c, v1::TensorRole role,
+absl::StatusOr<Layout> EncodableLayout(const CodecConfig& c, TensorRole role,
                                        absl::Span<const int64_t> shape) {
   KVT_RETURN_IF_ERROR(ValidateCodecConfig(c));
-  if (IsQuantized(c.codec) && role != v1::TENSOR_ROLE_KEY && role != v1::TENSOR_ROLE_VALUE) {
+  if (IsQuantized(c.codec) && role != TensorRole::kKey && role != TensorRole::kValue) {
     return absl::InvalidArgumentError("a quantized tensor must be a KEY or a VALUE");
   }
   return LayoutFor(c, role, shape);
@@ -432,7 +410,7 @@ absl::StatusOr<Layout> EncodableLayout(const CodecConfig& c, v1::TensorRole role
 // INVALID_ARGUMENT unless every input element can be stored.
 absl::Status CheckInput(const CodecConfig& c, const Layout& l, const float* data) {
   const int64_t n = l.slabs * l.tokens * l.d;
-  const float limit = (IsQuantized(c.codec) || c.dtype == v1::DTYPE_FP16)
+  const float limit = (IsQuantized(c.codec) || c.dtype == DType::kFp16)
                           ? kHalfMax
                           : std::numeric_limits<float>::max();
   int64_t bad = -1;
@@ -449,19 +427,26 @@ absl::Status CheckInput(const CodecConfig& c, const Layout& l, const float* data
   return absl::OkStatus();
 }
 
-// Every field of the tensor but its buffers and checksum.
-v1::EncodedTensor TensorMeta(const CodecConfig& c, const Layout& l, v1::TensorRole role,
-                             absl::Span<const int64_t> shape) {
-  v1::EncodedTensor t;
-  t.set_format_version(kEncodedTensorFormatVersion);
-  t.set_codec(c.codec);
-  CodecConfig eff = c;
-  eff.residual_tokens = static_cast<int>(l.res);
-  *t.mutable_params() = ToParams(eff);
-  t.set_role(role);
-  t.set_dtype(c.dtype);
-  for (int64_t s : shape) t.add_shape(s);
-  return t;
+// The header a tensor of this config and layout carries.
+TensorHeader HeaderFor(const CodecConfig& c, const Layout& l, TensorRole role,
+                       absl::Span<const int64_t> shape) {
+  TensorHeader h;
+  h.codec = c.codec;
+  h.role = role;
+  h.dtype = c.dtype;
+  h.shape.assign(shape.begin(), shape.end());
+  if (c.codec == Codec::kRaw) return h;
+  h.bits = c.bits;
+  const bool grouped = c.codec == Codec::kKivi || (IsGear(c.codec) && c.backbone == Codec::kKivi);
+  if (grouped) h.group_size = c.group_size;
+  h.residual_tokens = l.res;
+  h.block_tokens = c.block_tokens;
+  if (IsGear(c.codec)) {
+    h.rank = c.rank;
+    h.backbone = c.backbone;
+    if (c.codec == Codec::kGear) h.outlier_fraction = c.outlier_fraction;
+  }
+  return h;
 }
 
 // Encodes `data` into the buffers at `out`, which hold whatever was there
@@ -474,7 +459,7 @@ void EncodeBuffers(const CodecConfig& c, const Layout& l, const float* data, con
                    KernelLevel level, bool* fused = nullptr) {
   if (fused != nullptr) *fused = false;
   const int64_t n = l.slabs * l.tokens * l.d;
-  if (c.codec == v1::CODEC_RAW) {
+  if (c.codec == Codec::kRaw) {
     for (int64_t i = 0; i < n; ++i) StoreElement(c.dtype, data[i], out.raw, i);
     return;
   }
@@ -590,156 +575,91 @@ void EncodeBuffers(const CodecConfig& c, const Layout& l, const float* data, con
 
 }  // namespace
 
-absl::StatusOr<int64_t> EncodedBufferBytes(const CodecConfig& c, v1::TensorRole role,
+absl::StatusOr<int64_t> EncodedBufferBytes(const CodecConfig& c, TensorRole role,
                                            absl::Span<const int64_t> shape) {
   KVT_RETURN_IF_ERROR(ValidateCodecConfig(c));
   KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(c, role, shape));
   int64_t total = 0;
-  for (const auto& [kind, bytes] : BufferList(c, l)) total += bytes;
+  for (const BufferSize& b : BufferList(c, l)) total += b.bytes;
   return total;
 }
 
-absl::StatusOr<v1::EncodedTensor> Encode(const CodecConfig& c, v1::TensorRole role,
-                                         absl::Span<const int64_t> shape, const float* data,
-                                         KernelLevel level) {
+absl::StatusOr<BlockEncoder> BlockEncoder::Make(const CodecConfig& c, TensorRole role,
+                                                absl::Span<const int64_t> shape) {
   KVT_ASSIGN_OR_RETURN(Layout l, EncodableLayout(c, role, shape));
-  v1::EncodedTensor t = TensorMeta(c, l, role, shape);
-  BufferPtrs out;
-  for (const auto& [kind, bytes] : BufferList(c, l))
-    SetBuffer(kind, AddBuffer(&t, kind, bytes), &out);
+  BlockEncoder e;
+  e.config_ = c;
+  e.role_ = role;
+  e.header_ = HeaderFor(c, l, role, shape);
+  e.buffers_ = BufferList(c, l);
+  return e;
+}
+
+int64_t BlockEncoder::buffer_bytes() const {
+  int64_t total = 0;
+  for (const BufferSize& b : buffers_) total += b.bytes;
+  return total;
+}
+
+namespace {
+
+// The buffers at `out`, in `list`'s order, by kind.
+BufferPtrs PointersOf(const std::vector<BufferSize>& list, absl::Span<uint8_t* const> out) {
+  BufferPtrs p;
+  for (size_t i = 0; i < list.size(); ++i) SetBuffer(list[i].kind, out[i], &p);
+  return p;
+}
+
+}  // namespace
+
+absl::Status BlockEncoder::EncodeInto(const float* data, absl::Span<uint8_t* const> out,
+                                      KernelLevel level) const {
+  if (out.size() != buffers_.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the tensor has ", buffers_.size(), " buffers, ", out.size(), " given"));
+  }
+  KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(config_, role_, header_.shape));
   // The input check rides along with the quantizer's pass where it can; a
   // check it could not do, or one that failed, runs in full (and names the
   // element).
   bool fused = false;
-  EncodeBuffers(c, l, data, out, level, &fused);
-  if (!fused) KVT_RETURN_IF_ERROR(CheckInput(c, l, data));
-  SealTensor(&t);
-  return t;
-}
-
-namespace {
-
-using google::protobuf::internal::WireFormatLite;
-using google::protobuf::io::CodedOutputStream;
-
-constexpr uint32_t kBuffersTag = (8 << 3) | 2;  // EncodedTensor.buffers
-constexpr uint32_t kKindTag = (1 << 3) | 0;     // Buffer.kind
-constexpr uint32_t kDataTag = (2 << 3) | 2;     // Buffer.data
-constexpr uint32_t kCrcTag = (9 << 3) | 5;      // EncodedTensor.crc32c
-
-// Serialized size of a Buffer message holding `bytes` bytes of `kind`.
-size_t BufferMessageSize(v1::BufferKind kind, int64_t bytes) {
-  size_t n = 1 + CodedOutputStream::VarintSize32SignExtended(kind);
-  if (bytes > 0) n += 1 + CodedOutputStream::VarintSize64(bytes) + static_cast<size_t>(bytes);
-  return n;
-}
-
-}  // namespace
-
-absl::StatusOr<TensorEncoder> TensorEncoder::Make(const CodecConfig& c, v1::TensorRole role,
-                                                  absl::Span<const int64_t> shape,
-                                                  uint32_t layer_begin) {
-  KVT_ASSIGN_OR_RETURN(Layout l, EncodableLayout(c, role, shape));
-  TensorEncoder e;
-  e.config_ = c;
-  e.role_ = role;
-  e.shape_.assign(shape.begin(), shape.end());
-  v1::EncodedTensor meta = TensorMeta(c, l, role, shape);
-  meta.set_layer_begin(layer_begin);
-  e.meta_ = meta.SerializeAsString();
-  e.size_ = e.meta_.size();
-  for (const auto& [kind, bytes] : BufferList(c, l)) {
-    const size_t m = BufferMessageSize(kind, bytes);
-    e.size_ += 1 + CodedOutputStream::VarintSize64(m) + m;
-  }
-  e.size_ += 1 + 4;  // The checksum, always written.
-  return e;
-}
-
-namespace {
-
-using Regions = std::vector<std::pair<const uint8_t*, size_t>>;
-
-// Writes a tensor's serialized fields up to its checksum at `out`: `meta`,
-// then each buffer's framing with room for its bytes (recorded in `bufs`
-// and `regions`). Returns where the checksum goes.
-uint8_t* LayOut(const std::string& meta,
-                const std::vector<std::pair<v1::BufferKind, int64_t>>& list, uint8_t* out,
-                BufferPtrs* bufs, Regions* regions) {
-  uint8_t* p = std::copy(meta.begin(), meta.end(), out);
-  for (const auto& [kind, bytes] : list) {
-    p = CodedOutputStream::WriteVarint32ToArray(kBuffersTag, p);
-    p = CodedOutputStream::WriteVarint64ToArray(BufferMessageSize(kind, bytes), p);
-    p = CodedOutputStream::WriteVarint32ToArray(kKindTag, p);
-    p = CodedOutputStream::WriteVarint32SignExtendedToArray(kind, p);
-    if (bytes > 0) {
-      p = CodedOutputStream::WriteVarint32ToArray(kDataTag, p);
-      p = CodedOutputStream::WriteVarint64ToArray(static_cast<uint64_t>(bytes), p);
-    }
-    SetBuffer(kind, p, bufs);
-    regions->emplace_back(p, static_cast<size_t>(bytes));
-    p += bytes;
-  }
-  return p;
-}
-
-// Writes the checksum of the filled `regions` at p; returns the tensor's end.
-uint8_t* Seal(const Regions& regions, uint8_t* p) {
-  uint32_t crc = 0;
-  for (const auto& [at, n] : regions) crc = Crc32cExtend(crc, at, n);
-  p = CodedOutputStream::WriteVarint32ToArray(kCrcTag, p);
-  return WireFormatLite::WriteFixed32NoTagToArray(crc, p);
-}
-
-}  // namespace
-
-absl::StatusOr<uint8_t*> TensorEncoder::EncodeTo(const float* data, uint8_t* out,
-                                                 KernelLevel level) const {
-  KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(config_, role_, shape_));
-  BufferPtrs bufs;
-  Regions regions;
-  uint8_t* p = LayOut(meta_, BufferList(config_, l), out, &bufs, &regions);
-  // As in Encode: the check fused into the quantizer's pass where it can be.
-  bool fused = false;
-  EncodeBuffers(config_, l, data, bufs, level, &fused);
+  EncodeBuffers(config_, l, data, PointersOf(buffers_, out), level, &fused);
   if (!fused) KVT_RETURN_IF_ERROR(CheckInput(config_, l, data));
-  return Seal(regions, p);
+  return absl::OkStatus();
 }
 
-absl::StatusOr<uint8_t*> TensorEncoder::EncodeTo(const void* data, v1::DType dtype, uint8_t* out,
-                                                 std::vector<float>* scratch,
-                                                 KernelLevel level) const {
-  if (dtype == v1::DTYPE_FP32) return EncodeTo(static_cast<const float*>(data), out, level);
-  if (dtype != v1::DTYPE_FP16 && dtype != v1::DTYPE_BF16) {
+absl::Status BlockEncoder::EncodeInto(const void* data, DType dtype, absl::Span<uint8_t* const> out,
+                                      std::vector<float>* scratch, KernelLevel level) const {
+  if (dtype == DType::kFp32) return EncodeInto(static_cast<const float*>(data), out, level);
+  if (dtype != DType::kFp16 && dtype != DType::kBf16) {
     return absl::InvalidArgumentError("input dtype must be fp16, bf16 or fp32");
   }
-  KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(config_, role_, shape_));
+  if (out.size() != buffers_.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the tensor has ", buffers_.size(), " buffers, ", out.size(), " given"));
+  }
+  KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(config_, role_, header_.shape));
   const int64_t n = l.slabs * l.tokens * l.d;
-  if (config_.codec == v1::CODEC_RAW && config_.dtype == dtype) {
+  const BufferPtrs bufs = PointersOf(buffers_, out);
+  if (config_.codec == Codec::kRaw && config_.dtype == dtype) {
     // Stored as it is held. fp16 input holds no value beyond fp16 range;
-    // non-finite elements are refused as Encode refuses them.
+    // non-finite elements are refused as the fp32 path refuses them.
     const auto* x = static_cast<const uint16_t*>(data);
+    const uint16_t exp_all = dtype == DType::kFp16 ? 0x7c00 : 0x7f80;
     for (int64_t i = 0; i < n; ++i) {
-      const uint16_t exp_all = dtype == v1::DTYPE_FP16 ? 0x7c00 : 0x7f80;
       if ((x[i] & exp_all) == exp_all) {
         return absl::InvalidArgumentError(
             absl::StrCat("element ", i, " is not finite: inputs must be finite"));
       }
     }
-    BufferPtrs bufs;
-    Regions regions;
-    uint8_t* p = LayOut(meta_, BufferList(config_, l), out, &bufs, &regions);
     std::memcpy(bufs.raw, data, static_cast<size_t>(n) * 2);
-    return Seal(regions, p);
+    return absl::OkStatus();
   }
-  if ((config_.codec == v1::CODEC_KIVI || config_.codec == v1::CODEC_KCVT) && l.res == 0 &&
+  if ((config_.codec == Codec::kKivi || config_.codec == Codec::kKcvt) && l.res == 0 &&
       UseSimd(level)) {
     // Quantized straight from the 16-bit input, with the input check in the
     // same pass; anything it cannot do (or input it refuses) goes the widened
     // way below, which re-encodes and names the bad element.
-    BufferPtrs bufs;
-    Regions regions;
-    uint8_t* p = LayOut(meta_, BufferList(config_, l), out, &bufs, &regions);
     const int64_t slab_elems = l.tokens * l.d, words = internal::CodeWords(l.q),
                   scount = internal::ScaleCount(l.q);
     uint32_t max_abs_bits = 0;
@@ -747,28 +667,50 @@ absl::StatusOr<uint8_t*> TensorEncoder::EncodeTo(const void* data, v1::DType dty
     for (int64_t s = 0; s < l.slabs && done; ++s) {
       uint8_t* codes = bufs.codes + s * words * 4;
       done = internal::QuantizeSlab16Simd(l.q, static_cast<const uint16_t*>(data) + s * slab_elems,
-                                          dtype == v1::DTYPE_BF16, codes, bufs.scales + s * scount,
+                                          dtype == DType::kBf16, codes, bufs.scales + s * scount,
                                           bufs.zeros + s * scount, &max_abs_bits);
       if (done) ZeroCodePadding(l.q, codes);
     }
-    if (done && WithinHalfRange(max_abs_bits)) return Seal(regions, p);
+    if (done && WithinHalfRange(max_abs_bits)) return absl::OkStatus();
   }
   scratch->resize(static_cast<size_t>(n));
   const auto* x = static_cast<const uint16_t*>(data);
-  if (UseSimd(level) && internal::WidenSimd(x, dtype == v1::DTYPE_BF16, n, scratch->data())) {
+  if (UseSimd(level) && internal::WidenSimd(x, dtype == DType::kBf16, n, scratch->data())) {
     // Widened.
-  } else if (dtype == v1::DTYPE_FP16) {
+  } else if (dtype == DType::kFp16) {
     for (int64_t i = 0; i < n; ++i) (*scratch)[i] = HalfToFloat(x[i]);
   } else {
     for (int64_t i = 0; i < n; ++i) (*scratch)[i] = Bf16ToFloat(x[i]);
   }
-  return EncodeTo(scratch->data(), out, level);
+  return EncodeInto(scratch->data(), out, level);
 }
 
-EncodedView EncodedView::Raw(v1::DType dtype, const void* data, int64_t slabs, int64_t tokens,
+absl::StatusOr<EncodedBlock> EncodedBlock::Encode(const CodecConfig& c, TensorRole role,
+                                                  absl::Span<const int64_t> shape,
+                                                  const float* data, KernelLevel level) {
+  KVT_ASSIGN_OR_RETURN(BlockEncoder enc, BlockEncoder::Make(c, role, shape));
+  EncodedBlock b;
+  b.header_ = enc.header();
+  b.size_ = enc.buffer_bytes();
+  b.data_ = std::make_unique<uint8_t[]>(static_cast<size_t>(std::max<int64_t>(b.size_, 1)));
+  std::vector<uint8_t*> out;
+  int64_t at = 0;
+  for (const BufferSize& s : enc.buffers()) {
+    out.push_back(b.data_.get() + at);
+    b.buffers_.push_back(
+        {s.kind, std::string_view(reinterpret_cast<const char*>(b.data_.get() + at),
+                                  static_cast<size_t>(s.bytes))});
+    at += s.bytes;
+  }
+  KVT_RETURN_IF_ERROR(enc.EncodeInto(data, out, level));
+  KVT_ASSIGN_OR_RETURN(b.view_, ViewOf(b.header_, b.buffers_));
+  return b;
+}
+
+EncodedView EncodedView::Raw(DType dtype, const void* data, int64_t slabs, int64_t tokens,
                              int head_dim, int64_t slab_stride, int64_t token_stride) {
   EncodedView v;
-  v.codec = v1::CODEC_RAW;
+  v.codec = Codec::kRaw;
   v.dtype = dtype;
   v.slabs = slabs;
   v.tokens = tokens;

@@ -1,23 +1,24 @@
 // KV codecs (ALGORITHMS.md §3): raw, KIVI-style asymmetric min-max, KCVT,
-// GEAR and GEAR-L, serialized as the EncodedTensor of tensor.proto.
+// GEAR and GEAR-L, into buffers laid out as below. encoded/encode.h puts
+// them in tensor.proto's EncodedTensor; nothing here knows protobuf.
 //
 // A tensor's logical shape is [..., tokens, head_dim]: every leading
 // dimension together counts "slabs" (one slab = one KV head of one layer), and
 // each slab is a row-major [tokens, head_dim] matrix that the codec encodes on
-// its own. Inputs are fp32 in memory; EncodedTensor.dtype is the storage type
+// its own. Inputs are fp32 in memory; the tensor's dtype is the storage type
 // of what stays in full precision (raw elements, residual tokens, sparse
 // outlier values).
 //
 // Buffer layout of format_version 1 (all little-endian; per-slab parts are
 // concatenated slab after slab):
-//   CODEC_RAW      [BUFFER_RAW]
-//   CODEC_KIVI/KCVT [CODES, SCALES, ZEROS] + [RESIDUAL] when the residual is
+//   RAW          [RAW]
+//   KIVI/KCVT    [CODES, SCALES, ZEROS] + [RESIDUAL] when the residual is
 //                  not empty.
-//   CODEC_GEAR     KIVI's buffers + [LOWRANK_A, LOWRANK_B] when rank > 0 +
+//   GEAR         KIVI's buffers + [LOWRANK_A, LOWRANK_B] when rank > 0 +
 //                  [SPARSE_INDEX, SPARSE_VALUE].
-//   CODEC_GEAR_L   KIVI's buffers + [LOWRANK_A, LOWRANK_B] when rank > 0.
+//   GEAR_L       KIVI's buffers + [LOWRANK_A, LOWRANK_B] when rank > 0.
 // Of a slab's T tokens the oldest Tq = T - min(R, T) are quantized and the
-// newest min(R, T) form the residual (R = params.residual_tokens).
+// newest min(R, T) form the residual (R = residual_tokens).
 //   CODES    per slab ceil(Tq * D * bits / 32) uint32 words; element i of the
 //            slab's row-major [Tq, D] codes sits at bits [(i % n) * bits, ...)
 //            of word i / n, n = 32 / bits.
@@ -37,14 +38,16 @@
 #define KVTIER_KERNELS_CODEC_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "kernels/encoded_tensor.h"
-#include "kvtier/v1/tensor.pb.h"
+#include "kernels/tensor_kinds.h"
 
 namespace kvtier {
 
@@ -58,7 +61,7 @@ const char* VectorIsaName();
 
 // What to encode with. Defaults follow ALGORITHMS.md §3.
 struct CodecConfig {
-  v1::Codec codec = v1::CODEC_KIVI;
+  Codec codec = Codec::kKivi;
   // KIVI/KCVT: 2, 4 or 8. GEAR/GEAR-L: the backbone's bits, 2 or 4.
   int bits = 4;
   // Tokens (K) / channels (V) per group for KIVI and a KIVI backbone.
@@ -69,10 +72,10 @@ struct CodecConfig {
   int rank = 4;
   // GEAR outlier fraction s in [0, 0.5].
   float outlier_fraction = 0.02f;
-  // GEAR backbone: CODEC_KIVI or CODEC_KCVT.
-  v1::Codec backbone = v1::CODEC_KIVI;
+  // GEAR backbone: kKivi or kKcvt.
+  Codec backbone = Codec::kKivi;
   // Storage dtype of raw elements, residual and outlier values.
-  v1::DType dtype = v1::DTYPE_FP16;
+  DType dtype = DType::kFp16;
   // Streaming block length n_b (KvStream); recorded in the tensor.
   int block_tokens = 0;
 };
@@ -88,60 +91,86 @@ std::string CodecSettingName(const CodecConfig& c);
 // Checks a config for encoding a [slabs, tokens, head_dim] tensor.
 absl::Status ValidateCodecConfig(const CodecConfig& c);
 
-// The params message a config produces (fields a codec does not use are 0).
-v1::CodecParams ToParams(const CodecConfig& c);
+// What an encoded tensor says of itself, all that its buffers' layout
+// depends on: tensor.proto's EncodedTensor without format_version,
+// layer_begin, buffers and checksum. Parameters a codec does not use are 0.
+struct TensorHeader {
+  Codec codec = Codec::kUnspecified;
+  TensorRole role = TensorRole::kUnspecified;
+  DType dtype = DType::kUnspecified;
+  int bits = 0;
+  int group_size = 0;
+  int64_t residual_tokens = 0;
+  int rank = 0;
+  float outlier_fraction = 0;
+  Codec backbone = Codec::kUnspecified;
+  int block_tokens = 0;
+  absl::InlinedVector<int64_t, 8> shape;
+};
 
-// Encodes `data` (fp32, row-major `shape`, last two dims [tokens, head_dim]).
-// INVALID_ARGUMENT for a bad config or shape, or a non-finite input or one
-// beyond fp16 range where fp16 metadata must hold it.
-absl::StatusOr<v1::EncodedTensor> Encode(const CodecConfig& c, v1::TensorRole role,
-                                         absl::Span<const int64_t> shape, const float* data,
-                                         KernelLevel level = KernelLevel::kBest);
+// One buffer of a tensor, as a view of bytes held elsewhere.
+struct BufferView {
+  BufferKind kind = BufferKind::kUnspecified;
+  std::string_view data;
+};
 
-// Encoding straight into a serialized EncodedTensor, for a caller that lays
-// out many tensors in one buffer (a segment payload) and wants each tensor's
-// bytes written once. Make() checks the config and shape as Encode does;
-// SerializedSize() is exact; EncodeTo(data, out) checks `data` as Encode does
-// and writes the tensor at out[0, SerializedSize()), byte for byte what
-// Encode, then set_layer_begin(layer_begin), then serialization produce
-// (except that a checksum of 0 is written out rather than left implicit), and
-// returns the end. When it refuses `data`, what it left at `out` is
-// unspecified: the check may run inside the quantizer's pass over the data.
-// Encoders are immutable: EncodeTo may run concurrently.
-class TensorEncoder {
+// One buffer a tensor of some header has, and its exact size.
+struct BufferSize {
+  BufferKind kind = BufferKind::kUnspecified;
+  int64_t bytes = 0;
+};
+
+// Encodes fp32 (or fp16/bf16) [.., tokens, head_dim] tensors of one config,
+// role and shape into buffers the caller places: Make() checks the config,
+// role and shape; buffers() lists the buffers in the format's order and
+// EncodeInto writes each at its pointer (every byte of it). Immutable:
+// EncodeInto may run concurrently. encoded/encode.h frames the buffers as an
+// EncodedTensor.
+class BlockEncoder {
  public:
-  static absl::StatusOr<TensorEncoder> Make(const CodecConfig& c, v1::TensorRole role,
-                                            absl::Span<const int64_t> shape,
-                                            uint32_t layer_begin = 0);
-  size_t SerializedSize() const { return size_; }
-  absl::StatusOr<uint8_t*> EncodeTo(const float* data, uint8_t* out,
-                                    KernelLevel level = KernelLevel::kBest) const;
+  // INVALID_ARGUMENT for a bad config or shape, or a quantized codec whose
+  // role is neither key nor value.
+  static absl::StatusOr<BlockEncoder> Make(const CodecConfig& c, TensorRole role,
+                                           absl::Span<const int64_t> shape);
+
+  // The header the encoded tensor carries (its residual is at most its
+  // tokens).
+  const TensorHeader& header() const { return header_; }
+  const std::vector<BufferSize>& buffers() const { return buffers_; }
+  // Sum of buffers()' sizes.
+  int64_t buffer_bytes() const;
+
+  // Writes buffer i at out[i] (out.size() == buffers().size()). INVALID_ARGUMENT
+  // for a non-finite input, or one beyond fp16 range where fp16 must hold it;
+  // then what it left in the buffers is unspecified (the check may run inside
+  // the quantizer's pass over the data).
+  absl::Status EncodeInto(const float* data, absl::Span<uint8_t* const> out,
+                          KernelLevel level = KernelLevel::kBest) const;
   // The same from `data` in `dtype` (fp16, bf16 or fp32). A raw codec whose
   // dtype is the input's stores the elements as they are; any other widens
   // them into `scratch` first (reused across calls by the caller).
-  absl::StatusOr<uint8_t*> EncodeTo(const void* data, v1::DType dtype, uint8_t* out,
-                                    std::vector<float>* scratch,
-                                    KernelLevel level = KernelLevel::kBest) const;
+  absl::Status EncodeInto(const void* data, DType dtype, absl::Span<uint8_t* const> out,
+                          std::vector<float>* scratch,
+                          KernelLevel level = KernelLevel::kBest) const;
 
  private:
-  TensorEncoder() = default;
+  BlockEncoder() = default;
   CodecConfig config_;
-  v1::TensorRole role_ = v1::TENSOR_ROLE_UNSPECIFIED;
-  std::vector<int64_t> shape_;
-  std::string meta_;  // Fields 1 to 7, serialized.
-  size_t size_ = 0;
+  TensorRole role_ = TensorRole::kUnspecified;
+  TensorHeader header_;
+  std::vector<BufferSize> buffers_;
 };
 
-// Sum of the buffer bytes Encode produces for this config and shape.
-absl::StatusOr<int64_t> EncodedBufferBytes(const CodecConfig& c, v1::TensorRole role,
+// Sum of the buffer bytes a tensor of this config and shape has.
+absl::StatusOr<int64_t> EncodedBufferBytes(const CodecConfig& c, TensorRole role,
                                            absl::Span<const int64_t> shape);
 
 // A validated, non-owning view of an encoded (or raw in-memory) K or V block.
 // Every size and index has been checked, so kernels read it without checks.
 struct EncodedView {
-  v1::Codec codec = v1::CODEC_RAW;
-  v1::TensorRole role = v1::TENSOR_ROLE_UNSPECIFIED;
-  v1::DType dtype = v1::DTYPE_FP32;
+  Codec codec = Codec::kRaw;
+  TensorRole role = TensorRole::kUnspecified;
+  DType dtype = DType::kFp32;
   int bits = 0;
   int group = 0;  // Effective group: K tokens (KCVT: Tq), V channels (KCVT: D).
   int64_t slabs = 0;
@@ -172,29 +201,54 @@ struct EncodedView {
   const uint8_t* sparse_value = nullptr;  // dtype elements.
 
   // A dense or strided fp32/fp16/bf16 block that lives in memory.
-  static EncodedView Raw(v1::DType dtype, const void* data, int64_t slabs, int64_t tokens,
-                         int head_dim, int64_t slab_stride, int64_t token_stride);
+  static EncodedView Raw(DType dtype, const void* data, int64_t slabs, int64_t tokens, int head_dim,
+                         int64_t slab_stride, int64_t token_stride);
 };
 
-// Validates `t` fully (format checks, CRC, every buffer's exact size, sparse
-// positions) and returns a view into its buffers. `t` must outlive the view.
-// INVALID_ARGUMENT for a malformed tensor, DATA_LOSS for a CRC mismatch.
-// verify_crc = false: every check but the checksum (see ValidateTensor).
-absl::StatusOr<EncodedView> ParseEncoded(const v1::EncodedTensor& t, bool verify_crc = true);
-// The same over a tensor split in place by SplitPayload (which validated its
-// format): the view points into the payload's bytes, which must outlive it.
-absl::StatusOr<EncodedView> ParseEncoded(const TensorParts& t);
+// A view of the tensor `header` describes over its `buffers`. Checks each
+// buffer's kind and exact size against the layout the header gives, and
+// GEAR's sparse positions; INVALID_ARGUMENT naming the first mismatch. The
+// header's own fields must have passed the format's checks
+// (encoded/encoded_tensor.h, ValidateTensor). The buffers must outlive the
+// view.
+absl::StatusOr<EncodedView> ViewOf(const TensorHeader& header,
+                                   absl::Span<const BufferView> buffers);
 
 // Decodes rows [t0, t1) of slab `s` into out[(t - t0) * D + d].
 void DecodeRows(const EncodedView& v, int64_t s, int64_t t0, int64_t t1, float* out,
                 KernelLevel level = KernelLevel::kBest);
 
-// Decodes a whole tensor into fp32, row-major over its shape.
-absl::StatusOr<std::vector<float>> Decode(const v1::EncodedTensor& t,
-                                          KernelLevel level = KernelLevel::kBest);
+// Decodes a whole view into fp32, [slabs, tokens, head_dim] row-major.
+std::vector<float> DecodeAll(const EncodedView& v, KernelLevel level = KernelLevel::kBest);
 
-// Serialized size of the tensor, all metadata included.
-int64_t EncodedTotalBytes(const v1::EncodedTensor& t);
+// An encoded tensor held in memory: its header, its buffers in one
+// allocation, and a view of them. Movable; the view stays valid across moves.
+class EncodedBlock {
+ public:
+  // Encodes as BlockEncoder does; its errors.
+  static absl::StatusOr<EncodedBlock> Encode(const CodecConfig& c, TensorRole role,
+                                             absl::Span<const int64_t> shape, const float* data,
+                                             KernelLevel level = KernelLevel::kBest);
+  EncodedBlock(EncodedBlock&&) = default;
+  EncodedBlock& operator=(EncodedBlock&&) = default;
+
+  const TensorHeader& header() const { return header_; }
+  const EncodedView& view() const { return view_; }
+  // Each buffer, in the format's order.
+  const std::vector<BufferView>& buffers() const { return buffers_; }
+  // The buffers, back to back in the format's order.
+  std::string_view bytes() const {
+    return {reinterpret_cast<const char*>(data_.get()), static_cast<size_t>(size_)};
+  }
+
+ private:
+  EncodedBlock() = default;
+  TensorHeader header_;
+  std::unique_ptr<uint8_t[]> data_;
+  int64_t size_ = 0;
+  std::vector<BufferView> buffers_;  // Into data_.
+  EncodedView view_;
+};
 
 }  // namespace kvtier
 

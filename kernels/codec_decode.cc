@@ -1,5 +1,5 @@
-// The decode side of kernels/codec.h: an EncodedTensor parsed into a view
-// over its buffers (checked against its layout), and rows decoded from it.
+// The decode side of kernels/codec.h: a tensor's header and buffers made
+// into a view (checked against its layout), and rows decoded from it.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -9,7 +9,6 @@
 #include "base/status_macros.h"
 #include "kernels/codec.h"
 #include "kernels/codec_internal.h"
-#include "kernels/encoded_tensor.h"
 #include "kernels/half.h"
 
 namespace kvtier {
@@ -21,49 +20,48 @@ using internal::MakeLayout;
 using internal::QuantShape;
 using internal::UseSimd;
 
-namespace {
-
-// ParseEncoded over metadata `t` (format-validated) and its buffers `bufs`.
-absl::StatusOr<EncodedView> ParseEncodedParts(const v1::EncodedTensor& t,
-                                              const std::vector<BufferView>& bufs) {
-  const v1::CodecParams& p = t.params();
-  KVT_ASSIGN_OR_RETURN(
-      Layout l, MakeLayout(t.codec(), p.backbone(), t.role(), t.dtype(), static_cast<int>(p.bits()),
-                           static_cast<int>(p.group_size()), p.residual_tokens(),
-                           static_cast<int>(p.rank()), p.outlier_fraction(), t.shape()));
+absl::StatusOr<EncodedView> ViewOf(const TensorHeader& t, absl::Span<const BufferView> bufs) {
+  KVT_ASSIGN_OR_RETURN(Layout l,
+                       MakeLayout(t.codec, t.backbone, t.role, t.dtype, t.bits, t.group_size,
+                                  t.residual_tokens, t.rank, t.outlier_fraction, t.shape));
   auto buf = [&](int i) { return reinterpret_cast<const uint8_t*>(bufs[i].data.data()); };
-  if (t.codec() == v1::CODEC_RAW) {
-    return EncodedView::Raw(t.dtype(), buf(0), l.slabs, l.tokens, l.d, l.tokens * l.d, l.d);
+  if (t.codec == Codec::kRaw) {
+    const int64_t bytes = l.slabs * l.tokens * l.d * l.dsize;
+    if (bufs.size() != 1 || bufs[0].kind != BufferKind::kRaw ||
+        static_cast<int64_t>(bufs[0].data.size()) != bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a RAW tensor of this shape and dtype needs one RAW buffer of ", bytes, " bytes"));
+    }
+    return EncodedView::Raw(t.dtype, buf(0), l.slabs, l.tokens, l.d, l.tokens * l.d, l.d);
   }
-  const bool grouped =
-      t.codec() == v1::CODEC_KIVI || (IsGear(t.codec()) && p.backbone() == v1::CODEC_KIVI);
-  if (!grouped && p.group_size() != 0) {
+  const bool grouped = t.codec == Codec::kKivi || (IsGear(t.codec) && t.backbone == Codec::kKivi);
+  if (!grouped && t.group_size != 0) {
     return absl::InvalidArgumentError("KCVT takes no group_size");
   }
-  if (p.residual_tokens() > l.tokens) {
+  if (t.residual_tokens > l.tokens) {
     return absl::InvalidArgumentError("residual_tokens exceeds the tensor's tokens");
   }
-  if (!IsGear(t.codec()) && (p.rank() != 0 || p.backbone() != v1::CODEC_UNSPECIFIED)) {
+  if (!IsGear(t.codec) && (t.rank != 0 || t.backbone != Codec::kUnspecified)) {
     return absl::InvalidArgumentError("KIVI/KCVT take no rank or backbone");
   }
   struct Want {
-    v1::BufferKind kind;
+    BufferKind kind;
     int64_t bytes;
   };
-  std::vector<Want> want = {{v1::BUFFER_CODES, l.code_bytes()},
-                            {v1::BUFFER_SCALES, l.scale_bytes()},
-                            {v1::BUFFER_ZEROS, l.scale_bytes()}};
-  if (l.res > 0) want.push_back({v1::BUFFER_RESIDUAL, l.residual_bytes()});
-  if (IsGear(t.codec()) && l.rank > 0) {
-    want.push_back({v1::BUFFER_LOWRANK_A, l.a_bytes()});
-    want.push_back({v1::BUFFER_LOWRANK_B, l.b_bytes()});
+  std::vector<Want> want = {{BufferKind::kCodes, l.code_bytes()},
+                            {BufferKind::kScales, l.scale_bytes()},
+                            {BufferKind::kZeros, l.scale_bytes()}};
+  if (l.res > 0) want.push_back({BufferKind::kResidual, l.residual_bytes()});
+  if (IsGear(t.codec) && l.rank > 0) {
+    want.push_back({BufferKind::kLowrankA, l.a_bytes()});
+    want.push_back({BufferKind::kLowrankB, l.b_bytes()});
   }
-  if (t.codec() == v1::CODEC_GEAR) {
-    want.push_back({v1::BUFFER_SPARSE_INDEX, l.sparse_count() * l.index_bytes});
-    want.push_back({v1::BUFFER_SPARSE_VALUE, l.sparse_count() * l.dsize});
+  if (t.codec == Codec::kGear) {
+    want.push_back({BufferKind::kSparseIndex, l.sparse_count() * l.index_bytes});
+    want.push_back({BufferKind::kSparseValue, l.sparse_count() * l.dsize});
   }
   if (bufs.size() != want.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("codec ", v1::Codec_Name(t.codec()), " needs ",
+    return absl::InvalidArgumentError(absl::StrCat("codec ", CodecName(t.codec), " needs ",
                                                    want.size(), " buffers, tensor has ",
                                                    bufs.size()));
   }
@@ -71,15 +69,15 @@ absl::StatusOr<EncodedView> ParseEncodedParts(const v1::EncodedTensor& t,
     const BufferView& b = bufs[i];
     if (b.kind != want[i].kind || static_cast<int64_t>(b.data.size()) != want[i].bytes) {
       return absl::InvalidArgumentError(
-          absl::StrCat("buffer ", i, " is ", v1::BufferKind_Name(b.kind), " of ", b.data.size(),
-                       " bytes; the shape and parameters need ", v1::BufferKind_Name(want[i].kind),
+          absl::StrCat("buffer ", i, " is ", BufferKindName(b.kind), " of ", b.data.size(),
+                       " bytes; the shape and parameters need ", BufferKindName(want[i].kind),
                        " of ", want[i].bytes));
     }
   }
   EncodedView v;
-  v.codec = t.codec();
-  v.role = t.role();
-  v.dtype = t.dtype();
+  v.codec = t.codec;
+  v.role = t.role;
+  v.dtype = t.dtype;
   v.bits = l.q.bits;
   v.group = l.q.group;
   v.slabs = l.slabs;
@@ -96,12 +94,12 @@ absl::StatusOr<EncodedView> ParseEncodedParts(const v1::EncodedTensor& t,
   if (l.res > 0) v.residual_data = buf(next++);
   v.slab_stride = l.res * l.d;
   v.token_stride = l.d;
-  if (IsGear(t.codec()) && l.rank > 0) {
+  if (IsGear(t.codec) && l.rank > 0) {
     v.rank = l.rank;
     v.lowrank_a = reinterpret_cast<const uint16_t*>(buf(next++));
     v.lowrank_b = reinterpret_cast<const uint16_t*>(buf(next++));
   }
-  if (t.codec() == v1::CODEC_GEAR) {
+  if (t.codec == Codec::kGear) {
     v.outliers_per_row = l.outliers_per_row;
     v.sparse_rows_per_slab = l.sparse_rows;
     v.sparse_index_bytes = l.index_bytes;
@@ -126,24 +124,10 @@ absl::StatusOr<EncodedView> ParseEncodedParts(const v1::EncodedTensor& t,
   return v;
 }
 
-}  // namespace
-
-absl::StatusOr<EncodedView> ParseEncoded(const v1::EncodedTensor& t, bool verify_crc) {
-  KVT_RETURN_IF_ERROR(ValidateTensor(t, verify_crc));
-  std::vector<BufferView> bufs;
-  bufs.reserve(t.buffers_size());
-  for (const auto& b : t.buffers()) bufs.push_back({b.kind(), b.data()});
-  return ParseEncodedParts(t, bufs);
-}
-
-absl::StatusOr<EncodedView> ParseEncoded(const TensorParts& t) {
-  return ParseEncodedParts(t.meta, t.buffers);
-}
-
 void DecodeRows(const EncodedView& v, int64_t s, int64_t t0, int64_t t1, float* out,
                 KernelLevel level) {
   const int d = v.head_dim;
-  if (v.codec == v1::CODEC_RAW) {
+  if (v.codec == Codec::kRaw) {
     const int64_t base = s * v.slab_stride;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t at = base + t * v.token_stride;
@@ -151,12 +135,12 @@ void DecodeRows(const EncodedView& v, int64_t s, int64_t t0, int64_t t1, float* 
       // Whole rows at once (raw rows need not be aligned: byte offsets, and
       // WidenSimd reads with unaligned loads).
       const auto* bytes = static_cast<const uint8_t*>(v.raw);
-      if (v.dtype == v1::DTYPE_FP32) {
+      if (v.dtype == DType::kFp32) {
         std::memcpy(o, bytes + at * sizeof(float), sizeof(float) * d);
         continue;
       }
       if (UseSimd(level) && internal::WidenSimd(reinterpret_cast<const uint16_t*>(bytes + at * 2),
-                                                v.dtype == v1::DTYPE_BF16, d, o)) {
+                                                v.dtype == DType::kBf16, d, o)) {
         continue;
       }
       for (int c = 0; c < d; ++c) {
@@ -170,7 +154,7 @@ void DecodeRows(const EncodedView& v, int64_t s, int64_t t0, int64_t t1, float* 
   const int64_t qe = std::min(t1, v.quantized);
   if (t0 < qe) {
     QuantShape q;
-    q.key = v.role != v1::TENSOR_ROLE_VALUE;
+    q.key = v.role != TensorRole::kValue;
     q.bits = v.bits;
     q.group = v.group;
     q.tq = v.quantized;
@@ -196,7 +180,7 @@ void DecodeRows(const EncodedView& v, int64_t s, int64_t t0, int64_t t1, float* 
     }
     if (v.outliers_per_row > 0) {
       const int opr = v.outliers_per_row;
-      const bool key = v.role != v1::TENSOR_ROLE_VALUE;
+      const bool key = v.role != TensorRole::kValue;
       const int64_t rows = v.sparse_rows_per_slab;
       auto value = [&](int64_t k) { return internal::LoadElement(v.dtype, v.sparse_value, k); };
       if (key) {  // Rows are channels; positions are tokens, in order.
@@ -241,17 +225,12 @@ void DecodeRows(const EncodedView& v, int64_t s, int64_t t0, int64_t t1, float* 
   }
 }
 
-absl::StatusOr<std::vector<float>> Decode(const v1::EncodedTensor& t, KernelLevel level) {
-  KVT_ASSIGN_OR_RETURN(EncodedView v, ParseEncoded(t));
+std::vector<float> DecodeAll(const EncodedView& v, KernelLevel level) {
   std::vector<float> out(static_cast<size_t>(v.slabs * v.tokens * v.head_dim));
   for (int64_t s = 0; s < v.slabs; ++s) {
     DecodeRows(v, s, 0, v.tokens, out.data() + s * v.tokens * v.head_dim, level);
   }
   return out;
-}
-
-int64_t EncodedTotalBytes(const v1::EncodedTensor& t) {
-  return static_cast<int64_t>(t.ByteSizeLong());
 }
 
 }  // namespace kvtier

@@ -122,7 +122,7 @@ bool DotSimd(const float* x, const float* y, int64_t n, float* dot);
 bool SoftmaxSimd(float* x, int64_t n);
 
 // Reads one element of a raw block (dtype element at `ptr[index]`).
-float LoadElement(v1::DType dtype, const void* ptr, int64_t index);
+float LoadElement(DType dtype, const void* ptr, int64_t index);
 
 // p[i] for fp16 bits that may sit at any address: views of a segment
 // payload point into its serialized bytes, where protobuf's framing leaves
@@ -151,16 +151,15 @@ inline int64_t ReadSparseIndex(const uint8_t* p, int bytes, int64_t i) {
 inline void StoreU16(uint16_t* p, int64_t i, uint16_t v) { std::memcpy(p + i, &v, 2); }
 
 // Shared by kernels/codec.cc, codec_decode.cc and codec_setting.cc.
-bool IsGear(v1::Codec c);
-bool IsQuantized(v1::Codec c);
+bool IsGear(Codec c);
+bool IsQuantized(Codec c);
 // The vectorized kernels run at `level` on this CPU.
 bool UseSimd(KernelLevel level);
-const char* DTypeName(v1::DType d);
 
 // Everything the sizes of a tensor's buffers depend on.
 struct Layout {
-  v1::Codec codec = v1::CODEC_RAW;
-  v1::Codec backbone = v1::CODEC_RAW;
+  Codec codec = Codec::kRaw;
+  Codec backbone = Codec::kRaw;
   bool key = true;
   int dsize = 2;
   int64_t slabs = 0, tokens = 0, tq = 0, res = 0;
@@ -181,8 +180,8 @@ struct Layout {
 
 // The layout of a tensor of `shape` under these parameters;
 // INVALID_ARGUMENT naming what does not fit.
-absl::StatusOr<Layout> MakeLayout(v1::Codec codec, v1::Codec backbone, v1::TensorRole role,
-                                  v1::DType dtype, int bits, int group, int64_t residual, int rank,
+absl::StatusOr<Layout> MakeLayout(Codec codec, Codec backbone, TensorRole role, DType dtype,
+                                  int bits, int group, int64_t residual, int rank,
                                   float outlier_fraction, absl::Span<const int64_t> shape);
 
 // Rows [t0, t1) of one quantized slab, dequantized into `out`.

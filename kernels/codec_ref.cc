@@ -140,14 +140,14 @@ bool VnniAvailable() { return VnniCpu() && vnni_wanted.load(std::memory_order_re
 
 bool SetVnni(bool on) { return vnni_wanted.exchange(on, std::memory_order_relaxed); }
 
-float LoadElement(v1::DType dtype, const void* ptr, int64_t index) {
+float LoadElement(DType dtype, const void* ptr, int64_t index) {
   switch (dtype) {
-    case v1::DTYPE_FP16: {
+    case DType::kFp16: {
       uint16_t h;
       std::memcpy(&h, static_cast<const uint8_t*>(ptr) + index * 2, 2);
       return HalfToFloat(h);
     }
-    case v1::DTYPE_BF16: {
+    case DType::kBf16: {
       uint16_t h;
       std::memcpy(&h, static_cast<const uint8_t*>(ptr) + index * 2, 2);
       return Bf16ToFloat(h);

@@ -9,11 +9,9 @@
 #include "base/status_macros.h"
 #include "kernels/codec.h"
 #include "kernels/codec_internal.h"
-#include "kernels/encoded_tensor.h"
 
 namespace kvtier {
 
-using internal::DTypeName;
 using internal::IsGear;
 
 absl::StatusOr<CodecConfig> ParseCodecSetting(const std::string& setting) {
@@ -28,20 +26,20 @@ absl::StatusOr<CodecConfig> ParseCodecSetting(const std::string& setting) {
     return b;
   };
   if (name == "raw" || name == "fp16" || name == "bf16" || name == "fp32") {
-    c.codec = v1::CODEC_RAW;
-    c.dtype = name == "fp32" ? v1::DTYPE_FP32 : name == "bf16" ? v1::DTYPE_BF16 : v1::DTYPE_FP16;
+    c.codec = Codec::kRaw;
+    c.dtype = name == "fp32" ? DType::kFp32 : name == "bf16" ? DType::kBf16 : DType::kFp16;
   } else if (name.rfind("kivi", 0) == 0) {
-    c.codec = v1::CODEC_KIVI;
+    c.codec = Codec::kKivi;
     KVT_ASSIGN_OR_RETURN(c.bits, bits_of(4));
   } else if (name.rfind("kcvt", 0) == 0) {
-    c.codec = v1::CODEC_KCVT;
+    c.codec = Codec::kKcvt;
     KVT_ASSIGN_OR_RETURN(c.bits, bits_of(4));
   } else if (name.rfind("gearl", 0) == 0) {
-    c.codec = v1::CODEC_GEAR_L;
+    c.codec = Codec::kGearL;
     c.outlier_fraction = 0.0f;
     KVT_ASSIGN_OR_RETURN(c.bits, bits_of(5));
   } else if (name.rfind("gear", 0) == 0) {
-    c.codec = v1::CODEC_GEAR;
+    c.codec = Codec::kGear;
     KVT_ASSIGN_OR_RETURN(c.bits, bits_of(4));
   } else {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -65,9 +63,9 @@ absl::StatusOr<CodecConfig> ParseCodecSetting(const std::string& setting) {
     } else if (k == "s" && absl::SimpleAtof(v, &fv)) {
       c.outlier_fraction = fv;
     } else if (k == "bb" && (v == "kivi" || v == "kcvt")) {
-      c.backbone = v == "kivi" ? v1::CODEC_KIVI : v1::CODEC_KCVT;
+      c.backbone = v == "kivi" ? Codec::kKivi : Codec::kKcvt;
     } else if (k == "dt" && (v == "fp16" || v == "bf16" || v == "fp32")) {
-      c.dtype = v == "fp32" ? v1::DTYPE_FP32 : v == "bf16" ? v1::DTYPE_BF16 : v1::DTYPE_FP16;
+      c.dtype = v == "fp32" ? DType::kFp32 : v == "bf16" ? DType::kBf16 : DType::kFp16;
     } else {
       return absl::InvalidArgumentError(absl::StrCat(
           "bad codec option '", parts[i], "' in '", setting,
@@ -80,21 +78,21 @@ absl::StatusOr<CodecConfig> ParseCodecSetting(const std::string& setting) {
 
 std::string CodecSettingName(const CodecConfig& c) {
   switch (c.codec) {
-    case v1::CODEC_RAW:
+    case Codec::kRaw:
       return DTypeName(c.dtype);
-    case v1::CODEC_KIVI:
+    case Codec::kKivi:
       return absl::StrCat("kivi", c.bits, ":g=", c.group_size);
-    case v1::CODEC_KCVT:
+    case Codec::kKcvt:
       return absl::StrCat("kcvt", c.bits);
     default: {
-      std::string s = absl::StrCat(c.codec == v1::CODEC_GEAR ? "gear" : "gearl", c.bits);
-      if (c.backbone == v1::CODEC_KCVT) {
+      std::string s = absl::StrCat(c.codec == Codec::kGear ? "gear" : "gearl", c.bits);
+      if (c.backbone == Codec::kKcvt) {
         absl::StrAppend(&s, ":bb=kcvt");
       } else {
         absl::StrAppend(&s, ":g=", c.group_size);
       }
       absl::StrAppend(&s, ":r=", c.rank);
-      if (c.codec == v1::CODEC_GEAR) absl::StrAppend(&s, ":s=", c.outlier_fraction);
+      if (c.codec == Codec::kGear) absl::StrAppend(&s, ":s=", c.outlier_fraction);
       return s;
     }
   }
@@ -105,54 +103,36 @@ absl::Status ValidateCodecConfig(const CodecConfig& c) {
   if (c.residual_tokens < 0) return absl::InvalidArgumentError("residual_tokens must be >= 0");
   if (c.block_tokens < 0) return absl::InvalidArgumentError("block_tokens must be >= 0");
   switch (c.codec) {
-    case v1::CODEC_RAW:
+    case Codec::kRaw:
       return absl::OkStatus();
-    case v1::CODEC_KIVI:
-    case v1::CODEC_KCVT:
+    case Codec::kKivi:
+    case Codec::kKcvt:
       if (c.bits != 2 && c.bits != 4 && c.bits != 8) {
         return absl::InvalidArgumentError(absl::StrCat("bits must be 2, 4 or 8, got ", c.bits));
       }
       break;
-    case v1::CODEC_GEAR:
-    case v1::CODEC_GEAR_L:
+    case Codec::kGear:
+    case Codec::kGearL:
       if (c.bits != 2 && c.bits != 4) {
         return absl::InvalidArgumentError(absl::StrCat("GEAR bits must be 2 or 4, got ", c.bits));
       }
-      if (c.backbone != v1::CODEC_KIVI && c.backbone != v1::CODEC_KCVT) {
+      if (c.backbone != Codec::kKivi && c.backbone != Codec::kKcvt) {
         return absl::InvalidArgumentError("GEAR backbone must be KIVI or KCVT");
       }
       if (c.rank < 0) return absl::InvalidArgumentError("rank must be >= 0");
       if (!(c.outlier_fraction >= 0.0f && c.outlier_fraction <= 0.5f)) {
         return absl::InvalidArgumentError("outlier fraction s must be in [0, 0.5]");
       }
-      if (c.codec == v1::CODEC_GEAR_L && c.outlier_fraction != 0.0f) {
+      if (c.codec == Codec::kGearL && c.outlier_fraction != 0.0f) {
         return absl::InvalidArgumentError("GEAR-L has no outliers: s must be 0");
       }
       break;
     default:
-      return absl::InvalidArgumentError(absl::StrCat("unknown codec ", c.codec));
+      return absl::InvalidArgumentError(absl::StrCat("unknown codec ", static_cast<int>(c.codec)));
   }
-  const bool grouped =
-      c.codec == v1::CODEC_KIVI || (IsGear(c.codec) && c.backbone == v1::CODEC_KIVI);
+  const bool grouped = c.codec == Codec::kKivi || (IsGear(c.codec) && c.backbone == Codec::kKivi);
   if (grouped && c.group_size < 1) return absl::InvalidArgumentError("group_size must be >= 1");
   return absl::OkStatus();
-}
-
-v1::CodecParams ToParams(const CodecConfig& c) {
-  v1::CodecParams p;
-  if (c.codec == v1::CODEC_RAW) return p;
-  p.set_bits(c.bits);
-  const bool grouped =
-      c.codec == v1::CODEC_KIVI || (IsGear(c.codec) && c.backbone == v1::CODEC_KIVI);
-  if (grouped) p.set_group_size(c.group_size);
-  p.set_residual_tokens(c.residual_tokens);
-  p.set_block_tokens(c.block_tokens);
-  if (IsGear(c.codec)) {
-    p.set_rank(c.rank);
-    p.set_backbone(c.backbone);
-    if (c.codec == v1::CODEC_GEAR) p.set_outlier_fraction(c.outlier_fraction);
-  }
-  return p;
 }
 
 }  // namespace kvtier

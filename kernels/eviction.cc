@@ -250,8 +250,8 @@ absl::StatusOr<EvictionError> EvictionLoss(int q_heads, int kv_heads, int d, int
                                            const std::vector<std::vector<int64_t>>& keep) {
   KVT_ASSIGN_OR_RETURN(FlatKvCache c, FlatKvCache::Gather(kv_heads, d, tokens, k, v, keep));
   std::vector<float> full(static_cast<size_t>(q_heads) * d), kept(full.size());
-  const KvBlock b{EncodedView::Raw(v1::DTYPE_FP32, k, kv_heads, tokens, d, tokens * d, d),
-                  EncodedView::Raw(v1::DTYPE_FP32, v, kv_heads, tokens, d, tokens * d, d)};
+  const KvBlock b{EncodedView::Raw(DType::kFp32, k, kv_heads, tokens, d, tokens * d, d),
+                  EncodedView::Raw(DType::kFp32, v, kv_heads, tokens, d, tokens * d, d)};
   KVT_RETURN_IF_ERROR(DecodeAttention({q_heads, kv_heads, d}, q, {&b, 1}, full.data()));
   KVT_RETURN_IF_ERROR(c.Attend(q_heads, q, kept.data()));
   EvictionError e;

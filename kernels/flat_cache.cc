@@ -33,7 +33,7 @@ absl::StatusOr<FlatKvCache> FlatKvCache::Gather(int kv_heads, int d, int64_t tok
     c.lens_.push_back(static_cast<int64_t>(keep[h].size()));
     c.cu_.push_back(c.cu_.back() + c.lens_.back());
   }
-  const bool raw = options.codec.codec == v1::CODEC_RAW && options.codec.dtype == v1::DTYPE_FP32;
+  const bool raw = options.codec.codec == Codec::kRaw && options.codec.dtype == DType::kFp32;
   if (!raw) {
     // One stream per head, fed the head's kept tokens in order.
     std::vector<float> hk, hv;
@@ -132,9 +132,9 @@ absl::Status FlatKvCache::Attend(int q_heads, const float* q, float* out, Kernel
           DecodeAttention({rep, 1, d_}, q + h * rep * d_, blocks, out + h * rep * d_, level));
       continue;
     }
-    const KvBlock b{EncodedView::Raw(v1::DTYPE_FP32, k_.data() + off_[h] * d_, 1, lens_[h], d_,
+    const KvBlock b{EncodedView::Raw(DType::kFp32, k_.data() + off_[h] * d_, 1, lens_[h], d_,
                                      lens_[h] * d_, d_),
-                    EncodedView::Raw(v1::DTYPE_FP32, v_.data() + off_[h] * d_, 1, lens_[h], d_,
+                    EncodedView::Raw(DType::kFp32, v_.data() + off_[h] * d_, 1, lens_[h], d_,
                                      lens_[h] * d_, d_)};
     KVT_RETURN_IF_ERROR(
         DecodeAttention({rep, 1, d_}, q + h * rep * d_, {&b, 1}, out + h * rep * d_, level));

@@ -37,8 +37,8 @@ struct FlatCacheOptions {
   CodecConfig codec = RawFp32();
   static CodecConfig RawFp32() {
     CodecConfig c;
-    c.codec = v1::CODEC_RAW;
-    c.dtype = v1::DTYPE_FP32;
+    c.codec = Codec::kRaw;
+    c.dtype = DType::kFp32;
     return c;
   }
   KernelLevel level = KernelLevel::kBest;

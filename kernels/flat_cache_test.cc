@@ -76,8 +76,8 @@ TEST(FlatKvCacheTest, GatherAppendAttendMatchPerHeadDenseAttention) {
       KVT_ASSERT_OK(c.Attend(qh, q.data(), ref.data(), KernelLevel::kReference));
       for (int h = 0; h < kvh; ++h) {
         const int64_t n = static_cast<int64_t>(hk[h].size()) / d;
-        const KvBlock b{EncodedView::Raw(v1::DTYPE_FP32, hk[h].data(), 1, n, d, n * d, d),
-                        EncodedView::Raw(v1::DTYPE_FP32, hv[h].data(), 1, n, d, n * d, d)};
+        const KvBlock b{EncodedView::Raw(DType::kFp32, hk[h].data(), 1, n, d, n * d, d),
+                        EncodedView::Raw(DType::kFp32, hv[h].data(), 1, n, d, n * d, d)};
         KVT_ASSERT_OK(DecodeAttention({2, 1, d}, q.data() + h * 2 * d, {&b, 1},
                                       dense.data() + h * 2 * d, KernelLevel::kReference));
       }

@@ -4,17 +4,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "kernels/encoded_tensor.h"
 #include "kernels/half.h"
 
 namespace kvtier {
 namespace {
 
-float RoundTo(v1::DType dtype, float x) {
+float RoundTo(DType dtype, float x) {
   switch (dtype) {
-    case v1::DTYPE_FP16:
+    case DType::kFp16:
       return HalfToFloat(FloatToHalf(x));
-    case v1::DTYPE_BF16:
+    case DType::kBf16:
       return Bf16ToFloat(FloatToBf16(x));
     default:
       return x;
@@ -73,18 +72,13 @@ absl::Status KvStream::EncodeOldest(int64_t n) {
   CodecConfig c = codec_;
   c.residual_tokens = 0;
   const int64_t shape[3] = {heads_, n, dim_};
-  Encoded e;
-  KVT_ASSIGN_OR_RETURN(v1::EncodedTensor kt,
-                       Encode(c, v1::TENSOR_ROLE_KEY, shape, kb.data(), level_));
-  KVT_ASSIGN_OR_RETURN(v1::EncodedTensor vt,
-                       Encode(c, v1::TENSOR_ROLE_VALUE, shape, vb.data(), level_));
-  e.k = std::make_unique<v1::EncodedTensor>(std::move(kt));
-  e.v = std::make_unique<v1::EncodedTensor>(std::move(vt));
-  KVT_ASSIGN_OR_RETURN(e.view.k, ParseEncoded(*e.k));
-  KVT_ASSIGN_OR_RETURN(e.view.v, ParseEncoded(*e.v));
-  encoded_bytes_ += EncodedTotalBytes(*e.k) + EncodedTotalBytes(*e.v);
+  KVT_ASSIGN_OR_RETURN(EncodedBlock kt,
+                       EncodedBlock::Encode(c, TensorRole::kKey, shape, kb.data(), level_));
+  KVT_ASSIGN_OR_RETURN(EncodedBlock vt,
+                       EncodedBlock::Encode(c, TensorRole::kValue, shape, vb.data(), level_));
+  encoded_bytes_ += static_cast<int64_t>(kt.bytes().size() + vt.bytes().size());
   encoded_tokens_ += n;
-  blocks_.push_back(std::move(e));
+  blocks_.push_back(Encoded{std::move(kt), std::move(vt)});
   const int64_t drop = n * heads_ * dim_;
   tail_k_.erase(tail_k_.begin(), tail_k_.begin() + drop);
   tail_v_.erase(tail_v_.begin(), tail_v_.begin() + drop);
@@ -95,12 +89,12 @@ absl::Status KvStream::EncodeOldest(int64_t n) {
 std::vector<KvBlock> KvStream::Blocks() const {
   std::vector<KvBlock> out;
   out.reserve(blocks_.size() + 1);
-  for (const Encoded& e : blocks_) out.push_back(e.view);
+  for (const Encoded& e : blocks_) out.push_back({e.k.view(), e.v.view()});
   if (tail_tokens_ > 0) {
     const int64_t row = static_cast<int64_t>(heads_) * dim_;
     KvBlock b;
-    b.k = EncodedView::Raw(v1::DTYPE_FP32, tail_k_.data(), heads_, tail_tokens_, dim_, dim_, row);
-    b.v = EncodedView::Raw(v1::DTYPE_FP32, tail_v_.data(), heads_, tail_tokens_, dim_, dim_, row);
+    b.k = EncodedView::Raw(DType::kFp32, tail_k_.data(), heads_, tail_tokens_, dim_, dim_, row);
+    b.v = EncodedView::Raw(DType::kFp32, tail_v_.data(), heads_, tail_tokens_, dim_, dim_, row);
     out.push_back(b);
   }
   return out;
@@ -110,15 +104,15 @@ int64_t KvStream::bytes() const {
   return encoded_bytes_ + 2 * tail_tokens_ * heads_ * dim_ * DTypeSize(codec_.dtype);
 }
 
-std::vector<const v1::EncodedTensor*> KvStream::key_blocks() const {
-  std::vector<const v1::EncodedTensor*> out;
-  for (const Encoded& e : blocks_) out.push_back(e.k.get());
+std::vector<const EncodedBlock*> KvStream::key_blocks() const {
+  std::vector<const EncodedBlock*> out;
+  for (const Encoded& e : blocks_) out.push_back(&e.k);
   return out;
 }
 
-std::vector<const v1::EncodedTensor*> KvStream::value_blocks() const {
-  std::vector<const v1::EncodedTensor*> out;
-  for (const Encoded& e : blocks_) out.push_back(e.v.get());
+std::vector<const EncodedBlock*> KvStream::value_blocks() const {
+  std::vector<const EncodedBlock*> out;
+  for (const Encoded& e : blocks_) out.push_back(&e.v);
   return out;
 }
 

@@ -35,13 +35,13 @@ class KvStream {
 
   int64_t tokens() const { return encoded_tokens_ + tail_tokens_; }
   int64_t tail_tokens() const { return tail_tokens_; }
-  // Serialized bytes of the encoded blocks (all metadata) plus the tail at
-  // dtype size.
+  // Bytes of the encoded blocks' buffers plus the tail at dtype size (an
+  // EncodedTensor on the wire adds about 30 bytes of metadata a block).
   int64_t bytes() const;
   const CodecConfig& codec() const { return codec_; }
   // The encoded K and V blocks, oldest first.
-  std::vector<const v1::EncodedTensor*> key_blocks() const;
-  std::vector<const v1::EncodedTensor*> value_blocks() const;
+  std::vector<const EncodedBlock*> key_blocks() const;
+  std::vector<const EncodedBlock*> value_blocks() const;
 
  private:
   KvStream() = default;
@@ -51,8 +51,7 @@ class KvStream {
   KernelLevel level_ = KernelLevel::kBest;
   int heads_ = 0, dim_ = 0, block_ = 64;
   struct Encoded {
-    std::unique_ptr<v1::EncodedTensor> k, v;
-    KvBlock view;
+    EncodedBlock k, v;
   };
   std::vector<Encoded> blocks_;
   int64_t encoded_tokens_ = 0;

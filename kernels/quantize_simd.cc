@@ -14,7 +14,7 @@ namespace {
 
 // The quantizer over input elements of `kIn` (fp32, or fp16/bf16 read
 // directly, without a widened copy).
-template <v1::DType kIn>
+template <DType kIn>
 void QuantizeSlab(const QuantShape& q, const void* x, uint8_t* codes, uint16_t* scales,
                   uint16_t* zeros, uint32_t* max_abs_bits) {
   const int d = q.d;
@@ -45,7 +45,7 @@ void QuantizeSlab(const QuantShape& q, const void* x, uint8_t* codes, uint16_t* 
       // hardware prefetcher does not follow far enough ahead.
       const int64_t ahead = std::min<int64_t>(q.group, q.tq - t0 - n);
       const auto* bytes = static_cast<const char*>(x);
-      constexpr int kElem = kIn == v1::DTYPE_FP32 ? 4 : 2;
+      constexpr int kElem = kIn == DType::kFp32 ? 4 : 2;
       for (int c = 0; c < d; c += 8) {
         if ((c * kElem) % 64 == 0) {
           for (int64_t j = 0; j < ahead; ++j) {
@@ -214,7 +214,7 @@ void QuantizeSlab(const QuantShape& q, const void* x, uint8_t* codes, uint16_t* 
 bool QuantizeSlabSimd(const QuantShape& q, const float* x, uint8_t* codes, uint16_t* scales,
                       uint16_t* zeros, uint32_t* max_abs_bits) {
   if (!SimdAvailable() || !Supported(q)) return false;
-  QuantizeSlab<v1::DTYPE_FP32>(q, x, codes, scales, zeros, max_abs_bits);
+  QuantizeSlab<DType::kFp32>(q, x, codes, scales, zeros, max_abs_bits);
   return true;
 }
 
@@ -222,9 +222,9 @@ bool QuantizeSlab16Simd(const QuantShape& q, const uint16_t* x, bool bf16, uint8
                         uint16_t* scales, uint16_t* zeros, uint32_t* max_abs_bits) {
   if (!SimdAvailable() || !Supported(q)) return false;
   if (bf16) {
-    QuantizeSlab<v1::DTYPE_BF16>(q, x, codes, scales, zeros, max_abs_bits);
+    QuantizeSlab<DType::kBf16>(q, x, codes, scales, zeros, max_abs_bits);
   } else {
-    QuantizeSlab<v1::DTYPE_FP16>(q, x, codes, scales, zeros, max_abs_bits);
+    QuantizeSlab<DType::kFp16>(q, x, codes, scales, zeros, max_abs_bits);
   }
   return true;
 }

@@ -76,11 +76,11 @@ inline __m256 LoadHalf8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-inline __m256 LoadElems8(v1::DType dtype, const void* base, int64_t index) {
+inline __m256 LoadElems8(DType dtype, const void* base, int64_t index) {
   switch (dtype) {
-    case v1::DTYPE_FP16:
+    case DType::kFp16:
       return LoadHalf8(static_cast<const uint16_t*>(base) + index);
-    case v1::DTYPE_BF16: {
+    case DType::kBf16: {
       const __m128i h = _mm_loadu_si128(
           reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + index));
       return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -212,10 +212,10 @@ inline __m256i Reduce8(const __m256i* v) {
 
 // Whether the integer kernels take the quantized part of `b`.
 inline bool IntPath(const EncodedView& b) {
-  if (b.codec != v1::CODEC_KIVI && b.codec != v1::CODEC_KCVT) return false;
+  if (b.codec != Codec::kKivi && b.codec != Codec::kKcvt) return false;
   if (b.bits != 2 && b.bits != 4) return false;
   if (b.head_dim % 32 != 0 || b.head_dim > 1024) return false;
-  if (b.role == v1::TENSOR_ROLE_VALUE) {
+  if (b.role == TensorRole::kValue) {
     if (b.group % 32 != 0 || b.head_dim % b.group != 0) return false;
     const int groups = b.head_dim / b.group;
     return 8 % groups == 0;

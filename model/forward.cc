@@ -64,8 +64,8 @@ absl::Status FullCacheAttention::Attend(int layer, int pos, const float* q, cons
   const int n = pos + 1 - first;
   const float* kp = k_[layer].data() + static_cast<int64_t>(first) * kv;
   const float* vp = v_[layer].data() + static_cast<int64_t>(first) * kv;
-  KvBlock b{EncodedView::Raw(v1::DTYPE_FP32, kp, c_.n_kv_heads, n, hd, hd, kv),
-            EncodedView::Raw(v1::DTYPE_FP32, vp, c_.n_kv_heads, n, hd, hd, kv)};
+  KvBlock b{EncodedView::Raw(DType::kFp32, kp, c_.n_kv_heads, n, hd, hd, kv),
+            EncodedView::Raw(DType::kFp32, vp, c_.n_kv_heads, n, hd, hd, kv)};
   return DecodeAttention({c_.n_heads, c_.n_kv_heads, hd}, q, {&b, 1}, out, level_);
 }
 

@@ -23,6 +23,7 @@
 #include "base/status_macros.h"
 #include "client/store_client.h"
 #include "client/store_segments.h"
+#include "encoded/encode.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "kernels/codec.h"
@@ -391,7 +392,7 @@ absl::Status RunReplayed(const model::Model& m, const ReplayConversation& c, con
 absl::StatusOr<v1::Policy> DemoPolicy(const DemoOptions& o) {
   v1::Policy p;
   KVT_ASSIGN_OR_RETURN(CodecConfig c, ParseCodecSetting(o.codec));
-  p.set_codec(c.codec);
+  p.set_codec(ToProto(c.codec));
   *p.mutable_codec_params() = ToParams(c);
   KVT_ASSIGN_OR_RETURN(RecallStrategy rs, ParseRecall(o.recall));
   p.set_recall(RecallName(rs));

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "base/status_macros.h"
+#include "encoded/encode.h"
 #include "rpc/policy_proto.h"
 
 namespace kvtier::refengine {
@@ -105,7 +106,7 @@ absl::StatusOr<std::unique_ptr<TierSession>> InProcessBackend(worker::Engine* en
                                                               const std::string& session,
                                                               const v1::Policy& policy) {
   KVT_ASSIGN_OR_RETURN(worker::ModelShape shape, ShapeFromProto(spec));
-  KVT_ASSIGN_OR_RETURN(worker::SessionPolicy p, PolicyFromProto(policy, spec.dtype()));
+  KVT_ASSIGN_OR_RETURN(worker::SessionPolicy p, PolicyFromProto(policy, FromProto(spec.dtype())));
   worker::SessionKey key(session);
   KVT_RETURN_IF_ERROR(engine->OpenSession(key, shape, p));
   KVT_ASSIGN_OR_RETURN(worker::SessionStats st, engine->Stats(key));

@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "encoded/encode.h"
 
 namespace kvtier {
 
@@ -19,7 +20,7 @@ absl::StatusOr<worker::ModelShape> ShapeFromProto(const v1::ModelSpec& m) {
     case v1::DTYPE_FP32:
     case v1::DTYPE_FP16:
     case v1::DTYPE_BF16:
-      s.dtype = m.dtype();
+      s.dtype = FromProto(m.dtype());
       break;
     default:
       return absl::InvalidArgumentError("ModelSpec.dtype must be fp16, bf16 or fp32");
@@ -51,14 +52,14 @@ absl::StatusOr<worker::ModelShape> ShapeFromProto(const v1::ModelSpec& m) {
 
 namespace {
 
-absl::StatusOr<CodecConfig> CodecFromProto(const v1::Policy& p, v1::DType model_dtype) {
+absl::StatusOr<CodecConfig> CodecFromProto(const v1::Policy& p, DType model_dtype) {
   const v1::CodecParams& cp = p.codec_params();
   switch (p.codec()) {
     case v1::CODEC_UNSPECIFIED:
     case v1::CODEC_RAW: {
       // Lossless for the model: its own dtype.
       CodecConfig c = worker::SessionPolicy::RawFp32Codec();
-      if (model_dtype == v1::DTYPE_FP16 || model_dtype == v1::DTYPE_BF16) c.dtype = model_dtype;
+      if (model_dtype == DType::kFp16 || model_dtype == DType::kBf16) c.dtype = model_dtype;
       return c;
     }
     case v1::CODEC_KIVI:
@@ -66,14 +67,14 @@ absl::StatusOr<CodecConfig> CodecFromProto(const v1::Policy& p, v1::DType model_
     case v1::CODEC_GEAR:
     case v1::CODEC_GEAR_L: {
       CodecConfig c;
-      c.codec = p.codec();
+      c.codec = FromProto(p.codec());
       const bool gear = p.codec() == v1::CODEC_GEAR || p.codec() == v1::CODEC_GEAR_L;
       c.bits = cp.bits() != 0 ? static_cast<int>(cp.bits()) : (gear ? 2 : 4);
       if (cp.group_size() != 0) c.group_size = static_cast<int>(cp.group_size());
       c.residual_tokens = static_cast<int>(cp.residual_tokens());
       if (cp.rank() != 0) c.rank = static_cast<int>(cp.rank());
       if (cp.outlier_fraction() != 0) c.outlier_fraction = cp.outlier_fraction();
-      if (cp.backbone() != v1::CODEC_UNSPECIFIED) c.backbone = cp.backbone();
+      if (cp.backbone() != v1::CODEC_UNSPECIFIED) c.backbone = FromProto(cp.backbone());
       return c;
     }
     default:
@@ -120,7 +121,7 @@ absl::StatusOr<evict::Policy> EvictionFromProto(const v1::Policy& p) {
 
 }  // namespace
 
-absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p, v1::DType model_dtype) {
+absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p, DType model_dtype) {
   worker::SessionPolicy s;
   KVT_ASSIGN_OR_RETURN(s.codec, CodecFromProto(p, model_dtype));
   KVT_RETURN_IF_ERROR(ValidateCodecConfig(s.codec));
@@ -167,7 +168,7 @@ absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p, v1::D
 }
 
 absl::StatusOr<worker::SessionPolicy> PolicyFromAnswer(const v1::GetPolicyResponse& a,
-                                                       v1::DType model_dtype) {
+                                                       DType model_dtype) {
   if (a.layer_budgets().empty()) return PolicyFromProto(a.policy(), model_dtype);
   v1::Policy p = a.policy();
   p.clear_eviction();

@@ -28,7 +28,7 @@ absl::StatusOr<worker::ModelShape> ShapeFromProto(const v1::ModelSpec& m);
 // (and unset) stores the model's own dtype (`model_dtype`; fp32 when
 // unspecified): lossless.
 absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p,
-                                                      v1::DType model_dtype = v1::DTYPE_FP32);
+                                                      DType model_dtype = DType::kFp32);
 
 // The policy of a GetPolicy answer (kvtier-controller's per-model policy):
 // PolicyFromProto of its policy, except that non-empty layer_budgets make
@@ -36,7 +36,7 @@ absl::StatusOr<worker::SessionPolicy> PolicyFromProto(const v1::Policy& p,
 // per layer, the policy's window and kernel). INVALID_ARGUMENT as
 // PolicyFromProto, or for a layer budget not above the window.
 absl::StatusOr<worker::SessionPolicy> PolicyFromAnswer(const v1::GetPolicyResponse& a,
-                                                       v1::DType model_dtype = v1::DTYPE_FP32);
+                                                       DType model_dtype = DType::kFp32);
 
 // The policy a session runs with, every default filled in (L_w resolved).
 v1::Policy EffectivePolicy(const v1::Policy& requested, const worker::SessionPolicy& eff);

@@ -33,7 +33,7 @@ TEST(PolicyProtoTest, ProfileTravelsAsBudgetsAndNoFileIsRead) {
   for (const std::string& path : {secret_path, profile_path}) {
     v1::Policy p;
     p.set_eviction("profile:" + path);
-    absl::StatusOr<worker::SessionPolicy> s = PolicyFromProto(p, v1::DTYPE_FP16);
+    absl::StatusOr<worker::SessionPolicy> s = PolicyFromProto(p, DType::kFp16);
     EXPECT_THAT(s.status(),
                 StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("needs layer_budgets")));
     EXPECT_THAT(std::string(s.status().message()), Not(HasSubstr("s3cr3t")));
@@ -42,14 +42,14 @@ TEST(PolicyProtoTest, ProfileTravelsAsBudgetsAndNoFileIsRead) {
   v1::Policy p;
   p.set_eviction("profile:evolkv-x");
   for (uint32_t b : {40u, 24u, 16u}) p.add_layer_budgets(b);
-  KVT_ASSERT_OK_AND_ASSIGN(worker::SessionPolicy s, PolicyFromProto(p, v1::DTYPE_FP16));
+  KVT_ASSERT_OK_AND_ASSIGN(worker::SessionPolicy s, PolicyFromProto(p, DType::kFp16));
   EXPECT_EQ(s.eviction.method, evict::Method::kProfile);
   EXPECT_THAT(s.eviction.layer_budgets, ElementsAre(40, 24, 16));
   EXPECT_EQ(s.eviction.profile_name, "evolkv-x");
   EXPECT_EQ(s.eviction.budget, 40);
   EXPECT_EQ(s.eviction.score.window, evict::DefaultWindow(16));
   p.set_window(20);  // A window at or above a layer's budget is refused.
-  EXPECT_THAT(PolicyFromProto(p, v1::DTYPE_FP16).status(),
+  EXPECT_THAT(PolicyFromProto(p, DType::kFp16).status(),
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
 

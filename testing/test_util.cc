@@ -14,7 +14,7 @@
 #include <random>
 #include <stdexcept>
 
-#include "kernels/encoded_tensor.h"
+#include "encoded/encoded_tensor.h"
 #include "kvtier/v1/tensor.pb.h"
 
 namespace kvtier::testing {

@@ -62,6 +62,14 @@ echo 'target_link_libraries(kvtier_client INTERFACE kvtier_helper)' >>"$tmp/t/cl
 expect "client reaches worker" 1 "link: kvtier_client reaches kvtier_worker through its links"
 
 make_tree "$tmp/t"
+echo 'target_link_libraries(kvtier_kernels INTERFACE protobuf::libprotobuf)' >>"$tmp/t/kernels/CMakeLists.txt"
+expect "kernels links protobuf" 1 "link: kvtier_kernels (kernels/) may not link protobuf::libprotobuf"
+
+make_tree "$tmp/t"
+echo '#include "kvtier/v1/tensor.pb.h"' >>"$tmp/t/kernels/codec.h"
+expect "kernels include a proto" 1 'kernels/ may not include "kvtier/v1/tensor.pb.h"'
+
+make_tree "$tmp/t"
 echo '#include "worker/engine.h"' >>"$tmp/t/kernels/codec.h"
 expect "quoted include upward" 1 'kernels/ may not include "worker/engine.h"'
 

@@ -460,7 +460,7 @@ TEST(WorkerPressureTest, ColdSessionsGetTighterPoliciesAndLoseUnrecalledRounds) 
   const worker::SessionKey key("", "p");
   auto stats = engine->Stats(key);
   ASSERT_TRUE(stats.ok());
-  EXPECT_EQ(stats->policy.codec.codec, v1::CODEC_RAW);
+  EXPECT_EQ(stats->policy.codec.codec, Codec::kRaw);
 
   StoreClientOptions so;
   so.target = pc.store->target();
@@ -472,7 +472,7 @@ TEST(WorkerPressureTest, ColdSessionsGetTighterPoliciesAndLoseUnrecalledRounds) 
     absl::SleepFor(absl::Milliseconds(700));
     stats = engine->Stats(key);
     tightened =
-        stats.ok() && stats->policy.codec.codec == v1::CODEC_KIVI && stats->policy.codec.bits == 4;
+        stats.ok() && stats->policy.codec.codec == Codec::kKivi && stats->policy.codec.bits == 4;
     auto listed = client->ListRounds("p");
     // Round 1 goes; round 2 is the newest.
     dropped = listed.ok() && listed->rounds_size() >= 1 &&

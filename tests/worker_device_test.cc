@@ -44,7 +44,7 @@ using worker::ModelShape;
 using worker::SessionPolicy;
 using Placement = worker::EngineOptions::Placement;
 
-constexpr ModelShape kShape{6, 8, 2, 64, v1::DTYPE_FP16};
+constexpr ModelShape kShape{6, 8, 2, 64, DType::kFp16};
 
 // Engine options for `placement`, with the host's fp32 kernels: kBest
 // multiplies 2- and 4-bit codes as integers (kernels/attention.h), an error
@@ -289,8 +289,8 @@ TEST(WorkerIpcChild, DISABLED_PacksRoundLayers) {
     std::vector<uint16_t> k(tokens * 128), v(tokens * 128);
     for (uint16_t& x : k) x = FloatToHalf(std::normal_distribution<float>()(rng));
     for (uint16_t& x : v) x = FloatToHalf(std::normal_distribution<float>()(rng));
-    const EncodedView kv = EncodedView::Raw(v1::DTYPE_FP16, k.data(), 1, tokens, 128, 0, 128);
-    const EncodedView vv = EncodedView::Raw(v1::DTYPE_FP16, v.data(), 1, tokens, 128, 0, 128);
+    const EncodedView kv = EncodedView::Raw(DType::kFp16, k.data(), 1, tokens, 128, 0, 128);
+    const EncodedView vv = EncodedView::Raw(DType::kFp16, v.data(), 1, tokens, 128, 0, 128);
     KVT_ASSERT_OK_AND_ASSIGN(auto layer, worker::UploadLayer({{kv, vv}}, 128));
     std::string staged;
     KVT_ASSERT_OK(layer->Download(&staged));

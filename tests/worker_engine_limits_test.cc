@@ -41,7 +41,7 @@ TEST_F(WorkerEngineTest, RejectsBadShapesPoliciesAndOrder) {
                                               .q_heads = 6,
                                               .kv_heads = 4,
                                               .head_dim = 16,
-                                              .dtype = v1::DTYPE_FP16,
+                                              .dtype = DType::kFp16,
                                               .window = {}},
                                    {}),
               StatusIs(absl::StatusCode::kInvalidArgument));
@@ -136,7 +136,7 @@ TEST_F(WorkerEngineTest, BadValuesAreRefusedWhereTheyArrive) {
   // A raw fp32 session of an fp32 model stores 1e6 as it is; of an fp16
   // model it cannot (the open round holds fp16).
   ModelShape fp32 = kShape;
-  fp32.dtype = v1::DTYPE_FP32;
+  fp32.dtype = DType::kFp32;
   KVT_ASSERT_OK(engine_->OpenSession("raw", fp32, SessionPolicy{}));
   bad = v;
   bad[0] = 1e6f;

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "encoded/encode.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/attention.h"
@@ -49,7 +50,7 @@ TEST_F(WorkerEngineTest, SlidingSegmentsLeaveTheStoreOnceOutOfEveryWindow) {
                       .q_heads = 4,
                       .kv_heads = 1,
                       .head_dim = 256,
-                      .dtype = v1::DTYPE_FP16,
+                      .dtype = DType::kFp16,
                       .window = {8, 0, 0, 8, 8, 0}};
   SessionPolicy p;
   KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("all"));
@@ -152,7 +153,7 @@ TEST_F(WorkerEngineTest, EvictionSparesSlidingLayers) {
                       .q_heads = 4,
                       .kv_heads = 1,
                       .head_dim = 32,
-                      .dtype = v1::DTYPE_FP16,
+                      .dtype = DType::kFp16,
                       .window = {12, 0, 12, 0}};
   SessionPolicy p;
   KVT_ASSERT_OK_AND_ASSIGN(p.recall, ParseRecall("all"));

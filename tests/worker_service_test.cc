@@ -69,8 +69,8 @@ TEST_F(WorkerServiceTest, RoundsOverGrpcMatchFullAttention) {
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = total - n + i + 1;
       const KvBlock b{
-          EncodedView::Raw(v1::DTYPE_FP32, lk[l].data(), kKvHeads, t, kDim, kDim, kKvHeads * kDim),
-          EncodedView::Raw(v1::DTYPE_FP32, lv[l].data(), kKvHeads, t, kDim, kDim, kKvHeads * kDim)};
+          EncodedView::Raw(DType::kFp32, lk[l].data(), kKvHeads, t, kDim, kDim, kKvHeads * kDim),
+          EncodedView::Raw(DType::kFp32, lv[l].data(), kKvHeads, t, kDim, kDim, kKvHeads * kDim)};
       EXPECT_TRUE(DecodeAttention({kQHeads, kKvHeads, kDim}, q.data() + i * kQHeads * kDim, {&b, 1},
                                   out.data() + i * kQHeads * kDim, KernelLevel::kReference)
                       .ok());
@@ -463,8 +463,8 @@ TEST_F(WorkerServiceTest, LargeLayersTravelInChunks) {
     if (l == 0) {
       double worst = 0;
       for (int64_t i = 0; i < kTokens; i += 63) {
-        const KvBlock b{EncodedView::Raw(v1::DTYPE_FP32, k.data(), kKv, i + 1, kD, kD, kKv * kD),
-                        EncodedView::Raw(v1::DTYPE_FP32, v.data(), kKv, i + 1, kD, kD, kKv * kD)};
+        const KvBlock b{EncodedView::Raw(DType::kFp32, k.data(), kKv, i + 1, kD, kD, kKv * kD),
+                        EncodedView::Raw(DType::kFp32, v.data(), kKv, i + 1, kD, kD, kKv * kD)};
         std::vector<float> want(kQ * kD);
         ASSERT_TRUE(DecodeAttention({kQ, kKv, kD}, q.data() + i * kQ * kD, {&b, 1}, want.data(),
                                     KernelLevel::kReference)

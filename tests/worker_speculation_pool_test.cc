@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/store_segments.h"
+#include "encoded/encode.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/half.h"
@@ -55,7 +56,7 @@ struct LonghandPool {
   // The serialized K plus V of `n` tokens of one head at `layer`.
   size_t HeadBytes(int layer, int64_t n) const {
     size_t b = 0;
-    for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+    for (TensorRole role : {TensorRole::kKey, TensorRole::kValue}) {
       const int64_t shape[3] = {1, n, kShape.head_dim};
       auto e = TensorEncoder::Make(codec, role, shape, static_cast<uint32_t>(layer));
       EXPECT_TRUE(e.ok()) << e.status();

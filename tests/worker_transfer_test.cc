@@ -13,11 +13,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/session_router.h"
+#include "encoded/encoded_tensor.h"
 #include "gmock/gmock.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "kernels/crc32c.h"
-#include "kernels/encoded_tensor.h"
 #include "kernels/half.h"
 #include "kernels/recall.h"
 #include "kernels/speculation.h"

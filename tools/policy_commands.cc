@@ -9,6 +9,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/controller_client.h"
+#include "encoded/encode.h"
 #include "google/protobuf/text_format.h"
 #include "kernels/codec.h"
 #include "kernels/eviction.h"
@@ -202,7 +203,7 @@ int PolicyCommand(const Args& args) {
     } else {
       absl::StatusOr<CodecConfig> c = ParseCodecSetting(args.Get("codec"));
       if (!c.ok()) return Usage("--codec: " + std::string(c.status().message()));
-      p.set_codec(c->codec);
+      p.set_codec(ToProto(c->codec));
       cp = ToParams(*c);
     }
   }

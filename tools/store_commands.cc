@@ -14,7 +14,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "client/store_client.h"
-#include "kernels/encoded_tensor.h"
+#include "encoded/encoded_tensor.h"
 #include "tools/cli_args.h"
 
 namespace kvtier::cli {

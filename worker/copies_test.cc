@@ -90,7 +90,7 @@ TEST_P(EndRoundCopiesTest, AllocatesTheStoredBytesOnce) {
 #endif
   // One big head per layer, so that a second copy of the round would be
   // megabytes while bookkeeping stays kilobytes.
-  const ModelShape shape{8, 4, 2, 128, v1::DTYPE_FP16};
+  const ModelShape shape{8, 4, 2, 128, DType::kFp16};
   const int64_t tokens = 1024;
   SizeOnlyStore store;
   EngineOptions options;

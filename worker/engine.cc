@@ -18,8 +18,8 @@ namespace kvtier::worker {
 
 CodecConfig SessionPolicy::RawFp32Codec() {
   CodecConfig c;
-  c.codec = v1::CODEC_RAW;
-  c.dtype = v1::DTYPE_FP32;
+  c.codec = Codec::kRaw;
+  c.dtype = DType::kFp32;
   return c;
 }
 

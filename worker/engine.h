@@ -49,8 +49,8 @@
 #include "base/call_options.h"
 #include "base/executor.h"
 #include "base/memory.h"
+#include "encoded/encoded_tensor.h"
 #include "kernels/codec.h"
-#include "kernels/encoded_tensor.h"
 #include "kernels/eviction.h"
 #include "kernels/recall.h"
 #include "kernels/speculation.h"
@@ -73,7 +73,7 @@ struct ModelShape {
   // The model's K/V dtype (fp16, bf16 or fp32): the open round is held in
   // it, and the "full cache" that working-set sizes are compared with is
   // counted in it. Default: fp16.
-  v1::DType dtype = v1::DTYPE_FP16;
+  DType dtype = DType::kFp16;
   // Per layer, the sliding window (a token attends to itself and the
   // window - 1 tokens before it), 0 for a global layer. Empty: all global.
   std::vector<int> window = {};

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "base/status_macros.h"
+#include "encoded/encode.h"
 #include "worker/session.h"
 
 namespace kvtier::worker {
@@ -151,7 +152,7 @@ absl::StatusOr<std::unique_ptr<RoundLayer>> Reencode(const RoundLayer& rl,
       if (drop[h].empty() || drop[h][t] == 0) kept[h].push_back(t);
     }
     const int64_t shape[3] = {1, static_cast<int64_t>(kept[h].size()), d};
-    for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+    for (TensorRole role : {TensorRole::kKey, TensorRole::kValue}) {
       KVT_ASSIGN_OR_RETURN(TensorEncoder e,
                            TensorEncoder::Make(codec, role, shape, static_cast<uint32_t>(layer)));
       sizes.push_back(e.SerializedSize());
@@ -175,7 +176,7 @@ absl::StatusOr<std::unique_ptr<RoundLayer>> Reencode(const RoundLayer& rl,
       }
     };
     absl::StatusOr<uint8_t*> end;
-    if (view.codec == v1::CODEC_RAW && codec.codec == v1::CODEC_RAW && view.dtype == codec.dtype &&
+    if (view.codec == Codec::kRaw && codec.codec == Codec::kRaw && view.dtype == codec.dtype &&
         view.token_stride == d) {
       // Raw rows stay in their dtype: copied, not widened and narrowed.
       const size_t row = static_cast<size_t>(d) * DTypeSize(view.dtype);
@@ -233,7 +234,7 @@ absl::StatusOr<std::unique_ptr<RoundLayer>> Reencode(const RoundLayer& rl,
 absl::StatusOr<size_t> HeadBytes(const CodecConfig& codec, int layer, int d, int64_t rows) {
   size_t b = 0;
   const int64_t shape[3] = {1, rows, d};
-  for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+  for (TensorRole role : {TensorRole::kKey, TensorRole::kValue}) {
     KVT_ASSIGN_OR_RETURN(TensorEncoder e,
                          TensorEncoder::Make(codec, role, shape, static_cast<uint32_t>(layer)));
     b += e.SerializedSize();

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
 #include "base/status_macros.h"
+#include "encoded/encode.h"
 #include "worker/session.h"
 
 namespace kvtier::worker {
@@ -74,7 +75,7 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
         const OpenLayer& o = s->open[l];
         const float* k = reinterpret_cast<const float*>(o.k.data());
         int64_t k_stride = o.cap * d;
-        if (sh.dtype != v1::DTYPE_FP32) {
+        if (sh.dtype != DType::kFp32) {
           keys.resize(static_cast<size_t>(sh.kv_heads) * t * d);
           for (int h = 0; h < sh.kv_heads; ++h) {
             WidenRows(sh.dtype, o.k_head(h, d, es), t * d, keys.data() + h * t * d);
@@ -110,7 +111,7 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
         for (int h = 0; h < sh.kv_heads; ++h) {
           const std::vector<int64_t>* rows = kept(l, h);
           const int64_t shape[3] = {1, rows != nullptr ? static_cast<int64_t>(rows->size()) : t, d};
-          for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+          for (TensorRole role : {TensorRole::kKey, TensorRole::kValue}) {
             // Self-locating, as the format wants (the store checks it).
             KVT_ASSIGN_OR_RETURN(TensorEncoder e,
                                  TensorEncoder::Make(codec, role, shape, static_cast<uint32_t>(l)));

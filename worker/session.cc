@@ -9,9 +9,10 @@
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
 #include "base/status_macros.h"
+#include "encoded/encode.h"
+#include "encoded/encoded_tensor.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "kernels/attention.h"
-#include "kernels/encoded_tensor.h"
 #include "kernels/half.h"
 
 namespace kvtier::worker {
@@ -120,8 +121,8 @@ absl::Status Engine::Session::CheckValues(int layer, int64_t n, const float* qs,
   // What the open round (in the model's dtype) and EndRound's codec will
   // accept: fp16 storage and the quantizing codecs hold fp16 scales and
   // values.
-  const bool half = shape.dtype == v1::DTYPE_FP16 || policy.codec.codec != v1::CODEC_RAW ||
-                    policy.codec.dtype == v1::DTYPE_FP16;
+  const bool half = shape.dtype == DType::kFp16 || policy.codec.codec != Codec::kRaw ||
+                    policy.codec.dtype == DType::kFp16;
   const float limit = half ? kHalfMax : std::numeric_limits<float>::max();
   const int d = shape.head_dim;
   auto check = [&](const char* what, const float* x, int heads, float lim) -> absl::Status {
@@ -359,19 +360,19 @@ void Regrow(std::vector<T>& x, int heads, int64_t cap, int64_t cap2, int64_t row
 
 // Scatters n token-major fp32 rows [n, heads, d] to rows [at, at + n) of
 // each head of `x` ([heads][cap][d] in `dtype`), converting as it goes.
-void Scatter(const float* src, int64_t n, int heads, int d, int64_t cap, int64_t at,
-             v1::DType dtype, uint8_t* x) {
+void Scatter(const float* src, int64_t n, int heads, int d, int64_t cap, int64_t at, DType dtype,
+             uint8_t* x) {
   for (int64_t i = 0; i < n; ++i) {
     for (int h = 0; h < heads; ++h) {
       const float* from = src + (i * heads + h) * d;
       const int64_t to = (h * cap + at + i) * d;
       switch (dtype) {
-        case v1::DTYPE_FP16: {
+        case DType::kFp16: {
           auto* y = reinterpret_cast<uint16_t*>(x) + to;
           for (int c = 0; c < d; ++c) y[c] = FloatToHalf(from[c]);
           break;
         }
-        case v1::DTYPE_BF16: {
+        case DType::kBf16: {
           auto* y = reinterpret_cast<uint16_t*>(x) + to;
           for (int c = 0; c < d; ++c) y[c] = FloatToBf16(from[c]);
           break;
@@ -390,7 +391,7 @@ uint64_t NewPartialSerial() {
   return serials.fetch_add(1) + 1;
 }
 
-void OpenRowsTokenMajor(const OpenLayer& o, int kv_heads, int d, v1::DType dtype, int64_t rows,
+void OpenRowsTokenMajor(const OpenLayer& o, int kv_heads, int d, DType dtype, int64_t rows,
                         std::vector<float>* k, std::vector<float>* v, int64_t first) {
   const int es = DTypeSize(dtype);
   const size_t n = static_cast<size_t>(rows - first), hkv = static_cast<size_t>(kv_heads);
@@ -409,14 +410,14 @@ void OpenRowsTokenMajor(const OpenLayer& o, int kv_heads, int d, v1::DType dtype
   }
 }
 
-void WidenRows(v1::DType dtype, const uint8_t* src, int64_t count, float* out) {
+void WidenRows(DType dtype, const uint8_t* src, int64_t count, float* out) {
   switch (dtype) {
-    case v1::DTYPE_FP16: {
+    case DType::kFp16: {
       const auto* x = reinterpret_cast<const uint16_t*>(src);
       for (int64_t i = 0; i < count; ++i) out[i] = HalfToFloat(x[i]);
       break;
     }
-    case v1::DTYPE_BF16: {
+    case DType::kBf16: {
       const auto* x = reinterpret_cast<const uint16_t*>(src);
       for (int64_t i = 0; i < count; ++i) out[i] = Bf16ToFloat(x[i]);
       break;
@@ -465,7 +466,7 @@ void Engine::Session::Append(int layer, int64_t n, const float* qs, const float*
       Regrow(o.q, shape.q_heads, o.q_cap, cap2, o.rows - o.q_first, int64_t{d});
       o.q_cap = cap2;
     }
-    Scatter(qs, n, shape.q_heads, d, o.q_cap, o.rows - o.q_first, v1::DTYPE_FP32,
+    Scatter(qs, n, shape.q_heads, d, o.q_cap, o.rows - o.q_first, DType::kFp32,
             reinterpret_cast<uint8_t*>(o.q.data()));
   }
   o.rows += n;

@@ -19,8 +19,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "encoded/encoded_tensor.h"
 #include "kernels/codec.h"
-#include "kernels/encoded_tensor.h"
 #include "kernels/speculation.h"
 #include "worker/device/attention.h"
 #include "worker/engine.h"
@@ -135,7 +135,7 @@ double MsSince(std::chrono::steady_clock::time_point t);
 int64_t MonoUs(std::chrono::steady_clock::time_point t);
 
 // Widens `count` elements of `dtype` (fp16, bf16 or fp32) at src to fp32.
-void WidenRows(v1::DType dtype, const uint8_t* src, int64_t count, float* out);
+void WidenRows(DType dtype, const uint8_t* src, int64_t count, float* out);
 
 // One layer of the open round, head-major, so that attention, eviction
 // scoring and EndRound read each head's rows in place.
@@ -162,7 +162,7 @@ struct OpenLayer {
 // [rows - first, kv_heads, d]: what the step's new rows look like as they
 // arrive, and how the GPU's mirror of the open round holds them (a session
 // arriving in a hand-off loads its open round into the mirror this way).
-void OpenRowsTokenMajor(const OpenLayer& o, int kv_heads, int d, v1::DType dtype, int64_t rows,
+void OpenRowsTokenMajor(const OpenLayer& o, int kv_heads, int d, DType dtype, int64_t rows,
                         std::vector<float>* k, std::vector<float>* v, int64_t first = 0);
 
 // Uploads `rl` to the GPU (UploadLayer, readable back for a hand-off) and

@@ -11,9 +11,9 @@
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
 #include "base/status_macros.h"
+#include "encoded/encoded_tensor.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "kernels/attention.h"
-#include "kernels/encoded_tensor.h"
 #include "kernels/half.h"
 #include "worker/session.h"
 
@@ -58,8 +58,8 @@ absl::Status AttendRounds(const ModelShape& sh, const std::vector<PlacedRound>& 
         cv.resize(ck.size());
         DecodeRows(hk.kview, 0, from, r.tokens, ck.data(), level);
         DecodeRows(hk.vview, 0, from, r.tokens, cv.data(), level);
-        blocks.push_back({EncodedView::Raw(v1::DTYPE_FP32, ck.data(), 1, m, d, 0, d),
-                          EncodedView::Raw(v1::DTYPE_FP32, cv.data(), 1, m, d, 0, d)});
+        blocks.push_back({EncodedView::Raw(DType::kFp32, ck.data(), 1, m, d, 0, d),
+                          EncodedView::Raw(DType::kFp32, cv.data(), 1, m, d, 0, d)});
       }
       const int64_t from = window > 0 ? std::max<int64_t>(0, first - open_start) : 0;
       const int64_t visible = base + i + 1;
@@ -85,8 +85,8 @@ absl::Status AttendGathered(const ModelShape& sh, const std::vector<std::vector<
     blocks.clear();
     const auto u = static_cast<int64_t>(gk[h].size()) / d;
     if (u > 0) {
-      blocks.push_back({EncodedView::Raw(v1::DTYPE_FP32, gk[h].data(), 1, u, d, 0, d),
-                        EncodedView::Raw(v1::DTYPE_FP32, gv[h].data(), 1, u, d, 0, d)});
+      blocks.push_back({EncodedView::Raw(DType::kFp32, gk[h].data(), 1, u, d, 0, d),
+                        EncodedView::Raw(DType::kFp32, gv[h].data(), 1, u, d, 0, d)});
     }
     blocks.push_back({EncodedView::Raw(sh.dtype, cur.k_head(h, d, es), 1, base + 1, d, 0, d),
                       EncodedView::Raw(sh.dtype, cur.v_head(h, d, es), 1, base + 1, d, 0, d)});

@@ -10,9 +10,9 @@
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
 #include "base/status_macros.h"
+#include "encoded/encoded_tensor.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "kernels/attention.h"
-#include "kernels/encoded_tensor.h"
 #include "kernels/half.h"
 #include "worker/session.h"
 
@@ -72,8 +72,8 @@ void Engine::Session::Speculate(int layer, const float* q_next, KernelLevel leve
     for (const RoundLayer* rl : in.vis) {
       const int64_t len = rl->heads[h].len;
       if (len == 0) continue;
-      DecodeRows(EncodedView::Raw(v1::DTYPE_FP16, rl->partial[h].data(), 1, len, r, 0, r), 0, 0,
-                 len, at, level);
+      DecodeRows(EncodedView::Raw(DType::kFp16, rl->partial[h].data(), 1, len, r, 0, r), 0, 0, len,
+                 at, level);
       at += len * r;
     }
   }

@@ -121,12 +121,12 @@ TEST(CudaAttentionTest, FusedAttentionMatchesTheCpuReference) {
       const std::vector<float> q = Random(qh * d, 3);
       KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting(setting));
       const int64_t shape[] = {kvh, tokens, d};
-      KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor kt,
-                               Encode(c, v1::TENSOR_ROLE_KEY, shape, k.data()));
-      KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor vt,
-                               Encode(c, v1::TENSOR_ROLE_VALUE, shape, v.data()));
-      KVT_ASSERT_OK_AND_ASSIGN(EncodedView kv, ParseEncoded(kt));
-      KVT_ASSERT_OK_AND_ASSIGN(EncodedView vv, ParseEncoded(vt));
+      KVT_ASSERT_OK_AND_ASSIGN(EncodedBlock kt,
+                               EncodedBlock::Encode(c, TensorRole::kKey, shape, k.data()));
+      KVT_ASSERT_OK_AND_ASSIGN(EncodedBlock vt,
+                               EncodedBlock::Encode(c, TensorRole::kValue, shape, v.data()));
+      const EncodedView& kv = kt.view();
+      const EncodedView& vv = vt.view();
       std::vector<float> ref(qh * d);
       KvBlock blk{kv, vv};
       ASSERT_TRUE(
@@ -134,14 +134,14 @@ TEST(CudaAttentionTest, FusedAttentionMatchesTheCpuReference) {
               .ok());
       // Upload each buffer as it lies in the tensor.
       std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> bufs;
-      auto up = [&](const v1::EncodedTensor& t, int i) {
-        const std::string& s = t.buffers(i).data();
+      auto up = [&](const EncodedBlock& t, int i) {
+        const std::string_view s = t.buffers()[i].data;
         bufs.push_back(std::make_unique<DeviceBuffer<uint8_t>>(s.size()));
         bufs.back()->Upload(std::vector<uint8_t>(s.begin(), s.end()));
         return bufs.back()->get();
       };
       DeviceKv dk, dv;
-      if (c.codec == v1::CODEC_RAW) {
+      if (c.codec == Codec::kRaw) {
         dk.raw = reinterpret_cast<const uint16_t*>(up(kt, 0));
         dv.raw = reinterpret_cast<const uint16_t*>(up(vt, 0));
       } else {

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/store_client.h"
 #include "client/store_segments.h"
+#include "encoded/encode.h"
 #include "kvtier/v1/worker.pb.h"
 #include "rpc/policy_proto.h"
 #include "worker/engine.h"
@@ -84,7 +85,7 @@ class InProcessEngine {
       Raise(absl::InvalidArgumentError("a ModelSpec or Policy that does not parse"));
     }
     const worker::ModelShape shape = Check(ShapeFromProto(spec));
-    const worker::SessionPolicy p = Check(PolicyFromProto(policy, spec.dtype()));
+    const worker::SessionPolicy p = Check(PolicyFromProto(policy, FromProto(spec.dtype())));
     worker::SessionPolicy eff;
     {
       py::gil_scoped_release nogil;

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/names.h"
 #include "base/status_macros.h"
+#include "encoded/encode.h"
 #include "kernels/crc32c.h"
 #include "rpc/policy_proto.h"
 
@@ -38,7 +39,7 @@ absl::Status Validate(const v1::SetPolicyRequest& req) {
   KVT_RETURN_IF_ERROR(ValidateName("model_name", req.model_name()));
   for (const bool tighten : {false, true}) {
     const v1::GetPolicyResponse a = AnswerPolicy(req, tighten);
-    absl::StatusOr<worker::SessionPolicy> p = PolicyFromAnswer(a, v1::DTYPE_FP16);
+    absl::StatusOr<worker::SessionPolicy> p = PolicyFromAnswer(a, DType::kFp16);
     if (!p.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat(tighten ? "the tightened policy: " : "", p.status().message()));

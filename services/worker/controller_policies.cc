@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
 #include "base/status_macros.h"
+#include "encoded/encode.h"
 #include "rpc/policy_proto.h"
 
 namespace kvtier {
@@ -38,7 +39,7 @@ absl::StatusOr<std::optional<v1::GetPolicyResponse>> ControllerPolicies::ForOpen
                                      "could not give its model's: ",
                                      r.status().message()));
   }
-  absl::StatusOr<worker::SessionPolicy> p = PolicyFromAnswer(*r, model.dtype());
+  absl::StatusOr<worker::SessionPolicy> p = PolicyFromAnswer(*r, FromProto(model.dtype()));
   if (!p.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("kvtier-controller's policy for model '",
                                                    model.name(), "': ", p.status().message()));
@@ -114,7 +115,8 @@ void ControllerPolicies::Pass(v1::PressureLevel level, int64_t cold_idle_ms) {
       continue;
     }
     if (r->tightened() == it->second.tightened) continue;
-    absl::StatusOr<worker::SessionPolicy> p = PolicyFromAnswer(*r, it->second.model.dtype());
+    absl::StatusOr<worker::SessionPolicy> p =
+        PolicyFromAnswer(*r, FromProto(it->second.model.dtype()));
     absl::Status st = p.ok() ? engine_->UpdatePolicy(id, *std::move(p)) : p.status();
     if (absl::IsNotFound(st)) {
       Forget(id);

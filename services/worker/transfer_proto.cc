@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "encoded/encode.h"
 #include "rpc/policy_proto.h"
 
 namespace kvtier {
@@ -64,20 +65,20 @@ v1::TransferHeader HeaderToProto(const std::string& session_id, const worker::Se
   m->set_num_q_heads(static_cast<uint32_t>(im.shape.q_heads));
   m->set_num_kv_heads(static_cast<uint32_t>(im.shape.kv_heads));
   m->set_head_dim(static_cast<uint32_t>(im.shape.head_dim));
-  m->set_dtype(im.shape.dtype);
+  m->set_dtype(ToProto(im.shape.dtype));
   for (int w : im.shape.window) m->add_layer_window(static_cast<uint32_t>(w));
   m->set_model_digest(im.shape.model_digest);
   v1::TransferPolicy* p = h.mutable_policy();
   const CodecConfig& c = im.policy.codec;
   v1::TransferCodec* tc = p->mutable_codec();
-  tc->set_codec(c.codec);
+  tc->set_codec(ToProto(c.codec));
   tc->set_bits(c.bits);
   tc->set_group_size(c.group_size);
   tc->set_residual_tokens(c.residual_tokens);
   tc->set_rank(c.rank);
   tc->set_outlier_fraction(c.outlier_fraction);
-  tc->set_backbone(c.backbone);
-  tc->set_dtype(c.dtype);
+  tc->set_backbone(ToProto(c.backbone));
+  tc->set_dtype(ToProto(c.dtype));
   tc->set_block_tokens(c.block_tokens);
   EvictionToProto(im.policy.eviction, p->mutable_eviction());
   p->set_watershed_layer(static_cast<uint32_t>(im.policy.watershed_layer));
@@ -107,14 +108,14 @@ absl::StatusOr<worker::SessionImage> HeaderFromProto(const v1::TransferHeader& h
   const v1::TransferPolicy& p = h.policy();
   const v1::TransferCodec& tc = p.codec();
   CodecConfig& c = im.policy.codec;
-  c.codec = tc.codec();
+  c.codec = FromProto(tc.codec());
   c.bits = tc.bits();
   c.group_size = tc.group_size();
   c.residual_tokens = tc.residual_tokens();
   c.rank = tc.rank();
   c.outlier_fraction = tc.outlier_fraction();
-  c.backbone = tc.backbone();
-  c.dtype = tc.dtype();
+  c.backbone = FromProto(tc.backbone());
+  c.dtype = FromProto(tc.dtype());
   c.block_tokens = tc.block_tokens();
   KVT_ASSIGN_OR_RETURN(im.policy.eviction, EvictionFromProto(p.eviction()));
   KVT_ASSIGN_OR_RETURN(im.round_eviction, EvictionFromProto(h.round_eviction()));

@@ -12,6 +12,7 @@
 #include "absl/synchronization/mutex.h"
 #include "base/names.h"
 #include "base/status_macros.h"
+#include "encoded/encode.h"
 #include "rpc/dense_tensor.h"
 #include "rpc/grpc_status.h"
 #include "rpc/policy_proto.h"
@@ -139,7 +140,7 @@ absl::Status WorkerService::DoOpenSession(grpc::CallbackServerContext& ctx,
   KVT_ASSIGN_OR_RETURN(worker::SessionKey id, Key(ctx, req.session_id()));
   KVT_ASSIGN_OR_RETURN(worker::ModelShape shape, ShapeFromProto(req.model()));
   KVT_ASSIGN_OR_RETURN(worker::SessionPolicy policy,
-                       PolicyFromProto(req.policy(), req.model().dtype()));
+                       PolicyFromProto(req.policy(), FromProto(req.model().dtype())));
   // No Policy at all (not a default one): the model's, from the controller.
   const bool follow = !req.has_policy() && policies_ != nullptr;
   v1::Policy requested = req.policy();
@@ -147,7 +148,7 @@ absl::Status WorkerService::DoOpenSession(grpc::CallbackServerContext& ctx,
     KVT_ASSIGN_OR_RETURN(std::optional<v1::GetPolicyResponse> a,
                          policies_->ForOpen(id, req.model(), StoreCall(ctx)));
     if (a.has_value()) {
-      KVT_ASSIGN_OR_RETURN(policy, PolicyFromAnswer(*a, req.model().dtype()));
+      KVT_ASSIGN_OR_RETURN(policy, PolicyFromAnswer(*a, FromProto(req.model().dtype())));
       requested = a->policy();
     }
   }

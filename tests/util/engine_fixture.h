@@ -36,12 +36,8 @@ inline worker::EngineOptions ReferenceKernels() {
   return o;
 }
 
-inline const worker::ModelShape kShape{.layers = 4,
-                                       .q_heads = 4,
-                                       .kv_heads = 2,
-                                       .head_dim = 16,
-                                       .dtype = v1::DTYPE_FP16,
-                                       .window = {}};
+inline const worker::ModelShape kShape{
+    .layers = 4, .q_heads = 4, .kv_heads = 2, .head_dim = 16, .dtype = DType::kFp16, .window = {}};
 
 inline std::vector<float> Random(size_t n, std::mt19937* rng, float bias_dim = -1) {
   std::normal_distribution<float> nd;
@@ -67,9 +63,9 @@ class LocalCache {
       const int64_t t = base + i + 1;
       const int w = s_.layer_window(layer);
       const int64_t from = w > 0 ? std::max<int64_t>(0, t - w) : 0;
-      const KvBlock b{EncodedView::Raw(v1::DTYPE_FP32, k_[layer].data() + from * kvr, s_.kv_heads,
+      const KvBlock b{EncodedView::Raw(DType::kFp32, k_[layer].data() + from * kvr, s_.kv_heads,
                                        t - from, d, d, kvr),
-                      EncodedView::Raw(v1::DTYPE_FP32, v_[layer].data() + from * kvr, s_.kv_heads,
+                      EncodedView::Raw(DType::kFp32, v_[layer].data() + from * kvr, s_.kv_heads,
                                        t - from, d, d, kvr)};
       ASSERT_TRUE(DecodeAttention({s_.q_heads, s_.kv_heads, d}, q + i * qr, {&b, 1}, out + i * qr,
                                   KernelLevel::kReference)

@@ -29,7 +29,7 @@ using worker::Engine;
 using worker::ModelShape;
 using worker::SessionPolicy;
 
-inline constexpr ModelShape kShape{4, 4, 2, 16, v1::DTYPE_FP16};
+inline constexpr ModelShape kShape{4, 4, 2, 16, DType::kFp16};
 
 inline std::vector<float> Random(size_t n, std::mt19937* rng) {
   std::normal_distribution<float> nd;

@@ -20,7 +20,7 @@ namespace kvtier::testing {
 // The hand-off half of an engine's API (worker/transfer.h).
 inline worker::SessionTransfer Handoff(worker::Engine& e) { return worker::SessionTransfer(&e); }
 
-inline constexpr worker::ModelShape kShape{4, 4, 2, 16, v1::DTYPE_FP16};
+inline constexpr worker::ModelShape kShape{4, 4, 2, 16, DType::kFp16};
 
 // One step's inputs for every layer.
 struct Step {

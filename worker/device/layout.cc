@@ -10,8 +10,8 @@
 namespace kvtier::worker {
 namespace {
 
-int DtypeCode(v1::DType t) { return t == v1::DTYPE_FP32 ? 0 : t == v1::DTYPE_FP16 ? 1 : 2; }
-int64_t DtypeBytes(v1::DType t) { return t == v1::DTYPE_FP32 ? 4 : 2; }
+int DtypeCode(DType t) { return t == DType::kFp32 ? 0 : t == DType::kFp16 ? 1 : 2; }
+int64_t DtypeBytes(DType t) { return t == DType::kFp32 ? 4 : 2; }
 
 // Where the staged array ends: `host`'s size, or a bare count where nothing
 // is copied (LayOutView).
@@ -58,20 +58,20 @@ absl::StatusOr<StagedKv> StageInto(const EncodedView& v, int head_dim, StagedEnd
   StagedKv p;
   p.kv.dtype = DtypeCode(v.dtype);
   const int64_t eb = DtypeBytes(v.dtype);
-  if (v.codec == v1::CODEC_RAW) {
+  if (v.codec == Codec::kRaw) {
     p.kv.quantized_kind = 0;
     p.kv.token_stride = d;  // Encoded raw tensors are dense.
     p.raw = Stage(host, v.raw, static_cast<size_t>(v.tokens * d * eb), &p);
     return p;
   }
-  if ((v.codec != v1::CODEC_KIVI && v.codec != v1::CODEC_KCVT) || v.rank > 0 ||
+  if ((v.codec != Codec::kKivi && v.codec != Codec::kKcvt) || v.rank > 0 ||
       v.outliers_per_row > 0) {
     return absl::UnimplementedError("the device working set reads raw, KIVI and KCVT tensors only");
   }
   p.kv.quantized_kind = 1;
   p.kv.bits = v.bits;
   p.kv.group = v.group;
-  p.kv.key = v.role != v1::TENSOR_ROLE_VALUE ? 1 : 0;
+  p.kv.key = v.role != TensorRole::kValue ? 1 : 0;
   p.kv.quantized = v.quantized;
   p.codes = Stage(host, v.codes, static_cast<size_t>(v.words_per_slab) * 4, &p);
   p.scales = Stage(host, v.scales, static_cast<size_t>(v.groups_per_slab) * 2, &p);

@@ -12,9 +12,10 @@
 #include <random>
 #include <string>
 
+#include "encoded/encode.h"
+#include "encoded/encoded_tensor.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/seg_load.h"
-#include "kernels/encoded_tensor.h"
 #include "kernels/half.h"
 #include "tests/util/status_matchers.h"
 #include "worker/device/transfer.h"
@@ -52,9 +53,9 @@ TEST(DeviceLayoutTest, StagedTensorsDecodeLikeTheCpuCodec) {
     KVT_ASSERT_OK_AND_ASSIGN(CodecConfig codec, ParseCodecSetting(setting));
     for (int d : {8, 64, 128}) {
       for (int64_t t : {1, 7, 33, 64, 100}) {
-        for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+        for (TensorRole role : {TensorRole::kKey, TensorRole::kValue}) {
           SCOPED_TRACE(std::string(setting) + " d=" + std::to_string(d) +
-                       " t=" + std::to_string(t) + (role == v1::TENSOR_ROLE_KEY ? " K" : " V"));
+                       " t=" + std::to_string(t) + (role == TensorRole::kKey ? " K" : " V"));
           const std::vector<float> x = Random(static_cast<size_t>(t) * d, t * 131 + d);
           const int64_t shape[3] = {1, t, d};
           KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor enc,
@@ -98,8 +99,9 @@ TEST(DeviceLayoutTest, UnstagingRebuildsTheSerializedTensorExactly) {
       // K and V of one head in a segment payload, as a RoundLayer holds them.
       v1::SegmentPayload payload;
       const int64_t shape[3] = {1, t, d};
-      for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
-        const std::vector<float> x = Random(static_cast<size_t>(t) * d, t * 17 + role);
+      for (TensorRole role : {TensorRole::kKey, TensorRole::kValue}) {
+        const std::vector<float> x =
+            Random(static_cast<size_t>(t) * d, t * 17 + static_cast<int>(role));
         KVT_ASSERT_OK_AND_ASSIGN(*payload.add_tensors(),
                                  Encode(codec, role, shape, x.data(), KernelLevel::kReference));
       }
@@ -145,8 +147,8 @@ TEST(DeviceLayoutTest, UnstagingRebuildsTheSerializedTensorExactly) {
 TEST(DeviceLayoutTest, OpenRowsComeOutTokenMajor) {
   const int hkv = 3, d = 8;
   const int64_t rows = 5, cap = 7;
-  for (v1::DType dtype : {v1::DTYPE_FP16, v1::DTYPE_BF16, v1::DTYPE_FP32}) {
-    SCOPED_TRACE(v1::DType_Name(dtype));
+  for (DType dtype : {DType::kFp16, DType::kBf16, DType::kFp32}) {
+    SCOPED_TRACE(DTypeName(dtype));
     const int es = DTypeSize(dtype);
     OpenLayer o;
     o.cap = cap;
@@ -161,12 +163,12 @@ TEST(DeviceLayoutTest, OpenRowsComeOutTokenMajor) {
         for (int c = 0; c < d; ++c) {
           const size_t at = (static_cast<size_t>(h) * cap + t) * d + c;
           const float kx = value(t, h, c), vx = -value(t, h, c);
-          if (dtype == v1::DTYPE_FP32) {
+          if (dtype == DType::kFp32) {
             std::memcpy(o.k.data() + at * 4, &kx, 4);
             std::memcpy(o.v.data() + at * 4, &vx, 4);
           } else {
-            const uint16_t kb = dtype == v1::DTYPE_FP16 ? FloatToHalf(kx) : FloatToBf16(kx);
-            const uint16_t vb = dtype == v1::DTYPE_FP16 ? FloatToHalf(vx) : FloatToBf16(vx);
+            const uint16_t kb = dtype == DType::kFp16 ? FloatToHalf(kx) : FloatToBf16(kx);
+            const uint16_t vb = dtype == DType::kFp16 ? FloatToHalf(vx) : FloatToBf16(vx);
             std::memcpy(o.k.data() + at * 2, &kb, 2);
             std::memcpy(o.v.data() + at * 2, &vb, 2);
           }
@@ -193,14 +195,14 @@ TEST(DeviceLayoutTest, GearAndMisshapenTensorsAreRefused) {
   const std::vector<float> x = Random(40 * 64, 1);
   const int64_t shape[3] = {1, 40, 64};
   KVT_ASSERT_OK_AND_ASSIGN(CodecConfig gear, ParseCodecSetting("gear2"));
-  KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor enc, Encode(gear, v1::TENSOR_ROLE_KEY, shape, x.data(),
+  KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor enc, Encode(gear, TensorRole::kKey, shape, x.data(),
                                                          KernelLevel::kReference));
   KVT_ASSERT_OK_AND_ASSIGN(EncodedView view, ParseEncoded(enc));
   std::vector<uint8_t> host;
   EXPECT_THAT(StageView(view, 64, &host), StatusIs(absl::StatusCode::kUnimplemented));
   KVT_ASSERT_OK_AND_ASSIGN(CodecConfig kivi, ParseCodecSetting("kivi4"));
   KVT_ASSERT_OK_AND_ASSIGN(
-      enc, Encode(kivi, v1::TENSOR_ROLE_KEY, shape, x.data(), KernelLevel::kReference));
+      enc, Encode(kivi, TensorRole::kKey, shape, x.data(), KernelLevel::kReference));
   KVT_ASSERT_OK_AND_ASSIGN(view, ParseEncoded(enc));
   EXPECT_THAT(StageView(view, 128, &host), StatusIs(absl::StatusCode::kInvalidArgument));
 }
@@ -223,8 +225,9 @@ void MakeSentRound(const char* setting, int d, const std::vector<int64_t>& lens,
   v1::SegmentPayload payload;
   for (size_t h = 0; h < lens.size(); ++h) {
     const int64_t shape[3] = {1, lens[h], d};
-    for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
-      const std::vector<float> x = Random(static_cast<size_t>(lens[h]) * d, h * 7 + role);
+    for (TensorRole role : {TensorRole::kKey, TensorRole::kValue}) {
+      const std::vector<float> x =
+          Random(static_cast<size_t>(lens[h]) * d, h * 7 + static_cast<int>(role));
       KVT_ASSERT_OK_AND_ASSIGN(*payload.add_tensors(),
                                Encode(codec, role, shape, x.data(), KernelLevel::kReference));
     }

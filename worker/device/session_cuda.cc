@@ -138,8 +138,7 @@ absl::Status UseDevice(int ordinal) {
 }
 
 absl::Status DeviceSupportsCodec(const CodecConfig& codec) {
-  if (codec.codec == v1::CODEC_RAW || codec.codec == v1::CODEC_KIVI ||
-      codec.codec == v1::CODEC_KCVT) {
+  if (codec.codec == Codec::kRaw || codec.codec == Codec::kKivi || codec.codec == Codec::kKcvt) {
     return absl::OkStatus();
   }
   return absl::UnimplementedError(

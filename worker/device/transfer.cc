@@ -11,8 +11,9 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "encoded/encode.h"
+#include "encoded/encoded_tensor.h"
 #include "kernels/codec.h"
-#include "kernels/encoded_tensor.h"
 #include "worker/session.h"
 
 namespace kvtier::worker {

@@ -1,8 +1,8 @@
 // Format-level checks of EncodedTensor (proto/kvtier/v1/tensor.proto): the
 // parts every holder of encoded bytes must enforce, independent of how a
 // codec decodes them.
-#ifndef KVTIER_KERNELS_ENCODED_TENSOR_H_
-#define KVTIER_KERNELS_ENCODED_TENSOR_H_
+#ifndef KVTIER_ENCODED_ENCODED_TENSOR_H_
+#define KVTIER_ENCODED_ENCODED_TENSOR_H_
 
 #include <cstdint>
 #include <string_view>
@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/codec.h"
 #include "kvtier/v1/tensor.pb.h"
 
 namespace kvtier {
@@ -26,12 +27,6 @@ uint32_t ComputeTensorCrc(const v1::EncodedTensor& t);
 // Sets format_version and crc32c from the current buffers.
 void SealTensor(v1::EncodedTensor* t);
 
-// One buffer of a tensor, as a view of bytes held elsewhere.
-struct BufferView {
-  v1::BufferKind kind = v1::BUFFER_KIND_UNSPECIFIED;
-  std::string_view data;
-};
-
 // One tensor of a serialized SegmentPayload, split where it lies: its
 // metadata (every field but the buffers, parsed) and views of its buffers'
 // bytes. Valid while the payload's bytes are.
@@ -46,7 +41,7 @@ struct OutsideCrc {
 
 struct TensorParts {
   v1::EncodedTensor meta;           // Its `buffers` are empty.
-  std::vector<BufferView> buffers;  // In order.
+  std::vector<BufferView> buffers;  // In order (kernels/codec.h).
   std::string_view bytes;           // The tensor's whole serialized form.
   OutsideCrc outside;               // Of `bytes` (SplitPayload).
 };
@@ -99,4 +94,4 @@ absl::StatusOr<v1::SegmentPayload> ParseAndValidatePayload(std::string_view byte
 
 }  // namespace kvtier
 
-#endif  // KVTIER_KERNELS_ENCODED_TENSOR_H_
+#endif  // KVTIER_ENCODED_ENCODED_TENSOR_H_

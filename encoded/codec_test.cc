@@ -7,11 +7,12 @@
 #include <string>
 #include <vector>
 
+#include "encoded/encode.h"
+#include "encoded/encoded_tensor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/attention.h"
 #include "kernels/codec_internal.h"
-#include "kernels/encoded_tensor.h"
 #include "kernels/half.h"
 #include "kernels/kv_stream.h"
 #include "tests/util/kv_data.h"
@@ -37,7 +38,7 @@ double RelErr(const std::vector<float>& a, const std::vector<float>& b) {
 
 CodecConfig Kivi(int bits, int group, int residual) {
   CodecConfig c;
-  c.codec = v1::CODEC_KIVI;
+  c.codec = Codec::kKivi;
   c.bits = bits;
   c.group_size = group;
   c.residual_tokens = residual;
@@ -58,13 +59,13 @@ TEST(HalfTest, EveryHalfRoundTrips) {
 
 TEST(CodecSettingTest, ParsesAndRejects) {
   KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting("gear2:r=2:s=0.01:g=64"));
-  EXPECT_EQ(c.codec, v1::CODEC_GEAR);
+  EXPECT_EQ(c.codec, Codec::kGear);
   EXPECT_EQ(c.bits, 2);
   EXPECT_EQ(c.rank, 2);
   EXPECT_EQ(c.group_size, 64);
   EXPECT_FLOAT_EQ(c.outlier_fraction, 0.01f);
   KVT_ASSERT_OK_AND_ASSIGN(CodecConfig l, ParseCodecSetting("gearl2:r=1"));
-  EXPECT_EQ(l.codec, v1::CODEC_GEAR_L);
+  EXPECT_EQ(l.codec, Codec::kGearL);
   EXPECT_EQ(l.outlier_fraction, 0.0f);
   KVT_ASSERT_OK_AND_ASSIGN(CodecConfig r, ParseCodecSetting(CodecSettingName(c)));
   EXPECT_EQ(CodecSettingName(r), CodecSettingName(c));
@@ -81,23 +82,23 @@ TEST(CodecTest, BadInputsAreRejected) {
   const std::vector<float> x = Random(2 * 16 * 8, 1);
   const int64_t shape[] = {2, 16, 8};
   CodecConfig c = Kivi(4, 32, 0);
-  EXPECT_THAT(Encode(c, v1::TENSOR_ROLE_UNSPECIFIED, shape, x.data()),
+  EXPECT_THAT(Encode(c, TensorRole::kUnspecified, shape, x.data()),
               StatusIs(absl::StatusCode::kInvalidArgument));
   const int64_t flat[] = {256};
-  EXPECT_THAT(Encode(c, v1::TENSOR_ROLE_KEY, flat, x.data()),
+  EXPECT_THAT(Encode(c, TensorRole::kKey, flat, x.data()),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tokens, head_dim")));
   std::vector<float> bad = x;
   bad[17] = NAN;
-  EXPECT_THAT(Encode(c, v1::TENSOR_ROLE_KEY, shape, bad.data()),
+  EXPECT_THAT(Encode(c, TensorRole::kKey, shape, bad.data()),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("finite")));
   bad[17] = 1e6f;
-  EXPECT_THAT(Encode(c, v1::TENSOR_ROLE_KEY, shape, bad.data()),
+  EXPECT_THAT(Encode(c, TensorRole::kKey, shape, bad.data()),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("fp16 range")));
   CodecConfig g;
-  g.codec = v1::CODEC_GEAR;
+  g.codec = Codec::kGear;
   g.bits = 2;
   g.rank = 9;
-  EXPECT_THAT(Encode(g, v1::TENSOR_ROLE_KEY, shape, x.data()),
+  EXPECT_THAT(Encode(g, TensorRole::kKey, shape, x.data()),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rank")));
 }
 
@@ -128,15 +129,15 @@ TEST(CodecTest, VectorizedInputCheckFindsTheFirstBadElement) {
 TEST(CodecTest, RawRoundTrips) {
   const int64_t shape[] = {3, 17, 8};
   const std::vector<float> x = Random(3 * 17 * 8, 2);
-  for (v1::DType dt : {v1::DTYPE_FP32, v1::DTYPE_FP16, v1::DTYPE_BF16}) {
+  for (DType dt : {DType::kFp32, DType::kFp16, DType::kBf16}) {
     CodecConfig c;
-    c.codec = v1::CODEC_RAW;
+    c.codec = Codec::kRaw;
     c.dtype = dt;
-    KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor t, Encode(c, v1::TENSOR_ROLE_KEY, shape, x.data()));
+    KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor t, Encode(c, TensorRole::kKey, shape, x.data()));
     KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> y, Decode(t));
-    const double tol = dt == v1::DTYPE_FP32 ? 0 : dt == v1::DTYPE_FP16 ? 1e-3 : 8e-3;
+    const double tol = dt == DType::kFp32 ? 0 : dt == DType::kFp16 ? 1e-3 : 8e-3;
     EXPECT_LE(RelErr(x, y), tol);
-    KVT_ASSERT_OK_AND_ASSIGN(int64_t bytes, EncodedBufferBytes(c, v1::TENSOR_ROLE_KEY, shape));
+    KVT_ASSERT_OK_AND_ASSIGN(int64_t bytes, EncodedBufferBytes(c, TensorRole::kKey, shape));
     EXPECT_EQ(bytes, 3 * 17 * 8 * DTypeSize(dt));
   }
 }
@@ -156,8 +157,8 @@ TEST_P(KiviTest, LevelsAgreeAndErrorIsBounded) {
   const int64_t shape[] = {qc.slabs, qc.tokens, qc.d};
   std::vector<float> x = Random(qc.slabs * qc.tokens * qc.d, 7 + qc.bits + qc.d);
   AddOutlierChannels(&x, qc.d);
-  for (v1::Codec codec : {v1::CODEC_KIVI, v1::CODEC_KCVT}) {
-    for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+  for (Codec codec : {Codec::kKivi, Codec::kKcvt}) {
+    for (TensorRole role : {TensorRole::kKey, TensorRole::kValue}) {
       CodecConfig c = Kivi(qc.bits, qc.group, qc.residual);
       c.codec = codec;
       SCOPED_TRACE(absl::StrCat(CodecSettingName(c), " role ", role, " shape ", qc.slabs, "x",
@@ -183,7 +184,7 @@ TEST_P(KiviTest, LevelsAgreeAndErrorIsBounded) {
         for (int64_t t = 0; t < view.quantized; ++t) {
           for (int ch = 0; ch < qc.d; ++ch) {
             const int64_t i = (s * qc.tokens + t) * qc.d + ch;
-            const int64_t si = role == v1::TENSOR_ROLE_KEY
+            const int64_t si = role == TensorRole::kKey
                                    ? (t / view.group) * qc.d + ch
                                    : t * ((qc.d + view.group - 1) / view.group) + ch / view.group;
             const double step = HalfToFloat(view.scales[s * view.groups_per_slab + si]);
@@ -224,7 +225,7 @@ TEST(KiviTest, BitsShrinkError) {
   double prev = 1e9;
   for (int bits : {2, 4, 8}) {
     KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor t,
-                             Encode(Kivi(bits, 32, 0), v1::TENSOR_ROLE_KEY, shape, x.data()));
+                             Encode(Kivi(bits, 32, 0), TensorRole::kKey, shape, x.data()));
     KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> y, Decode(t));
     const double e = RelErr(x, y);
     EXPECT_LT(e, prev);
@@ -234,7 +235,7 @@ TEST(KiviTest, BitsShrinkError) {
 }
 
 TEST(GearTest, BeatsItsBackboneAndKeepsOutliersExact) {
-  for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+  for (TensorRole role : {TensorRole::kKey, TensorRole::kValue}) {
     const int64_t shape[] = {4, 96, 64};
     // Low-rank structure plus noise plus outlier channels.
     std::vector<float> x = Random(4 * 96 * 64, 11, 0.2f);
@@ -248,11 +249,11 @@ TEST(GearTest, BeatsItsBackboneAndKeepsOutliersExact) {
     for (KernelLevel level : {KernelLevel::kReference, KernelLevel::kVectorized}) {
       CodecConfig k = Kivi(2, 32, 0);
       CodecConfig g = k;
-      g.codec = v1::CODEC_GEAR;
+      g.codec = Codec::kGear;
       g.rank = 4;
       g.outlier_fraction = 0.05f;
       CodecConfig gl = g;
-      gl.codec = v1::CODEC_GEAR_L;
+      gl.codec = Codec::kGearL;
       gl.outlier_fraction = 0;
       KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor kt, Encode(k, role, shape, x.data(), level));
       KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor gt, Encode(g, role, shape, x.data(), level));
@@ -278,7 +279,7 @@ TEST(GearTest, BeatsItsBackboneAndKeepsOutliersExact) {
                 v.sparse_index + ((s * v.sparse_rows_per_slab + row) * v.outliers_per_row + k2) * 2,
                 2);
             const int64_t i =
-                role == v1::TENSOR_ROLE_KEY ? (s * 96 + pos) * 64 + row : (s * 96 + row) * 64 + pos;
+                role == TensorRole::kKey ? (s * 96 + pos) * 64 + row : (s * 96 + row) * 64 + pos;
             ASSERT_EQ(gd[i], HalfToFloat(FloatToHalf(x[i])));
           }
         }
@@ -291,9 +292,9 @@ TEST(GearTest, LevelsDecodeTheSameBytesAlike) {
   const int64_t shape[] = {3, 45, 128};
   const std::vector<float> x = Random(3 * 45 * 128, 21);
   CodecConfig g = Kivi(2, 32, 7);
-  g.codec = v1::CODEC_GEAR;
+  g.codec = Codec::kGear;
   g.rank = 2;
-  for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+  for (TensorRole role : {TensorRole::kKey, TensorRole::kValue}) {
     KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor t, Encode(g, role, shape, x.data()));
     KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> a, Decode(t, KernelLevel::kReference));
     KVT_ASSERT_OK_AND_ASSIGN(std::vector<float> b, Decode(t, KernelLevel::kVectorized));
@@ -312,8 +313,8 @@ TEST(GearTest, OutliersAreEachRowsExtremes) {
   for (const char* setting : {"gear2:s=0.05", "gear4:s=0.2:r=1", "gear2:s=0.5:r=0"}) {
     SCOPED_TRACE(setting);
     KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting(setting));
-    for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
-      const bool key = role == v1::TENSOR_ROLE_KEY;
+    for (TensorRole role : {TensorRole::kKey, TensorRole::kValue}) {
+      const bool key = role == TensorRole::kKey;
       KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor t, Encode(c, role, shape, x.data()));
       KVT_ASSERT_OK_AND_ASSIGN(EncodedView v, ParseEncoded(t));
       ASSERT_GT(v.outliers_per_row, 0);
@@ -353,8 +354,8 @@ TEST(GearTest, OutliersAreEachRowsExtremes) {
 TEST(CodecTest, RawRowsDecodeToTheirElements) {
   std::mt19937 rng(29);
   std::normal_distribution<float> nd;
-  for (v1::DType dtype : {v1::DTYPE_FP32, v1::DTYPE_FP16, v1::DTYPE_BF16}) {
-    const int es = dtype == v1::DTYPE_FP32 ? 4 : 2;
+  for (DType dtype : {DType::kFp32, DType::kFp16, DType::kBf16}) {
+    const int es = dtype == DType::kFp32 ? 4 : 2;
     for (int d : {1, 7, 26, 128}) {
       for (int64_t stride : {int64_t{d}, int64_t{d} + 3}) {
         const int64_t tokens = 9;
@@ -362,10 +363,10 @@ TEST(CodecTest, RawRowsDecodeToTheirElements) {
         std::vector<uint8_t> buf(1 + static_cast<size_t>(tokens * stride * es));
         for (int64_t i = 0; i < tokens * stride; ++i) {
           const float f = nd(rng);
-          if (dtype == v1::DTYPE_FP32) {
+          if (dtype == DType::kFp32) {
             std::memcpy(buf.data() + 1 + i * 4, &f, 4);
           } else {
-            const uint16_t h = dtype == v1::DTYPE_FP16 ? FloatToHalf(f) : FloatToBf16(f);
+            const uint16_t h = dtype == DType::kFp16 ? FloatToHalf(f) : FloatToBf16(f);
             std::memcpy(buf.data() + 1 + i * 2, &h, 2);
           }
         }
@@ -395,7 +396,7 @@ TEST(GearTest, RowWindowsDecodeAsTheWhole) {
   for (const char* setting : {"gear2:r=2:s=0.1:R=6", "gear4:bb=kcvt:s=0.05", "gearl2:r=3"}) {
     SCOPED_TRACE(setting);
     KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting(setting));
-    for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+    for (TensorRole role : {TensorRole::kKey, TensorRole::kValue}) {
       KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor t, Encode(c, role, shape, x.data()));
       KVT_ASSERT_OK_AND_ASSIGN(EncodedView v, ParseEncoded(t));
       for (KernelLevel level : {KernelLevel::kReference, KernelLevel::kBest}) {
@@ -435,7 +436,7 @@ TEST(TensorEncoderTest, WritesWhatEncodeSerializes) {
     SCOPED_TRACE(setting);
     auto c = ParseCodecSetting(setting);
     KVT_ASSERT_OK(c.status());
-    for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+    for (TensorRole role : {TensorRole::kKey, TensorRole::kValue}) {
       auto want = Encode(*c, role, shape, x.data());
       KVT_ASSERT_OK(want.status());
       want->set_layer_begin(7);
@@ -454,14 +455,14 @@ TEST(TensorEncoderTest, WritesWhatEncodeSerializes) {
     }
   }
   // EncodeTo checks its input as Encode does.
-  auto enc = TensorEncoder::Make(Kivi(4, 32, 0), v1::TENSOR_ROLE_KEY, shape);
+  auto enc = TensorEncoder::Make(Kivi(4, 32, 0), TensorRole::kKey, shape);
   KVT_ASSERT_OK(enc.status());
   std::vector<float> bad = x;
   bad[5] = std::numeric_limits<float>::infinity();
   std::string out(enc->SerializedSize(), '\0');
   EXPECT_THAT(enc->EncodeTo(bad.data(), reinterpret_cast<uint8_t*>(out.data())).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("finite")));
-  EXPECT_THAT(TensorEncoder::Make(Kivi(3, 32, 0), v1::TENSOR_ROLE_KEY, shape).status(),
+  EXPECT_THAT(TensorEncoder::Make(Kivi(3, 32, 0), TensorRole::kKey, shape).status(),
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
@@ -476,8 +477,8 @@ TEST(CodecTest, FusedInputCheckFindsEveryBadElement) {
   for (const char* setting : {"kivi2:g=8", "kivi4", "kivi8:g=16", "kcvt4", "kivi4:R=4",
                               "gear2:s=0.3:r=2", "gear4:bb=kcvt:s=0.1"}) {
     for (KernelLevel level : {KernelLevel::kReference, KernelLevel::kBest}) {
-      for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
-        SCOPED_TRACE(std::string(setting) + (role == v1::TENSOR_ROLE_KEY ? " K" : " V") +
+      for (TensorRole role : {TensorRole::kKey, TensorRole::kValue}) {
+        SCOPED_TRACE(std::string(setting) + (role == TensorRole::kKey ? " K" : " V") +
                      (level == KernelLevel::kBest ? " best" : " reference"));
         auto c = ParseCodecSetting(setting);
         KVT_ASSERT_OK(c.status());
@@ -517,18 +518,18 @@ TEST(TensorEncoderTest, SixteenBitInputEncodesAsItsWidenedValues) {
   const int64_t shape[3] = {3, 37, 16};
   const int64_t n = 3 * 37 * 16;
   const std::vector<float> x = Random(n, 31);
-  for (v1::DType dt : {v1::DTYPE_FP16, v1::DTYPE_BF16}) {
+  for (DType dt : {DType::kFp16, DType::kBf16}) {
     std::vector<uint16_t> h(n);
     std::vector<float> wide(n);
     for (int64_t i = 0; i < n; ++i) {
-      h[i] = dt == v1::DTYPE_FP16 ? FloatToHalf(x[i]) : FloatToBf16(x[i]);
-      wide[i] = dt == v1::DTYPE_FP16 ? HalfToFloat(h[i]) : Bf16ToFloat(h[i]);
+      h[i] = dt == DType::kFp16 ? FloatToHalf(x[i]) : FloatToBf16(x[i]);
+      wide[i] = dt == DType::kFp16 ? HalfToFloat(h[i]) : Bf16ToFloat(h[i]);
     }
     for (const char* setting : {"kivi2:g=8", "kivi4", "kivi8:g=16", "kcvt4", "kivi4:R=4"}) {
       for (KernelLevel level : {KernelLevel::kReference, KernelLevel::kBest}) {
-        for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
-          SCOPED_TRACE(std::string(setting) + (dt == v1::DTYPE_FP16 ? " fp16" : " bf16") +
-                       (role == v1::TENSOR_ROLE_KEY ? " K" : " V") +
+        for (TensorRole role : {TensorRole::kKey, TensorRole::kValue}) {
+          SCOPED_TRACE(std::string(setting) + (dt == DType::kFp16 ? " fp16" : " bf16") +
+                       (role == TensorRole::kKey ? " K" : " V") +
                        (level == KernelLevel::kBest ? " best" : " reference"));
           auto c = ParseCodecSetting(setting);
           KVT_ASSERT_OK(c.status());
@@ -542,12 +543,12 @@ TEST(TensorEncoderTest, SixteenBitInputEncodesAsItsWidenedValues) {
           EXPECT_EQ(got, want);
           std::vector<uint16_t> bad = h;
           const int64_t at = 401;
-          bad[at] = dt == v1::DTYPE_FP16 ? 0x7e00 : 0x7fc0;  // NaN.
+          bad[at] = dt == DType::kFp16 ? 0x7e00 : 0x7fc0;  // NaN.
           EXPECT_THAT(
               enc->EncodeTo(bad.data(), dt, reinterpret_cast<uint8_t*>(got.data()), &scratch, level)
                   .status(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("element 401 is")));
-          if (dt == v1::DTYPE_BF16) {
+          if (dt == DType::kBf16) {
             bad[at] = FloatToBf16(1e6f);  // Finite, beyond fp16.
             EXPECT_THAT(enc->EncodeTo(bad.data(), dt, reinterpret_cast<uint8_t*>(got.data()),
                                       &scratch, level)
@@ -564,10 +565,10 @@ TEST(CodecFormatTest, CorruptionIsDetected) {
   const int64_t shape[] = {2, 40, 64};
   const std::vector<float> x = Random(2 * 40 * 64, 5);
   CodecConfig g = Kivi(2, 32, 4);
-  g.codec = v1::CODEC_GEAR;
+  g.codec = Codec::kGear;
   g.rank = 2;
   g.outlier_fraction = 0.1f;
-  KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor t, Encode(g, v1::TENSOR_ROLE_KEY, shape, x.data()));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor t, Encode(g, TensorRole::kKey, shape, x.data()));
   {
     v1::EncodedTensor c = t;
     (*c.mutable_buffers(0)->mutable_data())[3] ^= 1;
@@ -616,7 +617,7 @@ TEST(CodecFormatTest, FuzzedTensorsNeverCrash) {
   for (const char* s :
        {"fp16", "kivi2:R=5", "kivi4:g=8", "kcvt8", "gear2:r=2:s=0.1", "gearl4:r=3:bb=kcvt"}) {
     KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting(s));
-    for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+    for (TensorRole role : {TensorRole::kKey, TensorRole::kValue}) {
       KVT_ASSERT_OK_AND_ASSIGN(v1::EncodedTensor t, Encode(c, role, shape, x.data()));
       seeds.push_back(t.SerializeAsString());
     }
@@ -653,7 +654,7 @@ TEST(CodecFormatTest, FuzzedTensorsNeverCrash) {
         std::vector<float> out(2 * 16);
         const std::vector<float> vals(static_cast<size_t>(2 * v.tokens * 16), 1.0f);
         KvBlock blk{
-            v, EncodedView::Raw(v1::DTYPE_FP32, vals.data(), 2, v.tokens, 16, v.tokens * 16, 16)};
+            v, EncodedView::Raw(DType::kFp32, vals.data(), 2, v.tokens, 16, v.tokens * 16, 16)};
         AttentionShape as{2, 2, 16};
         EXPECT_TRUE(DecodeAttention(as, q.data(), {&blk, 1}, out.data()).ok());
       }
@@ -682,7 +683,7 @@ TEST(SplitPayloadTest, ViewsDecodeLikeParsedTensorsAtAnyAlignment) {
   v1::SegmentPayload p;
   for (const char* setting : {"raw", "fp16", "kivi4", "kivi2:R=16", "kcvt4", "gear2", "gearl2"}) {
     KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting(setting));
-    for (v1::TensorRole role : {v1::TENSOR_ROLE_KEY, v1::TENSOR_ROLE_VALUE}) {
+    for (TensorRole role : {TensorRole::kKey, TensorRole::kValue}) {
       KVT_ASSERT_OK_AND_ASSIGN(*p.add_tensors(), Encode(c, role, shape, x.data()));
     }
   }
@@ -714,7 +715,7 @@ TEST(SplitPayloadTest, RejectsBadBytesAndChecksumsOnRequest) {
   const int64_t shape[3] = {1, 8, 16};
   KVT_ASSERT_OK_AND_ASSIGN(CodecConfig c, ParseCodecSetting("kivi4"));
   v1::SegmentPayload p;
-  KVT_ASSERT_OK_AND_ASSIGN(*p.add_tensors(), Encode(c, v1::TENSOR_ROLE_KEY, shape, x.data()));
+  KVT_ASSERT_OK_AND_ASSIGN(*p.add_tensors(), Encode(c, TensorRole::kKey, shape, x.data()));
   std::string bytes = p.SerializeAsString();
   EXPECT_THAT(SplitPayload(std::string_view(bytes).substr(0, bytes.size() - 3)).status(),
               StatusIs(absl::StatusCode::kInvalidArgument));

@@ -1,4 +1,4 @@
-#include "kernels/encoded_tensor.h"
+#include "encoded/encoded_tensor.h"
 
 #include <random>
 

@@ -1,4 +1,4 @@
-#include "kernels/encoded_tensor.h"
+#include "encoded/encoded_tensor.h"
 
 #include <vector>
 
@@ -107,7 +107,7 @@ absl::Status ValidateTensorView(const v1::EncodedTensor& t, const std::vector<Bu
   if (auto s = ValidateParams(t); !s.ok()) return s;
   if (bufs.empty()) return absl::InvalidArgumentError("tensor has no buffers");
   if (t.codec() == v1::CODEC_RAW) {
-    if (bufs.size() != 1 || bufs[0].kind != v1::BUFFER_RAW) {
+    if (bufs.size() != 1 || bufs[0].kind != BufferKind::kRaw) {
       return absl::InvalidArgumentError("CODEC_RAW needs exactly one BUFFER_RAW");
     }
     const uint64_t want = elements * static_cast<uint64_t>(dsize);
@@ -147,7 +147,7 @@ bool ParseBuffer(std::string_view bytes, BufferView* out) {
     if (field == 1 && type == WireFormatLite::WIRETYPE_VARINT) {
       uint64_t v;
       if (!in.ReadVarint64(&v)) return false;
-      out->kind = static_cast<v1::BufferKind>(static_cast<int32_t>(v));
+      out->kind = static_cast<BufferKind>(static_cast<int32_t>(v));
     } else if (field == 2 && type == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
       if (!ReadView(&in, bytes.data(), &out->data)) return false;
     } else if (!WireFormatLite::SkipField(&in, tag)) {
@@ -285,7 +285,7 @@ absl::StatusOr<uint32_t> Crc32cOutsidePayloadBufferData(uint32_t crc, std::strin
 absl::Status ValidateTensor(const v1::EncodedTensor& t, bool verify_crc) {
   std::vector<BufferView> bufs;
   bufs.reserve(t.buffers_size());
-  for (const auto& b : t.buffers()) bufs.push_back({b.kind(), b.data()});
+  for (const auto& b : t.buffers()) bufs.push_back({static_cast<BufferKind>(b.kind()), b.data()});
   return ValidateTensorView(t, bufs, verify_crc);
 }
 
