@@ -4,6 +4,7 @@
 // "--flag=value" per line.
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_split.h"
@@ -11,23 +12,12 @@
 #include "base/log.h"
 #include "services/common/serve_main.h"
 #include "services/common/server_credentials.h"
+#include "services/common/server_flags.h"
 #include "services/controller/controller_server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7072", "gRPC listen address (port 0 picks one).");
-ABSL_FLAG(std::string, port_file, "", "If set, the bound gRPC port is written here.");
-ABSL_FLAG(std::string, tenants_file, "",
-          "Bearer tokens (services/common/auth.h); nodes need role 'node'. Empty = auth off.");
-ABSL_FLAG(bool, allow_unauthenticated, false,
-          "Listen on a non-loopback address without --tenants_file.");
-ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls_key enables TLS.");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key.");
-ABSL_FLAG(std::string, tls_client_ca, "",
-          "PEM file of the CA that signs clients' certificates: with TLS, every client must "
-          "present one (mutual TLS), and a tenants-file line cert:NAME names a client by its "
-          "certificate (docs/security.md). Empty: no client certificates asked for.");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9472",
           "Prometheus /metrics address; empty disables it.");
-ABSL_FLAG(std::string, metrics_port_file, "", "If set, the bound metrics port is written here.");
 ABSL_FLAG(int, heartbeat_interval_ms, 1000, "How often nodes must report.");
 ABSL_FLAG(int, missed_heartbeats, 3, "Heartbeats a node may miss before it is declared dead.");
 ABSL_FLAG(int, warmup_seconds, 30,
@@ -58,7 +48,6 @@ ABSL_FLAG(std::string, etcd, "",
 ABSL_FLAG(std::string, etcd_prefix, "/kvtier", "Key prefix of this cluster in etcd.");
 ABSL_FLAG(std::string, replica_id, "",
           "This replica's name in the leader election; empty: its listen address.");
-ABSL_FLAG(std::string, log_level, "info", "debug, info, warn or error.");
 
 int main(int argc, char** argv) {
   kvtier::ParseKvtierCommandLine(
@@ -66,20 +55,12 @@ int main(int argc, char** argv) {
       "kvtier-controller [--listen=ADDR] [--replicas=R] [--tenants_file=FILE] ...\n"
       "Serves kvtier.v1.Controller: node membership with leases, and session placement on\n"
       "workers and store replicas (docs/cluster.md).");
-  kvtier::LogLevel level;
-  if (!kvtier::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {
-    std::fprintf(stderr, "kvtier-controller: --log_level must be debug, info, warn or error\n");
-    return 2;
-  }
-  kvtier::SetLogLevel(level);
+  const std::optional<kvtier::ServerFlags> flags = kvtier::ReadServerFlags("kvtier-controller");
+  if (!flags) return 2;
   kvtier::ControllerServerOptions o;
   o.listen = absl::GetFlag(FLAGS_listen);
   o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
-  o.tenants_file = absl::GetFlag(FLAGS_tenants_file);
-  o.allow_unauthenticated = absl::GetFlag(FLAGS_allow_unauthenticated);
-  o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
-  o.tls_key = absl::GetFlag(FLAGS_tls_key);
-  o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  flags->ApplyTo(&o);
   o.controller.membership.heartbeat_interval =
       absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_interval_ms));
   o.controller.membership.missed_heartbeats = absl::GetFlag(FLAGS_missed_heartbeats);
@@ -123,6 +104,6 @@ int main(int argc, char** argv) {
   o.repair.max_bytes_per_second =
       static_cast<uint64_t>(std::max(0, absl::GetFlag(FLAGS_repair_mb_per_s))) << 20;
   return kvtier::ServeUntilSignal<kvtier::ControllerServer>(
-      "kvtier-controller", [&o] { return kvtier::ControllerServer::Start(o); },
-      absl::GetFlag(FLAGS_port_file), absl::GetFlag(FLAGS_metrics_port_file));
+      "kvtier-controller", [&o] { return kvtier::ControllerServer::Start(o); }, flags->port_file,
+      flags->metrics_port_file);
 }

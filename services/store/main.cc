@@ -6,6 +6,7 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 
 #include "absl/flags/flag.h"
 #include "base/command_line.h"
@@ -13,12 +14,11 @@
 #include "base/memory.h"
 #include "services/common/cluster_flags.h"
 #include "services/common/serve_main.h"
+#include "services/common/server_flags.h"
 #include "services/store/store_server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
           "gRPC listen address; port 0 picks a free port (see --port_file).");
-ABSL_FLAG(std::string, port_file, "",
-          "If set, the bound gRPC port is written here (atomically) once serving.");
 ABSL_FLAG(std::string, data_dir, "", "RocksDB directory (created if missing). Required.");
 ABSL_FLAG(uint64_t, ram_budget_mb, 1024, "RAM tier budget in MiB.");
 ABSL_FLAG(uint64_t, disk_budget_mb, 0, "RocksDB tier budget in MiB; 0 = unlimited.");
@@ -52,22 +52,9 @@ ABSL_FLAG(uint32_t, default_ttl_seconds, 7 * 24 * 3600,
           "do not stay forever; 0 = such sessions never expire. A session that sets 0 itself "
           "never expires.");
 ABSL_FLAG(int, ttl_sweep_seconds, 10, "Seconds between TTL sweeps; 0 disables them.");
-ABSL_FLAG(std::string, tenants_file, "",
-          "Bearer tokens per tenant (token tenant role [quota_bytes]); empty = auth off.");
-ABSL_FLAG(bool, allow_unauthenticated, false,
-          "Listen on a non-loopback address without --tenants_file (every caller is tenant "
-          "'default'); without it such a start is refused.");
-ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls_key enables TLS.");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key.");
-ABSL_FLAG(std::string, tls_client_ca, "",
-          "PEM file of the CA that signs clients' certificates: with TLS, every client must "
-          "present one (mutual TLS), and a tenants-file line cert:NAME names a client by its "
-          "certificate (docs/security.md). Empty: no client certificates asked for.");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9470",
           "Prometheus /metrics address; empty disables it.");
-ABSL_FLAG(std::string, metrics_port_file, "", "If set, the bound metrics port is written here.");
 ABSL_FLAG(int, executor_threads, 8, "Threads for blocking store work (RocksDB, fsync).");
-ABSL_FLAG(std::string, log_level, "info", "debug, info, warn or error.");
 
 int main(int argc, char** argv) {
   kvtier::TuneAllocatorForLargeBuffers();
@@ -76,21 +63,13 @@ int main(int argc, char** argv) {
       "kvtier-store --data_dir=DIR [--listen=ADDR] [--flagfile=FILE] ...\n"
       "Serves the kvtier.v1.Store gRPC API over a RAM tier backed by RocksDB.");
 
-  kvtier::LogLevel level;
-  if (!kvtier::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {
-    std::fprintf(stderr, "kvtier-store: --log_level must be debug, info, warn or error\n");
-    return 2;
-  }
-  kvtier::SetLogLevel(level);
+  const std::optional<kvtier::ServerFlags> flags = kvtier::ReadServerFlags("kvtier-store");
+  if (!flags) return 2;
 
   kvtier::StoreServerOptions o;
   o.listen = absl::GetFlag(FLAGS_listen);
   o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
-  o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
-  o.tls_key = absl::GetFlag(FLAGS_tls_key);
-  o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
-  o.tenants_file = absl::GetFlag(FLAGS_tenants_file);
-  o.allow_unauthenticated = absl::GetFlag(FLAGS_allow_unauthenticated);
+  flags->ApplyTo(&o);
   o.cluster = kvtier::ClusterOptionsFromFlags();
   o.executor_threads = absl::GetFlag(FLAGS_executor_threads);
   o.ttl_sweep_seconds = absl::GetFlag(FLAGS_ttl_sweep_seconds);
@@ -122,6 +101,6 @@ int main(int argc, char** argv) {
   }
 
   return kvtier::ServeUntilSignal<kvtier::StoreServer>(
-      "kvtier-store", [&o] { return kvtier::StoreServer::Start(o); },
-      absl::GetFlag(FLAGS_port_file), absl::GetFlag(FLAGS_metrics_port_file));
+      "kvtier-store", [&o] { return kvtier::StoreServer::Start(o); }, flags->port_file,
+      flags->metrics_port_file);
 }

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -16,11 +17,11 @@
 #include "base/memory.h"
 #include "services/common/cluster_flags.h"
 #include "services/common/serve_main.h"
+#include "services/common/server_flags.h"
 #include "services/worker/worker_server.h"
 #include "worker/device/attention.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7071", "gRPC listen address (port 0 picks one).");
-ABSL_FLAG(std::string, port_file, "", "If set, the bound gRPC port is written here.");
 ABSL_FLAG(std::string, store, "", "kvtier-store address host:port. Required.");
 ABSL_FLAG(std::vector<std::string>, replica_stores, {},
           "Comma-separated HOST:PORT of other kvtier-stores that a session may name as its "
@@ -39,20 +40,8 @@ ABSL_FLAG(std::string, peer_tls_root_certs, "",
           "(SendSession, Prefill with transfer_to); empty: plaintext.");
 ABSL_FLAG(std::string, peer_tls_server_name, "",
           "Name expected in the other workers' certificates instead of the target's host.");
-ABSL_FLAG(std::string, tenants_file, "", "Tenants file; empty turns authentication off.");
-ABSL_FLAG(bool, allow_unauthenticated, false,
-          "Listen on a non-loopback address without --tenants_file (every caller is tenant "
-          "'default'); without it such a start is refused.");
-ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls_key enables TLS.");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key.");
-ABSL_FLAG(std::string, tls_client_ca, "",
-          "PEM file of the CA that signs clients' certificates: with TLS, every client must "
-          "present one (mutual TLS), and a tenants-file line cert:NAME names a client by its "
-          "certificate (docs/security.md). Empty: no client certificates asked for.");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9471",
           "Prometheus /metrics address; empty disables it.");
-ABSL_FLAG(std::string, metrics_port_file, "", "If set, the bound metrics port is written here.");
-ABSL_FLAG(std::string, log_level, "info", "debug, info, warn or error.");
 ABSL_FLAG(int64_t, store_probe_ms, 2000,
           "How often (and with what deadline) the worker asks --store whether it answers; "
           "while it does not, gRPC health and /readyz say not ready. 0: no probe.");
@@ -128,20 +117,12 @@ int main(int argc, char** argv) {
       argc, argv,
       "kvtier-worker --store=HOST:PORT [--listen=ADDR] ...\n"
       "Serves the kvtier.v1.Worker gRPC API: attention over compressed, recalled working sets.");
-  kvtier::LogLevel level;
-  if (!kvtier::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {
-    std::fprintf(stderr, "kvtier-worker: --log_level must be debug, info, warn or error\n");
-    return 2;
-  }
-  kvtier::SetLogLevel(level);
+  const std::optional<kvtier::ServerFlags> flags = kvtier::ReadServerFlags("kvtier-worker");
+  if (!flags) return 2;
   kvtier::WorkerServerOptions o;
   o.listen = absl::GetFlag(FLAGS_listen);
   o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
-  o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
-  o.tls_key = absl::GetFlag(FLAGS_tls_key);
-  o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
-  o.tenants_file = absl::GetFlag(FLAGS_tenants_file);
-  o.allow_unauthenticated = absl::GetFlag(FLAGS_allow_unauthenticated);
+  flags->ApplyTo(&o);
   o.cluster = kvtier::ClusterOptionsFromFlags();
   if (absl::GetFlag(FLAGS_store_deadline_ms) < 1) {
     std::fprintf(stderr, "kvtier-worker: --store_deadline_ms must be at least 1\n");
@@ -282,6 +263,6 @@ int main(int argc, char** argv) {
     std::sort(o.skew_files.begin(), o.skew_files.end());
   }
   return kvtier::ServeUntilSignal<kvtier::WorkerServer>(
-      "kvtier-worker", [&o] { return kvtier::WorkerServer::Start(o); },
-      absl::GetFlag(FLAGS_port_file), absl::GetFlag(FLAGS_metrics_port_file));
+      "kvtier-worker", [&o] { return kvtier::WorkerServer::Start(o); }, flags->port_file,
+      flags->metrics_port_file);
 }
