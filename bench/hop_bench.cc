@@ -11,7 +11,12 @@
 // the "stream per token" row is the old engine client (a new stream per
 // token, one item per request), kept for comparison.
 //
-//   kvtier-hop-bench [--hops=N] [--context=T] [--sessions=1,8,32] [--csv=FILE]
+// --dtype=fp16: the model's K/V dtype and the wire's q/k/v are fp16 (the
+// floor's messages halve with them); the in-process rows send fp32 either
+// way.
+//
+//   kvtier-hop-bench [--hops=N] [--context=T] [--sessions=1,8,32] [--dtype=fp32|fp16]
+//                    [--csv=FILE]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -29,6 +34,7 @@
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/server_builder.h"
+#include "kernels/half.h"
 #include "rpc/raw_call.h"
 #include "rpc/wire_format.h"
 #include "services/worker/worker_server.h"
@@ -87,16 +93,24 @@ grpc::ByteBuffer Bytes(size_t n) {
   return grpc::ByteBuffer(&s, 1);
 }
 
-v1::DenseTensor Dense(int heads, std::mt19937* rng) {
+// One token's rows of `heads` heads, random, in fp32 or fp16.
+v1::DenseTensor Dense(int heads, bool fp16, std::mt19937* rng) {
   std::normal_distribution<float> nd;
   std::vector<float> x(static_cast<size_t>(heads) * kDim);
   for (float& v : x) v = nd(*rng);
   v1::DenseTensor t;
-  t.set_dtype(v1::DTYPE_FP32);
   t.add_shape(1);
   t.add_shape(heads);
   t.add_shape(kDim);
-  t.set_data(reinterpret_cast<const char*>(x.data()), x.size() * 4);
+  if (fp16) {
+    std::vector<uint16_t> h(x.size());
+    for (size_t i = 0; i < x.size(); ++i) h[i] = FloatToHalf(x[i]);
+    t.set_dtype(v1::DTYPE_FP16);
+    t.set_data(reinterpret_cast<const char*>(h.data()), h.size() * 2);
+  } else {
+    t.set_dtype(v1::DTYPE_FP32);
+    t.set_data(reinterpret_cast<const char*>(x.data()), x.size() * 4);
+  }
   return t;
 }
 
@@ -110,7 +124,8 @@ struct Row {
 
 class Bench {
  public:
-  absl::Status Start(int context) {
+  absl::Status Start(int context, bool fp16) {
+    fp16_ = fp16;
     WorkerServerOptions o;
     o.listen = "127.0.0.1:0";
     o.metrics_listen = "";
@@ -126,7 +141,7 @@ class Bench {
     grpc::ServerBuilder b;
     int port = 0;
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    echo_ = std::make_unique<Echo>(kQHeads * kDim * 4);
+    echo_ = std::make_unique<Echo>(kQHeads * kDim * ElementBytes());
     b.RegisterCallbackGenericService(echo_.get());
     echo_server_ = b.BuildAndStart();
     if (echo_server_ == nullptr) return absl::UnavailableError("echo server did not start");
@@ -138,7 +153,7 @@ class Bench {
   // Opens `n` sessions named prefix0.. and prefills `context_` tokens each,
   // directly in the engine (setup, not measured).
   absl::Status Sessions(const std::string& prefix, int n) {
-    worker::ModelShape shape{kLayers, kQHeads, kKvHeads, kDim, DType::kFp32};
+    worker::ModelShape shape{kLayers, kQHeads, kKvHeads, kDim, fp16_ ? DType::kFp16 : DType::kFp32};
     std::mt19937 rng(7);
     std::normal_distribution<float> nd;
     std::vector<float> q(static_cast<size_t>(context_) * kQHeads * kDim),
@@ -174,7 +189,7 @@ class Bench {
   Row Floor(int hops) {
     grpc::ClientContext ctx;
     RawCall call(echo_channel_, &ctx, "/bench.Echo/PingPong");
-    const grpc::ByteBuffer out = Bytes((kQHeads + 2 * kKvHeads) * kDim * 4);
+    const grpc::ByteBuffer out = Bytes((kQHeads + 2 * kKvHeads) * kDim * ElementBytes());
     grpc::ByteBuffer in;
     for (int i = 0; i < hops / 10; ++i) call.Write(out), call.Read(&in);  // Warm-up.
     const auto t0 = Clock::now();
@@ -184,7 +199,9 @@ class Bench {
     const double us = UsSince(t0) / hops;
     call.WritesDone();
     call.Finish().ok();
-    return {"gRPC ping-pong floor (6 KiB out, 4 KiB back)", 1, us, 0, "1.00x (baseline)"};
+    return {fp16_ ? "gRPC ping-pong floor (3 KiB out, 2 KiB back)"
+                  : "gRPC ping-pong floor (6 KiB out, 4 KiB back)",
+            1, us, 0, "1.00x (baseline)"};
   }
 
   // `hops` requests over one stream, each with one item per session for the
@@ -199,9 +216,9 @@ class Bench {
         auto* item = req.add_items();
         item->set_session_id(absl::StrCat(prefix, i));
         item->set_layer(l);
-        *item->mutable_q() = Dense(kQHeads, &rng);
-        *item->mutable_k() = Dense(kKvHeads, &rng);
-        *item->mutable_v() = Dense(kKvHeads, &rng);
+        *item->mutable_q() = Dense(kQHeads, fp16_, &rng);
+        *item->mutable_k() = Dense(kKvHeads, fp16_, &rng);
+        *item->mutable_v() = Dense(kKvHeads, fp16_, &rng);
       }
       per_layer[l] = wire::Serialize(req);
     }
@@ -270,6 +287,9 @@ class Bench {
   }
 
  private:
+  int ElementBytes() const { return fp16_ ? 2 : 4; }
+
+  bool fp16_ = false;
   std::unique_ptr<WorkerServer> worker_;
   std::shared_ptr<grpc::Channel> channel_, echo_channel_;
   std::unique_ptr<Echo> echo_;
@@ -281,6 +301,7 @@ int Main(int argc, char** argv) {
   int hops = 3200, context = 256;
   std::vector<int> sizes = {1, 8, 32};
   std::string csv;
+  bool fp16 = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&](const char* flag) -> const char* {
@@ -289,6 +310,11 @@ int Main(int argc, char** argv) {
     };
     if (const char* v = value("hops"); v && absl::SimpleAtoi(v, &hops) && hops > 0) continue;
     if (const char* v = value("context"); v && absl::SimpleAtoi(v, &context) && context > 0) {
+      continue;
+    }
+    if (const char* v = value("dtype");
+        v && (std::string(v) == "fp16" || std::string(v) == "fp32")) {
+      fp16 = std::string(v) == "fp16";
       continue;
     }
     if (const char* v = value("csv")) {
@@ -309,18 +335,18 @@ int Main(int argc, char** argv) {
     }
     std::fprintf(stderr,
                  "usage: kvtier-hop-bench [--hops=N] [--context=T] [--sessions=1,8,32] "
-                 "[--csv=FILE]\n");
+                 "[--dtype=fp32|fp16] [--csv=FILE]\n");
     return a == "--help" ? 0 : 2;
   }
   Bench b;
-  if (absl::Status s = b.Start(context); !s.ok()) {
+  if (absl::Status s = b.Start(context, fp16); !s.ok()) {
     std::fprintf(stderr, "kvtier-hop-bench: %s\n", s.ToString().c_str());
     return 1;
   }
   std::printf(
-      "kvtier-hop-bench: %d layers, %d q / %d kv heads, d=%d, fp32 on the wire, "
+      "kvtier-hop-bench: %d layers, %d q / %d kv heads, d=%d, %s model and wire, "
       "%d tokens of context per session, %d hops per row\n",
-      kLayers, kQHeads, kKvHeads, kDim, context, hops);
+      kLayers, kQHeads, kKvHeads, kDim, fp16 ? "fp16" : "fp32", context, hops);
   std::vector<Row> rows;
   const Row floor = b.Floor(hops);
   rows.push_back(floor);

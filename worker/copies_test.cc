@@ -2,7 +2,8 @@
 // with each tensor encoded straight into its segment buffer, the bytes it
 // allocates are the stored bytes plus small bookkeeping, not a second copy of
 // the round (the test fails if an intermediate EncodedTensor, or any other
-// full copy of the encoded round, comes back).
+// full copy of the encoded round, comes back). And counts the conversions on
+// the way in: K/V sent in the model's dtype reach the open round unconverted.
 #include <atomic>
 #include <cstdlib>
 #include <new>
@@ -11,6 +12,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/half.h"
 #include "tests/util/status_matchers.h"
 #include "worker/engine.h"
 #include "worker/segment_store.h"
@@ -132,6 +134,62 @@ TEST_P(EndRoundCopiesTest, AllocatesTheStoredBytesOnce) {
   // keep lists and scores and one head's gather scratch; a second copy of the
   // encoded round would push this past 2x.
   EXPECT_LT(ratio, 1.5);
+}
+
+// K/V rows in the model's dtype are copied into the open round: no value is
+// converted, and the outputs are those of the same values sent as fp32 (each
+// of whose K/V values is converted once). bf16 rows into an fp16 model are
+// widened and narrowed: two conversions a value.
+TEST(StepConversionsTest, KvInTheModelsDtypeAreNotConverted) {
+  const ModelShape shape{3, 4, 2, 64, DType::kFp16};
+  const int64_t tokens = 20;
+  const int64_t kv_values = 2 * tokens * shape.kv_heads * shape.head_dim * shape.layers;
+  SizeOnlyStore store;
+  EngineOptions options;
+  options.placement = EngineOptions::Placement::kHost;
+  Engine engine(&store, options);
+  SessionPolicy policy;
+  policy.codec = SessionPolicy::RawFp32Codec();
+  policy.codec.dtype = DType::kFp16;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  const int d = shape.head_dim;
+  std::vector<float> q(tokens * shape.q_heads * d), k(tokens * shape.kv_heads * d), v(k.size());
+  for (std::vector<float>* x : {&q, &k, &v}) {
+    for (float& e : *x) e = HalfToFloat(FloatToHalf(nd(rng)));  // Exact in fp16.
+  }
+  auto halves = [](const std::vector<float>& x, bool bf16) {
+    std::vector<uint16_t> h(x.size());
+    for (size_t i = 0; i < x.size(); ++i) h[i] = bf16 ? FloatToBf16(x[i]) : FloatToHalf(x[i]);
+    return h;
+  };
+  const std::vector<uint16_t> k16 = halves(k, false), v16 = halves(v, false);
+  const std::vector<uint16_t> kb = halves(k, true), vb = halves(v, true);
+  std::vector<std::vector<float>> outs;
+  std::vector<uint64_t> converted;
+  for (int variant = 0; variant < 3; ++variant) {
+    const std::string id = "s" + std::to_string(variant);
+    ASSERT_THAT(engine.OpenSession(id, shape, policy), IsOk());
+    std::vector<float> out(q.size());
+    for (int l = 0; l < shape.layers; ++l) {
+      const Rows kr = variant == 0   ? Rows(k.data())
+                      : variant == 1 ? Rows(DType::kFp16, k16.data())
+                                     : Rows(DType::kBf16, kb.data());
+      const Rows vr = variant == 0   ? Rows(v.data())
+                      : variant == 1 ? Rows(DType::kFp16, v16.data())
+                                     : Rows(DType::kBf16, vb.data());
+      ASSERT_THAT(engine.PrefillLayer(id, l, tokens, 0, q.data(), kr, vr, out.data()).status(),
+                  IsOk());
+    }
+    outs.push_back(out);
+    auto stats = engine.Stats(id);
+    ASSERT_THAT(stats.status(), IsOk());
+    converted.push_back(stats->converted_kv_values);
+  }
+  EXPECT_EQ(converted[0], static_cast<uint64_t>(kv_values));      // fp32: narrowed once.
+  EXPECT_EQ(converted[1], 0u);                                    // fp16: copied.
+  EXPECT_EQ(converted[2], static_cast<uint64_t>(2 * kv_values));  // bf16: widened, narrowed.
+  EXPECT_EQ(outs[1], outs[0]);
 }
 
 INSTANTIATE_TEST_SUITE_P(Codecs, EndRoundCopiesTest,

@@ -545,8 +545,8 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::Find(const SessionKey& 
 
 absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const SessionKey& id, int layer,
                                                                  int64_t n, int64_t question_tokens,
-                                                                 const float* q, const float* k,
-                                                                 const float* v, float* out,
+                                                                 const Rows& q, const Rows& k,
+                                                                 const Rows& v, float* out,
                                                                  const CallOptions& call) {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   // Layer L_w + 1 first waits for the recall fetch started at L_w, without
@@ -572,8 +572,8 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLayer(const SessionKe
 }
 
 absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLocked(
-    Session* s, int layer, int64_t n, int64_t question_tokens, const float* q, const float* k,
-    const float* v, float* out, const CallOptions& call, const std::shared_ptr<Fetch>& fetch,
+    Session* s, int layer, int64_t n, int64_t question_tokens, const Rows& q, const Rows& k,
+    const Rows& v, float* out, const CallOptions& call, const std::shared_ptr<Fetch>& fetch,
     bool arrived, double exposed_ms) {
   s->mu.AssertHeld();
   KVT_RETURN_IF_ERROR(s->CheckStep(layer, n, /*prefill=*/true));
@@ -588,33 +588,44 @@ absl::StatusOr<std::optional<RecallReport>> Engine::PrefillLocked(
   }
   if (layer == 0) s->BeginStep(n, /*prefill=*/true);
   const int64_t base = s->tokens;
-  s->Append(layer, n, q, k, v);
+  const int64_t d = s->shape.head_dim, kv_count = n * s->shape.kv_heads * d;
+  std::vector<float> qbuf, kbuf, vbuf;
+  const float* qf = Fp32Rows(q, n * s->shape.q_heads * d, &qbuf);
+  s->Append(layer, n, qf, k, v);
   // Recall at L_w, once per round, from the round's first prefill. It needs
   // only this layer's queries and keys, so the fetch starts before this
   // layer's attention and overlaps with it too.
   if (layer == s->lw && base == 0 && s->recall == RecallState::kNone) {
     if (!s->past.empty() && s->shape.layers > 1) {
-      report = StartRecall(*s, n, question_tokens, q, k, call);
+      report = StartRecall(*s, n, question_tokens, qf, Fp32Rows(k, kv_count, &kbuf), call);
     } else {
       s->recall = RecallState::kReady;  // Nothing to recall.
       s->selected.clear();
     }
   }
-  KVT_RETURN_IF_ERROR(s->Attend(layer, n, q, k, v, out, options_.level));
+  // The step's own K/V are read again in fp32 on the device path only (the
+  // host path attends over the open round).
+  const bool device = s->device != nullptr;
+  KVT_RETURN_IF_ERROR(s->Attend(layer, n, qf, device ? Fp32Rows(k, kv_count, &kbuf) : nullptr,
+                                device ? Fp32Rows(v, kv_count, &vbuf) : nullptr, out,
+                                options_.level));
   s->EndLayer(n);
   return report;
 }
 
-absl::Status Engine::DecodeLayer(const SessionKey& id, int layer, const float* q, const float* k,
-                                 const float* v, float* out, const float* q_next) {
+absl::Status Engine::DecodeLayer(const SessionKey& id, int layer, const Rows& q, const Rows& k,
+                                 const Rows& v, float* out, const Rows& q_next_rows) {
   KVT_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(id));
   absl::MutexLock lock(&s->mu);
   KVT_RETURN_IF_ERROR(s->CheckStep(layer, 1, /*prefill=*/false));
   KVT_RETURN_IF_ERROR(s->CheckValues(layer, 1, q, k, v));
+  const int64_t d = s->shape.head_dim, kv_count = s->shape.kv_heads * d;
+  std::vector<float> qbuf, kbuf, vbuf, qnbuf;
   // Layer + 1's tokens are speculated only when it is a global layer: a
   // sliding layer attends over its window, dense.
-  const bool speculate = q_next != nullptr && s->skew != nullptr && layer + 1 < s->shape.layers &&
-                         s->shape.layer_window(layer + 1) == 0;
+  const bool speculate = !q_next_rows.empty() && s->skew != nullptr &&
+                         layer + 1 < s->shape.layers && s->shape.layer_window(layer + 1) == 0;
+  const float* q_next = speculate ? Fp32Rows(q_next_rows, s->shape.q_heads * d, &qnbuf) : nullptr;
   if (speculate) {
     const int64_t count = int64_t{s->shape.q_heads} * s->shape.head_dim;
     for (int64_t i = 0; i < count; ++i) {
@@ -629,13 +640,16 @@ absl::Status Engine::DecodeLayer(const SessionKey& id, int layer, const float* q
     KVT_RETURN_IF_ERROR(CheckBudget(*s, static_cast<uint64_t>(s->TokenBytes(1))));
     s->BeginStep(1, /*prefill=*/false);
   }
-  s->Append(layer, 1, q, k, v);
+  const float* qf = Fp32Rows(q, s->shape.q_heads * d, &qbuf);
+  s->Append(layer, 1, qf, k, v);
   absl::Status st;
   if (s->spec_device != nullptr) {
     // Attention on one GPU stream, layer + 1's selection on the other.
-    st = s->DecodeOnDevice(layer, q, out, speculate ? q_next : nullptr, options_.level);
+    st = s->DecodeOnDevice(layer, qf, out, q_next, options_.level);
   } else {
-    st = s->Attend(layer, 1, q, k, v, out, options_.level);
+    const bool device = s->device != nullptr;
+    st = s->Attend(layer, 1, qf, device ? Fp32Rows(k, kv_count, &kbuf) : nullptr,
+                   device ? Fp32Rows(v, kv_count, &vbuf) : nullptr, out, options_.level);
     // Layer + 1's tokens are picked now, from its approximate query; its
     // attention reads what this gathers.
     if (st.ok() && speculate) s->Speculate(layer + 1, q_next, options_.level);

@@ -57,6 +57,7 @@
 #include "worker/device/link_pool.h"
 #include "worker/device/transfer.h"
 #include "worker/handoff_cache.h"
+#include "worker/rows.h"
 #include "worker/segment_store.h"
 #include "worker/session_key.h"
 #include "worker/skew_registry.h"
@@ -217,6 +218,9 @@ struct SessionStats {
   // eviction, the last w for SnapKV-family methods, all for H2O). The
   // working set counts the open round at the model's dtype only.
   uint64_t open_round_bytes = 0;
+  // K/V values converted on their way into the open round: 0 when the
+  // engine's callers send K/V in the model's dtype (they are copied).
+  uint64_t converted_kv_values = 0;
   std::vector<RecallReport> recalls;
   // Resident recalls not yet counted by the store (after a failed report).
   uint64_t pending_recall_counts = 0;
@@ -489,10 +493,15 @@ class Engine {
   // the recall fetch fails, and DATA_LOSS when it brings back malformed
   // bytes: in these three the step is rolled back to before this prefill, so
   // the engine may send the whole step again.
+  //
+  // q [n, Hq, d], k and v [n, Hkv, d] are token-major rows (worker/rows.h)
+  // of fp32, fp16 or bf16: K/V in the model's dtype go into the open round
+  // as they are; q is read in fp32 (widened here when it is not). out
+  // [n, Hq, d] is fp32.
   absl::StatusOr<std::optional<RecallReport>> PrefillLayer(const SessionKey& id, int layer,
                                                            int64_t n, int64_t question_tokens,
-                                                           const float* q, const float* k,
-                                                           const float* v, float* out,
+                                                           const Rows& q, const Rows& k,
+                                                           const Rows& v, float* out,
                                                            const CallOptions& call = {});
 
   // One layer of one decode token (n = 1 above, no recall). OK; NOT_FOUND;
@@ -504,8 +513,8 @@ class Engine {
   // session does not speculate, at the last layer, or when layer + 1 slides
   // (a sliding layer attends over its window, dense). It must be finite
   // (INVALID_ARGUMENT) where it is used.
-  absl::Status DecodeLayer(const SessionKey& id, int layer, const float* q, const float* k,
-                           const float* v, float* out, const float* q_next = nullptr);
+  absl::Status DecodeLayer(const SessionKey& id, int layer, const Rows& q, const Rows& k,
+                           const Rows& v, float* out, const Rows& q_next = {});
 
   // The skews that SessionPolicy::speculation.skew names (the options' or
   // the engine's own).
@@ -629,8 +638,8 @@ class Engine {
   }
   // PrefillLayer under the session lock (REQUIRES s.mu), after any wait.
   absl::StatusOr<std::optional<RecallReport>> PrefillLocked(Session* s, int layer, int64_t n,
-                                                            int64_t question_tokens, const float* q,
-                                                            const float* k, const float* v,
+                                                            int64_t question_tokens, const Rows& q,
+                                                            const Rows& k, const Rows& v,
                                                             float* out, const CallOptions& call,
                                                             const std::shared_ptr<Fetch>& fetch,
                                                             bool arrived, double exposed_ms);

@@ -116,8 +116,8 @@ std::string SerializePayload(const std::vector<std::string_view>& tensors) {
   });
 }
 
-absl::Status Engine::Session::CheckValues(int layer, int64_t n, const float* qs, const float* ks,
-                                          const float* vs) const {
+absl::Status Engine::Session::CheckValues(int layer, int64_t n, const Rows& qs, const Rows& ks,
+                                          const Rows& vs) const {
   // What the open round (in the model's dtype) and EndRound's codec will
   // accept: fp16 storage and the quantizing codecs hold fp16 scales and
   // values.
@@ -125,17 +125,37 @@ absl::Status Engine::Session::CheckValues(int layer, int64_t n, const float* qs,
                     policy.codec.dtype == DType::kFp16;
   const float limit = half ? kHalfMax : std::numeric_limits<float>::max();
   const int d = shape.head_dim;
-  auto check = [&](const char* what, const float* x, int heads, float lim) -> absl::Status {
+  auto check = [&](const char* what, const Rows& r, int heads, float lim) -> absl::Status {
+    if (r.dtype != DType::kFp32 && r.dtype != DType::kFp16 && r.dtype != DType::kBf16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", layer, ": ", what, " must be fp32, fp16 or bf16"));
+    }
     const int64_t count = n * heads * d;
-    for (int64_t i = 0; i < count; ++i) {
-      if (!(std::fabs(x[i]) <= lim)) {
-        const int64_t token = i / (static_cast<int64_t>(heads) * d);
-        const int64_t head = i / d % heads;
-        return absl::InvalidArgumentError(absl::StrCat(
-            "layer ", layer, ": ", what, "[", token, ", ", head, ", ", i % d, "] is ", x[i],
-            lim == kHalfMax ? "; K/V must be finite and within fp16 range (|x| <= 65504) for "
-                              "this session's model dtype and codec"
-                            : "; values must be finite"));
+    auto bad = [&](int64_t i) -> absl::Status {
+      const int64_t token = i / (static_cast<int64_t>(heads) * d);
+      const int64_t head = i / d % heads;
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer ", layer, ": ", what, "[", token, ", ", head, ", ", i % d, "] is ", RowValue(r, i),
+          lim == kHalfMax ? "; K/V must be finite and within fp16 range (|x| <= 65504) for "
+                            "this session's model dtype and codec"
+                          : "; values must be finite"));
+    };
+    if (r.dtype == DType::kFp32) {
+      const auto* x = static_cast<const float*>(r.data);
+      for (int64_t i = 0; i < count; ++i) {
+        if (!(std::fabs(x[i]) <= lim)) return bad(i);
+      }
+    } else if (r.dtype == DType::kFp16) {
+      // Every finite fp16 value is within fp16 range.
+      const auto* x = static_cast<const uint8_t*>(r.data);
+      for (int64_t i = 0; i < count; ++i) {
+        uint16_t h;
+        std::memcpy(&h, x + 2 * i, 2);
+        if ((h & 0x7c00) == 0x7c00) return bad(i);
+      }
+    } else {
+      for (int64_t i = 0; i < count; ++i) {
+        if (!(std::fabs(RowValue(r, i)) <= lim)) return bad(i);
       }
     }
     return absl::OkStatus();
@@ -358,13 +378,27 @@ void Regrow(std::vector<T>& x, int heads, int64_t cap, int64_t cap2, int64_t row
   x.swap(y);
 }
 
-// Scatters n token-major fp32 rows [n, heads, d] to rows [at, at + n) of
-// each head of `x` ([heads][cap][d] in `dtype`), converting as it goes.
-void Scatter(const float* src, int64_t n, int heads, int d, int64_t cap, int64_t at, DType dtype,
-             uint8_t* x) {
+// Scatters n token-major rows [n, heads, d] to rows [at, at + n) of each
+// head of `x` ([heads][cap][d] in `dtype`): copied when they are in `dtype`
+// already, converted otherwise. Returns the values converted.
+int64_t Scatter(const Rows& src, int64_t n, int heads, int d, int64_t cap, int64_t at, DType dtype,
+                uint8_t* x) {
+  if (src.dtype == dtype) {
+    const int es = DTypeSize(dtype);
+    const auto* from = static_cast<const uint8_t*>(src.data);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int h = 0; h < heads; ++h) {
+        std::memcpy(x + (h * cap + at + i) * d * es, from + (i * heads + h) * d * es,
+                    static_cast<size_t>(d) * es);
+      }
+    }
+    return 0;
+  }
+  std::vector<float> widened;
+  const float* wide = Fp32Rows(src, n * heads * d, &widened);
   for (int64_t i = 0; i < n; ++i) {
     for (int h = 0; h < heads; ++h) {
-      const float* from = src + (i * heads + h) * d;
+      const float* from = wide + (i * heads + h) * d;
       const int64_t to = (h * cap + at + i) * d;
       switch (dtype) {
         case DType::kFp16: {
@@ -382,6 +416,8 @@ void Scatter(const float* src, int64_t n, int heads, int d, int64_t cap, int64_t
       }
     }
   }
+  // A 16-bit input into another 16-bit type is widened, then narrowed.
+  return n * heads * d * (src.dtype == DType::kFp32 || dtype == DType::kFp32 ? 1 : 2);
 }
 
 }  // namespace
@@ -427,8 +463,8 @@ void WidenRows(DType dtype, const uint8_t* src, int64_t count, float* out) {
   }
 }
 
-void Engine::Session::Append(int layer, int64_t n, const float* qs, const float* ks,
-                             const float* vs) {
+void Engine::Session::Append(int layer, int64_t n, const float* qs, const Rows& ks,
+                             const Rows& vs) {
   OpenLayer& o = open[layer];
   const int d = shape.head_dim;
   const int es = shape.dtype_bytes();
@@ -439,8 +475,9 @@ void Engine::Session::Append(int layer, int64_t n, const float* qs, const float*
     Regrow(o.v, shape.kv_heads, o.cap, cap2, o.rows, int64_t{d} * es);
     o.cap = cap2;
   }
-  Scatter(ks, n, shape.kv_heads, d, o.cap, o.rows, shape.dtype, o.k.data());
-  Scatter(vs, n, shape.kv_heads, d, o.cap, o.rows, shape.dtype, o.v.data());
+  stats.converted_kv_values += static_cast<uint64_t>(
+      Scatter(ks, n, shape.kv_heads, d, o.cap, o.rows, shape.dtype, o.k.data()) +
+      Scatter(vs, n, shape.kv_heads, d, o.cap, o.rows, shape.dtype, o.v.data()));
   // Queries: only those eviction will read at EndRound. Committed rows
   // before the last w go (rows of the step in flight stay until it commits,
   // so that a rolled-back step finds the committed window intact).

@@ -25,6 +25,7 @@
 #include "worker/device/attention.h"
 #include "worker/engine.h"
 #include "worker/round_layout.h"
+#include "worker/rows.h"
 #include "worker/segment_store.h"
 
 namespace kvtier::worker {
@@ -330,10 +331,11 @@ class Engine::Session {
   // Working-set bytes this session has added to the engine's total.
   int64_t accounted ABSL_GUARDED_BY(mu) = 0;
 
-  // OK when q [n, Hq, d], k and v [n, Hkv, d] hold only values this
-  // session can store; INVALID_ARGUMENT naming the layer and the element.
-  absl::Status CheckValues(int layer, int64_t n, const float* q, const float* k,
-                           const float* v) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // OK when q [n, Hq, d], k and v [n, Hkv, d] are fp32, fp16 or bf16 and
+  // hold only values this session can store; INVALID_ARGUMENT naming the
+  // layer and the element.
+  absl::Status CheckValues(int layer, int64_t n, const Rows& q, const Rows& k, const Rows& v) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Bytes of n tokens at every layer in the model's dtype: what the open
   // round counts in the working set, and what the full cache holds.
   int64_t TokenBytes(int64_t n) const {
@@ -381,13 +383,16 @@ class Engine::Session {
     return (past[i].left >> SpanOf(l).index & 1) != 0;
   }
 
-  // Appends n tokens' q [n, Hq, d], k and v [n, Hkv, d] (token-major, as
-  // they arrive) to the open round at `layer`, scattering them head-major.
-  void Append(int layer, int64_t n, const float* q, const float* k, const float* v)
+  // Appends n tokens' q [n, Hq, d] (fp32), k and v [n, Hkv, d] (token-major,
+  // as they arrive) to the open round at `layer`, scattering them head-major.
+  // K/V rows already in the model's dtype are copied; others are converted
+  // (counted in stats.converted_kv_values).
+  void Append(int layer, int64_t n, const float* q, const Rows& k, const Rows& v)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Attends the n tokens appended last at `layer` (q, and their k and v as
-  // given to Append) over the visible past rounds plus the open round
-  // (positions tokens..tokens+n-1, causally); rolls the step back on failure.
+  // given to Append, in fp32; read only on the device path, null elsewhere)
+  // over the visible past rounds plus the open round (positions
+  // tokens..tokens+n-1, causally); rolls the step back on failure.
   absl::Status Attend(int layer, int64_t n, const float* q, const float* k, const float* v,
                       float* out, KernelLevel level) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 

@@ -303,11 +303,11 @@ class WorkerService::PrefillReactor
           absl::StrCat("layer ", req_.layer(), " arrived before the last chunk of layer ", layer_));
     }
     const int d = shape_.head_dim;
-    // A whole layer in one fp32 message is read where it lies: the engine's
-    // append is then its only copy into the worker.
+    // A whole layer in one message is read where it lies, in its dtype: the
+    // engine's append is then its only copy into the worker (and K/V in the
+    // model's dtype are not converted).
     direct_ = false;
-    if (q_.empty() && !req_.more_chunks() && req_.q().dtype() == v1::DTYPE_FP32 &&
-        req_.k().dtype() == v1::DTYPE_FP32 && req_.v().dtype() == v1::DTYPE_FP32) {
+    if (q_.empty() && !req_.more_chunks()) {
       KVT_ASSIGN_OR_RETURN(const int64_t qt, DenseTokens(req_.q(), shape_.q_heads, d, "q"));
       KVT_ASSIGN_OR_RETURN(const int64_t kt, DenseTokens(req_.k(), shape_.kv_heads, d, "k"));
       KVT_ASSIGN_OR_RETURN(const int64_t vt, DenseTokens(req_.v(), shape_.kv_heads, d, "v"));
@@ -339,12 +339,12 @@ class WorkerService::PrefillReactor
     const int64_t n =
         direct_ ? direct_tokens_
                 : static_cast<int64_t>(q_.size() / (static_cast<size_t>(shape_.q_heads) * d));
-    auto floats = [](const v1::DenseTensor& t) {
-      return reinterpret_cast<const float*>(t.data().data());
+    auto rows = [](const v1::DenseTensor& t) {
+      return worker::Rows(FromProto(t.dtype()), t.data().data());
     };
-    const float* q = direct_ ? floats(req_.q()) : q_.data();
-    const float* k = direct_ ? floats(req_.k()) : k_.data();
-    const float* v = direct_ ? floats(req_.v()) : v_.data();
+    const worker::Rows q = direct_ ? rows(req_.q()) : worker::Rows(q_.data());
+    const worker::Rows k = direct_ ? rows(req_.k()) : worker::Rows(k_.data());
+    const worker::Rows v = direct_ ? rows(req_.v()) : worker::Rows(v_.data());
     out_.resize(static_cast<size_t>(n) * shape_.q_heads * d);
     if (layer_ == 0) {
       sender_.reset();
@@ -447,7 +447,7 @@ class WorkerService::PrefillReactor
   int64_t question_ = 0;
   v1::DType dtype_ = v1::DTYPE_FP32;
   std::vector<float> q_, k_, v_, out_;
-  // The layer is req_'s own fp32 bytes (one message), `direct_tokens_` rows.
+  // The layer is req_'s own bytes (one message), `direct_tokens_` rows.
   bool direct_ = false;
   int64_t direct_tokens_ = 0;
   // This stream has layers of an unfinished step in the engine.
@@ -555,30 +555,28 @@ class WorkerService::DecodeReactor
   }
 
   void RunGroup(const std::vector<int>& group) {
-    std::vector<float> q, k, v, q_next, out;
+    std::vector<float> out;
     for (int i : group) {
       const v1::DecodeItem& it = req_.items(i);
       const Item& item = items_[i];
       const int d = item.shape.head_dim;
       absl::Status s = [&]() -> absl::Status {
-        // fp32 is read where it lies; fp16/bf16 is widened once.
-        auto rows = [&](const v1::DenseTensor& t, int heads, const char* what,
-                        std::vector<float>* buf) -> absl::StatusOr<const float*> {
+        // Every tensor is read where it lies, in its dtype (the engine
+        // copies K/V in the model's dtype and widens what it must).
+        auto rows = [&](const v1::DenseTensor& t, int heads,
+                        const char* what) -> absl::StatusOr<worker::Rows> {
           KVT_ASSIGN_OR_RETURN(const int64_t tokens, DenseTokens(t, heads, d, what));
           if (tokens != 1) {
             return absl::InvalidArgumentError("a decode item carries exactly one token");
           }
-          if (t.dtype() == v1::DTYPE_FP32) return reinterpret_cast<const float*>(t.data().data());
-          buf->clear();
-          KVT_RETURN_IF_ERROR(AppendDense(t, heads, d, what, buf));
-          return buf->data();
+          return worker::Rows(FromProto(t.dtype()), t.data().data());
         };
-        KVT_ASSIGN_OR_RETURN(const float* qp, rows(it.q(), item.shape.q_heads, "q", &q));
-        KVT_ASSIGN_OR_RETURN(const float* kp, rows(it.k(), item.shape.kv_heads, "k", &k));
-        KVT_ASSIGN_OR_RETURN(const float* vp, rows(it.v(), item.shape.kv_heads, "v", &v));
-        const float* qn = nullptr;
+        KVT_ASSIGN_OR_RETURN(const worker::Rows qp, rows(it.q(), item.shape.q_heads, "q"));
+        KVT_ASSIGN_OR_RETURN(const worker::Rows kp, rows(it.k(), item.shape.kv_heads, "k"));
+        KVT_ASSIGN_OR_RETURN(const worker::Rows vp, rows(it.v(), item.shape.kv_heads, "v"));
+        worker::Rows qn;
         if (it.has_q_next()) {
-          KVT_ASSIGN_OR_RETURN(qn, rows(it.q_next(), item.shape.q_heads, "q_next", &q_next));
+          KVT_ASSIGN_OR_RETURN(qn, rows(it.q_next(), item.shape.q_heads, "q_next"));
         }
         out.resize(static_cast<size_t>(item.shape.q_heads) * d);
         const auto t0 = std::chrono::steady_clock::now();
