@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "base/clock.h"
 #include "encoded/encode.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -612,6 +613,34 @@ TEST_F(WorkerEngineTest, OpenRoundKeepsTheModelDtypeAndOnlyTheWindowsQueries) {
       }
     }
   }
+}
+
+// Idle ages are read from the engine's clock: a session's age grows with
+// the clock and a step starts it again.
+TEST(WorkerEngineClockTest, IdleAgesFollowTheInjectedClock) {
+  FakeClock clock;
+  worker::MemorySegmentStore store;
+  worker::EngineOptions o = ReferenceKernels();
+  o.clock = &clock;
+  Engine engine(&store, o);
+  ASSERT_THAT(engine.OpenSession("s", kShape, SessionPolicy{}), IsOk());
+  auto idle = [&] {
+    const std::vector<Engine::SessionEntry> all = engine.Sessions();
+    return all.size() == 1 ? all[0].idle_ms : -1;
+  };
+  EXPECT_EQ(idle(), 0);
+  clock.AdvanceMs(5'000);
+  EXPECT_EQ(idle(), 5'000);
+  const int d = kShape.head_dim;
+  std::mt19937 rng(1);
+  const std::vector<float> q = Random(kShape.q_heads * d, &rng),
+                           k = Random(kShape.kv_heads * d, &rng);
+  std::vector<float> out(q.size());
+  ASSERT_THAT(engine.PrefillLayer("s", 0, 1, 0, q.data(), k.data(), k.data(), out.data()).status(),
+              IsOk());
+  EXPECT_EQ(idle(), 0);
+  clock.AdvanceMs(1'500);
+  EXPECT_EQ(idle(), 1'500);
 }
 
 }  // namespace

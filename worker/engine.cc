@@ -32,7 +32,7 @@ evict::Policy SessionPolicy::NoEviction() {
 Engine::Engine(SegmentStore* store, EngineOptions options)
     : store_(store),
       options_(options),
-      handoff_(std::make_unique<HandoffCache>(options.handoff_cache_bytes)),
+      handoff_(std::make_unique<HandoffCache>(options.handoff_cache_bytes, options.clock)),
       own_skews_(options.skews == nullptr ? std::make_unique<SkewRegistry>() : nullptr),
       skews_(options.skews != nullptr ? options.skews : own_skews_.get()),
       fetch_executor_(options.fetch_executor) {
@@ -171,7 +171,7 @@ absl::Status Engine::UpdatePolicy(const SessionKey& id, SessionPolicy policy) {
 
 std::vector<Engine::SessionEntry> Engine::Sessions() const {
   std::vector<SessionEntry> out;
-  const int64_t now = Session::SteadyNowMs();
+  const int64_t now = options_.clock->NowUnixMs();
   absl::MutexLock lock(&mu_);
   for (const auto& [key, s] : sessions_) {
     out.push_back({key, std::max<int64_t>(0, now - s->last_active_ms.load())});
@@ -234,7 +234,7 @@ absl::StatusOr<std::shared_ptr<Engine::Session>> Engine::CreateSession(
         "the model's sliding and global layers alternate so often that a round would be ", n,
         " segments (watershed layer ", lw, "); the store takes at most ", kMaxRoundSegments));
   }
-  auto s = std::make_shared<Session>(id, shape, policy, lw);
+  auto s = std::make_shared<Session>(id, shape, policy, lw, options_.clock);
   {
     absl::MutexLock lock(&s->mu);
     std::random_device rd;

@@ -47,6 +47,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "base/call_options.h"
+#include "base/clock.h"
 #include "base/executor.h"
 #include "base/memory.h"
 #include "encoded/encoded_tensor.h"
@@ -434,6 +435,10 @@ struct EngineOptions {
   // engine): a worker's service uploads into it (Worker.PutSkew, --skew_dir).
   // Null: the engine keeps a registry of its own (Engine::skews()).
   SkewRegistry* skews = nullptr;
+  // The time sessions' idle ages (Sessions()) and the hand-off cache's
+  // leases are read from (not owned; it must outlive the engine). Timings in
+  // the stats read the steady clock. Default: the real clock.
+  Clock* clock = Clock::Real();
 };
 
 // Thread-safe: any method may be called from any thread. Calls on one

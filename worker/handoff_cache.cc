@@ -9,7 +9,8 @@ KeptRounds::~KeptRounds() = default;
 KeptRounds::KeptRounds(KeptRounds&&) noexcept = default;
 KeptRounds& KeptRounds::operator=(KeptRounds&&) noexcept = default;
 
-HandoffCache::HandoffCache(uint64_t capacity_bytes) : capacity_(capacity_bytes) {}
+HandoffCache::HandoffCache(uint64_t capacity_bytes, Clock* clock)
+    : capacity_(capacity_bytes), time_(clock) {}
 HandoffCache::~HandoffCache() = default;
 
 void HandoffCache::Keep(const SessionKey& id, KeptRounds kept) {
@@ -30,7 +31,7 @@ void HandoffCache::Keep(const SessionKey& id, KeptRounds kept) {
 }
 
 void HandoffCache::EvictLocked(const SessionKey& keep, std::vector<KeptRounds>* dropped) {
-  const absl::Time now = absl::Now();
+  const absl::Time now = absl::FromUnixMillis(time_->NowUnixMs());
   // Unleased before leased, then the least recently used.
   auto rank = [&](const Entry& x) { return std::make_pair(x.lease_until > now, x.last_use); };
   while (bytes_ > capacity_) {

@@ -15,6 +15,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "base/clock.h"
 #include "worker/session_key.h"
 
 namespace kvtier::worker {
@@ -40,7 +41,8 @@ struct KeptRounds {
 class HandoffCache {
  public:
   // 0: keeps nothing.
-  explicit HandoffCache(uint64_t capacity_bytes);
+  // `clock` (not owned, outlives the cache) tells leases from expired ones.
+  explicit HandoffCache(uint64_t capacity_bytes, Clock* clock = Clock::Real());
   ~HandoffCache();
   HandoffCache(const HandoffCache&) = delete;
   HandoffCache& operator=(const HandoffCache&) = delete;
@@ -84,6 +86,7 @@ class HandoffCache {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const uint64_t capacity_;
+  Clock* const time_;
   mutable absl::Mutex mu_;
   std::map<SessionKey, Entry> entries_ ABSL_GUARDED_BY(mu_);
   uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;

@@ -2,6 +2,7 @@
 // for room (least recently used first, leased entries last).
 #include "worker/handoff_cache.h"
 
+#include "base/clock.h"
 #include "gtest/gtest.h"
 #include "worker/session.h"
 
@@ -83,6 +84,27 @@ TEST(HandoffCacheTest, DropsLeastRecentlyUsedAndLeasedLast) {
   HandoffCache off(0);
   off.Keep("a", Rounds(1, 1, 1, 1));
   EXPECT_EQ(off.totals().sessions, 0u);
+}
+
+// Leases end on the cache's clock: an entry leased until a moment goes
+// after the unleased ones until that moment, and like any other after it.
+TEST(HandoffCacheTest, LeasesEndOnTheInjectedClock) {
+  FakeClock clock;
+  auto now = [&] { return absl::FromUnixMillis(clock.NowUnixMs()); };
+  HandoffCache c(600, &clock);
+  c.Keep("a", Rounds(1, 1, 1, 300));
+  c.Keep("b", Rounds(1, 1, 1, 300));
+  EXPECT_FALSE(c.Lookup("a", 1, now() + absl::Seconds(10)).empty());  // Leased.
+  EXPECT_FALSE(c.Lookup("b", 1, now()).empty());                      // Used last, not leased.
+  c.Keep("c", Rounds(1, 1, 1, 300));
+  EXPECT_TRUE(c.Lookup("b", 1, now()).empty());
+  EXPECT_FALSE(c.Lookup("a", 1, now() + absl::Seconds(10)).empty());
+  // Past a's lease: the least recently used goes, though a was leased.
+  clock.AdvanceMs(20'000);
+  EXPECT_FALSE(c.Lookup("c", 1, now()).empty());
+  c.Keep("d", Rounds(1, 1, 1, 300));
+  EXPECT_TRUE(c.Lookup("a", 1, now()).empty());
+  EXPECT_FALSE(c.Lookup("c", 1, now()).empty());
 }
 
 }  // namespace

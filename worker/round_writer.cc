@@ -261,7 +261,7 @@ absl::StatusOr<EndRoundReport> Engine::EndRound(const SessionKey& id, const Call
   pr.layers = std::move(plan.layers);
   pr.stored_bytes = rep.stored_bytes;
   s->past.push_back(std::move(pr));
-  s->last_active_ms.store(Session::SteadyNowMs());
+  s->last_active_ms.store(s->clock->NowUnixMs());
   if (s->policy.release_after_end_round) {
     for (auto& r : s->past) {
       for (int l = lw + 1; l < sh.layers; ++l) r.layers[l].reset();

@@ -206,7 +206,7 @@ absl::Status Engine::Session::CheckStep(int layer, int64_t n, bool prefill) cons
 }
 
 void Engine::Session::BeginStep(int64_t n, bool prefill) {
-  last_active_ms.store(SteadyNowMs());
+  last_active_ms.store(clock->NowUnixMs());
   if (prefill && state == SessionState::kIdle) {
     recall = RecallState::kNone;
     selected.clear();

@@ -232,19 +232,17 @@ class Engine::Session {
     uint64_t left = 0;
   };
 
-  Session(SessionKey session_key, const ModelShape& model, const SessionPolicy& p, int watershed)
+  // `clock` (not owned) outlives the session: the engine's.
+  Session(SessionKey session_key, const ModelShape& model, const SessionPolicy& p, int watershed,
+          Clock* time)
       : key(std::move(session_key)),
         shape(model),
         lw(watershed),
         layout(RoundLayout(model, watershed)),
+        clock(time),
+        last_active_ms(time->NowUnixMs()),
         policy(p),
         round_eviction(p.eviction) {}
-
-  static int64_t SteadyNowMs() {
-    return std::chrono::duration_cast<std::chrono::milliseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-  }
 
   // Store calls for this session: `call` acting for the session's tenant.
   CallOptions ForStore(CallOptions call) const {
@@ -268,8 +266,9 @@ class Engine::Session {
     }
     return layout.back();
   }
-  // Steady-clock milliseconds of the last step or EndRound (or the open).
-  std::atomic<int64_t> last_active_ms{SteadyNowMs()};
+  Clock* const clock;  // The engine's (EngineOptions::clock).
+  // clock's milliseconds at the last step or EndRound (or the open).
+  std::atomic<int64_t> last_active_ms;
 
   mutable absl::Mutex mu;
   // Changes only through Engine::UpdatePolicy (the watershed layer never).
