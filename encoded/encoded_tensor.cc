@@ -10,17 +10,7 @@
 
 namespace kvtier {
 
-int DTypeSize(v1::DType dtype) {
-  switch (dtype) {
-    case v1::DTYPE_FP32:
-      return 4;
-    case v1::DTYPE_FP16:
-    case v1::DTYPE_BF16:
-      return 2;
-    default:
-      return 0;
-  }
-}
+int DTypeSize(v1::DType dtype) { return DTypeSize(static_cast<DType>(dtype)); }
 
 uint32_t ComputeTensorCrc(const v1::EncodedTensor& t) {
   uint32_t crc = 0;

@@ -97,10 +97,32 @@ void Dequant(const QuantShape& q, const uint8_t* codes, const uint16_t* scales,
   internal::DequantRowsRef(q, codes, scales, zeros, t0, t1, out);
 }
 
+std::vector<BufferSize> BufferList(const Layout& l) {
+  std::vector<BufferSize> out;
+  if (l.codec == Codec::kRaw) {
+    out.push_back({BufferKind::kRaw, l.slabs * l.tokens * l.d * l.dsize});
+    return out;
+  }
+  out.push_back({BufferKind::kCodes, l.code_bytes()});
+  out.push_back({BufferKind::kScales, l.scale_bytes()});
+  out.push_back({BufferKind::kZeros, l.scale_bytes()});
+  if (l.res > 0) out.push_back({BufferKind::kResidual, l.residual_bytes()});
+  if (IsGear(l.codec) && l.rank > 0) {
+    out.push_back({BufferKind::kLowrankA, l.a_bytes()});
+    out.push_back({BufferKind::kLowrankB, l.b_bytes()});
+  }
+  if (l.codec == Codec::kGear) {
+    out.push_back({BufferKind::kSparseIndex, l.sparse_count() * l.index_bytes});
+    out.push_back({BufferKind::kSparseValue, l.sparse_count() * l.dsize});
+  }
+  return out;
+}
+
 }  // namespace internal
 
 namespace {
 
+using internal::BufferList;
 using internal::Dequant;
 using internal::IsGear;
 using internal::IsQuantized;
@@ -338,29 +360,6 @@ struct BufferPtrs {
   uint8_t* sparse_value = nullptr;
 };
 
-// The buffers a tensor of this layout has, in the format's order, with their
-// sizes in bytes.
-std::vector<BufferSize> BufferList(const CodecConfig& c, const Layout& l) {
-  std::vector<BufferSize> out;
-  if (c.codec == Codec::kRaw) {
-    out.push_back({BufferKind::kRaw, l.slabs * l.tokens * l.d * l.dsize});
-    return out;
-  }
-  out.push_back({BufferKind::kCodes, l.code_bytes()});
-  out.push_back({BufferKind::kScales, l.scale_bytes()});
-  out.push_back({BufferKind::kZeros, l.scale_bytes()});
-  if (l.res > 0) out.push_back({BufferKind::kResidual, l.residual_bytes()});
-  if (IsGear(c.codec) && l.rank > 0) {
-    out.push_back({BufferKind::kLowrankA, l.a_bytes()});
-    out.push_back({BufferKind::kLowrankB, l.b_bytes()});
-  }
-  if (c.codec == Codec::kGear) {
-    out.push_back({BufferKind::kSparseIndex, l.sparse_count() * l.index_bytes});
-    out.push_back({BufferKind::kSparseValue, l.sparse_count() * l.dsize});
-  }
-  return out;
-}
-
 // Points `out`'s member for `kind` at p.
 void SetBuffer(BufferKind kind, uint8_t* p, BufferPtrs* out) {
   switch (kind) {
@@ -580,7 +579,7 @@ absl::StatusOr<int64_t> EncodedBufferBytes(const CodecConfig& c, TensorRole role
   KVT_RETURN_IF_ERROR(ValidateCodecConfig(c));
   KVT_ASSIGN_OR_RETURN(Layout l, LayoutFor(c, role, shape));
   int64_t total = 0;
-  for (const BufferSize& b : BufferList(c, l)) total += b.bytes;
+  for (const BufferSize& b : BufferList(l)) total += b.bytes;
   return total;
 }
 
@@ -591,7 +590,7 @@ absl::StatusOr<BlockEncoder> BlockEncoder::Make(const CodecConfig& c, TensorRole
   e.config_ = c;
   e.role_ = role;
   e.header_ = HeaderFor(c, l, role, shape);
-  e.buffers_ = BufferList(c, l);
+  e.buffers_ = BufferList(l);
   return e;
 }
 

@@ -25,13 +25,27 @@ absl::StatusOr<EncodedView> ViewOf(const TensorHeader& t, absl::Span<const Buffe
                        MakeLayout(t.codec, t.backbone, t.role, t.dtype, t.bits, t.group_size,
                                   t.residual_tokens, t.rank, t.outlier_fraction, t.shape));
   auto buf = [&](int i) { return reinterpret_cast<const uint8_t*>(bufs[i].data.data()); };
-  if (t.codec == Codec::kRaw) {
-    const int64_t bytes = l.slabs * l.tokens * l.d * l.dsize;
-    if (bufs.size() != 1 || bufs[0].kind != BufferKind::kRaw ||
-        static_cast<int64_t>(bufs[0].data.size()) != bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "a RAW tensor of this shape and dtype needs one RAW buffer of ", bytes, " bytes"));
+  // Every buffer's kind and exact size, in order.
+  const std::vector<BufferSize> want = internal::BufferList(l);
+  auto check_buffers = [&]() -> absl::Status {
+    if (bufs.size() != want.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("codec ", CodecName(t.codec), " needs ",
+                                                     want.size(), " buffers, tensor has ",
+                                                     bufs.size()));
     }
+    for (size_t i = 0; i < want.size(); ++i) {
+      const BufferView& b = bufs[i];
+      if (b.kind != want[i].kind || static_cast<int64_t>(b.data.size()) != want[i].bytes) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("buffer ", i, " is ", BufferKindName(b.kind), " of ", b.data.size(),
+                         " bytes; the shape and parameters need ", BufferKindName(want[i].kind),
+                         " of ", want[i].bytes));
+      }
+    }
+    return absl::OkStatus();
+  };
+  if (t.codec == Codec::kRaw) {
+    KVT_RETURN_IF_ERROR(check_buffers());
     return EncodedView::Raw(t.dtype, buf(0), l.slabs, l.tokens, l.d, l.tokens * l.d, l.d);
   }
   const bool grouped = t.codec == Codec::kKivi || (IsGear(t.codec) && t.backbone == Codec::kKivi);
@@ -44,36 +58,7 @@ absl::StatusOr<EncodedView> ViewOf(const TensorHeader& t, absl::Span<const Buffe
   if (!IsGear(t.codec) && (t.rank != 0 || t.backbone != Codec::kUnspecified)) {
     return absl::InvalidArgumentError("KIVI/KCVT take no rank or backbone");
   }
-  struct Want {
-    BufferKind kind;
-    int64_t bytes;
-  };
-  std::vector<Want> want = {{BufferKind::kCodes, l.code_bytes()},
-                            {BufferKind::kScales, l.scale_bytes()},
-                            {BufferKind::kZeros, l.scale_bytes()}};
-  if (l.res > 0) want.push_back({BufferKind::kResidual, l.residual_bytes()});
-  if (IsGear(t.codec) && l.rank > 0) {
-    want.push_back({BufferKind::kLowrankA, l.a_bytes()});
-    want.push_back({BufferKind::kLowrankB, l.b_bytes()});
-  }
-  if (t.codec == Codec::kGear) {
-    want.push_back({BufferKind::kSparseIndex, l.sparse_count() * l.index_bytes});
-    want.push_back({BufferKind::kSparseValue, l.sparse_count() * l.dsize});
-  }
-  if (bufs.size() != want.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("codec ", CodecName(t.codec), " needs ",
-                                                   want.size(), " buffers, tensor has ",
-                                                   bufs.size()));
-  }
-  for (size_t i = 0; i < want.size(); ++i) {
-    const BufferView& b = bufs[i];
-    if (b.kind != want[i].kind || static_cast<int64_t>(b.data.size()) != want[i].bytes) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("buffer ", i, " is ", BufferKindName(b.kind), " of ", b.data.size(),
-                       " bytes; the shape and parameters need ", BufferKindName(want[i].kind),
-                       " of ", want[i].bytes));
-    }
-  }
+  KVT_RETURN_IF_ERROR(check_buffers());
   EncodedView v;
   v.codec = t.codec;
   v.role = t.role;

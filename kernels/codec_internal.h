@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -183,6 +184,10 @@ struct Layout {
 absl::StatusOr<Layout> MakeLayout(Codec codec, Codec backbone, TensorRole role, DType dtype,
                                   int bits, int group, int64_t residual, int rank,
                                   float outlier_fraction, absl::Span<const int64_t> shape);
+
+// The buffers a tensor of this layout has, in the format's order, with their
+// sizes in bytes.
+std::vector<BufferSize> BufferList(const Layout& l);
 
 // Rows [t0, t1) of one quantized slab, dequantized into `out`.
 void Dequant(const QuantShape& q, const uint8_t* codes, const uint16_t* scales,
