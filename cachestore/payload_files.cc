@@ -248,6 +248,12 @@ size_t PayloadFiles::spares() const {
   return spare_.size();
 }
 
+bool PayloadFiles::WaitForSpares(size_t n, absl::Duration timeout) const {
+  absl::MutexLock lock(&mu_);
+  auto ready = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return spare_.size() == n; };
+  return mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+}
+
 uint64_t PayloadFiles::spare_misses() const {
   absl::MutexLock lock(&mu_);
   return spare_misses_;

@@ -47,6 +47,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 
 namespace rocksdb {
 class FileSystem;
@@ -150,6 +151,9 @@ class PayloadFiles {
 
   // Spare files ready now, and writers that found none.
   size_t spares() const;
+  // Waits until exactly `n` spare files are ready (the spare thread refills
+  // on its own schedule): true, or false after `timeout`. For tests.
+  bool WaitForSpares(size_t n, absl::Duration timeout) const;
   uint64_t spare_misses() const;
   // Recycled files held, their bytes, and writers that overwrote one.
   size_t recycled() const;

@@ -304,6 +304,10 @@ void Store::TouchSessionLocked(SessionEntry& s, int64_t now_ms) {
   IndexSessionTimesLocked(s);
 }
 
+bool Store::WaitForSparePayloadFiles(uint64_t n, absl::Duration timeout) const {
+  return files_->WaitForSpares(static_cast<size_t>(n), timeout);
+}
+
 StoreStats Store::Stats() const {
   absl::MutexLock lock(&mu_);
   StoreStats s = counters_;

@@ -397,6 +397,10 @@ class Store {
   absl::StatusOr<int> ExpireSessions();
 
   StoreStats Stats() const;
+  // Waits until exactly `n` empty payload files are ready (the spare thread
+  // refills them on its own schedule): true, or false after `timeout`. For
+  // tests.
+  bool WaitForSparePayloadFiles(uint64_t n, absl::Duration timeout) const;
   // Checks the ordered indexes against a walk of every entry: the spill and
   // drop orders list exactly the candidates PlanSpill and PlanDrop would
   // choose from, in their order, and the session time indexes and tenant

@@ -407,11 +407,7 @@ TEST(PayloadFilesTest, ReadPinDefersRecycling) {
 
 // Waits (up to 10 s) until the store's spare thread has `n` files ready.
 bool WaitForSpares(const Store& store, uint64_t n) {
-  for (int i = 0; i < 1000 && store.Stats().spare_payload_files != n; ++i) {
-    // Timed: the store's spare-file thread works on its own schedule.
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return store.Stats().spare_payload_files == n;
+  return store.WaitForSparePayloadFiles(n, absl::Seconds(10));
 }
 
 // A put takes an empty spare file instead of creating one (no directory
