@@ -8,23 +8,24 @@
 namespace kvtier {
 namespace {
 
-// The worker reports a store it cannot use as UNAVAILABLE, whatever the
-// transport said, so callers can retry; the store's own message is kept. Two
-// codes pass through, because retrying cannot help and the caller must know:
-// DEADLINE_EXCEEDED (the caller's budget is spent) and RESOURCE_EXHAUSTED
-// (the end tenant's store quota is full). PERMISSION_DENIED (the worker's
-// store token may not act for end tenants: a configuration error) too.
-absl::Status AsUnavailable(const absl::Status& s, const std::string& what) {
+// A store call's failure as the engine sees it, named by `what`. Only the
+// transport's failures (UNAVAILABLE, CANCELLED, UNKNOWN: the store could not
+// be reached or the call broke) become UNAVAILABLE, which callers may retry;
+// every other code is the store's answer and keeps its code: DATA_LOSS (a
+// stored segment failed its checksum), INVALID_ARGUMENT, INTERNAL,
+// DEADLINE_EXCEEDED (the caller's budget is spent), RESOURCE_EXHAUSTED (the
+// end tenant's store quota is full), PERMISSION_DENIED (the worker's store
+// token may not act for end tenants: a configuration error).
+absl::Status FromStore(const absl::Status& s, const std::string& what) {
   if (s.ok()) return s;
   switch (s.code()) {
-    case absl::StatusCode::kDeadlineExceeded:
-    case absl::StatusCode::kResourceExhausted:
-    case absl::StatusCode::kPermissionDenied:
-      return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kUnknown:
+      return absl::UnavailableError(absl::StrCat(what, ": ", s.ToString()));
     default:
-      break;
+      return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
   }
-  return absl::UnavailableError(absl::StrCat(what, ": ", s.ToString()));
 }
 
 // The same bytes already there (the controller's repair copied this round
@@ -53,7 +54,7 @@ absl::Status PutOutcome(StoreClient* client, const std::string& session,
   if (st.code() == absl::StatusCode::kAlreadyExists) {
     return SameBytesStored(client, session, s, payload, call) ? absl::OkStatus() : st;
   }
-  return AsUnavailable(st, absl::StrCat("PutSegment round ", s.round, " segment ", s.segment));
+  return FromStore(st, absl::StrCat("PutSegment round ", s.round, " segment ", s.segment));
 }
 
 std::vector<v1::SegmentRef> RefsOf(const std::vector<worker::SegmentStore::Segment>& segments) {
@@ -126,7 +127,7 @@ absl::StatusOr<std::vector<std::string>> StoreSegments::Get(const std::string& s
     // tells it from an outage.
     return absl::NotFoundError(absl::StrCat("GetSegments: ", got.status().message()));
   }
-  if (!got.ok()) return AsUnavailable(got.status(), "GetSegments");
+  if (!got.ok()) return FromStore(got.status(), "GetSegments");
   std::vector<std::string> out;
   for (FetchedSegment& f : *got) out.push_back(std::move(f.payload));
   return out;
@@ -141,7 +142,7 @@ absl::StatusOr<std::vector<std::optional<std::string>>> StoreSegments::GetPresen
     // The session itself is not stored: none of its segments is.
     return std::vector<std::optional<std::string>>(segments.size());
   }
-  if (!got.ok()) return AsUnavailable(got.status(), "GetSegments");
+  if (!got.ok()) return FromStore(got.status(), "GetSegments");
   std::vector<std::optional<std::string>> out;
   out.reserve(got->size());
   for (FetchedSegment& f : *got) {
@@ -158,7 +159,7 @@ absl::Status StoreSegments::DropRound(const std::string& session, uint32_t round
                                       const CallOptions& call) {
   auto r = client_->DropRounds(session, {round}, call);
   if (!r.ok() && r.status().code() != absl::StatusCode::kNotFound) {
-    return AsUnavailable(r.status(), absl::StrCat("DropRounds round ", round));
+    return FromStore(r.status(), absl::StrCat("DropRounds round ", round));
   }
   return absl::OkStatus();
 }
@@ -168,7 +169,7 @@ absl::Status StoreSegments::DropSegments(const std::string& session,
                                          const CallOptions& call) {
   auto r = client_->DropSegments(session, RefsOf(segments), call);
   if (!r.ok() && r.status().code() != absl::StatusCode::kNotFound) {
-    return AsUnavailable(r.status(), "DropSegments");
+    return FromStore(r.status(), "DropSegments");
   }
   return absl::OkStatus();
 }
@@ -178,7 +179,7 @@ absl::Status StoreSegments::RecordRecalls(const std::string& session,
                                           const CallOptions& call) {
   record_calls_.fetch_add(1);
   auto r = client_->RecordRecalls(session, rounds, call);
-  if (!r.ok()) return AsUnavailable(r.status(), "RecordRecalls");
+  if (!r.ok()) return FromStore(r.status(), "RecordRecalls");
   return absl::OkStatus();
 }
 
@@ -186,7 +187,7 @@ absl::StatusOr<std::vector<worker::SegmentStore::StoredRound>> StoreSegments::Li
     const std::string& session, const CallOptions& call) {
   auto r = client_->ListRounds(session, call);
   if (r.status().code() == absl::StatusCode::kNotFound) return r.status();
-  if (!r.ok()) return AsUnavailable(r.status(), "ListRounds");
+  if (!r.ok()) return FromStore(r.status(), "ListRounds");
   std::vector<StoredRound> out;
   for (const v1::RoundInfo& ri : r->rounds()) {
     StoredRound sr;
@@ -205,7 +206,7 @@ absl::StatusOr<std::vector<worker::SegmentStore::StoredRound>> StoreSegments::Li
 absl::Status StoreSegments::Delete(const std::string& session, const CallOptions& call) {
   auto r = client_->DeleteSession(session, call);
   if (!r.ok() && r.status().code() != absl::StatusCode::kNotFound) {
-    return AsUnavailable(r.status(), "DeleteSession");
+    return FromStore(r.status(), "DeleteSession");
   }
   return absl::OkStatus();
 }

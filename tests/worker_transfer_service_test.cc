@@ -263,10 +263,10 @@ TEST_F(TransferServiceTest, FailedHandOffsUndoTheStep) {
   {
     // A real kvtier-worker process, killed (-9) half way through the step.
     testing::TempDir dir;
-    std::string port;
-    const pid_t pid = SpawnWorker(dir.path(), &port);
+    std::string port, why;
+    const pid_t pid = SpawnWorker(dir.path(), &port, &why);
     ASSERT_GT(pid, 0);
-    ASSERT_FALSE(port.empty()) << "kvtier-worker did not start; see " << dir.path();
+    ASSERT_FALSE(port.empty()) << "kvtier-worker did not start: " << why;
     grpc::Status st = half_step(
         "127.0.0.1:" + port,
         [&] {
@@ -378,10 +378,10 @@ TEST_F(TransferServiceTest, StalledReceiver) {
   for (bool connected : {false, true}) {
     SCOPED_TRACE(connected ? "connected" : "not connected");
     testing::TempDir dir;
-    std::string port;
-    const pid_t pid = SpawnWorker(dir.path(), &port);
+    std::string port, why;
+    const pid_t pid = SpawnWorker(dir.path(), &port, &why);
     ASSERT_GT(pid, 0);
-    ASSERT_FALSE(port.empty()) << "kvtier-worker did not start; see " << dir.path();
+    ASSERT_FALSE(port.empty()) << "kvtier-worker did not start: " << why;
     const std::string target = "127.0.0.1:" + port;
     if (connected) {
       ASSERT_TRUE(Prefill(ps.get(), "warm", step, target).status.ok());

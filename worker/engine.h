@@ -494,10 +494,12 @@ class Engine {
   // the model, n < 1 or a bad value; RESOURCE_EXHAUSTED at layer 0 when the
   // step would exceed max_working_set_bytes; FAILED_PRECONDITION for a layer
   // out of order or while
-  // EndRound runs; UNAVAILABLE or DEADLINE_EXCEEDED (by `call.deadline`) when
-  // the recall fetch fails, and DATA_LOSS when it brings back malformed
-  // bytes: in these three the step is rolled back to before this prefill, so
-  // the engine may send the whole step again.
+  // EndRound runs; when the recall fetch fails, the store's status
+  // (UNAVAILABLE when it could not be reached, DEADLINE_EXCEEDED by
+  // `call.deadline`, DATA_LOSS for a corrupt stored segment, ...), and
+  // DATA_LOSS when it brings back malformed bytes: in these the step is
+  // rolled back to before this prefill, so the engine may send the whole
+  // step again.
   //
   // q [n, Hq, d], k and v [n, Hkv, d] are token-major rows (worker/rows.h)
   // of fp32, fp16 or bf16: K/V in the model's dtype go into the open round

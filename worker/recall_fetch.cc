@@ -124,10 +124,9 @@ absl::StatusOr<RecallReport> Engine::InstallFetch(Session& s, const std::shared_
   }
   if (!f->result.ok()) {
     const absl::Status& st = f->result.status();
-    return fail(absl::Status(st.code() == absl::StatusCode::kDeadlineExceeded
-                                 ? absl::StatusCode::kDeadlineExceeded
-                                 : absl::StatusCode::kUnavailable,
-                             absl::StrCat("recall fetch failed: ", st.message())));
+    // The store's code as it came (UNAVAILABLE for the transport's
+    // failures, DATA_LOSS for a corrupt stored segment, ...).
+    return fail(absl::Status(st.code(), absl::StrCat("recall fetch failed: ", st.message())));
   }
   if (f->result->size() != s.fetch_segments.size()) {
     return fail(absl::DataLossError("recall fetch returned a different segment count"));

@@ -19,8 +19,11 @@ namespace kvtier::worker {
 // Implementations are thread-safe: the engine calls them from several
 // threads at once, never while holding a session's lock. Every method
 // honours `call.deadline`: past it the call returns DEADLINE_EXCEEDED; a
-// store that cannot be reached gives UNAVAILABLE. `call.tenant` names the
-// end tenant the call acts for; RESOURCE_EXHAUSTED (that tenant's quota) and
+// store that cannot be reached (or a call the transport broke) gives
+// UNAVAILABLE, the only code a caller may retry as is. Every other failure is
+// the store's answer with its own code: DATA_LOSS (a stored segment failed
+// its checksum), INVALID_ARGUMENT, INTERNAL. `call.tenant` names the end
+// tenant the call acts for; RESOURCE_EXHAUSTED (that tenant's quota) and
 // PERMISSION_DENIED (the store does not let this worker act for it) come
 // back as such from every method.
 class SegmentStore {
@@ -34,8 +37,8 @@ class SegmentStore {
     uint64_t model = 0;
   };
   // Stores one segment's serialized SegmentPayload. OK; ALREADY_EXISTS
-  // (passed through as such) when the segment is stored already;
-  // DEADLINE_EXCEEDED; UNAVAILABLE for any other store failure.
+  // (passed through as such) when the segment is stored already; the
+  // failures above.
   virtual absl::Status Put(const std::string& session, const Segment& s, uint32_t layer_begin,
                            uint32_t layer_end, std::string_view payload,
                            const CallOptions& call) = 0;
@@ -67,15 +70,14 @@ class SegmentStore {
   }
   // Fetches all `segments` in ONE call, in order. OK and one payload per
   // segment; NOT_FOUND when one of them (or the session) is not stored (a
-  // round dropped under pressure); DEADLINE_EXCEEDED; UNAVAILABLE otherwise.
+  // round dropped under pressure); the failures above.
   virtual absl::StatusOr<std::vector<std::string>> Get(const std::string& session,
                                                        const std::vector<Segment>& segments,
                                                        const CallOptions& call) = 0;
   // Get, except that a segment the store does not hold (its round dropped
   // under pressure; or the whole session) comes back as nullopt in its
-  // place instead of failing the call. DEADLINE_EXCEEDED; UNAVAILABLE
-  // otherwise. Stores that can answer it in one call override it; the
-  // default calls Get, and after a NOT_FOUND Get for each segment alone.
+  // place instead of failing the call; the failures above. Stores that can answer it in one call
+  // override it; the default calls Get, and after a NOT_FOUND Get for each segment alone.
   virtual absl::StatusOr<std::vector<std::optional<std::string>>> GetPresent(
       const std::string& session, const std::vector<Segment>& segments, const CallOptions& call) {
     absl::StatusOr<std::vector<std::string>> all = Get(session, segments, call);

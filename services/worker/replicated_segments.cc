@@ -30,10 +30,12 @@ CallOptions ShareOf(const CallOptions& call, size_t i, size_t n) {
   return c;
 }
 
-// Reads go on to the next replica after these.
+// Reads go on to the next replica after these (DATA_LOSS: this replica's
+// copy failed its checksum; another may hold it whole).
 bool NextReplica(const absl::Status& s, const CallOptions& call) {
   const absl::StatusCode c = s.code();
   return c == absl::StatusCode::kUnavailable || c == absl::StatusCode::kNotFound ||
+         c == absl::StatusCode::kDataLoss ||
          (c == absl::StatusCode::kDeadlineExceeded && absl::Now() < call.deadline);
 }
 

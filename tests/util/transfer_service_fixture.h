@@ -5,6 +5,7 @@
 #define KVTIER_TESTS_UTIL_TRANSFER_SERVICE_FIXTURE_H_
 
 #include <sys/types.h>
+#include <sys/wait.h>
 
 #include <cstring>
 #include <fstream>
@@ -174,18 +175,31 @@ class TransferServiceTest : public ::testing::Test {
   }
 
   // A kvtier-worker process over the test's store, logging into `dir`;
-  // `port` is empty when it did not start.
-  pid_t SpawnWorker(const std::string& dir, std::string* port) {
+  // `port` is empty when it did not start within 60 s (a loaded 2-core
+  // machine starts it in well under that) or exited first; then *why holds
+  // its exit and the tail of its log.
+  pid_t SpawnWorker(const std::string& dir, std::string* port, std::string* why) {
     const std::string port_file = dir + "/port";
     const pid_t pid = SpawnLogged(
         {KVTIER_WORKER_BINARY_PATH, "--listen=127.0.0.1:0", "--port_file=" + port_file,
          "--metrics_listen=", "--placement=host", "--store=" + stack_.store()->target()},
         dir + "/worker.log");
-    for (int i = 0; pid > 0 && i < 300 && port->empty(); ++i) {
+    const absl::Time until = absl::Now() + absl::Seconds(60);
+    int status = 0;
+    bool exited = false;
+    while (pid > 0 && port->empty() && !exited && absl::Now() < until) {
       // Timed: a kvtier-worker process writes its port file once started.
       absl::SleepFor(absl::Milliseconds(20));
       std::ifstream in(port_file);
       std::getline(in, *port);
+      exited = port->empty() && waitpid(pid, &status, WNOHANG) == pid;
+    }
+    if (port->empty()) {
+      std::ifstream log(dir + "/worker.log");
+      std::string line, tail;
+      while (std::getline(log, line)) tail = tail.size() > 4000 ? line : tail + line + "\n";
+      *why = absl::StrCat(exited ? absl::StrCat("exited with status ", status) : "no port in 60 s",
+                          "; its log:\n", tail);
     }
     return pid;
   }
