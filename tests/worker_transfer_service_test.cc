@@ -250,12 +250,12 @@ TEST_F(TransferServiceTest, FailedHandOffsUndoTheStep) {
   grpc::Status cancelled = half_step(
       Target(*d), [] {}, /*cancel=*/true);
   EXPECT_EQ(cancelled.error_code(), grpc::StatusCode::CANCELLED);
-  for (int i = 0; i < 100 && p->engine()->Stats("s")->tokens != 0; ++i) {
+  for (int i = 0; i < 1000 && p->engine()->Stats("s")->tokens != 0; ++i) {
     // Timed: the receiver rolls the cancelled step back on its own threads.
     absl::SleepFor(absl::Milliseconds(10));
   }
   EXPECT_EQ(p->engine()->Stats("s")->tokens, 0u);
-  for (int i = 0; i < 100 && d->engine()->totals().sessions != 0; ++i) {
+  for (int i = 0; i < 1000 && d->engine()->totals().sessions != 0; ++i) {
     // Timed: as above, for the session the decode worker drops.
     absl::SleepFor(absl::Milliseconds(10));
   }
