@@ -71,26 +71,7 @@ v1::EncodedTensor MetaOf(const TensorHeader& h, uint32_t layer_begin) {
 
 }  // namespace
 
-v1::CodecParams ToParams(const CodecConfig& c) {
-  // The header of a tensor of one token per slab keeps every parameter the
-  // codec uses; its residual is the config's, not clipped.
-  TensorHeader h;
-  h.codec = c.codec;
-  if (c.codec != Codec::kRaw) {
-    h.bits = c.bits;
-    const bool gear = c.codec == Codec::kGear || c.codec == Codec::kGearL;
-    const bool grouped = c.codec == Codec::kKivi || (gear && c.backbone == Codec::kKivi);
-    if (grouped) h.group_size = c.group_size;
-    h.residual_tokens = c.residual_tokens;
-    h.block_tokens = c.block_tokens;
-    if (gear) {
-      h.rank = c.rank;
-      h.backbone = c.backbone;
-      if (c.codec == Codec::kGear) h.outlier_fraction = c.outlier_fraction;
-    }
-  }
-  return ParamsOf(h);
-}
+v1::CodecParams ToParams(const CodecConfig& c) { return ParamsOf(ParamsHeader(c)); }
 
 TensorHeader HeaderOf(const v1::EncodedTensor& t) {
   TensorHeader h;

@@ -429,22 +429,11 @@ absl::Status CheckInput(const CodecConfig& c, const Layout& l, const float* data
 // The header a tensor of this config and layout carries.
 TensorHeader HeaderFor(const CodecConfig& c, const Layout& l, TensorRole role,
                        absl::Span<const int64_t> shape) {
-  TensorHeader h;
-  h.codec = c.codec;
+  TensorHeader h = ParamsHeader(c);
   h.role = role;
   h.dtype = c.dtype;
   h.shape.assign(shape.begin(), shape.end());
-  if (c.codec == Codec::kRaw) return h;
-  h.bits = c.bits;
-  const bool grouped = c.codec == Codec::kKivi || (IsGear(c.codec) && c.backbone == Codec::kKivi);
-  if (grouped) h.group_size = c.group_size;
-  h.residual_tokens = l.res;
-  h.block_tokens = c.block_tokens;
-  if (IsGear(c.codec)) {
-    h.rank = c.rank;
-    h.backbone = c.backbone;
-    if (c.codec == Codec::kGear) h.outlier_fraction = c.outlier_fraction;
-  }
+  if (c.codec != Codec::kRaw) h.residual_tokens = l.res;
   return h;
 }
 
@@ -573,6 +562,23 @@ void EncodeBuffers(const CodecConfig& c, const Layout& l, const float* data, con
 }
 
 }  // namespace
+
+TensorHeader ParamsHeader(const CodecConfig& c) {
+  TensorHeader h;
+  h.codec = c.codec;
+  if (c.codec == Codec::kRaw) return h;
+  h.bits = c.bits;
+  const bool grouped = c.codec == Codec::kKivi || (IsGear(c.codec) && c.backbone == Codec::kKivi);
+  if (grouped) h.group_size = c.group_size;
+  h.residual_tokens = c.residual_tokens;
+  h.block_tokens = c.block_tokens;
+  if (IsGear(c.codec)) {
+    h.rank = c.rank;
+    h.backbone = c.backbone;
+    if (c.codec == Codec::kGear) h.outlier_fraction = c.outlier_fraction;
+  }
+  return h;
+}
 
 absl::StatusOr<int64_t> EncodedBufferBytes(const CodecConfig& c, TensorRole role,
                                            absl::Span<const int64_t> shape) {

@@ -108,6 +108,11 @@ struct TensorHeader {
   absl::InlinedVector<int64_t, 8> shape;
 };
 
+// The parameters `c` records in a tensor's header: those its codec uses
+// (the others 0), the residual as configured (an encoded tensor's is at most
+// its tokens). Role, dtype and shape are left unset.
+TensorHeader ParamsHeader(const CodecConfig& c);
+
 // One buffer of a tensor, as a view of bytes held elsewhere.
 struct BufferView {
   BufferKind kind = BufferKind::kUnspecified;
