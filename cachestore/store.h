@@ -355,6 +355,18 @@ class Store {
   absl::StatusOr<RecallResult> RecordRecalls(const std::string& tenant, const std::string& session,
                                              const std::vector<uint32_t>& rounds);
 
+  struct ChainResult {
+    uint32_t found = 0;        // sessions[0, found) are stored.
+    uint64_t found_bytes = 0;  // Their readable segments' bytes.
+  };
+  // The prefix lookup of a chain of content-addressed blocks (one session
+  // each): walks `sessions` in order, stopping at the first unknown session
+  // or one without a readable segment. The ones found count as accessed
+  // (idle time and TTL restart). INVALID_ARGUMENT on a bad name (nothing
+  // touched). Thread-safe.
+  absl::StatusOr<ChainResult> LookupChain(const std::string& tenant,
+                                          const std::vector<std::string>& sessions);
+
   // NOT_FOUND for an unknown session.
   absl::StatusOr<DropResult> DeleteSession(const std::string& tenant, const std::string& session);
 

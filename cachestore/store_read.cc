@@ -344,6 +344,32 @@ absl::StatusOr<SessionInfo> Store::ListRounds(const std::string& tenant,
   return info;
 }
 
+absl::StatusOr<Store::ChainResult> Store::LookupChain(const std::string& tenant,
+                                                     const std::vector<std::string>& sessions) {
+  for (const std::string& name : sessions) KVT_RETURN_IF_ERROR(ValidateName("session_id", name));
+  ChainResult result;
+  absl::MutexLock lock(&mu_);
+  const int64_t now = options_.clock->NowUnixMs();
+  for (const std::string& name : sessions) {
+    SessionEntry* s = FindSessionLocked(SessionKey(tenant, name));
+    if (s == nullptr) break;
+    uint64_t bytes = 0;
+    bool readable = false;
+    for (const auto& [rn, r] : s->rounds) {
+      for (const auto& [sn, e] : r.segments) {
+        if (e.info.state == SegmentState::kWriting) continue;
+        readable = true;
+        bytes += e.info.payload_bytes;
+      }
+    }
+    if (!readable) break;
+    TouchSessionLocked(*s, now);
+    ++result.found;
+    result.found_bytes += bytes;
+  }
+  return result;
+}
+
 Store::SessionPage Store::ListSessions(const std::string& tenant, int64_t min_idle_ms, size_t limit,
                                        const std::string& start_after, size_t scan_names) const {
   SessionPage page;

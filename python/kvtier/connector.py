@@ -6,7 +6,7 @@ q/k/v to kvtier-worker and bring back the layer's attention output instead of
 K/V blocks. One request id is one conversation (a kvtier session); a turn of
 the conversation is a round, ended by request_finished.
 
-    conn = KvtierConnector("127.0.0.1:7071", ModelSpec(...), Policy(recall="mass:0.95"))
+    conn = AttentionConnector("127.0.0.1:7071", ModelSpec(...), Policy(recall="mass:0.95"))
     conn.start_load_kv("chat-1", num_tokens=len(prompt), prefill=True)
     for layer in range(L):                       # inside the model's forward
         conn.save_kv_layer("chat-1", layer, q, k, v)
@@ -32,7 +32,7 @@ import numpy as np
 from kvtier._common import KvtierError
 from kvtier.worker import ModelSpec, Policy, PrefillStep, Session, WorkerClient
 
-__all__ = ["KvtierConnector"]
+__all__ = ["AttentionConnector"]
 
 
 @dataclasses.dataclass
@@ -46,7 +46,7 @@ class _Request:
     rounds: list = dataclasses.field(default_factory=list)
 
 
-class KvtierConnector:
+class AttentionConnector:
     def __init__(self, worker: "str | WorkerClient | InProcessWorker", model: ModelSpec,
                  policy: Optional[Policy] = None, token: Optional[str] = None,
                  skew: Optional[bytes] = None):

@@ -9,7 +9,7 @@ what it keeps between rounds. Same sessions as WorkerClient, no hop per layer.
     s.decode_layer(0, q1, k1, v1)
     s.end_round(); s.close()
 
-KvtierConnector takes an InProcessWorker in place of a WorkerClient. Arrays
+AttentionConnector takes an InProcessWorker in place of a WorkerClient. Arrays
 are float32 (others are converted); errors raise KvtierError with the status
 the engine gave. The module is kvtier._inproc, built from python/src with
 pybind11 (Debian's pybind11-dev).

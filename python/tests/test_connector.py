@@ -1,4 +1,4 @@
-"""KvtierConnector driving kvtier-worker from the numpy llama2.c model on the
+"""AttentionConnector driving kvtier-worker from the numpy llama2.c model on the
 sample conversations (traces/stories260k_chats.jsonl): the tier's logits match
 an in-process full cache, and its greedy answers on the scored spans match the
 ones the C++ reference engine recorded in the file."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import BUILD, SOURCE, require_model
-from kvtier import KvtierConnector, ModelSpec, Policy
+from kvtier import AttentionConnector, ModelSpec, Policy
 from kvtier.llama import FullCacheAttention, Llama
 
 CONVERSATIONS = os.path.join(SOURCE, "traces", "stories260k_chats.jsonl")
@@ -87,7 +87,7 @@ def test_replay_matches_full_cache_and_reference_engine(stack, mode):
     c = m.config
     spec = ModelSpec(c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, dtype="float32")
     target = worker.address if mode == "remote" else in_process(store.address)
-    conn = KvtierConnector(target, spec, Policy(recall="all"))
+    conn = AttentionConnector(target, spec, Policy(recall="all"))
     worst, flips, scored, positions = 0.0, 0, 0, 0
     for i, conv in enumerate(load_conversations()):
         rounds = replay(m, conn, conv, f"{mode}-{i}")
@@ -133,7 +133,7 @@ def test_speculation_through_the_connector(stack, mode):
     c = m.config
     store, worker = stack
     target = worker.address if mode == "remote" else in_process(store.address)
-    conn = KvtierConnector(target, spec,
+    conn = AttentionConnector(target, spec,
                            Policy(recall="all", speculation_alpha=4, speculation_budget=16),
                            skew=skew)
     conv = load_conversations()[0]
@@ -157,7 +157,7 @@ def test_speculation_pool_through_the_connector(stack):
     m, spec, skew = speculating(require_model())
     _, worker = stack
     cap = 32768
-    conn = KvtierConnector(worker.address, spec,
+    conn = AttentionConnector(worker.address, spec,
                            Policy(recall="all", speculation_alpha=4, speculation_pool_bytes=cap),
                            skew=skew)
     conv = load_conversations()[0]

@@ -682,6 +682,25 @@ grpc::ServerUnaryReactor* StoreService::RecordRecalls(grpc::CallbackServerContex
       });
 }
 
+grpc::ServerUnaryReactor* StoreService::LookupChain(grpc::CallbackServerContext* ctx,
+                                                    const grpc::ByteBuffer* raw,
+                                                    grpc::ByteBuffer* out) {
+  return Unary<v1::LookupChainRequest, v1::LookupChainResponse>(
+      ctx, "LookupChain", false, raw, out,
+      [this](const Principal& p, const v1::LookupChainRequest* req,
+             v1::LookupChainResponse* resp) -> absl::Status {
+        if (req->session_ids_size() == 0 || req->session_ids_size() > 4096) {
+          return absl::InvalidArgumentError("LookupChain takes 1 to 4096 session ids");
+        }
+        std::vector<std::string> ids(req->session_ids().begin(), req->session_ids().end());
+        auto r = store_->LookupChain(p.tenant, ids);
+        if (!r.ok()) return r.status();
+        resp->set_found(r->found);
+        resp->set_found_bytes(r->found_bytes);
+        return absl::OkStatus();
+      });
+}
+
 grpc::ServerUnaryReactor* StoreService::DeleteSession(grpc::CallbackServerContext* ctx,
                                                       const grpc::ByteBuffer* raw,
                                                       grpc::ByteBuffer* out) {

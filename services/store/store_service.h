@@ -72,7 +72,8 @@ class StoreService final
                                   v1::Store::WithRawCallbackMethod_PinSession<
                                       v1::Store::WithRawCallbackMethod_ListSessions<
                                           v1::Store::WithRawCallbackMethod_Stats<
-                                              v1::Store::CallbackService>>>>>>>>>>> {
+                                              v1::Store::WithRawCallbackMethod_LookupChain<
+                                                  v1::Store::CallbackService>>>>>>>>>>>> {
  public:
   StoreService(cachestore::Store* store, cachestore::QuotaManager* quotas,
                const Authenticator* auth, Executor* executor, StoreMetrics* metrics,
@@ -112,6 +113,9 @@ class StoreService final
                                          grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
                                   grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* LookupChain(grpc::CallbackServerContext* ctx,
+                                        const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
 
  private:
   class PutReactor;
