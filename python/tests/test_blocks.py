@@ -188,3 +188,39 @@ def test_blocks_in_the_store_are_found_by_prefix_and_kept_per_tenant(store):
     finally:
         alice.close()
         bob.close()
+
+
+def test_one_call_fetches_blocks_of_many_sessions_in_order(store):
+    import grpc
+    from kvtier.v1 import store_pb2
+    alice = BlockStore(store, "alice-token-1")
+    try:
+        big = BlockLayout(num_layers=4, num_kv_heads=2, head_dim=128, block_tokens=1024)
+        rng = np.random.default_rng(5)
+        shape = (4, 2, 1024, 128)
+        large = encode_block(bf16_bits(rng.normal(size=shape)), bf16_bits(rng.normal(size=shape)),
+                             big)
+        assert len(large) > 3 << 20  # comes as a header and chunks, not in a batch
+        k, v = kv(6)
+        small = encode_block(k, v, LAYOUT)
+        assert alice.put([("blk.many-small", small)], LAYOUT.num_layers) == {}
+        assert alice.put([("blk.many-large", large)], big.num_layers) == {}
+        got = alice.get(["blk.many-none", "blk.many-large", "blk.many-small", "blk.many-gone"])
+        assert got == [None, large, small, None]
+        # ref_sessions is one session per ref, and session_id stays empty.
+        for req in (store_pb2.GetSegmentsRequest(session_id="blk.many-small",
+                                                 ref_sessions=["blk.many-small"]),
+                    store_pb2.GetSegmentsRequest(ref_sessions=["blk.many-small"] * 2)):
+            req.refs.add(round=0, segment=0)
+            with pytest.raises(grpc.RpcError) as e:
+                list(alice._stub.GetSegments(req, metadata=alice.settings.metadata()))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # Without missing_ok an unknown session fails the call.
+        req = store_pb2.GetSegmentsRequest(ref_sessions=["blk.many-small", "blk.many-none"])
+        req.refs.add(round=0, segment=0)
+        req.refs.add(round=0, segment=0)
+        with pytest.raises(grpc.RpcError) as e:
+            list(alice._stub.GetSegments(req, metadata=alice.settings.metadata()))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        alice.close()

@@ -360,15 +360,29 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
                                                    request_.refs_size())));
       return;
     }
-    absl::flat_hash_set<std::pair<uint32_t, uint32_t>> seen;
-    for (const auto& r : request_.refs()) {
-      if (!seen.insert({r.round(), r.segment()}).second) {
-        Done(absl::InvalidArgumentError(absl::StrCat("GetSegments names round ", r.round(),
-                                                     " segment ", r.segment(), " twice")));
+    const bool many = request_.ref_sessions_size() > 0;
+    if (many && (request_.ref_sessions_size() != request_.refs_size() ||
+                 !request_.session_id().empty())) {
+      Done(absl::InvalidArgumentError(absl::StrCat(
+          "GetSegments with ref_sessions takes one session per ref (", request_.refs_size(),
+          " refs, ", request_.ref_sessions_size(), " sessions) and no session_id")));
+      return;
+    }
+    absl::flat_hash_set<std::tuple<std::string_view, uint32_t, uint32_t>> seen;
+    for (int i = 0; i < request_.refs_size(); ++i) {
+      const auto& r = request_.refs(i);
+      if (!seen.insert({SessionOf(i), r.round(), r.segment()}).second) {
+        Done(absl::InvalidArgumentError(absl::StrCat("GetSegments names session ", SessionOf(i),
+                                                     " round ", r.round(), " segment ",
+                                                     r.segment(), " twice")));
         return;
       }
     }
-    Prepare();
+    if (many) {
+      PrepareMany();
+    } else {
+      Prepare();
+    }
   }
 
   void OnWriteDone(bool ok) override {
@@ -400,6 +414,51 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
     Pump();
   }
 
+  const std::string& SessionOf(size_t i) const {
+    return request_.ref_sessions_size() > 0 ? request_.ref_sessions(static_cast<int>(i))
+                                            : request_.session_id();
+  }
+
+  // Prepare for refs of several sessions: each session's refs are checked
+  // together, in order of first appearance, within one byte budget.
+  void PrepareMany() {
+    const int n = request_.refs_size();
+    ids_.resize(n);
+    missing_.assign(n, false);
+    std::vector<std::string_view> order;
+    absl::flat_hash_map<std::string_view, std::vector<int>> by_session;
+    for (int i = 0; i < n; ++i) {
+      ids_[i] = {request_.refs(i).round(), request_.refs(i).segment()};
+      auto [it, fresh] = by_session.try_emplace(SessionOf(i));
+      if (fresh) order.push_back(it->first);
+      it->second.push_back(i);
+    }
+    uint64_t budget = svc_->options_.max_get_bytes;
+    for (std::string_view session : order) {
+      const std::vector<int>& refs = by_session[session];
+      std::vector<SegmentId> ids;
+      ids.reserve(refs.size());
+      for (int i : refs) ids.push_back(ids_[i]);
+      std::vector<bool> missing;
+      absl::StatusOr<std::vector<cachestore::SegmentInfo>> infos = svc_->store_->PrepareRead(
+          principal_.tenant, std::string(session), ids, budget, !request_.uncounted(),
+          request_.missing_ok() ? &missing : nullptr);
+      if (!infos.ok() && absl::IsNotFound(infos.status()) && request_.missing_ok()) {
+        for (int i : refs) missing_[i] = true;  // An unknown session.
+        continue;
+      }
+      if (!infos.ok()) {
+        Done(infos.status());
+        return;
+      }
+      for (size_t j = 0; j < refs.size(); ++j) {
+        if (j < missing.size() && missing[j]) missing_[refs[j]] = true;
+      }
+      for (const cachestore::SegmentInfo& info : *infos) budget -= info.payload_bytes;
+    }
+    Pump();
+  }
+
   // Starts the next write: the current segment's header or next chunk, or a
   // batch, loading segments as needed (those in RAM here, one on disk on the
   // executor, which comes back with it in `loaded`); finishes the call after
@@ -423,8 +482,7 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
         loaded = absl::NotFoundError("not stored");  // Answered as missing below.
       }
       if (!loaded.has_value()) {
-        loaded =
-            svc_->store_->TryReadSegment(principal_.tenant, request_.session_id(), ids_[next_]);
+        loaded = svc_->store_->TryReadSegment(principal_.tenant, SessionOf(next_), ids_[next_]);
       }
       if (!loaded.has_value()) {
         // On disk: what is batched goes first; the read comes after it.
@@ -433,7 +491,7 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
           return;
         }
         svc_->executor_->Schedule([this] {
-          Pump(svc_->store_->ReadSegment(principal_.tenant, request_.session_id(), ids_[next_]));
+          Pump(svc_->store_->ReadSegment(principal_.tenant, SessionOf(next_), ids_[next_]));
         });
         return;
       }
