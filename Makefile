@@ -38,7 +38,7 @@ bench: build
 # token per turn, bytes per codec, shared prefixes, the load path
 # (bench/vllm_bench.py, docs/vllm.md). Builds the vLLM venv on first use.
 bench-vllm: build
-	scripts/vllm_python.sh build bench/vllm_bench.py --store_binary build/services/store/kvtier-store \
+	scripts/vllm_python.sh bench/vllm_bench.py --store_binary build/services/store/kvtier-store \
 	  --model $$(scripts/kvtier.sh vllm-model)
 
 # The test suite under AddressSanitizer + UBSan, in its own build tree.

@@ -13,5 +13,5 @@ if [ -z "${KVTIER_VLLM_PYTHON:-}" ] || [ -z "${KVTIER_VLLM_MODEL:-}" ]; then
     "and KVTIER_VLLM_MODEL=\$(scripts/kvtier.sh vllm-model)"
   exit 77
 fi
-exec "$src/scripts/vllm_python.sh" "$build" "$src/tests/vllm_check.py" \
+exec "$src/scripts/vllm_python.sh" "$src/tests/vllm_check.py" \
   --store_binary "$build/services/store/kvtier-store" --model "$KVTIER_VLLM_MODEL"

@@ -367,10 +367,12 @@ class KvtierConnector(KVConnectorBase_V1):
                         load_seconds=time.perf_counter() - start)
 
     def _as_torch(self, a: np.ndarray) -> torch.Tensor:
+        # Raw blocks decode to views of the received bytes, which are read-only.
+        a = np.require(a, requirements=["C", "W"])
         if self._layout.dtype == "fp32":
-            return torch.from_numpy(np.ascontiguousarray(a))
+            return torch.from_numpy(a)
         dtype = torch.bfloat16 if self._layout.dtype == "bf16" else torch.float16
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(dtype)
+        return torch.from_numpy(a.view(np.int16)).view(dtype)
 
     def _as_numpy(self, t: torch.Tensor) -> np.ndarray:
         if t.dtype == torch.float32:
