@@ -29,7 +29,7 @@ PACKAGES=(g++ cmake make pkg-config libgrpc++-dev protobuf-compiler-grpc libprot
   protobuf-compiler librocksdb-dev prometheus-cpp-dev libcivetweb-dev libabsl-dev libgtest-dev libgmock-dev
   libbenchmark-dev libssl-dev openssl clang libclang-rt-14-dev python3 iproute2 curl
   libcurl4-openssl-dev etcd-server systemd python3-grpcio python3-protobuf python3-numpy
-  python3-pytest python3-crc32c python3-venv python3-dev pybind11-dev python3-yaml gnuplot-nox)
+  python3-pytest python3-crc32c python3-setuptools python3-wheel python3-venv python3-dev pybind11-dev python3-yaml gnuplot-nox)
 
 deps() {
   local missing=()

@@ -16,21 +16,26 @@ the conversation is a round, ended by request_finished.
     conn.request_finished("chat-1")              # EndRound: the turn is stored
     conn.close("chat-1")                         # when the conversation ends
 
-save_kv_layer sends at once; wait_for_layer_load waits for that layer's
-output, so an engine can do other work between the two. A failed step raises
-KvtierError; the worker has rolled it back, and the engine runs the step again
-(start_load_kv again, every layer from 0).
+save_kv_layer queues the layer and returns: one sender thread per connector
+sends the queued layers in order, so the send overlaps whatever the engine
+does before wait_for_layer_load (another request's layer, say), which waits
+for that layer's output. The arrays given to save_kv_layer must stay
+unchanged until that layer's wait_for_layer_load returns. A connector may be
+used from one engine thread at a time. A failed step raises KvtierError (at
+wait_for_layer_load or wait_for_save); the worker has rolled it back, and
+the engine runs the step again (start_load_kv again, every layer from 0).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, Optional
 
 import numpy as np
 
 from kvtier._common import KvtierError
-from kvtier.worker import ModelSpec, Policy, PrefillStep, Session, WorkerClient
+from kvtier.worker import ModelSpec, Policy, PrefillStep, Session, WorkerClient, _check
 
 __all__ = ["AttentionConnector"]
 
@@ -41,8 +46,10 @@ class _Request:
     step: Optional[PrefillStep] = None
     prefill: bool = False
     num_tokens: int = 0
-    outputs: Dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    # Each saved layer's send, resolving to its attention output.
+    outputs: Dict[int, Future] = dataclasses.field(default_factory=dict)
     q_next: Optional[np.ndarray] = None
+    failed: bool = False  # A send of this step failed; the step is abandoned.
     rounds: list = dataclasses.field(default_factory=list)
 
 
@@ -60,6 +67,7 @@ class AttentionConnector:
         if skew is not None:
             self.policy.speculation_skew = self.worker.put_skew(skew).skew_id
         self._requests: Dict[str, _Request] = {}
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-connector")
 
     # ---- the step ----
 
@@ -74,7 +82,11 @@ class AttentionConnector:
             r = self._requests[request_id] = _Request(s)
         if not prefill and num_tokens != 1:
             raise ValueError(f"a decode step carries one token, not {num_tokens}")
-        # The previous step ends here if the engine did not end it.
+        # The previous step ends here if the engine did not end it; one
+        # that failed was abandoned, and this step runs it again.
+        if r.failed:
+            self._drain(r)
+            r.failed = False
         self.wait_for_save(request_id)
         r.prefill, r.num_tokens = prefill, num_tokens
         r.outputs.clear()
@@ -82,20 +94,24 @@ class AttentionConnector:
 
     def save_kv_layer(self, request_id: str, layer: int, q: np.ndarray, k: np.ndarray,
                       v: np.ndarray) -> None:
-        """The layer's new q [n, q_heads, d] and k, v [n, kv_heads, d]
-        (post-RoPE), sent to the worker."""
+        """Queues the layer's new q [n, q_heads, d] and k, v [n, kv_heads, d]
+        (post-RoPE) for the worker and returns."""
         r = self._get(request_id)
-        try:
-            if r.prefill:
-                r.outputs[layer] = r.step.layer(layer, q, k, v)
-            else:
-                r.outputs[layer] = r.session.decode_layer(layer, q, k, v, r.q_next)
-                r.q_next = None
-        except KvtierError:
-            if r.step is not None:
-                r.step.abandon()
-                r.step = None
-            raise
+        if layer in r.outputs:
+            raise ValueError(f"{request_id}: layer {layer} was already saved in this step")
+        # Shapes are checked here, so a wrong one fails the call that made it.
+        spec = r.session.model
+        n = r.num_tokens
+        _check(q, n, spec.q_heads, spec.head_dim, "q")
+        _check(k, n, spec.kv_heads, spec.head_dim, "k")
+        _check(v, n, spec.kv_heads, spec.head_dim, "v")
+        q_next, r.q_next = r.q_next, None
+        if r.prefill:
+            step = r.step
+            r.outputs[layer] = self._sender.submit(step.layer, layer, q, k, v)
+        else:
+            r.outputs[layer] = self._sender.submit(r.session.decode_layer, layer, q, k, v,
+                                                   q_next)
 
     def save_next_layer_query(self, request_id: str, q_next: np.ndarray) -> None:
         """For a speculating session: the next layer's approximate query
@@ -103,19 +119,49 @@ class AttentionConnector:
         self._get(request_id).q_next = q_next
 
     def wait_for_layer_load(self, request_id: str, layer: int) -> np.ndarray:
-        """The layer's attention output [n, q_heads, d] (float32)."""
+        """The layer's attention output [n, q_heads, d] (float32), once its
+        send is answered. KvtierError: the step failed and was abandoned."""
         r = self._get(request_id)
         try:
-            return r.outputs.pop(layer)
+            sent = r.outputs.pop(layer)
         except KeyError:
             raise ValueError(f"{request_id}: layer {layer} was not saved in this step") from None
+        try:
+            return sent.result()
+        except KvtierError:
+            self._abandon(r)
+            raise
 
     def wait_for_save(self, request_id: str) -> None:
-        """Ends the step (every layer sent)."""
+        """Ends the step: waits for every queued layer, then closes the step.
+        KvtierError: a send failed and the step was abandoned."""
         r = self._get(request_id)
+        try:
+            for layer in sorted(r.outputs):
+                r.outputs[layer].result()
+        except KvtierError:
+            self._abandon(r)
+            raise
         if r.step is not None:
             step, r.step = r.step, None
             step.finish()
+
+    def _abandon(self, r: _Request) -> None:
+        r.failed = True
+        self._drain(r)
+        if r.step is not None:
+            r.step.abandon()
+            r.step = None
+
+    @staticmethod
+    def _drain(r: _Request) -> None:
+        """Waits out the step's queued sends, whatever their outcome."""
+        for sent in r.outputs.values():
+            try:
+                sent.result()
+            except KvtierError:
+                pass
+        r.outputs.clear()
 
     # ---- the turn and the conversation ----
 
@@ -132,6 +178,7 @@ class AttentionConnector:
         r = self._requests.pop(request_id, None)
         if r is None:
             return
+        self._drain(r)
         if r.step is not None:
             r.step.abandon()
         r.session.close(delete_from_store)
