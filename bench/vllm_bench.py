@@ -22,7 +22,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -102,17 +101,7 @@ def spawn(phase, plan, work, env):
     path = os.path.join(work, "plan.json")
     with open(path, "w") as f:
         json.dump(plan, f)
-    out = os.path.join(work, f"{phase}.json")
-    log = os.path.join(work, f"{phase}.log")
-    with open(log, "w") as f:
-        rc = subprocess.call([sys.executable, os.path.abspath(__file__), "--phase", phase,
-                              "--plan", path, "--out", out], stdout=f, stderr=subprocess.STDOUT,
-                             env=env, timeout=1800)
-    if rc != 0 or not os.path.exists(out):
-        with open(log) as f:
-            raise RuntimeError(f"phase {phase} failed (exit {rc}):\n{f.read()[-4000:]}")
-    with open(out) as f:
-        return json.load(f)
+    return harness.spawn_phase(phase, path, work, env, script=__file__, timeout=1800)
 
 
 def tenant_bytes(address, token):
@@ -183,9 +172,6 @@ def main():
     if argv.phase:
         return run_phase(argv)
 
-    from transformers import AutoTokenizer
-    from kvtier.vllm import model_digest
-
     import torch
     print(f"vllm_bench: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, ISA {torch.backends.cpu.get_cpu_capability()}",
@@ -193,21 +179,10 @@ def main():
     work = tempfile.mkdtemp(prefix="kvtier-vllm-bench-")
     store = harness.Store(argv.store_binary, work)
     try:
-        tok = AutoTokenizer.from_pretrained(argv.model)
-
-        def ids(text):
-            return tok(text, add_special_tokens=False).input_ids
-
-        token_file = os.path.join(work, "alice.token")
-        with open(token_file, "w") as f:
-            f.write("alice-token-0001\n")
-        plan = {"model": argv.model, "store": store.address, "token_file": token_file,
-                "token": "alice-token-0001", "namespace": "alice",
-                "digest": model_digest(argv.model), "work": work,
-                "system": [tok.bos_token_id] + ids(harness.SYSTEM),
-                "user": ids(harness.turn_text(USER)),
-                "questions": [ids(harness.turn_text(f"Question {i}: what should bed {i} grow?"))
-                              for i in range(SHARED_CHATS)]}
+        plan, ids = harness.base_plan(argv.model, store, work)
+        plan["user"] = ids(harness.turn_text(USER))
+        plan["questions"] = [ids(harness.turn_text(f"Question {i}: what should bed {i} grow?"))
+                             for i in range(SHARED_CHATS)]
         env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
         results = {}
         for mode in ["recompute", "prefix-cache"] + CODECS:
@@ -216,7 +191,6 @@ def main():
             results[mode]["bytes"] = tenant_bytes(store.address, plan["token"]) - before
             if mode == "recompute":
                 plan["answers"] = results[mode]["answers"]
-            print(f"  {mode}: done", flush=True)
         plan["longest"] = list(plan["system"])
         for t in range(TURNS):
             plan["longest"] += plan["user"] + plan["answers"][t]

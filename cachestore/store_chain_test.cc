@@ -47,7 +47,8 @@ TEST_F(StoreTest, LookupChainSeesOnlyTheCallersTenant) {
 TEST_F(StoreTest, LookupChainKeepsAReadChainAliveSoTailsExpireFirst) {
   options_.default_ttl_seconds = 60;
   Open();
-  for (const char* b : {"b.0", "b.1", "b.2"}) ASSERT_THAT(Put(b, 0, 0, MakePayload(100, 1)), IsOk());
+  for (const char* b : {"b.0", "b.1", "b.2"})
+    ASSERT_THAT(Put(b, 0, 0, MakePayload(100, 1)), IsOk());
   clock_.AdvanceMs(40'000);
   // A later request matched only the first two blocks.
   KVT_ASSERT_OK_AND_ASSIGN(auto r, store_->LookupChain("t1", {"b.0", "b.1"}));

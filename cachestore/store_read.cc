@@ -345,7 +345,7 @@ absl::StatusOr<SessionInfo> Store::ListRounds(const std::string& tenant,
 }
 
 absl::StatusOr<Store::ChainResult> Store::LookupChain(const std::string& tenant,
-                                                     const std::vector<std::string>& sessions) {
+                                                      const std::vector<std::string>& sessions) {
   for (const std::string& name : sessions) KVT_RETURN_IF_ERROR(ValidateName("session_id", name));
   ChainResult result;
   absl::MutexLock lock(&mu_);

@@ -233,14 +233,16 @@ def run_phase(argv):
 
 # ---- the driver ----
 
-def spawn_phase(phase, plan_path, work, env):
+def spawn_phase(phase, plan_path, work, env, script=__file__, timeout=900):
+    """Runs `script --phase PHASE --plan PLAN --out OUT` in a fresh process
+    (a fresh vLLM) and returns the JSON it wrote; its log on failure."""
     out = os.path.join(work, f"{phase}.json")
     log = os.path.join(work, f"{phase}.log")
     start = time.time()
     with open(log, "w") as f:
-        rc = subprocess.call([sys.executable, os.path.abspath(__file__), "--phase", phase,
+        rc = subprocess.call([sys.executable, os.path.abspath(script), "--phase", phase,
                               "--plan", plan_path, "--out", out], stdout=f,
-                             stderr=subprocess.STDOUT, env=env, timeout=900)
+                             stderr=subprocess.STDOUT, env=env, timeout=timeout)
     if rc != 0 or not os.path.exists(out):
         with open(log) as f:
             tail = f.read()[-4000:]
@@ -248,6 +250,25 @@ def spawn_phase(phase, plan_path, work, env):
     print(f"  phase {phase}: {time.time() - start:.0f} s", flush=True)
     with open(out) as f:
         return json.load(f)
+
+
+def base_plan(model, store, work):
+    """What every phase reads (the model, the store as tenant alice, the
+    weights digest, the system prompt's tokens), and the tokenizer's ids()."""
+    from transformers import AutoTokenizer
+    from kvtier.vllm import model_digest
+    tok = AutoTokenizer.from_pretrained(model)
+
+    def ids(text):
+        return tok(text, add_special_tokens=False).input_ids
+
+    token_file = os.path.join(work, "alice.token")
+    with open(token_file, "w") as f:
+        f.write("alice-token-0001\n")
+    plan = {"model": model, "store": store.address, "token_file": token_file,
+            "token": "alice-token-0001", "namespace": "alice", "digest": model_digest(model),
+            "work": work, "system": [tok.bos_token_id] + ids(SYSTEM)}
+    return plan, ids
 
 
 def compare(base, got):
@@ -303,27 +324,14 @@ def main():
     if argv.phase:
         return run_phase(argv)
 
-    from transformers import AutoTokenizer
     from kvtier.blocks import BlockStore, block_name, chain_keys, decode_block, encode_block
-    from kvtier.vllm import model_digest
 
     work = tempfile.mkdtemp(prefix="kvtier-vllm-")
     store = Store(argv.store_binary, work)
     failures = []
     try:
-        tok = AutoTokenizer.from_pretrained(argv.model)
-
-        def ids(text):
-            return tok(text, add_special_tokens=False).input_ids
-
-        token_file = os.path.join(work, "alice.token")
-        with open(token_file, "w") as f:
-            f.write("alice-token-0001\n")
-        plan = {"model": argv.model, "store": store.address, "token_file": token_file,
-                "token": "alice-token-0001", "namespace": "alice",
-                "digest": model_digest(argv.model), "work": work,
-                "system": [tok.bos_token_id] + ids(SYSTEM),
-                "turns": [[ids(turn_text(q)) for q in chat] for chat in CHATS]}
+        plan, ids = base_plan(argv.model, store, work)
+        plan["turns"] = [[ids(turn_text(q)) for q in chat] for chat in CHATS]
         plan_path = os.path.join(work, "plan.json")
 
         def save_plan():

@@ -4,7 +4,8 @@
 # kvtier-store from this build. KVTIER_VLLM_PYTHON and KVTIER_VLLM_MODEL come
 # from scripts/kvtier.sh (exported by `scripts/kvtier.sh test`); without them
 # (a bare ctest) the test is skipped (exit 77) with the commands that provide
-# them.
+# them. vLLM and torch leave caches and sockets in TMPDIR: the check runs
+# with a TMPDIR of its own, removed afterwards unless the check failed.
 set -euo pipefail
 build=$1
 src=$(cd "$(dirname "$0")/.." && pwd)
@@ -13,5 +14,13 @@ if [ -z "${KVTIER_VLLM_PYTHON:-}" ] || [ -z "${KVTIER_VLLM_MODEL:-}" ]; then
     "and KVTIER_VLLM_MODEL=\$(scripts/kvtier.sh vllm-model)"
   exit 77
 fi
-exec "$src/scripts/vllm_python.sh" "$src/tests/vllm_check.py" \
-  --store_binary "$build/services/store/kvtier-store" --model "$KVTIER_VLLM_MODEL"
+scratch=$(mktemp -d)
+rc=0
+TMPDIR=$scratch "$src/scripts/vllm_python.sh" "$src/tests/vllm_check.py" \
+  --store_binary "$build/services/store/kvtier-store" --model "$KVTIER_VLLM_MODEL" || rc=$?
+if [ "$rc" -eq 0 ]; then
+  rm -rf "$scratch"
+else
+  echo "vllm_test: kept $scratch (the phases' logs are in its kvtier-vllm-* folder)"
+fi
+exit "$rc"

@@ -33,6 +33,7 @@ import grpc
 import numpy as np
 
 from kvtier._common import CHUNK_BYTES, CallSettings, KvtierError, _error, channel
+from kvtier.store import read_segments
 from kvtier.v1 import store_pb2, store_pb2_grpc, tensor_pb2
 
 __all__ = ["BlockLayout", "ChainRoot", "chain_keys", "block_name", "encode_block",
@@ -210,13 +211,8 @@ def _quantize(x: np.ndarray, bits: int, group: int, axis: int):
     levels = (1 << bits) - 1
     scale = ((hi - lo) / levels).astype(np.float16)
     zero = lo.astype(np.float16)
-    s32, z32 = scale.astype(np.float32), zero.astype(np.float32)
-    if axis == 1:
-        s_full = np.repeat(s32, group, axis=1)[:, :length, :]
-        z_full = np.repeat(z32, group, axis=1)[:, :length, :]
-    else:
-        s_full = np.repeat(s32, group, axis=2)[:, :, :length]
-        z_full = np.repeat(z32, group, axis=2)[:, :, :length]
+    s_full = _per_element(scale, group, axis, length)
+    z_full = _per_element(zero, group, axis, length)
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(s_full > 0, np.rint((x - z_full) / s_full), 0.0)
     codes = np.clip(q, 0, levels).astype(np.uint32)
@@ -226,14 +222,15 @@ def _quantize(x: np.ndarray, bits: int, group: int, axis: int):
 def _dequantize(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, group: int,
                 axis: int) -> np.ndarray:
     length = codes.shape[axis]
-    s32, z32 = scale.astype(np.float32), zero.astype(np.float32)
-    if axis == 1:
-        s_full = np.repeat(s32, group, axis=1)[:, :length, :]
-        z_full = np.repeat(z32, group, axis=1)[:, :length, :]
-    else:
-        s_full = np.repeat(s32, group, axis=2)[:, :, :length]
-        z_full = np.repeat(z32, group, axis=2)[:, :, :length]
-    return codes.astype(np.float32) * s_full + z_full
+    return (codes.astype(np.float32) * _per_element(scale, group, axis, length)
+            + _per_element(zero, group, axis, length))
+
+
+def _per_element(per_group: np.ndarray, group: int, axis: int, length: int) -> np.ndarray:
+    """A group's fp16 value (scale or zero), as float32, at each element of
+    its group along `axis` (which has `length` elements)."""
+    full = np.repeat(per_group.astype(np.float32), group, axis=axis)
+    return full[:, :length, :] if axis == 1 else full[:, :, :length]
 
 
 def _tensor(raw: np.ndarray, layout: BlockLayout, role: int) -> tensor_pb2.EncodedTensor:
@@ -409,30 +406,11 @@ class BlockStore:
                                            ref_sessions=list(names))
         for _ in names:
             req.refs.add(round=0, segment=0)
-        out: List[Optional[bytes]] = []
-        parts: Optional[List[bytes]] = None  # The segment coming in chunks.
         try:
-            for msg in self._stub.GetSegments(req, timeout=self.settings.timeout,
-                                              metadata=self.settings.metadata()):
-                kind = msg.WhichOneof("msg")
-                if kind == "chunk":
-                    parts.append(msg.chunk)
-                    continue
-                if parts is not None:
-                    out.append(b"".join(parts))
-                    parts = None
-                if kind == "header":
-                    if msg.header.missing:
-                        out.append(None)
-                    else:
-                        parts = []
-                elif kind == "batch":
-                    for item in msg.batch.segments:
-                        out.append(None if item.header.missing else item.payload)
+            out = [payload for _, payload in read_segments(self._stub.GetSegments(
+                req, timeout=self.settings.timeout, metadata=self.settings.metadata()))]
         except grpc.RpcError as e:
             raise _error("GetSegments", e) from None
-        if parts is not None:
-            out.append(b"".join(parts))
         if len(out) != len(names):
             raise KvtierError("GetSegments", grpc.StatusCode.INTERNAL,
                               f"{len(out)} segments for {len(names)} refs")

@@ -4,14 +4,41 @@ deletion. (Workers write and recall rounds; an engine rarely needs more.)"""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
 from kvtier._common import CallSettings, _error, channel
 from kvtier.v1 import store_pb2, store_pb2_grpc
 
-__all__ = ["StoreClient"]
+__all__ = ["StoreClient", "read_segments"]
+
+
+def read_segments(responses: Iterable[store_pb2.GetSegmentsResponse]
+                  ) -> Iterator[Tuple[store_pb2.GetSegmentsHeader, Optional[bytes]]]:
+    """(header, payload) per segment of a GetSegments stream, in request
+    order, whether it came as a header and chunks or in a batch; the payload
+    is None for a segment flagged missing (missing_ok)."""
+    header: Optional[store_pb2.GetSegmentsHeader] = None
+    parts: List[bytes] = []
+    for msg in responses:
+        kind = msg.WhichOneof("msg")
+        if kind == "chunk":
+            parts.append(msg.chunk)
+            continue
+        if header is not None:
+            yield header, b"".join(parts)
+            header = None
+        if kind == "header":
+            if msg.header.missing:
+                yield msg.header, None
+            else:
+                header, parts = msg.header, []
+        elif kind == "batch":
+            for item in msg.batch.segments:
+                yield item.header, None if item.header.missing else item.payload
+    if header is not None:
+        yield header, b"".join(parts)
 
 
 class StoreClient:
@@ -53,29 +80,12 @@ class StoreClient:
         for r, s in refs:
             req.refs.add(round=r, segment=s)
         out: Dict[Tuple[int, int], bytes] = {}
-        cur: Optional[Tuple[int, int]] = None
-        parts: List[bytes] = []
         try:
-            for msg in self._stub.GetSegments(req, timeout=self.settings.timeout,
-                                              metadata=self.settings.metadata()):
-                kind = msg.WhichOneof("msg")
-                if kind == "chunk":
-                    parts.append(msg.chunk)
-                    continue
-                if cur is not None:
-                    out[cur] = b"".join(parts)
-                    cur = None
-                if kind == "header":
-                    cur = (msg.header.segment.ref.round, msg.header.segment.ref.segment)
-                    parts = []
-                elif kind == "batch":
-                    for item in msg.batch.segments:
-                        ref = item.header.segment.ref
-                        out[(ref.round, ref.segment)] = item.payload
+            for header, payload in read_segments(self._stub.GetSegments(
+                    req, timeout=self.settings.timeout, metadata=self.settings.metadata())):
+                out[(header.segment.ref.round, header.segment.ref.segment)] = payload
         except grpc.RpcError as e:
             raise _error("GetSegments", e) from None
-        if cur is not None:
-            out[cur] = b"".join(parts)
         return out
 
     def close(self) -> None:

@@ -113,7 +113,6 @@ class KvtierMetadata(KVConnectorMetadata):
 class _Tracked:
     """Scheduler-side state of a running request."""
     request: "Request"
-    salt: str
     block_ids: List[int] = dataclasses.field(default_factory=list)
     saved_blocks: int = 0  # Blocks [0, saved_blocks) are stored or scheduled to be.
 
@@ -228,7 +227,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int):
-        local, found = self._matched.get(request.request_id, (0, 0))
+        local = self._matched.get(request.request_id, (0, 0))[0]
         n = self._layout.block_tokens
         if num_external_tokens > 0:
             first = local // n
@@ -238,14 +237,13 @@ class KvtierConnector(KVConnectorBase_V1):
     def _track(self, req_id: str, request: "Request", block_ids: List[int]) -> _Tracked:
         t = self._tracked.get(req_id)
         if t is None:
-            t = self._tracked[req_id] = _Tracked(request, getattr(request, "cache_salt", None) or "")
+            t = self._tracked[req_id] = _Tracked(request)
             t.saved_blocks = self._matched.get(req_id, (0, 0))[1]
         t.block_ids = list(block_ids)
         return t
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KvtierMetadata()
-        n = self._layout.block_tokens
         for new in scheduler_output.scheduled_new_reqs:
             request = self._request_of(new.req_id)
             if request is None:

@@ -361,8 +361,8 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       return;
     }
     const bool many = request_.ref_sessions_size() > 0;
-    if (many && (request_.ref_sessions_size() != request_.refs_size() ||
-                 !request_.session_id().empty())) {
+    if (many &&
+        (request_.ref_sessions_size() != request_.refs_size() || !request_.session_id().empty())) {
       Done(absl::InvalidArgumentError(absl::StrCat(
           "GetSegments with ref_sessions takes one session per ref (", request_.refs_size(),
           " refs, ", request_.ref_sessions_size(), " sessions) and no session_id")));
@@ -373,8 +373,8 @@ class StoreService::GetReactor : public grpc::ServerWriteReactor<grpc::ByteBuffe
       const auto& r = request_.refs(i);
       if (!seen.insert({SessionOf(i), r.round(), r.segment()}).second) {
         Done(absl::InvalidArgumentError(absl::StrCat("GetSegments names session ", SessionOf(i),
-                                                     " round ", r.round(), " segment ",
-                                                     r.segment(), " twice")));
+                                                     " round ", r.round(), " segment ", r.segment(),
+                                                     " twice")));
         return;
       }
     }
