@@ -16,7 +16,6 @@ figure beside its baseline from the same run (docs/vllm.md):
     #       --store_binary build/services/store/kvtier-store --model $(scripts/kvtier.sh vllm-model)
 """
 
-import argparse
 import json
 import os
 import platform
@@ -162,13 +161,7 @@ def load_throughput(plan, address, token):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--phase")
-    ap.add_argument("--plan")
-    ap.add_argument("--out")
-    ap.add_argument("--store_binary")
-    ap.add_argument("--model")
-    argv = ap.parse_args()
+    argv = harness.arguments(__doc__)
     if argv.phase:
         return run_phase(argv)
 

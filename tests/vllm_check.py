@@ -313,14 +313,17 @@ class Store:
         self.log.close()
 
 
+def arguments(doc):
+    """The flags of this check and of bench/vllm_bench.py: --store_binary and
+    --model for a run, --phase, --plan and --out for one of its phases."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    for flag in ("--phase", "--plan", "--out", "--store_binary", "--model"):
+        ap.add_argument(flag)
+    return ap.parse_args()
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--phase")
-    ap.add_argument("--plan")
-    ap.add_argument("--out")
-    ap.add_argument("--store_binary")
-    ap.add_argument("--model")
-    argv = ap.parse_args()
+    argv = arguments(__doc__)
     if argv.phase:
         return run_phase(argv)
 
